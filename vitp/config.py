@@ -1,0 +1,151 @@
+"""Structured config schema for vitp (Hydra / OmegaConf).
+
+The YAML files under ``conf/`` are merged onto these dataclasses, so an unknown key or a value
+of the wrong type fails when the config is composed, before any process group exists.
+Every field has a one-line description; ``README.md`` lists the same reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import II
+
+
+@dataclass
+class ModelConfig:
+    """The class-conditional ViT generator (DiT-style adaLN-Zero blocks around timm layers)."""
+
+    in_channels: int = II("data.channels")  # pixel channels C (follows the data)
+    image_size: int = II("data.resolution")  # H = W in pixels (follows the data)
+    num_frames: int = II("data.num_frames")  # T (follows the data; 1 for images)
+    num_classes: int = II("data.num_classes")  # real classes; index num_classes is the CFG null class
+    patch_size: int = 2  # spatial patch p, in pixels
+    tubelet_size: int = 1  # temporal patch pt, in frames
+    width: int = 128  # hidden size D
+    depth: int = 6  # number of blocks
+    num_heads: int = 4  # attention heads (width % num_heads == 0)
+    mlp_ratio: float = 4.0  # MLP hidden = mlp_ratio * width
+    mlp: str = "gelu"  # "gelu" (timm Mlp) or "swiglu" (timm SwiGLU)
+    qkv_bias: bool = True  # bias in the fused qkv projection
+    qk_norm: bool = False  # LayerNorm on q and k per head (timm qk_norm)
+    layer_scale_init: Optional[float] = None  # timm LayerScale init value; null = off
+    attn_drop: float = 0.0  # dropout on attention probabilities
+    proj_drop: float = 0.0  # dropout after attention proj and MLP fc2
+    drop_path: float = 0.0  # stochastic depth rate, linearly increasing over blocks
+
+
+@dataclass
+class DataConfig:
+    """Training / held-out data."""
+
+    name: str = "digits"  # "digits" | "image_folder" | "synthetic"
+    root: Optional[str] = None  # folder of images (image_folder); class = subfolder name
+    resolution: int = 8  # square side after resize/crop, in pixels
+    channels: int = 1  # pixel channels (1 for digits, 3 for photos)
+    num_frames: int = 1  # frames per item (1 for images)
+    num_classes: int = 10  # classes (image_folder: must match the subfolder count, or 1)
+    holdout_fraction: float = 0.2  # fraction held out for evaluation (stratified, fixed seed)
+    random_crop: bool = True  # image_folder: random crop when training (center crop otherwise)
+    hflip: bool = True  # image_folder: random horizontal flip when training
+    num_workers: int = 0  # DataLoader worker processes
+    synthetic_size: int = 1024  # synthetic: number of items
+
+
+@dataclass
+class ObjectiveConfig:
+    """Flow matching with x-prediction and v-loss (Li & He 2025, arXiv 2511.13720)."""
+
+    P_mean: float = -0.8  # mean of the logit-normal t distribution
+    P_std: float = 0.8  # std of the logit-normal t distribution
+    noise_scale: float = 1.0  # std of the noise at t=0
+    t_eps: float = 0.05  # clip of (1 - t) when converting x-prediction to velocity
+    label_drop: float = 0.1  # probability of replacing the label by the null class (CFG)
+
+
+@dataclass
+class SamplerConfig:
+    """ODE sampler used for sample grids, evaluation and vitp-sample."""
+
+    method: str = "heun"  # "heun" | "euler"
+    steps: int = 20  # number of ODE steps from t=0 to t=1
+    cfg_scale: float = 1.0  # classifier-free guidance scale (1 = no guidance)
+    cfg_interval: List[float] = field(default_factory=lambda: [0.0, 1.0])  # t range where CFG applies
+    samples_per_class: int = 10  # columns of the sample grid
+    seed: int = 0  # noise seed of the sample grid
+    batch_size: int = 256  # samples per forward pass
+
+
+@dataclass
+class ParallelConfig:
+    """Layout: world_size = tp * pp * dp (dp is derived)."""
+
+    tp: int = 1  # tensor-parallel degree
+    pp: int = 1  # pipeline-parallel degree (stages)
+    sequence_parallel: bool = False  # shard tokens over the tp group outside attention/MLP
+    zero_stage: int = 1  # DeepSpeed ZeRO stage (0 or 1; >= 2 is incompatible with pipelines)
+    activation_checkpoint_interval: int = 0  # layers per activation checkpoint (0 = off)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW + warmup/cosine or warmup/constant LR (DeepSpeed schedulers)."""
+
+    lr: float = 1e-3  # peak learning rate
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    schedule: str = "constant"  # "constant" | "cosine" (both after linear warmup)
+    warmup_steps: int = 100  # linear warmup steps
+    min_lr_ratio: float = 0.0  # cosine: final lr / peak lr
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    ema_decay: float = 0.999  # EMA of weights used for sampling
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    max_steps: int = 2000  # optimizer steps
+    global_batch_size: int = 64  # samples per optimizer step over all dp ranks
+    micro_batch_size: int = 64  # samples per micro-batch per dp rank
+    precision: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA) | "fp32" | "bf16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    log_every: int = 25  # steps between metrics.jsonl / TensorBoard scalars
+    sample_every: int = 500  # steps between sample grids (0 = only at the end)
+    eval_every: int = 500  # steps between held-out loss evaluations (0 = only at the end)
+    checkpoint_every: int = 0  # steps between DeepSpeed checkpoints (0 = only at the end)
+    progress: bool = True  # tqdm progress bar on rank 0
+
+
+@dataclass
+class EvalConfig:
+    """End-of-run evaluation written to eval.json (also run by vitp-eval)."""
+
+    enabled: bool = True  # run the evaluation at the end of training
+    t_grid: int = 10  # held-out loss on this many fixed t values
+    noise_seed: int = 1234  # seed of the fixed held-out noise
+    classifier_epochs: int = 30  # digits: epochs of the small judge classifier
+    num_samples: int = 0  # generated samples for accuracy/FD (0 = as many as held-out items)
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    seed: int = 0  # seeds init, data order, noise and dropout
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def register_configs() -> None:
+    """Register the schema so ``conf/config.yaml`` can list ``vitp_schema`` first in its defaults."""
+    cs = ConfigStore.instance()
+    cs.store(name="vitp_schema", node=Config)

@@ -1,0 +1,154 @@
+"""Deterministic batch schedule and the flow-matching collate that feeds DeepSpeed's pipeline.
+
+Every sample of a training run is named by ``(step, g)``: its position ``g`` in the global
+batch of optimizer step ``step``. From that name alone we derive which dataset item it is (an
+epoch-wise permutation of the stream ``step * G + g``), its augmentation seed, and its noise
+seed (``t``, ``eps``, CFG label drop). The micro-batch ``m`` of data-parallel rank ``r`` holds
+positions ``g = (m * dp + r) * micro + i``. Consequences:
+
+- all TP ranks and the first/last pipeline stage of a replica build identical batches;
+- different DP ranks get disjoint samples;
+- any (micro-batch, accumulation, dp) split of the same global batch sees the same samples with
+  the same noise, so losses and gradients match the single-process run;
+- resuming at step ``s`` reproduces the batches of an uninterrupted run.
+
+Each yielded batch is the DeepSpeed pipeline pair ``((z_t, t, y_in), (x, z_t, t))``.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ..objectives.flow import draw_sample_noise, make_pair, sample_seed
+
+# Stream tags keep the seeds of order, augmentation and noise independent.
+_ORDER, _AUG, _NOISE = 1, 2, 3
+
+
+class BatchSchedule:
+    """Which samples form micro-batch ``m`` of step ``s`` on DP rank ``r``.
+
+    Parameters
+    ----------
+    num_items : dataset length N
+    global_batch, micro_batch, dp : batch sizes; ``global_batch = micro_batch * accumulation * dp``
+    seed : run seed
+
+    Raises
+    ------
+    ValueError if the global batch is not a multiple of ``micro_batch * dp``.
+    """
+
+    def __init__(self, num_items: int, global_batch: int, micro_batch: int, dp: int, seed: int):
+        if num_items < 1:
+            raise ValueError("the training dataset is empty")
+        if global_batch % (micro_batch * dp):
+            raise ValueError(
+                f"trainer.global_batch_size={global_batch} must be a multiple of "
+                f"trainer.micro_batch_size ({micro_batch}) x dp ({dp}); e.g. set "
+                f"trainer.global_batch_size={micro_batch * dp * max(1, global_batch // (micro_batch * dp))}"
+            )
+        self.N, self.G, self.mb, self.dp, self.seed = num_items, global_batch, micro_batch, dp, seed
+        self.accumulation = global_batch // (micro_batch * dp)
+        self._perm_epoch, self._perm = -1, None
+
+    def _item(self, pos: int) -> int:
+        epoch, k = divmod(pos, self.N)
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, _ORDER, epoch]))
+            self._perm, self._perm_epoch = rng.permutation(self.N), epoch
+        return int(self._perm[k])
+
+    def micro_batch_keys(self, step: int, micro: int, dp_rank: int) -> List[Tuple[int, int, int]]:
+        """``[(item index, aug seed, noise seed)] * micro_batch`` for one micro-batch."""
+        keys = []
+        for i in range(self.mb):
+            g = (micro * self.dp + dp_rank) * self.mb + i
+            keys.append(
+                (
+                    self._item(step * self.G + g),
+                    sample_seed(self.seed, _AUG, step, g),
+                    sample_seed(self.seed, _NOISE, step, g),
+                )
+            )
+        return keys
+
+    def iter_keys(self, start_step: int, stop_step: int, dp_rank: int) -> Iterator[List[Tuple[int, int, int]]]:
+        """Micro-batch keys in training order for steps ``[start_step, stop_step)``."""
+        for step in range(start_step, stop_step):
+            for m in range(self.accumulation):
+                yield self.micro_batch_keys(step, m, dp_rank)
+
+
+class _KeyedItems(Dataset):
+    """``(index, aug_seed, noise_seed) -> (x, y, noise_seed)`` over a keyed dataset."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: Tuple[int, int, int]):
+        index, aug_seed, noise_seed = key
+        x, y = self.dataset[(index, aug_seed)]
+        return x, int(y), noise_seed
+
+
+class FlowCollate:
+    """Collate ``[(x (C,T,H,W), y, noise_seed)]`` into the pipeline pair (see module doc).
+
+    Parameters
+    ----------
+    objective : ObjectiveConfig (P_mean, P_std, noise_scale, label_drop)
+    num_classes : the null class index used for dropped labels
+    """
+
+    def __init__(self, objective: Any, num_classes: int):
+        self.objective, self.num_classes = objective, num_classes
+
+    def __call__(self, items):
+        xs, ys, eps, ts, y_in = [], [], [], [], []
+        for x, y, noise_seed in items:
+            e, t, yi = draw_sample_noise(x.shape, noise_seed, self.objective, self.num_classes, y)
+            xs.append(x), ys.append(y), eps.append(e), ts.append(t), y_in.append(yi)
+        x = torch.stack(xs)
+        return make_pair(
+            x,
+            torch.tensor(ys),
+            torch.stack(eps).to(x.dtype),
+            torch.tensor(ts, dtype=torch.float32),
+            torch.tensor(y_in, dtype=torch.long),
+            self.objective.noise_scale,
+        )
+
+
+class _KeySampler:
+    """Lazy batch sampler over :meth:`BatchSchedule.iter_keys`."""
+
+    def __init__(self, schedule: BatchSchedule, start: int, stop: int, dp_rank: int):
+        self.schedule, self.start, self.stop, self.dp_rank = schedule, start, stop, dp_rank
+
+    def __iter__(self):
+        return self.schedule.iter_keys(self.start, self.stop, self.dp_rank)
+
+    def __len__(self) -> int:
+        return max(0, self.stop - self.start) * self.schedule.accumulation
+
+
+def train_loader(
+    dataset: Any, schedule: BatchSchedule, objective: Any, num_classes: int, *,
+    start_step: int, stop_step: int, dp_rank: int, num_workers: int = 0,
+) -> DataLoader:
+    """A DataLoader that yields the pipeline pairs of steps ``[start_step, stop_step)`` for one DP
+    rank, ``schedule.accumulation`` micro-batches per step."""
+    return DataLoader(
+        _KeyedItems(dataset),
+        batch_sampler=_KeySampler(schedule, start_step, stop_step, dp_rank),
+        collate_fn=FlowCollate(objective, num_classes),
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )

@@ -1,0 +1,24 @@
+"""The ViT generator (no parallel code here)."""
+from .generator import (
+    Block,
+    Embed,
+    FinalLayer,
+    Generator,
+    TubeletEmbed,
+    layer_kinds,
+    seed_layer,
+    sincos_3d_pos_embed,
+    validate_model_config,
+)
+
+__all__ = [
+    "Block",
+    "Embed",
+    "FinalLayer",
+    "Generator",
+    "TubeletEmbed",
+    "layer_kinds",
+    "seed_layer",
+    "sincos_3d_pos_embed",
+    "validate_model_config",
+]

@@ -1,0 +1,97 @@
+"""The generator as a DeepSpeed ``PipelineModule`` (a 1-stage pipeline when pp=1).
+
+Layers are ``LayerSpec``s of thin adapters over :mod:`vitp.models` that pass the activation
+tuple between layers (DeepSpeed calls ``layer(inputs)`` with one argument):
+
+    EmbedPipe:  (z_t, t, y)  -> (tokens, c)
+    BlockPipe:  (tokens, c)  -> (tokens, c)        x depth
+    FinalPipe:  (tokens, c)  -> x_pred (B, C, T, H, W)
+
+``seed_layers=True`` with :func:`vitp.models.seed_layer` builds layer ``i`` after seeding
+``seed + i``, so the weights are the same as :class:`vitp.models.Generator` built with the same
+seed, whatever the number of stages (design invariant 5).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from .models import Block, Embed, FinalLayer, Generator, layer_kinds, seed_layer
+from .objectives import FlowMatchingLoss
+
+
+class EmbedPipe(Embed):
+    """Pipeline adapter: ``(z_t, t, y) -> (tokens, c)``."""
+
+    def forward(self, inputs: Tuple[torch.Tensor, ...]):  # type: ignore[override]
+        return super().forward(*inputs)
+
+
+class BlockPipe(Block):
+    """Pipeline adapter: ``(tokens, c) -> (tokens, c)``."""
+
+    def forward(self, inputs: Tuple[torch.Tensor, torch.Tensor]):  # type: ignore[override]
+        x, c = inputs
+        return super().forward(x, c), c
+
+
+class FinalPipe(FinalLayer):
+    """Pipeline adapter: ``(tokens, c) -> x_pred``."""
+
+    def forward(self, inputs: Tuple[torch.Tensor, torch.Tensor]):  # type: ignore[override]
+        return super().forward(*inputs)
+
+
+_PIPE = {Embed: EmbedPipe, Block: BlockPipe, FinalLayer: FinalPipe}
+
+
+def build_pipeline(model_cfg: Any, loss_fn: FlowMatchingLoss, *, seed: int, tp: int = 1, pp: int = 1, dp: int = 1,
+                   activation_checkpoint_interval: int = 0) -> PipelineModule:
+    """Build the ``PipelineModule`` on the ``PipeModelDataParallelTopology(pp, tp, dp)`` grid.
+
+    Requires ``torch.distributed`` to be initialised with ``world_size == tp * pp * dp``.
+    Stages are balanced by block count (``partition_method="type:BlockPipe"``).
+    """
+    specs = [LayerSpec(_PIPE[cls], **kw) for cls, kw in layer_kinds(model_cfg)]
+    return PipelineModule(
+        layers=specs,
+        topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp),
+        loss_fn=loss_fn,
+        seed_layers=True,
+        seed_fn=seed_layer,
+        base_seed=seed,
+        partition_method="type:BlockPipe",
+        activation_checkpoint_interval=activation_checkpoint_interval,
+    )
+
+
+def to_generator_state(pipe_state: Dict[str, torch.Tensor], depth: int) -> Dict[str, torch.Tensor]:
+    """Rename ``PipelineModule`` keys (``"<layer idx>.<name>"``) to :class:`Generator` keys."""
+    out = {}
+    for k, v in pipe_state.items():
+        idx, rest = k.split(".", 1)
+        out[Generator.layer_prefix(int(idx), depth) + rest] = v
+    return out
+
+
+class EMA:
+    """Exponential moving average of parameters, kept in fp32: ``ema = d * ema + (1 - d) * p``.
+
+    Keys are the module's ``named_parameters`` names.
+    """
+
+    def __init__(self, module: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.params = {n: p.detach().float().clone() for n, p in module.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, module: torch.nn.Module) -> None:
+        names = list(self.params)
+        src = dict(module.named_parameters())
+        torch._foreach_lerp_([self.params[n] for n in names], [src[n].detach().float() for n in names], 1 - self.decay)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return dict(self.params)

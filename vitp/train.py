@@ -1,0 +1,298 @@
+"""``vitp-train``: train the ViT generator with DeepSpeed's pipeline engine and Hydra configs.
+
+One path for every layout: config -> datasets -> ``PipelineModule`` -> ``deepspeed.initialize``
+-> ``train_batch`` loop -> metrics.jsonl / TensorBoard / sample grids / checkpoints -> eval.json.
+
+Launch (see README): ``vitp-train [overrides]``, ``torchrun --nproc_per_node N -m vitp.train``,
+``deepspeed --num_gpus N --module vitp.train [overrides]``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from . import dist  # noqa: E402
+from .config import register_configs  # noqa: E402
+
+log = logging.getLogger("vitp")
+
+T_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto`` -> ``bf16`` on CUDA, ``fp32`` on CPU; raises ``ValueError`` on unknown names."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"trainer.precision={precision!r}; use auto, fp32 or bf16")
+    return precision
+
+
+def resolve_layout(parallel: Any, world: int) -> Dict[str, int]:
+    """``{"tp", "pp", "dp"}`` with ``dp = world / (tp * pp)``.
+
+    Raises ``ValueError`` listing the valid (tp, pp) pairs when the layout is impossible.
+    """
+    tp, pp = parallel.tp, parallel.pp
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        valid = [(t, p) for t in range(1, world + 1) for p in range(1, world + 1) if world % (t * p) == 0]
+        raise ValueError(
+            f"parallel.tp={tp} x parallel.pp={pp} does not divide world_size={world}; "
+            f"valid (tp, pp) for {world} processes: {valid}"
+        )
+    if parallel.zero_stage not in (0, 1):
+        raise ValueError(f"parallel.zero_stage={parallel.zero_stage}: pipelines support ZeRO stage 0 or 1")
+    if tp > 1 or parallel.sequence_parallel:
+        raise ValueError("parallel.tp > 1 / sequence_parallel are not available in this version; use parallel.tp=1")
+    if pp > 1:
+        raise ValueError("parallel.pp > 1 is not available in this version; use parallel.pp=1")
+    return {"tp": tp, "pp": pp, "dp": world // (tp * pp)}
+
+
+def deepspeed_config(cfg: Any, dp: int, precision: str) -> Dict[str, Any]:
+    """The DeepSpeed JSON config derived from the run config."""
+    o, tr = cfg.optim, cfg.trainer
+    warmup = max(1, o.warmup_steps)
+    if o.schedule == "cosine":
+        scheduler = {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": max(tr.max_steps, warmup + 1), "warmup_num_steps": warmup,
+            "warmup_min_ratio": 1.0 / warmup, "cos_min_ratio": o.min_lr_ratio, "warmup_type": "linear"}}
+    elif o.schedule == "constant":
+        scheduler = {"type": "WarmupLR", "params": {
+            "warmup_min_lr": o.lr / warmup, "warmup_max_lr": o.lr, "warmup_num_steps": warmup, "warmup_type": "linear"}}
+    else:
+        raise ValueError(f"optim.schedule={o.schedule!r}; use constant or cosine")
+    return {
+        "train_batch_size": tr.global_batch_size,
+        "train_micro_batch_size_per_gpu": tr.micro_batch_size,
+        "gradient_accumulation_steps": tr.global_batch_size // (tr.micro_batch_size * dp),
+        "gradient_clipping": o.grad_clip,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": precision == "bf16"},
+        "scheduler": scheduler,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def param_groups(module: torch.nn.Module, weight_decay: float):
+    """AdamW groups: decay matrices/convolutions, not biases, norms or embeddings' 1-D params."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class RunLogger:
+    """Rank-0 metrics: ``metrics.jsonl`` (one object per logged step) and TensorBoard events."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.tb = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+            self.jsonl = open(run_dir / "metrics.jsonl", "a")
+
+    def scalars(self, step: int, values: Dict[str, float], jsonl: bool = True) -> None:
+        if not self.enabled:
+            return
+        for k, v in values.items():
+            self.tb.add_scalar(k, v, step)
+        if jsonl:
+            self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+            self.jsonl.flush()
+
+    def image(self, tag: str, img: torch.Tensor, step: int) -> None:
+        if self.enabled:
+            self.tb.add_image(tag, img, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.close()
+            self.jsonl.close()
+
+
+def binned_loss(t: torch.Tensor, loss: torch.Tensor) -> Dict[str, float]:
+    """Mean loss per ``t`` bin over all ranks (ranks without records contribute zeros)."""
+    n = len(T_BINS) - 1
+    idx = torch.bucketize(t, torch.tensor(T_BINS[1:-1]), right=True)
+    sums = torch.zeros(2, n, dtype=torch.float64)
+    sums[0].index_add_(0, idx, loss.double())
+    sums[1].index_add_(0, idx, torch.ones_like(loss, dtype=torch.float64))
+    if dist.world_size() > 1:
+        torch.distributed.all_reduce(sums)
+    return {
+        f"loss_t/{T_BINS[i]:.1f}-{T_BINS[i + 1]:.1f}": (sums[0, i] / sums[1, i]).item()
+        for i in range(n) if sums[1, i] > 0
+    }
+
+
+def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
+    """Train with the composed config ``cfg``, writing everything under ``run_dir``.
+
+    Returns a summary dict (``losses``, ``grad_norms`` per step on every rank, and the final
+    ``eval`` results on rank 0). Raises ``ValueError`` on an invalid layout/config before any
+    training step; raises ``FloatingPointError`` if the loss becomes NaN/inf.
+    """
+    import deepspeed
+    from tqdm import tqdm
+
+    from .data import build_datasets
+    from .data.loader import BatchSchedule, train_loader
+    from .evaluate import evaluate, generator_from_state, save_weights, write_sample_grid
+    from .models import validate_model_config
+    from .objectives import FlowMatchingLoss
+    from .pipeline import EMA, build_pipeline, to_generator_state
+
+    run_dir = Path(run_dir)
+    validate_model_config(cfg.model)
+    device = dist.resolve_device(cfg.trainer.device)
+    precision = resolve_precision(cfg.trainer.precision, device)
+    layout = resolve_layout(cfg.parallel, dist.world_size())
+    dist.init_distributed(device)
+    main = dist.is_main()
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("DeepSpeed", "compilers"):  # DeepSpeed's op probe logs compiler commands
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
+    schedule = BatchSchedule(len(train_ds), cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size,
+                             layout["dp"], cfg.seed)
+    loss_fn = FlowMatchingLoss(cfg.objective.t_eps)
+    module = build_pipeline(cfg.model, loss_fn, seed=cfg.seed, **layout,
+                            activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(param_groups(module, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
+                                           config=deepspeed_config(cfg, layout["dp"], precision))
+    dp_rank = engine.grid.get_data_parallel_rank()
+    ema = EMA(engine.module, o.ema_decay)
+
+    logger = RunLogger(run_dir, main)
+    if main:
+        n_params = sum(p.numel() for p in module.parameters())
+        log.info("run dir %s | layout tp=%d pp=%d dp=%d | %s on %s | %.2fM parameters | %d train / %d held-out",
+                 run_dir, layout["tp"], layout["pp"], layout["dp"], precision, device, n_params / 1e6,
+                 len(train_ds), len(heldout_ds))
+
+    tr = cfg.trainer
+    loader = train_loader(train_ds, schedule, cfg.objective, cfg.model.num_classes, start_step=0,
+                          stop_step=tr.max_steps, dp_rank=dp_rank, num_workers=cfg.data.num_workers)
+    data_iter = iter(loader)
+
+    def sample_and_eval(step: int, final: bool) -> Optional[Dict[str, Any]]:
+        if not main:
+            return None
+        gen = generator_from_state(cfg.model, to_generator_state(ema.state_dict(), cfg.model.depth), device)
+        grid = write_sample_grid(gen, cfg, run_dir / "samples" / f"step_{step:07d}.png")
+        logger.image("samples", grid, step)
+        return evaluate(gen, cfg, train_ds, heldout_ds, run_dir, full=final, step=step, logger=logger)
+
+    losses, norms = [], []
+    bar = tqdm(total=tr.max_steps, disable=not (main and tr.progress), desc="train", dynamic_ncols=True)
+    t_log, n_log = time.perf_counter(), 0
+    result: Dict[str, Any] = {}
+    for step in range(tr.max_steps):
+        loss = engine.train_batch(data_iter=data_iter).item()
+        ema.update(engine.module)
+        norm = engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        losses.append(loss)
+        norms.append(norm)
+        n_log += 1
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"loss is {loss} at step {step}: lower optim.lr, keep optim.grad_clip > 0, or use trainer.precision=fp32"
+            )
+        t_records, l_records = loss_fn.pop_records()
+        last = step == tr.max_steps - 1
+        if (step + 1) % tr.log_every == 0 or last or step == 0:
+            dt = time.perf_counter() - t_log
+            values = {"loss": loss, "grad_norm": norm, "lr": engine.get_lr()[0],
+                      "samples_per_s": n_log * tr.global_batch_size / dt}
+            values.update(binned_loss(t_records, l_records))
+            logger.scalars(step, values)
+            bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{norm:.3f}")
+            t_log, n_log = time.perf_counter(), 0
+        bar.update(1)
+        if not last and tr.sample_every and (step + 1) % tr.sample_every == 0:
+            sample_and_eval(step, final=False)
+        if not last and tr.checkpoint_every and (step + 1) % tr.checkpoint_every == 0:
+            engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step_{step + 1:07d}")
+    bar.close()
+
+    engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step_{tr.max_steps:07d}")
+    if main:
+        save_weights(run_dir, cfg, to_generator_state(ema.state_dict(), cfg.model.depth),
+                     to_generator_state({n: p.detach() for n, p in engine.module.named_parameters()}, cfg.model.depth))
+    if cfg.eval.enabled:
+        result = sample_and_eval(tr.max_steps - 1, final=True) or {}
+    logger.close()
+    if dist.world_size() > 1:
+        torch.distributed.barrier()
+    return {"losses": losses, "grad_norms": norms, "eval": result, "run_dir": str(run_dir)}
+
+
+def _hydra_entry() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    register_configs()
+
+    @hydra.main(version_base="1.3", config_path=_config_path(), config_name="config")
+    def _main(cfg: DictConfig) -> None:
+        train(cfg, HydraConfig.get().runtime.output_dir)
+
+    _main()
+
+
+def _config_path() -> str:
+    """Absolute path of the shipped ``conf/`` folder (installed as the ``vitp.conf`` package)."""
+    import importlib.resources
+
+    return str(importlib.resources.files("vitp.conf"))
+
+
+def prepare_argv(argv: list) -> list:
+    """Launcher-independent argv for Hydra.
+
+    Strips ``--local_rank``; under a multi-process launcher it initialises the process group,
+    pins one run directory for all ranks (chosen on rank 0) and keeps non-zero ranks from
+    writing ``.hydra/`` and log files.
+    """
+    argv = dist.strip_launcher_args(argv)
+    if dist.world_size() > 1:
+        device_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("trainer.device=")), "auto")
+        dist.init_distributed(dist.resolve_device(device_arg))
+        if not any(a.startswith("hydra.run.dir=") for a in argv):
+            argv.append(f"hydra.run.dir={dist.default_run_dir()}")
+        if not dist.is_main():
+            argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+    return argv
+
+
+def main() -> None:
+    """Console entry point ``vitp-train``."""
+    sys.argv = prepare_argv(sys.argv)
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    main()
