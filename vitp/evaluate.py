@@ -158,7 +158,7 @@ def digits_metrics(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: A
     ``fd_digits`` (samples vs real training digits) is comparable to ``fd_digits_real``
     (real held-out vs real training digits) at the same sample count.
     """
-    from .judge import frechet_distance, judge_metrics, load_or_train_judge
+    from .judge import frechet_distance, judge_features, judge_metrics, load_or_train_judge
 
     x_tr, y_tr = _stack(train_ds)
     x_ho, y_ho = _stack(heldout_ds)
@@ -167,8 +167,7 @@ def digits_metrics(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: A
     n = cfg.eval.num_samples or len(y_ho)
     labels = y_ho.repeat(n // len(y_ho) + 1)[:n]
     samples = generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1)
-    with torch.no_grad():
-        f_tr, f_ho, f_gen = (judge.features(v) for v in (x_tr, x_ho, samples))
+    f_tr, f_ho, f_gen = (judge_features(judge, v) for v in (x_tr, x_ho, samples))
     fd_real = frechet_distance(f_tr, f_ho)
     fd_gen = frechet_distance(f_tr, f_gen)
     return {

@@ -10,8 +10,8 @@ import torch
 from .evaluate import class_grid_labels, generate, load_weights, to_grid
 
 
-def main(argv: Optional[List[str]] = None) -> Path:
-    """Write a PNG grid (one row per requested class) and return its path.
+def main(argv: Optional[List[str]] = None) -> None:
+    """Write a PNG grid (one row per requested class).
 
     ``vitp-sample RUN_DIR|FILE.safetensors [--classes 0 3 7] [--num 8] [--seed 0] [--method heun]
     [--steps 20] [--cfg-scale 2.0] [--cfg-interval 0.1 1.0] [--device auto] [--out grid.png]``
@@ -54,7 +54,6 @@ def main(argv: Optional[List[str]] = None) -> Path:
     save_image(to_grid(x, nrow=per), str(out))
     print(f"wrote {out} ({len(classes)} classes x {per} samples, {cfg.sampler.method} {cfg.sampler.steps} steps, "
           f"CFG {cfg.sampler.cfg_scale})")
-    return out
 
 
 if __name__ == "__main__":

@@ -160,6 +160,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     from .objectives import FlowMatchingLoss
     from .pipeline import EMA, build_pipeline, to_generator_state
 
+    for name in ("DeepSpeed", "compilers"):  # DeepSpeed's op probe logs compiler commands
+        logging.getLogger(name).setLevel(logging.WARNING)
     run_dir = Path(run_dir)
     validate_model_config(cfg.model)
     device = dist.resolve_device(cfg.trainer.device)
@@ -169,8 +171,6 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     main = dist.is_main()
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("DeepSpeed", "compilers"):  # DeepSpeed's op probe logs compiler commands
-        logging.getLogger(name).setLevel(logging.WARNING)
 
     train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
     schedule = BatchSchedule(len(train_ds), cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size,
