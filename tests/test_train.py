@@ -55,7 +55,7 @@ def test_run_directory_contents(dp_runs):
     base, single, _ = dp_runs
     run = base / "dp2"  # written by rank 0 only, one folder for both ranks
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5]
     for key in ("loss", "grad_norm", "lr", "samples_per_s"):
         assert all(isinstance(r[key], float) for r in lines)
     assert [r["loss"] for r in lines] == pytest.approx(single["losses"], rel=1e-5)
@@ -87,7 +87,7 @@ def test_deepspeed_launcher_with_hydra_overrides(tmp_path):
               "vitp.train", "experiment=smoke", "trainer.max_steps=2", f"hydra.run.dir={run}"], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [0, 1]
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
     assert (run / ".hydra" / "config.yaml").is_file()
     assert sorted(os.listdir(tmp_path)) == ["ds"]  # no per-rank output folders
 

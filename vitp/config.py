@@ -117,6 +117,8 @@ class TrainerConfig:
     eval_every: int = 500  # steps between held-out loss evaluations (0 = only at the end)
     checkpoint_every: int = 0  # steps between DeepSpeed checkpoints (0 = only at the end)
     progress: bool = True  # tqdm progress bar on rank 0
+    tensorboard_dir: Optional[str] = None  # TensorBoard event folder (null = <run dir>/tb)
+    export_dir: Optional[str] = None  # also copy final weights and eval.json here (e.g. SM_MODEL_DIR)
 
 
 @dataclass

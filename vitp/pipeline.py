@@ -80,18 +80,22 @@ def to_generator_state(pipe_state: Dict[str, torch.Tensor], depth: int) -> Dict[
 class EMA:
     """Exponential moving average of parameters, kept in fp32: ``ema = d * ema + (1 - d) * p``.
 
+    The decay warms up as ``d_n = min(decay, (1 + n) / (10 + n))`` after ``n`` updates (as timm's
+    ``ModelEmaV3(use_warmup=True)``), so early samples do not show the zero-initialised model.
     Keys are the module's ``named_parameters`` names.
     """
 
     def __init__(self, module: torch.nn.Module, decay: float):
-        self.decay = decay
+        self.decay, self.updates = decay, 0
         self.params = {n: p.detach().float().clone() for n, p in module.named_parameters()}
 
     @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        self.updates += 1
         names = list(self.params)
         src = dict(module.named_parameters())
-        torch._foreach_lerp_([self.params[n] for n in names], [src[n].detach().float() for n in names], 1 - self.decay)
+        torch._foreach_lerp_([self.params[n] for n in names], [src[n].detach().float() for n in names], 1 - d)
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return dict(self.params)

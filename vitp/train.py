@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -100,13 +101,13 @@ def param_groups(module: torch.nn.Module, weight_decay: float):
 class RunLogger:
     """Rank-0 metrics: ``metrics.jsonl`` (one object per logged step) and TensorBoard events."""
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard_dir: Optional[str] = None):
         self.enabled = enabled
         self.tb = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tb"))
+            self.tb = SummaryWriter(tensorboard_dir or str(run_dir / "tb"))
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
 
     def scalars(self, step: int, values: Dict[str, float], jsonl: bool = True) -> None:
@@ -185,7 +186,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     dp_rank = engine.grid.get_data_parallel_rank()
     ema = EMA(engine.module, o.ema_decay)
 
-    logger = RunLogger(run_dir, main)
+    logger = RunLogger(run_dir, main, cfg.trainer.tensorboard_dir)
     if main:
         n_params = sum(p.numel() for p in module.parameters())
         log.info("run dir %s | layout tp=%d pp=%d dp=%d | %s on %s | %.2fM parameters | %d train / %d held-out",
@@ -197,54 +198,71 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
                           stop_step=tr.max_steps, dp_rank=dp_rank, num_workers=cfg.data.num_workers)
     data_iter = iter(loader)
 
-    def sample_and_eval(step: int, final: bool) -> Optional[Dict[str, Any]]:
+    def ema_generator():
+        return generator_from_state(cfg.model, to_generator_state(ema.state_dict(), cfg.model.depth), device)
+
+    def sample_grid(step: int) -> None:
+        if main:
+            grid = write_sample_grid(ema_generator(), cfg, run_dir / "samples" / f"step_{step:07d}.png")
+            logger.image("samples", grid, step)
+
+    def heldout_eval(step: int, final: bool) -> Dict[str, Any]:
         if not main:
-            return None
-        gen = generator_from_state(cfg.model, to_generator_state(ema.state_dict(), cfg.model.depth), device)
-        grid = write_sample_grid(gen, cfg, run_dir / "samples" / f"step_{step:07d}.png")
-        logger.image("samples", grid, step)
-        return evaluate(gen, cfg, train_ds, heldout_ds, run_dir, full=final, step=step, logger=logger)
+            return {}
+        gen = ema_generator()
+        res = evaluate(gen, cfg, train_ds, heldout_ds, run_dir, full=final, step=step, logger=logger)
+        with open(run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float))}) + "\n")
+        return res
 
     losses, norms = [], []
+    if tr.eval_every:
+        heldout_eval(0, final=False)  # the untrained model's held-out loss, for reference
     bar = tqdm(total=tr.max_steps, disable=not (main and tr.progress), desc="train", dynamic_ncols=True)
     t_log, n_log = time.perf_counter(), 0
     result: Dict[str, Any] = {}
-    for step in range(tr.max_steps):
+    for step in range(1, tr.max_steps + 1):  # step = optimizer steps completed
         loss = engine.train_batch(data_iter=data_iter).item()
         ema.update(engine.module)
         norm = engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
         losses.append(loss)
-        norms.append(norm)
+        norms.append(float(norm) if norm is not None else float("nan"))
         n_log += 1
         if not math.isfinite(loss):
             raise FloatingPointError(
                 f"loss is {loss} at step {step}: lower optim.lr, keep optim.grad_clip > 0, or use trainer.precision=fp32"
             )
-        t_records, l_records = loss_fn.pop_records()
-        last = step == tr.max_steps - 1
-        if (step + 1) % tr.log_every == 0 or last or step == 0:
-            dt = time.perf_counter() - t_log
-            values = {"loss": loss, "grad_norm": norm, "lr": engine.get_lr()[0],
-                      "samples_per_s": n_log * tr.global_batch_size / dt}
-            values.update(binned_loss(t_records, l_records))
+        last = step == tr.max_steps
+        if step % tr.log_every == 0 or last or step == 1:
+            values = {"loss": sum(losses[-n_log:]) / n_log, "grad_norm": sum(norms[-n_log:]) / n_log,
+                      "lr": engine.get_lr()[0], "samples_per_s": n_log * tr.global_batch_size / (time.perf_counter() - t_log)}
+            values.update(binned_loss(*loss_fn.pop_records()))
             logger.scalars(step, values)
-            bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{norm:.3f}")
+            bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
             t_log, n_log = time.perf_counter(), 0
         bar.update(1)
-        if not last and tr.sample_every and (step + 1) % tr.sample_every == 0:
-            sample_and_eval(step, final=False)
-        if not last and tr.checkpoint_every and (step + 1) % tr.checkpoint_every == 0:
-            engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step_{step + 1:07d}")
+        if not last and tr.sample_every and step % tr.sample_every == 0:
+            sample_grid(step)
+        if not last and tr.eval_every and step % tr.eval_every == 0:
+            heldout_eval(step, final=False)
+        if not last and tr.checkpoint_every and step % tr.checkpoint_every == 0:
+            engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step_{step:07d}")
     bar.close()
 
     engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step_{tr.max_steps:07d}")
     if main:
         save_weights(run_dir, cfg, to_generator_state(ema.state_dict(), cfg.model.depth),
                      to_generator_state({n: p.detach() for n, p in engine.module.named_parameters()}, cfg.model.depth))
+    sample_grid(tr.max_steps)
     if cfg.eval.enabled:
-        result = sample_and_eval(tr.max_steps - 1, final=True) or {}
+        result = heldout_eval(tr.max_steps, final=True)
     logger.close()
+    if main and tr.export_dir:
+        export = Path(tr.export_dir)
+        export.mkdir(parents=True, exist_ok=True)
+        for name in ("model_ema.safetensors", "model.safetensors", "eval.json"):
+            if (run_dir / name).is_file():
+                shutil.copy2(run_dir / name, export / name)
     if dist.world_size() > 1:
         torch.distributed.barrier()
     return {"losses": losses, "grad_norms": norms, "eval": result, "run_dir": str(run_dir)}
