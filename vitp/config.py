@@ -70,7 +70,7 @@ class SamplerConfig:
 
     method: str = "heun"  # "heun" | "euler"
     steps: int = 20  # number of ODE steps from t=0 to t=1
-    cfg_scale: float = 1.0  # classifier-free guidance scale (1 = no guidance)
+    cfg_scale: float = 1.5  # classifier-free guidance scale (1 = no guidance)
     cfg_interval: List[float] = field(default_factory=lambda: [0.0, 1.0])  # t range where CFG applies
     samples_per_class: int = 10  # columns of the sample grid
     seed: int = 0  # noise seed of the sample grid
@@ -96,7 +96,7 @@ class OptimConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.0  # AdamW decoupled weight decay
-    schedule: str = "constant"  # "constant" | "cosine" (both after linear warmup)
+    schedule: str = "cosine"  # "constant" | "cosine" (both after linear warmup)
     warmup_steps: int = 100  # linear warmup steps
     min_lr_ratio: float = 0.0  # cosine: final lr / peak lr
     grad_clip: float = 1.0  # max global grad norm (0 = off)
@@ -107,7 +107,7 @@ class OptimConfig:
 class TrainerConfig:
     """The training loop."""
 
-    max_steps: int = 2000  # optimizer steps
+    max_steps: int = 3000  # optimizer steps
     global_batch_size: int = 64  # samples per optimizer step over all dp ranks
     micro_batch_size: int = 64  # samples per micro-batch per dp rank
     precision: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA) | "fp32" | "bf16"

@@ -20,7 +20,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations checks PyPI at import otherwise
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would warn and probe for accelerators
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
@@ -276,7 +278,11 @@ def _hydra_entry() -> None:
 
     @hydra.main(version_base="1.3", config_path=_config_path(), config_name="config")
     def _main(cfg: DictConfig) -> None:
-        train(cfg, HydraConfig.get().runtime.output_dir)
+        try:
+            train(cfg, HydraConfig.get().runtime.output_dir)
+        except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: message, no traceback
+            log.error("vitp-train: %s: %s", type(e).__name__, e)
+            sys.exit(2)
 
     _main()
 
