@@ -6,26 +6,13 @@ import os
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
-import importlib.resources  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import socket  # noqa: E402
 import traceback  # noqa: E402
 
 import pytest  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 
-from vitp.config import register_configs  # noqa: E402
-
-CONF_DIR = str(importlib.resources.files("vitp.conf"))
-
-
-def compose_cfg(overrides=()):
-    """The composed run config, as ``vitp-train <overrides>`` would see it."""
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+from vitp.config import compose as compose_cfg  # noqa: E402,F401
 
 
 def _free_port() -> int:

@@ -7,10 +7,13 @@ Every field has a one-line description; ``README.md`` lists the same reference.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 @dataclass
@@ -151,3 +154,21 @@ def register_configs() -> None:
     """Register the schema so ``conf/config.yaml`` can list ``vitp_schema`` first in its defaults."""
     cs = ConfigStore.instance()
     cs.store(name="vitp_schema", node=Config)
+
+
+def compose(overrides=()) -> "DictConfig":
+    """The run config composed from the shipped ``conf/`` with Hydra overrides, exactly as
+    ``vitp-train <overrides>`` sees it (for scripts, notebooks and tests).
+
+    Raises ``hydra.errors.ConfigCompositionException`` on unknown keys or wrong types.
+    """
+    import importlib.resources
+
+    from hydra import compose as _compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(importlib.resources.files("vitp.conf")), version_base="1.3"):
+        return _compose(config_name="config", overrides=list(overrides))

@@ -21,6 +21,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from vitp.config import DataConfig
+from vitp.objectives.flow import sample_seed
 
 IMAGE_EXTENSIONS = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
 DATASET_NAMES = ("digits", "image_folder", "synthetic")
@@ -34,11 +35,6 @@ def _parse_key(key: Key, n: int) -> Tuple[int, Optional[int]]:
     if not -n <= index < n:
         raise IndexError(f"index {index} out of range for a dataset of {n} items")
     return index % n, None if aug_seed is None else int(aug_seed)
-
-
-def _mix_seed(*values: int) -> int:
-    """A well-mixed 64-bit seed from non-negative integers (e.g. ``(seed, index)``)."""
-    return int(np.random.SeedSequence([int(v) for v in values]).generate_state(1, np.uint64)[0])
 
 
 class KeyedDataset(Dataset):
@@ -301,7 +297,7 @@ class SyntheticDataset(KeyedDataset):
 
     def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
         index, _ = _parse_key(key, len(self))
-        g = torch.Generator().manual_seed(_mix_seed(self.seed, index))
+        g = torch.Generator().manual_seed(sample_seed(self.seed, index))
         return torch.rand(self.shape, generator=g) * 2 - 1, int(self.labels[index])
 
 

@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Training throughput and MFU on synthetic data (no files), for any recipe and layout.
+
+    python scripts/benchmark_train.py experiment=smoke trainer.max_steps=20
+    deepspeed --num_gpus 8 scripts/benchmark_train.py experiment=img256 --peak-tflops 989
+
+Prints one JSON line on rank 0: samples/s and step time (median over the steps after
+``--warmup``), model FLOPs per sample (6 x forward matmul FLOPs + attention, as in the PaLM /
+nanoGPT MFU estimate) and MFU against ``--peak-tflops`` per process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+
+
+def flops_per_sample(m) -> float:
+    """Training FLOPs per sample: 3 x forward, forward = 2 x (matmul weights x tokens) + attention
+    scores/values ``4 N^2 D`` per block (adaLN and embeddings are per sample and negligible)."""
+    N = (m.num_frames // m.tubelet_size) * (m.image_size // m.patch_size) ** 2
+    D, hidden = m.width, int(m.width * m.mlp_ratio)
+    mlp = 2 * D * hidden if m.mlp == "gelu" else 3 * D * int(hidden * 2 / 3)
+    patch = m.in_channels * m.tubelet_size * m.patch_size**2
+    fwd = m.depth * (2 * (4 * D * D + mlp) * N + 4 * N * N * D) + 2 * 2 * N * D * patch
+    return 3.0 * fwd
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="peak dense TFLOP/s of one device (0: skip MFU)")
+    p.add_argument("--warmup", type=int, default=3, help="steps excluded from the timing")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args, overrides = p.parse_known_args()
+
+    from vitp import dist
+    from vitp.config import compose
+    from vitp.train import train
+
+    cfg = compose(["data=synthetic", "eval.enabled=false", "trainer.eval_every=0", "trainer.sample_every=0",
+                   "trainer.log_every=1", "trainer.progress=false", *overrides])
+    if dist.world_size() > 1:
+        dist.init_distributed(dist.resolve_device(cfg.trainer.device))
+    run_dir = dist.broadcast_object(tempfile.mkdtemp(prefix="vitp-bench-") if dist.is_main() else None)
+    train(cfg, run_dir)
+    if not dist.is_main():
+        return
+    rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    rates = [r["samples_per_s"] for r in rows if r["step"] > args.warmup]
+    sps = statistics.median(rates)
+    world = dist.world_size()
+    fps = flops_per_sample(cfg.model)
+    out = {
+        "samples_per_s": round(sps, 2),
+        "step_time_s": round(cfg.trainer.global_batch_size / sps, 4),
+        "tokens_per_sample": (cfg.model.num_frames // cfg.model.tubelet_size) * (cfg.model.image_size // cfg.model.patch_size) ** 2,
+        "model_tflops_per_sample": fps / 1e12,
+        "achieved_tflops_per_process": round(sps * fps / world / 1e12, 4),
+        "world_size": world,
+    }
+    if args.peak_tflops:
+        out["mfu"] = round(sps * fps / world / (args.peak_tflops * 1e12), 4)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
