@@ -51,6 +51,24 @@ def test_data_parallel_matches_single_process(dp_runs):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("world,over", [
+    (2, ["parallel.tp=2"]),
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    (4, ["parallel.tp=2", "parallel.sequence_parallel=true"]),  # tp=2 x dp=2
+])
+def test_tensor_parallel_training_matches_single_process(dp_runs, tmp_path, world, over):
+    """Per-step loss, DeepSpeed's clipped-update grad norm and final weights equal the 1-process run."""
+    base, single, _ = dp_runs
+    res = run_ranks(world, _train_rank, ["experiment=smoke", "trainer.max_steps=5", *over], str(tmp_path / "tp"))
+    for r in res:
+        assert r["losses"] == pytest.approx(single["losses"], rel=1e-5)
+        assert r["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-5)
+    a, b = load_file(base / "single" / "model.safetensors"), load_file(tmp_path / "tp" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
 def test_run_directory_contents(dp_runs):
     base, single, _ = dp_runs
     run = base / "dp2"  # written by rank 0 only, one folder for both ranks

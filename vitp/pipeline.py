@@ -56,7 +56,7 @@ def build_pipeline(model_cfg: Any, loss_fn: FlowMatchingLoss, *, seed: int, tp: 
     Stages are balanced by block count (``partition_method="type:BlockPipe"``).
     """
     specs = [LayerSpec(_PIPE[cls], **kw) for cls, kw in layer_kinds(model_cfg)]
-    return PipelineModule(
+    module = PipelineModule(
         layers=specs,
         topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp),
         loss_fn=loss_fn,
@@ -66,6 +66,10 @@ def build_pipeline(model_cfg: Any, loss_fn: FlowMatchingLoss, *, seed: int, tp: 
         partition_method="type:BlockPipe",
         activation_checkpoint_interval=activation_checkpoint_interval,
     )
+    # seed_layers also reseeds the RNG in every forward with a rank-independent seed, which
+    # would give all dp ranks the same dropout masks; it is only wanted for initialisation.
+    module.seed_layers = False
+    return module
 
 
 def to_generator_state(pipe_state: Dict[str, torch.Tensor], depth: int) -> Dict[str, torch.Tensor]:

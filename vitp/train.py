@@ -57,8 +57,6 @@ def resolve_layout(parallel: Any, world: int) -> Dict[str, int]:
         )
     if parallel.zero_stage not in (0, 1):
         raise ValueError(f"parallel.zero_stage={parallel.zero_stage}: pipelines support ZeRO stage 0 or 1")
-    if tp > 1 or parallel.sequence_parallel:
-        raise ValueError("parallel.tp > 1 / sequence_parallel are not available in this version; use parallel.tp=1")
     if pp > 1:
         raise ValueError("parallel.pp > 1 is not available in this version; use parallel.pp=1")
     return {"tp": tp, "pp": pp, "dp": world // (tp * pp)}
@@ -146,6 +144,24 @@ def binned_loss(t: torch.Tensor, loss: torch.Tensor) -> Dict[str, float]:
     }
 
 
+def check_batch_consistency(batch, state: Any) -> None:
+    """Fail loudly unless every TP rank built the same first micro-batch (design invariant 7).
+
+    Compares a checksum of all tensors of the pipeline pair over the TP group.
+    """
+    if state.tp_size == 1:
+        return
+    inputs, targets = batch
+    local = torch.tensor([float(t.double().sum()) for t in (*inputs, *targets)], dtype=torch.float64)
+    ref = local.clone()
+    torch.distributed.broadcast(ref, src=torch.distributed.get_global_rank(state.tp_group, 0), group=state.tp_group)
+    if not torch.equal(local, ref):
+        raise RuntimeError(
+            f"data mismatch inside the tensor-parallel group (tp rank {state.tp_rank}): checksums {local.tolist()} vs "
+            f"{ref.tolist()}; the data pipeline must depend on the data-parallel rank only"
+        )
+
+
 def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     """Train with the composed config ``cfg``, writing everything under ``run_dir``.
 
@@ -161,6 +177,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     from .evaluate import evaluate, generator_from_state, save_weights, write_sample_grid
     from .models import validate_model_config
     from .objectives import FlowMatchingLoss
+    from .parallel import from_grid, full_weight, model_parallel_seed, tensor_parallelize, validate_tp
     from .pipeline import EMA, build_pipeline, to_generator_state
 
     for name in ("DeepSpeed", "compilers"):  # DeepSpeed's op probe logs compiler commands
@@ -170,6 +187,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     device = dist.resolve_device(cfg.trainer.device)
     precision = resolve_precision(cfg.trainer.precision, device)
     layout = resolve_layout(cfg.parallel, dist.world_size())
+    validate_tp(cfg.model, layout["tp"])
     dist.init_distributed(device)
     main = dist.is_main()
     if main:
@@ -181,11 +199,13 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     loss_fn = FlowMatchingLoss(cfg.objective.t_eps)
     module = build_pipeline(cfg.model, loss_fn, seed=cfg.seed, **layout,
                             activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
+    state = from_grid(module._grid, cfg.parallel.sequence_parallel)
+    tensor_parallelize(module, state)
+    model_parallel_seed(cfg.seed, state)
     o = cfg.optim
     optimizer = torch.optim.AdamW(param_groups(module, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
                                            config=deepspeed_config(cfg, layout["dp"], precision))
-    dp_rank = engine.grid.get_data_parallel_rank()
     ema = EMA(engine.module, o.ema_decay)
 
     logger = RunLogger(run_dir, main, cfg.trainer.tensorboard_dir)
@@ -196,22 +216,32 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
                  len(train_ds), len(heldout_ds))
 
     tr = cfg.trainer
-    loader = train_loader(train_ds, schedule, cfg.objective, cfg.model.num_classes, start_step=0,
-                          stop_step=tr.max_steps, dp_rank=dp_rank, num_workers=cfg.data.num_workers)
-    data_iter = iter(loader)
+    loader_args = (train_ds, schedule, cfg.objective, cfg.model.num_classes)
+    check_batch_consistency(next(iter(train_loader(*loader_args, start_step=0, stop_step=1, dp_rank=state.dp_rank))),
+                            state)
+    data_iter = iter(train_loader(*loader_args, start_step=0, stop_step=tr.max_steps, dp_rank=state.dp_rank,
+                                  num_workers=cfg.data.num_workers))
+
+    def full_state(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        # collective over the TP group: every rank calls it, rank 0 uses it
+        named = dict(engine.module.named_parameters())
+        return to_generator_state({n: full_weight(named[n], state, tensor=v) for n, v in params.items()},
+                                  cfg.model.depth)
 
     def ema_generator():
-        return generator_from_state(cfg.model, to_generator_state(ema.state_dict(), cfg.model.depth), device)
+        full = full_state(ema.state_dict())
+        return generator_from_state(cfg.model, full, device) if main else None
 
     def sample_grid(step: int) -> None:
+        gen = ema_generator()
         if main:
-            grid = write_sample_grid(ema_generator(), cfg, run_dir / "samples" / f"step_{step:07d}.png")
+            grid = write_sample_grid(gen, cfg, run_dir / "samples" / f"step_{step:07d}.png")
             logger.image("samples", grid, step)
 
     def heldout_eval(step: int, final: bool) -> Dict[str, Any]:
+        gen = ema_generator()
         if not main:
             return {}
-        gen = ema_generator()
         res = evaluate(gen, cfg, train_ds, heldout_ds, run_dir, full=final, step=step, logger=logger)
         with open(run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float))}) + "\n")
@@ -252,9 +282,10 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     bar.close()
 
     engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step_{tr.max_steps:07d}")
+    ema_full = full_state(ema.state_dict())
+    raw_full = full_state({n: p.detach() for n, p in engine.module.named_parameters()})
     if main:
-        save_weights(run_dir, cfg, to_generator_state(ema.state_dict(), cfg.model.depth),
-                     to_generator_state({n: p.detach() for n, p in engine.module.named_parameters()}, cfg.model.depth))
+        save_weights(run_dir, cfg, ema_full, raw_full)
     sample_grid(tr.max_steps)
     if cfg.eval.enabled:
         result = heldout_eval(tr.max_steps, final=True)

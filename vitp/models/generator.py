@@ -75,7 +75,7 @@ class TimestepEmbedder(nn.Module):
             nn.init.zeros_(lin.bias)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return self.mlp(sincos_1d(t.float() * 1000.0, self.freq_dim).to(t.device))
+        return self.mlp(sincos_1d(t.float() * 1000.0, self.freq_dim).to(device=t.device, dtype=self.mlp.fc1.weight.dtype))
 
 
 class Embed(nn.Module):

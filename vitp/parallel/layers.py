@@ -1,0 +1,232 @@
+"""Column- and row-parallel linear layers built by slicing an existing full ``nn.Linear``.
+
+Shoeybi et al. 2019 ("Megatron-LM", §3): an MLP ``Y = act(X A) B`` is split by columns of ``A``
+(each rank computes ``act(X A_i)`` on its hidden units, no communication) and rows of ``B`` (each
+rank computes a partial ``act(X A_i) B_i``; one all-reduce sums them). Self-attention is split
+the same way by heads. Reference: Megatron-Core ``tensor_parallel/layers.py``
+(``ColumnParallelLinear``, ``RowParallelLinear``). With sequence parallelism (Korthikanti et al.
+2022) the column-parallel input is all-gathered from the token shards and the row-parallel output
+is reduce-scattered back to them.
+
+Every rank holds the same full weights (built from one seed, design invariant 5) and keeps its
+slice, so the sharded model equals the full one at any tp. Sharded parameters carry
+``tensor_model_parallel=True``, ``partition_dim`` and ``partition_stride`` (DeepSpeed's grad norm
+counts such parameters on every TP rank, the others on TP rank 0 only). Replicated parameters
+whose gradient is a per-rank partial sum get a gradient hook that all-reduces it over the TP
+group (attribute ``sequence_parallel=True`` or ``tp_partial_grad=True``).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import comm
+from .mappings import (
+    NoDeepcopy,
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_tp_region,
+)
+from .state import ParallelState
+
+
+def shard_tensor(full: torch.Tensor, dim: int, stride: int, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This rank's slice of ``full`` along ``dim``.
+
+    With ``stride > 1`` the dimension holds ``stride`` equal fused chunks (timm's qkv is
+    ``[Q | K | V]``, each ``(H * hd)`` rows with heads contiguous; a packed GLU fc1 is
+    ``[half 1 | half 2]``) and each chunk is split separately, so rank ``r`` gets
+    ``cat(chunk_c[r-th slice] for c)``: for qkv that is ``W.view(3, H, hd, D)[:, heads_of_rank]``.
+
+    Raises
+    ------
+    ValueError
+        If ``full.shape[dim]`` is not divisible by ``stride * tp_size``.
+    """
+    size = full.shape[dim]
+    if size % (stride * tp_size):
+        raise ValueError(f"cannot shard size {size} (dim {dim}) into {stride} chunk(s) x tp={tp_size}")
+    pieces = [c.chunk(tp_size, dim)[tp_rank] for c in full.chunk(stride, dim)]
+    return torch.cat(pieces, dim).contiguous()
+
+
+def unshard_parts(parts: List[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of :func:`shard_tensor` given every rank's slice in rank order."""
+    chunks = [p.chunk(stride, dim) for p in parts]
+    return torch.cat([chunks[r][c] for c in range(stride) for r in range(len(parts))], dim)
+
+
+def full_weight(param: torch.Tensor, state: ParallelState, tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gather a sharded parameter (or ``tensor`` laid out like it, e.g. ``param.grad``) back to
+    the full timm layout; replicated parameters are returned as they are.
+
+    Collective over the TP group when ``param.tensor_model_parallel``: every TP rank must call it.
+    """
+    t = (param.detach() if tensor is None else tensor.detach())
+    if not getattr(param, "tensor_model_parallel", False) or state.tp_size == 1:
+        return t
+    dim, stride = param.partition_dim, param.partition_stride
+    gathered = comm.all_gather(t, dim, state.tp_group, tag="export")
+    return unshard_parts(list(gathered.chunk(state.tp_size, dim)), dim, stride)
+
+
+def shard_like(param: torch.Tensor, full: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """This rank's slice of a full (timm-layout) tensor for ``param`` (identity if replicated)."""
+    if not getattr(param, "tensor_model_parallel", False) or state.tp_size == 1:
+        return full
+    return shard_tensor(full, param.partition_dim, param.partition_stride, state.tp_size, state.tp_rank)
+
+
+def _mark_sharded(p: nn.Parameter, dim: int, stride: int) -> None:
+    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, stride
+
+
+def register_grad_allreduce(param: nn.Parameter, state: ParallelState, attr: str = "sequence_parallel") -> None:
+    """Mark ``param`` (``setattr(param, attr, True)``) and sum its gradient over the TP group
+    with a tensor hook, once per backward (before accumulation into ``.grad``). Idempotent.
+
+    Used for replicated parameters that see only part of the data on each TP rank: norm weights,
+    LayerScale gammas and row-parallel biases in a sequence-parallel region, and q/k-norm
+    weights applied to a subset of heads.
+    """
+    setattr(param, attr, True)
+    if state.tp_size == 1 or getattr(param, "_vitp_grad_allreduce", False):
+        return
+    param._vitp_grad_allreduce = True
+    group = state.tp_group
+    param.register_hook(lambda g: comm.all_reduce(g.clone(), group, direction="bwd", tag="param_grad"))
+
+
+def _new_param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(data.detach().clone(), requires_grad=like.requires_grad)
+
+
+class ColumnParallelLinear(NoDeepcopy, nn.Module):
+    """``y = x A^T + b`` with ``A``'s output features (rows) split over the TP group.
+
+    ``forward``: ``(B, N, in)`` (or ``(B, N / tp, in)`` with sequence parallelism) ->
+    ``(B, N, out / tp)`` (or ``(B, N, out)`` with ``gather_output``). Use :meth:`from_linear`.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int, out_features: int,
+                 state: ParallelState, gather_output: bool = False, stride: int = 1,
+                 sequence_parallel: Optional[bool] = None, input_comm: bool = True):
+        super().__init__()
+        self.in_features, self.out_features, self.stride = in_features, out_features, stride
+        self.gather_output, self.input_comm = gather_output, input_comm
+        self.sequence_parallel = state.sequence_parallel if sequence_parallel is None else sequence_parallel
+        self.group = state.tp_group
+        self.weight = weight
+        self.bias = bias
+        _mark_sharded(self.weight, 0, stride)
+        if self.bias is not None:
+            _mark_sharded(self.bias, 0, stride)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, state: ParallelState, gather_output: bool = False,
+                    stride_chunks: Optional[int] = None, sequence_parallel: Optional[bool] = None,
+                    input_comm: bool = True) -> "ColumnParallelLinear":
+        """Keep this rank's output features of ``linear`` (whose weights are full and identical
+        on all ranks).
+
+        Parameters
+        ----------
+        stride_chunks : int, optional
+            Number of fused chunks along the output features, each split separately (3 for
+            timm's qkv, 2 for a packed GLU fc1). ``None`` = 1.
+        sequence_parallel : bool, optional
+            All-gather the token-sharded input (default: ``state.sequence_parallel``).
+        input_comm : bool
+            ``False`` when the caller already mapped the input into the TP region (with
+            ``copy_to_tp_region`` or ``gather_from_sequence_region``), e.g. two column layers
+            reading one input (SwiGLU's ``fc1_g`` and ``fc1_x``) share one collective.
+
+        Raises
+        ------
+        ValueError
+            If ``out_features`` is not divisible by ``stride_chunks * tp``, or ``gather_output``
+            is combined with ``stride_chunks > 1`` (the gathered layout would be interleaved).
+        """
+        stride = stride_chunks or 1
+        if gather_output and stride > 1:
+            raise ValueError("gather_output=True is not supported with stride_chunks > 1")
+        w = _new_param(shard_tensor(linear.weight, 0, stride, state.tp_size, state.tp_rank), linear.weight)
+        b = None
+        if linear.bias is not None:
+            b = _new_param(shard_tensor(linear.bias, 0, stride, state.tp_size, state.tp_rank), linear.bias)
+        return cls(w, b, linear.in_features, linear.out_features, state, gather_output, stride, sequence_parallel,
+                   input_comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_comm:
+            pass
+        elif self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.group)
+        else:
+            x = copy_to_tp_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.weight.shape[0]}), stride={self.stride}, bias={self.bias is not None}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(NoDeepcopy, nn.Module):
+    """``y = x A^T + b`` with ``A``'s input features (columns) split over the TP group.
+
+    ``forward``: ``(B, N, in / tp)`` -> ``(B, N, out)`` (all-reduce) or ``(B, N / tp, out)``
+    (reduce-scatter, sequence parallelism). The bias is replicated and added once, after the
+    reduction; under sequence parallelism it sees only local tokens, so its gradient is summed
+    over the TP group by a hook (``bias.sequence_parallel = True``). Use :meth:`from_linear`.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int, out_features: int,
+                 state: ParallelState, input_is_parallel: bool = True, sequence_parallel: Optional[bool] = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = state.sequence_parallel if sequence_parallel is None else sequence_parallel
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel requires input_is_parallel=True")
+        self.group = state.tp_group
+        self.weight = weight
+        self.bias = bias
+        _mark_sharded(self.weight, 1, 1)
+        if self.bias is not None and self.sequence_parallel:
+            register_grad_allreduce(self.bias, state, "sequence_parallel")
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, state: ParallelState, input_is_parallel: bool = True,
+                    sequence_parallel: Optional[bool] = None) -> "RowParallelLinear":
+        """Keep this rank's input features of ``linear``; the bias stays whole (replicated).
+
+        Raises
+        ------
+        ValueError
+            If ``in_features`` is not divisible by tp.
+        """
+        w = _new_param(shard_tensor(linear.weight, 1, 1, state.tp_size, state.tp_rank), linear.weight)
+        b = _new_param(linear.bias, linear.bias) if linear.bias is not None else None
+        return cls(w, b, linear.in_features, linear.out_features, state, input_is_parallel, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(y, self.group)
+        else:
+            y = reduce_from_tp_region(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")

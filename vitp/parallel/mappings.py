@@ -1,0 +1,173 @@
+"""Autograd-aware communication between the replicated, tensor-parallel and sequence-parallel
+regions of a transformer block.
+
+Reference semantics: Megatron-Core ``megatron/core/tensor_parallel/mappings.py`` (Shoeybi et al.
+2019, "Megatron-LM", §3, the ``f``/``g`` operators; Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", §4.2.2, the ``g``/``g-bar`` operators of sequence
+parallelism). Tokens are ``(B, N, D)`` and the sequence (token) dimension is **dim 1**.
+
+======================================  ==============================  =========================
+function                                forward                         backward
+======================================  ==============================  =========================
+``copy_to_tp_region``                   identity                        all-reduce
+``reduce_from_tp_region``               all-reduce                      identity
+``scatter_to_tp_region``                split last dim                  all-gather last dim
+``gather_from_tp_region``               all-gather last dim             split last dim
+``scatter_to_sequence_region``          split dim 1                     all-gather dim 1
+``gather_from_sequence_region``         all-gather dim 1                reduce-scatter dim 1
+``reduce_scatter_to_sequence_region``   reduce-scatter dim 1            all-gather dim 1
+``gather_from_sequence_region_to_       all-gather dim 1                split dim 1
+replicated``
+======================================  ==============================  =========================
+
+``gather_from_sequence_region`` feeds a tensor-parallel region (each rank computes a different
+partial result from the full sequence, so input gradients are partial and must be summed);
+``gather_from_sequence_region_to_replicated`` feeds replicated computation (every rank computes
+the same gradient, so each keeps its slice). With a group of size 1 every function is the
+identity. All collectives go through :mod:`vitp.parallel.comm` (counted by ``CommRecorder``).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+
+SEQ_DIM = 1
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world, rank = comm.group_size(group), comm.group_rank(group)
+    if x.shape[dim] % world:
+        raise ValueError(f"cannot split size {x.shape[dim]} of dim {dim} over {world} ranks")
+    return x.chunk(world, dim=dim)[rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_reduce(g.clone(), ctx.group, direction="bwd", tag=ctx.tag), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        return comm.all_reduce(x.clone(), group, direction="fwd", tag=tag)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """Split along ``dim`` (fwd) / all-gather (bwd)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, tag):
+        ctx.dim, ctx.group, ctx.tag = dim, group, tag
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_gather(g, ctx.dim, ctx.group, direction="bwd", tag=ctx.tag), None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along ``dim`` (fwd) / reduce-scatter or split (bwd)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, tag, reduce_grad):
+        ctx.dim, ctx.group, ctx.tag, ctx.reduce_grad = dim, group, tag, reduce_grad
+        return comm.all_gather(x, dim, group, direction="fwd", tag=tag)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.reduce_grad:
+            g = comm.reduce_scatter(g, ctx.dim, ctx.group, direction="bwd", tag=ctx.tag)
+        else:
+            g = _split(g, ctx.dim, ctx.group)
+        return g, None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Reduce-scatter along ``dim`` (fwd) / all-gather (bwd)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, tag):
+        ctx.dim, ctx.group, ctx.tag = dim, group, tag
+        return comm.reduce_scatter(x, dim, group, direction="fwd", tag=tag)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_gather(g, ctx.dim, ctx.group, direction="bwd", tag=ctx.tag), None, None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (Megatron ``f``). Any shape."""
+    return x if comm.group_size(group) == 1 else _CopyToTP.apply(x, group, tag)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """All-reduce forward, identity backward (Megatron ``g``). Any shape."""
+    return x if comm.group_size(group) == 1 else _ReduceFromTP.apply(x, group, tag)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """``(..., F)`` -> this rank's ``(..., F / tp)``; all-gather backward."""
+    return x if comm.group_size(group) == 1 else _Scatter.apply(x, -1, group, tag)
+
+
+def gather_from_tp_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """``(..., F / tp)`` -> ``(..., F)``; backward keeps this rank's slice of the gradient."""
+    return x if comm.group_size(group) == 1 else _Gather.apply(x, -1, group, tag, False)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """``(B, N, D)`` -> this rank's ``(B, N / tp, D)``; all-gather backward.
+
+    Raises ``ValueError`` if ``N`` is not divisible by the group size (pad first, see
+    :func:`vitp.parallel.timm_tp.sequence_parallel_enter`).
+    """
+    return x if comm.group_size(group) == 1 else _Scatter.apply(x, SEQ_DIM, group, tag)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """``(B, N / tp, D)`` -> ``(B, N, D)`` feeding a tensor-parallel region; reduce-scatter backward."""
+    return x if comm.group_size(group) == 1 else _Gather.apply(x, SEQ_DIM, group, tag, True)
+
+
+def gather_from_sequence_region_to_replicated(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """``(B, N / tp, D)`` -> ``(B, N, D)`` feeding replicated computation; backward keeps this
+    rank's slice of the (identical on every rank) gradient."""
+    return x if comm.group_size(group) == 1 else _Gather.apply(x, SEQ_DIM, group, tag, False)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """Partial sums ``(B, N, D)`` -> this rank's summed ``(B, N / tp, D)``; all-gather backward."""
+    return x if comm.group_size(group) == 1 else _ReduceScatter.apply(x, SEQ_DIM, group, tag)
+
+
+class NoDeepcopy:
+    """Mixin: deep-copying a tensor-parallel module would silently drop the parameter
+    attributes (``tensor_model_parallel`` ...) and gradient hooks (``nn.Parameter.__deepcopy__``
+    keeps neither) and cannot copy a process group, so it raises a clear error instead."""
+
+    def __deepcopy__(self, memo):
+        raise TypeError(f"{type(self).__name__} (tensor parallel) cannot be deep-copied: deepcopy the full model "
+                        "before vitp.parallel.tensor_parallelize, or use state dicts (full_state_dict)")
+
+
+class CopyToTPRegion(NoDeepcopy, torch.nn.Module):
+    """Module form of :func:`copy_to_tp_region` (no parameters, so appending it to an
+    ``nn.Sequential`` leaves the state-dict keys unchanged)."""
+
+    def __init__(self, group, tag: str = "tp"):
+        super().__init__()
+        self.group, self.tag = group, tag
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp_region(x, self.group, self.tag)

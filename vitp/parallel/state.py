@@ -1,0 +1,143 @@
+"""Who am I in the ``tp x pp x dp`` layout: :class:`ParallelState` and its construction.
+
+The process groups come from DeepSpeed's ``PipelineParallelGrid`` over a
+``PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`` (deepspeed
+``runtime/pipe/topology.py``): its "model" axis is the tensor-parallel ("slice") group and is
+the fastest-varying axis, so the ranks of a TP group are consecutive (same node).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, List, Mapping
+
+import torch.nn as nn
+
+
+@dataclass
+class ParallelState:
+    """Ranks, sizes and the tensor-parallel process group of this process.
+
+    ``tp_group`` is a ``torch.distributed`` ``ProcessGroup`` (``None`` means the default group,
+    which is only correct when ``tp_size`` equals the world size or is 1). ``sequence_parallel``
+    is forced to ``False`` when ``tp_size == 1`` (there is nothing to shard).
+    """
+
+    tp_group: Any = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sequence_parallel and self.tp_size == 1:
+            self.sequence_parallel = False  # nothing to shard; keeps the single-process path plain
+
+
+def from_grid(grid: Any, sequence_parallel: bool = False) -> ParallelState:
+    """:class:`ParallelState` of a DeepSpeed ``PipelineParallelGrid`` (e.g. ``PipelineModule._grid``)."""
+    return ParallelState(
+        tp_group=grid.get_slice_parallel_group(),
+        tp_rank=grid.get_slice_parallel_rank(),
+        tp_size=grid.get_slice_parallel_world_size(),
+        dp_rank=grid.get_data_parallel_rank(),
+        dp_size=grid.get_data_parallel_world_size(),
+        pp_rank=grid.get_stage_id(),
+        pp_size=grid.pipe_parallel_size,
+        sequence_parallel=sequence_parallel,
+    )
+
+
+def _layouts(world: int) -> List[str]:
+    return [f"tp={t} pp={p} dp={world // (t * p)}" for t in range(1, world + 1) if world % t == 0
+            for p in range(1, world // t + 1) if (world // t) % p == 0]
+
+
+def make_state(tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = False) -> ParallelState:
+    """Build the DeepSpeed grid for ``tp x pp x dp`` and return this rank's state.
+
+    Requires ``torch.distributed`` to be initialised (e.g. :func:`vitp.dist.init_distributed`).
+    Every rank must call it (it creates process groups).
+
+    Raises
+    ------
+    RuntimeError
+        If ``torch.distributed`` is not initialised.
+    ValueError
+        If ``tp * pp * dp`` differs from the world size (the message lists the valid layouts).
+    """
+    import torch.distributed as dist
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("make_state needs torch.distributed initialised (vitp.dist.init_distributed)")
+    world = dist.get_world_size()
+    if min(tp, pp, dp) < 1 or tp * pp * dp != world:
+        raise ValueError(f"parallel layout tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} does not match the world "
+                         f"size {world}; valid layouts: {', '.join(_layouts(world))}")
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    return from_grid(PipelineParallelGrid(topology=topo), sequence_parallel)
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _sizes_of_module(model: nn.Module) -> List[tuple]:
+    """``(option, value)`` pairs that must be divisible by tp, from timm layers in ``model``."""
+    from timm.layers import Attention, GluMlp, Mlp, SwiGLU
+
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, Attention):
+            out.append((f"{name}.num_heads", m.num_heads))
+        elif isinstance(m, SwiGLU):
+            out.append((f"{name} hidden units", m.fc1_x.out_features))
+        elif isinstance(m, GluMlp):
+            out.append((f"{name} hidden units", m.fc1.out_features // 2))
+        elif isinstance(m, Mlp):
+            out.append((f"{name} hidden units", m.fc1.out_features))
+    return out
+
+
+def _sizes_of_config(cfg: Any) -> List[tuple]:
+    D = _get(cfg, "width")
+    hidden = int(D * _get(cfg, "mlp_ratio", 4.0))
+    if _get(cfg, "mlp", "gelu") == "swiglu":
+        hidden = int(hidden * 2 / 3)  # as vitp.models.generator.Block
+    return [("model.num_heads", _get(cfg, "num_heads")), (f"MLP hidden units (model.mlp={_get(cfg, 'mlp', 'gelu')}, "
+                                                           f"model.width, model.mlp_ratio)", hidden)]
+
+
+def validate_tp(model_cfg_or_module: Any, tp: int) -> None:
+    """Check that attention heads and MLP hidden units split evenly over ``tp`` ranks.
+
+    Call before any process group is created. Accepts a model config (``width``, ``num_heads``,
+    ``mlp_ratio``, ``mlp``; dict, dataclass or DictConfig) or an ``nn.Module`` holding timm layers.
+
+    Raises
+    ------
+    ValueError
+        Naming the offending option and listing the valid tp degrees (design invariant 9).
+    """
+    sizes = _sizes_of_module(model_cfg_or_module) if isinstance(model_cfg_or_module, nn.Module) \
+        else _sizes_of_config(model_cfg_or_module)
+    if tp < 1:
+        raise ValueError(f"parallel.tp={tp} must be >= 1")
+    g = 0
+    for _, v in sizes:
+        g = math.gcd(g, int(v))
+    for option, value in sizes:
+        if int(value) % tp:
+            raise ValueError(f"parallel.tp={tp} does not divide {option}={value}; valid tp degrees for this "
+                             f"model: {_divisors(g) if g else [1]}")
+
+
+__all__ = ["ParallelState", "from_grid", "make_state", "validate_tp"]
