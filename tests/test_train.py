@@ -78,7 +78,8 @@ def test_run_directory_contents(dp_runs):
         assert all(isinstance(r[key], float) for r in lines)
     assert [r["loss"] for r in lines] == pytest.approx(single["losses"], rel=1e-5)
     assert any(k.startswith("loss_t/") for k in lines[0])
-    assert lines[0]["lr"] == pytest.approx(1e-3 / 2) and lines[-1]["lr"] == pytest.approx(1e-3)
+    lrs = [r["lr"] for r in lines]  # linear warmup from lr / 2 (no step at lr = 0), then cosine decay
+    assert lrs[0] == pytest.approx(0.5e-3) and lrs[1] > lrs[0] and max(lrs) <= 1e-3 and lrs[4] < max(lrs)
     assert list((run / "tb").glob("events.out.tfevents.*"))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000005"
     assert (run / "model_ema.safetensors").is_file()

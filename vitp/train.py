@@ -65,14 +65,17 @@ def resolve_layout(parallel: Any, world: int) -> Dict[str, int]:
 def deepspeed_config(cfg: Any, dp: int, precision: str) -> Dict[str, Any]:
     """The DeepSpeed JSON config derived from the run config."""
     o, tr = cfg.optim, cfg.trainer
+    # DeepSpeed's linear warmup gives min + (1 - min) * k / n at step k; with min = 1/W and
+    # n = W - 1 step k uses lr * (k + 1) / W, reaching the peak at step W - 1 (no lr=0 step).
     warmup = max(1, o.warmup_steps)
+    n_warm = max(1, warmup - 1)
     if o.schedule == "cosine":
         scheduler = {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": max(tr.max_steps, warmup + 1), "warmup_num_steps": warmup,
+            "total_num_steps": max(tr.max_steps, n_warm + 1), "warmup_num_steps": n_warm,
             "warmup_min_ratio": 1.0 / warmup, "cos_min_ratio": o.min_lr_ratio, "warmup_type": "linear"}}
     elif o.schedule == "constant":
         scheduler = {"type": "WarmupLR", "params": {
-            "warmup_min_lr": o.lr / warmup, "warmup_max_lr": o.lr, "warmup_num_steps": warmup, "warmup_type": "linear"}}
+            "warmup_min_lr": o.lr / warmup, "warmup_max_lr": o.lr, "warmup_num_steps": n_warm, "warmup_type": "linear"}}
     else:
         raise ValueError(f"optim.schedule={o.schedule!r}; use constant or cosine")
     return {
@@ -206,6 +209,9 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     optimizer = torch.optim.AdamW(param_groups(module, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
                                            config=deepspeed_config(cfg, layout["dp"], precision))
+    # DeepSpeed's warmup schedulers hold lr = 0 until their first step(); advance once so that
+    # the first optimizer step trains at lr / warmup_steps.
+    engine.lr_scheduler.step()
     ema = EMA(engine.module, o.ema_decay)
 
     logger = RunLogger(run_dir, main, cfg.trainer.tensorboard_dir)
@@ -254,6 +260,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     t_log, n_log = time.perf_counter(), 0
     result: Dict[str, Any] = {}
     for step in range(1, tr.max_steps + 1):  # step = optimizer steps completed
+        lr = engine.get_lr()[0]  # the lr this step uses
         loss = engine.train_batch(data_iter=data_iter).item()
         ema.update(engine.module)
         norm = engine.get_global_grad_norm()
@@ -267,7 +274,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
         last = step == tr.max_steps
         if step % tr.log_every == 0 or last or step == 1:
             values = {"loss": sum(losses[-n_log:]) / n_log, "grad_norm": sum(norms[-n_log:]) / n_log,
-                      "lr": engine.get_lr()[0], "samples_per_s": n_log * tr.global_batch_size / (time.perf_counter() - t_log)}
+                      "lr": lr, "samples_per_s": n_log * tr.global_batch_size / (time.perf_counter() - t_log)}
             values.update(binned_loss(*loss_fn.pop_records()))
             logger.scalars(step, values)
             bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
