@@ -111,6 +111,19 @@ def test_deepspeed_launcher_with_hydra_overrides(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ds"]  # no per-rank output folders
 
 
+def test_torchrun_with_tensor_and_sequence_parallelism(tmp_path, dp_runs):
+    """``torchrun --nproc_per_node 2 -m vitp.train parallel.tp=2 parallel.sequence_parallel=true``."""
+    _, single, _ = dp_runs
+    run = tmp_path / "tr"
+    p = _cli(["torchrun", "--nproc_per_node", "2", "--master_port", str(30500 + os.getpid() % 1000), "-m",
+              "vitp.train", "experiment=smoke", "trainer.max_steps=5", "parallel.tp=2",
+              "parallel.sequence_parallel=true", f"hydra.run.dir={run}"], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in lines] == pytest.approx(single["losses"], rel=1e-5)
+    assert [r["grad_norm"] for r in lines] == pytest.approx(single["grad_norms"], rel=1e-5)
+
+
 def test_sample_and_eval_clis(tmp_path):
     run = tmp_path / "run"
     p = _cli(["vitp-train", "experiment=smoke", "eval.enabled=true", "eval.classifier_epochs=2",
