@@ -21,6 +21,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from .models import Block, Embed, FinalLayer, Generator, layer_kinds, seed_layer
 from .objectives import FlowMatchingLoss
+from .parallel import checkpoint
 
 
 class EmbedPipe(Embed):
@@ -57,6 +58,7 @@ def build_pipeline(model_cfg: Any, loss_fn: FlowMatchingLoss, *, seed: int, tp: 
     """
     specs = [LayerSpec(_PIPE[cls], **kw) for cls, kw in layer_kinds(model_cfg)]
     module = PipelineModule(
+        activation_checkpoint_func=checkpoint,
         layers=specs,
         topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp),
         loss_fn=loss_fn,
@@ -70,6 +72,21 @@ def build_pipeline(model_cfg: Any, loss_fn: FlowMatchingLoss, *, seed: int, tp: 
     # would give all dp ranks the same dropout masks; it is only wanted for initialisation.
     module.seed_layers = False
     return module
+
+
+def stage_blocks(depth: int, pp: int) -> list:
+    """Blocks per stage as DeepSpeed's ``type:BlockPipe`` partition assigns them.
+
+    Raises ``ValueError`` when ``depth < pp`` (a stage would own no block).
+    """
+    from deepspeed.runtime.utils import partition_balanced
+
+    if depth < pp:
+        raise ValueError(f"model.depth={depth} < parallel.pp={pp}: every pipeline stage needs at least one block; "
+                         f"use parallel.pp <= {depth}")
+    w = [0] + [1] * depth + [0]
+    parts = partition_balanced(weights=w, num_parts=pp)
+    return [sum(w[parts[i]:parts[i + 1]]) for i in range(pp)]
 
 
 def to_generator_state(pipe_state: Dict[str, torch.Tensor], depth: int) -> Dict[str, torch.Tensor]:

@@ -57,8 +57,6 @@ def resolve_layout(parallel: Any, world: int) -> Dict[str, int]:
         )
     if parallel.zero_stage not in (0, 1):
         raise ValueError(f"parallel.zero_stage={parallel.zero_stage}: pipelines support ZeRO stage 0 or 1")
-    if pp > 1:
-        raise ValueError("parallel.pp > 1 is not available in this version; use parallel.pp=1")
     return {"tp": tp, "pp": pp, "dp": world // (tp * pp)}
 
 
@@ -86,6 +84,10 @@ def deepspeed_config(cfg: Any, dp: int, precision: str) -> Dict[str, Any]:
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": precision == "bf16"},
+        # DeepSpeed's partitioned sends handle one tensor that needs grad and assume identical
+        # activations on TP ranks; stages exchange (tokens, c), both needing grad, and tokens
+        # differ per TP rank under sequence parallelism: send them whole.
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
         "scheduler": scheduler,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -148,21 +150,46 @@ def binned_loss(t: torch.Tensor, loss: torch.Tensor) -> Dict[str, float]:
 
 
 def check_batch_consistency(batch, state: Any) -> None:
-    """Fail loudly unless every TP rank built the same first micro-batch (design invariant 7).
+    """Fail loudly unless all ranks of a data-parallel replica (every TP rank, first and last
+    pipeline stage) built the same first micro-batch (design invariant 7).
 
-    Compares a checksum of all tensors of the pipeline pair over the TP group.
+    Raises ``RuntimeError`` on every rank when checksums disagree.
     """
-    if state.tp_size == 1:
+    if dist.world_size() == 1:
         return
     inputs, targets = batch
-    local = torch.tensor([float(t.double().sum()) for t in (*inputs, *targets)], dtype=torch.float64)
-    ref = local.clone()
-    torch.distributed.broadcast(ref, src=torch.distributed.get_global_rank(state.tp_group, 0), group=state.tp_group)
-    if not torch.equal(local, ref):
+    local = [round(float(t.double().sum()), 6) for t in (*inputs, *targets)]
+    table = [None] * dist.world_size()
+    torch.distributed.all_gather_object(table, (state.dp_rank, local))
+    bad = sorted({r for r, (d, c) in enumerate(table) if c != next(c2 for d2, c2 in table if d2 == d)})
+    if bad:
         raise RuntimeError(
-            f"data mismatch inside the tensor-parallel group (tp rank {state.tp_rank}): checksums {local.tolist()} vs "
-            f"{ref.tolist()}; the data pipeline must depend on the data-parallel rank only"
+            f"data mismatch inside a data-parallel replica (ranks {bad}): the first micro-batch differs between "
+            f"TP ranks or pipeline stages; the data pipeline must depend on the data-parallel rank only"
         )
+
+
+def log_stages(module: torch.nn.Module, state: Any, device: torch.device, run_dir: Path) -> None:
+    """Gather per-rank (stage, tp rank) parameter counts and peak memory; rank 0 logs them and
+    writes ``stages.json``."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB -> MiB (process RSS)
+    row = {"rank": dist.rank(), "stage": state.pp_rank, "tp_rank": state.tp_rank, "dp_rank": state.dp_rank,
+           "parameters": sum(p.numel() for p in module.parameters()), "peak_memory_mib": round(peak, 1)}
+    rows = [row]
+    if dist.world_size() > 1:
+        rows = [None] * dist.world_size()
+        torch.distributed.all_gather_object(rows, row)
+    if dist.is_main():
+        for r in rows:
+            if r["dp_rank"] == 0:
+                log.info("stage %d tp %d: %.3fM parameters, peak memory %.0f MiB", r["stage"], r["tp_rank"],
+                         r["parameters"] / 1e6, r["peak_memory_mib"])
+        (run_dir / "stages.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
 def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
@@ -181,7 +208,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     from .models import validate_model_config
     from .objectives import FlowMatchingLoss
     from .parallel import from_grid, full_weight, model_parallel_seed, tensor_parallelize, validate_tp
-    from .pipeline import EMA, build_pipeline, to_generator_state
+    from .pipeline import EMA, build_pipeline, stage_blocks, to_generator_state
 
     for name in ("DeepSpeed", "compilers"):  # DeepSpeed's op probe logs compiler commands
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -191,6 +218,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     precision = resolve_precision(cfg.trainer.precision, device)
     layout = resolve_layout(cfg.parallel, dist.world_size())
     validate_tp(cfg.model, layout["tp"])
+    stage_blocks(cfg.model.depth, layout["pp"])
     dist.init_distributed(device)
     main = dist.is_main()
     if main:
@@ -203,7 +231,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     module = build_pipeline(cfg.model, loss_fn, seed=cfg.seed, **layout,
                             activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
     state = from_grid(module._grid, cfg.parallel.sequence_parallel)
-    tensor_parallelize(module, state)
+    m = cfg.model
+    tensor_parallelize(module, state, seq_len=(m.num_frames // m.tubelet_size) * (m.image_size // m.patch_size) ** 2)
     model_parallel_seed(cfg.seed, state)
     o = cfg.optim
     optimizer = torch.optim.AdamW(param_groups(module, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
@@ -229,10 +258,15 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
                                   num_workers=cfg.data.num_workers))
 
     def full_state(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        # collective over the TP group: every rank calls it, rank 0 uses it
+        # collective (TP gather, then stages to rank 0): every rank calls it, rank 0 gets the result
         named = dict(engine.module.named_parameters())
-        return to_generator_state({n: full_weight(named[n], state, tensor=v) for n, v in params.items()},
-                                  cfg.model.depth)
+        local = {n: full_weight(named[n], state, tensor=v).cpu() for n, v in params.items()}
+        if state.pp_size > 1:
+            parts = [None] * dist.world_size() if main else None
+            send = local if state.tp_rank == 0 and state.dp_rank == 0 else {}
+            torch.distributed.gather_object(send, parts, dst=0)
+            local = {k: v for part in (parts or []) for k, v in part.items()}
+        return to_generator_state(local, cfg.model.depth) if main else {}
 
     def ema_generator():
         full = full_state(ema.state_dict())
@@ -280,6 +314,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
             bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
             t_log, n_log = time.perf_counter(), 0
         bar.update(1)
+        if step == 1:
+            log_stages(engine.module, state, device, run_dir)
         if not last and tr.sample_every and step % tr.sample_every == 0:
             sample_grid(step)
         if not last and tr.eval_every and step % tr.eval_every == 0:

@@ -60,7 +60,7 @@ class TubeletEmbed(nn.Module):
         nn.init.zeros_(self.proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # (B, N, D); p2p sends need contiguous
 
 
 class TimestepEmbedder(nn.Module):

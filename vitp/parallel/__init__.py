@@ -26,7 +26,7 @@ from .mappings import (
     scatter_to_sequence_region,
     scatter_to_tp_region,
 )
-from .random import RNGStatesTracker, get_rng_tracker, model_parallel_seed
+from .random import RNGStatesTracker, checkpoint, get_rng_tracker, model_parallel_seed
 from .state import ParallelState, from_grid, make_state, validate_tp
 from .timm_tp import (
     SequenceInfo,
@@ -49,6 +49,7 @@ __all__ = [
     "SequenceInfo",
     "TPAttention",
     "TPMlp",
+    "checkpoint",
     "copy_to_tp_region",
     "from_grid",
     "full_state_dict",

@@ -145,3 +145,29 @@ def model_parallel_seed(seed: int, state) -> Dict[str, int]:
     _TRACKER.reset()
     _TRACKER.add(TP_RNG, tp_seed)
     return {"default": default, "tensor_parallel": tp_seed}
+
+
+def checkpoint(function, *args):
+    """Non-reentrant activation checkpoint of ``function(*args)`` that also replays the TP RNG
+    stream on recomputation (torch restores only the default generators), so dropout inside
+    the tensor-parallel region draws the same masks in the forward pass and in the recompute
+    (Megatron-Core ``tensor_parallel/random.py`` ``CheckpointFunction`` does the same with its
+    CUDA RNG tracker). Non-reentrant, so stages whose inputs need no grad still work.
+    """
+    import torch.utils.checkpoint
+
+    snapshot = _TRACKER.get_states()
+    calls = [0]
+
+    def run(*a):
+        calls[0] += 1
+        if calls[0] == 1:
+            return function(*a)
+        current = _TRACKER.get_states()
+        _TRACKER.set_states(snapshot)
+        try:
+            return function(*a)
+        finally:
+            _TRACKER.set_states(current)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
