@@ -63,3 +63,58 @@ def test_layout_matches_single_process(reference, tmp_path, tp, pp, dp, extra):
     _check(reference, run, run_ranks(tp * pp * dp, _train_rank, over, str(run)))
     stages = json.loads((run / "stages.json").read_text())
     assert sorted({s["stage"] for s in stages}) == list(range(pp))
+
+
+def _train_two(rank, over_a, over_b, run_dir):
+    return _train_rank(rank, over_a, run_dir + "/a"), _train_rank(rank, over_b, run_dir + "/b")
+
+
+def test_grad_norm_independent_of_micro_batch_split(tmp_path):
+    """The same global batch of 8 as 2 micro-batches of 4 or 4 micro-batches of 2 (pp=2 x dp=1)."""
+    base = [*SMOKE, "parallel.pp=2", "trainer.global_batch_size=8"]
+    (a, b), _ = run_ranks(2, _train_two, [*base, "trainer.micro_batch_size=4"],
+                          [*base, "trainer.micro_batch_size=2"], str(tmp_path))
+    assert a["grad_norms"] == pytest.approx(b["grad_norms"], rel=1e-5)
+    assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+
+
+def test_deepspeed_launcher_tp2_pp2_matches_single_process(reference, tmp_path):
+    """``deepspeed --num_gpus 4 --module vitp.train ... parallel.tp=2 parallel.pp=2`` on CPU."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = tmp_path / "ds"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    p = subprocess.run([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--master_port",
+                        str(31500 + os.getpid() % 1000), "--module", "vitp.train", *SMOKE, "parallel.tp=2",
+                        "parallel.pp=2", f"hydra.run.dir={run}"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    _, ref = reference
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["loss"] for x in lines] == pytest.approx(ref["losses"], rel=1e-5)
+    assert [x["grad_norm"] for x in lines] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    assert sorted(os.listdir(tmp_path)) == ["ds"]  # one run directory for all ranks
+
+
+def test_activation_checkpointing_with_dropout_is_exact(tmp_path):
+    """tp=2 x pp=2 with attention/projection dropout and drop-path: recomputation replays the
+    default and the TP RNG streams, so every step equals the run without checkpointing."""
+    base = [*SMOKE, "parallel.tp=2", "parallel.pp=2", "model.attn_drop=0.2", "model.proj_drop=0.1",
+            "model.drop_path=0.1"]
+    a, _, _, _ = run_ranks(4, _train_two, [*base, "parallel.activation_checkpoint_interval=1"], base, str(tmp_path))
+    ckpt, plain = a
+    assert ckpt["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    assert ckpt["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-6)
+
+
+def test_zero0_fp32_pipeline_is_rejected_with_the_fix():
+    from vitp.config import compose
+    from vitp.train import resolve_layout
+
+    cfg = compose(["parallel.pp=2", "parallel.zero_stage=0"])
+    with pytest.raises(ValueError, match="parallel.zero_stage=1"):
+        resolve_layout(cfg.parallel, world=2, precision="fp32")
+    assert resolve_layout(cfg.parallel, world=2, precision="bf16")["pp"] == 2

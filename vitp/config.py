@@ -76,6 +76,7 @@ class SamplerConfig:
     cfg_scale: float = 1.5  # classifier-free guidance scale (1 = no guidance)
     cfg_interval: List[float] = field(default_factory=lambda: [0.0, 1.0])  # t range where CFG applies
     samples_per_class: int = 10  # columns of the sample grid
+    grid_classes: int = 10  # rows (classes, evenly spaced) of the sample grid; 0 = all classes
     seed: int = 0  # noise seed of the sample grid
     batch_size: int = 256  # samples per forward pass
 
@@ -148,6 +149,27 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def validate_config(cfg) -> None:
+    """Cross-field checks run before any process group exists. Raises ``ValueError`` naming
+    the key and the valid values."""
+    checks = [
+        (cfg.trainer.max_steps >= 1, f"trainer.max_steps={cfg.trainer.max_steps}; it must be >= 1"),
+        (cfg.sampler.method in ("euler", "heun"), f"sampler.method={cfg.sampler.method!r}; use euler or heun"),
+        (cfg.sampler.steps >= 1, f"sampler.steps={cfg.sampler.steps}; it must be >= 1"),
+        (len(cfg.sampler.cfg_interval) == 2 and 0 <= cfg.sampler.cfg_interval[0] <= cfg.sampler.cfg_interval[1] <= 1,
+         f"sampler.cfg_interval={list(cfg.sampler.cfg_interval)}; use [lo, hi] with 0 <= lo <= hi <= 1"),
+        (cfg.trainer.log_every >= 1, f"trainer.log_every={cfg.trainer.log_every}; it must be >= 1"),
+        (0 <= cfg.data.holdout_fraction < 1, f"data.holdout_fraction={cfg.data.holdout_fraction}; use [0, 1)"),
+        (cfg.objective.P_std > 0 and 0 < cfg.objective.t_eps < 1,
+         "objective.P_std must be > 0 and objective.t_eps in (0, 1)"),
+        (0 <= cfg.objective.label_drop < 1, f"objective.label_drop={cfg.objective.label_drop}; use [0, 1)"),
+        (cfg.optim.schedule in ("constant", "cosine"), f"optim.schedule={cfg.optim.schedule!r}; use constant or cosine"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
 
 
 def register_configs() -> None:

@@ -56,7 +56,7 @@ def resolve_device(device: str = "auto") -> torch.device:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("trainer.device=cuda but CUDA is not available; use trainer.device=auto or cpu")
+            raise ValueError("device cuda requested (trainer.device / --device) but CUDA is not available; use auto or cpu")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if device != "cpu":
         raise ValueError(f"trainer.device={device!r}; use auto, cpu or cuda")
@@ -81,6 +81,10 @@ def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 180
     os.environ.setdefault("LOCAL_RANK", "0")
     if device.type == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        if "OMP_NUM_THREADS" not in os.environ:
+            # N ranks on one host each spinning up all cores' threads run many times slower
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
     else:
         torch.cuda.set_device(device)
     deepspeed.init_distributed(

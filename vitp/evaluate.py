@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -78,9 +79,12 @@ def load_weights(path: str | os.PathLike, device: torch.device | str = "cpu") ->
     return generator_from_state(cfg.model, state, device), cfg
 
 
-def class_grid_labels(num_classes: int, per_class: int) -> torch.Tensor:
-    """``[0]*per_class + [1]*per_class + ...`` (one grid row per class)."""
-    return torch.arange(num_classes).repeat_interleave(per_class)
+def class_grid_labels(num_classes: int, per_class: int, max_rows: int = 0) -> torch.Tensor:
+    """``[c0]*per_class + [c1]*per_class + ...``: one grid row per class; with ``max_rows`` only
+    that many classes, evenly spaced over ``[0, num_classes)``."""
+    rows = num_classes if not max_rows or max_rows >= num_classes else max_rows
+    classes = torch.linspace(0, num_classes - 1, rows).round().long()
+    return classes.repeat_interleave(per_class)
 
 
 def generate(gen: Generator, cfg: DictConfig, labels: torch.Tensor, seed: int) -> torch.Tensor:
@@ -114,7 +118,7 @@ def write_sample_grid(gen: Generator, cfg: DictConfig, path: Path) -> torch.Tens
     """Write the fixed-seed class grid (one row per class) as PNG; returns the grid."""
     from torchvision.utils import save_image
 
-    labels = class_grid_labels(cfg.model.num_classes, cfg.sampler.samples_per_class)
+    labels = class_grid_labels(cfg.model.num_classes, cfg.sampler.samples_per_class, cfg.sampler.grid_classes)
     grid = to_grid(generate(gen, cfg, labels, cfg.sampler.seed), nrow=cfg.sampler.samples_per_class)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_image(grid, str(path))
@@ -200,6 +204,13 @@ def evaluate(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: Any, ru
     return res
 
 
+def _last_step(run_dir: Path) -> Optional[int]:
+    """The last logged training step of a run (from metrics.jsonl), if any."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1])["step"] if lines else None
+
+
 def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
     """The run's composed config (``.hydra/config.yaml``) validated against the schema, with
     dotlist ``overrides`` applied. Raises ``FileNotFoundError`` naming the missing file."""
@@ -213,7 +224,18 @@ def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
 
 
 def main(argv: Optional[list] = None) -> None:
-    """Console entry point ``vitp-eval RUN_DIR [key=value ...]``."""
+    """Console entry point ``vitp-eval RUN_DIR [key=value ...]``; bad input exits with a
+    one-line message (status 2)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        _eval_cli(argv)
+    except (ValueError, FileNotFoundError, OmegaConfBaseException) as e:
+        print(f"vitp-eval: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _eval_cli(argv: Optional[list] = None) -> None:
     from .data import build_datasets
     from .dist import resolve_device
 
@@ -224,9 +246,12 @@ def main(argv: Optional[list] = None) -> None:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = load_run_config(a.run_dir, a.overrides)
+    from .config import validate_config
+
+    validate_config(cfg)
     gen, _ = load_weights(a.run_dir / a.weights, resolve_device(cfg.trainer.device))
     train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
-    res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True)
+    res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=_last_step(a.run_dir))
     print(json.dumps(res, indent=2))
 
 

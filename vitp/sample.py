@@ -2,15 +2,28 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 
+from .config import validate_config
 from .evaluate import class_grid_labels, generate, load_weights, to_grid
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    """Console entry point; bad input exits with a one-line message (status 2)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        run(argv)
+    except (ValueError, FileNotFoundError, OmegaConfBaseException) as e:
+        print(f"vitp-sample: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run(argv: Optional[List[str]] = None) -> None:
     """Write a PNG grid (one row per requested class).
 
     ``vitp-sample RUN_DIR|FILE.safetensors [--classes 0 3 7] [--num 8] [--seed 0] [--method heun]
@@ -18,7 +31,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     """
     from .dist import resolve_device
 
-    p = argparse.ArgumentParser(prog="vitp-sample", description=main.__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="vitp-sample", description=run.__doc__.splitlines()[0])
     p.add_argument("source", type=Path, help="run directory (uses model_ema.safetensors) or a .safetensors file")
     p.add_argument("--classes", type=int, nargs="*", default=None, help="class labels (default: all classes)")
     p.add_argument("--num", type=int, default=None, help="samples per class (default: the run's sampler setting)")
@@ -30,6 +43,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--out", type=Path, default=None, help="output PNG (default: SOURCE_DIR/samples/sample_seed<S>.png)")
     a = p.parse_args(argv)
+    if a.num is not None and a.num < 1:
+        p.error("--num must be >= 1")
+    if a.out is not None and a.out.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
+        p.error(f"--out {a.out}: use a .png, .jpg or .webp file name")
 
     path = a.source / "model_ema.safetensors" if a.source.is_dir() else a.source
     gen, cfg = load_weights(path, resolve_device(a.device))
@@ -39,11 +56,12 @@ def main(argv: Optional[List[str]] = None) -> None:
             cfg.sampler[key] = val
     if a.cfg_interval is not None:
         cfg.sampler.cfg_interval = list(a.cfg_interval)
+    validate_config(cfg)
     n_cls = cfg.model.num_classes
     classes = a.classes if a.classes else list(range(n_cls))
     bad = [c for c in classes if not 0 <= c <= n_cls]
     if bad:
-        raise SystemExit(f"vitp-sample: classes {bad} out of range; valid 0..{n_cls - 1} (and {n_cls} = unconditional)")
+        raise ValueError(f"classes {bad} out of range; valid 0..{n_cls - 1} (and {n_cls} = unconditional)")
     per = cfg.sampler.samples_per_class
     labels = torch.tensor(classes)[class_grid_labels(len(classes), per)]
     x = generate(gen, cfg, labels, a.seed)

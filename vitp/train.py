@@ -8,6 +8,8 @@ Launch (see README): ``vitp-train [overrides]``, ``torchrun --nproc_per_node N -
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import math
@@ -27,7 +29,7 @@ if not torch.cuda.is_available():
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from . import dist  # noqa: E402
-from .config import register_configs  # noqa: E402
+from .config import register_configs, validate_config  # noqa: E402
 
 log = logging.getLogger("vitp")
 
@@ -43,7 +45,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
-def resolve_layout(parallel: Any, world: int) -> Dict[str, int]:
+def resolve_layout(parallel: Any, world: int, precision: str = "fp32") -> Dict[str, int]:
     """``{"tp", "pp", "dp"}`` with ``dp = world / (tp * pp)``.
 
     Raises ``ValueError`` listing the valid (tp, pp) pairs when the layout is impossible.
@@ -57,6 +59,11 @@ def resolve_layout(parallel: Any, world: int) -> Dict[str, int]:
         )
     if parallel.zero_stage not in (0, 1):
         raise ValueError(f"parallel.zero_stage={parallel.zero_stage}: pipelines support ZeRO stage 0 or 1")
+    if parallel.zero_stage == 0 and pp > 1 and precision == "fp32":
+        # DeepSpeed's fp32 ZeRO-0 clipping norm filters replicated parameters by the pipe x tensor
+        # rank, so stages > 0 drop out of the norm (design notes, section 6).
+        raise ValueError("parallel.zero_stage=0 with parallel.pp > 1 in fp32 computes a wrong clipping grad norm in "
+                         "DeepSpeed; use parallel.zero_stage=1 (the default)")
     return {"tp": tp, "pp": pp, "dp": world // (tp * pp)}
 
 
@@ -213,10 +220,16 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     for name in ("DeepSpeed", "compilers"):  # DeepSpeed's op probe logs compiler commands
         logging.getLogger(name).setLevel(logging.WARNING)
     run_dir = Path(run_dir)
+    validate_config(cfg)
     validate_model_config(cfg.model)
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints" / "latest").exists():
+        raise ValueError(f"{run_dir} already holds a run (metrics.jsonl / checkpoints); choose a new hydra.run.dir "
+                         f"(resuming in place is not supported yet)")
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
+        log.warning("parallel.sequence_parallel=true has no effect with parallel.tp=1")
     device = dist.resolve_device(cfg.trainer.device)
     precision = resolve_precision(cfg.trainer.precision, device)
-    layout = resolve_layout(cfg.parallel, dist.world_size())
+    layout = resolve_layout(cfg.parallel, dist.world_size(), precision)
     validate_tp(cfg.model, layout["tp"])
     stage_blocks(cfg.model.depth, layout["pp"])
     dist.init_distributed(device)
@@ -228,16 +241,20 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     schedule = BatchSchedule(len(train_ds), cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size,
                              layout["dp"], cfg.seed)
     loss_fn = FlowMatchingLoss(cfg.objective.t_eps)
-    module = build_pipeline(cfg.model, loss_fn, seed=cfg.seed, **layout,
-                            activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its layer table on rank 0
+        module = build_pipeline(cfg.model, loss_fn, seed=cfg.seed, **layout,
+                                activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
     state = from_grid(module._grid, cfg.parallel.sequence_parallel)
     m = cfg.model
     tensor_parallelize(module, state, seq_len=(m.num_frames // m.tubelet_size) * (m.image_size // m.patch_size) ** 2)
     model_parallel_seed(cfg.seed, state)
     o = cfg.optim
     optimizer = torch.optim.AdamW(param_groups(module, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    ds_log = logging.getLogger("DeepSpeed")
+    ds_log.setLevel(logging.ERROR)  # "lr before the scheduler started" warnings during set-up
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
                                            config=deepspeed_config(cfg, layout["dp"], precision))
+    ds_log.setLevel(logging.WARNING)
     # DeepSpeed's warmup schedulers hold lr = 0 until their first step(); advance once so that
     # the first optimizer step trains at lr / warmup_steps.
     engine.lr_scheduler.step()
@@ -245,9 +262,10 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
 
     logger = RunLogger(run_dir, main, cfg.trainer.tensorboard_dir)
     if main:
-        n_params = sum(p.numel() for p in module.parameters())
-        log.info("run dir %s | layout tp=%d pp=%d dp=%d | %s on %s | %.2fM parameters | %d train / %d held-out",
-                 run_dir, layout["tp"], layout["pp"], layout["dp"], precision, device, n_params / 1e6,
+        m = cfg.model
+        tokens = (m.num_frames // m.tubelet_size) * (m.image_size // m.patch_size) ** 2
+        log.info("run dir %s | layout tp=%d pp=%d dp=%d | %s on %s | %d tokens per sample | %d train / %d held-out",
+                 run_dir, layout["tp"], layout["pp"], layout["dp"], precision, device, tokens,
                  len(train_ds), len(heldout_ds))
 
     tr = cfg.trainer
@@ -302,9 +320,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
         norms.append(float(norm) if norm is not None else float("nan"))
         n_log += 1
         if not math.isfinite(loss):
-            raise FloatingPointError(
-                f"loss is {loss} at step {step}: lower optim.lr, keep optim.grad_clip > 0, or use trainer.precision=fp32"
-            )
+            hint = "" if precision == "fp32" else ", or use trainer.precision=fp32"
+            raise FloatingPointError(f"loss is {loss} at step {step}: lower optim.lr or keep optim.grad_clip > 0{hint}")
         last = step == tr.max_steps
         if step % tr.log_every == 0 or last or step == 1:
             values = {"loss": sum(losses[-n_log:]) / n_log, "grad_norm": sum(norms[-n_log:]) / n_log,
@@ -333,6 +350,9 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     if cfg.eval.enabled:
         result = heldout_eval(tr.max_steps, final=True)
     logger.close()
+    if main:
+        log.info("done: %s holds model_ema.safetensors, samples/, metrics.jsonl, tb/%s", run_dir,
+                 ", eval.json" if cfg.eval.enabled else "")
     if main and tr.export_dir:
         export = Path(tr.export_dir)
         export.mkdir(parents=True, exist_ok=True)

@@ -100,6 +100,7 @@ class Embed(nn.Module):
         self.register_buffer("pos_embed", sincos_3d_pos_embed(*self.grid, D)[None], persistent=False)
 
     def forward(self, z_t: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        z_t = z_t.to(self.x_embedder.proj.weight.dtype)  # data arrive in fp32; weights may be bf16
         tokens = self.x_embedder(z_t) + self.pos_embed.to(z_t.dtype)
         c = self.t_embedder(t).to(tokens.dtype) + self.y_embedder(y)
         return tokens, c
