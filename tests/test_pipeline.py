@@ -110,7 +110,7 @@ def test_activation_checkpointing_with_dropout_is_exact(tmp_path):
     assert ckpt["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-6)
 
 
-def test_zero0_fp32_pipeline_is_rejected_with_the_fix():
+def test_zero0_fp32_is_rejected_with_the_fix():
     from vitp.config import compose
     from vitp.train import resolve_layout
 

@@ -59,11 +59,11 @@ def resolve_layout(parallel: Any, world: int, precision: str = "fp32") -> Dict[s
         )
     if parallel.zero_stage not in (0, 1):
         raise ValueError(f"parallel.zero_stage={parallel.zero_stage}: pipelines support ZeRO stage 0 or 1")
-    if parallel.zero_stage == 0 and pp > 1 and precision == "fp32":
-        # DeepSpeed's fp32 ZeRO-0 clipping norm filters replicated parameters by the pipe x tensor
-        # rank, so stages > 0 drop out of the norm (design notes, section 6).
-        raise ValueError("parallel.zero_stage=0 with parallel.pp > 1 in fp32 computes a wrong clipping grad norm in "
-                         "DeepSpeed; use parallel.zero_stage=1 (the default)")
+    if parallel.zero_stage == 0 and precision == "fp32":
+        # DeepSpeed's fp32 ZeRO-0 pipeline path reports no global grad norm (measured: None at pp=1
+        # and pp=2) and its clipping norm drops replicated parameters of stages > 0.
+        raise ValueError("parallel.zero_stage=0 in fp32: DeepSpeed's pipeline engine does not report, and with "
+                         "pp > 1 miscomputes, the clipping grad norm; use parallel.zero_stage=1 (the default)")
     return {"tp": tp, "pp": pp, "dp": world // (tp * pp)}
 
 
@@ -301,14 +301,16 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
         if not main:
             return {}
         res = evaluate(gen, cfg, train_ds, heldout_ds, run_dir, full=final, step=step, logger=logger)
+        if not final and "heldout_loss" in res:
+            bar.write(f"step {step}: held-out loss {res['heldout_loss']:.4f}")
         with open(run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float))}) + "\n")
         return res
 
     losses, norms = [], []
+    bar = tqdm(total=tr.max_steps, disable=not (main and tr.progress), desc="train", dynamic_ncols=True)
     if tr.eval_every:
         heldout_eval(0, final=False)  # the untrained model's held-out loss, for reference
-    bar = tqdm(total=tr.max_steps, disable=not (main and tr.progress), desc="train", dynamic_ncols=True)
     t_log, n_log = time.perf_counter(), 0
     result: Dict[str, Any] = {}
     for step in range(1, tr.max_steps + 1):  # step = optimizer steps completed
