@@ -87,3 +87,18 @@ def test_sagemaker_hyperparameters_become_overrides():
     assert list(cfg.sampler.cfg_interval) == [0.1, 1.0]
     with pytest.raises(ValueError, match="SM_HPS is not valid JSON"):
         sagemaker_overrides({"SM_HPS": "{oops"})
+
+
+def test_run_dir_follows_paths_output_root():
+    import importlib.resources
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from vitp.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(importlib.resources.files("vitp.conf")), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["paths.output_root=/data/runs"], return_hydra_config=True)
+    assert cfg.hydra.run.dir.startswith("/data/runs/")

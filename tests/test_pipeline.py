@@ -56,6 +56,8 @@ def _check(reference, run_dir, results):
     (2, 2, 1, ["parallel.sequence_parallel=true", "parallel.activation_checkpoint_interval=1"]),
     (1, 2, 2, ["parallel.activation_checkpoint_interval=1"]),
     (2, 2, 2, ["parallel.sequence_parallel=true"]),
+    (2, 2, 2, ["parallel.activation_checkpoint_interval=2"]),
+    (2, 1, 2, []),
 ])
 def test_layout_matches_single_process(reference, tmp_path, tp, pp, dp, extra):
     run = tmp_path / "run"

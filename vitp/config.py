@@ -137,6 +137,13 @@ class EvalConfig:
 
 
 @dataclass
+class PathsConfig:
+    """Where runs go (the run directory itself is ``hydra.run.dir``)."""
+
+    output_root: str = "outputs"  # parent of the default run directories <output_root>/<date>/<time>
+
+
+@dataclass
 class Config:
     """The whole run."""
 
@@ -149,6 +156,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
 
 
 def validate_config(cfg) -> None:

@@ -116,9 +116,9 @@ def broadcast_object(obj):
     return box[0]
 
 
-def default_run_dir() -> str:
-    """``outputs/<date>/<time>`` as chosen on rank 0 (every rank gets the same folder)."""
-    return broadcast_object(datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S"))
+def default_run_dir(output_root: str = "outputs") -> str:
+    """``<output_root>/<date>/<time>`` as chosen on rank 0 (every rank gets the same folder)."""
+    return broadcast_object(datetime.datetime.now().strftime(f"{output_root}/%Y-%m-%d/%H-%M-%S"))
 
 
 def is_main() -> bool:

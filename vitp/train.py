@@ -402,7 +402,8 @@ def prepare_argv(argv: list) -> list:
         device_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("trainer.device=")), "auto")
         dist.init_distributed(dist.resolve_device(device_arg))
         if not any(a.startswith("hydra.run.dir=") for a in argv):
-            argv.append(f"hydra.run.dir={dist.default_run_dir()}")
+            root = next((a.split("=", 1)[1] for a in argv if a.startswith("paths.output_root=")), "outputs")
+            argv.append(f"hydra.run.dir={dist.default_run_dir(root)}")
         if not dist.is_main():
             argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
     return argv
