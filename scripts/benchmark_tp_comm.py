@@ -27,7 +27,7 @@ def main() -> None:
 
     from vitp import dist
     from vitp.config import compose
-    from vitp.models import Generator
+    from vitp.models import Generator, num_tokens
     from vitp.parallel import CommRecorder, make_state, tensor_parallelize
 
     cfg = compose(overrides)
@@ -45,7 +45,7 @@ def main() -> None:
     wall = time.perf_counter() - start
     if not dist.is_main():
         return
-    N = (m.num_frames // m.tubelet_size) * (m.image_size // m.patch_size) ** 2
+    N = num_tokens(m)
     n_pad = -(-N // tp) * tp if args.sp else N
     bnd = args.batch * n_pad * m.width * 4  # fp32 bytes of one (B, N, D) activation
     rows = {f"{k}/{d}/{tag}": v for (k, d, tag), v in sorted(rec.summary().items())}

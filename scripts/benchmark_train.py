@@ -17,10 +17,13 @@ import statistics
 import tempfile
 
 
+from vitp.models import num_tokens
+
+
 def flops_per_sample(m) -> float:
     """Training FLOPs per sample: 3 x forward, forward = 2 x (matmul weights x tokens) + attention
     scores/values ``4 N^2 D`` per block (adaLN and embeddings are per sample and negligible)."""
-    N = (m.num_frames // m.tubelet_size) * (m.image_size // m.patch_size) ** 2
+    N = num_tokens(m)
     D, hidden = m.width, int(m.width * m.mlp_ratio)
     mlp = 2 * D * hidden if m.mlp == "gelu" else 3 * D * int(hidden * 2 / 3)
     patch = m.in_channels * m.tubelet_size * m.patch_size**2
@@ -56,7 +59,7 @@ def main() -> None:
     out = {
         "samples_per_s": round(sps, 2),
         "step_time_s": round(cfg.trainer.global_batch_size / sps, 4),
-        "tokens_per_sample": (cfg.model.num_frames // cfg.model.tubelet_size) * (cfg.model.image_size // cfg.model.patch_size) ** 2,
+        "tokens_per_sample": num_tokens(cfg.model),
         "model_tflops_per_sample": fps / 1e12,
         "achieved_tflops_per_process": round(sps * fps / world / 1e12, 4),
         "world_size": world,

@@ -212,7 +212,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     from .data import build_datasets
     from .data.loader import BatchSchedule, train_loader
     from .evaluate import evaluate, generator_from_state, save_weights, write_sample_grid
-    from .models import validate_model_config
+    from .models import num_tokens, validate_model_config
     from .objectives import FlowMatchingLoss
     from .parallel import from_grid, full_weight, model_parallel_seed, tensor_parallelize, validate_tp
     from .pipeline import EMA, build_pipeline, stage_blocks, to_generator_state
@@ -233,7 +233,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     validate_tp(cfg.model, layout["tp"])
     stage_blocks(cfg.model.depth, layout["pp"])
     dist.init_distributed(device)
-    main = dist.is_main()
+    main = dist.is_main()  # rank 0 writes everything
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -245,8 +245,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
         module = build_pipeline(cfg.model, loss_fn, seed=cfg.seed, **layout,
                                 activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
     state = from_grid(module._grid, cfg.parallel.sequence_parallel)
-    m = cfg.model
-    tensor_parallelize(module, state, seq_len=(m.num_frames // m.tubelet_size) * (m.image_size // m.patch_size) ** 2)
+    tensor_parallelize(module, state, seq_len=num_tokens(cfg.model))
     model_parallel_seed(cfg.seed, state)
     o = cfg.optim
     optimizer = torch.optim.AdamW(param_groups(module, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
@@ -262,10 +261,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
 
     logger = RunLogger(run_dir, main, cfg.trainer.tensorboard_dir)
     if main:
-        m = cfg.model
-        tokens = (m.num_frames // m.tubelet_size) * (m.image_size // m.patch_size) ** 2
         log.info("run dir %s | layout tp=%d pp=%d dp=%d | %s on %s | %d tokens per sample | %d train / %d held-out",
-                 run_dir, layout["tp"], layout["pp"], layout["dp"], precision, device, tokens,
+                 run_dir, layout["tp"], layout["pp"], layout["dp"], precision, device, num_tokens(cfg.model),
                  len(train_ds), len(heldout_ds))
 
     tr = cfg.trainer

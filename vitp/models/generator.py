@@ -197,6 +197,11 @@ class FinalLayer(nn.Module):
         return x.reshape(B, self.C, gt * self.pt, gh * self.p, gw * self.p)
 
 
+def num_tokens(cfg: Any) -> int:
+    """Tokens per sample ``N = (T / pt) * (H / p) * (W / p)``."""
+    return (_get(cfg, "num_frames") // _get(cfg, "tubelet_size")) * (_get(cfg, "image_size") // _get(cfg, "patch_size")) ** 2
+
+
 def validate_model_config(cfg: Any) -> None:
     """Check divisibility constraints; raises ``ValueError`` naming the key and the valid values."""
     D, heads = _get(cfg, "width"), _get(cfg, "num_heads")
