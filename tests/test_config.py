@@ -1,6 +1,5 @@
 """Config composition, schema validation and layout checks."""
 import pytest
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 from hydra.errors import ConfigCompositionException
 
 from conftest import compose_cfg

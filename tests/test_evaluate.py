@@ -1,5 +1,4 @@
 """Held-out evaluation, weight files and sample grids."""
-import json
 
 import pytest
 import torch

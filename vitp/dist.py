@@ -13,7 +13,6 @@ import datetime
 import os
 import re
 import socket
-import sys
 from typing import List, Optional
 
 import torch
@@ -122,9 +121,5 @@ def default_run_dir(output_root: str = "outputs") -> str:
 
 
 def is_main() -> bool:
+    """True on global rank 0, the only rank that writes logs and files."""
     return rank() == 0
-
-
-def sys_argv_for_hydra() -> List[str]:
-    """``sys.argv`` without launcher flags (see :func:`strip_launcher_args`)."""
-    return strip_launcher_args(sys.argv)

@@ -112,11 +112,11 @@ class EMA:
 
     @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:
+        """One EMA step towards ``module``'s current parameters (same names as at construction)."""
         d = min(self.decay, (1 + self.updates) / (10 + self.updates))
         self.updates += 1
-        names = list(self.params)
-        src = dict(module.named_parameters())
-        torch._foreach_lerp_([self.params[n] for n in names], [src[n].detach().float() for n in names], 1 - d)
+        ema, live = zip(*((self.params[n], p.detach().float()) for n, p in module.named_parameters()))
+        torch._foreach_lerp_(list(ema), list(live), 1 - d)
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return dict(self.params)

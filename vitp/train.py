@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import logging
 import math
@@ -26,7 +27,7 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations checks 
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would warn and probe for accelerators
 
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from . import dist  # noqa: E402
 from .config import register_configs, validate_config  # noqa: E402
@@ -267,10 +268,11 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
 
     tr = cfg.trainer
     loader_args = (train_ds, schedule, cfg.objective, cfg.model.num_classes)
-    check_batch_consistency(next(iter(train_loader(*loader_args, start_step=0, stop_step=1, dp_rank=state.dp_rank))),
-                            state)
-    data_iter = iter(train_loader(*loader_args, start_step=0, stop_step=tr.max_steps, dp_rank=state.dp_rank,
-                                  num_workers=cfg.data.num_workers))
+    batches = iter(train_loader(*loader_args, start_step=0, stop_step=tr.max_steps, dp_rank=state.dp_rank,
+                                num_workers=cfg.data.num_workers))
+    first = next(batches)
+    check_batch_consistency(first, state)
+    data_iter = itertools.chain([first], batches)
 
     def full_state(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         # collective (TP gather, then stages to rank 0): every rank calls it, rank 0 gets the result
