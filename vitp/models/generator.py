@@ -19,7 +19,8 @@ import torch.nn as nn
 from timm.layers import Attention, DropPath, LayerScale, Mlp, SwiGLU, build_sincos2d_pos_embed
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
+def config_value(cfg: Any, key: str, default: Any = None) -> Any:
+    """``cfg[key]`` for mappings (dict, DictConfig), ``cfg.key`` for dataclasses; ``default`` if absent."""
     if isinstance(cfg, Mapping):
         return cfg.get(key, default)
     return getattr(cfg, key, default)
@@ -87,15 +88,15 @@ class Embed(nn.Module):
 
     def __init__(self, cfg: Any):
         super().__init__()
-        p, pt, D = _get(cfg, "patch_size"), _get(cfg, "tubelet_size"), _get(cfg, "width")
+        p, pt, D = config_value(cfg, "patch_size"), config_value(cfg, "tubelet_size"), config_value(cfg, "width")
         self.grid = (
-            _get(cfg, "num_frames") // pt,
-            _get(cfg, "image_size") // p,
-            _get(cfg, "image_size") // p,
+            config_value(cfg, "num_frames") // pt,
+            config_value(cfg, "image_size") // p,
+            config_value(cfg, "image_size") // p,
         )
-        self.x_embedder = TubeletEmbed(_get(cfg, "in_channels"), D, p, pt)
+        self.x_embedder = TubeletEmbed(config_value(cfg, "in_channels"), D, p, pt)
         self.t_embedder = TimestepEmbedder(D)
-        self.y_embedder = nn.Embedding(_get(cfg, "num_classes") + 1, D)
+        self.y_embedder = nn.Embedding(config_value(cfg, "num_classes") + 1, D)
         nn.init.normal_(self.y_embedder.weight, std=0.02)
         self.register_buffer("pos_embed", sincos_3d_pos_embed(*self.grid, D)[None], persistent=False)
 
@@ -120,29 +121,29 @@ class Block(nn.Module):
 
     def __init__(self, cfg: Any, drop_path: float = 0.0):
         super().__init__()
-        D = _get(cfg, "width")
-        heads = _get(cfg, "num_heads")
-        hidden = int(D * _get(cfg, "mlp_ratio"))
+        D = config_value(cfg, "width")
+        heads = config_value(cfg, "num_heads")
+        hidden = int(D * config_value(cfg, "mlp_ratio"))
         self.norm1 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.attn = Attention(
             D,
             num_heads=heads,
-            qkv_bias=_get(cfg, "qkv_bias"),
-            qk_norm=_get(cfg, "qk_norm"),
-            attn_drop=_get(cfg, "attn_drop", 0.0),
-            proj_drop=_get(cfg, "proj_drop", 0.0),
+            qkv_bias=config_value(cfg, "qkv_bias"),
+            qk_norm=config_value(cfg, "qk_norm"),
+            attn_drop=config_value(cfg, "attn_drop", 0.0),
+            proj_drop=config_value(cfg, "proj_drop", 0.0),
             norm_layer=nn.LayerNorm,
         )
         self.norm2 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
-        mlp = _get(cfg, "mlp")
+        mlp = config_value(cfg, "mlp")
         if mlp == "gelu":
-            self.mlp = Mlp(D, hidden, act_layer=lambda: nn.GELU(approximate="tanh"), drop=_get(cfg, "proj_drop", 0.0))
+            self.mlp = Mlp(D, hidden, act_layer=lambda: nn.GELU(approximate="tanh"), drop=config_value(cfg, "proj_drop", 0.0))
         elif mlp == "swiglu":
             # 2/3 keeps the parameter count of the GELU MLP (Shazeer 2020).
-            self.mlp = SwiGLU(D, int(hidden * 2 / 3), drop=_get(cfg, "proj_drop", 0.0))
+            self.mlp = SwiGLU(D, int(hidden * 2 / 3), drop=config_value(cfg, "proj_drop", 0.0))
         else:
             raise ValueError(f"model.mlp={mlp!r} is not supported; use 'gelu' or 'swiglu'")
-        init = _get(cfg, "layer_scale_init")
+        init = config_value(cfg, "layer_scale_init")
         self.ls1 = LayerScale(D, init) if init else nn.Identity()
         self.ls2 = LayerScale(D, init) if init else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
@@ -173,12 +174,12 @@ class FinalLayer(nn.Module):
 
     def __init__(self, cfg: Any):
         super().__init__()
-        D = _get(cfg, "width")
-        self.p, self.pt, self.C = _get(cfg, "patch_size"), _get(cfg, "tubelet_size"), _get(cfg, "in_channels")
+        D = config_value(cfg, "width")
+        self.p, self.pt, self.C = config_value(cfg, "patch_size"), config_value(cfg, "tubelet_size"), config_value(cfg, "in_channels")
         self.grid = (
-            _get(cfg, "num_frames") // self.pt,
-            _get(cfg, "image_size") // self.p,
-            _get(cfg, "image_size") // self.p,
+            config_value(cfg, "num_frames") // self.pt,
+            config_value(cfg, "image_size") // self.p,
+            config_value(cfg, "image_size") // self.p,
         )
         self.norm_final = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.linear = nn.Linear(D, self.pt * self.p * self.p * self.C)
@@ -199,14 +200,14 @@ class FinalLayer(nn.Module):
 
 def num_tokens(cfg: Any) -> int:
     """Tokens per sample ``N = (T / pt) * (H / p) * (W / p)``."""
-    return (_get(cfg, "num_frames") // _get(cfg, "tubelet_size")) * (_get(cfg, "image_size") // _get(cfg, "patch_size")) ** 2
+    return (config_value(cfg, "num_frames") // config_value(cfg, "tubelet_size")) * (config_value(cfg, "image_size") // config_value(cfg, "patch_size")) ** 2
 
 
 def validate_model_config(cfg: Any) -> None:
     """Check divisibility constraints; raises ``ValueError`` naming the key and the valid values."""
-    D, heads = _get(cfg, "width"), _get(cfg, "num_heads")
-    size, p = _get(cfg, "image_size"), _get(cfg, "patch_size")
-    T, pt = _get(cfg, "num_frames"), _get(cfg, "tubelet_size")
+    D, heads = config_value(cfg, "width"), config_value(cfg, "num_heads")
+    size, p = config_value(cfg, "image_size"), config_value(cfg, "patch_size")
+    T, pt = config_value(cfg, "num_frames"), config_value(cfg, "tubelet_size")
     if D % heads:
         valid = [h for h in range(1, D + 1) if D % h == 0 and D // h >= 8]
         raise ValueError(f"model.width={D} is not divisible by model.num_heads={heads}; valid num_heads: {valid}")
@@ -218,7 +219,7 @@ def validate_model_config(cfg: Any) -> None:
         )
     if T % pt:
         raise ValueError(f"num_frames {T} is not divisible by model.tubelet_size={pt}")
-    if _get(cfg, "depth") < 1:
+    if config_value(cfg, "depth") < 1:
         raise ValueError("model.depth must be >= 1")
 
 
@@ -228,7 +229,7 @@ def layer_kinds(cfg: Any) -> list:
     The pipeline (:mod:`vitp.pipeline`) and :class:`Generator` build from this same list with
     the same per-layer seed, so their weights are identical at any number of stages.
     """
-    depth, dp = _get(cfg, "depth"), _get(cfg, "drop_path", 0.0)
+    depth, dp = config_value(cfg, "depth"), config_value(cfg, "drop_path", 0.0)
     rates = [dp * i / max(depth - 1, 1) for i in range(depth)]
     return [(Embed, {"cfg": cfg})] + [(Block, {"cfg": cfg, "drop_path": r}) for r in rates] + [(FinalLayer, {"cfg": cfg})]
 

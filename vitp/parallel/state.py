@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Mapping
+from typing import Any, List
 
 import torch.nn as nn
+
+from vitp.models.generator import config_value
 
 
 @dataclass
@@ -82,10 +84,6 @@ def make_state(tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = 
     return from_grid(PipelineParallelGrid(topology=topo), sequence_parallel)
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
-
-
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -108,11 +106,11 @@ def _sizes_of_module(model: nn.Module) -> List[tuple]:
 
 
 def _sizes_of_config(cfg: Any) -> List[tuple]:
-    D = _get(cfg, "width")
-    hidden = int(D * _get(cfg, "mlp_ratio", 4.0))
-    if _get(cfg, "mlp", "gelu") == "swiglu":
+    D = config_value(cfg, "width")
+    hidden = int(D * config_value(cfg, "mlp_ratio", 4.0))
+    if config_value(cfg, "mlp", "gelu") == "swiglu":
         hidden = int(hidden * 2 / 3)  # as vitp.models.generator.Block
-    return [("model.num_heads", _get(cfg, "num_heads")), (f"MLP hidden units (model.mlp={_get(cfg, 'mlp', 'gelu')}, "
+    return [("model.num_heads", config_value(cfg, "num_heads")), (f"MLP hidden units (model.mlp={config_value(cfg, 'mlp', 'gelu')}, "
                                                            f"model.width, model.mlp_ratio)", hidden)]
 
 
