@@ -101,3 +101,15 @@ def test_run_dir_follows_paths_output_root():
     with initialize_config_dir(config_dir=str(importlib.resources.files("vitp.conf")), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["paths.output_root=/data/runs"], return_hydra_config=True)
     assert cfg.hydra.run.dir.startswith("/data/runs/")
+
+
+def test_every_python_package_is_in_the_wheel():
+    # a package missing from pyproject's list works in editable installs but not in `pip install .`
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "vitp").rglob("__init__.py")}
+    found.discard("vitp.conf")  # the conf/ folder is mapped in via package-dir
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
