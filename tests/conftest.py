@@ -60,3 +60,43 @@ def run_ranks(world: int, fn, *args, timeout: float = 300):
 @pytest.fixture
 def smoke_cfg():
     return compose_cfg(["experiment=smoke"])
+
+
+def train_rank(rank, overrides, run_dir):
+    """``vitp.train.train`` on one rank of :func:`run_ranks`; returns per-step losses and grad norms."""
+    from vitp.config import compose
+    from vitp.train import train
+
+    res = train(compose(overrides), run_dir)
+    return {k: res[k] for k in ("losses", "grad_norms", "stopped_at")}
+
+
+def launch(world, args, run_dir, env_extra=None):
+    """Start ``python -m vitp.train *args`` as ``world`` ranks the way torchrun would (env://);
+    returns the ``Popen`` objects (output in ``run_dir.parent / f"rank{r}.log"``)."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(env_extra or {}))
+        out = open(run_dir.parent / f"rank{r}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "-m", "vitp.train", *args, f"hydra.run.dir={run_dir}"],
+                                      env=env, stdout=out, stderr=subprocess.STDOUT, cwd=run_dir.parent))
+    return procs
+
+
+# tp=2 x pp=2 with dropout in attention, projections and drop-path (so the TP and default RNG
+# streams matter), a checkpoint every 2 steps and the held-out evaluation at the end.
+TP2PP2 = ["experiment=smoke", "trainer.max_steps=4", "model.depth=3", "parallel.tp=2", "parallel.pp=2",
+          "model.attn_drop=0.2", "model.proj_drop=0.1", "model.drop_path=0.1", "trainer.checkpoint_every=2",
+          "eval.enabled=true", "eval.classifier_epochs=1", "eval.num_samples=20"]
+
+
+@pytest.fixture(scope="session")
+def tp2pp2_run(tmp_path_factory):
+    """One uninterrupted :data:`TP2PP2` run: ``(run_dir, per-rank results)``."""
+    run = tmp_path_factory.mktemp("tp2pp2") / "run"
+    return run, run_ranks(4, train_rank, TP2PP2, str(run))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_ranks
+from conftest import TP2PP2, run_ranks, train_rank
 from vitp.pipeline import stage_blocks
 
 SMOKE = ["experiment=smoke", "trainer.max_steps=4", "model.depth=3"]
@@ -80,36 +80,15 @@ def test_grad_norm_independent_of_micro_batch_split(tmp_path):
     assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
 
 
-def test_deepspeed_launcher_tp2_pp2_matches_single_process(reference, tmp_path):
-    """``deepspeed --num_gpus 4 --module vitp.train ... parallel.tp=2 parallel.pp=2`` on CPU."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    run = tmp_path / "ds"
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    p = subprocess.run([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--master_port",
-                        str(31500 + os.getpid() % 1000), "--module", "vitp.train", *SMOKE, "parallel.tp=2",
-                        "parallel.pp=2", f"hydra.run.dir={run}"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    _, ref = reference
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [x["loss"] for x in lines] == pytest.approx(ref["losses"], rel=1e-5)
-    assert [x["grad_norm"] for x in lines] == pytest.approx(ref["grad_norms"], rel=1e-5)
-    assert sorted(os.listdir(tmp_path)) == ["ds"]  # one run directory for all ranks
-
-
-def test_activation_checkpointing_with_dropout_is_exact(tmp_path):
+def test_activation_checkpointing_with_dropout_is_exact(tp2pp2_run, tmp_path):
     """tp=2 x pp=2 with attention/projection dropout and drop-path: recomputation replays the
     default and the TP RNG streams, so every step equals the run without checkpointing."""
-    base = [*SMOKE, "parallel.tp=2", "parallel.pp=2", "model.attn_drop=0.2", "model.proj_drop=0.1",
-            "model.drop_path=0.1"]
-    a, _, _, _ = run_ranks(4, _train_two, [*base, "parallel.activation_checkpoint_interval=1"], base, str(tmp_path))
-    ckpt, plain = a
-    assert ckpt["losses"] == pytest.approx(plain["losses"], rel=1e-6)
-    assert ckpt["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-6)
+    _, plain = tp2pp2_run
+    ckpt = run_ranks(4, train_rank, [*TP2PP2, "parallel.activation_checkpoint_interval=1", "eval.enabled=false"],
+                     str(tmp_path / "run"))
+    for a, b in zip(ckpt, plain):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+        assert a["grad_norms"] == pytest.approx(b["grad_norms"], rel=1e-6)
 
 
 def test_zero0_fp32_is_rejected_with_the_fix():

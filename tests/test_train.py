@@ -79,10 +79,14 @@ def test_bf16_training_tracks_fp32(dp_runs, tmp_path):
     assert (tmp_path / "bf16" / "model_ema.safetensors").is_file()
 
 
-def test_rerun_into_an_existing_run_directory_is_refused(dp_runs):
+def test_rerun_into_a_finished_run_directory(dp_runs):
+    """resume=never refuses a used run dir; resume=auto (default) finds it finished: no new step."""
     base, _, _ = dp_runs
-    with pytest.raises(AssertionError, match="already holds a run"):
-        run_ranks(1, _train_rank, ["experiment=smoke"], str(base / "single"))
+    over = ["experiment=smoke", "trainer.max_steps=5"]
+    with pytest.raises(AssertionError, match="already holds a run.*trainer.resume=auto"):
+        run_ranks(1, _train_rank, [*over, "trainer.resume=never"], str(base / "single"))
+    assert run_ranks(1, _train_rank, over, str(base / "single"))[0]["losses"] == []
+    assert [json.loads(x)["step"] for x in (base / "single" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 
 def test_run_directory_contents(dp_runs):

@@ -119,7 +119,13 @@ class TrainerConfig:
     log_every: int = 25  # steps between metrics.jsonl / TensorBoard scalars
     sample_every: int = 500  # steps between sample grids (0 = only at the end)
     eval_every: int = 500  # steps between held-out loss evaluations (0 = only at the end)
-    checkpoint_every: int = 0  # steps between DeepSpeed checkpoints (0 = only at the end)
+    checkpoint_every: int = 500  # steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT)
+    keep_checkpoints: int = 3  # newest complete checkpoints kept (0 = keep all)
+    resume: str = "auto"  # "auto" (latest checkpoint of the run dir, if any) | "never" | path to a checkpoint
+    exit_at_step: Optional[int] = None  # save a checkpoint and exit 0 after this step (resume continues)
+    exit_after_minutes: Optional[float] = None  # same, once this much wall time has passed (time-limited jobs)
+    init_from: Optional[str] = None  # exported vitp .safetensors to start from at any (tp, pp) (weights only)
+    init_from_timm: Optional[str] = None  # timm ViT state dict (.safetensors/.pth) to initialise the blocks from
     progress: bool = True  # tqdm progress bar on rank 0
     tensorboard_dir: Optional[str] = None  # TensorBoard event folder (null = <run dir>/tb)
     export_dir: Optional[str] = None  # also copy final weights and eval.json here (e.g. SM_MODEL_DIR)
@@ -163,7 +169,11 @@ def validate_config(cfg) -> None:
     """Cross-field checks run before any process group exists. Raises ``ValueError`` naming
     the key and the valid values."""
     checks = [
-        (cfg.trainer.max_steps >= 1, f"trainer.max_steps={cfg.trainer.max_steps}; it must be >= 1"),
+        (cfg.trainer.max_steps >= 0, f"trainer.max_steps={cfg.trainer.max_steps}; it must be >= 0 (0 = no training step)"),
+        (cfg.trainer.keep_checkpoints >= 0, f"trainer.keep_checkpoints={cfg.trainer.keep_checkpoints}; it must be >= 0"),
+        (cfg.trainer.checkpoint_every >= 0, f"trainer.checkpoint_every={cfg.trainer.checkpoint_every}; it must be >= 0"),
+        (not (cfg.trainer.init_from and cfg.trainer.init_from_timm),
+         "set trainer.init_from or trainer.init_from_timm, not both"),
         (cfg.sampler.method in ("euler", "heun"), f"sampler.method={cfg.sampler.method!r}; use euler or heun"),
         (cfg.sampler.steps >= 1, f"sampler.steps={cfg.sampler.steps}; it must be >= 1"),
         (len(cfg.sampler.cfg_interval) == 2 and 0 <= cfg.sampler.cfg_interval[0] <= cfg.sampler.cfg_interval[1] <= 1,

@@ -42,39 +42,27 @@ def generator_from_state(model_cfg: Any, state: Dict[str, torch.Tensor], device:
 
 
 def save_weights(run_dir: Path, cfg: DictConfig, ema_state: Dict[str, torch.Tensor],
-                 raw_state: Dict[str, torch.Tensor]) -> None:
-    """Write ``model_ema.safetensors`` and ``model.safetensors`` (Generator keys, full fp32
-    tensors, the run config as JSON metadata). Each file is written to a temporary name and
-    renamed, so a crash never leaves a half-written file under the final name."""
-    from safetensors.torch import save_file
+                 raw_state: Dict[str, torch.Tensor], step: Optional[int] = None) -> None:
+    """Write ``model_ema.safetensors`` and ``model.safetensors`` (+ ``.json`` sidecars) in the
+    export layout of :mod:`vitp.checkpoint` (full fp32 tensors, timm names for the blocks, the
+    run config as metadata). Each file is written to a temporary name and renamed, so a crash
+    never leaves a half-written file under the final name."""
+    from .checkpoint import save_export
 
-    meta = {"vitp_config": json.dumps(OmegaConf.to_container(cfg, resolve=True))}
-    for name, state in (("model_ema.safetensors", ema_state), ("model.safetensors", raw_state)):
-        tmp = run_dir / (name + ".tmp")
-        save_file({k: v.detach().float().contiguous().cpu() for k, v in state.items()}, str(tmp), metadata=meta)
-        os.replace(tmp, run_dir / name)
+    save_export(run_dir / "model_ema.safetensors", ema_state, cfg, step=step, weights="ema")
+    save_export(run_dir / "model.safetensors", raw_state, cfg, step=step, weights="raw")
 
 
 def load_weights(path: str | os.PathLike, device: torch.device | str = "cpu") -> Tuple[Generator, DictConfig]:
-    """Load a ``model*.safetensors`` written by :func:`save_weights`.
+    """``(generator in eval mode, run config)`` from a vitp weights file (an export, or the
+    ``model*.safetensors`` of a run directory).
 
     Raises ``FileNotFoundError`` / ``ValueError`` naming the file when it is missing, corrupt,
-    or lacks the vitp config metadata.
+    or not written by vitp.
     """
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+    from .checkpoint import read_export
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"weights file {path} does not exist (expected model_ema.safetensors in a run directory)")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        state = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for truncated headers
-        raise ValueError(f"weights file {path} is corrupt or not a safetensors file: {e}") from e
-    if "vitp_config" not in meta:
-        raise ValueError(f"weights file {path} has no vitp_config metadata; it was not written by vitp")
+    state, meta = read_export(path)
     cfg = OmegaConf.create(json.loads(meta["vitp_config"]))
     return generator_from_state(cfg.model, state, device), cfg
 

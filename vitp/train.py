@@ -16,7 +16,9 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -27,7 +29,7 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations checks 
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would warn and probe for accelerators
 
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from . import dist  # noqa: E402
 from .config import register_configs, validate_config  # noqa: E402
@@ -111,16 +113,53 @@ def param_groups(module: torch.nn.Module, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+class StopSignal:
+    """SIGTERM / SIGINT -> finish the current step, save a checkpoint, exit 0.
+
+    Schedulers and SageMaker send SIGTERM before killing a job. A second signal aborts at once.
+    :meth:`requested` is collective (one all-reduce), so every rank stops at the same step even
+    when only some of them got the signal.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, device: torch.device):
+        self.device, self.flag, self.previous = device, None, {}
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self.previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.flag is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
+        self.flag = signal.Signals(signum).name
+        log.warning("%s received: finishing this step, then saving a checkpoint", self.flag)
+
+    def requested(self, local: bool = False) -> bool:
+        """True on every rank when any rank got a signal or passes ``local=True``."""
+        mine = self.flag is not None or local
+        if dist.world_size() == 1:
+            return mine
+        t = torch.tensor([1.0 if mine else 0.0], device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item())
+
+    def restore(self) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+
+
 class RunLogger:
     """Rank-0 metrics: ``metrics.jsonl`` (one object per logged step) and TensorBoard events."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard_dir: Optional[str] = None):
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard_dir: Optional[str] = None, start_step: int = 0):
         self.enabled = enabled
         self.tb = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(tensorboard_dir or str(run_dir / "tb"))
+            # purge_step hides events a crashed attempt logged after the checkpoint we resume from
+            self.tb = SummaryWriter(tensorboard_dir or str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
 
     def scalars(self, step: int, values: Dict[str, float], jsonl: bool = True) -> None:
@@ -210,12 +249,13 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     import deepspeed
     from tqdm import tqdm
 
+    from . import checkpoint as ckpt
     from .data import build_datasets
     from .data.loader import BatchSchedule, train_loader
     from .evaluate import evaluate, generator_from_state, save_weights, write_sample_grid
     from .models import num_tokens, validate_model_config
     from .objectives import FlowMatchingLoss
-    from .parallel import from_grid, full_weight, model_parallel_seed, tensor_parallelize, validate_tp
+    from .parallel import from_grid, full_weight, model_parallel_seed, shard_like, tensor_parallelize, validate_tp
     from .pipeline import EMA, build_pipeline, stage_blocks, to_generator_state
 
     for name in ("DeepSpeed", "compilers"):  # DeepSpeed's op probe logs compiler commands
@@ -223,9 +263,12 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     run_dir = Path(run_dir)
     validate_config(cfg)
     validate_model_config(cfg.model)
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints" / "latest").exists():
-        raise ValueError(f"{run_dir} already holds a run (metrics.jsonl / checkpoints); choose a new hydra.run.dir "
-                         f"(resuming in place is not supported yet)")
+    tr = cfg.trainer
+    ckpt_dir = run_dir / "checkpoints"
+    resume_tag = ckpt.find_checkpoint(str(tr.resume), ckpt_dir)
+    if resume_tag is None and (run_dir / "metrics.jsonl").exists() and tr.resume == "never":
+        raise ValueError(f"{run_dir} already holds a run (metrics.jsonl) and trainer.resume=never; choose a new "
+                         f"hydra.run.dir, or use trainer.resume=auto to continue it")
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         log.warning("parallel.sequence_parallel=true has no effect with parallel.tp=1")
     device = dist.resolve_device(cfg.trainer.device)
@@ -233,10 +276,22 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     layout = resolve_layout(cfg.parallel, dist.world_size(), precision)
     validate_tp(cfg.model, layout["tp"])
     stage_blocks(cfg.model.depth, layout["pp"])
+    resume_meta = None
+    if resume_tag is not None:
+        resume_meta = ckpt.verify_checkpoint(resume_tag)
+        ckpt.check_resumable(resume_meta, resume_tag, cfg, layout, precision)
+    start_step = resume_meta["step"] if resume_meta else 0
     dist.init_distributed(device)
     main = dist.is_main()  # rank 0 writes everything
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_dir.glob("*.partial") if ckpt_dir.is_dir() else []:
+            log.warning("removing %s: a checkpoint whose save never finished", stale)
+            shutil.rmtree(stale)
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            dropped = ckpt.truncate_log(run_dir / name, start_step)
+            if dropped:
+                log.warning("%s: dropped %d lines logged after step %d (resuming from there)", name, dropped, start_step)
 
     train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
     schedule = BatchSchedule(len(train_ds), cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size,
@@ -247,6 +302,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
                                 activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
     state = from_grid(module._grid, cfg.parallel.sequence_parallel)
     tensor_parallelize(module, state, seq_len=num_tokens(cfg.model))
+    if resume_tag is None and (tr.init_from or tr.init_from_timm):
+        init_weights(module, cfg, state)
     model_parallel_seed(cfg.seed, state)
     o = cfg.optim
     optimizer = torch.optim.AdamW(param_groups(module, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
@@ -259,20 +316,31 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     # the first optimizer step trains at lr / warmup_steps.
     engine.lr_scheduler.step()
     ema = EMA(engine.module, o.ema_decay)
+    if resume_tag is not None:
+        ckpt.load_training_checkpoint(engine, resume_tag, dist.rank())
+        ema_full, _ = ckpt.read_export(resume_tag / "model_ema.safetensors")
+        with torch.no_grad():
+            for n, p in engine.module.named_parameters():
+                ema.params[n].copy_(shard_like(p, ema_full[ckpt._gen_key(n, cfg.model.depth)], state))
+        ema.updates = resume_meta["ema_updates"]
+        del ema_full
 
-    logger = RunLogger(run_dir, main, cfg.trainer.tensorboard_dir)
+    logger = RunLogger(run_dir, main, tr.tensorboard_dir, start_step)
     if main:
         log.info("run dir %s | layout tp=%d pp=%d dp=%d | %s on %s | %d tokens per sample | %d train / %d held-out",
                  run_dir, layout["tp"], layout["pp"], layout["dp"], precision, device, num_tokens(cfg.model),
                  len(train_ds), len(heldout_ds))
+        if resume_tag is not None:
+            log.info("resumed from %s (step %d of %d)", resume_tag, start_step, tr.max_steps)
 
-    tr = cfg.trainer
-    loader_args = (train_ds, schedule, cfg.objective, cfg.model.num_classes)
-    batches = iter(train_loader(*loader_args, start_step=0, stop_step=tr.max_steps, dp_rank=state.dp_rank,
-                                num_workers=cfg.data.num_workers))
-    first = next(batches)
-    check_batch_consistency(first, state)
-    data_iter = itertools.chain([first], batches)
+    data_iter = None
+    if start_step < tr.max_steps:
+        loader_args = (train_ds, schedule, cfg.objective, cfg.model.num_classes)
+        batches = iter(train_loader(*loader_args, start_step=start_step, stop_step=tr.max_steps,
+                                    dp_rank=state.dp_rank, num_workers=cfg.data.num_workers))
+        first = next(batches)
+        check_batch_consistency(first, state)
+        data_iter = itertools.chain([first], batches)
 
     def full_state(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         # collective (TP gather, then stages to rank 0): every rank calls it, rank 0 gets the result
@@ -306,13 +374,27 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
             f.write(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float))}) + "\n")
         return res
 
+    def full_states():
+        return full_state(ema.state_dict()), full_state({n: p.detach() for n, p in engine.module.named_parameters()})
+
+    def save(step: int):
+        meta = {"tp": layout["tp"], "pp": layout["pp"], "dp": layout["dp"], "precision": precision,
+                "zero_stage": cfg.parallel.zero_stage, "model": OmegaConf.to_container(cfg.model, resolve=True),
+                "ema_updates": ema.updates, "seed": cfg.seed, "global_batch_size": tr.global_batch_size}
+        return ckpt.save_training_checkpoint(engine, ckpt_dir, step, rank=dist.rank(), main=main, meta=meta,
+                                             full_states=full_states, cfg=cfg, keep=tr.keep_checkpoints)
+
     losses, norms = [], []
-    bar = tqdm(total=tr.max_steps, disable=not (main and tr.progress), desc="train", dynamic_ncols=True)
-    if tr.eval_every:
+    bar = tqdm(total=tr.max_steps, initial=start_step, disable=not (main and tr.progress), desc="train",
+               dynamic_ncols=True)
+    if tr.eval_every and start_step == 0:
         heldout_eval(0, final=False)  # the untrained model's held-out loss, for reference
     t_log, n_log = time.perf_counter(), 0
     result: Dict[str, Any] = {}
-    for step in range(1, tr.max_steps + 1):  # step = optimizer steps completed
+    stopper = StopSignal(device)
+    t_start = time.perf_counter()
+    stopped_at, saved = None, None
+    for step in range(start_step + 1, tr.max_steps + 1):  # step = optimizer steps completed
         lr = engine.get_lr()[0]  # the lr this step uses
         loss = engine.train_batch(data_iter=data_iter).item()
         ema.update(engine.module)
@@ -332,21 +414,39 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
             bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
             t_log, n_log = time.perf_counter(), 0
         bar.update(1)
-        if step == 1:
+        if step == start_step + 1:
             log_stages(engine.module, state, device, run_dir)
+        timed_out = tr.exit_after_minutes is not None and time.perf_counter() - t_start > 60 * tr.exit_after_minutes
+        if stopper.requested(local=step == tr.exit_at_step or timed_out) and not last:
+            stopped_at = step
+            break
         if not last and tr.sample_every and step % tr.sample_every == 0:
             sample_grid(step)
         if not last and tr.eval_every and step % tr.eval_every == 0:
             heldout_eval(step, final=False)
         if not last and tr.checkpoint_every and step % tr.checkpoint_every == 0:
-            engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step_{step:07d}")
+            save(step)
     bar.close()
 
-    engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step_{tr.max_steps:07d}")
-    ema_full = full_state(ema.state_dict())
-    raw_full = full_state({n: p.detach() for n, p in engine.module.named_parameters()})
+    if stopped_at is not None:
+        save(stopped_at)
+        stopper.restore()
+        logger.close()
+        if main:
+            why = stopper.flag or ("trainer.exit_at_step" if stopped_at == tr.exit_at_step else "trainer.exit_after_minutes"
+                                   if tr.exit_after_minutes is not None else "a signal on another rank")
+            log.warning("stopped by %s after step %d; checkpoint %s saved. Run the same command again "
+                        "(trainer.resume=auto) to continue", why, stopped_at,
+                        ckpt_dir / ckpt.tag_name(stopped_at))
+        return {"losses": losses, "grad_norms": norms, "eval": {}, "run_dir": str(run_dir), "stopped_at": stopped_at}
+    stopper.restore()
+    if ckpt.tag_name(tr.max_steps) in ckpt.published_tags(ckpt_dir):  # resumed a finished run
+        full = full_states()
+        saved = full if main else None
+    else:
+        saved = save(tr.max_steps)
     if main:
-        save_weights(run_dir, cfg, ema_full, raw_full)
+        save_weights(run_dir, cfg, *saved, step=tr.max_steps)
     sample_grid(tr.max_steps)
     if cfg.eval.enabled:
         result = heldout_eval(tr.max_steps, final=True)
@@ -362,7 +462,43 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
                 shutil.copy2(run_dir / name, export / name)
     if dist.world_size() > 1:
         torch.distributed.barrier()
-    return {"losses": losses, "grad_norms": norms, "eval": result, "run_dir": str(run_dir)}
+    return {"losses": losses, "grad_norms": norms, "eval": result, "run_dir": str(run_dir), "stopped_at": None}
+
+
+def init_weights(module: torch.nn.Module, cfg: DictConfig, state: Any) -> None:
+    """Initialise this rank's pipeline shard from ``trainer.init_from`` (an exported vitp file: all
+    weights, any layout) or ``trainer.init_from_timm`` (a timm ViT state dict: the blocks), logging
+    what was loaded. Raises ``ValueError`` / ``FileNotFoundError`` naming the file and the problem."""
+    from . import checkpoint as ckpt
+    from .models import Generator
+
+    tr, depth = cfg.trainer, cfg.model.depth
+    if tr.init_from:
+        full, meta = ckpt.read_export(tr.init_from)
+        file_model = json.loads(meta.get("vitp_model") or json.dumps(json.loads(meta["vitp_config"])["model"]))
+        ckpt.check_model_matches(file_model, cfg.model, ckpt.ARCH_KEYS, tr.init_from,
+                                 "set those model.* keys to the file's values (see its .json sidecar)")
+        ckpt.load_full_into_pipeline(module, full, state, depth, source=tr.init_from, strict=True)
+        if dist.is_main():
+            log.info("initialised all %d tensors from %s (step %s, %s weights)", len(full), tr.init_from,
+                     meta.get("step", "?"), meta.get("weights", "?"))
+        return
+    blocks, unused = ckpt.timm_block_state(ckpt.load_timm_state(tr.init_from_timm), depth, tr.init_from_timm)
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Generator(OmegaConf.to_container(cfg.model, resolve=True)).state_dict().items()}
+    unexpected = unused + [k for k in blocks if k not in expected]
+    loaded = {k: v for k, v in blocks.items() if k in expected}
+    for k in expected:  # in model order, so the first mismatch is reported
+        if k in loaded and tuple(loaded[k].shape) != expected[k]:
+            raise ValueError(f"{tr.init_from_timm}: {k} has shape {tuple(loaded[k].shape)} but the model expects {expected[k]}")
+    if not loaded:
+        raise ValueError(f"{tr.init_from_timm}: no tensor matches a generator block parameter; check model.width/depth")
+    ckpt.load_full_into_pipeline(module, loaded, state, depth, source=tr.init_from_timm, strict=False)
+    if dist.is_main():
+        missing = [k for k in expected if k not in loaded]
+        log.info("init_from_timm %s: loaded %d tensors (%s ...); missing, kept at initialisation: %d (%s ...); "
+                 "unexpected, ignored: %d (%s ...)", tr.init_from_timm, len(loaded), ", ".join(list(loaded)[:3]),
+                 len(missing), ", ".join(missing[:3]), len(unexpected), ", ".join(unexpected[:3]))
 
 
 def _hydra_entry() -> None:
@@ -374,7 +510,7 @@ def _hydra_entry() -> None:
     @hydra.main(version_base="1.3", config_path=_config_path(), config_name="config")
     def _main(cfg: DictConfig) -> None:
         try:
-            train(cfg, HydraConfig.get().runtime.output_dir)
+            train(cfg, HydraConfig.get().runtime.output_dir)  # returns normally after a SIGTERM save: exit 0
         except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: message, no traceback
             log.error("vitp-train: %s: %s", type(e).__name__, e)
             sys.exit(2)

@@ -151,4 +151,7 @@ def train_loader(
         collate_fn=FlowCollate(objective, num_classes),
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        # items are keyed, so the loader needs no randomness; its own generator keeps it from
+        # drawing from the global RNG (dropout), which a resumed run restores from the checkpoint
+        generator=torch.Generator().manual_seed(0),
     )

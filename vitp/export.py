@@ -1,0 +1,80 @@
+"""``vitp-export``: one consolidated safetensors file from a vitp checkpoint.
+
+The file holds full (unsharded) fp32 tensors, the ViT blocks under timm's names and layouts and
+the model config (metadata + ``.json`` sidecar); see :mod:`vitp.checkpoint`. It loads into any
+``(tp, pp)`` with ``trainer.init_from=FILE``, samples with ``vitp-sample FILE``, and its blocks
+load into a stock timm ViT.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from omegaconf import OmegaConf
+
+from . import checkpoint as ckpt
+
+
+def resolve_source(source: Path, weights: str) -> Tuple[Path, Optional[int], Path]:
+    """``(weights file, step, run dir)`` for a run dir, checkpoints folder, tag folder or file.
+
+    Raises ``FileNotFoundError`` / ``ValueError`` naming the path when it holds no complete checkpoint.
+    """
+    name = "model_ema.safetensors" if weights == "ema" else "model.safetensors"
+    if source.is_file():
+        return source, None, source.parent
+    if (source / ckpt.META).is_file() or source.name.endswith(".partial"):
+        tag = source
+    elif (source / ckpt.LATEST).is_file():
+        tag = ckpt.find_checkpoint(str(source), source)
+    elif (source / "checkpoints" / ckpt.LATEST).is_file():
+        tag = ckpt.find_checkpoint("auto", source / "checkpoints")
+    elif (source / name).is_file():  # a finished run without checkpoints
+        return source / name, None, source
+    else:
+        raise FileNotFoundError(f"{source} holds no vitp checkpoint (expected a run directory, its checkpoints/ "
+                                f"folder, a checkpoints/step_NNNNNNN folder, or a .safetensors file)")
+    meta = ckpt.verify_checkpoint(tag)
+    return tag / name, meta["step"], tag.parent.parent
+
+
+def run(argv: Optional[List[str]] = None) -> Path:
+    """``vitp-export SOURCE [-o OUT.safetensors] [--weights ema|raw]``; returns the written path."""
+    p = argparse.ArgumentParser(prog="vitp-export", description=__doc__.splitlines()[0])
+    p.add_argument("source", type=Path, help="run directory (its latest checkpoint), checkpoints folder, "
+                                             "checkpoint tag folder, or a vitp .safetensors file")
+    p.add_argument("-o", "--out", type=Path, default=None,
+                   help="output file (default: <run dir>/export/<step>_<weights>.safetensors)")
+    p.add_argument("--weights", choices=["ema", "raw"], default="ema", help="EMA (for sampling) or raw weights")
+    a = p.parse_args(argv)
+    src, step, run_dir = resolve_source(a.source, a.weights)
+    state, meta = ckpt.read_export(src)
+    if step is None:
+        step = int(meta.get("step", -1))
+    out = a.out or run_dir / "export" / f"{ckpt.tag_name(max(step, 0))}_{a.weights}.safetensors"
+    if out.suffix != ".safetensors":
+        p.error(f"--out {out}: use a .safetensors file name")
+    if out.resolve() == src.resolve():
+        p.error(f"--out {out} is the source file; choose another name")
+    cfg = OmegaConf.create(json.loads(meta["vitp_config"]))
+    ckpt.save_export(out, state, cfg, step=step, weights=a.weights)
+    n = sum(v.numel() for v in state.values())
+    print(f"wrote {out} ({len(state)} tensors, {n / 1e6:.3f}M parameters, step {step}, {a.weights} weights) "
+          f"and {out.with_suffix('.json')}")
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Console entry point; bad input exits with a one-line message (status 2)."""
+    try:
+        run(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"vitp-export: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
