@@ -107,16 +107,16 @@ def probe_video(path: Union[str, Path]) -> dict:
             if not container.streams.video:
                 return {"ok": False, "reason": "no video stream"}
             stream = container.streams.video[0]
-            pts = []
-            for packet in container.demux(stream):
+            pts, first = [], None
+            for packet in container.demux(stream):  # one pass: every packet's timestamp, the first frame
                 ts = packet.pts if packet.pts is not None else packet.dts
                 if ts is not None and packet.size > 0:
                     pts.append(int(ts))
+                if first is None:
+                    first = next(iter(packet.decode()), None)
             pts = sorted(set(pts))
             if not pts:
                 return {"ok": False, "reason": "no video packets"}
-            container.seek(pts[0], stream=stream, backward=True)
-            first = next(iter(container.decode(stream)), None)
             if first is None:
                 return {"ok": False, "reason": "no decodable frame"}
             tb = stream.time_base or Fraction(1, 1)
