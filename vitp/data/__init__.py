@@ -1,4 +1,4 @@
-"""Datasets keyed by ``(index, aug_seed)`` and the train / held-out split."""
+"""Datasets keyed by ``(index, aug_seed)`` (images, video clips) and the train / held-out split."""
 from vitp.data.datasets import (
     IMAGE_EXTENSIONS,
     DigitsDataset,
@@ -9,6 +9,8 @@ from vitp.data.datasets import (
     build_datasets,
     stratified_split,
 )
+from vitp.data.video import VIDEO_EXTENSIONS, VideoFolderDataset, probe_video
+
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -19,4 +21,7 @@ __all__ = [
     "SyntheticDataset",
     "build_datasets",
     "stratified_split",
+    "VIDEO_EXTENSIONS",
+    "VideoFolderDataset",
+    "probe_video",
 ]

