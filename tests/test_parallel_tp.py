@@ -332,18 +332,18 @@ def _worker_tp2(rank, cfgs):
     res["comm"] = comm
     # a factorized (spatial / temporal) block communicates exactly as a full block: one all-gather
     # and one reduce-scatter around attention (their transposes in backward), N = 27 -> 28
-    vcfg, N = cfgs["video_factorized"], 27
+    vcfg, nv = cfgs["video_factorized"], 27
     res["comm_video"] = {}
     for kind in ("full", "spatial", "temporal"):
         torch.manual_seed(4)
         blk = Block(vcfg, attention=kind)
         _perturb(blk)
-        tensor_parallelize(blk, states[True], seq_len=N)
-        x = torch.randn(B, N, D, requires_grad=True)
+        tensor_parallelize(blk, states[True], seq_len=nv)
+        x = torch.randn(B, nv, D, requires_grad=True)
         c = torch.randn(B, D, requires_grad=True)
         with CommRecorder() as rec:
             y = blk(sequence_parallel_enter(x, states[True]), c)
-            (sequence_parallel_exit(y, states[True], N) ** 2).sum().backward()
+            (sequence_parallel_exit(y, states[True], nv) ** 2).sum().backward()
         res["comm_video"][kind] = rec.summary()
     res["comm_elem"] = {"BND": B * N * D * 4, "B6D": B * 6 * D * 4, "D": D * 4}
     return res
