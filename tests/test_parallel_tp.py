@@ -29,6 +29,10 @@ from vitp.parallel.layers import unshard_parts
 B = 2
 
 
+VIDEO = ["data=synthetic", "data.channels=3", "data.num_classes=4", "data.num_frames=6", "data.resolution=6",
+         "model.tubelet_size=2"]
+
+
 def _model_cfgs():
     base = ["experiment=smoke", "model.num_heads=4"]
     variants = {
@@ -38,6 +42,10 @@ def _model_cfgs():
         "swiglu": ["model.mlp=swiglu", "model.mlp_ratio=3"],
         "layer_scale": ["model.layer_scale_init=0.1"],
         "odd_tokens": ["data.resolution=6", "model.qk_norm=true", "model.layer_scale_init=0.1"],  # N = 9
+        # video: grid (gt, gh, gw) = (3, 3, 3), N = 27 (padded to 28 under SP, so a shard boundary
+        # falls inside a frame); depth 2 = one spatial + one temporal block when factorized
+        "video_full": VIDEO,
+        "video_factorized": [*VIDEO, "model.attention=factorized", "model.qk_norm=true"],
     }
     return {k: OmegaConf.to_container(compose_cfg(base + v).model, resolve=True) for k, v in variants.items()}
 
@@ -83,7 +91,8 @@ def _build(kind, cfg):
         model = _double(Generator(cfg, seed=0))
         g = torch.Generator().manual_seed(2)
         R, C = cfg["image_size"], cfg["in_channels"]
-        inputs = (torch.randn(B, C, 1, R, R, generator=g, dtype=torch.float64), torch.rand(B, generator=g),
+        inputs = (torch.randn(B, C, cfg["num_frames"], R, R, generator=g, dtype=torch.float64),
+                  torch.rand(B, generator=g),
                   torch.randint(0, cfg["num_classes"] + 1, (B,), generator=g))
     _perturb(model)
     with torch.no_grad():
@@ -321,6 +330,21 @@ def _worker_tp2(rank, cfgs):
             (sequence_parallel_exit(y, state, N) ** 2).sum().backward()
         comm[sp] = {"summary": rec.summary(), "wire": rec.wire_bytes(tag="tp")}
     res["comm"] = comm
+    # a factorized (spatial / temporal) block communicates exactly as a full block: one all-gather
+    # and one reduce-scatter around attention (their transposes in backward), N = 27 -> 28
+    vcfg, nv = cfgs["video_factorized"], 27
+    res["comm_video"] = {}
+    for kind in ("full", "spatial", "temporal"):
+        torch.manual_seed(4)
+        blk = Block(vcfg, attention=kind)
+        _perturb(blk)
+        tensor_parallelize(blk, states[True], seq_len=nv)
+        x = torch.randn(B, nv, D, requires_grad=True)
+        c = torch.randn(B, D, requires_grad=True)
+        with CommRecorder() as rec:
+            y = blk(sequence_parallel_enter(x, states[True]), c)
+            (sequence_parallel_exit(y, states[True], nv) ** 2).sum().backward()
+        res["comm_video"][kind] = rec.summary()
     res["comm_elem"] = {"BND": B * N * D * 4, "B6D": B * 6 * D * 4, "D": D * 4}
     return res
 
@@ -339,6 +363,7 @@ def _worker_tp4(rank, cfgs):
         state = dataclasses.replace(base, sequence_parallel=sp)
         res[f"gen/odd_tokens/sp={sp}"] = _parity("gen", cfgs["odd_tokens"], state)  # N = 9 -> 12 at tp=4
         res[f"gen/default/sp={sp}"] = _parity("gen", cfgs["default"], state)
+        res[f"gen/video_factorized/sp={sp}"] = _parity("gen", cfgs["video_factorized"], state)  # N = 27 -> 28
         res[f"vit/plain/sp={sp}"] = _parity("vit", None, state)  # N = 19 -> 20
     # tp=2 x dp=2: default stream shared by a TP group only, TP stream unique everywhere
     st = make_state(tp=2, dp=2)
@@ -378,7 +403,7 @@ def _check(r, key):
 
 PARITY_KEYS = [f"{m}/sp={sp}" for sp in (False, True) for m in
                ["gen/default", "gen/no_qkv_bias", "gen/qk_norm", "gen/swiglu", "gen/layer_scale", "gen/odd_tokens",
-                "vit/plain", "vit/packed"]]
+                "gen/video_full", "gen/video_factorized", "vit/plain", "vit/packed"]]
 
 
 @pytest.mark.parametrize("key", PARITY_KEYS)
@@ -388,7 +413,7 @@ def test_tp2_matches_reference(tp2, key):
 
 
 @pytest.mark.parametrize("key", [f"{m}/sp={sp}" for sp in (False, True)
-                                 for m in ["gen/odd_tokens", "gen/default", "vit/plain"]])
+                                 for m in ["gen/odd_tokens", "gen/default", "gen/video_factorized", "vit/plain"]])
 def test_tp4_matches_reference(tp4, key):
     for rank_res in tp4:
         _check(rank_res[key], key)
@@ -472,6 +497,15 @@ def test_comm_matches_theory(tp2):
     assert s.pop(("all_gather", "bwd", "sp_boundary")) == {"count": 1, "bytes": e["BND"]}  # enter's backward
     assert not s, s
     assert on["wire"] == off["wire"]  # same per-rank volume (ring algorithms)
+
+
+def test_factorized_attention_comm_equals_full(tp2):
+    full = tp2[0]["comm_video"]["full"]
+    for direction in ("fwd", "bwd"):  # attention + MLP
+        assert full[("all_gather", direction, "tp")]["count"] == 2
+        assert full[("reduce_scatter", direction, "tp")]["count"] == 2
+    for kind in ("spatial", "temporal"):
+        assert tp2[0]["comm_video"][kind] == full, kind
 
 
 # ----------------------------------------------------------------------------- single process

@@ -37,6 +37,7 @@ class ModelConfig:
     attn_drop: float = 0.0  # dropout on attention probabilities
     proj_drop: float = 0.0  # dropout after attention proj and MLP fc2
     drop_path: float = 0.0  # stochastic depth rate, linearly increasing over blocks
+    attention: str = "full"  # "full" (joint over T*H*W tokens) | "factorized" (Latte: even blocks spatial, odd temporal)
 
 
 @dataclass

@@ -4,11 +4,14 @@ from .generator import (
     Embed,
     FinalLayer,
     Generator,
+    GridAttention,
+    TokenGroups,
     TubeletEmbed,
     layer_kinds,
     num_tokens,
     seed_layer,
     sincos_3d_pos_embed,
+    token_grid,
     validate_model_config,
 )
 
@@ -17,10 +20,13 @@ __all__ = [
     "Embed",
     "FinalLayer",
     "Generator",
+    "GridAttention",
+    "TokenGroups",
     "TubeletEmbed",
     "layer_kinds",
     "num_tokens",
     "seed_layer",
     "sincos_3d_pos_embed",
+    "token_grid",
     "validate_model_config",
 ]

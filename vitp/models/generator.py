@@ -6,13 +6,31 @@ timm ``Attention`` as ``attn`` and a timm ``Mlp``/``SwiGLU`` as ``mlp``; tensor 
 replaces exactly those two submodules, so this file contains no parallel code.
 
 Shapes: video/image ``x`` is ``(B, C, T, H, W)`` (an image is ``T=1``); tokens are
-``(B, N, D)`` with ``N = (T/pt) * (H/p) * (W/p)``; the conditioning ``c`` is ``(B, D)``.
+``(B, N, D)`` with ``N = (T/pt) * (H/p) * (W/p)`` ordered ``(t, h, w)`` row-major; the
+conditioning ``c`` is ``(B, D)``.
+
+Attention modes (``model.attention``):
+
+- ``full``: every block attends jointly over all ``N`` tokens.
+- ``factorized``: Latte's alternating variant (Ma et al. 2024, arXiv 2401.03048, variant 1):
+  even blocks attend spatially over ``(B * gt, gh * gw, D)``, odd blocks temporally over
+  ``(B * gh * gw, gt, D)``. The parameters are those of the full model (same shapes and
+  state-dict keys), so weights are interchangeable. Only the attention call is regrouped
+  (:class:`TokenGroups`); norms, adaLN and MLP are token-wise. With ``gt == 1`` a spatial
+  block equals a full block and a temporal block attends over one token (its output is
+  ``proj(v)`` of that token).
+
+The regrouping is a property of the attention call, not of the block's tensors: the block
+calls ``self.attn(x, token_groups=...)`` and the attention (:class:`GridAttention` here, or
+:class:`vitp.parallel.TPAttention` after the tensor-parallel swap) regroups the full token
+sequence around its head-wise core. Under sequence parallelism that is after the all-gather
+and before the reduce-scatter (see :mod:`vitp.parallel.timm_tp`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, is_dataclass
-from typing import Any, Mapping, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -44,6 +62,13 @@ def sincos_3d_pos_embed(grid_t: int, grid_h: int, grid_w: int, dim: int) -> torc
     spatial = build_sincos2d_pos_embed([grid_h, grid_w], dim=dim)  # (H*W, D)
     temporal = sincos_1d(torch.arange(grid_t), dim)  # (T, D)
     return (temporal[:, None, :] + spatial[None, :, :]).reshape(grid_t * grid_h * grid_w, dim)
+
+
+def token_grid(cfg: Any) -> Tuple[int, int, int]:
+    """Token grid ``(gt, gh, gw) = (T / pt, H / p, W / p)``."""
+    p, pt = config_value(cfg, "patch_size"), config_value(cfg, "tubelet_size")
+    return (config_value(cfg, "num_frames") // pt, config_value(cfg, "image_size") // p,
+            config_value(cfg, "image_size") // p)
 
 
 class TubeletEmbed(nn.Module):
@@ -89,11 +114,7 @@ class Embed(nn.Module):
     def __init__(self, cfg: Any):
         super().__init__()
         p, pt, D = config_value(cfg, "patch_size"), config_value(cfg, "tubelet_size"), config_value(cfg, "width")
-        self.grid = (
-            config_value(cfg, "num_frames") // pt,
-            config_value(cfg, "image_size") // p,
-            config_value(cfg, "image_size") // p,
-        )
+        self.grid = token_grid(cfg)
         self.x_embedder = TubeletEmbed(config_value(cfg, "in_channels"), D, p, pt)
         self.t_embedder = TimestepEmbedder(D)
         self.y_embedder = nn.Embedding(config_value(cfg, "num_classes") + 1, D)
@@ -107,25 +128,89 @@ class Embed(nn.Module):
         return tokens, c
 
 
+ATTENTION_MODES = ("full", "factorized")
+
+
+class TokenGroups:
+    """Regrouping of a ``(t, h, w)``-ordered token sequence into independent attention groups.
+
+    ``kind="spatial"``: ``(B, gt*gh*gw, F)`` -> ``(B*gt, gh*gw, F)`` (one group per frame, a view).
+    ``kind="temporal"``: ``(B, gt*gh*gw, F)`` -> ``(B*gh*gw, gt, F)`` (one group per position).
+    ``ungroup`` is the exact inverse. Any feature width ``F`` works, so a tensor-parallel
+    attention can regroup its local ``qkv`` and output columns.
+    """
+
+    KINDS = ("spatial", "temporal")
+
+    def __init__(self, kind: str, grid: Tuple[int, int, int]):
+        if kind not in self.KINDS:
+            raise ValueError(f"token group kind {kind!r}; use one of {self.KINDS}")
+        self.kind, self.grid = kind, tuple(int(g) for g in grid)
+        self.num_tokens = math.prod(self.grid)
+
+    def __repr__(self) -> str:
+        return f"TokenGroups({self.kind!r}, grid={self.grid})"
+
+    def group(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, F = x.shape
+        if N != self.num_tokens:
+            raise ValueError(f"{self!r}: got {N} tokens, the grid holds {self.num_tokens}")
+        gt, gh, gw = self.grid
+        if self.kind == "spatial":
+            return x.reshape(B * gt, gh * gw, F)
+        return x.reshape(B, gt, gh * gw, F).transpose(1, 2).reshape(B * gh * gw, gt, F)
+
+    def ungroup(self, x: torch.Tensor) -> torch.Tensor:
+        gt, gh, gw = self.grid
+        F = x.shape[-1]
+        if self.kind == "spatial":
+            return x.reshape(-1, self.num_tokens, F)
+        return x.reshape(-1, gh * gw, gt, F).transpose(1, 2).reshape(-1, self.num_tokens, F)
+
+
+class GridAttention(Attention):
+    """timm ``Attention`` (same parameters, init and state-dict keys; the tensor-parallel swap
+    replaces it like any timm ``Attention``) whose forward optionally regroups tokens:
+    ``forward(x (B, N, D), token_groups=None) -> (B, N, D)``; with ``token_groups`` timm's
+    forward sees a plain ``(B', N', D)`` batch of groups.
+    """
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                token_groups: Optional[TokenGroups] = None) -> torch.Tensor:
+        if token_groups is None:
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+        if attn_mask is not None or is_causal:
+            raise ValueError("attention masks are not supported with token_groups")
+        return token_groups.ungroup(super().forward(token_groups.group(x)))
+
+
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """adaLN modulation: ``x (B, N, D) * (1 + scale (B, D)) + shift (B, D)``."""
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
 class Block(nn.Module):
-    """DiT adaLN-Zero block around timm's ``Attention`` (``self.attn``) and ``Mlp``/``SwiGLU``
-    (``self.mlp``). ``forward(x (B, N, D), c (B, D)) -> (B, N, D)``.
+    """DiT adaLN-Zero block around timm's ``Attention`` (``self.attn``, a :class:`GridAttention`)
+    and ``Mlp``/``SwiGLU`` (``self.mlp``). ``forward(x (B, N, D), c (B, D)) -> (B, N, D)``.
 
+    ``attention``: ``"full"`` (all ``N`` tokens), ``"spatial"`` or ``"temporal"`` (regrouped
+    with :class:`TokenGroups` over the config's token grid); the parameters do not depend on it.
     The gates start at zero (adaLN-Zero), so each block is the identity at initialisation.
     """
 
-    def __init__(self, cfg: Any, drop_path: float = 0.0):
+    def __init__(self, cfg: Any, drop_path: float = 0.0, attention: str = "full"):
         super().__init__()
         D = config_value(cfg, "width")
         heads = config_value(cfg, "num_heads")
         hidden = int(D * config_value(cfg, "mlp_ratio"))
+        if attention == "full":
+            self.token_groups = None
+        elif attention in TokenGroups.KINDS:
+            self.token_groups = TokenGroups(attention, token_grid(cfg))
+        else:
+            raise ValueError(f"block attention {attention!r}; use 'full', 'spatial' or 'temporal'")
         self.norm1 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
-        self.attn = Attention(
+        self.attn = GridAttention(
             D,
             num_heads=heads,
             qkv_bias=config_value(cfg, "qkv_bias"),
@@ -163,7 +248,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=-1)
-        h = self.ls1(self.attn(modulate(self.norm1(x), shift1, scale1)))
+        h = modulate(self.norm1(x), shift1, scale1)
+        h = self.ls1(self.attn(h) if self.token_groups is None else self.attn(h, token_groups=self.token_groups))
         x = x + self.drop_path1(gate1.unsqueeze(1) * h)
         h = self.ls2(self.mlp(modulate(self.norm2(x), shift2, scale2)))
         return x + self.drop_path2(gate2.unsqueeze(1) * h)
@@ -176,11 +262,7 @@ class FinalLayer(nn.Module):
         super().__init__()
         D = config_value(cfg, "width")
         self.p, self.pt, self.C = config_value(cfg, "patch_size"), config_value(cfg, "tubelet_size"), config_value(cfg, "in_channels")
-        self.grid = (
-            config_value(cfg, "num_frames") // self.pt,
-            config_value(cfg, "image_size") // self.p,
-            config_value(cfg, "image_size") // self.p,
-        )
+        self.grid = token_grid(cfg)
         self.norm_final = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.linear = nn.Linear(D, self.pt * self.p * self.p * self.C)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(D, 2 * D))
@@ -200,7 +282,7 @@ class FinalLayer(nn.Module):
 
 def num_tokens(cfg: Any) -> int:
     """Tokens per sample ``N = (T / pt) * (H / p) * (W / p)``."""
-    return (config_value(cfg, "num_frames") // config_value(cfg, "tubelet_size")) * (config_value(cfg, "image_size") // config_value(cfg, "patch_size")) ** 2
+    return math.prod(token_grid(cfg))
 
 
 def validate_model_config(cfg: Any) -> None:
@@ -221,17 +303,29 @@ def validate_model_config(cfg: Any) -> None:
         raise ValueError(f"num_frames {T} is not divisible by model.tubelet_size={pt}")
     if config_value(cfg, "depth") < 1:
         raise ValueError("model.depth must be >= 1")
+    attention = config_value(cfg, "attention", "full")
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"model.attention={attention!r} is not supported; use one of {list(ATTENTION_MODES)}")
+    if attention == "factorized" and T // pt < 1:
+        # gt == 1 is allowed: temporal blocks then attend over a single token (value/proj path).
+        raise ValueError(f"model.attention=factorized needs num_frames / model.tubelet_size >= 1, "
+                         f"got {T} / {pt}")
 
 
 def layer_kinds(cfg: Any) -> list:
     """The generator as an ordered list of ``(class, kwargs)``: Embed, depth x Block, FinalLayer.
 
     The pipeline (:mod:`vitp.pipeline`) and :class:`Generator` build from this same list with
-    the same per-layer seed, so their weights are identical at any number of stages.
+    the same per-layer seed, so their weights are identical at any number of stages. Block
+    ``i`` gets ``attention="full"``, or for ``model.attention=factorized`` ``"spatial"`` (even
+    ``i``) / ``"temporal"`` (odd ``i``).
     """
     depth, dp = config_value(cfg, "depth"), config_value(cfg, "drop_path", 0.0)
     rates = [dp * i / max(depth - 1, 1) for i in range(depth)]
-    return [(Embed, {"cfg": cfg})] + [(Block, {"cfg": cfg, "drop_path": r}) for r in rates] + [(FinalLayer, {"cfg": cfg})]
+    mode = config_value(cfg, "attention", "full")
+    kinds = ["full"] * depth if mode == "full" else ["spatial" if i % 2 == 0 else "temporal" for i in range(depth)]
+    blocks = [(Block, {"cfg": cfg, "drop_path": r, "attention": k}) for r, k in zip(rates, kinds)]
+    return [(Embed, {"cfg": cfg})] + blocks + [(FinalLayer, {"cfg": cfg})]
 
 
 def seed_layer(seed: int) -> None:

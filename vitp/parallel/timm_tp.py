@@ -18,6 +18,24 @@ rank holds ``ceil(N / tp)`` tokens (``(B, N_pad / tp, D)``). When ``N`` is not a
 drops the pad tokens before attending (they are never keys or queries), token-wise layers just
 carry them, and :func:`sequence_parallel_exit` cuts them off, so their gradient is zero and the
 result equals the unpadded model.
+
+Factorized (space/time) attention composes with SP inside :class:`TPAttention`. A generator
+block calls ``attn(x, token_groups=TokenGroups(kind, grid))`` (:mod:`vitp.models.generator`);
+regrouping needs the whole ``(t, h, w)`` grid, which no rank holds outside attention, so
+``TPAttention.forward`` does, in order:
+
+1. ``qkv`` (column parallel): all-gather the token shards (SP) -> ``(B, N_pad, 3 H/tp hd)``;
+2. drop the ``N_pad - N`` pad rows, then ``token_groups.group``: ``(B*gt, gh*gw, .)`` (spatial)
+   or ``(B*gh*gw, gt, .)`` (temporal) -- a reshape/transpose of local columns, no communication;
+3. attention over the local heads within each group;
+4. ``token_groups.ungroup`` back to ``(B, N, H/tp hd)``, re-pad to ``N_pad`` rows;
+5. ``proj`` (row parallel): reduce-scatter back to the token shards (SP).
+
+So a factorized block moves exactly what a full block moves: one all-gather and one
+reduce-scatter around attention (forward; their transposes in backward), or without SP the same
+single all-reduce. Regrouping the ``qkv`` output instead of the block input is exact because
+``qkv`` and ``proj`` are token-wise. Without tensor parallelism the timm attention regroups its
+input instead (:class:`vitp.models.GridAttention`), which is the same computation.
 """
 from __future__ import annotations
 
@@ -58,9 +76,12 @@ def _check_divisible(what: str, value: int, tp: int) -> None:
 class TPAttention(nn.Module):
     """timm ``Attention`` over this rank's ``H / tp`` heads.
 
-    ``forward(x, attn_mask=None, is_causal=False)``: ``(B, N, D)`` -> ``(B, N, D)``, or with
-    sequence parallelism ``(B, N_pad / tp, D)`` -> ``(B, N_pad / tp, D)``. ``attn_mask`` is for the
-    unpadded ``N`` tokens; a per-head mask ``(B, H, N, N)`` is cut to the local heads.
+    ``forward(x, attn_mask=None, is_causal=False, token_groups=None)``: ``(B, N, D)`` ->
+    ``(B, N, D)``, or with sequence parallelism ``(B, N_pad / tp, D)`` -> ``(B, N_pad / tp, D)``.
+    ``attn_mask`` is for the unpadded ``N`` tokens; a per-head mask ``(B, H, N, N)`` is cut to the
+    local heads. ``token_groups`` (:class:`vitp.models.TokenGroups`: ``group``/``ungroup`` of
+    ``(B, N, F)`` token sequences, ``num_tokens`` = N) makes attention run within groups (spatial or temporal) of
+    the full, gathered and unpadded sequence (see the module docstring); no mask then.
     Attention-probability dropout is drawn from the TP-rank-specific RNG stream, and only in
     training mode.
     """
@@ -102,17 +123,24 @@ class TPAttention(nn.Module):
         """
         return cls(attn, state, seq_info)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                token_groups=None) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, N_pad, 3 * H/tp * hd); gathers tokens under SP
-        B, n_pad, _ = qkv.shape
-        n = n_pad
+        n_pad = n = qkv.shape[1]
         if self.sequence_parallel and self.seq_info is not None and self.seq_info.seq_len is not None:
             n = self.seq_info.seq_len
-            if not 0 <= n_pad - n < self.tp_size:
+        elif self.sequence_parallel and token_groups is not None:
+            n = token_groups.num_tokens
+        if n != n_pad:
+            if not 0 < n_pad - n < self.tp_size:
                 raise ValueError(f"sequence parallel: {n_pad} gathered tokens for seq_len={n} at tp={self.tp_size}")
             qkv = qkv[:, :n]
-        q, k, v = qkv.reshape(B, n, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        if token_groups is not None:
+            if attn_mask is not None or is_causal:
+                raise ValueError("attention masks are not supported with token_groups")
+            qkv = token_groups.group(qkv)  # (B', N', 3 * H/tp * hd): groups of the full sequence
+        bg, ng = qkv.shape[:2]
+        q, k, v = qkv.reshape(bg, ng, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[1] == self.num_heads > 1:
             h0 = self.local_heads * self.tp_rank
@@ -121,7 +149,9 @@ class TPAttention(nn.Module):
         with sharded_fork(p, self.training, q.device, self.tp_size):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal,
                                                scale=self.scale)
-        o = o.transpose(1, 2).reshape(B, n, self.local_heads * self.head_dim)
+        o = o.transpose(1, 2).reshape(bg, ng, self.local_heads * self.head_dim)
+        if token_groups is not None:
+            o = token_groups.ungroup(o)  # (B, N, H/tp * hd)
         if n != n_pad:
             o = F.pad(o, (0, 0, 0, n_pad - n))  # pad rows: proj gives just the bias there
         o = self.proj(o)  # all-reduce, or reduce-scatter under SP
