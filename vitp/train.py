@@ -360,8 +360,10 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     def sample_grid(step: int) -> None:
         gen = ema_generator()
         if main:
-            grid = write_sample_grid(gen, cfg, run_dir / "samples" / f"step_{step:07d}.png")
-            logger.image("samples", grid, step)
+            out = write_sample_grid(gen, cfg, run_dir / "samples" / f"step_{step:07d}.png")
+            logger.image("samples", out["grid"], step)
+            if out["strips"] is not None:
+                logger.tb.add_images("samples/frames", out["strips"], step)
 
     def heldout_eval(step: int, final: bool) -> Dict[str, Any]:
         gen = ema_generator()
