@@ -30,16 +30,18 @@ def _same_steps(a, b):
         assert (x["loss"], x["grad_norm"], x["lr"]) == (y["loss"], y["grad_norm"], y["lr"]), (x, y)
 
 
-def _three_runs(rank, tmp):
+def _runs(rank, tmp):
     full = train_rank(rank, SINGLE, f"{tmp}/full")
     first = train_rank(rank, [*SINGLE, "trainer.exit_at_step=4"], f"{tmp}/resumed")
     second = train_rank(rank, SINGLE, f"{tmp}/resumed")
-    return full, first, second
+    fork = train_rank(rank, [*SINGLE, f"trainer.resume={tmp}/full/checkpoints/step_0000006"], f"{tmp}/fork")
+    return full, first, second, fork
 
 
 def test_resume_is_exact_single_process(tmp_path):
     """8 steps == 4 steps (exit_at_step, checkpoint, exit) + resume for 4, with dropout and drop-path."""
-    full, first, second = run_ranks(1, _three_runs, str(tmp_path))[0]
+    full, first, second, fork = run_ranks(1, _runs, str(tmp_path))[0]
+    assert fork["losses"] == full["losses"][6:]  # trainer.resume=<path> into another run dir
     assert first["stopped_at"] == 4 and len(first["losses"]) == 4 and len(second["losses"]) == 4
     assert first["losses"] + second["losses"] == full["losses"]
     assert first["grad_norms"] + second["grad_norms"] == full["grad_norms"]

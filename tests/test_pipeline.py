@@ -50,14 +50,12 @@ def _check(reference, run_dir, results):
     assert [x["loss"] for x in lines] == pytest.approx(ref["losses"], rel=1e-5)
 
 
+# (tp, pp, dp) = (2, 1, 2) and (1, 1, 2) are in test_train.py; tp=2 x pp=2 with dropout in test_checkpoint.py.
 @pytest.mark.parametrize("tp,pp,dp,extra", [
     (1, 2, 1, []),
-    (2, 2, 1, []),
     (2, 2, 1, ["parallel.sequence_parallel=true", "parallel.activation_checkpoint_interval=1"]),
     (1, 2, 2, ["parallel.activation_checkpoint_interval=1"]),
-    (2, 2, 2, ["parallel.sequence_parallel=true"]),
-    (2, 2, 2, ["parallel.activation_checkpoint_interval=2"]),
-    (2, 1, 2, []),
+    (2, 2, 2, ["parallel.sequence_parallel=true", "parallel.activation_checkpoint_interval=2"]),
 ])
 def test_layout_matches_single_process(reference, tmp_path, tp, pp, dp, extra):
     run = tmp_path / "run"

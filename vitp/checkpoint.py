@@ -173,7 +173,8 @@ def read_export(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[
 # ----------------------------------------------------------------------------------------------
 # Loading full (Generator-keyed) weights into this rank's shard of the pipeline
 # ----------------------------------------------------------------------------------------------
-def _gen_key(pipe_name: str, depth: int) -> str:
+def gen_key(pipe_name: str, depth: int) -> str:
+    """:class:`~vitp.models.Generator` key of a ``PipelineModule`` parameter name (``"<layer>.<name>"``)."""
     from .models import Generator
 
     idx, rest = pipe_name.split(".", 1)
@@ -201,7 +202,7 @@ def load_full_into_pipeline(module: torch.nn.Module, full: Dict[str, torch.Tenso
     loaded, missing = [], []
     with torch.no_grad():
         for name, p in module.named_parameters():
-            key = _gen_key(name, depth)
+            key = gen_key(name, depth)
             if key not in full:
                 missing.append(key)
                 continue

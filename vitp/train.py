@@ -175,6 +175,11 @@ class RunLogger:
         if self.enabled:
             self.tb.add_image(tag, img, step)
 
+    def images(self, tag: str, imgs: torch.Tensor, step: int) -> None:
+        """A batch ``(N, 3, H, W)`` in [0, 1] (video frame strips)."""
+        if self.enabled:
+            self.tb.add_images(tag, imgs, step)
+
     def close(self) -> None:
         if self.enabled:
             self.tb.close()
@@ -321,7 +326,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
         ema_full, _ = ckpt.read_export(resume_tag / "model_ema.safetensors")
         with torch.no_grad():
             for n, p in engine.module.named_parameters():
-                ema.params[n].copy_(shard_like(p, ema_full[ckpt._gen_key(n, cfg.model.depth)], state))
+                ema.params[n].copy_(shard_like(p, ema_full[ckpt.gen_key(n, cfg.model.depth)], state))
         ema.updates = resume_meta["ema_updates"]
         del ema_full
 
@@ -363,7 +368,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
             out = write_sample_grid(gen, cfg, run_dir / "samples" / f"step_{step:07d}.png")
             logger.image("samples", out["grid"], step)
             if out["strips"] is not None:
-                logger.tb.add_images("samples/frames", out["strips"], step)
+                logger.images("samples/frames", out["strips"], step)
 
     def heldout_eval(step: int, final: bool) -> Dict[str, Any]:
         gen = ema_generator()
