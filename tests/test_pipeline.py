@@ -101,21 +101,26 @@ def test_zero0_fp32_is_rejected_with_the_fix():
 
 VIDEO = ["experiment=smoke", "trainer.max_steps=4", "model.depth=4", "data=synthetic", "data.channels=3",
          "data.num_classes=4", "data.num_frames=6", "data.resolution=6", "data.synthetic_size=32",
-         "model.tubelet_size=2", "model.attention=factorized", "optim.grad_clip=0.2"]  # grid (3, 3, 3), N = 27
+         "model.tubelet_size=2", "optim.grad_clip=0.2"]  # grid (3, 3, 3), N = 27
 
 
-def test_factorized_video_tp2_pp2_sp_matches_single_process(tmp_path):
-    """Factorized space/time attention (spatial, temporal | spatial, temporal blocks over two stages;
-    N = 27 tokens, padded to 28 under SP) at tp=2 x pp=2 + SP against the 1-process run."""
-    ref = run_ranks(1, _train_rank, VIDEO, str(tmp_path / "ref"))[0]
-    assert max(ref["grad_norms"]) > 0.2  # clipping active
-    over = [*VIDEO, "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
-    for r in run_ranks(4, _train_rank, over, str(tmp_path / "run")):
-        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
-        assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
-    a, b = load_file(tmp_path / "ref" / "model.safetensors"), load_file(tmp_path / "run" / "model.safetensors")
-    assert a.keys() == b.keys() and "blocks.1.attn.qkv.weight" in a  # timm key names
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
-    stages = json.loads((tmp_path / "run" / "stages.json").read_text())
+def test_video_tp2_pp2_sp_matches_single_process(tmp_path):
+    """Video model, factorized (spatial, temporal | spatial, temporal blocks over two stages) and
+    full attention, N = 27 tokens padded to 28 under SP, at tp=2 x pp=2 + SP against 1 process."""
+    modes = ([*VIDEO, "model.attention=factorized"], [*VIDEO, "model.attention=full"])
+    refs = run_ranks(1, _train_two, *modes, str(tmp_path / "ref"))[0]
+    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
+    runs = run_ranks(4, _train_two, *[[*m, *layout] for m in modes], str(tmp_path / "run"))
+    for i, sub in enumerate("ab"):
+        ref = refs[i]
+        assert max(ref["grad_norms"]) > 0.2  # clipping active
+        for r in runs:
+            assert r[i]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+            assert r[i]["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+        a = load_file(tmp_path / "ref" / sub / "model.safetensors")
+        b = load_file(tmp_path / "run" / sub / "model.safetensors")
+        assert a.keys() == b.keys() and "blocks.1.attn.qkv.weight" in a  # timm key names
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    stages = json.loads((tmp_path / "run" / "a" / "stages.json").read_text())
     assert sorted({s["stage"] for s in stages}) == [0, 1]
