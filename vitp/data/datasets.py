@@ -37,6 +37,30 @@ def _parse_key(key: Key, n: int) -> Tuple[int, Optional[int]]:
     return index % n, None if aug_seed is None else int(aug_seed)
 
 
+def files_by_class(root: Path, extensions: Sequence[str], kind: str) -> dict:
+    """``{class name: sorted files}`` of a folder: its immediate subfolders are the classes (files
+    found recursively inside each); when no subfolder holds a file, the files directly in ``root``
+    form one class named after ``root``. Warns about loose files ignored next to class folders and
+    about class folders without a file (dropped). ``extensions``: lower-case suffixes; ``kind``
+    names the files in the warnings ("image", "video")."""
+    def found_in(folder: Path, recursive: bool) -> list:
+        found = folder.rglob("*") if recursive else folder.iterdir()
+        return sorted(p for p in found if p.is_file() and p.suffix.lower() in extensions)
+
+    subdirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    groups = {d.name: found_in(d, True) for d in subdirs}
+    if not any(groups.values()):
+        return {root.name: found_in(root, False)}
+    loose = found_in(root, False)
+    if loose:
+        warnings.warn(f"{len(loose)} {kind}(s) directly in {root} are ignored: with class subfolders present, "
+                      f"only {kind}s inside them are used", stacklevel=3)
+    for name in [n for n, files in groups.items() if not files]:
+        warnings.warn(f"class folder {root / name} holds no {kind}; it is not a class", stacklevel=3)
+        del groups[name]
+    return groups
+
+
 class KeyedDataset(Dataset):
     """Base class: items addressed by ``(index, aug_seed)``.
 
@@ -193,22 +217,7 @@ class ImageFolderDataset(KeyedDataset):
         return len(self.skipped_files)
 
     def _scan(self) -> None:
-        def images_in(folder: Path, recursive: bool) -> list:
-            found = folder.rglob("*") if recursive else folder.iterdir()
-            return sorted(p for p in found if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-
-        subdirs = sorted(d for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
-        groups = {d.name: images_in(d, True) for d in subdirs}
-        if any(groups.values()):
-            loose = images_in(self.root, False)
-            if loose:
-                warnings.warn(f"{len(loose)} image(s) directly in {self.root} are ignored: with class "
-                              f"subfolders present, only images inside them are used", stacklevel=3)
-            for name in [n for n, files in groups.items() if not files]:
-                warnings.warn(f"class folder {self.root / name} holds no image; it is not a class", stacklevel=3)
-                del groups[name]
-        else:
-            groups = {self.root.name: images_in(self.root, False)}
+        groups = files_by_class(self.root, IMAGE_EXTENSIONS, "image")
         files, labels = [], []
         for label, name in enumerate(groups):
             for path in groups[name]:

