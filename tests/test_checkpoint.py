@@ -96,6 +96,10 @@ def test_sigterm_saves_and_exits_0_then_resume_continues(tmp_path):
     assert 3 <= stopped < 400 and "stopped by SIGTERM" in out
     assert (run / "checkpoints" / "latest").read_text() == ckpt.tag_name(stopped)
     assert not (run / "model_ema.safetensors").exists()  # the run is not finished
+    from vitp.sample import run as sample
+
+    sample([str(run), "--num", "1", "--steps", "1"])  # an interrupted run samples from its latest checkpoint
+    assert (run / "samples" / "sample_seed0.png").is_file()
 
     p = subprocess.run([sys.executable, "-m", "vitp.train", *args, f"trainer.max_steps={stopped + 3}"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -123,6 +127,10 @@ def test_export_import_round_trips_across_layouts(tp2pp2_run, tmp_path):
     assert json.loads(export.with_suffix(".json").read_text())["model"]["depth"] == 3
     exported = load_file(export)
     assert "blocks.0.attn.qkv.weight" in exported and "gen.embed.x_embedder.proj.weight" in exported
+    from vitp.export import main as export_main
+
+    with pytest.raises(SystemExit, match="2"):  # never overwrites without --force
+        export_main([str(ref_dir), "-o", str(export)])
     want = json.loads((ref_dir / "eval.json").read_text())["heldout_loss"]
     run_ranks(1, _import_runs, str(export), str(tmp_path))
     run_ranks(2, _import_runs, str(export), str(tmp_path))
@@ -173,6 +181,7 @@ def test_init_from_timm_loads_blocks_and_reports(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     assert "blocks.0.attn.qkv.weight has shape (192, 64) but the model expects (96, 32)" in p.stdout + p.stderr
+    assert not (tmp_path / "r2" / ".hydra").exists()  # a refused launch writes no config
 
 
 # --- bad input ----------------------------------------------------------------------------------

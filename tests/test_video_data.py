@@ -194,6 +194,10 @@ def test_empty_and_missing(tmp_path, cache):
         _ds(tmp_path / "short", cache, channels=2)
     with pytest.raises(FileNotFoundError, match="data.files"):
         VideoFolderDataset(None, cache_dir=cache)
+    with pytest.raises(FileNotFoundError, match=r"data.files lists 1 file\(s\) that do not exist: .*typo.mp4"):
+        VideoFolderDataset(tmp_path / "short", files=["s.mkv", "typo.mp4"], cache_dir=cache)
+    with pytest.raises(ValueError, match="no video file found"):
+        _ds(tmp_path / "empty", cache)
 
 
 def test_index_cache_is_used_and_invalidated(tmp_path, cache, monkeypatch):

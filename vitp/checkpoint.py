@@ -405,29 +405,39 @@ def published_tags(ckpt_dir: Path) -> List[str]:
     return sorted(tags, key=lambda t: int(TAG_RE.match(t).group(1)))
 
 
-def verify_checkpoint(tag_dir: Path) -> Dict[str, Any]:
-    """The checkpoint's metadata after checking that every file it lists is present and whole.
+def _fix_hint(tag_dir: Path) -> str:
+    others = [t for t in published_tags(tag_dir.parent) if t != tag_dir.name]
+    if others:
+        return (f"; resume from an earlier complete checkpoint with trainer.resume={tag_dir.parent / others[-1]} "
+                f"(complete: {', '.join(others)})")
+    return "; no other complete checkpoint is in that folder: start a new run dir (or trainer.init_from=<export>)"
 
-    Raises ``FileNotFoundError`` (missing tag or file) / ``ValueError`` (truncated or corrupt)
-    naming the file.
+
+def verify_checkpoint(tag_dir: Path) -> Dict[str, Any]:
+    """The checkpoint's metadata after checking that every file it lists is present with the size
+    it was written with (content errors surface when the file is loaded, naming it).
+
+    Raises ``FileNotFoundError`` (missing tag or file) / ``ValueError`` (wrong size, corrupt
+    metadata) naming the file and the fix.
     """
     meta_path = tag_dir / META
     if not tag_dir.is_dir():
-        raise FileNotFoundError(f"checkpoint {tag_dir} does not exist")
+        raise FileNotFoundError(f"checkpoint {tag_dir} does not exist" + _fix_hint(tag_dir))
     if not meta_path.is_file():
-        raise FileNotFoundError(f"checkpoint {tag_dir} is incomplete ({META} missing): its save never finished")
+        raise FileNotFoundError(f"checkpoint {tag_dir} is incomplete ({META} missing): its save never finished"
+                                + _fix_hint(tag_dir))
     try:
         meta = json.loads(meta_path.read_text())
         manifest = meta["manifest"]
     except (ValueError, KeyError) as e:
-        raise ValueError(f"checkpoint metadata {meta_path} is corrupt: {e}") from e
+        raise ValueError(f"checkpoint metadata {meta_path} is corrupt: {e}" + _fix_hint(tag_dir)) from e
     for name, size in manifest.items():
         f = tag_dir / name
         if not f.is_file():
-            raise FileNotFoundError(f"checkpoint file {f} is missing")
+            raise FileNotFoundError(f"checkpoint file {f} is missing" + _fix_hint(tag_dir))
         if f.stat().st_size != size:
-            raise ValueError(f"checkpoint file {f} is truncated or altered ({f.stat().st_size} bytes, "
-                             f"{size} when written)")
+            raise ValueError(f"checkpoint file {f} is truncated or was rewritten ({f.stat().st_size} bytes, "
+                             f"{size} when written)" + _fix_hint(tag_dir))
     return meta
 
 
@@ -448,7 +458,8 @@ def find_checkpoint(resume: str, ckpt_dir: Path) -> Optional[Path]:
     else:
         folder = Path(resume)
         if not folder.exists():
-            raise FileNotFoundError(f"trainer.resume={resume}: no such checkpoint folder")
+            raise FileNotFoundError(f"trainer.resume={resume}: no such checkpoint folder; use auto, never, or the "
+                                    f"path of a checkpoints/ folder or of one checkpoints/step_NNNNNNN/ folder")
         if (folder / META).is_file() or folder.name.endswith(".partial"):
             return folder
         latest = folder / LATEST
@@ -457,7 +468,10 @@ def find_checkpoint(resume: str, ckpt_dir: Path) -> Optional[Path]:
                                     f"checkpoints folder with a '{LATEST}' file")
     tag = latest.read_text().strip()
     if not TAG_RE.match(tag):
-        raise ValueError(f"{latest} names {tag!r}, not a vitp checkpoint tag (step_NNNNNNN)")
+        tags = published_tags(folder)
+        fix = (f"write the newest complete tag ({tags[-1]}) into it, or pass trainer.resume={folder / tags[-1]}"
+               if tags else "no complete checkpoint is in that folder")
+        raise ValueError(f"{latest} names {tag!r}, not a vitp checkpoint tag (step_NNNNNNN): {fix}")
     return folder / tag
 
 

@@ -266,7 +266,12 @@ def _eval_cli(argv: Optional[list] = None) -> None:
     from .config import validate_config
 
     validate_config(cfg)
-    gen, _ = load_weights(a.run_dir / a.weights, resolve_device(cfg.trainer.device))
+    path = a.run_dir / a.weights
+    if not path.is_file() and a.weights == "model_ema.safetensors":  # an interrupted run: its latest checkpoint
+        from .export import resolve_source
+
+        path = resolve_source(a.run_dir, "ema")[0]
+    gen, _ = load_weights(path, resolve_device(cfg.trainer.device))
     train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
     res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=_last_step(a.run_dir))
     print(json.dumps(res, indent=2))

@@ -26,13 +26,18 @@ def resolve_source(source: Path, weights: str) -> Tuple[Path, Optional[int], Pat
     name = "model_ema.safetensors" if weights == "ema" else "model.safetensors"
     if source.is_file():
         return source, None, source.parent
+    if not source.exists():
+        raise FileNotFoundError(f"{source} does not exist (expected a run directory, a checkpoint folder or a "
+                                f".safetensors file)")
+    if (source / name).is_file() and (source / "metrics.jsonl").is_file():  # a finished run: its final weights
+        return source / name, None, source
     if (source / ckpt.META).is_file() or source.name.endswith(".partial"):
         tag = source
     elif (source / ckpt.LATEST).is_file():
         tag = ckpt.find_checkpoint(str(source), source)
     elif (source / "checkpoints" / ckpt.LATEST).is_file():
         tag = ckpt.find_checkpoint("auto", source / "checkpoints")
-    elif (source / name).is_file():  # a finished run without checkpoints
+    elif (source / name).is_file():
         return source / name, None, source
     else:
         raise FileNotFoundError(f"{source} holds no vitp checkpoint (expected a run directory, its checkpoints/ "
@@ -49,6 +54,7 @@ def run(argv: Optional[List[str]] = None) -> Path:
     p.add_argument("-o", "--out", type=Path, default=None,
                    help="output file (default: <run dir>/export/<step>_<weights>.safetensors)")
     p.add_argument("--weights", choices=["ema", "raw"], default="ema", help="EMA (for sampling) or raw weights")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     a = p.parse_args(argv)
     src, step, run_dir = resolve_source(a.source, a.weights)
     state, meta = ckpt.read_export(src)
@@ -59,6 +65,8 @@ def run(argv: Optional[List[str]] = None) -> Path:
         p.error(f"--out {out}: use a .safetensors file name")
     if out.resolve() == src.resolve():
         p.error(f"--out {out} is the source file; choose another name")
+    if out.exists() and not a.force:
+        p.error(f"{out} exists; choose another --out or pass --force to replace it")
     cfg = OmegaConf.create(json.loads(meta["vitp_config"]))
     ckpt.save_export(out, state, cfg, step=step, weights=a.weights)
     n = sum(v.numel() for v in state.values())

@@ -36,7 +36,8 @@ def run(argv: Optional[List[str]] = None) -> None:
     from .dist import resolve_device
 
     p = argparse.ArgumentParser(prog="vitp-sample", description=run.__doc__.splitlines()[0])
-    p.add_argument("source", type=Path, help="run directory (uses model_ema.safetensors) or a .safetensors file")
+    p.add_argument("source", type=Path, help="run directory (its model_ema.safetensors, else its latest checkpoint), "
+                                             "a checkpoint folder, or a .safetensors file")
     p.add_argument("--classes", type=int, nargs="*", default=None, help="class labels (default: all classes)")
     p.add_argument("--num", type=int, default=None, help="samples per class (default: the run's sampler setting)")
     p.add_argument("--seed", type=int, default=0)
@@ -49,13 +50,15 @@ def run(argv: Optional[List[str]] = None) -> None:
                    help="images: output PNG (default: SOURCE_DIR/samples/sample_seed<S>.png); video: a folder for "
                         "one file per class and seed + grid (default: SOURCE_DIR/samples/sample_seed<S>/), or a "
                         ".gif/.mp4 file for the grid alone")
-    p.add_argument("--format", choices=["gif", "mp4"], default="gif", help="video file format")
+    p.add_argument("--format", choices=["gif", "mp4"], default=None, help="video file format (default gif)")
     p.add_argument("--fps", type=float, default=None, help="video frames per second (default: sampler.fps)")
     a = p.parse_args(argv)
     if a.num is not None and a.num < 1:
         p.error("--num must be >= 1")
 
-    path = a.source / "model_ema.safetensors" if a.source.is_dir() else a.source
+    from .export import resolve_source
+
+    path, _, base = resolve_source(a.source, "ema")  # a run dir without final weights: its latest checkpoint
     gen, cfg = load_weights(path, resolve_device(a.device))
     for key, val in (("method", a.method), ("steps", a.steps), ("cfg_scale", a.cfg_scale),
                      ("samples_per_class", a.num)):
@@ -72,10 +75,13 @@ def run(argv: Optional[List[str]] = None) -> None:
     per = cfg.sampler.samples_per_class
     labels = torch.tensor(classes)[class_grid_labels(len(classes), per)]
     video = cfg.model.num_frames > 1
-    if a.out is not None and a.out.suffix and a.out.suffix.lower() not in (
-            (".gif", ".mp4") if video else (".png", ".jpg", ".jpeg", ".webp")):
-        raise ValueError(f"--out {a.out}: use " + ("a folder, or a .gif / .mp4 file (this is a video model)" if video
-                                                   else "a .png, .jpg or .webp file name"))
+    suffix = a.out.suffix.lower() if a.out is not None else ""
+    if not video and (a.format or (a.out is not None and suffix not in (".png", ".jpg", ".jpeg", ".webp"))):
+        raise ValueError("this is an image model: --out takes a .png, .jpg or .webp file name and --format is for video")
+    if video and suffix and suffix not in (".gif", ".mp4"):
+        raise ValueError(f"--out {a.out}: use a folder, or a .gif / .mp4 file (this is a video model)")
+    if video and suffix and a.format and suffix != "." + a.format:
+        raise ValueError(f"--out {a.out} and --format {a.format} disagree; give one of them")
     x = generate(gen, cfg, labels, a.seed)
     how = f"{cfg.sampler.method} {cfg.sampler.steps} steps, CFG {cfg.sampler.cfg_scale}"
     if video:
@@ -87,12 +93,12 @@ def run(argv: Optional[List[str]] = None) -> None:
             (write_gif if a.out.suffix.lower() == ".gif" else write_mp4)(a.out, grid, fps=fps)
             print(f"wrote {a.out} ({len(classes)} classes x {per} samples, {x.shape[2]} frames, {how})")
         else:
-            out = a.out or path.parent / "samples" / f"sample_seed{a.seed}"
-            paths = write_video_samples(x, labels, out, fps=fps, fmt=a.format)
+            out = a.out or base / "samples" / f"sample_seed{a.seed}"
+            paths = write_video_samples(x, labels, out, fps=fps, fmt=a.format or "gif")
             print(f"wrote {len(paths)} videos to {out} ({len(classes)} classes x {per} samples + {paths[-1].name}, "
                   f"{x.shape[2]} frames, {how})")
         return
-    out = a.out or path.parent / "samples" / f"sample_seed{a.seed}.png"
+    out = a.out or base / "samples" / f"sample_seed{a.seed}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     from torchvision.utils import save_image
 

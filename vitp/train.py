@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -244,8 +245,11 @@ def log_stages(module: torch.nn.Module, state: Any, device: torch.device, run_di
         (run_dir / "stages.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
-def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
+def train(cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None) -> Dict[str, Any]:
     """Train with the composed config ``cfg``, writing everything under ``run_dir``.
+
+    Once every check has passed, rank 0 writes ``run_dir/.hydra/config.yaml`` (and
+    ``overrides.yaml`` from ``overrides``), so a refused launch leaves a run directory untouched.
 
     Returns a summary dict (``losses``, ``grad_norms`` per step on every rank, and the final
     ``eval`` results on rank 0). Raises ``ValueError`` on an invalid layout/config before any
@@ -286,6 +290,9 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
         resume_meta = ckpt.verify_checkpoint(resume_tag)
         ckpt.check_resumable(resume_meta, resume_tag, cfg, layout, precision)
     start_step = resume_meta["step"] if resume_meta else 0
+    if resume_meta and resume_meta.get("max_steps") not in (None, tr.max_steps):
+        log.warning("trainer.max_steps=%d differs from the checkpoint's run (%d): the LR schedule after step %d "
+                    "changes accordingly", tr.max_steps, resume_meta["max_steps"], start_step)
     dist.init_distributed(device)
     main = dist.is_main()  # rank 0 writes everything
     if main:
@@ -330,11 +337,14 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
         ema.updates = resume_meta["ema_updates"]
         del ema_full
 
+    if main:  # every check has passed (layout, resume, init files)
+        write_run_config(run_dir, cfg, overrides)
     logger = RunLogger(run_dir, main, tr.tensorboard_dir, start_step)
     if main:
-        log.info("run dir %s | layout tp=%d pp=%d dp=%d | %s on %s | %d tokens per sample | %d train / %d held-out",
+        skipped = getattr(getattr(train_ds, "base", None), "num_skipped", 0)
+        log.info("run dir %s | layout tp=%d pp=%d dp=%d | %s on %s | %d tokens per sample | %d train / %d held-out%s",
                  run_dir, layout["tp"], layout["pp"], layout["dp"], precision, device, num_tokens(cfg.model),
-                 len(train_ds), len(heldout_ds))
+                 len(train_ds), len(heldout_ds), f" | {skipped} unreadable files skipped" if skipped else "")
         if resume_tag is not None:
             log.info("resumed from %s (step %d of %d)", resume_tag, start_step, tr.max_steps)
 
@@ -387,7 +397,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
     def save(step: int):
         meta = {"tp": layout["tp"], "pp": layout["pp"], "dp": layout["dp"], "precision": precision,
                 "zero_stage": cfg.parallel.zero_stage, "model": OmegaConf.to_container(cfg.model, resolve=True),
-                "ema_updates": ema.updates, "seed": cfg.seed, "global_batch_size": tr.global_batch_size}
+                "ema_updates": ema.updates, "seed": cfg.seed, "global_batch_size": tr.global_batch_size,
+                "max_steps": tr.max_steps}
         return ckpt.save_training_checkpoint(engine, ckpt_dir, step, rank=dist.rank(), main=main, meta=meta,
                                              full_states=full_states, cfg=cfg, keep=tr.keep_checkpoints)
 
@@ -459,17 +470,30 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike) -> Dict[str, Any]:
         result = heldout_eval(tr.max_steps, final=True)
     logger.close()
     if main:
-        log.info("done: %s holds model_ema.safetensors, samples/, metrics.jsonl, tb/%s", run_dir,
-                 ", eval.json" if cfg.eval.enabled else "")
+        log.info("done: %s holds model_ema.safetensors, samples/, metrics.jsonl%s%s", run_dir,
+                 ", eval.json" if cfg.eval.enabled else "", "" if tr.tensorboard_dir else ", tb/")
     if main and tr.export_dir:
         export = Path(tr.export_dir)
         export.mkdir(parents=True, exist_ok=True)
-        for name in ("model_ema.safetensors", "model.safetensors", "eval.json"):
+        for name in ("model_ema.safetensors", "model_ema.json", "model.safetensors", "model.json", "eval.json"):
             if (run_dir / name).is_file():
                 shutil.copy2(run_dir / name, export / name)
     if dist.world_size() > 1:
         torch.distributed.barrier()
     return {"losses": losses, "grad_norms": norms, "eval": result, "run_dir": str(run_dir), "stopped_at": None}
+
+
+def write_run_config(run_dir: Path, cfg: DictConfig, overrides: Optional[list]) -> None:
+    """``.hydra/config.yaml`` (what ``vitp-eval`` reloads) and ``overrides.yaml``, atomically."""
+    folder = run_dir / ".hydra"
+    folder.mkdir(exist_ok=True)
+    files = {"config.yaml": OmegaConf.to_yaml(cfg)}
+    if overrides is not None:
+        files["overrides.yaml"] = OmegaConf.to_yaml(OmegaConf.create(list(overrides)))
+    for name, text in files.items():
+        tmp = folder / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, folder / name)
 
 
 def init_weights(module: torch.nn.Module, cfg: DictConfig, state: Any) -> None:
@@ -490,7 +514,13 @@ def init_weights(module: torch.nn.Module, cfg: DictConfig, state: Any) -> None:
             log.info("initialised all %d tensors from %s (step %s, %s weights)", len(full), tr.init_from,
                      meta.get("step", "?"), meta.get("weights", "?"))
         return
-    blocks, unused = ckpt.timm_block_state(ckpt.load_timm_state(tr.init_from_timm), depth, tr.init_from_timm)
+    timm_sd = ckpt.load_timm_state(tr.init_from_timm)
+    blocks, unused = ckpt.timm_block_state(timm_sd, depth, tr.init_from_timm)
+    timm_depth = 1 + max(int(m.group(1)) for k in timm_sd if (m := re.match(r"^blocks\.(\d+)\.", k)))
+    if timm_depth != depth and dist.is_main():
+        log.warning("init_from_timm: %s has %d blocks, the model %d: %s", tr.init_from_timm, timm_depth, depth,
+                    f"its blocks {depth}..{timm_depth - 1} are ignored" if timm_depth > depth
+                    else f"model blocks {timm_depth}..{depth - 1} keep their initialisation")
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Generator(OmegaConf.to_container(cfg.model, resolve=True)).state_dict().items()}
     unexpected = unused + [k for k in blocks if k not in expected]
@@ -517,7 +547,8 @@ def _hydra_entry() -> None:
     @hydra.main(version_base="1.3", config_path=_config_path(), config_name="config")
     def _main(cfg: DictConfig) -> None:
         try:
-            train(cfg, HydraConfig.get().runtime.output_dir)  # returns normally after a SIGTERM save: exit 0
+            hc = HydraConfig.get()  # returns normally after a SIGTERM save: exit 0
+            train(cfg, hc.runtime.output_dir, overrides=list(hc.overrides.task))
         except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: message, no traceback
             log.error("vitp-train: %s: %s", type(e).__name__, e)
             sys.exit(2)
@@ -540,6 +571,8 @@ def prepare_argv(argv: list) -> list:
     writing ``.hydra/`` and log files.
     """
     argv = dist.strip_launcher_args(argv)
+    if not any(a.startswith("hydra.output_subdir=") for a in argv):
+        argv.append("hydra.output_subdir=null")  # train() writes .hydra/ itself, after its checks pass
     if dist.world_size() > 1:
         device_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("trainer.device=")), "auto")
         dist.init_distributed(dist.resolve_device(device_arg))
@@ -547,7 +580,7 @@ def prepare_argv(argv: list) -> list:
             root = next((a.split("=", 1)[1] for a in argv if a.startswith("paths.output_root=")), "outputs")
             argv.append(f"hydra.run.dir={dist.default_run_dir(root)}")
         if not dist.is_main():
-            argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+            argv += ["hydra/job_logging=stdout"]
     return argv
 
 

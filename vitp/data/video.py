@@ -227,9 +227,9 @@ class VideoFolderDataset(KeyedDataset):
         if files:
             paths = [resolve_video_path(f, self.root) for f in files]
             missing = [str(p) for p in paths if not p.is_file()]
-            for p in missing:
-                self._skip(p, "file not found")
-            paths = [p for p in paths if p.is_file()]
+            if missing:  # an explicit list with a typo is an error, not a silently smaller dataset
+                raise FileNotFoundError(f"data.files lists {len(missing)} file(s) that do not exist: "
+                                        f"{', '.join(missing[:5])}; fix the paths (relative ones are under data.root)")
             if class_per_file:
                 return [(p, p.stem) for p in paths]
             return sorted(((p, p.parent.name) for p in paths), key=lambda pc: (pc[1], str(pc[0])))
@@ -332,7 +332,8 @@ class VideoFolderDataset(KeyedDataset):
         if not files:
             where = f"under {str(self.root)!r}" if self.root is not None else "in data.files"
             raise ValueError(
-                f"no usable video {where} (skipped {self.num_skipped}: {', '.join(self.skipped_files[:5])}); "
+                f"no usable video {where} (" + (f"skipped {self.num_skipped}: {', '.join(self.skipped_files[:5])}"
+                                                  if self.num_skipped else "no video file found") + "); "
                 f"searched for {', '.join(VIDEO_EXTENSIONS)} (case-insensitive) with at least one clip of "
                 f"num_frames={self.num_frames}" + (f", fps={self.fps}" if self.fps else f", frame_stride={self.frame_stride}"))
         self.files, self.classes = files, classes
