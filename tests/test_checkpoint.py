@@ -272,3 +272,18 @@ def test_weights_file_errors_name_the_file(tp2pp2_run, tmp_path):
                         f"trainer.init_from={ref_dir / 'model_ema.safetensors'}", f"hydra.run.dir={tmp_path / 'r'}"],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "model.width: 32 in the file vs 64 now" in p.stdout + p.stderr, p.stderr[-2000:]
+
+
+def _bf16_runs(rank, tmp):
+    over = ["experiment=smoke", "trainer.max_steps=6", "trainer.precision=bf16"]
+    full = train_rank(rank, over, f"{tmp}/full")
+    first = train_rank(rank, [*over, "trainer.exit_at_step=3"], f"{tmp}/resumed")
+    return full, first, train_rank(rank, over, f"{tmp}/resumed")
+
+
+def test_bf16_resume_is_exact(tmp_path):
+    """bf16 (what precision=auto picks on GPUs) with ZeRO-1: DeepSpeed's bf16 optimizer state,
+    loaded through the weights_only engine, resumes bit-exactly."""
+    full, first, second = run_ranks(1, _bf16_runs, str(tmp_path))[0]
+    assert first["losses"] + second["losses"] == full["losses"]
+    _same_steps(_metrics(tmp_path / "full"), _metrics(tmp_path / "resumed"))
