@@ -143,8 +143,10 @@ def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg
     return path
 
 
-def read_export(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-    """``(Generator state dict, metadata)`` of a vitp weights file.
+def read_export(path: str | os.PathLike, keys: Optional[Iterable[str]] = None
+                ) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """``(Generator state dict, metadata)`` of a vitp weights file; with ``keys`` (Generator keys)
+    only those tensors are read (a pipeline stage needs only its own layers).
 
     Also reads the older layout (Generator keys, ``vitp_config`` metadata only).
     Raises ``FileNotFoundError`` / ``ValueError`` naming the file when it is missing, truncated,
@@ -159,15 +161,17 @@ def read_export(path: str | os.PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
+            exported = meta.get("format") == FORMAT
+            if keys is not None and "vitp_config" in meta:
+                name = (lambda k: k if _is_timm_block_key(k) else "gen." + k) if exported else (lambda k: k)
+                return {k: f.get_tensor(name(k)) for k in keys}, meta
         tensors = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
         raise ValueError(f"weights file {path} is corrupt, truncated or not a safetensors file: {e}") from e
     if "vitp_config" not in meta:
         raise ValueError(f"weights file {path} has no vitp_config metadata: it was not written by vitp "
                          f"(a timm ViT state dict loads with trainer.init_from_timm)")
-    if meta.get("format") == FORMAT:
-        return from_export_state(tensors, str(path)), meta
-    return tensors, meta
+    return (from_export_state(tensors, str(path)) if exported else tensors), meta
 
 
 # ----------------------------------------------------------------------------------------------

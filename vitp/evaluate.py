@@ -156,6 +156,14 @@ def _stack(dataset: Any) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([it[0] for it in items]), torch.tensor([int(it[1]) for it in items])
 
 
+def heldout_label_samples(gen: Generator, cfg: DictConfig, y_ho: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(labels, samples)``: ``eval.num_samples`` (0 = as many as held-out items) samples with the
+    held-out labels (cycled), from the fixed seed ``eval.noise_seed + 1``."""
+    n = cfg.eval.num_samples or len(y_ho)
+    labels = y_ho.repeat(n // len(y_ho) + 1)[:n]
+    return labels, generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1)
+
+
 def digits_metrics(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path) -> Dict[str, Any]:
     """Judge accuracy on real held-out digits, on class-conditional samples, and FD-digits.
 
@@ -169,9 +177,8 @@ def digits_metrics(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: A
     x_ho, y_ho = _stack(heldout_ds)
     judge = load_or_train_judge(run_dir / "judge.safetensors", x_tr, y_tr,
                                 epochs=cfg.eval.classifier_epochs, seed=cfg.seed)
-    n = cfg.eval.num_samples or len(y_ho)
-    labels = y_ho.repeat(n // len(y_ho) + 1)[:n]
-    samples = generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1)
+    labels, samples = heldout_label_samples(gen, cfg, y_ho)
+    n = len(labels)
     f_tr, f_ho, f_gen = (judge_features(judge, v) for v in (x_tr, x_ho, samples))
     fd_real = frechet_distance(f_tr, f_ho)
     fd_gen = frechet_distance(f_tr, f_gen)
@@ -192,10 +199,8 @@ def video_metrics(gen: Generator, cfg: DictConfig, heldout_ds: Any) -> Dict[str,
     from .video_io import temporal_metrics
 
     x_ho, y_ho = _stack(heldout_ds)
-    n = cfg.eval.num_samples or len(y_ho)
-    labels = y_ho.repeat(n // len(y_ho) + 1)[:n]
-    samples = generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1)
-    return {**temporal_metrics(samples, x_ho), "num_samples": n}
+    labels, samples = heldout_label_samples(gen, cfg, y_ho)
+    return {**temporal_metrics(samples, x_ho), "num_samples": len(labels)}
 
 
 def evaluate(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, *, full: bool = True,

@@ -330,10 +330,12 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list]
     ema = EMA(engine.module, o.ema_decay)
     if resume_tag is not None:
         ckpt.load_training_checkpoint(engine, resume_tag, dist.rank())
-        ema_full, _ = ckpt.read_export(resume_tag / "model_ema.safetensors")
+        params = dict(engine.module.named_parameters())
+        keys = {n: ckpt.gen_key(n, cfg.model.depth) for n in params}
+        ema_full, _ = ckpt.read_export(resume_tag / "model_ema.safetensors", keys=keys.values())  # this stage only
         with torch.no_grad():
-            for n, p in engine.module.named_parameters():
-                ema.params[n].copy_(shard_like(p, ema_full[ckpt.gen_key(n, cfg.model.depth)], state))
+            for n, p in params.items():
+                ema.params[n].copy_(shard_like(p, ema_full[keys[n]], state))
         ema.updates = resume_meta["ema_updates"]
         del ema_full
 
@@ -411,44 +413,46 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list]
     result: Dict[str, Any] = {}
     stopper = StopSignal(device)
     t_start = time.perf_counter()
-    stopped_at, saved = None, None
-    for step in range(start_step + 1, tr.max_steps + 1):  # step = optimizer steps completed
-        lr = engine.get_lr()[0]  # the lr this step uses
-        loss = engine.train_batch(data_iter=data_iter).item()
-        ema.update(engine.module)
-        norm = engine.get_global_grad_norm()
-        losses.append(loss)
-        norms.append(float(norm) if norm is not None else float("nan"))
-        n_log += 1
-        if not math.isfinite(loss):
-            hint = "" if precision == "fp32" else ", or use trainer.precision=fp32"
-            raise FloatingPointError(f"loss is {loss} at step {step}: lower optim.lr or keep optim.grad_clip > 0{hint}")
-        last = step == tr.max_steps
-        if step % tr.log_every == 0 or last or step == 1:
-            values = {"loss": sum(losses[-n_log:]) / n_log, "grad_norm": sum(norms[-n_log:]) / n_log,
-                      "lr": lr, "samples_per_s": n_log * tr.global_batch_size / (time.perf_counter() - t_log)}
-            values.update(binned_loss(*loss_fn.pop_records()))
-            logger.scalars(step, values)
-            bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
-            t_log, n_log = time.perf_counter(), 0
-        bar.update(1)
-        if step == start_step + 1:
-            log_stages(engine.module, state, device, run_dir)
-        timed_out = tr.exit_after_minutes is not None and time.perf_counter() - t_start > 60 * tr.exit_after_minutes
-        if stopper.requested(local=step == tr.exit_at_step or timed_out) and not last:
-            stopped_at = step
-            break
-        if not last and tr.sample_every and step % tr.sample_every == 0:
-            sample_grid(step)
-        if not last and tr.eval_every and step % tr.eval_every == 0:
-            heldout_eval(step, final=False)
-        if not last and tr.checkpoint_every and step % tr.checkpoint_every == 0:
-            save(step)
-    bar.close()
+    stopped_at = None
+    try:
+        for step in range(start_step + 1, tr.max_steps + 1):  # step = optimizer steps completed
+            lr = engine.get_lr()[0]  # the lr this step uses
+            loss = engine.train_batch(data_iter=data_iter).item()
+            ema.update(engine.module)
+            norm = engine.get_global_grad_norm()
+            losses.append(loss)
+            norms.append(float(norm) if norm is not None else float("nan"))
+            n_log += 1
+            if not math.isfinite(loss):
+                hint = "" if precision == "fp32" else ", or use trainer.precision=fp32"
+                raise FloatingPointError(f"loss is {loss} at step {step}: lower optim.lr or keep optim.grad_clip > 0{hint}")
+            last = step == tr.max_steps
+            if step % tr.log_every == 0 or last or step == 1:
+                values = {"loss": sum(losses[-n_log:]) / n_log, "grad_norm": sum(norms[-n_log:]) / n_log,
+                          "lr": lr, "samples_per_s": n_log * tr.global_batch_size / (time.perf_counter() - t_log)}
+                values.update(binned_loss(*loss_fn.pop_records()))
+                logger.scalars(step, values)
+                bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
+                t_log, n_log = time.perf_counter(), 0
+            bar.update(1)
+            if step == start_step + 1:
+                log_stages(engine.module, state, device, run_dir)
+            timed_out = tr.exit_after_minutes is not None and time.perf_counter() - t_start > 60 * tr.exit_after_minutes
+            if stopper.requested(local=step == tr.exit_at_step or timed_out) and not last:
+                stopped_at = step
+                break
+            if not last and tr.sample_every and step % tr.sample_every == 0:
+                sample_grid(step)
+            if not last and tr.eval_every and step % tr.eval_every == 0:
+                heldout_eval(step, final=False)
+            if not last and tr.checkpoint_every and step % tr.checkpoint_every == 0:
+                save(step)
+    finally:
+        stopper.restore()
+        bar.close()
 
     if stopped_at is not None:
         save(stopped_at)
-        stopper.restore()
         logger.close()
         if main:
             why = stopper.flag or ("trainer.exit_at_step" if stopped_at == tr.exit_at_step else "trainer.exit_after_minutes"
@@ -457,10 +461,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list]
                         "(trainer.resume=auto) to continue", why, stopped_at,
                         ckpt_dir / ckpt.tag_name(stopped_at))
         return {"losses": losses, "grad_norms": norms, "eval": {}, "run_dir": str(run_dir), "stopped_at": stopped_at}
-    stopper.restore()
     if ckpt.tag_name(tr.max_steps) in ckpt.published_tags(ckpt_dir):  # resumed a finished run
-        full = full_states()
-        saved = full if main else None
+        saved = full_states()  # collective; rank 0 gets the weights
     else:
         saved = save(tr.max_steps)
     if main:
