@@ -8,7 +8,8 @@ all processes (tp = world size), runs one forward/backward under :class:`CommRec
 prints, on rank 0, each kind of collective with its count and bytes next to the theory of
 Korthikanti et al. 2022: per block and micro-batch 2 all-reduces of B*N*D elements forward and
 2 backward without sequence parallelism; with it the same bytes as all-gathers and
-reduce-scatters. Also prints per-rank wire bytes and the wall time of the step.
+reduce-scatters. Also prints per-rank wire bytes, the wall time of the step, and for each
+theory entry the relative error of the measured bytes and whether it is within ``--rtol``.
 """
 from __future__ import annotations
 
@@ -19,42 +20,69 @@ import time
 import torch
 
 
-def main() -> None:
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sp", action="store_true", help="sequence parallel")
     p.add_argument("--batch", type=int, default=8)
-    args, overrides = p.parse_known_args()
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance of measured vs theory bytes")
+    return p.parse_known_args()
 
-    from vitp import dist
-    from vitp.config import compose
-    from vitp.models import Generator, num_tokens
-    from vitp.parallel import CommRecorder, make_state, tensor_parallelize
 
-    cfg = compose(overrides)
+def build(cfg, sp: bool):
+    """The generator of ``cfg.model``, sharded over all processes (tp = world size)."""
+    from vitp.models import Generator, parallelize_generator
+    from vitp.parallel import distributed as dist
+    from vitp.parallel import make_state
+
     dist.init_distributed(dist.resolve_device("cpu"))
     tp = dist.world_size()
+    gen = Generator.from_config(cfg.model, seed=cfg.seed)
+    state = make_state(tp=tp, sequence_parallel=sp)
+    return parallelize_generator(gen, state), tp
+
+
+def theory_bytes(m, batch: int, tp: int, sp: bool):
+    """``(B*N*D fp32 bytes, {collective: bytes})`` of the block linears (tag ``tp``)."""
+    from vitp.models import num_tokens
+
+    N = num_tokens(**m)
+    n_pad = -(-N // tp) * tp if sp else N
+    bnd = batch * n_pad * m.width * 4  # fp32 bytes of one (B, N, D) activation
+    kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
+    return bnd, {f"{k}/{d}/tp": 2 * m.depth * bnd for d in ("fwd", "bwd") for k in kinds}
+
+
+def compare(measured: dict, theory: dict, rtol: float) -> dict:
+    """Relative error of the measured bytes per theory entry (1.0 when not measured at all)."""
+    err = {k: abs(measured.get(k, {}).get("bytes", 0) - v) / v for k, v in theory.items()}
+    return {"relative_error": err, "rtol": rtol, "within_rtol": all(e <= rtol for e in err.values())}
+
+
+def main() -> None:
+    args, overrides = parse_args()
+
+    from vitp.config import compose
+    from vitp.models import num_tokens
+    from vitp.parallel import CommRecorder
+    from vitp.parallel import distributed as dist
+
+    cfg = compose(overrides)
     m = cfg.model
-    gen = Generator(m, seed=cfg.seed)
-    state = make_state(tp=tp, sequence_parallel=args.sp)
-    tensor_parallelize(gen, state)
+    gen, tp = build(cfg, args.sp)
     x = torch.randn(args.batch, m.in_channels, m.num_frames, m.image_size, m.image_size)
     t, y = torch.rand(args.batch), torch.randint(0, m.num_classes, (args.batch,))
     start = time.perf_counter()
     with CommRecorder() as rec:
         gen(x, t, y).pow(2).mean().backward()
     wall = time.perf_counter() - start
-    if not dist.is_main():
-        return
-    N = num_tokens(m)
-    n_pad = -(-N // tp) * tp if args.sp else N
-    bnd = args.batch * n_pad * m.width * 4  # fp32 bytes of one (B, N, D) activation
-    rows = {f"{k}/{d}/{tag}": v for (k, d, tag), v in sorted(rec.summary().items())}
-    theory = ({"all_gather/fwd/tp": 2 * m.depth * bnd, "reduce_scatter/fwd/tp": 2 * m.depth * bnd,
-               "all_gather/bwd/tp": 2 * m.depth * bnd, "reduce_scatter/bwd/tp": 2 * m.depth * bnd} if args.sp else
-              {"all_reduce/fwd/tp": 2 * m.depth * bnd, "all_reduce/bwd/tp": 2 * m.depth * bnd})
-    print(json.dumps({"tp": tp, "sequence_parallel": args.sp, "depth": m.depth, "tokens": N, "B*N*D_bytes": bnd,
-                      "measured": rows, "theory_block_linears": theory,
-                      "wire_bytes_per_rank": rec.wire_bytes(), "step_wall_s": round(wall, 4)}, indent=1))
+    if dist.is_main():
+        bnd, theory = theory_bytes(m, args.batch, tp, args.sp)
+        rows = {f"{k}/{d}/{tag}": v for (k, d, tag), v in sorted(rec.summary().items())}
+        print(json.dumps({"tp": tp, "sequence_parallel": args.sp, "depth": m.depth, "tokens": num_tokens(**m),
+                          "B*N*D_bytes": bnd, "measured": rows, "theory_block_linears": theory,
+                          "wire_bytes_per_rank": rec.wire_bytes(), "step_wall_s": round(wall, 4),
+                          **compare(rows, theory, args.rtol)}, indent=1))
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,60 +1,21 @@
-"""Shared test helpers: config composition and multi-process runs (gloo, CPU)."""
+"""pytest configuration: environment for CPU runs, markers, and fixtures shared by the test tree."""
 from __future__ import annotations
 
-import os
+import pytest
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
-import multiprocessing as mp  # noqa: E402
-import socket  # noqa: E402
-import traceback  # noqa: E402
-
-import pytest  # noqa: E402
-
-from vitp.config import compose as compose_cfg  # noqa: E402,F401
+from tests.helpers import TP2PP2, compose_cfg, reference_cases, reference_rank, run_ranks, train_rank
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def _worker(rank, world, port, fn, args, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+def pytest_collection_modifyitems(config, items):
     import torch
 
-    torch.set_num_threads(1)
-    try:
-        queue.put((rank, fn(rank, *args), None))
-    except BaseException:  # report to the parent instead of hanging it
-        queue.put((rank, None, traceback.format_exc()))
-
-
-def run_ranks(world: int, fn, *args, timeout: float = 300):
-    """Run ``fn(rank, *args)`` in ``world`` fresh processes forming one gloo group; returns the
-    results ordered by rank. ``fn`` must be importable (module level)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, res, err = queue.get(timeout=timeout)
-            if err:
-                raise AssertionError(f"rank {rank} failed:\n{err}")
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "distributed" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
 
 
 @pytest.fixture
@@ -62,41 +23,21 @@ def smoke_cfg():
     return compose_cfg(["experiment=smoke"])
 
 
-def train_rank(rank, overrides, run_dir):
-    """``vitp.train.train`` on one rank of :func:`run_ranks`; returns per-step losses and grad norms."""
-    from vitp.config import compose
-    from vitp.train import train
-
-    res = train(compose(overrides), run_dir)
-    return {k: res[k] for k in ("losses", "grad_norms", "stopped_at")}
-
-
-def launch(world, args, run_dir, env_extra=None):
-    """Start ``python -m vitp.train *args`` as ``world`` ranks the way torchrun would (env://);
-    returns the ``Popen`` objects (output in ``run_dir.parent / f"rank{r}.log"``)."""
-    import subprocess
-    import sys
-
-    port = _free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(env_extra or {}))
-        out = open(run_dir.parent / f"rank{r}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "vitp.train", *args, f"hydra.run.dir={run_dir}"],
-                                      env=env, stdout=out, stderr=subprocess.STDOUT, cwd=run_dir.parent))
-    return procs
-
-
-# tp=2 x pp=2 with dropout in attention, projections and drop-path (so the TP and default RNG
-# streams matter), a checkpoint every 2 steps and the held-out evaluation at the end.
-TP2PP2 = ["experiment=smoke", "trainer.max_steps=4", "model.depth=3", "parallel.tp=2", "parallel.pp=2",
-          "model.attn_drop=0.2", "model.proj_drop=0.1", "model.drop_path=0.1", "trainer.checkpoint_every=2",
-          "eval.enabled=true", "eval.classifier_epochs=1", "eval.num_samples=20"]
-
-
 @pytest.fixture(scope="session")
 def tp2pp2_run(tmp_path_factory):
     """One uninterrupted :data:`TP2PP2` run: ``(run_dir, per-rank results)``."""
     run = tmp_path_factory.mktemp("tp2pp2") / "run"
     return run, run_ranks(4, train_rank, TP2PP2, str(run))
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory):
+    """The recorded cases (``tests/fixtures/reference``) run again: ``{name: (run_dir, rank 0 result)}``,
+    from the default init and from the perturbed export, one process group per world size."""
+    base = tmp_path_factory.mktemp("reference")
+    out = {}
+    for world in (1, 2, 4):
+        cases = {**reference_cases("default")[world], **reference_cases("perturbed")[world]}
+        res = run_ranks(world, reference_rank, cases, str(base))[0]
+        out.update({name: (base / name, r) for name, r in res.items()})
+    return out

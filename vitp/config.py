@@ -1,12 +1,16 @@
-"""Structured config schema for vitp (Hydra / OmegaConf).
+"""Structured config schema for vitp (Hydra / OmegaConf) and its one validation pass.
 
-The YAML files under ``conf/`` are merged onto these dataclasses, so an unknown key or a value
-of the wrong type fails when the config is composed, before any process group exists.
-Every field has a one-line description; ``README.md`` lists the same reference.
+The YAML files under ``conf/`` are merged onto these dataclasses, so an unknown key, a value of
+the wrong type or a choice outside its enum fails when the config is composed.
+:func:`validate_config` then checks every cross-field rule (model divisibility, the ``tp x pp x
+dp`` layout against the world size, batch sizes, schedules) once, before any process group
+exists. Every field has a one-line description; ``README.md`` lists the same reference.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -14,6 +18,22 @@ from omegaconf import II
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+
+
+class Choice(str, Enum):
+    """A config choice: compares equal to its string value and prints as it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+MlpKind = Choice("MlpKind", {"gelu": "gelu", "swiglu": "swiglu"})
+AttentionMode = Choice("AttentionMode", {"full": "full", "factorized": "factorized"})
+DatasetName = Choice("DatasetName", {n: n for n in ("digits", "image_folder", "synthetic", "video_folder")})
+SamplerMethod = Choice("SamplerMethod", {"heun": "heun", "euler": "euler"})
+Schedule = Choice("Schedule", {"constant": "constant", "cosine": "cosine"})
+Precision = Choice("Precision", {"auto": "auto", "fp32": "fp32", "bf16": "bf16"})
+Device = Choice("Device", {"auto": "auto", "cpu": "cpu", "cuda": "cuda"})
 
 
 @dataclass
@@ -30,21 +50,21 @@ class ModelConfig:
     depth: int = 6  # number of blocks
     num_heads: int = 4  # attention heads (width % num_heads == 0)
     mlp_ratio: float = 4.0  # MLP hidden = mlp_ratio * width
-    mlp: str = "gelu"  # "gelu" (timm Mlp) or "swiglu" (timm SwiGLU)
+    mlp: MlpKind = MlpKind.gelu  # "gelu" (timm Mlp) or "swiglu" (timm SwiGLU)
     qkv_bias: bool = True  # bias in the fused qkv projection
     qk_norm: bool = False  # LayerNorm on q and k per head (timm qk_norm)
     layer_scale_init: Optional[float] = None  # timm LayerScale init value; null = off
     attn_drop: float = 0.0  # dropout on attention probabilities
     proj_drop: float = 0.0  # dropout after attention proj and MLP fc2
     drop_path: float = 0.0  # stochastic depth rate, linearly increasing over blocks
-    attention: str = "full"  # "full" (joint over T*H*W tokens) | "factorized" (Latte: even blocks spatial, odd temporal)
+    attention: AttentionMode = AttentionMode.full  # "full" (joint over T*H*W tokens) | "factorized" (Latte: even blocks spatial, odd temporal)
 
 
 @dataclass
 class DataConfig:
     """Training / held-out data."""
 
-    name: str = "digits"  # "digits" | "image_folder" | "synthetic" | "video_folder"
+    name: DatasetName = DatasetName.digits  # "digits" | "image_folder" | "synthetic" | "video_folder"
     root: Optional[str] = None  # folder of images / videos (image_folder, video_folder); class = subfolder name
     resolution: int = 8  # square side after resize/crop, in pixels
     channels: int = 1  # pixel channels (1 for digits, 3 for photos)
@@ -79,7 +99,7 @@ class ObjectiveConfig:
 class SamplerConfig:
     """ODE sampler used for sample grids, evaluation and vitp-sample."""
 
-    method: str = "heun"  # "heun" | "euler"
+    method: SamplerMethod = SamplerMethod.heun  # "heun" | "euler"
     steps: int = 20  # number of ODE steps from t=0 to t=1
     cfg_scale: float = 1.5  # classifier-free guidance scale (1 = no guidance)
     cfg_interval: List[float] = field(default_factory=lambda: [0.0, 1.0])  # t range where CFG applies
@@ -109,7 +129,7 @@ class OptimConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.0  # AdamW decoupled weight decay
-    schedule: str = "cosine"  # "constant" | "cosine" (both after linear warmup)
+    schedule: Schedule = Schedule.cosine  # "constant" | "cosine" (both after linear warmup)
     warmup_steps: int = 100  # linear warmup steps
     min_lr_ratio: float = 0.0  # cosine: final lr / peak lr
     grad_clip: float = 1.0  # max global grad norm (0 = off)
@@ -123,8 +143,8 @@ class TrainerConfig:
     max_steps: int = 3000  # optimizer steps
     global_batch_size: int = 64  # samples per optimizer step over all dp ranks
     micro_batch_size: int = 64  # samples per micro-batch per dp rank
-    precision: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA) | "fp32" | "bf16"
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    precision: Precision = Precision.auto  # "auto" (fp32 on CPU, bf16 on CUDA) | "fp32" | "bf16"
+    device: Device = Device.auto  # "auto" | "cpu" | "cuda"
     log_every: int = 25  # steps between metrics.jsonl / TensorBoard scalars
     sample_every: int = 500  # steps between sample grids (0 = only at the end)
     eval_every: int = 500  # steps between held-out loss evaluations (0 = only at the end)
@@ -174,29 +194,128 @@ class Config:
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 
-def validate_config(cfg) -> None:
-    """Cross-field checks run before any process group exists. Raises ``ValueError`` naming
-    the key and the valid values."""
-    checks = [
-        (cfg.trainer.max_steps >= 0, f"trainer.max_steps={cfg.trainer.max_steps}; it must be >= 0 (0 = no training step)"),
-        (cfg.trainer.keep_checkpoints >= 0, f"trainer.keep_checkpoints={cfg.trainer.keep_checkpoints}; it must be >= 0"),
-        (cfg.trainer.checkpoint_every >= 0, f"trainer.checkpoint_every={cfg.trainer.checkpoint_every}; it must be >= 0"),
-        (not (cfg.trainer.init_from and cfg.trainer.init_from_timm),
-         "set trainer.init_from or trainer.init_from_timm, not both"),
-        (cfg.sampler.method in ("euler", "heun"), f"sampler.method={cfg.sampler.method!r}; use euler or heun"),
-        (cfg.sampler.steps >= 1, f"sampler.steps={cfg.sampler.steps}; it must be >= 1"),
-        (len(cfg.sampler.cfg_interval) == 2 and 0 <= cfg.sampler.cfg_interval[0] <= cfg.sampler.cfg_interval[1] <= 1,
-         f"sampler.cfg_interval={list(cfg.sampler.cfg_interval)}; use [lo, hi] with 0 <= lo <= hi <= 1"),
-        (cfg.trainer.log_every >= 1, f"trainer.log_every={cfg.trainer.log_every}; it must be >= 1"),
-        (0 <= cfg.data.holdout_fraction < 1, f"data.holdout_fraction={cfg.data.holdout_fraction}; use [0, 1)"),
-        (cfg.objective.P_std > 0 and 0 < cfg.objective.t_eps < 1,
-         "objective.P_std must be > 0 and objective.t_eps in (0, 1)"),
-        (0 <= cfg.objective.label_drop < 1, f"objective.label_drop={cfg.objective.label_drop}; use [0, 1)"),
-        (cfg.optim.schedule in ("constant", "cosine"), f"optim.schedule={cfg.optim.schedule!r}; use constant or cosine"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
+def mlp_hidden_units(width: int, mlp_ratio: float, mlp: str) -> int:
+    """MLP hidden units of a block: ``int(width * mlp_ratio)``, times 2/3 for SwiGLU, which keeps
+    the parameter count of the GELU MLP (Shazeer 2020, "GLU Variants Improve Transformer")."""
+    hidden = int(width * mlp_ratio)
+    return int(hidden * 2 / 3) if mlp == "swiglu" else hidden
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The process layout of a run: ``world_size = tp * pp * dp`` and the resolved precision."""
+
+    tp: int
+    pp: int
+    dp: int
+    precision: str  # "fp32" | "bf16" ("auto" resolved by device)
+
+
+def resolve_precision(precision: str, device_type: str) -> str:
+    """``auto`` -> ``bf16`` on CUDA, ``fp32`` elsewhere; other values unchanged."""
+    if precision == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    return str(precision)
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fail(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _check_run(cfg: "DictConfig") -> None:
+    tr, s, o = cfg.trainer, cfg.sampler, cfg.objective
+    _fail(tr.max_steps >= 0, f"trainer.max_steps={tr.max_steps}; it must be >= 0 (0 = no training step)")
+    _fail(tr.keep_checkpoints >= 0, f"trainer.keep_checkpoints={tr.keep_checkpoints}; it must be >= 0")
+    _fail(tr.checkpoint_every >= 0, f"trainer.checkpoint_every={tr.checkpoint_every}; it must be >= 0")
+    _fail(not (tr.init_from and tr.init_from_timm), "set trainer.init_from or trainer.init_from_timm, not both")
+    _fail(s.steps >= 1, f"sampler.steps={s.steps}; it must be >= 1")
+    _fail(len(s.cfg_interval) == 2 and 0 <= s.cfg_interval[0] <= s.cfg_interval[1] <= 1,
+          f"sampler.cfg_interval={list(s.cfg_interval)}; use [lo, hi] with 0 <= lo <= hi <= 1")
+    _fail(tr.log_every >= 1, f"trainer.log_every={tr.log_every}; it must be >= 1")
+    _fail(0 <= cfg.data.holdout_fraction < 1, f"data.holdout_fraction={cfg.data.holdout_fraction}; use [0, 1)")
+    _fail(o.P_std > 0 and 0 < o.t_eps < 1, "objective.P_std must be > 0 and objective.t_eps in (0, 1)")
+    _fail(0 <= o.label_drop < 1, f"objective.label_drop={o.label_drop}; use [0, 1)")
+
+
+def validate_model(m: "DictConfig") -> None:
+    """Divisibility rules of the generator (``model.*``, with the data-derived sizes).
+
+    Raises ``ValueError`` naming the key and the valid values.
+    """
+    D, heads = m.width, m.num_heads
+    if D % heads:
+        valid = [h for h in _divisors(D) if D // h >= 8]
+        raise ValueError(f"model.width={D} is not divisible by model.num_heads={heads}; valid num_heads: {valid}")
+    if m.image_size % m.patch_size:
+        raise ValueError(f"resolution {m.image_size} (data.resolution) is not divisible by model.patch_size="
+                         f"{m.patch_size}; valid patch sizes: {_divisors(m.image_size)}")
+    _fail(m.num_frames % m.tubelet_size == 0,
+          f"num_frames {m.num_frames} is not divisible by model.tubelet_size={m.tubelet_size}")
+    _fail(m.depth >= 1, "model.depth must be >= 1")
+    # factorized with num_frames / tubelet_size == 1 is allowed: temporal blocks attend over one token
+    _fail(m.num_frames // m.tubelet_size >= 1 or m.attention != "factorized",
+          f"model.attention=factorized needs num_frames / model.tubelet_size >= 1, got {m.num_frames} / "
+          f"{m.tubelet_size}")
+
+
+def _layouts(world: int) -> List[tuple]:
+    return [(t, p) for t in range(1, world + 1) for p in range(1, world + 1) if world % (t * p) == 0]
+
+
+def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu") -> Layout:
+    """The run's :class:`Layout` on ``world_size`` processes, after checking that it can work:
+    ``tp * pp`` divides the world, heads and MLP hidden units divide ``tp``, every pipeline stage
+    gets a block, the ZeRO stage suits pipelines and the precision, and the global batch splits
+    into micro-batches over ``dp``.
+
+    Raises ``ValueError`` naming the option and listing the valid values.
+    """
+    par, m, tr = cfg.parallel, cfg.model, cfg.trainer
+    tp, pp = par.tp, par.pp
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide world_size={world_size}; "
+                         f"valid (tp, pp) for {world_size} processes: {_layouts(world_size)}")
+    sizes = [("model.num_heads", m.num_heads),
+             (f"MLP hidden units (model.mlp={m.mlp}, model.width, model.mlp_ratio)",
+              mlp_hidden_units(m.width, m.mlp_ratio, m.mlp))]
+    for option, value in sizes:
+        if value % tp:
+            g = math.gcd(*(v for _, v in sizes))
+            raise ValueError(f"parallel.tp={tp} does not divide {option}={value}; valid tp degrees for this "
+                             f"model: {_divisors(g)}")
+    _fail(m.depth >= pp, f"model.depth={m.depth} < parallel.pp={pp}: every pipeline stage needs at least one "
+                         f"block; use parallel.pp <= {m.depth}")
+    precision = resolve_precision(tr.precision, device_type)
+    _fail(par.zero_stage in (0, 1), f"parallel.zero_stage={par.zero_stage}: pipelines support ZeRO stage 0 or 1")
+    # DeepSpeed's fp32 ZeRO-0 pipeline path reports no global grad norm (measured: None at pp=1
+    # and pp=2) and its clipping norm drops replicated parameters of stages > 0.
+    _fail(not (par.zero_stage == 0 and precision == "fp32"),
+          "parallel.zero_stage=0 in fp32: DeepSpeed's pipeline engine does not report, and with pp > 1 "
+          "miscomputes, the clipping grad norm; use parallel.zero_stage=1 (the default)")
+    dp = world_size // (tp * pp)
+    micro, glob = tr.micro_batch_size, tr.global_batch_size
+    _fail(glob % (micro * dp) == 0,
+          f"trainer.global_batch_size={glob} must be a multiple of trainer.micro_batch_size ({micro}) x dp "
+          f"({dp}); e.g. set trainer.global_batch_size={micro * dp * max(1, glob // (micro * dp))}")
+    return Layout(tp=tp, pp=pp, dp=dp, precision=precision)
+
+
+def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_type: str = "cpu"
+                    ) -> Optional[Layout]:
+    """Every cross-field check of a composed run config, in one pass (the schema has already
+    checked keys, types and choices). With ``world_size`` also the layout
+    (:func:`validate_layout`), whose result is returned.
+
+    Raises ``ValueError`` naming the key and the valid values.
+    """
+    _check_run(cfg)
+    validate_model(cfg.model)
+    return None if world_size is None else validate_layout(cfg, world_size, device_type)
 
 
 def register_configs() -> None:

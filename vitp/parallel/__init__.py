@@ -1,30 +1,26 @@
-"""Megatron-style tensor and sequence parallelism for timm ViT blocks.
+"""Megatron-style tensor and sequence parallelism for timm ViT blocks (model-agnostic).
 
-- :mod:`.state`: :class:`ParallelState`, :func:`make_state`, :func:`from_grid`, :func:`validate_tp`
-- :mod:`.mappings`: autograd collectives between replicated / TP / sequence regions
-- :mod:`.layers`: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`, :func:`full_weight`
-- :mod:`.timm_tp`: :class:`TPAttention`, :class:`TPMlp`, :func:`tensor_parallelize`
-- :mod:`.random`: RNG streams (:func:`model_parallel_seed`, :func:`get_rng_tracker`)
+- :mod:`.distributed`: process groups for every launcher (:func:`init_distributed`, ranks)
+- :mod:`.state`: :class:`ParallelState` (who am I in ``tp x pp x dp``), :func:`make_state`, :func:`from_grid`
 - :mod:`.comm`: counted collectives and :class:`CommRecorder`
+- :mod:`.mappings`: autograd collectives between replicated / TP / sequence regions
+- :mod:`.layers`: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`, sharding helpers
+- :mod:`.timm_tp`: :class:`TPAttention`, :class:`TPMlp`, :func:`tensor_parallelize` for stock timm blocks
+- :mod:`.random`: RNG streams (:func:`model_parallel_seed`, :func:`get_rng_tracker`, :func:`checkpoint`)
+
+Nothing here knows a particular model: a model's plan (e.g. :func:`vitp.models.parallelize_generator`)
+composes these pieces.
 """
 from .comm import CommRecord, CommRecorder
-from .layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    full_weight,
-    register_grad_allreduce,
-    shard_like,
-    shard_tensor,
-)
+from .layers import ColumnParallelLinear, RowParallelLinear, full_weight, register_grad_allreduce, shard_like, shard_tensor
 from .mappings import (
+    CopyToTPRegion,
     copy_to_tp_region,
     gather_from_sequence_region,
     gather_from_sequence_region_to_replicated,
-    gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
     scatter_to_sequence_region,
-    scatter_to_tp_region,
 )
 from .random import RNGStatesTracker, checkpoint, get_rng_tracker, model_parallel_seed
 from .state import ParallelState, from_grid, make_state, validate_tp
@@ -33,7 +29,9 @@ from .timm_tp import (
     TPAttention,
     TPMlp,
     full_state_dict,
+    is_timm_block,
     load_full_state_dict,
+    parallelize_block,
     sequence_parallel_enter,
     sequence_parallel_exit,
     tensor_parallelize,
@@ -43,6 +41,7 @@ __all__ = [
     "ColumnParallelLinear",
     "CommRecord",
     "CommRecorder",
+    "CopyToTPRegion",
     "ParallelState",
     "RNGStatesTracker",
     "RowParallelLinear",
@@ -56,16 +55,16 @@ __all__ = [
     "full_weight",
     "gather_from_sequence_region",
     "gather_from_sequence_region_to_replicated",
-    "gather_from_tp_region",
     "get_rng_tracker",
+    "is_timm_block",
     "load_full_state_dict",
     "make_state",
     "model_parallel_seed",
+    "parallelize_block",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region",
     "register_grad_allreduce",
     "scatter_to_sequence_region",
-    "scatter_to_tp_region",
     "sequence_parallel_enter",
     "sequence_parallel_exit",
     "shard_like",

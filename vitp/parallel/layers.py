@@ -8,7 +8,7 @@ the same way by heads. Reference: Megatron-Core ``tensor_parallel/layers.py``
 2022) the column-parallel input is all-gathered from the token shards and the row-parallel output
 is reduce-scattered back to them.
 
-Every rank holds the same full weights (built from one seed, design invariant 5) and keeps its
+Every rank holds the same full weights (built from one seed) and keeps its
 slice, so the sharded model equals the full one at any tp. Sharded parameters carry
 ``tensor_model_parallel=True``, ``partition_dim`` and ``partition_stride`` (DeepSpeed's grad norm
 counts such parameters on every TP rank, the others on TP rank 0 only). Replicated parameters
@@ -28,10 +28,8 @@ from .mappings import (
     NoDeepcopy,
     copy_to_tp_region,
     gather_from_sequence_region,
-    gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
-    scatter_to_tp_region,
 )
 from .state import ParallelState
 
@@ -111,15 +109,15 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
     """``y = x A^T + b`` with ``A``'s output features (rows) split over the TP group.
 
     ``forward``: ``(B, N, in)`` (or ``(B, N / tp, in)`` with sequence parallelism) ->
-    ``(B, N, out / tp)`` (or ``(B, N, out)`` with ``gather_output``). Use :meth:`from_linear`.
+    ``(B, N, out / tp)``. Use :meth:`from_linear`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int, out_features: int,
-                 state: ParallelState, gather_output: bool = False, stride: int = 1,
-                 sequence_parallel: Optional[bool] = None, input_comm: bool = True):
+                 state: ParallelState, stride: int = 1, sequence_parallel: Optional[bool] = None,
+                 input_comm: bool = True):
         super().__init__()
         self.in_features, self.out_features, self.stride = in_features, out_features, stride
-        self.gather_output, self.input_comm = gather_output, input_comm
+        self.input_comm = input_comm
         self.sequence_parallel = state.sequence_parallel if sequence_parallel is None else sequence_parallel
         self.group = state.tp_group
         self.weight = weight
@@ -129,8 +127,7 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
             _mark_sharded(self.bias, 0, stride)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, state: ParallelState, gather_output: bool = False,
-                    stride_chunks: Optional[int] = None, sequence_parallel: Optional[bool] = None,
+    def from_linear(cls, linear: nn.Linear, state: ParallelState, stride_chunks: Optional[int] = None, sequence_parallel: Optional[bool] = None,
                     input_comm: bool = True) -> "ColumnParallelLinear":
         """Keep this rank's output features of ``linear`` (whose weights are full and identical
         on all ranks).
@@ -150,18 +147,14 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
         Raises
         ------
         ValueError
-            If ``out_features`` is not divisible by ``stride_chunks * tp``, or ``gather_output``
-            is combined with ``stride_chunks > 1`` (the gathered layout would be interleaved).
+            If ``out_features`` is not divisible by ``stride_chunks * tp``.
         """
         stride = stride_chunks or 1
-        if gather_output and stride > 1:
-            raise ValueError("gather_output=True is not supported with stride_chunks > 1")
         w = _new_param(shard_tensor(linear.weight, 0, stride, state.tp_size, state.tp_rank), linear.weight)
         b = None
         if linear.bias is not None:
             b = _new_param(shard_tensor(linear.bias, 0, stride, state.tp_size, state.tp_rank), linear.bias)
-        return cls(w, b, linear.in_features, linear.out_features, state, gather_output, stride, sequence_parallel,
-                   input_comm)
+        return cls(w, b, linear.in_features, linear.out_features, state, stride, sequence_parallel, input_comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_comm:
@@ -170,8 +163,7 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
             x = gather_from_sequence_region(x, self.group)
         else:
             x = copy_to_tp_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
-        return gather_from_tp_region(y, self.group) if self.gather_output else y
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -189,13 +181,10 @@ class RowParallelLinear(NoDeepcopy, nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int, out_features: int,
-                 state: ParallelState, input_is_parallel: bool = True, sequence_parallel: Optional[bool] = None):
+                 state: ParallelState, sequence_parallel: Optional[bool] = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.input_is_parallel = input_is_parallel
         self.sequence_parallel = state.sequence_parallel if sequence_parallel is None else sequence_parallel
-        if self.sequence_parallel and not input_is_parallel:
-            raise ValueError("sequence_parallel requires input_is_parallel=True")
         self.group = state.tp_group
         self.weight = weight
         self.bias = bias
@@ -204,8 +193,8 @@ class RowParallelLinear(NoDeepcopy, nn.Module):
             register_grad_allreduce(self.bias, state, "sequence_parallel")
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, state: ParallelState, input_is_parallel: bool = True,
-                    sequence_parallel: Optional[bool] = None) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, state: ParallelState, sequence_parallel: Optional[bool] = None
+                    ) -> "RowParallelLinear":
         """Keep this rank's input features of ``linear``; the bias stays whole (replicated).
 
         Raises
@@ -215,11 +204,9 @@ class RowParallelLinear(NoDeepcopy, nn.Module):
         """
         w = _new_param(shard_tensor(linear.weight, 1, 1, state.tp_size, state.tp_rank), linear.weight)
         b = _new_param(linear.bias, linear.bias) if linear.bias is not None else None
-        return cls(w, b, linear.in_features, linear.out_features, state, input_is_parallel, sequence_parallel)
+        return cls(w, b, linear.in_features, linear.out_features, state, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = scatter_to_tp_region(x, self.group)
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(y, self.group)

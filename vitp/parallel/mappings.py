@@ -11,8 +11,6 @@ function                                forward                         backward
 ======================================  ==============================  =========================
 ``copy_to_tp_region``                   identity                        all-reduce
 ``reduce_from_tp_region``               all-reduce                      identity
-``scatter_to_tp_region``                split last dim                  all-gather last dim
-``gather_from_tp_region``               all-gather last dim             split last dim
 ``scatter_to_sequence_region``          split dim 1                     all-gather dim 1
 ``gather_from_sequence_region``         all-gather dim 1                reduce-scatter dim 1
 ``reduce_scatter_to_sequence_region``   reduce-scatter dim 1            all-gather dim 1
@@ -114,16 +112,6 @@ def copy_to_tp_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
 def reduce_from_tp_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
     """All-reduce forward, identity backward (Megatron ``g``). Any shape."""
     return x if comm.group_size(group) == 1 else _ReduceFromTP.apply(x, group, tag)
-
-
-def scatter_to_tp_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
-    """``(..., F)`` -> this rank's ``(..., F / tp)``; all-gather backward."""
-    return x if comm.group_size(group) == 1 else _Scatter.apply(x, -1, group, tag)
-
-
-def gather_from_tp_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
-    """``(..., F / tp)`` -> ``(..., F)``; backward keeps this rank's slice of the gradient."""
-    return x if comm.group_size(group) == 1 else _Gather.apply(x, -1, group, tag, False)
 
 
 def scatter_to_sequence_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Random-number rules for tensor and sequence parallelism (design invariant 6).
+"""Random-number rules for tensor and sequence parallelism.
 
 - Dropout / drop-path on **replicated** activations (and drop-path in sequence-parallel regions,
   which drops whole samples) must draw the same mask on every TP rank: they use the default

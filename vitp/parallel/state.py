@@ -13,8 +13,6 @@ from typing import Any, List
 
 import torch.nn as nn
 
-from vitp.models.generator import config_value
-
 
 @dataclass
 class ParallelState:
@@ -105,28 +103,17 @@ def _sizes_of_module(model: nn.Module) -> List[tuple]:
     return out
 
 
-def _sizes_of_config(cfg: Any) -> List[tuple]:
-    D = config_value(cfg, "width")
-    hidden = int(D * config_value(cfg, "mlp_ratio", 4.0))
-    if config_value(cfg, "mlp", "gelu") == "swiglu":
-        hidden = int(hidden * 2 / 3)  # as vitp.models.generator.Block
-    return [("model.num_heads", config_value(cfg, "num_heads")), (f"MLP hidden units (model.mlp={config_value(cfg, 'mlp', 'gelu')}, "
-                                                           f"model.width, model.mlp_ratio)", hidden)]
-
-
-def validate_tp(model_cfg_or_module: Any, tp: int) -> None:
-    """Check that attention heads and MLP hidden units split evenly over ``tp`` ranks.
-
-    Call before any process group is created. Accepts a model config (``width``, ``num_heads``,
-    ``mlp_ratio``, ``mlp``; dict, dataclass or DictConfig) or an ``nn.Module`` holding timm layers.
+def validate_tp(model: nn.Module, tp: int) -> None:
+    """Check that the attention heads and MLP hidden units of the timm layers in ``model`` split
+    evenly over ``tp`` ranks (for a run config, :func:`vitp.config.validate_layout` does this
+    before any process group exists).
 
     Raises
     ------
     ValueError
-        Naming the offending option and listing the valid tp degrees (design invariant 9).
+        Naming the offending module and listing the valid tp degrees.
     """
-    sizes = _sizes_of_module(model_cfg_or_module) if isinstance(model_cfg_or_module, nn.Module) \
-        else _sizes_of_config(model_cfg_or_module)
+    sizes = _sizes_of_module(model)
     if tp < 1:
         raise ValueError(f"parallel.tp={tp} must be >= 1")
     g = 0

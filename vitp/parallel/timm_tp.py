@@ -4,13 +4,14 @@
 Layout (Shoeybi et al. 2019, §3; Megatron-Core ``transformer/attention.py``, ``transformer/mlp.py``):
 
 - attention: ``qkv`` column-parallel **by heads** (timm packs ``[Q all heads | K all heads |
-  V all heads]``, so each of the three chunks is split separately: design invariant 1), local
+  V all heads]``, so each of the three chunks is split separately; a contiguous split of the
+  ``3 D`` rows would mix Q, K and V of different heads), local
   ``F.scaled_dot_product_attention`` over ``H / tp`` heads, ``proj`` row-parallel.
 - MLP: ``fc1`` (or ``fc1_g``/``fc1_x``; or both halves of a packed GLU ``fc1``) column-parallel,
   ``fc2`` row-parallel.
 
 Submodule names are timm's (``qkv``, ``q_norm``, ``proj``, ``fc1`` ...), so state-dict keys do not
-change; :func:`full_state_dict` gathers a timm-layout state dict back (design invariant 10).
+change; :func:`full_state_dict` gathers a timm-layout state dict back.
 
 Sequence parallelism (Korthikanti et al. 2022): between blocks and around attention/MLP, each TP
 rank holds ``ceil(N / tp)`` tokens (``(B, N_pad / tp, D)``). When ``N`` is not a multiple of
@@ -19,8 +20,9 @@ drops the pad tokens before attending (they are never keys or queries), token-wi
 carry them, and :func:`sequence_parallel_exit` cuts them off, so their gradient is zero and the
 result equals the unpadded model.
 
-Factorized (space/time) attention composes with SP inside :class:`TPAttention`. A generator
-block calls ``attn(x, token_groups=TokenGroups(kind, grid))`` (:mod:`vitp.models.generator`);
+Factorized (space/time) attention composes with SP inside :class:`TPAttention`. A block may call
+``attn(x, token_groups=groups)`` with an object that regroups a ``(t, h, w)``-ordered sequence
+(``group``/``ungroup``/``num_tokens``, e.g. :class:`vitp.models.layers.TokenGroups`);
 regrouping needs the whole ``(t, h, w)`` grid, which no rank holds outside attention, so
 ``TPAttention.forward`` does, in order:
 
@@ -40,9 +42,8 @@ input instead (:class:`vitp.models.GridAttention`), which is the same computatio
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -51,7 +52,6 @@ from timm.layers import Attention, GluMlp, Mlp, SwiGLU
 
 from .layers import ColumnParallelLinear, RowParallelLinear, full_weight, register_grad_allreduce, shard_like
 from .mappings import (
-    CopyToTPRegion,
     copy_to_tp_region,
     gather_from_sequence_region,
     gather_from_sequence_region_to_replicated,
@@ -259,48 +259,31 @@ def sequence_parallel_exit(x: torch.Tensor, state: ParallelState, seq_len: Optio
     return x if seq_len is None else x[:, :seq_len]
 
 
-def _is_block(m: nn.Module) -> bool:
+def is_timm_block(m: nn.Module) -> bool:
+    """True for a module with a timm ``Attention`` as ``attn`` and a timm MLP as ``mlp``."""
     mlp = getattr(m, "mlp", None)
     return isinstance(getattr(m, "attn", None), Attention) and isinstance(mlp, (Mlp, SwiGLU, GluMlp))
 
 
-def _sequence_parallel_block_params(blk: nn.Module, state: ParallelState) -> None:
-    """Replicated parameters of a block outside attn/MLP see only local tokens under SP."""
-    ada = getattr(blk, "adaLN_modulation", None)
-    if isinstance(ada, nn.Sequential):
-        # adaLN output (B, 6D) is replicated but its gradient is a per-rank partial sum over
-        # local tokens: one all-reduce of that gradient makes the adaLN weights' and c's
-        # gradients (back to the embedder) complete. Cheaper than reducing 6D^2 weight grads.
-        if not isinstance(ada[-1], CopyToTPRegion):
-            ada.append(CopyToTPRegion(state.tp_group, tag="cond"))
+def parallelize_block(blk: nn.Module, state: ParallelState, info: SequenceInfo,
+                      replicated_skip: Sequence[str] = ()) -> None:
+    """Swap ``blk.attn`` / ``blk.mlp`` for :class:`TPAttention` / :class:`TPMlp`, in place.
+
+    With sequence parallelism every other parameter of the block (norms, LayerScale, biases; not
+    the children named in ``replicated_skip``, which the caller handles) sees only this rank's
+    tokens, so its gradient is summed over the TP group by a hook (``sequence_parallel=True``).
+    """
+    blk.attn = TPAttention.from_timm(blk.attn, state, info)
+    blk.mlp = TPMlp.from_timm(blk.mlp, state)
+    if not state.sequence_parallel:
+        return
+    skip = {"attn", "mlp", *replicated_skip}
     for name, child in blk.named_children():
-        if name in ("attn", "mlp", "adaLN_modulation"):
-            continue
-        for p in child.parameters():
-            register_grad_allreduce(p, state, "sequence_parallel")
+        if name not in skip:
+            for p in child.parameters():
+                register_grad_allreduce(p, state, "sequence_parallel")
     for p in blk.parameters(recurse=False):
         register_grad_allreduce(p, state, "sequence_parallel")
-
-
-def _install_generator_hooks(model: nn.Module, state: ParallelState, info: SequenceInfo) -> None:
-    from vitp.models.generator import Embed, FinalLayer
-
-    def after_embed(_m, _args, out):
-        tokens, c = out
-        return sequence_parallel_enter(tokens, state, info), c
-
-    def before_final(_m, args):
-        if len(args) == 1 and isinstance(args[0], (tuple, list)):  # pipeline adapter: final((x, c))
-            x, c = args[0]
-            return ((sequence_parallel_exit(x, state, info.seq_len), c),)
-        x, c = args[:2]
-        return (sequence_parallel_exit(x, state, info.seq_len), c) + tuple(args[2:])
-
-    for m in model.modules():
-        if isinstance(m, Embed):
-            m.register_forward_hook(after_embed)
-        elif isinstance(m, FinalLayer):
-            m.register_forward_pre_hook(before_final)
 
 
 def _install_vit_hooks(vit: nn.Module, state: ParallelState, info: SequenceInfo) -> None:
@@ -310,61 +293,39 @@ def _install_vit_hooks(vit: nn.Module, state: ParallelState, info: SequenceInfo)
 
 
 def tensor_parallelize(model: nn.Module, state: ParallelState, seq_len: Optional[int] = None) -> nn.Module:
-    """Replace every block's ``attn`` and ``mlp`` (timm layers holding full weights) by their
-    TP versions, in place, and return ``model``. A no-op when ``state.tp_size == 1``.
+    """Shard every block of ``model`` whose ``attn`` and ``mlp`` are timm layers holding full
+    weights (:func:`parallelize_block`), in place, and return ``model``. A no-op when
+    ``state.tp_size == 1``.
 
-    ``model`` may be a :class:`vitp.models.Generator`, a DeepSpeed ``PipelineModule`` (or a
-    stage) of :mod:`vitp.pipeline` layers, a ``timm`` ``VisionTransformer``, or any module whose
-    blocks have timm ``attn`` and ``mlp`` children.
-
-    With ``state.sequence_parallel``:
-
-    - tokens are scattered after the generator's ``Embed`` (or before a ViT's first block) and
-      gathered before ``FinalLayer`` (or after a ViT's last block), by forward hooks;
-    - replicated block parameters outside attn/MLP (norms, LayerScale) and row-parallel biases
-      get gradient all-reduce hooks (``sequence_parallel=True``); the adaLN output of each
-      generator block gets :class:`CopyToTPRegion` (its gradient, hence that of the adaLN
-      weights and of ``c``, is summed over the TP group).
+    ``model`` may be a ``timm`` ``VisionTransformer`` (with ``state.sequence_parallel``, tokens
+    are scattered before its first block and gathered after its last by forward hooks) or any
+    module with such blocks whose sequence-parallel region the caller opens and closes itself with
+    :func:`sequence_parallel_enter` / :func:`sequence_parallel_exit` (the ViT generator's plan:
+    :func:`vitp.models.parallelize_generator`).
 
     Parameters
     ----------
     seq_len : int, optional
-        True token count ``N``. Inferred from ``Embed``/``FinalLayer`` grids or at run time for
-        a ViT; must be given for a pipeline stage holding only blocks when sequence parallel.
+        True token count ``N`` (inferred at run time for a ``VisionTransformer``).
 
     Raises
     ------
     ValueError
-        Unsupported timm options, sizes not divisible by tp, no block found, or an unknown
-        ``seq_len`` under sequence parallelism.
+        Unsupported timm options, sizes not divisible by tp, or no block found.
     """
     if state.tp_size == 1:
         return model
     from timm.models.vision_transformer import VisionTransformer
 
-    from vitp.models.generator import Embed, FinalLayer
-
-    blocks = [m for m in model.modules() if _is_block(m)]
+    blocks = [m for m in model.modules() if is_timm_block(m)]
     if not blocks:
         raise ValueError("tensor_parallelize: no block with timm `attn` and `mlp` children found")
     info = SequenceInfo(seq_len)
-    grids = [m.grid for m in model.modules() if isinstance(m, (Embed, FinalLayer))]
-    vits = [m for m in model.modules() if isinstance(m, VisionTransformer)]
-    if info.seq_len is None and grids:
-        info.seq_len = math.prod(grids[0])
-    if state.sequence_parallel and info.seq_len is None and not vits:
-        raise ValueError("tensor_parallelize: sequence parallel needs the token count; pass seq_len=N for a "
-                         "model without Embed/FinalLayer (e.g. a middle pipeline stage)")
     for blk in blocks:
-        blk.attn = TPAttention.from_timm(blk.attn, state, info)
-        blk.mlp = TPMlp.from_timm(blk.mlp, state)
-        if state.sequence_parallel:
-            _sequence_parallel_block_params(blk, state)
+        parallelize_block(blk, state, info)
     if state.sequence_parallel:
-        _install_generator_hooks(model, state, info)
-        for vit in vits:
+        for vit in (m for m in model.modules() if isinstance(m, VisionTransformer)):
             _install_vit_hooks(vit, state, info)
-    model._vitp_sequence_info = info
     return model
 
 

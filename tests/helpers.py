@@ -1,0 +1,141 @@
+"""Shared test helpers: config composition and multi-process runs (gloo, CPU)."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import socket  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from vitp.config import compose as compose_cfg  # noqa: E402,F401
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, queue):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, fn(rank, *args), None))
+    except BaseException:  # report to the parent instead of hanging it
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 300):
+    """Run ``fn(rank, *args)`` in ``world`` fresh processes forming one gloo group; returns the
+    results ordered by rank. ``fn`` must be importable (module level)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, res, err = queue.get(timeout=timeout)
+            if err:
+                raise AssertionError(f"rank {rank} failed:\n{err}")
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+def train_rank(rank, overrides, run_dir):
+    """``vitp.train.train`` on one rank of :func:`run_ranks`; returns per-step losses and grad norms."""
+    from vitp.config import compose
+    from vitp.train import train
+
+    res = train(compose(overrides), run_dir)
+    return {k: res[k] for k in ("losses", "grad_norms", "stopped_at")}
+
+
+def launch(world, args, run_dir, env_extra=None):
+    """Start ``python -m vitp.train *args`` as ``world`` ranks the way torchrun would (env://);
+    returns the ``Popen`` objects (output in ``run_dir.parent / f"rank{r}.log"``)."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(env_extra or {}))
+        out = open(run_dir.parent / f"rank{r}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "-m", "vitp.train", *args, f"hydra.run.dir={run_dir}"],
+                                      env=env, stdout=out, stderr=subprocess.STDOUT, cwd=run_dir.parent))
+    return procs
+
+
+# tp=2 x pp=2 with dropout in attention, projections and drop-path (so the TP and default RNG
+# streams matter), a checkpoint every 2 steps and the held-out evaluation at the end.
+TP2PP2 = ["experiment=smoke", "trainer.max_steps=4", "model.depth=3", "parallel.tp=2", "parallel.pp=2",
+          "model.attn_drop=0.2", "model.proj_drop=0.1", "model.drop_path=0.1", "trainer.checkpoint_every=2",
+          "eval.enabled=true", "eval.classifier_epochs=1", "eval.num_samples=20"]
+
+
+
+
+REFERENCE = Path(__file__).parent / "fixtures" / "reference"
+PERTURBED = REFERENCE / "perturbed.safetensors"  # the smoke model with non-zero adaLN gates (record_reference.py)
+SMOKE4 = ["experiment=smoke", "trainer.max_steps=4"]
+TIME_KEYS = ("samples_per_s",)
+
+
+def metrics(run_dir) -> list:
+    """``metrics.jsonl`` rows of a run without its wall-time columns."""
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIME_KEYS} for row in rows]
+
+
+def recorded(name: str) -> list:
+    """The recorded reference rows ``tests/fixtures/reference/<name>.jsonl``."""
+    return [json.loads(x) for x in (REFERENCE / f"{name}.jsonl").read_text().splitlines()]
+
+
+def assert_rows_close(rows: list, ref: list, rel: float) -> None:
+    """Same steps and keys; every value within ``rel`` relative tolerance of ``ref``."""
+    import pytest
+
+    assert [r["step"] for r in rows] == [r["step"] for r in ref]
+    for a, b in zip(rows, ref):
+        assert a.keys() == b.keys(), (a, b)
+        assert a == pytest.approx(b, rel=rel), (a, b)
+
+
+def reference_rank(rank: int, cases: dict, base: str) -> dict:
+    """Train every ``{name: overrides}`` case on this rank, each in ``base/name``; a case whose
+    overrides hold ``trainer.exit_at_step`` is run again without it (resumed)."""
+    out = {}
+    for name, over in cases.items():
+        res = train_rank(rank, over, f"{base}/{name}")
+        if any(o.startswith("trainer.exit_at_step=") for o in over):
+            res = train_rank(rank, [o for o in over if not o.startswith("trainer.exit_at_step=")], f"{base}/{name}")
+        out[name] = res
+    return out
+
+
+def reference_cases(init: str) -> dict:
+    """``{world size: {case name: overrides}}`` of the recorded cases for ``init`` (default|perturbed)."""
+    extra = [f"trainer.init_from={PERTURBED}"] if init == "perturbed" else []
+    return {
+        1: {f"{init}_tp1pp1": [*SMOKE4, *extra], f"{init}_resume": [*SMOKE4, *extra, "trainer.exit_at_step=2"]},
+        2: {f"{init}_tp2sp": [*SMOKE4, *extra, "parallel.tp=2", "parallel.sequence_parallel=true"]},
+        4: {f"{init}_tp2pp2": [*SMOKE4, *extra, "parallel.tp=2", "parallel.pp=2"]},
+    }

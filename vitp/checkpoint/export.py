@@ -1,0 +1,127 @@
+"""Exported weights: one safetensors file of full fp32 tensors (format ``vitp.export/1``).
+
+The ViT blocks are stored under timm's ``VisionTransformer`` names and layouts, generator-only
+tensors under ``gen.`` (:mod:`vitp.models.keys`), and the model and run config as JSON metadata
+(plus a ``<stem>.json`` sidecar). An export loads into any ``(tp, pp)`` (``trainer.init_from``),
+into one process (:func:`load_generator`, ``vitp-sample``), and its blocks into a stock timm ViT
+with strict key matching. The final ``model_ema.safetensors`` / ``model.safetensors`` of a run
+and the weights inside each training checkpoint use the same layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from vitp.models import Generator, export_key, from_export_state, to_export_state
+from vitp.utils import atomic_write, atomic_write_text, to_dict
+
+FORMAT = "vitp.export/1"
+# model keys that change parameter shapes or names: must match to load weights
+ARCH_KEYS = ("in_channels", "num_classes", "patch_size", "tubelet_size", "width", "depth", "num_heads",
+             "mlp_ratio", "mlp", "qkv_bias", "qk_norm", "layer_scale_init")
+# ... and those that change the computation (resuming must match them too)
+RESUME_KEYS = ARCH_KEYS + ("image_size", "num_frames", "attention")
+
+
+def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg: DictConfig, *,
+                step: Optional[int] = None, weights: str = "ema") -> Path:
+    """Write ``gen_state`` (generator keys, full tensors) as an export file plus ``<stem>.json``,
+    each atomically (:func:`vitp.utils.atomic_write`).
+
+    Metadata: ``format``, ``vitp_model`` (model config JSON), ``vitp_config`` (the run config),
+    ``step``, ``weights`` (``ema`` | ``raw``).
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    model = cfg_dict["model"]
+    meta = {"format": FORMAT, "vitp_model": json.dumps(model), "vitp_config": json.dumps(cfg_dict),
+            "step": str(step if step is not None else -1), "weights": weights}
+    with atomic_write(path) as tmp:
+        save_file(to_export_state(gen_state, model["width"], model["depth"]), str(tmp), metadata=meta)
+    side = {"format": FORMAT, "weights": weights, "step": step, "model": model, "tensors": str(path.name)}
+    atomic_write_text(path.with_suffix(".json"), json.dumps(side, indent=2) + "\n", fsync=True)
+    return path
+
+
+def save_weights(run_dir: Path, cfg: DictConfig, ema_state: Dict[str, torch.Tensor],
+                 raw_state: Dict[str, torch.Tensor], step: Optional[int] = None) -> None:
+    """A run's final ``model_ema.safetensors`` and ``model.safetensors`` (+ ``.json`` sidecars)."""
+    save_export(run_dir / "model_ema.safetensors", ema_state, cfg, step=step, weights="ema")
+    save_export(run_dir / "model.safetensors", raw_state, cfg, step=step, weights="raw")
+
+
+def read_export(path: str | os.PathLike, keys: Optional[Iterable[str]] = None
+                ) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """``(generator state dict, metadata)`` of a vitp weights file; with ``keys`` (generator keys)
+    only those tensors are read (a pipeline stage needs only its own layers).
+
+    Also reads the older layout (generator keys, ``vitp_config`` metadata only).
+    Raises ``FileNotFoundError`` / ``ValueError`` naming the file when it is missing, truncated,
+    corrupt, or not written by vitp.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            exported = meta.get("format") == FORMAT
+            if keys is not None and "vitp_config" in meta:
+                name = export_key if exported else (lambda k: k)
+                return {k: f.get_tensor(name(k)) for k in keys}, meta
+        tensors = load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+        raise ValueError(f"weights file {path} is corrupt, truncated or not a safetensors file: {e}") from e
+    if "vitp_config" not in meta:
+        raise ValueError(f"weights file {path} has no vitp_config metadata: it was not written by vitp "
+                         f"(a timm ViT state dict loads with trainer.init_from_timm)")
+    return (from_export_state(tensors, str(path)) if exported else tensors), meta
+
+
+def file_model(meta: Dict[str, str]) -> Dict[str, Any]:
+    """The model config recorded in a weights file's metadata."""
+    return json.loads(meta.get("vitp_model") or json.dumps(json.loads(meta["vitp_config"])["model"]))
+
+
+def model_differences(file_cfg: Dict[str, Any], model_cfg: Any, keys: Iterable[str]) -> List[str]:
+    """``model.<key>: <file> in the file vs <now> now`` for every ``keys`` entry that differs."""
+    now = to_dict(model_cfg)
+    return [f"model.{k}: {file_cfg.get(k)!r} in the file vs {now.get(k)!r} now" for k in keys
+            if file_cfg.get(k) != now.get(k)]
+
+
+def check_model_matches(file_cfg: Dict[str, Any], model_cfg: Any, keys: Iterable[str], source: str, fix: str) -> None:
+    """Raise ``ValueError`` listing every ``keys`` entry where the file's model config differs."""
+    diffs = model_differences(file_cfg, model_cfg, keys)
+    if diffs:
+        raise ValueError(f"{source} was written for another model ({'; '.join(diffs)}); {fix}")
+
+
+def generator_from_state(model_cfg: Any, state: Dict[str, torch.Tensor], device: torch.device | str = "cpu"
+                         ) -> Generator:
+    """A :class:`~vitp.models.Generator` in eval mode holding ``state`` (strict key match)."""
+    gen = Generator.from_config(model_cfg)
+    gen.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return gen.to(device).eval()
+
+
+def load_generator(path: str | os.PathLike, device: torch.device | str = "cpu") -> Tuple[Generator, DictConfig]:
+    """``(generator in eval mode, run config)`` from a vitp weights file (an export, or the
+    ``model*.safetensors`` of a run directory or checkpoint).
+
+    Raises ``FileNotFoundError`` / ``ValueError`` naming the file when it is missing, corrupt,
+    or not written by vitp.
+    """
+    state, meta = read_export(path)
+    cfg = OmegaConf.create(json.loads(meta["vitp_config"]))
+    return generator_from_state(cfg.model, state, device), cfg

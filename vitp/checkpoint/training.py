@@ -1,0 +1,255 @@
+"""Training checkpoints that survive faults: save, publish, find, verify, resume.
+
+A checkpoint ``<run dir>/checkpoints/step_NNNNNNN/`` holds DeepSpeed's own files (per-layer
+weights, ZeRO optimizer shards, LR scheduler, step counters), ``model_ema.safetensors`` /
+``model.safetensors`` (full weights in the export layout, :mod:`vitp.checkpoint.export`),
+``rng_rank<R>.pt`` (every RNG stream of rank R) and ``vitp_meta.json`` (step, layout, model
+config, EMA counter, file manifest). A tag is written under ``step_NNNNNNN.partial``; only after
+every rank has finished writing does rank 0 add ``vitp_meta.json``, rename the folder and
+atomically replace the ``latest`` file (same format as DeepSpeed's), so a crash mid-save leaves
+the previous checkpoint as the latest. A checkpoint resumes exactly, but only at the same
+``(tp, pp, dp)``, model and precision; other layouts start from an export.
+
+Loading never unpickles arbitrary objects (:mod:`vitp.checkpoint.safe_load`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from omegaconf import DictConfig
+
+from vitp.config import Layout
+from vitp.utils import atomic_write_text
+
+from .export import RESUME_KEYS, model_differences, save_export
+from .rng import rng_state, set_rng_state
+from .safe_load import install_safe_loading
+
+META = "vitp_meta.json"
+LATEST = "latest"
+TAG_RE = re.compile(r"^step_(\d{7,})$")
+KILL_HOOK = "VITP_TEST_KILL_DURING_SAVE"  # "<rank>:<step>": that rank truncates a file and SIGKILLs itself
+
+
+def tag_name(step: int) -> str:
+    """Folder name of the checkpoint after ``step`` optimizer steps: ``step_NNNNNNN``."""
+    return f"step_{step:07d}"
+
+
+def _barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _maybe_die(rank: int, step: int, folder: Path) -> None:
+    """Fault-injection hook for tests: truncate this rank's largest file and SIGKILL the process."""
+    hook = os.environ.get(KILL_HOOK)
+    if not hook or hook != f"{rank}:{step}":
+        return
+    files = sorted((p for p in folder.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    if files:
+        with open(files[-1], "r+b") as f:
+            f.truncate(f.seek(0, 2) // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_training_checkpoint(engine: Any, ckpt_dir: Path, step: int, *, rank: int, main: bool, meta: Dict[str, Any],
+                             full_states: Callable[[], Tuple[dict, dict]], cfg: DictConfig, keep: int
+                             ) -> Optional[Tuple[dict, dict]]:
+    """Save, then publish, checkpoint ``step_<step>`` under ``ckpt_dir`` (collective: every rank calls it).
+
+    ``full_states()`` is the collective that gathers ``(ema, raw)`` Generator-keyed full weights on
+    rank 0. Returns them on rank 0 (``None`` elsewhere). ``keep`` > 0 deletes all but the newest
+    ``keep`` published checkpoints (never the latest).
+    """
+    tag = tag_name(step)
+    partial = ckpt_dir / f"{tag}.partial"
+    if main:
+        if partial.exists():
+            shutil.rmtree(partial)
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=partial.name, save_latest=False)
+    torch.save(rng_state(), partial / f"rng_rank{rank:05d}.pt")
+    ema, raw = full_states()
+    if main:
+        save_export(partial / "model_ema.safetensors", ema, cfg, step=step, weights="ema")
+        save_export(partial / "model.safetensors", raw, cfg, step=step, weights="raw")
+    _maybe_die(rank, step, partial)
+    _barrier()  # every rank has finished writing
+    if main:
+        manifest = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
+        record = {**meta, "step": step, "manifest": manifest}
+        atomic_write_text(partial / META, json.dumps(record, indent=1) + "\n", fsync=True)
+        final = ckpt_dir / tag
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        atomic_write_text(ckpt_dir / LATEST, tag, fsync=True)
+        if keep > 0:
+            for old in published_tags(ckpt_dir)[:-keep]:
+                shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    _barrier()
+    return (ema, raw) if main else None
+
+
+def published_tags(ckpt_dir: Path) -> List[str]:
+    """Complete checkpoint tags in ``ckpt_dir``, oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    tags = [p.name for p in ckpt_dir.iterdir() if p.is_dir() and TAG_RE.match(p.name) and (p / META).is_file()]
+    return sorted(tags, key=lambda t: int(TAG_RE.match(t).group(1)))
+
+
+def _fix_hint(tag_dir: Path) -> str:
+    others = [t for t in published_tags(tag_dir.parent) if t != tag_dir.name]
+    if others:
+        return (f"; resume from an earlier complete checkpoint with trainer.resume={tag_dir.parent / others[-1]} "
+                f"(complete: {', '.join(others)})")
+    return "; no other complete checkpoint is in that folder: start a new run dir (or trainer.init_from=<export>)"
+
+
+def verify_checkpoint(tag_dir: Path) -> Dict[str, Any]:
+    """The checkpoint's metadata after checking that every file it lists is present with the size
+    it was written with (content errors surface when the file is loaded, naming it).
+
+    Raises ``FileNotFoundError`` (missing tag or file) / ``ValueError`` (wrong size, corrupt
+    metadata) naming the file and the fix.
+    """
+    meta_path = tag_dir / META
+    if not tag_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint {tag_dir} does not exist" + _fix_hint(tag_dir))
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"checkpoint {tag_dir} is incomplete ({META} missing): its save never finished"
+                                + _fix_hint(tag_dir))
+    try:
+        meta = json.loads(meta_path.read_text())
+        manifest = meta["manifest"]
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"checkpoint metadata {meta_path} is corrupt: {e}" + _fix_hint(tag_dir)) from e
+    for name, size in manifest.items():
+        f = tag_dir / name
+        if not f.is_file():
+            raise FileNotFoundError(f"checkpoint file {f} is missing" + _fix_hint(tag_dir))
+        if f.stat().st_size != size:
+            raise ValueError(f"checkpoint file {f} is truncated or was rewritten ({f.stat().st_size} bytes, "
+                             f"{size} when written)" + _fix_hint(tag_dir))
+    return meta
+
+
+def find_checkpoint(resume: str, ckpt_dir: Path) -> Optional[Path]:
+    """The checkpoint tag folder to resume from, or ``None`` to start at step 0.
+
+    ``resume``: ``auto`` (the ``latest`` in ``ckpt_dir`` if any), ``never``, or a path to a
+    checkpoints folder (its ``latest``) or to one tag folder. Raises ``FileNotFoundError`` /
+    ``ValueError`` naming the path when it does not hold a complete checkpoint.
+    """
+    if resume == "never":
+        return None
+    if resume == "auto":
+        latest = ckpt_dir / LATEST
+        if not latest.is_file():
+            return None
+        folder = ckpt_dir
+    else:
+        folder = Path(resume)
+        if not folder.exists():
+            raise FileNotFoundError(f"trainer.resume={resume}: no such checkpoint folder; use auto, never, or the "
+                                    f"path of a checkpoints/ folder or of one checkpoints/step_NNNNNNN/ folder")
+        if (folder / META).is_file() or folder.name.endswith(".partial"):
+            return folder
+        latest = folder / LATEST
+        if not latest.is_file():
+            raise FileNotFoundError(f"trainer.resume={resume}: neither a checkpoint tag folder ({META}) nor a "
+                                    f"checkpoints folder with a '{LATEST}' file")
+    tag = latest.read_text().strip()
+    if not TAG_RE.match(tag):
+        tags = published_tags(folder)
+        fix = (f"write the newest complete tag ({tags[-1]}) into it, or pass trainer.resume={folder / tags[-1]}"
+               if tags else "no complete checkpoint is in that folder")
+        raise ValueError(f"{latest} names {tag!r}, not a vitp checkpoint tag (step_NNNNNNN): {fix}")
+    return folder / tag
+
+
+def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout: Layout) -> None:
+    """Raise ``ValueError`` explaining the fix when the checkpoint's layout, precision, ZeRO stage or
+    model differ from this run's."""
+    fix = (f"a training checkpoint resumes only at the same layout and model; to change them export the weights "
+           f"(vitp-export {tag_dir}) and start a new run dir with trainer.init_from=<export>.safetensors "
+           f"(weights only: optimizer and LR schedule restart)")
+    mine = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "precision": layout.precision,
+            "zero_stage": cfg.parallel.zero_stage}
+    diffs = [f"{k}: {meta.get(k)!r} in the checkpoint vs {v!r} now" for k, v in mine.items() if meta.get(k) != v]
+    diffs += model_differences(meta.get("model", {}), cfg.model, RESUME_KEYS)
+    if diffs:
+        raise ValueError(f"checkpoint {tag_dir} does not match this run ({'; '.join(diffs)}); {fix}")
+
+
+def load_training_checkpoint(engine: Any, tag_dir: Path, rank: int) -> None:
+    """Load DeepSpeed state (weights, optimizer, LR schedule) and this rank's RNG streams."""
+    install_safe_loading(engine)
+    path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True,
+                                     load_lr_scheduler_states=True)
+    if path is None:
+        raise FileNotFoundError(f"DeepSpeed found no checkpoint in {tag_dir}")
+    rng_file = tag_dir / f"rng_rank{rank:05d}.pt"
+    try:
+        s = torch.load(str(rng_file), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"checkpoint file {rng_file} could not be loaded: {e}") from e
+    set_rng_state(s)
+
+
+def truncate_log(path: Path, step: int) -> int:
+    """Drop lines of a JSONL log whose ``step`` is beyond ``step`` (atomically); returns how many."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line).get("step", 0) <= step
+        except ValueError:  # a line cut off by a crash
+            return False
+
+    keep = [x for x in lines if x.strip() and kept(x)]
+    if len(keep) != len(lines):
+        atomic_write_text(path, "".join(x + "\n" for x in keep), fsync=True)
+    return len(lines) - len(keep)
+
+
+def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[int], Path]:
+    """``(weights file, step, run dir)`` of ``source``: a finished run dir (its final
+    ``model_ema.safetensors`` / ``model.safetensors`` by ``weights``), a run dir without final
+    weights or a checkpoints folder (the latest checkpoint), a checkpoint tag folder, or a file.
+
+    Raises ``FileNotFoundError`` / ``ValueError`` naming the path when it holds no complete checkpoint.
+    """
+    name = "model_ema.safetensors" if weights == "ema" else "model.safetensors"
+    if source.is_file():
+        return source, None, source.parent
+    if not source.exists():
+        raise FileNotFoundError(f"{source} does not exist (expected a run directory, a checkpoint folder or a "
+                                f".safetensors file)")
+    if (source / name).is_file() and (source / "metrics.jsonl").is_file():  # a finished run: its final weights
+        return source / name, None, source
+    if (source / META).is_file() or source.name.endswith(".partial"):
+        tag = source
+    elif (source / LATEST).is_file():
+        tag = find_checkpoint(str(source), source)
+    elif (source / "checkpoints" / LATEST).is_file():
+        tag = find_checkpoint("auto", source / "checkpoints")
+    elif (source / name).is_file():
+        return source / name, None, source
+    else:
+        raise FileNotFoundError(f"{source} holds no vitp checkpoint (expected a run directory, its checkpoints/ "
+                                f"folder, a checkpoints/step_NNNNNNN folder, or a .safetensors file)")
+    meta = verify_checkpoint(tag)
+    return tag / name, meta["step"], tag.parent.parent

@@ -1,0 +1,65 @@
+"""``vitp-eval RUN_DIR [--weights FILE] [key=value ...]``: re-evaluate a trained run (e.g. other
+sampler settings) and rewrite its ``eval.json``; see :mod:`vitp.eval.metrics`."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from vitp.checkpoint import load_generator, resolve_weights
+from vitp.cli import run_cli
+from vitp.config import Config, validate_config
+from vitp.data import build_datasets
+from vitp.eval import evaluate
+from vitp.parallel.distributed import resolve_device
+
+
+def _last_step(run_dir: Path) -> Optional[int]:
+    """The last logged training step of a run (from metrics.jsonl), if any."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1])["step"] if lines else None
+
+
+def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
+    """The run's composed config (``.hydra/config.yaml``) validated against the schema, with
+    dotlist ``overrides`` applied. Raises ``FileNotFoundError`` naming the missing file."""
+    path = run_dir / ".hydra" / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {run_dir} is not a vitp run directory")
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+    return cfg
+
+
+def main(argv: Optional[list] = None) -> None:
+    """Console entry point ``vitp-eval RUN_DIR [key=value ...]``; bad input exits with a
+    one-line message (status 2)."""
+    run_cli("vitp-eval", run, argv)
+
+
+def run(argv: Optional[list] = None) -> dict:
+    """Re-evaluate a run's weights with its config (plus ``overrides``) and rewrite ``eval.json``."""
+    p = argparse.ArgumentParser(prog="vitp-eval", description="Evaluate a finished vitp run; rewrites eval.json.")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--weights", default="model_ema.safetensors", help="weights file inside RUN_DIR")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. sampler.cfg_scale=2.0")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = load_run_config(a.run_dir, a.overrides)
+    validate_config(cfg)
+    path = a.run_dir / a.weights
+    if not path.is_file() and a.weights == "model_ema.safetensors":  # an interrupted run: its latest checkpoint
+        path = resolve_weights(a.run_dir, "ema")[0]
+    gen, _ = load_generator(path, resolve_device(cfg.trainer.device))
+    train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
+    res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=_last_step(a.run_dir))
+    print(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Datasets addressed by ``(index, aug_seed)`` keys, and the shared base of file-backed datasets.
+
+Every dataset returns ``x`` of shape ``(C, T, H, W)``, float32 in ``[-1, 1]`` (an image has
+``T = 1``), and an int label. The augmentation of an item is drawn only from the ``aug_seed`` in its
+key, so a sampler that hands out keys makes the data pipeline reproducible in any process and in
+any order; ``aug_seed=None`` selects the deterministic evaluation transform.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import albumentations as A
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+Key = Union[int, Tuple[int, Optional[int]]]
+
+
+def parse_key(key: Key, n: int) -> Tuple[int, Optional[int]]:
+    """Split a key into ``(index in [0, n), aug_seed)``; a bare int means ``aug_seed=None``.
+
+    Negative indices count from the end, as for a list.
+
+    Raises
+    ------
+    IndexError
+        If the index is not in ``[-n, n)``.
+    """
+    index, aug_seed = key if isinstance(key, tuple) else (key, None)
+    index = int(index)
+    if not -n <= index < n:
+        raise IndexError(f"index {index} out of range for a dataset of {n} items")
+    return index % n, None if aug_seed is None else int(aug_seed)
+
+
+def files_by_class(root: Path, extensions: Sequence[str], kind: str) -> dict:
+    """``{class name: sorted files}`` of a folder: its immediate subfolders are the classes (files
+    found recursively inside each); when no subfolder holds a file, the files directly in ``root``
+    form one class named after ``root``. Warns about loose files ignored next to class folders and
+    about class folders without a file (dropped). ``extensions``: lower-case suffixes; ``kind``
+    names the files in the warnings ("image", "video")."""
+    def found_in(folder: Path, recursive: bool) -> list:
+        found = folder.rglob("*") if recursive else folder.iterdir()
+        return sorted(p for p in found if p.is_file() and p.suffix.lower() in extensions)
+
+    subdirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    groups = {d.name: found_in(d, True) for d in subdirs}
+    if not any(groups.values()):
+        return {root.name: found_in(root, False)}
+    loose = found_in(root, False)
+    if loose:
+        warnings.warn(f"{len(loose)} {kind}(s) directly in {root} are ignored: with class subfolders present, "
+                      f"only {kind}s inside them are used", stacklevel=3)
+    for name in [n for n, files in groups.items() if not files]:
+        warnings.warn(f"class folder {root / name} holds no {kind}; it is not a class", stacklevel=3)
+        del groups[name]
+    return groups
+
+
+class KeyedDataset(Dataset):
+    """Base class: items addressed by ``(index, aug_seed)``.
+
+    Attributes
+    ----------
+    labels : np.ndarray
+        int64, shape ``(len,)``: the class of each item.
+    classes : list of str
+        Class names; ``len(classes)`` is the number of classes.
+    """
+
+    labels: np.ndarray
+    classes: list
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
+        """Return ``(x, label)``.
+
+        Parameters
+        ----------
+        key : (int, int or None), or int
+            ``(index, aug_seed)``. ``aug_seed=None`` gives the deterministic eval transform (center
+            crop, no flip); an int gives a random augmentation drawn only from that seed, so equal
+            seeds give bit-identical outputs in any process. A bare int means ``(index, None)``.
+
+        Returns
+        -------
+        x : torch.Tensor
+            float32, shape ``(C, T, H, W)``, values in ``[-1, 1]``.
+        label : int
+
+        Raises
+        ------
+        IndexError
+            If the index is out of range.
+        """
+        raise NotImplementedError
+
+
+class KeyedSubset(KeyedDataset):
+    """The items ``indices`` of ``base``; key ``(i, s)`` reads ``base[(indices[i], s)]``.
+
+    Parameters
+    ----------
+    base : KeyedDataset
+    indices : sequence of int
+    eval_only : bool
+        Replace every ``aug_seed`` by ``None`` (the held-out split uses the eval transform).
+    """
+
+    def __init__(self, base: KeyedDataset, indices: Sequence[int], eval_only: bool = False):
+        self.base = base
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.eval_only = eval_only
+        self.labels = base.labels[self.indices]
+        self.classes = base.classes
+
+    def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
+        index, aug_seed = parse_key(key, len(self))
+        return self.base[(int(self.indices[index]), None if self.eval_only else aug_seed)]
+
+
+def error_text(error: BaseException) -> str:
+    """``"<type>: <message>"``, how skip warnings name an error."""
+    return f"{type(error).__name__}: {error}"
+
+
+class FileDataset(KeyedDataset):
+    """Base of datasets decoded from files (:class:`~vitp.data.images.ImageFolderDataset`,
+    :class:`~vitp.data.video.VideoFolderDataset`): the skip list, the seeded augmentation, the
+    retry of items whose file fails to decode, and pickling.
+
+    Transform (albumentations, https://albumentations.ai/docs/): ``pre`` (e.g. ``SmallestMaxSize``),
+    then ``RandomCrop`` (train and ``random_crop``) or ``CenterCrop`` to ``R x R``,
+    ``HorizontalFlip(p=0.5)`` (train and ``hflip``), and scaling of uint8 to ``[-1, 1]``
+    (``x / 127.5 - 1``). ``aug_seed=None`` or ``train=False`` gives the center crop without flip.
+    An int ``aug_seed`` seeds ONE numpy and one python stream shared by all transforms of the call,
+    so the crop offset and the flip are drawn independently but only from that seed.
+
+    A file that fails to decode in ``__getitem__`` is warned about once, listed in
+    ``skipped_files``, and every item of it is replaced by the next item (cyclically) of a file
+    that decodes, so the output stays a function of the key. ``skipped_files`` / ``num_skipped`` and
+    the failed files are per process (DataLoader workers keep their own).
+
+    Subclasses set ``files`` (paths), ``labels`` and ``classes``, call :meth:`_make_transforms`, and
+    supply :meth:`_file_of`, :meth:`_read` and :meth:`_to_tensor`.
+
+    Parameters
+    ----------
+    resolution : int
+        Side R of the square output, in pixels.
+    channels : int
+        Output channels C (3 RGB, 1 gray; subclasses check the value).
+    train : bool
+        Whether an int ``aug_seed`` applies the random transform.
+    """
+
+    kind = "file"  # names the files in messages: "image", "video"
+    skip_label = "file"  # "skipping <skip_label> <path>: <reason>"
+    target = "image"  # albumentations target: "image" (H, W, C) or "images" (T, H, W, C)
+    files: List[Path]
+
+    def __init__(self, resolution: int, channels: int, train: bool):
+        self.resolution, self.channels, self.train = int(resolution), int(channels), train
+        self.skipped_files: List[str] = []
+        self._bad: set = set()  # numbers of the files that failed to decode in __getitem__
+        self._init_process_state()
+
+    # ---------------------------------------------------------------------------- skip list
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped_files)
+
+    def _skip(self, path: Any, reason: str) -> None:
+        # stacklevel 3: the caller of __getitem__, or the constructor that found the file
+        warnings.warn(f"skipping {self.skip_label} {path}: {reason}", stacklevel=3)
+        self.skipped_files.append(str(path))
+
+    # ---------------------------------------------------------------------------- transform
+    def _make_transforms(self, random_crop: bool, hflip: bool, pre: Sequence[Any] = ()) -> None:
+        r, train = self.resolution, self.train
+        crop = (A.RandomCrop if train and random_crop else A.CenterCrop)(r, r)
+        to_unit = A.Normalize(mean=0.5, std=0.5, max_pixel_value=255.0)  # uint8 -> [-1, 1]
+        flip = [A.HorizontalFlip(p=0.5)] if train and hflip else []
+        self._train_tf = A.Compose([*pre, crop, *flip, to_unit])
+        self._eval_tf = A.Compose([*pre, A.CenterCrop(r, r), to_unit])
+
+    def _augment(self, data: np.ndarray, aug_seed: Optional[int]) -> np.ndarray:
+        """Float32 ``data`` cropped to ``R x R`` and scaled to ``[-1, 1]``, drawn from ``aug_seed``."""
+        if aug_seed is None or not self.train:
+            return self._eval_tf(**{self.target: data})[self.target]
+        with self._lock:  # set_random_state + call must not interleave across threads
+            # one shared stream for all transforms (set_random_seed would give each transform its own
+            # copy of the same stream, correlating e.g. the crop offset with the flip decision)
+            seed = aug_seed % 2**64
+            self._train_tf.set_random_state(np.random.default_rng(seed), random.Random(seed))
+            return self._train_tf(**{self.target: data})[self.target]
+
+    # ---------------------------------------------------------------------------- items
+    def _file_of(self, index: int) -> int:
+        """Number (in ``files``) of the file item ``index`` is read from."""
+        raise NotImplementedError
+
+    def _read(self, index: int, aug_seed: Optional[int]) -> np.ndarray:
+        """Decoded uint8 data of item ``index`` (``(H, W, C)`` or ``(T, H, W, C)``); may raise."""
+        raise NotImplementedError
+
+    def _to_tensor(self, out: np.ndarray) -> torch.Tensor:
+        """Augmented ``out`` as the ``(C, T, R, R)`` tensor."""
+        raise NotImplementedError
+
+    def _undecodable(self) -> str:
+        """Message of the RuntimeError raised when no file decodes."""
+        return f"none of the {len(self.files)} {self.kind}s could be decoded"
+
+    def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
+        """See :meth:`KeyedDataset.__getitem__`; also raises RuntimeError when no file decodes."""
+        index, aug_seed = parse_key(key, len(self))
+        for k in range(len(self)):
+            j = (index + k) % len(self)
+            f = self._file_of(j)
+            if f in self._bad:
+                continue
+            try:
+                data = self._read(j, aug_seed)
+            except Exception as e:  # noqa: BLE001 - e.g. a file truncated after it was indexed
+                self._bad.add(f)
+                self._skip(self.files[f], self._decode_failure(e))
+                continue
+            return self._to_tensor(self._augment(data, aug_seed)), int(self.labels[j])
+        raise RuntimeError(self._undecodable())
+
+    def _decode_failure(self, error: Exception) -> str:
+        """Reason given in the warning about a file that fails in ``__getitem__``."""
+        return error_text(error)
+
+    # ---------------------------------------------------------------------------- pickling
+    _per_process = ("_lock",)  # dropped when pickled, rebuilt by _init_process_state
+
+    def _init_process_state(self) -> None:
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for k in self._per_process:  # locks do not pickle (DataLoader workers with spawn)
+            del state[k]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_process_state()

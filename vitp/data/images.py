@@ -1,0 +1,165 @@
+"""Image datasets: the scikit-learn digits, folders of photos, and synthetic (file-less) data.
+
+Items follow :class:`vitp.data.base.KeyedDataset`: ``(x, label)`` with ``x`` float32
+``(C, T, H, W)`` in ``[-1, 1]`` (``T = 1`` for images, any ``T`` for synthetic data).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Tuple, Union
+
+import albumentations as A
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from vitp.data.base import FileDataset, Key, KeyedDataset, error_text, files_by_class, parse_key
+from vitp.objectives.flow import sample_seed
+
+IMAGE_EXTENSIONS = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
+
+
+class DigitsDataset(KeyedDataset):
+    """The 1797 real 8x8 handwritten digits of ``sklearn.datasets.load_digits`` (10 classes).
+
+    ``x = pixels / 8 - 1`` (pixels are 0..16), shape ``(1, 1, R, R)``; bilinearly resized
+    (``align_corners=False``) when ``resolution != 8``. No augmentation: ``aug_seed`` is ignored.
+
+    Raises
+    ------
+    ValueError
+        If ``channels != 1`` (the digits are grayscale).
+    """
+
+    def __init__(self, resolution: int = 8, channels: int = 1):
+        from sklearn.datasets import load_digits
+
+        if channels != 1:
+            raise ValueError(f"the digits are grayscale: set data.channels=1 (got {channels})")
+        digits = load_digits()
+        x = torch.from_numpy(digits.images.astype(np.float32) / 8.0 - 1.0).unsqueeze(1)  # (N, 1, 8, 8)
+        if resolution != 8:
+            x = F.interpolate(x, size=(resolution, resolution), mode="bilinear", align_corners=False)
+        self.images = x.unsqueeze(2).contiguous()  # (N, C=1, T=1, R, R)
+        self.labels = digits.target.astype(np.int64)
+        self.classes = [str(c) for c in range(10)]
+
+    def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
+        index, _ = parse_key(key, len(self))
+        return self.images[index].clone(), int(self.labels[index])
+
+
+class ImageFolderDataset(FileDataset):
+    """Photos in a folder: the class is the immediate subfolder name (sorted); files are found
+    recursively under each class folder. Images lying directly in ``root`` with no subfolders form
+    a single class named after ``root``.
+
+    Transform (albumentations, see :class:`~vitp.data.base.FileDataset`): ``SmallestMaxSize(resolution)``
+    (area interpolation when shrinking), then ``RandomCrop`` (train and ``random_crop``) or
+    ``CenterCrop``, ``HorizontalFlip(p=0.5)`` (train and ``hflip``), then scaling to ``[-1, 1]``.
+    ``aug_seed=None`` always gives center crop without flip.
+
+    Files that PIL cannot open are skipped with a warning when the index is built; a file that
+    still fails to decode in ``__getitem__`` is warned about once and replaced by the next
+    decodable index (cyclically), so the output stays deterministic. Skipped files are listed in
+    ``skipped_files`` and counted in ``num_skipped`` (per process: DataLoader workers keep their own).
+
+    Parameters
+    ----------
+    root : str or Path
+    resolution : int
+        Side R of the square output, in pixels.
+    channels : int
+        3 (RGB) or 1 (grayscale). Output ``x`` has shape ``(channels, 1, R, R)``.
+    train : bool
+        Whether an int ``aug_seed`` applies the random crop / flip.
+    random_crop, hflip : bool
+
+    Raises
+    ------
+    FileNotFoundError
+        If ``root`` is not an existing directory.
+    ValueError
+        If ``channels`` is not 1 or 3, or ``root`` holds no readable image.
+    RuntimeError
+        From ``__getitem__``, when no image decodes.
+    """
+
+    kind, skip_label = "image", "unreadable image"
+
+    def __init__(self, root: Union[str, Path], resolution: int, channels: int = 3, train: bool = True,
+                 random_crop: bool = True, hflip: bool = True):
+        self.root = Path(root).expanduser()
+        super().__init__(resolution, channels, train)
+        if self.channels not in (1, 3):
+            raise ValueError(f"image_folder supports data.channels=3 (RGB) or 1 (grayscale), got {channels}")
+        if not self.root.is_dir():
+            raise FileNotFoundError(
+                f"image folder {str(self.root)!r} does not exist or is not a directory; "
+                f"set data.root=<folder with one subfolder of images per class>")
+        self._scan()
+        resize = A.SmallestMaxSize(max_size=self.resolution, area_for_downscale="image")
+        self._make_transforms(random_crop, hflip, pre=[resize])
+
+    def _scan(self) -> None:
+        groups = files_by_class(self.root, IMAGE_EXTENSIONS, "image")
+        files, labels = [], []
+        for label, name in enumerate(groups):
+            for path in groups[name]:
+                try:
+                    with Image.open(path) as im:
+                        im.verify()
+                except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, never fatal
+                    self._skip(path, error_text(e))
+                    continue
+                files.append(path)
+                labels.append(label)
+        if not files:
+            raise ValueError(
+                f"no readable image under {str(self.root)!r} (skipped {self.num_skipped} unreadable); accepted "
+                f"extensions (case-insensitive): {', '.join(IMAGE_EXTENSIONS)}. Put images in <root>/<class>/ "
+                f"subfolders, or directly in <root> for a single class")
+        self.files, self.labels, self.classes = files, np.asarray(labels, dtype=np.int64), list(groups)
+
+    def _file_of(self, index: int) -> int:
+        return index  # one image per item
+
+    def _read(self, index: int, aug_seed: Optional[int]) -> np.ndarray:
+        """Decode to uint8 ``(H, W, channels)``."""
+        mode = "RGB" if self.channels == 3 else "L"
+        with Image.open(self.files[index]) as im:
+            im.draft(mode, (self.resolution, self.resolution))  # JPEG: decode at a reduced size >= R
+            arr = np.asarray(im.convert(mode))
+        return arr if arr.ndim == 3 else arr[..., None]
+
+    def _to_tensor(self, out: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1))).unsqueeze(1)  # (C, 1, R, R)
+
+    def _undecodable(self) -> str:
+        return f"none of the {len(self.files)} images under {self.root} could be decoded"
+
+
+class SyntheticDataset(KeyedDataset):
+    """Random data without files, for benchmarks: item ``i`` is uniform in ``[-1, 1]`` drawn from a
+    ``torch.Generator`` seeded from ``(seed, i)``, shape ``(channels, num_frames, R, R)``, with label
+    ``i % num_classes``. ``aug_seed`` is ignored.
+
+    Raises
+    ------
+    ValueError
+        If ``size``, ``num_classes`` or a shape is not positive, or ``seed`` is negative.
+    """
+
+    def __init__(self, size: int, channels: int, num_frames: int, resolution: int, num_classes: int, seed: int = 0):
+        if min(size, channels, num_frames, resolution, num_classes) < 1 or seed < 0:
+            raise ValueError("synthetic data needs positive size/channels/num_frames/resolution/num_classes "
+                             f"and seed >= 0, got {(size, channels, num_frames, resolution, num_classes, seed)}")
+        self.shape, self.seed = (channels, num_frames, resolution, resolution), int(seed)
+        self.labels = np.arange(size, dtype=np.int64) % num_classes
+        self.classes = [str(c) for c in range(num_classes)]
+
+    def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
+        index, _ = parse_key(key, len(self))
+        g = torch.Generator().manual_seed(sample_seed(self.seed, index))
+        return torch.rand(self.shape, generator=g) * 2 - 1, int(self.labels[index])

@@ -1,0 +1,66 @@
+"""Samples from a trained generator with the run's sampler settings: fixed-seed class grids
+(PNG, and GIFs for video), and batches with given labels for evaluation."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+import torch
+from omegaconf import DictConfig
+
+from vitp.media import frame_strip, to_grid, write_video_samples
+from vitp.models import Generator
+from vitp.objectives import sample
+
+
+def class_grid_labels(num_classes: int, per_class: int, max_rows: int = 0) -> torch.Tensor:
+    """``[c0]*per_class + [c1]*per_class + ...``: one grid row per class; with ``max_rows`` only
+    that many classes, evenly spaced over ``[0, num_classes)``."""
+    rows = num_classes if not max_rows or max_rows >= num_classes else max_rows
+    classes = torch.linspace(0, num_classes - 1, rows).round().long()
+    return classes.repeat_interleave(per_class)
+
+
+def generate(gen: Generator, cfg: DictConfig, labels: torch.Tensor, seed: int) -> torch.Tensor:
+    """Samples ``(B, C, T, H, W)`` for ``labels`` with the configured sampler, in batches."""
+    s, m = cfg.sampler, cfg.model
+    shape = (m.in_channels, m.num_frames, m.image_size, m.image_size)
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn((len(labels), *shape), generator=g)
+    out = []
+    for i in range(0, len(labels), s.batch_size):
+        out.append(sample(gen, labels[i:i + s.batch_size], shape, num_classes=m.num_classes, steps=s.steps,
+                          method=s.method, cfg_scale=s.cfg_scale, cfg_interval=tuple(s.cfg_interval),
+                          noise_scale=cfg.objective.noise_scale, t_eps=cfg.objective.t_eps,
+                          noise=noise[i:i + s.batch_size]).cpu())
+    return torch.cat(out)
+
+
+def heldout_label_samples(gen: Generator, cfg: DictConfig, y_ho: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(labels, samples)``: ``eval.num_samples`` (0 = as many as held-out items) samples with the
+    held-out labels (cycled), from the fixed seed ``eval.noise_seed + 1``."""
+    n = cfg.eval.num_samples or len(y_ho)
+    labels = y_ho.repeat(n // len(y_ho) + 1)[:n]
+    return labels, generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1)
+
+
+def write_sample_grid(gen: Generator, cfg: DictConfig, path: Path) -> Dict[str, Any]:
+    """Write the fixed-seed class grid (one row per class) as PNG (first frames) at ``path``; for
+    video (``num_frames > 1``) also one GIF per class and seed plus ``grid.gif`` in the folder
+    ``path`` without its suffix (e.g. ``samples/step_0000500/``), at ``sampler.fps``.
+
+    Returns ``{"grid": (3, H', W') in [0, 1], "strips": (rows, 3, H, T * W) in [0, 1] or None}``;
+    the strips (each class row's first sample, frames side by side) are TensorBoard's view of the videos.
+    """
+    from torchvision.utils import save_image
+
+    labels = class_grid_labels(cfg.model.num_classes, cfg.sampler.samples_per_class, cfg.sampler.grid_classes)
+    x = generate(gen, cfg, labels, cfg.sampler.seed)
+    grid = to_grid(x, nrow=cfg.sampler.samples_per_class)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_image(grid, str(path))
+    strips = None
+    if x.shape[2] > 1:
+        write_video_samples(x, labels, path.parent, name=path.stem, fps=cfg.sampler.fps)
+        strips = frame_strip(x[::cfg.sampler.samples_per_class], padding=1, min_tile=32)
+    return {"grid": grid, "strips": strips}

@@ -1,0 +1,136 @@
+"""Building blocks of the ViT generator: sin-cos positions, tubelet and timestep embedders,
+token regrouping for factorized space/time attention, and adaLN modulation.
+
+Shapes: video/image ``x`` is ``(B, C, T, H, W)`` (an image is ``T=1``); tokens are ``(B, N, D)``
+with ``N = (T/pt) * (H/p) * (W/p)`` ordered ``(t, h, w)`` row-major.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+from timm.layers import Attention, Mlp, build_sincos2d_pos_embed
+
+
+def token_grid(image_size: int, num_frames: int, patch_size: int, tubelet_size: int) -> Tuple[int, int, int]:
+    """Token grid ``(gt, gh, gw) = (T / pt, H / p, W / p)`` of a square ``image_size`` input."""
+    return num_frames // tubelet_size, image_size // patch_size, image_size // patch_size
+
+
+def num_tokens(image_size: int, num_frames: int, patch_size: int, tubelet_size: int, **_) -> int:
+    """Tokens per sample ``N = (T / pt) * (H / p) * (W / p)``; extra keyword arguments (the rest
+    of a model config, ``num_tokens(**model_cfg)``) are ignored."""
+    return math.prod(token_grid(image_size, num_frames, patch_size, tubelet_size))
+
+
+def sincos_1d(positions: torch.Tensor, dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """Fixed 1-D sin-cos embedding (Vaswani et al. 2017). ``positions`` (N,) -> (N, dim)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(temperature) * torch.arange(half, dtype=torch.float64) / half)
+    args = positions.double()[:, None] * freqs[None]
+    return torch.cat([torch.sin(args), torch.cos(args)], dim=1).float()
+
+
+def sincos_3d_pos_embed(grid_t: int, grid_h: int, grid_w: int, dim: int) -> torch.Tensor:
+    """Separable space/time sin-cos position embedding, ``(grid_t * grid_h * grid_w, dim)``.
+
+    Spatial part: timm's ``build_sincos2d_pos_embed`` over ``(grid_h, grid_w)``; temporal part: a
+    1-D sin-cos over frame index; the two are added (as in Latte / Open-Sora). Token order is
+    ``(t, h, w)`` row-major, matching :class:`TubeletEmbed`.
+    """
+    spatial = build_sincos2d_pos_embed([grid_h, grid_w], dim=dim)  # (H*W, D)
+    temporal = sincos_1d(torch.arange(grid_t), dim)  # (T, D)
+    return (temporal[:, None, :] + spatial[None, :, :]).reshape(grid_t * grid_h * grid_w, dim)
+
+
+class TubeletEmbed(nn.Module):
+    """Non-overlapping ``(pt, p, p)`` tubelets -> tokens via a Conv3d (ViViT, Arnab et al. 2021).
+
+    ``(B, C, T, H, W)`` -> ``(B, N, D)``.
+    """
+
+    def __init__(self, in_channels: int, width: int, patch_size: int, tubelet_size: int):
+        super().__init__()
+        k = (tubelet_size, patch_size, patch_size)
+        self.proj = nn.Conv3d(in_channels, width, kernel_size=k, stride=k)
+        w = self.proj.weight.data
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # (B, N, D); p2p sends need contiguous
+
+
+class TimestepEmbedder(nn.Module):
+    """Scalar ``t`` in [0, 1] -> ``(B, D)``: 256-dim sinusoid of ``1000 t`` then a SiLU MLP (DiT)."""
+
+    def __init__(self, width: int, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = Mlp(freq_dim, width, width, act_layer=nn.SiLU)
+        for lin in (self.mlp.fc1, self.mlp.fc2):
+            nn.init.normal_(lin.weight, std=0.02)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.mlp(sincos_1d(t.float() * 1000.0, self.freq_dim).to(device=t.device, dtype=self.mlp.fc1.weight.dtype))
+
+
+class TokenGroups:
+    """Regrouping of a ``(t, h, w)``-ordered token sequence into independent attention groups.
+
+    ``kind="spatial"``: ``(B, gt*gh*gw, F)`` -> ``(B*gt, gh*gw, F)`` (one group per frame, a view).
+    ``kind="temporal"``: ``(B, gt*gh*gw, F)`` -> ``(B*gh*gw, gt, F)`` (one group per position).
+    ``ungroup`` is the exact inverse. Any feature width ``F`` works, so a tensor-parallel
+    attention can regroup its local ``qkv`` and output columns.
+    """
+
+    KINDS = ("spatial", "temporal")
+
+    def __init__(self, kind: str, grid: Tuple[int, int, int]):
+        if kind not in self.KINDS:
+            raise ValueError(f"token group kind {kind!r}; use one of {self.KINDS}")
+        self.kind, self.grid = kind, tuple(int(g) for g in grid)
+        self.num_tokens = math.prod(self.grid)
+
+    def __repr__(self) -> str:
+        return f"TokenGroups({self.kind!r}, grid={self.grid})"
+
+    def group(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, F = x.shape
+        if N != self.num_tokens:
+            raise ValueError(f"{self!r}: got {N} tokens, the grid holds {self.num_tokens}")
+        gt, gh, gw = self.grid
+        if self.kind == "spatial":
+            return x.reshape(B * gt, gh * gw, F)
+        return x.reshape(B, gt, gh * gw, F).transpose(1, 2).reshape(B * gh * gw, gt, F)
+
+    def ungroup(self, x: torch.Tensor) -> torch.Tensor:
+        gt, gh, gw = self.grid
+        F = x.shape[-1]
+        if self.kind == "spatial":
+            return x.reshape(-1, self.num_tokens, F)
+        return x.reshape(-1, gh * gw, gt, F).transpose(1, 2).reshape(-1, self.num_tokens, F)
+
+
+class GridAttention(Attention):
+    """timm ``Attention`` (same parameters, init and state-dict keys; the tensor-parallel swap
+    replaces it like any timm ``Attention``) whose forward optionally regroups tokens:
+    ``forward(x (B, N, D), token_groups=None) -> (B, N, D)``; with ``token_groups`` timm's
+    forward sees a plain ``(B', N', D)`` batch of groups.
+    """
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                token_groups: Optional[TokenGroups] = None) -> torch.Tensor:
+        if token_groups is None:
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+        if attn_mask is not None or is_causal:
+            raise ValueError("attention masks are not supported with token_groups")
+        return token_groups.ungroup(super().forward(token_groups.group(x)))
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """adaLN modulation: ``x (B, N, D) * (1 + scale (B, D)) + shift (B, D)``."""
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)

@@ -1,0 +1,94 @@
+"""The generator as a DeepSpeed ``PipelineModule`` (a 1-stage pipeline when pp=1).
+
+Layers are ``LayerSpec``s of thin adapters over :mod:`vitp.models` that pass the activation
+tuple between layers (DeepSpeed calls ``layer(inputs)`` with one argument):
+
+    EmbedPipe:  (z_t, t, y)  -> (tokens, c)
+    BlockPipe:  (tokens, c)  -> (tokens, c)        x depth
+    FinalPipe:  (tokens, c)  -> x_pred (B, C, T, H, W)
+
+``seed_layers=True`` with :func:`vitp.models.seed_layer` builds layer ``i`` after seeding
+``seed + i``, so the weights are the same as :class:`vitp.models.Generator` built with the same
+seed, whatever the number of stages, so runs in different layouts start from the same model.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from vitp.models import Block, Embed, FinalLayer, layer_specs, seed_layer
+from vitp.objectives import FlowMatchingLoss
+from vitp.parallel import checkpoint
+from vitp.utils import to_dict
+
+
+class EmbedPipe(Embed):
+    """Pipeline adapter: ``(z_t, t, y) -> (tokens, c)``."""
+
+    def forward(self, inputs: Tuple[torch.Tensor, ...]):  # type: ignore[override]
+        return super().forward(*inputs)
+
+
+class BlockPipe(Block):
+    """Pipeline adapter: ``(tokens, c) -> (tokens, c)``."""
+
+    def forward(self, inputs: Tuple[torch.Tensor, torch.Tensor]):  # type: ignore[override]
+        x, c = inputs
+        return super().forward(x, c), c
+
+
+class FinalPipe(FinalLayer):
+    """Pipeline adapter: ``(tokens, c) -> x_pred``."""
+
+    def forward(self, inputs: Tuple[torch.Tensor, torch.Tensor]):  # type: ignore[override]
+        return super().forward(*inputs)
+
+
+_PIPE = {Embed: EmbedPipe, Block: BlockPipe, FinalLayer: FinalPipe}
+
+
+def build_pipeline(model_cfg: Any, loss_fn: FlowMatchingLoss, *, seed: int, tp: int = 1, pp: int = 1, dp: int = 1,
+                   activation_checkpoint_interval: int = 0) -> PipelineModule:
+    """Build the ``PipelineModule`` of the ``model`` config section on the
+    ``PipeModelDataParallelTopology(pp, tp, dp)`` grid, with full weights on every TP rank
+    (shard them with :func:`vitp.models.parallelize_generator`).
+
+    Requires ``torch.distributed`` to be initialised with ``world_size == tp * pp * dp``.
+    Stages are balanced by block count (``partition_method="type:BlockPipe"``), not by parameter
+    count, which the adaLN weights skew; the embedding and final layer ride on the first and last
+    stage.
+    """
+    specs = [LayerSpec(_PIPE[cls], **kw) for cls, kw in layer_specs(**to_dict(model_cfg))]
+    module = PipelineModule(
+        activation_checkpoint_func=checkpoint,
+        layers=specs,
+        topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp),
+        loss_fn=loss_fn,
+        seed_layers=True,
+        seed_fn=seed_layer,
+        base_seed=seed,
+        partition_method="type:BlockPipe",
+        activation_checkpoint_interval=activation_checkpoint_interval,
+    )
+    # seed_layers also reseeds the RNG in every forward with a rank-independent seed, which
+    # would give all dp ranks the same dropout masks; it is only wanted for initialisation.
+    module.seed_layers = False
+    return module
+
+
+def stage_blocks(depth: int, pp: int) -> List[int]:
+    """Blocks per stage as DeepSpeed's ``type:BlockPipe`` partition assigns them.
+
+    Raises ``ValueError`` when ``depth < pp`` (a stage would own no block).
+    """
+    from deepspeed.runtime.utils import partition_balanced
+
+    if depth < pp:
+        raise ValueError(f"model.depth={depth} < parallel.pp={pp}: every pipeline stage needs at least one block; "
+                         f"use parallel.pp <= {depth}")
+    w = [0] + [1] * depth + [0]
+    parts = partition_balanced(weights=w, num_parts=pp)
+    return [sum(w[parts[i]:parts[i + 1]]) for i in range(pp)]

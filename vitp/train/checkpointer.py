@@ -1,0 +1,103 @@
+"""The run's checkpoint component: finds what to resume from before any process group exists,
+restores it after the engine is built, and decides when to save (as torchtitan's
+``CheckpointManager``: the loop only says which step it finished)."""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from vitp import checkpoint as ckpt
+from vitp.checkpoint.export import read_export
+from vitp.config import Layout
+from vitp.models import generator_key
+from vitp.parallel import ParallelState
+from vitp.parallel import distributed as dist
+from vitp.pipeline import load_ema_state
+
+from .ema import EMA
+
+log = logging.getLogger("vitp")
+
+FullStates = Callable[[], Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]]
+
+
+class Checkpointer:
+    """Checkpoints of one run directory (``<run_dir>/checkpoints``).
+
+    Construction resolves ``trainer.resume`` (``auto`` | ``never`` | a path), verifies the
+    checkpoint's files and that it matches this run's layout, precision and model, all before
+    any process group exists. Raises ``ValueError`` / ``FileNotFoundError`` naming the problem and
+    the fix.
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, layout: Layout):
+        tr = cfg.trainer
+        self.cfg, self.run_dir, self.layout = cfg, run_dir, layout
+        self.dir = run_dir / "checkpoints"
+        self.every, self.keep = tr.checkpoint_every, tr.keep_checkpoints
+        self.resume_tag = ckpt.find_checkpoint(str(tr.resume), self.dir)
+        if self.resume_tag is None and (run_dir / "metrics.jsonl").exists() and tr.resume == "never":
+            raise ValueError(f"{run_dir} already holds a run (metrics.jsonl) and trainer.resume=never; choose a new "
+                             f"hydra.run.dir, or use trainer.resume=auto to continue it")
+        self.meta: Optional[Dict[str, Any]] = None
+        if self.resume_tag is not None:
+            self.meta = ckpt.verify_checkpoint(self.resume_tag)
+            ckpt.check_resumable(self.meta, self.resume_tag, cfg, layout)
+        self.start_step = self.meta["step"] if self.meta else 0
+        if self.meta and self.meta.get("max_steps") not in (None, tr.max_steps):
+            log.warning("trainer.max_steps=%d differs from the checkpoint's run (%d): the LR schedule after step %d "
+                        "changes accordingly", tr.max_steps, self.meta["max_steps"], self.start_step)
+
+    def prepare_run_dir(self) -> None:
+        """Rank 0: create the run dir, remove half-written checkpoints, and drop log lines an
+        interrupted attempt wrote after the checkpoint we resume from."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob("*.partial") if self.dir.is_dir() else []:
+            log.warning("removing %s: a checkpoint whose save never finished", stale)
+            shutil.rmtree(stale)
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            dropped = ckpt.truncate_log(self.run_dir / name, self.start_step)
+            if dropped:
+                log.warning("%s: dropped %d lines logged after step %d (resuming from there)", name, dropped,
+                            self.start_step)
+
+    def load(self, engine: Any, ema: EMA, state: ParallelState) -> None:
+        """Restore weights, optimizer, LR schedule, RNG streams and this stage's EMA tensors."""
+        if self.resume_tag is None:
+            return
+        ckpt.load_training_checkpoint(engine, self.resume_tag, dist.rank())
+        depth = self.cfg.model.depth
+        keys = [generator_key(n, depth) for n in ema.params]
+        ema_full, _ = read_export(self.resume_tag / "model_ema.safetensors", keys=keys)  # this stage only
+        load_ema_state(ema.params, engine.module, ema_full, state, depth)
+        ema.updates = self.meta["ema_updates"]
+
+    def due(self, step: int) -> bool:
+        """A periodic checkpoint after ``step`` (``trainer.checkpoint_every``)."""
+        return bool(self.every) and step % self.every == 0
+
+    def save(self, step: int, engine: Any, ema: EMA, full_states: FullStates):
+        """Save and publish ``step_<step>`` (collective). Returns ``(ema, raw)`` full weights on
+        rank 0, ``None`` elsewhere."""
+        tr = self.cfg.trainer
+        meta = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "precision": self.layout.precision,
+                "zero_stage": self.cfg.parallel.zero_stage,
+                "model": OmegaConf.to_container(self.cfg.model, resolve=True), "ema_updates": ema.updates,
+                "seed": self.cfg.seed, "global_batch_size": tr.global_batch_size, "max_steps": tr.max_steps}
+        return ckpt.save_training_checkpoint(engine, self.dir, step, rank=dist.rank(), main=dist.is_main(),
+                                             meta=meta, full_states=full_states, cfg=self.cfg, keep=self.keep)
+
+    def save_final(self, step: int, engine: Any, ema: EMA, full_states: FullStates):
+        """The last checkpoint of a finished run (none if a resumed, finished run already has it);
+        returns the full weights like :meth:`save`."""
+        if ckpt.tag_name(step) in ckpt.published_tags(self.dir):
+            return full_states()  # collective; rank 0 gets the weights
+        return self.save(step, engine, ema, full_states)
+
+    def path(self, step: int) -> Path:
+        return self.dir / ckpt.tag_name(step)

@@ -1,0 +1,91 @@
+"""What a run reports: ``metrics.jsonl`` and TensorBoard scalars/images (rank 0), loss per
+``t`` bin over all ranks, and the per-stage parameter and memory table (``stages.json``)."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from vitp.parallel import distributed as dist
+
+log = logging.getLogger("vitp")
+
+T_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+class RunLogger:
+    """Rank-0 metrics: ``metrics.jsonl`` (one object per logged step) and TensorBoard events."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard_dir: Optional[str] = None, start_step: int = 0):
+        self.enabled = enabled
+        self.tb = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides events a crashed attempt logged after the checkpoint we resume from
+            self.tb = SummaryWriter(tensorboard_dir or str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+            self.jsonl = open(run_dir / "metrics.jsonl", "a")
+
+    def scalars(self, step: int, values: Dict[str, float], jsonl: bool = True) -> None:
+        if not self.enabled:
+            return
+        for k, v in values.items():
+            self.tb.add_scalar(k, v, step)
+        if jsonl:
+            self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+            self.jsonl.flush()
+
+    def image(self, tag: str, img: torch.Tensor, step: int) -> None:
+        if self.enabled:
+            self.tb.add_image(tag, img, step)
+
+    def images(self, tag: str, imgs: torch.Tensor, step: int) -> None:
+        """A batch ``(N, 3, H, W)`` in [0, 1] (video frame strips)."""
+        if self.enabled:
+            self.tb.add_images(tag, imgs, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.close()
+            self.jsonl.close()
+
+
+def binned_loss(t: torch.Tensor, loss: torch.Tensor) -> Dict[str, float]:
+    """Mean loss per ``t`` bin over all ranks (ranks without records contribute zeros)."""
+    n = len(T_BINS) - 1
+    idx = torch.bucketize(t, torch.tensor(T_BINS[1:-1]), right=True)
+    sums = torch.zeros(2, n, dtype=torch.float64)
+    sums[0].index_add_(0, idx, loss.double())
+    sums[1].index_add_(0, idx, torch.ones_like(loss, dtype=torch.float64))
+    if dist.world_size() > 1:
+        torch.distributed.all_reduce(sums)
+    return {
+        f"loss_t/{T_BINS[i]:.1f}-{T_BINS[i + 1]:.1f}": (sums[0, i] / sums[1, i]).item()
+        for i in range(n) if sums[1, i] > 0
+    }
+
+
+def log_stages(module: torch.nn.Module, state: Any, device: torch.device, run_dir: Path) -> None:
+    """Gather per-rank (stage, tp rank) parameter counts and peak memory; rank 0 logs them and
+    writes ``stages.json``."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB -> MiB (process RSS)
+    row = {"rank": dist.rank(), "stage": state.pp_rank, "tp_rank": state.tp_rank, "dp_rank": state.dp_rank,
+           "parameters": sum(p.numel() for p in module.parameters()), "peak_memory_mib": round(peak, 1)}
+    rows = [row]
+    if dist.world_size() > 1:
+        rows = [None] * dist.world_size()
+        torch.distributed.all_gather_object(rows, row)
+    if dist.is_main():
+        for r in rows:
+            if r["dp_rank"] == 0:
+                log.info("stage %d tp %d: %.3fM parameters, peak memory %.0f MiB", r["stage"], r["tp_rank"],
+                         r["parameters"] / 1e6, r["peak_memory_mib"])
+        (run_dir / "stages.json").write_text(json.dumps(rows, indent=1) + "\n")

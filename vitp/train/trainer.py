@@ -1,0 +1,339 @@
+"""The training loop: one path for every ``tp x pp x dp`` layout.
+
+config -> :class:`Trainer` (validate once, process groups, datasets, ``PipelineModule`` with the
+generator's TP plan, ``deepspeed.initialize``, EMA, resume) -> :meth:`Trainer.fit` (a
+``train_batch`` per optimizer step; the logger, sampler, evaluator and checkpointer decide when
+they act) -> metrics.jsonl / TensorBoard / sample grids / checkpoints -> final weights and eval.json.
+The loop follows torchtitan's ``Trainer`` (``train_step`` / ``train``) on DeepSpeed's pipeline
+engine (``PipelineEngine.train_batch``: 1F1B over the micro-batches of one step).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # albumentations checks PyPI at import otherwise
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would warn and probe for accelerators
+
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from vitp.config import validate_config  # noqa: E402
+from vitp.parallel import distributed as dist  # noqa: E402
+from vitp.utils import atomic_write_text  # noqa: E402
+
+from .checkpointer import Checkpointer  # noqa: E402
+from .ema import EMA  # noqa: E402
+from .logger import RunLogger, binned_loss, log_stages  # noqa: E402
+from .stop import StopSignal  # noqa: E402
+
+log = logging.getLogger("vitp")
+
+
+def write_run_config(run_dir: Path, cfg: DictConfig, overrides: Optional[list]) -> None:
+    """``.hydra/config.yaml`` (what ``vitp-eval`` reloads) and ``overrides.yaml``, atomically."""
+    atomic_write_text(run_dir / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))
+    if overrides is not None:
+        atomic_write_text(run_dir / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+
+
+def _due(every: int, step: int) -> bool:
+    return bool(every) and step % every == 0
+
+
+class Trainer:
+    """Build everything a run needs (the constructor), then :meth:`fit`.
+
+    Every check (config, layout against the world size, resume checkpoint, init files) runs
+    before the run directory is written, so a refused launch leaves it untouched; rank 0 then
+    writes ``run_dir/.hydra/config.yaml`` (and ``overrides.yaml`` from ``overrides``).
+
+    Raises ``ValueError`` / ``FileNotFoundError`` on an invalid layout, config or input file,
+    before any training step.
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None):
+        for name in ("DeepSpeed", "compilers"):  # DeepSpeed's op probe logs compiler commands
+            logging.getLogger(name).setLevel(logging.WARNING)
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
+            log.warning("parallel.sequence_parallel=true has no effect with parallel.tp=1")
+        self.device = dist.resolve_device(cfg.trainer.device)
+        self.layout = validate_config(cfg, dist.world_size(), self.device.type)
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.layout)
+        self.start_step = self.checkpointer.start_step
+        dist.init_distributed(self.device)
+        self.main = dist.is_main()  # rank 0 writes everything
+        if self.main:
+            self.checkpointer.prepare_run_dir()
+        self._build_data()
+        self._build_model()
+        self._build_engine()
+        if self.main:  # every check has passed (layout, resume, init files)
+            write_run_config(self.run_dir, cfg, overrides)
+        self.logger = RunLogger(self.run_dir, self.main, cfg.trainer.tensorboard_dir, self.start_step)
+        self._log_start()
+        self.data_iter = self._data_iterator()
+        self.losses: list = []
+        self.grad_norms: list = []
+        self.bar = None
+
+    # ------------------------------------------------------------------------------- build
+    def _build_data(self) -> None:
+        from vitp.data import build_datasets
+        from vitp.data.loader import BatchSchedule
+
+        cfg = self.cfg
+        self.train_ds, self.heldout_ds = build_datasets(cfg.data, cfg.seed)
+        self.schedule = BatchSchedule(len(self.train_ds), cfg.trainer.global_batch_size,
+                                      cfg.trainer.micro_batch_size, self.layout.dp, cfg.seed)
+
+    def _build_model(self) -> None:
+        from vitp.checkpoint.initialize import initialize_weights
+        from vitp.models import num_tokens, parallelize_generator
+        from vitp.objectives import FlowMatchingLoss
+        from vitp.parallel import from_grid, model_parallel_seed
+        from vitp.pipeline import build_pipeline
+
+        cfg, lay = self.cfg, self.layout
+        self.loss_fn = FlowMatchingLoss(cfg.objective.t_eps)
+        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its layer table on rank 0
+            self.module = build_pipeline(cfg.model, self.loss_fn, seed=cfg.seed, tp=lay.tp, pp=lay.pp, dp=lay.dp,
+                                         activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
+        self.state = from_grid(self.module._grid, cfg.parallel.sequence_parallel)
+        parallelize_generator(self.module, self.state, seq_len=num_tokens(**cfg.model))
+        if self.checkpointer.resume_tag is None:
+            initialize_weights(self.module, cfg, self.state)
+        model_parallel_seed(cfg.seed, self.state)
+
+    def _build_engine(self) -> None:
+        import deepspeed
+
+        from .engine import deepspeed_config, param_groups
+
+        o = self.cfg.optim
+        optimizer = torch.optim.AdamW(param_groups(self.module, o.weight_decay), lr=o.lr, betas=tuple(o.betas),
+                                      eps=o.eps)
+        ds_log = logging.getLogger("DeepSpeed")
+        ds_log.setLevel(logging.ERROR)  # "lr before the scheduler started" warnings during set-up
+        self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer,
+                                                    config=deepspeed_config(self.cfg, self.layout))
+        ds_log.setLevel(logging.WARNING)
+        # DeepSpeed's warmup schedulers hold lr = 0 until their first step(); advance once so that
+        # the first optimizer step trains at lr / warmup_steps.
+        self.engine.lr_scheduler.step()
+        self.ema = EMA(self.engine.module, o.ema_decay)
+        self.checkpointer.load(self.engine, self.ema, self.state)
+
+    def _log_start(self) -> None:
+        from vitp.models import num_tokens
+
+        if not self.main:
+            return
+        lay = self.layout
+        skipped = getattr(getattr(self.train_ds, "base", None), "num_skipped", 0)
+        log.info("run dir %s | layout tp=%d pp=%d dp=%d | %s on %s | %d tokens per sample | %d train / %d held-out%s",
+                 self.run_dir, lay.tp, lay.pp, lay.dp, lay.precision, self.device, num_tokens(**self.cfg.model),
+                 len(self.train_ds), len(self.heldout_ds), f" | {skipped} unreadable files skipped" if skipped else "")
+        if self.checkpointer.resume_tag is not None:
+            log.info("resumed from %s (step %d of %d)", self.checkpointer.resume_tag, self.start_step,
+                     self.cfg.trainer.max_steps)
+
+    def _data_iterator(self):
+        """Pipeline pairs of the remaining steps for this dp rank; the first batch is checked to be
+        the same on every rank of the replica."""
+        from vitp.data.loader import train_loader
+
+        from .engine import check_batch_consistency
+
+        cfg, tr = self.cfg, self.cfg.trainer
+        if self.start_step >= tr.max_steps:
+            return None
+        batches = iter(train_loader(self.train_ds, self.schedule, cfg.objective, cfg.model.num_classes,
+                                    start_step=self.start_step, stop_step=tr.max_steps, dp_rank=self.state.dp_rank,
+                                    num_workers=cfg.data.num_workers))
+        first = next(batches)
+        check_batch_consistency(first, self.state)
+        return itertools.chain([first], batches)
+
+    # ----------------------------------------------------------------- weights, samples, eval
+    def full_state(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Full generator-keyed weights of ``tensors`` on rank 0 (collective)."""
+        from vitp.pipeline import gather_full_state
+
+        return gather_full_state(self.engine.module, tensors, self.state, self.cfg.model.depth)
+
+    def full_states(self):
+        """``(EMA, raw)`` full weights on rank 0 (collective)."""
+        raw = {n: p.detach() for n, p in self.engine.module.named_parameters()}
+        return self.full_state(self.ema.state_dict()), self.full_state(raw)
+
+    def ema_generator(self):
+        """The EMA weights as a single-process generator on rank 0 (collective; ``None`` elsewhere)."""
+        from vitp.checkpoint import generator_from_state
+
+        full = self.full_state(self.ema.state_dict())
+        return generator_from_state(self.cfg.model, full, self.device) if self.main else None
+
+    def sample_grid(self, step: int) -> None:
+        """Fixed-seed sample grid (and GIFs for video) of the EMA weights, to files and TensorBoard."""
+        from vitp.eval import write_sample_grid
+
+        gen = self.ema_generator()
+        if self.main:
+            out = write_sample_grid(gen, self.cfg, self.run_dir / "samples" / f"step_{step:07d}.png")
+            self.logger.image("samples", out["grid"], step)
+            if out["strips"] is not None:
+                self.logger.images("samples/frames", out["strips"], step)
+
+    def heldout_eval(self, step: int, final: bool) -> Dict[str, Any]:
+        """Held-out loss (and at the end the full evaluation) of the EMA weights; rank 0's results."""
+        from vitp.eval import evaluate
+
+        gen = self.ema_generator()
+        if not self.main:
+            return {}
+        res = evaluate(gen, self.cfg, self.train_ds, self.heldout_ds, self.run_dir, full=final, step=step,
+                       logger=self.logger)
+        if not final and "heldout_loss" in res:
+            self.bar.write(f"step {step}: held-out loss {res['heldout_loss']:.4f}")
+        with open(self.run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float))}) + "\n")
+        return res
+
+    def save_checkpoint(self, step: int, final: bool = False):
+        save = self.checkpointer.save_final if final else self.checkpointer.save
+        return save(step, self.engine, self.ema, self.full_states)
+
+    # ------------------------------------------------------------------------------- loop
+    def train_step(self, step: int) -> float:
+        """One optimizer step (all micro-batches of the global batch through the 1F1B pipeline),
+        the EMA update, and the metrics of ``step`` when they are due. Returns the loss.
+
+        Raises ``FloatingPointError`` if the loss is NaN or infinite.
+        """
+        tr = self.cfg.trainer
+        lr = self.engine.get_lr()[0]  # the lr this step uses
+        loss = self.engine.train_batch(data_iter=self.data_iter).item()
+        self.ema.update(self.engine.module)
+        norm = self.engine.get_global_grad_norm()
+        self.losses.append(loss)
+        self.grad_norms.append(float(norm) if norm is not None else float("nan"))
+        self._n_log += 1
+        if not math.isfinite(loss):
+            hint = "" if self.layout.precision == "fp32" else ", or use trainer.precision=fp32"
+            raise FloatingPointError(f"loss is {loss} at step {step}: lower optim.lr or keep optim.grad_clip > 0{hint}")
+        if step % tr.log_every == 0 or step == tr.max_steps or step == 1:
+            self._log_metrics(step, lr)
+        return loss
+
+    def _log_metrics(self, step: int, lr: float) -> None:
+        n = self._n_log
+        values = {"loss": sum(self.losses[-n:]) / n, "grad_norm": sum(self.grad_norms[-n:]) / n, "lr": lr,
+                  "samples_per_s": n * self.cfg.trainer.global_batch_size / (time.perf_counter() - self._t_log)}
+        values.update(binned_loss(*self.loss_fn.pop_records()))
+        self.logger.scalars(step, values)
+        self.bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
+        self._t_log, self._n_log = time.perf_counter(), 0
+
+    def _after_step(self, step: int) -> None:
+        """Previews, held-out loss and checkpoints that are due after ``step`` (not the last one)."""
+        tr = self.cfg.trainer
+        if _due(tr.sample_every, step):
+            self.sample_grid(step)
+        if _due(tr.eval_every, step):
+            self.heldout_eval(step, final=False)
+        if self.checkpointer.due(step):
+            self.save_checkpoint(step)
+
+    def fit(self) -> Dict[str, Any]:
+        """Train from the start (or resumed) step to ``trainer.max_steps``; stop early, with a
+        checkpoint, on SIGTERM/SIGINT, ``trainer.exit_at_step`` or ``trainer.exit_after_minutes``.
+
+        Returns ``{"losses", "grad_norms"}`` per step (every rank), ``eval`` (rank 0's final
+        results), ``run_dir`` and ``stopped_at`` (the step of an early stop, else ``None``).
+        """
+        from tqdm import tqdm
+
+        tr = self.cfg.trainer
+        self.bar = tqdm(total=tr.max_steps, initial=self.start_step, disable=not (self.main and tr.progress),
+                        desc="train", dynamic_ncols=True)
+        if tr.eval_every and self.start_step == 0:
+            self.heldout_eval(0, final=False)  # the untrained model's held-out loss, for reference
+        self._t_log, self._n_log = time.perf_counter(), 0
+        stopper, t_start, stopped_at = StopSignal(self.device), time.perf_counter(), None
+        try:
+            for step in range(self.start_step + 1, tr.max_steps + 1):  # step = optimizer steps completed
+                self.train_step(step)
+                self.bar.update(1)
+                if step == self.start_step + 1:
+                    log_stages(self.engine.module, self.state, self.device, self.run_dir)
+                timed_out = tr.exit_after_minutes is not None and time.perf_counter() - t_start > 60 * tr.exit_after_minutes
+                last = step == tr.max_steps
+                if stopper.requested(local=step == tr.exit_at_step or timed_out) and not last:
+                    stopped_at = step
+                    break
+                if not last:
+                    self._after_step(step)
+        finally:
+            stopper.restore()
+            self.bar.close()
+        return self._stop(stopped_at, stopper.flag) if stopped_at is not None else self._finish()
+
+    def _result(self, evaluation: Dict[str, Any], stopped_at: Optional[int]) -> Dict[str, Any]:
+        return {"losses": self.losses, "grad_norms": self.grad_norms, "eval": evaluation,
+                "run_dir": str(self.run_dir), "stopped_at": stopped_at}
+
+    def _stop(self, step: int, signal_name: Optional[str]) -> Dict[str, Any]:
+        tr = self.cfg.trainer
+        self.save_checkpoint(step)
+        self.logger.close()
+        if self.main:
+            why = signal_name or ("trainer.exit_at_step" if step == tr.exit_at_step else "trainer.exit_after_minutes"
+                                  if tr.exit_after_minutes is not None else "a signal on another rank")
+            log.warning("stopped by %s after step %d; checkpoint %s saved. Run the same command again "
+                        "(trainer.resume=auto) to continue", why, step, self.checkpointer.path(step))
+        return self._result({}, step)
+
+    def _finish(self) -> Dict[str, Any]:
+        """Final checkpoint, weights, samples, evaluation and the copy to ``trainer.export_dir``."""
+        from vitp.checkpoint import save_weights
+
+        cfg, tr = self.cfg, self.cfg.trainer
+        saved = self.save_checkpoint(tr.max_steps, final=True)
+        if self.main:
+            save_weights(self.run_dir, cfg, *saved, step=tr.max_steps)
+        self.sample_grid(tr.max_steps)
+        result = self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {}
+        self.logger.close()
+        if self.main:
+            log.info("done: %s holds model_ema.safetensors, samples/, metrics.jsonl%s%s", self.run_dir,
+                     ", eval.json" if cfg.eval.enabled else "", "" if tr.tensorboard_dir else ", tb/")
+            if tr.export_dir:
+                self._copy_to_export_dir(Path(tr.export_dir))
+        if dist.world_size() > 1:
+            torch.distributed.barrier()
+        return self._result(result, None)
+
+    def _copy_to_export_dir(self, export: Path) -> None:
+        export.mkdir(parents=True, exist_ok=True)
+        for name in ("model_ema.safetensors", "model_ema.json", "model.safetensors", "model.json", "eval.json"):
+            if (self.run_dir / name).is_file():
+                shutil.copy2(self.run_dir / name, export / name)
+
+
+def train(cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None) -> Dict[str, Any]:
+    """``Trainer(cfg, run_dir, overrides).fit()``: train with the composed config ``cfg``, writing
+    everything under ``run_dir``; see :class:`Trainer` and :meth:`Trainer.fit`."""
+    return Trainer(cfg, run_dir, overrides).fit()

@@ -1,0 +1,55 @@
+"""Small helpers every layer may use: atomic file writes and the plain-dict view of a config."""
+from __future__ import annotations
+
+import os
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, Union
+
+PathLike = Union[str, os.PathLike]
+
+
+@contextmanager
+def atomic_write(path: PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path`` (hidden name, same suffix, so writers that pick a
+    format by suffix still work); when the body succeeds, ``os.replace`` it onto ``path``; on any
+    exception delete it and re-raise. Creates the parent folder.
+
+    A reader therefore sees the old file or the complete new one, never a half-written file
+    (``os.replace`` is atomic within one file system).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: PathLike, text: str, fsync: bool = False) -> Path:
+    """Write ``text`` to ``path`` through :func:`atomic_write`; ``fsync`` flushes it to disk
+    before the rename (for files that publish other files, like a checkpoint's ``latest``)."""
+    with atomic_write(path) as tmp:
+        with open(tmp, "w") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    return Path(path)
+
+
+def to_dict(cfg: Any) -> Dict[str, Any]:
+    """A config section as a plain ``dict`` (``DictConfig`` resolved, dataclass or mapping)."""
+    from dataclasses import asdict, is_dataclass
+
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    if is_dataclass(cfg):
+        return asdict(cfg)
+    return dict(cfg)
