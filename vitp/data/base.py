@@ -78,6 +78,7 @@ class KeyedDataset(Dataset):
 
     @property
     def num_classes(self) -> int:
+        """Number of classes (labels are ``0 .. num_classes - 1``)."""
         return len(self.classes)
 
     def __len__(self) -> int:
@@ -179,6 +180,7 @@ class FileDataset(KeyedDataset):
     # ---------------------------------------------------------------------------- skip list
     @property
     def num_skipped(self) -> int:
+        """Files skipped as unreadable in this process."""
         return len(self.skipped_files)
 
     def _skip(self, path: Any, reason: str) -> None:

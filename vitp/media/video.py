@@ -40,6 +40,7 @@ MIN_SIDE = 128
 
 
 def check_video_batch(x: torch.Tensor, name: str = "x") -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``x`` is a ``(B, C, T, H, W)`` tensor with C in (1, 3)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 5 or x.shape[1] not in (1, 3):
         shape = tuple(x.shape) if hasattr(x, "shape") else type(x).__name__
         raise ValueError(f"{name} must be a (B, C, T, H, W) tensor with C = 1 or 3, got {shape}")

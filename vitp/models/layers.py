@@ -99,6 +99,7 @@ class TokenGroups:
         return f"TokenGroups({self.kind!r}, grid={self.grid})"
 
     def group(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, N, F)`` -> groups ``(B', N', F)``; raises ``ValueError`` if ``N`` is not the grid's token count."""
         B, N, F = x.shape
         if N != self.num_tokens:
             raise ValueError(f"{self!r}: got {N} tokens, the grid holds {self.num_tokens}")
@@ -108,6 +109,7 @@ class TokenGroups:
         return x.reshape(B, gt, gh * gw, F).transpose(1, 2).reshape(B * gh * gw, gt, F)
 
     def ungroup(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`group`: ``(B', N', F)`` -> ``(B, N, F)``."""
         gt, gh, gw = self.grid
         F = x.shape[-1]
         if self.kind == "spatial":

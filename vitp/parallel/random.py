@@ -71,6 +71,7 @@ class RNGStatesTracker:
         self.reset()
 
     def reset(self) -> None:
+        """Forget every stream."""
         self.seeds: Dict[str, int] = {}
         self.states: Dict[str, Dict[str, torch.Tensor]] = {}
 
@@ -87,6 +88,7 @@ class RNGStatesTracker:
         return {n: {k: s.clone() for k, s in d.items()} for n, d in self.states.items()}
 
     def set_states(self, states: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        """Restore stream states taken by :meth:`get_states`."""
         self.states = {n: {k: s.clone() for k, s in d.items()} for n, d in states.items()}
 
     @contextlib.contextmanager

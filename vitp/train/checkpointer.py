@@ -100,4 +100,5 @@ class Checkpointer:
         return self.save(step, engine, ema, full_states)
 
     def path(self, step: int) -> Path:
+        """Folder of the checkpoint after ``step``."""
         return self.dir / ckpt.tag_name(step)

@@ -27,4 +27,5 @@ class EMA:
         torch._foreach_lerp_(list(ema), list(live), 1 - d)
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
+        """``{parameter name: fp32 EMA tensor}`` (this stage's shard)."""
         return dict(self.params)

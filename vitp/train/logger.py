@@ -30,6 +30,7 @@ class RunLogger:
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
 
     def scalars(self, step: int, values: Dict[str, float], jsonl: bool = True) -> None:
+        """TensorBoard scalars at ``step`` and (with ``jsonl``) one ``metrics.jsonl`` line."""
         if not self.enabled:
             return
         for k, v in values.items():
@@ -39,6 +40,7 @@ class RunLogger:
             self.jsonl.flush()
 
     def image(self, tag: str, img: torch.Tensor, step: int) -> None:
+        """One image ``(3, H, W)`` in [0, 1] (a sample grid)."""
         if self.enabled:
             self.tb.add_image(tag, img, step)
 
@@ -48,6 +50,7 @@ class RunLogger:
             self.tb.add_images(tag, imgs, step)
 
     def close(self) -> None:
+        """Flush and close the event file and ``metrics.jsonl``."""
         if self.enabled:
             self.tb.close()
             self.jsonl.close()

@@ -44,5 +44,6 @@ class StopSignal:
         return bool(t.item())
 
     def restore(self) -> None:
+        """Put back the signal handlers that were installed before."""
         for s, h in self.previous.items():
             signal.signal(s, h)

@@ -213,6 +213,7 @@ class Trainer:
         return res
 
     def save_checkpoint(self, step: int, final: bool = False):
+        """Checkpoint after ``step`` (collective); returns ``(EMA, raw)`` full weights on rank 0."""
         save = self.checkpointer.save_final if final else self.checkpointer.save
         return save(step, self.engine, self.ema, self.full_states)
 
