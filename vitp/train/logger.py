@@ -19,8 +19,9 @@ T_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 class RunLogger:
     """Rank-0 metrics: ``metrics.jsonl`` (one object per logged step) and TensorBoard events."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard_dir: Optional[str] = None, start_step: int = 0):
-        self.enabled = enabled
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard_dir: Optional[str] = None, start_step: int = 0,
+                 log_every: int = 1, max_steps: int = 0):
+        self.enabled, self.log_every, self.max_steps = enabled, log_every, max_steps
         self.tb = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
@@ -28,6 +29,10 @@ class RunLogger:
             # purge_step hides events a crashed attempt logged after the checkpoint we resume from
             self.tb = SummaryWriter(tensorboard_dir or str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
+
+    def should_log(self, step: int) -> bool:
+        """Training metrics are logged at step 1, every ``log_every`` steps and at the last step."""
+        return step % self.log_every == 0 or step == self.max_steps or step == 1
 
     def scalars(self, step: int, values: Dict[str, float], jsonl: bool = True) -> None:
         """TensorBoard scalars at ``step`` and (with ``jsonl``) one ``metrics.jsonl`` line."""

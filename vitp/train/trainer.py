@@ -82,7 +82,8 @@ class Trainer:
         self._build_engine()
         if self.main:  # every check has passed (layout, resume, init files)
             write_run_config(self.run_dir, cfg, overrides)
-        self.logger = RunLogger(self.run_dir, self.main, cfg.trainer.tensorboard_dir, self.start_step)
+        self.logger = RunLogger(self.run_dir, self.main, cfg.trainer.tensorboard_dir, self.start_step,
+                                log_every=cfg.trainer.log_every, max_steps=cfg.trainer.max_steps)
         self._log_start()
         self.data_iter = self._data_iterator()
         self.losses: list = []
@@ -224,7 +225,6 @@ class Trainer:
 
         Raises ``FloatingPointError`` if the loss is NaN or infinite.
         """
-        tr = self.cfg.trainer
         lr = self.engine.get_lr()[0]  # the lr this step uses
         loss = self.engine.train_batch(data_iter=self.data_iter).item()
         self.ema.update(self.engine.module)
@@ -235,7 +235,7 @@ class Trainer:
         if not math.isfinite(loss):
             hint = "" if self.layout.precision == "fp32" else ", or use trainer.precision=fp32"
             raise FloatingPointError(f"loss is {loss} at step {step}: lower optim.lr or keep optim.grad_clip > 0{hint}")
-        if step % tr.log_every == 0 or step == tr.max_steps or step == 1:
+        if self.logger.should_log(step):
             self._log_metrics(step, lr)
         return loss
 
@@ -280,9 +280,8 @@ class Trainer:
                 self.bar.update(1)
                 if step == self.start_step + 1:
                     log_stages(self.engine.module, self.state, self.device, self.run_dir)
-                timed_out = tr.exit_after_minutes is not None and time.perf_counter() - t_start > 60 * tr.exit_after_minutes
                 last = step == tr.max_steps
-                if stopper.requested(local=step == tr.exit_at_step or timed_out) and not last:
+                if stopper.requested(local=self._exit_due(step, t_start)) and not last:
                     stopped_at = step
                     break
                 if not last:
@@ -291,6 +290,12 @@ class Trainer:
             stopper.restore()
             self.bar.close()
         return self._stop(stopped_at, stopper.flag) if stopped_at is not None else self._finish()
+
+    def _exit_due(self, step: int, t_start: float) -> bool:
+        """``trainer.exit_at_step`` reached or ``trainer.exit_after_minutes`` passed (this rank's view)."""
+        tr = self.cfg.trainer
+        timed_out = tr.exit_after_minutes is not None and time.perf_counter() - t_start > 60 * tr.exit_after_minutes
+        return step == tr.exit_at_step or timed_out
 
     def _result(self, evaluation: Dict[str, Any], stopped_at: Optional[int]) -> Dict[str, Any]:
         return {"losses": self.losses, "grad_norms": self.grad_norms, "eval": evaluation,
