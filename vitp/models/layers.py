@@ -28,7 +28,7 @@ def num_tokens(image_size: int, num_frames: int, patch_size: int, tubelet_size: 
 def sincos_1d(positions: torch.Tensor, dim: int, temperature: float = 10000.0) -> torch.Tensor:
     """Fixed 1-D sin-cos embedding (Vaswani et al. 2017). ``positions`` (N,) -> (N, dim)."""
     half = dim // 2
-    freqs = torch.exp(-math.log(temperature) * torch.arange(half, dtype=torch.float64) / half)
+    freqs = torch.exp(-math.log(temperature) * torch.arange(half, dtype=torch.float64, device=positions.device) / half)
     args = positions.double()[:, None] * freqs[None]
     return torch.cat([torch.sin(args), torch.cos(args)], dim=1).float()
 

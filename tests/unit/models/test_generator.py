@@ -63,3 +63,26 @@ def test_training_steps_decrease_loss_on_a_fixed_batch():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_forward_makes_no_tensor_on_another_device():
+    """Every constant the model builds in forward (timestep frequencies, positions) follows the
+    input's device: the whole forward runs on the meta device (on CUDA a CPU constant crashed)."""
+    with torch.device("meta"):
+        gen = Generator.from_config(_cfg("model.mlp=swiglu"), seed=None)
+        z, t, y = torch.randn(2, 1, 1, 8, 8), torch.rand(2), torch.tensor([1, 2])
+    assert gen(z, t, y).device.type == "meta"
+
+
+@pytest.mark.gpu
+def test_training_steps_on_cuda(tmp_path):
+    """bf16 (precision auto) on one GPU with NCCL: finite losses, the smoke model's first loss."""
+    import json
+
+    from tests.helpers import run_ranks, train_rank
+
+    res = run_ranks(1, train_rank, ["experiment=smoke", "trainer.max_steps=3", "trainer.device=cuda",
+                                    "trainer.precision=auto"], str(tmp_path / "run"))[0]
+    assert all(v == v for v in res["losses"]) and len(res["losses"]) == 3
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_0000003" / "vitp_meta.json").read_text())
+    assert meta["precision"] == "bf16"
