@@ -227,6 +227,19 @@ def _fail(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def _check_keys(cfg: "DictConfig") -> None:
+    """Keys added with Hydra's ``+key=value`` pass composition; the schema has no use for them."""
+    from dataclasses import fields
+
+    for f in fields(Config):
+        section = cfg.get(f.name)
+        if hasattr(f.default_factory, "__dataclass_fields__") and section is not None:
+            known = {g.name for g in fields(f.default_factory)}
+            extra = sorted(set(section.keys()) - known)
+            _fail(not extra, f"unknown config key(s) {', '.join(f'{f.name}.{k}' for k in extra)}; valid keys of "
+                             f"{f.name}: {', '.join(sorted(known))}")
+
+
 def _check_run(cfg: "DictConfig") -> None:
     tr, s, o = cfg.trainer, cfg.sampler, cfg.objective
     _fail(tr.max_steps >= 0, f"trainer.max_steps={tr.max_steps}; it must be >= 0 (0 = no training step)")
@@ -240,6 +253,14 @@ def _check_run(cfg: "DictConfig") -> None:
     _fail(0 <= cfg.data.holdout_fraction < 1, f"data.holdout_fraction={cfg.data.holdout_fraction}; use [0, 1)")
     _fail(o.P_std > 0 and 0 < o.t_eps < 1, "objective.P_std must be > 0 and objective.t_eps in (0, 1)")
     _fail(0 <= o.label_drop < 1, f"objective.label_drop={o.label_drop}; use [0, 1)")
+    opt = cfg.optim
+    _fail(opt.lr > 0, f"optim.lr={opt.lr}; it must be > 0")
+    _fail(opt.grad_clip >= 0, f"optim.grad_clip={opt.grad_clip}; use >= 0 (0 = no clipping)")
+    _fail(0 <= opt.ema_decay < 1, f"optim.ema_decay={opt.ema_decay}; use [0, 1)")
+    _fail(tr.exit_after_minutes is None or tr.exit_after_minutes > 0,
+          f"trainer.exit_after_minutes={tr.exit_after_minutes}; use a positive number of minutes or null")
+    _fail(cfg.eval.num_samples >= 0, f"eval.num_samples={cfg.eval.num_samples}; use >= 0 (0 = held-out size)")
+    _fail(math.isfinite(s.cfg_scale), f"sampler.cfg_scale={s.cfg_scale}; use a finite number (1 = no guidance)")
 
 
 def validate_model(m: "DictConfig") -> None:
@@ -313,6 +334,7 @@ def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_
 
     Raises ``ValueError`` naming the key and the valid values.
     """
+    _check_keys(cfg)
     _check_run(cfg)
     validate_model(cfg.model)
     return None if world_size is None else validate_layout(cfg, world_size, device_type)

@@ -10,6 +10,12 @@ from typing import Any, Dict, Iterator, Union
 PathLike = Union[str, os.PathLike]
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_write(path: PathLike) -> Iterator[Path]:
     """Yield a temporary path next to ``path`` (hidden name, same suffix, so writers that pick a
@@ -24,6 +30,7 @@ def atomic_write(path: PathLike) -> Iterator[Path]:
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{path.suffix}")
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())  # some writers create owner-only files; match a plain open()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

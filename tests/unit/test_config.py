@@ -172,3 +172,39 @@ def test_group_files_hold_only_what_differs_from_the_schema():
             if default == value:
                 restated.append(f"{path.relative_to(conf)}: {key}={value}")
     assert not restated, f"remove the schema defaults restated in {restated}"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("+model.foo=1", r"unknown config key\(s\) model.foo; valid keys of model: .*attention"),
+    ("optim.grad_clip=-1", r"optim.grad_clip=-1.0; use >= 0"),
+    ("optim.ema_decay=1.5", r"optim.ema_decay=1.5; use \[0, 1\)"),
+    ("optim.lr=-1", r"optim.lr=-1.0; it must be > 0"),
+    ("trainer.exit_after_minutes=-1", r"trainer.exit_after_minutes=-1.0; use a positive"),
+    ("eval.num_samples=-5", r"eval.num_samples=-5; use >= 0"),
+    ("sampler.cfg_scale=nan", r"sampler.cfg_scale=nan; use a finite number"),
+])
+def test_values_the_schema_cannot_express_are_checked_once(override, message):
+    with pytest.raises(ValueError, match=message):
+        validate_config(compose_cfg([override]))
+
+
+def test_launcher_arguments_go_before_the_users_so_hydra_flags_stay_last():
+    from vitp.cli.train import prepare_argv
+
+    assert prepare_argv(["vitp-train", "experiment=smoke", "--cfg", "job"]) == [
+        "vitp-train", "hydra.output_subdir=null", "experiment=smoke", "--cfg", "job"]
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    import os
+
+    from vitp.utils import atomic_write
+
+    mask = os.umask(0o022)
+    try:
+        with atomic_write(tmp_path / "w.bin") as tmp:
+            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY, 0o600)  # an owner-only writer (as mkstemp, safetensors)
+            os.close(fd)
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "w.bin").stat().st_mode & 0o777 == 0o644

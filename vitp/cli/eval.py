@@ -10,7 +10,8 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from vitp.checkpoint import load_generator, resolve_weights
+from vitp.checkpoint import ARCH_KEYS, check_model_matches, load_generator, read_export, resolve_weights
+from vitp.checkpoint.export import file_model
 from vitp.cli import run_cli
 from vitp.config import Config, validate_config
 from vitp.data import build_datasets
@@ -35,6 +36,15 @@ def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
     return cfg
 
 
+def load_generator_for(path: Path, cfg: DictConfig):
+    """The generator in ``path``, refused (``ValueError`` naming the keys) when it was written for
+    another model than the run's."""
+    _, meta = read_export(path)
+    check_model_matches(file_model(meta), cfg.model, ARCH_KEYS, str(path),
+                        "pass --weights of this run, or evaluate that file's own run directory")
+    return load_generator(path, resolve_device(cfg.trainer.device))
+
+
 def main(argv: Optional[list] = None) -> None:
     """Console entry point ``vitp-eval RUN_DIR [key=value ...]``; bad input exits with a
     one-line message (status 2)."""
@@ -46,15 +56,15 @@ def run(argv: Optional[list] = None) -> dict:
     p = argparse.ArgumentParser(prog="vitp-eval", description="Evaluate a finished vitp run; rewrites eval.json.")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--weights", default="model_ema.safetensors", help="weights file inside RUN_DIR")
-    p.add_argument("overrides", nargs="*", help="config overrides, e.g. sampler.cfg_scale=2.0")
-    a = p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. sampler.cfg_scale=2.0")
+    a = p.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = load_run_config(a.run_dir, a.overrides)
     validate_config(cfg)
     path = a.run_dir / a.weights
     if not path.is_file() and a.weights == "model_ema.safetensors":  # an interrupted run: its latest checkpoint
         path = resolve_weights(a.run_dir, "ema")[0]
-    gen, _ = load_generator(path, resolve_device(cfg.trainer.device))
+    gen, _ = load_generator_for(path, cfg)
     train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
     res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=_last_step(a.run_dir))
     print(json.dumps(res, indent=2))

@@ -61,17 +61,18 @@ def prepare_argv(argv: list) -> list:
     writing ``.hydra/`` and log files.
     """
     argv = dist.strip_launcher_args(argv)
+    ours = []  # put before the user's arguments, so Hydra flags like --cfg job / --info stay last
     if not any(a.startswith("hydra.output_subdir=") for a in argv):
-        argv.append("hydra.output_subdir=null")  # train() writes .hydra/ itself, after its checks pass
+        ours.append("hydra.output_subdir=null")  # train() writes .hydra/ itself, after its checks pass
     if dist.world_size() > 1:
         device_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("trainer.device=")), "auto")
         dist.init_distributed(dist.resolve_device(device_arg))
         if not any(a.startswith("hydra.run.dir=") for a in argv):
             root = next((a.split("=", 1)[1] for a in argv if a.startswith("paths.output_root=")), "outputs")
-            argv.append(f"hydra.run.dir={default_run_dir(root)}")
+            ours.append(f"hydra.run.dir={default_run_dir(root)}")
         if not dist.is_main():
-            argv += ["hydra/job_logging=stdout"]
-    return argv
+            ours.append("hydra/job_logging=stdout")
+    return argv[:1] + ours + argv[1:]
 
 
 def main() -> None:
