@@ -10,7 +10,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from vitp.checkpoint import ARCH_KEYS, check_model_matches, load_generator, read_export, resolve_weights
+from vitp.checkpoint import ARCH_KEYS, check_model_matches, generator_from_state, read_export, resolve_weights
 from vitp.checkpoint.export import file_model
 from vitp.cli import run_cli
 from vitp.config import Config, validate_config
@@ -39,10 +39,10 @@ def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
 def load_generator_for(path: Path, cfg: DictConfig):
     """The generator in ``path``, refused (``ValueError`` naming the keys) when it was written for
     another model than the run's."""
-    _, meta = read_export(path)
+    state, meta = read_export(path)
     check_model_matches(file_model(meta), cfg.model, ARCH_KEYS, str(path),
                         "pass --weights of this run, or evaluate that file's own run directory")
-    return load_generator(path, resolve_device(cfg.trainer.device))
+    return generator_from_state(file_model(meta), state, resolve_device(cfg.trainer.device))
 
 
 def main(argv: Optional[list] = None) -> None:
@@ -64,7 +64,7 @@ def run(argv: Optional[list] = None) -> dict:
     path = a.run_dir / a.weights
     if not path.is_file() and a.weights == "model_ema.safetensors":  # an interrupted run: its latest checkpoint
         path = resolve_weights(a.run_dir, "ema")[0]
-    gen, _ = load_generator_for(path, cfg)
+    gen = load_generator_for(path, cfg)
     train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
     res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=_last_step(a.run_dir))
     print(json.dumps(res, indent=2))
