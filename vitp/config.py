@@ -227,17 +227,66 @@ def _fail(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _check_keys(cfg: "DictConfig") -> None:
-    """Keys added with Hydra's ``+key=value`` pass composition; the schema has no use for them."""
-    from dataclasses import fields
+def schema_keys(prefix: str = "") -> List[str]:
+    """The valid keys of the schema section ``prefix`` (``""`` = the top level, ``"trainer"``, ...).
 
-    for f in fields(Config):
-        section = cfg.get(f.name)
-        if hasattr(f.default_factory, "__dataclass_fields__") and section is not None:
-            known = {g.name for g in fields(f.default_factory)}
-            extra = sorted(set(section.keys()) - known)
-            _fail(not extra, f"unknown config key(s) {', '.join(f'{f.name}.{k}' for k in extra)}; valid keys of "
-                             f"{f.name}: {', '.join(sorted(known))}")
+    Raises ``KeyError`` when ``prefix`` is not a section.
+    """
+    from dataclasses import fields, is_dataclass
+
+    node = Config
+    for part in [p for p in prefix.split(".") if p]:
+        sub = {f.name: f.default_factory for f in fields(node)}.get(part)
+        if not is_dataclass(sub):
+            raise KeyError(prefix)
+        node = sub
+    return sorted(f.name for f in fields(node))
+
+
+def unknown_key_message(path: str) -> Optional[str]:
+    """``None`` when the dotted ``path`` names a schema key (or lies inside a list/dict value), else
+    a message naming it with the nearest valid key and the valid keys of its section.
+
+    ``unknown_key_message("trainer.max_step")`` -> ``"unknown config key trainer.max_step (did you
+    mean trainer.max_steps?); valid keys of trainer: ..."``
+    """
+    import difflib
+
+    parts = path.split(".")
+    for i, name in enumerate(parts):
+        section = ".".join(parts[:i])
+        try:
+            known = schema_keys(section)
+        except KeyError:  # inside a non-section value (a list, an Optional[...] field)
+            return None
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f" (did you mean {'.'.join(parts[:i] + near)}?)" if near else ""
+            where = f"of {section}" if section else "at the top level"
+            return f"unknown config key {path}{hint}; valid keys {where}: {', '.join(known)}"
+    return None
+
+
+def _leaf_paths(node, prefix: str = "") -> List[str]:
+    if not isinstance(node, dict):
+        return [prefix]
+    out = [prefix] if prefix and not len(node) else []
+    for k, v in node.items():
+        out += _leaf_paths(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+def check_keys(cfg) -> None:
+    """Raise ``ValueError`` naming the first key of ``cfg`` (a dict or ``DictConfig``, e.g. a run's
+    ``.hydra/config.yaml`` or one added with Hydra's ``+key=value``) that the schema does not have,
+    with the nearest valid key. One rule for every entry point (train, eval, sample)."""
+    from omegaconf import OmegaConf
+
+    if not isinstance(cfg, dict):
+        cfg = OmegaConf.to_container(cfg, resolve=False)
+    for path in _leaf_paths(cfg):
+        msg = unknown_key_message(path)
+        _fail(msg is None, str(msg))
 
 
 def _check_run(cfg: "DictConfig") -> None:
@@ -334,7 +383,7 @@ def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_
 
     Raises ``ValueError`` naming the key and the valid values.
     """
-    _check_keys(cfg)
+    check_keys(cfg)
     _check_run(cfg)
     validate_model(cfg.model)
     return None if world_size is None else validate_layout(cfg, world_size, device_type)

@@ -175,7 +175,9 @@ def test_group_files_hold_only_what_differs_from_the_schema():
 
 
 @pytest.mark.parametrize("override,message", [
-    ("+model.foo=1", r"unknown config key\(s\) model.foo; valid keys of model: .*attention"),
+    ("+model.foo=1", r"unknown config key model.foo; valid keys of model: .*attention"),
+    ("+trainer.max_step=10", r"unknown config key trainer.max_step \(did you mean trainer.max_steps\?\)"),
+    ("+new.key=1", r"unknown config key new.key; valid keys at the top level: data, eval"),
     ("optim.grad_clip=-1", r"optim.grad_clip=-1.0; use >= 0"),
     ("optim.ema_decay=1.5", r"optim.ema_decay=1.5; use \[0, 1\)"),
     ("optim.lr=-1", r"optim.lr=-1.0; it must be > 0"),
@@ -208,3 +210,39 @@ def test_written_files_follow_the_umask(tmp_path):
     finally:
         os.umask(mask)
     assert (tmp_path / "w.bin").stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["trainer.max_step=10"], r"trainer.max_step \(did you mean trainer.max_steps\?\)"),
+    (["+seedd=1"], r"unknown config key seedd \(did you mean seed\?\)"),
+    (["+new.key=1"], r"unknown config key new.key"),
+    (["model.dpth=3"], r"model.dpth \(did you mean model.depth\?\)"),
+])
+def test_train_command_refuses_unknown_keys_with_the_nearest(argv, message):
+    from vitp.cli.train import prepare_argv
+
+    with pytest.raises(ValueError, match=message):
+        prepare_argv(["vitp-train", "experiment=smoke", *argv])
+
+
+def test_train_command_passes_groups_hydra_keys_and_known_keys():
+    from vitp.cli.train import check_override_keys
+
+    check_override_keys(["model=dit_digits", "+experiment=smoke", "hydra.run.dir=x", "trainer.max_steps=3",
+                         "sampler.cfg_interval=[0,1]", "--cfg", "job"])
+
+
+def test_eval_refuses_a_run_config_or_override_with_unknown_keys(tmp_path):
+    from omegaconf import OmegaConf
+
+    from vitp.cli.eval import load_run_config
+
+    cfg = compose_cfg(["experiment=smoke"])
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(cfg, tmp_path / ".hydra" / "config.yaml")
+    assert load_run_config(tmp_path, ["sampler.cfg_scale=2.0"]).sampler.cfg_scale == 2.0
+    with pytest.raises(ValueError, match=r"sampler.cfg_scal \(did you mean sampler.cfg_scale\?\)"):
+        load_run_config(tmp_path, ["sampler.cfg_scal=2.0"])
+    OmegaConf.save({**OmegaConf.to_container(cfg), "new": {"key": 1}}, tmp_path / ".hydra" / "config.yaml")
+    with pytest.raises(ValueError, match=r"unknown config key new.key"):
+        load_run_config(tmp_path, [])

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from vitp.checkpoint import ARCH_KEYS, check_model_matches, generator_from_state, read_export, resolve_weights
 from vitp.checkpoint.export import file_model
 from vitp.cli import run_cli
-from vitp.config import Config, validate_config
+from vitp.config import Config, check_keys, unknown_key_message, validate_config
 from vitp.data import build_datasets
 from vitp.eval import evaluate
 from vitp.parallel.distributed import resolve_device
@@ -32,8 +32,13 @@ def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
     path = run_dir / ".hydra" / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a vitp run directory")
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
-    return cfg
+    saved = OmegaConf.load(path)
+    check_keys(saved)
+    for key in (o.split("=", 1)[0].lstrip("+") for o in overrides):
+        msg = unknown_key_message(key)
+        if msg:
+            raise ValueError(msg)
+    return OmegaConf.merge(OmegaConf.structured(Config), saved, OmegaConf.from_dotlist(overrides))
 
 
 def load_generator_for(path: Path, cfg: DictConfig):

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 from omegaconf import DictConfig  # noqa: E402
 
 from vitp.cli import run_cli  # noqa: E402
-from vitp.config import register_configs  # noqa: E402
+from vitp.config import register_configs, unknown_key_message  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.train import train  # noqa: E402
 
@@ -53,6 +53,22 @@ def _config_path() -> str:
     return str(importlib.resources.files("vitp.conf"))
 
 
+_GROUPS = ("model", "data", "objective", "sampler", "parallel", "optim", "trainer", "eval", "paths", "experiment")
+
+
+def check_override_keys(args: list) -> None:
+    """Refuse ``key=value`` overrides whose key the schema lacks, in one line with the nearest key
+    (Hydra would fail with a multi-line message); group choices (``model=dit_b``) and ``hydra.*``
+    pass through. Raises ``ValueError``."""
+    for arg in args:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if "=" not in arg or arg.startswith("-") or "@" in key or key.split(".")[0] == "hydra" or key in _GROUPS:
+            continue
+        msg = unknown_key_message(key)
+        if msg:
+            raise ValueError(msg)
+
+
 def prepare_argv(argv: list) -> list:
     """Launcher-independent argv for Hydra.
 
@@ -61,6 +77,7 @@ def prepare_argv(argv: list) -> list:
     writing ``.hydra/`` and log files.
     """
     argv = dist.strip_launcher_args(argv)
+    check_override_keys(argv[1:])
     ours = []  # put before the user's arguments, so Hydra flags like --cfg job / --info stay last
     if not any(a.startswith("hydra.output_subdir=") for a in argv):
         ours.append("hydra.output_subdir=null")  # train() writes .hydra/ itself, after its checks pass
@@ -77,7 +94,7 @@ def prepare_argv(argv: list) -> list:
 
 def main() -> None:
     """Console entry point ``vitp-train``."""
-    sys.argv = prepare_argv(sys.argv)
+    sys.argv = run_cli("vitp-train", prepare_argv, sys.argv)
     _hydra_entry()
 
 
