@@ -80,6 +80,11 @@ def test_kill_during_save_resumes_from_the_previous_checkpoint(tp2pp2_run, tmp_p
     _same_steps(_metrics(run), _metrics(ref_dir))
     assert [x["step"] for x in _metrics(run)] == [1, 2, 3, 4]
     assert ckpt.published_tags(run / "checkpoints") == ["step_0000002", "step_0000004"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]  # the failed attempt's 3 and 4 are purged
 
 
 def test_sigterm_saves_and_exits_0_then_resume_continues(tmp_path):

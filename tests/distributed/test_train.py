@@ -125,13 +125,21 @@ def _cli(args, cwd, env_extra=None, timeout=600):
 
 
 def test_torchrun_with_tensor_and_sequence_parallelism(tmp_path, dp_runs):
-    """``torchrun --nproc_per_node 2 -m vitp.train parallel.tp=2 parallel.sequence_parallel=true``."""
+    """``torchrun --nproc_per_node 2 -m vitp.train parallel.tp=2 parallel.sequence_parallel=true``, into
+    ``hydra.run.dir=runs/${now:%H-%M-%S-%f}``: both ranks use the folder rank 0 resolved."""
+    from vitp import checkpoint as ckpt
+
     _, single, _ = dp_runs
-    run = tmp_path / "tr"
     p = _cli(["torchrun", "--nproc_per_node", "2", "--master_port", str(30500 + os.getpid() % 1000), "-m",
-              "vitp.train", *OVER, "parallel.tp=2",
-              "parallel.sequence_parallel=true", f"hydra.run.dir={run}"], tmp_path)
+              "vitp.train", *OVER, "parallel.tp=2", "trainer.checkpoint_every=2",
+              "parallel.sequence_parallel=true", "hydra.run.dir=${paths.output_root}/${now:%H-%M-%S-%f}",
+              f"paths.output_root={tmp_path / 'runs'}"], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()  # one folder, though each rank's clock gave another name
+    tags = ckpt.published_tags(run / "checkpoints")
+    assert tags[-2:] == ["step_0000004", "step_0000005"]
+    for tag in tags:
+        ckpt.verify_checkpoint(run / "checkpoints" / tag)  # both ranks' files are there
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in lines] == pytest.approx(single["losses"], rel=1e-5)
     assert [r["grad_norm"] for r in lines] == pytest.approx(single["grad_norms"], rel=1e-5)

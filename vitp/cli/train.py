@@ -2,14 +2,19 @@
 
 ``vitp-train [overrides]`` (one process), ``torchrun --nproc_per_node N -m vitp.train [overrides]``,
 ``deepspeed --num_gpus N --module vitp.train [overrides]`` (its ``--local_rank`` is stripped), or
-SageMaker (:mod:`vitp.cli.sagemaker`). Every rank uses the run directory rank 0 chose.
+SageMaker (:mod:`vitp.cli.sagemaker`). Every rank uses the run directory rank 0 resolved, whatever
+its interpolations; a launcher that names the job (Slurm, ``torchrun --rdzv-id``, SageMaker) gets
+``<output_root>/<job id>`` by default, so a requeued job resumes.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import re
 import sys
+from typing import Mapping, Optional
 
 import torch
 
@@ -27,9 +32,49 @@ from vitp.train import train  # noqa: E402
 log = logging.getLogger("vitp")
 
 
-def default_run_dir(output_root: str = "outputs") -> str:
-    """``<output_root>/<date>/<time>`` as chosen on rank 0 (every rank gets the same folder)."""
-    return dist.broadcast_object(datetime.datetime.now().strftime(f"{output_root}/%Y-%m-%d/%H-%M-%S"))
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def launcher_job_id(env: Mapping[str, str]) -> Optional[str]:
+    """A name for the job that survives a requeue, from the launcher's environment, or ``None``.
+
+    ``SLURM_JOB_ID`` (kept by ``scontrol requeue``; arrays: ``<array job>_<task>``) -> ``slurm-<id>``;
+    ``TORCHELASTIC_RUN_ID`` from ``torchrun --rdzv-id`` -> ``torchrun-<id>`` (not ``none``, nor the
+    random id of ``--standalone``); ``TRAINING_JOB_NAME`` (SageMaker) -> ``sagemaker-<name>``.
+    """
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        job = f"slurm-{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    elif env.get("SLURM_JOB_ID"):
+        job = f"slurm-{env['SLURM_JOB_ID']}"
+    elif env.get("TORCHELASTIC_RUN_ID", "none") != "none" and not _UUID.match(env["TORCHELASTIC_RUN_ID"]):
+        job = f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
+    elif env.get("TRAINING_JOB_NAME"):
+        job = f"sagemaker-{env['TRAINING_JOB_NAME']}"
+    else:
+        return None
+    return re.sub(r"[^A-Za-z0-9._-]", "_", job)
+
+
+def default_run_dir() -> Optional[str]:
+    """The ``hydra.run.dir`` to use when the user named none: ``${paths.output_root}/<job id>`` when the
+    launcher names the job (so a requeued job resumes), else ``<output_root>/<date>/<time>`` as
+    chosen on rank 0 under a multi-process launcher, else ``None`` (Hydra's default, the same)."""
+    job = launcher_job_id(os.environ)
+    if job:
+        return "${paths.output_root}/" + job
+    if dist.world_size() > 1:
+        return dist.broadcast_object(datetime.datetime.now().strftime("${paths.output_root}/%Y-%m-%d/%H-%M-%S"))
+    return None
+
+
+def _shared_run_dir(mine: str) -> str:
+    """Rank 0's resolved run directory on every rank (``hydra.run.dir`` may hold ``${now:...}``);
+    a folder Hydra made for this rank alone is removed when empty."""
+    chosen = dist.broadcast_object(mine)
+    if chosen != mine:
+        with contextlib.suppress(OSError):
+            os.rmdir(mine)
+    return chosen
 
 
 def _hydra_entry() -> None:
@@ -41,7 +86,8 @@ def _hydra_entry() -> None:
     @hydra.main(version_base="1.3", config_path=_config_path(), config_name="config")
     def _main(cfg: DictConfig) -> None:
         hc = HydraConfig.get()  # returns normally after a SIGTERM save: exit 0
-        run_cli("vitp-train", train, cfg, hc.runtime.output_dir, list(hc.overrides.task), log=log)
+        run_dir = _shared_run_dir(hc.runtime.output_dir) if dist.world_size() > 1 else hc.runtime.output_dir
+        run_cli("vitp-train", train, cfg, run_dir, list(hc.overrides.task), log=log)
 
     _main()
 
@@ -72,9 +118,9 @@ def check_override_keys(args: list) -> None:
 def prepare_argv(argv: list) -> list:
     """Launcher-independent argv for Hydra.
 
-    Strips ``--local_rank``; under a multi-process launcher it initialises the process group,
-    pins one run directory for all ranks (chosen on rank 0) and keeps non-zero ranks from
-    writing ``.hydra/`` and log files.
+    Strips ``--local_rank`` and refuses unknown keys (``ValueError``); under a multi-process
+    launcher it initialises the process group and keeps non-zero ranks from writing log files;
+    without ``hydra.run.dir`` it picks :func:`default_run_dir`.
     """
     argv = dist.strip_launcher_args(argv)
     check_override_keys(argv[1:])
@@ -84,9 +130,11 @@ def prepare_argv(argv: list) -> list:
     if dist.world_size() > 1:
         device_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("trainer.device=")), "auto")
         dist.init_distributed(dist.resolve_device(device_arg))
-        if not any(a.startswith("hydra.run.dir=") for a in argv):
-            root = next((a.split("=", 1)[1] for a in argv if a.startswith("paths.output_root=")), "outputs")
-            ours.append(f"hydra.run.dir={default_run_dir(root)}")
+    if not any(a.startswith("hydra.run.dir=") for a in argv):
+        run_dir = default_run_dir()
+        if run_dir:
+            ours.append(f"hydra.run.dir={run_dir}")
+    if dist.world_size() > 1:
         if not dist.is_main():
             ours.append("hydra/job_logging=stdout")
     return argv[:1] + ours + argv[1:]

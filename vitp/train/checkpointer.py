@@ -20,6 +20,7 @@ from vitp.parallel import distributed as dist
 from vitp.pipeline import load_ema_state
 
 from .ema import EMA
+from .rundir import check_history, drop_failed_attempt
 
 log = logging.getLogger("vitp")
 
@@ -45,7 +46,9 @@ class Checkpointer:
             raise ValueError(f"{run_dir} already holds a run (metrics.jsonl) and trainer.resume=never; choose a new "
                              f"hydra.run.dir, or use trainer.resume=auto to continue it")
         self.meta: Optional[Dict[str, Any]] = None
-        if self.resume_tag is not None:
+        if self.resume_tag is None:
+            check_history(run_dir, cfg)
+        else:
             self.meta = ckpt.verify_checkpoint(self.resume_tag)
             ckpt.check_resumable(self.meta, self.resume_tag, cfg, layout)
         self.start_step = self.meta["step"] if self.meta else 0
@@ -54,17 +57,13 @@ class Checkpointer:
                         "changes accordingly", tr.max_steps, self.meta["max_steps"], self.start_step)
 
     def prepare_run_dir(self) -> None:
-        """Rank 0: create the run dir, remove half-written checkpoints, and drop log lines an
-        interrupted attempt wrote after the checkpoint we resume from."""
+        """Rank 0: create the run dir, remove half-written checkpoints, and drop the log lines and
+        sample grids an interrupted attempt wrote after the step we start from."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob("*.partial") if self.dir.is_dir() else []:
             log.warning("removing %s: a checkpoint whose save never finished", stale)
             shutil.rmtree(stale)
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            dropped = ckpt.truncate_log(self.run_dir / name, self.start_step)
-            if dropped:
-                log.warning("%s: dropped %d lines logged after step %d (resuming from there)", name, dropped,
-                            self.start_step)
+        drop_failed_attempt(self.run_dir, self.start_step)
 
     def load(self, engine: Any, ema: EMA, state: ParallelState) -> None:
         """Restore weights, optimizer, LR schedule, RNG streams and this stage's EMA tensors."""

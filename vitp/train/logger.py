@@ -26,8 +26,9 @@ class RunLogger:
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step hides events a crashed attempt logged after the checkpoint we resume from
-            self.tb = SummaryWriter(tensorboard_dir or str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+            # purge_step hides events a crashed attempt logged after the step we start from (all of
+            # them on a fresh start, whose step-0 evaluation is redone)
+            self.tb = SummaryWriter(tensorboard_dir or str(run_dir / "tb"), purge_step=start_step + 1 if start_step else 0)
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
 
     def should_log(self, step: int) -> bool:

@@ -36,6 +36,7 @@ from vitp.utils import atomic_write_text  # noqa: E402
 from .checkpointer import Checkpointer  # noqa: E402
 from .ema import EMA  # noqa: E402
 from .logger import RunLogger, binned_loss, log_stages  # noqa: E402
+from .rundir import lock_run_dir  # noqa: E402
 from .stop import StopSignal  # noqa: E402
 
 log = logging.getLogger("vitp")
@@ -55,8 +56,10 @@ def _due(every: int, step: int) -> bool:
 class Trainer:
     """Build everything a run needs (the constructor), then :meth:`fit`.
 
-    Every check (config, layout against the world size, resume checkpoint, init files) runs
-    before the run directory is written, so a refused launch leaves it untouched; rank 0 then
+    Rank 0 owns the run directory while the run lasts (:mod:`.rundir`: a second launch into it is
+    refused). Every check (config, layout against the world size, resume checkpoint, the folder's
+    earlier config, init files) runs before anything else is written there, so a refused launch
+    leaves it as it was (bar the lock file); rank 0 then
     writes ``run_dir/.hydra/config.yaml`` (and ``overrides.yaml`` from ``overrides``).
 
     Raises ``ValueError`` / ``FileNotFoundError`` on an invalid layout, config or input file,
@@ -71,10 +74,19 @@ class Trainer:
             log.warning("parallel.sequence_parallel=true has no effect with parallel.tp=1")
         self.device = dist.resolve_device(cfg.trainer.device)
         self.layout = validate_config(cfg, dist.world_size(), self.device.type)
-        self.checkpointer = Checkpointer(cfg, self.run_dir, self.layout)
-        self.start_step = self.checkpointer.start_step
         dist.init_distributed(self.device)
         self.main = dist.is_main()  # rank 0 writes everything
+        self.lock = lock_run_dir(self.run_dir)  # before reading the folder: one owner at a time
+        try:
+            self._build(overrides)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _build(self, overrides: Optional[list]) -> None:
+        cfg = self.cfg
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.layout)
+        self.start_step = self.checkpointer.start_step
         if self.main:
             self.checkpointer.prepare_run_dir()
         self._build_data()
@@ -264,7 +276,14 @@ class Trainer:
 
         Returns ``{"losses", "grad_norms"}`` per step (every rank), ``eval`` (rank 0's final
         results), ``run_dir`` and ``stopped_at`` (the step of an early stop, else ``None``).
+        Gives the run directory up when it returns or raises.
         """
+        try:
+            return self._fit()
+        finally:
+            self.lock.release()
+
+    def _fit(self) -> Dict[str, Any]:
         from tqdm import tqdm
 
         tr = self.cfg.trainer

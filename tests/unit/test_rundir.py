@@ -1,0 +1,93 @@
+"""Run-directory ownership, history checks, cleanup of interrupted attempts, default run dirs."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+
+from tests.helpers import compose_cfg
+from vitp.train.rundir import RunDirBusy, RunDirLock, check_history, config_differences, drop_failed_attempt
+
+
+def _hold(run_dir, ready):
+    lock = RunDirLock(run_dir)
+    lock.acquire()
+    ready.set()
+    signal.pause()
+
+
+def test_second_owner_is_refused_and_a_killed_owner_leaves_no_stale_lock(tmp_path):
+    ready = mp.get_context("fork").Event()
+    owner = mp.get_context("fork").Process(target=_hold, args=(tmp_path, ready), daemon=True)
+    owner.start()
+    try:
+        assert ready.wait(30)
+        with pytest.raises(RunDirBusy, match=rf"{tmp_path} is in use by another vitp-train \(.*\"pid\": {owner.pid}"):
+            RunDirLock(tmp_path).acquire()
+    finally:
+        os.kill(owner.pid, signal.SIGKILL)  # a crash: the kernel drops the lock
+        owner.join()
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    assert json.loads((tmp_path / ".vitp.lock").read_text())["pid"] == os.getpid()
+    with pytest.raises(RunDirBusy):  # a second trainer in the same process is refused too
+        RunDirLock(tmp_path).acquire()
+    lock.release()
+    RunDirLock(tmp_path).acquire()
+
+
+def test_history_of_another_config_is_refused_naming_the_keys(tmp_path):
+    from vitp.train import write_run_config
+
+    before = compose_cfg(["experiment=smoke", "model.depth=2"])
+    write_run_config(tmp_path, before, None)
+    check_history(tmp_path, compose_cfg(["experiment=smoke", "model.depth=2", "trainer.max_steps=9",
+                                         "trainer.exit_at_step=3", "data.num_workers=2"]))
+    with pytest.raises(ValueError, match=r"holds another config's run \(model.depth: 2 before vs 3 now\); choose a new"):
+        check_history(tmp_path, compose_cfg(["experiment=smoke", "model.depth=3"]))
+    assert config_differences(before, compose_cfg(["experiment=smoke", "model.depth=2", "seed=4", "optim.lr=0.5"])) == [
+        "optim.lr: 0.001 before vs 0.5 now", "seed: 0 before vs 4 now"]
+
+
+@pytest.mark.parametrize("start,kept", [(0, []), (2, [1, 2])])
+def test_failed_attempt_outputs_are_dropped(tmp_path, start, kept):
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    samples = tmp_path / "samples"
+    for s in (1, 2, 3):
+        (samples / f"step_{s:07d}").mkdir(parents=True)
+        (samples / f"step_{s:07d}.png").write_bytes(b"png")
+    (samples / "sample_seed0.png").write_bytes(b"png")  # vitp-sample's output is not the run's history
+    drop_failed_attempt(tmp_path, start)
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        assert [json.loads(x)["step"] for x in (tmp_path / name).read_text().splitlines()] == kept
+    assert sorted(p.name for p in samples.iterdir()) == sorted(
+        ["sample_seed0.png"] + [f"step_{s:07d}{e}" for s in kept for e in ("", ".png")])
+
+
+@pytest.mark.parametrize("env,job", [
+    ({"SLURM_JOB_ID": "4242"}, "slurm-4242"),
+    ({"SLURM_JOB_ID": "4243", "SLURM_ARRAY_JOB_ID": "4200", "SLURM_ARRAY_TASK_ID": "3"}, "slurm-4200_3"),
+    ({"TORCHELASTIC_RUN_ID": "exp/7"}, "torchrun-exp_7"),
+    ({"TORCHELASTIC_RUN_ID": "none"}, None),
+    ({"TORCHELASTIC_RUN_ID": "5f0e6f0c-2b7a-4a39-9d0e-2f1f6f8b9c11"}, None),  # torchrun --standalone
+    ({"TRAINING_JOB_NAME": "dit-256"}, "sagemaker-dit-256"),
+    ({}, None),
+])
+def test_launcher_job_id_names_the_default_run_dir(env, job, monkeypatch):
+    from vitp.cli.train import launcher_job_id, prepare_argv
+
+    assert launcher_job_id(env) == job
+    for k in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "TORCHELASTIC_RUN_ID", "TRAINING_JOB_NAME"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    argv = prepare_argv(["vitp-train", "paths.output_root=/data/runs"])
+    if job is None:
+        assert not any(a.startswith("hydra.run.dir=") for a in argv)
+    else:
+        assert f"hydra.run.dir=${{paths.output_root}}/{job}" in argv
+        assert prepare_argv(["vitp-train", "hydra.run.dir=/mine"]).count("hydra.run.dir=/mine") == 1

@@ -1,0 +1,146 @@
+"""A run directory has one owner at a time and shows one run's history.
+
+- :class:`RunDirLock`: an exclusive ``flock`` on ``<run_dir>/.vitp.lock`` held by rank 0 for
+  the whole run. The kernel drops it when the owner exits or crashes, so it never goes stale; a
+  second ``vitp-train`` into the same folder is refused, naming the owner.
+- :func:`check_history`: a folder whose ``.hydra/config.yaml`` belongs to another config (and that
+  has no checkpoint to resume) is refused, naming the differing keys.
+- :func:`drop_failed_attempt`: log lines, sample grids and TensorBoard events that an interrupted
+  attempt wrote after the step we restart from are removed, so the outputs show one history.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+from typing import Any, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from vitp.checkpoint import truncate_log
+from vitp.parallel import distributed as dist
+
+log = logging.getLogger("vitp")
+
+LOCK_FILE = ".vitp.lock"
+# keys a relaunch may change without making it another run (how long, where to copy, how to load)
+RELAUNCH_KEYS = ("trainer.resume", "trainer.exit_at_step", "trainer.exit_after_minutes", "trainer.progress",
+                 "trainer.max_steps", "trainer.export_dir", "data.num_workers")
+_SAMPLE = re.compile(r"^step_(\d{7})(\.png)?$")
+
+
+class RunDirBusy(ValueError):
+    """Another live process owns the run directory."""
+
+
+class RunDirLock:
+    """Exclusive ownership of ``run_dir`` (``flock`` on ``.vitp.lock``, per open file, so two
+    trainers in one process exclude each other too).
+
+    Linux maps ``flock`` to POSIX locks on NFS, where clusters keep run folders; on a filesystem
+    without locks we warn and go on unlocked. The lock file is never deleted (that races with the
+    next owner); it records the owner's host, pid and start time for the refusal message.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path, self.fd = Path(run_dir) / LOCK_FILE, None
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`RunDirBusy` naming the owner and the fix."""
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if not isinstance(e, BlockingIOError):
+                log.warning("cannot lock %s (%s): make sure no other run writes to this folder", self.path, e)
+                self.fd = fd
+                return
+            owner = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirBusy(f"run dir {self.path.parent} is in use by another vitp-train ({owner}); wait for it to "
+                             f"finish or stop it, or choose another hydra.run.dir") from None
+        info = {"host": socket.gethostname(), "pid": os.getpid(),
+                "since": datetime.datetime.now().isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        """Give the folder up (idempotent)."""
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the lock
+            self.fd = None
+
+    def __del__(self):
+        self.release()
+
+
+def lock_run_dir(run_dir: Path) -> RunDirLock:
+    """Rank 0 takes the lock of ``run_dir``; every rank raises :class:`RunDirBusy` if it could not
+    (collective when the process group is initialised)."""
+    lock, error = RunDirLock(run_dir), None
+    if dist.is_main():
+        try:
+            lock.acquire()
+        except RunDirBusy as e:
+            error = str(e)
+    error = dist.broadcast_object(error)
+    if error:
+        raise RunDirBusy(error)
+    return lock
+
+
+def _flat(cfg: Any) -> dict:
+    container = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+    out = {}
+    for k, v in container.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in _flat(v).items()})
+        else:
+            out[k] = v
+    return out
+
+
+def config_differences(saved: Any, cfg: DictConfig, ignore=RELAUNCH_KEYS) -> List[str]:
+    """``["model.depth: 2 before vs 3 now", ...]`` for keys (outside ``ignore``) that differ."""
+    a, b = _flat(saved), _flat(cfg)
+    keys = sorted((set(a) | set(b)) - set(ignore))
+    return [f"{k}: {a.get(k)!r} before vs {b.get(k)!r} now" for k in keys if a.get(k) != b.get(k)]
+
+
+def check_history(run_dir: Path, cfg: DictConfig) -> None:
+    """Refuse (``ValueError`` naming the keys) a fresh start in a folder that holds another config's
+    run: its ``.hydra/config.yaml`` differs from ``cfg`` in more than :data:`RELAUNCH_KEYS`."""
+    path = Path(run_dir) / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return
+    diffs = config_differences(OmegaConf.to_container(OmegaConf.load(path), resolve=True), cfg)
+    if diffs:
+        raise ValueError(f"{run_dir} holds another config's run ({'; '.join(diffs[:8])}"
+                         f"{'; ...' if len(diffs) > 8 else ''}); choose a new hydra.run.dir, or relaunch with that "
+                         f"run's config to continue it")
+
+
+def drop_failed_attempt(run_dir: Path, start_step: int, tensorboard_dir: Optional[str] = None) -> None:
+    """Remove what an interrupted attempt wrote after ``start_step`` (everything when starting from
+    scratch): ``metrics.jsonl`` / ``eval.jsonl`` lines and ``samples/step_*`` grids. TensorBoard
+    events are hidden by the run logger's ``purge_step``."""
+    keep_upto = start_step if start_step else -1  # a fresh start redoes the step-0 evaluation too
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        dropped = truncate_log(run_dir / name, keep_upto)
+        if dropped:
+            log.warning("%s: dropped %d lines of an interrupted attempt logged after step %d", name, dropped,
+                        max(keep_upto, 0))
+    samples = run_dir / "samples"
+    for p in sorted(samples.iterdir()) if samples.is_dir() else []:
+        m = _SAMPLE.match(p.name)
+        if m and int(m.group(1)) > keep_upto:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
