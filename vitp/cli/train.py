@@ -1,8 +1,10 @@
 """``vitp-train``: Hydra config -> :func:`vitp.train.train`, under any launcher.
 
 ``vitp-train [overrides]`` (one process), ``torchrun --nproc_per_node N -m vitp.train [overrides]``,
-``deepspeed --num_gpus N --module vitp.train [overrides]`` (its ``--local_rank`` is stripped), or
-SageMaker (:mod:`vitp.cli.sagemaker`). Every rank uses the run directory rank 0 chose.
+``deepspeed --num_gpus N --module vitp.train [overrides]`` (its ``--local_rank`` is stripped),
+``mpirun -np N python -m vitp.train [overrides]`` / ``srun`` (ranks from the launcher's variables,
+:func:`vitp.parallel.distributed.launcher_env`), or SageMaker (:mod:`vitp.cli.sagemaker`). Every
+rank uses the run directory rank 0 chose.
 """
 from __future__ import annotations
 
@@ -56,11 +58,13 @@ def _config_path() -> str:
 def prepare_argv(argv: list) -> list:
     """Launcher-independent argv for Hydra.
 
-    Strips ``--local_rank``; under a multi-process launcher it initialises the process group,
-    pins one run directory for all ranks (chosen on rank 0) and keeps non-zero ranks from
-    writing ``.hydra/`` and log files.
+    Strips ``--local_rank``; takes the ranks of an MPI or srun launch from its variables; under a
+    multi-process launcher it initialises the process group, pins one run directory for all ranks
+    (chosen on rank 0) and keeps non-zero ranks from writing ``.hydra/`` and log files.
+    Raises ``ValueError`` on an MPI launch across hosts without ``MASTER_ADDR``.
     """
     argv = dist.strip_launcher_args(argv)
+    dist.adopt_launcher_env()  # before world_size(): an mpirun rank would otherwise train alone
     ours = []  # put before the user's arguments, so Hydra flags like --cfg job / --info stay last
     if not any(a.startswith("hydra.output_subdir=") for a in argv):
         ours.append("hydra.output_subdir=null")  # train() writes .hydra/ itself, after its checks pass
@@ -77,7 +81,7 @@ def prepare_argv(argv: list) -> list:
 
 def main() -> None:
     """Console entry point ``vitp-train``."""
-    sys.argv = prepare_argv(sys.argv)
+    sys.argv = run_cli("vitp-train", prepare_argv, sys.argv)
     _hydra_entry()
 
 
