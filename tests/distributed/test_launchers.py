@@ -1,15 +1,19 @@
-"""Launchers, through ``python -m vitp.train`` subprocesses: an MPI-style launch (ranks named only
-by OpenMPI's variables)."""
+"""Launchers and stop signals, through ``python -m vitp.train`` subprocesses: an MPI-style launch
+(ranks named only by OpenMPI's variables) and SIGTERM/SIGINT to the whole process group while
+DataLoader workers run."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers import PERTURBED
+from vitp.checkpoint.training import find_checkpoint, verify_checkpoint
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -47,3 +51,39 @@ def test_openmpi_launch_trains_as_data_parallel(tmp_path):
     assert [r["step"] for r in b] == [1, 2, 3]
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-5), key
+
+
+def _stop_with(sig, args, run: Path, log: Path) -> int:
+    """Start a run in its own process group, wait until it trains with its DataLoader workers,
+    signal the whole group (as Ctrl-C, scancel or a container stop do); returns the exit status."""
+    p = _start(args, run, log, _env(), start_new_session=True)
+    seen = len(_rows(run))
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None and len(_rows(run)) < seen + 2:
+        time.sleep(0.1)
+    assert p.poll() is None, log.read_text()[-3000:]
+    assert len(psutil.Process(p.pid).children()) >= 2  # the workers are there to receive the signal
+    os.killpg(p.pid, sig)
+    return p.wait(timeout=300)
+
+
+def test_signal_to_the_process_group_saves_and_exits_0(tmp_path):
+    """SIGTERM, then (after resuming) SIGINT, to the group of a run with data.num_workers=2: each
+    finishes its step, publishes a complete checkpoint and exits 0; the last resume finishes."""
+    run = tmp_path / "run"
+    args = ["experiment=smoke", "data.num_workers=2", "trainer.checkpoint_every=0", "trainer.max_steps=1000"]
+    stops = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        log = tmp_path / f"{sig.name}.log"
+        code = _stop_with(sig, args, run, log)
+        out = log.read_text()
+        assert code == 0 and f"stopped by {sig.name}" in out and "killed by signal" not in out, out[-3000:]
+        tag = find_checkpoint("auto", run / "checkpoints")
+        stops.append(verify_checkpoint(tag)["step"])
+        assert tag.name == f"step_{stops[-1]:07d}" and _rows(run)[-1]["step"] == stops[-1]
+    assert 2 <= stops[0] < stops[1] < 1000
+    p = subprocess.run([sys.executable, "-m", "vitp.train", *args[:-1], f"trainer.max_steps={stops[1] + 2}",
+                        f"hydra.run.dir={run}"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert [r["step"] for r in _rows(run)] == list(range(1, stops[1] + 3))
+    assert (run / "model_ema.safetensors").is_file()

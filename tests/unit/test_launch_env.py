@@ -1,4 +1,6 @@
-"""Launcher environments -> torch's ``env://`` variables (pure)."""
+"""Launcher environments -> torch's ``env://`` variables (pure), and the stop-signal handling."""
+import signal
+import time
 import zlib
 
 import pytest
@@ -107,3 +109,37 @@ def test_bad_values_end_vitp_train_with_one_line(monkeypatch, capsys):
         main()
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith("vitp-train: error: launched by OpenMPI with 4 ranks")
+
+
+def test_stop_signal_repeat_and_second_signal():
+    """One request delivered twice (process group + launcher) stops once; a later one aborts."""
+    import torch
+
+    from vitp.train.stop import StopSignal
+
+    stopper = StopSignal(torch.device("cpu"))
+    try:
+        stopper._handle(signal.SIGINT, None)
+        stopper._handle(signal.SIGTERM, None)  # the launcher's forwarded copy, milliseconds later
+        assert stopper.flag == "SIGINT" and stopper.requested()
+        stopper.t_flag = time.monotonic() - StopSignal.REPEAT_S
+        with pytest.raises(KeyboardInterrupt, match="second signal"):
+            stopper._handle(signal.SIGTERM, None)
+    finally:
+        stopper.restore()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def _dispositions(_):
+    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def test_dataloader_workers_ignore_stop_signals():
+    from torch.utils.data import DataLoader
+
+    from vitp.data.loader import ignore_stop_signals
+
+    loader = DataLoader(range(2), batch_size=None, num_workers=1, collate_fn=_dispositions,
+                        worker_init_fn=ignore_stop_signals)
+    for seen in loader:
+        assert seen == {signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN}
