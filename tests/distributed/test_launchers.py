@@ -87,3 +87,31 @@ def test_signal_to_the_process_group_saves_and_exits_0(tmp_path):
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert [r["step"] for r in _rows(run)] == list(range(1, stops[1] + 3))
     assert (run / "model_ema.safetensors").is_file()
+
+
+def _signal_during_final_save(rank, over, run_dir):
+    from vitp.config import compose
+    from vitp.train.trainer import Trainer
+
+    trainer = Trainer(compose(over), run_dir)
+    save = trainer.save_checkpoint
+
+    def save_after_a_signal(step, final=False):
+        if final:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's stop arriving just after the last step
+        return save(step, final)
+
+    trainer.save_checkpoint = save_after_a_signal
+    return trainer.fit()["stopped_at"]
+
+
+def test_signal_after_the_last_step_still_saves(tmp_path):
+    """SIGTERM during the final save: the save completes (final checkpoint and weights), the
+    samples and evaluation are skipped, the run returns normally."""
+    from tests.helpers import run_ranks
+
+    run = tmp_path / "run"
+    over = ["experiment=smoke", "trainer.max_steps=2", "trainer.checkpoint_every=0"]
+    assert run_ranks(1, _signal_during_final_save, over, str(run), timeout=60) == [None]
+    assert verify_checkpoint(find_checkpoint("auto", run / "checkpoints"))["step"] == 2
+    assert (run / "model_ema.safetensors").is_file() and not (run / "samples" / "step_0000002.png").exists()
