@@ -1,10 +1,12 @@
 """``vitp-train``: Hydra config -> :func:`vitp.train.train`, under any launcher.
 
 ``vitp-train [overrides]`` (one process), ``torchrun --nproc_per_node N -m vitp.train [overrides]``,
-``deepspeed --num_gpus N --module vitp.train [overrides]`` (its ``--local_rank`` is stripped), or
-SageMaker (:mod:`vitp.cli.sagemaker`). Every rank uses the run directory rank 0 resolved, whatever
-its interpolations; a launcher that names the job (Slurm, ``torchrun --rdzv-id``, SageMaker) gets
-``<output_root>/<job id>`` by default, so a requeued job resumes.
+``deepspeed --num_gpus N --module vitp.train [overrides]`` (its ``--local_rank`` is stripped),
+``mpirun -np N python -m vitp.train [overrides]`` / ``srun`` (ranks from the launcher's variables,
+:func:`vitp.parallel.distributed.launcher_env`), or SageMaker (:mod:`vitp.cli.sagemaker`). Every
+rank uses the run directory rank 0 resolved, whatever its interpolations; a launcher that names
+the job (Slurm, ``torchrun --rdzv-id``, SageMaker) gets ``<output_root>/<job id>`` by default, so
+a requeued job resumes.
 """
 from __future__ import annotations
 
@@ -118,12 +120,15 @@ def check_override_keys(args: list) -> None:
 def prepare_argv(argv: list) -> list:
     """Launcher-independent argv for Hydra.
 
-    Strips ``--local_rank`` and refuses unknown keys (``ValueError``); under a multi-process
-    launcher it initialises the process group and keeps non-zero ranks from writing log files;
-    without ``hydra.run.dir`` it picks :func:`default_run_dir`.
+    Strips ``--local_rank``, refuses unknown keys and takes the ranks of an MPI or srun launch
+    from its variables; under a multi-process launcher it initialises the process group and keeps
+    non-zero ranks from writing log files; without ``hydra.run.dir`` it picks
+    :func:`default_run_dir`. Raises ``ValueError`` on an unknown key, or an MPI launch across
+    hosts without ``MASTER_ADDR``.
     """
     argv = dist.strip_launcher_args(argv)
     check_override_keys(argv[1:])
+    dist.adopt_launcher_env()  # before world_size(): an mpirun rank would otherwise train alone
     ours = []  # put before the user's arguments, so Hydra flags like --cfg job / --info stay last
     if not any(a.startswith("hydra.output_subdir=") for a in argv):
         ours.append("hydra.output_subdir=null")  # train() writes .hydra/ itself, after its checks pass

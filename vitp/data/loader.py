@@ -16,6 +16,9 @@ Each yielded batch is the DeepSpeed pipeline pair ``((z_t, t, y_in), (x, z_t, t)
 """
 from __future__ import annotations
 
+import atexit
+import signal
+import weakref
 from typing import Any, Iterator, List, Tuple
 
 import numpy as np
@@ -139,18 +142,77 @@ class _KeySampler:
         return max(0, self.stop - self.start) * self.schedule.accumulation
 
 
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``: the worker ignores SIGINT and SIGTERM.
+
+    Ctrl-C, ``scancel``, Kubernetes, SageMaker and the torchrun/deepspeed launchers signal every
+    process of the job, DataLoader workers included. A worker that dies of it makes the main
+    process raise "DataLoader worker ... killed by signal" in the middle of the step it should
+    finish and checkpoint (:class:`vitp.train.stop.StopSignal`). Ignoring the signal leaves the
+    stop to the main process, which shuts its workers down through the loader's queues
+    (:class:`LoaderBatches`); a worker whose main process is gone exits by itself (torch's parent
+    watchdog), and SIGKILL still works.
+    """
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+
+
+_OPEN: "weakref.WeakSet[LoaderBatches]" = weakref.WeakSet()
+
+
+def _close_open_loaders() -> None:
+    for batches in list(_OPEN):
+        batches.close()
+
+
+class LoaderBatches:
+    """``iter(loader)`` whose worker processes :meth:`close` shuts down, and at the latest an
+    ``atexit`` hook does.
+
+    Why: the workers ignore SIGTERM (:func:`ignore_stop_signals`), while torch leaves the workers
+    of an iterator still referenced at interpreter exit to multiprocessing, which SIGTERMs its
+    daemonic children and then joins them: the main process would wait forever. The hook is
+    registered after multiprocessing's and torch's own, so it runs before them.
+    """
+
+    _hook = False
+
+    def __init__(self, loader: DataLoader):
+        self._it = iter(loader)
+        if loader.num_workers > 0:
+            if not LoaderBatches._hook:
+                atexit.register(_close_open_loaders)
+                LoaderBatches._hook = True
+            _OPEN.add(self)
+
+    def __iter__(self) -> "LoaderBatches":
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    def close(self) -> None:
+        """Shut the worker processes down (through torch's own queue protocol); idempotent."""
+        _OPEN.discard(self)
+        shutdown = getattr(self._it, "_shutdown_workers", None)  # absent without workers
+        if shutdown is not None:
+            shutdown()
+
+
 def train_loader(
     dataset: Any, schedule: BatchSchedule, objective: Any, num_classes: int, *,
     start_step: int, stop_step: int, dp_rank: int, num_workers: int = 0,
 ) -> DataLoader:
     """A DataLoader that yields the pipeline pairs of steps ``[start_step, stop_step)`` for one DP
-    rank, ``schedule.accumulation`` micro-batches per step."""
+    rank, ``schedule.accumulation`` micro-batches per step; its ``num_workers`` worker processes
+    ignore SIGINT/SIGTERM (:func:`ignore_stop_signals`)."""
     return DataLoader(
         _KeyedItems(dataset),
         batch_sampler=_KeySampler(schedule, start_step, stop_step, dp_rank),
         collate_fn=FlowCollate(objective, num_classes),
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        worker_init_fn=ignore_stop_signals,  # the main process handles a stop (see there)
         # items are keyed, so the loader needs no randomness; its own generator keeps it from
         # drawing from the global RNG (dropout), which a resumed run restores from the checkpoint
         generator=torch.Generator().manual_seed(0),

@@ -166,19 +166,24 @@ class Trainer:
     def _data_iterator(self):
         """Pipeline pairs of the remaining steps for this dp rank; the first batch is checked to be
         the same on every rank of the replica."""
-        from vitp.data.loader import train_loader
+        from vitp.data.loader import LoaderBatches, train_loader
 
         from .engine import check_batch_consistency
 
         cfg, tr = self.cfg, self.cfg.trainer
+        self.batches = None
         if self.start_step >= tr.max_steps:
             return None
-        batches = iter(train_loader(self.train_ds, self.schedule, cfg.objective, cfg.model.num_classes,
-                                    start_step=self.start_step, stop_step=tr.max_steps, dp_rank=self.state.dp_rank,
-                                    num_workers=cfg.data.num_workers))
-        first = next(batches)
-        check_batch_consistency(first, self.state)
-        return itertools.chain([first], batches)
+        self.batches = LoaderBatches(train_loader(
+            self.train_ds, self.schedule, cfg.objective, cfg.model.num_classes, start_step=self.start_step,
+            stop_step=tr.max_steps, dp_rank=self.state.dp_rank, num_workers=cfg.data.num_workers))
+        try:
+            first = next(self.batches)
+            check_batch_consistency(first, self.state)
+        except BaseException:
+            self.batches.close()
+            raise
+        return itertools.chain([first], self.batches)
 
     # ----------------------------------------------------------------- weights, samples, eval
     def full_state(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -279,11 +284,19 @@ class Trainer:
         Gives the run directory up when it returns or raises.
         """
         try:
-            return self._fit()
+            stopper = StopSignal(self.device)
+            try:
+                stopped_at = self._train_loop(stopper)
+                # the handlers stay installed through the save: a launcher's forwarded copy of the
+                # signal, or one arriving after the last step, must not kill the checkpoint being written
+                return self._stop(stopped_at, stopper.flag) if stopped_at is not None else self._finish(stopper)
+            finally:
+                stopper.restore()
         finally:
             self.lock.release()
 
-    def _fit(self) -> Dict[str, Any]:
+    def _train_loop(self, stopper: StopSignal) -> Optional[int]:
+        """The optimizer steps; returns the step of an early stop (every rank the same), else ``None``."""
         from tqdm import tqdm
 
         tr = self.cfg.trainer
@@ -292,7 +305,7 @@ class Trainer:
         if tr.eval_every and self.start_step == 0:
             self.heldout_eval(0, final=False)  # the untrained model's held-out loss, for reference
         self._t_log, self._n_log = time.perf_counter(), 0
-        stopper, t_start, stopped_at = StopSignal(self.device), time.perf_counter(), None
+        t_start = time.perf_counter()
         try:
             for step in range(self.start_step + 1, tr.max_steps + 1):  # step = optimizer steps completed
                 self.train_step(step)
@@ -301,14 +314,14 @@ class Trainer:
                     log_stages(self.engine.module, self.state, self.device, self.run_dir)
                 last = step == tr.max_steps
                 if stopper.requested(local=self._exit_due(step, t_start)) and not last:
-                    stopped_at = step
-                    break
+                    return step
                 if not last:
                     self._after_step(step)
         finally:
-            stopper.restore()
             self.bar.close()
-        return self._stop(stopped_at, stopper.flag) if stopped_at is not None else self._finish()
+            if self.batches is not None:
+                self.batches.close()  # the DataLoader workers: no batch is needed after the loop
+        return None
 
     def _exit_due(self, step: int, t_start: float) -> bool:
         """``trainer.exit_at_step`` reached or ``trainer.exit_after_minutes`` passed (this rank's view)."""
@@ -331,16 +344,24 @@ class Trainer:
                         "(trainer.resume=auto) to continue", why, step, self.checkpointer.path(step))
         return self._result({}, step)
 
-    def _finish(self) -> Dict[str, Any]:
-        """Final checkpoint, weights, samples, evaluation and the copy to ``trainer.export_dir``."""
+    def _finish(self, stopper: Optional[StopSignal] = None) -> Dict[str, Any]:
+        """Final checkpoint, weights, samples, evaluation and the copy to ``trainer.export_dir``;
+        the samples and evaluation are skipped when ``stopper`` got a signal after the last step
+        (``vitp-eval <run dir>`` runs the evaluation later)."""
         from vitp.checkpoint import save_weights
 
         cfg, tr = self.cfg, self.cfg.trainer
         saved = self.save_checkpoint(tr.max_steps, final=True)
         if self.main:
             save_weights(self.run_dir, cfg, *saved, step=tr.max_steps)
-        self.sample_grid(tr.max_steps)
-        result = self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {}
+        result: Dict[str, Any] = {}
+        if stopper is not None and stopper.requested():  # collective: every rank skips alike
+            if self.main:
+                log.warning("%s after the last step: final checkpoint and weights saved, samples and evaluation "
+                            "skipped (run vitp-eval %s)", stopper.flag or "a signal on another rank", self.run_dir)
+        else:
+            self.sample_grid(tr.max_steps)
+            result = self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {}
         self.logger.close()
         if self.main:
             log.info("done: %s holds model_ema.safetensors, samples/, metrics.jsonl%s%s", self.run_dir,

@@ -1,0 +1,117 @@
+"""Launchers and stop signals, through ``python -m vitp.train`` subprocesses: an MPI-style launch
+(ranks named only by OpenMPI's variables) and SIGTERM/SIGINT to the whole process group while
+DataLoader workers run."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import PERTURBED
+from vitp.checkpoint.training import find_checkpoint, verify_checkpoint
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("OMPI_")}
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", NO_ALBUMENTATIONS_UPDATE="1", **extra)
+    return env
+
+
+def _start(args, run: Path, log: Path, env: dict, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "vitp.train", *args, f"hydra.run.dir={run}"], env=env,
+                            cwd=run.parent, stdout=open(log, "w"), stderr=subprocess.STDOUT, **kw)
+
+
+def _rows(run: Path) -> list:
+    f = run / "metrics.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines()] if f.is_file() else []
+
+
+def test_openmpi_launch_trains_as_data_parallel(tmp_path):
+    """Two ranks that know their place only from OMPI_COMM_WORLD_* (as ``mpirun -np 2`` starts
+    them) form one dp=2 group: the losses, grad norms and lr equal the 1-process run's."""
+    over = ["experiment=smoke", "trainer.max_steps=3", f"trainer.init_from={PERTURBED}"]
+    job = str(os.getpid() * 1000 + int(time.time()) % 1000)  # mpirun's job id: the ranks derive one port from it
+    single = _start(over, tmp_path / "single", tmp_path / "single.log", _env())
+    ranks = [_start(over, tmp_path / "mpi", tmp_path / f"mpi{r}.log", _env(
+        OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK=str(r),
+        OMPI_COMM_WORLD_LOCAL_SIZE="2", OMPI_MCA_ess_base_jobid=job)) for r in range(2)]
+    codes = [p.wait(timeout=300) for p in (single, *ranks)]
+    logs = {n: (tmp_path / f"{n}.log").read_text() for n in ("single", "mpi0", "mpi1")}
+    assert codes == [0, 0, 0], {n: t[-2000:] for n, t in logs.items()}
+    assert "layout tp=1 pp=1 dp=2" in logs["mpi0"] and "layout tp=1 pp=1 dp=1" in logs["single"]
+    a, b = _rows(tmp_path / "single"), _rows(tmp_path / "mpi")
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-5), key
+
+
+def _stop_with(sig, args, run: Path, log: Path) -> int:
+    """Start a run in its own process group, wait until it trains with its DataLoader workers,
+    signal the whole group (as Ctrl-C, scancel or a container stop do); returns the exit status."""
+    p = _start(args, run, log, _env(), start_new_session=True)
+    seen = len(_rows(run))
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None and len(_rows(run)) < seen + 2:
+        time.sleep(0.1)
+    assert p.poll() is None, log.read_text()[-3000:]
+    assert len(psutil.Process(p.pid).children()) >= 2  # the workers are there to receive the signal
+    os.killpg(p.pid, sig)
+    return p.wait(timeout=300)
+
+
+def test_signal_to_the_process_group_saves_and_exits_0(tmp_path):
+    """SIGTERM, then (after resuming) SIGINT, to the group of a run with data.num_workers=2: each
+    finishes its step, publishes a complete checkpoint and exits 0; the last resume finishes."""
+    run = tmp_path / "run"
+    args = ["experiment=smoke", "data.num_workers=2", "trainer.checkpoint_every=0", "trainer.max_steps=1000"]
+    stops = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        log = tmp_path / f"{sig.name}.log"
+        code = _stop_with(sig, args, run, log)
+        out = log.read_text()
+        assert code == 0 and f"stopped by {sig.name}" in out and "killed by signal" not in out, out[-3000:]
+        tag = find_checkpoint("auto", run / "checkpoints")
+        stops.append(verify_checkpoint(tag)["step"])
+        assert tag.name == f"step_{stops[-1]:07d}" and _rows(run)[-1]["step"] == stops[-1]
+    assert 2 <= stops[0] < stops[1] < 1000
+    p = subprocess.run([sys.executable, "-m", "vitp.train", *args[:-1], f"trainer.max_steps={stops[1] + 2}",
+                        f"hydra.run.dir={run}"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert [r["step"] for r in _rows(run)] == list(range(1, stops[1] + 3))
+    assert (run / "model_ema.safetensors").is_file()
+
+
+def _signal_during_final_save(rank, over, run_dir):
+    from vitp.config import compose
+    from vitp.train.trainer import Trainer
+
+    trainer = Trainer(compose(over), run_dir)
+    save = trainer.save_checkpoint
+
+    def save_after_a_signal(step, final=False):
+        if final:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's stop arriving just after the last step
+        return save(step, final)
+
+    trainer.save_checkpoint = save_after_a_signal
+    return trainer.fit()["stopped_at"]
+
+
+def test_signal_after_the_last_step_still_saves(tmp_path):
+    """SIGTERM during the final save: the save completes (final checkpoint and weights), the
+    samples and evaluation are skipped, the run returns normally."""
+    from tests.helpers import run_ranks
+
+    run = tmp_path / "run"
+    over = ["experiment=smoke", "trainer.max_steps=2", "trainer.checkpoint_every=0"]
+    assert run_ranks(1, _signal_during_final_save, over, str(run), timeout=60) == [None]
+    assert verify_checkpoint(find_checkpoint("auto", run / "checkpoints"))["step"] == 2
+    assert (run / "model_ema.safetensors").is_file() and not (run / "samples" / "step_0000002.png").exists()
