@@ -87,34 +87,6 @@ def test_kill_during_save_resumes_from_the_previous_checkpoint(tp2pp2_run, tmp_p
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]  # the failed attempt's 3 and 4 are purged
 
 
-def test_sigterm_saves_and_exits_0_then_resume_continues(tmp_path):
-    run = tmp_path / "run"
-    args = ["experiment=smoke", "trainer.checkpoint_every=0", f"hydra.run.dir={run}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", NO_ALBUMENTATIONS_UPDATE="1")
-    p = subprocess.Popen([sys.executable, "-m", "vitp.train", *args, "trainer.max_steps=400"], env=env, cwd=tmp_path,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(_metrics(run)) >= 3):
-        time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, out[-3000:]
-    stopped = _metrics(run)[-1]["step"]
-    assert 3 <= stopped < 400 and "stopped by SIGTERM" in out
-    assert (run / "checkpoints" / "latest").read_text() == ckpt.tag_name(stopped)
-    assert not (run / "model_ema.safetensors").exists()  # the run is not finished
-    from vitp.cli.sample import run as sample
-
-    sample([str(run), "--num", "1", "--steps", "1"])  # an interrupted run samples from its latest checkpoint
-    assert (run / "samples" / "sample_seed0.png").is_file()
-
-    p = subprocess.run([sys.executable, "-m", "vitp.train", *args, f"trainer.max_steps={stopped + 3}"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert f"resumed from {run / 'checkpoints' / ckpt.tag_name(stopped)}" in p.stdout + p.stderr
-    assert [x["step"] for x in _metrics(run)] == list(range(1, stopped + 4))
-    assert (run / "model_ema.safetensors").is_file()
-
-
 def _import_runs(rank, export, tmp):
     over = ["experiment=smoke", "model.depth=3", "trainer.max_steps=0", f"trainer.init_from={export}",
             "eval.enabled=true", "eval.classifier_epochs=1", "eval.num_samples=20"]

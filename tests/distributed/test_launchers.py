@@ -53,9 +53,10 @@ def test_openmpi_launch_trains_as_data_parallel(tmp_path):
         assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-5), key
 
 
-def _stop_with(sig, args, run: Path, log: Path) -> int:
+def _stop_with(sig, args, run: Path, log: Path, while_training=None) -> int:
     """Start a run in its own process group, wait until it trains with its DataLoader workers,
-    signal the whole group (as Ctrl-C, scancel or a container stop do); returns the exit status."""
+    call ``while_training(pid)``, signal the whole group (as Ctrl-C, scancel or a container stop
+    do); returns the exit status."""
     p = _start(args, run, log, _env(), start_new_session=True)
     seen = len(_rows(run))
     deadline = time.time() + 300
@@ -63,25 +64,47 @@ def _stop_with(sig, args, run: Path, log: Path) -> int:
         time.sleep(0.1)
     assert p.poll() is None, log.read_text()[-3000:]
     assert len(psutil.Process(p.pid).children()) >= 2  # the workers are there to receive the signal
+    if while_training is not None:
+        while_training(p.pid)
+        assert p.poll() is None, log.read_text()[-3000:]
     os.killpg(p.pid, sig)
     return p.wait(timeout=300)
 
 
+def _second_command_is_refused(run: Path, args: list, owner: int) -> None:
+    """Another ``vitp-train`` (another seed) into the busy folder exits 2 naming the owner."""
+    p = subprocess.run([sys.executable, "-m", "vitp.train", *args, "seed=1", f"hydra.run.dir={run}"], env=_env(),
+                       cwd=run.parent, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and f"run dir {run} is in use by another vitp-train" in out, out[-3000:]
+    assert f'"pid": {owner}' in out
+
+
 def test_signal_to_the_process_group_saves_and_exits_0(tmp_path):
     """SIGTERM, then (after resuming) SIGINT, to the group of a run with data.num_workers=2: each
-    finishes its step, publishes a complete checkpoint and exits 0; the last resume finishes."""
+    finishes its step, publishes a complete checkpoint and exits 0; the last resume finishes.
+    While the first attempt trains, a second command into its folder is refused; the interrupted
+    run samples from its latest checkpoint."""
+    from vitp.cli.sample import run as sample
+
     run = tmp_path / "run"
     args = ["experiment=smoke", "data.num_workers=2", "trainer.checkpoint_every=0", "trainer.max_steps=1000"]
     stops = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         log = tmp_path / f"{sig.name}.log"
-        code = _stop_with(sig, args, run, log)
+        busy = (lambda pid: _second_command_is_refused(run, args, pid)) if sig == signal.SIGTERM else None
+        code = _stop_with(sig, args, run, log, busy)
         out = log.read_text()
         assert code == 0 and f"stopped by {sig.name}" in out and "killed by signal" not in out, out[-3000:]
         tag = find_checkpoint("auto", run / "checkpoints")
         stops.append(verify_checkpoint(tag)["step"])
         assert tag.name == f"step_{stops[-1]:07d}" and _rows(run)[-1]["step"] == stops[-1]
+        assert not (run / "model_ema.safetensors").exists()  # the run is not finished
     assert 2 <= stops[0] < stops[1] < 1000
+    assert f"resumed from {run / 'checkpoints' / f'step_{stops[0]:07d}'}" in (tmp_path / "SIGINT.log").read_text()
+    assert "seed: 0" in (run / ".hydra" / "config.yaml").read_text()  # the refused command wrote nothing
+    sample([str(run), "--num", "1", "--steps", "1"])
+    assert (run / "samples" / "sample_seed0.png").is_file()
     p = subprocess.run([sys.executable, "-m", "vitp.train", *args[:-1], f"trainer.max_steps={stops[1] + 2}",
                         f"hydra.run.dir={run}"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
