@@ -192,30 +192,55 @@ def test_single_class_folder(tmp_path):
     assert len(train) == 1 and len(held) == 1
 
 
+def _noise(h=40, w=48, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
 def test_unreadable_files_are_skipped_and_counted(tmp_path):
     root = tmp_path / "mixed"
-    good = _save(skimage.data.chelsea(), root / "a" / "good.png")
-    _save(skimage.data.coffee(), root / "b" / "coffee.png")
+    good = _save(_noise(seed=1), root / "a" / "good.png")
+    _save(_noise(seed=2), root / "b" / "noise.png")
     (root / "a" / "bad.jpg").write_bytes(np.random.default_rng(0).bytes(2000))
     png = (root / "a" / "good.png").read_bytes()
     (root / "a" / "truncated.png").write_bytes(png[: len(png) // 2])
-    jpg = _save(skimage.data.astronaut(), root / "b" / "astro.jpg", quality=90).read_bytes()
-    (root / "b" / "astro.jpg").write_bytes(jpg[: len(jpg) // 2])  # passes verify(), fails to decode
+    jpg = _save(_noise(seed=3), root / "b" / "astro.jpg", quality=90).read_bytes()
+    (root / "b" / "astro.jpg").write_bytes(jpg[: len(jpg) // 2])  # passes Image.verify(), fails to decode
     (root / "b" / "notes.txt").write_text("not an image")
     with pytest.warns(UserWarning) as record:
         ds = ImageFolderDataset(root, R, channels=3)
     messages = " ".join(str(w.message) for w in record)
-    assert "bad.jpg" in messages and "truncated.png" in messages
-    assert ds.num_skipped == 2 and {os.path.basename(f) for f in ds.skipped_files} == {"bad.jpg", "truncated.png"}
-    assert [f.name for f in ds.files] == ["good.png", "astro.jpg", "coffee.png"]
-    # the truncated JPEG fails in __getitem__: warned once, counted, replaced by the next index
-    with pytest.warns(UserWarning, match="astro.jpg"):
-        x, y = ds[(1, 5)]
-    assert torch.equal(x, ds[(2, 5)][0]) and y == 1 and ds.num_skipped == 3
+    assert "bad.jpg" in messages and "truncated.png" in messages and "astro.jpg: OSError: image file is truncated" in messages
+    assert ds.num_skipped == 3
+    assert {os.path.basename(f) for f in ds.skipped_files} == {"bad.jpg", "truncated.png", "astro.jpg"}
+    assert [f.name for f in ds.files] == ["good.png", "noise.png"]
+    # a file damaged after the scan fails in __getitem__: warned once, counted, replaced by the next index
+    good.write_bytes(png[: len(png) // 2])
+    with pytest.warns(UserWarning, match="good.png"):
+        x, y = ds[(0, 5)]
+    assert torch.equal(x, ds[(1, 5)][0]) and y == 1 and ds.num_skipped == 4
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert torch.equal(ds[(1, 5)][0], x)  # same answer, no second warning
-    assert good.exists()
+        assert torch.equal(ds[(0, 5)][0], x)  # same answer, no second warning
+
+
+def test_truncated_jpeg_is_skipped_at_scan(tmp_path):
+    root = tmp_path / "photos"
+    for i in range(3):
+        _save(_noise(seed=i), root / f"good{i}.jpg", quality=90)
+    jpg = _save(_noise(seed=9), root / "cut.jpg", quality=90).read_bytes()
+    (root / "cut.jpg").write_bytes(jpg[: len(jpg) * 3 // 4])
+    with pytest.warns(UserWarning, match="cut.jpg: OSError: image file is truncated"):
+        train, held = build_datasets(_cfg(name="image_folder", root=str(root), resolution=R, channels=3,
+                                          num_classes=1, holdout_fraction=0.0), seed=0)
+    ds = train.base  # what the trainer logs as "unreadable files skipped"
+    assert ds.num_skipped == 1 and len(ds) == 3 and len(train) == 3
+    assert [f.name for f in ds.files] == ["good0.jpg", "good1.jpg", "good2.jpg"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # training-time reads never meet the truncated file
+        for i in range(len(train)):
+            for s in (None, 1, 2):
+                _check_item(train[(i, s)], (3, 1, R, R))
+    assert ds.num_skipped == 1
 
 
 def test_exif_orientation_is_applied(tmp_path):
