@@ -163,25 +163,28 @@ def test_bad_and_short_files_are_skipped(tmp_path, cache):
     (root / "garbage.mp4").write_bytes(np.random.default_rng(0).bytes(3000))
     mp4 = _write(tmp_path / "whole.mp4", _frames(12), codec="mpeg4").read_bytes()
     (root / "truncated.mp4").write_bytes(mp4[: len(mp4) // 2])
+    avi = _write(tmp_path / "whole.avi", _frames(12), codec="mpeg4").read_bytes()
+    (root / "cut.avi").write_bytes(avi[: len(avi) * 6 // 10])  # its first frames decode: only a full decode fails
     (root / "notes.txt").write_text("not a video")
     with pytest.warns(UserWarning) as record:
         ds = _ds(root, cache, num_frames=4)
     messages = " ".join(str(w.message) for w in record)
     assert "garbage.mp4" in messages and "truncated.mp4" in messages and "short.mkv: too short" in messages
-    assert ds.num_skipped == 3 and [f.name for f in ds.files] == ["good.mkv"] and len(ds) == 3
+    assert "cut.avi: InvalidDataError" in messages
+    assert ds.num_skipped == 4 and [f.name for f in ds.files] == ["good.mkv"] and len(ds) == 3
     with warnings.catch_warnings(record=True) as again:  # probe results come from the cache: same warnings
         warnings.simplefilter("always")
-        assert _ds(root, cache, num_frames=4).num_skipped == 3
+        assert _ds(root, cache, num_frames=4).num_skipped == 4
     assert sorted(str(w.message) for w in again) == sorted(str(w.message) for w in record)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ok = _ds(root, cache, num_frames=2)  # now short.mkv gives one clip
-    assert [f.name for f in ok.files] == ["good.mkv", "short.mkv"] and ok.num_skipped == 2
+    assert [f.name for f in ok.files] == ["good.mkv", "short.mkv"] and ok.num_skipped == 3
     # a file damaged after probing: warned once, its items replaced by the next good item
     good.write_bytes(b"\0" * 100)
     with pytest.warns(UserWarning, match="good.mkv.*decode failed"):
         x, _ = ok[(0, None)]
-    assert _index(x) == [0, 1] and ok.num_skipped == 3  # short.mkv's clip
+    assert _index(x) == [0, 1] and ok.num_skipped == 4  # short.mkv's clip
 
 
 def test_empty_and_missing(tmp_path, cache):
@@ -291,3 +294,38 @@ def test_display_rotation_is_applied_on_every_path(tmp_path, cache):
             assert torch.equal(got[key][0], want[key][0]), (mb, key)
     x = got[(0, None)][0]  # channel 0 grew left -> right as coded: bottom -> top once shown upright
     assert bool((x[0, 0, :-1].mean(1) > x[0, 0, 1:].mean(1)).all()) and float(x[0, 0].std(1).max()) < 0.05
+
+
+def _grey_ramp_avi(path, n=16):
+    """H.264 with B-frames (bf=2, a keyframe every 4 frames) in AVI: frame i is grey 10 + 6 i. AVI
+    stamps frames in decode order (I0 P3 B1 B2 ...), so timestamps do not give the display order."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=10)
+        s.width, s.height, s.pix_fmt = 64, 64, "yuv420p"  # x264 uses no B-frame in smaller frames
+        s.options = {"bf": "2", "g": "4"}
+        for i in range(n):
+            for p in s.encode(av.VideoFrame.from_ndarray(np.full((64, 64, 3), 10 + 6 * i, np.uint8), format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+def _grey(x):
+    """Mean grey level (0..255) of each frame of a clip ``(1, T, R, R)``."""
+    return ((x[0].mean(dim=(1, 2)) + 1) * 127.5).tolist()
+
+
+def test_b_frames_in_avi_are_read_in_presentation_order(tmp_path, cache):
+    path = _grey_ramp_avi(tmp_path / "avi" / "ramp.avi")
+    info = video_mod.probe_video(path)
+    assert info["num_frames"] == 16 and info["pts"] != sorted(info["pts"])  # the file does reorder
+    assert info["times"] == pytest.approx([i / 10 for i in range(16)])
+    whole = _ds(tmp_path / "avi", cache, channels=1, clip_step=1)
+    seeking = _ds(tmp_path / "avi", cache, channels=1, clip_step=1, video_cache_mb=0)
+    assert whole._cache_whole and not seeking._cache_whole
+    assert _grey(whole[(0, None)][0]) == pytest.approx([10, 16, 22, 28], abs=3)
+    for ds in (whole, seeking):
+        for start in (0, 4, 5, 11):  # on a keyframe (0, 4), on B- and P-frames (5, 11)
+            assert _grey(ds[(start, None)][0]) == pytest.approx([10 + 6 * (start + k) for k in range(4)], abs=3)
