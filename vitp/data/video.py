@@ -32,11 +32,11 @@ outputs, i.e. in presentation order even where the container's timestamps follow
 them (the stream's display matrix: a phone video stored sideways comes out upright, see
 :func:`vitp.media.video.display_orientation`), converted to RGB (or gray) and their shorter side
 resized to ``resolution`` (``SmallestMaxSize``, area interpolation when shrinking, linear when
-growing: frames smaller than the crop are upscaled). When all usable files, resized, fit in ``video_cache_mb``, each process
-(DataLoader worker) decodes each file once, sequentially, and keeps the resized frames; otherwise
-each item seeks to the keyframe before its first frame (frames are told apart by the timestamps
-the probe recorded; a file without usable ones is decoded from its start) and decodes only up to
-its last frame.
+growing: frames smaller than the crop are upscaled). When all usable files, resized, fit in
+``video_cache_mb``, each process (DataLoader worker) decodes each file once, sequentially, and
+keeps the resized frames; otherwise each item seeks to the keyframe before its first frame
+(frames are told apart by the timestamps the probe recorded; a file without usable ones is
+decoded from its start) and decodes only up to its last frame.
 
 Sources: PyAV documentation (https://pyav.org/docs/stable/: ``av.open``, ``container.decode``,
 ``container.seek(offset, backward=True, stream=...)`` lands on a keyframe at or before ``offset``
