@@ -143,8 +143,9 @@ class FileDataset(KeyedDataset):
 
     Transform (albumentations, https://albumentations.ai/docs/): ``pre`` (e.g. ``SmallestMaxSize``),
     then ``RandomCrop`` (train and ``random_crop``) or ``CenterCrop`` to ``R x R``,
-    ``HorizontalFlip(p=0.5)`` (train and ``hflip``), and scaling of uint8 to ``[-1, 1]``
-    (``x / 127.5 - 1``). ``aug_seed=None`` or ``train=False`` gives the center crop without flip.
+    ``HorizontalFlip(p=0.5)`` (train and ``hflip``), and scaling of uint8 (or float32 in
+    ``[0, 255]``, from deeper sources) to ``[-1, 1]`` (``x / 127.5 - 1``). ``aug_seed=None`` or
+    ``train=False`` gives the center crop without flip.
     An int ``aug_seed`` seeds ONE numpy and one python stream shared by all transforms of the call,
     so the crop offset and the flip are drawn independently but only from that seed.
 
@@ -192,7 +193,7 @@ class FileDataset(KeyedDataset):
     def _make_transforms(self, random_crop: bool, hflip: bool, pre: Sequence[Any] = ()) -> None:
         r, train = self.resolution, self.train
         crop = (A.RandomCrop if train and random_crop else A.CenterCrop)(r, r)
-        to_unit = A.Normalize(mean=0.5, std=0.5, max_pixel_value=255.0)  # uint8 -> [-1, 1]
+        to_unit = A.Normalize(mean=0.5, std=0.5, max_pixel_value=255.0)  # [0, 255] -> [-1, 1]
         flip = [A.HorizontalFlip(p=0.5)] if train and hflip else []
         self._train_tf = A.Compose([*pre, crop, *flip, to_unit])
         self._eval_tf = A.Compose([*pre, A.CenterCrop(r, r), to_unit])
@@ -214,7 +215,8 @@ class FileDataset(KeyedDataset):
         raise NotImplementedError
 
     def _read(self, index: int, aug_seed: Optional[int]) -> np.ndarray:
-        """Decoded uint8 data of item ``index`` (``(H, W, C)`` or ``(T, H, W, C)``); may raise."""
+        """Decoded data of item ``index`` (``(H, W, C)`` or ``(T, H, W, C)``), uint8 or float32 in
+        ``[0, 255]``; may raise."""
         raise NotImplementedError
 
     def _to_tensor(self, out: np.ndarray) -> torch.Tensor:

