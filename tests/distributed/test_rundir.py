@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import metrics
+from tests.helpers import metrics, run_ranks
 from vitp.config import compose
 
 
@@ -25,9 +25,12 @@ def _crash_before_first_checkpoint(run):
 
 
 def test_restart_before_the_first_checkpoint_shows_one_history(tmp_path):
+    run_ranks(1, _restart_before_the_first_checkpoint, tmp_path / "run")  # keeps the process group out of pytest's
+
+
+def _restart_before_the_first_checkpoint(rank, run):
     from vitp.train import train
 
-    run = tmp_path / "run"
     over = ["experiment=smoke", "model.depth=2", "trainer.sample_every=1", "trainer.eval_every=2",
             "trainer.log_every=1", "trainer.checkpoint_every=0"]
     train(compose([*over, "trainer.max_steps=3"]), run)
