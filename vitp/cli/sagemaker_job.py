@@ -143,12 +143,13 @@ def parse_overrides(overrides: Iterable[str]) -> Dict[str, str]:
     try:
         OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
-        raise ValueError(f"Hydra cannot parse the overrides: {e}") from None
+        raise ValueError("Hydra cannot parse the overrides: " + "; ".join(str(e).splitlines())) from None
     if len(hps) > MAX_HYPERPARAMETERS:
         raise ValueError(f"{len(hps)} overrides: a training job takes at most {MAX_HYPERPARAMETERS}")
     for k, v in hps.items():
         if len(k) > MAX_HP_KEY or len(v) > MAX_HP_VALUE:
-            raise ValueError(f"override {k!r}: keys are limited to {MAX_HP_KEY} and values to {MAX_HP_VALUE} characters")
+            raise ValueError(f"override {k!r}: keys are limited to {MAX_HP_KEY} and values to {MAX_HP_VALUE} "
+                             "characters")
     return hps
 
 
@@ -159,7 +160,8 @@ def parse_channels(items: Iterable[str]) -> Dict[str, str]:
         if not CHANNEL_NAME.fullmatch(name):
             raise ValueError(f"--channel {name}: a channel name is 1-64 of A-Z a-z 0-9 . - _")
         if name in SDK_CHANNELS:
-            raise ValueError(f"--channel {name}: {' and '.join(SDK_CHANNELS)} are channels the SDK adds itself; rename it")
+            raise ValueError(f"--channel {name}: {' and '.join(SDK_CHANNELS)} are channels the SDK adds itself; "
+                             "rename it")
         check_s3(uri, f"--channel {name}")
     return channels
 
@@ -211,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torchrun processes per instance (default: the SDK's choice, one per GPU)")
     g.add_argument("--volume-size-gb", type=int, default=100,
                    help="EBS volume per instance; File mode copies the channels onto it (default: %(default)s)")
-    g.add_argument("--image-uri", default=None, help="training image (default: the SDK's PyTorch DLC, see --framework-version)")
+    g.add_argument("--image-uri", default=None,
+                   help="training image (default: the SDK's PyTorch DLC, see --framework-version)")
     g.add_argument("--framework-version", default=DLC_VERSION,
                    help=f"{DLC_FRAMEWORK} DLC version known to the installed SDK (default: %(default)s, torch 2.14.x)")
     g = p.add_argument_group("data and outputs")
@@ -228,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bucket", default=None, help="bucket for the staged code and the defaults above "
                                                    "(default: the SDK's sagemaker-<region>-<account>)")
     g = p.add_argument_group("time and cost")
-    g.add_argument("--max-run", default="24h", help="stop the job after this long, e.g. 3600, 90m, 24h (default: %(default)s)")
+    g.add_argument("--max-run", default="24h",
+                   help="stop the job after this long, e.g. 3600, 90m, 24h (default: %(default)s)")
     g.add_argument("--spot", action="store_true", help="managed spot training (needs --max-wait >= --max-run)")
     g.add_argument("--max-wait", default=None, help="spot only: total time including waiting for capacity")
     g = p.add_argument_group("job")
@@ -327,7 +331,8 @@ def build_wheel(repo: Path, out_dir: Path) -> Path:
     wheels = sorted(out_dir.glob("vitp-*.whl"))
     if r.returncode != 0 or not wheels:
         tail = (r.stderr.strip().splitlines() or ["no wheel written"])[-1]
-        raise ValueError(f"building the vitp wheel from {repo} failed (pip exit {r.returncode}): {tail}")
+        raise ValueError(f"building the vitp wheel from {repo} failed (pip exit {r.returncode}): {tail} "
+                         "(it builds without isolation, so this environment needs setuptools>=68; or pass --wheel)")
     return wheels[-1]
 
 
@@ -506,7 +511,14 @@ def submit(sdk: SimpleNamespace, spec: JobSpec, source_dir: Path, region: str, i
 
 def _region(sdk: SimpleNamespace, spec: JobSpec) -> str:
     """``--region``, else the AWS config's (read locally); a dry run falls back to us-east-1."""
-    region = spec.region or sdk.boto3.Session().region_name
+    from botocore.exceptions import BotoCoreError
+
+    try:
+        region = spec.region or sdk.boto3.Session().region_name
+    except BotoCoreError as e:  # e.g. AWS_PROFILE names a missing profile
+        if not spec.dry_run:
+            raise ValueError(f"reading the AWS configuration: {e}") from None
+        region = None
     if region:
         return region
     if spec.dry_run:
