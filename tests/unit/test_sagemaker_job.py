@@ -223,6 +223,13 @@ def test_dry_run_options_image_processes_input_mode(sdk, staged, fake_repo, no_n
     assert no_network == []
 
 
+def test_unlisted_instance_type_warns_with_close_names(sdk, capsys):
+    assert job.warn_unlisted_instance_type("ml.p5.48xlarge")
+    assert not job.warn_unlisted_instance_type("ml.p4d.48xlarge")
+    err = capsys.readouterr().err
+    assert "ml.p4d.48xlarge is not among botocore" in err and "ml.p4d.24xlarge" in err
+
+
 def test_unknown_framework_version_fails_with_the_sdk_message(sdk, fake_repo, capsys):
     line = _fails(["--dry-run", "--repo", str(fake_repo), "--region", "us-east-1", "--framework-version", "2.99"],
                   capsys)

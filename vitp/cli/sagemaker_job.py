@@ -388,6 +388,28 @@ def load_sdk() -> SimpleNamespace:
         ModelTrainer=ModelTrainer, version=version("sagemaker"))
 
 
+def warn_unlisted_instance_type(name: str) -> bool:
+    """Warn (stderr) when ``name`` is missing from botocore's list of training instance types; the
+    service is the judge (botocore may predate a new type), so this is not an error. True if listed."""
+    import difflib
+
+    import botocore
+    from botocore.loaders import create_loader
+    from botocore.model import ServiceModel
+
+    # the model files only: a botocore session would read the AWS config (and fail on a bad profile)
+    model = ServiceModel(create_loader().load_service_model("sagemaker", "service-2"))
+    resource = model.operation_model("CreateTrainingJob").input_shape.members["ResourceConfig"]
+    known = resource.members["InstanceType"].enum
+    if not known or name in known:
+        return True
+    close = difflib.get_close_matches(name, known, n=3)
+    print(f"{PROG}: warning: {name} is not among botocore {botocore.__version__}'s training instance types"
+          + (f" (close: {', '.join(close)})" if close else "") + "; SageMaker will reject it if it does not exist",
+          file=sys.stderr)
+    return False
+
+
 def resolve_image(sdk: SimpleNamespace, spec: JobSpec, region: str) -> str:
     """``--image-uri``, else the SDK's PyTorch training DLC for the region and instance type
     (GPU or CPU build chosen by the SDK from the instance type)."""
@@ -535,6 +557,7 @@ def run(argv: Optional[List[str]] = None) -> dict:
         raise ValueError("not running from a vitp checkout: pass --repo PATH (the job's code is staged from it)")
     sdk = load_sdk()
     region = _region(sdk, spec)
+    warn_unlisted_instance_type(spec.instance_type)
     image = resolve_image(sdk, spec, region)  # fails early on an unknown region or version
     with tempfile.TemporaryDirectory(prefix="vitp-sm-source-") as tmp:
         source_dir = Path(tmp) / "source"
