@@ -326,14 +326,16 @@ def build_wheel(repo: Path, out_dir: Path) -> Path:
         src = Path(tmp) / "src"
         _copy_sources(repo, src)
         cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-               "-w", str(out_dir), str(src)]
+               "-w", str(Path(tmp) / "dist"), str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = sorted(out_dir.glob("vitp-*.whl"))
-    if r.returncode != 0 or not wheels:
-        tail = (r.stderr.strip().splitlines() or ["no wheel written"])[-1]
-        raise ValueError(f"building the vitp wheel from {repo} failed (pip exit {r.returncode}): {tail} "
-                         "(it builds without isolation, so this environment needs setuptools>=68; or pass --wheel)")
-    return wheels[-1]
+        wheels = list((Path(tmp) / "dist").glob("vitp-*.whl"))
+        if r.returncode != 0 or len(wheels) != 1:
+            tail = (r.stderr.strip().splitlines() or ["no wheel written"])[-1]
+            raise ValueError(f"building the vitp wheel from {repo} failed (pip exit {r.returncode}): {tail} "
+                             "(it builds without isolation, so this environment needs setuptools>=68; "
+                             "or pass --wheel)")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return Path(shutil.move(str(wheels[0]), str(out_dir / wheels[0].name)))
 
 
 def stage_source(repo: Path, dest: Path, wheel: Optional[Path] = None, wheel_in_requirements: bool = True) -> Path:
