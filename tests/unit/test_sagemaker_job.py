@@ -1,0 +1,264 @@
+"""``vitp-sagemaker-job``: argument checks, source staging, and the request the SageMaker SDK v3 builds.
+
+Argument and staging tests need no SDK. The request tests run the real SDK against moto's mocked
+AWS (``pip install -e ".[sagemaker]"``); they are skipped when either is missing. The SDK import
+(~2-3 s) happens once, in the module-scoped ``sdk`` fixture; the vitp wheel is built once, in
+``staged``.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from vitp.cli import sagemaker_job as job
+
+REPO = Path(__file__).resolve().parents[2]
+ROLE = "arn:aws:iam::123456789012:role/SageMakerRole"
+HYDRA = ["experiment=img256", "trainer.max_steps=1000", "model.depth=28", "data.classes=[1,2]"]
+
+
+def _fails(argv, capsys) -> str:
+    """Run the CLI expecting bad input: exit status 2 and one ``prog: error:`` line; returns it."""
+    with pytest.raises(SystemExit) as e:
+        job.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{job.PROG}: error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--channel", "train"], "--channel 'train' is not KEY=VALUE"),
+    (["--channel", "train=/data/imagenet"], "is not an S3 URI"),
+    (["--channel", "train=s3://b1/x", "--channel", "train=s3://b1/y"], "'train' is given twice"),
+    (["--channel", "code=s3://bucket/x"], "channels the SDK adds itself"),
+    (["--spot"], "--spot needs --max-wait >= --max-run (86400 s)"),
+    (["--spot", "--max-run", "24h", "--max-wait", "2h"], "--spot needs --max-wait >= --max-run"),
+    (["--max-wait", "48h"], "--max-wait applies to managed spot training only"),
+    (["--max-run", "soon"], "--max-run 'soon'"),
+    (["--instance-type", "p4d.24xlarge"], "not a SageMaker instance type of the form ml.<family>.<size>"),
+    (["--instance-type", "ml.p4d.24xl"], "not a SageMaker instance type"),
+    (["--instance-count", "0"], "--instance-count must be >= 1"),
+    (["--env", "1BAD=x"], "--env 1BAD: a variable name"),
+    (["--base-job-name", "vitp_run"], "--base-job-name 'vitp_run'"),
+    (["--checkpoint-s3", "bucket/ckpt"], "--checkpoint-s3: 'bucket/ckpt' is not an S3 URI"),
+    (["trainer.max_steps"], "override 'trainer.max_steps' is not KEY=VALUE"),
+    (["data.classes=[1,2"], "Hydra cannot parse the overrides"),
+])
+def test_bad_input_fails_with_one_clear_line(argv, message, capsys):
+    assert message in _fails(["--dry-run", *argv], capsys)
+
+
+def test_no_role_needs_dry_run(capsys):
+    assert "--role is required" in _fails(["--channel", "train=s3://b1/x"], capsys)
+
+
+def test_overrides_become_hyperparameters_verbatim():
+    hps = job.parse_overrides(["experiment=img256", "trainer.max_steps=1000", "+model.extra='a=b'", "x="])
+    assert hps == {"experiment": "img256", "trainer.max_steps": "1000", "+model.extra": "'a=b'", "x": ""}
+
+
+def test_durations():
+    assert [job.parse_duration(t, "x") for t in ("3600", "90m", "24h", "2d", "45s")] == [3600, 5400, 86400,
+                                                                                       172800, 45]
+
+
+# ---------------------------------------------------------------- staging
+
+@pytest.fixture(scope="module")
+def fake_repo(tmp_path_factory) -> Path:
+    """A copy of this checkout plus placeholder job scripts (they exist only here) and a stale,
+    git-ignored ``build/`` module that must not reach the wheel."""
+    root = tmp_path_factory.mktemp("repo") / "vitp"
+    files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    for rel in files:
+        if (REPO / rel).is_file():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, root / rel)
+    (root / "scripts").mkdir(exist_ok=True)
+    (root / "scripts/sagemaker_entry.py").write_text("from vitp.cli.sagemaker import main\nmain()\n")
+    (root / "scripts/sagemaker_requirements.txt").write_text("timm==1.0.31\nhydra-core==1.3.8")
+    (root / "build/lib/vitp").mkdir(parents=True)
+    (root / "build/lib/vitp/stale_module.py").write_text("raise SystemExit('stale')\n")
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def staged(fake_repo, tmp_path_factory):
+    """``stage_source`` once, building the wheel: ``(source_dir, wheel)``."""
+    dest = tmp_path_factory.mktemp("staged") / "source"
+    return dest, job.stage_source(fake_repo, dest)
+
+
+def test_stage_source_holds_entry_requirements_and_wheel(staged, fake_repo):
+    dest, wheel = staged
+    assert sorted(p.name for p in dest.iterdir()) == sorted(["sagemaker_entry.py", "requirements.txt", wheel.name])
+    assert (dest / "sagemaker_entry.py").read_text() == (fake_repo / "scripts/sagemaker_entry.py").read_text()
+    # the copied requirements, then the wheel as a path relative to the code folder
+    assert (dest / "requirements.txt").read_text().splitlines() == ["timm==1.0.31", "hydra-core==1.3.8",
+                                                                    f"./{wheel.name}"]
+    names = zipfile.ZipFile(wheel).namelist()
+    confs = sorted(str(p.relative_to(fake_repo / "conf")) for p in (fake_repo / "conf").rglob("*.yaml"))
+    assert confs and sorted(n[len("vitp/conf/"):] for n in names if n.endswith(".yaml")) == confs
+    assert "vitp/cli/sagemaker_job.py" in names and not any("stale_module" in n for n in names)
+
+
+def test_stage_source_reuses_a_given_wheel_and_names_it_once(staged, fake_repo, tmp_path):
+    _, wheel = staged
+    dest = tmp_path / "again"
+    job.stage_source(fake_repo, dest, wheel=wheel)
+    lines = (dest / "requirements.txt").read_text().splitlines()
+    job.stage_source(fake_repo, dest, wheel=wheel)  # requirements copied afresh: still one wheel line
+    assert (dest / "requirements.txt").read_text().splitlines() == lines and lines[-1] == f"./{wheel.name}"
+
+
+def test_stage_source_without_job_scripts_says_where_they_come_from(tmp_path):
+    with pytest.raises(FileNotFoundError, match="copied from scripts/sagemaker_entry.py of a vitp checkout"):
+        job.stage_source(tmp_path, tmp_path / "out")
+
+
+def test_missing_sdk_names_the_extra(monkeypatch, fake_repo, capsys):
+    for name in ["sagemaker", *(m for m in sys.modules if m.startswith("sagemaker."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # imports fail as if it were not installed
+    line = _fails(["--dry-run", "--repo", str(fake_repo)], capsys)
+    assert 'pip install -e ".[sagemaker]"' in line
+
+
+# ---------------------------------------------------------------- the SDK's request (SDK + moto)
+
+@pytest.fixture(scope="module")
+def sdk():
+    pytest.importorskip("sagemaker.train", reason="SageMaker SDK v3 not installed (pip install -e '.[sagemaker]')")
+    pytest.importorskip("moto", reason="moto not installed (pip install -e '.[sagemaker]')")
+    return job.load_sdk()
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every socket connection attempt is recorded and refused."""
+    attempts = []
+
+    def refuse(self, address):
+        attempts.append(address)
+        raise OSError("network is off in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return attempts
+
+
+def _dry_run(argv, capsys) -> dict:
+    job.main(["--dry-run", *argv])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_dry_run_prints_the_request_the_sdk_sends(sdk, staged, fake_repo, no_network, monkeypatch, capsys):
+    # the user's AWS settings must not leak in (no profile lookup, no real keys)
+    monkeypatch.setenv("AWS_PROFILE", "does-not-exist")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAREALLOOKINGKEY")
+    out = _dry_run(["--repo", str(fake_repo), "--wheel", str(staged[1]), "--region", "us-west-2",
+                    "--instance-type", "ml.p5.48xlarge", "--instance-count", "2",
+                    "--channel", "train=s3://data-bucket/imagenet/train",
+                    "--channel", "validation=s3://data-bucket/val",
+                    "--checkpoint-s3", "s3://my-bucket/vitp/run1/checkpoints",
+                    "--tensorboard-s3", "s3://my-bucket/vitp/run1/tensorboard",
+                    "--spot", "--max-run", "24h", "--max-wait", "36h", "--env", "NCCL_DEBUG=INFO",
+                    "--env", "FI_PROVIDER=efa", "--base-job-name", "vitp-img256", *HYDRA], capsys)
+    req = out["CreateTrainingJob"]
+    assert req["TrainingJobName"].startswith("vitp-img256-")
+    assert req["AlgorithmSpecification"]["TrainingImage"] == \
+        "763104351884.dkr.ecr.us-west-2.amazonaws.com/pytorch:2.14-cu133-amzn2023-sagemaker"
+    assert "sm_drivers/sm_train.sh" in " ".join(req["AlgorithmSpecification"]["ContainerArguments"])
+    assert req["RoleArn"] == job.DRY_RUN_ROLE
+    assert req["ResourceConfig"] == {"InstanceType": "ml.p5.48xlarge", "InstanceCount": 2, "VolumeSizeInGB": 100}
+    channels = {c["ChannelName"]: c["DataSource"]["S3DataSource"]["S3Uri"] for c in req["InputDataConfig"]}
+    assert channels["train"] == "s3://data-bucket/imagenet/train" and channels["validation"] == "s3://data-bucket/val"
+    # the staged source folder is uploaded as the "code" channel (the job's submit directory)
+    assert channels["code"].endswith(f"/vitp-img256/{req['TrainingJobName']}/input/code")
+    assert sorted(out["code_channel"]["files"]) == sorted(["sagemaker_entry.py", "requirements.txt",
+                                                           staged[1].name])
+    assert req["CheckpointConfig"] == {"S3Uri": "s3://my-bucket/vitp/run1/checkpoints",
+                                       "LocalPath": "/opt/ml/checkpoints"}
+    assert req["TensorBoardOutputConfig"] == {"S3OutputPath": "s3://my-bucket/vitp/run1/tensorboard",
+                                              "LocalPath": "/opt/ml/output/tensorboard"}
+    assert req["EnableManagedSpotTraining"] is True
+    assert req["StoppingCondition"] == {"MaxRuntimeInSeconds": 86400, "MaxWaitTimeInSeconds": 129600}
+    assert req["HyperParameters"] == {"experiment": "img256", "trainer.max_steps": "1000", "model.depth": "28",
+                                      "data.classes": "[1,2]"}
+    assert req["Environment"] == {"NCCL_DEBUG": "INFO", "FI_PROVIDER": "efa"}
+    # entry script and torchrun distribution travel in the SDK's sm_drivers channel, not as hyperparameters
+    drivers = out["sm_drivers_channel"]
+    assert drivers["sourcecode.json"]["entry_script"] == "sagemaker_entry.py"
+    assert drivers["sourcecode.json"]["requirements"] == "requirements.txt"
+    assert drivers["distributed.json"] == {"process_count_per_node": None, "smp": None}
+    assert any(line.endswith("distributed_drivers/torchrun_driver.py") for line in drivers["sm_train.sh (from cd on)"])
+    assert no_network == []
+
+
+def test_dry_run_options_image_processes_input_mode(sdk, staged, fake_repo, no_network, capsys):
+    out = _dry_run(["--repo", str(fake_repo), "--wheel", str(staged[1]), "--region", "eu-west-1",
+                    "--image-uri", "111122223333.dkr.ecr.eu-west-1.amazonaws.com/vitp:latest",
+                    "--instance-type", "ml.g5.12xlarge", "--processes-per-host", "4", "--input-mode", "FastFile",
+                    "--tensorboard-local-path", "/opt/ml/output/tb", "--role", ROLE,
+                    "--output-s3", "s3://my-bucket/vitp/models", "--bucket", "my-staging-bucket"], capsys)
+    req = out["CreateTrainingJob"]
+    assert req["AlgorithmSpecification"]["TrainingImage"] == "111122223333.dkr.ecr.eu-west-1.amazonaws.com/vitp:latest"
+    assert req["AlgorithmSpecification"]["TrainingInputMode"] == "FastFile"
+    assert out["sm_drivers_channel"]["distributed.json"]["process_count_per_node"] == 4
+    assert req["RoleArn"] == ROLE and req["OutputDataConfig"]["S3OutputPath"] == "s3://my-bucket/vitp/models"
+    assert req["EnableManagedSpotTraining"] is False and "MaxWaitTimeInSeconds" not in req["StoppingCondition"]
+    assert req["TensorBoardOutputConfig"]["LocalPath"] == "/opt/ml/output/tb"
+    assert req["Environment"] == {"VITP_SM_TENSORBOARD_DIR": "/opt/ml/output/tb"}  # the in-job side follows it
+    code = next(c for c in req["InputDataConfig"] if c["ChannelName"] == "code")
+    assert code["DataSource"]["S3DataSource"]["S3Uri"].startswith("s3://my-staging-bucket/vitp/")
+    assert req["CheckpointConfig"]["S3Uri"].startswith(f"s3://my-staging-bucket/vitp/{req['TrainingJobName']}/")
+    assert no_network == []
+
+
+def test_unlisted_instance_type_warns_with_close_names(sdk, capsys):
+    assert job.warn_unlisted_instance_type("ml.p5.48xlarge")
+    assert not job.warn_unlisted_instance_type("ml.p4d.48xlarge")
+    err = capsys.readouterr().err
+    assert "ml.p4d.48xlarge is not among botocore" in err and "ml.p4d.24xlarge" in err
+
+
+def test_unknown_framework_version_fails_with_the_sdk_message(sdk, fake_repo, capsys):
+    line = _fails(["--dry-run", "--repo", str(fake_repo), "--region", "us-east-1", "--framework-version", "2.99"],
+                  capsys)
+    assert "2.99" in line and "2.14" in line  # the SDK lists the versions it knows
+
+
+def test_submit_round_trip_under_moto(sdk, staged, fake_repo, capsys):
+    """The real submit path (no --dry-run) against moto: what describe_training_job returns is what we asked."""
+    with job._offline_aws("us-east-1"):
+        job.main(["--repo", str(fake_repo), "--wheel", str(staged[1]), "--role", ROLE, "--region", "us-east-1",
+                  "--instance-type", "ml.p4d.24xlarge", "--instance-count", "4",
+                  "--channel", "train=s3://data-bucket/train", "--checkpoint-s3", "s3://my-bucket/ckpt",
+                  "--tensorboard-s3", "s3://my-bucket/tb", "--spot", "--max-run", "2h", "--max-wait", "3h",
+                  "--env", "NCCL_DEBUG=INFO", *HYDRA])
+        summary = json.loads(capsys.readouterr().out)
+        boto = sdk.boto3.Session(region_name="us-east-1")
+        d = boto.client("sagemaker").describe_training_job(TrainingJobName=summary["TrainingJobName"])
+        code = next(c for c in d["InputDataConfig"] if c["ChannelName"] == "code")["DataSource"]["S3DataSource"]
+        bucket, _, prefix = code["S3Uri"][len("s3://"):].partition("/")
+        keys = [o["Key"] for o in boto.client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]]
+    assert d["TrainingJobArn"] == summary["TrainingJobArn"] and d["RoleArn"] == ROLE
+    assert d["AlgorithmSpecification"]["TrainingImage"] == summary["TrainingImage"]
+    assert d["ResourceConfig"] == {"InstanceType": "ml.p4d.24xlarge", "InstanceCount": 4, "VolumeSizeInGB": 100}
+    assert d["HyperParameters"] == dict(h.split("=", 1) for h in HYDRA)
+    assert d["EnableManagedSpotTraining"] is True
+    assert d["StoppingCondition"] == {"MaxRuntimeInSeconds": 7200, "MaxWaitTimeInSeconds": 10800}
+    assert d["CheckpointConfig"] == {"S3Uri": "s3://my-bucket/ckpt", "LocalPath": "/opt/ml/checkpoints"}
+    assert d["TensorBoardOutputConfig"]["S3OutputPath"] == "s3://my-bucket/tb"
+    assert "Environment" not in d  # moto 5.2 does not store it (the dry-run test checks the request's)
+    assert [c["ChannelName"] for c in d["InputDataConfig"]] == ["train", "code", "sm_drivers"]
+    assert sorted(k.rsplit("/", 1)[1] for k in keys) == sorted(["sagemaker_entry.py", "requirements.txt",
+                                                               staged[1].name])
