@@ -159,6 +159,7 @@ class TrainerConfig:
     progress: bool = True  # tqdm progress bar on rank 0
     tensorboard_dir: Optional[str] = None  # TensorBoard event folder (null = <run dir>/tb)
     export_dir: Optional[str] = None  # also copy final weights and eval.json here (e.g. SM_MODEL_DIR)
+    output_data_dir: Optional[str] = None  # also copy final samples, eval.json(l), metrics.jsonl here (SM_OUTPUT_DATA_DIR)
 
 
 @dataclass
