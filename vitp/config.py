@@ -159,7 +159,7 @@ class TrainerConfig:
     progress: bool = True  # tqdm progress bar on rank 0
     tensorboard_dir: Optional[str] = None  # TensorBoard event folder (null = <run dir>/tb)
     export_dir: Optional[str] = None  # also copy final weights and eval.json here (e.g. SM_MODEL_DIR)
-    output_data_dir: Optional[str] = None  # also copy final samples, eval.json(l), metrics.jsonl here (SM_OUTPUT_DATA_DIR)
+    output_data_dir: Optional[str] = None  # also copy final samples, eval.json(l), metrics.jsonl here
 
 
 @dataclass
@@ -267,6 +267,24 @@ def unknown_key_message(path: str) -> Optional[str]:
             where = f"of {section}" if section else "at the top level"
             return f"unknown config key {path}{hint}; valid keys {where}: {', '.join(known)}"
     return None
+
+
+# Hydra config groups of conf/: ``<group>=<option>`` picks a file, it sets no key
+CONFIG_GROUPS = ("model", "data", "objective", "sampler", "parallel", "optim", "trainer", "eval", "paths", "experiment")
+
+
+def check_override_keys(args: list) -> None:
+    """Refuse ``key=value`` overrides whose key the schema lacks, in one line with the nearest key
+    (Hydra would fail with a multi-line message); group choices (``model=dit_b``) and ``hydra.*``
+    pass through. Raises ``ValueError``."""
+    for arg in args:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        group_or_flag = "@" in key or key.split(".")[0] == "hydra" or key in CONFIG_GROUPS
+        if "=" not in arg or arg.startswith("-") or group_or_flag:
+            continue
+        msg = unknown_key_message(key)
+        if msg:
+            raise ValueError(msg)
 
 
 def _leaf_paths(node, prefix: str = "") -> List[str]:

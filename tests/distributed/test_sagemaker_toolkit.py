@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import _free_port
+from tests.helpers import PERTURBED, _free_port, assert_rows_close, metrics, run_ranks, train_rank
 
 pytest.importorskip("sagemaker_training")
 pytest.importorskip("sagemaker_pytorch_container")
@@ -32,11 +32,13 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 TIME_KEYS = ("samples_per_s",)
 
 # What a user passes as ModelTrainer / Estimator hyperparameters: Hydra group choices, nested
-# objects, dotted keys, booleans and lists. The tiny smoke model on 8x8 gray digits.
+# objects, dotted keys, booleans and lists. The tiny smoke model on 8x8 gray digits, from the
+# perturbed export (non-zero adaLN gates, so attention and MLP, hence tp and pp, matter).
 HPS = {
     "experiment": "smoke", "data": "image_folder",
     "data.resolution": 8, "data.channels": 1, "data.num_classes": 10, "data.num_workers": 0, "data.hflip": False,
-    "trainer": {"max_steps": 6, "checkpoint_every": 2, "log_every": 1},
+    "trainer": {"max_steps": 1000, "checkpoint_every": 0, "log_every": 1},
+    "trainer.init_from": str(PERTURBED),
     "optim": {"schedule": "constant"},  # the lr does not depend on max_steps: runs of any length align
     "eval": {"enabled": True, "num_samples": 10},
     "sampler.cfg_interval": [0.0, 1.0],
@@ -71,16 +73,19 @@ def _encode(hps: dict) -> dict:
 
 
 def job_tree(base: Path, hps: dict, channels: Path, *, processes: int = 0, checkpoints: Path = None,
-             tensorboard: Path = None) -> Path:
+             tensorboard: Path = None, requirements: bool = False) -> Path:
     """The folder SageMaker mounts at ``/opt/ml`` for one job on one host: config files, data
     channels (copied), ``model/``, ``output/``; ``processes`` > 0 turns on ``torch_distributed``
-    with that many processes on the host. Returns ``base``."""
+    with that many processes on the host. The source dir holds the entry script and, with
+    ``requirements``, the requirements.txt the toolkit installs (its lines are satisfied here:
+    pip changes nothing; ~1-4 s, so one job in this module does it). Returns ``base``."""
     config = base / "input" / "config"
     config.mkdir(parents=True)
     source = base.parent / f"{base.name}_source"  # the job's source_dir: entry script + requirements.txt
     source.mkdir()
     shutil.copy(REPO / "scripts" / "sagemaker_entry.py", source / "sagemaker_entry.py")
-    shutil.copy(REPO / "scripts" / "sagemaker_requirements.txt", source / "requirements.txt")
+    if requirements:
+        shutil.copy(REPO / "scripts" / "sagemaker_requirements.txt", source / "requirements.txt")
     framework = {"sagemaker_program": "sagemaker_entry.py", "sagemaker_submit_directory": str(source),
                  "sagemaker_region": "us-west-2", "sagemaker_job_name": base.name}
     if processes:
@@ -124,3 +129,127 @@ def rows(run: Path) -> list:
     f = run / "metrics.jsonl"
     lines = f.read_text().splitlines() if f.is_file() else []
     return [{k: v for k, v in json.loads(x).items() if k not in TIME_KEYS} for x in lines]
+
+
+def _with_steps(hps: dict, steps: int, **extra) -> dict:
+    return {**hps, "trainer": {**hps["trainer"], "max_steps": steps}, **extra}
+
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _tb_steps(folder: Path, tag: str = "loss") -> list:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+def _stop_with_sigterm(base: Path, job_name: str, run: Path) -> None:
+    """Start the job in its own process group; once it trains, SIGTERM the whole group (the
+    toolkit, and the entry script it started) as a container stop does when the container's init
+    passes signals to the process group; wait until every process of the job is gone.
+
+    The toolkit installs no handler: it dies of the signal (status -15) and does not forward it,
+    so only a signal to the group reaches the trainer (a spot interruption in the PyTorch
+    containers, whose PID 1 is a shell, reaches no process at all)."""
+    import psutil
+
+    p = start_job(base, job_name, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None and len(rows(run)) < 2:
+        time.sleep(0.05)
+    assert p.poll() is None, Path(f"{base}.log").read_text()[-3000:]
+    job = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+    os.killpg(p.pid, signal.SIGTERM)
+    p.wait(timeout=60)
+    gone, alive = psutil.wait_procs(job, timeout=120)
+    assert not alive, alive
+
+
+@pytest.fixture(scope="module")
+def restarted_job(tmp_path_factory, channels):
+    """Job 1 stopped by SIGTERM mid-run after step K; job 2 (another job name, a fresh tree, the
+    same checkpoint path, as a restarted spot job or a new job on the same checkpoint_s3_uri
+    finds it) runs to step K + 2. Returns ``(job 1 base, job 2 base, checkpoint path, K)``."""
+    tmp = tmp_path_factory.mktemp("restart")
+    ckpt, tb = tmp / "synced-checkpoints", tmp / "synced-tensorboard"  # LocalPaths outside the base dir
+    job1 = job_tree(tmp / "job1", HPS, channels, checkpoints=ckpt, tensorboard=tb, requirements=True)
+    _stop_with_sigterm(job1, "vitp-job-1", ckpt / "run")
+    stop = len(rows(ckpt / "run"))
+    job2 = job_tree(tmp / "job2", _with_steps(HPS, stop + 2), channels, checkpoints=ckpt, tensorboard=tb)
+    assert run_job(job2, "vitp-job-2") == 0, Path(f"{job2}.log").read_text()[-3000:]
+    return job1, job2, ckpt, stop
+
+
+@pytest.fixture(scope="module")
+def reference(restarted_job, tmp_path_factory) -> list:
+    """The uninterrupted 1-process run of job 2's overrides (from its .hydra/overrides.yaml),
+    trained in-process: its metrics rows."""
+    from omegaconf import OmegaConf
+
+    _, _, ckpt, _ = restarted_job
+    over = [o for o in OmegaConf.load(ckpt / "run" / ".hydra" / "overrides.yaml")
+            if o.split("=")[0] not in ("trainer.tensorboard_dir", "trainer.export_dir", "trainer.output_data_dir")]
+    run = tmp_path_factory.mktemp("reference") / "run"
+    run_ranks(1, train_rank, over, str(run))
+    return metrics(run)
+
+
+def test_job_trains_and_a_restarted_job_resumes_exactly(restarted_job, reference):
+    """Through the toolkit: training on the train channel with the validation channel held out;
+    SIGTERM saves a checkpoint; the next job (another name) resumes it in the same run dir under the
+    checkpoint path and its metrics continue exactly as an uninterrupted run's; TensorBoard events
+    in the configured path, weights and eval.json in the model dir, samples and logs in output/data."""
+    job1, job2, ckpt, stop = restarted_job
+    run = ckpt / "run"
+    log1 = (run / "train.log").read_text()
+    assert "300 train / 40 held-out" in log1 and f"stopped by SIGTERM after step {stop};" in log1
+    assert "Requirement already satisfied: vitp==" in Path(f"{job1}.log").read_text()  # requirements.txt ran
+    assert f"resumed from {run / 'checkpoints' / f'step_{stop:07d}'}" in Path(f"{job2}.log").read_text()
+    assert 2 <= stop and [r["step"] for r in rows(run)] == list(range(1, stop + 3))
+    assert rows(run) == reference  # bit-identical: losses, grad norms, lr, binned losses
+    assert _tb_steps(ckpt.parent / "synced-tensorboard") == list(range(1, stop + 3))
+    for name in ("model_ema.safetensors", "model.safetensors", "model_ema.json", "eval.json"):
+        assert (job2 / "model" / name).is_file(), name
+    assert json.loads((job2 / "model" / "eval.json").read_text())["step"] == stop + 2
+    out = job2 / "output" / "data"
+    assert (out / "metrics.jsonl").read_text() == (run / "metrics.jsonl").read_text()
+    assert (out / "eval.json").is_file() and (out / "samples" / f"step_{stop + 2:07d}.png").is_file()
+    assert (job2 / "output" / "success").is_file()
+    assert not (job1 / "output" / "failure").exists() and not (job2 / "output" / "failure").exists()
+
+
+@pytest.mark.parametrize("layout", [{"parallel.tp": 2}, {"parallel.pp": 2}], ids=["tp2", "pp2"])
+def test_torch_distributed_two_processes_match_one(restarted_job, reference, channels, tmp_path, layout):
+    """The PyTorch toolkit's torch_distributed path (torchrun, 2 processes on one CPU host, gloo)
+    at tp=2 and at pp=2 trains like the 1-process run: every logged value to 5 significant digits."""
+    _, _, ckpt, stop = restarted_job
+    job = job_tree(tmp_path / "job", _with_steps(HPS, stop + 2, **layout), channels, processes=2)
+    assert run_job(job, "vitp-job-2proc") == 0, Path(f"{job}.log").read_text()[-3000:]
+    log = Path(f"{job}.log").read_text()
+    assert "torchrun --nnodes 1 --nproc_per_node 2 sagemaker_entry.py" in log
+    tp, pp = layout.get("parallel.tp", 1), layout.get("parallel.pp", 1)
+    assert f"layout tp={tp} pp={pp} dp=1" in log
+    assert_rows_close(rows(job / "checkpoints" / "run"), reference, rel=1e-5)
+    heldout = [json.loads((d / "eval.json").read_text())["heldout_loss"] for d in (job / "model", ckpt / "run")]
+    assert heldout[0] == pytest.approx(heldout[1], rel=1e-5)
+
+
+def test_bad_hyperparameter_fails_the_job_with_a_readable_reason(restarted_job, channels, tmp_path):
+    """A misspelt key, through torch_distributed with 2 ranks that both fail: the job fails, the
+    failure file (SageMaker's FailureReason) starts with our one-line reason naming the fix (not
+    the toolkit's summary), and the checkpoint path holding a finished run is left untouched."""
+    _, _, ckpt, _ = restarted_job
+    before = _files(ckpt)
+    hps = {**HPS, "trainer": {"max_step": 5}}
+    job = job_tree(tmp_path / "job", hps, channels, processes=2, checkpoints=ckpt)
+    assert run_job(job, "vitp-job-bad") == 1
+    reason = (job / "output" / "failure").read_text()
+    assert reason.splitlines()[0].startswith("vitp-sagemaker: error: unknown config key trainer.max_step (did you "
+                                             "mean trainer.max_steps?); valid keys of trainer: ")
+    assert reason.count("vitp-sagemaker: error") == 1 and "ExecuteUserScriptError" not in reason
+    assert _files(ckpt) == before and not (job / "output" / "success").exists()

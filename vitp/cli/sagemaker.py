@@ -308,11 +308,10 @@ def sagemaker_overrides(env: Mapping[str, str], argv: Sequence[str] = ()) -> Lis
 
 def check_overrides(overrides: Sequence[str]) -> None:
     """Refuse what Hydra would refuse, with one readable line: an unknown key (with the nearest
-    key, :func:`vitp.cli.train.check_override_keys`), a wrong type, an unknown group choice.
+    key, :func:`vitp.config.check_override_keys`), a wrong type, an unknown group choice.
 
     Raises ``ValueError``."""
-    from vitp.cli.train import check_override_keys
-    from vitp.config import compose
+    from vitp.config import check_override_keys, compose  # not vitp.cli.train: a bad job fails before torch loads
 
     check_override_keys(list(overrides))
     try:  # Hydra's own settings (hydra.*) are not part of the composed run config
