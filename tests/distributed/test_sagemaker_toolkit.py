@@ -110,15 +110,16 @@ def job_tree(base: Path, hps: dict, channels: Path, *, processes: int = 0, check
     return base
 
 
-def start_job(base: Path, job_name: str, **popen) -> subprocess.Popen:
-    """``train`` as the PyTorch container starts it, output in ``<base>.log``."""
+def start_job(base: Path, job_name: str, prefix: tuple = (), **popen) -> subprocess.Popen:
+    """``train`` as the PyTorch container starts it (after the ``prefix`` command), output in ``<base>.log``."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(SAGEMAKER_BASE_DIR=str(base), SAGEMAKER_TRAINING_MODULE="sagemaker_pytorch_container.training:main",
                TRAINING_JOB_NAME=job_name, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                NO_ALBUMENTATIONS_UPDATE="1", PET_MASTER_PORT=str(_free_port()),  # torchrun's --master_port
                PATH=f"{TRAIN.parent}{os.pathsep}{os.environ.get('PATH', '')}")  # the toolkit runs `torchrun` from PATH
     log = open(f"{base}.log", "w")
-    return subprocess.Popen([str(TRAIN)], env=env, cwd=base.parent, stdout=log, stderr=subprocess.STDOUT, **popen)
+    return subprocess.Popen([*prefix, str(TRAIN)], env=env, cwd=base.parent, stdout=log, stderr=subprocess.STDOUT,
+                            **popen)
 
 
 def run_job(base: Path, job_name: str, timeout: float = 300) -> int:
@@ -148,41 +149,61 @@ def _tb_steps(folder: Path, tag: str = "loss") -> list:
     return [e.step for e in acc.Scalars(tag)]
 
 
-def _stop_with_sigterm(base: Path, job_name: str, run: Path) -> None:
-    """Start the job in its own process group; once it trains, SIGTERM the whole group (the
-    toolkit, and the entry script it started) as a container stop does when the container's init
-    passes signals to the process group; wait until every process of the job is gone.
+# The container's init for a stop test: a child subreaper (prctl PR_SET_CHILD_SUBREAPER = 36), so
+# the processes the toolkit leaves behind when it dies are re-parented here and their exit statuses
+# can be read (written as JSON to argv[1]). It outlives the SIGTERM sent to the group through a
+# handler (exec resets handlers, so the job keeps the default action; SIG_IGN would be inherited).
+REAPER = """
+import ctypes, json, os, signal, subprocess, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)
+signal.signal(signal.SIGTERM, lambda *_: None)
+subprocess.Popen(sys.argv[2:])
+codes = {}
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    codes[pid] = os.waitstatus_to_exitcode(status)
+json.dump(codes, open(sys.argv[1], "w"))
+"""
 
-    The toolkit installs no handler: it dies of the signal (status -15) and does not forward it,
-    so only a signal to the group reaches the trainer (a spot interruption in the PyTorch
-    containers, whose PID 1 is a shell, reaches no process at all)."""
+
+def _stop_with_sigterm(base: Path, job_name: str, run: Path) -> dict:
+    """Start the job in its own process group; once it trains, SIGTERM the whole group, as a
+    container stop does when the container's init passes signals to the process group (e.g.
+    ``tini -g``); wait until every process of the job has exited. Returns the exit status of the
+    toolkit (``toolkit``) and of the entry script it started (``entry``)."""
     import psutil
 
-    p = start_job(base, job_name, start_new_session=True)
+    codes_file = Path(f"{base}.exit.json")
+    p = start_job(base, job_name, prefix=(sys.executable, "-c", REAPER, str(codes_file)), start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and p.poll() is None and len(rows(run)) < 2:
         time.sleep(0.05)
     assert p.poll() is None, Path(f"{base}.log").read_text()[-3000:]
-    job = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+    toolkit = psutil.Process(p.pid).children()[0]
+    entry = next(c for c in toolkit.children() if "sagemaker_entry.py" in " ".join(c.cmdline()))
     os.killpg(p.pid, signal.SIGTERM)
-    p.wait(timeout=60)
-    gone, alive = psutil.wait_procs(job, timeout=120)
-    assert not alive, alive
+    assert p.wait(timeout=180) == 0
+    codes = {int(k): v for k, v in json.loads(codes_file.read_text()).items()}
+    return {"toolkit": codes[toolkit.pid], "entry": codes[entry.pid]}
 
 
 @pytest.fixture(scope="module")
 def restarted_job(tmp_path_factory, channels):
-    """Job 1 stopped by SIGTERM mid-run after step K; job 2 (another job name, a fresh tree, the
+    """Job 1 stopped by SIGTERM to its process group mid-run after step K; job 2 (another job name, a fresh tree, the
     same checkpoint path, as a restarted spot job or a new job on the same checkpoint_s3_uri
-    finds it) runs to step K + 2. Returns ``(job 1 base, job 2 base, checkpoint path, K)``."""
+    finds it) runs to step K + 2. Returns ``(job 1 base, job 2 base, checkpoint path, K, job 1's exit
+    statuses)``."""
     tmp = tmp_path_factory.mktemp("restart")
     ckpt, tb = tmp / "synced-checkpoints", tmp / "synced-tensorboard"  # LocalPaths outside the base dir
     job1 = job_tree(tmp / "job1", HPS, channels, checkpoints=ckpt, tensorboard=tb, requirements=True)
-    _stop_with_sigterm(job1, "vitp-job-1", ckpt / "run")
+    codes = _stop_with_sigterm(job1, "vitp-job-1", ckpt / "run")
     stop = len(rows(ckpt / "run"))
     job2 = job_tree(tmp / "job2", _with_steps(HPS, stop + 2), channels, checkpoints=ckpt, tensorboard=tb)
     assert run_job(job2, "vitp-job-2") == 0, Path(f"{job2}.log").read_text()[-3000:]
-    return job1, job2, ckpt, stop
+    return job1, job2, ckpt, stop, codes
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +212,7 @@ def reference(restarted_job, tmp_path_factory) -> list:
     trained in-process: its metrics rows."""
     from omegaconf import OmegaConf
 
-    _, _, ckpt, _ = restarted_job
+    ckpt = restarted_job[2]
     over = [o for o in OmegaConf.load(ckpt / "run" / ".hydra" / "overrides.yaml")
             if o.split("=")[0] not in ("trainer.tensorboard_dir", "trainer.export_dir", "trainer.output_data_dir")]
     run = tmp_path_factory.mktemp("reference") / "run"
@@ -204,7 +225,10 @@ def test_job_trains_and_a_restarted_job_resumes_exactly(restarted_job, reference
     SIGTERM saves a checkpoint; the next job (another name) resumes it in the same run dir under the
     checkpoint path and its metrics continue exactly as an uninterrupted run's; TensorBoard events
     in the configured path, weights and eval.json in the model dir, samples and logs in output/data."""
-    job1, job2, ckpt, stop = restarted_job
+    job1, job2, ckpt, stop, codes = restarted_job
+    # The toolkit installs no SIGTERM handler and forwards nothing: it dies of the signal; the
+    # entry script, which got the signal as a member of the group, saved and exited 0.
+    assert codes == {"toolkit": -signal.SIGTERM, "entry": 0}, codes
     run = ckpt / "run"
     log1 = (run / "train.log").read_text()
     assert "300 train / 40 held-out" in log1 and f"stopped by SIGTERM after step {stop};" in log1
@@ -227,7 +251,7 @@ def test_job_trains_and_a_restarted_job_resumes_exactly(restarted_job, reference
 def test_torch_distributed_two_processes_match_one(restarted_job, reference, channels, tmp_path, layout):
     """The PyTorch toolkit's torch_distributed path (torchrun, 2 processes on one CPU host, gloo)
     at tp=2 and at pp=2 trains like the 1-process run: every logged value to 5 significant digits."""
-    _, _, ckpt, stop = restarted_job
+    ckpt, stop = restarted_job[2:4]
     job = job_tree(tmp_path / "job", _with_steps(HPS, stop + 2, **layout), channels, processes=2)
     assert run_job(job, "vitp-job-2proc") == 0, Path(f"{job}.log").read_text()[-3000:]
     log = Path(f"{job}.log").read_text()
@@ -243,7 +267,7 @@ def test_bad_hyperparameter_fails_the_job_with_a_readable_reason(restarted_job, 
     """A misspelt key, through torch_distributed with 2 ranks that both fail: the job fails, the
     failure file (SageMaker's FailureReason) starts with our one-line reason naming the fix (not
     the toolkit's summary), and the checkpoint path holding a finished run is left untouched."""
-    _, _, ckpt, _ = restarted_job
+    ckpt = restarted_job[2]
     before = _files(ckpt)
     hps = {**HPS, "trainer": {"max_step": 5}}
     job = job_tree(tmp_path / "job", hps, channels, processes=2, checkpoints=ckpt)
