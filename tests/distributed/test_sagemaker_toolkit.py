@@ -192,10 +192,10 @@ def _stop_with_sigterm(base: Path, job_name: str, run: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def restarted_job(tmp_path_factory, channels):
-    """Job 1 stopped by SIGTERM to its process group mid-run after step K; job 2 (another job name, a fresh tree, the
-    same checkpoint path, as a restarted spot job or a new job on the same checkpoint_s3_uri
-    finds it) runs to step K + 2. Returns ``(job 1 base, job 2 base, checkpoint path, K, job 1's exit
-    statuses)``."""
+    """Job 1 stopped by SIGTERM to its process group mid-run after step K; job 2 (another job
+    name, a fresh tree, the same checkpoint path, as a restarted spot job or a new job on the same
+    checkpoint_s3_uri finds it) runs to step K + 2. Returns ``(job 1 base, job 2 base, checkpoint
+    path, K, job 1's exit statuses)``."""
     tmp = tmp_path_factory.mktemp("restart")
     ckpt, tb = tmp / "synced-checkpoints", tmp / "synced-tensorboard"  # LocalPaths outside the base dir
     job1 = job_tree(tmp / "job1", HPS, channels, checkpoints=ckpt, tensorboard=tb, requirements=True)
