@@ -325,7 +325,8 @@ def error_chain(error: BaseException) -> str:
     """An error and its causes (Hydra wraps the informative OmegaConf error), in one line."""
     parts: List[str] = []
     while error is not None and len(parts) < 4:
-        text = " ".join(str(error).split()).split(" Config search path")[0]  # Hydra's search path: noise here
+        # Hydra's config search path and OmegaConf's node details repeat what the message says
+        text = re.split(r" (?:Config search path|full_key:)", " ".join(str(error).split()))[0]
         if text and text not in parts:
             parts.append(text)
         error = error.__cause__
