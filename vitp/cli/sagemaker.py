@@ -1,55 +1,396 @@
-"""SageMaker training-job entry: hyperparameters and channels -> Hydra overrides.
+"""SageMaker training-job entry: the job's environment -> ``vitp-train`` with Hydra overrides.
 
-SageMaker runs the entry script under torchrun on every host when the estimator has
-``distribution={"torch_distributed": {"enabled": True}}``. Hyperparameters arrive as JSON in
-``SM_HPS`` (and duplicated as ``--key value`` argv pairs, which we ignore inside a job). Paths:
-``/opt/ml/checkpoints`` is the run directory (synced to ``checkpoint_s3_uri``, so a restarted
-job finds it), TensorBoard events go to ``/opt/ml/output/tensorboard``, final weights and
-``eval.json`` are copied to ``SM_MODEL_DIR``, and the ``train`` channel becomes ``data.root``.
+SageMaker's training toolkit (PyPI ``sagemaker-training``; in the PyTorch containers through
+``sagemaker-pytorch-training``) runs the entry script ``scripts/sagemaker_entry.py``, which calls
+:func:`main`: once (``python sagemaker_entry.py --key value ...``) or, for
+``distribution={"torch_distributed": {"enabled": True}}``, under ``torchrun --nnodes H
+--nproc_per_node P [--master_addr algo-1 --master_port 7777 --node_rank i] sagemaker_entry.py
+--key value ...`` on every host. Everything comes from the toolkit's environment, nothing from
+literal paths:
+
+========================  ==========================================================================
+what                      where from (default under the base dir ``$SAGEMAKER_BASE_DIR``, else /opt/ml)
+========================  ==========================================================================
+hyperparameters           ``SM_HPS`` (JSON of all of them), else the ``--key value`` argv pairs
+run directory             ``<checkpoint LocalPath>/run``: ``input/config/checkpointconfig.json``
+                          ``LocalPath`` (default ``<base>/checkpoints``), synced to
+                          ``checkpoint_s3_uri`` and restored on restart, so every job on that URI
+                          resumes the same run (``trainer.resume=auto``), whatever its job name
+TensorBoard events        ``input/config/tensorboardoutputconfig.json`` ``LocalPath`` (default
+                          ``<base>/output/tensorboard``)
+final weights, eval.json  ``SM_MODEL_DIR`` (default ``<base>/model``)
+samples, eval, metrics    ``SM_OUTPUT_DATA_DIR`` (default ``<base>/output/data``)
+data                      ``SM_CHANNEL_TRAIN`` -> ``data.root``; ``SM_CHANNEL_VALIDATION`` ->
+                          ``data.heldout_root`` (the held-out set instead of a split of train)
+failure reason            ``SM_OUTPUT_DIR/failure`` (default ``<base>/output/failure``)
+========================  ==========================================================================
+
+A hyperparameter the user sets (``hydra.run.dir``, ``data.root``, ...) wins over these defaults.
+
+Sources (sagemaker-training 5.1.4, sagemaker-pytorch-training 3.0.0):
+
+- ``SM_*`` variables: ``sagemaker_training/environment.py`` (``Environment.to_env_vars``; the
+  toolkit puts them in the environment of the entry script and of torchrun's workers),
+  https://github.com/aws/sagemaker-training-toolkit/blob/master/ENVIRONMENT_VARIABLES.md
+- hyperparameter values: ``hyperparameters.json`` holds strings, each decoded with
+  ``json.loads`` (kept as the string when that fails) by ``environment.read_hyperparameters``;
+  ``SM_HPS`` is ``json.dumps`` of the decoded dict (lossless); the argv pairs are
+  ``mapping.to_cmd_args`` (``str()`` of each value: lists as Python reprs, booleans as
+  ``True``/``False``, objects as ``k=v,k2=v2``); ``sagemaker_*`` keys are the toolkit's own and
+  are removed from both (``mapping.split_by_criteria``).
+- ``SAGEMAKER_BASE_DIR``, default ``/opt/ml``: ``environment.py`` (``BASE_PATH_ENV``).
+- failure file: ``files.write_failure_file`` writes it only if it does not exist yet, and
+  SageMaker shows its first 1024 characters as the job's FailureReason
+  (https://docs.aws.amazon.com/sagemaker/latest/dg/your-algorithms-training-algo-output.html).
+- ``checkpointconfig.json`` / ``tensorboardoutputconfig.json`` and their ``LocalPath`` key, as
+  SageMaker Debugger reads them (``smdebug/core/config_constants.py`` in
+  awslabs/sagemaker-debugger); their defaults: ``CheckpointConfig.LocalPath`` and
+  ``TensorBoardOutputConfig.LocalPath`` in the SageMaker API reference
+  (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_CheckpointConfig.html,
+  .../API_TensorBoardOutputConfig.html).
 """
 from __future__ import annotations
 
+import ast
 import json
+import math
 import os
+import re
 import sys
-from typing import Dict, List, Mapping
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+DEFAULT_BASE_DIR = "/opt/ml"  # the toolkit's default when SAGEMAKER_BASE_DIR is unset (environment.py)
+RUN_DIR_NAME = "run"  # the run directory inside the checkpoint path: the same for every job on that path
 
 
-def _value(v) -> str:
-    return json.dumps(v) if isinstance(v, (list, dict, bool)) or v is None else str(v)
+@dataclass(frozen=True)
+class JobPaths:
+    """Where a SageMaker job keeps things (see the module docstring for the sources)."""
+
+    checkpoints: str  # checkpoint local path (synced to checkpoint_s3_uri)
+    tensorboard: str  # TensorBoard local path (synced to the TensorBoard S3 output)
+    model: str  # SM_MODEL_DIR: uploaded as model.tar.gz
+    output: str  # SM_OUTPUT_DIR: holds the failure file
+    output_data: str  # SM_OUTPUT_DATA_DIR: uploaded as output.tar.gz
+    train: Optional[str]  # SM_CHANNEL_TRAIN
+    validation: Optional[str]  # SM_CHANNEL_VALIDATION
 
 
-def sagemaker_overrides(env: Mapping[str, str]) -> List[str]:
-    """Hydra overrides for a SageMaker job described by ``env`` (``os.environ``).
+def _local_path(config_file: Path, default: str) -> str:
+    """``LocalPath`` of one of SageMaker's ``input/config/*config.json`` files, else ``default``.
 
-    ``SM_HPS='{"experiment": "img256", "trainer.max_steps": 1000}'`` -> ``["experiment=img256",
-    "trainer.max_steps=1000", ...]`` plus the job's paths. Raises ``ValueError`` on malformed
-    ``SM_HPS``.
-    """
+    Raises ``ValueError`` when the file exists but is not a JSON object."""
+    if not config_file.is_file():
+        return default
     try:
-        hps: Dict = json.loads(env.get("SM_HPS", "{}") or "{}")
-    except json.JSONDecodeError as e:
-        raise ValueError(f"SM_HPS is not valid JSON ({e}); pass hyperparameters as a dict of strings/numbers") from e
-    out = [f"{k}={_value(v)}" for k, v in hps.items()]
-    keys = set(hps)
-    defaults = {
-        "hydra.run.dir": env.get("VITP_SM_RUN_DIR", "/opt/ml/checkpoints/run"),
-        "trainer.tensorboard_dir": env.get("VITP_SM_TENSORBOARD_DIR", "/opt/ml/output/tensorboard"),
-        "trainer.export_dir": env.get("SM_MODEL_DIR", "/opt/ml/model"),
-    }
-    if "SM_CHANNEL_TRAIN" in env:
-        defaults["data.root"] = env["SM_CHANNEL_TRAIN"]
-    out += [f"{k}={v}" for k, v in defaults.items() if k not in keys]
+        value = json.loads(config_file.read_text()).get("LocalPath")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{config_file} is not a JSON object ({e})") from None
+    return str(value) if value else default
+
+
+def _base_dir(env: Mapping[str, str]) -> Path:
+    return Path(env.get("SAGEMAKER_BASE_DIR") or DEFAULT_BASE_DIR)
+
+
+def _output_dir(env: Mapping[str, str]) -> str:
+    return env.get("SM_OUTPUT_DIR") or str(_base_dir(env) / "output")
+
+
+def job_paths(env: Mapping[str, str]) -> JobPaths:
+    """The job's folders, from the toolkit's environment ``env`` (``os.environ``).
+
+    Raises ``ValueError`` when a SageMaker config file it reads is not a JSON object."""
+    base = _base_dir(env)
+    config = base / "input" / "config"
+    output = _output_dir(env)
+    return JobPaths(
+        checkpoints=_local_path(config / "checkpointconfig.json", str(base / "checkpoints")),
+        tensorboard=_local_path(config / "tensorboardoutputconfig.json", str(base / "output" / "tensorboard")),
+        model=env.get("SM_MODEL_DIR") or str(base / "model"),
+        output=output,
+        output_data=env.get("SM_OUTPUT_DATA_DIR") or str(Path(output) / "data"),
+        train=env.get("SM_CHANNEL_TRAIN") or None,
+        validation=env.get("SM_CHANNEL_VALIDATION") or None,
+    )
+
+
+# ------------------------------------------------------------------------------- hyperparameters
+_ARGV_OBJECT = re.compile(r"[A-Za-z_][\w.\-]*=[^,]*(,[A-Za-z_][\w.\-]*=[^,]*)*")
+
+
+def _decode_argv_value(text: str) -> Any:
+    """A value as the toolkit's argv carries it (``mapping.to_cmd_args``): JSON (numbers, ``true``,
+    lists, objects), else a Python literal (``str()`` of a list or bool: ``['a', 'b']``, ``True``),
+    else ``k=v,k2=v2`` (how it writes an object; a string of that form reads as one too), else the
+    text; the empty text is ``null`` (how it writes ``None``)."""
+    if text == "":
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        value = ast.literal_eval(text)
+        if isinstance(value, (list, dict, bool, int, float)):
+            return value
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        pass
+    if _ARGV_OBJECT.fullmatch(text):
+        return {k: _decode_argv_value(v) for k, v in (item.split("=", 1) for item in text.split(","))}
+    return text
+
+
+def _argv_hyperparameters(argv: Sequence[str]) -> Dict[str, Any]:
+    """``--key value`` pairs (also ``--key=value``; ``-k`` for one-letter keys, as the toolkit writes them)."""
+    out: Dict[str, Any] = {}
+    items = list(argv)
+    while items:
+        flag = items.pop(0)
+        if not flag.startswith("-") or flag in ("-", "--"):
+            raise ValueError(f"argument {flag!r} is not a --key: hyperparameters arrive as --key value pairs")
+        key, eq, value = flag.lstrip("-").partition("=")
+        if not eq:
+            if not items:
+                raise ValueError(f"hyperparameter --{key} has no value")
+            value = items.pop(0)
+        out[key] = _decode_argv_value(value)
     return out
 
 
+def job_hyperparameters(env: Mapping[str, str], argv: Sequence[str] = ()) -> Dict[str, Any]:
+    """The job's hyperparameters: ``SM_HPS`` when the toolkit set it (lossless JSON; the argv
+    duplicates it as text), else the ``--key value`` argv (:func:`_decode_argv_value`).
+    Keys starting with ``sagemaker_`` (the toolkit's own) are dropped.
+
+    Raises ``ValueError`` on malformed ``SM_HPS`` or argv."""
+    if "SM_HPS" in env:
+        try:
+            hps = json.loads(env["SM_HPS"] or "{}")
+        except ValueError as e:
+            raise ValueError(f"SM_HPS is not valid JSON ({e}); hyperparameters must be a JSON object") from None
+        if not isinstance(hps, dict):
+            raise ValueError(f"SM_HPS is a JSON {type(hps).__name__}, not an object of hyperparameters")
+    else:
+        hps = _argv_hyperparameters(argv)
+    return {k: v for k, v in hps.items() if not str(k).startswith("sagemaker_")}
+
+
+def flatten(hps: Mapping[str, Any], prefix: str = "") -> List[Tuple[str, Any]]:
+    """``{"trainer": {"max_steps": 1}}`` -> ``[("trainer.max_steps", 1)]``: objects become dotted
+    keys (Hydra overrides set leaves). Raises ``ValueError`` on an empty object (it sets nothing)."""
+    out: List[Tuple[str, Any]] = []
+    for key, value in hps.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            if not value:
+                raise ValueError(f"hyperparameter {path} is an empty object; give its keys, e.g. {path}.<key>")
+            out += flatten(value, path + ".")
+        else:
+            out.append((path, value))
+    return out
+
+
+# ------------------------------------------------------------------------------- Hydra grammar
+def _parse_override(text: str):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides([text])[0]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Deep equality that tells ``True`` from ``1`` and takes NaN as equal to NaN."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _quote(text: str) -> str:
+    """Hydra's single-quoted string: ``'`` is escaped as ``\\'`` and so is a run of backslashes
+    before a quote or the end (doubled); other backslashes stay literal (Hydra 1.3, "Quoted
+    values" in https://hydra.cc/docs/advanced/override_grammar/basic/)."""
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text) + "'"
+
+
+def _hydra_string(text: str) -> str:
+    """``text`` bare when Hydra's parser reads it back as exactly that string (so group choices
+    like ``experiment=smoke`` stay as they are), else quoted (commas, which would make a sweep,
+    ``true``/``1e3``/``null`` that would change type, outer spaces, non-ASCII, ...)."""
+    try:
+        override = _parse_override(f"k={text}")
+        if not override.is_sweep_override() and _same(override.value(), text):
+            return text
+    except Exception:  # noqa: BLE001 - any parse error means: quote it
+        pass
+    return _quote(text)
+
+
+def hydra_value(value: Any) -> str:
+    """A JSON value (``json.loads`` output) written in Hydra's override grammar."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # Hydra reads Python's repr back exactly, also inf, -inf and nan
+    if isinstance(value, str):
+        return _hydra_string(value)
+    if isinstance(value, list):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # inside a list (top-level objects are flattened)
+        return "{" + ",".join(f"{_hydra_key(str(k))}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    raise ValueError(f"unsupported hyperparameter value {value!r} of type {type(value).__name__}")
+
+
+def _hydra_key(key: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][\w\-]*", key):
+        raise ValueError(f"object key {key!r} inside a list is not a plain name; use letters, digits, _ and -")
+    return key
+
+
+def hydra_override(key: str, value: Any) -> str:
+    """``key=<value>`` checked with Hydra's own parser to read back as ``value``.
+
+    Raises ``ValueError`` naming the hyperparameter when the key is not a config key Hydra can
+    parse, or the value cannot be written so that it arrives intact."""
+    text = f"{key}={hydra_value(value)}"
+    try:
+        override = _parse_override(text)
+    except Exception as e:  # noqa: BLE001 - Hydra's OverrideParseException, with a grammar dump
+        raise ValueError(f"hyperparameter {key!r} is not a config key Hydra can parse ({str(e).splitlines()[0]}); "
+                         f"use dotted names like trainer.max_steps") from None
+    if override.is_sweep_override() or not _same(override.value(), value):
+        raise ValueError(f"hyperparameter {key}={value!r} cannot be passed to Hydra intact (read back as "
+                         f"{override.value()!r})")
+    return text
+
+
+# ------------------------------------------------------------------------------- overrides
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def sagemaker_overrides(env: Mapping[str, str], argv: Sequence[str] = ()) -> List[str]:
+    """Hydra overrides for the job described by ``env`` (``os.environ``) and ``argv`` (the
+    entry's arguments): the hyperparameters (:func:`job_hyperparameters`, :func:`flatten`,
+    :func:`hydra_override`), then the job's paths and data channels for keys they left unset.
+
+    ``SM_HPS='{"experiment": "smoke", "trainer": {"max_steps": 4}, "hydra.run.dir": "out,dir"}'``
+    -> ``["experiment=smoke", "trainer.max_steps=4", "hydra.run.dir='out,dir'", ...]``.
+    Raises ``ValueError`` on a malformed hyperparameter.
+    """
+    out = [hydra_override(k, v) for k, v in flatten(job_hyperparameters(env, argv))]
+    paths = job_paths(env)
+    defaults = {
+        "hydra.run.dir": str(Path(paths.checkpoints) / RUN_DIR_NAME),
+        "trainer.tensorboard_dir": paths.tensorboard,
+        "trainer.export_dir": paths.model,
+        "trainer.output_data_dir": paths.output_data,
+        "trainer.progress": False,  # a progress bar in a job's log (CloudWatch) is one line per update
+        "data.root": paths.train,
+        "data.heldout_root": paths.validation,
+    }
+    given = {_override_key(o) for o in out}
+    out += [hydra_override(k, v) for k, v in defaults.items() if v is not None and k not in given]
+    return out
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """Refuse what Hydra would refuse, with one readable line: an unknown key (with the nearest
+    key, :func:`vitp.config.check_override_keys`), a wrong type, an unknown group choice.
+
+    Raises ``ValueError``."""
+    from vitp.config import check_override_keys, compose  # not vitp.cli.train: a bad job fails before torch loads
+
+    check_override_keys(list(overrides))
+    try:  # Hydra's own settings (hydra.*) are not part of the composed run config
+        compose([o for o in overrides if _override_key(o).split(".")[0].split("/")[0] != "hydra"])
+    except Exception as e:  # noqa: BLE001 - Hydra / OmegaConf composition errors of many types
+        raise ValueError(f"bad hyperparameters: {error_chain(e)}") from None
+
+
+# ------------------------------------------------------------------------------- failure reason
+def error_chain(error: BaseException) -> str:
+    """An error and its causes (Hydra wraps the informative OmegaConf error), in one line."""
+    parts: List[str] = []
+    while error is not None and len(parts) < 4:
+        # Hydra's config search path and OmegaConf's node details repeat what the message says
+        text = re.split(r" (?:Config search path|full_key:)", " ".join(str(error).split()))[0]
+        if text and text not in parts:
+            parts.append(text)
+        error = error.__cause__
+    return "; ".join(parts)
+
+
+def failure_reason(error: BaseException) -> str:
+    """The text for SageMaker's failure file: first line the problem and its fix, then where it
+    happened, then (for errors that are not bad input) the traceback.
+
+    A :class:`SystemExit` from ``vitp-train`` (bad input: ``run_cli`` exits 2) or from Hydra
+    (``sys.exit(1)``) is raised while handling the real error, which is its ``__context__``."""
+    from vitp.cli import bad_input_errors
+
+    if isinstance(error, SystemExit) and error.__context__ is not None:
+        error = error.__context__
+    where = (f"(rank {os.environ.get('RANK', '0')} of {os.environ.get('WORLD_SIZE', '1')} on "
+             f"{os.environ.get('SM_CURRENT_HOST', 'this host')}; the job's log has the details)")
+    if isinstance(error, SystemExit):
+        return f"vitp-train exited with status {error.code}\n{where}\n"
+    if isinstance(error, bad_input_errors()):
+        return f"vitp-train: error: {error_chain(error)}\n{where}\n"
+    trace = "".join(traceback.format_exception(type(error), error, error.__traceback__)[-12:])
+    return f"{type(error).__name__}: {error_chain(error)}\n{where}\n{trace}"
+
+
+def write_failure(output_dir: str, text: str) -> bool:
+    """Create ``<output_dir>/failure`` holding ``text``, unless it exists: the first rank to fail
+    has the reason (later ones mostly see the broken process group), and the toolkit, which
+    writes its own summary only when the file is absent, keeps ours. Returns whether it wrote."""
+    path = Path(output_dir) / "failure"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # atomic: one writer wins
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return True
+
+
 def main() -> None:
-    """Entry point ``vitp-sagemaker`` (use it as the estimator's entry script)."""
+    """Entry point ``vitp-sagemaker`` (what ``scripts/sagemaker_entry.py`` calls): train with the
+    job's overrides; on any failure write the reason to the failure file and exit non-zero."""
+    output = _output_dir(os.environ)
+    try:
+        overrides = sagemaker_overrides(os.environ, sys.argv[1:])
+        check_overrides(overrides)
+    except ValueError as e:
+        print(f"vitp-sagemaker: error: {e}", file=sys.stderr)
+        write_failure(output, f"vitp-sagemaker: error: {e}\n(fix the job's hyperparameters)\n")
+        raise SystemExit(2) from None
     from vitp.cli.train import main as train_main
 
-    argv = sys.argv[:1] if "SM_TRAINING_ENV" in os.environ else list(sys.argv)
-    sys.argv = argv + sagemaker_overrides(os.environ)
-    train_main()
+    sys.argv = sys.argv[:1] + overrides
+    try:
+        train_main()
+    except SystemExit as e:
+        if e.code not in (0, None):
+            write_failure(output, failure_reason(e))
+        raise
+    except BaseException as e:
+        write_failure(output, failure_reason(e))
+        raise
 
 
 if __name__ == "__main__":

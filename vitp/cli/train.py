@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 from omegaconf import DictConfig  # noqa: E402
 
 from vitp.cli import run_cli  # noqa: E402
-from vitp.config import register_configs, unknown_key_message  # noqa: E402
+from vitp.config import check_override_keys, register_configs  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.train import train  # noqa: E402
 
@@ -99,22 +99,6 @@ def _config_path() -> str:
     import importlib.resources
 
     return str(importlib.resources.files("vitp.conf"))
-
-
-_GROUPS = ("model", "data", "objective", "sampler", "parallel", "optim", "trainer", "eval", "paths", "experiment")
-
-
-def check_override_keys(args: list) -> None:
-    """Refuse ``key=value`` overrides whose key the schema lacks, in one line with the nearest key
-    (Hydra would fail with a multi-line message); group choices (``model=dit_b``) and ``hydra.*``
-    pass through. Raises ``ValueError``."""
-    for arg in args:
-        key = arg.split("=", 1)[0].lstrip("+~")
-        if "=" not in arg or arg.startswith("-") or "@" in key or key.split(".")[0] == "hydra" or key in _GROUPS:
-            continue
-        msg = unknown_key_message(key)
-        if msg:
-            raise ValueError(msg)
 
 
 def prepare_argv(argv: list) -> list:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Tuple
 
 import numpy as np
@@ -84,7 +85,8 @@ def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset
     Returns
     -------
     train, heldout : KeyedSubset
-        Disjoint subsets of one dataset; ``heldout`` always uses the eval transform. Items are
+        Disjoint subsets of one dataset, or with ``cfg.heldout_root`` all of ``cfg.root`` and all of
+        that folder; ``heldout`` always uses the eval transform. Items are
         ``(x, label)`` with ``x`` float32 ``(C, T, H, W)`` in ``[-1, 1]``.
 
     Raises
@@ -92,9 +94,10 @@ def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset
     ValueError
         Unknown ``cfg.name``; ``data.root`` unset for image_folder (``root`` and ``files`` for
         video_folder); ``num_frames != 1`` for images; no usable video;
-        ``cfg.num_classes`` differing from the classes found; a bad ``holdout_fraction``.
+        ``cfg.num_classes`` differing from the classes found; a bad ``holdout_fraction``;
+        ``heldout_root`` with other classes than ``root``, or for digits / synthetic data.
     FileNotFoundError
-        If ``data.root`` does not exist.
+        If ``data.root`` (or ``data.heldout_root``) does not exist.
     """
     base = _base_dataset(cfg, seed)
     if cfg.name not in ("synthetic", "video_folder") and cfg.num_frames != 1:
@@ -104,7 +107,36 @@ def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset
         shown = ", ".join(base.classes[:10]) + (", ..." if base.num_classes > 10 else "")
         raise ValueError(f"found {base.num_classes} classes{where} ({shown}) but data.num_classes="
                          f"{cfg.num_classes}; set data.num_classes={base.num_classes}")
+    if cfg.heldout_root is not None:
+        held = _heldout_folder(cfg, base, seed)
+        return KeyedSubset(base, np.arange(len(base))), KeyedSubset(held, np.arange(len(held)), eval_only=True)
     train_idx, held_idx = stratified_split(base.labels, cfg.holdout_fraction, seed)
     if cfg.name == "video_folder":  # no training clip may share frames with a held-out clip
         train_idx = base.disjoint_train(train_idx, held_idx)
     return KeyedSubset(base, train_idx), KeyedSubset(base, held_idx, eval_only=True)
+
+
+def _with_root(cfg, root: str):
+    """``cfg`` (a :class:`DataConfig` or its ``DictConfig``) reading the folder ``root`` whole
+    (``data.files`` names files of ``data.root``, so it is dropped)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.merge(cfg, {"root": root, "files": None})
+    return replace(cfg, root=root, files=None)
+
+
+def _heldout_folder(cfg: DataConfig, train: KeyedDataset, seed: int) -> KeyedDataset:
+    """The whole of ``cfg.heldout_root`` as the held-out set (e.g. a SageMaker ``validation``
+    channel), read like ``cfg.root``. Its classes must be the training classes, so that a label
+    means the same class in both; a folder without class subfolders is one class either way."""
+    if cfg.name not in ("image_folder", "video_folder"):
+        raise ValueError(f"data.heldout_root is for data.name=image_folder or video_folder, not {cfg.name}; "
+                         f"unset it (data.holdout_fraction splits the data instead)")
+    held = _base_dataset(_with_root(cfg, cfg.heldout_root), seed)
+    same = held.classes == train.classes or held.num_classes == train.num_classes == 1
+    if not same:
+        raise ValueError(f"data.heldout_root={cfg.heldout_root} has classes {', '.join(held.classes[:10])} but "
+                         f"data.root has {', '.join(train.classes[:10])}; give both folders the same class "
+                         f"subfolders")
+    return held

@@ -368,6 +368,8 @@ class Trainer:
                      ", eval.json" if cfg.eval.enabled else "", "" if tr.tensorboard_dir else ", tb/")
             if tr.export_dir:
                 self._copy_to_export_dir(Path(tr.export_dir))
+            if tr.output_data_dir:
+                self._copy_outputs(Path(tr.output_data_dir))
         if dist.world_size() > 1:
             torch.distributed.barrier()
         return self._result(result, None)
@@ -377,6 +379,20 @@ class Trainer:
         for name in ("model_ema.safetensors", "model_ema.json", "model.safetensors", "model.json", "eval.json"):
             if (self.run_dir / name).is_file():
                 shutil.copy2(self.run_dir / name, export / name)
+
+
+    def _copy_outputs(self, out: Path) -> None:
+        """The run's logs, ``eval.json`` and final samples (grid, and GIFs of video runs) to ``out``."""
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "eval.jsonl", "eval.json"):
+            if (self.run_dir / name).is_file():
+                shutil.copy2(self.run_dir / name, out / name)
+        final = self.run_dir / "samples" / f"step_{self.cfg.trainer.max_steps:07d}"
+        if final.with_suffix(".png").is_file():
+            (out / "samples").mkdir(exist_ok=True)
+            shutil.copy2(final.with_suffix(".png"), out / "samples" / f"{final.name}.png")
+        if final.is_dir():
+            shutil.copytree(final, out / "samples" / final.name, dirs_exist_ok=True)
 
 
 def train(cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None) -> Dict[str, Any]:

@@ -181,6 +181,24 @@ def test_heldout_split_uses_eval_transform(photo_root):
     assert len(crops) > 1  # the training subset augments
 
 
+def test_heldout_root_is_the_whole_held_out_set(photo_root, tmp_path):
+    """data.heldout_root (a SageMaker validation channel): all of root trains, all of that folder is
+    held out with the eval transform and the same labels; other classes, or digits, are refused."""
+    val = tmp_path / "validation"
+    _save(skimage.data.coffee(), val / "things" / "coffee.png")
+    _save(skimage.data.chelsea(), val / "cats" / "chelsea.png")
+    cfg = dict(name="image_folder", root=str(photo_root), resolution=R, channels=3, num_classes=2)
+    train, held = build_datasets(_cfg(**cfg, heldout_root=str(val)), seed=0)
+    assert len(train) == 5 and held.classes == train.classes == ["cats", "things"]
+    assert held.labels.tolist() == [0, 1] and held.base.root == val
+    assert torch.equal(held[(0, 7)][0], held.base[(0, None)][0])  # eval transform
+    _save(skimage.data.rocket(), val / "rockets" / "rocket.png")
+    with pytest.raises(ValueError, match="has classes cats, rockets, things but data.root has cats, things"):
+        build_datasets(_cfg(**cfg, heldout_root=str(val)), seed=0)
+    with pytest.raises(ValueError, match="data.heldout_root is for data.name=image_folder or video_folder"):
+        build_datasets(_cfg(name="digits", heldout_root=str(val)), seed=0)
+
+
 def test_single_class_folder(tmp_path):
     root = tmp_path / "only_photos"
     _save(skimage.data.coffee(), root / "coffee.png")
