@@ -83,9 +83,6 @@ def fake_repo(tmp_path_factory) -> Path:
         if (REPO / rel).is_file():
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / rel, root / rel)
-    (root / "scripts").mkdir(exist_ok=True)
-    (root / "scripts/sagemaker_entry.py").write_text("from vitp.cli.sagemaker import main\nmain()\n")
-    (root / "scripts/sagemaker_requirements.txt").write_text("timm==1.0.31\nhydra-core==1.3.8")
     (root / "build/lib/vitp").mkdir(parents=True)
     (root / "build/lib/vitp/stale_module.py").write_text("raise SystemExit('stale')\n")
     subprocess.run(["git", "init", "-q", str(root)], check=True)
@@ -103,9 +100,10 @@ def test_stage_source_holds_entry_requirements_and_wheel(staged, fake_repo):
     dest, wheel = staged
     assert sorted(p.name for p in dest.iterdir()) == sorted(["sagemaker_entry.py", "requirements.txt", wheel.name])
     assert (dest / "sagemaker_entry.py").read_text() == (fake_repo / "scripts/sagemaker_entry.py").read_text()
-    # the copied requirements, then the wheel as a path relative to the code folder
-    assert (dest / "requirements.txt").read_text().splitlines() == ["timm==1.0.31", "hydra-core==1.3.8",
-                                                                    f"./{wheel.name}"]
+    # the repo's requirements verbatim: they pin the staged wheel's version, found with --find-links .
+    text = (dest / "requirements.txt").read_text()
+    assert text == (fake_repo / "scripts/sagemaker_requirements.txt").read_text()
+    assert "--find-links ." in text.splitlines() and wheel.name.startswith("vitp-0.1.0-")
     names = zipfile.ZipFile(wheel).namelist()
     confs = sorted(str(p.relative_to(fake_repo / "conf")) for p in (fake_repo / "conf").rglob("*.yaml"))
     assert confs and sorted(n[len("vitp/conf/"):] for n in names if n.endswith(".yaml")) == confs
@@ -118,7 +116,21 @@ def test_stage_source_reuses_a_given_wheel_and_names_it_once(staged, fake_repo, 
     job.stage_source(fake_repo, dest, wheel=wheel)
     lines = (dest / "requirements.txt").read_text().splitlines()
     job.stage_source(fake_repo, dest, wheel=wheel)  # requirements copied afresh: still one wheel line
-    assert (dest / "requirements.txt").read_text().splitlines() == lines and lines[-1] == f"./{wheel.name}"
+    assert (dest / "requirements.txt").read_text().splitlines() == lines and lines[-1] == "vitp==0.1.0"
+
+
+def test_stage_source_appends_the_wheel_when_requirements_do_not_name_vitp(staged, fake_repo, tmp_path):
+    _, wheel = staged
+    repo = tmp_path / "repo"
+    shutil.copytree(fake_repo / "scripts", repo / "scripts")
+    (repo / "scripts/sagemaker_requirements.txt").write_text("timm==1.0.31\nhydra-core==1.3.8")
+    dest = tmp_path / "staged"
+    job.stage_source(repo, dest, wheel=wheel)
+    assert (dest / "requirements.txt").read_text().splitlines() == ["timm==1.0.31", "hydra-core==1.3.8",
+                                                                    f"./{wheel.name}"]
+    (repo / "scripts/sagemaker_requirements.txt").write_text("--find-links .\nvitp==9.9\n")
+    with pytest.raises(ValueError, match="pins vitp==9.9 but the staged wheel is vitp-0.1.0-"):
+        job.stage_source(repo, dest, wheel=wheel)
 
 
 def test_stage_source_without_job_scripts_says_where_they_come_from(tmp_path):

@@ -344,8 +344,11 @@ def stage_source(repo: Path, dest: Path, wheel: Optional[Path] = None, wheel_in_
     ``dest`` receives ``sagemaker_entry.py`` and ``requirements.txt`` copied from
     :data:`STAGED_FROM` in ``repo``, and a vitp wheel (``wheel`` copied, else built from ``repo``).
     With ``wheel_in_requirements`` the wheel is appended to ``requirements.txt`` as ``./<wheel>``
-    (the SDK installs the requirements from inside the code folder), unless a line already names a
-    vitp wheel.
+    (the SDK installs the requirements from inside the code folder), unless a line already names
+    vitp (the repo's file pins ``vitp==<version>`` with ``--find-links .``, so the staged wheel is
+    what pip installs).
+
+    Raises ``ValueError`` when the requirements pin a vitp version other than the wheel's.
     """
     dest.mkdir(parents=True, exist_ok=True)
     for name, rel in STAGED_FROM.items():
@@ -362,7 +365,12 @@ def stage_source(repo: Path, dest: Path, wheel: Optional[Path] = None, wheel_in_
         staged = build_wheel(repo, dest)
     req = dest / REQUIREMENTS
     text = req.read_text()
-    if wheel_in_requirements and not re.search(r"^[^#]*vitp-[^\s]*\.whl", text, re.M):
+    pin = re.search(r"^\s*vitp==(\S+)", text, re.M)
+    if pin and not staged.name.startswith(f"vitp-{pin.group(1)}-"):
+        raise ValueError(f"{STAGED_FROM[REQUIREMENTS]} pins vitp=={pin.group(1)} but the staged wheel is "
+                         f"{staged.name}: make the pin match pyproject's version")
+    names_vitp = pin or re.search(r"^[^#]*vitp-[^\s]*\.whl", text, re.M)
+    if wheel_in_requirements and not names_vitp:
         req.write_text(text + ("" if text.endswith("\n") or not text else "\n") + f"./{staged.name}\n")
     return staged
 
