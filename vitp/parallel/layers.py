@@ -28,6 +28,7 @@ from .mappings import (
     NoDeepcopy,
     copy_to_tp_region,
     gather_from_sequence_region,
+    gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
 )
@@ -109,15 +110,20 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
     """``y = x A^T + b`` with ``A``'s output features (rows) split over the TP group.
 
     ``forward``: ``(B, N, in)`` (or ``(B, N / tp, in)`` with sequence parallelism) ->
-    ``(B, N, out / tp)``. Use :meth:`from_linear`.
+    ``(B, N, out / tp)``, or with ``gather_output`` ``(..., out)`` (all-gathered). Use
+    :meth:`from_linear`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int, out_features: int,
                  state: ParallelState, stride: int = 1, sequence_parallel: Optional[bool] = None,
-                 input_comm: bool = True):
+                 input_comm: bool = True, gather_output: bool = False, partial_output_grad: bool = False,
+                 tag: str = "tp"):
         super().__init__()
+        if gather_output and stride != 1:
+            raise ValueError("gather_output needs stride 1 (a gathered strided output would be reordered)")
         self.in_features, self.out_features, self.stride = in_features, out_features, stride
-        self.input_comm = input_comm
+        self.input_comm, self.gather_output, self.partial_output_grad, self.tag = \
+            input_comm, gather_output, partial_output_grad, tag
         self.sequence_parallel = state.sequence_parallel if sequence_parallel is None else sequence_parallel
         self.group = state.tp_group
         self.weight = weight
@@ -127,8 +133,9 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
             _mark_sharded(self.bias, 0, stride)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, state: ParallelState, stride_chunks: Optional[int] = None, sequence_parallel: Optional[bool] = None,
-                    input_comm: bool = True) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, state: ParallelState, stride_chunks: Optional[int] = None,
+                    sequence_parallel: Optional[bool] = None, input_comm: bool = True, gather_output: bool = False,
+                    partial_output_grad: bool = False, tag: str = "tp") -> "ColumnParallelLinear":
         """Keep this rank's output features of ``linear`` (whose weights are full and identical
         on all ranks).
 
@@ -142,19 +149,30 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
         input_comm : bool
             ``False`` when the caller already mapped the input into the TP region (with
             ``copy_to_tp_region`` or ``gather_from_sequence_region``), e.g. two column layers
-            reading one input (SwiGLU's ``fc1_g`` and ``fc1_x``) share one collective.
+            reading one input (SwiGLU's ``fc1_g`` and ``fc1_x``) share one collective, or when
+            the input gradient may stay a per-rank partial sum that the caller reduces later
+            (the adaLN modulation: the plan reduces the conditioning's gradient once).
+        gather_output : bool
+            All-gather the output features (Megatron ``gather_output``): a small output (the
+            adaLN modulation vector ``(B, 6 D)``) is cheaper to gather than its weight is to
+            replicate. Backward splits the gradient, or reduce-scatters it with
+            ``partial_output_grad`` (the output feeds a token shard).
+        tag : str
+            :class:`~vitp.parallel.comm.CommRecorder` tag of the output gather.
 
         Raises
         ------
         ValueError
-            If ``out_features`` is not divisible by ``stride_chunks * tp``.
+            If ``out_features`` is not divisible by ``stride_chunks * tp``, or ``gather_output``
+            with ``stride_chunks > 1``.
         """
         stride = stride_chunks or 1
         w = _new_param(shard_tensor(linear.weight, 0, stride, state.tp_size, state.tp_rank), linear.weight)
         b = None
         if linear.bias is not None:
             b = _new_param(shard_tensor(linear.bias, 0, stride, state.tp_size, state.tp_rank), linear.bias)
-        return cls(w, b, linear.in_features, linear.out_features, state, stride, sequence_parallel, input_comm)
+        return cls(w, b, linear.in_features, linear.out_features, state, stride, sequence_parallel, input_comm,
+                   gather_output, partial_output_grad, tag)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_comm:
@@ -163,12 +181,13 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
             x = gather_from_sequence_region(x, self.group)
         else:
             x = copy_to_tp_region(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp_region(y, self.group, self.partial_output_grad, self.tag) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"(local {self.weight.shape[0]}), stride={self.stride}, bias={self.bias is not None}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, gather_output={self.gather_output}")
 
 
 class RowParallelLinear(NoDeepcopy, nn.Module):

@@ -30,8 +30,10 @@ def test_parameter_attributes_for_grad_norm(tp2):
         assert a[name]["tensor_model_parallel"] is None and a[name]["sequence_parallel"], name
     for name in ("attn.q_norm.weight", "attn.k_norm.bias"):
         assert a[name]["tp_partial_grad"] and a[name]["tensor_model_parallel"] is None, name
-    for name in ("adaLN_modulation.1.weight", "y_embedder"):  # complete through CopyToTPRegion
-        assert a[name] == dict.fromkeys(a[name]), name
+    mod = a["adaLN_modulation.1.weight"]  # column-parallel, output gathered
+    assert mod["tensor_model_parallel"] and mod["partition_dim"] == 0 and mod["partition_stride"] == 1
+    assert a["adaLN_modulation.1.bias"]["tensor_model_parallel"]
+    assert a["y_embedder"] == dict.fromkeys(a["y_embedder"])  # complete: c's gradient is summed where it leaves Embed
 
 
 def test_rng_rules(tp2, tp4):
@@ -57,12 +59,15 @@ def test_comm_matches_theory(tp2):
     e = tp2[0]["comm_elem"]
     off, on = tp2[0]["comm"][False], tp2[0]["comm"][True]
     two = {"count": 2, "bytes": 2 * e["BND"]}
-    assert off["summary"] == {("all_reduce", "fwd", "tp"): two, ("all_reduce", "bwd", "tp"): two}
+    cond = {"count": 1, "bytes": e["B6D"]}  # the sharded adaLN modulation vector (B, 6D)
+    assert off["summary"] == {("all_reduce", "fwd", "tp"): two, ("all_reduce", "bwd", "tp"): two,
+                              ("all_gather", "fwd", "cond"): cond}
     s = on["summary"]
     for kind in ("all_gather", "reduce_scatter"):
         for direction in ("fwd", "bwd"):
             assert s.pop((kind, direction, "tp")) == two, (kind, direction)
-    assert s.pop(("all_reduce", "bwd", "cond")) == {"count": 1, "bytes": e["B6D"]}  # adaLN output grad
+    assert s.pop(("all_gather", "fwd", "cond")) == cond
+    assert s.pop(("reduce_scatter", "bwd", "cond")) == cond  # each rank's tokens give a partial sum
     assert s.pop(("all_reduce", "bwd", "param_grad")) == {"count": 2, "bytes": 2 * e["D"]}  # proj/fc2 bias
     assert s.pop(("all_gather", "fwd", "sp_boundary")) == {"count": 1, "bytes": e["BND"]}  # exit
     assert s.pop(("all_gather", "bwd", "sp_boundary")) == {"count": 1, "bytes": e["BND"]}  # enter's backward
