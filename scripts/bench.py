@@ -229,7 +229,9 @@ def overhead_worker(size: str, reps: int, steps: int, tmp: str, extra=()) -> dic
     base = live_tensor_bytes()
     vitp, tr, micro = vitp_variant("vitp", cfg, f"{tmp}/overhead-{size}-{len(extra)}")
     vitp.step()
-    vitp_bytes = live_tensor_bytes() - base - sum(t.numel() * t.element_size() for mb in micro for x in mb for t in x)
+    ema = sum(t.numel() * t.element_size() for t in tr.ema.params.values())  # the trainer's, not the step's
+    vitp_bytes = live_tensor_bytes() - base - ema - sum(t.numel() * t.element_size() for mb in micro for x in mb
+                                                        for t in x)
     before = live_tensor_bytes()
     plain, model, _ = plain_variant("plain", cfg, micro)
     plain.step()
