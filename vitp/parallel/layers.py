@@ -24,10 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
+from .grads import defer_grad_allreduce
 from .mappings import (
+    SEQ_DIM,
     NoDeepcopy,
     copy_to_tp_region,
-    gather_from_sequence_region,
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
@@ -92,14 +93,63 @@ def register_grad_allreduce(param: nn.Parameter, state: ParallelState, attr: str
 
     Used for replicated parameters that see only part of the data on each TP rank: norm weights,
     LayerScale gammas and row-parallel biases in a sequence-parallel region, and q/k-norm
-    weights applied to a subset of heads.
+    weights applied to a subset of heads. With ``state.defer_grad_sync`` no hook is installed:
+    the parameter is marked for :func:`vitp.parallel.grads.sync_partial_grads`, which the caller
+    runs once per optimizer step (the trainer does, before the grad norm).
     """
     setattr(param, attr, True)
     if state.tp_size == 1 or getattr(param, "_vitp_grad_allreduce", False):
         return
+    if state.defer_grad_sync:  # summed once per step by vitp.parallel.grads.sync_partial_grads
+        defer_grad_allreduce(param, state.tp_group)
+        return
     param._vitp_grad_allreduce = True
     group = state.tp_group
     param.register_hook(lambda g: comm.all_reduce(g.clone(), group, direction="bwd", tag="param_grad"))
+
+
+class _GatherLinears(torch.autograd.Function):
+    """All-gather the token shards, then ``k`` linears on the gathered tokens; the backward pass
+    all-gathers the shard again for the weight gradients instead of saving the gathered input,
+    and reduce-scatters the summed input gradient (Megatron-LM
+    ``LinearWithGradAccumulationAndAsyncCommunication`` with ``sequence_parallel``; Korthikanti
+    et al. 2022 §4.2.2: activation memory of the column-parallel inputs drops by tp)."""
+
+    @staticmethod
+    def forward(ctx, x, group, tag, *params):
+        ctx.group, ctx.tag = group, tag
+        weights, biases = params[0::2], params[1::2]
+        ctx.has_bias = [b is not None for b in biases]
+        total = comm.all_gather(x, SEQ_DIM, group, direction="fwd", tag=tag)
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        total = comm.all_gather(x, SEQ_DIM, ctx.group, direction="bwd", tag=ctx.tag)  # re-gather
+        flat = total.reshape(-1, total.shape[-1])
+        grad_in, out = None, []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+            if g is None:
+                out += [None, None]
+                continue
+            gi = g.matmul(w)
+            grad_in = gi if grad_in is None else grad_in + gi
+            g2 = g.reshape(-1, g.shape[-1])
+            out += [g2.t().mm(flat), g2.sum(0) if has_bias else None]
+        grad_x = comm.reduce_scatter(grad_in, SEQ_DIM, ctx.group, direction="bwd", tag=ctx.tag)
+        return (grad_x, None, None, *out)
+
+
+def gather_linears(x: torch.Tensor, linears, group, tag: str = "tp") -> tuple:
+    """``x`` ``(B, N / tp, in)`` (this rank's token shard) -> ``tuple(F.linear(all_gather(x), W, b))``
+    ``(B, N, out_k)`` for each ``(W, b)`` in ``linears`` (column-parallel shards reading one
+    input), with the gathered input re-gathered in backward instead of saved (:class:`_GatherLinears`)."""
+    params = [t for w, b in linears for t in (w, b)]
+    if comm.group_size(group) == 1:
+        return tuple(F.linear(x, w, b) for w, b in linears)
+    return _GatherLinears.apply(x, group, tag, *params)
 
 
 def _new_param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
@@ -178,7 +228,8 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
         if not self.input_comm:
             pass
         elif self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.group)
+            y = gather_linears(x, [(self.weight, self.bias)], self.group)[0]  # re-gathers in backward
+            return gather_from_tp_region(y, self.group, self.partial_output_grad, self.tag) if self.gather_output else y
         else:
             x = copy_to_tp_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)

@@ -124,7 +124,8 @@ class Trainer:
         with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its layer table on rank 0
             self.module = build_pipeline(cfg.model, self.loss_fn, seed=cfg.seed, tp=lay.tp, pp=lay.pp, dp=lay.dp,
                                          activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
-        self.state = from_grid(self.module._grid, cfg.parallel.sequence_parallel)
+        # TP-partial gradients are summed once per step (engine.install_step_hook), not per micro-batch
+        self.state = from_grid(self.module._grid, cfg.parallel.sequence_parallel, defer_grad_sync=True)
         parallelize_generator(self.module, self.state, seq_len=num_tokens(**cfg.model))
         if self.checkpointer.resume_tag is None:
             initialize_weights(self.module, cfg, self.state)
