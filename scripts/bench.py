@@ -128,9 +128,11 @@ class Variant:
 def vitp_variant(name, cfg, run_dir):
     """vitp's own step (``engine.train_batch`` of the :class:`vitp.train.Trainer`'s engine) on
     the first step's micro-batches, repeated; returns ``(Variant, trainer, micro-batches)``."""
+    import uuid
+
     from vitp.train import Trainer
 
-    tr = Trainer(cfg, run_dir)
+    tr = Trainer(cfg, f"{run_dir}-{uuid.uuid4().hex[:8]}")  # a fresh run dir per variant
     gas = tr.engine.gradient_accumulation_steps()
     micro = [next(tr.data_iter) for _ in range(gas)]
     data = itertools.cycle(micro)
@@ -587,6 +589,19 @@ def parse_args(argv=None):
 def run_sections(args, sizes, tmp: str) -> dict:
     reps, steps = args.reps, args.steps
     res, sections = {}, args.sections.split(",")
+    partial = Path(f"{args.out}.partial.json")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    sections = [s for s in SECTIONS if s in sections]
+    for name in sections:  # each section's results are kept as soon as it ends
+        res[name] = run_section(name, args, sizes, tmp)
+        partial.write_text(json.dumps(res, indent=1))
+    partial.unlink(missing_ok=True)
+    return res
+
+
+def run_section(name: str, args, sizes, tmp: str):
+    reps, steps = args.reps, args.steps
+    res, sections = {}, [name]
     if "overhead" in sections:
         res["overhead"] = {s: run_group(1, overhead_worker, s, reps, steps, tmp) for s in sizes}
     if "tp" in sections:
@@ -601,7 +616,7 @@ def run_sections(args, sizes, tmp: str) -> dict:
     if "tokens" in sections:
         res["tokens"] = run_group(1, tokens_worker, "tiny" if args.quick else "demo",
                                   (8,) if args.quick else (8, 16, 32), reps, steps, tmp)
-    return res
+    return res[name]
 
 
 def main(argv=None) -> None:
