@@ -312,7 +312,9 @@ def comm_theory(cfg, tp: int, sp: bool, regather: bool, partial_bytes: int) -> d
     boundary per micro-batch: the gather before the final layer, and the gradient gather of the
     token split after the embedding. Replicated parameters whose gradient is a per-rank partial
     sum: one all-reduce of ``partial_bytes`` per step. The adaLN modulation (sharded) adds one
-    all-gather of ``(B, 6D)`` per block forward, and under SP its reduce-scatter in backward.
+    all-gather of ``(B, 6D)`` per block and one of ``(B, 2D)`` for the final layer in forward,
+    under SP the blocks' reduce-scatters in backward, and the conditioning's gradient one
+    all-reduce of ``(B, D)`` per micro-batch where it leaves the embedding.
     """
     from vitp.models import num_tokens
 
@@ -324,7 +326,8 @@ def comm_theory(cfg, tp: int, sp: bool, regather: bool, partial_bytes: int) -> d
     def e(count, nbytes):
         return {"count": count * n_micro, "bytes": count * n_micro * nbytes}
 
-    out = {"all_gather/fwd/cond": e(L, b6d)}
+    out = {"all_gather/fwd/cond": {"count": (L + 1) * n_micro, "bytes": n_micro * (L * b6d + B * 2 * D * 4)},
+           "all_reduce/bwd/cond": e(1, B * D * 4)}
     if not sp:
         out.update({"all_reduce/fwd/tp": e(2 * L, bnd), "all_reduce/bwd/tp": e(2 * L, bnd)})
     else:
