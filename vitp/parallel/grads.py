@@ -47,8 +47,10 @@ def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, total_norm: flo
     """Scale gradients by ``max_norm / (total_norm + 1e-6)`` when that is below 1, with the
     arithmetic of DeepSpeed's ZeRO optimizer (``unscale_and_clip_grads``: divide by
     ``(total_norm + 1e-6) / max_norm``), so clipping equals DeepSpeed's to the last bit."""
+    if max_norm <= 0:  # clipping off
+        return
     clip = (total_norm + 1e-6) / max_norm
-    if max_norm > 0 and clip > 1:
+    if clip > 1:
         grads = [p.grad for p in params if p.grad is not None]
         torch._foreach_mul_(grads, 1.0 / clip)
 
