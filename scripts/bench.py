@@ -383,11 +383,11 @@ def tp_worker(size: str, reps: int, steps: int, tmp: str) -> dict:
 
     gen = dtensor_parallelize(Generator.from_config(cfg_tp.model, seed=cfg_tp.seed), 2)
     dt, _, _ = plain_variant("dtensor", cfg_tp, micro, model=gen, clip_norm=dtensor_clip)
+    times = interleave([tp, sp, dt], reps, steps)  # first: the first-step losses are compared
     comm = {}
     for name, tr, cfg, sp_on in (("tp", tr_tp, cfg_tp, False), ("sp", tr_sp, cfg_sp, True)):
         theory = comm_theory(cfg, 2, sp_on, getattr(tr.state, "regather", True), partial_grad_bytes(tr.engine.module))
         comm[name] = compare_comm(recorded_comm(tr, it.cycle(micro)), theory)
-    times = interleave([tp, sp, dt], reps, steps)
     if not dist.is_main():
         return {}
     return {"tp_vs_dtensor": ratio(times, "vitp_tp", "dtensor"), "sp_vs_tp": ratio(times, "vitp_sp", "vitp_tp"),
