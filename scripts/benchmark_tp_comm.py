@@ -8,7 +8,8 @@ all processes (tp = world size), runs one forward/backward under :class:`CommRec
 prints, on rank 0, each kind of collective with its count and bytes next to the theory of
 Korthikanti et al. 2022: per block and micro-batch 2 all-reduces of B*N*D elements forward and
 2 backward without sequence parallelism; with it the same bytes as all-gathers and
-reduce-scatters. Also prints per-rank wire bytes, the wall time of the step, and for each
+reduce-scatters, plus (SP) the column-parallel inputs all-gathered again in backward instead
+of saved, as Megatron-LM does. Also prints per-rank wire bytes, the wall time of the step, and for each
 theory entry the relative error of the measured bytes and whether it is within ``--rtol``.
 """
 from __future__ import annotations
@@ -49,7 +50,10 @@ def theory_bytes(m, batch: int, tp: int, sp: bool):
     n_pad = -(-N // tp) * tp if sp else N
     bnd = batch * n_pad * m.width * 4  # fp32 bytes of one (B, N, D) activation
     kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
-    return bnd, {f"{k}/{d}/tp": 2 * m.depth * bnd for d in ("fwd", "bwd") for k in kinds}
+    theory = {f"{k}/{d}/tp": 2 * m.depth * bnd for d in ("fwd", "bwd") for k in kinds}
+    if sp:  # the column-parallel inputs are gathered again in backward instead of saved (Megatron-LM)
+        theory["all_gather/bwd/tp"] *= 2
+    return bnd, theory
 
 
 def compare(measured: dict, theory: dict, rtol: float) -> dict:

@@ -212,6 +212,12 @@ class Layout:
     dp: int
     precision: str  # "fp32" | "bf16" ("auto" resolved by device)
 
+    def engine_zero_stage(self, configured: int) -> int:
+        """ZeRO stage the engine runs for ``parallel.zero_stage = configured``: 0 in fp32 at
+        ``dp = 1`` (ZeRO-1 would partition nothing; vitp clips exactly itself, see
+        :mod:`vitp.train.engine`), else ``configured``."""
+        return 0 if self.precision == "fp32" and self.dp == 1 else int(configured)
+
 
 def resolve_precision(precision: str, device_type: str) -> str:
     """``auto`` -> ``bf16`` on CUDA, ``fp32`` elsewhere; other values unchanged."""

@@ -174,7 +174,8 @@ def _copy_tag(tp2pp2_run, tmp_path) -> Path:
 def test_truncated_or_missing_checkpoint_files_are_named(tp2pp2_run, tmp_path):
     tag = _copy_tag(tp2pp2_run, tmp_path)
     assert ckpt.verify_checkpoint(tag)["step"] == 4
-    victim = next(tag.glob("zero_pp_rank_*optim_states.pt"))
+    # the optimizer's file: ZeRO-1 shards, or at ZeRO-0 (fp32, dp=1) DeepSpeed's model-states file
+    victim = next(tag.glob("zero_pp_rank_*optim_states.pt"), None) or next(tag.glob("mp_rank_*_model_states.pt"))
     with open(victim, "r+b") as f:
         f.truncate(100)
     with pytest.raises(ValueError, match=f"{victim}.*truncated"):

@@ -187,6 +187,11 @@ def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout
     mine = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "precision": layout.precision,
             "zero_stage": cfg.parallel.zero_stage}
     diffs = [f"{k}: {meta.get(k)!r} in the checkpoint vs {v!r} now" for k, v in mine.items() if meta.get(k) != v]
+    # checkpoints written before vitp chose the engine's stage ran parallel.zero_stage itself
+    ran, runs = meta.get("engine_zero_stage", meta.get("zero_stage")), layout.engine_zero_stage(cfg.parallel.zero_stage)
+    if not diffs and ran != runs:
+        diffs.append(f"the engine ran ZeRO stage {ran!r} when the checkpoint was written and runs {runs} now "
+                     f"(fp32 at dp=1 runs stage 0 since vitp clips exactly itself)")
     diffs += model_differences(meta.get("model", {}), cfg.model, RESUME_KEYS)
     if diffs:
         raise ValueError(f"checkpoint {tag_dir} does not match this run ({'; '.join(diffs)}); {fix}")

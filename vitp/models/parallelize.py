@@ -8,11 +8,15 @@ The generic machinery is :mod:`vitp.parallel`; this plan names the generator's m
 - with sequence parallelism, tokens are scattered over the TP group after
   :class:`~vitp.models.generator.Embed` and gathered before
   :class:`~vitp.models.generator.FinalLayer` (forward hooks, so the same plan serves the
-  single-process :class:`~vitp.models.Generator` and pipeline stages holding either), and each
-  block's adaLN output ``(B, 6D)`` passes through :class:`~vitp.parallel.CopyToTPRegion`: it is
-  replicated, but its gradient is a per-rank partial sum over local tokens, and one all-reduce of
-  that gradient makes the adaLN weights' and ``c``'s gradients (back to the embedders) complete,
-  cheaper than reducing ``6 D^2`` weight gradients.
+  single-process :class:`~vitp.models.Generator` and pipeline stages holding either);
+- the adaLN modulation of every block (``Linear(D, 6 D)``, a third of a block's ``18 D^2``
+  weights) and of the final layer (``Linear(D, 2 D)``) is column-parallel with its output
+  all-gathered (:class:`~vitp.parallel.ColumnParallelLinear` ``gather_output``): the gathered
+  ``(B, 6 D)`` vector is tiny next to the ``6 D^2 / tp`` weights each rank no longer holds. Its
+  backward splits the vector's gradient (reduce-scatters it under SP, where each rank's tokens
+  give a partial sum). The conditioning ``c``'s gradient is then a per-rank partial sum in every
+  consumer, so it is summed once, where ``c`` leaves :class:`~vitp.models.generator.Embed`
+  (one all-reduce of ``(B, D)`` per micro-batch, tag ``cond``), instead of once per block.
 """
 from __future__ import annotations
 
@@ -21,21 +25,25 @@ from typing import Optional
 import torch.nn as nn
 
 from vitp.parallel import (
-    CopyToTPRegion,
+    ColumnParallelLinear,
     ParallelState,
     SequenceInfo,
     parallelize_block,
     sequence_parallel_enter,
     sequence_parallel_exit,
 )
+from vitp.parallel.mappings import copy_to_tp_region
 
 from .generator import Block, Embed, FinalLayer
 
 
-def _install_sequence_hooks(model: nn.Module, state: ParallelState, info: SequenceInfo) -> None:
+def _install_hooks(model: nn.Module, state: ParallelState, info: SequenceInfo) -> None:
+    """Embed's output: tokens into the sequence region (SP), ``c`` into the TP region (its
+    gradient, partial on each rank, is all-reduced here once); FinalLayer's input: tokens out of
+    the sequence region (SP)."""
     def after_embed(_m, _args, out):
         tokens, c = out
-        return sequence_parallel_enter(tokens, state, info), c
+        return sequence_parallel_enter(tokens, state, info), copy_to_tp_region(c, state.tp_group, tag="cond")
 
     def before_final(_m, args):
         if len(args) == 1 and isinstance(args[0], (tuple, list)):  # pipeline adapter: final((x, c))
@@ -47,8 +55,15 @@ def _install_sequence_hooks(model: nn.Module, state: ParallelState, info: Sequen
     for m in model.modules():
         if isinstance(m, Embed):
             m.register_forward_hook(after_embed)
-        elif isinstance(m, FinalLayer):
+        elif isinstance(m, FinalLayer) and state.sequence_parallel:
             m.register_forward_pre_hook(before_final)
+
+
+def _shard_modulation(seq: nn.Sequential, state: ParallelState, partial_output_grad: bool) -> None:
+    """``seq = Sequential(SiLU, Linear(D, k D))``: the linear becomes column-parallel with a
+    gathered output; its input gradient stays partial (summed where ``c`` leaves Embed)."""
+    seq[1] = ColumnParallelLinear.from_linear(seq[1], state, input_comm=False, gather_output=True,
+                                              partial_output_grad=partial_output_grad, tag="cond")
 
 
 def parallelize_generator(model: nn.Module, state: ParallelState, seq_len: Optional[int] = None) -> nn.Module:
@@ -84,8 +99,8 @@ def parallelize_generator(model: nn.Module, state: ParallelState, seq_len: Optio
                          "stage without Embed/FinalLayer (e.g. a middle pipeline stage)")
     for blk in blocks:
         parallelize_block(blk, state, info, replicated_skip=("adaLN_modulation",))
-        if state.sequence_parallel:
-            blk.adaLN_modulation.append(CopyToTPRegion(state.tp_group, tag="cond"))
-    if state.sequence_parallel:
-        _install_sequence_hooks(model, state, info)
+        _shard_modulation(blk.adaLN_modulation, state, partial_output_grad=state.sequence_parallel)
+    for final in (m for m in model.modules() if isinstance(m, FinalLayer)):
+        _shard_modulation(final.adaLN_modulation, state, partial_output_grad=False)  # after the SP exit
+    _install_hooks(model, state, info)
     return model

@@ -24,10 +24,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
+from .grads import defer_grad_allreduce
 from .mappings import (
+    SEQ_DIM,
     NoDeepcopy,
     copy_to_tp_region,
-    gather_from_sequence_region,
+    gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
 )
@@ -91,14 +93,63 @@ def register_grad_allreduce(param: nn.Parameter, state: ParallelState, attr: str
 
     Used for replicated parameters that see only part of the data on each TP rank: norm weights,
     LayerScale gammas and row-parallel biases in a sequence-parallel region, and q/k-norm
-    weights applied to a subset of heads.
+    weights applied to a subset of heads. With ``state.defer_grad_sync`` no hook is installed:
+    the parameter is marked for :func:`vitp.parallel.grads.sync_partial_grads`, which the caller
+    runs once per optimizer step (the trainer does, before the grad norm).
     """
     setattr(param, attr, True)
     if state.tp_size == 1 or getattr(param, "_vitp_grad_allreduce", False):
         return
+    if state.defer_grad_sync:  # summed once per step by vitp.parallel.grads.sync_partial_grads
+        defer_grad_allreduce(param, state.tp_group)
+        return
     param._vitp_grad_allreduce = True
     group = state.tp_group
     param.register_hook(lambda g: comm.all_reduce(g.clone(), group, direction="bwd", tag="param_grad"))
+
+
+class _GatherLinears(torch.autograd.Function):
+    """All-gather the token shards, then ``k`` linears on the gathered tokens; the backward pass
+    all-gathers the shard again for the weight gradients instead of saving the gathered input,
+    and reduce-scatters the summed input gradient (Megatron-LM
+    ``LinearWithGradAccumulationAndAsyncCommunication`` with ``sequence_parallel``; Korthikanti
+    et al. 2022 §4.2.2: activation memory of the column-parallel inputs drops by tp)."""
+
+    @staticmethod
+    def forward(ctx, x, group, tag, *params):
+        ctx.group, ctx.tag = group, tag
+        weights, biases = params[0::2], params[1::2]
+        ctx.has_bias = [b is not None for b in biases]
+        total = comm.all_gather(x, SEQ_DIM, group, direction="fwd", tag=tag)
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        total = comm.all_gather(x, SEQ_DIM, ctx.group, direction="bwd", tag=ctx.tag)  # re-gather
+        flat = total.reshape(-1, total.shape[-1])
+        grad_in, out = None, []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+            if g is None:
+                out += [None, None]
+                continue
+            gi = g.matmul(w)
+            grad_in = gi if grad_in is None else grad_in + gi
+            g2 = g.reshape(-1, g.shape[-1])
+            out += [g2.t().mm(flat), g2.sum(0) if has_bias else None]
+        grad_x = comm.reduce_scatter(grad_in, SEQ_DIM, ctx.group, direction="bwd", tag=ctx.tag)
+        return (grad_x, None, None, *out)
+
+
+def gather_linears(x: torch.Tensor, linears, group, tag: str = "tp") -> tuple:
+    """``x`` ``(B, N / tp, in)`` (this rank's token shard) -> ``tuple(F.linear(all_gather(x), W, b))``
+    ``(B, N, out_k)`` for each ``(W, b)`` in ``linears`` (column-parallel shards reading one
+    input), with the gathered input re-gathered in backward instead of saved (:class:`_GatherLinears`)."""
+    params = [t for w, b in linears for t in (w, b)]
+    if comm.group_size(group) == 1:
+        return tuple(F.linear(x, w, b) for w, b in linears)
+    return _GatherLinears.apply(x, group, tag, *params)
 
 
 def _new_param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
@@ -109,15 +160,20 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
     """``y = x A^T + b`` with ``A``'s output features (rows) split over the TP group.
 
     ``forward``: ``(B, N, in)`` (or ``(B, N / tp, in)`` with sequence parallelism) ->
-    ``(B, N, out / tp)``. Use :meth:`from_linear`.
+    ``(B, N, out / tp)``, or with ``gather_output`` ``(..., out)`` (all-gathered). Use
+    :meth:`from_linear`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int, out_features: int,
                  state: ParallelState, stride: int = 1, sequence_parallel: Optional[bool] = None,
-                 input_comm: bool = True):
+                 input_comm: bool = True, gather_output: bool = False, partial_output_grad: bool = False,
+                 tag: str = "tp"):
         super().__init__()
+        if gather_output and stride != 1:
+            raise ValueError("gather_output needs stride 1 (a gathered strided output would be reordered)")
         self.in_features, self.out_features, self.stride = in_features, out_features, stride
-        self.input_comm = input_comm
+        self.input_comm, self.gather_output, self.partial_output_grad, self.tag = \
+            input_comm, gather_output, partial_output_grad, tag
         self.sequence_parallel = state.sequence_parallel if sequence_parallel is None else sequence_parallel
         self.group = state.tp_group
         self.weight = weight
@@ -127,8 +183,9 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
             _mark_sharded(self.bias, 0, stride)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, state: ParallelState, stride_chunks: Optional[int] = None, sequence_parallel: Optional[bool] = None,
-                    input_comm: bool = True) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, state: ParallelState, stride_chunks: Optional[int] = None,
+                    sequence_parallel: Optional[bool] = None, input_comm: bool = True, gather_output: bool = False,
+                    partial_output_grad: bool = False, tag: str = "tp") -> "ColumnParallelLinear":
         """Keep this rank's output features of ``linear`` (whose weights are full and identical
         on all ranks).
 
@@ -142,33 +199,46 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
         input_comm : bool
             ``False`` when the caller already mapped the input into the TP region (with
             ``copy_to_tp_region`` or ``gather_from_sequence_region``), e.g. two column layers
-            reading one input (SwiGLU's ``fc1_g`` and ``fc1_x``) share one collective.
+            reading one input (SwiGLU's ``fc1_g`` and ``fc1_x``) share one collective, or when
+            the input gradient may stay a per-rank partial sum that the caller reduces later
+            (the adaLN modulation: the plan reduces the conditioning's gradient once).
+        gather_output : bool
+            All-gather the output features (Megatron ``gather_output``): a small output (the
+            adaLN modulation vector ``(B, 6 D)``) is cheaper to gather than its weight is to
+            replicate. Backward splits the gradient, or reduce-scatters it with
+            ``partial_output_grad`` (the output feeds a token shard).
+        tag : str
+            :class:`~vitp.parallel.comm.CommRecorder` tag of the output gather.
 
         Raises
         ------
         ValueError
-            If ``out_features`` is not divisible by ``stride_chunks * tp``.
+            If ``out_features`` is not divisible by ``stride_chunks * tp``, or ``gather_output``
+            with ``stride_chunks > 1``.
         """
         stride = stride_chunks or 1
         w = _new_param(shard_tensor(linear.weight, 0, stride, state.tp_size, state.tp_rank), linear.weight)
         b = None
         if linear.bias is not None:
             b = _new_param(shard_tensor(linear.bias, 0, stride, state.tp_size, state.tp_rank), linear.bias)
-        return cls(w, b, linear.in_features, linear.out_features, state, stride, sequence_parallel, input_comm)
+        return cls(w, b, linear.in_features, linear.out_features, state, stride, sequence_parallel, input_comm,
+                   gather_output, partial_output_grad, tag)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_comm:
             pass
         elif self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.group)
+            y = gather_linears(x, [(self.weight, self.bias)], self.group)[0]  # re-gathers in backward
+            return gather_from_tp_region(y, self.group, self.partial_output_grad, self.tag) if self.gather_output else y
         else:
             x = copy_to_tp_region(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp_region(y, self.group, self.partial_output_grad, self.tag) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"(local {self.weight.shape[0]}), stride={self.stride}, bias={self.bias is not None}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, gather_output={self.gather_output}")
 
 
 class RowParallelLinear(NoDeepcopy, nn.Module):

@@ -16,6 +16,9 @@ function                                forward                         backward
 ``reduce_scatter_to_sequence_region``   reduce-scatter dim 1            all-gather dim 1
 ``gather_from_sequence_region_to_       all-gather dim 1                split dim 1
 replicated``
+``gather_from_tp_region``               all-gather last dim             split last dim, or
+                                                                        reduce-scatter last dim
+                                                                        (``partial_grad=True``)
 ======================================  ==============================  =========================
 
 ``gather_from_sequence_region`` feeds a tensor-parallel region (each rank computes a different
@@ -132,6 +135,18 @@ def gather_from_sequence_region_to_replicated(x: torch.Tensor, group, tag: str =
     """``(B, N / tp, D)`` -> ``(B, N, D)`` feeding replicated computation; backward keeps this
     rank's slice of the (identical on every rank) gradient."""
     return x if comm.group_size(group) == 1 else _Gather.apply(x, SEQ_DIM, group, tag, False)
+
+
+def gather_from_tp_region(x: torch.Tensor, group, partial_grad: bool = False, tag: str = "tp") -> torch.Tensor:
+    """``(..., F / tp)`` -> ``(..., F)``: every rank's output features, in rank order (Megatron
+    ``gather_from_tensor_model_parallel_region``, the ``gather_output`` of a column-parallel layer).
+
+    Backward: the gathered tensor's gradient is split back to this rank's features when it is the
+    same on every rank (the output feeds replicated computation); with ``partial_grad=True`` (it
+    feeds computation on this rank's token shard, sequence parallelism) each rank holds a partial
+    sum, so the gradient is reduce-scattered instead.
+    """
+    return x if comm.group_size(group) == 1 else _Gather.apply(x, -1, group, tag, partial_grad)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:

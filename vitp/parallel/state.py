@@ -20,7 +20,10 @@ class ParallelState:
 
     ``tp_group`` is a ``torch.distributed`` ``ProcessGroup`` (``None`` means the default group,
     which is only correct when ``tp_size`` equals the world size or is 1). ``sequence_parallel``
-    is forced to ``False`` when ``tp_size == 1`` (there is nothing to shard).
+    is forced to ``False`` when ``tp_size == 1`` (there is nothing to shard). ``defer_grad_sync``:
+    replicated parameters with TP-partial gradients are summed once per step by
+    :func:`vitp.parallel.grads.sync_partial_grads` (which the caller runs) instead of by a
+    gradient hook per backward.
     """
 
     tp_group: Any = None
@@ -31,13 +34,14 @@ class ParallelState:
     pp_rank: int = 0
     pp_size: int = 1
     sequence_parallel: bool = False
+    defer_grad_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tp_size == 1:
             self.sequence_parallel = False  # nothing to shard; keeps the single-process path plain
 
 
-def from_grid(grid: Any, sequence_parallel: bool = False) -> ParallelState:
+def from_grid(grid: Any, sequence_parallel: bool = False, defer_grad_sync: bool = False) -> ParallelState:
     """:class:`ParallelState` of a DeepSpeed ``PipelineParallelGrid`` (e.g. ``PipelineModule._grid``)."""
     return ParallelState(
         tp_group=grid.get_slice_parallel_group(),
@@ -48,6 +52,7 @@ def from_grid(grid: Any, sequence_parallel: bool = False) -> ParallelState:
         pp_rank=grid.get_stage_id(),
         pp_size=grid.pipe_parallel_size,
         sequence_parallel=sequence_parallel,
+        defer_grad_sync=defer_grad_sync,
     )
 
 

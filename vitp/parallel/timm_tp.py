@@ -50,10 +50,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import Attention, GluMlp, Mlp, SwiGLU
 
-from .layers import ColumnParallelLinear, RowParallelLinear, full_weight, register_grad_allreduce, shard_like
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    full_weight,
+    gather_linears,
+    register_grad_allreduce,
+    shard_like,
+)
 from .mappings import (
     copy_to_tp_region,
-    gather_from_sequence_region,
     gather_from_sequence_region_to_replicated,
     scatter_to_sequence_region,
 )
@@ -208,18 +214,24 @@ class TPMlp(nn.Module):
         units not divisible by tp; ``TypeError`` for other MLP classes."""
         return cls(mlp, state)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _fc1(self, x: torch.Tensor) -> tuple:
+        """fc1 output(s): gathered from the token shards once (re-gathered in backward) under SP,
+        else entering the TP region once (one all-reduce of the input gradient)."""
+        fcs = (self.fc1_g, self.fc1_x) if self.kind == "swiglu" else (self.fc1,)
         if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.group)
-        else:
-            x = copy_to_tp_region(x, self.group)
+            return gather_linears(x, [(fc.weight, fc.bias) for fc in fcs], self.group)
+        x = copy_to_tp_region(x, self.group)
+        return tuple(fc(x) for fc in fcs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._fc1(x)
         if self.kind == "swiglu":
-            h = self.act(self.fc1_g(x)) * self.fc1_x(x)
+            h = self.act(out[0]) * out[1]
         elif self.kind == "glu":
-            x1, x2 = self.fc1(x).chunk(2, dim=-1)
+            x1, x2 = out[0].chunk(2, dim=-1)
             h = x1 * self.act(x2) if self.gate_last else self.act(x1) * x2
         else:
-            h = self.act(self.fc1(x))
+            h = self.act(out[0])
         with sharded_fork(getattr(self.drop1, "p", 0.0), self.training, h.device, self.tp_size):
             h = self.drop1(h)
         y = self.fc2(self.norm(h))

@@ -86,6 +86,7 @@ class Checkpointer:
         tr = self.cfg.trainer
         meta = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "precision": self.layout.precision,
                 "zero_stage": self.cfg.parallel.zero_stage,
+                "engine_zero_stage": self.layout.engine_zero_stage(self.cfg.parallel.zero_stage),
                 "model": OmegaConf.to_container(self.cfg.model, resolve=True), "ema_updates": ema.updates,
                 "seed": self.cfg.seed, "global_batch_size": tr.global_batch_size, "max_steps": tr.max_steps}
         return ckpt.save_training_checkpoint(engine, self.dir, step, rank=dist.rank(), main=dist.is_main(),

@@ -1,5 +1,16 @@
-"""The DeepSpeed engine of a run: its JSON config, optimizer parameter groups, and the start-up
-check that every rank of a data-parallel replica sees the same batch."""
+"""The DeepSpeed engine of a run: its JSON config, the optimizer (and which ZeRO stage runs it),
+the per-step gradient hook, and the start-up check that every rank of a data-parallel replica
+sees the same batch.
+
+ZeRO stage 1 partitions the optimizer state over the data-parallel ranks. With ``dp = 1`` in
+fp32 it partitions nothing but still copies every gradient into flat buckets, all-reduces them
+on a 1-rank group, steps AdamW on flat buffers and keeps a second fp32 copy of the weights; and
+DeepSpeed's own stage-0 fp32 pipeline path miscomputes the clipping norm (design.md). So at
+``dp = 1`` in fp32 the engine runs ZeRO stage 0 with :class:`ExactClipAdamW`, torch's AdamW
+that clips by the exact global norm itself (:func:`vitp.parallel.grads.global_grad_norm`).
+bf16 keeps ZeRO-1 at any ``dp``: it needs fp32 master weights (which ZeRO-1 keeps), and
+DeepSpeed's bf16 stage-0 path cannot resume (design.md).
+"""
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -8,11 +19,74 @@ import torch
 
 from vitp.config import Layout
 from vitp.parallel import distributed as dist
+from vitp.parallel.grads import clip_grads_, global_grad_norm, sync_partial_grads
+
+
+def zero_stage(cfg: Any, layout: Layout) -> int:
+    """The ZeRO stage the engine runs: 0 for fp32 at ``dp = 1`` (module docstring), else
+    ``parallel.zero_stage``."""
+    return layout.engine_zero_stage(cfg.parallel.zero_stage)
+
+
+class ExactClipAdamW(torch.optim.AdamW):
+    """torch's AdamW whose :meth:`step` first computes the exact global grad norm over the
+    model-parallel group, stores it as ``_global_grad_norm`` (DeepSpeed's engine reports it from
+    there) and clips with DeepSpeed ZeRO's arithmetic. State dict = AdamW's.
+
+    ``tp_rank`` and ``model_parallel_group`` say which parameters count on this rank (see
+    :func:`vitp.parallel.grads.global_grad_norm`); ``max_norm = 0`` only measures.
+    """
+
+    def __init__(self, params, *, max_norm: float, tp_rank: int = 0, model_parallel_group=None, **adamw):
+        super().__init__(params, **adamw)
+        self.max_norm, self.tp_rank, self.model_parallel_group = max_norm, tp_rank, model_parallel_group
+        self._global_grad_norm = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        self._global_grad_norm = global_grad_norm(params, self.tp_rank, self.model_parallel_group)
+        clip_grads_(params, self.max_norm, self._global_grad_norm)
+        return super().step(closure)
+
+
+def build_optimizer(module: torch.nn.Module, cfg: Any, layout: Layout, state: Any, grid: Any = None):
+    """The run's AdamW: :class:`ExactClipAdamW` when :func:`zero_stage` is 0, else plain AdamW
+    (ZeRO-1 wraps it and clips). ``grid``: DeepSpeed's ``PipelineParallelGrid`` (its
+    model-parallel group); ``None`` for one process."""
+    o = cfg.optim
+    kw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    groups = param_groups(module, o.weight_decay)
+    if zero_stage(cfg, layout) == 0:
+        group = grid.get_model_parallel_group() if grid is not None else None
+        return ExactClipAdamW(groups, max_norm=o.grad_clip, tp_rank=state.tp_rank, model_parallel_group=group, **kw)
+    return torch.optim.AdamW(groups, **kw)
+
+
+def install_step_hook(engine: Any, layout: Layout) -> None:
+    """Before DeepSpeed's once-per-step gradient reduction (the pipeline's ``ReduceGrads``
+    instruction, after the last micro-batch's backward), sum the TP-partial gradients
+    (:func:`vitp.parallel.grads.sync_partial_grads`); skip DeepSpeed's reduction when it has
+    nothing to do (ZeRO-0 at ``dp = 1``: it would copy every gradient into buckets and all-reduce
+    them on a 1-rank group). Patches this engine's instruction table only."""
+    from deepspeed.runtime.pipe import schedule
+
+    table = type(engine)._INSTRUCTION_MAP
+    reduce = table[schedule.ReduceGrads]
+    skip_ds = layout.dp == 1 and isinstance(engine.optimizer, ExactClipAdamW)
+
+    def reduce_grads(self):
+        sync_partial_grads(self.module)
+        if not skip_ds:
+            reduce(self)
+
+    engine._INSTRUCTION_MAP = {**table, schedule.ReduceGrads: reduce_grads}
 
 
 def deepspeed_config(cfg: Any, layout: Layout) -> Dict[str, Any]:
-    """The DeepSpeed JSON config of the run (batch split over ``layout.dp``, ZeRO stage, precision,
-    clipping, and the LR schedule as one of DeepSpeed's warmup schedulers)."""
+    """The DeepSpeed JSON config of the run (batch split over ``layout.dp``, ZeRO stage
+    (:func:`zero_stage`), precision, clipping (by DeepSpeed, or 0 when :class:`ExactClipAdamW`
+    clips), and the LR schedule as one of DeepSpeed's warmup schedulers)."""
     dp, precision = layout.dp, layout.precision
     o, tr = cfg.optim, cfg.trainer
     # DeepSpeed's linear warmup gives min + (1 - min) * k / n at step k; with min = 1/W and
@@ -30,8 +104,8 @@ def deepspeed_config(cfg: Any, layout: Layout) -> Dict[str, Any]:
         "train_batch_size": tr.global_batch_size,
         "train_micro_batch_size_per_gpu": tr.micro_batch_size,
         "gradient_accumulation_steps": tr.global_batch_size // (tr.micro_batch_size * dp),
-        "gradient_clipping": o.grad_clip,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "gradient_clipping": o.grad_clip if zero_stage(cfg, layout) else 0.0,
+        "zero_optimization": {"stage": zero_stage(cfg, layout)},
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": precision == "bf16"},
         # DeepSpeed's partitioned sends handle one tensor that needs grad and assume identical

@@ -124,7 +124,8 @@ class Trainer:
         with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its layer table on rank 0
             self.module = build_pipeline(cfg.model, self.loss_fn, seed=cfg.seed, tp=lay.tp, pp=lay.pp, dp=lay.dp,
                                          activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
-        self.state = from_grid(self.module._grid, cfg.parallel.sequence_parallel)
+        # TP-partial gradients are summed once per step (engine.install_step_hook), not per micro-batch
+        self.state = from_grid(self.module._grid, cfg.parallel.sequence_parallel, defer_grad_sync=True)
         parallelize_generator(self.module, self.state, seq_len=num_tokens(**cfg.model))
         if self.checkpointer.resume_tag is None:
             initialize_weights(self.module, cfg, self.state)
@@ -133,16 +134,16 @@ class Trainer:
     def _build_engine(self) -> None:
         import deepspeed
 
-        from .engine import deepspeed_config, param_groups
+        from .engine import build_optimizer, deepspeed_config, install_step_hook
 
         o = self.cfg.optim
-        optimizer = torch.optim.AdamW(param_groups(self.module, o.weight_decay), lr=o.lr, betas=tuple(o.betas),
-                                      eps=o.eps)
+        optimizer = build_optimizer(self.module, self.cfg, self.layout, self.state, self.module._grid)
         ds_log = logging.getLogger("DeepSpeed")
         ds_log.setLevel(logging.ERROR)  # "lr before the scheduler started" warnings during set-up
         self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer,
                                                     config=deepspeed_config(self.cfg, self.layout))
         ds_log.setLevel(logging.WARNING)
+        install_step_hook(self.engine, self.layout)
         # DeepSpeed's warmup schedulers hold lr = 0 until their first step(); advance once so that
         # the first optimizer step trains at lr / warmup_steps.
         self.engine.lr_scheduler.step()

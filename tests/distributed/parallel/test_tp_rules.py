@@ -30,8 +30,10 @@ def test_parameter_attributes_for_grad_norm(tp2):
         assert a[name]["tensor_model_parallel"] is None and a[name]["sequence_parallel"], name
     for name in ("attn.q_norm.weight", "attn.k_norm.bias"):
         assert a[name]["tp_partial_grad"] and a[name]["tensor_model_parallel"] is None, name
-    for name in ("adaLN_modulation.1.weight", "y_embedder"):  # complete through CopyToTPRegion
-        assert a[name] == dict.fromkeys(a[name]), name
+    mod = a["adaLN_modulation.1.weight"]  # column-parallel, output gathered
+    assert mod["tensor_model_parallel"] and mod["partition_dim"] == 0 and mod["partition_stride"] == 1
+    assert a["adaLN_modulation.1.bias"]["tensor_model_parallel"]
+    assert a["y_embedder"] == dict.fromkeys(a["y_embedder"])  # complete: c's gradient is summed where it leaves Embed
 
 
 def test_rng_rules(tp2, tp4):
@@ -57,23 +59,28 @@ def test_comm_matches_theory(tp2):
     e = tp2[0]["comm_elem"]
     off, on = tp2[0]["comm"][False], tp2[0]["comm"][True]
     two = {"count": 2, "bytes": 2 * e["BND"]}
-    assert off["summary"] == {("all_reduce", "fwd", "tp"): two, ("all_reduce", "bwd", "tp"): two}
+    cond = {"count": 1, "bytes": e["B6D"]}  # the sharded adaLN modulation vector (B, 6D)
+    assert off["summary"] == {("all_reduce", "fwd", "tp"): two, ("all_reduce", "bwd", "tp"): two,
+                              ("all_gather", "fwd", "cond"): cond}
     s = on["summary"]
-    for kind in ("all_gather", "reduce_scatter"):
-        for direction in ("fwd", "bwd"):
-            assert s.pop((kind, direction, "tp")) == two, (kind, direction)
-    assert s.pop(("all_reduce", "bwd", "cond")) == {"count": 1, "bytes": e["B6D"]}  # adaLN output grad
+    for kind, direction in (("all_gather", "fwd"), ("reduce_scatter", "fwd"), ("reduce_scatter", "bwd")):
+        assert s.pop((kind, direction, "tp")) == two, (kind, direction)
+    # backward: the transposes of the two reduce-scatters, and the column-parallel inputs
+    # gathered again instead of saved (Megatron-LM; Korthikanti et al. 2022 §4.2.2)
+    assert s.pop(("all_gather", "bwd", "tp")) == {"count": 4, "bytes": 4 * e["BND"]}
+    assert s.pop(("all_gather", "fwd", "cond")) == cond
+    assert s.pop(("reduce_scatter", "bwd", "cond")) == cond  # each rank's tokens give a partial sum
     assert s.pop(("all_reduce", "bwd", "param_grad")) == {"count": 2, "bytes": 2 * e["D"]}  # proj/fc2 bias
     assert s.pop(("all_gather", "fwd", "sp_boundary")) == {"count": 1, "bytes": e["BND"]}  # exit
     assert s.pop(("all_gather", "bwd", "sp_boundary")) == {"count": 1, "bytes": e["BND"]}  # enter's backward
     assert not s, s
-    assert on["wire"] == off["wire"]  # same per-rank volume (ring algorithms)
+    assert on["wire"] == off["wire"] * 5 // 4  # ring volume of TP, plus the re-gathers (2 of 8 all-gather halves)
 
 
 def test_factorized_attention_comm_equals_full(tp2):
     full = tp2[0]["comm_video"]["full"]
-    for direction in ("fwd", "bwd"):  # attention + MLP
-        assert full[("all_gather", direction, "tp")]["count"] == 2
+    for direction in ("fwd", "bwd"):  # attention + MLP (backward: + 2 re-gathers of their inputs)
+        assert full[("all_gather", direction, "tp")]["count"] == (2 if direction == "fwd" else 4)
         assert full[("reduce_scatter", direction, "tp")]["count"] == 2
     for kind in ("spatial", "temporal"):
         assert tp2[0]["comm_video"][kind] == full, kind

@@ -1,0 +1,641 @@
+#!/usr/bin/env python
+"""vitp's performance suite: one command, a JSON file and a Markdown table.
+
+    python scripts/bench.py [--quick] [--out bench] [--reps 7] [--sections overhead,tp,...]
+
+Every timing compares variants *interleaved* in one process group (A, B, A, B, ... after warm-up
+steps), so load from other processes on the machine hits all variants alike; it reports the
+median over repetitions of the per-repetition ratio of median step times, and the spread
+(min - max of those ratios). All variants train the same model on the same micro-batches
+(fp32, CPU, gloo, one thread per process) and their first-step losses are reported side by side.
+
+Sections (``--sections``, default all):
+
+- ``overhead`` (1 process): ``engine.train_batch`` of vitp against a plain PyTorch loop
+  (the same :class:`vitp.models.Generator`, ``torch.optim.AdamW``, ``clip_grad_norm_``), at the
+  demo size and a larger one; steady model-state bytes (every live tensor after a step).
+- ``tp`` (2 processes): vitp tp=2 against torch's DTensor TP (``parallelize_module`` with
+  ``ColwiseParallel`` on qkv/fc1 and ``RowwiseParallel`` on proj/fc2 of the same blocks), and
+  vitp tp=2 with sequence parallelism against plain tp=2; collectives per step (count, bytes)
+  against the Megatron / Korthikanti et al. 2022 theory per collective.
+- ``memory`` (4 processes, tp=2 x pp=2): parameter, gradient and optimizer bytes per rank
+  against ``total / (tp * pp)``.
+- ``activations`` (2 processes): bytes saved for backward by one block (saved-tensor hooks,
+  parameters excluded) at tp=1, tp=2 and tp=2 + SP, against Korthikanti et al. 2022 (Eq. 2-4).
+- ``pipeline`` (2 processes, pp=2): step time of one global batch split into ``m`` micro-batches
+  against one process running the same batch; bubble ``1 - T_1 / (p T_m)`` against the 1F1B
+  theory ``(p - 1) / (m + p - 1)``.
+- ``tokens`` (1 process): vitp and the plain loop as the token count grows.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# ----------------------------------------------------------------------------- sizes
+
+BASE = ["data=synthetic", "eval.enabled=false", "trainer.eval_every=0", "trainer.sample_every=0",
+        "trainer.checkpoint_every=0", "trainer.log_every=1000000", "trainer.progress=false",
+        "trainer.precision=fp32", "trainer.max_steps=1000000", "optim.warmup_steps=1", "optim.schedule=constant"]
+SIZES = {
+    # the digits demo model (ModelConfig defaults: width 128, depth 6, 4 heads), 8x8 grey, 16 tokens
+    "demo": ["data.channels=1", "data.resolution=8", "data.num_classes=10", "trainer.global_batch_size=64",
+             "trainer.micro_batch_size=64"],
+    # width 384, depth 6, 6 heads, 32x32 RGB with patch 2: 256 tokens
+    "large": ["model.width=384", "model.num_heads=6", "data.channels=3", "data.resolution=32",
+              "data.num_classes=10", "trainer.global_batch_size=16", "trainer.micro_batch_size=16"],
+    # --quick: tiny sizes for the smoke test
+    "tiny": ["model=tiny", "data.channels=1", "data.resolution=8", "data.num_classes=10",
+             "trainer.global_batch_size=4", "trainer.micro_batch_size=4"],
+}
+
+
+def compose(size: str, extra=()):
+    from vitp.config import compose as _compose
+
+    return _compose([*BASE, *SIZES[size], *extra])
+
+
+# ----------------------------------------------------------------------------- process groups
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, queue):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, fn(*args), None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def run_group(world: int, fn, *args, timeout: float = 1800):
+    """``fn(*args)`` on ``world`` fresh ranks of one gloo group; rank 0's result."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")  # ranks fork from one server that imported these once (~8 s each)
+    ctx.set_forkserver_preload(["torch", "deepspeed", "timm", "vitp.train", "vitp.pipeline", "vitp.models"])
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, res, err = queue.get(timeout=timeout)
+            if err:
+                raise RuntimeError(f"rank {rank} failed:\n{err}")
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return results[0]
+
+
+# ----------------------------------------------------------------------------- variants
+
+class Variant:
+    """A named training step ``step() -> loss`` and its first-step loss."""
+
+    def __init__(self, name, step):
+        self.name, self.step, self.first_loss = name, step, None
+
+
+def vitp_variant(name, cfg, run_dir):
+    """vitp's own step (``engine.train_batch`` of the :class:`vitp.train.Trainer`'s engine) on
+    the first step's micro-batches, repeated; returns ``(Variant, trainer, micro-batches)``."""
+    import uuid
+
+    from vitp.train import Trainer
+
+    tr = Trainer(cfg, f"{run_dir}-{uuid.uuid4().hex[:8]}")  # a fresh run dir per variant
+    gas = tr.engine.gradient_accumulation_steps()
+    micro = [next(tr.data_iter) for _ in range(gas)]
+    data = itertools.cycle(micro)
+    return Variant(name, lambda: float(tr.engine.train_batch(data_iter=data))), tr, micro
+
+
+def plain_variant(name, cfg, micro, model=None, clip_norm=None):
+    """A plain PyTorch loop: ``model`` (default: the :class:`Generator` of ``cfg`` with the
+    pipeline's per-layer seeds), AdamW with vitp's parameter groups, gradient accumulation over
+    ``micro``, ``clip_grad_norm_`` (or ``clip_norm(params, max)``), ``step``."""
+    import torch
+
+    from vitp.models import Generator
+    from vitp.objectives import FlowMatchingLoss
+    from vitp.train.engine import param_groups
+
+    model = model or Generator.from_config(cfg.model, seed=cfg.seed)
+    o = cfg.optim
+    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    loss_fn, params = FlowMatchingLoss(cfg.objective.t_eps), [p for p in model.parameters()]
+    clip = clip_norm or (lambda ps, m: torch.nn.utils.clip_grad_norm_(ps, m))
+
+    def step():
+        total = 0.0
+        for inputs, targets in micro:
+            loss = loss_fn(model(*inputs), targets) / len(micro)
+            loss.backward()
+            total += float(loss.detach())
+        clip(params, o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    return Variant(name, step), model, opt
+
+
+def interleave(variants, reps: int, steps: int, warmup: int = 2):
+    """Run ``warmup`` steps of each, then ``reps`` repetitions of ``steps`` steps of each variant
+    in turn (order rotated every repetition). Returns ``{name: [median step seconds per rep]}``."""
+    import torch.distributed as tdist
+
+    for v in variants:
+        for i in range(warmup):
+            loss = v.step()
+            v.first_loss = loss if i == 0 else v.first_loss
+    out = {v.name: [] for v in variants}
+    for r in range(reps):
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+            times = []
+            for _ in range(steps):
+                if tdist.is_initialized() and tdist.get_world_size() > 1:
+                    tdist.barrier()
+                t0 = time.perf_counter()
+                v.step()
+                times.append(time.perf_counter() - t0)
+            out[v.name].append(statistics.median(times))
+    return out
+
+
+def ratio(times, a: str, b: str) -> dict:
+    """Median (and min, max) over repetitions of ``median_a / median_b``; median step times in ms."""
+    rs = [x / y for x, y in zip(times[a], times[b])]
+    return {"ratio": round(statistics.median(rs), 4), "min": round(min(rs), 4), "max": round(max(rs), 4),
+            f"{a}_ms": round(1e3 * statistics.median(times[a]), 2), f"{b}_ms": round(1e3 * statistics.median(times[b]), 2),
+            "reps": len(rs)}
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process (``gc``)."""
+    import torch
+
+    import warnings
+
+    gc.collect()
+    seen, total = set(), 0
+    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated aliases warns
+        warnings.simplefilter("ignore")
+        objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objs:
+        try:
+            if not obj.is_meta:
+                st = obj.untyped_storage()
+                if st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    total += st.nbytes()
+        except Exception:  # noqa: BLE001 - objects half torn down by gc
+            continue
+    return total
+
+
+# ----------------------------------------------------------------------------- overhead / tokens
+
+def overhead_worker(size: str, reps: int, steps: int, tmp: str, extra=()) -> dict:
+    """vitp vs the plain loop at one size (1 process); model-state bytes of each."""
+    cfg = compose(size, extra)
+    base = live_tensor_bytes()
+    vitp, tr, micro = vitp_variant("vitp", cfg, f"{tmp}/overhead-{size}-{len(extra)}")
+    vitp.step()
+    ema = sum(t.numel() * t.element_size() for t in tr.ema.params.values())  # the trainer's, not the step's
+    vitp_bytes = live_tensor_bytes() - base - ema - sum(t.numel() * t.element_size() for mb in micro for x in mb
+                                                        for t in x)
+    before = live_tensor_bytes()
+    plain, model, _ = plain_variant("plain", cfg, micro)
+    plain.step()
+    plain_bytes = live_tensor_bytes() - before
+    times = interleave([vitp, plain], reps, steps)
+    from vitp.models import num_tokens
+
+    return {**ratio(times, "vitp", "plain"), "first_loss": {"vitp": vitp.first_loss, "plain": plain.first_loss},
+            "tokens": num_tokens(**cfg.model), "batch": cfg.trainer.global_batch_size,
+            "model_state_bytes": {"vitp": vitp_bytes, "plain": plain_bytes,
+                                  "ratio": round(vitp_bytes / plain_bytes, 4)}}
+
+
+def tokens_worker(size: str, resolutions, reps: int, steps: int, tmp: str) -> dict:
+    """Step time of vitp and the plain loop as the token count grows (1 process)."""
+    out = {}
+    for res in resolutions:
+        r = overhead_worker(size, reps, steps, tmp, extra=[f"data.resolution={res}"])
+        out[str(r["tokens"])] = {k: r[k] for k in ("ratio", "min", "max", "vitp_ms", "plain_ms")}
+    return out
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+def dtensor_parallelize(model, tp: int):
+    """torch's own TP on the generator's blocks (``parallelize_module``): qkv and fc1
+    ``ColwiseParallel``, proj and fc2 ``RowwiseParallel``; everything else stays replicated.
+    qkv's rows are permuted first so that the contiguous column split is the head-wise one
+    (timm packs ``[Q | K | V]``; design.md invariant 1), and each attention runs ``H / tp`` heads."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (tp,))
+    for blk in model.blocks:
+        a = blk.attn
+        H, hd = a.num_heads, a.head_dim
+        with torch.no_grad():
+            for p in (a.qkv.weight, a.qkv.bias):
+                if p is not None:
+                    p.copy_(p.view(3, tp, H // tp, hd, -1).transpose(0, 1).reshape(p.shape))
+        a.num_heads, a.attn_dim = H // tp, a.attn_dim // tp
+        parallelize_module(blk, mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                       "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+    return model
+
+
+def dtensor_clip(params, max_norm: float):
+    """Exact global grad norm of a model mixing DTensor (sharded) and plain (replicated)
+    parameters, then clipping, as torchtitan's ``clip_grad_norm_`` does for DTensors."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = sum((g.to_local() if isinstance(g, DTensor) else g).double().pow(2).sum() for g in grads
+             if not isinstance(g, DTensor))
+    sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
+    part = torch.stack([g.double().pow(2).sum() for g in sharded]).sum() if sharded else torch.zeros((), dtype=torch.float64)
+    torch.distributed.all_reduce(part)
+    norm = float((sq + part).sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+def comm_theory(cfg, tp: int, sp: bool, regather: bool, partial_bytes: int) -> dict:
+    """Collectives per optimizer step of the block linears and the SP boundary:
+    ``{"kind/direction/tag": {"count", "bytes"}}`` (logical tensor bytes, fp32).
+
+    Shoeybi et al. 2019: per block and micro-batch 2 all-reduces of ``B N D`` forward and 2
+    backward. Korthikanti et al. 2022 §4.2.2: with SP each becomes an all-gather plus a
+    reduce-scatter of the same tensor; Megatron-LM re-gathers the column-parallel inputs in
+    backward instead of saving them (``regather``: 2 more all-gathers per block backward). SP
+    boundary per micro-batch: the gather before the final layer, and the gradient gather of the
+    token split after the embedding. Replicated parameters whose gradient is a per-rank partial
+    sum: one all-reduce of ``partial_bytes`` per step. The adaLN modulation (sharded) adds one
+    all-gather of ``(B, 6D)`` per block and one of ``(B, 2D)`` for the final layer in forward,
+    under SP the blocks' reduce-scatters in backward, and the conditioning's gradient one
+    all-reduce of ``(B, D)`` per micro-batch where it leaves the embedding.
+    """
+    from vitp.models import num_tokens
+
+    m, L, D = cfg.model, cfg.model.depth, cfg.model.width
+    B, n_micro = cfg.trainer.micro_batch_size, cfg.trainer.global_batch_size // cfg.trainer.micro_batch_size
+    n_pad = -(-num_tokens(**m) // tp) * tp if sp else num_tokens(**m)
+    bnd, b6d = B * n_pad * D * 4, B * 6 * D * 4
+
+    def e(count, nbytes):
+        return {"count": count * n_micro, "bytes": count * n_micro * nbytes}
+
+    out = {"all_gather/fwd/cond": {"count": (L + 1) * n_micro, "bytes": n_micro * (L * b6d + B * 2 * D * 4)},
+           "all_reduce/bwd/cond": e(1, B * D * 4)}
+    if not sp:
+        out.update({"all_reduce/fwd/tp": e(2 * L, bnd), "all_reduce/bwd/tp": e(2 * L, bnd)})
+    else:
+        out.update({"all_gather/fwd/tp": e(2 * L, bnd), "reduce_scatter/fwd/tp": e(2 * L, bnd),
+                    "reduce_scatter/bwd/tp": e(2 * L, bnd), "all_gather/bwd/tp": e((4 if regather else 2) * L, bnd),
+                    "all_gather/fwd/sp_boundary": e(1, bnd), "all_gather/bwd/sp_boundary": e(1, bnd),
+                    "reduce_scatter/bwd/cond": e(L, b6d)})
+    if partial_bytes:
+        out["all_reduce/bwd/param_grad"] = {"count": 1, "bytes": partial_bytes}
+    return out
+
+
+def partial_grad_bytes(module) -> int:
+    """Bytes of the replicated parameters whose gradient is a per-TP-rank partial sum."""
+    return sum(p.numel() * p.element_size() for p in module.parameters()
+               if getattr(p, "sequence_parallel", False) or getattr(p, "tp_partial_grad", False))
+
+
+def recorded_comm(trainer, data) -> dict:
+    """Collectives of one ``train_batch`` (``{"kind/direction/tag": {"count", "bytes"}}``)."""
+    from vitp.parallel import CommRecorder
+
+    with CommRecorder() as rec:
+        trainer.engine.train_batch(data_iter=data)
+    return {f"{k}/{d}/{t}": v for (k, d, t), v in sorted(rec.summary().items())}
+
+
+def compare_comm(measured: dict, theory: dict) -> dict:
+    """Per collective: measured and theory counts and bytes, and their bytes ratio."""
+    rows = {}
+    for key in sorted(set(measured) | set(theory)):
+        m, t = measured.get(key, {"count": 0, "bytes": 0}), theory.get(key, {"count": 0, "bytes": 0})
+        rows[key] = {"count": m["count"], "theory_count": t["count"], "bytes": m["bytes"],
+                     "theory_bytes": t["bytes"], "ratio": round(m["bytes"] / t["bytes"], 4) if t["bytes"] else None}
+    tot_m, tot_t = sum(r["bytes"] for r in rows.values()), sum(r["bytes"] for r in rows.values() if r["theory_bytes"])
+    tot_t = sum(r["theory_bytes"] for r in rows.values())
+    return {"per_collective": rows, "count": sum(r["count"] for r in rows.values()),
+            "theory_count": sum(r["theory_count"] for r in rows.values()),
+            "bytes_ratio": round(tot_m / tot_t, 4) if tot_t else None}
+
+
+def tp_worker(size: str, reps: int, steps: int, tmp: str) -> dict:
+    """vitp tp=2 vs DTensor tp=2, vitp tp=2 + SP vs vitp tp=2 (2 processes, interleaved)."""
+    import itertools as it
+
+    from vitp.parallel import distributed as dist
+
+    cfg_tp = compose(size, ["parallel.tp=2"])
+    cfg_sp = compose(size, ["parallel.tp=2", "parallel.sequence_parallel=true"])
+    tp, tr_tp, micro = vitp_variant("vitp_tp", cfg_tp, f"{tmp}/tp-{size}")
+    sp, tr_sp, _ = vitp_variant("vitp_sp", cfg_sp, f"{tmp}/sp-{size}")
+    from vitp.models import Generator
+
+    gen = dtensor_parallelize(Generator.from_config(cfg_tp.model, seed=cfg_tp.seed), 2)
+    dt, _, _ = plain_variant("dtensor", cfg_tp, micro, model=gen, clip_norm=dtensor_clip)
+    times = interleave([tp, sp, dt], reps, steps)  # first: the first-step losses are compared
+    comm = {}
+    for name, tr, cfg, sp_on in (("tp", tr_tp, cfg_tp, False), ("sp", tr_sp, cfg_sp, True)):
+        theory = comm_theory(cfg, 2, sp_on, getattr(tr.state, "regather", True), partial_grad_bytes(tr.engine.module))
+        comm[name] = compare_comm(recorded_comm(tr, it.cycle(micro)), theory)
+    if not dist.is_main():
+        return {}
+    return {"tp_vs_dtensor": ratio(times, "vitp_tp", "dtensor"), "sp_vs_tp": ratio(times, "vitp_sp", "vitp_tp"),
+            "first_loss": {v.name: v.first_loss for v in (tp, sp, dt)}, "comm": comm}
+
+
+# ----------------------------------------------------------------------------- memory per rank
+
+def memory_worker(size: str, tmp: str) -> dict:
+    """Per-rank bytes at tp=2 x pp=2 (4 processes) after one step, against ``total / (tp pp)``."""
+    import torch.distributed as tdist
+
+    from vitp.models import Generator
+
+    cfg = compose(size, ["parallel.tp=2", "parallel.pp=2"])
+    full = Generator.from_config(cfg.model, seed=cfg.seed)
+    total = sum(p.numel() * 4 for p in full.parameters())
+    outer = sum(p.numel() * 4 for m in (full.embed, full.final) for p in m.parameters())
+    del full
+    base = live_tensor_bytes()
+    vitp, tr, micro = vitp_variant("vitp", cfg, f"{tmp}/memory-{size}")
+    vitp.step()
+    module = tr.engine.module
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    ema = sum(t.numel() * t.element_size() for t in tr.ema.params.values())
+    data = sum(t.numel() * t.element_size() for mb in micro for x in mb for t in x)
+    state = live_tensor_bytes() - base - ema - data
+    own_outer = sum(p.numel() * 4 for n, p in module.named_parameters()
+                    if n.split(".", 1)[0] in ("0", str(cfg.model.depth + 1)))
+    row = {"params": params, "grads_and_optimizer": state - params, "ideal": total // 4,
+           "ideal_plus_embeddings": (total - outer) // 4 + own_outer,
+           "stage": tr.state.pp_rank, "tp_rank": tr.state.tp_rank}
+    row["params_vs_ideal"] = round(params / row["ideal"], 4)
+    row["params_vs_ideal_plus_embeddings"] = round(params / row["ideal_plus_embeddings"], 4)
+    rows = [None] * tdist.get_world_size()
+    tdist.all_gather_object(rows, row)
+    return {"total_param_bytes": total, "embed_final_bytes": outer, "ranks": rows,
+            "max_params_vs_ideal_plus_embeddings": max(r["params_vs_ideal_plus_embeddings"] for r in rows)}
+
+
+# ----------------------------------------------------------------------------- activations
+
+def saved_bytes(fn, params) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs
+    (``torch.autograd.graph.saved_tensors_hooks``), parameters excluded."""
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def activations_worker(size: str) -> dict:
+    """Saved bytes of one block at tp=1, tp=2 and tp=2 + SP (2 processes; rank 0's numbers)."""
+    import dataclasses
+
+    import torch
+
+    from vitp.models import Block, layer_specs, num_tokens, parallelize_generator
+    from vitp.parallel import distributed as dist
+    from vitp.parallel import make_state, sequence_parallel_enter
+
+    dist.init_distributed(torch.device("cpu"))
+    cfg = compose(size)
+    m = cfg.model
+    N, D, B, a = num_tokens(**m), m.width, cfg.trainer.micro_batch_size, m.num_heads
+    kw = layer_specs(**dict(cfg.model))[1][1]
+    g = torch.Generator().manual_seed(0)
+    x, c = torch.randn(B, N, D, generator=g, requires_grad=True), torch.randn(B, D, generator=g, requires_grad=True)
+    base = make_state(tp=2)
+    out = {}
+    for name, state in (("tp1", None), ("tp2", base), ("tp2_sp", dataclasses.replace(base, sequence_parallel=True))):
+        torch.manual_seed(1)
+        blk = Block(**kw)
+        if state is not None:
+            parallelize_generator(blk, state, seq_len=N)
+        xin = sequence_parallel_enter(x, state) if state is not None else x
+        out[name] = saved_bytes(lambda: blk(xin, c), list(blk.parameters()) + [x, c])
+    t, sbh = 2, N * B * D
+    theory = {"tp2": (10 + 24 / t) / 34, "tp2_sp": (34 / t) / 34,
+              "tp2_with_scores": (10 + 24 / t + 5 * a * N / (D * t)) / (34 + 5 * a * N / D),
+              "tp2_sp_with_scores": (34 / t + 5 * a * N / (D * t)) / (34 + 5 * a * N / D)}
+    return {"bytes": out, "per_sbh_fp32": {k: round(v / (sbh * 4), 3) for k, v in out.items()},
+            "ratio_vs_tp1": {k: round(out[k] / out["tp1"], 4) for k in ("tp2", "tp2_sp")},
+            "korthikanti_ratio": {k: round(v, 4) for k, v in theory.items()}}
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+def pipeline_worker(size: str, micro_counts, reps: int, steps: int, tmp: str) -> dict:
+    """pp=2 step time for ``m`` micro-batches of one global batch against one process running
+    the same batch (rank 0; rank 1 idles), interleaved. Bubble ``1 - T_1 / (p T_m)``."""
+    from vitp.parallel import distributed as dist
+
+    variants, p = [], 2
+    for m in micro_counts:
+        cfg = compose(size, ["parallel.pp=2", f"trainer.micro_batch_size={compose(size).trainer.global_batch_size // m}"])
+        v, tr, micro = vitp_variant(f"m{m}", cfg, f"{tmp}/pipe-{size}-{m}")
+        variants.append(v)
+        if m == 1:
+            one = micro
+    cfg1 = compose(size)
+    if dist.is_main():
+        plain, _, _ = plain_variant("one_process", cfg1, one)
+    else:
+        plain = Variant("one_process", lambda: 0.0)
+    times = interleave(variants + [plain], reps, steps)
+    if not dist.is_main():
+        return {}
+    t1 = statistics.median(times["one_process"])
+    out = {}
+    for m in micro_counts:
+        tm = [x for x in times[f"m{m}"]]
+        bub = [1 - t1 / (p * x) for x in tm]
+        out[str(m)] = {"step_ms": round(1e3 * statistics.median(tm), 2), "bubble": round(statistics.median(bub), 3),
+                       "bubble_min": round(min(bub), 3), "bubble_max": round(max(bub), 3),
+                       "theory_1f1b": round((p - 1) / (m + p - 1), 3)}
+    return {"one_process_ms": round(1e3 * t1, 2), "micro_batches": out}
+
+
+# ----------------------------------------------------------------------------- report
+
+def _fmt_ratio(r: dict) -> str:
+    return f"{r['ratio']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
+
+
+def markdown(res: dict) -> str:
+    """The Markdown tables of a result dict (the README's performance section)."""
+    lines = [f"Measured by `python scripts/bench.py{' --quick' if res['quick'] else ''}` ({res['when']}): "
+             f"{res['reps']} interleaved repetitions of {res['steps']} steps, median ratio (min-max).", ""]
+    if "overhead" in res:
+        lines += ["| size | tokens | batch | vitp ms | plain ms | vitp / plain | model-state bytes vitp / plain |",
+                  "|---|---|---|---|---|---|---|"]
+        for size, r in res["overhead"].items():
+            lines.append(f"| {size} | {r['tokens']} | {r['batch']} | {r['vitp_ms']} | {r['plain_ms']} | "
+                         f"{_fmt_ratio(r)} | {r['model_state_bytes']['ratio']:.3f} |")
+        lines.append("")
+    if "tp" in res:
+        lines += ["| size | vitp tp=2 / DTensor tp=2 | vitp SP / vitp tp=2 | collectives TP (theory) | "
+                  "collectives SP (theory) | SP bytes / theory |", "|---|---|---|---|---|---|"]
+        for size, r in res["tp"].items():
+            c = r["comm"]
+            lines.append(f"| {size} | {_fmt_ratio(r['tp_vs_dtensor'])} | {_fmt_ratio(r['sp_vs_tp'])} | "
+                         f"{c['tp']['count']} ({c['tp']['theory_count']}) | {c['sp']['count']} "
+                         f"({c['sp']['theory_count']}) | {c['sp']['bytes_ratio']} |")
+        lines.append("")
+    if "memory" in res:
+        r = res["memory"]
+        lines += ["| rank (stage, tp) | param bytes | / ideal | / (ideal + embeddings) | grads + optimizer bytes |",
+                  "|---|---|---|---|---|"]
+        for row in r["ranks"]:
+            lines.append(f"| ({row['stage']}, {row['tp_rank']}) | {row['params']} | {row['params_vs_ideal']} | "
+                         f"{row['params_vs_ideal_plus_embeddings']} | {row['grads_and_optimizer']} |")
+        lines.append("")
+    if "activations" in res:
+        r = res["activations"]
+        lines += ["| saved bytes per block | tp=2 / tp=1 | tp=2 SP / tp=1 |", "|---|---|---|",
+                  f"| measured | {r['ratio_vs_tp1']['tp2']} | {r['ratio_vs_tp1']['tp2_sp']} |",
+                  f"| Korthikanti et al. 2022 (no score matrix; with it) | {r['korthikanti_ratio']['tp2']}; "
+                  f"{r['korthikanti_ratio']['tp2_with_scores']} | {r['korthikanti_ratio']['tp2_sp']}; "
+                  f"{r['korthikanti_ratio']['tp2_sp_with_scores']} |", ""]
+    if "pipeline" in res:
+        r = res["pipeline"]
+        lines += [f"pp=2, one global batch; one process: {r['one_process_ms']} ms", "",
+                  "| micro-batches m | step ms | bubble (min-max) | 1F1B theory |", "|---|---|---|---|"]
+        for m, row in r["micro_batches"].items():
+            lines.append(f"| {m} | {row['step_ms']} | {row['bubble']} ({row['bubble_min']}-{row['bubble_max']}) | "
+                         f"{row['theory_1f1b']} |")
+        lines.append("")
+    if "tokens" in res:
+        lines += ["| tokens | vitp ms | plain ms | vitp / plain |", "|---|---|---|---|"]
+        for n, r in res["tokens"].items():
+            lines.append(f"| {n} | {r['vitp_ms']} | {r['plain_ms']} | {_fmt_ratio(r)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+SECTIONS = ("overhead", "tp", "memory", "activations", "pipeline", "tokens")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, 2 repetitions (smoke test)")
+    p.add_argument("--out", default="bench", help="writes OUT.json and OUT.md")
+    p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 7, --quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="steps per variant per repetition (default 3, --quick 1)")
+    p.add_argument("--sizes", default=None, help="comma-separated of demo,large (default both; --quick: tiny)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated of {','.join(SECTIONS)}")
+    return p.parse_args(argv)
+
+
+def run_sections(args, sizes, tmp: str) -> dict:
+    reps, steps = args.reps, args.steps
+    res, sections = {}, args.sections.split(",")
+    partial = Path(f"{args.out}.partial.json")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    sections = [s for s in SECTIONS if s in sections]
+    for name in sections:  # each section's results are kept as soon as it ends
+        res[name] = run_section(name, args, sizes, tmp)
+        partial.write_text(json.dumps(res, indent=1))
+    partial.unlink(missing_ok=True)
+    return res
+
+
+def run_section(name: str, args, sizes, tmp: str):
+    reps, steps = args.reps, args.steps
+    res, sections = {}, [name]
+    if "overhead" in sections:
+        res["overhead"] = {s: run_group(1, overhead_worker, s, reps, steps, tmp) for s in sizes}
+    if "tp" in sections:
+        res["tp"] = {s: run_group(2, tp_worker, s, reps, steps, tmp) for s in sizes}
+    if "memory" in sections:
+        res["memory"] = run_group(4, memory_worker, sizes[-1], tmp)
+    if "activations" in sections:
+        res["activations"] = run_group(2, activations_worker, sizes[-1])
+    if "pipeline" in sections:
+        counts = (1, 2) if args.quick else (1, 2, 4, 8)
+        res["pipeline"] = run_group(2, pipeline_worker, sizes[-1], counts, reps, steps, tmp)
+    if "tokens" in sections:
+        res["tokens"] = run_group(1, tokens_worker, "tiny" if args.quick else "demo",
+                                  (8,) if args.quick else (8, 16, 32), reps, steps, tmp)
+    return res[name]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    args.reps = args.reps or (2 if args.quick else 7)
+    args.steps = args.steps or (1 if args.quick else 3)
+    sizes = (args.sizes or ("tiny" if args.quick else "demo,large")).split(",")
+    with tempfile.TemporaryDirectory(prefix="vitp-bench-") as tmp:
+        res = run_sections(args, sizes, tmp)
+    res.update(quick=args.quick, reps=args.reps, steps=args.steps, when=time.strftime("%Y-%m-%d %H:%M"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{args.out}.json").write_text(json.dumps(res, indent=1))
+    Path(f"{args.out}.md").write_text(markdown(res))
+    print(markdown(res))
+    print(json.dumps({"json": f"{args.out}.json", "markdown": f"{args.out}.md"}))
+
+
+if __name__ == "__main__":
+    main()
