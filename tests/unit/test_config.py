@@ -230,3 +230,24 @@ def test_eval_refuses_a_run_config_or_override_with_unknown_keys(tmp_path):
     OmegaConf.save({**OmegaConf.to_container(cfg), "new": {"key": 1}}, tmp_path / ".hydra" / "config.yaml")
     with pytest.raises(ValueError, match=r"unknown config key new.key"):
         load_run_config(tmp_path, [])
+
+
+@pytest.mark.parametrize("value", ["[8,12]", "8x12", "'8 x 12'"])
+def test_non_square_resolution_forms(value):
+    from vitp.models import num_tokens
+
+    cfg = compose_cfg([f"data.resolution={value}"])
+    validate_config(cfg, 1)
+    assert num_tokens(**cfg.model) == 4 * 6
+
+
+@pytest.mark.parametrize("value,message", [
+    ("[12,10]", r"resolution 12x10 \(data.resolution\) is not divisible by model.patch_size=4: .*nearest valid sizes: "
+                r"12x8, 12x12; valid patch sizes for 12x10: \[1, 2\]"),
+    ("12by10", r"data.resolution='12by10': use an int \(square\), \[H, W\] or \"HxW\""),
+    ("[12,0]", r"data.resolution=\[12, 0\]: use an int"),
+    ("[1,2,3]", r"data.resolution=\[1, 2, 3\]: use an int"),
+])
+def test_non_square_resolution_errors_name_the_valid_sizes(value, message):
+    with pytest.raises(ValueError, match=message):
+        validate_config(compose_cfg([f"data.resolution={value}", "model.patch_size=4"]))
