@@ -14,7 +14,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II
+from omegaconf import II, MISSING
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -61,6 +61,16 @@ class ModelConfig:
 
 
 @dataclass
+class BucketConfig:
+    """One shape bucket (an entry of Open-Sora's ``bucket_config``: size, frames, batch, probability)."""
+
+    resolution: Any = MISSING  # size of the bucket's items: [H, W], "HxW" or an int (square)
+    frames: Optional[int] = None  # frames per clip (video only; null = data.num_frames)
+    batch_size: int = MISSING  # global batch of a step drawn in this bucket (keep tokens per step ~ constant)
+    weight: float = 1.0  # relative probability that a step is drawn in this bucket
+
+
+@dataclass
 class DataConfig:
     """Training / held-out data."""
 
@@ -83,6 +93,7 @@ class DataConfig:
     video_cache_mb: float = 256.0  # video_folder: per-process MiB for decoded frames; if all resized videos fit, each is decoded once
     num_workers: int = 0  # DataLoader worker processes
     synthetic_size: int = 1024  # synthetic: number of items
+    buckets: List[BucketConfig] = field(default_factory=list)  # shape buckets; empty = one size (resolution, num_frames)
 
 
 @dataclass
@@ -398,6 +409,40 @@ def validate_model(m: "DictConfig") -> None:
           f"{m.tubelet_size}")
 
 
+def validate_buckets(cfg: "DictConfig") -> None:
+    """Rules of ``data.buckets``: each size tiles into patches, frames into tubelets (and only for
+    video), batch sizes and weights are positive, no two buckets share a shape.
+
+    Raises ``ValueError`` naming the bucket and the valid values.
+    """
+    m, seen = cfg.model, set()
+    for i, b in enumerate(cfg.data.buckets):
+        key = f"data.buckets[{i}]"
+        hw = parse_resolution(b.resolution, f"{key}.resolution")
+        _check_patch_grid(hw, m.patch_size, f"{key}.resolution")
+        frames = m.num_frames if b.frames is None else b.frames
+        _fail(b.frames is None or m.num_frames > 1 or b.frames == 1,
+              f"{key}.frames={b.frames}: this is an image run (data.num_frames=1); leave frames out")
+        _fail(frames >= 1 and frames % m.tubelet_size == 0,
+              f"{key}.frames={frames} is not a positive multiple of model.tubelet_size={m.tubelet_size}")
+        _fail(b.batch_size >= 1, f"{key}.batch_size={b.batch_size}; it must be >= 1")
+        _fail(b.weight > 0 and math.isfinite(b.weight), f"{key}.weight={b.weight}; use a positive number")
+        _fail((hw, frames) not in seen, f"{key} repeats the shape {format_resolution(hw)} x {frames} frames")
+        seen.add((hw, frames))
+
+
+def _check_bucket_batches(cfg: "DictConfig", dp: int) -> None:
+    """Every bucket's global batch splits into the run's micro-batch count times dp (the count of
+    micro-batches per step is fixed; their size follows the bucket)."""
+    tr = cfg.trainer
+    split = tr.global_batch_size // (tr.micro_batch_size * dp) * dp  # micro-batches per step x dp
+    for i, b in enumerate(cfg.data.buckets):
+        _fail(b.batch_size % split == 0,
+              f"data.buckets[{i}].batch_size={b.batch_size} must be a multiple of {split} (micro-batches per "
+              f"step, trainer.global_batch_size / (trainer.micro_batch_size x dp), times dp={dp}); valid: "
+              f"{', '.join(str(split * k) for k in range(1, 5))}, ...")
+
+
 def _layouts(world: int) -> List[tuple]:
     return [(t, p) for t in range(1, world + 1) for p in range(1, world + 1) if world % (t * p) == 0]
 
@@ -437,6 +482,7 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     _fail(glob % (micro * dp) == 0,
           f"trainer.global_batch_size={glob} must be a multiple of trainer.micro_batch_size ({micro}) x dp "
           f"({dp}); e.g. set trainer.global_batch_size={micro * dp * max(1, glob // (micro * dp))}")
+    _check_bucket_batches(cfg, dp)
     return Layout(tp=tp, pp=pp, dp=dp, precision=precision)
 
 
@@ -451,6 +497,7 @@ def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_
     check_keys(cfg)
     _check_run(cfg)
     validate_model(cfg.model)
+    validate_buckets(cfg)
     return None if world_size is None else validate_layout(cfg, world_size, device_type)
 
 

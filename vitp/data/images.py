@@ -194,6 +194,14 @@ class ImageFolderDataset(FileDataset):
     def _file_of(self, index: int) -> int:
         return index  # one image per item
 
+    def native_size(self, index: int) -> Tuple[int, int]:
+        """``(h, w)`` of item ``index`` as a viewer shows it (EXIF orientation applied), from the
+        file header (for :func:`vitp.data.buckets.assign`)."""
+        with Image.open(self.files[index]) as im:
+            w, h = im.size
+            turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # orientations that swap the sides
+        return (w, h) if turned else (h, w)
+
     def _read(self, index: int, aug_seed: Optional[int]) -> np.ndarray:
         """Decode to ``(H, W, channels)``, uint8 or float32 in ``[0, 255]`` (:func:`load_image`)."""
         r = max(self.size)  # JPEG: decode at a reduced size whose sides stay >= max(H, W), enough to cover

@@ -490,6 +490,11 @@ class VideoFolderDataset(FileDataset):
     def _file_of(self, index: int) -> int:
         return int(self.item_file[index])
 
+    def native_size(self, index: int) -> Tuple[int, int]:
+        """``(h, w)`` of the frames of item ``index`` as players show them (for bucket assignment)."""
+        w, h = self._sizes[int(self.item_file[index])]
+        return h, w
+
     def _read(self, index: int, aug_seed: Optional[int]) -> np.ndarray:
         """uint8 ``(T, h, w, C)`` frames of the clip of item ``index`` drawn from ``aug_seed``."""
         return self._clip(*self.clip_indices(index, aug_seed))
