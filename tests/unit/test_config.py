@@ -251,3 +251,17 @@ def test_non_square_resolution_forms(value):
 def test_non_square_resolution_errors_name_the_valid_sizes(value, message):
     with pytest.raises(ValueError, match=message):
         validate_config(compose_cfg([f"data.resolution={value}", "model.patch_size=4"]))
+
+
+@pytest.mark.parametrize("exp,world,count", [("img_multiaspect", 8, 3), ("video_buckets", 8, 4)])
+def test_bucket_recipes_compose_validate_and_keep_tokens_per_step(exp, world, count):
+    from vitp.data.buckets import buckets_of
+    from vitp.models import num_tokens
+
+    cfg = compose_cfg([f"experiment={exp}", "data.root=/data/train", "data.num_classes=101"])
+    validate_config(cfg, world_size=world, device_type="cuda")
+    buckets = buckets_of(cfg.data)
+    m = dict(cfg.model)
+    tokens = [b.batch_size * num_tokens(**dict(m, image_size=list(b.size), num_frames=b.frames))
+              for b in buckets]
+    assert len(buckets) == count and max(tokens) / min(tokens) < (1.01 if count == 3 else 1.07), tokens
