@@ -65,7 +65,7 @@ def compare(measured: dict, theory: dict, rtol: float) -> dict:
 def main() -> None:
     args, overrides = parse_args()
 
-    from vitp.config import compose
+    from vitp.config import compose, parse_resolution
     from vitp.models import num_tokens
     from vitp.parallel import CommRecorder
     from vitp.parallel import distributed as dist
@@ -73,7 +73,7 @@ def main() -> None:
     cfg = compose(overrides)
     m = cfg.model
     gen, tp = build(cfg, args.sp)
-    x = torch.randn(args.batch, m.in_channels, m.num_frames, m.image_size, m.image_size)
+    x = torch.randn(args.batch, m.in_channels, m.num_frames, *parse_resolution(m.image_size))
     t, y = torch.rand(args.batch), torch.randint(0, m.num_classes, (args.batch,))
     start = time.perf_counter()
     with CommRecorder() as rec:

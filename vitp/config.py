@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II
+from omegaconf import II, MISSING
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -41,7 +41,7 @@ class ModelConfig:
     """The class-conditional ViT generator (DiT-style adaLN-Zero blocks around timm layers)."""
 
     in_channels: int = II("data.channels")  # pixel channels C (follows the data)
-    image_size: int = II("data.resolution")  # H = W in pixels (follows the data)
+    image_size: Any = II("data.resolution")  # (H, W) in pixels: an int (square), [H, W] or "HxW" (follows the data)
     num_frames: int = II("data.num_frames")  # T (follows the data; 1 for images)
     num_classes: int = II("data.num_classes")  # real classes; index num_classes is the CFG null class
     patch_size: int = 2  # spatial patch p, in pixels
@@ -61,12 +61,22 @@ class ModelConfig:
 
 
 @dataclass
+class BucketConfig:
+    """One shape bucket (an entry of Open-Sora's ``bucket_config``: size, frames, batch, probability)."""
+
+    resolution: Any = MISSING  # size of the bucket's items: [H, W], "HxW" or an int (square)
+    frames: Optional[int] = None  # frames per clip (video only; null = data.num_frames)
+    batch_size: int = MISSING  # global batch of a step drawn in this bucket (keep tokens per step ~ constant)
+    weight: float = 1.0  # relative probability that a step is drawn in this bucket
+
+
+@dataclass
 class DataConfig:
     """Training / held-out data."""
 
     name: DatasetName = DatasetName.digits  # "digits" | "image_folder" | "synthetic" | "video_folder"
     root: Optional[str] = None  # folder of images / videos (image_folder, video_folder); class = subfolder name
-    resolution: int = 8  # square side after resize/crop, in pixels
+    resolution: Any = 8  # output size after resize + crop, in pixels: an int (square), [H, W] or "HxW" (e.g. 48x32)
     channels: int = 1  # pixel channels (1 for digits, 3 for photos)
     num_frames: int = 1  # frames per item (1 for images)
     num_classes: int = 10  # classes (image_folder: must match the subfolder count, or 1)
@@ -83,6 +93,7 @@ class DataConfig:
     video_cache_mb: float = 256.0  # video_folder: per-process MiB for decoded frames; if all resized videos fit, each is decoded once
     num_workers: int = 0  # DataLoader worker processes
     synthetic_size: int = 1024  # synthetic: number of items
+    buckets: List[BucketConfig] = field(default_factory=list)  # shape buckets; empty = one size (resolution, num_frames)
 
 
 @dataclass
@@ -226,6 +237,37 @@ def resolve_precision(precision: str, device_type: str) -> str:
     return str(precision)
 
 
+def parse_resolution(value: Any, key: str = "data.resolution") -> Tuple[int, int]:
+    """``(H, W)`` in pixels of a resolution given as an int (square), ``[H, W]`` / ``(H, W)`` or
+    ``"HxW"`` (``"48x32"``: 48 rows, 32 columns, as numpy's ``(H, W)``; a digit string is square).
+
+    Raises ``ValueError`` naming ``key`` and the accepted forms when ``value`` is none of these or a
+    side is not a positive integer.
+    """
+    forms = f"use an int (square), [H, W] or \"HxW\" with positive integers, e.g. {key}=48x32"
+    if isinstance(value, str):
+        parts = value.lower().replace(" ", "").split("x")
+        if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
+            raise ValueError(f"{key}={value!r}: {forms}")
+        value = [int(p) for p in parts] * (3 - len(parts))
+    if isinstance(value, bool):
+        raise ValueError(f"{key}={value!r}: {forms}")
+    if isinstance(value, int):
+        value = [value, value]
+    try:
+        hw = [v for v in value]
+    except TypeError:
+        raise ValueError(f"{key}={value!r}: {forms}") from None
+    if len(hw) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in hw):
+        raise ValueError(f"{key}={list(hw)}: {forms}")
+    return int(hw[0]), int(hw[1])
+
+
+def format_resolution(hw: Tuple[int, int]) -> str:
+    """``"HxW"`` of ``(H, W)`` (how the CLI and messages write a size)."""
+    return f"{hw[0]}x{hw[1]}"
+
+
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -338,6 +380,22 @@ def _check_run(cfg: "DictConfig") -> None:
     _fail(math.isfinite(s.cfg_scale), f"sampler.cfg_scale={s.cfg_scale}; use a finite number (1 = no guidance)")
 
 
+def _check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution") -> None:
+    """Raise ``ValueError`` unless both sides of ``hw`` divide by the patch size ``p``, naming the
+    nearest valid sizes and the patch sizes this size allows."""
+    H, W = hw
+    if H % p == 0 and W % p == 0:
+        return
+    if H == W:  # the square message, as before non-square sizes existed
+        raise ValueError(f"resolution {H} ({key}) is not divisible by model.patch_size={p}; valid patch "
+                         f"sizes: {_divisors(H)}")
+    near = sorted({(h, w) for h in {max(p, H // p * p), -(-H // p) * p} for w in {max(p, W // p * p), -(-W // p) * p}})
+    raise ValueError(f"resolution {format_resolution(hw)} ({key}) is not divisible by model.patch_size={p}: "
+                     f"height and width must both be multiples of it; nearest valid sizes: "
+                     f"{', '.join(format_resolution(n) for n in near)}; valid patch sizes for "
+                     f"{format_resolution(hw)}: {_divisors(math.gcd(H, W))}")
+
+
 def validate_model(m: "DictConfig") -> None:
     """Divisibility rules of the generator (``model.*``, with the data-derived sizes).
 
@@ -347,9 +405,7 @@ def validate_model(m: "DictConfig") -> None:
     if D % heads:
         valid = [h for h in _divisors(D) if D // h >= 8]
         raise ValueError(f"model.width={D} is not divisible by model.num_heads={heads}; valid num_heads: {valid}")
-    if m.image_size % m.patch_size:
-        raise ValueError(f"resolution {m.image_size} (data.resolution) is not divisible by model.patch_size="
-                         f"{m.patch_size}; valid patch sizes: {_divisors(m.image_size)}")
+    _check_patch_grid(parse_resolution(m.image_size), m.patch_size)
     _fail(m.num_frames % m.tubelet_size == 0,
           f"num_frames {m.num_frames} is not divisible by model.tubelet_size={m.tubelet_size}")
     _fail(m.depth >= 1, "model.depth must be >= 1")
@@ -357,6 +413,40 @@ def validate_model(m: "DictConfig") -> None:
     _fail(m.num_frames // m.tubelet_size >= 1 or m.attention != "factorized",
           f"model.attention=factorized needs num_frames / model.tubelet_size >= 1, got {m.num_frames} / "
           f"{m.tubelet_size}")
+
+
+def validate_buckets(cfg: "DictConfig") -> None:
+    """Rules of ``data.buckets``: each size tiles into patches, frames into tubelets (and only for
+    video), batch sizes and weights are positive, no two buckets share a shape.
+
+    Raises ``ValueError`` naming the bucket and the valid values.
+    """
+    m, seen = cfg.model, set()
+    for i, b in enumerate(cfg.data.buckets):
+        key = f"data.buckets[{i}]"
+        hw = parse_resolution(b.resolution, f"{key}.resolution")
+        _check_patch_grid(hw, m.patch_size, f"{key}.resolution")
+        frames = m.num_frames if b.frames is None else b.frames
+        _fail(b.frames is None or m.num_frames > 1 or b.frames == 1,
+              f"{key}.frames={b.frames}: this is an image run (data.num_frames=1); leave frames out")
+        _fail(frames >= 1 and frames % m.tubelet_size == 0,
+              f"{key}.frames={frames} is not a positive multiple of model.tubelet_size={m.tubelet_size}")
+        _fail(b.batch_size >= 1, f"{key}.batch_size={b.batch_size}; it must be >= 1")
+        _fail(b.weight > 0 and math.isfinite(b.weight), f"{key}.weight={b.weight}; use a positive number")
+        _fail((hw, frames) not in seen, f"{key} repeats the shape {format_resolution(hw)} x {frames} frames")
+        seen.add((hw, frames))
+
+
+def _check_bucket_batches(cfg: "DictConfig", dp: int) -> None:
+    """Every bucket's global batch splits into the run's micro-batch count times dp (the count of
+    micro-batches per step is fixed; their size follows the bucket)."""
+    tr = cfg.trainer
+    split = tr.global_batch_size // (tr.micro_batch_size * dp) * dp  # micro-batches per step x dp
+    for i, b in enumerate(cfg.data.buckets):
+        _fail(b.batch_size % split == 0,
+              f"data.buckets[{i}].batch_size={b.batch_size} must be a multiple of {split} (micro-batches per "
+              f"step, trainer.global_batch_size / (trainer.micro_batch_size x dp), times dp={dp}); valid: "
+              f"{', '.join(str(split * k) for k in range(1, 5))}, ...")
 
 
 def _layouts(world: int) -> List[tuple]:
@@ -398,6 +488,7 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     _fail(glob % (micro * dp) == 0,
           f"trainer.global_batch_size={glob} must be a multiple of trainer.micro_batch_size ({micro}) x dp "
           f"({dp}); e.g. set trainer.global_batch_size={micro * dp * max(1, glob // (micro * dp))}")
+    _check_bucket_batches(cfg, dp)
     return Layout(tp=tp, pp=pp, dp=dp, precision=precision)
 
 
@@ -412,6 +503,7 @@ def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_
     check_keys(cfg)
     _check_run(cfg)
     validate_model(cfg.model)
+    validate_buckets(cfg)
     return None if world_size is None else validate_layout(cfg, world_size, device_type)
 
 

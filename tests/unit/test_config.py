@@ -230,3 +230,38 @@ def test_eval_refuses_a_run_config_or_override_with_unknown_keys(tmp_path):
     OmegaConf.save({**OmegaConf.to_container(cfg), "new": {"key": 1}}, tmp_path / ".hydra" / "config.yaml")
     with pytest.raises(ValueError, match=r"unknown config key new.key"):
         load_run_config(tmp_path, [])
+
+
+@pytest.mark.parametrize("value", ["[8,12]", "8x12", "'8 x 12'"])
+def test_non_square_resolution_forms(value):
+    from vitp.models import num_tokens
+
+    cfg = compose_cfg([f"data.resolution={value}"])
+    validate_config(cfg, 1)
+    assert num_tokens(**cfg.model) == 4 * 6
+
+
+@pytest.mark.parametrize("value,message", [
+    ("[12,10]", r"resolution 12x10 \(data.resolution\) is not divisible by model.patch_size=4: .*nearest valid sizes: "
+                r"12x8, 12x12; valid patch sizes for 12x10: \[1, 2\]"),
+    ("12by10", r"data.resolution='12by10': use an int \(square\), \[H, W\] or \"HxW\""),
+    ("[12,0]", r"data.resolution=\[12, 0\]: use an int"),
+    ("[1,2,3]", r"data.resolution=\[1, 2, 3\]: use an int"),
+])
+def test_non_square_resolution_errors_name_the_valid_sizes(value, message):
+    with pytest.raises(ValueError, match=message):
+        validate_config(compose_cfg([f"data.resolution={value}", "model.patch_size=4"]))
+
+
+@pytest.mark.parametrize("exp,world,count", [("img_multiaspect", 8, 3), ("video_buckets", 8, 4)])
+def test_bucket_recipes_compose_validate_and_keep_tokens_per_step(exp, world, count):
+    from vitp.data.buckets import buckets_of
+    from vitp.models import num_tokens
+
+    cfg = compose_cfg([f"experiment={exp}", "data.root=/data/train", "data.num_classes=101"])
+    validate_config(cfg, world_size=world, device_type="cuda")
+    buckets = buckets_of(cfg.data)
+    m = dict(cfg.model)
+    tokens = [b.batch_size * num_tokens(**dict(m, image_size=list(b.size), num_frames=b.frames))
+              for b in buckets]
+    assert len(buckets) == count and max(tokens) / min(tokens) < (1.01 if count == 3 else 1.07), tokens

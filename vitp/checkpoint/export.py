@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from vitp.config import parse_resolution
 from vitp.models import Generator, export_key, from_export_state, to_export_state
 from vitp.utils import atomic_write, atomic_write_text, to_dict
 
@@ -96,8 +97,13 @@ def file_model(meta: Dict[str, str]) -> Dict[str, Any]:
 def model_differences(file_cfg: Dict[str, Any], model_cfg: Any, keys: Iterable[str]) -> List[str]:
     """``model.<key>: <file> in the file vs <now> now`` for every ``keys`` entry that differs."""
     now = to_dict(model_cfg)
-    return [f"model.{k}: {file_cfg.get(k)!r} in the file vs {now.get(k)!r} now" for k in keys
-            if file_cfg.get(k) != now.get(k)]
+
+    def same(k: str) -> bool:  # 8, [8, 8] and "8x8" are one size
+        if k == "image_size" and None not in (file_cfg.get(k), now.get(k)):
+            return parse_resolution(file_cfg[k]) == parse_resolution(now[k])
+        return file_cfg.get(k) == now.get(k)
+
+    return [f"model.{k}: {file_cfg.get(k)!r} in the file vs {now.get(k)!r} now" for k in keys if not same(k)]
 
 
 def check_model_matches(file_cfg: Dict[str, Any], model_cfg: Any, keys: Iterable[str], source: str, fix: str) -> None:

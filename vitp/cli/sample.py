@@ -28,7 +28,10 @@ def run(argv: Optional[List[str]] = None) -> None:
 
     ``vitp-sample RUN_DIR|FILE.safetensors [--classes 0 3 7] [--num 8] [--seed 0] [--method heun]
     [--steps 20] [--cfg-scale 2.0] [--cfg-interval 0.1 1.0] [--device auto] [--out grid.png|DIR|grid.gif]
-    [--format gif|mp4] [--fps 8]``
+    [--format gif|mp4] [--fps 8] [--resolution HxW] [--frames T]``
+
+    ``--resolution`` / ``--frames`` sample at another size than the run's (any bucket, or any size
+    whose sides divide by the patch size: sin-cos positions follow the grid).
     """
     p = argparse.ArgumentParser(prog="vitp-sample", description=run.__doc__.splitlines()[0])
     p.add_argument("source", type=Path, help="run directory (its model_ema.safetensors, else its latest checkpoint), "
@@ -47,18 +50,16 @@ def run(argv: Optional[List[str]] = None) -> None:
                         ".gif/.mp4 file for the grid alone")
     p.add_argument("--format", choices=["gif", "mp4"], default=None, help="video file format (default gif)")
     p.add_argument("--fps", type=float, default=None, help="video frames per second (default: sampler.fps)")
+    p.add_argument("--resolution", default=None, help="sample size HxW in pixels, or one int for a square "
+                                                      "(default: the run's model.image_size)")
+    p.add_argument("--frames", type=int, default=None, help="video frames per sample (default: the run's)")
     a = p.parse_args(argv)
     if a.num is not None and a.num < 1:
         p.error("--num must be >= 1")
 
     path, _, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
     gen, cfg = load_generator(path, resolve_device(a.device))
-    for key, val in (("method", a.method), ("steps", a.steps), ("cfg_scale", a.cfg_scale),
-                     ("samples_per_class", a.num)):
-        if val is not None:
-            cfg.sampler[key] = val
-    if a.cfg_interval is not None:
-        cfg.sampler.cfg_interval = list(a.cfg_interval)
+    _apply_options(cfg, a)
     validate_config(cfg)
     n_cls = cfg.model.num_classes
     classes = a.classes if a.classes else list(range(n_cls))
@@ -97,6 +98,35 @@ def run(argv: Optional[List[str]] = None) -> None:
 
     save_image(to_grid(x, nrow=per), str(out))
     print(f"wrote {out} ({len(classes)} classes x {per} samples, {how})")
+
+
+def _apply_options(cfg, a: argparse.Namespace) -> None:
+    """The sampler options and the size given on the command line, over the run's config."""
+    for key, val in (("method", a.method), ("steps", a.steps), ("cfg_scale", a.cfg_scale),
+                     ("samples_per_class", a.num)):
+        if val is not None:
+            cfg.sampler[key] = val
+    if a.cfg_interval is not None:
+        cfg.sampler.cfg_interval = list(a.cfg_interval)
+    _set_size(cfg, a.resolution, a.frames)
+
+
+def _set_size(cfg, resolution: Optional[str], frames: Optional[int]) -> None:
+    """Sample at ``resolution`` (``"HxW"`` or an int) and ``frames`` instead of the run's size.
+
+    Raises ``ValueError`` for a malformed size or frames on an image model; sizes that do not
+    tile into patches fail in :func:`vitp.config.validate_config`, naming the valid sizes.
+    """
+    from vitp.config import parse_resolution
+
+    if resolution is not None:
+        cfg.model.image_size = list(parse_resolution(resolution, "--resolution"))
+    if frames is not None:
+        if cfg.model.num_frames == 1 and frames != 1:
+            raise ValueError(f"--frames {frames}: this is an image model (1 frame); leave --frames out")
+        if frames < 1:
+            raise ValueError(f"--frames {frames}: use a positive number of frames")
+        cfg.model.num_frames = frames
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from vitp.config import parse_resolution
+
 Key = Union[int, Tuple[int, Optional[int]]]
 
 
@@ -142,7 +144,7 @@ class FileDataset(KeyedDataset):
     retry of items whose file fails to decode, and pickling.
 
     Transform (albumentations, https://albumentations.ai/docs/): ``pre`` (e.g. ``SmallestMaxSize``),
-    then ``RandomCrop`` (train and ``random_crop``) or ``CenterCrop`` to ``R x R``,
+    then ``RandomCrop`` (train and ``random_crop``) or ``CenterCrop`` to ``H x W``,
     ``HorizontalFlip(p=0.5)`` (train and ``hflip``), and scaling of uint8 (or float32 in
     ``[0, 255]``, from deeper sources) to ``[-1, 1]`` (``x / 127.5 - 1``). ``aug_seed=None`` or
     ``train=False`` gives the center crop without flip.
@@ -159,8 +161,8 @@ class FileDataset(KeyedDataset):
 
     Parameters
     ----------
-    resolution : int
-        Side R of the square output, in pixels.
+    resolution : int, (H, W) or "HxW"
+        Output size in pixels (an int: square ``R x R``); :attr:`size` holds ``(H, W)``.
     channels : int
         Output channels C (3 RGB, 1 gray; subclasses check the value).
     train : bool
@@ -172,8 +174,10 @@ class FileDataset(KeyedDataset):
     target = "image"  # albumentations target: "image" (H, W, C) or "images" (T, H, W, C)
     files: List[Path]
 
-    def __init__(self, resolution: int, channels: int, train: bool):
-        self.resolution, self.channels, self.train = int(resolution), int(channels), train
+    def __init__(self, resolution: Any, channels: int, train: bool):
+        self.size = parse_resolution(resolution)  # (H, W)
+        self.resolution = self.size[0] if self.size[0] == self.size[1] else self.size  # int when square
+        self.channels, self.train = int(channels), train
         self.skipped_files: List[str] = []
         self._bad: set = set()  # numbers of the files that failed to decode in __getitem__
         self._init_process_state()
@@ -190,16 +194,25 @@ class FileDataset(KeyedDataset):
         self.skipped_files.append(str(path))
 
     # ---------------------------------------------------------------------------- transform
+    def cover_resize(self) -> Any:
+        """Aspect-preserving resize to the smallest size that covers ``(H, W)`` (scale
+        ``max(H / h, W / w)``; area interpolation when shrinking), which the crop then cuts to
+        ``(H, W)``: no squashing. A square output keeps ``SmallestMaxSize(R)`` (the same scale)."""
+        H, W = self.size
+        if H == W:
+            return A.SmallestMaxSize(max_size=H, area_for_downscale="image")
+        return A.SmallestMaxSize(max_size_hw=(H, W), area_for_downscale="image")
+
     def _make_transforms(self, random_crop: bool, hflip: bool, pre: Sequence[Any] = ()) -> None:
-        r, train = self.resolution, self.train
-        crop = (A.RandomCrop if train and random_crop else A.CenterCrop)(r, r)
+        (H, W), train = self.size, self.train
+        crop = (A.RandomCrop if train and random_crop else A.CenterCrop)(H, W)
         to_unit = A.Normalize(mean=0.5, std=0.5, max_pixel_value=255.0)  # [0, 255] -> [-1, 1]
         flip = [A.HorizontalFlip(p=0.5)] if train and hflip else []
         self._train_tf = A.Compose([*pre, crop, *flip, to_unit])
-        self._eval_tf = A.Compose([*pre, A.CenterCrop(r, r), to_unit])
+        self._eval_tf = A.Compose([*pre, A.CenterCrop(H, W), to_unit])
 
     def _augment(self, data: np.ndarray, aug_seed: Optional[int]) -> np.ndarray:
-        """Float32 ``data`` cropped to ``R x R`` and scaled to ``[-1, 1]``, drawn from ``aug_seed``."""
+        """Float32 ``data`` cropped to ``H x W`` and scaled to ``[-1, 1]``, drawn from ``aug_seed``."""
         if aug_seed is None or not self.train:
             return self._eval_tf(**{self.target: data})[self.target]
         with self._lock:  # set_random_state + call must not interleave across threads
@@ -220,7 +233,7 @@ class FileDataset(KeyedDataset):
         raise NotImplementedError
 
     def _to_tensor(self, out: np.ndarray) -> torch.Tensor:
-        """Augmented ``out`` as the ``(C, T, R, R)`` tensor."""
+        """Augmented ``out`` as the ``(C, T, H, W)`` tensor."""
         raise NotImplementedError
 
     def _undecodable(self) -> str:

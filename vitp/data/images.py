@@ -8,14 +8,14 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
-import albumentations as A
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
+from vitp.config import parse_resolution
 from vitp.data.base import FileDataset, Key, KeyedDataset, error_text, files_by_class, parse_key
 from vitp.objectives.flow import sample_seed
 
@@ -84,8 +84,9 @@ def check_image(path: Path, channels: int) -> Optional[str]:
 class DigitsDataset(KeyedDataset):
     """The 1797 real 8x8 handwritten digits of ``sklearn.datasets.load_digits`` (10 classes).
 
-    ``x = pixels / 8 - 1`` (pixels are 0..16), shape ``(1, 1, R, R)``; bilinearly resized
-    (``align_corners=False``) when ``resolution != 8``. No augmentation: ``aug_seed`` is ignored.
+    ``x = pixels / 8 - 1`` (pixels are 0..16), shape ``(1, 1, H, W)``: bilinearly resized
+    (``align_corners=False``) to ``M x M``, ``M = max(H, W)``, when ``M != 8``, then center-cropped to
+    ``(H, W)`` (aspect preserved). No augmentation: ``aug_seed`` is ignored.
 
     Raises
     ------
@@ -93,16 +94,19 @@ class DigitsDataset(KeyedDataset):
         If ``channels != 1`` (the digits are grayscale).
     """
 
-    def __init__(self, resolution: int = 8, channels: int = 1):
+    def __init__(self, resolution: Any = 8, channels: int = 1):
         from sklearn.datasets import load_digits
 
         if channels != 1:
             raise ValueError(f"the digits are grayscale: set data.channels=1 (got {channels})")
         digits = load_digits()
         x = torch.from_numpy(digits.images.astype(np.float32) / 8.0 - 1.0).unsqueeze(1)  # (N, 1, 8, 8)
-        if resolution != 8:
-            x = F.interpolate(x, size=(resolution, resolution), mode="bilinear", align_corners=False)
-        self.images = x.unsqueeze(2).contiguous()  # (N, C=1, T=1, R, R)
+        H, W = parse_resolution(resolution)
+        m = max(H, W)
+        if m != 8:
+            x = F.interpolate(x, size=(m, m), mode="bilinear", align_corners=False)
+        top, left = (m - H) // 2, (m - W) // 2  # center crop (as albumentations' CenterCrop)
+        self.images = x[..., top:top + H, left:left + W].unsqueeze(2).contiguous()  # (N, C=1, T=1, H, W)
         self.labels = digits.target.astype(np.int64)
         self.classes = [str(c) for c in range(10)]
 
@@ -116,9 +120,9 @@ class ImageFolderDataset(FileDataset):
     recursively under each class folder. Images lying directly in ``root`` with no subfolders form
     a single class named after ``root``.
 
-    Transform (albumentations, see :class:`~vitp.data.base.FileDataset`): ``SmallestMaxSize(resolution)``
-    (area interpolation when shrinking), then ``RandomCrop`` (train and ``random_crop``) or
-    ``CenterCrop``, ``HorizontalFlip(p=0.5)`` (train and ``hflip``), then scaling to ``[-1, 1]``.
+    Transform (albumentations, see :class:`~vitp.data.base.FileDataset`): the aspect-preserving
+    resize that covers ``(H, W)`` (``SmallestMaxSize``, area interpolation when shrinking), then
+    ``RandomCrop`` (train and ``random_crop``) or ``CenterCrop`` to ``(H, W)``, ``HorizontalFlip(p=0.5)`` (train and ``hflip``), then scaling to ``[-1, 1]``.
     ``aug_seed=None`` always gives center crop without flip.
 
     Pixels are read as a viewer shows them (EXIF orientation, every bit depth, transparency over
@@ -134,10 +138,10 @@ class ImageFolderDataset(FileDataset):
     Parameters
     ----------
     root : str or Path
-    resolution : int
-        Side R of the square output, in pixels.
+    resolution : int, (H, W) or "HxW"
+        Output size in pixels (an int: square).
     channels : int
-        3 (RGB) or 1 (grayscale). Output ``x`` has shape ``(channels, 1, R, R)``.
+        3 (RGB) or 1 (grayscale). Output ``x`` has shape ``(channels, 1, H, W)``.
     train : bool
         Whether an int ``aug_seed`` applies the random crop / flip.
     random_crop, hflip : bool
@@ -154,7 +158,7 @@ class ImageFolderDataset(FileDataset):
 
     kind, skip_label = "image", "unreadable image"
 
-    def __init__(self, root: Union[str, Path], resolution: int, channels: int = 3, train: bool = True,
+    def __init__(self, root: Union[str, Path], resolution: Any, channels: int = 3, train: bool = True,
                  random_crop: bool = True, hflip: bool = True):
         self.root = Path(root).expanduser()
         super().__init__(resolution, channels, train)
@@ -165,8 +169,7 @@ class ImageFolderDataset(FileDataset):
                 f"image folder {str(self.root)!r} does not exist or is not a directory; "
                 f"set data.root=<folder with one subfolder of images per class>")
         self._scan()
-        resize = A.SmallestMaxSize(max_size=self.resolution, area_for_downscale="image")
-        self._make_transforms(random_crop, hflip, pre=[resize])
+        self._make_transforms(random_crop, hflip, pre=[self.cover_resize()])
 
     def _scan(self) -> None:
         groups = files_by_class(self.root, IMAGE_EXTENSIONS, "image")
@@ -191,13 +194,21 @@ class ImageFolderDataset(FileDataset):
     def _file_of(self, index: int) -> int:
         return index  # one image per item
 
+    def native_size(self, index: int) -> Tuple[int, int]:
+        """``(h, w)`` of item ``index`` as a viewer shows it (EXIF orientation applied), from the
+        file header (for :func:`vitp.data.buckets.assign`)."""
+        with Image.open(self.files[index]) as im:
+            w, h = im.size
+            turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # orientations that swap the sides
+        return (w, h) if turned else (h, w)
+
     def _read(self, index: int, aug_seed: Optional[int]) -> np.ndarray:
         """Decode to ``(H, W, channels)``, uint8 or float32 in ``[0, 255]`` (:func:`load_image`)."""
-        r = self.resolution  # JPEG: decode at a reduced size whose sides stay >= R
+        r = max(self.size)  # JPEG: decode at a reduced size whose sides stay >= max(H, W), enough to cover
         return load_image(self.files[index], self.channels, draft=(r, r))
 
     def _to_tensor(self, out: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1))).unsqueeze(1)  # (C, 1, R, R)
+        return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1))).unsqueeze(1)  # (C, 1, H, W)
 
     def _undecodable(self) -> str:
         return f"none of the {len(self.files)} images under {self.root} could be decoded"
@@ -206,7 +217,7 @@ class ImageFolderDataset(FileDataset):
 class SyntheticDataset(KeyedDataset):
     """Random data without files, for benchmarks: item ``i`` is uniform in ``[-1, 1]`` drawn from a
     ``torch.Generator`` seeded from ``(seed, i)``, shape ``(channels, num_frames, R, R)``, with label
-    ``i % num_classes``. ``aug_seed`` is ignored.
+    ``i % num_classes``; ``resolution`` is an int (square), ``(H, W)`` or ``"HxW"``. ``aug_seed`` is ignored.
 
     Raises
     ------
@@ -214,11 +225,12 @@ class SyntheticDataset(KeyedDataset):
         If ``size``, ``num_classes`` or a shape is not positive, or ``seed`` is negative.
     """
 
-    def __init__(self, size: int, channels: int, num_frames: int, resolution: int, num_classes: int, seed: int = 0):
-        if min(size, channels, num_frames, resolution, num_classes) < 1 or seed < 0:
+    def __init__(self, size: int, channels: int, num_frames: int, resolution: Any, num_classes: int, seed: int = 0):
+        H, W = parse_resolution(resolution)
+        if min(size, channels, num_frames, H, W, num_classes) < 1 or seed < 0:
             raise ValueError("synthetic data needs positive size/channels/num_frames/resolution/num_classes "
-                             f"and seed >= 0, got {(size, channels, num_frames, resolution, num_classes, seed)}")
-        self.shape, self.seed = (channels, num_frames, resolution, resolution), int(seed)
+                             f"and seed >= 0, got {(size, channels, num_frames, (H, W), num_classes, seed)}")
+        self.shape, self.seed = (channels, num_frames, H, W), int(seed)
         self.labels = np.arange(size, dtype=np.int64) % num_classes
         self.classes = [str(c) for c in range(num_classes)]
 

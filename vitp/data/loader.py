@@ -87,7 +87,8 @@ class BatchSchedule:
 
 
 class _KeyedItems(Dataset):
-    """``(index, aug_seed, noise_seed) -> (x, y, noise_seed)`` over a keyed dataset."""
+    """``(index, aug_seed, noise_seed) -> (x, y, noise_seed)`` over a keyed dataset, or
+    ``(bucket, index, aug_seed, noise_seed)`` over a list of them (one per bucket)."""
 
     def __init__(self, dataset: Any):
         self.dataset = dataset
@@ -95,9 +96,13 @@ class _KeyedItems(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: Tuple[int, int, int]):
-        index, aug_seed, noise_seed = key
-        x, y = self.dataset[(index, aug_seed)]
+    def __getitem__(self, key: Tuple[int, ...]):
+        if len(key) == 4:  # bucketed (vitp.data.buckets): the dataset is one per bucket
+            bucket, index, aug_seed, noise_seed = key
+            x, y = self.dataset[bucket][(index, aug_seed)]
+        else:
+            index, aug_seed, noise_seed = key
+            x, y = self.dataset[(index, aug_seed)]
         return x, int(y), noise_seed
 
 

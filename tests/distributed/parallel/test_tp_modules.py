@@ -12,7 +12,7 @@ import torch
 from vitp.parallel import ParallelState, shard_tensor, tensor_parallelize
 from vitp.parallel.layers import unshard_parts
 
-from .tp_workers import TP4_PARITY
+from .tp_workers import SHAPES, TP4_PARITY
 
 
 def _check(r, key):
@@ -39,6 +39,13 @@ def test_tp2_matches_reference(tp2, key):
                                  for m in [*(f"gen/{n}" for n in TP4_PARITY), "vit/plain"]])
 def test_tp4_matches_reference(tp4, key):
     for rank_res in tp4:
+        _check(rank_res[key], key)
+
+
+@pytest.mark.parametrize("key", [f"shapes/{t}x{h}x{w}/sp={sp}" for sp in (False, True) for t, h, w in SHAPES])
+def test_tp2_follows_non_square_shapes_that_change_between_calls(tp2, key):
+    """Factorized video at 6x10 (N = 45: SP pads), then 10x6, then 4x4, through one sharded model."""
+    for rank_res in tp2:
         _check(rank_res[key], key)
 
 

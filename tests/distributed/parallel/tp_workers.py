@@ -80,8 +80,10 @@ def build(kind, cfg):
 
         # the generator casts its float32 timestep sinusoid to the weights' dtype itself
         model = Generator(seed=0, **cfg).double()
-        R, C = cfg["image_size"], cfg["in_channels"]
-        inputs = (torch.randn(B, C, cfg["num_frames"], R, R, generator=g, dtype=torch.float64),
+        from vitp.config import parse_resolution
+
+        (H, W), C = parse_resolution(cfg["image_size"]), cfg["in_channels"]
+        inputs = (torch.randn(B, C, cfg["num_frames"], H, W, generator=g, dtype=torch.float64),
                   torch.rand(B, generator=g),
                   torch.randint(0, cfg["num_classes"] + 1, (B,), generator=g))
     perturb(model)
@@ -153,6 +155,30 @@ def parity(kind, cfg, state, seq_len=None):
     ref = copy.deepcopy(model)
     parallelize(kind, model, state, seq_len=seq_len)
     return compare(ref, model, state, inputs, w)
+
+
+# (T, H, W) in turn through one sharded model: grids 3x3x5 (N = 45, padded under SP), 2x5x3, 2x2x2
+SHAPES = [(6, 6, 10), (4, 10, 6), (4, 4, 4)]
+
+
+def shape_change_parity(cfg, states):
+    """One sharded model fed inputs of several non-square sizes in turn (the grid, positions, SP
+    padding and factorized groups follow each input): every call equals the reference."""
+    from vitp.models import Generator
+
+    res = {}
+    for sp, state in states.items():
+        model = Generator(seed=0, **cfg).double()
+        perturb(model)
+        ref = copy.deepcopy(model)
+        parallelize("gen", model, state)
+        g = torch.Generator().manual_seed(3)
+        for T, H, W in SHAPES:
+            x = torch.randn(B, cfg["in_channels"], T, H, W, generator=g, dtype=torch.float64)
+            inputs = (x, torch.rand(B, generator=g), torch.randint(0, cfg["num_classes"] + 1, (B,), generator=g))
+            w = torch.randn(x.shape, generator=g, dtype=x.dtype)
+            res[f"shapes/{T}x{H}x{W}/sp={sp}"] = compare(ref, model, state, inputs, w)
+    return res
 
 
 def init(rank):
@@ -407,6 +433,7 @@ def worker_tp2(rank, cfgs):
     res["rng_outs"] = gather_objects(outs)
     res.update(comm_vs_theory(cfgs["default"], states))
     res.update(factorized_comm(cfgs["video_factorized"], states[True]))
+    res.update(shape_change_parity(cfgs["video_factorized"], states))
     return res
 
 

@@ -1,0 +1,58 @@
+"""Bucket assignment of real photos (scikit-image, landscape / square / portrait) and the checks of
+``data.buckets``."""
+import numpy as np
+import pytest
+import skimage.data
+from PIL import Image
+
+from tests.helpers import compose_cfg
+from vitp.config import validate_config
+from vitp.data import build_datasets
+from vitp.data.buckets import Bucket, assign, bucket_datasets, buckets_of
+
+THREE = "data.buckets=[{resolution:16x24,batch_size:4},{resolution:16,batch_size:4},{resolution:24x16,batch_size:4}]"
+
+
+@pytest.fixture(scope="module")
+def mixed_photos(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixed") / "photos"
+    root.mkdir()
+    photos = {"chelsea": skimage.data.chelsea(), "coffee": skimage.data.coffee(), "astronaut": skimage.data.astronaut(),
+              "rocket_portrait": np.ascontiguousarray(np.rot90(skimage.data.rocket())),
+              "coffee_portrait": np.ascontiguousarray(np.rot90(skimage.data.coffee()))}
+    for name, img in photos.items():
+        Image.fromarray(img).save(root / f"{name}.png")
+    return root
+
+
+def test_photos_go_to_the_bucket_nearest_their_aspect(mixed_photos):
+    cfg = compose_cfg(["data=image_folder", f"data.root={mixed_photos}", "data.num_classes=1",
+                       "data.holdout_fraction=0", THREE]).data
+    pairs = bucket_datasets(cfg, 0, build_datasets)
+    names = [sorted(p.name.split(".")[0] for p in (tr.base.files[i] for i in tr.indices)) for tr, _ in pairs]
+    assert names == [["chelsea", "coffee"], ["astronaut"], ["coffee_portrait", "rocket_portrait"]]
+    for (tr, _), b in zip(pairs, buckets_of(cfg)):
+        assert tr[(0, 7)][0].shape == (3, 1, *b.size)  # items come out at their bucket's shape
+
+
+def test_assign_rules():
+    bks = [Bucket((16, 24), 1, 4, 1.0), Bucket((32, 48), 1, 4, 1.0), Bucket((16, 16), 1, 4, 1.0),
+           Bucket((16, 16), 4, 4, 1.0)]
+    assert assign((100, 150), 1, bks) == [1]  # same aspect: the larger bucket it fills
+    assert assign((20, 30), 1, bks) == [0]  # too small for 32x48
+    assert assign((8, 8), 1, bks) == [2]  # fills none: nearest aspect, upscaled
+    assert assign(None, 1, bks) == [0, 1, 2] and assign(None, 4, bks) == [3]  # sizeless: every bucket of its frames
+
+
+@pytest.mark.parametrize("buckets,message", [
+    ("[{resolution:16x10,batch_size:8}]", r"resolution 16x10 \(data.buckets\[0\].resolution\) is not divisible by "
+                                          r"model.patch_size=4.*nearest valid sizes: 16x8, 16x12"),
+    ("[{resolution:16,batch_size:8,frames:4}]", r"data.buckets\[0\].frames=4: this is an image run"),
+    ("[{resolution:16,batch_size:8},{resolution:16,batch_size:4}]", r"repeats the shape 16x16 x 1 frames"),
+    ("[{resolution:16,batch_size:6}]", r"data.buckets\[0\].batch_size=6 must be a multiple of 4 .*valid: 4, 8, 12"),
+])
+def test_bucket_errors_name_the_valid_values(buckets, message):
+    cfg = compose_cfg(["model.patch_size=4", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
+                       f"data.buckets={buckets}"])
+    with pytest.raises(ValueError, match=message):
+        validate_config(cfg, 1)

@@ -1,0 +1,172 @@
+"""Shape buckets: one run trains on several resolutions, aspect ratios and clip lengths.
+
+As Open-Sora's ``bucket_config`` (hpcaitech/Open-Sora, ``opensora/datasets/bucket.py``: per
+resolution and frame count a probability and a batch size) and the aspect-ratio buckets of SDXL /
+NaViT-style mixed-shape training (Dehghani et al. 2023, "Patch n' Pack", arXiv 2307.06304, which
+packs shapes into one sequence instead), but with one shape per **global step**, so every rank,
+pipeline stage and micro-batch of a step holds tensors of one shape:
+
+- each bucket ``b`` is a size ``(H_b, W_b)``, a frame count ``T_b``, a global batch ``B_b`` and a
+  weight ``w_b`` (:class:`Bucket`, from ``data.buckets``);
+- each item belongs to one bucket: the one nearest its aspect ratio (``|log(h/w) - log(H/W)|``)
+  among the buckets of its frame count that it can fill without upscaling (``h >= H``, ``w >= W``;
+  none: the nearest of all, upscaled), ties to the larger bucket (:func:`assign`). Items without
+  a native size (digits, synthetic: rendered at any size) belong to every bucket. A video clip is
+  cut at the bucket's frame count, so every file long enough gives clips to each duration;
+- step ``s`` draws its bucket with probability ``w_b / sum(w)`` from a seed of ``(seed, s)``
+  (:meth:`BucketSchedule.bucket`), over the buckets that hold items; its ``B_b`` positions
+  ``g`` take the next items of that bucket's own epoch-wise permutation, and the noise of
+  ``(seed, s, g)`` as without buckets. The bucket sequence is a function of the seed, so a resume
+  at step ``s`` replays it (exact), and any split of ``B_b`` into micro-batches and data-parallel
+  ranks trains on the same numbers.
+
+Tokens per step stay roughly constant when ``B_b`` is chosen inversely to the bucket's tokens
+``(T_b / pt) (H_b / p) (W_b / p)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from vitp.config import format_resolution, parse_resolution
+from vitp.objectives.flow import sample_seed
+
+# stream tags (those of vitp.data.loader are 1-3)
+_ORDER, _AUG, _NOISE, _BUCKET = 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket: ``size`` (H, W) in pixels, ``frames`` T, global ``batch_size``, draw ``weight``."""
+
+    size: Tuple[int, int]
+    frames: int
+    batch_size: int
+    weight: float
+
+    @property
+    def name(self) -> str:
+        """``"HxW"`` for images, ``"HxWxT"`` for video (file names, TensorBoard tags, eval keys)."""
+        return format_resolution(self.size) + (f"x{self.frames}" if self.frames > 1 else "")
+
+
+def buckets_of(data_cfg: Any) -> List[Bucket]:
+    """The :class:`Bucket` list of a ``data`` config section (``frames`` null = ``data.num_frames``)."""
+    return [Bucket(parse_resolution(b.resolution, f"data.buckets[{i}].resolution"),
+                   int(data_cfg.num_frames if b.frames is None else b.frames), int(b.batch_size), float(b.weight))
+            for i, b in enumerate(data_cfg.buckets)]
+
+
+def assign(native: Optional[Tuple[int, int]], frames: int, buckets: Sequence[Bucket]) -> List[int]:
+    """Buckets an item of native size ``native`` ``(h, w)`` (``None``: any size) cut at ``frames``
+    frames belongs to: all buckets of that frame count when ``native`` is ``None``, else the one
+    nearest its aspect ratio among those it fills (see the module doc)."""
+    same = [i for i, b in enumerate(buckets) if b.frames == frames]
+    if native is None:
+        return same
+    h, w = native
+    fill = [i for i in same if h >= buckets[i].size[0] and w >= buckets[i].size[1]] or same
+
+    def cost(i: int) -> tuple:
+        H, W = buckets[i].size
+        return round(abs(math.log(h / w) - math.log(H / W)), 9), -H * W, i
+
+    return [min(fill, key=cost)] if fill else []
+
+
+def bucket_datasets(cfg: Any, seed: int, build) -> List[Tuple[Any, Any]]:
+    """``[(train, held_out)]`` per bucket: ``build(cfg_b, seed)`` (e.g.
+    :func:`vitp.data.build_datasets`) at the bucket's size and frames, each cut to the items
+    :func:`assign` gives that bucket (``KeyedSubset`` of the same base items)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from vitp.data.base import KeyedSubset
+
+    buckets, out = buckets_of(cfg), []
+    for i, b in enumerate(buckets):
+        over = {"resolution": list(b.size), "num_frames": b.frames, "buckets": []}
+        cfg_b = OmegaConf.merge(cfg, over) if isinstance(cfg, DictConfig) else replace(cfg, **over)
+        pair = []
+        for sub in build(cfg_b, seed):
+            native = getattr(sub.base, "native_size", lambda _i: None)
+            keep = [k for k, j in enumerate(sub.indices) if i in assign(native(int(j)), b.frames, buckets)]
+            pair.append(KeyedSubset(sub.base, sub.indices[keep], eval_only=sub.eval_only))
+        out.append(tuple(pair))
+    return out
+
+
+class BucketSchedule:
+    """Which bucket step ``s`` trains on, and which samples form its micro-batch ``m`` on
+    data-parallel rank ``r`` (the bucketed :class:`vitp.data.loader.BatchSchedule`).
+
+    Parameters
+    ----------
+    pool_sizes : items in each bucket (0: the bucket is never drawn)
+    buckets : the :class:`Bucket` list (batch sizes and weights)
+    accumulation, dp : micro-batches per step and data-parallel degree; bucket ``b``'s micro-batch
+        holds ``batch_size / (accumulation * dp)`` samples
+    seed : run seed
+
+    Raises ``ValueError`` if no bucket holds an item or a batch does not split.
+    """
+
+    def __init__(self, pool_sizes: Sequence[int], buckets: Sequence[Bucket], accumulation: int, dp: int, seed: int):
+        live = [i for i, n in enumerate(pool_sizes) if n > 0]
+        if not live:
+            raise ValueError("no data.buckets entry holds an item: check the bucket sizes against the data")
+        for b in buckets:
+            if b.batch_size % (accumulation * dp):
+                raise ValueError(f"bucket {b.name}: batch_size={b.batch_size} does not split into {accumulation} "
+                                 f"micro-batches x dp={dp}")
+        self.sizes, self.buckets, self.live = list(pool_sizes), list(buckets), live
+        self.accumulation, self.dp, self.seed = accumulation, dp, seed
+        w = np.array([buckets[i].weight for i in live], dtype=np.float64)
+        self._cum = np.cumsum(w / w.sum())
+        self._offsets: List[np.ndarray] = [np.zeros(len(buckets), dtype=np.int64)]  # items used before step s
+        self._perms: dict = {}
+
+    def bucket(self, step: int) -> int:
+        """The bucket of step ``step`` (0-based), drawn with probability ``weight / sum(weights)``."""
+        u = (sample_seed(self.seed, _BUCKET, step) >> 10) / 2.0 ** 53  # uniform in [0, 1)
+        return self.live[min(int(np.searchsorted(self._cum, u, side="right")), len(self.live) - 1)]
+
+    def micro_batch_size(self, step: int) -> int:
+        """Samples per micro-batch per data-parallel rank at step ``step``."""
+        return self.buckets[self.bucket(step)].batch_size // (self.accumulation * self.dp)
+
+    def _offset(self, step: int) -> np.ndarray:
+        while len(self._offsets) <= step:  # replayed from step 0 once, then extended: resume is exact
+            s = len(self._offsets) - 1
+            nxt = self._offsets[-1].copy()
+            b = self.bucket(s)
+            nxt[b] += self.buckets[b].batch_size
+            self._offsets.append(nxt)
+        return self._offsets[step]
+
+    def _item(self, b: int, pos: int) -> int:
+        epoch, k = divmod(pos, self.sizes[b])
+        if (b, epoch) not in self._perms:
+            self._perms = {key: v for key, v in self._perms.items() if key[0] != b}  # one epoch per bucket
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, _ORDER, b, epoch]))
+            self._perms[(b, epoch)] = rng.permutation(self.sizes[b])
+        return int(self._perms[(b, epoch)][k])
+
+    def micro_batch_keys(self, step: int, micro: int, dp_rank: int) -> List[Tuple[int, int, int, int]]:
+        """``[(bucket, item index in the bucket, aug seed, noise seed)]`` of one micro-batch."""
+        b = self.bucket(step)
+        mb, start = self.micro_batch_size(step), int(self._offset(step)[b])
+        keys = []
+        for i in range(mb):
+            g = (micro * self.dp + dp_rank) * mb + i
+            keys.append((b, self._item(b, start + g), sample_seed(self.seed, _AUG, step, g),
+                         sample_seed(self.seed, _NOISE, step, g)))
+        return keys
+
+    def iter_keys(self, start_step: int, stop_step: int, dp_rank: int):
+        """Micro-batch keys in training order for steps ``[start_step, stop_step)``."""
+        for step in range(start_step, stop_step):
+            for m in range(self.accumulation):
+                yield self.micro_batch_keys(step, m, dp_rank)
