@@ -105,3 +105,37 @@ def test_bucketed_resume_is_exact(bucket_runs):
     run_dir, res = bucket_runs["resume"]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows] == ref["losses"] and [r["grad_norm"] for r in rows] == ref["grad_norms"]
+
+
+def test_bucketed_previews_and_heldout_loss_per_bucket(tmp_path):
+    """Previews: one grid per bucket, named after it, tiles of its shape; held-out loss per bucket
+    (and overall, the item-weighted mean) in eval.json, eval.jsonl and TensorBoard; the logged
+    step's bucket and samples_per_s from the bucket's own batch in metrics.jsonl."""
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    run_ranks(1, train_rank, ["experiment=smoke", "trainer.max_steps=2", BUCKETS, "trainer.sample_every=1",
+                                    "trainer.eval_every=1", "eval.enabled=true", "eval.t_grid=2", "eval.classifier_epochs=1",
+                                    "data.holdout_fraction=0.02", "sampler.samples_per_class=1",
+                                    "sampler.grid_classes=2"], str(run))[0]
+    names = ["8x8", "6x10", "10x6"]
+    for step in (1, 2):
+        for name in names:  # 2 classes x 1 sample; tiles upscaled x(64 // W) (nearest), 2 px padding
+            h, w = (int(v) for v in name.split("x"))
+            s = 64 // w
+            assert Image.open(run / "samples" / f"step_{step:07d}" / f"grid_{name}.png").size == \
+                (w * s + 4, 2 * (h * s + 2) + 2)
+    ev = json.loads((run / "eval.json").read_text())
+    per = [ev[f"heldout_loss/{n}"] for n in names]
+    items = [ev[f"heldout_items/{n}"] for n in names]
+    assert all(np.isfinite(per)) and len(set(per)) == 3 and len(set(items)) == 1  # digits fit every bucket
+    assert ev["heldout_loss"] == pytest.approx(np.dot(per, items) / sum(items))
+    lines = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2] and all("heldout_loss/10x6" in r for r in lines)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["bucket"] in (0, 1, 2) and r["samples_per_s"] > 0 for r in rows)
+    acc = EventAccumulator(str(run / "tb"), size_guidance={"images": 0}).Reload()
+    assert {f"eval/heldout_loss/{n}" for n in names} <= set(acc.Tags()["scalars"])
+    assert {f"samples/{n}" for n in names} <= set(acc.Tags()["images"]) and "bucket" in acc.Tags()["scalars"]
+
