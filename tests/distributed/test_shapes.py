@@ -139,3 +139,33 @@ def test_bucketed_previews_and_heldout_loss_per_bucket(tmp_path):
     assert {f"eval/heldout_loss/{n}" for n in names} <= set(acc.Tags()["scalars"])
     assert {f"samples/{n}" for n in names} <= set(acc.Tags()["images"]) and "bucket" in acc.Tags()["scalars"]
 
+
+# the scikit-image photo folder (portrait, square and landscape crops of three subjects) on the
+# three aspect buckets of experiment=photo_buckets, with a tiny model; seed 1 draws buckets
+# 16x24, 24x24, 24x16, 24x16 for steps 1-4 (the resume at step 3 enters a new bucket)
+PHOTO = ["experiment=photo_buckets", "seed=1", "model.width=32", "model.depth=2", "model.num_heads=2",
+         "trainer.max_steps=4", "trainer.precision=fp32", "trainer.log_every=1", "trainer.sample_every=0",
+         "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.progress=false", "eval.enabled=false",
+         "sampler.steps=2", "sampler.samples_per_class=2"]
+
+
+def test_photo_buckets_train_sample_and_resume_exactly(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from tests.helpers import reference_rank
+
+    monkeypatch.setenv("VITP_CACHE_DIR", str(tmp_path / "cache"))  # the photo folder is made here
+    res = run_ranks(1, reference_rank, {"full": PHOTO, "resume": [*PHOTO, "trainer.exit_at_step=2"]}, str(tmp_path))[0]
+    folder = tmp_path / "cache" / "skimage_photos"
+    sizes = {Image.open(p).size for p in folder.glob("*/*.png")}
+    assert {w > h for w, h in sizes} == {True, False} and any(w == h for w, h in sizes)  # mixed orientations
+    rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["bucket"] for r in rows] == [0, 1, 2, 2]
+    for name in ("16x24", "24x24", "24x16"):  # 3 classes x 2 samples, tiles x(64 // W), 2 px padding
+        h, w = (int(v) for v in name.split("x"))
+        s = 64 // w
+        grid = Image.open(tmp_path / "full" / "samples" / "step_0000004" / f"grid_{name}.png")
+        assert grid.size == (2 * (w * s + 2) + 2, 3 * (h * s + 2) + 2)
+    resumed = [json.loads(x) for x in (tmp_path / "resume" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in rows]
+    assert res["resume"]["losses"] == res["full"]["losses"][2:]
