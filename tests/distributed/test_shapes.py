@@ -190,3 +190,20 @@ def test_video_demo_buckets_visit_both_durations_and_resolutions(tmp_path):
         s = 64 // w  # 2 classes x 1 sample, tiles x(64 // W), 2 px padding
         assert Image.open(final / f"grid_{name}.png").size == (w * s + 4, 2 * (h * s + 2) + 2)
         assert (final / f"grid_{name}" / "grid.gif").is_file()  # (Pillow merges equal frames: no frame count)
+
+
+def test_progressive_resolution_from_an_8x8_export(tmp_path):
+    """Progressive resolution: a 12x12 run initialised from an 8x8 run's EMA export (sin-cos
+    positions recomputed for the 6x6 grid, every weight loaded) trains with finite losses, and its
+    first loss (same batches and noise) differs from a fresh 12x12 init."""
+    from tests.helpers import reference_rank
+
+    small = ["experiment=smoke", "trainer.max_steps=2"]
+    big = [*small, "data.resolution=12"]
+    cases = {"at8": small, "up12": [*big, f"trainer.init_from={tmp_path}/at8/model_ema.safetensors"], "fresh12": big}
+    res = run_ranks(1, reference_rank, cases, str(tmp_path))[0]
+    up, fresh = res["up12"]["losses"], res["fresh12"]["losses"]
+    assert all(np.isfinite(up)) and len(up) == 2
+    assert abs(up[0] - fresh[0]) > 1e-3 * fresh[0], (up, fresh)
+    ema8 = load_file(tmp_path / "at8" / "model_ema.safetensors")
+    assert not any("pos" in k for k in ema8)  # positions are not weights: they follow the grid
