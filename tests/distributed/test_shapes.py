@@ -153,10 +153,13 @@ def test_photo_buckets_train_sample_and_resume_exactly(tmp_path, monkeypatch):
     from PIL import Image
 
     from tests.helpers import reference_rank
+    from vitp.data.photos import PHOTOS_ROOT, resolve_photo_root
 
-    monkeypatch.setenv("VITP_CACHE_DIR", str(tmp_path / "cache"))  # the photo folder is made here
-    res = run_ranks(1, reference_rank, {"full": PHOTO, "resume": [*PHOTO, "trainer.exit_at_step=2"]}, str(tmp_path))[0]
+    monkeypatch.setenv("VITP_CACHE_DIR", str(tmp_path / "cache"))  # data.root=skimage:photos is made here
     folder = tmp_path / "cache" / "skimage_photos"
+    assert resolve_photo_root(PHOTOS_ROOT) == str(folder)
+    over = [*PHOTO, f"data.root={folder}"]  # (worker processes may predate the environment above)
+    res = run_ranks(1, reference_rank, {"full": over, "resume": [*over, "trainer.exit_at_step=2"]}, str(tmp_path))[0]
     sizes = {Image.open(p).size for p in folder.glob("*/*.png")}
     assert {w > h for w, h in sizes} == {True, False} and any(w == h for w, h in sizes)  # mixed orientations
     rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
