@@ -71,7 +71,14 @@ def run(argv: Optional[list] = None) -> dict:
         path = resolve_weights(a.run_dir, "ema")[0]
     gen = load_generator_for(path, cfg)
     train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
-    res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=_last_step(a.run_dir))
+    per_bucket = None
+    if cfg.data.buckets:  # held-out loss per shape bucket, items assigned as in training
+        from vitp.data.buckets import bucket_datasets, buckets_of
+
+        pairs = bucket_datasets(cfg.data, cfg.seed, build_datasets)
+        per_bucket = {b.name: ho for b, (_, ho) in zip(buckets_of(cfg.data), pairs)}
+    res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=_last_step(a.run_dir),
+                   buckets=per_bucket)
     print(json.dumps(res, indent=2))
     return res
 

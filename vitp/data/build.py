@@ -10,6 +10,7 @@ import numpy as np
 from vitp.config import DataConfig
 from vitp.data.base import KeyedDataset, KeyedSubset
 from vitp.data.images import DigitsDataset, ImageFolderDataset, SyntheticDataset
+from vitp.data.photos import resolve_photo_root
 from vitp.data.video import VideoFolderDataset
 
 DATASET_NAMES = ("digits", "image_folder", "synthetic", "video_folder")
@@ -52,7 +53,7 @@ def _base_dataset(cfg: DataConfig, seed: int) -> KeyedDataset:
     if cfg.name == "image_folder":
         if cfg.root is None:
             raise ValueError("data.name=image_folder needs data.root=<folder with one subfolder of images per class>")
-        return ImageFolderDataset(cfg.root, cfg.resolution, cfg.channels, train=True,
+        return ImageFolderDataset(resolve_photo_root(cfg.root), cfg.resolution, cfg.channels, train=True,
                                   random_crop=cfg.random_crop, hflip=cfg.hflip)
     if cfg.name == "synthetic":
         return SyntheticDataset(cfg.synthetic_size, cfg.channels, cfg.num_frames, cfg.resolution,

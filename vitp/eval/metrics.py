@@ -55,6 +55,29 @@ def heldout_loss(gen: Generator, cfg: DictConfig, dataset: Any, batch_size: int 
     return {"heldout_loss": per_t.mean().item(), "heldout_loss_per_t": {f"{t:.2f}": v for t, v in zip(ts, per_t.tolist())}}
 
 
+def bucket_heldout_loss(gen: Generator, cfg: DictConfig, sets: Dict[str, Any]) -> Dict[str, Any]:
+    """:func:`heldout_loss` per shape bucket: ``sets`` maps a bucket name (``"HxW"`` or
+    ``"HxWxT"``) to its held-out items, assigned to buckets as the training items are
+    (:func:`vitp.data.buckets.assign`) and rendered at the bucket's shape. Returns
+    ``heldout_loss/<name>`` and ``heldout_items/<name>`` per non-empty bucket, and the overall
+    ``heldout_loss`` (and ``heldout_loss_per_t``): the mean over all (item, bucket) pairs, i.e.
+    the bucket losses weighted by their item counts."""
+    res: Dict[str, Any] = {}
+    total, per_t, n_all = 0.0, {}, 0
+    for name, ds in sets.items():
+        if not len(ds):
+            continue
+        r, n = heldout_loss(gen, cfg, ds), len(ds)
+        res[f"heldout_loss/{name}"], res[f"heldout_items/{name}"] = r["heldout_loss"], n
+        total, n_all = total + n * r["heldout_loss"], n_all + n
+        for t, v in r["heldout_loss_per_t"].items():
+            per_t[t] = per_t.get(t, 0.0) + n * v
+    if n_all:
+        res["heldout_loss"] = total / n_all
+        res["heldout_loss_per_t"] = {t: v / n_all for t, v in per_t.items()}
+    return res
+
+
 def _stack(dataset: Any) -> Tuple[torch.Tensor, torch.Tensor]:
     items = [dataset[(i, None)] for i in range(len(dataset))]
     return torch.stack([it[0] for it in items]), torch.tensor([int(it[1]) for it in items])
@@ -96,11 +119,15 @@ def video_metrics(gen: Generator, cfg: DictConfig, heldout_ds: Any) -> Dict[str,
 
 
 def evaluate(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, *, full: bool = True,
-             step: Optional[int] = None, logger: Any = None) -> Dict[str, Any]:
-    """Held-out loss (always) and, when ``full`` and the data are digits, the judge metrics.
-    With ``full`` the results are written to ``run_dir/eval.json``."""
+             step: Optional[int] = None, logger: Any = None, buckets: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Held-out loss (always; with ``buckets``, ``{name: held-out items}``, per bucket and overall,
+    :func:`bucket_heldout_loss`) and, when ``full`` and the data are digits, the judge metrics
+    (video: temporal statistics) at ``data.resolution``. With ``full`` the results are written
+    to ``run_dir/eval.json``; with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``."""
     res: Dict[str, Any] = {"step": step} if step is not None else {}
-    if len(heldout_ds):
+    if buckets:
+        res.update(bucket_heldout_loss(gen, cfg, buckets))
+    elif len(heldout_ds):
         res.update(heldout_loss(gen, cfg, heldout_ds))
     if full and cfg.data.name == "digits" and len(heldout_ds) > 1:
         res.update(digits_metrics(gen, cfg, train_ds, heldout_ds, run_dir))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -66,3 +66,20 @@ def write_sample_grid(gen: Generator, cfg: DictConfig, path: Path) -> Dict[str, 
         write_video_samples(x, labels, path.parent, name=path.stem, fps=cfg.sampler.fps)
         strips = frame_strip(x[::cfg.sampler.samples_per_class], padding=1, min_tile=32)
     return {"grid": grid, "strips": strips}
+
+
+def at_size(cfg: DictConfig, size: Sequence[int], frames: int) -> DictConfig:
+    """A copy of ``cfg`` whose model samples ``(H, W) = size`` pixels and ``frames`` frames (the
+    generator follows the input's shape, :func:`vitp.models.set_grid`)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(cfg, {"model": {"image_size": [int(v) for v in size], "num_frames": int(frames)}})
+
+
+def write_bucket_grids(gen: Generator, cfg: DictConfig, buckets: Sequence[Any], folder: Path) -> Dict[str, Any]:
+    """One fixed-seed class grid per shape bucket: ``folder/grid_<name>.png`` (``name`` as
+    :attr:`vitp.data.buckets.Bucket.name`, e.g. ``grid_6x10.png``, ``grid_32x32x8.png``; video
+    GIFs in ``folder/grid_<name>/``), each tile ``H x W`` pixels of its bucket (upscaled as in
+    :func:`vitp.media.to_grid`). Returns ``{name: write_sample_grid's result}``."""
+    return {b.name: write_sample_grid(gen, at_size(cfg, b.size, b.frames), folder / f"grid_{b.name}.png")
+            for b in buckets}

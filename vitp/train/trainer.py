@@ -216,25 +216,35 @@ class Trainer:
         return generator_from_state(self.cfg.model, full, self.device) if self.main else None
 
     def sample_grid(self, step: int) -> None:
-        """Fixed-seed sample grid (and GIFs for video) of the EMA weights, to files and TensorBoard."""
-        from vitp.eval import write_sample_grid
+        """Fixed-seed sample grid (and GIFs for video) of the EMA weights, to files and TensorBoard:
+        ``samples/step_N.png`` at ``data.resolution``, or with ``data.buckets`` one grid per bucket,
+        ``samples/step_N/grid_<HxW[xT]>.png`` (TensorBoard ``samples/<HxW[xT]>``)."""
+        from vitp.eval import write_bucket_grids, write_sample_grid
 
         gen = self.ema_generator()
-        if self.main:
-            out = write_sample_grid(gen, self.cfg, self.run_dir / "samples" / f"step_{step:07d}.png")
-            self.logger.image("samples", out["grid"], step)
+        if not self.main:
+            return
+        path = self.run_dir / "samples" / f"step_{step:07d}.png"
+        if self.buckets is None:
+            outs = {"": write_sample_grid(gen, self.cfg, path)}
+        else:
+            outs = {f"/{k}": v for k, v in write_bucket_grids(gen, self.cfg, self.buckets, path.with_suffix("")).items()}
+        for suffix, out in outs.items():
+            self.logger.image("samples" + suffix, out["grid"], step)
             if out["strips"] is not None:
-                self.logger.images("samples/frames", out["strips"], step)
+                self.logger.images(f"samples{suffix}/frames", out["strips"], step)
 
     def heldout_eval(self, step: int, final: bool) -> Dict[str, Any]:
-        """Held-out loss (and at the end the full evaluation) of the EMA weights; rank 0's results."""
+        """Held-out loss (per bucket with ``data.buckets``: ``heldout_loss/<HxW[xT]>``, and overall;
+        at the end the full evaluation) of the EMA weights; rank 0's results."""
         from vitp.eval import evaluate
 
         gen = self.ema_generator()
         if not self.main:
             return {}
+        per_bucket = None if self.buckets is None else {b.name: ho for b, (_, ho) in zip(self.buckets, self.bucket_data)}
         res = evaluate(gen, self.cfg, self.train_ds, self.heldout_ds, self.run_dir, full=final, step=step,
-                       logger=self.logger)
+                       logger=self.logger, buckets=per_bucket)
         if not final and "heldout_loss" in res:
             self.bar.write(f"step {step}: held-out loss {res['heldout_loss']:.4f}")
         with open(self.run_dir / "eval.jsonl", "a") as f:
@@ -254,9 +264,12 @@ class Trainer:
         Raises ``FloatingPointError`` if the loss is NaN or infinite.
         """
         lr = self.engine.get_lr()[0]  # the lr this step uses
+        batch = self.cfg.trainer.global_batch_size
         if self.buckets is not None:
             self._enter_bucket(self.schedule.bucket(step - 1))
+            batch = self.buckets[self._bucket].batch_size
         loss = self.engine.train_batch(data_iter=self.data_iter).item()
+        self._samples_log += batch
         self.ema.update(self.engine.module)
         norm = self.engine.get_global_grad_norm()
         self.losses.append(loss)
@@ -286,11 +299,13 @@ class Trainer:
     def _log_metrics(self, step: int, lr: float) -> None:
         n = self._n_log
         values = {"loss": sum(self.losses[-n:]) / n, "grad_norm": sum(self.grad_norms[-n:]) / n, "lr": lr,
-                  "samples_per_s": n * self.cfg.trainer.global_batch_size / (time.perf_counter() - self._t_log)}
+                  "samples_per_s": self._samples_log / (time.perf_counter() - self._t_log)}
+        if self.buckets is not None:  # the shape of the logged step (samples_per_s counts each step's own batch)
+            values["bucket"] = self._bucket
         values.update(binned_loss(*self.loss_fn.pop_records()))
         self.logger.scalars(step, values)
         self.bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
-        self._t_log, self._n_log = time.perf_counter(), 0
+        self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0
 
     def _after_step(self, step: int) -> None:
         """Previews, held-out loss and checkpoints that are due after ``step`` (not the last one)."""
@@ -331,7 +346,7 @@ class Trainer:
                         desc="train", dynamic_ncols=True)
         if tr.eval_every and self.start_step == 0:
             self.heldout_eval(0, final=False)  # the untrained model's held-out loss, for reference
-        self._t_log, self._n_log = time.perf_counter(), 0
+        self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0
         t_start = time.perf_counter()
         try:
             for step in range(self.start_step + 1, tr.max_steps + 1):  # step = optimizer steps completed
