@@ -108,12 +108,14 @@ REFERENCE = Path(__file__).parent / "fixtures" / "reference"
 PERTURBED = REFERENCE / "perturbed.safetensors"  # the smoke model with non-zero adaLN gates (record_reference.py)
 SMOKE4 = ["experiment=smoke", "trainer.max_steps=4"]
 TIME_KEYS = ("samples_per_s",)
+TELEMETRY_PREFIXES = ("perf/", "comm/")  # wall time, memory and traffic (vitp.train.telemetry)
 
 
 def metrics(run_dir) -> list:
-    """``metrics.jsonl`` rows of a run without its wall-time columns."""
+    """``metrics.jsonl`` rows of a run without its wall-time and telemetry columns."""
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if k not in TIME_KEYS} for row in rows]
+    return [{k: v for k, v in row.items() if k not in TIME_KEYS and not k.startswith(TELEMETRY_PREFIXES)}
+            for row in rows]
 
 
 def recorded(name: str) -> list:

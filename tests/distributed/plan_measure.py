@@ -12,7 +12,9 @@ optimizer), run one ``engine.train_batch`` (all micro-batches of a step through 
   backward (``torch.autograd.graph.saved_tensors_hooks``; parameters excluded; a storage counts
   while any tensor on it is alive), the tensors activation checkpointing rebuilds in backward,
   and the stage outputs the pipeline engine holds;
-- ``bucket``: bytes of ZeRO-1's contiguous gradient bucket at the gradient reduction.
+- ``bucket``: bytes of ZeRO-1's contiguous gradient buckets at the gradient reduction;
+- ``tp_comm``: the step's TP collectives from :class:`vitp.parallel.CommRecorder`
+  (``{"kind/direction/tag": {"count", "bytes"}}``).
 """
 from __future__ import annotations
 
@@ -99,6 +101,8 @@ def _track_recomputation(acts: LiveBytes):
 
 
 def _measure_step(tr) -> dict:
+    from vitp.parallel import CommRecorder
+
     eng = tr.engine
     params = list(eng.module.parameters())
     pkeys = {_key(p) for p in params}
@@ -126,7 +130,8 @@ def _measure_step(tr) -> dict:
     try:
         # pack a detached alias: the tensor itself would hold its grad_fn, and a node saving its own
         # output would then keep itself alive (DeepSpeed backpropagates stage outputs with retain_graph)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: acts.add(t).detach(), lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: acts.add(t).detach(), lambda t: t), \
+                CommRecorder() as rec:
             eng.train_batch(data_iter=tr.data_iter)
     finally:
         torch.utils.checkpoint._recomputation_hook = recompute
@@ -136,7 +141,8 @@ def _measure_step(tr) -> dict:
             del eng.optimizer._release_ipg_buffers
     return {"weights": _distinct_bytes(params), "grads": grads.peak, "activations": acts.peak,
             "optimizer": _distinct_bytes(_tensors(eng.optimizer), exclude=pkeys), "bucket": max(bucket, default=0),
-            "params": sum(p.numel() for p in params)}
+            "params": sum(p.numel() for p in params),
+            "tp_comm": {"/".join(k): v for k, v in rec.summary().items()}}
 
 
 def measure_rank(rank: int, cases: Dict[str, List[str]], base: str) -> Dict[str, dict]:

@@ -52,9 +52,12 @@ STATE_BYTES: Dict[Tuple[int, str], StateBytes] = {
     (0, "fp32"): StateBytes({"weights": 4, "grads": 4, "adam": 8}, {}),
 }
 
-# DeepSpeed's default zero_optimization.reduce_bucket_size: with a pipeline, ZeRO-1's
-# reduce_gradients(pipeline_parallel=True) allocates one such contiguous gradient bucket per step
+# DeepSpeed's default zero_optimization.reduce_bucket_size (elements). ZeRO-1 allocates one such
+# contiguous gradient bucket (model dtype) when a backward starts (setup_buckets) and, under a
+# pipeline, reduce_gradients(pipeline_parallel=True) appends a second one: both are alive while the
+# gradients are reduced (measured: 2 x 5e8 x 4 bytes in fp32, 2 x 5e8 x 2 in bf16)
 ZERO_BUCKET_ELEMENTS = 500_000_000
+ZERO_BUCKET_BUFFERS = 2
 # DeepSpeed's PipelineEngine keeps max(2, in-flight) output buffers per stage; its last stage runs
 # backward on the loss and returns without clearing them, so the outputs (x_pred) of the last 2
 # micro-batches stay allocated there
@@ -228,8 +231,8 @@ class StageMemory:
     ``activations``: saved tensors of the ``in_flight`` micro-batches (with activation
     checkpointing: the checkpoints' inputs); ``recompute``: with checkpointing, the extra bytes at
     the recomputation peak of one micro-batch's backward; ``pipe_buffers``: stage outputs held until their backward;
-    ``workspace``: ZeRO's gradient bucket and fp32 gradient partition at the step plus one layer's
-    activation gradients (an estimate, not validated).
+    ``workspace``: ZeRO-1's two gradient buckets and fp32 gradient partition at the step plus one
+    layer's activation gradients (an estimate, not validated).
     """
 
     stage: int
@@ -294,7 +297,7 @@ def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = No
         out_bytes = shape.pixels * act_b if last else local_tokens(shape.tokens, lay.tp, lay.sp) * shape.width * act_b
         held = min(LAST_OUTPUT_BUFFERS, lay.accum) if last else in_flight
         layer_max = max(layer_saved_bytes(shape, i, lay) for i in range(first, end))
-        bucket = opts.zero_bucket_elements * act_b if lay.zero_stage == 1 else 0
+        bucket = ZERO_BUCKET_BUFFERS * opts.zero_bucket_elements * act_b if lay.zero_stage == 1 else 0
         out.append(StageMemory(
             stage=s, params=P, weights=weights, grads=grads, optimizer=optimizer,
             activations=in_flight * stored, recompute=rebuilt,

@@ -114,6 +114,7 @@ def layer_params_per_rank(model: Any, tp: int, adaln_sharded: bool = False) -> L
     return out
 
 
+@functools.lru_cache(maxsize=256)
 def stage_layer_ranges(depth: int, pp: int) -> List[Tuple[int, int]]:
     """``[(first, end)]`` layer indices (of Embed, blocks, Final) per pipeline stage, as DeepSpeed's
     ``type:BlockPipe`` partition cuts them (:func:`vitp.pipeline.stage_blocks`).
