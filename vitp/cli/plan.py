@@ -19,14 +19,22 @@ from typing import List, Optional
 from vitp.cli import run_cli
 
 
+def _ints(text: str) -> List[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``."""
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use comma-separated integers, e.g. 0,1") from None
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="vitp-plan", description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=8, help="devices (processes) in the job (default 8)")
     p.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu (measured here, cached)")
     p.add_argument("--mem-gib", type=float, default=None, help="memory per device in GiB (default: the profile's)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's, 8)")
-    p.add_argument("--ac", type=int, nargs="+", default=[0, 1], help="activation checkpoint intervals to try")
-    p.add_argument("--micro", type=int, nargs="+", default=None, help="micro-batch sizes to try (default: all)")
+    p.add_argument("--ac", type=_ints, default=[0, 1], help="activation checkpoint intervals to try (default 0,1)")
+    p.add_argument("--micro", type=_ints, default=None, help="micro-batch sizes to try, e.g. 1,2,4 (default: all)")
     p.add_argument("--adaln-sharded", action="store_true", help="model the adaLN modulation split over TP")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")

@@ -231,8 +231,8 @@ class StageMemory:
     ``activations``: saved tensors of the ``in_flight`` micro-batches (with activation
     checkpointing: the checkpoints' inputs); ``recompute``: with checkpointing, the extra bytes at
     the recomputation peak of one micro-batch's backward; ``pipe_buffers``: stage outputs held until their backward;
-    ``workspace``: ZeRO-1's two gradient buckets and fp32 gradient partition at the step plus one
-    layer's activation gradients (an estimate, not validated).
+    ``zero_buckets``: ZeRO-1's two contiguous gradient buckets; ``workspace``: the fp32 gradient
+    partition at the step plus one layer's activation gradients (an estimate, not validated).
     """
 
     stage: int
@@ -243,13 +243,14 @@ class StageMemory:
     activations: float
     recompute: float
     pipe_buffers: float
+    zero_buckets: float
     workspace: float
     in_flight: int
 
     @property
     def total(self) -> float:
         return (self.weights + self.grads + self.optimizer + self.activations + self.recompute + self.pipe_buffers
-                + self.workspace)
+                + self.zero_buckets + self.workspace)
 
 
 def _state(P: int, lay: LayoutSpec, opts: MemoryOptions) -> Tuple[float, float, float, float]:
@@ -301,6 +302,6 @@ def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = No
         out.append(StageMemory(
             stage=s, params=P, weights=weights, grads=grads, optimizer=optimizer,
             activations=in_flight * stored, recompute=rebuilt,
-            pipe_buffers=held * lay.micro * out_bytes, workspace=bucket + step + lay.micro * layer_max,
+            pipe_buffers=held * lay.micro * out_bytes, zero_buckets=bucket, workspace=step + lay.micro * layer_max,
             in_flight=in_flight))
     return out

@@ -41,7 +41,8 @@ class Prediction:
     def as_dict(self) -> dict:
         pk = self.peak
         mem = {k: round(getattr(pk, k) / GIB, 4) for k in ("weights", "grads", "optimizer", "activations",
-                                                            "recompute", "pipe_buffers", "workspace", "total")}
+                                                            "recompute", "pipe_buffers", "zero_buckets", "workspace",
+                                                            "total")}
         return {**self.layout.as_dict(), "fits": self.fits, "peak_stage": pk.stage, "memory_gib": mem,
                 "limit_gib": round(self.limit_bytes / GIB, 3),
                 "comm_bytes_per_step": {k: max(getattr(c, k) for c in self.comm)
@@ -101,7 +102,7 @@ def format_table(preds: List[Prediction], top: Optional[int] = None) -> str:
         rows.append(
             f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {'y' if lay.sp else '-':>3} {lay.ac:>3} {lay.micro:>4} "
             f"{lay.accum:>4} | {pk.weights / GIB:>8.2f} {pk.grads / GIB:>8.2f} {pk.optimizer / GIB:>8.2f} "
-            f"{act / GIB:>8.2f} {pk.workspace / GIB:>8.2f} {pk.total / GIB:>8.2f}     | "
+            f"{act / GIB:>8.2f} {(pk.zero_buckets + pk.workspace) / GIB:>8.2f} {pk.total / GIB:>8.2f}     | "
             f"{_si(comm['tp_bytes']):>9} {_si(comm['pp_bytes']):>9} {_si(comm['dp_bytes']):>9}        | "
             f"{p.time['step_s']:>9.4g} {p.tokens_per_s:>10.4g} {p.mfu:>6.1%} {'yes' if p.fits else 'NO'}")
     return "\n".join(rows)
