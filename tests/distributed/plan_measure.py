@@ -12,6 +12,7 @@ optimizer), run one ``engine.train_batch`` (all micro-batches of a step through 
   backward (``torch.autograd.graph.saved_tensors_hooks``; parameters excluded; a storage counts
   while any tensor on it is alive), the tensors activation checkpointing rebuilds in backward,
   and the stage outputs the pipeline engine holds;
+- ``ema``: the trainer's EMA copy of the rank's parameters;
 - ``bucket``: bytes of ZeRO-1's contiguous gradient buckets at the gradient reduction;
 - ``tp_comm``: the step's TP collectives from :class:`vitp.parallel.CommRecorder`
   (``{"kind/direction/tag": {"count", "bytes"}}``).
@@ -155,7 +156,8 @@ def measure_rank(rank: int, cases: Dict[str, List[str]], base: str) -> Dict[str,
     for name, overrides in cases.items():
         tr = Trainer(compose(overrides), f"{base}/{name}")
         try:
-            out[name] = {**_measure_step(tr), "stage": tr.state.pp_rank, "tp_rank": tr.state.tp_rank}
+            out[name] = {**_measure_step(tr), "stage": tr.state.pp_rank, "tp_rank": tr.state.tp_rank,
+                         "ema": _distinct_bytes(tr.ema.params.values())}
         finally:
             if tr.batches is not None:
                 tr.batches.close()

@@ -49,7 +49,7 @@ def _rows(measured):
             p = pred[m["stage"]]
             rows.append({"case": name, "stage": m["stage"], "params": (m["params"], p.params),
                          "weights": (m["weights"], p.weights), "grads": (m["grads"], p.grads),
-                         "optimizer": (m["optimizer"], p.optimizer),
+                         "optimizer": (m["optimizer"], p.optimizer), "ema": (m["ema"], p.ema),
                          "activations": (m["activations"], p.activations + p.recompute + p.pipe_buffers),
                          "bucket": (m["bucket"], p.zero_buckets)})
     return rows
@@ -57,7 +57,7 @@ def _rows(measured):
 
 def test_memory_predictions_within_10_percent(measured):
     rows = _rows(measured)
-    keys = ("weights", "grads", "optimizer", "activations")
+    keys = ("weights", "grads", "optimizer", "ema", "activations")
     print(f"\n{'case':22} st | " + " | ".join(f"{k:>21} (meas / pred / err)" for k in keys))
     bad = []
     for r in rows:

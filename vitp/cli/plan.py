@@ -64,7 +64,7 @@ def run(argv: Optional[List[str]] = None) -> list:
         raise ValueError(f"--gpus {args.gpus}: use a positive number of devices")
     check_override_keys(args.overrides)
     cfg = compose(args.overrides)
-    prof = get_profile(args.device, args.mem_gib)
+    prof = get_profile(args.device, args.mem_gib, procs=args.gpus)  # cpu: gloo measured with as many processes
     if args.gpus_per_node:
         prof = replace(prof, devices_per_node=args.gpus_per_node)
     preds = plan(cfg, args.gpus, prof, MemoryOptions(adaln_sharded=args.adaln_sharded), args.ac, args.micro)

@@ -87,7 +87,8 @@ def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
 @dataclass(frozen=True)
 class StageComm:
     """Bytes one rank of pipeline stage ``stage`` sends per optimizer step (ring wire bytes for
-    the collectives, plain bytes for pipeline sends) and the number of TP collectives."""
+    the collectives, plain bytes for pipeline sends), the number of TP collectives and of
+    pipeline tensor sends (DeepSpeed sends each tensor of ``(tokens, c)`` on its own)."""
 
     stage: int
     tp_bytes: float
@@ -116,5 +117,5 @@ def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = False) -> List[
         dp = 2 * (lay.dp - 1) / lay.dp * params * ACT_BYTES[lay.precision]
         out.append(StageComm(stage=s, tp_bytes=lay.accum * sum(c.wire_bytes(lay.tp) for c in colls),
                              tp_count=lay.accum * sum(c.count for c in colls), pp_bytes=lay.accum * sends * send,
-                             pp_sends=lay.accum * sends, dp_bytes=dp))
+                             pp_sends=lay.accum * sends * 2, dp_bytes=dp))  # tokens and c: two tensor sends
     return out

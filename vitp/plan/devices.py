@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -35,7 +35,8 @@ class DeviceProfile:
     ``peak_flops`` dense FLOP/s per precision; ``memory_gib`` capacity; ``mem_bw`` bytes/s of its
     memory; ``intra_bw`` / ``inter_bw`` bytes/s one device sends per direction inside a node /
     across nodes; ``efficiency`` the fraction of peak that training matmuls reach (assumption);
-    ``latency_s`` per collective or send; ``layer_overhead_s`` fixed time per layer and
+    ``latency_s`` per collective or send (``latency_by_group``: measured per group size);
+    ``layer_overhead_s`` fixed time per layer and
     micro-batch for forward + backward (kernel launches, Python dispatch); ``reserve_gib`` memory
     the planner keeps free (CUDA context, allocator fragmentation); ``cores`` CPU cores shared by
     all processes (0 = one device per process, as on GPUs).
@@ -55,6 +56,11 @@ class DeviceProfile:
     reserve_gib: float = 3.0
     cores: int = 0
     source: str = ""
+    latency_by_group: Dict[int, float] = field(default_factory=dict)
+
+    def latency(self, group: int) -> float:
+        """Seconds per collective in a group of ``group`` ranks (measured sizes, else ``latency_s``)."""
+        return self.latency_by_group.get(group, self.latency_s)
 
     def peak(self, precision: str) -> float:
         """Peak FLOP/s for ``precision`` (fp32 | bf16)."""
@@ -126,52 +132,72 @@ def _memcpy_bw(nbytes: int = 64 * 2**20) -> float:
     return 2.0 * nbytes * n / (time.perf_counter() - start)  # read + write
 
 
-def _gloo_worker(rank: int, port: int, queue) -> None:
+def _gloo_worker() -> None:
+    """One process of :func:`_gloo_links` (``RANK``, ``WORLD_SIZE``, ``PORT`` in the environment):
+    for each group size g (a divisor of the world), all ranks all-reduce at once in groups of g
+    consecutive ranks; prints the seconds per small all-reduce for each g and per 4 MiB one for
+    g = 2, as JSON."""
     import torch
     import torch.distributed as dist
 
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    out = {}
-    for label, numel, reps in (("small", 16, 200), ("large", 2**20, 10)):
-        x = torch.zeros(numel)
-        dist.all_reduce(x)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(reps):
-            dist.all_reduce(x)
-        out[label] = (time.perf_counter() - start) / reps
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}", rank=rank, world_size=world)
+    out: Dict[str, object] = {"small": {}}
+    for g in (d for d in range(2, world + 1) if world % d == 0):
+        groups = [dist.new_group(list(range(r, r + g))) for r in range(0, world, g)]
+        group = groups[rank // g]
+        for label, numel, reps in (("small", 16, 100), ("large", 2**20, 10 if g == 2 else 0)):
+            x = torch.zeros(numel)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(reps):
+                dist.all_reduce(x, group=group)
+            if label == "small":
+                out["small"][str(g)] = (time.perf_counter() - start) / reps
+            elif reps:
+                out["large"] = (time.perf_counter() - start) / reps
+    dist.barrier()
     dist.destroy_process_group()
-    if rank == 0:
-        queue.put(out)
+    print(json.dumps(out))
 
 
-def _gloo_links() -> Dict[str, float]:
-    """Latency (s) and bandwidth (bytes/s one rank sends) of gloo all-reduces between two local
-    processes (ring all-reduce of n bytes: each rank sends n bytes at group size 2)."""
-    import multiprocessing as mp
+def _gloo_links(procs: int = 2) -> Dict[str, object]:
+    """Latency (s, per group size) and bandwidth (bytes/s one rank sends) of gloo all-reduces
+    among ``procs`` local single-thread processes, all groups at once (so with more processes than
+    cores the latency includes waiting for descheduled peers, as in an oversubscribed run); medians
+    over ranks.
+
+    Raises ``RuntimeError`` when a worker fails.
+    """
     import socket
+    import statistics
+    import subprocess
+    import sys
 
-    ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = queue.get(timeout=120)
-    for p in procs:
-        p.join(timeout=30)
-    lat = out["small"]
-    return {"latency_s": lat, "bw": 4 * 2**20 / max(out["large"] - lat, 1e-9)}
+    procs = max(2, procs)
+    code = "from vitp.plan.devices import _gloo_worker; _gloo_worker()"
+    workers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(procs), PORT=str(port),
+                                                    OMP_NUM_THREADS="1"))
+               for r in range(procs)]
+    results = [w.communicate(timeout=900) for w in workers]
+    if any(w.returncode for w in workers):
+        raise RuntimeError(f"gloo link measurement failed: {results[0][1][-2000:]}")
+    outs = [json.loads(r[0].strip().splitlines()[-1]) for r in results]
+    lat = {int(g): statistics.median(o["small"][g] for o in outs) for g in outs[0]["small"]}
+    large = statistics.median(o["large"] for o in outs if "large" in o)
+    return {"latency_s": lat[2], "latency_by_group": lat, "bw": 4 * 2**20 / max(large - lat[2], 1e-9)}
 
 
-def measure_cpu_profile(threads: int = 1, links: bool = True) -> DeviceProfile:
+def measure_cpu_profile(threads: int = 1, links: bool = True, procs: int = 2) -> DeviceProfile:
     """Measure this machine as a ``cpu`` profile for processes of ``threads`` threads each (the
     launchers here give every rank one thread): fp32/bf16 matmul FLOP/s, memory copy bandwidth,
     per-layer dispatch time and, with ``links``, gloo all-reduce latency and bandwidth between
-    two processes (a few seconds: two fresh interpreters). Draws no random numbers."""
+    pairs of ``procs`` processes (a few seconds: fresh interpreters). Draws no random numbers."""
     import torch
 
     before = torch.get_num_threads()
@@ -181,12 +207,13 @@ def measure_cpu_profile(threads: int = 1, links: bool = True) -> DeviceProfile:
         mem_bw, overhead = _memcpy_bw(), _layer_overhead()
     finally:
         torch.set_num_threads(before)
-    link = _gloo_links() if links else {"latency_s": 1e-4, "bw": 1 * GB}
+    link = _gloo_links(procs) if links else {"latency_s": 1e-4, "latency_by_group": {}, "bw": 1 * GB}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return DeviceProfile("cpu", "cpu", peak, round(memory, 1), mem_bw, link["bw"], link["bw"], devices_per_node=1024,
-                         efficiency=1.0, latency_s=link["latency_s"], layer_overhead_s=overhead, reserve_gib=0.0,
-                         cores=cores, source=f"measured here ({threads} thread(s) per process)")
+                         efficiency=1.0, latency_s=link["latency_s"], latency_by_group=link["latency_by_group"],
+                         layer_overhead_s=overhead, reserve_gib=0.0, cores=cores,
+                         source=f"measured here ({threads} thread(s) per process, {procs} processes)")
 
 
 def _cache_path() -> Path:
@@ -194,19 +221,21 @@ def _cache_path() -> Path:
     return Path(root) / "cpu_profile.json"
 
 
-def cpu_profile(threads: int = 1, remeasure: bool = False, links: bool = True) -> DeviceProfile:
+def cpu_profile(threads: int = 1, remeasure: bool = False, links: bool = True, procs: int = 2) -> DeviceProfile:
     """The measured ``cpu`` profile, cached in ``$VITP_CACHE_DIR`` (or ``~/.cache/vitp``)
-    ``/cpu_profile.json`` per host, core count, torch version and thread count."""
+    ``/cpu_profile.json`` per host, core count, torch version, thread and process count."""
     import socket
 
     import torch
 
-    key = f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}|{threads}|{int(links)}"
+    key = f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}|{threads}|{int(links)}|{procs if links else 0}"
     path = _cache_path()
     cache = json.loads(path.read_text()) if path.is_file() else {}
     if key in cache and not remeasure:
-        return DeviceProfile(**cache[key])
-    prof = measure_cpu_profile(threads, links)
+        entry = dict(cache[key])
+        entry["latency_by_group"] = {int(g): v for g, v in entry.get("latency_by_group", {}).items()}  # JSON keys
+        return DeviceProfile(**entry)
+    prof = measure_cpu_profile(threads, links, procs)
     cache[key] = prof.as_dict()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

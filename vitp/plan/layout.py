@@ -44,7 +44,8 @@ class LayoutSpec:
 
     def overrides(self) -> List[str]:
         """The ``vitp-train`` overrides that select this layout."""
-        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.sequence_parallel={str(self.sp).lower()}",
+        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+                f"parallel.sequence_parallel={str(self.sp).lower()}",
                 f"parallel.activation_checkpoint_interval={self.ac}", f"trainer.micro_batch_size={self.micro}"]
 
 

@@ -16,6 +16,11 @@ fp16; this generator's block is listed tensor by tensor in :func:`block_saved` (
 dropout masks, and fused SDPA kernels that keep the logsumexp instead of the ``a s^2`` score
 matrix). Pipeline (Narayanan et al. 2021, §2.2.1; DeepSpeed ``TrainSchedule``): with 1F1B, stage
 ``s`` of ``p`` holds the activations of ``min(p - s, m)`` micro-batches at once.
+
+Measured on CPU (gloo, fp32 and bf16; ``tests/distributed/test_plan_validation.py``); on CUDA the
+same tensors are assumed, with fp32 norm statistics (:data:`NORM_STATS_BYTES`). Not modelled:
+dropout and drop-path masks (the recipes use none) and SDPA's math fallback, which stores the
+``B H N S`` attention probabilities when no fused kernel applies.
 """
 from __future__ import annotations
 
@@ -65,8 +70,8 @@ LAST_OUTPUT_BUFFERS = 2
 
 
 STATS = "stats"  # Saved.nbytes of LayerNorm mean/rstd: see NORM_STATS_BYTES
-# LayerNorm's saved mean and rstd: fp32 on CUDA (ATen's accumulate type for bf16), the input dtype on
-# CPU (measured with bf16 here); None = the activation dtype
+# LayerNorm's saved mean and rstd: the input dtype on CPU (measured with bf16 here); fp32 on CUDA
+# (ATen's accumulate type for bf16; read from the kernels, not measured here); None = activation dtype
 NORM_STATS_BYTES = {"cuda": 4, "cpu": None}
 
 
@@ -93,7 +98,7 @@ def _proj_input_copy(shape: ModelShape, kind: str, tp: int, sp: bool) -> bool:
 
 def block_saved(shape: ModelShape, kind: str, tp: int, sp: bool) -> List[Saved]:
     """Tensors one block saves for backward, per sample on one TP rank (parameters excluded;
-    the conditioning ``c`` is counted once per stage, see :func:`stage_saved`).
+    the conditioning ``c`` is counted once per stage, see :func:`stage_memory`).
 
     Region sizes: ``n`` tokens of the sequence region (N, or ceil(N/tp) under SP), ``g`` tokens
     of a gathered input (N, or N padded to a multiple of tp under SP: the column-parallel ``qkv``
@@ -109,8 +114,8 @@ def block_saved(shape: ModelShape, kind: str, tp: int, sp: bool) -> List[Saved]:
             Saved("SDPA output", N * D / tp), Saved("SDPA logsumexp", N * H / tp, 4),
             Saved("proj output (gate1 input)", n * D), Saved("norm2 input (residual)", n * D),
             Saved("norm2 output", n * D), Saved("fc1 input (modulated; gathered under SP)", g * D),
-            Saved("MLP hidden (fc1 out, act out)" if shape.mlp == "gelu" else "MLP hidden (fc1_g, silu, fc1_x, product)",
-                  g * (2 if shape.mlp == "gelu" else 4) * h / tp),
+            Saved("MLP hidden (fc1 out, act out)" if shape.mlp == "gelu"
+                  else "MLP hidden (fc1_g, silu, fc1_x, product)", g * (2 if shape.mlp == "gelu" else 4) * h / tp),
             Saved("fc2 output (gate2 input)", n * D), Saved("norm1/norm2 mean and rstd", 4 * n, STATS),
             Saved("adaLN: silu(c), 1+scale1, 1+scale2, modulation output (6D)", 9 * D)]
     if _proj_input_copy(shape, kind, tp, sp):
@@ -216,19 +221,23 @@ class MemoryOptions:
     """Knobs of the memory model that follow the code it models.
 
     ``state_bytes``: :data:`STATE_BYTES`-like table; ``zero_bucket_elements``: ZeRO-1's gradient
-    bucket (0 = none); ``adaln_sharded``: the blocks' adaLN modulation is split over TP.
+    bucket (0 = none); ``adaln_sharded``: the blocks' adaLN modulation is split over TP;
+    ``ema_bytes``: bytes per parameter of the trainer's EMA copy (fp32, on the training device;
+    :class:`vitp.train.ema.EMA`; 0 = none).
     """
 
     state_bytes: Dict[Tuple[int, str], StateBytes] = field(default_factory=lambda: dict(STATE_BYTES))
     zero_bucket_elements: int = ZERO_BUCKET_ELEMENTS
     adaln_sharded: bool = False
+    ema_bytes: float = 4.0
 
 
 @dataclass(frozen=True)
 class StageMemory:
     """Predicted peak bytes of one rank of pipeline stage ``stage``.
 
-    ``activations``: saved tensors of the ``in_flight`` micro-batches (with activation
+    ``ema``: the trainer's fp32 EMA of the rank's parameters; ``activations``: saved tensors of the
+    ``in_flight`` micro-batches (with activation
     checkpointing: the checkpoints' inputs); ``recompute``: with checkpointing, the extra bytes at
     the recomputation peak of one micro-batch's backward; ``pipe_buffers``: stage outputs held until their backward;
     ``zero_buckets``: ZeRO-1's two contiguous gradient buckets; ``workspace``: the fp32 gradient
@@ -240,6 +249,7 @@ class StageMemory:
     weights: float
     grads: float
     optimizer: float
+    ema: float
     activations: float
     recompute: float
     pipe_buffers: float
@@ -249,8 +259,8 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        return (self.weights + self.grads + self.optimizer + self.activations + self.recompute + self.pipe_buffers
-                + self.zero_buckets + self.workspace)
+        return (self.weights + self.grads + self.optimizer + self.ema + self.activations + self.recompute
+                + self.pipe_buffers + self.zero_buckets + self.workspace)
 
 
 def _state(P: int, lay: LayoutSpec, opts: MemoryOptions) -> Tuple[float, float, float, float]:
@@ -300,7 +310,7 @@ def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = No
         layer_max = max(layer_saved_bytes(shape, i, lay) for i in range(first, end))
         bucket = ZERO_BUCKET_BUFFERS * opts.zero_bucket_elements * act_b if lay.zero_stage == 1 else 0
         out.append(StageMemory(
-            stage=s, params=P, weights=weights, grads=grads, optimizer=optimizer,
+            stage=s, params=P, weights=weights, grads=grads, optimizer=optimizer, ema=P * opts.ema_bytes,
             activations=in_flight * stored, recompute=rebuilt,
             pipe_buffers=held * lay.micro * out_bytes, zero_buckets=bucket, workspace=step + lay.micro * layer_max,
             in_flight=in_flight))

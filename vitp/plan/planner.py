@@ -40,7 +40,7 @@ class Prediction:
 
     def as_dict(self) -> dict:
         pk = self.peak
-        mem = {k: round(getattr(pk, k) / GIB, 4) for k in ("weights", "grads", "optimizer", "activations",
+        mem = {k: round(getattr(pk, k) / GIB, 4) for k in ("weights", "grads", "optimizer", "ema", "activations",
                                                             "recompute", "pipe_buffers", "zero_buckets", "workspace",
                                                             "total")}
         return {**self.layout.as_dict(), "fits": self.fits, "peak_stage": pk.stage, "memory_gib": mem,
@@ -92,7 +92,7 @@ def plan(cfg: Any, world_size: int, prof: DeviceProfile, opts: Optional[MemoryOp
 def format_table(preds: List[Prediction], top: Optional[int] = None) -> str:
     """A ranked text table (memory of the fullest stage in GiB, bytes per rank per step)."""
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>3} {'sp':>3} {'ac':>3} {'mb':>4} {'acc':>4} | "
-            f"{'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'work':>8} {'total':>8} GiB | "
+            f"{'weights':>8} {'grads':>8} {'opt+ema':>8} {'activ':>8} {'work':>8} {'total':>8} GiB | "
             f"{'TP':>9} {'PP':>9} {'DP':>9} B/step | {'step s':>9} {'tok/s':>10} {'MFU':>6} fits")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(preds[:top] if top else preds, 1):
@@ -101,7 +101,7 @@ def format_table(preds: List[Prediction], top: Optional[int] = None) -> str:
         act = pk.activations + pk.recompute + pk.pipe_buffers
         rows.append(
             f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {'y' if lay.sp else '-':>3} {lay.ac:>3} {lay.micro:>4} "
-            f"{lay.accum:>4} | {pk.weights / GIB:>8.2f} {pk.grads / GIB:>8.2f} {pk.optimizer / GIB:>8.2f} "
+            f"{lay.accum:>4} | {pk.weights / GIB:>8.2f} {pk.grads / GIB:>8.2f} {(pk.optimizer + pk.ema) / GIB:>8.2f} "
             f"{act / GIB:>8.2f} {(pk.zero_buckets + pk.workspace) / GIB:>8.2f} {pk.total / GIB:>8.2f}     | "
             f"{_si(comm['tp_bytes']):>9} {_si(comm['pp_bytes']):>9} {_si(comm['dp_bytes']):>9}        | "
             f"{p.time['step_s']:>9.4g} {p.tokens_per_s:>10.4g} {p.mfu:>6.1%} {'yes' if p.fits else 'NO'}")

@@ -3,25 +3,27 @@ overlap with it.
 
 Per micro-batch and stage (a rank's view): hardware FLOPs (model FLOPs of the stage's layers,
 the block linears and attention divided over tp, embedding / final layer / adaLN replicated,
-plus one more forward with activation checkpointing) at ``peak x efficiency``, a fixed
-``layer_overhead_s`` per layer, and the TP collectives and pipeline sends (bytes / link
+plus one more forward with activation checkpointing) at ``peak x efficiency``; element-wise
+work (norms, modulation, activations, residuals) as memory traffic, ~3 x the bytes the stage
+saves for backward (written once, read in the forward and the backward) at ``mem_bw``; a fixed
+``layer_overhead_s`` per layer; and the TP collectives and pipeline sends (bytes / link
 bandwidth + latency; they run between the kernels, not under them). The 1F1B pipeline takes
 ``(m - 1) max_s t_s + sum_s t_s`` for ``m`` micro-batches (fill and drain of every stage, then the
 slowest stage sets the pace: the bubble of Narayanan et al. 2021, §2.2.1); the data-parallel
 gradient reduction and the optimizer step (memory-bound: ~``28/dp + 2 b`` bytes per parameter
-move) follow. On a CPU profile with fewer cores than processes the step takes at least the
+move, plus the trainer's fp32 EMA update: ~12 bytes, 20 in bf16) follow. On a CPU profile with fewer cores than processes the step takes at least the
 processes' total busy time divided by the cores.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List
 
 from .comm import step_comm
 from .devices import DeviceProfile
 from .flops import block_forward_flops, embed_forward_flops, final_forward_flops, model_flops_per_step
 from .layout import LayoutSpec
-from .memory import ACT_BYTES
+from .memory import ACT_BYTES, stage_memory
 from .shapes import ModelShape, layer_params_per_rank, stage_layer_ranges
 
 
@@ -69,15 +71,18 @@ def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded:
     per_layer = layer_params_per_rank(model, lay.tp, adaln_sharded)
     rate = prof.peak(lay.precision) * prof.efficiency
     passes = 4.0 if lay.ac else 3.0  # forward + backward (2x), plus the recomputed forward
+    saved = [(m.activations / m.in_flight) for m in stage_memory(model, replace(lay, ac=0))]  # per micro-batch
+    b = ACT_BYTES[lay.precision]
     out = []
     for s, ((first, end), comm) in enumerate(zip(stage_layer_ranges(shape.depth, lay.pp), step_comm(model, lay))):
         flops = passes * lay.micro * stage_forward_flops(model, lay, first, end, adaln_sharded)
-        compute = flops / rate + (end - first) * prof.layer_overhead_s * passes / 3.0
-        tp = comm.tp_bytes / lay.accum / _bw(prof, lay.tp) + comm.tp_count / lay.accum * prof.latency_s
-        pp = comm.pp_bytes / lay.accum / _bw(prof, lay.world) + comm.pp_sends / lay.accum * prof.latency_s
-        dp = (comm.dp_bytes / _bw(prof, lay.tp * lay.dp) + prof.latency_s) if lay.dp > 1 else 0.0
+        compute = (flops / rate + passes * saved[s] / prof.mem_bw
+                   + (end - first) * prof.layer_overhead_s * passes / 3.0)
+        tp = comm.tp_bytes / lay.accum / _bw(prof, lay.tp) + comm.tp_count / lay.accum * prof.latency(lay.tp)
+        pp = comm.pp_bytes / lay.accum / _bw(prof, lay.world) + comm.pp_sends / lay.accum * prof.latency(2)
+        dp = (comm.dp_bytes / _bw(prof, lay.tp * lay.dp) + prof.latency(lay.dp)) if lay.dp > 1 else 0.0
         P = sum(per_layer[first:end])
-        opt = P * (28.0 / lay.dp + 2 * ACT_BYTES[lay.precision]) / prof.mem_bw
+        opt = P * (28.0 / lay.dp + 2 * b + (12 if b == 4 else 20)) / prof.mem_bw
         out.append(StageTime(s, compute, tp, pp, dp, opt))
     return out
 
