@@ -89,14 +89,15 @@ def test_benchmark_tp_comm(tmp_path):
 
 @pytest.mark.slow
 def test_plan_step_order(tmp_path):
-    """One layout on one process (the full comparison runs 8 layouts on 4 processes for minutes)."""
+    """Two layout names on one process (the full comparison runs 8 layouts on 4 processes for minutes)."""
     env_cache = {"VITP_CACHE_DIR": str(tmp_path / "cache")}
     os.environ.update(env_cache)  # _run copies os.environ: a fresh CPU profile, measured once here
     try:
-        out = _json_object(_run(["scripts/plan_step_order.py", "--world", "1", "--layouts", "1x1x4", "--steps", "3",
-                                 "--warmup", "1"], tmp_path), "rows")
+        out = _json_object(_run(["scripts/plan_step_order.py", "--world", "1", "--layouts", "1x1x4", "1x1x4 ac1",
+                                 "--steps", "2", "--warmup", "1", "--rounds", "1"], tmp_path), "rows")
     finally:
         del os.environ["VITP_CACHE_DIR"]
-    (row,) = out["rows"]
-    assert row["layout"] == "1x1x4" and row["measured_s"] > 0 and row["predicted_s"] > 0
-    assert row["rank_measured"] == row["rank_predicted"] == 1 and out["profile"]["kind"] == "cpu"
+    assert [r["layout"] for r in out["rows"]] == ["1x1x4", "1x1x4 ac1"] and out["profile"]["kind"] == "cpu"
+    for row in out["rows"]:  # on one process: 1 x 1 x 1 without and with activation checkpointing
+        assert row["measured_s"] > 0 and row["predicted_s"] > 0 and len(row["rounds_s"]) == 1
+    assert sorted(r["rank_measured"] for r in out["rows"]) == [1, 2] and out["spearman"] in (-1.0, 1.0)
