@@ -6,7 +6,8 @@
 
 Prints one JSON line on rank 0: samples/s and step time (median over the steps after
 ``--warmup``), model FLOPs per sample (6 x forward matmul FLOPs + attention, as in the PaLM /
-nanoGPT MFU estimate) and MFU against ``--peak-tflops`` per process.
+nanoGPT MFU estimate; :func:`vitp.plan.model_flops_per_step`, the count the training telemetry
+uses) and MFU against ``--peak-tflops`` per process.
 """
 from __future__ import annotations
 
@@ -16,20 +17,15 @@ import shutil
 import statistics
 import tempfile
 
-from vitp.config import mlp_hidden_units
 from vitp.models import num_tokens
+from vitp.plan import model_flops_per_step
 
 
 def flops_per_sample(m) -> float:
-    """Training FLOPs per sample: 3 x forward, forward = 2 x (matmul weights x tokens) + attention
-    scores/values ``4 N^2 D`` per block (adaLN and embeddings are per sample and negligible)."""
-    N = num_tokens(**m)
-    D = m.width
-    hidden = mlp_hidden_units(D, m.mlp_ratio, m.mlp)
-    mlp = 2 * D * hidden if m.mlp == "gelu" else 3 * D * hidden
-    patch = m.in_channels * m.tubelet_size * m.patch_size**2
-    fwd = m.depth * (2 * (4 * D * D + mlp) * N + 4 * N * N * D) + 2 * 2 * N * D * patch
-    return 3.0 * fwd
+    """Training model FLOPs per sample (:func:`vitp.plan.model_flops_per_step`: 3 x forward;
+    forward = 2 x the weights each token (or, for adaLN and the timestep MLP, each sample) meets
+    + attention scores/values ``4 N S D`` per block, S = keys per query)."""
+    return model_flops_per_step(m, 1)
 
 
 def parse_args():

@@ -108,12 +108,14 @@ REFERENCE = Path(__file__).parent / "fixtures" / "reference"
 PERTURBED = REFERENCE / "perturbed.safetensors"  # the smoke model with non-zero adaLN gates (record_reference.py)
 SMOKE4 = ["experiment=smoke", "trainer.max_steps=4"]
 TIME_KEYS = ("samples_per_s",)
+TELEMETRY_PREFIXES = ("perf/", "comm/")  # wall time, memory and traffic (vitp.train.telemetry)
 
 
 def metrics(run_dir) -> list:
-    """``metrics.jsonl`` rows of a run without its wall-time columns."""
+    """``metrics.jsonl`` rows of a run without its wall-time and telemetry columns."""
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if k not in TIME_KEYS} for row in rows]
+    return [{k: v for k, v in row.items() if k not in TIME_KEYS and not k.startswith(TELEMETRY_PREFIXES)}
+            for row in rows]
 
 
 def recorded(name: str) -> list:
@@ -151,3 +153,24 @@ def reference_cases(init: str) -> dict:
         2: {f"{init}_tp2sp": [*SMOKE4, *extra, "parallel.tp=2", "parallel.sequence_parallel=true"]},
         4: {f"{init}_tp2pp2": [*SMOKE4, *extra, "parallel.tp=2", "parallel.pp=2"]},
     }
+
+
+# Two model sizes the planner is validated on (tests/unit/test_plan.py, tests/distributed/test_plan_validation.py):
+# "S" an image model (GELU MLP, full attention, 8x8 = 64 tokens of 16 px RGB); "V" a video model (SwiGLU,
+# qk-norm, factorized space/time attention, 2 x 3 x 3 = 18 tokens: padded under SP at tp=4).
+PLAN_MODELS = {
+    "S": ["experiment=smoke", "data=synthetic", "data.synthetic_size=64", "data.resolution=16", "data.channels=3",
+          "data.num_classes=10", "model.width=64", "model.depth=4", "model.num_heads=4", "model.mlp_ratio=4"],
+    "V": ["experiment=smoke", "data=synthetic", "data.synthetic_size=64", "data.resolution=12", "data.channels=3",
+          "data.num_classes=10", "data.num_frames=4", "model.tubelet_size=2", "model.patch_size=4", "model.width=96",
+          "model.depth=4", "model.num_heads=4", "model.mlp_ratio=4", "model.mlp=swiglu", "model.qk_norm=true",
+          "model.attention=factorized"],
+}
+
+
+def plan_case(model: str, tp: int, pp: int, dp: int, sp: bool = False, ac: int = 0, extra=()) -> list:
+    """Overrides of a planner validation case: :data:`PLAN_MODELS` ``model`` in layout ``tp x pp x dp``
+    (sequence parallel ``sp``, checkpoint interval ``ac``), micro-batch 2 and 4 micro-batches per step."""
+    return [*PLAN_MODELS[model], f"parallel.tp={tp}", f"parallel.pp={pp}",
+            f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.activation_checkpoint_interval={ac}",
+            "trainer.micro_batch_size=2", f"trainer.global_batch_size={8 * dp}", *extra]

@@ -47,9 +47,11 @@ def test_benchmark_train(tmp_path):
     assert out["world_size"] == 1 and out["tokens_per_sample"] == 16
     sps = out["samples_per_s"]
     assert sps > 0 and out["step_time_s"] == pytest.approx(8 / sps, rel=0.01, abs=1e-4)
-    # by hand: depth 2, D 32, GELU MLP hidden 64, N 16, patch 3*2*2 = 12 values
+    # by hand: depth 2, D 32, GELU MLP hidden 64, N 16, patch 3*2*2 = 12 values; per sample: adaLN
+    # (D x 6D per block, D x 2D final) and the timestep MLP (256 x D, D x D)
     D, N, hidden, patch = 32, 16, 64, 12
-    fwd = 2 * (2 * (4 * D * D + 2 * D * hidden) * N + 4 * N * N * D) + 2 * 2 * N * D * patch
+    fwd = 2 * (2 * (4 * D * D + 2 * D * hidden) * N + 4 * N * N * D + 2 * D * 6 * D) + 2 * 2 * N * D * patch \
+        + 2 * (256 * D + D * D) + 2 * D * 2 * D
     assert out["model_tflops_per_sample"] == pytest.approx(3 * fwd / 1e12, rel=1e-9)
     assert out["achieved_tflops_per_process"] == pytest.approx(sps * 3 * fwd / 1e12, abs=1e-4)
     assert 0 < out["mfu"] <= 1 and out["mfu"] == pytest.approx(sps * 3 * fwd / 1e12, abs=1e-4)
@@ -108,3 +110,19 @@ def test_bench_quick(tmp_path):
     assert 0 < act["tp2_sp"] < act["tp2"] < 1
     assert set(res["pipeline"]["micro_batches"]) == {"1", "2"} and res["tokens"]["16"]["vitp_ms"] > 0
     assert "vitp / plain" in md and "1F1B theory" in md
+
+
+@pytest.mark.slow
+def test_plan_step_order(tmp_path):
+    """Two layout names on one process (the full comparison runs 8 layouts on 4 processes for minutes)."""
+    env_cache = {"VITP_CACHE_DIR": str(tmp_path / "cache")}
+    os.environ.update(env_cache)  # _run copies os.environ: a fresh CPU profile, measured once here
+    try:
+        out = _json_object(_run(["scripts/plan_step_order.py", "--world", "1", "--layouts", "1x1x4", "1x1x4 ac1",
+                                 "--steps", "2", "--warmup", "1", "--rounds", "1"], tmp_path), "rows")
+    finally:
+        del os.environ["VITP_CACHE_DIR"]
+    assert [r["layout"] for r in out["rows"]] == ["1x1x4", "1x1x4 ac1"] and out["profile"]["kind"] == "cpu"
+    for row in out["rows"]:  # on one process: 1 x 1 x 1 without and with activation checkpointing
+        assert row["measured_s"] > 0 and row["predicted_s"] > 0 and len(row["rounds_s"]) == 1
+    assert sorted(r["rank_measured"] for r in out["rows"]) == [1, 2] and out["spearman"] in (-1.0, 1.0)

@@ -11,7 +11,7 @@
 Nothing here knows a particular model: a model's plan (e.g. :func:`vitp.models.parallelize_generator`)
 composes these pieces.
 """
-from .comm import CommRecord, CommRecorder
+from .comm import CommCounter, CommRecord, CommRecorder
 from .layers import ColumnParallelLinear, RowParallelLinear, full_weight, register_grad_allreduce, shard_like, shard_tensor
 from .mappings import (
     CopyToTPRegion,
@@ -39,6 +39,7 @@ from .timm_tp import (
 )
 
 __all__ = [
+    "CommCounter",
     "ColumnParallelLinear",
     "CommRecord",
     "CommRecorder",

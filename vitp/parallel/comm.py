@@ -68,6 +68,10 @@ class CommRecorder:
     def __exit__(self, *exc) -> None:
         _RECORDERS.remove(self)
 
+    def add(self, record: CommRecord) -> None:
+        """Called by every collective issued inside the context."""
+        self.records.append(record)
+
     def summary(self) -> Dict[Tuple[str, str, str], Dict[str, int]]:
         """``{(kind, direction, tag): {"count": n, "bytes": total}}``."""
         out: Dict[Tuple[str, str, str], Dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
@@ -89,11 +93,32 @@ class CommRecorder:
         return total
 
 
+class CommCounter(CommRecorder):
+    """A :class:`CommRecorder` that keeps running totals instead of the records (cheap enough to
+    stay on for a whole run): ``count`` collectives and ``wire`` ring bytes sent per rank (as
+    :meth:`CommRecorder.wire_bytes`), for the records whose tag is in ``tags`` (default: all);
+    :meth:`reset` zeroes them."""
+
+    def __init__(self, tags: Optional[Tuple[str, ...]] = None) -> None:
+        super().__init__()
+        self.tags = tags
+        self.count, self.wire = 0, 0
+
+    def add(self, record: CommRecord) -> None:
+        if self.tags is None or record.tag in self.tags:
+            p = record.group_size
+            self.count += 1
+            self.wire += (2 if record.kind == "all_reduce" else 1) * record.nbytes * (p - 1) // p
+
+    def reset(self) -> None:
+        self.count, self.wire = 0, 0
+
+
 def _record(kind: str, group, tensor_numel: int, shape, dtype: torch.dtype, direction: str, tag: str) -> None:
     if _RECORDERS:
         rec = CommRecord(kind, dist.get_world_size(group), tensor_numel * dtype.itemsize, tuple(shape), direction, tag)
         for r in _RECORDERS:
-            r.records.append(rec)
+            r.add(rec)
 
 
 def group_size(group) -> int:

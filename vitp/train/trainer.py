@@ -38,6 +38,7 @@ from .ema import EMA  # noqa: E402
 from .logger import RunLogger, binned_loss, log_stages  # noqa: E402
 from .rundir import lock_run_dir  # noqa: E402
 from .stop import StopSignal  # noqa: E402
+from .telemetry import Telemetry  # noqa: E402
 
 log = logging.getLogger("vitp")
 
@@ -97,7 +98,8 @@ class Trainer:
         self.logger = RunLogger(self.run_dir, self.main, cfg.trainer.tensorboard_dir, self.start_step,
                                 log_every=cfg.trainer.log_every, max_steps=cfg.trainer.max_steps)
         self._log_start()
-        self.data_iter = self._data_iterator()
+        self.telemetry = Telemetry(cfg, self.layout, self.device)
+        self.data_iter = self.telemetry.timed(self._data_iterator())
         self.losses: list = []
         self.grad_norms: list = []
         self.bar = None
@@ -297,12 +299,13 @@ class Trainer:
         self._bucket = b
 
     def _log_metrics(self, step: int, lr: float) -> None:
-        n = self._n_log
+        n, elapsed = self._n_log, time.perf_counter() - self._t_log
         values = {"loss": sum(self.losses[-n:]) / n, "grad_norm": sum(self.grad_norms[-n:]) / n, "lr": lr,
-                  "samples_per_s": self._samples_log / (time.perf_counter() - self._t_log)}
+                  "samples_per_s": self._samples_log / elapsed}
         if self.buckets is not None:  # the shape of the logged step (samples_per_s counts each step's own batch)
             values["bucket"] = self._bucket
         values.update(binned_loss(*self.loss_fn.pop_records()))
+        values.update(self.telemetry.metrics(n, elapsed))
         self.logger.scalars(step, values)
         self.bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0
@@ -348,6 +351,7 @@ class Trainer:
             self.heldout_eval(0, final=False)  # the untrained model's held-out loss, for reference
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0
         t_start = time.perf_counter()
+        self.telemetry.start()
         try:
             for step in range(self.start_step + 1, tr.max_steps + 1):  # step = optimizer steps completed
                 self.train_step(step)
@@ -360,6 +364,7 @@ class Trainer:
                 if not last:
                     self._after_step(step)
         finally:
+            self.telemetry.stop()
             self.bar.close()
             if self.batches is not None:
                 self.batches.close()  # the DataLoader workers: no batch is needed after the loop

@@ -1,0 +1,203 @@
+"""The layout planner (vitp.plan) and the training telemetry, in one process: parameter counts,
+FLOPs, saved activations of one block against autograd, layouts, step time, the CLI.
+Measured multi-process bytes are checked in tests/distributed/test_plan_validation.py."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.helpers import PLAN_MODELS, compose_cfg, plan_case
+from vitp.config import validate_layout
+from vitp.models import Generator
+from vitp.plan import (PRESETS, DeviceProfile, LayoutSpec, ModelShape, block_saved, candidate_layouts, get_profile,
+                       layer_params, layer_params_per_rank, layout_of, model_flops_per_step, plan, predict,
+                       stage_memory, step_comm, step_time)
+from vitp.plan.memory import ACT_BYTES, embed_saved, final_saved, loss_saved
+from vitp.utils import to_dict
+
+CPU = DeviceProfile("cpu-test", "cpu", {"fp32": 1e11, "bf16": 1e11}, 16.0, 1e10, 1e9, 1e9, devices_per_node=64,
+                    efficiency=1.0, latency_s=1e-4, layer_overhead_s=1e-4, reserve_gib=0.0, cores=2)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {k: compose_cfg(v).model for k, v in PLAN_MODELS.items()}
+
+
+def _saved_bytes(fn, params) -> int:
+    """Distinct storages autograd saves while ``fn()`` runs (parameters excluded)."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("name", ["S", "V"])
+def test_parameter_counts_match_the_built_generator(models, name):
+    gen = Generator.from_config(models[name], seed=0)
+    counted = layer_params(models[name])
+    built = [gen.embed] + list(gen.blocks) + [gen.final]
+    assert [sum(layer.values()) for layer in counted] == [sum(p.numel() for p in m.parameters()) for m in built]
+    # TP keeps qkv, fc1 (weight, bias) and the proj / fc2 weights sharded; the rest whole
+    blk = counted[1]
+    sharded = sum(n for k, n in blk.items() if k.startswith(("attn.qkv", "mlp.fc1")) or k in
+                  ("attn.proj.weight", "mlp.fc2.weight"))
+    assert layer_params_per_rank(models[name], 2)[1] == sum(blk.values()) - sharded // 2
+    adaln = blk["adaLN_modulation.1.weight"] + blk["adaLN_modulation.1.bias"]
+    assert layer_params_per_rank(models[name], 2, adaln_sharded=True)[1] == sum(blk.values()) - (sharded + adaln) // 2
+
+
+def test_flops_by_hand_and_factorized_attention(models):
+    # S: depth 4, D 64, GELU hidden 256, N 64, patch 2*2*3 = 12 values per token
+    D, N, h, P, L = 64, 64, 256, 12, 4
+    block = 2 * N * (4 * D * D + 2 * D * h) + 4 * N * N * D + 2 * D * 6 * D
+    fwd = L * block + 2 * N * D * P + 2 * (256 * D + D * D) + 2 * N * D * P + 2 * D * 2 * D
+    assert model_flops_per_step(models["S"], 8) == pytest.approx(3 * 8 * fwd, rel=1e-12)
+    # V: grid (2, 3, 3): spatial blocks attend over 9 keys, temporal over 2
+    m = to_dict(models["V"])
+    full = model_flops_per_step({**m, "attention": "full"}, 1)
+    fact = model_flops_per_step(m, 1)
+    D, N = 96, 18
+    assert full - fact == pytest.approx(3 * (4 * 4 * N * N * D - 2 * 4 * N * 9 * D - 2 * 4 * N * 2 * D), rel=1e-12)
+
+
+@pytest.mark.parametrize("name,kind,precision", [("S", "full", "fp32"), ("V", "spatial", "fp32"),
+                                                 ("V", "temporal", "fp32"), ("V", "temporal", "bf16")])
+def test_block_saved_activations_match_autograd(models, name, kind, precision):
+    """One block, one process: the predicted saved bytes are what autograd keeps (tp = 1)."""
+    from vitp.models import layer_specs
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    spec = dict(layer_specs(**to_dict(models[name]))[1][1], attention=kind)
+    blk = type(Generator.from_config(models[name]).blocks[0])(**spec).to(dtype)
+    shape = ModelShape.from_config(models[name])
+    B = 3
+    x = torch.randn(B, shape.tokens, shape.width, dtype=dtype, requires_grad=True)
+    c = torch.randn(B, shape.width, dtype=dtype, requires_grad=True)
+    measured = _saved_bytes(lambda: blk(x, c), list(blk.parameters()))
+    predicted = B * sum(r.bytes(precision, "cpu") for r in block_saved(shape, kind, 1, False))
+    assert measured == B * shape.width * ACT_BYTES[precision] + predicted  # + c, counted once per stage
+
+
+def test_whole_generator_and_loss_saved_bytes(models):
+    from vitp.objectives import FlowMatchingLoss
+
+    gen = Generator.from_config(models["V"], seed=0)
+    shape = ModelShape.from_config(models["V"])
+    B, m = 2, models["V"]
+    z = torch.randn(B, m.in_channels, m.num_frames, m.image_size, m.image_size)
+    t, y = torch.rand(B), torch.randint(0, 10, (B,))
+    loss = FlowMatchingLoss(0.05)
+    measured = _saved_bytes(lambda: loss(gen(z, t, y), (z, z, t)), list(gen.parameters()))
+    lay = LayoutSpec(1, 1, 1, False, 0, B, 1)
+    per_sample = (sum(r.bytes("fp32") for r in embed_saved(shape) + final_saved(shape, 1, False) + loss_saved(shape))
+                  + sum(sum(r.bytes("fp32") for r in block_saved(shape, shape.block_kind(i), 1, False))
+                        for i in range(shape.depth)) + shape.width * 4)
+    assert measured == B * per_sample
+    mem = stage_memory(to_dict(m), lay)[0]
+    assert mem.activations == B * per_sample and mem.pipe_buffers == B * shape.pixels * 4  # the prediction held
+
+
+def test_candidate_layouts_are_exactly_the_valid_ones(models):
+    cfg = compose_cfg(PLAN_MODELS["S"] + ["trainer.global_batch_size=8"])
+    lays = candidate_layouts(cfg, 4, "cpu", ac_options=(0,), micro_options=(1, 2))
+    got = {(x.tp, x.pp, x.dp, x.sp, x.micro) for x in lays}
+    # heads 4 and hidden 256 allow tp 1, 2, 4; depth 4 allows pp up to 4; batch 8 = micro x accum x dp
+    want = {(tp, pp, 4 // (tp * pp), sp, mb) for tp in (1, 2, 4) for pp in (1, 2, 4) if tp * pp <= 4
+            for sp in ([False, True] if tp > 1 else [False]) for mb in (1, 2)}
+    assert got == want
+    for x in lays:
+        c = compose_cfg(PLAN_MODELS["S"] + ["trainer.global_batch_size=8", *x.overrides()])
+        assert layout_of(c, 4) == x and validate_layout(c, 4).dp == x.dp
+
+
+def test_memory_moves_the_right_way(models):
+    m = to_dict(models["S"])
+    base = LayoutSpec(2, 1, 1, False, 0, 4, 4)
+    act = stage_memory(m, base)[0].activations
+    assert stage_memory(m, replace(base, sp=True))[0].activations < act
+    ac = stage_memory(m, replace(base, ac=1))[0]
+    assert ac.activations + ac.recompute < act
+    # 1F1B: stage s of p holds min(p - s, accum) micro-batches
+    pp4 = stage_memory(m, LayoutSpec(1, 4, 1, False, 0, 2, 8))
+    assert [s.in_flight for s in pp4] == [4, 3, 2, 1]
+    assert [s.in_flight for s in stage_memory(m, LayoutSpec(1, 4, 1, False, 0, 2, 2))] == [2, 2, 2, 1]
+    z = stage_memory(m, LayoutSpec(1, 1, 4, False, 0, 2, 1))[0]
+    assert z.optimizer == pytest.approx(z.params * 12 / 4) and z.weights == z.grads == z.params * 4
+    with pytest.raises(ValueError, match="no memory model"):
+        stage_memory(m, LayoutSpec(1, 1, 1, False, 0, 2, 1, zero_stage=2))
+
+
+def test_comm_and_step_time(models):
+    m = to_dict(models["S"])
+    assert step_comm(m, LayoutSpec(1, 1, 1, False, 0, 2, 4))[0].tp_bytes == 0
+    c = step_comm(m, LayoutSpec(2, 2, 2, False, 0, 2, 4))
+    T = 2 * 64 * 64 * 4  # one (b, N, D) fp32 activation
+    assert c[0].tp_bytes == pytest.approx(4 * 2 * 4 * T * 2 * 0.5)  # 4 micro x 2 blocks x 4 all-reduces, ring
+    assert c[0].pp_bytes == c[1].pp_bytes == 4 * 2 * (64 + 1) * 64 * 4  # (tokens, c) one way per micro-batch
+    t1 = step_time(m, LayoutSpec(1, 2, 1, False, 0, 2, 1), CPU)
+    t8 = step_time(m, LayoutSpec(1, 2, 1, False, 0, 2, 8), CPU)
+    assert t1["bubble"] > t8["bubble"] > 0  # the 1F1B bubble shrinks with more micro-batches
+    slow = replace(CPU, intra_bw=1e6, inter_bw=1e6, cores=0)
+    assert step_time(m, LayoutSpec(2, 1, 1, False, 0, 2, 4), slow)["step_s"] > \
+        step_time(m, LayoutSpec(2, 1, 1, False, 0, 2, 4), replace(CPU, cores=0))["step_s"]
+
+
+def test_presets_and_plan_ranking():
+    assert {"h100", "h200", "a100"} <= set(PRESETS) and PRESETS["h200"].memory_gib == 141.0
+    assert get_profile("h100", memory_gib=40).memory_gib == 40
+    with pytest.raises(ValueError, match="unknown device profile"):
+        get_profile("tpu")
+    cfg = compose_cfg(["experiment=img256", "data.root=x"])
+    preds = plan(cfg, 8, PRESETS["h100"], ac_options=(0,), micro_options=(8, 32, 128))
+    fits = [p for p in preds if p.fits]
+    assert fits and all(a.time["step_s"] <= b.time["step_s"] for a, b in zip(fits, fits[1:]))
+    tiny = plan(cfg, 8, replace(PRESETS["h100"], memory_gib=4.0), ac_options=(0, 1), micro_options=(128,))
+    assert not tiny[-1].fits and predict(cfg.model, tiny[0].layout, PRESETS["h100"]).fits
+
+
+def test_vitp_plan_cli(capsys):
+    from vitp.cli.plan import main, run
+
+    rows = run(["--gpus", "4", "--device", "a100", "--json", "--top", "3", "--ac", "0", *PLAN_MODELS["S"]])
+    out = json.loads(capsys.readouterr().out)
+    assert out["world"] == 4 and len(out["layouts"]) == 3 and rows[0]["overrides"][0].startswith("parallel.tp=")
+    assert {"memory_gib", "comm_bytes_per_step", "time", "fits", "mfu"} <= set(out["layouts"][0])
+    run(["--gpus", "4", "--device", "h200", "--top", "2", *PLAN_MODELS["S"]])
+    text = capsys.readouterr().out
+    assert "4 x h200" in text and "fits" in text.splitlines()[1]
+    with pytest.raises(SystemExit) as e:
+        main(["--gpus", "4", "trainer.max_step=3"])
+    assert e.value.code == 2 and "did you mean trainer.max_steps" in capsys.readouterr().err
+
+
+def test_telemetry_metrics_and_timed_iterator(models, monkeypatch):
+    import vitp.train.telemetry as tel
+    from vitp.config import Layout
+    from vitp.parallel import CommRecord
+
+    monkeypatch.setattr(tel, "_profile", lambda device, precision: (1e12, "test"))
+    cfg = compose_cfg(plan_case("S", 1, 1, 1))
+    t = tel.Telemetry(cfg, Layout(1, 1, 1, "fp32"), torch.device("cpu"))
+    it = t.timed(iter([1, 2]))
+    assert list(it) == [1, 2] and it.wait_s >= 0
+    t.counter.add(CommRecord("all_reduce", 2, 1000, (250,), "fwd", "tp"))
+    t.counter.add(CommRecord("all_gather", 2, 1000, (250,), "fwd", "export"))  # not training traffic
+    out = t.metrics(steps=2, elapsed_s=0.5)
+    flops = model_flops_per_step(cfg.model, 8)
+    assert out["perf/tflops"] == pytest.approx(2 * flops / 0.5 / 1e12) and out["perf/mfu"] == pytest.approx(
+        out["perf/tflops"])
+    assert out["perf/tokens_per_s"] == 2 * 8 * 64 / 0.5 and out["comm/tp_bytes"] == 1000 / 2
+    assert out["perf/peak_mem_gib"] > 0 and out["comm/pp_bytes"] == 0 and out["comm/dp_bytes"] == 0
+    assert t.metrics(steps=1, elapsed_s=1.0)["comm/tp_bytes"] == 0  # counters reset at each log

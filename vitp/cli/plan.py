@@ -1,0 +1,90 @@
+"""``vitp-plan``: rank the ``(tp, pp, dp, sp, AC, micro-batch)`` layouts of a run config on N devices.
+
+    vitp-plan --gpus 16 --device h100 experiment=video512 data.root=x data.num_classes=101
+    vitp-plan --gpus 4 --device cpu experiment=smoke data.resolution=16 --json
+
+Prints, per layout, the memory of the fullest rank (weights, gradients, optimizer state,
+activations with SP / checkpointing / in-flight micro-batches, workspace), the bytes each rank
+moves per step over TP, PP and DP, the predicted step time, tokens/s and MFU, and whether it fits;
+fitting layouts first, fastest first (:mod:`vitp.plan`). Each row's ``vitp-train`` overrides are in
+the JSON output (``--json``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from typing import List, Optional
+
+from vitp.cli import run_cli
+
+
+def _ints(text: str) -> List[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``."""
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use comma-separated integers, e.g. 0,1") from None
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="vitp-plan", description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", type=int, default=8, help="devices (processes) in the job (default 8)")
+    p.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu (measured here, cached)")
+    p.add_argument("--mem-gib", type=float, default=None, help="memory per device in GiB (default: the profile's)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's, 8)")
+    p.add_argument("--ac", type=_ints, default=[0, 1], help="activation checkpoint intervals to try (default 0,1)")
+    p.add_argument("--micro", type=_ints, default=None, help="micro-batch sizes to try, e.g. 1,2,4 (default: all)")
+    p.add_argument("--adaln-sharded", action="store_true", help="model the adaLN modulation split over TP")
+    p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. experiment=img256 model.depth=24")
+    return p.parse_intermixed_args(argv)
+
+
+def _header(cfg, args, prof, preds) -> str:
+    from vitp.plan import ModelShape, layer_params
+
+    shape = ModelShape.from_config(cfg.model)
+    params = sum(sum(layer.values()) for layer in layer_params(cfg.model))
+    fits = sum(p.fits for p in preds)
+    return (f"model: {params / 1e6:.1f}M parameters, {shape.tokens} tokens/sample, depth {shape.depth}, width "
+            f"{shape.width}; global batch {cfg.trainer.global_batch_size}; {args.gpus} x {prof.name} "
+            f"({prof.memory_gib:g} GiB, {prof.devices_per_node}/node); {len(preds)} valid layouts, {fits} fit")
+
+
+def run(argv: Optional[List[str]] = None) -> list:
+    """Plan and print; returns the predictions (JSON-able dicts). Raises ``ValueError`` on bad input."""
+    args = parse_args(argv)
+    from vitp.cli.train import check_override_keys
+    from vitp.config import compose
+    from vitp.plan import MemoryOptions, format_table, get_profile, plan
+
+    if args.gpus < 1:
+        raise ValueError(f"--gpus {args.gpus}: use a positive number of devices")
+    check_override_keys(args.overrides)
+    cfg = compose(args.overrides)
+    prof = get_profile(args.device, args.mem_gib, procs=args.gpus)  # cpu: gloo measured with as many processes
+    if args.gpus_per_node:
+        prof = replace(prof, devices_per_node=args.gpus_per_node)
+    preds = plan(cfg, args.gpus, prof, MemoryOptions(adaln_sharded=args.adaln_sharded), args.ac, args.micro)
+    if not preds:
+        raise ValueError(f"no valid layout of this config on {args.gpus} devices (check heads, MLP hidden units, "
+                         "depth and trainer.global_batch_size against the device count)")
+    shown = preds[:args.top] if args.top else preds
+    rows = [{**p.as_dict(), "overrides": p.layout.overrides()} for p in shown]
+    if args.json:
+        print(json.dumps({"device": prof.as_dict(), "world": args.gpus, "layouts": rows}, indent=1))
+    else:
+        print(_header(cfg, args, prof, preds))
+        print(format_table(shown))
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Console entry point ``vitp-plan``; bad input exits with a one-line message (status 2)."""
+    run_cli("vitp-plan", run, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Layout planner and model FLOPs: predict per-rank memory, communication and step time of every
+valid ``(tp, pp, dp, sp, AC)`` layout of a run config (``vitp-plan``), and count the model FLOPs
+the training telemetry reports as TFLOP/s and MFU.
+
+- :mod:`.shapes`: model sizes, exact parameter counts per layer (meta build), the TP sharding rule
+- :mod:`.flops`: :func:`model_flops_per_step` (6N-style linears + attention, factorized video counted per block kind)
+- :mod:`.layout`: :class:`LayoutSpec`, the valid layouts (by :func:`vitp.config.validate_layout`)
+- :mod:`.memory`: per-rank memory (ZeRO state table, saved activations per block, 1F1B in-flight micro-batches)
+- :mod:`.comm`: TP collectives (as :class:`vitp.parallel.CommRecorder` records them), pipeline sends, DP reduction
+- :mod:`.devices`: device profiles (H100/H200/A100 datasheet presets, a measured CPU profile)
+- :mod:`.steptime`: step time from a profile; :mod:`.planner`: ranking and the table
+
+Pure functions of the config: nothing here starts a process group or imports the trainer.
+"""
+from .comm import Collective, StageComm, pp_send_bytes, step_comm, tp_collectives
+from .devices import PRESETS, DeviceProfile, cpu_profile, cuda_preset, get_profile, measure_cpu_profile
+from .flops import forward_flops_per_sample, model_flops_per_step
+from .layout import LayoutSpec, candidate_layouts, layout_of
+from .memory import STATE_BYTES, MemoryOptions, StageMemory, StateBytes, block_saved, stage_memory
+from .planner import Prediction, format_table, plan, predict
+from .shapes import ModelShape, layer_params, layer_params_per_rank, stage_layer_ranges
+from .steptime import step_time
+
+__all__ = [
+    "Collective", "DeviceProfile", "LayoutSpec", "MemoryOptions", "ModelShape", "PRESETS", "Prediction",
+    "STATE_BYTES", "StageComm", "StageMemory", "StateBytes", "block_saved", "candidate_layouts", "cpu_profile",
+    "cuda_preset", "format_table", "forward_flops_per_sample", "get_profile", "layer_params",
+    "layer_params_per_rank", "layout_of", "measure_cpu_profile", "model_flops_per_step", "plan", "pp_send_bytes",
+    "predict", "stage_layer_ranges", "stage_memory", "step_comm", "step_time", "tp_collectives",
+]

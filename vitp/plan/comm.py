@@ -1,0 +1,121 @@
+"""Communication of one training step per rank: tensor-parallel collectives, pipeline sends and
+data-parallel gradient reduction.
+
+Tensor parallelism (Shoeybi et al. 2019, §3; Korthikanti et al. 2022, §4.2.2), per block and
+micro-batch, with ``T`` the bytes of one ``(b, N, D)`` activation: two all-reduces of ``T`` forward
+(after ``proj`` and ``fc2``) and two backward (the inputs of ``qkv`` and ``fc1``); sequence
+parallelism turns each into an all-gather plus a reduce-scatter of the same logical tensor
+(``N`` padded to a multiple of tp), adds one all-reduce of the adaLN output's gradient
+(``b x 6D``) per block, the token scatter/gather around the stage's embedding/final layer,
+and the gradient all-reduce of replicated parameters that see only local tokens (row-parallel
+biases, LayerScale; q/k-norm weights also without SP). Activation checkpointing runs the
+forward collectives of every checkpointed block again. :func:`tp_collectives` lists them as
+:class:`vitp.parallel.CommRecorder` records them (logical tensor bytes, direction, tag).
+
+Wire bytes per rank use ring algorithms (Patarasuk & Yuan 2009): all-reduce ``2 (p-1)/p n``,
+all-gather / reduce-scatter ``(p-1)/p n``. Pipeline (DeepSpeed ``PipelineEngine``): per
+micro-batch a stage sends its outputs ``(tokens, c)`` forward and the gradients of its inputs
+backward (same shapes). Data parallelism: DeepSpeed's ZeRO-1 reduces each gradient to the rank
+owning its partition and all-gathers the updated parameters, together the volume of one ring
+all-reduce of the stage's parameters, ``2 (dp-1)/dp P`` elements in the model dtype (Rajbhandari
+et al. 2020, §7: ZeRO stage 1 communicates as much as plain data parallelism).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Tuple
+
+from .layout import LayoutSpec, gathered_tokens, local_tokens
+from .memory import ACT_BYTES
+from .shapes import ModelShape, layer_params_per_rank, stage_layer_ranges
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``count`` collectives of ``nbytes`` logical bytes each (as :class:`vitp.parallel.CommRecord`)."""
+
+    kind: str  # all_reduce | all_gather | reduce_scatter
+    direction: str  # fwd | bwd
+    tag: str  # tp | cond | sp_boundary | param_grad
+    nbytes: float
+    count: int = 1
+
+    def wire_bytes(self, group: int) -> float:
+        """Bytes one rank sends for these collectives with ring algorithms in a group of ``group``."""
+        factor = 2 if self.kind == "all_reduce" else 1
+        return self.count * factor * self.nbytes * (group - 1) / group
+
+
+def _block_collectives(shape: ModelShape, lay: LayoutSpec) -> Tuple[List[Collective], List[Collective]]:
+    """``(forward, backward)`` collectives of one block for one micro-batch."""
+    a, D, hd = ACT_BYTES[lay.precision], shape.width, shape.width // shape.heads
+    T = lay.micro * gathered_tokens(shape.tokens, lay.tp, lay.sp) * D * a
+    # replicated parameters whose gradient the TP group sums (in the weights' dtype), one all-reduce each
+    partial = [hd] * 4 if shape.qk_norm else []  # q_norm / k_norm weight and bias: each rank has its heads
+    if lay.sp:
+        partial += [D, D] + ([D, D] if shape.layer_scale else [])  # proj.bias, fc2.bias (+ LayerScale gammas)
+        fwd = [Collective("all_gather", "fwd", "tp", T, 2), Collective("reduce_scatter", "fwd", "tp", T, 2)]
+        bwd = [Collective("all_gather", "bwd", "tp", T, 2), Collective("reduce_scatter", "bwd", "tp", T, 2),
+               Collective("all_reduce", "bwd", "cond", lay.micro * 6 * D * a)]
+    else:
+        fwd = [Collective("all_reduce", "fwd", "tp", T, 2)]
+        bwd = [Collective("all_reduce", "bwd", "tp", T, 2)]
+    bwd += [Collective("all_reduce", "bwd", "param_grad", n * a) for n in partial]
+    return fwd, bwd
+
+
+def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
+    """Tensor-parallel collectives of one micro-batch on a rank of pipeline stage ``stage``
+    (empty when ``tp == 1``)."""
+    if lay.tp == 1:
+        return []
+    shape = ModelShape.from_config(model)
+    first, end = stage_layer_ranges(shape.depth, lay.pp)[stage]
+    blocks = sum(1 for i in range(first, end) if 0 < i <= shape.depth)
+    fwd, bwd = _block_collectives(shape, lay)
+    out = [Collective(c.kind, c.direction, c.tag, c.nbytes, c.count * blocks * (2 if lay.ac else 1)) for c in fwd]
+    out += [Collective(c.kind, c.direction, c.tag, c.nbytes, c.count * blocks) for c in bwd]
+    if lay.sp:
+        T = lay.micro * gathered_tokens(shape.tokens, lay.tp, True) * shape.width * ACT_BYTES[lay.precision]
+        if first == 0:  # scatter after the embedding: its gradient is all-gathered
+            out.append(Collective("all_gather", "bwd", "sp_boundary", T))
+        if end == shape.depth + 2:  # gather before the final layer (again when it is recomputed)
+            out.append(Collective("all_gather", "fwd", "sp_boundary", T, 2 if lay.ac else 1))
+    return out
+
+
+@dataclass(frozen=True)
+class StageComm:
+    """Bytes one rank of pipeline stage ``stage`` sends per optimizer step (ring wire bytes for
+    the collectives, plain bytes for pipeline sends), the number of TP collectives and of
+    pipeline tensor sends (DeepSpeed sends each tensor of ``(tokens, c)`` on its own)."""
+
+    stage: int
+    tp_bytes: float
+    tp_count: int
+    pp_bytes: float
+    pp_sends: int
+    dp_bytes: float
+
+
+def pp_send_bytes(model: Any, lay: LayoutSpec) -> float:
+    """Bytes of one pipeline send per micro-batch: ``(tokens, c)`` forward, or their gradients."""
+    shape = ModelShape.from_config(model)
+    return lay.micro * (local_tokens(shape.tokens, lay.tp, lay.sp) + 1) * shape.width * ACT_BYTES[lay.precision]
+
+
+def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = False) -> List[StageComm]:
+    """Per-stage communication of one optimizer step (``lay.accum`` micro-batches) per rank."""
+    shape = ModelShape.from_config(model)
+    per_layer = layer_params_per_rank(model, lay.tp, adaln_sharded)
+    send = pp_send_bytes(model, lay)
+    out = []
+    for s, (first, end) in enumerate(stage_layer_ranges(shape.depth, lay.pp)):
+        colls = tp_collectives(model, lay, s)
+        sends = (s < lay.pp - 1) + (s > 0)  # forward to the next stage, gradients to the previous one
+        params = sum(per_layer[first:end])
+        dp = 2 * (lay.dp - 1) / lay.dp * params * ACT_BYTES[lay.precision]
+        out.append(StageComm(stage=s, tp_bytes=lay.accum * sum(c.wire_bytes(lay.tp) for c in colls),
+                             tp_count=lay.accum * sum(c.count for c in colls), pp_bytes=lay.accum * sends * send,
+                             pp_sends=lay.accum * sends * 2, dp_bytes=dp))  # tokens and c: two tensor sends
+    return out

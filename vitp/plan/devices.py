@@ -1,0 +1,258 @@
+"""Device profiles: peak FLOP/s, memory and link bandwidths of one accelerator (or one CPU process).
+
+GPU presets come from NVIDIA's datasheets (dense tensor-core peaks, i.e. without the 2:4
+sparsity factor; SXM form factor; per-direction NVLink bandwidth is half the quoted
+bidirectional figure; inter-node bandwidth is one 400 Gb/s (H100/H200, ConnectX-7 in DGX H100 /
+H200) or 200 Gb/s (A100, HDR InfiniBand in DGX A100) NIC per GPU):
+
+- H100 SXM5 80GB (NVIDIA H100 Tensor Core GPU datasheet): BF16 989 TFLOP/s, FP32 67 TFLOP/s,
+  80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s.
+- H200 SXM 141GB (NVIDIA H200 Tensor Core GPU datasheet): BF16 989 TFLOP/s, FP32 67 TFLOP/s,
+  141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+- A100 SXM4 80GB (NVIDIA A100 Tensor Core GPU datasheet): BF16 312 TFLOP/s, FP32 19.5 TFLOP/s,
+  80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s.
+
+FP32 uses the non-tensor-core peak (PyTorch leaves TF32 matmuls off by default). The
+``efficiency``, latency, per-layer overhead and reserve values are assumptions, stated per field.
+The ``cpu`` profile is measured on this machine (:func:`measure_cpu_profile`) and cached.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Dict, Optional
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One device (GPU, or one CPU process of a multi-process run).
+
+    ``peak_flops`` dense FLOP/s per precision; ``memory_gib`` capacity; ``mem_bw`` bytes/s of its
+    memory; ``intra_bw`` / ``inter_bw`` bytes/s one device sends per direction inside a node /
+    across nodes; ``efficiency`` the fraction of peak that training matmuls reach (assumption);
+    ``latency_s`` per collective or send (``latency_by_group``: measured per group size);
+    ``layer_overhead_s`` fixed time per layer and
+    micro-batch for forward + backward (kernel launches, Python dispatch); ``reserve_gib`` memory
+    the planner keeps free (CUDA context, allocator fragmentation); ``cores`` CPU cores shared by
+    all processes (0 = one device per process, as on GPUs).
+    """
+
+    name: str
+    kind: str  # "cuda" | "cpu"
+    peak_flops: Dict[str, float]
+    memory_gib: float
+    mem_bw: float
+    intra_bw: float
+    inter_bw: float
+    devices_per_node: int = 8
+    efficiency: float = 0.6
+    latency_s: float = 2e-5
+    layer_overhead_s: float = 1e-4
+    reserve_gib: float = 3.0
+    cores: int = 0
+    source: str = ""
+    latency_by_group: Dict[int, float] = field(default_factory=dict)
+
+    def latency(self, group: int) -> float:
+        """Seconds per collective in a group of ``group`` ranks (measured sizes, else ``latency_s``)."""
+        return self.latency_by_group.get(group, self.latency_s)
+
+    def peak(self, precision: str) -> float:
+        """Peak FLOP/s for ``precision`` (fp32 | bf16)."""
+        return self.peak_flops[precision]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# efficiency 0.6: Megatron-LM reports 41-57 % model FLOPs utilisation for whole training steps
+# (Narayanan et al. 2021; Korthikanti et al. 2022); matmuls alone run somewhat closer to peak.
+PRESETS: Dict[str, DeviceProfile] = {
+    "h100": DeviceProfile("h100", "cuda", {"bf16": 989e12, "fp32": 67e12}, 80.0, 3.35e12, 450 * GB, 50 * GB,
+                          source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
+    "h200": DeviceProfile("h200", "cuda", {"bf16": 989e12, "fp32": 67e12}, 141.0, 4.8e12, 450 * GB, 50 * GB,
+                          source="NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+    "a100": DeviceProfile("a100", "cuda", {"bf16": 312e12, "fp32": 19.5e12}, 80.0, 2.039e12, 300 * GB, 25 * GB,
+                          source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"),
+}
+
+
+def cuda_preset(device_name: str) -> Optional[DeviceProfile]:
+    """The preset whose name appears in a CUDA device name (``"NVIDIA H100 80GB HBM3"`` -> h100)."""
+    low = device_name.lower()
+    return next((p for key, p in PRESETS.items() if key in low), None)
+
+
+def _matmul_flops(dtype, size: int = 512, seconds: float = 0.3) -> float:
+    """FLOP/s of repeated ``size^3`` matmuls in this process's threads (no RNG is drawn)."""
+    import torch
+
+    a = torch.linspace(-1, 1, size * size).reshape(size, size).to(dtype)
+    b = a.t().contiguous()
+    torch.mm(a, b)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        n += 1
+    return 2.0 * size ** 3 * n / (time.perf_counter() - start)
+
+
+def _layer_overhead(seconds: float = 0.3) -> float:
+    """Seconds of forward + backward of a tiny block (8 wide, 1 token): dispatch, not arithmetic."""
+    import torch
+
+    from vitp.models import Block
+
+    blk = Block(8, 2, grid=(1, 1, 1))
+    x = torch.zeros(1, 1, 8, requires_grad=True)
+    c = torch.zeros(1, 8, requires_grad=True)
+    blk(x, c).sum().backward()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        blk(x, c).sum().backward()
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def _memcpy_bw(nbytes: int = 64 * 2**20) -> float:
+    import torch
+
+    a = torch.zeros(nbytes // 4)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.2:
+        b.copy_(a)
+        n += 1
+    return 2.0 * nbytes * n / (time.perf_counter() - start)  # read + write
+
+
+def _gloo_worker() -> None:
+    """One process of :func:`_gloo_links` (``RANK``, ``WORLD_SIZE``, ``PORT`` in the environment):
+    for each group size g (a divisor of the world), all ranks all-reduce at once in groups of g
+    consecutive ranks; prints the seconds per small all-reduce for each g and per 4 MiB one for
+    g = 2, as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}", rank=rank, world_size=world)
+    out: Dict[str, object] = {"small": {}}
+    for g in (d for d in range(2, world + 1) if world % d == 0):
+        groups = [dist.new_group(list(range(r, r + g))) for r in range(0, world, g)]
+        group = groups[rank // g]
+        for label, numel, reps in (("small", 16, 100), ("large", 2**20, 10 if g == 2 else 0)):
+            x = torch.zeros(numel)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(reps):
+                dist.all_reduce(x, group=group)
+            if label == "small":
+                out["small"][str(g)] = (time.perf_counter() - start) / reps
+            elif reps:
+                out["large"] = (time.perf_counter() - start) / reps
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps(out))
+
+
+def _gloo_links(procs: int = 2) -> Dict[str, object]:
+    """Latency (s, per group size) and bandwidth (bytes/s one rank sends) of gloo all-reduces
+    among ``procs`` local single-thread processes, all groups at once (so with more processes than
+    cores the latency includes waiting for descheduled peers, as in an oversubscribed run); medians
+    over ranks.
+
+    Raises ``RuntimeError`` when a worker fails.
+    """
+    import socket
+    import statistics
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = max(2, procs)
+    code = "from vitp.plan.devices import _gloo_worker; _gloo_worker()"
+    workers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(procs), PORT=str(port),
+                                                    OMP_NUM_THREADS="1"))
+               for r in range(procs)]
+    results = [w.communicate(timeout=900) for w in workers]
+    if any(w.returncode for w in workers):
+        raise RuntimeError(f"gloo link measurement failed: {results[0][1][-2000:]}")
+    outs = [json.loads(r[0].strip().splitlines()[-1]) for r in results]
+    lat = {int(g): statistics.median(o["small"][g] for o in outs) for g in outs[0]["small"]}
+    large = statistics.median(o["large"] for o in outs if "large" in o)
+    return {"latency_s": lat[2], "latency_by_group": lat, "bw": 4 * 2**20 / max(large - lat[2], 1e-9)}
+
+
+def measure_cpu_profile(threads: int = 1, links: bool = True, procs: int = 2) -> DeviceProfile:
+    """Measure this machine as a ``cpu`` profile for processes of ``threads`` threads each (the
+    launchers here give every rank one thread): fp32/bf16 matmul FLOP/s, memory copy bandwidth,
+    per-layer dispatch time and, with ``links``, gloo all-reduce latency and bandwidth between
+    pairs of ``procs`` processes (a few seconds: fresh interpreters). Draws no random numbers."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        peak = {"fp32": _matmul_flops(torch.float32), "bf16": _matmul_flops(torch.bfloat16)}
+        mem_bw, overhead = _memcpy_bw(), _layer_overhead()
+    finally:
+        torch.set_num_threads(before)
+    link = _gloo_links(procs) if links else {"latency_s": 1e-4, "latency_by_group": {}, "bw": 1 * GB}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return DeviceProfile("cpu", "cpu", peak, round(memory, 1), mem_bw, link["bw"], link["bw"], devices_per_node=1024,
+                         efficiency=1.0, latency_s=link["latency_s"], latency_by_group=link["latency_by_group"],
+                         layer_overhead_s=overhead, reserve_gib=0.0, cores=cores,
+                         source=f"measured here ({threads} thread(s) per process, {procs} processes)")
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("VITP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "vitp")
+    return Path(root) / "cpu_profile.json"
+
+
+def cpu_profile(threads: int = 1, remeasure: bool = False, links: bool = True, procs: int = 2) -> DeviceProfile:
+    """The measured ``cpu`` profile, cached in ``$VITP_CACHE_DIR`` (or ``~/.cache/vitp``)
+    ``/cpu_profile.json`` per host, core count, torch version, thread and process count."""
+    import socket
+
+    import torch
+
+    key = f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}|{threads}|{int(links)}|{procs if links else 0}"
+    path = _cache_path()
+    cache = json.loads(path.read_text()) if path.is_file() else {}
+    if key in cache and not remeasure:
+        entry = dict(cache[key])
+        entry["latency_by_group"] = {int(g): v for g, v in entry.get("latency_by_group", {}).items()}  # JSON keys
+        return DeviceProfile(**entry)
+    prof = measure_cpu_profile(threads, links, procs)
+    cache[key] = prof.as_dict()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cache, indent=1))
+    except OSError:
+        pass  # a read-only home: measure again next time
+    return prof
+
+
+def get_profile(name: str, memory_gib: Optional[float] = None, **cpu_kw) -> DeviceProfile:
+    """A preset (``h100``, ``h200``, ``a100``) or the measured ``cpu`` profile, optionally with
+    another memory capacity. Raises ``ValueError`` for an unknown name."""
+    name = name.lower()
+    if name == "cpu":
+        prof = cpu_profile(**cpu_kw)
+    elif name in PRESETS:
+        prof = PRESETS[name]
+    else:
+        raise ValueError(f"unknown device profile {name!r}; use one of {sorted(PRESETS) + ['cpu']}")
+    return prof if memory_gib is None else replace(prof, memory_gib=float(memory_gib))

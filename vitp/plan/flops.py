@@ -1,0 +1,60 @@
+"""Model FLOPs of a training step, counted from the config (the MFU numerator).
+
+Convention (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", §2.1; PaLM,
+Chowdhery et al. 2022, appendix B; Narayanan et al. 2021, "Efficient Large-Scale Language Model
+Training on GPU Clusters", §5.1): a multiply-add is 2 FLOPs, backward costs twice the forward,
+so training = 3 x forward; activation recomputation is *not* counted (model FLOPs, not hardware
+FLOPs), nor are norms, activations and other element-wise work. Per sample:
+
+- every token passes the block linears: ``2 N (D*3D + D*D + mlp)`` with ``mlp = 2 D h`` (GELU:
+  fc1, fc2) or ``3 D h`` (SwiGLU: fc1_g, fc1_x, fc2) -- the "6 N_params tokens" term, counted from
+  the weights each token actually meets;
+- attention scores and values: ``2 * 2 N S D`` per block, where S is the number of keys per query:
+  N for full attention (PaLM's ``12 L H Q T`` per token for fwd+bwd; no causal halving in a ViT),
+  gh*gw for a factorized spatial block, gt for a temporal one (Latte), counted separately;
+- per-sample linears (adaLN modulation ``2 D 6D`` per block, final adaLN ``2 D 2D``, timestep MLP)
+  count once per sample, not per token;
+- the tubelet embedding and the output linear: ``2 N D (pt p p C)`` each.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from .shapes import ModelShape
+
+FREQ_DIM = 256  # sinusoid size of the timestep embedder (vitp.models.layers.TimestepEmbedder)
+
+
+def block_forward_flops(shape: ModelShape, kind: str) -> Dict[str, float]:
+    """Forward FLOPs of one block for one sample: ``{"linear", "attention", "per_sample"}``."""
+    N, D, h = shape.tokens, shape.width, shape.hidden
+    mlp = (2 if shape.mlp == "gelu" else 3) * D * h
+    return {"linear": 2.0 * N * (4 * D * D + mlp),
+            "attention": 4.0 * N * shape.attention_span(kind) * D,
+            "per_sample": 2.0 * D * 6 * D}
+
+
+def embed_forward_flops(shape: ModelShape) -> float:
+    """Forward FLOPs of the input layer for one sample (tubelet Conv3d + timestep MLP)."""
+    D = shape.width
+    return 2.0 * shape.tokens * D * shape.patch_values + 2.0 * (FREQ_DIM * D + D * D)
+
+
+def final_forward_flops(shape: ModelShape) -> float:
+    """Forward FLOPs of the output layer for one sample (adaLN + linear to pixels)."""
+    D = shape.width
+    return 2.0 * shape.tokens * D * shape.patch_values + 2.0 * D * 2 * D
+
+
+def forward_flops_per_sample(model: Any) -> float:
+    """Forward model FLOPs of one sample of the ``model`` config section."""
+    shape = ModelShape.from_config(model)
+    blocks = sum(sum(block_forward_flops(shape, shape.block_kind(i)).values()) for i in range(shape.depth))
+    return blocks + embed_forward_flops(shape) + final_forward_flops(shape)
+
+
+def model_flops_per_step(model: Any, batch: int) -> float:
+    """Training model FLOPs of one optimizer step over ``batch`` samples (the global batch):
+    ``3 x forward`` (see the module docstring). Tokens per sample follow the config (resolution,
+    frames, patch and tubelet sizes)."""
+    return 3.0 * batch * forward_flops_per_sample(model)

@@ -1,0 +1,114 @@
+"""A candidate layout as the planner sees it, and the valid ones for a config and world size.
+
+Validity is decided by :func:`vitp.config.validate_layout` itself (the rules a run is checked
+with), applied to a copy of the config with the candidate's ``parallel.*`` and
+``trainer.micro_batch_size`` set, so the planner never offers a layout ``vitp-train`` refuses.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, List, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """One ``(tp, pp, dp, sp, AC)`` layout with its batch split and numerics.
+
+    ``micro`` samples per micro-batch per dp rank, ``accum`` micro-batches per optimizer step
+    (DeepSpeed's gradient accumulation steps, the 1F1B pipeline's micro-batch count);
+    ``ac`` layers per activation checkpoint (0 = off); ``precision`` fp32 | bf16; ``device`` the
+    device type (cpu | cuda) the kernels run on.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    sp: bool
+    ac: int
+    micro: int
+    accum: int
+    precision: str = "fp32"
+    zero_stage: int = 1
+    device: str = "cpu"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.dp
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def overrides(self) -> List[str]:
+        """The ``vitp-train`` overrides that select this layout."""
+        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+                f"parallel.sequence_parallel={str(self.sp).lower()}",
+                f"parallel.activation_checkpoint_interval={self.ac}", f"trainer.micro_batch_size={self.micro}"]
+
+
+def layout_of(cfg: Any, world_size: int, device_type: str = "cpu") -> LayoutSpec:
+    """The :class:`LayoutSpec` of a composed run config on ``world_size`` processes.
+
+    Raises ``ValueError`` as :func:`vitp.config.validate_layout` does.
+    """
+    from vitp.config import validate_layout
+
+    lay = validate_layout(cfg, world_size, device_type)
+    tr, par = cfg.trainer, cfg.parallel
+    sp = bool(par.sequence_parallel) and lay.tp > 1
+    return LayoutSpec(tp=lay.tp, pp=lay.pp, dp=lay.dp, sp=sp, ac=int(par.activation_checkpoint_interval),
+                      micro=int(tr.micro_batch_size), accum=tr.global_batch_size // (tr.micro_batch_size * lay.dp),
+                      precision=lay.precision, zero_stage=int(par.zero_stage), device=device_type)
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(cfg: Any, world_size: int, device_type: str = "cpu", ac_options: Sequence[int] = (0, 1),
+                      micro_options: Optional[Iterable[int]] = None) -> List[LayoutSpec]:
+    """Every layout of ``world_size`` processes that :func:`vitp.config.validate_layout` accepts:
+    all ``(tp, pp)`` dividing the world, sequence parallelism on and off (tp > 1), each
+    ``ac_options`` interval, and each micro-batch size in ``micro_options`` (default: every divisor
+    of ``global_batch / dp``), keeping ``trainer.global_batch_size``."""
+    from omegaconf import OmegaConf
+
+    out = []
+    glob = cfg.trainer.global_batch_size
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            micros = sorted(set(micro_options or _divisors(max(1, glob // dp))))
+            for sp in ([False, True] if tp > 1 else [False]):
+                for ac in ac_options:
+                    for micro in micros:
+                        c = OmegaConf.merge(cfg, {"parallel": {"tp": tp, "pp": pp, "sequence_parallel": sp,
+                                                               "activation_checkpoint_interval": ac},
+                                                  "trainer": {"micro_batch_size": micro}})
+                        try:
+                            out.append(layout_of(c, world_size, device_type))
+                        except ValueError:
+                            continue
+    return out
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive integers."""
+    return -(-a // b)
+
+
+def local_tokens(tokens: int, tp: int, sp: bool) -> int:
+    """Tokens a TP rank holds outside attention/MLP: ``ceil(N / tp)`` under sequence parallelism
+    (N padded to a multiple of tp, :func:`vitp.parallel.sequence_parallel_enter`), else N."""
+    return ceil_div(tokens, tp) if sp and tp > 1 else tokens
+
+
+def gathered_tokens(tokens: int, tp: int, sp: bool) -> int:
+    """Tokens of a gathered sequence-parallel tensor: N padded to a multiple of tp (SP), else N."""
+    return ceil_div(tokens, tp) * tp if sp and tp > 1 else tokens
+
+
+__all__ = ["LayoutSpec", "candidate_layouts", "ceil_div", "gathered_tokens", "layout_of", "local_tokens"]

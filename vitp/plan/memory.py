@@ -1,0 +1,317 @@
+"""Per-rank memory of a layout: model state, saved activations, pipeline buffers and workspace.
+
+Model state (Rajbhandari et al. 2020, "ZeRO", §3 and §5.1: mixed-precision Adam keeps ``2 + 2``
+bytes of half-precision weights and gradients plus ``4 + 4 + 4`` bytes of fp32 master weights and
+the two Adam moments per parameter; stage 1 partitions the last ``12`` over dp). What DeepSpeed
+0.19 keeps here is the table :data:`STATE_BYTES` (read from ``runtime/zero/stage_1_and_2.py`` and
+``runtime/bf16_optimizer.py``, measured in ``tests/distributed/test_plan_validation.py``): ZeRO-1
+keeps an fp32 master copy of its partition even in fp32 training, and accumulates gradients in
+the model dtype in ``param.grad``. Change the table (or pass another) when the ZeRO setup changes.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", §4: count the tensors autograd saves per block, per micro-batch; tensor parallelism
+divides those inside attention/MLP by t, sequence parallelism also the rest, full recomputation
+keeps only each checkpoint's input). Their GPT block stores ``sbh (34 + 5 a s / h)`` bytes in
+fp16; this generator's block is listed tensor by tensor in :func:`block_saved` (adaLN-Zero, no
+dropout masks, and fused SDPA kernels that keep the logsumexp instead of the ``a s^2`` score
+matrix). Pipeline (Narayanan et al. 2021, §2.2.1; DeepSpeed ``TrainSchedule``): with 1F1B, stage
+``s`` of ``p`` holds the activations of ``min(p - s, m)`` micro-batches at once.
+
+Measured on CPU (gloo, fp32 and bf16; ``tests/distributed/test_plan_validation.py``); on CUDA the
+same tensors are assumed, with fp32 norm statistics (:data:`NORM_STATS_BYTES`). Not modelled:
+dropout and drop-path masks (the recipes use none) and SDPA's math fallback, which stores the
+``B H N S`` attention probabilities when no fused kernel applies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from .layout import LayoutSpec, gathered_tokens, local_tokens
+from .shapes import ModelShape, layer_params_per_rank, stage_layer_ranges
+
+ACT_BYTES = {"fp32": 4, "bf16": 2}
+FREQ_DIM = 256  # timestep sinusoid size
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of model state: ``whole`` on every dp rank, ``split`` over the dp ranks
+    (ZeRO partitions), ``step_split`` allocated only during the optimizer step (split over dp)."""
+
+    whole: Dict[str, float]
+    split: Dict[str, float]
+    step_split: Dict[str, float] = field(default_factory=dict)
+
+
+# (ZeRO stage, precision) -> bytes per parameter, as DeepSpeed 0.19 lays them out for this engine
+# (torch AdamW as the client optimizer, pipeline engine, default grad_accum_dtype = model dtype).
+STATE_BYTES: Dict[Tuple[int, str], StateBytes] = {
+    # DeepSpeedZeroOptimizer: model-dtype params (flat buffer) and grads (param.grad, full size);
+    # fp32 master partition + AdamW exp_avg / exp_avg_sq of the partition; fp32 grad partition at the step
+    (1, "fp32"): StateBytes({"weights": 4, "grads": 4}, {"master": 4, "adam": 8}, {"grad_partition": 4}),
+    (1, "bf16"): StateBytes({"weights": 2, "grads": 2}, {"master": 4, "adam": 8}, {"grad_partition": 4}),
+    # BF16_Optimizer (bf16 + ZeRO 0 under a pipeline): also a full fp32 gradient accumulation buffer
+    (0, "bf16"): StateBytes({"weights": 2, "grads": 2 + 4}, {"master": 4, "adam": 8}),
+    # plain torch AdamW (refused by validate_layout in pipelines, kept for completeness)
+    (0, "fp32"): StateBytes({"weights": 4, "grads": 4, "adam": 8}, {}),
+}
+
+# DeepSpeed's default zero_optimization.reduce_bucket_size (elements). ZeRO-1 allocates one such
+# contiguous gradient bucket (model dtype) when a backward starts (setup_buckets) and, under a
+# pipeline, reduce_gradients(pipeline_parallel=True) appends a second one: both are alive while the
+# gradients are reduced (measured: 2 x 5e8 x 4 bytes in fp32, 2 x 5e8 x 2 in bf16)
+ZERO_BUCKET_ELEMENTS = 500_000_000
+ZERO_BUCKET_BUFFERS = 2
+# DeepSpeed's PipelineEngine keeps max(2, in-flight) output buffers per stage; its last stage runs
+# backward on the loss and returns without clearing them, so the outputs (x_pred) of the last 2
+# micro-batches stay allocated there
+LAST_OUTPUT_BUFFERS = 2
+
+
+STATS = "stats"  # Saved.nbytes of LayerNorm mean/rstd: see NORM_STATS_BYTES
+# LayerNorm's saved mean and rstd: the input dtype on CPU (measured with bf16 here); fp32 on CUDA
+# (ATen's accumulate type for bf16; read from the kernels, not measured here); None = activation dtype
+NORM_STATS_BYTES = {"cuda": 4, "cpu": None}
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor kept from forward to backward, per sample on one rank: ``elements`` values of
+    ``nbytes`` bytes each (``None`` = the activation dtype, :data:`STATS` = norm statistics)."""
+
+    name: str
+    elements: float
+    nbytes: Optional[object] = None
+
+    def bytes(self, precision: str, device: str = "cpu") -> float:
+        size = NORM_STATS_BYTES.get(device, 4) if self.nbytes == STATS else self.nbytes
+        return self.elements * (size or ACT_BYTES[precision])
+
+
+def _proj_input_copy(shape: ModelShape, kind: str, tp: int, sp: bool) -> bool:
+    """Whether ``proj`` saves its own copy of the attention output (else a view of SDPA's output):
+    with qk-norm q is contiguous and SDPA's CPU output follows its (B, H, N, hd) layout, so the
+    transpose copies; a temporal block under TP ungroups it (copy); SP padding re-pads it (copy)."""
+    return shape.qk_norm or (tp > 1 and kind == "temporal") or (sp and shape.tokens % tp != 0)
+
+
+def block_saved(shape: ModelShape, kind: str, tp: int, sp: bool) -> List[Saved]:
+    """Tensors one block saves for backward, per sample on one TP rank (parameters excluded;
+    the conditioning ``c`` is counted once per stage, see :func:`stage_memory`).
+
+    Region sizes: ``n`` tokens of the sequence region (N, or ceil(N/tp) under SP), ``g`` tokens
+    of a gathered input (N, or N padded to a multiple of tp under SP: the column-parallel ``qkv``
+    and ``fc1`` save their all-gathered input, so those two are not divided by tp), and attention
+    / MLP internals over ``1/tp`` of the heads / hidden units.
+    """
+    N, D, H, h = shape.tokens, shape.width, shape.heads, shape.hidden
+    n, g = local_tokens(N, tp, sp), gathered_tokens(N, tp, sp)
+    rows = [Saved("norm1 input (residual)", n * D), Saved("norm1 output", n * D),
+            Saved("qkv input (modulated; gathered under SP)", g * D),
+            # SP pad rows are cut before attention: regrouping for factorized attention copies the N rows
+            Saved("qkv output (q, k, v)", (g if kind == "full" else N) * 3 * D / tp),
+            Saved("SDPA output", N * D / tp), Saved("SDPA logsumexp", N * H / tp, 4),
+            Saved("proj output (gate1 input)", n * D), Saved("norm2 input (residual)", n * D),
+            Saved("norm2 output", n * D), Saved("fc1 input (modulated; gathered under SP)", g * D),
+            Saved("MLP hidden (fc1 out, act out)" if shape.mlp == "gelu"
+                  else "MLP hidden (fc1_g, silu, fc1_x, product)", g * (2 if shape.mlp == "gelu" else 4) * h / tp),
+            Saved("fc2 output (gate2 input)", n * D), Saved("norm1/norm2 mean and rstd", 4 * n, STATS),
+            Saved("adaLN: silu(c), 1+scale1, 1+scale2, modulation output (6D)", 9 * D)]
+    if _proj_input_copy(shape, kind, tp, sp):
+        rows.append(Saved("proj input (own copy)", g * D / tp))
+    if shape.qk_norm:
+        rows += [Saved("q, k after qk-norm", 2 * N * D / tp), Saved("qk-norm mean and rstd", 4 * N * H / tp, STATS)]
+    if shape.layer_scale:
+        rows.append(Saved("LayerScale outputs (not validated)", 2 * n * D))
+    return rows
+
+
+def embed_saved(shape: ModelShape) -> List[Saved]:
+    """Tensors the input layer saves per sample (stage 0): the noisy input for the tubelet conv
+    (in the model dtype), the timestep MLP's inputs, the class indices."""
+    D = shape.width
+    return [Saved("z_t (conv input)", shape.pixels), Saved("timestep sinusoid", FREQ_DIM),
+            Saved("timestep MLP hidden (pre/post SiLU)", 2 * D), Saved("class index (int64)", 1, 8)]
+
+
+def final_saved(shape: ModelShape, tp: int, sp: bool) -> List[Saved]:
+    """Tensors the output layer saves per sample (last stage); under SP the final norm saves the
+    gathered (padded) tokens."""
+    N, D = shape.tokens, shape.width
+    g = gathered_tokens(N, tp, sp)
+    return [Saved("final norm input (gathered under SP)", g * D), Saved("final norm output", N * D),
+            Saved("final linear input (modulated)", N * D), Saved("final norm mean and rstd", 2 * N, STATS),
+            Saved("final adaLN: silu(c), 1+scale", 2 * D)]
+
+
+def loss_saved(shape: ModelShape) -> List[Saved]:
+    """Tensors the v-loss saves per sample (last stage, outside any activation checkpoint): it
+    works in fp32."""
+    return [Saved("v-loss residual (fp32)", shape.pixels, 4), Saved("v-loss denominator", 1, 4)]
+
+
+def _sum(rows: List[Saved], lay: LayoutSpec) -> float:
+    return sum(r.bytes(lay.precision, lay.device) for r in rows)
+
+
+def chunks(first: int, end: int, interval: int) -> List[Tuple[int, int]]:
+    """Activation-checkpoint chunks of a stage's layers ``[first, end)``: DeepSpeed's
+    ``PipelineModule`` cuts the stage's local layer list every ``interval`` layers."""
+    return [(i, min(i + interval, end)) for i in range(first, end, interval)]
+
+
+def layer_saved_bytes(shape: ModelShape, layer: int, lay: LayoutSpec) -> float:
+    """Saved bytes per sample of layer ``layer`` (0 = Embed, 1..depth = blocks, depth+1 = Final)."""
+    if layer == 0:
+        return _sum(embed_saved(shape), lay)
+    if layer == shape.depth + 1:
+        return _sum(final_saved(shape, lay.tp, lay.sp), lay)
+    return _sum(block_saved(shape, shape.block_kind(layer - 1), lay.tp, lay.sp), lay)
+
+
+def chunk_input_bytes(shape: ModelShape, first_layer: int, lay: LayoutSpec) -> float:
+    """Bytes per sample a checkpoint keeps of its chunk's input (besides ``c``): the data batch
+    (fp32 pixels, t, int64 y) for the input layer, else the tokens of this rank."""
+    if first_layer == 0:
+        return shape.pixels * 4 + 4 + 8
+    return local_tokens(shape.tokens, lay.tp, lay.sp) * shape.width * ACT_BYTES[lay.precision]
+
+
+def _resaved_input_bytes(shape: ModelShape, first_layer: int, lay: LayoutSpec) -> float:
+    """Bytes per sample of a chunk's stored input that its recomputation saves again (the same
+    storage, so not new memory): the tokens the first block's norm1 (or the final norm, without
+    SP) reads; for the input layer the class indices, and in fp32 also z_t (bf16 makes a copy)."""
+    if first_layer == 0:
+        return 8 + (shape.pixels * 4 if lay.precision == "fp32" else 0)
+    if first_layer == shape.depth + 1 and lay.sp and lay.tp > 1:
+        return 0.0  # the final layer saves the gathered tokens, a new tensor
+    return chunk_input_bytes(shape, first_layer, lay)
+
+
+def _rebuilt_only_bytes(shape: ModelShape, first: int, end: int, lay: LayoutSpec) -> float:
+    """Bytes per micro-batch that only a recomputation of the chunk ``[first, end)`` saves.
+
+    With the input layer in the chunk: ``c`` is rebuilt as a new tensor when a block of the chunk
+    reads it; and DeepSpeed makes the first stage's float inputs require grad whenever
+    checkpointing is on (it assumes reentrant checkpointing, ``_exec_load_micro_batch``), so the
+    timestep sinusoid saves its float64 frequencies (per micro-batch) and arguments (per sample).
+    """
+    if first != 0:
+        return 0.0
+    c = shape.width * ACT_BYTES[lay.precision] if end > 1 else 0.0
+    return lay.micro * (c + FREQ_DIM // 2 * 8) + FREQ_DIM // 2 * 8
+
+
+def recompute_peak(shape: ModelShape, lay: LayoutSpec, first: int, end: int) -> float:
+    """Peak bytes of one micro-batch during its backward with activation checkpointing:
+    chunks are rebuilt last to first; while chunk ``j`` is rebuilt the inputs of chunks ``<= j``
+    are still stored (later ones were freed with their chunk's backward, the loss's saved tensors
+    before any), and its rebuilt tensors are alive at once (``c`` excluded: counted per stage)."""
+    peak, prefix = 0.0, 0.0
+    for a, e in chunks(first, end, lay.ac):
+        prefix += chunk_input_bytes(shape, a, lay)
+        rebuilt = sum(layer_saved_bytes(shape, i, lay) for i in range(a, e)) - _resaved_input_bytes(shape, a, lay)
+        peak = max(peak, lay.micro * (prefix + rebuilt) + _rebuilt_only_bytes(shape, a, e, lay))
+    return peak
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """Knobs of the memory model that follow the code it models.
+
+    ``state_bytes``: :data:`STATE_BYTES`-like table; ``zero_bucket_elements``: ZeRO-1's gradient
+    bucket (0 = none); ``adaln_sharded``: the blocks' adaLN modulation is split over TP;
+    ``ema_bytes``: bytes per parameter of the trainer's EMA copy (fp32, on the training device;
+    :class:`vitp.train.ema.EMA`; 0 = none).
+    """
+
+    state_bytes: Dict[Tuple[int, str], StateBytes] = field(default_factory=lambda: dict(STATE_BYTES))
+    zero_bucket_elements: int = ZERO_BUCKET_ELEMENTS
+    adaln_sharded: bool = False
+    ema_bytes: float = 4.0
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Predicted peak bytes of one rank of pipeline stage ``stage``.
+
+    ``ema``: the trainer's fp32 EMA of the rank's parameters; ``activations``: saved tensors of the
+    ``in_flight`` micro-batches (with activation
+    checkpointing: the checkpoints' inputs); ``recompute``: with checkpointing, the extra bytes at
+    the recomputation peak of one micro-batch's backward; ``pipe_buffers``: stage outputs held until their backward;
+    ``zero_buckets``: ZeRO-1's two contiguous gradient buckets; ``workspace``: the fp32 gradient
+    partition at the step plus one layer's activation gradients (an estimate, not validated).
+    """
+
+    stage: int
+    params: int
+    weights: float
+    grads: float
+    optimizer: float
+    ema: float
+    activations: float
+    recompute: float
+    pipe_buffers: float
+    zero_buckets: float
+    workspace: float
+    in_flight: int
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.grads + self.optimizer + self.ema + self.activations + self.recompute
+                + self.pipe_buffers + self.zero_buckets + self.workspace)
+
+
+def _state(P: int, lay: LayoutSpec, opts: MemoryOptions) -> Tuple[float, float, float, float]:
+    """``(weights, grads, optimizer, step transient)`` bytes of ``P`` parameters on one rank."""
+    key = (lay.zero_stage, lay.precision)
+    if key not in opts.state_bytes:
+        raise ValueError(f"no memory model for ZeRO stage {lay.zero_stage} with {lay.precision}; "
+                         f"known: {sorted(opts.state_bytes)}")
+    sb = opts.state_bytes[key]
+    other = sum(v for k, v in sb.whole.items() if k not in ("weights", "grads"))
+    return (P * sb.whole.get("weights", 0), P * sb.whole.get("grads", 0),
+            P * other + P * sum(sb.split.values()) / lay.dp, P * sum(sb.step_split.values()) / lay.dp)
+
+
+def _activations(shape: ModelShape, lay: LayoutSpec, first: int, end: int, last: bool) -> Tuple[float, float]:
+    """``(stored, recompute)`` bytes per micro-batch of the stage's layers ``[first, end)``: what
+    one micro-batch holds between its forward and backward, and (activation checkpointing) how
+    much more its backward needs at the recomputation peak (:func:`recompute_peak`)."""
+    c = shape.width * ACT_BYTES[lay.precision]  # the conditioning, one tensor shared by the stage's layers
+    loss = _sum(loss_saved(shape), lay) if last else 0.0
+    if not lay.ac:
+        return lay.micro * (sum(layer_saved_bytes(shape, i, lay) for i in range(first, end)) + c + loss), 0.0
+    stored = lay.micro * (sum(chunk_input_bytes(shape, a, lay) for a, _ in chunks(first, end, lay.ac)) + c + loss)
+    return stored, max(0.0, recompute_peak(shape, lay, first, end) + lay.micro * c - stored)
+
+
+def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = None) -> List[StageMemory]:
+    """Predicted per-rank memory of every pipeline stage of ``model`` (a config section) in ``lay``.
+
+    Raises ``ValueError`` for a (ZeRO stage, precision) pair the table lacks, or ``depth < pp``.
+    """
+    opts = opts or MemoryOptions()
+    shape = ModelShape.from_config(model)
+    per_layer = layer_params_per_rank(model, lay.tp, opts.adaln_sharded)
+    act_b = ACT_BYTES[lay.precision]
+    out = []
+    for s, (first, end) in enumerate(stage_layer_ranges(shape.depth, lay.pp)):
+        last = s == lay.pp - 1
+        P = sum(per_layer[first:end])
+        weights, grads, optimizer, step = _state(P, lay, opts)
+        in_flight = min(lay.pp - s, lay.accum)
+        stored, rebuilt = _activations(shape, lay, first, end, last)
+        # stage outputs: tokens until their backward; the last stage's predictions stay in its
+        # output buffers (DeepSpeed returns before clearing them there), the newest LAST_OUTPUT_BUFFERS
+        out_bytes = shape.pixels * act_b if last else local_tokens(shape.tokens, lay.tp, lay.sp) * shape.width * act_b
+        held = min(LAST_OUTPUT_BUFFERS, lay.accum) if last else in_flight
+        layer_max = max(layer_saved_bytes(shape, i, lay) for i in range(first, end))
+        bucket = ZERO_BUCKET_BUFFERS * opts.zero_bucket_elements * act_b if lay.zero_stage == 1 else 0
+        out.append(StageMemory(
+            stage=s, params=P, weights=weights, grads=grads, optimizer=optimizer, ema=P * opts.ema_bytes,
+            activations=in_flight * stored, recompute=rebuilt,
+            pipe_buffers=held * lay.micro * out_bytes, zero_buckets=bucket, workspace=step + lay.micro * layer_max,
+            in_flight=in_flight))
+    return out

@@ -1,0 +1,115 @@
+"""Rank the layouts of a run config on a number of devices: memory per rank, communication and
+step time for every valid ``(tp, pp, dp, sp, AC, micro-batch)``; the ones that fit first,
+fastest first."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from .comm import StageComm, step_comm
+from .devices import DeviceProfile
+from .layout import LayoutSpec, candidate_layouts
+from .memory import MemoryOptions, StageMemory, stage_memory
+from .shapes import ModelShape
+from .steptime import predicted_mfu, step_time
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Everything predicted for one layout: per-stage memory and communication, the step time
+    parts, and whether the fullest rank fits the device (``limit_bytes`` per rank)."""
+
+    layout: LayoutSpec
+    memory: List[StageMemory]
+    comm: List[StageComm]
+    time: Dict[str, float]
+    tokens_per_s: float
+    mfu: float
+    limit_bytes: float
+
+    @property
+    def peak(self) -> StageMemory:
+        """The stage whose ranks need the most memory."""
+        return max(self.memory, key=lambda m: m.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak.total <= self.limit_bytes
+
+    def as_dict(self) -> dict:
+        pk = self.peak
+        mem = {k: round(getattr(pk, k) / GIB, 4) for k in ("weights", "grads", "optimizer", "ema", "activations",
+                                                            "recompute", "pipe_buffers", "zero_buckets", "workspace",
+                                                            "total")}
+        return {**self.layout.as_dict(), "fits": self.fits, "peak_stage": pk.stage, "memory_gib": mem,
+                "limit_gib": round(self.limit_bytes / GIB, 3),
+                "comm_bytes_per_step": {k: max(getattr(c, k) for c in self.comm)
+                                        for k in ("tp_bytes", "pp_bytes", "dp_bytes")},
+                "time": {k: round(v, 6) for k, v in self.time.items()}, "tokens_per_s": round(self.tokens_per_s, 1),
+                "mfu": round(self.mfu, 4)}
+
+
+def rank_limit_bytes(prof: DeviceProfile, world: int) -> float:
+    """Bytes one rank may use: the device's memory less its reserve (a CPU's memory is shared by
+    all ``world`` processes)."""
+    mem = prof.memory_gib / world if prof.kind == "cpu" else prof.memory_gib
+    return max(0.0, mem - prof.reserve_gib) * GIB
+
+
+def predict(model: Any, lay: LayoutSpec, prof: DeviceProfile, opts: Optional[MemoryOptions] = None) -> Prediction:
+    """:class:`Prediction` of ``model`` (a config section) in layout ``lay`` on ``prof`` devices."""
+    from vitp.utils import to_dict
+
+    opts = opts or MemoryOptions()
+    model = {k: str(v) if k in ("mlp", "attention") else v for k, v in to_dict(model).items()}  # resolve once
+    t = step_time(model, lay, prof, opts.adaln_sharded)
+    tokens = lay.global_batch * ModelShape.from_config(model).tokens
+    return Prediction(lay, stage_memory(model, lay, opts), step_comm(model, lay, opts.adaln_sharded), t,
+                      tokens / t["step_s"], predicted_mfu(model, lay, prof, t["step_s"]),
+                      rank_limit_bytes(prof, lay.world))
+
+
+def plan(cfg: Any, world_size: int, prof: DeviceProfile, opts: Optional[MemoryOptions] = None,
+         ac_options: Sequence[int] = (0, 1), micro_options: Optional[Sequence[int]] = None) -> List[Prediction]:
+    """Predictions for every valid layout of the run config ``cfg`` on ``world_size`` devices of
+    ``prof``: the layouts that fit by step time, then the rest by peak memory.
+
+    Raises ``ValueError`` when the config itself is invalid (:func:`vitp.config.validate_config`).
+    """
+    from vitp.config import validate_config
+
+    from vitp.utils import to_dict
+
+    validate_config(cfg)
+    model = to_dict(cfg.model)  # resolved once: OmegaConf interpolations are slow to read
+    preds = [predict(model, lay, prof, opts)
+             for lay in candidate_layouts(cfg, world_size, prof.kind, ac_options, micro_options)]
+    return sorted(preds, key=lambda p: (not p.fits, p.time["step_s"] if p.fits else p.peak.total))
+
+
+def format_table(preds: List[Prediction], top: Optional[int] = None) -> str:
+    """A ranked text table (memory of the fullest stage in GiB, bytes per rank per step)."""
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>3} {'sp':>3} {'ac':>3} {'mb':>4} {'acc':>4} | "
+            f"{'weights':>8} {'grads':>8} {'opt+ema':>8} {'activ':>8} {'work':>8} {'total':>8} GiB | "
+            f"{'TP':>9} {'PP':>9} {'DP':>9} B/step | {'step s':>9} {'tok/s':>10} {'MFU':>6} fits")
+    rows = [head, "-" * len(head)]
+    for i, p in enumerate(preds[:top] if top else preds, 1):
+        lay, pk = p.layout, p.peak
+        comm = {k: max(getattr(c, k) for c in p.comm) for k in ("tp_bytes", "pp_bytes", "dp_bytes")}
+        act = pk.activations + pk.recompute + pk.pipe_buffers
+        rows.append(
+            f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {'y' if lay.sp else '-':>3} {lay.ac:>3} {lay.micro:>4} "
+            f"{lay.accum:>4} | {pk.weights / GIB:>8.2f} {pk.grads / GIB:>8.2f} {(pk.optimizer + pk.ema) / GIB:>8.2f} "
+            f"{act / GIB:>8.2f} {(pk.zero_buckets + pk.workspace) / GIB:>8.2f} {pk.total / GIB:>8.2f}     | "
+            f"{_si(comm['tp_bytes']):>9} {_si(comm['pp_bytes']):>9} {_si(comm['dp_bytes']):>9}        | "
+            f"{p.time['step_s']:>9.4g} {p.tokens_per_s:>10.4g} {p.mfu:>6.1%} {'yes' if p.fits else 'NO'}")
+    return "\n".join(rows)
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.0f}"

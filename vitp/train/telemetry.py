@@ -1,0 +1,136 @@
+"""Performance metrics of a run, logged with the training scalars (``metrics.jsonl``, TensorBoard).
+
+Per logged step, over the steps since the previous log:
+
+- ``perf/tokens_per_s``: global batch x tokens per sample x steps / wall time;
+- ``perf/tflops``: achieved model TFLOP/s per device (:func:`vitp.plan.model_flops_per_step`,
+  recomputation not counted) = model FLOPs / time / world size;
+- ``perf/mfu``: ``perf/tflops`` over the device profile's peak for the run's precision (a CUDA
+  device named like a preset, :data:`vitp.plan.PRESETS`; on CPU the matmul rate measured here
+  with the rank's threads, :func:`vitp.plan.cpu_profile`, so CPU MFU is relative to that
+  measurement); absent when no profile matches;
+- ``perf/peak_mem_gib``: the largest peak over ranks: ``torch.cuda.max_memory_allocated`` on
+  CUDA, the process's maximum resident set size (``ru_maxrss``, everything the process holds) on CPU;
+- ``perf/data_wait_frac``: time spent waiting for the next batch / wall time (largest over ranks;
+  only the first and last pipeline stages read data);
+- ``comm/tp_bytes``: ring bytes per step one rank sent in TP collectives, counted as they run
+  (:class:`vitp.parallel.CommCounter`; largest over ranks);
+- ``comm/pp_bytes``, ``comm/dp_bytes``: bytes per step the busiest rank sends between pipeline
+  stages (activations and their gradients) and in ZeRO-1's gradient reduction + parameter
+  all-gather (ring volume), from the layout (:func:`vitp.plan.step_comm`).
+
+Nothing here draws random numbers or adds a device synchronisation: the step already ends with
+``loss.item()``; the one all-reduce runs on logged steps only, next to the loss-per-t reduction.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+
+from vitp.parallel import CommCounter
+from vitp.parallel import distributed as dist
+
+log = logging.getLogger("vitp")
+
+TP_TAGS = ("tp", "cond", "sp_boundary", "param_grad")  # training collectives (not "export")
+
+
+class TimedIterator:
+    """Wraps an iterator and adds the seconds spent in ``next`` to :attr:`wait_s`."""
+
+    def __init__(self, it: Iterator):
+        self.it, self.wait_s = it, 0.0
+
+    def __iter__(self) -> "TimedIterator":
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        try:
+            return next(self.it)
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+
+def _profile(device: torch.device, precision: str):
+    """The device profile's peak FLOP/s for ``precision`` and its name, or ``(None, reason)``."""
+    from vitp.plan import cpu_profile, cuda_preset
+
+    if device.type == "cuda":
+        prof = cuda_preset(torch.cuda.get_device_name(device))
+        return (prof.peak(precision), prof.name) if prof else (None, "no preset for this GPU")
+    if not dist.is_main():
+        return None, ""
+    with torch.random.fork_rng(devices=[]):  # the measurement builds a layer: keep the run's RNG as it was
+        prof = cpu_profile(threads=torch.get_num_threads(), links=False)
+    return prof.peak(precision), f"cpu, {prof.source}"
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory: CUDA allocator peak on CUDA, max resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class Telemetry:
+    """Counts what :mod:`this module <vitp.train.telemetry>` reports; :meth:`metrics` on every
+    rank at each logged step (collective)."""
+
+    def __init__(self, cfg: Any, layout: Any, device: torch.device):
+        from vitp.plan import layout_of, model_flops_per_step, step_comm
+        from vitp.plan.shapes import ModelShape
+        from vitp.utils import to_dict
+
+        model = to_dict(cfg.model)
+        lay = layout_of(cfg, layout.tp * layout.pp * layout.dp, device.type)
+        self.device, self.world = device, lay.world
+        self.flops_per_step = model_flops_per_step(model, lay.global_batch)
+        self.tokens_per_step = lay.global_batch * ModelShape.from_config(model).tokens
+        comm = step_comm(model, lay)
+        self.pp_bytes = max(c.pp_bytes for c in comm)
+        self.dp_bytes = max(c.dp_bytes for c in comm)
+        self.peak_flops, source = _profile(device, lay.precision)
+        self.counter = CommCounter(TP_TAGS)
+        self.data: Optional[TimedIterator] = None
+        if dist.is_main():
+            log.info("telemetry: %.4g model TFLOP per step, %d tokens per step; MFU against %s; peak memory = %s",
+                     self.flops_per_step / 1e12, self.tokens_per_step,
+                     f"{self.peak_flops / 1e12:.4g} TFLOP/s ({source})" if self.peak_flops else f"nothing ({source})",
+                     "CUDA max_memory_allocated" if device.type == "cuda" else "process max RSS")
+
+    def timed(self, it: Optional[Iterator]) -> Optional[TimedIterator]:
+        """``it`` wrapped to time the waits for data (``None`` stays ``None``)."""
+        self.data = TimedIterator(it) if it is not None else None
+        return self.data
+
+    def start(self) -> None:
+        """Start counting TP collectives (until :meth:`stop`)."""
+        self.counter.__enter__()
+
+    def stop(self) -> None:
+        self.counter.__exit__(None, None, None)
+
+    def metrics(self, steps: int, elapsed_s: float) -> Dict[str, float]:
+        """The ``perf/*`` and ``comm/*`` values of the ``steps`` steps of the last ``elapsed_s``
+        seconds; resets the counters. Collective (an all-reduce over all ranks)."""
+        wait = self.data.wait_s if self.data is not None else 0.0
+        local = torch.tensor([peak_memory_gib(self.device), wait / elapsed_s, self.counter.wire / steps],
+                             dtype=torch.float64, device=self.device)
+        if dist.world_size() > 1:
+            torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
+        mem, wait_frac, tp = local.tolist()
+        tflops = steps * self.flops_per_step / elapsed_s / self.world / 1e12
+        out = {"perf/tokens_per_s": steps * self.tokens_per_step / elapsed_s, "perf/tflops": tflops,
+               "perf/peak_mem_gib": mem, "perf/data_wait_frac": wait_frac, "comm/tp_bytes": tp,
+               "comm/pp_bytes": self.pp_bytes, "comm/dp_bytes": self.dp_bytes}
+        if self.peak_flops:
+            out["perf/mfu"] = tflops * 1e12 / self.peak_flops
+        self.counter.reset()
+        if self.data is not None:
+            self.data.wait_s = 0.0
+        return out
