@@ -68,7 +68,7 @@ def _tensors(obj, depth: int = 0, seen=None) -> Iterator[torch.Tensor]:
         for v in obj:
             yield from _tensors(v, depth + 1, seen)
     elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module) \
-            and type(obj).__module__.split(".")[0] in ("deepspeed", "torch"):
+            and type(obj).__module__.split(".")[0] in ("deepspeed", "torch", "vitp"):
         for v in vars(obj).values():
             yield from _tensors(v, depth + 1, seen)
 

@@ -53,9 +53,12 @@ def test_parameter_counts_match_the_built_generator(models, name):
     blk = counted[1]
     sharded = sum(n for k, n in blk.items() if k.startswith(("attn.qkv", "mlp.fc1")) or k in
                   ("attn.proj.weight", "mlp.fc2.weight"))
-    assert layer_params_per_rank(models[name], 2)[1] == sum(blk.values()) - sharded // 2
+    assert layer_params_per_rank(models[name], 2, adaln_sharded=False)[1] == sum(blk.values()) - sharded // 2
     adaln = blk["adaLN_modulation.1.weight"] + blk["adaLN_modulation.1.bias"]
-    assert layer_params_per_rank(models[name], 2, adaln_sharded=True)[1] == sum(blk.values()) - (sharded + adaln) // 2
+    assert layer_params_per_rank(models[name], 2)[1] == sum(blk.values()) - (sharded + adaln) // 2  # as trained
+    fin = counted[-1]
+    fin_adaln = sum(n for k, n in fin.items() if k.startswith("adaLN_modulation."))
+    assert fin_adaln and layer_params_per_rank(models[name], 2)[-1] == sum(fin.values()) - fin_adaln // 2
 
 
 def test_flops_by_hand_and_factorized_attention(models):

@@ -35,7 +35,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's, 8)")
     p.add_argument("--ac", type=_ints, default=[0, 1], help="activation checkpoint intervals to try (default 0,1)")
     p.add_argument("--micro", type=_ints, default=None, help="micro-batch sizes to try, e.g. 1,2,4 (default: all)")
-    p.add_argument("--adaln-sharded", action="store_true", help="model the adaLN modulation split over TP")
+    p.add_argument("--adaln-replicated", action="store_true",
+                   help="model the adaLN modulation replicated on every TP rank (older vitp); default: sharded, as trained")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. experiment=img256 model.depth=24")
@@ -67,7 +68,7 @@ def run(argv: Optional[List[str]] = None) -> list:
     prof = get_profile(args.device, args.mem_gib, procs=args.gpus)  # cpu: gloo measured with as many processes
     if args.gpus_per_node:
         prof = replace(prof, devices_per_node=args.gpus_per_node)
-    preds = plan(cfg, args.gpus, prof, MemoryOptions(adaln_sharded=args.adaln_sharded), args.ac, args.micro)
+    preds = plan(cfg, args.gpus, prof, MemoryOptions(adaln_sharded=not args.adaln_replicated), args.ac, args.micro)
     if not preds:
         raise ValueError(f"no valid layout of this config on {args.gpus} devices (check heads, MLP hidden units, "
                          "depth and trainer.global_batch_size against the device count)")

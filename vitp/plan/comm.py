@@ -104,7 +104,7 @@ def pp_send_bytes(model: Any, lay: LayoutSpec) -> float:
     return lay.micro * (local_tokens(shape.tokens, lay.tp, lay.sp) + 1) * shape.width * ACT_BYTES[lay.precision]
 
 
-def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = False) -> List[StageComm]:
+def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = True) -> List[StageComm]:
     """Per-stage communication of one optimizer step (``lay.accum`` micro-batches) per rank."""
     shape = ModelShape.from_config(model)
     per_layer = layer_params_per_rank(model, lay.tp, adaln_sharded)

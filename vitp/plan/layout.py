@@ -61,7 +61,7 @@ def layout_of(cfg: Any, world_size: int, device_type: str = "cpu") -> LayoutSpec
     sp = bool(par.sequence_parallel) and lay.tp > 1
     return LayoutSpec(tp=lay.tp, pp=lay.pp, dp=lay.dp, sp=sp, ac=int(par.activation_checkpoint_interval),
                       micro=int(tr.micro_batch_size), accum=tr.global_batch_size // (tr.micro_batch_size * lay.dp),
-                      precision=lay.precision, zero_stage=int(par.zero_stage), device=device_type)
+                      precision=lay.precision, zero_stage=lay.engine_zero_stage(par.zero_stage), device=device_type)
 
 
 def _divisors(n: int) -> List[int]:

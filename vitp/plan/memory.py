@@ -101,19 +101,19 @@ def block_saved(shape: ModelShape, kind: str, tp: int, sp: bool) -> List[Saved]:
     the conditioning ``c`` is counted once per stage, see :func:`stage_memory`).
 
     Region sizes: ``n`` tokens of the sequence region (N, or ceil(N/tp) under SP), ``g`` tokens
-    of a gathered input (N, or N padded to a multiple of tp under SP: the column-parallel ``qkv``
-    and ``fc1`` save their all-gathered input, so those two are not divided by tp), and attention
+    of a gathered input (N, or N padded to a multiple of tp under SP; the column-parallel ``qkv``
+    and ``fc1`` save their local input and re-gather it in backward, as Megatron does), and attention
     / MLP internals over ``1/tp`` of the heads / hidden units.
     """
     N, D, H, h = shape.tokens, shape.width, shape.heads, shape.hidden
     n, g = local_tokens(N, tp, sp), gathered_tokens(N, tp, sp)
     rows = [Saved("norm1 input (residual)", n * D), Saved("norm1 output", n * D),
-            Saved("qkv input (modulated; gathered under SP)", g * D),
+            Saved("qkv input (modulated; local, re-gathered in backward)", n * D),
             # SP pad rows are cut before attention: regrouping for factorized attention copies the N rows
             Saved("qkv output (q, k, v)", (g if kind == "full" else N) * 3 * D / tp),
             Saved("SDPA output", N * D / tp), Saved("SDPA logsumexp", N * H / tp, 4),
             Saved("proj output (gate1 input)", n * D), Saved("norm2 input (residual)", n * D),
-            Saved("norm2 output", n * D), Saved("fc1 input (modulated; gathered under SP)", g * D),
+            Saved("norm2 output", n * D), Saved("fc1 input (modulated; local, re-gathered in backward)", n * D),
             Saved("MLP hidden (fc1 out, act out)" if shape.mlp == "gelu"
                   else "MLP hidden (fc1_g, silu, fc1_x, product)", g * (2 if shape.mlp == "gelu" else 4) * h / tp),
             Saved("fc2 output (gate2 input)", n * D), Saved("norm1/norm2 mean and rstd", 4 * n, STATS),
@@ -228,7 +228,7 @@ class MemoryOptions:
 
     state_bytes: Dict[Tuple[int, str], StateBytes] = field(default_factory=lambda: dict(STATE_BYTES))
     zero_bucket_elements: int = ZERO_BUCKET_ELEMENTS
-    adaln_sharded: bool = False
+    adaln_sharded: bool = True
     ema_bytes: float = 4.0
 
 

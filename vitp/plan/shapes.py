@@ -4,9 +4,9 @@ Parameter counts are exact: every layer of :func:`vitp.models.layer_specs` is bu
 ``meta`` device (shapes, no memory) and its parameters are counted by name. Which parameters a
 TP rank holds a ``1/tp`` slice of is one rule (:data:`TP_SHARDED`, :func:`is_tp_sharded`)
 mirroring :mod:`vitp.parallel.timm_tp`: column-parallel ``qkv`` / ``fc1`` (weight and bias),
-row-parallel ``proj`` / ``fc2`` weights; row-parallel biases, norms, adaLN and embeddings are
-replicated. ``adaln_sharded=True`` models a future plan that also shards the blocks' adaLN
-modulation over TP.
+row-parallel ``proj`` / ``fc2`` weights, and (``adaln_sharded``, the default, as
+:mod:`vitp.models.parallelize` does) the adaLN modulation of every block and of the final layer;
+row-parallel biases, norms and embeddings are replicated.
 """
 from __future__ import annotations
 
@@ -105,12 +105,14 @@ def layer_params(model: Any) -> List[Dict[str, int]]:
     return [dict(layer) for layer in _layer_params(_frozen(model))]
 
 
-def layer_params_per_rank(model: Any, tp: int, adaln_sharded: bool = False) -> List[int]:
-    """Parameters a TP rank holds per layer (sharded block tensors divided by ``tp``)."""
-    out = []
+def layer_params_per_rank(model: Any, tp: int, adaln_sharded: bool = True) -> List[int]:
+    """Parameters a TP rank holds per layer (sharded block tensors, and the blocks' and final
+    layer's adaLN modulation when ``adaln_sharded``, divided by ``tp``)."""
+    out, depth = [], to_dict(model)["depth"]
     for i, layer in enumerate(layer_params(model)):
-        is_block = 0 < i <= to_dict(model)["depth"]
-        out.append(sum(n // tp if is_block and is_tp_sharded(k, adaln_sharded) else n for k, n in layer.items()))
+        is_block, is_final = 0 < i <= depth, i == depth + 1
+        out.append(sum(n // tp if (is_block and is_tp_sharded(k, adaln_sharded))
+                       or (is_final and adaln_sharded and k.startswith(ADALN)) else n for k, n in layer.items()))
     return out
 
 

@@ -27,7 +27,7 @@ from .memory import ACT_BYTES, stage_memory
 from .shapes import ModelShape, layer_params_per_rank, stage_layer_ranges
 
 
-def stage_forward_flops(model: Any, lay: LayoutSpec, first: int, end: int, adaln_sharded: bool = False) -> float:
+def stage_forward_flops(model: Any, lay: LayoutSpec, first: int, end: int, adaln_sharded: bool = True) -> float:
     """Forward FLOPs one TP rank computes per sample for the layers ``[first, end)``."""
     shape = ModelShape.from_config(model)
     total = 0.0
@@ -64,7 +64,7 @@ def _bw(prof: DeviceProfile, group_span: int) -> float:
     return prof.intra_bw if group_span <= prof.devices_per_node else prof.inter_bw
 
 
-def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: bool = False) -> List[StageTime]:
+def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: bool = True) -> List[StageTime]:
     """:class:`StageTime` of every pipeline stage (ranks ordered pipe, data, model: TP groups are
     consecutive ranks, DP groups stride tp, stages stride tp x dp)."""
     shape = ModelShape.from_config(model)
@@ -87,7 +87,7 @@ def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded:
     return out
 
 
-def step_time(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: bool = False) -> Dict[str, float]:
+def step_time(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: bool = True) -> Dict[str, float]:
     """Predicted seconds per optimizer step and its parts: ``{"step_s", "pipeline_s", "dp_s",
     "optimizer_s", "compute_s", "tp_s", "pp_s", "bubble"}`` (per-step totals of the slowest
     stage; ``bubble`` = idle fraction of the pipeline)."""
