@@ -60,13 +60,13 @@ BUCKETED = ["experiment=smoke", "trainer.max_steps=6", f"trainer.init_from={PERT
 
 @pytest.fixture(scope="module")
 def bucket_runs(tmp_path_factory):
-    """``{name: (run_dir, rank 0 result)}``: one process (and stop at 3 + resume), tp=2 + SP, and
-    tp=2 x pp=2 with activation checkpointing, all on the same bucket sequence."""
+    """``{name: (run_dir, rank 0 result)}``: one process (and stop at 3 + resume), tp=2 + SP, dp=2
+    and tp=2 x pp=2 with activation checkpointing, all on the same bucket sequence."""
     from tests.helpers import reference_rank
 
     base = tmp_path_factory.mktemp("buckets")
     cases = {1: {"single": BUCKETED, "resume": [*BUCKETED, "trainer.exit_at_step=3"]},
-             2: {"tp2sp": [*BUCKETED, "parallel.tp=2", "parallel.sequence_parallel=true"]},
+             2: {"tp2sp": [*BUCKETED, "parallel.tp=2", "parallel.sequence_parallel=true"], "dp2": BUCKETED},
              4: {"tp2pp2": [*BUCKETED, "parallel.tp=2", "parallel.pp=2", "parallel.activation_checkpoint_interval=1"]}}
     out = {}
     for world, c in cases.items():
@@ -92,7 +92,7 @@ def test_bucket_sequence_visits_every_bucket_and_depends_on_the_step_only():
     assert counts == pytest.approx([0.25, 0.5, 0.25], abs=0.03)  # drawn by weight
 
 
-@pytest.mark.parametrize("name", ["tp2sp", "tp2pp2"])
+@pytest.mark.parametrize("name", ["tp2sp", "dp2", "tp2pp2"])
 def test_buckets_in_every_layout_match_one_process(bucket_runs, name):
     ref_dir, ref = bucket_runs["single"]
     run_dir, res = bucket_runs[name]
