@@ -147,7 +147,9 @@ def test_comm_and_step_time(models):
     assert step_comm(m, LayoutSpec(1, 1, 1, False, 0, 2, 4))[0].tp_bytes == 0
     c = step_comm(m, LayoutSpec(2, 2, 2, False, 0, 2, 4))
     T = 2 * 64 * 64 * 4  # one (b, N, D) fp32 activation
-    assert c[0].tp_bytes == pytest.approx(4 * 2 * 4 * T * 2 * 0.5)  # 4 micro x 2 blocks x 4 all-reduces, ring
+    mod, cond = 2 * 6 * 64 * 4, 2 * 64 * 4  # a block's (b, 6D) modulation; c's (b, D) gradient
+    # 4 micro x (2 blocks x (4 all-reduces + 1 modulation all-gather) + 2 all-reduces of c's gradient), ring
+    assert c[0].tp_bytes == pytest.approx(4 * (2 * (4 * T * 2 * 0.5 + mod * 0.5) + 2 * cond * 2 * 0.5))
     assert c[0].pp_bytes == c[1].pp_bytes == 4 * 2 * (64 + 1) * 64 * 4  # (tokens, c) one way per micro-batch
     t1 = step_time(m, LayoutSpec(1, 2, 1, False, 0, 2, 1), CPU)
     t8 = step_time(m, LayoutSpec(1, 2, 1, False, 0, 2, 8), CPU)

@@ -5,11 +5,15 @@ Tensor parallelism (Shoeybi et al. 2019, §3; Korthikanti et al. 2022, §4.2.2),
 micro-batch, with ``T`` the bytes of one ``(b, N, D)`` activation: two all-reduces of ``T`` forward
 (after ``proj`` and ``fc2``) and two backward (the inputs of ``qkv`` and ``fc1``); sequence
 parallelism turns each into an all-gather plus a reduce-scatter of the same logical tensor
-(``N`` padded to a multiple of tp), adds one all-reduce of the adaLN output's gradient
-(``b x 6D``) per block, the token scatter/gather around the stage's embedding/final layer,
-and the gradient all-reduce of replicated parameters that see only local tokens (row-parallel
-biases, LayerScale; q/k-norm weights also without SP). Activation checkpointing runs the
-forward collectives of every checkpointed block again. :func:`tp_collectives` lists them as
+(``N`` padded to a multiple of tp), re-gathers the inputs of ``qkv`` and ``fc1`` in backward
+(Megatron: two more all-gathers of ``T``), and the token scatter/gather around the stage's
+embedding/final layer. The adaLN modulation is column-parallel: its ``(b, 6D)`` output (final
+layer ``(b, 2D)``) is all-gathered in forward and, under SP, its gradient reduce-scattered;
+``c``'s partial gradient is all-reduced once per micro-batch where it leaves the embedding (twice
+on the first stage of a pipeline, which also receives ``c``'s gradient from the next stage).
+Replicated parameters that see only local tokens (row-parallel biases, LayerScale under SP;
+q/k-norm weights always) have their gradients summed in one flat all-reduce per step. Activation
+checkpointing runs the forward collectives of every checkpointed layer again. :func:`tp_collectives` lists them as
 :class:`vitp.parallel.CommRecorder` records them (logical tensor bytes, direction, tag).
 
 Wire bytes per rank use ring algorithms (Patarasuk & Yuan 2009): all-reduce ``2 (p-1)/p n``,
@@ -39,6 +43,7 @@ class Collective:
     tag: str  # tp | cond | sp_boundary | param_grad
     nbytes: float
     count: int = 1
+    per_step: bool = False  # once per optimizer step, not per micro-batch
 
     def wire_bytes(self, group: int) -> float:
         """Bytes one rank sends for these collectives with ring algorithms in a group of ``group``."""
@@ -46,35 +51,43 @@ class Collective:
         return self.count * factor * self.nbytes * (group - 1) / group
 
 
-def _block_collectives(shape: ModelShape, lay: LayoutSpec) -> Tuple[List[Collective], List[Collective]]:
-    """``(forward, backward)`` collectives of one block for one micro-batch."""
+def _block_collectives(shape: ModelShape, lay: LayoutSpec) -> Tuple[List[Collective], List[Collective], int]:
+    """``(forward, backward)`` collectives of one block for one micro-batch, and the elements of
+    its replicated parameters whose gradient the TP group sums (once per step)."""
     a, D, hd = ACT_BYTES[lay.precision], shape.width, shape.width // shape.heads
     T = lay.micro * gathered_tokens(shape.tokens, lay.tp, lay.sp) * D * a
-    # replicated parameters whose gradient the TP group sums (in the weights' dtype), one all-reduce each
-    partial = [hd] * 4 if shape.qk_norm else []  # q_norm / k_norm weight and bias: each rank has its heads
+    mod = Collective("all_gather", "fwd", "cond", lay.micro * 6 * D * a)
+    partial = 4 * hd if shape.qk_norm else 0  # q_norm / k_norm weight and bias: each rank has its heads
     if lay.sp:
-        partial += [D, D] + ([D, D] if shape.layer_scale else [])  # proj.bias, fc2.bias (+ LayerScale gammas)
-        fwd = [Collective("all_gather", "fwd", "tp", T, 2), Collective("reduce_scatter", "fwd", "tp", T, 2)]
-        bwd = [Collective("all_gather", "bwd", "tp", T, 2), Collective("reduce_scatter", "bwd", "tp", T, 2),
-               Collective("all_reduce", "bwd", "cond", lay.micro * 6 * D * a)]
+        partial += 2 * D + (2 * D if shape.layer_scale else 0)  # proj.bias, fc2.bias (+ LayerScale gammas)
+        fwd = [Collective("all_gather", "fwd", "tp", T, 2), Collective("reduce_scatter", "fwd", "tp", T, 2), mod]
+        bwd = [Collective("all_gather", "bwd", "tp", T, 4), Collective("reduce_scatter", "bwd", "tp", T, 2),
+               Collective("reduce_scatter", "bwd", "cond", lay.micro * 6 * D * a)]
     else:
-        fwd = [Collective("all_reduce", "fwd", "tp", T, 2)]
+        fwd = [Collective("all_reduce", "fwd", "tp", T, 2), mod]
         bwd = [Collective("all_reduce", "bwd", "tp", T, 2)]
-    bwd += [Collective("all_reduce", "bwd", "param_grad", n * a) for n in partial]
-    return fwd, bwd
+    return fwd, bwd, partial
 
 
 def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
-    """Tensor-parallel collectives of one micro-batch on a rank of pipeline stage ``stage``
-    (empty when ``tp == 1``)."""
+    """Tensor-parallel collectives of one micro-batch on a rank of pipeline stage ``stage``, plus
+    those marked ``per_step`` that run once per optimizer step (empty when ``tp == 1``)."""
     if lay.tp == 1:
         return []
     shape = ModelShape.from_config(model)
     first, end = stage_layer_ranges(shape.depth, lay.pp)[stage]
     blocks = sum(1 for i in range(first, end) if 0 < i <= shape.depth)
-    fwd, bwd = _block_collectives(shape, lay)
-    out = [Collective(c.kind, c.direction, c.tag, c.nbytes, c.count * blocks * (2 if lay.ac else 1)) for c in fwd]
+    fwd, bwd, partial = _block_collectives(shape, lay)
+    redo = 2 if lay.ac else 1
+    a, D = ACT_BYTES[lay.precision], shape.width
+    out = [Collective(c.kind, c.direction, c.tag, c.nbytes, c.count * blocks * redo) for c in fwd]
     out += [Collective(c.kind, c.direction, c.tag, c.nbytes, c.count * blocks) for c in bwd]
+    if end == shape.depth + 2:  # the final layer's modulation
+        out.append(Collective("all_gather", "fwd", "cond", lay.micro * 2 * D * a, redo))
+    if first == 0:  # c's gradient where it leaves the embedding (+ the one received from stage 1)
+        out.append(Collective("all_reduce", "bwd", "cond", lay.micro * D * a, 2 if lay.pp > 1 else 1))
+    if partial and blocks:
+        out.append(Collective("all_reduce", "bwd", "param_grad", blocks * partial * a, per_step=True))
     if lay.sp:
         T = lay.micro * gathered_tokens(shape.tokens, lay.tp, True) * shape.width * ACT_BYTES[lay.precision]
         if first == 0:  # scatter after the embedding: its gradient is all-gathered
@@ -115,7 +128,8 @@ def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = True) -> List[S
         sends = (s < lay.pp - 1) + (s > 0)  # forward to the next stage, gradients to the previous one
         params = sum(per_layer[first:end])
         dp = 2 * (lay.dp - 1) / lay.dp * params * ACT_BYTES[lay.precision]
-        out.append(StageComm(stage=s, tp_bytes=lay.accum * sum(c.wire_bytes(lay.tp) for c in colls),
-                             tp_count=lay.accum * sum(c.count for c in colls), pp_bytes=lay.accum * sends * send,
+        per = [1 if c.per_step else lay.accum for c in colls]  # per-micro-batch collectives x accumulation
+        out.append(StageComm(stage=s, tp_bytes=sum(k * c.wire_bytes(lay.tp) for k, c in zip(per, colls)),
+                             tp_count=sum(k * c.count for k, c in zip(per, colls)), pp_bytes=lay.accum * sends * send,
                              pp_sends=lay.accum * sends * 2, dp_bytes=dp))  # tokens and c: two tensor sends
     return out
