@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import PERTURBED, _free_port, assert_rows_close, metrics, run_ranks, train_rank
+from tests.helpers import TELEMETRY_PREFIXES, PERTURBED, _free_port, assert_rows_close, metrics, run_ranks, train_rank
 
 pytest.importorskip("sagemaker_training")
 pytest.importorskip("sagemaker_pytorch_container")
@@ -129,7 +129,8 @@ def run_job(base: Path, job_name: str, timeout: float = 300) -> int:
 def rows(run: Path) -> list:
     f = run / "metrics.jsonl"
     lines = f.read_text().splitlines() if f.is_file() else []
-    return [{k: v for k, v in json.loads(x).items() if k not in TIME_KEYS} for x in lines]
+    return [{k: v for k, v in json.loads(x).items() if k not in TIME_KEYS and not k.startswith(TELEMETRY_PREFIXES)}
+            for x in lines]
 
 
 def _with_steps(hps: dict, steps: int, **extra) -> dict:

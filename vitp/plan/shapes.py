@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 from vitp.config import mlp_hidden_units
+from vitp.models import token_grid
 from vitp.utils import to_dict
 
 # name fragments (of a block's parameters) that TP shards; everything else is replicated
@@ -59,8 +60,7 @@ class ModelShape:
     def from_config(cls, model: Any) -> "ModelShape":
         """Shape of a ``model`` config section (DictConfig, dataclass or mapping)."""
         m = to_dict(model)
-        grid = (m["num_frames"] // m["tubelet_size"], m["image_size"] // m["patch_size"],
-                m["image_size"] // m["patch_size"])
+        grid = token_grid(m["image_size"], m["num_frames"], m["patch_size"], m["tubelet_size"])  # any (H, W)
         return cls(grid=grid, width=m["width"], depth=m["depth"], heads=m["num_heads"],
                    hidden=mlp_hidden_units(m["width"], m["mlp_ratio"], str(m["mlp"])), mlp=str(m["mlp"]),
                    qk_norm=bool(m["qk_norm"]), attention=str(m["attention"]),

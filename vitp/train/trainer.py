@@ -77,6 +77,7 @@ class Trainer:
         self.layout = validate_config(cfg, dist.world_size(), self.device.type)
         dist.init_distributed(self.device)
         self.main = dist.is_main()  # rank 0 writes everything
+        self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0  # train_step works outside fit too
         self.lock = lock_run_dir(self.run_dir)  # before reading the folder: one owner at a time
         try:
             self._build(overrides)
