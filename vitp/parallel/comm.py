@@ -143,23 +143,42 @@ def all_reduce(x: torch.Tensor, group, *, direction: str = "none", tag: str = "t
     return x
 
 
-def all_gather(x: torch.Tensor, dim: int, group, *, direction: str = "none", tag: str = "tp") -> torch.Tensor:
+class Pending:
+    """A collective issued with ``async_op=True``: :meth:`wait` blocks until it is done and
+    returns its result. Work placed between the call and :meth:`wait` overlaps the transfer
+    (Megatron-LM ``LinearWithGradAccumulationAndAsyncCommunication``); on NCCL ``wait`` makes
+    the current stream wait for the communication stream."""
+
+    def __init__(self, work, finish) -> None:
+        self._work, self._finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._finish()
+
+
+def all_gather(x: torch.Tensor, dim: int, group, *, direction: str = "none", tag: str = "tp",
+               async_op: bool = False):
     """Concatenate every rank's ``x`` along ``dim`` in rank order.
 
     ``x`` of shape ``(..., n, ...)`` -> ``(..., world * n, ...)``; all ranks must pass equal shapes.
+    With ``async_op=True`` returns a :class:`Pending` whose ``wait()`` gives that tensor.
     """
     world = dist.get_world_size(group)
     xs = x.movedim(dim, 0).contiguous()
     out = xs.new_empty((world * xs.shape[0],) + tuple(xs.shape[1:]))
     _record("all_gather", group, out.numel(), out.movedim(0, dim).shape, x.dtype, direction, tag)
-    _all_gather_single(out, xs, group=group)
-    return out.movedim(0, dim).contiguous()
+    work = _all_gather_single(out, xs, group=group, async_op=async_op)
+    finish = lambda: out.movedim(0, dim).contiguous()  # noqa: E731
+    return Pending(work, finish) if async_op else finish()
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, group, *, direction: str = "none", tag: str = "tp") -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, group, *, direction: str = "none", tag: str = "tp",
+                   async_op: bool = False):
     """Sum ``x`` over ``group`` and keep this rank's ``1/world`` slice along ``dim``.
 
-    ``x`` of shape ``(..., world * n, ...)`` -> ``(..., n, ...)``.
+    ``x`` of shape ``(..., world * n, ...)`` -> ``(..., n, ...)``. With ``async_op=True``
+    returns a :class:`Pending` whose ``wait()`` gives that tensor.
 
     Raises
     ------
@@ -172,5 +191,6 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, *, direction: str = "none",
     xs = x.movedim(dim, 0).contiguous()
     out = xs.new_empty((xs.shape[0] // world,) + tuple(xs.shape[1:]))
     _record("reduce_scatter", group, xs.numel(), x.shape, x.dtype, direction, tag)
-    _reduce_scatter_single(out, xs, group=group)
-    return out.movedim(0, dim).contiguous()
+    work = _reduce_scatter_single(out, xs, group=group, async_op=async_op)
+    finish = lambda: out.movedim(0, dim).contiguous()  # noqa: E731
+    return Pending(work, finish) if async_op else finish()

@@ -111,9 +111,11 @@ def register_grad_allreduce(param: nn.Parameter, state: ParallelState, attr: str
 class _GatherLinears(torch.autograd.Function):
     """All-gather the token shards, then ``k`` linears on the gathered tokens; the backward pass
     all-gathers the shard again for the weight gradients instead of saving the gathered input,
-    and reduce-scatters the summed input gradient (Megatron-LM
-    ``LinearWithGradAccumulationAndAsyncCommunication`` with ``sequence_parallel``; Korthikanti
-    et al. 2022 §4.2.2: activation memory of the column-parallel inputs drops by tp)."""
+    and reduce-scatters the summed input gradient; both collectives run asynchronously, the
+    re-gather under the input-gradient matmuls, the reduce-scatter under the weight-gradient
+    ones (Megatron-LM ``LinearWithGradAccumulationAndAsyncCommunication`` with
+    ``sequence_parallel``; Korthikanti et al. 2022 §4.2.2: activation memory of the
+    column-parallel inputs drops by tp)."""
 
     @staticmethod
     def forward(ctx, x, group, tag, *params):
@@ -127,19 +129,22 @@ class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        total = comm.all_gather(x, SEQ_DIM, ctx.group, direction="bwd", tag=ctx.tag)  # re-gather
-        flat = total.reshape(-1, total.shape[-1])
-        grad_in, out = None, []
-        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+        pending = comm.all_gather(x, SEQ_DIM, ctx.group, direction="bwd", tag=ctx.tag, async_op=True)  # re-gather
+        grad_in = None  # overlaps the re-gather: needs only the weights
+        for g, w in zip(grads, weights):
+            if g is not None:
+                gi = g.matmul(w)
+                grad_in = gi if grad_in is None else grad_in + gi
+        reduced = comm.reduce_scatter(grad_in, SEQ_DIM, ctx.group, direction="bwd", tag=ctx.tag, async_op=True)
+        total = pending.wait()
+        flat, out = total.reshape(-1, total.shape[-1]), []
+        for g, has_bias in zip(grads, ctx.has_bias):  # weight gradients overlap the reduce-scatter
             if g is None:
                 out += [None, None]
                 continue
-            gi = g.matmul(w)
-            grad_in = gi if grad_in is None else grad_in + gi
             g2 = g.reshape(-1, g.shape[-1])
             out += [g2.t().mm(flat), g2.sum(0) if has_bias else None]
-        grad_x = comm.reduce_scatter(grad_in, SEQ_DIM, ctx.group, direction="bwd", tag=ctx.tag)
-        return (grad_x, None, None, *out)
+        return (reduced.wait(), None, None, *out)
 
 
 def gather_linears(x: torch.Tensor, linears, group, tag: str = "tp") -> tuple:
