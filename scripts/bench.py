@@ -475,7 +475,8 @@ def activations_worker(size: str) -> dict:
         if state is not None:
             parallelize_generator(blk, state, seq_len=N)
         xin = sequence_parallel_enter(x, state) if state is not None else x
-        out[name] = saved_bytes(lambda: blk(xin, c), list(blk.parameters()) + [x, c])
+        # the block input counts in every variant (Korthikanti et al. count the first layer norm's input)
+        out[name] = saved_bytes(lambda: blk(xin, c), list(blk.parameters()) + [c])
     t, sbh = 2, N * B * D
     theory = {"tp2": (10 + 24 / t) / 34, "tp2_sp": (34 / t) / 34,
               "tp2_with_scores": (10 + 24 / t + 5 * a * N / (D * t)) / (34 + 5 * a * N / D),
