@@ -7,10 +7,11 @@ per block and micro-batch, tensor parallelism does 2 all-reduces of ``B*N*D`` el
 and 2 in backward; sequence parallelism replaces each by an all-gather plus a reduce-scatter of
 the same logical tensor).
 
-Collectives operate on one dimension of the tensor (``dim``); internally the tensor is moved so
+Collectives operate on one dimension of the tensor (``dim``). On NCCL the tensor is moved so
 that ``dim`` is the leading one and the single-tensor primitives (``all_gather_single`` /
 ``reduce_scatter_single``, or their older names ``all_gather_into_tensor`` /
-``reduce_scatter_tensor``) are used; gloo supports both in torch 2.14.
+``reduce_scatter_tensor``) are used; on gloo the list primitives read and write strided views
+of ``dim`` directly (fewer copies; reduce-scatter sums in another order above 2 ranks).
 """
 from __future__ import annotations
 
@@ -143,6 +144,12 @@ def all_reduce(x: torch.Tensor, group, *, direction: str = "none", tag: str = "t
     return x
 
 
+def _strided_ok(x: torch.Tensor, dim: int, group) -> bool:
+    """Use the list collectives on strided views of a non-leading ``dim``: measured faster on
+    gloo (no transposed copy of input and output); NCCL keeps the single-tensor primitives."""
+    return dim % x.dim() != 0 and dist.get_backend(group) == "gloo"
+
+
 class Pending:
     """A collective issued with ``async_op=True``: :meth:`wait` blocks until it is done and
     returns its result. Work placed between the call and :meth:`wait` overlaps the transfer
@@ -165,6 +172,13 @@ def all_gather(x: torch.Tensor, dim: int, group, *, direction: str = "none", tag
     With ``async_op=True`` returns a :class:`Pending` whose ``wait()`` gives that tensor.
     """
     world = dist.get_world_size(group)
+    if _strided_ok(x, dim, group):  # gloo writes each rank's block into a view: no transposed copies
+        shape = list(x.shape)
+        shape[dim] *= world
+        out = x.new_empty(shape)
+        _record("all_gather", group, out.numel(), out.shape, x.dtype, direction, tag)
+        work = dist.all_gather(list(out.chunk(world, dim)), x.contiguous(), group=group, async_op=async_op)
+        return Pending(work, lambda: out) if async_op else out
     xs = x.movedim(dim, 0).contiguous()
     out = xs.new_empty((world * xs.shape[0],) + tuple(xs.shape[1:]))
     _record("all_gather", group, out.numel(), out.movedim(0, dim).shape, x.dtype, direction, tag)
@@ -188,6 +202,13 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, *, direction: str = "none",
     world = dist.get_world_size(group)
     if x.shape[dim] % world:
         raise ValueError(f"reduce_scatter: size {x.shape[dim]} of dim {dim} is not divisible by group size {world}")
+    if _strided_ok(x, dim, group):
+        shape = list(x.shape)
+        shape[dim] //= world
+        out = x.new_empty(shape)
+        _record("reduce_scatter", group, x.numel(), x.shape, x.dtype, direction, tag)
+        work = dist.reduce_scatter(out, list(x.chunk(world, dim)), group=group, async_op=async_op)
+        return Pending(work, lambda: out) if async_op else out
     xs = x.movedim(dim, 0).contiguous()
     out = xs.new_empty((xs.shape[0] // world,) + tuple(xs.shape[1:]))
     _record("reduce_scatter", group, xs.numel(), x.shape, x.dtype, direction, tag)
