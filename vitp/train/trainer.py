@@ -279,6 +279,7 @@ class Trainer:
             self._enter_bucket(self.schedule.bucket(step - 1))
             batch = self.buckets[self._bucket].batch_size
         loss = self.engine.train_batch(data_iter=self.data_iter).item()
+        self.telemetry.count_step(self._bucket if self.buckets is not None else None)  # this step's shape
         self._samples_log += batch
         self.ema.update(self.engine.module)
         norm = self.engine.get_global_grad_norm()
