@@ -316,7 +316,8 @@ class Trainer:
         values.update(binned_loss(*self.loss_fn.pop_records()))
         values.update(self.telemetry.metrics(n, elapsed))
         self.logger.scalars(step, values)
-        self.bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
+        if self.bar is not None:  # train_step called outside fit (benchmarks, scripts/gpu_check.py)
+            self.bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0
 
     def _after_step(self, step: int) -> None:
