@@ -131,6 +131,9 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard tokens over the tp group outside attention/MLP
     zero_stage: int = 1  # DeepSpeed ZeRO stage (0 or 1; >= 2 is incompatible with pipelines)
     activation_checkpoint_interval: int = 0  # layers per activation checkpoint (0 = off)
+    auto: bool = False  # planner picks tp, pp, SP, AC and micro-batch at launch (command-line ones stay fixed)
+    auto_device: Optional[str] = None  # parallel.auto: profile h100|h200|a100|cpu (null = detect from the device)
+    auto_memory_gib: Optional[float] = None  # parallel.auto: GiB per device (null = the GPU's, or RAM on CPU)
 
 
 @dataclass
@@ -378,6 +381,8 @@ def _check_run(cfg: "DictConfig") -> None:
           f"trainer.exit_after_minutes={tr.exit_after_minutes}; use a positive number of minutes or null")
     _fail(cfg.eval.num_samples >= 0, f"eval.num_samples={cfg.eval.num_samples}; use >= 0 (0 = held-out size)")
     _fail(math.isfinite(s.cfg_scale), f"sampler.cfg_scale={s.cfg_scale}; use a finite number (1 = no guidance)")
+    mem = cfg.parallel.auto_memory_gib
+    _fail(mem is None or mem > 0, f"parallel.auto_memory_gib={mem}; use a positive number of GiB or null")
 
 
 def _check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution") -> None:

@@ -206,3 +206,36 @@ def test_telemetry_metrics_and_timed_iterator(models, monkeypatch):
     assert out["perf/tokens_per_s"] == 2 * 8 * 64 / 0.5 and out["comm/tp_bytes"] == 1000 / 2
     assert out["perf/peak_mem_gib"] > 0 and out["comm/pp_bytes"] == 0 and out["comm/dp_bytes"] == 0
     assert t.metrics(steps=1, elapsed_s=1.0)["comm/tp_bytes"] == 0  # counters reset at each log
+
+
+def test_telemetry_counts_each_steps_bucket(monkeypatch):
+    """With data.buckets, perf/* count each step's own grid and batch (not data.resolution's)."""
+    import vitp.train.telemetry as tel
+    from vitp.config import Layout
+
+    monkeypatch.setattr(tel, "_profile", lambda device, precision: (1e12, "test"))
+    buckets = ("data.buckets=[{resolution: 16x16, batch_size: 8}, {resolution: 8x16, batch_size: 8}, "
+               "{resolution: 8x8, batch_size: 16}]")
+    cfg = compose_cfg(plan_case("S", 1, 2, 1, extra=[buckets]))  # pp=2: pipeline bytes follow the shape
+    t = tel.Telemetry(cfg, Layout(1, 2, 1, "fp32"), torch.device("cpu"))
+    # patch 2: 8 x 8 = 64, 4 x 8 = 32 and 4 x 4 = 16 tokens per sample
+    assert [t.counts[i].tokens for i in (None, 0, 1, 2)] == [8 * 64, 8 * 64, 8 * 32, 16 * 16]
+    same = compose_cfg(plan_case("S", 1, 2, 1, extra=["data.resolution=8x16"]))  # bucket 1 as a whole run
+    assert t.counts[1].flops == model_flops_per_step(same.model, 8) < t.counts[0].flops
+    assert t.counts[2].flops == model_flops_per_step(compose_cfg(plan_case("S", 1, 2, 1, extra=[
+        "data.resolution=8"])).model, 16)
+    D = 64  # (tokens + c) x D fp32 per sample, sent once forward and its gradient once back, per step
+    assert [t.counts[i].pp_bytes for i in (0, 1, 2)] == [8 * 65 * D * 4, 8 * 33 * D * 4, 16 * 17 * D * 4]
+    for b in (0, 1, 1):
+        t.count_step(b)
+    out = t.metrics(steps=3, elapsed_s=2.0)
+    assert out["perf/tokens_per_s"] == (512 + 256 + 256) / 2.0
+    flops = t.counts[0].flops + 2 * t.counts[1].flops
+    assert out["perf/tflops"] == pytest.approx(flops / 2.0 / 2 / 1e12, rel=1e-12)  # world 2
+    assert out["perf/mfu"] == pytest.approx(out["perf/tflops"], rel=1e-12)  # against 1 TFLOP/s
+    assert out["comm/pp_bytes"] == pytest.approx((8 * 65 + 2 * 8 * 33) * D * 4 / 3, rel=1e-12)
+    t.count_step(2)  # counters reset at each log; a step not counted is taken at data.resolution
+    out = t.metrics(steps=2, elapsed_s=1.0)
+    assert out["perf/tokens_per_s"] == 16 * 16 + 8 * 64
+    with pytest.raises(KeyError):
+        t.count_step(3)

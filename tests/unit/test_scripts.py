@@ -126,3 +126,39 @@ def test_plan_step_order(tmp_path):
     for row in out["rows"]:  # on one process: 1 x 1 x 1 without and with activation checkpointing
         assert row["measured_s"] > 0 and row["predicted_s"] > 0 and len(row["rounds_s"]) == 1
     assert sorted(r["rank_measured"] for r in out["rows"]) == [1, 2] and out["spearman"] in (-1.0, 1.0)
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke(tmp_path):
+    """``scripts/gpu_check.sh --cpu-smoke``: every check of the GPU script (bf16 training through the
+    real trainer, the SDPA kernel, MFU and memory against the planner) on a tiny model, CPU and gloo."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "NO_ALBUMENTATIONS_UPDATE": "1",
+           "TMPDIR": str(tmp_path), "PYTHON": sys.executable, "OUT": str(out), "VITP_CACHE_DIR": str(tmp_path / "c")}
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu-smoke"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    table = p.stdout[p.stdout.index("check "):].splitlines()
+    assert [row.split()[:2] for row in table[1:4]] == [["bf16_nccl", "ok"], ["sdpa", "ok"], ["mfu_tiny_8px", "ok"]]
+    res = json.loads((out / "gpu_check.json").read_text())
+    assert res["cpu_smoke"] is True and set(res["checks"]) == {"bf16_nccl", "sdpa", "mfu_tiny_8px"}
+    train = res["checks"]["bf16_nccl"]["result"]
+    assert (train["backend"], train["param_dtype"], train["precision"]) == ("gloo", "torch.bfloat16", "bf16")
+    assert train["engine_zero_stage"] == 1 and len(train["losses"]) == 3 and all(0 < x < 10 for x in train["losses"])
+    sdpa = res["checks"]["sdpa"]["result"]
+    assert sdpa["forced"]["flash"] == "ok" and sdpa["forced"]["math"] == "ok"
+    assert sdpa["model_kernel"] == "flash (cpu)" and "aten::_scaled_dot_product_flash_attention_for_cpu" in sdpa[
+        "sdpa_ops"]
+    mfu = res["checks"]["mfu_tiny_8px"]["result"]
+    # tiny model: depth 2, D 32, GELU hidden 64; 8x8 RGB at patch 2: N = 16 tokens of 12 values; batch 4
+    D, N, hidden, patch = 32, 16, 64, 12
+    fwd = 2 * (2 * (4 * D * D + 2 * D * hidden) * N + 4 * N * N * D + 2 * D * 6 * D) + 2 * 2 * N * D * patch \
+        + 2 * (256 * D + D * D) + 2 * D * 2 * D
+    assert mfu["tokens_per_step"] == 4 * N and mfu["tflops_per_step"] == pytest.approx(3 * 4 * fwd / 1e12, rel=1e-9)
+    perf, steps = mfu["perf"], mfu["step_s"]
+    assert len(steps) == 2 and perf["perf/tokens_per_s"] == pytest.approx(2 * 4 * N / sum(steps), rel=1e-6)
+    peak = mfu["device_profile"]["peak_flops"]["bf16"]
+    assert 0 < mfu["mfu"] == pytest.approx(perf["perf/tflops"] * 1e12 / peak, rel=1e-9)
+    assert mfu["predicted"]["peak_gib"] > 0 and mfu["peak_mem_gib"] == perf["perf/peak_mem_gib"] > 0
+    assert mfu["memory_measured_over_predicted"] == pytest.approx(mfu["peak_mem_gib"] / mfu["predicted"]["peak_gib"])
+    assert (out / "mfu_tiny_8px.log").is_file() and not list(out.glob("*_run"))  # run dirs stay out of OUT

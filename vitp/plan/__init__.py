@@ -9,9 +9,11 @@ the training telemetry reports as TFLOP/s and MFU.
 - :mod:`.comm`: TP collectives (as :class:`vitp.parallel.CommRecorder` records them), pipeline sends, DP reduction
 - :mod:`.devices`: device profiles (H100/H200/A100 datasheet presets, a measured CPU profile)
 - :mod:`.steptime`: step time from a profile; :mod:`.planner`: ranking and the table
+- :mod:`.auto`: the layout ``parallel=auto`` trains with (the first fitting row, fixed keys held)
 
 Pure functions of the config: nothing here starts a process group or imports the trainer.
 """
+from .auto import AUTO_KEYS, AutoChoice, choose_layout, fixed_keys
 from .comm import Collective, StageComm, pp_send_bytes, step_comm, tp_collectives
 from .devices import PRESETS, DeviceProfile, cpu_profile, cuda_preset, get_profile, measure_cpu_profile
 from .flops import forward_flops_per_sample, model_flops_per_step
@@ -22,6 +24,7 @@ from .shapes import ModelShape, layer_params, layer_params_per_rank, stage_layer
 from .steptime import step_time
 
 __all__ = [
+    "AUTO_KEYS", "AutoChoice", "choose_layout", "fixed_keys",
     "Collective", "DeviceProfile", "LayoutSpec", "MemoryOptions", "ModelShape", "PRESETS", "Prediction",
     "STATE_BYTES", "StageComm", "StageMemory", "StateBytes", "block_saved", "candidate_layouts", "cpu_profile",
     "cuda_preset", "format_table", "forward_flops_per_sample", "get_profile", "layer_params",

@@ -2,9 +2,11 @@
 
 Per logged step, over the steps since the previous log:
 
-- ``perf/tokens_per_s``: global batch x tokens per sample x steps / wall time;
-- ``perf/tflops``: achieved model TFLOP/s per device (:func:`vitp.plan.model_flops_per_step`,
-  recomputation not counted) = model FLOPs / time / world size;
+- ``perf/tokens_per_s``: the tokens of those steps / wall time, each step counted at its own
+  shape and global batch (``data.resolution`` and ``trainer.global_batch_size``, or with
+  ``data.buckets`` the bucket the step drew: its grid, frames and ``batch_size``);
+- ``perf/tflops``: achieved model TFLOP/s per device (:func:`vitp.plan.model_flops_per_step` of
+  each step's shape and batch, recomputation not counted) = model FLOPs / time / world size;
 - ``perf/mfu``: ``perf/tflops`` over the device profile's peak for the run's precision (a CUDA
   device named like a preset, :data:`vitp.plan.PRESETS`; on CPU the matmul rate measured here
   with the rank's threads, :func:`vitp.plan.cpu_profile`, so CPU MFU is relative to that
@@ -16,8 +18,9 @@ Per logged step, over the steps since the previous log:
 - ``comm/tp_bytes``: ring bytes per step one rank sent in TP collectives, counted as they run
   (:class:`vitp.parallel.CommCounter`; largest over ranks);
 - ``comm/pp_bytes``, ``comm/dp_bytes``: bytes per step the busiest rank sends between pipeline
-  stages (activations and their gradients) and in ZeRO-1's gradient reduction + parameter
-  all-gather (ring volume), from the layout (:func:`vitp.plan.step_comm`).
+  stages (activations and their gradients; with buckets the mean over the logged steps' shapes
+  and micro-batch sizes) and in ZeRO-1's gradient reduction + parameter all-gather (ring volume),
+  from the layout (:func:`vitp.plan.step_comm`).
 
 Nothing here draws random numbers or adds a device synchronisation: the step already ends with
 ``loss.item()``; the one all-reduce runs on logged steps only, next to the loss-per-t reduction.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, Optional
 
 import torch
@@ -77,29 +81,66 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+@dataclass(frozen=True)
+class StepCount:
+    """What one optimizer step of one shape counts: ``tokens`` (global batch x tokens per sample),
+    model ``flops`` (:func:`vitp.plan.model_flops_per_step`) and ``pp_bytes`` (pipeline bytes of
+    the busiest rank, :func:`vitp.plan.step_comm`)."""
+
+    tokens: float
+    flops: float
+    pp_bytes: float
+
+
+def step_counts(cfg: Any, lay: Any) -> Dict[Optional[int], StepCount]:
+    """:class:`StepCount` of a step at ``data.resolution`` with ``trainer.global_batch_size`` (key
+    ``None``) and, with ``data.buckets``, of a step drawn in bucket ``i`` (key ``i``: the bucket's
+    (H, W), frames and global batch, micro-batches of ``batch_size / (accumulation x dp)``).
+    ``lay`` is the run's :class:`vitp.plan.LayoutSpec`."""
+    from vitp.config import format_resolution
+    from vitp.data.buckets import buckets_of
+    from vitp.plan import model_flops_per_step, step_comm
+    from vitp.plan.shapes import ModelShape
+    from vitp.utils import to_dict
+
+    def count(model: dict, shape_lay: Any) -> StepCount:
+        batch = shape_lay.global_batch
+        return StepCount(batch * ModelShape.from_config(model).tokens, model_flops_per_step(model, batch),
+                         max(c.pp_bytes for c in step_comm(model, shape_lay)))
+
+    model = to_dict(cfg.model)
+    out: Dict[Optional[int], StepCount] = {None: count(model, lay)}
+    for i, b in enumerate(buckets_of(cfg.data) if cfg.data.buckets else []):
+        micro = b.batch_size // (lay.accum * lay.dp)
+        shape = {"image_size": format_resolution(b.size), "num_frames": b.frames}  # "HxW": hashable for the caches
+        out[i] = count({**model, **shape}, replace(lay, micro=micro))
+    return out
+
+
 class Telemetry:
-    """Counts what :mod:`this module <vitp.train.telemetry>` reports; :meth:`metrics` on every
-    rank at each logged step (collective)."""
+    """Counts what :mod:`this module <vitp.train.telemetry>` reports; :meth:`count_step` after every
+    optimizer step, :meth:`metrics` on every rank at each logged step (collective)."""
 
     def __init__(self, cfg: Any, layout: Any, device: torch.device):
-        from vitp.plan import layout_of, model_flops_per_step, step_comm
-        from vitp.plan.shapes import ModelShape
+        from vitp.data.buckets import buckets_of
+        from vitp.plan import layout_of, step_comm
         from vitp.utils import to_dict
 
-        model = to_dict(cfg.model)
         lay = layout_of(cfg, layout.tp * layout.pp * layout.dp, device.type)
         self.device, self.world = device, lay.world
-        self.flops_per_step = model_flops_per_step(model, lay.global_batch)
-        self.tokens_per_step = lay.global_batch * ModelShape.from_config(model).tokens
-        comm = step_comm(model, lay)
-        self.pp_bytes = max(c.pp_bytes for c in comm)
-        self.dp_bytes = max(c.dp_bytes for c in comm)
+        self.counts = step_counts(cfg, lay)
+        self.flops_per_step, self.tokens_per_step = self.counts[None].flops, self.counts[None].tokens
+        self.dp_bytes = max(c.dp_bytes for c in step_comm(to_dict(cfg.model), lay))
+        self._steps, self._tokens, self._flops, self._pp = 0, 0.0, 0.0, 0.0
         self.peak_flops, source = _profile(device, lay.precision)
         self.counter = CommCounter(TP_TAGS)
         self.data: Optional[TimedIterator] = None
         if dist.is_main():
-            log.info("telemetry: %.4g model TFLOP per step, %d tokens per step; MFU against %s; peak memory = %s",
-                     self.flops_per_step / 1e12, self.tokens_per_step,
+            names = [b.name for b in buckets_of(cfg.data)] if cfg.data.buckets else []
+            per = ", ".join(f"{self.counts[k].flops / 1e12:.4g} model TFLOP and {self.counts[k].tokens:.0f} tokens "
+                            f"per step" + (f" ({names[k]})" if k is not None else "")
+                            for k in [k for k in self.counts if k is not None] or [None])
+            log.info("telemetry: %s; MFU against %s; peak memory = %s", per,
                      f"{self.peak_flops / 1e12:.4g} TFLOP/s ({source})" if self.peak_flops else f"nothing ({source})",
                      "CUDA max_memory_allocated" if device.type == "cuda" else "process max RSS")
 
@@ -115,22 +156,36 @@ class Telemetry:
     def stop(self) -> None:
         self.counter.__exit__(None, None, None)
 
+    def count_step(self, bucket: Optional[int] = None) -> None:
+        """Count one optimizer step of bucket ``bucket`` (``None``: ``data.resolution`` and
+        ``trainer.global_batch_size``). Raises ``KeyError`` for a bucket the config lacks."""
+        c = self.counts[bucket]
+        self._steps += 1
+        self._tokens += c.tokens
+        self._flops += c.flops
+        self._pp += c.pp_bytes
+
     def metrics(self, steps: int, elapsed_s: float) -> Dict[str, float]:
         """The ``perf/*`` and ``comm/*`` values of the ``steps`` steps of the last ``elapsed_s``
-        seconds; resets the counters. Collective (an all-reduce over all ranks)."""
+        seconds (those not counted by :meth:`count_step` count at ``data.resolution``); resets the
+        counters. Collective (an all-reduce over all ranks)."""
         wait = self.data.wait_s if self.data is not None else 0.0
         local = torch.tensor([peak_memory_gib(self.device), wait / elapsed_s, self.counter.wire / steps],
                              dtype=torch.float64, device=self.device)
         if dist.world_size() > 1:
             torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
         mem, wait_frac, tp = local.tolist()
-        tflops = steps * self.flops_per_step / elapsed_s / self.world / 1e12
-        out = {"perf/tokens_per_s": steps * self.tokens_per_step / elapsed_s, "perf/tflops": tflops,
+        rest, base = max(0, steps - self._steps), self.counts[None]
+        tokens, flops = self._tokens + rest * base.tokens, self._flops + rest * base.flops
+        tflops = flops / elapsed_s / self.world / 1e12
+        out = {"perf/tokens_per_s": tokens / elapsed_s, "perf/tflops": tflops,
                "perf/peak_mem_gib": mem, "perf/data_wait_frac": wait_frac, "comm/tp_bytes": tp,
-               "comm/pp_bytes": self.pp_bytes, "comm/dp_bytes": self.dp_bytes}
+               "comm/pp_bytes": (self._pp + rest * base.pp_bytes) / max(steps, self._steps, 1),
+               "comm/dp_bytes": self.dp_bytes}
         if self.peak_flops:
             out["perf/mfu"] = tflops * 1e12 / self.peak_flops
         self.counter.reset()
+        self._steps, self._tokens, self._flops, self._pp = 0, 0.0, 0.0, 0.0
         if self.data is not None:
             self.data.wait_s = 0.0
         return out

@@ -33,6 +33,7 @@ from vitp.config import validate_config  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.utils import atomic_write_text  # noqa: E402
 
+from .autolayout import apply_auto_layout  # noqa: E402
 from .checkpointer import Checkpointer  # noqa: E402
 from .ema import EMA  # noqa: E402
 from .logger import RunLogger, binned_loss, log_stages  # noqa: E402
@@ -63,6 +64,9 @@ class Trainer:
     leaves it as it was (bar the lock file); rank 0 then
     writes ``run_dir/.hydra/config.yaml`` (and ``overrides.yaml`` from ``overrides``).
 
+    With ``parallel.auto`` the planner chooses the layout first (:mod:`.autolayout`; keys named in
+    ``overrides`` stay fixed) and writes it into ``cfg``, so the recorded config holds it.
+
     Raises ``ValueError`` / ``FileNotFoundError`` on an invalid layout, config or input file,
     before any training step.
     """
@@ -71,9 +75,12 @@ class Trainer:
         for name in ("DeepSpeed", "compilers"):  # DeepSpeed's op probe logs compiler commands
             logging.getLogger(name).setLevel(logging.WARNING)
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.device = dist.resolve_device(cfg.trainer.device)
+        self.auto = None  # parallel=auto: the planner's choice, written into cfg (.autolayout)
+        if cfg.parallel.auto:
+            self.auto = apply_auto_layout(cfg, self.run_dir, self.device, overrides)
         if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
             log.warning("parallel.sequence_parallel=true has no effect with parallel.tp=1")
-        self.device = dist.resolve_device(cfg.trainer.device)
         self.layout = validate_config(cfg, dist.world_size(), self.device.type)
         dist.init_distributed(self.device)
         self.main = dist.is_main()  # rank 0 writes everything
@@ -272,6 +279,7 @@ class Trainer:
             self._enter_bucket(self.schedule.bucket(step - 1))
             batch = self.buckets[self._bucket].batch_size
         loss = self.engine.train_batch(data_iter=self.data_iter).item()
+        self.telemetry.count_step(self._bucket if self.buckets is not None else None)  # this step's shape
         self._samples_log += batch
         self.ema.update(self.engine.module)
         norm = self.engine.get_global_grad_norm()
@@ -308,7 +316,8 @@ class Trainer:
         values.update(binned_loss(*self.loss_fn.pop_records()))
         values.update(self.telemetry.metrics(n, elapsed))
         self.logger.scalars(step, values)
-        self.bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
+        if self.bar is not None:  # train_step called outside fit (benchmarks, scripts/gpu_check.py)
+            self.bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0
 
     def _after_step(self, step: int) -> None:

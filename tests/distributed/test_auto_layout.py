@@ -1,0 +1,51 @@
+"""``parallel=auto`` on 2 gloo ranks: the trainer trains the layout the planner ranks first (on the
+CPU profile measured here), records it, and a resume reuses the recorded layout without planning."""
+import json
+import math
+import os
+
+from omegaconf import OmegaConf
+
+from tests.helpers import compose_cfg, run_ranks
+
+OVER = ["experiment=smoke", "parallel=auto", "trainer.max_steps=4"]
+
+
+def _auto_rank(rank, overrides, run_dir, cache_dir):
+    os.environ["VITP_CACHE_DIR"] = cache_dir  # a fresh CPU profile, measured once by rank 0
+    from vitp.config import compose
+    from vitp.train import Trainer
+
+    trainer = Trainer(compose(overrides), run_dir)
+    res = trainer.fit()
+    lay = trainer.layout
+    return {"auto": trainer.auto, "layout": (lay.tp, lay.pp, lay.dp), "losses": res["losses"],
+            "stopped_at": res["stopped_at"], "micro": trainer.cfg.trainer.micro_batch_size}
+
+
+def test_auto_layout_is_the_planners_first_and_a_resume_keeps_it(tmp_path):
+    from vitp.plan import AUTO_KEYS, DeviceProfile, plan
+
+    run, cache = tmp_path / "run", str(tmp_path / "cache")
+    first = run_ranks(2, _auto_rank, [*OVER, "trainer.exit_at_step=2"], str(run), cache)
+    auto = first[0]["auto"]
+    assert auto["source"] == "planned" and all(r["auto"] == auto for r in first)  # rank 0's choice everywhere
+    profile = DeviceProfile(**auto["choice"]["profile"])
+    assert profile.kind == "cpu" and profile.name == "cpu" and profile.cores >= 1
+    best = plan(compose_cfg(OVER), 2, profile)[0]  # the planner, run here on the profile the trainer used
+    assert best.fits and auto["values"] == {k: getattr(best.layout, f) for k, f in AUTO_KEYS.items()}
+    v = auto["values"]
+    assert first[0]["layout"] == (v["parallel.tp"], v["parallel.pp"], 2 // (v["parallel.tp"] * v["parallel.pp"]))
+    assert first[0]["micro"] == v["trainer.micro_batch_size"]
+    assert "reproduce with: " + " ".join(best.layout.overrides()) in auto["summary"]
+    for r in first:
+        assert r["stopped_at"] == 2 and len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
+    saved = OmegaConf.load(run / ".hydra" / "config.yaml")  # recorded for the resume
+    assert saved.parallel.auto is True and {k: OmegaConf.select(saved, k) for k in AUTO_KEYS} == v
+
+    resumed = run_ranks(2, _auto_rank, OVER, str(run), cache)
+    assert all(r["auto"]["source"] == "recorded" and r["auto"]["values"] == v for r in resumed)
+    assert resumed[0]["layout"] == first[0]["layout"] and resumed[0]["stopped_at"] is None
+    assert len(resumed[0]["losses"]) == 2 and all(math.isfinite(x) for x in resumed[0]["losses"])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -1,0 +1,103 @@
+"""``parallel=auto``: the selection function (vitp.plan.auto) and the launch-side pieces that need no
+process group (vitp.train.autolayout). The 2-rank run is in tests/distributed/test_auto_layout.py."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.helpers import PLAN_MODELS, compose_cfg
+from vitp.plan import AUTO_KEYS, PRESETS, DeviceProfile, choose_layout, fixed_keys, layout_of, plan
+
+CPU = DeviceProfile("cpu-test", "cpu", {"fp32": 1e11, "bf16": 1e11}, 16.0, 1e10, 1e9, 1e9, devices_per_node=64,
+                    efficiency=1.0, latency_s=1e-4, layer_overhead_s=1e-4, reserve_gib=0.0, cores=2)
+S8 = [*PLAN_MODELS["S"], "trainer.global_batch_size=8", "parallel=auto"]
+
+
+@pytest.fixture(scope="module")
+def ranked():
+    """The planner's rows for model S (depth 4, 4 heads, global batch 8) on 4 CPU-test processes."""
+    cfg = compose_cfg(S8)
+    return cfg, plan(cfg, 4, CPU)
+
+
+def test_auto_takes_the_planners_first_row_and_its_overrides_reproduce_it(ranked):
+    cfg, preds = ranked
+    choice = choose_layout(cfg, 4, CPU)
+    assert cfg.parallel.auto is True and choice.best.layout == preds[0].layout
+    assert choice.candidates == len(preds) == 62 and choice.fitting == sum(p.fits for p in preds) == 62
+    fitting = [p.time["step_s"] for p in preds if p.fits]
+    assert choice.best.time["step_s"] == min(fitting)
+    # on this profile: no TP, two stages, two replicas, micro-batch 4, one micro-batch per step
+    assert choice.values() == {"parallel.tp": 1, "parallel.pp": 2, "parallel.sequence_parallel": False,
+                               "parallel.activation_checkpoint_interval": 0, "trainer.micro_batch_size": 4}
+    again = compose_cfg([*S8, *choice.best.layout.overrides()])
+    assert layout_of(again, 4) == choice.best.layout
+    line = choice.summary()
+    assert "tp=1 pp=2 dp=2 sp=off ac=0 micro=4 x 1 per step, first of 62 valid layouts (62 fit)" in line
+    assert f"{choice.best.peak.total / 2**30:.3g} GiB peak per rank" in line
+    assert line.endswith("reproduce with: " + " ".join(choice.best.layout.overrides()))
+    assert choose_layout(cfg, 4, CPU).as_dict() == choice.as_dict()  # deterministic
+
+
+def test_fixed_keys_constrain_the_search(ranked):
+    _, preds = ranked
+    cfg = compose_cfg([*S8, "parallel.tp=2"])
+    choice = choose_layout(cfg, 4, CPU, fixed=["parallel.tp"])
+    tp2 = [p for p in preds if p.layout.tp == 2]
+    assert choice.best.layout == tp2[0].layout and choice.candidates == len(tp2) and choice.fixed == {
+        "parallel.tp": 2}
+    cfg = compose_cfg([*S8, "parallel.sequence_parallel=true", "parallel.activation_checkpoint_interval=2"])
+    choice = choose_layout(cfg, 4, CPU, fixed=["parallel.sequence_parallel",
+                                               "parallel.activation_checkpoint_interval"])
+    lay = choice.best.layout
+    assert lay.sp and lay.tp > 1 and lay.ac == 2  # an interval outside the default (0, 1) search
+    with pytest.raises(ValueError, match=r"no valid layout .* on 4 devices with parallel.tp=3"):
+        choose_layout(compose_cfg([*S8, "parallel.tp=3"]), 4, CPU, fixed=["parallel.tp"])
+    with pytest.raises(ValueError, match="cannot fix"):
+        choose_layout(cfg, 4, CPU, fixed=["model.depth"])
+
+
+def test_fixed_keys_from_the_command_line():
+    over = ["parallel=auto", "parallel.tp=2", "+trainer.micro_batch_size=4", "model.depth=3", "~parallel.pp"]
+    assert fixed_keys(over) == ["parallel.tp", "trainer.micro_batch_size"]
+    assert fixed_keys([]) == [] and set(AUTO_KEYS) == set(fixed_keys([f"{k}=1" for k in AUTO_KEYS]))
+
+
+def test_refuses_when_nothing_fits():
+    cfg = compose_cfg(["experiment=img256", "data.root=x", "parallel=auto"])
+    small = replace(PRESETS["h100"], memory_gib=4.0)
+    with pytest.raises(ValueError, match=r"none of the \d+ valid layouts fits 8 x h100 \(1 GiB per rank\); the "
+                                         r"smallest, parallel.tp=.*, needs [\d.]+ GiB.*parallel.auto_memory_gib"):
+        choose_layout(cfg, 8, small)
+    choice = choose_layout(cfg, 8, PRESETS["h100"], micro_options=(32, 128))
+    assert choice.best.fits and choice.best.layout.micro in (32, 128)
+
+
+def test_profile_override_and_recorded_layout(tmp_path):
+    from vitp.train.autolayout import _decide, detect_profile, recorded_layout
+
+    cfg = compose_cfg([*S8, "parallel.auto_device=h200", "parallel.auto_memory_gib=100"])
+    prof = detect_profile(cfg, torch.device("cpu"), 8)
+    assert prof.name == "h200" and prof.memory_gib == 100.0 and prof.peak_flops == PRESETS["h200"].peak_flops
+    with pytest.raises(ValueError, match="auto_memory_gib=-1"):
+        from vitp.config import validate_config
+
+        validate_config(compose_cfg([*S8, "parallel.auto_memory_gib=-1"]))
+    assert recorded_layout(tmp_path) is None
+    (tmp_path / ".hydra").mkdir()
+    saved = compose_cfg([*S8, "parallel.tp=2", "parallel.pp=1", "trainer.micro_batch_size=2"])
+    (tmp_path / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    assert recorded_layout(tmp_path) == {"parallel.tp": 2, "parallel.pp": 1, "parallel.sequence_parallel": False,
+                                         "parallel.activation_checkpoint_interval": 0, "trainer.micro_batch_size": 2}
+    # a relaunch reuses the recorded layout (no new plan); command-line keys still win
+    out = _decide(compose_cfg([*S8, "trainer.micro_batch_size=1"]), tmp_path, torch.device("cpu"), 4,
+                  ["trainer.micro_batch_size"])
+    assert out["source"] == "recorded" and out["choice"] is None
+    assert out["values"]["parallel.tp"] == 2 and out["values"]["trainer.micro_batch_size"] == 1
+    assert "parallel.tp=2 parallel.pp=1 parallel.sequence_parallel=false" in out["summary"]
+    saved.parallel.auto = False  # a folder of a run without parallel=auto records nothing to reuse
+    (tmp_path / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    assert recorded_layout(tmp_path) is None
