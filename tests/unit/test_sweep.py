@@ -29,7 +29,8 @@ def test_cartesian_expansion_in_hydra_grammar():
     sw = parse_overrides(["model=tiny,dit_digits", "+trainer.foo=1"])
     assert sw.keys == ["model"] and sw.fixed == ["+trainer.foo=1"]
     assert parse_overrides([]).combos == [[]]
-    assert slug({"objective.P_mean": "-0.8", "sampler.cfg_interval": "[0.1,1]"}, 3) == "003_P_mean_-0.8_cfg_interval_0.1_1"
+    label = {"objective.P_mean": "-0.8", "sampler.cfg_interval": "[0.1,1]"}
+    assert slug(label, 3) == "003_P_mean_-0.8_cfg_interval_0.1_1"
     for bad, msg in (("sampler.steps", "is not an override"), ("sampler.steps=interval(1,2)", "continuous"),
                      ("sampler.steps=[1,", "cannot parse")):
         with pytest.raises(ValueError, match=msg):
