@@ -222,7 +222,7 @@ def _train_one(d: Path, args: List[str]) -> int:
         if done.is_file():
             from omegaconf import OmegaConf
 
-            if list(OmegaConf.load(done)) != args:
+            if list(OmegaConf.load(done)) != [a for a in args if not a.lstrip("+~").startswith("hydra.")]:
                 raise ValueError(f"{d} holds a run of other overrides ({done}); choose another --out")
         log.info("%s: finished before, kept", d)
         return 0
