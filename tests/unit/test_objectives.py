@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from vitp.objectives import FlowMatchingLoss, make_pair, sample, velocity
+from vitp.objectives import FlowMatchingLoss, guided, make_pair, sample, velocity
 
 
 def test_pair_and_loss_hand_checked():
@@ -78,3 +78,36 @@ def test_cfg_scale_and_interval():
     assert sample(_ClassMean(), y, (1, 1, 1, 1), cfg_scale=0.5, cfg_interval=(0.5, 1.0), **kw).item() == pytest.approx(1.0)
     with pytest.raises(ValueError, match="sampler.method"):
         sample(_ClassMean(), y, (1, 1, 1, 1), method="rk4", num_classes=10)
+
+
+class _Recorder(_ClassMean):
+    """:class:`_ClassMean` that records, per call, its t values and whether the null class was asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, z, t, y):
+        self.calls.append((round(float(t[0]), 6), bool((y == 10).any())))
+        return super().forward(z, t, y)
+
+
+@pytest.mark.parametrize("method", ["euler", "heun"])
+def test_guidance_interval_boundaries_follow_jit(method):
+    """Guided where lo < t < hi (and t = 0 when lo = 0), decided on the exact grid k / steps: with
+    20 steps and [0.1, 1] (JiT's ImageNet setting) t = 0.1 lies on the grid and is not guided, though
+    float32 rounds it up to 0.10000000149."""
+    rec = _Recorder()
+    y = torch.zeros(2, dtype=torch.long)
+    sample(rec, y, (1, 1, 1, 1), num_classes=10, steps=20, method=method, cfg_scale=2.0,
+           cfg_interval=(0.1, 1.0), noise=torch.zeros(2, 1, 1, 1, 1))
+    evaluated = {t for t, _ in rec.calls}
+    assert 0.1 in evaluated and max(evaluated) == pytest.approx(0.95)  # t = 1 is never evaluated
+    assert {t for t, g in rec.calls if g} == {t for t in evaluated if t > 0.1 + 1e-6}
+    assert len(rec.calls) == (20 if method == "euler" else 39)
+    rec.calls.clear()
+    sample(rec, y, (1, 1, 1, 1), num_classes=10, steps=10, method=method, cfg_scale=2.0,
+           cfg_interval=(0.0, 0.5), noise=torch.zeros(2, 1, 1, 1, 1))
+    assert {t for t, g in rec.calls if g} == {0.0, 0.1, 0.2, 0.3, 0.4}  # t = 0 in, hi = 0.5 out
+    assert guided(0.0, (0.0, 1.0)) and not guided(0.0, (0.1, 1.0)) and not guided(1.0, (0.0, 1.0))
+    assert guided(0.3, [0.3 - 1e-9, 0.3 + 1e-9]) and not guided(0.3, (0.3, 0.3))

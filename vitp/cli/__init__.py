@@ -1,7 +1,8 @@
 """Command-line entry points (thin: parse, call the package, report bad input).
 
 ``vitp-train`` (:mod:`.train`), ``vitp-sample`` (:mod:`.sample`), ``vitp-eval`` (:mod:`.eval`),
-``vitp-export`` (:mod:`.export`), ``vitp-sagemaker`` (:mod:`.sagemaker`), ``vitp-plan`` (:mod:`.plan`). Bad input (missing or
+``vitp-export`` (:mod:`.export`), ``vitp-sagemaker`` (:mod:`.sagemaker`), ``vitp-plan`` (:mod:`.plan`),
+``vitp-sweep`` (:mod:`.sweep`). Bad input (missing or
 corrupt files, impossible layouts, wrong config values, a NaN loss) ends every one of them the same
 way: one line ``<prog>: error: <message>`` and exit status 2, no traceback.
 """

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,7 +19,7 @@ from vitp.eval import evaluate
 from vitp.parallel.distributed import resolve_device
 
 
-def _last_step(run_dir: Path) -> Optional[int]:
+def last_step(run_dir: Path) -> Optional[int]:
     """The last logged training step of a run (from metrics.jsonl), if any."""
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
@@ -56,19 +56,16 @@ def main(argv: Optional[list] = None) -> None:
     run_cli("vitp-eval", run, argv)
 
 
-def run(argv: Optional[list] = None) -> dict:
-    """Re-evaluate a run's weights with its config (plus ``overrides``) and rewrite ``eval.json``."""
-    p = argparse.ArgumentParser(prog="vitp-eval", description="Evaluate a finished vitp run; rewrites eval.json.")
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--weights", default="model_ema.safetensors", help="weights file inside RUN_DIR")
-    p.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. sampler.cfg_scale=2.0")
-    a = p.parse_intermixed_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = load_run_config(a.run_dir, a.overrides)
+def load_for_eval(run_dir: Path, weights: str, overrides: list) -> Tuple[DictConfig, Any, Any, Any, Optional[dict]]:
+    """``(cfg, generator, train_ds, heldout_ds, heldout per bucket or None)`` of a finished run:
+    its config with ``overrides`` (validated), the weights file ``run_dir/weights`` (an
+    interrupted run without ``model_ema.safetensors``: its latest checkpoint's EMA), and the
+    run's data split. Raises ``FileNotFoundError`` / ``ValueError`` on a missing or foreign file."""
+    cfg = load_run_config(run_dir, overrides)
     validate_config(cfg)
-    path = a.run_dir / a.weights
-    if not path.is_file() and a.weights == "model_ema.safetensors":  # an interrupted run: its latest checkpoint
-        path = resolve_weights(a.run_dir, "ema")[0]
+    path = run_dir / weights
+    if not path.is_file() and weights == "model_ema.safetensors":  # an interrupted run: its latest checkpoint
+        path = resolve_weights(run_dir, "ema")[0]
     gen = load_generator_for(path, cfg)
     train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
     per_bucket = None
@@ -77,7 +74,19 @@ def run(argv: Optional[list] = None) -> dict:
 
         pairs = bucket_datasets(cfg.data, cfg.seed, build_datasets)
         per_bucket = {b.name: ho for b, (_, ho) in zip(buckets_of(cfg.data), pairs)}
-    res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=_last_step(a.run_dir),
+    return cfg, gen, train_ds, heldout_ds, per_bucket
+
+
+def run(argv: Optional[list] = None) -> dict:
+    """Re-evaluate a run's weights with its config (plus ``overrides``) and rewrite ``eval.json``."""
+    p = argparse.ArgumentParser(prog="vitp-eval", description="Evaluate a finished vitp run; rewrites eval.json.")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--weights", default="model_ema.safetensors", help="weights file inside RUN_DIR")
+    p.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. sampler.cfg_scale=2.0")
+    a = p.parse_intermixed_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg, gen, train_ds, heldout_ds, per_bucket = load_for_eval(a.run_dir, a.weights, a.overrides)
+    res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=last_step(a.run_dir),
                    buckets=per_bucket)
     print(json.dumps(res, indent=2))
     return res

@@ -119,11 +119,13 @@ def video_metrics(gen: Generator, cfg: DictConfig, heldout_ds: Any) -> Dict[str,
 
 
 def evaluate(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, *, full: bool = True,
-             step: Optional[int] = None, logger: Any = None, buckets: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+             step: Optional[int] = None, logger: Any = None, buckets: Optional[Dict[str, Any]] = None,
+             out: Optional[Path] = None) -> Dict[str, Any]:
     """Held-out loss (always; with ``buckets``, ``{name: held-out items}``, per bucket and overall,
     :func:`bucket_heldout_loss`) and, when ``full`` and the data are digits, the judge metrics
     (video: temporal statistics) at ``data.resolution``. With ``full`` the results are written
-    to ``run_dir/eval.json``; with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``."""
+    to ``out`` (default ``run_dir/eval.json``; the judge is cached in ``run_dir`` either way);
+    with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``."""
     res: Dict[str, Any] = {"step": step} if step is not None else {}
     if buckets:
         res.update(bucket_heldout_loss(gen, cfg, buckets))
@@ -138,6 +140,6 @@ def evaluate(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: Any, ru
     if logger is not None and step is not None:
         logger.scalars(step, {f"eval/{k}": v for k, v in res.items() if isinstance(v, float)}, jsonl=False)
     if full:
-        atomic_write_text(run_dir / "eval.json", json.dumps(res, indent=2) + "\n")
+        atomic_write_text(out if out is not None else Path(run_dir) / "eval.json", json.dumps(res, indent=2) + "\n")
         log.info("eval: %s", {k: v for k, v in res.items() if isinstance(v, (int, float))})
     return res

@@ -3,7 +3,11 @@
 The flow runs from noise at ``t = 0`` to data at ``t = 1`` along the velocity derived from the
 network's x-prediction (:func:`vitp.objectives.flow.velocity`); Heun's method on all steps but the
 last, which is Euler, as in JiT (Li & He 2025, arXiv 2511.13720). Guidance ``v_u + w (v_c - v_u)``
-(Ho & Salimans 2022) applies only for ``t`` in an interval (Kynkaanniemi et al. 2024).
+(Ho & Salimans 2022) applies only for ``t`` in an interval (Kynkaanniemi et al. 2024, "Applying
+Guidance in a Limited Interval Improves Sample and Distribution Quality in Diffusion Models",
+arXiv 2404.07724), with JiT's boundary rule: guided where ``lo < t < hi``, and at ``t = 0`` too
+when ``lo = 0``. The rule is decided on the exact grid ``t_k = k / steps`` so that a bound on the grid
+(``lo = 0.1`` at 20 steps) is excluded as in JiT, not included or excluded by float32 rounding.
 """
 from __future__ import annotations
 
@@ -15,6 +19,14 @@ import torch.nn as nn
 from .flow import velocity
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def guided(t: float, cfg_interval: Sequence[float]) -> bool:
+    """Whether guidance applies at time ``t`` (0 = noise, 1 = data) for ``cfg_interval = (lo, hi)``:
+    ``lo < t < hi``, or ``t = 0`` when ``lo = 0`` (JiT, Li & He 2025; the sampler never evaluates
+    ``t = 1``, so ``(0, 1)`` guides every evaluation)."""
+    lo, hi = float(cfg_interval[0]), float(cfg_interval[1])
+    return t < hi and (lo == 0 or t > lo)
 
 
 @torch.no_grad()
@@ -42,8 +54,9 @@ def sample(
     shape : ``(C, T, H, W)`` of one sample
     steps : number of intervals of the uniform t grid
     method : ``"euler"`` or ``"heun"`` (Heun on all steps but the last, which is Euler, as in JiT)
-    cfg_scale, cfg_interval : classifier-free guidance ``v_u + w (v_c - v_u)`` applied only for
-        ``t`` in ``[lo, hi]`` (Kynkaanniemi et al. 2024, guidance interval)
+    cfg_scale, cfg_interval : classifier-free guidance ``v_u + w (v_c - v_u)`` applied only where
+        :func:`guided` says (``lo < t < hi``, plus ``t = 0`` when ``lo = 0``; Kynkaanniemi et al.
+        2024 guidance interval, JiT's boundaries); ``(0, 1)`` guides every step
 
     Returns
     -------
@@ -66,12 +79,12 @@ def sample(
         noise = torch.randn((B, *shape), generator=generator)
     z = (noise_scale * noise).to(device=device, dtype=torch.float32)
     null = torch.full_like(y, num_classes)
-    guided = cfg_scale != 1.0
+    use_cfg = cfg_scale != 1.0
 
-    def v_at(z: torch.Tensor, t: float) -> torch.Tensor:
-        tb = torch.full((B,), t, device=device)
-        w = cfg_scale if cfg_interval[0] <= t <= cfg_interval[1] else 1.0
-        if guided and w != 1.0:
+    def v_at(z: torch.Tensor, k: int) -> torch.Tensor:  # velocity at grid point t_k
+        tb = torch.full((B,), ts[k], device=device)
+        w = cfg_scale if guided(k / steps, cfg_interval) else 1.0
+        if use_cfg and w != 1.0:
             x_pred = model(torch.cat([z, z]).to(dtype), torch.cat([tb, tb]).to(dtype), torch.cat([y, null])).float()
             v_c, v_u = velocity(x_pred, torch.cat([z, z]), torch.cat([tb, tb]), t_eps).chunk(2)
             return v_u + w * (v_c - v_u)
@@ -80,10 +93,10 @@ def sample(
     ts = torch.linspace(0.0, 1.0, steps + 1).tolist()
     for i in range(steps):
         t0, t1 = ts[i], ts[i + 1]
-        v0 = v_at(z, t0)
+        v0 = v_at(z, i)
         if method == "heun" and i < steps - 1:
             z_e = z + (t1 - t0) * v0
-            z = z + (t1 - t0) * 0.5 * (v0 + v_at(z_e, t1))
+            z = z + (t1 - t0) * 0.5 * (v0 + v_at(z_e, i + 1))
         else:
             z = z + (t1 - t0) * v0
     return z.clamp(-1, 1)

@@ -1,0 +1,113 @@
+"""vitp-sweep (vitp/cli/sweep.py): override expansion, key checks, and a sampler sweep on a run
+made here (perturbed smoke weights, no training) that leaves the run's eval.json alone."""
+import csv
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.fixtures.record_reference import write_perturbed
+from tests.helpers import compose_cfg
+from vitp.cli.sweep import check_eval_keys, check_train_keys, collect, eval_sweep, main, parse_overrides, slug
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_cartesian_expansion_in_hydra_grammar():
+    sw = parse_overrides(["sampler.cfg_scale=1,1.5,2", "sampler.cfg_interval=[0.1,1]", "sampler.steps=10,20",
+                          "sampler.method=euler"])
+    assert sw.fixed == ["sampler.cfg_interval=[0.1,1]", "sampler.method=euler"]  # a list value is one value
+    assert sw.keys == ["sampler.cfg_scale", "sampler.steps"]
+    assert len(sw.combos) == 6 and sw.combos[:2] == [["sampler.cfg_scale=1", "sampler.steps=10"],
+                                                     ["sampler.cfg_scale=1", "sampler.steps=20"]]
+    assert sw.labels[-1] == {"sampler.cfg_scale": "2", "sampler.steps": "20"}
+    # a sweep over list values; a list quoted twice for the shell; range(); group choices; + prefix
+    sw = parse_overrides(["sampler.cfg_interval=[0.1,1],[0,1]", "objective.P_mean=-0.8,0", "seed=range(0,2)"])
+    assert [c[0] for c in sw.combos[::4]] == ["sampler.cfg_interval=[0.1,1]", "sampler.cfg_interval=[0,1]"]
+    assert {lab["objective.P_mean"] for lab in sw.labels} == {"-0.8", "0"} and len(sw.combos) == 8
+    assert parse_overrides(["sampler.cfg_interval='[0.1,1]'"]).fixed == ["sampler.cfg_interval=[0.1,1]"]
+    sw = parse_overrides(["model=tiny,dit_digits", "+trainer.foo=1"])
+    assert sw.keys == ["model"] and sw.fixed == ["+trainer.foo=1"]
+    assert parse_overrides([]).combos == [[]]
+    label = {"objective.P_mean": "-0.8", "sampler.cfg_interval": "[0.1,1]"}
+    assert slug(label, 3) == "003_P_mean_-0.8_cfg_interval_0.1_1"
+    for bad, msg in (("sampler.steps", "is not an override"), ("sampler.steps=interval(1,2)", "continuous"),
+                     ("sampler.steps=[1,", "cannot parse")):
+        with pytest.raises(ValueError, match=msg):
+            parse_overrides([bad])
+    with pytest.raises(ValueError, match="sampler.steps is given twice"):
+        parse_overrides(["sampler.steps=1", "sampler.steps=2,3"])
+
+
+def test_keys_refused_with_one_line_messages():
+    with pytest.raises(ValueError, match=r"unknown config key sampler.cfg_scal \(did you mean sampler.cfg_scale\?\)"):
+        check_eval_keys(parse_overrides(["sampler.cfg_scal=1,2"]))
+    with pytest.raises(ValueError, match="model.depth changes the trained model, data or training"):
+        check_eval_keys(parse_overrides(["model.depth=4,6"]))
+    with pytest.raises(ValueError, match="sampler= is not an evaluation setting"):
+        check_eval_keys(parse_overrides(["sampler=euler,heun"]))
+    check_eval_keys(parse_overrides(["sampler.steps=1,2", "eval.num_samples=20", "objective.t_eps=0.05"]))
+    with pytest.raises(ValueError, match=r"unknown config key model.dept \(did you mean model.depth\?\)"):
+        check_train_keys(parse_overrides(["model.dept=4,6"]))
+    with pytest.raises(ValueError, match="sets eval.enabled itself"):
+        check_train_keys(parse_overrides(["eval.enabled=false"]))
+    check_train_keys(parse_overrides(["experiment=smoke", "model=tiny,dit_digits", "objective.P_mean=-0.8,0"]))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A finished-looking run: the smoke config (1-epoch judge, 30 samples) and perturbed weights
+    (non-zero adaLN gates, so the sampler settings change the samples), plus an eval.json."""
+    run = tmp_path_factory.mktemp("run")
+    over = ["experiment=smoke", "eval.classifier_epochs=1", "eval.num_samples=30", "sampler.batch_size=64"]
+    (run / ".hydra").mkdir()
+    OmegaConf.save(compose_cfg(over), run / ".hydra" / "config.yaml")
+    write_perturbed(run / "model_ema.safetensors", over, scale=0.2)
+    (run / "eval.json").write_text('{"sample_accuracy": 0.5}\n')
+    return run
+
+
+def test_eval_sweep_writes_its_own_files_and_keeps_eval_json(run_dir, capsys):
+    before = (run_dir / "eval.json").read_bytes()
+    paths = eval_sweep(run_dir, ["sampler.cfg_scale=1,3", "sampler.cfg_interval=[0,1]", "sampler.steps=1,2"],
+                       name="s1")
+    assert (run_dir / "eval.json").read_bytes() == before
+    out = run_dir / "sweeps" / "s1"
+    assert paths == {"csv": out / "comparison.csv", "md": out / "comparison.md", "png": out / "comparison.png"}
+    rows = list(csv.DictReader(paths["csv"].open()))
+    assert [(r["sampler.cfg_scale"], r["sampler.steps"]) for r in rows] == [("1", "1"), ("1", "2"), ("3", "1"),
+                                                                            ("3", "2")]
+    for r in rows:
+        ev = json.loads((out / r["run"] / "eval.json").read_text())
+        assert ev["sampler"]["cfg_scale"] == float(r["sampler.cfg_scale"]) and ev["sampler"]["cfg_interval"] == [0, 1]
+        assert ev["sampler"]["steps"] == int(r["sampler.steps"]) and ev["num_samples"] == 30
+        for col in ("sample_accuracy", "fd_digits", "fd_digits_ratio", "heldout_loss"):
+            assert float(r[col]) == ev[col]
+        assert float(r["wall_s"]) > 0
+    assert len({r["fd_digits"] for r in rows}) == 4  # each setting gave other samples
+    assert len({r["heldout_loss"] for r in rows}) == 1  # the held-out loss does not depend on the sampler
+    assert paths["png"].read_bytes()[:8] == PNG_MAGIC
+    plan = json.loads((out / "sweep.json").read_text())
+    assert plan["fixed"] == ["sampler.cfg_interval=[0,1]"] and len(plan["settings"]) == 4
+    # collect reads the run's own eval.json and labels nothing (one run)
+    assert list(csv.DictReader(collect([run_dir], out=run_dir / "c")["csv"].open()))[0]["sample_accuracy"] == "0.5"
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["eval", "{missing}"], "does not exist"),
+    (["eval", "{run}", "model.depth=1,2"], "model.depth changes the trained model"),
+    (["eval", "{run}", "sampler.steps=0,1"], "sampler.steps=0; it must be >= 1"),
+    (["eval", "{run}", "--sort", "speed"], "--sort speed: unknown column"),
+    (["collect", "{missing}"], "does not exist"),
+    (["collect", "{run}/sweeps"], "neither a vitp run directory nor a folder of run directories"),
+    (["train", "model.dept=1,2"], "unknown config key model.dept"),
+    (["train", "experiment=smoke", "model.width=31,32"], "combination {'model.width': '31'}: model.width=31"),
+    (["sweep"], "the first argument is the mode, one of eval, train, collect"),
+])
+def test_cli_bad_input_is_one_line_and_status_2(run_dir, tmp_path, capsys, argv, msg):
+    (run_dir / "sweeps").mkdir(exist_ok=True)
+    argv = [a.format(run=run_dir, missing=tmp_path / "missing") for a in argv]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("vitp-sweep: error: ") and msg in err and err.count("\n") == 1

@@ -1,0 +1,352 @@
+"""``vitp-sweep``: compare sampler settings on one trained run, or recipes across runs, in one table
+(``comparison.csv``, ``comparison.md``) and one plot (``comparison.png``, sample accuracy against
+the FD-digits ratio); see :mod:`vitp.eval.compare` for the columns.
+
+``vitp-sweep eval RUN_DIR [--name NAME] [--weights FILE] key=a,b ...``
+    Loads the run's generator once and evaluates every combination of the listed values (the
+    cartesian product, as a Hydra ``--multirun``; ``key=[0.1,1],[0,1]`` lists two list values) with
+    the code of ``vitp-eval``. Only evaluation keys may change (``sampler.*``, ``eval.*``,
+    ``objective.noise_scale``, ``objective.t_eps``, ``trainer.device``). The run's own
+    ``eval.json`` is left alone: each setting's goes to ``RUN_DIR/sweeps/NAME/NNN_<setting>/``.
+``vitp-sweep train [--out DIR] key=a,b ... group=x,y ...``
+    Runs ``vitp-train`` once per combination, one after another, each in ``DIR/NNN_<setting>/``
+    with the same seeds and ``eval.enabled=true``; every combination is composed and checked
+    before the first one trains. Run it again to finish an interrupted sweep: runs with an
+    ``eval.json`` are kept, the others resume from their latest checkpoint.
+``vitp-sweep collect DIR... [--out DIR]``
+    The table of existing runs (a DIR that is not a run directory stands for the run directories
+    inside it); a row's label is the config keys that differ from the first run's.
+
+Every mode takes ``--sort COLUMN`` (``-COLUMN`` descending; default: by the swept keys). Bad input
+(a missing run, a run without ``eval.json``, an unknown key, a key the mode cannot change) ends
+with one line ``vitp-sweep: error: ...`` and exit status 2; a sweep where a training failed writes
+the table of the others and exits with status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from vitp.cli import run_cli
+
+log = logging.getLogger("vitp")
+
+# what `vitp-sweep eval` may change: settings of the evaluation, not of the trained model or data
+EVAL_KEYS = ("sampler.", "eval.", "objective.noise_scale", "objective.t_eps", "trainer.device")
+_LIST_IN_QUOTES = re.compile(r"^(['\"])([\[{].*[\]}])\1$")
+
+
+@dataclass
+class Sweep:
+    """Command-line overrides split into fixed ones and swept axes, expanded to combinations."""
+
+    fixed: List[str] = field(default_factory=list)  # "key=value" overrides with one value
+    keys: List[str] = field(default_factory=list)  # swept keys, in command-line order
+    combos: List[List[str]] = field(default_factory=lambda: [[]])  # "key=value" per combination
+    labels: List[Dict[str, str]] = field(default_factory=lambda: [{}])  # {swept key: value} per combination
+
+
+def _values(arg: str) -> tuple:
+    """``(prefix + key, [value strings])`` of one override, parsed with Hydra's override grammar."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    if "=" not in arg or arg.startswith("-"):
+        raise ValueError(f"{arg!r} is not an override; write key=value or key=a,b,c")
+    try:
+        (o,) = OverridesParser.create().parse_overrides([arg])
+    except HydraException as e:
+        raise ValueError(f"cannot parse {arg!r}: {str(e).splitlines()[0]}") from None
+    if o.is_sweep_override() and o.is_interval_sweep():
+        raise ValueError(f"{arg!r}: interval(...) is a continuous range; list the values (key=a,b,c)")
+    values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+    # a list quoted for the shell twice ("k='[0.1,1]'") is still meant as a list
+    values = [m.group(2) if (m := _LIST_IN_QUOTES.match(v)) else v for v in values]
+    prefix = arg[: len(arg) - len(arg.lstrip("+~"))]
+    return prefix + o.key_or_group, values
+
+
+def parse_overrides(args: List[str]) -> Sweep:
+    """Split Hydra-style overrides into fixed ones and swept axes (``key=a,b``, ``key=range(0,3)``,
+    ``key=[0.1,1],[0,1]``: two list values; ``key=[0.1,1]``: one) and expand the axes to their
+    cartesian product, the last axis changing fastest. Raises ``ValueError`` on a malformed
+    override, an ``interval(...)`` sweep or a key given twice."""
+    sw, axes, seen = Sweep(), [], set()
+    for arg in args:
+        key, values = _values(arg)
+        if key.lstrip("+~") in seen:
+            raise ValueError(f"{key.lstrip('+~')} is given twice; list its values once (key=a,b)")
+        seen.add(key.lstrip("+~"))
+        if len(values) == 1:
+            sw.fixed.append(f"{key}={values[0]}")
+        else:
+            axes.append((key, values))
+    sw.keys = [k.lstrip("+~") for k, _ in axes]
+    picks = list(itertools.product(*[vals for _, vals in axes]))
+    sw.combos = [[f"{k}={v}" for (k, _), v in zip(axes, pick)] for pick in picks]
+    sw.labels = [dict(zip(sw.keys, pick)) for pick in picks]
+    return sw
+
+
+def check_eval_keys(sw: Sweep) -> None:
+    """Refuse keys `vitp-sweep eval` cannot change (``ValueError``, one line): unknown keys with the
+    schema's message (as ``vitp-eval``), group choices, and keys of the model, data or training."""
+    from vitp.config import CONFIG_GROUPS, unknown_key_message
+
+    for arg in sw.fixed + [o for combo in sw.combos for o in combo]:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if arg.startswith(("+", "~")):
+            raise ValueError(f"{arg.split('=', 1)[0]}: vitp-sweep eval sets existing keys, "
+                             "it does not add or delete them")
+        if key in CONFIG_GROUPS or "@" in key or key.startswith("hydra."):
+            raise ValueError(f"{key}= is not an evaluation setting; vitp-sweep eval takes keys "
+                             f"(e.g. sampler.method=euler); sweep recipes with vitp-sweep train")
+        msg = unknown_key_message(key)
+        if msg:
+            raise ValueError(msg)
+        if not key.startswith(EVAL_KEYS):
+            raise ValueError(f"{key} changes the trained model, data or training; vitp-sweep eval takes "
+                             f"{', '.join(k + ('*' if k.endswith('.') else '') for k in EVAL_KEYS)} "
+                             "(sweep recipes with vitp-sweep train)")
+
+
+def check_train_keys(sw: Sweep) -> None:
+    """Refuse unknown keys (one line, the nearest key) and the keys the sweep sets itself."""
+    from vitp.config import check_override_keys
+
+    args = sw.fixed + [o for combo in sw.combos for o in combo]
+    check_override_keys(args)
+    for arg in args:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if key in ("eval.enabled", "hydra.run.dir") or key.startswith("hydra.sweep"):
+            raise ValueError(f"vitp-sweep train sets {key} itself (eval.enabled=true, one run dir per "
+                             "combination under --out); leave it out")
+
+
+def slug(label: Dict[str, str], index: int) -> str:
+    """Folder name of a combination: ``003_cfg_scale_2_steps_20`` (index, then short keys and
+    values; characters other than letters, digits, ``.``, ``_``, ``-`` become ``_``)."""
+    text = "_".join(f"{k.rsplit('.', 1)[-1]}_{v}" for k, v in label.items())
+    text = re.sub(r"__+", "_", re.sub(r"[^A-Za-z0-9._-]+", "_", text)).strip("_")[:60]
+    return f"{index:03d}_{text}" if text else f"{index:03d}"
+
+
+def _stamp() -> str:
+    return datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def _report(paths: Dict[str, Path]) -> None:
+    print(paths["md"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+def eval_sweep(run_dir: Path, overrides: List[str], name: Optional[str] = None,
+               weights: str = "model_ema.safetensors", sort: Optional[str] = None) -> Dict[str, Path]:
+    """Evaluate every sampler setting of ``overrides`` on the run's weights (loaded once) and write
+    the comparison to ``run_dir/sweeps/<name>/`` (default name: the date and time); ``wall_s`` is
+    each evaluation's wall time in seconds. The run's ``eval.json`` is not touched."""
+    from omegaconf import OmegaConf
+
+    from vitp.cli.eval import last_step, load_for_eval
+    from vitp.config import validate_config
+    from vitp.eval import evaluate
+    from vitp.eval.compare import make_row, sort_rows, write_comparison
+
+    if not Path(run_dir).is_dir():
+        raise FileNotFoundError(f"{run_dir} does not exist")
+    sw = parse_overrides(overrides)
+    check_eval_keys(sw)
+    sort_rows([], sw.keys, sort)  # an unknown --sort column fails before any work
+    cfg, gen, train_ds, heldout_ds, per_bucket = load_for_eval(Path(run_dir), weights, sw.fixed)
+    cfgs = [OmegaConf.merge(cfg, OmegaConf.from_dotlist(combo)) for combo in sw.combos]
+    for c in cfgs:
+        validate_config(c)  # every setting checked before the first evaluation
+    out = Path(run_dir) / "sweeps" / (name or _stamp())
+    _write_plan(out, "eval", sw, run=str(run_dir), weights=weights)
+    rows, step = [], last_step(Path(run_dir))
+    for i, (c, label) in enumerate(zip(cfgs, sw.labels)):
+        d, t0 = out / slug(label, i), time.perf_counter()
+        res = evaluate(gen, c, train_ds, heldout_ds, Path(run_dir), full=True, step=step, buckets=per_bucket,
+                       out=d / "eval.json")
+        rows.append(make_row(label, res, d.name, time.perf_counter() - t0))
+        log.info("setting %d/%d %s done", i + 1, len(cfgs), label)
+    return write_comparison(rows, sw.keys, out, f"sampler sweep of {run_dir} ({weights}) " + " ".join(sw.fixed), sort)
+
+
+def _write_plan(out: Path, mode: str, sw: Sweep, **extra) -> None:
+    """``out/sweep.json``: the mode, fixed overrides, swept keys and each combination's folder."""
+    from vitp.utils import atomic_write_text
+
+    plan = {"mode": mode, **extra, "fixed": sw.fixed, "keys": sw.keys,
+            "settings": [{"dir": slug(lab, i), "overrides": combo} for i, (lab, combo)
+                         in enumerate(zip(sw.labels, sw.combos))]}
+    atomic_write_text(out / "sweep.json", json.dumps(plan, indent=2) + "\n")
+
+
+def _check_combinations(sw: Sweep) -> None:
+    """Compose and validate every combination's config (as ``vitp-train`` will) before any run."""
+    from hydra.errors import HydraException
+
+    from vitp.config import compose, validate_config
+
+    for combo, label in zip(sw.combos, sw.labels):
+        args = [a for a in sw.fixed + combo if not a.lstrip("+~").startswith("hydra.")] + ["eval.enabled=true"]
+        try:
+            validate_config(compose(args))
+        except HydraException as e:
+            raise ValueError(f"combination {label or args}: {str(e).splitlines()[0]}") from None
+        except ValueError as e:
+            raise ValueError(f"combination {label or args}: {e}") from None
+
+
+def _run_dir_override(d: Path) -> str:
+    safe = re.fullmatch(r"[A-Za-z0-9._/~+-]+", str(d))
+    return f"hydra.run.dir={d}" if safe else "hydra.run.dir='" + str(d).replace("'", "\\'") + "'"
+
+
+def _train_one(d: Path, args: List[str]) -> int:
+    """Train one combination in ``d`` unless it already holds its finished run; the exit status."""
+    if (d / "eval.json").is_file():
+        done = d / ".hydra" / "overrides.yaml"
+        if done.is_file():
+            from omegaconf import OmegaConf
+
+            if list(OmegaConf.load(done)) != [a for a in args if not a.lstrip("+~").startswith("hydra.")]:
+                raise ValueError(f"{d} holds a run of other overrides ({done}); choose another --out")
+        log.info("%s: finished before, kept", d)
+        return 0
+    cmd = [sys.executable, "-m", "vitp.cli.train", *args, _run_dir_override(d)]
+    log.info("training %s", " ".join(cmd[3:]))
+    return subprocess.run(cmd, env=dict(os.environ)).returncode
+
+
+def train_sweep(overrides: List[str], out: Optional[Path] = None, sort: Optional[str] = None) -> Dict[str, Path]:
+    """One ``vitp-train`` per combination of ``overrides`` (sequential, same seeds, each in
+    ``out/NNN_<setting>/``; default ``out``: ``outputs/sweeps/<date_time>``), then the comparison
+    of their ``eval.json`` in ``out``; ``wall_s`` is each run's ``train.log`` span. Raises
+    ``ValueError`` before training anything when a key or a combination is invalid; exits with
+    status 1 after writing the table when a training failed."""
+    from vitp.eval.compare import log_wall_seconds, make_row, read_eval, sort_rows, write_comparison
+
+    sw = parse_overrides(overrides)
+    check_train_keys(sw)
+    sort_rows([], sw.keys, sort)
+    _check_combinations(sw)
+    out = Path(out) if out is not None else Path("outputs") / "sweeps" / _stamp()
+    _write_plan(out, "train", sw)
+    rows, failed = [], []
+    for i, (combo, label) in enumerate(zip(sw.combos, sw.labels)):
+        d = out / slug(label, i)
+        rc = _train_one(d, sw.fixed + combo + ["eval.enabled=true"])
+        if rc != 0 or not (d / "eval.json").is_file():
+            failed.append(f"{d.name} (exit status {rc})")
+            continue
+        rows.append(make_row(label, read_eval(d), d.name, log_wall_seconds(d)))
+    paths = write_comparison(rows, sw.keys, out, f"recipe sweep {out} " + " ".join(sw.fixed), sort) if rows else {}
+    if failed:
+        if paths:
+            _report(paths)
+        print(f"vitp-sweep: {len(failed)} of {len(sw.combos)} runs failed: {', '.join(failed)}", file=sys.stderr)
+        raise SystemExit(1)
+    return paths
+
+
+def run_dirs(dirs: List[Path]) -> List[Path]:
+    """The run directories named by ``dirs``: a folder with ``.hydra/config.yaml`` is a run; any
+    other folder stands for the runs directly inside it (sorted by name). Raises
+    ``FileNotFoundError`` for a missing folder or one without runs."""
+    runs = []
+    for d in map(Path, dirs):
+        if not d.is_dir():
+            raise FileNotFoundError(f"{d} does not exist")
+        if (d / ".hydra" / "config.yaml").is_file():
+            runs.append(d)
+            continue
+        inner = sorted(p for p in d.iterdir() if (p / ".hydra" / "config.yaml").is_file())
+        if not inner:
+            raise FileNotFoundError(f"{d} is neither a vitp run directory nor a folder of run directories")
+        runs += inner
+    return runs
+
+
+def collect(dirs: List[Path], out: Optional[Path] = None, sort: Optional[str] = None) -> Dict[str, Path]:
+    """The comparison of existing runs (:func:`run_dirs`), labelled by their config differences
+    from the first run (:func:`vitp.eval.compare.config_diff`), written to ``out`` (default: the
+    folder holding the runs); ``wall_s`` is each run's ``train.log`` span."""
+    from vitp.eval.compare import config_diff, log_wall_seconds, make_row, read_eval, run_config, write_comparison
+
+    runs = run_dirs(dirs)
+    labels = config_diff([run_config(r) for r in runs])
+    keys = list(labels[0])
+    if out is None:
+        out = Path(os.path.commonpath([str(r.resolve()) for r in runs])) if len(runs) > 1 else runs[0].parent
+    apart = [k for k in keys if k.startswith(("eval.", "data.")) or k == "seed"]
+    if apart:
+        log.warning("runs differ in %s: their judges or held-out data differ, so sample accuracy and FD-digits "
+                    "compare less well than held-out loss", ", ".join(apart))
+    rows = []
+    for r, label in zip(runs, labels):
+        name = os.path.relpath(r.resolve(), Path(out).resolve())
+        rows.append(make_row(label, read_eval(r), name, log_wall_seconds(r)))
+    return write_comparison(rows, keys, Path(out), f"{len(runs)} runs", sort)
+
+
+def _parser(mode: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"vitp-sweep {mode}", description=__doc__.split("\n\n")[0])
+    if mode == "eval":
+        p.add_argument("run_dir", type=Path)
+        p.add_argument("--name", help="folder under RUN_DIR/sweeps/ (default: date and time)")
+        p.add_argument("--weights", default="model_ema.safetensors", help="weights file inside RUN_DIR")
+    elif mode == "train":
+        p.add_argument("--out", type=Path, help="sweep folder (default: outputs/sweeps/<date_time>)")
+    else:
+        p.add_argument("dirs", nargs="+", type=Path, help="run directories, or folders of them")
+        p.add_argument("--out", type=Path, help="where the comparison goes (default: the folder of the runs)")
+    if mode != "collect":
+        p.add_argument("overrides", nargs="*", default=[], help="key=value or key=a,b,c (cartesian product)")
+    p.add_argument("--sort", help="sort rows by this column (-COLUMN: descending); default: the swept keys")
+    return p
+
+
+def run(argv: Optional[List[str]] = None) -> Dict[str, Path]:
+    """Parse ``vitp-sweep MODE ...`` and run the mode; returns the written paths by suffix."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return {}
+    modes = ("eval", "train", "collect")
+    if not argv or argv[0] not in modes:
+        got = f"got {argv[0]!r}" if argv else "got none"
+        raise ValueError(f"the first argument is the mode, one of {', '.join(modes)} ({got}); see vitp-sweep MODE -h")
+    mode = argv[0]
+    a = _parser(mode).parse_intermixed_args(argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if mode == "eval":
+        paths = eval_sweep(a.run_dir, a.overrides, a.name, a.weights, a.sort)
+    elif mode == "train":
+        paths = train_sweep(a.overrides, a.out, a.sort)
+    else:
+        paths = collect(a.dirs, a.out, a.sort)
+    _report(paths)
+    return paths
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Console entry point ``vitp-sweep eval|train|collect ...``; bad input exits with a one-line
+    message (status 2)."""
+    run_cli("vitp-sweep", run, argv)
+
+
+if __name__ == "__main__":
+    main()
