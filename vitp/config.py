@@ -113,7 +113,7 @@ class SamplerConfig:
 
     method: SamplerMethod = SamplerMethod.heun  # "heun" | "euler"
     steps: int = 20  # number of ODE steps from t=0 to t=1
-    cfg_scale: float = 1.5  # classifier-free guidance scale (1 = no guidance)
+    cfg_scale: float = 1.0  # classifier-free guidance scale (1 = no guidance; the CPU demos' best, README)
     cfg_interval: List[float] = field(default_factory=lambda: [0.0, 1.0])  # CFG where lo < t < hi (and t=0 if lo=0)
     samples_per_class: int = 10  # columns of the sample grid
     grid_classes: int = 10  # rows (classes, evenly spaced) of the sample grid; 0 = all classes
