@@ -34,12 +34,10 @@ import gc
 import itertools
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -73,47 +71,15 @@ def compose(size: str, extra=()):
 
 # ----------------------------------------------------------------------------- process groups
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, fn, args, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        queue.put((rank, fn(*args), None))
-    except BaseException:
-        queue.put((rank, None, traceback.format_exc()))
+def _without_rank(rank, fn, *args):
+    return fn(*args)
 
 
 def run_group(world: int, fn, *args, timeout: float = 1800):
     """``fn(*args)`` on ``world`` fresh ranks of one gloo group; rank 0's result."""
-    import multiprocessing as mp
+    from vitp.parallel.local_group import run_local_group
 
-    ctx = mp.get_context("forkserver")  # ranks fork from one server that imported these once (~8 s each)
-    ctx.set_forkserver_preload(["torch", "deepspeed", "timm", "vitp.train", "vitp.pipeline", "vitp.models"])
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, res, err = queue.get(timeout=timeout)
-            if err:
-                raise RuntimeError(f"rank {rank} failed:\n{err}")
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return results[0]
+    return run_local_group(world, _without_rank, fn, *args, timeout=timeout)[0]
 
 
 # ----------------------------------------------------------------------------- variants

@@ -17,7 +17,9 @@ Kendall) between the measured and predicted orderings as JSON.
 import argparse
 import json
 import os
-import socket
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the ranks
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 MODEL = ["experiment=smoke", "data.resolution=16", "data.channels=3", "data.num_classes=10", "model.width=128",
          "model.depth=4", "model.num_heads=4", "model.mlp_ratio=4", "trainer.global_batch_size=32",
@@ -39,28 +41,7 @@ def parse_args():
     return p.parse_known_args()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, jobs: list, steps: int, warmup: int, base: str, queue) -> None:
-    """One rank: for each ``(name, overrides)`` job, the median seconds of ``steps`` train steps."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", NO_ALBUMENTATIONS_UPDATE="1")
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        queue.put((rank, _time_jobs(jobs, steps, warmup, base), None))
-    except BaseException:  # report to the parent instead of leaving it waiting
-        import traceback
-
-        queue.put((rank, None, traceback.format_exc()))
-
-
-def _time_jobs(jobs: list, steps: int, warmup: int, base: str) -> dict:
+def _time_jobs(rank: int, jobs: list, steps: int, warmup: int, base: str) -> dict:
     """``{name: [median seconds of Trainer.train_step after warmup, per occurrence]}`` on this rank."""
     import statistics
     import time
@@ -93,25 +74,13 @@ def _time_jobs(jobs: list, steps: int, warmup: int, base: str) -> dict:
 
 def measure(jobs: list, world: int, steps: int, warmup: int) -> dict:
     """``{name: [median step seconds per occurrence]}`` of rank 0, for ``jobs`` run by ``world`` ranks."""
-    import multiprocessing as mp
     import tempfile
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "deepspeed", "vitp.train"])
-    queue, port, base = ctx.Queue(), _port(), tempfile.mkdtemp(prefix="vitp-order-")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, steps, warmup, base, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in procs:
-        rank, res, err = queue.get(timeout=7200)
-        if err:
-            raise RuntimeError(f"rank {rank} failed:\n{err}")
-        results[rank] = res
-    for p in procs:
-        p.join(timeout=60)
-    return results[0]
+    from vitp.parallel.local_group import run_local_group
+
+    base = tempfile.mkdtemp(prefix="vitp-order-")
+    return run_local_group(world, _time_jobs, jobs, steps, warmup, base, timeout=7200,
+                           preload=["torch", "deepspeed", "vitp.train"])[0]
 
 
 def ranks(values: list) -> list:

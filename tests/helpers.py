@@ -7,66 +7,26 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import socket  # noqa: E402
-import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from vitp.config import compose as compose_cfg  # noqa: E402,F401
+from vitp.parallel.local_group import free_port, run_local_group  # noqa: E402
 
+_free_port = free_port
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, fn, args, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        queue.put((rank, fn(rank, *args), None))
-    except BaseException:  # report to the parent instead of hanging it
-        queue.put((rank, None, traceback.format_exc()))
-
-
-# Forked from one server that imported these once: a rank starts in ~0.1 s instead of the ~8 s a
-# fresh interpreter spends importing torch, DeepSpeed and timm (the suite starts ~100 ranks).
+# Forked from one server that imported these once (the suite starts ~100 ranks).
 _PRELOAD = ["torch", "deepspeed", "timm", "albumentations", "hydra", "vitp.train", "vitp.data", "vitp.eval",
             "vitp.pipeline", "tests.helpers"]
 
 
-def _context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
 def run_ranks(world: int, fn, *args, timeout: float = 300):
     """Run ``fn(rank, *args)`` in ``world`` fresh processes forming one gloo group; returns the
-    results ordered by rank. ``fn`` must be importable (module level)."""
-    ctx = _context()
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
+    results ordered by rank. ``fn`` must be importable (module level). A failing rank raises
+    ``AssertionError`` with its traceback."""
     try:
-        for _ in range(world):
-            rank, res, err = queue.get(timeout=timeout)
-            if err:
-                raise AssertionError(f"rank {rank} failed:\n{err}")
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
+        return run_local_group(world, fn, *args, timeout=timeout, preload=_PRELOAD)
+    except RuntimeError as e:
+        raise AssertionError(str(e)) from None
 
 
 def train_rank(rank, overrides, run_dir):
