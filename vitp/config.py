@@ -131,6 +131,8 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard tokens over the tp group outside attention/MLP
     zero_stage: int = 1  # DeepSpeed ZeRO stage (0 or 1; >= 2 is incompatible with pipelines)
     activation_checkpoint_interval: int = 0  # layers per activation checkpoint (0 = off)
+    partial_sync: float = 1.0  # CAAT-Net: fraction of channels summed over tp after proj/fc2 (1 = exact TP)
+    partial_sync_scale: str = "sqrt_tp"  # factor on the private channels: "sqrt_tp" | "none"
 
 
 @dataclass
@@ -378,6 +380,10 @@ def _check_run(cfg: "DictConfig") -> None:
           f"trainer.exit_after_minutes={tr.exit_after_minutes}; use a positive number of minutes or null")
     _fail(cfg.eval.num_samples >= 0, f"eval.num_samples={cfg.eval.num_samples}; use >= 0 (0 = held-out size)")
     _fail(math.isfinite(s.cfg_scale), f"sampler.cfg_scale={s.cfg_scale}; use a finite number (1 = no guidance)")
+    par = cfg.parallel
+    _fail(0 <= par.partial_sync <= 1, f"parallel.partial_sync={par.partial_sync}; use [0, 1] (1 = exact TP)")
+    _fail(par.partial_sync_scale in ("sqrt_tp", "none"),
+          f"parallel.partial_sync_scale={par.partial_sync_scale!r}; use 'sqrt_tp' or 'none'")
 
 
 def _check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution") -> None:

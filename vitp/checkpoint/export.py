@@ -44,6 +44,9 @@ def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg
     model = cfg_dict["model"]
     meta = {"format": FORMAT, "vitp_model": json.dumps(model), "vitp_config": json.dumps(cfg_dict),
             "step": str(step if step is not None else -1), "weights": weights}
+    ps = partial_sync_of(cfg_dict.get("parallel"))
+    if ps["p"] < 1.0:  # also in vitp_config; spelled out for readers that do not parse it
+        meta.update(partial_sync=str(ps["p"]), partial_sync_tp=str(ps["tp"]), partial_sync_scale=ps["scale"])
     with atomic_write(path) as tmp:
         save_file(to_export_state(gen_state, model["width"], model["depth"]), str(tmp), metadata=meta)
     side = {"format": FORMAT, "weights": weights, "step": step, "model": model, "tensors": str(path.name)}
@@ -113,11 +116,42 @@ def check_model_matches(file_cfg: Dict[str, Any], model_cfg: Any, keys: Iterable
         raise ValueError(f"{source} was written for another model ({'; '.join(diffs)}); {fix}")
 
 
-def generator_from_state(model_cfg: Any, state: Dict[str, torch.Tensor], device: torch.device | str = "cpu"
-                         ) -> Generator:
-    """A :class:`~vitp.models.Generator` in eval mode holding ``state`` (strict key match)."""
+def partial_sync_of(parallel_cfg: Any) -> Dict[str, Any]:
+    """``{"p", "tp", "scale"}`` of a ``parallel`` config section (or mapping); ``p = 1`` (exact
+    TP, any layout) when absent. A ``p < 1`` model is a function of its weights *and* ``tp``."""
+    par = to_dict(parallel_cfg) if parallel_cfg is not None else {}
+    p = float(par.get("partial_sync", 1.0))
+    return {"p": p, "tp": int(par.get("tp", 1)), "scale": par.get("partial_sync_scale", "sqrt_tp")}
+
+
+def file_partial_sync(meta: Dict[str, str]) -> Dict[str, Any]:
+    """:func:`partial_sync_of` the run config stored in a weights file's metadata."""
+    return partial_sync_of(json.loads(meta["vitp_config"]).get("parallel") if "vitp_config" in meta else None)
+
+
+def check_partial_sync_layout(file_ps: Dict[str, Any], tp: int, p: float, source: str) -> None:
+    """Raise ``ValueError`` when weights trained with ``partial_sync < 1`` are loaded at another
+    tp or another ``p`` (their private channels belong to one TP layout); ``p = 1`` files load anywhere."""
+    if file_ps["p"] >= 1.0 and p >= 1.0:
+        return
+    if (file_ps["tp"], file_ps["p"]) != (int(tp), float(p)):
+        raise ValueError(f"{source} was trained with parallel.partial_sync={file_ps['p']} at parallel.tp="
+                         f"{file_ps['tp']}; each TP rank carries its own private channels, so it runs only at that "
+                         f"layout (now tp={tp}, partial_sync={p}); set parallel.tp={file_ps['tp']} "
+                         f"parallel.partial_sync={file_ps['p']}")
+
+
+def generator_from_state(model_cfg: Any, state: Dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                         partial_sync: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
+    """A :class:`~vitp.models.Generator` in eval mode holding ``state`` (strict key match); with
+    ``partial_sync`` (:func:`partial_sync_of`) at ``p < 1`` and ``tp > 1`` it runs the ``tp``
+    partially synchronized streams on this device (:class:`vitp.models.PartialSyncGenerator`)."""
     gen = Generator.from_config(model_cfg)
     gen.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    if partial_sync and partial_sync["p"] < 1.0 and partial_sync["tp"] > 1:
+        from vitp.models.partial_sync_ref import PartialSyncGenerator
+
+        gen = PartialSyncGenerator(gen, partial_sync["tp"], partial_sync["p"], partial_sync["scale"])
     return gen.to(device).eval()
 
 
@@ -130,4 +164,4 @@ def load_generator(path: str | os.PathLike, device: torch.device | str = "cpu") 
     """
     state, meta = read_export(path)
     cfg = OmegaConf.create(json.loads(meta["vitp_config"]))
-    return generator_from_state(cfg.model, state, device), cfg
+    return generator_from_state(cfg.model, state, device, file_partial_sync(meta)), cfg
