@@ -22,6 +22,10 @@ from vitp.models import Generator, export_key, from_export_state, to_export_stat
 from vitp.utils import atomic_write, atomic_write_text, to_dict
 
 FORMAT = "vitp.export/1"
+PARTIAL_SYNC_NOTE = ("trained with parallel.partial_sync < 1: every TP rank carries private channels, so these full "
+                     "weights compute this model only with its tp streams (trainer.init_from at the same tp and p, "
+                     "or vitp-sample / vitp-eval, which run the streams on one device); a plain timm/vitp model "
+                     "built from them computes another function")
 # model keys that change parameter shapes or names: must match to load weights
 ARCH_KEYS = ("in_channels", "num_classes", "patch_size", "tubelet_size", "width", "depth", "num_heads",
              "mlp_ratio", "mlp", "qkv_bias", "qk_norm", "layer_scale_init")
@@ -35,7 +39,9 @@ def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg
     each atomically (:func:`vitp.utils.atomic_write`).
 
     Metadata: ``format``, ``vitp_model`` (model config JSON), ``vitp_config`` (the run config),
-    ``step``, ``weights`` (``ema`` | ``raw``).
+    ``step``, ``weights`` (``ema`` | ``raw``); for ``parallel.partial_sync < 1`` also
+    ``partial_sync``, ``partial_sync_tp``, ``partial_sync_scale`` (and in the sidecar): the
+    per-rank layout is fixed slices of the full tensors, so these define it.
     """
     from safetensors.torch import save_file
 
@@ -50,6 +56,8 @@ def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg
     with atomic_write(path) as tmp:
         save_file(to_export_state(gen_state, model["width"], model["depth"]), str(tmp), metadata=meta)
     side = {"format": FORMAT, "weights": weights, "step": step, "model": model, "tensors": str(path.name)}
+    if ps["p"] < 1.0:
+        side["partial_sync"] = {**ps, "note": PARTIAL_SYNC_NOTE}
     atomic_write_text(path.with_suffix(".json"), json.dumps(side, indent=2) + "\n", fsync=True)
     return path
 
@@ -118,10 +126,12 @@ def check_model_matches(file_cfg: Dict[str, Any], model_cfg: Any, keys: Iterable
 
 def partial_sync_of(parallel_cfg: Any) -> Dict[str, Any]:
     """``{"p", "tp", "scale"}`` of a ``parallel`` config section (or mapping); ``p = 1`` (exact
-    TP, any layout) when absent. A ``p < 1`` model is a function of its weights *and* ``tp``."""
+    TP, any layout) when absent or at ``tp = 1``. A ``p < 1`` model is a function of its weights
+    *and* ``tp``."""
     par = to_dict(parallel_cfg) if parallel_cfg is not None else {}
-    p = float(par.get("partial_sync", 1.0))
-    return {"p": p, "tp": int(par.get("tp", 1)), "scale": par.get("partial_sync_scale", "sqrt_tp")}
+    tp = int(par.get("tp", 1))
+    p = float(par.get("partial_sync", 1.0)) if tp > 1 else 1.0  # one rank: nothing is private
+    return {"p": p, "tp": tp, "scale": par.get("partial_sync_scale", "sqrt_tp")}
 
 
 def file_partial_sync(meta: Dict[str, str]) -> Dict[str, Any]:

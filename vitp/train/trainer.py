@@ -73,6 +73,8 @@ class Trainer:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
             log.warning("parallel.sequence_parallel=true has no effect with parallel.tp=1")
+        if cfg.parallel.partial_sync < 1 and cfg.parallel.tp == 1:
+            log.warning("parallel.partial_sync < 1 has no effect with parallel.tp=1 (nothing to synchronize)")
         self.device = dist.resolve_device(cfg.trainer.device)
         self.layout = validate_config(cfg, dist.world_size(), self.device.type)
         dist.init_distributed(self.device)
