@@ -46,7 +46,8 @@ def run(argv: Optional[List[str]] = None) -> Path:
           f"and {out.with_suffix('.json')}")
     ps = ckpt.export.partial_sync_of(cfg.get("parallel"))
     if ps["p"] < 1:
-        print(f"note: parallel.partial_sync={ps['p']} at tp={ps['tp']} ({ps['scale']}): {ckpt.export.PARTIAL_SYNC_NOTE}")
+        print(f"note: parallel.partial_sync={ps['p']} at tp={ps['tp']} ({ps['scale']}): "
+              f"{ckpt.export.PARTIAL_SYNC_NOTE}")
     return out
 
 
