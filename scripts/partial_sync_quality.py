@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 DEMOS = {"digits": [], "video": ["experiment=video_demo"]}
-KEYS = ("heldout_loss", "sample_accuracy", "fd_digits_ratio")
+KEYS = ("heldout_loss", "sample_accuracy", "fd_digits_ratio", "temporal_diff_ratio")
 
 
 def _train(run_dir: Path, demo: str, p: float, steps: int, extra: list) -> float:
@@ -44,21 +44,25 @@ def _summary(run_dir: Path, wall: float) -> dict:
     return out
 
 
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
 def _table(results: dict) -> str:
+    """One Markdown table per demo; ratios are against the ``p = 1`` run of the same demo."""
     lines = []
     for demo, per_p in results.items():
         base = per_p.get("1.0", {})
-        lines += [f"\n{demo}:\n", "| p | held-out loss | sample accuracy | FD-digits ratio | samples/s | "
-                  "step time vs p=1 | TP bytes/step vs p=1 |", "|---|---|---|---|---|---|---|"]
+        cols = ["sample_accuracy", "fd_digits_ratio"] if demo == "digits" else ["temporal_diff_ratio"]
+        lines += [f"\n{demo} (tp=2, {next(iter(per_p.values()))['steps']} steps):\n",
+                  "| p | held-out loss | " + " | ".join(cols) + " | samples/s | step time vs p=1 | TP bytes/step vs p=1 |",
+                  "|---" * (len(cols) + 5) + "|"]
         for p, r in per_p.items():
             ratio = base.get("samples_per_s", 0) / r["samples_per_s"] if r.get("samples_per_s") else float("nan")
             tb = r["tp_bytes"] / base["tp_bytes"] if base.get("tp_bytes") and r.get("tp_bytes") else float("nan")
-
-            def f(v):
-                return "-" if v is None else f"{v:.4f}"
-
-            lines.append(f"| {p} | {f(r['heldout_loss'])} | {f(r['sample_accuracy'])} | {f(r['fd_digits_ratio'])} | "
-                         f"{r['samples_per_s']:.1f} | {ratio:.3f} | {tb:.3f} |")
+            vals = " | ".join(_fmt(r.get(c)) for c in cols)
+            lines.append(f"| {p} | {_fmt(r['heldout_loss'])} | {vals} | {r['samples_per_s']:.1f} | {ratio:.3f} | "
+                         f"{tb:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -70,6 +74,8 @@ def main() -> None:
     ap.add_argument("--demos", nargs="+", default=["digits", "video"], choices=list(DEMOS))
     ap.add_argument("--digits-p", type=float, nargs="+", default=[1.0, 0.5, 0.25])
     ap.add_argument("--video-p", type=float, nargs="+", default=[1.0, 0.5])
+    ap.add_argument("--tag", default="", help="label of these runs in the table (e.g. 'scale=none' with the "
+                                              "override parallel.partial_sync_scale=none)")
     ap.add_argument("extra", nargs="*", help="more vitp-train overrides for every run")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -77,11 +83,12 @@ def main() -> None:
     for demo in a.demos:
         steps = a.digits_steps if demo == "digits" else a.video_steps
         for p in (a.digits_p if demo == "digits" else a.video_p):
-            run_dir = a.out / f"{demo}_p{p}"
+            key = f"{p} {a.tag}".strip()
+            run_dir = a.out / f"{demo}_p{p}{'_' + a.tag.replace('=', '_') if a.tag else ''}"
             wall = _train(run_dir, demo, p, steps, a.extra)
-            results.setdefault(demo, {})[str(p)] = {**_summary(run_dir, wall), "steps": steps}
+            results.setdefault(demo, {})[key] = {**_summary(run_dir, wall), "steps": steps}
             (a.out / "quality.json").write_text(json.dumps(results, indent=2))
-            print(demo, p, results[demo][str(p)], flush=True)
+            print(demo, key, results[demo][key], flush=True)
     (a.out / "quality.md").write_text(_table(results))
     print(_table(results))
 
