@@ -55,7 +55,8 @@ def _table(results: dict) -> str:
         base = per_p.get("1.0", {})
         cols = ["sample_accuracy", "fd_digits_ratio"] if demo == "digits" else ["temporal_diff_ratio"]
         lines += [f"\n{demo} (tp=2, {next(iter(per_p.values()))['steps']} steps):\n",
-                  "| p | held-out loss | " + " | ".join(cols) + " | samples/s | step time vs p=1 | TP bytes/step vs p=1 |",
+                  "| p | held-out loss | " + " | ".join(cols)
+                  + " | samples/s | step time vs p=1 | TP bytes/step vs p=1 |",
                   "|---" * (len(cols) + 5) + "|"]
         for p, r in per_p.items():
             ratio = base.get("samples_per_s", 0) / r["samples_per_s"] if r.get("samples_per_s") else float("nan")
