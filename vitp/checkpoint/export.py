@@ -141,8 +141,9 @@ def file_partial_sync(meta: Dict[str, str]) -> Dict[str, Any]:
 
 def check_partial_sync_layout(file_ps: Dict[str, Any], tp: int, p: float, source: str) -> None:
     """Raise ``ValueError`` when weights trained with ``partial_sync < 1`` are loaded at another
-    tp or another ``p`` (their private channels belong to one TP layout); ``p = 1`` files load anywhere."""
-    if file_ps["p"] >= 1.0 and p >= 1.0:
+    tp or another ``p`` (their private channels belong to one TP layout). ``p = 1`` files load
+    anywhere, also into a ``p < 1`` run (weights as a starting point)."""
+    if file_ps["p"] >= 1.0:
         return
     if (file_ps["tp"], file_ps["p"]) != (int(tp), float(p)):
         raise ValueError(f"{source} was trained with parallel.partial_sync={file_ps['p']} at parallel.tp="
