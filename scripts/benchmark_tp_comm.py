@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Tensor-parallel communication of one training micro-batch, measured against theory.
 
-    torchrun --nproc_per_node 2 scripts/benchmark_tp_comm.py [--sp] [--batch 8] [hydra overrides]
+    torchrun --nproc_per_node 2 scripts/benchmark_tp_comm.py [--sp] [--batch 8] [--partial-sync P] [overrides]
 
 Builds the generator from the composed config (default: the digits demo model), shards it over
 all processes (tp = world size), runs one forward/backward under :class:`CommRecorder` and
@@ -15,6 +15,7 @@ theory entry the relative error of the measured bytes and whether it is within `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -26,10 +27,12 @@ def parse_args():
     p.add_argument("--sp", action="store_true", help="sequence parallel")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance of measured vs theory bytes")
+    p.add_argument("--partial-sync", type=float, default=1.0,
+                   help="parallel.partial_sync p: only int(p*D) channels are summed (vitp.parallel.partial_sync)")
     return p.parse_known_args()
 
 
-def build(cfg, sp: bool):
+def build(cfg, sp: bool, partial_sync: float = 1.0):
     """The generator of ``cfg.model``, sharded over all processes (tp = world size)."""
     from vitp.models import Generator, parallelize_generator
     from vitp.parallel import distributed as dist
@@ -38,12 +41,14 @@ def build(cfg, sp: bool):
     dist.init_distributed(dist.resolve_device("cpu"))
     tp = dist.world_size()
     gen = Generator.from_config(cfg.model, seed=cfg.seed)
-    state = make_state(tp=tp, sequence_parallel=sp)
+    state = dataclasses.replace(make_state(tp=tp, sequence_parallel=sp), partial_sync=partial_sync)
     return parallelize_generator(gen, state), tp
 
 
-def theory_bytes(m, batch: int, tp: int, sp: bool):
-    """``(B*N*D fp32 bytes, {collective: bytes})`` of the block linears (tag ``tp``)."""
+def theory_bytes(m, batch: int, tp: int, sp: bool, partial_sync: float = 1.0):
+    """``(B*N*D fp32 bytes, {collective: bytes})`` of the block linears (tag ``tp``); with
+    ``partial_sync = p < 1`` only ``int(p D)`` channels move, forward and backward, as an
+    all-reduce or (SP) a reduce-scatter + all-gather, with no backward re-gather."""
     from vitp.models import num_tokens
 
     N = num_tokens(**m)
@@ -51,6 +56,9 @@ def theory_bytes(m, batch: int, tp: int, sp: bool):
     bnd = batch * n_pad * m.width * 4  # fp32 bytes of one (B, N, D) activation
     kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
     theory = {f"{k}/{d}/tp": 2 * m.depth * bnd for d in ("fwd", "bwd") for k in kinds}
+    if partial_sync < 1:
+        k = int(m.width * partial_sync)
+        return bnd, {key: v * k // m.width for key, v in theory.items()}
     if sp:  # the column-parallel inputs are gathered again in backward instead of saved (Megatron-LM)
         theory["all_gather/bwd/tp"] *= 2
     return bnd, theory
@@ -72,7 +80,7 @@ def main() -> None:
 
     cfg = compose(overrides)
     m = cfg.model
-    gen, tp = build(cfg, args.sp)
+    gen, tp = build(cfg, args.sp, args.partial_sync)
     x = torch.randn(args.batch, m.in_channels, m.num_frames, *parse_resolution(m.image_size))
     t, y = torch.rand(args.batch), torch.randint(0, m.num_classes, (args.batch,))
     start = time.perf_counter()
@@ -80,9 +88,10 @@ def main() -> None:
         gen(x, t, y).pow(2).mean().backward()
     wall = time.perf_counter() - start
     if dist.is_main():
-        bnd, theory = theory_bytes(m, args.batch, tp, args.sp)
+        bnd, theory = theory_bytes(m, args.batch, tp, args.sp, args.partial_sync)
         rows = {f"{k}/{d}/{tag}": v for (k, d, tag), v in sorted(rec.summary().items())}
-        print(json.dumps({"tp": tp, "sequence_parallel": args.sp, "depth": m.depth, "tokens": num_tokens(**m),
+        print(json.dumps({"tp": tp, "sequence_parallel": args.sp, "partial_sync": args.partial_sync,
+                          "depth": m.depth, "tokens": num_tokens(**m),
                           "B*N*D_bytes": bnd, "measured": rows, "theory_block_linears": theory,
                           "wire_bytes_per_rank": rec.wire_bytes(), "step_wall_s": round(wall, 4),
                           **compare(rows, theory, args.rtol)}, indent=1))

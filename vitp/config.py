@@ -134,6 +134,8 @@ class ParallelConfig:
     auto: bool = False  # planner picks tp, pp, SP, AC and micro-batch at launch (command-line ones stay fixed)
     auto_device: Optional[str] = None  # parallel.auto: profile h100|h200|a100|cpu (null = detect from the device)
     auto_memory_gib: Optional[float] = None  # parallel.auto: GiB per device (null = the GPU's, or RAM on CPU)
+    partial_sync: float = 1.0  # CAAT-Net: fraction of channels summed over tp after proj/fc2 (1 = exact TP)
+    partial_sync_scale: str = "sqrt_tp"  # factor on the private channels: "sqrt_tp" | "none"
 
 
 @dataclass
@@ -383,6 +385,10 @@ def _check_run(cfg: "DictConfig") -> None:
     _fail(math.isfinite(s.cfg_scale), f"sampler.cfg_scale={s.cfg_scale}; use a finite number (1 = no guidance)")
     mem = cfg.parallel.auto_memory_gib
     _fail(mem is None or mem > 0, f"parallel.auto_memory_gib={mem}; use a positive number of GiB or null")
+    par = cfg.parallel
+    _fail(0 <= par.partial_sync <= 1, f"parallel.partial_sync={par.partial_sync}; use [0, 1] (1 = exact TP)")
+    _fail(par.partial_sync_scale in ("sqrt_tp", "none"),
+          f"parallel.partial_sync_scale={par.partial_sync_scale!r}; use 'sqrt_tp' or 'none'")
 
 
 def _check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution") -> None:

@@ -239,3 +239,24 @@ def test_telemetry_counts_each_steps_bucket(monkeypatch):
     assert out["perf/tokens_per_s"] == 16 * 16 + 8 * 64
     with pytest.raises(KeyError):
         t.count_step(3)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_partial_sync_block_traffic(models, sp):
+    """``parallel.partial_sync``: the block linears (tag ``tp``) move ``int(p D) / D`` of exact TP
+    (with SP ``0.8 p``: no backward re-gather); layout_of keeps tokens unsharded at ``p < 1``."""
+    from vitp.plan import tp_collectives
+
+    m = to_dict(models["S"])
+
+    def tp_bytes(p):
+        lay = LayoutSpec(2, 2, 1, sp and p == 1, 0, 2, 4, partial_sync=p, partial_sp=sp and p < 1)
+        return sum(c.count * c.nbytes for s in (0, 1) for c in tp_collectives(m, lay, s) if c.tag == "tp")
+
+    for p in (0.5, 0.25):
+        assert tp_bytes(p) / tp_bytes(1.0) == pytest.approx(p * (0.8 if sp else 1.0), abs=1e-12)
+    cfg = compose_cfg(plan_case("S", 2, 1, 2, sp=sp, extra=["parallel.partial_sync=0.5"]))
+    lay = layout_of(cfg, 4)
+    assert (lay.sp, lay.partial_sp, lay.partial_sync) == (False, sp, 0.5)
+    assert "parallel.partial_sync=0.5" in lay.overrides()
+    assert f"parallel.sequence_parallel={str(sp).lower()}" in lay.overrides()

@@ -90,6 +90,20 @@ def test_benchmark_tp_comm(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True])
+def test_benchmark_tp_comm_partial_sync(tmp_path, sp):
+    """``--partial-sync 0.5``: the block linears move half the channels (64 of 128), measured = theory."""
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "scripts/benchmark_tp_comm.py",
+            "--batch", "2", "--partial-sync", "0.5", *(["--sp"] if sp else [])]
+    out = _json_object(_run(args, tmp_path), "theory_block_linears")
+    half = 2 * 16 * 64 * 4 * 2 * 6  # B N k fp32, 2 per block, 6 blocks
+    kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
+    assert out["partial_sync"] == 0.5 and out["theory_block_linears"] == {
+        f"{k}/{d}/tp": half for k in kinds for d in ("fwd", "bwd")}
+    assert out["within_rtol"] is True and all(out["measured"][k]["bytes"] == half for k in out["theory_block_linears"])
+
+
+@pytest.mark.slow
 def test_bench_quick(tmp_path):
     """``scripts/bench.py --quick``: every section on the tiny model writes its JSON and Markdown."""
     out = tmp_path / "bench"

@@ -22,6 +22,10 @@ from vitp.models import Generator, export_key, from_export_state, to_export_stat
 from vitp.utils import atomic_write, atomic_write_text, to_dict
 
 FORMAT = "vitp.export/1"
+PARTIAL_SYNC_NOTE = ("trained with parallel.partial_sync < 1: every TP rank carries private channels, so these full "
+                     "weights compute this model only with its tp streams (trainer.init_from at the same tp and p, "
+                     "or vitp-sample / vitp-eval, which run the streams on one device); a plain timm/vitp model "
+                     "built from them computes another function")
 # model keys that change parameter shapes or names: must match to load weights
 ARCH_KEYS = ("in_channels", "num_classes", "patch_size", "tubelet_size", "width", "depth", "num_heads",
              "mlp_ratio", "mlp", "qkv_bias", "qk_norm", "layer_scale_init")
@@ -35,7 +39,9 @@ def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg
     each atomically (:func:`vitp.utils.atomic_write`).
 
     Metadata: ``format``, ``vitp_model`` (model config JSON), ``vitp_config`` (the run config),
-    ``step``, ``weights`` (``ema`` | ``raw``).
+    ``step``, ``weights`` (``ema`` | ``raw``); for ``parallel.partial_sync < 1`` also
+    ``partial_sync``, ``partial_sync_tp``, ``partial_sync_scale`` (and in the sidecar): the
+    per-rank layout is fixed slices of the full tensors, so these define it.
     """
     from safetensors.torch import save_file
 
@@ -44,9 +50,14 @@ def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg
     model = cfg_dict["model"]
     meta = {"format": FORMAT, "vitp_model": json.dumps(model), "vitp_config": json.dumps(cfg_dict),
             "step": str(step if step is not None else -1), "weights": weights}
+    ps = partial_sync_of(cfg_dict.get("parallel"))
+    if ps["p"] < 1.0:  # also in vitp_config; spelled out for readers that do not parse it
+        meta.update(partial_sync=str(ps["p"]), partial_sync_tp=str(ps["tp"]), partial_sync_scale=ps["scale"])
     with atomic_write(path) as tmp:
         save_file(to_export_state(gen_state, model["width"], model["depth"]), str(tmp), metadata=meta)
     side = {"format": FORMAT, "weights": weights, "step": step, "model": model, "tensors": str(path.name)}
+    if ps["p"] < 1.0:
+        side["partial_sync"] = {**ps, "note": PARTIAL_SYNC_NOTE}
     atomic_write_text(path.with_suffix(".json"), json.dumps(side, indent=2) + "\n", fsync=True)
     return path
 
@@ -113,11 +124,45 @@ def check_model_matches(file_cfg: Dict[str, Any], model_cfg: Any, keys: Iterable
         raise ValueError(f"{source} was written for another model ({'; '.join(diffs)}); {fix}")
 
 
-def generator_from_state(model_cfg: Any, state: Dict[str, torch.Tensor], device: torch.device | str = "cpu"
-                         ) -> Generator:
-    """A :class:`~vitp.models.Generator` in eval mode holding ``state`` (strict key match)."""
+def partial_sync_of(parallel_cfg: Any) -> Dict[str, Any]:
+    """``{"p", "tp", "scale"}`` of a ``parallel`` config section (or mapping); ``p = 1`` (exact
+    TP, any layout) when absent or at ``tp = 1``. A ``p < 1`` model is a function of its weights
+    *and* ``tp``."""
+    par = to_dict(parallel_cfg) if parallel_cfg is not None else {}
+    tp = int(par.get("tp", 1))
+    p = float(par.get("partial_sync", 1.0)) if tp > 1 else 1.0  # one rank: nothing is private
+    return {"p": p, "tp": tp, "scale": par.get("partial_sync_scale", "sqrt_tp")}
+
+
+def file_partial_sync(meta: Dict[str, str]) -> Dict[str, Any]:
+    """:func:`partial_sync_of` the run config stored in a weights file's metadata."""
+    return partial_sync_of(json.loads(meta["vitp_config"]).get("parallel") if "vitp_config" in meta else None)
+
+
+def check_partial_sync_layout(file_ps: Dict[str, Any], tp: int, p: float, source: str) -> None:
+    """Raise ``ValueError`` when weights trained with ``partial_sync < 1`` are loaded at another
+    tp or another ``p`` (their private channels belong to one TP layout). ``p = 1`` files load
+    anywhere, also into a ``p < 1`` run (weights as a starting point)."""
+    if file_ps["p"] >= 1.0:
+        return
+    if (file_ps["tp"], file_ps["p"]) != (int(tp), float(p)):
+        raise ValueError(f"{source} was trained with parallel.partial_sync={file_ps['p']} at parallel.tp="
+                         f"{file_ps['tp']}; each TP rank carries its own private channels, so it runs only at that "
+                         f"layout (now tp={tp}, partial_sync={p}); set parallel.tp={file_ps['tp']} "
+                         f"parallel.partial_sync={file_ps['p']}")
+
+
+def generator_from_state(model_cfg: Any, state: Dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                         partial_sync: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
+    """A :class:`~vitp.models.Generator` in eval mode holding ``state`` (strict key match); with
+    ``partial_sync`` (:func:`partial_sync_of`) at ``p < 1`` and ``tp > 1`` it runs the ``tp``
+    partially synchronized streams on this device (:class:`vitp.models.PartialSyncGenerator`)."""
     gen = Generator.from_config(model_cfg)
     gen.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    if partial_sync and partial_sync["p"] < 1.0 and partial_sync["tp"] > 1:
+        from vitp.models.partial_sync_ref import PartialSyncGenerator
+
+        gen = PartialSyncGenerator(gen, partial_sync["tp"], partial_sync["p"], partial_sync["scale"])
     return gen.to(device).eval()
 
 
@@ -130,4 +175,4 @@ def load_generator(path: str | os.PathLike, device: torch.device | str = "cpu") 
     """
     state, meta = read_export(path)
     cfg = OmegaConf.create(json.loads(meta["vitp_config"]))
-    return generator_from_state(cfg.model, state, device), cfg
+    return generator_from_state(cfg.model, state, device, file_partial_sync(meta)), cfg

@@ -14,7 +14,14 @@ from vitp.parallel import ParallelState
 from vitp.parallel import distributed as dist
 from vitp.pipeline import load_full_state
 
-from .export import ARCH_KEYS, check_model_matches, file_model, read_export
+from .export import (
+    ARCH_KEYS,
+    check_model_matches,
+    check_partial_sync_layout,
+    file_model,
+    file_partial_sync,
+    read_export,
+)
 from .timm import load_timm_state, timm_block_state
 
 log = logging.getLogger("vitp")
@@ -30,6 +37,7 @@ def init_from_export(module: torch.nn.Module, cfg: DictConfig, state: ParallelSt
     full, meta = read_export(path)
     check_model_matches(file_model(meta), cfg.model, ARCH_KEYS, path,
                         "set those model.* keys to the file's values (see its .json sidecar)")
+    check_partial_sync_layout(file_partial_sync(meta), state.tp_size, state.partial_sync, path)
     load_full_state(module, full, state, cfg.model.depth, source=path, strict=True)
     if dist.is_main():
         log.info("initialised all %d tensors from %s (step %s, %s weights)", len(full), path,

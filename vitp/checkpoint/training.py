@@ -187,6 +187,15 @@ def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout
     mine = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "precision": layout.precision,
             "zero_stage": cfg.parallel.zero_stage}
     diffs = [f"{k}: {meta.get(k)!r} in the checkpoint vs {v!r} now" for k, v in mine.items() if meta.get(k) != v]
+    p_file, p_now = float(meta.get("partial_sync", 1.0)), float(cfg.parallel.partial_sync)  # absent: exact TP
+    if p_file != p_now:
+        diffs.append(f"parallel.partial_sync: {p_file} in the checkpoint vs {p_now} now")
+    elif p_file < 1 and meta.get("tp") != layout.tp:
+        diffs.append(f"parallel.partial_sync={p_file}: every TP rank carries its own channels, so it runs only at "
+                     f"tp={meta.get('tp')}")
+    elif p_now < 1 and meta.get("partial_sync_scale") != cfg.parallel.partial_sync_scale:
+        diffs.append(f"parallel.partial_sync_scale: {meta.get('partial_sync_scale')!r} in the checkpoint vs "
+                     f"{cfg.parallel.partial_sync_scale!r} now")
     # checkpoints written before vitp chose the engine's stage ran parallel.zero_stage itself
     ran, runs = meta.get("engine_zero_stage", meta.get("zero_stage")), layout.engine_zero_stage(cfg.parallel.zero_stage)
     if not diffs and ran != runs:

@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from vitp.checkpoint import ARCH_KEYS, check_model_matches, generator_from_state, read_export, resolve_weights
-from vitp.checkpoint.export import file_model
+from vitp.checkpoint.export import file_model, file_partial_sync
 from vitp.cli import run_cli
 from vitp.config import Config, check_keys, unknown_key_message, validate_config
 from vitp.data import build_datasets
@@ -47,7 +47,7 @@ def load_generator_for(path: Path, cfg: DictConfig):
     state, meta = read_export(path)
     check_model_matches(file_model(meta), cfg.model, ARCH_KEYS, str(path),
                         "pass --weights of this run, or evaluate that file's own run directory")
-    return generator_from_state(file_model(meta), state, resolve_device(cfg.trainer.device))
+    return generator_from_state(file_model(meta), state, resolve_device(cfg.trainer.device), file_partial_sync(meta))
 
 
 def main(argv: Optional[list] = None) -> None:

@@ -44,6 +44,10 @@ def run(argv: Optional[List[str]] = None) -> Path:
     n = sum(v.numel() for v in state.values())
     print(f"wrote {out} ({len(state)} tensors, {n / 1e6:.3f}M parameters, step {step}, {a.weights} weights) "
           f"and {out.with_suffix('.json')}")
+    ps = ckpt.export.partial_sync_of(cfg.get("parallel"))
+    if ps["p"] < 1:
+        print(f"note: parallel.partial_sync={ps['p']} at tp={ps['tp']} ({ps['scale']}): "
+              f"{ckpt.export.PARTIAL_SYNC_NOTE}")
     return out
 
 

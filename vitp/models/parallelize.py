@@ -17,9 +17,14 @@ The generic machinery is :mod:`vitp.parallel`; this plan names the generator's m
   give a partial sum). The conditioning ``c``'s gradient is then a per-rank partial sum in every
   consumer, so it is summed once, where ``c`` leaves :class:`~vitp.models.generator.Embed`
   (one all-reduce of ``(B, D)`` per micro-batch, tag ``cond``), instead of once per block.
+- with ``parallel.partial_sync < 1`` (:mod:`vitp.parallel.partial_sync`) every rank keeps its
+  own residual stream: no token sharding (SP only changes how the synchronized slice moves),
+  the modulation gradients are reduce-scattered (per-rank partial), the patch embedding and the
+  head get TP-partial gradients, and the prediction is the mean over the TP group.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch.nn as nn
@@ -29,10 +34,12 @@ from vitp.parallel import (
     ParallelState,
     SequenceInfo,
     parallelize_block,
+    register_grad_allreduce,
     sequence_parallel_enter,
     sequence_parallel_exit,
 )
 from vitp.parallel.mappings import copy_to_tp_region
+from vitp.parallel.partial_sync import mean_over_tp
 
 from .generator import Block, Embed, FinalLayer
 
@@ -57,6 +64,21 @@ def _install_hooks(model: nn.Module, state: ParallelState, info: SequenceInfo) -
             m.register_forward_hook(after_embed)
         elif isinstance(m, FinalLayer) and state.sequence_parallel:
             m.register_forward_pre_hook(before_final)
+
+
+def _install_partial_sync(model: nn.Module, state: ParallelState) -> None:
+    """``parallel.partial_sync < 1``: the patch embedding and the output head see this rank's own
+    stream, so their (replicated) parameters get per-rank partial gradients, summed over the TP
+    group; the prediction is the mean of the ranks' predictions (:func:`mean_over_tp`, tag
+    ``head``), identical on every rank."""
+    for m in model.modules():
+        if isinstance(m, Embed):
+            for p in m.x_embedder.parameters():
+                register_grad_allreduce(p, state, "tp_partial_grad")
+        elif isinstance(m, FinalLayer):
+            for p in m.linear.parameters():
+                register_grad_allreduce(p, state, "tp_partial_grad")
+            m.register_forward_hook(lambda _m, _a, out: mean_over_tp(out, state.tp_group))
 
 
 def _shard_modulation(seq: nn.Sequential, state: ParallelState, partial_output_grad: bool) -> None:
@@ -99,8 +121,13 @@ def parallelize_generator(model: nn.Module, state: ParallelState, seq_len: Optio
                          "stage without Embed/FinalLayer (e.g. a middle pipeline stage)")
     for blk in blocks:
         parallelize_block(blk, state, info, replicated_skip=("adaLN_modulation",))
-        _shard_modulation(blk.adaLN_modulation, state, partial_output_grad=state.sequence_parallel)
+        # per-rank partial gradient of the modulation vector: SP (token shards) or private channels
+        _shard_modulation(blk.adaLN_modulation, state, partial_output_grad=state.sequence_parallel or state.partial)
     for final in (m for m in model.modules() if isinstance(m, FinalLayer)):
-        _shard_modulation(final.adaLN_modulation, state, partial_output_grad=False)  # after the SP exit
-    _install_hooks(model, state, info)
+        _shard_modulation(final.adaLN_modulation, state, partial_output_grad=state.partial)  # after the SP exit
+    if state.partial:  # no token-sharded region: every rank's stream holds all tokens
+        _install_partial_sync(model, state)
+        _install_hooks(model, dataclasses.replace(state, sequence_parallel=False), info)
+    else:
+        _install_hooks(model, state, info)
     return model

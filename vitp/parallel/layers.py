@@ -263,6 +263,7 @@ class RowParallelLinear(NoDeepcopy, nn.Module):
         self.group = state.tp_group
         self.weight = weight
         self.bias = bias
+        self.partial_sync = None  # vitp.parallel.partial_sync.PartialSync: sum only some channels
         _mark_sharded(self.weight, 1, 1)
         if self.bias is not None and self.sequence_parallel:
             register_grad_allreduce(self.bias, state, "sequence_parallel")
@@ -283,7 +284,9 @@ class RowParallelLinear(NoDeepcopy, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        if self.sequence_parallel:
+        if self.partial_sync is not None:
+            y = self.partial_sync(y)
+        elif self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(y, self.group)
         else:
             y = reduce_from_tp_region(y, self.group)

@@ -23,7 +23,9 @@ class ParallelState:
     is forced to ``False`` when ``tp_size == 1`` (there is nothing to shard). ``defer_grad_sync``:
     replicated parameters with TP-partial gradients are summed once per step by
     :func:`vitp.parallel.grads.sync_partial_grads` (which the caller runs) instead of by a
-    gradient hook per backward.
+    gradient hook per backward. ``partial_sync`` (``p``) and ``partial_sync_scale``: the
+    fraction of channels summed after each row-parallel layer and the factor on the others
+    (:mod:`vitp.parallel.partial_sync`); ``p = 1`` is exact tensor parallelism.
     """
 
     tp_group: Any = None
@@ -35,13 +37,21 @@ class ParallelState:
     pp_size: int = 1
     sequence_parallel: bool = False
     defer_grad_sync: bool = False
+    partial_sync: float = 1.0
+    partial_sync_scale: str = "sqrt_tp"
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tp_size == 1:
             self.sequence_parallel = False  # nothing to shard; keeps the single-process path plain
 
+    @property
+    def partial(self) -> bool:
+        """True when private channels exist (``partial_sync < 1`` at ``tp > 1``)."""
+        return self.tp_size > 1 and self.partial_sync < 1.0
 
-def from_grid(grid: Any, sequence_parallel: bool = False, defer_grad_sync: bool = False) -> ParallelState:
+
+def from_grid(grid: Any, sequence_parallel: bool = False, defer_grad_sync: bool = False, partial_sync: float = 1.0,
+              partial_sync_scale: str = "sqrt_tp") -> ParallelState:
     """:class:`ParallelState` of a DeepSpeed ``PipelineParallelGrid`` (e.g. ``PipelineModule._grid``)."""
     return ParallelState(
         tp_group=grid.get_slice_parallel_group(),
@@ -53,6 +63,8 @@ def from_grid(grid: Any, sequence_parallel: bool = False, defer_grad_sync: bool 
         pp_size=grid.pipe_parallel_size,
         sequence_parallel=sequence_parallel,
         defer_grad_sync=defer_grad_sync,
+        partial_sync=float(partial_sync),
+        partial_sync_scale=partial_sync_scale,
     )
 
 

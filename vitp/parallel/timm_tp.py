@@ -42,6 +42,7 @@ input instead (:class:`vitp.models.GridAttention`), which is the same computatio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
@@ -63,6 +64,7 @@ from .mappings import (
     gather_from_sequence_region_to_replicated,
     scatter_to_sequence_region,
 )
+from .partial_sync import attach_partial_sync
 from .random import sharded_fork
 from .state import ParallelState, _divisors
 
@@ -207,6 +209,7 @@ class TPMlp(nn.Module):
         self.act, self.drop1, self.norm = mlp.act, mlp.drop1, nn.Identity()
         self.fc2 = RowParallelLinear.from_linear(mlp.fc2, state)
         self.drop2 = mlp.drop2
+        self.input_comm = True  # False: the input is this rank's own stream (partial sync)
 
     @classmethod
     def from_timm(cls, mlp: nn.Module, state: ParallelState) -> "TPMlp":
@@ -220,7 +223,8 @@ class TPMlp(nn.Module):
         fcs = (self.fc1_g, self.fc1_x) if self.kind == "swiglu" else (self.fc1,)
         if self.sequence_parallel:
             return gather_linears(x, [(fc.weight, fc.bias) for fc in fcs], self.group)
-        x = copy_to_tp_region(x, self.group)
+        if self.input_comm:
+            x = copy_to_tp_region(x, self.group)
         return tuple(fc(x) for fc in fcs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -284,18 +288,29 @@ def parallelize_block(blk: nn.Module, state: ParallelState, info: SequenceInfo,
     With sequence parallelism every other parameter of the block (norms, LayerScale, biases; not
     the children named in ``replicated_skip``, which the caller handles) sees only this rank's
     tokens, so its gradient is summed over the TP group by a hook (``sequence_parallel=True``).
+
+    With ``state.partial_sync < 1`` (:mod:`vitp.parallel.partial_sync`) the layers are built
+    without sequence parallelism, ``qkv`` / ``fc1`` read this rank's own stream (no collective),
+    ``proj`` / ``fc2`` sum only the first ``int(p * D)`` channels, and every other parameter of
+    the block (and the row-parallel biases) gets its per-rank partial gradient summed over the TP
+    group (``tp_partial_grad=True``).
     """
-    blk.attn = TPAttention.from_timm(blk.attn, state, info)
-    blk.mlp = TPMlp.from_timm(blk.mlp, state)
-    if not state.sequence_parallel:
+    tp_state = dataclasses.replace(state, sequence_parallel=False) if state.partial else state
+    blk.attn = TPAttention.from_timm(blk.attn, tp_state, info)
+    blk.mlp = TPMlp.from_timm(blk.mlp, tp_state)
+    if state.partial:
+        blk.mlp.input_comm = False
+        attach_partial_sync([blk.attn.proj, blk.mlp.fc2], [blk.attn.qkv], state)
+    elif not state.sequence_parallel:
         return
+    attr = "tp_partial_grad" if state.partial else "sequence_parallel"
     skip = {"attn", "mlp", *replicated_skip}
     for name, child in blk.named_children():
         if name not in skip:
             for p in child.parameters():
-                register_grad_allreduce(p, state, "sequence_parallel")
+                register_grad_allreduce(p, state, attr)
     for p in blk.parameters(recurse=False):
-        register_grad_allreduce(p, state, "sequence_parallel")
+        register_grad_allreduce(p, state, attr)
 
 
 def _install_vit_hooks(vit: nn.Module, state: ParallelState, info: SequenceInfo) -> None:
@@ -327,6 +342,9 @@ def tensor_parallelize(model: nn.Module, state: ParallelState, seq_len: Optional
     """
     if state.tp_size == 1:
         return model
+    if state.partial:
+        raise ValueError("parallel.partial_sync < 1 needs a model plan that owns the output head "
+                         "(vitp.models.parallelize_generator); tensor_parallelize supports partial_sync=1 only")
     from timm.models.vision_transformer import VisionTransformer
 
     blocks = [m for m in model.modules() if is_timm_block(m)]

@@ -12,7 +12,8 @@ layer ``(b, 2D)``) is all-gathered in forward and, under SP, its gradient reduce
 ``c``'s partial gradient is all-reduced once per micro-batch where it leaves the embedding (twice
 on the first stage of a pipeline, which also receives ``c``'s gradient from the next stage).
 Replicated parameters that see only local tokens (row-parallel biases, LayerScale under SP;
-q/k-norm weights always) have their gradients summed in one flat all-reduce per step. Activation
+q/k-norm weights always) have their gradients summed in one flat all-reduce per step. With
+``parallel.partial_sync < 1`` see :func:`_partial_block_collectives`. Activation
 checkpointing runs the forward collectives of every checkpointed layer again. :func:`tp_collectives` lists them as
 :class:`vitp.parallel.CommRecorder` records them (logical tensor bytes, direction, tag).
 
@@ -40,7 +41,7 @@ class Collective:
 
     kind: str  # all_reduce | all_gather | reduce_scatter
     direction: str  # fwd | bwd
-    tag: str  # tp | cond | sp_boundary | param_grad
+    tag: str  # tp | cond | sp_boundary | param_grad | head
     nbytes: float
     count: int = 1
     per_step: bool = False  # once per optimizer step, not per micro-batch
@@ -69,6 +70,47 @@ def _block_collectives(shape: ModelShape, lay: LayoutSpec) -> Tuple[List[Collect
     return fwd, bwd, partial
 
 
+def _partial_block_collectives(shape: ModelShape, lay: LayoutSpec
+                               ) -> Tuple[List[Collective], List[Collective], int]:
+    """:func:`_block_collectives` with ``parallel.partial_sync = p < 1``
+    (:mod:`vitp.parallel.partial_sync`): after ``proj`` and ``fc2`` only ``k = int(p D)``
+    channels are summed, forward and backward (all-reduce, or with SP a reduce-scatter plus an
+    all-gather over tokens padded to a multiple of tp); the column inputs need no collective; the
+    modulation's gradient is reduce-scattered; row biases and LayerScale get TP-partial gradients."""
+    a, D, hd = ACT_BYTES[lay.precision], shape.width, shape.width // shape.heads
+    k = int(D * lay.partial_sync)
+    n = gathered_tokens(shape.tokens, lay.tp, lay.partial_sp)
+    Tk = lay.micro * n * k * a
+    if not k:
+        sync = []
+    elif lay.partial_sp:
+        sync = [("reduce_scatter", Tk), ("all_gather", Tk)]
+    else:
+        sync = [("all_reduce", Tk)]
+    mod = lay.micro * 6 * D * a
+    fwd = [Collective(kind, "fwd", "tp", nb, 2) for kind, nb in sync] + [Collective("all_gather", "fwd", "cond", mod)]
+    bwd = [Collective(kind, "bwd", "tp", nb, 2) for kind, nb in sync] + [Collective("reduce_scatter", "bwd", "cond",
+                                                                                     mod)]
+    partial = (4 * hd if shape.qk_norm else 0) + 2 * D + (2 * D if shape.layer_scale else 0)
+    return fwd, bwd, partial
+
+
+def _partial_stage_extras(shape: ModelShape, lay: LayoutSpec, first: int, end: int) -> Tuple[List[Collective], int]:
+    """Outside the blocks at ``p < 1``: the head's mean over the TP group and the final
+    modulation's reduce-scattered gradient (last stage); TP-partial gradient elements of the patch
+    embedding (first stage) and the head's linear (last stage)."""
+    a, D, pv = ACT_BYTES[lay.precision], shape.width, shape.patch_values
+    out, partial = [], 0
+    if first == 0:
+        partial += pv * D + D
+    if end == shape.depth + 2:
+        redo = 2 if lay.ac else 1
+        out += [Collective("all_reduce", "fwd", "head", lay.micro * shape.pixels * a, redo),
+                Collective("reduce_scatter", "bwd", "cond", lay.micro * 2 * D * a)]
+        partial += pv * D + pv
+    return out, partial
+
+
 def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
     """Tensor-parallel collectives of one micro-batch on a rank of pipeline stage ``stage``, plus
     those marked ``per_step`` that run once per optimizer step (empty when ``tp == 1``)."""
@@ -77,7 +119,8 @@ def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
     shape = ModelShape.from_config(model)
     first, end = stage_layer_ranges(shape.depth, lay.pp)[stage]
     blocks = sum(1 for i in range(first, end) if 0 < i <= shape.depth)
-    fwd, bwd, partial = _block_collectives(shape, lay)
+    fwd, bwd, partial = (_partial_block_collectives if lay.partial_sync < 1 else _block_collectives)(shape, lay)
+    partial *= blocks
     redo = 2 if lay.ac else 1
     a, D = ACT_BYTES[lay.precision], shape.width
     out = [Collective(c.kind, c.direction, c.tag, c.nbytes, c.count * blocks * redo) for c in fwd]
@@ -86,8 +129,11 @@ def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
         out.append(Collective("all_gather", "fwd", "cond", lay.micro * 2 * D * a, redo))
     if first == 0:  # c's gradient where it leaves the embedding (+ the one received from stage 1)
         out.append(Collective("all_reduce", "bwd", "cond", lay.micro * D * a, 2 if lay.pp > 1 else 1))
-    if partial and blocks:
-        out.append(Collective("all_reduce", "bwd", "param_grad", blocks * partial * a, per_step=True))
+    if lay.partial_sync < 1:
+        extra, more = _partial_stage_extras(shape, lay, first, end)
+        out, partial = out + extra, partial + more
+    if partial:
+        out.append(Collective("all_reduce", "bwd", "param_grad", partial * a, per_step=True))
     if lay.sp:
         T = lay.micro * gathered_tokens(shape.tokens, lay.tp, True) * shape.width * ACT_BYTES[lay.precision]
         if first == 0:  # scatter after the embedding: its gradient is all-gathered

@@ -17,7 +17,10 @@ class LayoutSpec:
     ``micro`` samples per micro-batch per dp rank, ``accum`` micro-batches per optimizer step
     (DeepSpeed's gradient accumulation steps, the 1F1B pipeline's micro-batch count);
     ``ac`` layers per activation checkpoint (0 = off); ``precision`` fp32 | bf16; ``device`` the
-    device type (cpu | cuda) the kernels run on.
+    device type (cpu | cuda) the kernels run on. ``partial_sync`` (``p < 1``,
+    :mod:`vitp.parallel.partial_sync`): every TP rank keeps its own residual stream, so no token is
+    sharded (``sp`` is False) and ``partial_sp`` says the synchronized slice moves as
+    reduce-scatter + all-gather.
     """
 
     tp: int
@@ -30,6 +33,8 @@ class LayoutSpec:
     precision: str = "fp32"
     zero_stage: int = 1
     device: str = "cpu"
+    partial_sync: float = 1.0
+    partial_sp: bool = False
 
     @property
     def world(self) -> int:
@@ -44,9 +49,10 @@ class LayoutSpec:
 
     def overrides(self) -> List[str]:
         """The ``vitp-train`` overrides that select this layout."""
-        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
-                f"parallel.sequence_parallel={str(self.sp).lower()}",
-                f"parallel.activation_checkpoint_interval={self.ac}", f"trainer.micro_batch_size={self.micro}"]
+        out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+               f"parallel.sequence_parallel={str(self.sp or self.partial_sp).lower()}",
+               f"parallel.activation_checkpoint_interval={self.ac}", f"trainer.micro_batch_size={self.micro}"]
+        return out + ([f"parallel.partial_sync={self.partial_sync}"] if self.partial_sync < 1 else [])
 
 
 def layout_of(cfg: Any, world_size: int, device_type: str = "cpu") -> LayoutSpec:
@@ -59,9 +65,11 @@ def layout_of(cfg: Any, world_size: int, device_type: str = "cpu") -> LayoutSpec
     lay = validate_layout(cfg, world_size, device_type)
     tr, par = cfg.trainer, cfg.parallel
     sp = bool(par.sequence_parallel) and lay.tp > 1
-    return LayoutSpec(tp=lay.tp, pp=lay.pp, dp=lay.dp, sp=sp, ac=int(par.activation_checkpoint_interval),
+    p = float(par.get("partial_sync", 1.0)) if lay.tp > 1 else 1.0
+    return LayoutSpec(tp=lay.tp, pp=lay.pp, dp=lay.dp, sp=sp and p >= 1, ac=int(par.activation_checkpoint_interval),
                       micro=int(tr.micro_batch_size), accum=tr.global_batch_size // (tr.micro_batch_size * lay.dp),
-                      precision=lay.precision, zero_stage=lay.engine_zero_stage(par.zero_stage), device=device_type)
+                      precision=lay.precision, zero_stage=lay.engine_zero_stage(par.zero_stage), device=device_type,
+                      partial_sync=p, partial_sp=sp and p < 1)
 
 
 def _divisors(n: int) -> List[int]:

@@ -85,7 +85,8 @@ class Checkpointer:
         rank 0, ``None`` elsewhere."""
         tr = self.cfg.trainer
         meta = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "precision": self.layout.precision,
-                "zero_stage": self.cfg.parallel.zero_stage,
+                "zero_stage": self.cfg.parallel.zero_stage, "partial_sync": float(self.cfg.parallel.partial_sync),
+                "partial_sync_scale": self.cfg.parallel.partial_sync_scale,
                 "engine_zero_stage": self.layout.engine_zero_stage(self.cfg.parallel.zero_stage),
                 "model": OmegaConf.to_container(self.cfg.model, resolve=True), "ema_updates": ema.updates,
                 "seed": self.cfg.seed, "global_batch_size": tr.global_batch_size, "max_steps": tr.max_steps}

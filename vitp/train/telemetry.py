@@ -40,7 +40,7 @@ from vitp.parallel import distributed as dist
 
 log = logging.getLogger("vitp")
 
-TP_TAGS = ("tp", "cond", "sp_boundary", "param_grad")  # training collectives (not "export")
+TP_TAGS = ("tp", "cond", "sp_boundary", "param_grad", "head")  # training collectives (not "export")
 
 
 class TimedIterator:

@@ -81,6 +81,8 @@ class Trainer:
             self.auto = apply_auto_layout(cfg, self.run_dir, self.device, overrides)
         if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
             log.warning("parallel.sequence_parallel=true has no effect with parallel.tp=1")
+        if cfg.parallel.partial_sync < 1 and cfg.parallel.tp == 1:
+            log.warning("parallel.partial_sync < 1 has no effect with parallel.tp=1 (nothing to synchronize)")
         self.layout = validate_config(cfg, dist.world_size(), self.device.type)
         dist.init_distributed(self.device)
         self.main = dist.is_main()  # rank 0 writes everything
@@ -144,7 +146,9 @@ class Trainer:
             self.module = build_pipeline(cfg.model, self.loss_fn, seed=cfg.seed, tp=lay.tp, pp=lay.pp, dp=lay.dp,
                                          activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
         # TP-partial gradients are summed once per step (engine.install_step_hook), not per micro-batch
-        self.state = from_grid(self.module._grid, cfg.parallel.sequence_parallel, defer_grad_sync=True)
+        par = cfg.parallel
+        self.state = from_grid(self.module._grid, par.sequence_parallel, defer_grad_sync=True,
+                               partial_sync=par.partial_sync, partial_sync_scale=par.partial_sync_scale)
         parallelize_generator(self.module, self.state, seq_len=num_tokens(**cfg.model))
         if self.checkpointer.resume_tag is None:
             initialize_weights(self.module, cfg, self.state)
@@ -221,9 +225,13 @@ class Trainer:
     def ema_generator(self):
         """The EMA weights as a single-process generator on rank 0 (collective; ``None`` elsewhere)."""
         from vitp.checkpoint import generator_from_state
+        from vitp.checkpoint.export import partial_sync_of
 
         full = self.full_state(self.ema.state_dict())
-        return generator_from_state(self.cfg.model, full, self.device) if self.main else None
+        if not self.main:
+            return None
+        # partial_sync < 1: the tp streams run on this device (vitp.models.PartialSyncGenerator)
+        return generator_from_state(self.cfg.model, full, self.device, partial_sync_of(self.cfg.parallel))
 
     def sample_grid(self, step: int) -> None:
         """Fixed-seed sample grid (and GIFs for video) of the EMA weights, to files and TensorBoard:

@@ -1,0 +1,138 @@
+"""Single-process reference of a partially synchronized generator (:mod:`vitp.parallel.partial_sync`).
+
+:class:`PartialSyncGenerator` runs the ``tp`` residual streams of a ``parallel.partial_sync < 1``
+model one after the other in one process, from the full (timm-layout) weights of a
+:class:`~vitp.models.Generator`; the collectives become plain sums over the streams. It is the
+straightforward implementation of the rule that the tests compare the distributed model against
+(forward and gradients), and the model that samples and evaluates a ``p < 1`` run on one device
+(the per-rank shards are fixed slices of the full weights, so full weights + ``(tp, p, scale)``
+define the function; see :func:`vitp.checkpoint.export.generator_from_state`).
+
+Per block, with rank ``r``'s heads / hidden units (:func:`vitp.parallel.shard_tensor` of the
+full weights), ``o_r`` its partial ``proj`` / ``fc2`` output (no bias) and ``k = int(p * D)``:
+
+    y_r = cat(sum_s o_s[..., :k], scale * o_r[..., k:]) + bias
+    x_r = x_r + gate * ls(y_r)                    (attention, then MLP)
+
+and the prediction is ``mean_r final(x_r, c)``. Dropout and drop-path are not modelled (use it
+in eval mode, or with them at zero).
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vitp.parallel.layers import shard_tensor
+from vitp.parallel.partial_sync import check_partial_sync, private_scale, synced_channels
+
+from .generator import Block, Generator, input_grid, set_grid
+from .layers import modulate
+
+
+def _attention(attn: nn.Module, h: torch.Tensor, r: int, tp: int, groups) -> torch.Tensor:
+    """Rank ``r``'s heads of timm ``Attention`` ``attn`` on ``h`` ``(B, N, D)`` -> partial
+    ``proj`` output ``(B, N, D)`` without the bias (as :class:`vitp.parallel.TPAttention`)."""
+    w = shard_tensor(attn.qkv.weight, 0, 3, tp, r)
+    b = None if attn.qkv.bias is None else shard_tensor(attn.qkv.bias, 0, 3, tp, r)
+    qkv = F.linear(h, w, b)
+    if groups is not None:
+        qkv = groups.group(qkv)
+    bg, ng = qkv.shape[:2]
+    heads = attn.num_heads // tp
+    q, k, v = qkv.reshape(bg, ng, 3, heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    o = F.scaled_dot_product_attention(attn.q_norm(q), attn.k_norm(k), v, scale=attn.scale)
+    o = o.transpose(1, 2).reshape(bg, ng, heads * attn.head_dim)
+    if groups is not None:
+        o = groups.ungroup(o)
+    return F.linear(o, shard_tensor(attn.proj.weight, 1, 1, tp, r))
+
+
+def _mlp(mlp: nn.Module, h: torch.Tensor, r: int, tp: int) -> torch.Tensor:
+    """Rank ``r``'s hidden units of a timm ``Mlp`` / ``SwiGLU`` -> partial ``fc2`` output, no bias."""
+    def col(lin):
+        b = None if lin.bias is None else shard_tensor(lin.bias, 0, 1, tp, r)
+        return F.linear(h, shard_tensor(lin.weight, 0, 1, tp, r), b)
+
+    a = mlp.act(col(mlp.fc1_g)) * col(mlp.fc1_x) if hasattr(mlp, "fc1_g") else mlp.act(col(mlp.fc1))
+    return F.linear(a, shard_tensor(mlp.fc2.weight, 1, 1, tp, r))
+
+
+def partial_sum(parts: List[torch.Tensor], k: int, scale: float, bias) -> List[torch.Tensor]:
+    """Every rank's stream update from the ranks' partial outputs ``parts`` (each ``(B, N, D)``):
+    channels ``[:k]`` summed over the ranks, ``[k:]`` rank-local times ``scale``, plus ``bias``."""
+    total = torch.stack(parts).sum(0)[..., :k]
+    out = [torch.cat([total, scale * o[..., k:]], dim=-1) for o in parts]
+    return out if bias is None else [y + bias for y in out]
+
+
+def block_streams(blk: Block, xs: List[torch.Tensor], c: torch.Tensor, p: float, scale: float) -> List[torch.Tensor]:
+    """One generator :class:`~vitp.models.Block` over the ``tp = len(xs)`` streams ``xs``."""
+    tp = len(xs)
+    shift1, scale1, gate1, shift2, scale2, gate2 = blk.adaLN_modulation(c).chunk(6, dim=-1)
+    attn, mlp = blk.attn, blk.mlp
+    parts = [_attention(attn, modulate(blk.norm1(x), shift1, scale1), r, tp, blk.token_groups)
+             for r, x in enumerate(xs)]
+    ys = partial_sum(parts, synced_channels(attn.proj.out_features, p), scale, attn.proj.bias)
+    xs = [x + blk.drop_path1(gate1.unsqueeze(1) * blk.ls1(y)) for x, y in zip(xs, ys)]
+    parts = [_mlp(mlp, modulate(blk.norm2(x), shift2, scale2), r, tp) for r, x in enumerate(xs)]
+    ys = partial_sum(parts, synced_channels(mlp.fc2.out_features, p), scale, mlp.fc2.bias)
+    return [x + blk.drop_path2(gate2.unsqueeze(1) * blk.ls2(y)) for x, y in zip(xs, ys)]
+
+
+class PartialSyncGenerator(nn.Module):
+    """``forward(z_t, t, y) -> x_pred`` of ``generator`` (full weights) run as ``tp`` partially
+    synchronized streams on one process (module docstring). ``generator`` is kept as
+    ``self.generator`` (its parameters are this module's; state-dict keys gain ``generator.``).
+
+    Raises ``ValueError`` for ``tp < 1``, ``p`` outside [0, 1] or an unknown ``scale``, and when
+    the heads or MLP hidden units do not divide ``tp``.
+    """
+
+    def __init__(self, generator: Generator, tp: int, p: float, scale: str = "sqrt_tp"):
+        super().__init__()
+        check_partial_sync(p, scale)
+        if tp < 1:
+            raise ValueError(f"tp={tp} must be >= 1")
+        for blk in generator.blocks:
+            hidden = blk.mlp.fc2.in_features
+            if blk.attn.num_heads % tp or hidden % tp:
+                raise ValueError(f"tp={tp} does not divide num_heads={blk.attn.num_heads} or MLP hidden={hidden}")
+        self.generator, self.tp, self.p, self.scale_rule = generator, int(tp), float(p), scale
+        self.scale = private_scale(self.tp, scale) if self.tp > 1 else 1.0
+
+    @property
+    def embed(self):  # the attributes samplers and evaluators read (grid, patch sizes)
+        return self.generator.embed
+
+    @property
+    def final(self):
+        return self.generator.final
+
+    @property
+    def blocks(self):
+        return self.generator.blocks
+
+    def extra_repr(self) -> str:
+        return f"tp={self.tp}, partial_sync={self.p}, scale={self.scale_rule}"
+
+    def forward(self, z_t: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        gen = self.generator
+        grid = input_grid(z_t.shape, gen.embed.p, gen.embed.pt)
+        if grid != gen.embed.grid:
+            set_grid(gen, grid)
+        x, c = gen.embed(z_t, t, y)
+        xs = [x] * self.tp
+        for blk in gen.blocks:
+            xs = block_streams(blk, xs, c, self.p, self.scale)
+        return torch.stack([gen.final(x, c) for x in xs]).mean(0)
+
+
+def partial_sync_meta(model: Any) -> dict:
+    """``{"partial_sync": p, "partial_sync_tp": tp, "partial_sync_scale": rule}`` of a
+    :class:`PartialSyncGenerator` (``{}`` for any other model): the export metadata."""
+    if not isinstance(model, PartialSyncGenerator):
+        return {}
+    return {"partial_sync": model.p, "partial_sync_tp": model.tp, "partial_sync_scale": model.scale_rule}
