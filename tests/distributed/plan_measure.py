@@ -164,3 +164,17 @@ def measure_rank(rank: int, cases: Dict[str, List[str]], base: str) -> Dict[str,
             tr.logger.close()
             tr.lock.release()
     return out
+
+
+def predicted_tp_comm(model_cfg, lay, stage: int) -> Dict[str, dict]:
+    """The planner's TP collectives of one step on ``stage``, in :func:`measure_rank`'s
+    ``tp_comm`` form: ``{"kind/direction/tag": {"count": n, "bytes": b}}``."""
+    from vitp.plan import tp_collectives
+
+    pred: Dict[str, dict] = {}
+    for c in tp_collectives(model_cfg, lay, stage):
+        e = pred.setdefault(f"{c.kind}/{c.direction}/{c.tag}", {"count": 0, "bytes": 0})
+        k = 1 if c.per_step else lay.accum
+        e["count"] += c.count * k
+        e["bytes"] += c.count * c.nbytes * k
+    return pred

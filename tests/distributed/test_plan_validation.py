@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from tests.distributed.plan_measure import measure_rank
+from tests.distributed.plan_measure import measure_rank, predicted_tp_comm
 from tests.helpers import compose_cfg, plan_case, run_ranks, train_rank
-from vitp.plan import layout_of, stage_memory, step_comm, tp_collectives
+from vitp.plan import layout_of, stage_memory, step_comm
 
 TOL = 0.10
 CASES = {
@@ -76,12 +76,7 @@ def test_tp_collectives_are_predicted_exactly(measured):
         cfg = compose_cfg(CASES[name])
         lay = layout_of(cfg, 4)
         for m in ranks:
-            pred = {}
-            for c in tp_collectives(cfg.model, lay, m["stage"]):
-                e = pred.setdefault(f"{c.kind}/{c.direction}/{c.tag}", {"count": 0, "bytes": 0})
-                k = 1 if c.per_step else lay.accum
-                e["count"] += c.count * k
-                e["bytes"] += c.count * c.nbytes * k
+            pred = predicted_tp_comm(cfg.model, lay, m["stage"])
             assert m["tp_comm"] == pred, (name, m["stage"])
 
 

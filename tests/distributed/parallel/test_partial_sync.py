@@ -90,7 +90,8 @@ def test_step_traffic_ratio_and_planner(steps4, layout):
     """TP bytes of one real step (tag ``tp``, every rank): 0.50 / 0.25 of exact TP at p = 0.5 /
     0.25 (0.40 / 0.20 with SP, see above); every collective as ``vitp-plan`` predicts it."""
     from tests.helpers import compose_cfg
-    from vitp.plan import layout_of, tp_collectives
+    from tests.distributed.plan_measure import predicted_tp_comm
+    from vitp.plan import layout_of
 
     def tp_bytes(name):
         return sum(v["bytes"] for r in steps4[name] for k, v in r["tp_comm"].items() if k.endswith("/tp"))
@@ -104,10 +105,5 @@ def test_step_traffic_ratio_and_planner(steps4, layout):
         cfg = compose_cfg(CASES[name])
         lay = layout_of(cfg, 4)
         for m in steps4[name]:
-            pred = {}
-            for c in tp_collectives(cfg.model, lay, m["stage"]):
-                e = pred.setdefault(f"{c.kind}/{c.direction}/{c.tag}", {"count": 0, "bytes": 0})
-                k = 1 if c.per_step else lay.accum
-                e["count"] += c.count * k
-                e["bytes"] += c.count * c.nbytes * k
+            pred = predicted_tp_comm(cfg.model, lay, m["stage"])
             assert m["tp_comm"] == pred, (name, m["stage"], m["tp_comm"], pred)
