@@ -91,6 +91,7 @@ class DataConfig:
     clip_step: Optional[int] = None  # video_folder: source frames between item windows (null = one clip span: windows share no frame); training jitters the clip start within its window
     cache_dir: Optional[str] = None  # video_folder: folder of the JSON probe index (null = $VITP_CACHE_DIR or ~/.cache/vitp)
     video_cache_mb: float = 256.0  # video_folder: per-process MiB for decoded frames; if all resized videos fit, each is decoded once
+    scene_cut_threshold: Optional[float] = None  # video_folder: FFmpeg scdet percentage (e.g. 10): clips never straddle a shot change (null = ignore cuts)
     num_workers: int = 0  # DataLoader worker processes
     synthetic_size: int = 1024  # synthetic: number of items
     buckets: List[BucketConfig] = field(default_factory=list)  # shape buckets; empty = one size (resolution, num_frames)

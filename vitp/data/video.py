@@ -14,7 +14,9 @@ is one item. A clip is ``T`` frames:
   last frame whose timestamp is ``<=`` that time), i.e. resampling by timestamps (a target fps above
   the source fps repeats frames).
 
-``step`` defaults to the span of one clip (``(T - 1) * stride + 1`` frames; in fps mode the span of
+With ``scene_cut_threshold`` the windows restart at every shot change (FFmpeg ``scdet``) and
+clips stay inside their shot, as Open-Sora's data pipeline cuts videos into scenes before
+sampling clips. ``step`` defaults to the span of one clip (``(T - 1) * stride + 1`` frames; in fps mode the span of
 the clip starting at frame 0), so windows share no frame. Evaluation (``aug_seed=None``) uses the
 clip starting at the window start; training (an int ``aug_seed``) draws the start uniformly from
 ``[window start, window start + step)`` (clipped to the last valid start), then a random crop and
@@ -60,7 +62,7 @@ import numpy as np
 import torch
 
 from vitp.data.base import FileDataset, error_text, files_by_class
-from vitp.media.video import SWAPS_SIDES, display_orientation, displayed_frame
+from vitp.media.video import SWAPS_SIDES, display_orientation, displayed_frame, scene_cuts
 from vitp.utils import atomic_write_text
 
 VIDEO_EXTENSIONS = (".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".webm", ".wmv")
@@ -159,22 +161,37 @@ def _displayed(frame) -> dict:
             "height": frame.width if swap else frame.height}
 
 
+def _cut_key(threshold: float) -> str:
+    return f"{float(threshold):g}"
+
+
+def _detect_cuts(path: Path, threshold: float) -> List[int]:
+    try:
+        return scene_cuts(path, threshold)
+    except ValueError as e:  # stacklevel 4: the dataset's constructor
+        warnings.warn(f"{e}; its clips may straddle shot changes", stacklevel=4)
+        return []
+
+
 def index_path(cache_dir: Path, paths: Sequence[Path]) -> Path:
     """The JSON probe index of the set of files ``paths`` (named by a hash of their resolved paths)."""
     key = "\n".join(sorted(str(p.resolve()) for p in paths))
     return cache_dir / f"video_index_{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
-def probe_all(paths: Sequence[Path], cache_dir: Path) -> Tuple[Dict[str, dict], int]:
+def probe_all(paths: Sequence[Path], cache_dir: Path,
+              scene_threshold: Optional[float] = None) -> Tuple[Dict[str, dict], int]:
     """:func:`probe_video` of every file, read from / written to the JSON index in ``cache_dir``.
 
     An index entry is reused while the file keeps its size and mtime (ns). A failure to write the
-    index only warns (the files are probed again next time).
+    index only warns (the files are probed again next time). With ``scene_threshold``, each usable
+    file's shot boundaries (:func:`vitp.media.video.scene_cuts`) are added to (or read from) its
+    entry under ``cuts[threshold]``; a file whose detection fails is warned about and gets no cuts.
 
     Returns
     -------
     probes : dict
-        ``{resolved path: probe_video(path) + size, mtime_ns}``.
+        ``{resolved path: probe_video(path) + size, mtime_ns (+ cuts)}``.
     probed : int
         How many files were probed (not found up to date in the index).
     """
@@ -186,21 +203,43 @@ def probe_all(paths: Sequence[Path], cache_dir: Path) -> Tuple[Dict[str, dict], 
             cached = data["files"]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # no index yet, or an unreadable one: probe again
-    out, probed = {}, 0
+    out, probed, detected = {}, 0, False
     for p in paths:
         key, st = str(p.resolve()), p.stat()
         entry = cached.get(key)
         if not (entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns):
             entry = dict(probe_video(p), size=st.st_size, mtime_ns=st.st_mtime_ns)
             probed += 1
+        if scene_threshold is not None and entry["ok"] and _cut_key(scene_threshold) not in entry.get("cuts", {}):
+            entry.setdefault("cuts", {})[_cut_key(scene_threshold)] = _detect_cuts(p, scene_threshold)
+            detected = True
         out[key] = entry
-    if probed:
+    if probed or detected:
         try:
             atomic_write_text(path, json.dumps({"version": _INDEX_VERSION, "files": out}))
         except OSError as e:  # stacklevel 3: the dataset's constructor
             warnings.warn(f"could not write the video index cache {path} ({e}); set data.cache_dir to a "
                           f"writable folder to avoid probing the videos again", stacklevel=3)
     return out, probed
+
+
+def _shot_windows(spans: np.ndarray, step: int, cuts: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """``(window starts, last valid start of each window)`` for a file whose clip starting at frame
+    ``s`` spans ``spans[s]`` frames (``s = 0 .. last start``): windows every ``step`` frames from the
+    start of each shot (frames between consecutive ``cuts``), keeping clips inside their shot."""
+    first = np.arange(len(spans))
+    ends = first + spans  # one past each clip's last frame
+    bounds = [0, *sorted(int(c) for c in cuts), int(ends.max())]
+    starts, last = [], []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        valid = first[(first >= a) & (ends <= b)]
+        if len(valid):
+            ws = np.arange(a, int(valid.max()) + 1, step)
+            starts.append(ws)
+            last.append(np.full(len(ws), int(valid.max())))
+    if not starts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(starts).astype(np.int64), np.concatenate(last).astype(np.int64)
 
 
 class VideoFolderDataset(FileDataset):
@@ -247,13 +286,18 @@ class VideoFolderDataset(FileDataset):
         Folder of the JSON probe index (``None``: :func:`default_cache_dir`).
     video_cache_mb : float
         Per-process budget for decoded frames (MiB); 0 decodes every clip from the file.
+    scene_cut_threshold : float, optional
+        Split files into shots at the frames FFmpeg's ``scdet`` finds above this percentage
+        (:func:`vitp.media.video.scene_cuts`; cached in the index): windows start at each shot's
+        first frame and no clip, jittered or not, crosses a cut; shots shorter than one clip are
+        unused. ``None``: windows ignore shot changes.
 
     Raises
     ------
     FileNotFoundError
         ``root`` is not a directory, or neither ``root`` nor ``files`` is given.
     ValueError
-        Bad ``channels``/``num_frames``/``frame_stride``/``fps``/``clip_step``, or no usable clip
+        Bad ``channels``/``num_frames``/``frame_stride``/``fps``/``clip_step``/``scene_cut_threshold``, or no usable clip
         (the message names the root, the extensions searched and the skipped files).
     RuntimeError
         From ``__getitem__``, when no video decodes.
@@ -267,7 +311,8 @@ class VideoFolderDataset(FileDataset):
                  frame_stride: int = 1, fps: Optional[float] = None, clip_step: Optional[int] = None,
                  channels: int = 3, train: bool = True, random_crop: bool = True, hflip: bool = True,
                  files: Optional[Sequence[str]] = None, class_per_file: bool = False,
-                 cache_dir: Union[str, Path, None] = None, video_cache_mb: float = 256):
+                 cache_dir: Union[str, Path, None] = None, video_cache_mb: float = 256,
+                 scene_cut_threshold: Optional[float] = None):
         self.root = None if root is None else Path(root).expanduser()
         super().__init__(resolution, channels, train)
         self.num_frames, self.frame_stride = int(num_frames), int(frame_stride)
@@ -280,6 +325,10 @@ class VideoFolderDataset(FileDataset):
         if clip_step is not None and int(clip_step) < 1:
             raise ValueError(f"data.clip_step must be >= 1 or null, got {clip_step}")
         self.clip_step = None if clip_step is None else int(clip_step)
+        if scene_cut_threshold is not None and not 0 < float(scene_cut_threshold) <= 100:
+            raise ValueError(f"data.scene_cut_threshold is FFmpeg scdet's percentage in (0, 100] (10 is its "
+                             f"default) or null (clips may straddle shot changes); got {scene_cut_threshold}")
+        self.scene_threshold = None if scene_cut_threshold is None else float(scene_cut_threshold)
         self.video_cache_mb = float(video_cache_mb)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.probe_count = 0  # files probed (not found in the JSON index) by this construction
@@ -336,7 +385,7 @@ class VideoFolderDataset(FileDataset):
                 f"lower data.num_frames or data.frame_stride / raise data.fps")
 
     def _build(self, sources: List[Tuple[Path, str]]) -> None:
-        probes, self.probe_count = probe_all([p for p, _ in sources], self.cache_dir)
+        probes, self.probe_count = probe_all([p for p, _ in sources], self.cache_dir, self.scene_threshold)
         classes: List[str] = []
         files, self._times, self._pts, self._windows = [], [], [], []
         item_file, item_window, labels = [], [], []
@@ -352,7 +401,13 @@ class VideoFolderDataset(FileDataset):
                 continue
             spans = self._clip_offsets(times, np.arange(last_start + 1))[:, -1] - np.arange(last_start + 1) + 1
             step = self.clip_step or int(spans[0])
-            starts = np.arange(0, last_start + 1, step)
+            cuts = info.get("cuts", {}).get(_cut_key(self.scene_threshold), []) if self.scene_threshold else []
+            starts, last_starts = _shot_windows(spans, step, cuts)
+            if not len(starts):
+                self._skip(path, f"no shot is long enough for one clip ({len(cuts)} scene cut(s) at "
+                                 f"data.scene_cut_threshold={self.scene_threshold}); raise the threshold or "
+                                 f"set it to null")
+                continue
             if cls not in classes:
                 classes.append(cls)
             item_file += [len(files)] * len(starts)
@@ -361,8 +416,8 @@ class VideoFolderDataset(FileDataset):
             files.append(path)
             self._times.append(times)
             self._pts.append(None if info["pts"] is None else np.asarray(info["pts"], dtype=np.int64))
-            # per file: window starts, step, last valid start, longest clip span (frames)
-            self._windows.append((starts, step, last_start, int(spans.max())))
+            # per file: window starts, step, last valid start of each window (its shot's), longest clip span
+            self._windows.append((starts, step, last_starts, int(spans.max())))
         if not files:
             raise ValueError(self._no_usable_video())
         self.files, self.classes = files, classes
@@ -387,18 +442,18 @@ class VideoFolderDataset(FileDataset):
         ``train=False``) gives the window start; an int draws the start uniformly from
         ``[window start, window start + step)``, clipped to the last valid start."""
         f, w = int(self.item_file[index]), int(self.item_window[index])
-        starts, step, last_start, _ = self._windows[f]
+        starts, step, last_starts, _ = self._windows[f]
         start = int(starts[w])
         if aug_seed is not None and self.train:
-            hi = min(start + step - 1, last_start)
+            hi = min(start + step - 1, int(last_starts[w]))
             start = int(np.random.default_rng([aug_seed % 2**64, 17]).integers(start, hi + 1))
         return f, self._clip_offsets(self._times[f], np.asarray([start]))[0]
 
     def item_frames(self, index: int) -> Tuple[int, int]:
         """``(file number, [first, last] source frame)`` any training clip of ``index`` can touch (inclusive)."""
         f, w = int(self.item_file[index]), int(self.item_window[index])
-        starts, step, last_start, span = self._windows[f]
-        return f, (int(starts[w]), min(int(starts[w]) + step - 1, last_start) + span - 1)
+        starts, step, last_starts, span = self._windows[f]
+        return f, (int(starts[w]), min(int(starts[w]) + step - 1, int(last_starts[w])) + span - 1)
 
     def disjoint_train(self, train_idx: np.ndarray, held_idx: np.ndarray) -> np.ndarray:
         """The items of ``train_idx`` whose training clips (any jitter) share no frame with the eval

@@ -28,7 +28,7 @@ import torch
 from vitp.utils import atomic_write
 
 __all__ = ["to_uint8_frames", "write_gif", "write_mp4", "read_video_frames", "displayed_frame", "display_orientation",
-           "video_orientation",
+           "video_orientation", "scene_cuts",
            "check_video_batch", "MIN_SIDE"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -282,3 +282,55 @@ def read_video_frames(path: PathLike) -> np.ndarray:
     if not out:
         raise ValueError(f"video file {path} holds no frames")
     return np.stack(out)
+
+
+def scene_cuts(path: PathLike, threshold: float = 10.0) -> List[int]:
+    """Frames that start a new shot: FFmpeg's ``scdet`` filter (through PyAV's filter graph) on
+    every decoded frame of the first video stream.
+
+    ``threshold`` is ``scdet``'s, in percent of the largest possible change between two frames,
+    in ``(0, 100]`` (FFmpeg's default 10; its documentation calls 8-14 good values). Returns the
+    indices ``i`` (frame ``i`` = the ``i``-th frame the decoder outputs, as
+    :func:`vitp.data.video.probe_video` numbers them) of the frames that differ from frame
+    ``i - 1`` by more than ``threshold``: a clip containing frames ``i - 1`` and ``i`` straddles a
+    cut. Raises ``ValueError`` for a bad threshold or a file that cannot be decoded or filtered.
+
+    Source: FFmpeg filter documentation, ``scdet`` (https://ffmpeg.org/ffmpeg-filters.html#scdet);
+    PyAV ``av.filter.Graph`` (``add_buffer``, ``push``, ``pull``).
+    """
+    if not 0 < float(threshold) <= 100:
+        raise ValueError(f"the scene-cut threshold is a percentage in (0, 100], got {threshold}")
+    import av
+
+    cuts: List[int] = []
+    index = 0
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            graph = av.filter.Graph()
+            src = graph.add_buffer(template=stream)
+            scdet = graph.add("scdet", f"threshold={float(threshold)}")
+            sink = graph.add("buffersink")
+            src.link_to(scdet)
+            scdet.link_to(sink)
+            graph.configure()
+
+            def drain() -> None:
+                nonlocal index
+                while True:
+                    try:
+                        out = graph.pull()
+                    except (av.BlockingIOError, av.EOFError):
+                        return
+                    if index > 0 and "lavfi.scd.time" in out.metadata:
+                        cuts.append(index)
+                    index += 1
+
+            for frame in container.decode(stream):
+                graph.push(frame)
+                drain()
+            graph.push(None)  # flush the filter
+            drain()
+    except Exception as e:  # noqa: BLE001 - av.error.*, IndexError (no video stream)
+        raise ValueError(f"cannot detect scene cuts in {path}: {type(e).__name__}: {e}") from e
+    return cuts

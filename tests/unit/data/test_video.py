@@ -340,3 +340,61 @@ def test_b_frames_in_avi_are_read_in_presentation_order(tmp_path, cache):
     for ds in (whole, seeking):
         for start in (0, 4, 5, 11):  # on a keyframe (0, 4), on B- and P-frames (5, 11)
             assert _grey(ds[(start, None)][0]) == pytest.approx([10 + 6 * (start + k) for k in range(4)], abs=3)
+
+
+def _shots(lengths, h=H, w=W):
+    """Frames of consecutive shots: each shot its own flat colour, with a slow drift inside it
+    (channel 2 still codes the frame index)."""
+    colours = [(230, 40), (30, 200), (120, 20), (10, 120)]
+    parts = []
+    for k, n in enumerate(lengths):
+        f = _frames(n, h, w)
+        f[..., 0], f[..., 1] = colours[k % len(colours)]
+        parts.append(f)
+    out = np.concatenate(parts)
+    out[..., 2] = (20 + 8 * np.arange(len(out)))[:, None, None]
+    return out
+
+
+@pytest.fixture(scope="module")
+def shots_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shots")
+    _write(root / "c" / "shots.mkv", _shots([10, 8, 3, 8]))  # cuts at 10, 18, 21
+    return root
+
+
+def test_scene_cuts_found_by_ffmpeg_scdet(shots_root):
+    from vitp.media.video import scene_cuts
+
+    assert scene_cuts(shots_root / "c" / "shots.mkv") == [10, 18, 21]
+    assert scene_cuts(shots_root / "c" / "shots.mkv", threshold=100) == []  # nothing changes 100 %
+    with pytest.raises(ValueError, match=r"percentage in \(0, 100\]"):
+        scene_cuts(shots_root / "c" / "shots.mkv", threshold=0)
+    with pytest.raises(ValueError, match="cannot detect scene cuts"):
+        scene_cuts(shots_root / "missing.mkv")
+
+
+def test_windows_restart_at_each_shot_and_clips_stay_inside(shots_root, cache):
+    plain = _ds(shots_root, cache, num_frames=4, frame_stride=1)
+    assert [plain.clip_indices(i)[1][0] for i in range(len(plain))] == [0, 4, 8, 12, 16, 20, 24]
+    ds = _ds(shots_root, cache, num_frames=4, frame_stride=1, scene_cut_threshold=10)
+    shots = [(0, 10), (10, 18), (21, 29)]  # the 3-frame shot is shorter than a clip: unused
+    starts = [int(ds.clip_indices(i)[1][0]) for i in range(len(ds))]
+    assert starts == [0, 4, 10, 14, 21, 25]
+    for i in range(len(ds)):
+        for seed in range(40):  # jittered training clips never cross a cut
+            idx = ds.clip_indices(i, seed)[1]
+            assert any(a <= idx.min() and idx.max() < b for a, b in shots), (i, seed, idx)
+        x, _ = ds[(i, 3)]
+        assert _index(x) == ds.clip_indices(i, 3)[1].tolist()  # and decode those frames
+    # the cuts are cached in the index: a second dataset reads them without probing
+    again = _ds(shots_root, cache, num_frames=4, frame_stride=1, scene_cut_threshold=10)
+    assert again.probe_count == 0 and [int(again.clip_indices(i)[1][0]) for i in range(len(again))] == starts
+
+
+def test_scene_cut_threshold_errors(shots_root, cache):
+    with pytest.raises(ValueError, match="scene_cut_threshold"):
+        _ds(shots_root, cache, scene_cut_threshold=150)
+    with pytest.raises(ValueError, match="no usable video"):  # every shot shorter than an 11-frame clip
+        with pytest.warns(UserWarning, match="no shot is long enough"):
+            _ds(shots_root, cache, num_frames=11, scene_cut_threshold=10)
