@@ -103,6 +103,7 @@ class ObjectiveConfig:
 
     P_mean: float = -0.8  # mean of the logit-normal t distribution
     P_std: float = 0.8  # std of the logit-normal t distribution
+    t_uniform: float = 0.0  # probability of t ~ U(0, 1) instead (trains the near-clean t of the last sampler steps)
     noise_scale: float = 1.0  # std of the noise at t=0
     t_eps: float = 0.05  # clip of (1 - t) when converting x-prediction to velocity
     label_drop: float = 0.1  # probability of replacing the label by the null class (CFG)
@@ -375,6 +376,10 @@ def _check_run(cfg: "DictConfig") -> None:
     _fail(tr.log_every >= 1, f"trainer.log_every={tr.log_every}; it must be >= 1")
     _fail(0 <= cfg.data.holdout_fraction < 1, f"data.holdout_fraction={cfg.data.holdout_fraction}; use [0, 1)")
     _fail(o.P_std > 0 and 0 < o.t_eps < 1, "objective.P_std must be > 0 and objective.t_eps in (0, 1)")
+    sc = cfg.data.scene_cut_threshold
+    _fail(sc is None or 0 < sc <= 100, f"data.scene_cut_threshold={sc}; use a percentage in (0, 100] (FFmpeg scdet's, "
+                                       f"10 is its default) or null")
+    _fail(0 <= o.t_uniform <= 1, f"objective.t_uniform is a probability in [0, 1], got {o.t_uniform}")
     _fail(0 <= o.label_drop < 1, f"objective.label_drop={o.label_drop}; use [0, 1)")
     opt = cfg.optim
     _fail(opt.lr > 0, f"optim.lr={opt.lr}; it must be > 0")

@@ -168,6 +168,8 @@ def test_group_files_hold_only_what_differs_from_the_schema():
     ("trainer.exit_after_minutes=-1", r"trainer.exit_after_minutes=-1.0; use a positive"),
     ("eval.num_samples=-5", r"eval.num_samples=-5; use >= 0"),
     ("sampler.cfg_scale=nan", r"sampler.cfg_scale=nan; use a finite number"),
+    ("objective.t_uniform=1.5", r"objective.t_uniform is a probability in \[0, 1\], got 1.5"),
+    ("data.scene_cut_threshold=0", r"data.scene_cut_threshold=0.0; use a percentage in \(0, 100\]"),
 ])
 def test_values_the_schema_cannot_express_are_checked_once(override, message):
     with pytest.raises(ValueError, match=message):

@@ -111,3 +111,26 @@ def test_guidance_interval_boundaries_follow_jit(method):
     assert {t for t, g in rec.calls if g} == {0.0, 0.1, 0.2, 0.3, 0.4}  # t = 0 in, hi = 0.5 out
     assert guided(0.0, (0.0, 1.0)) and not guided(0.0, (0.1, 1.0)) and not guided(1.0, (0.0, 1.0))
     assert guided(0.3, [0.3 - 1e-9, 0.3 + 1e-9]) and not guided(0.3, (0.3, 0.3))
+
+
+def test_t_uniform_mixture_keeps_other_draws_and_reaches_clean_t():
+    from types import SimpleNamespace
+
+    from vitp.objectives.flow import draw_sample_noise
+
+    base = SimpleNamespace(P_mean=-0.8, P_std=0.8, label_drop=0.1, t_uniform=0.0)
+    mixed = SimpleNamespace(**{**vars(base), "t_uniform": 0.25})
+    ts_base, ts_mixed = [], []
+    for seed in range(4000):
+        eb, tb, yb = draw_sample_noise((3,), seed, base, 10, 1)
+        em, tm, ym = draw_sample_noise((3,), seed, mixed, 10, 1)
+        assert torch.equal(eb, em) and yb == ym  # the noise and label drop do not move
+        assert tm == tb or 0 <= tm < 1
+        ts_base.append(tb)
+        ts_mixed.append(tm)
+    tb, tm = torch.tensor(ts_base), torch.tensor(ts_mixed)
+    changed = (tb != tm).float().mean().item()
+    assert 0.21 < changed < 0.29  # about a quarter redrawn
+    # the logit-normal (-0.8, 0.8) almost never reaches t > 0.9; a quarter uniform gives ~2.5 %
+    assert (tb > 0.9).float().mean().item() < 0.002
+    assert 0.015 < (tm > 0.9).float().mean().item() < 0.035

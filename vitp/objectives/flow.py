@@ -4,7 +4,9 @@ Linear path with ``t=0`` noise and ``t=1`` data: ``z_t = t * x + (1 - t) * s * e
 is the noise scale. The network predicts ``x``; the loss compares velocities
 ``v_pred = (x_pred - z_t) / max(1 - t, t_eps)`` and ``v = x - s * eps`` (Li & He 2025, "Back to
 Basics: Let Denoising Generative Models Denoise", arXiv 2511.13720; JiT reference code).
-``t ~ sigmoid(N(P_mean, P_std))`` (logit-normal, Esser et al. 2024).
+``t ~ sigmoid(N(P_mean, P_std))`` (logit-normal, Esser et al. 2024), or with probability
+``t_uniform`` ``t ~ U(0, 1)``: the logit-normal almost never draws ``t > 0.9`` (the last sampler
+steps), where an x-predicting network left untrained returns worse than its input.
 
 All randomness of a training sample (``t``, ``eps``, the CFG label drop) is drawn from a
 generator seeded by ``(seed, step, position in the global batch)``: the same sample gets the
@@ -29,12 +31,17 @@ def draw_sample_noise(
 ) -> Tuple[torch.Tensor, float, int]:
     """Draw ``(eps (shape), t, y_in)`` for one sample from its own generator.
 
-    ``y_in`` is ``y`` or, with probability ``cfg.label_drop``, the null class ``num_classes``.
+    ``y_in`` is ``y`` or, with probability ``cfg.label_drop``, the null class ``num_classes``;
+    ``t`` is logit-normal or, with probability ``cfg.t_uniform``, uniform in ``[0, 1)``.
     """
     g = torch.Generator().manual_seed(seed)
     t = torch.sigmoid(torch.randn((), generator=g) * cfg.P_std + cfg.P_mean).item()
     drop = torch.rand((), generator=g).item() < cfg.label_drop
     eps = torch.randn(tuple(shape), generator=g)
+    t_uniform = getattr(cfg, "t_uniform", 0.0)
+    if t_uniform > 0:  # drawn last, so runs without it keep every other draw
+        u = torch.rand(2, generator=g)
+        t = u[1].item() if u[0].item() < t_uniform else t
     return eps, t, (num_classes if drop else y)
 
 
