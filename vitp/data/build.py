@@ -67,7 +67,8 @@ def _base_dataset(cfg: DataConfig, seed: int) -> KeyedDataset:
                                   random_crop=cfg.random_crop, hflip=cfg.hflip,
                                   files=None if cfg.files is None else list(cfg.files),
                                   class_per_file=cfg.class_per_file, cache_dir=cfg.cache_dir,
-                                  video_cache_mb=cfg.video_cache_mb, scene_cut_threshold=cfg.scene_cut_threshold)
+                                  video_cache_mb=cfg.video_cache_mb, scene_cut_threshold=cfg.scene_cut_threshold,
+                                  class_per_shot=cfg.class_per_shot)
     raise ValueError(f"unknown data.name={cfg.name!r}; valid names: {', '.join(DATASET_NAMES)}")
 
 

@@ -223,23 +223,26 @@ def probe_all(paths: Sequence[Path], cache_dir: Path,
     return out, probed
 
 
-def _shot_windows(spans: np.ndarray, step: int, cuts: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
-    """``(window starts, last valid start of each window)`` for a file whose clip starting at frame
-    ``s`` spans ``spans[s]`` frames (``s = 0 .. last start``): windows every ``step`` frames from the
-    start of each shot (frames between consecutive ``cuts``), keeping clips inside their shot."""
+def _shot_windows(spans: np.ndarray, step: int, cuts: Sequence[int]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(window starts, last valid start of each window, shot number of each window)`` for a file
+    whose clip starting at frame ``s`` spans ``spans[s]`` frames (``s = 0 .. last start``): windows
+    every ``step`` frames from the start of each shot (frames between consecutive ``cuts``), keeping
+    clips inside their shot. Shots are numbered ``0, 1, ...`` over the usable ones (those that hold a
+    whole clip), in time order."""
     first = np.arange(len(spans))
     ends = first + spans  # one past each clip's last frame
     bounds = [0, *sorted(int(c) for c in cuts), int(ends.max())]
-    starts, last = [], []
+    starts, last, shot = [], [], []
     for a, b in zip(bounds[:-1], bounds[1:]):
         valid = first[(first >= a) & (ends <= b)]
         if len(valid):
             ws = np.arange(a, int(valid.max()) + 1, step)
             starts.append(ws)
             last.append(np.full(len(ws), int(valid.max())))
+            shot.append(np.full(len(ws), len(shot)))
     if not starts:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(starts).astype(np.int64), np.concatenate(last).astype(np.int64)
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return tuple(np.concatenate(a).astype(np.int64) for a in (starts, last, shot))
 
 
 class VideoFolderDataset(FileDataset):
@@ -282,6 +285,11 @@ class VideoFolderDataset(FileDataset):
     train, random_crop, hflip : bool
         Whether an int ``aug_seed`` jitters the start and applies the random crop / flip.
     class_per_file : bool
+    class_per_shot : bool
+        With ``scene_cut_threshold``: every usable shot of a file is its own class, named
+        ``<file class>/shot<k>`` (``k`` counts the file's usable shots from 0), in file then time order.
+        Finer labels than the file's let a small model learn a many-shot video one scene at a time
+        (the class-label analogue of Open-Sora's one caption per scene clip).
     cache_dir : str or Path, optional
         Folder of the JSON probe index (``None``: :func:`default_cache_dir`).
     video_cache_mb : float
@@ -297,7 +305,8 @@ class VideoFolderDataset(FileDataset):
     FileNotFoundError
         ``root`` is not a directory, or neither ``root`` nor ``files`` is given.
     ValueError
-        Bad ``channels``/``num_frames``/``frame_stride``/``fps``/``clip_step``/``scene_cut_threshold``, or no usable clip
+        Bad ``channels``/``num_frames``/``frame_stride``/``fps``/``clip_step``/``scene_cut_threshold``,
+        ``class_per_shot`` without ``scene_cut_threshold``, or no usable clip
         (the message names the root, the extensions searched and the skipped files).
     RuntimeError
         From ``__getitem__``, when no video decodes.
@@ -312,7 +321,7 @@ class VideoFolderDataset(FileDataset):
                  channels: int = 3, train: bool = True, random_crop: bool = True, hflip: bool = True,
                  files: Optional[Sequence[str]] = None, class_per_file: bool = False,
                  cache_dir: Union[str, Path, None] = None, video_cache_mb: float = 256,
-                 scene_cut_threshold: Optional[float] = None):
+                 scene_cut_threshold: Optional[float] = None, class_per_shot: bool = False):
         self.root = None if root is None else Path(root).expanduser()
         super().__init__(resolution, channels, train)
         self.num_frames, self.frame_stride = int(num_frames), int(frame_stride)
@@ -329,6 +338,9 @@ class VideoFolderDataset(FileDataset):
             raise ValueError(f"data.scene_cut_threshold is FFmpeg scdet's percentage in (0, 100] (10 is its "
                              f"default) or null (clips may straddle shot changes); got {scene_cut_threshold}")
         self.scene_threshold = None if scene_cut_threshold is None else float(scene_cut_threshold)
+        if class_per_shot and self.scene_threshold is None:
+            raise ValueError("data.class_per_shot=true needs shots: set data.scene_cut_threshold (e.g. 10)")
+        self.class_per_shot = bool(class_per_shot)
         self.video_cache_mb = float(video_cache_mb)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.probe_count = 0  # files probed (not found in the JSON index) by this construction
@@ -402,17 +414,17 @@ class VideoFolderDataset(FileDataset):
             spans = self._clip_offsets(times, np.arange(last_start + 1))[:, -1] - np.arange(last_start + 1) + 1
             step = self.clip_step or int(spans[0])
             cuts = info.get("cuts", {}).get(_cut_key(self.scene_threshold), []) if self.scene_threshold else []
-            starts, last_starts = _shot_windows(spans, step, cuts)
+            starts, last_starts, shots = _shot_windows(spans, step, cuts)
             if not len(starts):
                 self._skip(path, f"no shot is long enough for one clip ({len(cuts)} scene cut(s) at "
                                  f"data.scene_cut_threshold={self.scene_threshold}); raise the threshold or "
                                  f"set it to null")
                 continue
-            if cls not in classes:
-                classes.append(cls)
+            names = [f"{cls}/shot{k}" if self.class_per_shot else cls for k in shots]
+            classes += [n for n in dict.fromkeys(names) if n not in classes]
             item_file += [len(files)] * len(starts)
             item_window += list(range(len(starts)))
-            labels += [classes.index(cls)] * len(starts)
+            labels += [classes.index(n) for n in names]
             files.append(path)
             self._times.append(times)
             self._pts.append(None if info["pts"] is None else np.asarray(info["pts"], dtype=np.int64))

