@@ -398,7 +398,7 @@ class VideoFolderDataset(FileDataset):
 
     def _build(self, sources: List[Tuple[Path, str]]) -> None:
         probes, self.probe_count = probe_all([p for p, _ in sources], self.cache_dir, self.scene_threshold)
-        classes: List[str] = []
+        class_ids: Dict[str, int] = {}  # class name -> label, in order of first appearance
         files, self._times, self._pts, self._windows = [], [], [], []
         item_file, item_window, labels = [], [], []
         for path, cls in sources:
@@ -420,11 +420,10 @@ class VideoFolderDataset(FileDataset):
                                  f"data.scene_cut_threshold={self.scene_threshold}); raise the threshold or "
                                  f"set it to null")
                 continue
-            names = [f"{cls}/shot{k}" if self.class_per_shot else cls for k in shots]
-            classes += [n for n in dict.fromkeys(names) if n not in classes]
+            for name in (f"{cls}/shot{k}" if self.class_per_shot else cls for k in shots):
+                labels.append(class_ids.setdefault(name, len(class_ids)))
             item_file += [len(files)] * len(starts)
             item_window += list(range(len(starts)))
-            labels += [classes.index(n) for n in names]
             files.append(path)
             self._times.append(times)
             self._pts.append(None if info["pts"] is None else np.asarray(info["pts"], dtype=np.int64))
@@ -432,7 +431,7 @@ class VideoFolderDataset(FileDataset):
             self._windows.append((starts, step, last_starts, int(spans.max())))
         if not files:
             raise ValueError(self._no_usable_video())
-        self.files, self.classes = files, classes
+        self.files, self.classes = files, list(class_ids)
         self.item_file = np.asarray(item_file, dtype=np.int64)
         self.item_window = np.asarray(item_window, dtype=np.int64)
         self.labels = np.asarray(labels, dtype=np.int64)

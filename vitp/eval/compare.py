@@ -164,18 +164,21 @@ def _cell(value: Any, col: str) -> str:
     return "" if value is None else str(value)
 
 
+def _is_digits(row: Dict[str, Any]) -> bool:
+    return row.get("sample_accuracy") is not None and row.get("fd_digits_ratio") is not None
+
+
 def in_target(row: Dict[str, Any]) -> bool:
     """Whether a row meets the demos' target: accuracy >= 0.99 and FD ratio <= 2 (digits), or a
     temporal-diff ratio in [0.8, 1.3] (video, rows without the digits metrics)."""
-    acc, ratio = row.get("sample_accuracy"), row.get("fd_digits_ratio")
-    if acc is not None and ratio is not None:
-        return acc >= TARGET_ACCURACY and ratio <= TARGET_FD_RATIO
+    if _is_digits(row):
+        return row["sample_accuracy"] >= TARGET_ACCURACY and row["fd_digits_ratio"] <= TARGET_FD_RATIO
     flicker = row.get("temporal_diff_ratio")
     return flicker is not None and TARGET_TEMPORAL[0] <= flicker <= TARGET_TEMPORAL[1]
 
 
 def _target_text(rows: Sequence[Dict[str, Any]]) -> str:
-    if any(r.get("sample_accuracy") is not None for r in rows):
+    if any(_is_digits(r) for r in rows):
         return f"sample accuracy >= {TARGET_ACCURACY}, FD-digits ratio <= {TARGET_FD_RATIO}"
     return f"temporal diff / real in [{TARGET_TEMPORAL[0]}, {TARGET_TEMPORAL[1]}]"
 
