@@ -42,7 +42,8 @@ def build(cfg, sp: bool, partial_sync: float = 1.0):
     tp = dist.world_size()
     gen = Generator.from_config(cfg.model, seed=cfg.seed)
     state = dataclasses.replace(make_state(tp=tp, sequence_parallel=sp), partial_sync=partial_sync)
-    return parallelize_generator(gen, state), tp
+    parallelize_generator(gen, state)
+    return gen, tp
 
 
 def theory_bytes(m, batch: int, tp: int, sp: bool, partial_sync: float = 1.0):

@@ -53,8 +53,7 @@ def test_layers_are_wired(two_identical_ranks):
 
     lin = torch.nn.Linear(8, 8).double()
     state = ParallelState(tp_size=2, tp_rank=0, partial_sync=0.5)
-    row = RowParallelLinear.from_linear(lin, state)  # keeps input features 0..3
-    ps.attach_partial_sync([row], [], state)
+    row = RowParallelLinear.from_linear(lin, state, partial_sync=ps.partial_sync_of(8, state))  # input features 0..3
     assert row.partial_sync.k == 4 and row.partial_sync.scale == pytest.approx(math.sqrt(2))
     assert row.bias.tp_partial_grad and not row.partial_sync.sequence_parallel
     x = torch.randn(2, 3, 4, dtype=torch.float64)

@@ -2,13 +2,14 @@
 from .generator import Block, Embed, FinalLayer, Generator, layer_specs, seed_layer, set_grid
 from .layers import GridAttention, TokenGroups, TubeletEmbed, input_grid, num_tokens, sincos_3d_pos_embed, token_grid
 from .keys import export_key, from_export_state, generator_key, pipeline_to_generator, to_export_state
-from .parallelize import parallelize_generator
+from .parallelize import GENERATOR_PLAN, generator_layers, parallelize_generator
 from .partial_sync_ref import PartialSyncGenerator
 
 __all__ = [
     "Block",
     "Embed",
     "FinalLayer",
+    "GENERATOR_PLAN",
     "Generator",
     "GridAttention",
     "PartialSyncGenerator",
@@ -17,6 +18,7 @@ __all__ = [
     "export_key",
     "from_export_state",
     "generator_key",
+    "generator_layers",
     "input_grid",
     "layer_specs",
     "num_tokens",

@@ -222,18 +222,16 @@ def layer_specs(in_channels: int, image_size: Any, num_frames: int, num_classes:
 def set_grid(model: nn.Module, grid: Grid) -> None:
     """Set the token grid ``(gt, gh, gw)`` of every layer of ``model`` (a :class:`Generator`, a
     pipeline module or one stage of it): positions, factorized attention groups, unpatchify, and
-    under sequence parallelism the true token count that the padding of each step follows
-    (the ``seq_info`` of tensor-parallel attention, shared with the plan's hooks).
+    whatever else holds the grid through a ``set_grid`` method of its own (under sequence
+    parallelism, the true token count of tensor-parallel attention, which the padding of each
+    step follows).
 
     Every rank of a step must set the same grid: stages after the first never see the input.
     """
     grid = tuple(int(g) for g in grid)
     for m in model.modules():
-        if isinstance(m, (Embed, Block, FinalLayer)):
+        if callable(getattr(m, "set_grid", None)):
             m.set_grid(grid)
-        info = getattr(m, "seq_info", None)  # vitp.parallel.SequenceInfo of TPAttention
-        if info is not None and hasattr(info, "seq_len"):
-            info.seq_len = grid[0] * grid[1] * grid[2]
 
 
 def seed_layer(seed: int) -> None:

@@ -1,99 +1,111 @@
-"""The tensor/sequence-parallel plan of the ViT generator (as torchtitan's ``parallelize_<model>``).
+"""The tensor / sequence-parallel / partial-sync plan of the ViT generator: :data:`GENERATOR_PLAN`,
+one table read by training (:func:`parallelize_generator`), the planner (:mod:`vitp.plan`) and
+the tests. The styles are :mod:`vitp.parallel.styles`; the machinery :mod:`vitp.parallel.plan`.
 
-The generic machinery is :mod:`vitp.parallel`; this plan names the generator's modules:
+Rows, in the order they are applied (modes: ``tp`` exact tensor parallelism, ``sp`` with
+sequence parallelism, ``partial`` with ``parallel.partial_sync < 1``):
 
-- every :class:`~vitp.models.generator.Block`: ``attn`` / ``mlp`` become
-  :class:`~vitp.parallel.TPAttention` / :class:`~vitp.parallel.TPMlp`
-  (:func:`~vitp.parallel.parallelize_block`);
-- with sequence parallelism, tokens are scattered over the TP group after
-  :class:`~vitp.models.generator.Embed` and gathered before
-  :class:`~vitp.models.generator.FinalLayer` (forward hooks, so the same plan serves the
-  single-process :class:`~vitp.models.Generator` and pipeline stages holding either);
-- the adaLN modulation of every block (``Linear(D, 6 D)``, a third of a block's ``18 D^2``
-  weights) and of the final layer (``Linear(D, 2 D)``) is column-parallel with its output
-  all-gathered (:class:`~vitp.parallel.ColumnParallelLinear` ``gather_output``): the gathered
-  ``(B, 6 D)`` vector is tiny next to the ``6 D^2 / tp`` weights each rank no longer holds. Its
-  backward splits the vector's gradient (reduce-scatters it under SP, where each rank's tokens
-  give a partial sum). The conditioning ``c``'s gradient is then a per-rank partial sum in every
-  consumer, so it is summed once, where ``c`` leaves :class:`~vitp.models.generator.Embed`
-  (one all-reduce of ``(B, D)`` per micro-batch, tag ``cond``), instead of once per block.
-- with ``parallel.partial_sync < 1`` (:mod:`vitp.parallel.partial_sync`) every rank keeps its
-  own residual stream: no token sharding (SP only changes how the synchronized slice moves),
-  the modulation gradients are reduce-scattered (per-rank partial), the patch embedding and the
-  head get TP-partial gradients, and the prediction is the mean over the TP group.
+- ``embed``: with SP its tokens enter the sequence region (split over the TP group after the
+  embedding); its conditioning ``c`` ``(B, D)`` enters the TP region: every consumer of ``c``
+  (each block's and the final layer's column-parallel modulation) leaves a per-rank partial
+  gradient, summed once here (one all-reduce of ``(B, D)`` per micro-batch, tag ``cond``)
+  instead of once per block;
+- ``blocks.*.attn`` / ``blocks.*.mlp``: heads / hidden units split (qkv column-parallel with
+  a per-head stride of 3, proj and fc2 row-parallel); the partial-sync variants sum only
+  ``int(p D)`` channels after proj and fc2 and let each rank keep its own residual stream;
+- ``blocks.*.adaLN_modulation.1`` and ``final.adaLN_modulation.1`` (``Linear(D, 6 D)``, a third
+  of a block's ``18 D^2`` weights; ``Linear(D, 2 D)``): column-parallel with the small ``(B, 6 D)``
+  output all-gathered; its gradient is reduce-scattered where the output feeds a token shard
+  (SP) or a rank's own stream (partial);
+- ``blocks.*``: with SP or partial sync the block's other replicated parameters (LayerScale
+  gammas) see part of the data, so their gradients are summed over the TP group;
+- ``final``: with SP the tokens leave the sequence region before the final layer; with partial
+  sync the prediction is the mean over the TP group, and the patch embedding and the output
+  head (``embed.x_embedder``, ``final.linear``) get partial gradients.
+
+The same paths name the layers of a :class:`~vitp.models.Generator` and of a DeepSpeed pipeline
+stage (:func:`generator_layers`).
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch.nn as nn
 
-from vitp.parallel import (
-    ColumnParallelLinear,
-    ParallelState,
-    SequenceInfo,
-    parallelize_block,
-    register_grad_allreduce,
-    sequence_parallel_enter,
-    sequence_parallel_exit,
+from vitp.parallel import ParallelState
+from vitp.parallel.plan import ParallelPlan, PlanReport, PlanRow, apply_plan
+from vitp.parallel.styles import (
+    GatheredColumnParallel,
+    HeadParallelAttention,
+    HiddenParallelMlp,
+    MeanOverTP,
+    PartialGradient,
+    SequenceEnter,
+    SequenceExit,
+    TPRegionEnter,
+    token_count,
 )
-from vitp.parallel.mappings import copy_to_tp_region
-from vitp.parallel.partial_sync import mean_over_tp
 
 from .generator import Block, Embed, FinalLayer
 
 
-def _install_hooks(model: nn.Module, state: ParallelState, info: SequenceInfo) -> None:
-    """Embed's output: tokens into the sequence region (SP), ``c`` into the TP region (its
-    gradient, partial on each rank, is all-reduced here once); FinalLayer's input: tokens out of
-    the sequence region (SP)."""
-    def after_embed(_m, _args, out):
-        tokens, c = out
-        return sequence_parallel_enter(tokens, state, info), copy_to_tp_region(c, state.tp_group, tag="cond")
-
-    def before_final(_m, args):
-        if len(args) == 1 and isinstance(args[0], (tuple, list)):  # pipeline adapter: final((x, c))
-            x, c = args[0]
-            return ((sequence_parallel_exit(x, state, info.seq_len), c),)
-        x, c = args[:2]
-        return (sequence_parallel_exit(x, state, info.seq_len), c) + tuple(args[2:])
-
-    for m in model.modules():
+def generator_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """``[(canonical name, layer)]``: ``embed``, ``blocks.<i>``, ``final`` of a
+    :class:`~vitp.models.Generator` (``blocks.<i>``), a ``PipelineModule`` or one of its stages
+    (layer ``<i + 1>`` is block ``i``), or a lone :class:`~vitp.models.Block` (``blocks.0``)."""
+    out = []
+    for name, m in model.named_modules():
         if isinstance(m, Embed):
-            m.register_forward_hook(after_embed)
-        elif isinstance(m, FinalLayer) and state.sequence_parallel:
-            m.register_forward_pre_hook(before_final)
-
-
-def _install_partial_sync(model: nn.Module, state: ParallelState) -> None:
-    """``parallel.partial_sync < 1``: the patch embedding and the output head see this rank's own
-    stream, so their (replicated) parameters get per-rank partial gradients, summed over the TP
-    group; the prediction is the mean of the ranks' predictions (:func:`mean_over_tp`, tag
-    ``head``), identical on every rank."""
-    for m in model.modules():
-        if isinstance(m, Embed):
-            for p in m.x_embedder.parameters():
-                register_grad_allreduce(p, state, "tp_partial_grad")
+            out.append(("embed", m))
         elif isinstance(m, FinalLayer):
-            for p in m.linear.parameters():
-                register_grad_allreduce(p, state, "tp_partial_grad")
-            m.register_forward_hook(lambda _m, _a, out: mean_over_tp(out, state.tp_group))
+            out.append(("final", m))
+        elif isinstance(m, Block):
+            last = name.rsplit(".", 1)[-1]
+            i = int(last) - (0 if name.startswith("blocks.") else 1) if last.isdigit() else 0
+            out.append((f"blocks.{i}", m))
+    return out
 
 
-def _shard_modulation(seq: nn.Sequential, state: ParallelState, partial_output_grad: bool) -> None:
-    """``seq = Sequential(SiLU, Linear(D, k D))``: the linear becomes column-parallel with a
-    gathered output; its input gradient stays partial (summed where ``c`` leaves Embed)."""
-    seq[1] = ColumnParallelLinear.from_linear(seq[1], state, input_comm=False, gather_output=True,
-                                              partial_output_grad=partial_output_grad, tag="cond")
+def _final_tokens(final: nn.Module) -> int:
+    return token_count(final.grid)
 
 
-def parallelize_generator(model: nn.Module, state: ParallelState, seq_len: Optional[int] = None) -> nn.Module:
-    """Apply the plan above to ``model`` in place and return it; a no-op when ``state.tp_size == 1``.
+_BLOCK_REST = ("attn", "mlp", "adaLN_modulation")  # planned by their own rows
+EXACT, ALL = ("tp", "sp"), ("tp", "sp", "partial")
+
+GENERATOR_PLAN = ParallelPlan(
+    name="generator",
+    roots=("embed", "blocks", "final"),
+    layers=generator_layers,
+    rows=(
+        PlanRow("embed", SequenceEnter(output=0), ("sp",)),
+        PlanRow("embed", TPRegionEnter(output=1, tag="cond"), ALL),
+        PlanRow("embed.x_embedder", PartialGradient("tp_partial_grad"), ("partial",)),
+        PlanRow("blocks.*.attn", HeadParallelAttention(), EXACT),
+        PlanRow("blocks.*.attn", HeadParallelAttention(partial=True), ("partial",)),
+        PlanRow("blocks.*.mlp", HiddenParallelMlp(), EXACT),
+        PlanRow("blocks.*.mlp", HiddenParallelMlp(partial=True), ("partial",)),
+        PlanRow("blocks.*.adaLN_modulation.1", GatheredColumnParallel(partial_output_grad=False), ("tp",)),
+        PlanRow("blocks.*.adaLN_modulation.1", GatheredColumnParallel(partial_output_grad=True), ("sp", "partial")),
+        PlanRow("blocks.*", PartialGradient("sequence_parallel", skip=_BLOCK_REST), ("sp",)),
+        PlanRow("blocks.*", PartialGradient("tp_partial_grad", skip=_BLOCK_REST), ("partial",)),
+        PlanRow("final", SequenceExit(input=0, seq_len=_final_tokens), ("sp",)),
+        PlanRow("final.adaLN_modulation.1", GatheredColumnParallel(partial_output_grad=False), EXACT),
+        PlanRow("final.adaLN_modulation.1", GatheredColumnParallel(partial_output_grad=True), ("partial",)),
+        PlanRow("final.linear", PartialGradient("tp_partial_grad"), ("partial",)),
+        PlanRow("final", MeanOverTP(tag="head"), ("partial",)),
+    ),
+)
+
+
+def parallelize_generator(model: nn.Module, state: ParallelState, seq_len: Optional[int] = None,
+                          plan: ParallelPlan = GENERATOR_PLAN) -> PlanReport:
+    """Apply ``plan`` (:data:`GENERATOR_PLAN`) to ``model`` in place and return the
+    :class:`~vitp.parallel.plan.PlanReport`; a no-op when ``state.tp_size == 1``.
 
     ``model`` is a :class:`~vitp.models.Generator`, a DeepSpeed ``PipelineModule`` of
-    :mod:`vitp.pipeline` layers, or one of its stages, holding full (identical on every TP rank)
-    weights.
+    :mod:`vitp.pipeline` layers, one of its stages, or a lone block, holding full (identical on
+    every TP rank) weights.
 
     Parameters
     ----------
@@ -104,30 +116,17 @@ def parallelize_generator(model: nn.Module, state: ParallelState, seq_len: Optio
     Raises
     ------
     ValueError
-        No block found, sizes not divisible by tp, or an unknown ``seq_len`` under sequence
-        parallelism.
+        No block found, sizes not divisible by tp, an unknown ``seq_len`` under sequence
+        parallelism, or a plan row that names no module.
     """
     if state.tp_size == 1:
-        return model
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
-    if not blocks:
+        return PlanReport(plan.name, "tp")
+    if not any(isinstance(m, Block) for m in model.modules()):
         raise ValueError("parallelize_generator: the model holds no generator Block")
     grids = [m.grid for m in model.modules() if isinstance(m, (Embed, FinalLayer))]
-    info = SequenceInfo(seq_len)
-    if info.seq_len is None and grids:
-        info.seq_len = grids[0][0] * grids[0][1] * grids[0][2]
-    if state.sequence_parallel and info.seq_len is None:
+    if seq_len is None and grids:
+        seq_len = token_count(grids[0])
+    if state.sequence_parallel and seq_len is None:
         raise ValueError("parallelize_generator: sequence parallel needs the token count; pass seq_len=N for a "
                          "stage without Embed/FinalLayer (e.g. a middle pipeline stage)")
-    for blk in blocks:
-        parallelize_block(blk, state, info, replicated_skip=("adaLN_modulation",))
-        # per-rank partial gradient of the modulation vector: SP (token shards) or private channels
-        _shard_modulation(blk.adaLN_modulation, state, partial_output_grad=state.sequence_parallel or state.partial)
-    for final in (m for m in model.modules() if isinstance(m, FinalLayer)):
-        _shard_modulation(final.adaLN_modulation, state, partial_output_grad=state.partial)  # after the SP exit
-    if state.partial:  # no token-sharded region: every rank's stream holds all tokens
-        _install_partial_sync(model, state)
-        _install_hooks(model, dataclasses.replace(state, sequence_parallel=False), info)
-    else:
-        _install_hooks(model, state, info)
-    return model
+    return apply_plan(model, plan, state, seq_len)

@@ -5,18 +5,20 @@
 - :mod:`.comm`: counted collectives and :class:`CommRecorder`
 - :mod:`.mappings`: autograd collectives between replicated / TP / sequence regions
 - :mod:`.layers`: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`, sharding helpers
-- :mod:`.timm_tp`: :class:`TPAttention`, :class:`TPMlp`, :func:`tensor_parallelize` for stock timm blocks
+- :mod:`.timm_tp`: :class:`TPAttention`, :class:`TPMlp`, the sequence-parallel region's edges
+- :mod:`.styles`: parallel styles (column/row-parallel attention and MLP, gathered column, partial
+  gradients, sequence enter/exit, partial sync), each declaring its parameters and collectives
+- :mod:`.plan`: :class:`ParallelPlan` (pattern -> style table), :func:`apply_plan`, :func:`describe_plan`,
+  and :func:`tensor_parallelize` for stock timm blocks
 - :mod:`.random`: RNG streams (:func:`model_parallel_seed`, :func:`get_rng_tracker`, :func:`checkpoint`)
 
-Nothing here knows a particular model: a model's plan (e.g. :func:`vitp.models.parallelize_generator`)
+Nothing here knows a particular model: a model's plan (e.g. :data:`vitp.models.GENERATOR_PLAN`)
 composes these pieces.
 """
 from .comm import CommCounter, CommRecord, CommRecorder
 from .layers import ColumnParallelLinear, RowParallelLinear, full_weight, register_grad_allreduce, shard_like, shard_tensor
 from .mappings import (
-    CopyToTPRegion,
     copy_to_tp_region,
-    gather_from_sequence_region,
     gather_from_sequence_region_to_replicated,
     gather_from_tp_region,
     reduce_from_tp_region,
@@ -26,28 +28,32 @@ from .mappings import (
 from .random import RNGStatesTracker, checkpoint, get_rng_tracker, model_parallel_seed
 from .state import ParallelState, from_grid, make_state, validate_tp
 from .timm_tp import (
-    SequenceInfo,
     TPAttention,
     TPMlp,
     full_state_dict,
     is_timm_block,
     load_full_state_dict,
-    parallelize_block,
     sequence_parallel_enter,
     sequence_parallel_exit,
-    tensor_parallelize,
 )
+from .plan import ParallelPlan, PlanReport, PlanRow, apply_plan, describe_plan, tensor_parallelize
+from .styles import Collective, StepShape
 
 __all__ = [
     "CommCounter",
     "ColumnParallelLinear",
     "CommRecord",
     "CommRecorder",
-    "CopyToTPRegion",
+    "Collective",
+    "ParallelPlan",
+    "PlanReport",
+    "PlanRow",
+    "StepShape",
+    "apply_plan",
+    "describe_plan",
     "ParallelState",
     "RNGStatesTracker",
     "RowParallelLinear",
-    "SequenceInfo",
     "TPAttention",
     "TPMlp",
     "checkpoint",
@@ -55,7 +61,6 @@ __all__ = [
     "from_grid",
     "full_state_dict",
     "full_weight",
-    "gather_from_sequence_region",
     "gather_from_sequence_region_to_replicated",
     "gather_from_tp_region",
     "get_rng_tracker",
@@ -63,7 +68,6 @@ __all__ = [
     "load_full_state_dict",
     "make_state",
     "model_parallel_seed",
-    "parallelize_block",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region",
     "register_grad_allreduce",

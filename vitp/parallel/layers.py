@@ -203,7 +203,7 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
             All-gather the token-sharded input (default: ``state.sequence_parallel``).
         input_comm : bool
             ``False`` when the caller already mapped the input into the TP region (with
-            ``copy_to_tp_region`` or ``gather_from_sequence_region``), e.g. two column layers
+            ``copy_to_tp_region`` or :func:`gather_linears`), e.g. two column layers
             reading one input (SwiGLU's ``fc1_g`` and ``fc1_x``) share one collective, or when
             the input gradient may stay a per-rank partial sum that the caller reduces later
             (the adaLN modulation: the plan reduces the conditioning's gradient once).
@@ -250,28 +250,35 @@ class RowParallelLinear(NoDeepcopy, nn.Module):
     """``y = x A^T + b`` with ``A``'s input features (columns) split over the TP group.
 
     ``forward``: ``(B, N, in / tp)`` -> ``(B, N, out)`` (all-reduce) or ``(B, N / tp, out)``
-    (reduce-scatter, sequence parallelism). The bias is replicated and added once, after the
-    reduction; under sequence parallelism it sees only local tokens, so its gradient is summed
-    over the TP group by a hook (``bias.sequence_parallel = True``). Use :meth:`from_linear`.
+    (reduce-scatter, sequence parallelism), or with ``partial_sync`` this rank's stream update
+    ``(B, N, out)`` (:class:`vitp.parallel.partial_sync.PartialSync`: only the first ``k``
+    channels summed). The bias is replicated and added once, after the reduction; under sequence
+    parallelism or partial sync it sees only this rank's tokens or stream, so its gradient is
+    summed over the TP group (``bias.sequence_parallel`` or ``bias.tp_partial_grad``). Use
+    :meth:`from_linear`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int, out_features: int,
-                 state: ParallelState, sequence_parallel: Optional[bool] = None):
+                 state: ParallelState, sequence_parallel: Optional[bool] = None, partial_sync=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = state.sequence_parallel if sequence_parallel is None else sequence_parallel
         self.group = state.tp_group
         self.weight = weight
         self.bias = bias
-        self.partial_sync = None  # vitp.parallel.partial_sync.PartialSync: sum only some channels
+        self.partial_sync = partial_sync  # vitp.parallel.partial_sync.PartialSync: sum only some channels
         _mark_sharded(self.weight, 1, 1)
-        if self.bias is not None and self.sequence_parallel:
+        if self.bias is not None and partial_sync is not None:
+            register_grad_allreduce(self.bias, state, "tp_partial_grad")
+        elif self.bias is not None and self.sequence_parallel:
             register_grad_allreduce(self.bias, state, "sequence_parallel")
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, state: ParallelState, sequence_parallel: Optional[bool] = None
-                    ) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, state: ParallelState, sequence_parallel: Optional[bool] = None,
+                    partial_sync=None) -> "RowParallelLinear":
         """Keep this rank's input features of ``linear``; the bias stays whole (replicated).
+        ``partial_sync``: a :class:`~vitp.parallel.partial_sync.PartialSync` (sum only its first
+        ``k`` output channels), or ``None`` for exact tensor parallelism.
 
         Raises
         ------
@@ -280,7 +287,7 @@ class RowParallelLinear(NoDeepcopy, nn.Module):
         """
         w = _new_param(shard_tensor(linear.weight, 1, 1, state.tp_size, state.tp_rank), linear.weight)
         b = _new_param(linear.bias, linear.bias) if linear.bias is not None else None
-        return cls(w, b, linear.in_features, linear.out_features, state, sequence_parallel)
+        return cls(w, b, linear.in_features, linear.out_features, state, sequence_parallel, partial_sync)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)

@@ -12,7 +12,6 @@ function                                forward                         backward
 ``copy_to_tp_region``                   identity                        all-reduce
 ``reduce_from_tp_region``               all-reduce                      identity
 ``scatter_to_sequence_region``          split dim 1                     all-gather dim 1
-``gather_from_sequence_region``         all-gather dim 1                reduce-scatter dim 1
 ``reduce_scatter_to_sequence_region``   reduce-scatter dim 1            all-gather dim 1
 ``gather_from_sequence_region_to_       all-gather dim 1                split dim 1
 replicated``
@@ -21,8 +20,6 @@ replicated``
                                                                         (``partial_grad=True``)
 ======================================  ==============================  =========================
 
-``gather_from_sequence_region`` feeds a tensor-parallel region (each rank computes a different
-partial result from the full sequence, so input gradients are partial and must be summed);
 ``gather_from_sequence_region_to_replicated`` feeds replicated computation (every rank computes
 the same gradient, so each keeps its slice). With a group of size 1 every function is the
 identity. All collectives go through :mod:`vitp.parallel.comm` (counted by ``CommRecorder``).
@@ -126,11 +123,6 @@ def scatter_to_sequence_region(x: torch.Tensor, group, tag: str = "tp") -> torch
     return x if comm.group_size(group) == 1 else _Scatter.apply(x, SEQ_DIM, group, tag)
 
 
-def gather_from_sequence_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
-    """``(B, N / tp, D)`` -> ``(B, N, D)`` feeding a tensor-parallel region; reduce-scatter backward."""
-    return x if comm.group_size(group) == 1 else _Gather.apply(x, SEQ_DIM, group, tag, True)
-
-
 def gather_from_sequence_region_to_replicated(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
     """``(B, N / tp, D)`` -> ``(B, N, D)`` feeding replicated computation; backward keeps this
     rank's slice of the (identical on every rank) gradient."""
@@ -162,15 +154,3 @@ class NoDeepcopy:
     def __deepcopy__(self, memo):
         raise TypeError(f"{type(self).__name__} (tensor parallel) cannot be deep-copied: deepcopy the full model "
                         "before vitp.parallel.tensor_parallelize, or use state dicts (full_state_dict)")
-
-
-class CopyToTPRegion(NoDeepcopy, torch.nn.Module):
-    """Module form of :func:`copy_to_tp_region` (no parameters, so appending it to an
-    ``nn.Sequential`` leaves the state-dict keys unchanged)."""
-
-    def __init__(self, group, tag: str = "tp"):
-        super().__init__()
-        self.group, self.tag = group, tag
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return copy_to_tp_region(x, self.group, self.tag)

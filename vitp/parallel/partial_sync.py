@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -165,24 +165,17 @@ class PartialSync:
         return partial_reduce_from_tp_region(y, self.group, self.k, self.scale, self.sequence_parallel)
 
 
-def attach_partial_sync(rows: Sequence[Any], columns: Sequence[Any], state: Any) -> None:
-    """Apply the rule to a block's layers, in place: every row-parallel layer in ``rows`` sums
-    only its first ``int(state.partial_sync * out_features)`` channels (:class:`PartialSync`;
-    its replicated bias gets a per-rank partial gradient, summed over the TP group), and every
-    column-parallel layer in ``columns`` reads its input without a collective (rule 3).
-
-    ``state``: a :class:`~vitp.parallel.ParallelState` with ``partial_sync < 1``.
+def partial_sync_of(out_features: int, state: Any) -> PartialSync:
+    """The rule for a row-parallel layer with ``out_features`` outputs under ``state`` (a
+    :class:`~vitp.parallel.ParallelState` with ``partial_sync < 1``): sum the first
+    ``int(state.partial_sync * out_features)`` channels, scale the others by
+    :func:`private_scale`, move the synchronized slice as reduce-scatter + all-gather when
+    ``state.sequence_parallel``. The column-parallel layers of the same block read their input
+    without a collective (rule 3: :class:`vitp.parallel.TPAttention` / ``TPMlp`` with
+    ``partial=True``).
 
     Raises ``ValueError`` for ``partial_sync`` or ``partial_sync_scale`` out of range.
     """
-    from .layers import register_grad_allreduce
-
     check_partial_sync(state.partial_sync, state.partial_sync_scale)
-    scale = private_scale(state.tp_size, state.partial_sync_scale)
-    for row in rows:
-        k = synced_channels(row.out_features, state.partial_sync)
-        row.partial_sync = PartialSync(k, scale, state.sequence_parallel, state.tp_group)
-        if row.bias is not None:
-            register_grad_allreduce(row.bias, state, "tp_partial_grad")
-    for col in columns:
-        col.input_comm, col.sequence_parallel = False, False
+    return PartialSync(synced_channels(out_features, state.partial_sync),
+                       private_scale(state.tp_size, state.partial_sync_scale), state.sequence_parallel, state.tp_group)

@@ -1,5 +1,6 @@
-"""Tensor (and sequence) parallel versions of timm's ``Attention`` and MLPs, and
-:func:`tensor_parallelize`, which swaps them into a model in place.
+"""Tensor (and sequence) parallel versions of timm's ``Attention`` and MLPs, and the token
+scatter/gather at the edges of a sequence-parallel region. Which modules of a model become
+these is the model's plan (:mod:`vitp.parallel.plan`).
 
 Layout (Shoeybi et al. 2019, §3; Megatron-Core ``transformer/attention.py``, ``transformer/mlp.py``):
 
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
+import math
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -64,16 +65,9 @@ from .mappings import (
     gather_from_sequence_region_to_replicated,
     scatter_to_sequence_region,
 )
-from .partial_sync import attach_partial_sync
+from .partial_sync import partial_sync_of
 from .random import sharded_fork
 from .state import ParallelState, _divisors
-
-
-@dataclass
-class SequenceInfo:
-    """True token count ``N`` (before padding) of the sequence-parallel region of one model."""
-
-    seq_len: Optional[int] = None
 
 
 def _check_divisible(what: str, value: int, tp: int) -> None:
@@ -82,19 +76,30 @@ def _check_divisible(what: str, value: int, tp: int) -> None:
 
 
 class TPAttention(nn.Module):
-    """timm ``Attention`` over this rank's ``H / tp`` heads.
+    """timm ``Attention`` over this rank's ``H / tp`` heads: ``qkv`` column-parallel with a
+    per-head stride of 3 (``[Q | K | V]``), ``proj`` row-parallel, q/k-norm weights replicated
+    with a per-rank partial gradient (each rank normalises only its heads).
 
     ``forward(x, attn_mask=None, is_causal=False, token_groups=None)``: ``(B, N, D)`` ->
     ``(B, N, D)``, or with sequence parallelism ``(B, N_pad / tp, D)`` -> ``(B, N_pad / tp, D)``.
     ``attn_mask`` is for the unpadded ``N`` tokens; a per-head mask ``(B, H, N, N)`` is cut to the
     local heads. ``token_groups`` (:class:`vitp.models.TokenGroups`: ``group``/``ungroup`` of
-    ``(B, N, F)`` token sequences, ``num_tokens`` = N) makes attention run within groups (spatial or temporal) of
-    the full, gathered and unpadded sequence (see the module docstring); no mask then.
-    Attention-probability dropout is drawn from the TP-rank-specific RNG stream, and only in
+    ``(B, N, F)`` token sequences, ``num_tokens`` = N) makes attention run within groups (spatial
+    or temporal) of the full, gathered and unpadded sequence (see the module docstring); no mask
+    then. Attention-probability dropout is drawn from the TP-rank-specific RNG stream, and only in
     training mode.
+
+    ``seq_len``: the true token count ``N`` under sequence parallelism (the gathered sequence
+    holds ``N`` padded to a multiple of tp); :meth:`set_grid` updates it when the token grid
+    changes. ``partial``: partially synchronized activations (:mod:`vitp.parallel.partial_sync`,
+    ``state.partial_sync < 1``): ``qkv`` reads this rank's own stream (no collective, no token
+    sharding) and ``proj`` sums only its first ``int(p D)`` output channels.
+
+    Raises ``TypeError`` for another class, ``ValueError`` for ``scale_norm=True``,
+    ``gated=True``, or ``num_heads`` not divisible by tp.
     """
 
-    def __init__(self, attn: Attention, state: ParallelState, seq_info: Optional[SequenceInfo] = None):
+    def __init__(self, attn: Attention, state: ParallelState, seq_len: Optional[int] = None, partial: bool = False):
         super().__init__()
         if not isinstance(attn, Attention):
             raise TypeError(f"expected timm.layers.Attention, got {type(attn).__name__}")
@@ -104,39 +109,40 @@ class TPAttention(nn.Module):
         if getattr(attn, "gate", None) is not None:
             raise ValueError("timm Attention(gated=True) is not supported with tensor parallelism")
         _check_divisible("num_heads", attn.num_heads, state.tp_size)
+        layer_state = dataclasses.replace(state, sequence_parallel=False) if partial else state
         self.group, self.tp_size, self.tp_rank = state.tp_group, state.tp_size, state.tp_rank
-        self.sequence_parallel = state.sequence_parallel
-        self.seq_info = seq_info
+        self.sequence_parallel = layer_state.sequence_parallel
+        self.seq_len = seq_len
         self.num_heads = attn.num_heads  # full count (timm attribute)
         self.local_heads = attn.num_heads // state.tp_size
         self.head_dim, self.scale = attn.head_dim, attn.scale
-        self.qkv = ColumnParallelLinear.from_linear(attn.qkv, state, stride_chunks=3)
+        self.qkv = ColumnParallelLinear.from_linear(attn.qkv, layer_state, stride_chunks=3, input_comm=not partial)
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         for p in list(self.q_norm.parameters()) + list(self.k_norm.parameters()):
             register_grad_allreduce(p, state, "tp_partial_grad")  # each rank normalises only its heads
         self.attn_drop = attn.attn_drop
         self.norm = nn.Identity()
-        self.proj = RowParallelLinear.from_linear(attn.proj, state)
+        self.proj = RowParallelLinear.from_linear(attn.proj, layer_state,
+                                                  partial_sync=partial_sync_of(attn.proj.out_features, state)
+                                                  if partial else None)
         self.proj_drop = attn.proj_drop
 
     @classmethod
-    def from_timm(cls, attn: Attention, state: ParallelState, seq_info: Optional[SequenceInfo] = None
-                  ) -> "TPAttention":
-        """Shard a full timm ``Attention`` (identical weights on all TP ranks).
+    def from_timm(cls, attn: Attention, state: ParallelState, seq_len: Optional[int] = None,
+                  partial: bool = False) -> "TPAttention":
+        """Shard a full timm ``Attention`` (identical weights on all TP ranks); see the class doc."""
+        return cls(attn, state, seq_len, partial)
 
-        Raises
-        ------
-        ValueError
-            ``scale_norm=True``, ``gated=True``, or ``num_heads`` not divisible by tp.
-        """
-        return cls(attn, state, seq_info)
+    def set_grid(self, grid: Sequence[int]) -> None:
+        """The token grid ``(gt, gh, gw)`` of the next steps: ``seq_len = gt * gh * gw``."""
+        self.seq_len = math.prod(int(g) for g in grid)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 token_groups=None) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, N_pad, 3 * H/tp * hd); gathers tokens under SP
         n_pad = n = qkv.shape[1]
-        if self.sequence_parallel and self.seq_info is not None and self.seq_info.seq_len is not None:
-            n = self.seq_info.seq_len
+        if self.sequence_parallel and self.seq_len is not None:
+            n = self.seq_len
         elif self.sequence_parallel and token_groups is not None:
             n = token_groups.num_tokens
         if n != n_pad:
@@ -170,15 +176,22 @@ class TPAttention(nn.Module):
 
 
 class TPMlp(nn.Module):
-    """timm ``Mlp``, ``SwiGLU``, ``GluMlp`` / ``SwiGLUPacked`` over this rank's ``hidden / tp`` units.
+    """timm ``Mlp``, ``SwiGLU``, ``GluMlp`` / ``SwiGLUPacked`` over this rank's ``hidden / tp``
+    units: ``fc1`` (``fc1_g``/``fc1_x``; both halves of a packed GLU ``fc1``) column-parallel,
+    ``fc2`` row-parallel.
 
     ``forward``: ``(B, N, D)`` -> ``(B, N, D)``, or ``(B, N / tp, D)`` -> ``(B, N / tp, D)`` with
     sequence parallelism. The input enters the TP region once (one all-reduce in backward, or one
     all-gather forward / reduce-scatter backward under SP), even for SwiGLU's two fc1 layers.
     Dropout on hidden units (and on the output under SP) uses the TP-rank-specific RNG stream.
+    ``partial``: as :class:`TPAttention` (``fc1`` reads this rank's stream; ``fc2`` sums
+    ``int(p D)`` channels).
+
+    Raises ``TypeError`` for other MLP classes, ``ValueError`` for a norm layer, ``use_conv`` or
+    hidden units not divisible by tp.
     """
 
-    def __init__(self, mlp: nn.Module, state: ParallelState):
+    def __init__(self, mlp: nn.Module, state: ParallelState, partial: bool = False):
         super().__init__()
         if not isinstance(mlp, (Mlp, SwiGLU, GluMlp)):
             raise TypeError(f"expected timm Mlp, SwiGLU or GluMlp, got {type(mlp).__name__}")
@@ -187,9 +200,10 @@ class TPMlp(nn.Module):
                              "units and is not supported with tensor parallelism")
         if not isinstance(mlp.fc2, nn.Linear):
             raise ValueError("timm MLP with use_conv=True is not supported with tensor parallelism")
+        layer_state = dataclasses.replace(state, sequence_parallel=False) if partial else state
         tp, self.group, self.tp_size = state.tp_size, state.tp_group, state.tp_size
-        self.sequence_parallel = state.sequence_parallel
-        col = dict(state=state, input_comm=False)
+        self.sequence_parallel = layer_state.sequence_parallel
+        col = dict(state=layer_state, input_comm=False)
         if isinstance(mlp, SwiGLU):
             self.kind = "swiglu"
             _check_divisible("MLP hidden units", mlp.fc1_x.out_features, tp)
@@ -207,15 +221,16 @@ class TPMlp(nn.Module):
             _check_divisible("MLP hidden units", mlp.fc1.out_features, tp)
             self.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, **col)
         self.act, self.drop1, self.norm = mlp.act, mlp.drop1, nn.Identity()
-        self.fc2 = RowParallelLinear.from_linear(mlp.fc2, state)
+        self.fc2 = RowParallelLinear.from_linear(mlp.fc2, layer_state,
+                                                 partial_sync=partial_sync_of(mlp.fc2.out_features, state)
+                                                 if partial else None)
         self.drop2 = mlp.drop2
-        self.input_comm = True  # False: the input is this rank's own stream (partial sync)
+        self.input_comm = not partial  # False: the input is this rank's own stream (partial sync)
 
     @classmethod
-    def from_timm(cls, mlp: nn.Module, state: ParallelState) -> "TPMlp":
-        """Shard a full timm MLP. Raises ``ValueError`` for a norm layer, ``use_conv`` or hidden
-        units not divisible by tp; ``TypeError`` for other MLP classes."""
-        return cls(mlp, state)
+    def from_timm(cls, mlp: nn.Module, state: ParallelState, partial: bool = False) -> "TPMlp":
+        """Shard a full timm MLP (identical weights on all TP ranks); see the class doc."""
+        return cls(mlp, state, partial)
 
     def _fc1(self, x: torch.Tensor) -> tuple:
         """fc1 output(s): gathered from the token shards once (re-gathered in backward) under SP,
@@ -245,19 +260,15 @@ class TPMlp(nn.Module):
             return self.drop2(y)
 
 
-def sequence_parallel_enter(x: torch.Tensor, state: ParallelState, seq_info: Optional[SequenceInfo] = None
-                            ) -> torch.Tensor:
+def sequence_parallel_enter(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Replicated tokens ``(B, N, D)`` -> this rank's ``(B, ceil(N / tp), D)``.
 
-    Pads ``N`` with zero tokens up to a multiple of tp and records ``N`` in ``seq_info``.
-    Backward all-gathers the gradient. Identity without sequence parallelism.
+    Pads ``N`` with zero tokens up to a multiple of tp. Backward all-gathers the gradient.
+    Identity without sequence parallelism.
     """
     if not state.sequence_parallel:
         return x
-    n = x.shape[1]
-    if seq_info is not None:
-        seq_info.seq_len = n
-    pad = (-n) % state.tp_size
+    pad = (-x.shape[1]) % state.tp_size
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
     return scatter_to_sequence_region(x, state.tp_group, tag="sp_boundary")
@@ -279,84 +290,6 @@ def is_timm_block(m: nn.Module) -> bool:
     """True for a module with a timm ``Attention`` as ``attn`` and a timm MLP as ``mlp``."""
     mlp = getattr(m, "mlp", None)
     return isinstance(getattr(m, "attn", None), Attention) and isinstance(mlp, (Mlp, SwiGLU, GluMlp))
-
-
-def parallelize_block(blk: nn.Module, state: ParallelState, info: SequenceInfo,
-                      replicated_skip: Sequence[str] = ()) -> None:
-    """Swap ``blk.attn`` / ``blk.mlp`` for :class:`TPAttention` / :class:`TPMlp`, in place.
-
-    With sequence parallelism every other parameter of the block (norms, LayerScale, biases; not
-    the children named in ``replicated_skip``, which the caller handles) sees only this rank's
-    tokens, so its gradient is summed over the TP group by a hook (``sequence_parallel=True``).
-
-    With ``state.partial_sync < 1`` (:mod:`vitp.parallel.partial_sync`) the layers are built
-    without sequence parallelism, ``qkv`` / ``fc1`` read this rank's own stream (no collective),
-    ``proj`` / ``fc2`` sum only the first ``int(p * D)`` channels, and every other parameter of
-    the block (and the row-parallel biases) gets its per-rank partial gradient summed over the TP
-    group (``tp_partial_grad=True``).
-    """
-    tp_state = dataclasses.replace(state, sequence_parallel=False) if state.partial else state
-    blk.attn = TPAttention.from_timm(blk.attn, tp_state, info)
-    blk.mlp = TPMlp.from_timm(blk.mlp, tp_state)
-    if state.partial:
-        blk.mlp.input_comm = False
-        attach_partial_sync([blk.attn.proj, blk.mlp.fc2], [blk.attn.qkv], state)
-    elif not state.sequence_parallel:
-        return
-    attr = "tp_partial_grad" if state.partial else "sequence_parallel"
-    skip = {"attn", "mlp", *replicated_skip}
-    for name, child in blk.named_children():
-        if name not in skip:
-            for p in child.parameters():
-                register_grad_allreduce(p, state, attr)
-    for p in blk.parameters(recurse=False):
-        register_grad_allreduce(p, state, attr)
-
-
-def _install_vit_hooks(vit: nn.Module, state: ParallelState, info: SequenceInfo) -> None:
-    blocks = list(vit.blocks)
-    blocks[0].register_forward_pre_hook(lambda _m, args: (sequence_parallel_enter(args[0], state, info),) + args[1:])
-    blocks[-1].register_forward_hook(lambda _m, _a, out: sequence_parallel_exit(out, state, info.seq_len))
-
-
-def tensor_parallelize(model: nn.Module, state: ParallelState, seq_len: Optional[int] = None) -> nn.Module:
-    """Shard every block of ``model`` whose ``attn`` and ``mlp`` are timm layers holding full
-    weights (:func:`parallelize_block`), in place, and return ``model``. A no-op when
-    ``state.tp_size == 1``.
-
-    ``model`` may be a ``timm`` ``VisionTransformer`` (with ``state.sequence_parallel``, tokens
-    are scattered before its first block and gathered after its last by forward hooks) or any
-    module with such blocks whose sequence-parallel region the caller opens and closes itself with
-    :func:`sequence_parallel_enter` / :func:`sequence_parallel_exit` (the ViT generator's plan:
-    :func:`vitp.models.parallelize_generator`).
-
-    Parameters
-    ----------
-    seq_len : int, optional
-        True token count ``N`` (inferred at run time for a ``VisionTransformer``).
-
-    Raises
-    ------
-    ValueError
-        Unsupported timm options, sizes not divisible by tp, or no block found.
-    """
-    if state.tp_size == 1:
-        return model
-    if state.partial:
-        raise ValueError("parallel.partial_sync < 1 needs a model plan that owns the output head "
-                         "(vitp.models.parallelize_generator); tensor_parallelize supports partial_sync=1 only")
-    from timm.models.vision_transformer import VisionTransformer
-
-    blocks = [m for m in model.modules() if is_timm_block(m)]
-    if not blocks:
-        raise ValueError("tensor_parallelize: no block with timm `attn` and `mlp` children found")
-    info = SequenceInfo(seq_len)
-    for blk in blocks:
-        parallelize_block(blk, state, info)
-    if state.sequence_parallel:
-        for vit in (m for m in model.modules() if isinstance(m, VisionTransformer)):
-            _install_vit_hooks(vit, state, info)
-    return model
 
 
 def full_state_dict(model: nn.Module, state: ParallelState) -> Dict[str, torch.Tensor]:

@@ -2,31 +2,24 @@
 
 Parameter counts are exact: every layer of :func:`vitp.models.layer_specs` is built on PyTorch's
 ``meta`` device (shapes, no memory) and its parameters are counted by name. Which parameters a
-TP rank holds a ``1/tp`` slice of is one rule (:data:`TP_SHARDED`, :func:`is_tp_sharded`)
-mirroring :mod:`vitp.parallel.timm_tp`: column-parallel ``qkv`` / ``fc1`` (weight and bias),
-row-parallel ``proj`` / ``fc2`` weights, and (``adaln_sharded``, the default, as
-:mod:`vitp.models.parallelize` does) the adaLN modulation of every block and of the final layer;
-row-parallel biases, norms and embeddings are replicated.
+TP rank holds a ``1/tp`` slice of, which get partial gradients and which collectives a stage
+issues is read from the generator's plan itself (:data:`vitp.models.GENERATOR_PLAN`, described on
+the meta layers by :func:`vitp.parallel.describe_plan`: :func:`plan_report`), so the planner and
+training cannot disagree. ``adaln_sharded=False`` asks what replicating the adaLN modulation
+(which the plan shards) would cost.
 """
 from __future__ import annotations
 
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from vitp.config import mlp_hidden_units
 from vitp.models import token_grid
 from vitp.utils import to_dict
 
-# name fragments (of a block's parameters) that TP shards; everything else is replicated
-TP_SHARDED = ("attn.qkv.", "attn.proj.weight", "mlp.fc1.", "mlp.fc1_g.", "mlp.fc1_x.", "mlp.fc2.weight")
 ADALN = "adaLN_modulation."
-
-
-def is_tp_sharded(name: str, adaln_sharded: bool = False) -> bool:
-    """True when TP ranks hold ``1/tp`` of the block parameter ``name`` (e.g. ``attn.qkv.weight``)."""
-    return any(f in name for f in TP_SHARDED) or (adaln_sharded and name.startswith(ADALN))
 
 
 @dataclass(frozen=True)
@@ -84,20 +77,30 @@ def _frozen(model: Any) -> Tuple:
                         for k, v in to_dict(model).items()))
 
 
-@functools.lru_cache(maxsize=64)
-def _layer_params(frozen: Tuple) -> Tuple[Tuple[Tuple[str, int], ...], ...]:
+def _meta_layers(frozen: Tuple, first: int = 0, end: Optional[int] = None):
+    """Layers ``first..end`` of the model, built on the meta device, in a container named like a
+    pipeline stage (``"<layer index>"``)."""
     import torch
+    import torch.nn as nn
 
     from vitp.models import layer_specs
 
     kw = dict(frozen)
     for key in ("mlp", "attention"):
         kw[key] = str(kw[key])
-    out = []
+    specs = layer_specs(**kw)
+    stage = nn.Module()
     with torch.device("meta"):  # shapes only: a 1B-parameter model costs nothing
-        for cls, spec in layer_specs(**kw):
-            out.append(tuple((n, p.numel()) for n, p in cls(**spec).named_parameters()))
-    return tuple(out)
+        for i in range(first, len(specs) if end is None else end):
+            cls, spec = specs[i]
+            stage.add_module(str(i), cls(**spec))
+    return stage
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_params(frozen: Tuple) -> Tuple[Tuple[Tuple[str, int], ...], ...]:
+    stage = _meta_layers(frozen)
+    return tuple(tuple((n, p.numel()) for n, p in layer.named_parameters()) for layer in stage.children())
 
 
 def layer_params(model: Any) -> List[Dict[str, int]]:
@@ -105,14 +108,31 @@ def layer_params(model: Any) -> List[Dict[str, int]]:
     return [dict(layer) for layer in _layer_params(_frozen(model))]
 
 
+@functools.lru_cache(maxsize=256)
+def _plan_report(frozen: Tuple, first: int, end: Optional[int], mode: str):
+    from vitp.models import GENERATOR_PLAN
+    from vitp.parallel import describe_plan
+
+    return describe_plan(_meta_layers(frozen, first, end), GENERATOR_PLAN, mode)
+
+
+def plan_report(model: Any, mode: str = "tp", first: int = 0, end: Optional[int] = None):
+    """The :class:`vitp.parallel.PlanReport` of :data:`vitp.models.GENERATOR_PLAN` in ``mode``
+    (``tp`` | ``sp`` | ``partial``) for layers ``first..end`` (a pipeline stage; all by default)
+    of the ``model`` config, from its meta-device layers. Cached: do not modify it."""
+    return _plan_report(_frozen(model), first, end, mode)
+
+
 def layer_params_per_rank(model: Any, tp: int, adaln_sharded: bool = True) -> List[int]:
-    """Parameters a TP rank holds per layer (sharded block tensors, and the blocks' and final
-    layer's adaLN modulation when ``adaln_sharded``, divided by ``tp``)."""
-    out, depth = [], to_dict(model)["depth"]
-    for i, layer in enumerate(layer_params(model)):
-        is_block, is_final = 0 < i <= depth, i == depth + 1
-        out.append(sum(n // tp if (is_block and is_tp_sharded(k, adaln_sharded))
-                       or (is_final and adaln_sharded and k.startswith(ADALN)) else n for k, n in layer.items()))
+    """Parameters a TP rank holds per layer (Embed, blocks, FinalLayer): the plan's sharded
+    tensors divided by ``tp`` (the adaLN modulation counted whole when not ``adaln_sharded``)."""
+    roles = plan_report(model).params
+    depth = to_dict(model)["depth"]
+    out = []
+    for i, sizes in enumerate(layer_params(model)):
+        lname = "embed" if i == 0 else "final" if i == depth + 1 else f"blocks.{i - 1}"
+        out.append(sum(n // tp if roles.get(f"{lname}.{k}", "").startswith("sharded")
+                       and (adaln_sharded or not k.startswith(ADALN)) else n for k, n in sizes.items()))
     return out
 
 

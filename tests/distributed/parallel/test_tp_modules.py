@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vitp.parallel import ParallelState, shard_tensor, tensor_parallelize
+from vitp.parallel import ParallelState, StepShape, shard_tensor, tensor_parallelize
 from vitp.parallel.layers import unshard_parts
 
 from .tp_workers import SHAPES, TP4_PARITY
@@ -91,6 +91,7 @@ def test_tp1_is_a_no_op(cfgs):
 
     model = Generator(seed=0, **cfgs["default"])
     attn = model.blocks[0].attn
-    assert parallelize_generator(model, ParallelState(sequence_parallel=True)) is model
+    report = parallelize_generator(model, ParallelState(sequence_parallel=True))
+    assert report.params == {} and report.collectives(StepShape(2, 16, 32, 4, tp=1)) == []
     assert tensor_parallelize(model, ParallelState(sequence_parallel=True)) is model
     assert model.blocks[0].attn is attn and not ParallelState(sequence_parallel=True).sequence_parallel

@@ -98,7 +98,8 @@ def parallelize(kind, model, state, seq_len=None):
     from vitp.models import parallelize_generator
     from vitp.parallel import tensor_parallelize
 
-    return (tensor_parallelize if kind == "vit" else parallelize_generator)(model, state, seq_len=seq_len)
+    (tensor_parallelize if kind == "vit" else parallelize_generator)(model, state, seq_len=seq_len)
+    return model
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,0 +1,326 @@
+"""One declarative parallel plan per model, applied by one function.
+
+A :class:`ParallelPlan` is a table of :class:`PlanRow`: a module-path pattern, a
+:mod:`parallel style <vitp.parallel.styles>` and the modes (``tp``, ``sp``, ``partial``) it
+applies in (torchtitan's ``parallelize_module(model, mesh, {"layers.*.attention.wq":
+ColwiseParallel(), ...})``, pytorch/torchtitan ``torchtitan/models/llama3/infra/parallelize.py``).
+Paths are canonical: the plan's ``layers`` function names the model's top-level layers (for the
+generator ``embed``, ``blocks.<i>``, ``final``, whether they sit in one module or in the stages of
+a DeepSpeed pipeline), and a pattern matches ``<layer>.<submodule path>`` component by component
+(``*`` matches one component: ``blocks.*.attn`` is every block's attention, not its children).
+
+:func:`apply_plan` applies the rows in table order and returns a :class:`PlanReport`: the rows and
+the modules each matched, the parameters sharded and those replicated with partial gradients,
+and (:meth:`PlanReport.collectives`) the collectives a micro-batch and a step issue. The planner
+(:mod:`vitp.plan`) builds the same report with :func:`describe_plan` on a ``meta``-device model
+without applying anything, so the two cannot drift. A row whose pattern names no layer of the
+model, or a present layer but no module of it, is an error: a typo in a plan cannot silently
+leave a module unsharded.
+
+A new parallel dimension adds styles and rows; the model code stays free of parallel code.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch.nn as nn
+
+from .state import ParallelState
+from .styles import (
+    MODES,
+    Collective,
+    HeadParallelAttention,
+    HiddenParallelMlp,
+    ParallelStyle,
+    PartialGradient,
+    PlanContext,
+    StepShape,
+    plan_mode,
+)
+from .timm_tp import TPAttention, is_timm_block, sequence_parallel_enter, sequence_parallel_exit
+
+log = logging.getLogger("vitp")
+
+Layers = Callable[[nn.Module], List[Tuple[str, nn.Module]]]
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """``pattern`` (canonical module path, ``*`` = one component) -> ``style``, in ``modes``."""
+
+    pattern: str
+    style: ParallelStyle
+    modes: Tuple[str, ...] = MODES
+
+    def __post_init__(self):
+        bad = [m for m in self.modes if m not in MODES]
+        if bad:
+            raise ValueError(f"plan row {self.pattern!r}: unknown mode(s) {bad}; use {MODES}")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A model's plan: its ``rows``, the canonical ``roots`` of its layers (first path
+    components a row may name) and ``layers(model)`` -> ``[(canonical name, module)]`` of the
+    top-level layers a model (or one pipeline stage of it) holds."""
+
+    name: str
+    rows: Tuple[PlanRow, ...]
+    roots: Tuple[str, ...]
+    layers: Layers
+
+    def with_rows(self, *rows: PlanRow) -> "ParallelPlan":
+        """This plan with ``rows`` appended (tests; a new axis adds rows this way)."""
+        return ParallelPlan(self.name, self.rows + tuple(rows), self.roots, self.layers)
+
+
+@dataclass
+class _Match:
+    name: str  # canonical path
+    module: nn.Module
+    parent: Optional[nn.Module]
+    attr: str
+
+
+@dataclass
+class PlanReport:
+    """What a plan did (or, from :func:`describe_plan`, would do) to one model or stage.
+
+    ``rows``: ``(pattern, style, modes, applied, matched canonical names)``; ``params``:
+    canonical parameter name -> role (``sharded(dim=.., stride=..)`` or
+    ``partial_grad(<attribute>)``); ``partial_grad_elements``: elements of the latter.
+    """
+
+    plan: str
+    mode: str
+    rows: List[Tuple[str, str, Tuple[str, ...], bool, List[str]]] = field(default_factory=list)
+    params: Dict[str, str] = field(default_factory=dict)
+    partial_grad_elements: int = 0
+    _sizes: List[Tuple[ParallelStyle, Dict[str, int]]] = field(default_factory=list, repr=False)
+
+    def sharded(self) -> List[str]:
+        """Canonical names of the parameters each TP rank holds a slice of."""
+        return sorted(n for n, r in self.params.items() if r.startswith("sharded"))
+
+    def partial_grad(self) -> List[str]:
+        """Canonical names of the replicated parameters whose gradient is summed over the TP group."""
+        return sorted(n for n, r in self.params.items() if r.startswith("partial_grad"))
+
+    def collectives(self, shape: StepShape) -> List[Collective]:
+        """TP collectives of one micro-batch (forward ones ``shape.redo`` times), plus one
+        ``per_step`` all-reduce of the partial gradients (tag ``param_grad``), merged by kind,
+        direction, tag and size. Empty at tp = 1."""
+        if shape.tp == 1:
+            return []
+        counts: Dict[tuple, int] = defaultdict(int)
+        for style, sizes in self._sizes:
+            for c in style.collectives(sizes, shape):
+                counts[(c.kind, c.direction, c.tag, c.nbytes)] += c.count * (shape.redo if c.direction == "fwd" else 1)
+        out = [Collective(k, d, t, nb, n) for (k, d, t, nb), n in counts.items()]
+        if self.partial_grad_elements:
+            out.append(Collective("all_reduce", "bwd", "param_grad", self.partial_grad_elements * shape.act_bytes,
+                                  per_step=True))
+        return out
+
+    def table(self, where: str = "") -> str:
+        """The plan as applied, one line per applied row (logged by :func:`apply_plan`);
+        ``where`` (e.g. ``"stage 1"``) goes into the heading."""
+        skipped = sum(not r[3] for r in self.rows)
+        lines = [f"parallel plan {self.plan!r}{' on ' + where if where else ''} (mode {self.mode}): "
+                 f"{len(self.sharded())} sharded, {len(self.partial_grad())} partial-gradient parameters; "
+                 f"{skipped} row(s) of other modes not applied"]
+        for pattern, style, _modes, applied, matched in self.rows:
+            if applied:
+                lines.append(f"  {pattern:28} -> {style}: {len(matched)} module(s)")
+        return "\n".join(lines)
+
+
+def _path_match(pattern: Sequence[str], path: Sequence[str]) -> bool:
+    return len(pattern) == len(path) and all(fnmatch.fnmatchcase(p, q) for q, p in zip(pattern, path))
+
+
+def _matches(row: PlanRow, layers: List[Tuple[str, nn.Module]]) -> List[_Match]:
+    pat = row.pattern.split(".")
+    out = []
+    for lname, layer in layers:
+        base = lname.split(".")
+        if not _path_match(pat[:len(base)], base):
+            continue
+        for sub, m in layer.named_modules():
+            if _path_match(pat, base + (sub.split(".") if sub else [])):
+                parent_path, _, attr = sub.rpartition(".")
+                parent = layer.get_submodule(parent_path) if sub else None
+                out.append(_Match(f"{lname}.{sub}" if sub else lname, m, parent, attr))
+    return out
+
+
+def _check_row(plan: ParallelPlan, row: PlanRow, layers, matches: List[_Match]) -> None:
+    root = row.pattern.split(".")[0]
+    if not any(fnmatch.fnmatchcase(r, root) for r in plan.roots):
+        raise ValueError(f"parallel plan {plan.name!r}: row {row.pattern!r} ({row.style}) names no layer of the "
+                         f"model; its layers are {', '.join(plan.roots)}: fix the pattern")
+    present = [n for n, _ in layers if fnmatch.fnmatchcase(n.split(".")[0], root)]
+    if present and not matches:
+        names = sorted({f"{n}.{s}" if s else n for n, layer in layers[:3] for s, _ in layer.named_modules()})
+        raise ValueError(f"parallel plan {plan.name!r}: row {row.pattern!r} ({row.style}) matches no module of the "
+                         f"model; module paths look like {', '.join(names[:12])} ...: fix the pattern")
+
+
+def _run(layers, plan: ParallelPlan, mode: str, ctx: Optional[PlanContext]) -> PlanReport:
+    """Match every row against ``layers`` (checked in every mode), apply those of ``mode`` when
+    ``ctx`` is given."""
+    report = PlanReport(plan.name, mode)
+    for row in plan.rows:
+        matches = _matches(row, layers)
+        _check_row(plan, row, layers, matches)
+        applied = mode in row.modes
+        report.rows.append((row.pattern, repr(row.style), row.modes, applied, [m.name for m in matches]))
+        if not applied:
+            continue
+        for m in matches:
+            roles = row.style.roles(m.module, mode)
+            for n, role in roles.items():
+                report.params[f"{m.name}.{n}"] = role
+                if role.startswith("partial_grad"):
+                    report.partial_grad_elements += m.module.get_parameter(n).numel()
+            new = row.style.apply(m.module, ctx) if ctx is not None else None
+            if new is not None:
+                if m.parent is None:
+                    raise ValueError(f"parallel plan {plan.name!r}: row {row.pattern!r} would replace a whole "
+                                     f"layer ({m.name}); plan its submodules instead")
+                setattr(m.parent, m.attr, new)
+            report._sizes.append((row.style, row.style.sizes(m.module)))
+    return report
+
+
+def _actual_roles(layers) -> Dict[str, str]:
+    out, seen = {}, set()
+    for lname, layer in layers:  # a parameter is named after the first layer holding it
+        for n, p in layer.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if getattr(p, "tensor_model_parallel", False):
+                out[f"{lname}.{n}"] = f"sharded(dim={p.partition_dim}, stride={p.partition_stride})"
+            for attr in ("sequence_parallel", "tp_partial_grad"):
+                if getattr(p, attr, False):
+                    out[f"{lname}.{n}"] = f"partial_grad({attr})"
+    return out
+
+
+def apply_plan(model: nn.Module, plan: ParallelPlan, state: ParallelState, seq_len: Optional[int] = None
+               ) -> PlanReport:
+    """Apply ``plan`` to ``model`` (holding full weights, identical on every TP rank) in place,
+    log it (INFO on the first TP rank of the first data-parallel replica), and return its
+    :class:`PlanReport`. A no-op report when ``state.tp_size == 1``.
+
+    ``seq_len``: the true token count ``N`` that sequence-parallel attention drops the padding
+    to (updated later by ``set_grid``).
+
+    Raises
+    ------
+    ValueError
+        A row naming no layer of the model or matching no module of a layer the model holds;
+        sizes that tp does not divide; unsupported timm options.
+    RuntimeError
+        If the parameters' attributes after applying differ from what the styles declared (a
+        style whose :meth:`~vitp.parallel.styles.ParallelStyle.roles` is wrong).
+    """
+    mode = plan_mode(state)
+    if state.tp_size == 1:
+        return PlanReport(plan.name, mode)
+    layers = plan.layers(model)  # before any swap: the layer finder may look for unsharded modules
+    report = _run(layers, plan, mode, PlanContext(state, seq_len))
+    actual = _actual_roles(layers)
+    if actual != report.params:
+        diff = sorted(set(actual.items()) ^ set(report.params.items()))[:6]
+        raise RuntimeError(f"parallel plan {plan.name!r}: applied parameter roles differ from the declared ones: {diff}")
+    # one table per pipeline stage: its first TP rank of the first data-parallel replica
+    log.log(logging.INFO if state.tp_rank == 0 and state.dp_rank == 0 else logging.DEBUG,
+            "%s", report.table(f"stage {state.pp_rank}"))
+    return report
+
+
+def describe_plan(model: nn.Module, plan: ParallelPlan, mode: str) -> PlanReport:
+    """The :class:`PlanReport` that :func:`apply_plan` would return in ``mode``, without changing
+    ``model`` (which may live on the ``meta`` device). Raises ``ValueError`` as ``apply_plan``."""
+    return _run(plan.layers(model), plan, mode, None)
+
+
+# --- stock timm VisionTransformer (or any module holding timm blocks) --------------------------
+
+
+@dataclass(frozen=True)
+class VitSequenceRegion(ParallelStyle):
+    """A timm ``VisionTransformer``'s blocks form one sequence-parallel region: tokens are
+    scattered before its first block (the true token count handed to its TP attention) and
+    gathered after its last."""
+
+    def apply(self, vit, ctx):
+        state, blocks = ctx.state, list(vit.blocks)
+        attns = [m for m in vit.blocks.modules() if isinstance(m, TPAttention)]
+
+        def enter(_m, args):
+            for a in attns:
+                a.seq_len = args[0].shape[1]
+            return (sequence_parallel_enter(args[0], state),) + args[1:]
+
+        blocks[0].register_forward_pre_hook(enter)
+        blocks[-1].register_forward_hook(lambda _m, _a, out: sequence_parallel_exit(out, state, attns[0].seq_len))
+
+    def collectives(self, sizes, shape):
+        T = shape.token_bytes(True)
+        return [Collective("all_gather", "bwd", "sp_boundary", T), Collective("all_gather", "fwd", "sp_boundary", T)]
+
+
+def timm_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """``blocks.<i>`` for every timm block in ``model`` (module order), ``vit.<j>`` for every
+    timm ``VisionTransformer``."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    blocks = [("blocks", m) for m in model.modules() if is_timm_block(m)]
+    vits = [("vit", m) for m in model.modules() if isinstance(m, VisionTransformer)]
+    return [(f"{root}.{i}", m) for group in (blocks, vits) for i, (root, m) in enumerate(group)]
+
+
+TIMM_PLAN = ParallelPlan(
+    name="timm",
+    roots=("blocks", "vit"),
+    layers=timm_layers,
+    rows=(
+        PlanRow("blocks.*.attn", HeadParallelAttention(), ("tp", "sp")),
+        PlanRow("blocks.*.mlp", HiddenParallelMlp(), ("tp", "sp")),
+        PlanRow("blocks.*", PartialGradient("sequence_parallel", skip=("attn", "mlp")), ("sp",)),
+        PlanRow("vit.*", VitSequenceRegion(), ("sp",)),
+    ),
+)
+
+
+def tensor_parallelize(model: nn.Module, state: ParallelState, seq_len: Optional[int] = None) -> nn.Module:
+    """Shard every timm block (``attn`` and ``mlp`` timm layers holding full weights) of
+    ``model`` in place with :data:`TIMM_PLAN` and return ``model``; a no-op when
+    ``state.tp_size == 1``. With ``state.sequence_parallel`` the tokens of every timm
+    ``VisionTransformer`` are scattered before its first block and gathered after its last; for
+    other models the caller opens and closes the region (:func:`sequence_parallel_enter` /
+    :func:`sequence_parallel_exit`) and passes ``seq_len``.
+
+    Raises
+    ------
+    ValueError
+        Unsupported timm options, sizes not divisible by tp, no block found, or
+        ``parallel.partial_sync < 1`` (which needs a plan that owns the output head, as
+        :data:`vitp.models.GENERATOR_PLAN`).
+    """
+    if state.tp_size == 1:
+        return model
+    if state.partial:
+        raise ValueError("parallel.partial_sync < 1 needs a model plan that owns the output head "
+                         "(vitp.models.parallelize_generator); tensor_parallelize supports partial_sync=1 only")
+    if not timm_layers(model):
+        raise ValueError("tensor_parallelize: no block with timm `attn` and `mlp` children found")
+    apply_plan(model, TIMM_PLAN, state, seq_len)
+    return model
