@@ -34,7 +34,6 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 RUN_BY: Dict[Tuple[str, ...], str] = {
     ("torchrun", "scripts/benchmark_tp_comm.py"): "tests/unit/test_scripts.py::test_benchmark_tp_comm",
     ("python", "scripts/bench.py"): "tests/unit/test_scripts.py::test_bench_quick",
-    ("python", "scripts/partial_sync_quality.py"): "tests/unit/test_partial_sync_rule.py",
     ("bash", "scripts/gpu_check.sh"): "tests/unit/test_scripts.py::test_gpu_check_cpu_smoke",
     ("torchrun", "vitp.train"): "tests/distributed/test_train.py::test_torchrun_with_tensor_and_sequence_parallelism",
     ("deepspeed", "vitp.train"): "tests/distributed/test_checkpoint.py::test_kill_during_save_resumes_from_the_previous_checkpoint",
