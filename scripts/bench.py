@@ -492,7 +492,7 @@ def _fmt_ratio(r: dict) -> str:
 
 
 def markdown(res: dict) -> str:
-    """The Markdown tables of a result dict (the README's performance section)."""
+    """The Markdown tables of a result dict (docs/performance.md)."""
     lines = [f"Measured by `python scripts/bench.py{' --quick' if res['quick'] else ''}` ({res['when']}): "
              f"{res['reps']} interleaved repetitions of {res['steps']} steps, median ratio (min-max).", ""]
     if "overhead" in res:

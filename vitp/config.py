@@ -4,7 +4,8 @@ The YAML files under ``conf/`` are merged onto these dataclasses, so an unknown 
 the wrong type or a choice outside its enum fails when the config is composed.
 :func:`validate_config` then checks every cross-field rule (model divisibility, the ``tp x pp x
 dp`` layout against the world size, batch sizes, schedules) once, before any process group
-exists. Every field has a one-line description; ``README.md`` lists the same reference.
+exists. Every field has a one-line ``# comment``: ``scripts/config_reference.py`` turns them into
+the reference in ``docs/config.md`` (a test fails when the two differ).
 """
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ class SamplerConfig:
 
     method: SamplerMethod = SamplerMethod.heun  # "heun" | "euler"
     steps: int = 20  # number of ODE steps from t=0 to t=1
-    cfg_scale: float = 1.0  # classifier-free guidance scale (1 = no guidance; the CPU demos' best, README)
+    cfg_scale: float = 1.0  # classifier-free guidance scale (1 = no guidance; the CPU demos' best, docs/results.md)
     cfg_interval: List[float] = field(default_factory=lambda: [0.0, 1.0])  # CFG where lo < t < hi (and t=0 if lo=0)
     samples_per_class: int = 10  # columns of the sample grid
     grid_classes: int = 10  # rows (classes, evenly spaced) of the sample grid; 0 = all classes

@@ -37,7 +37,7 @@ def test_layouts_match_one_process_from_perturbed_weights(reference_runs, name):
 def test_perturbed_init_makes_attention_and_mlp_matter(reference_runs):
     """From the perturbed export the first loss differs from the default init's by far more than
     the parity tolerance, so a TP fault in attention or MLP shows (the fault-injection results
-    are in the README)."""
+    are in docs/parallelism.md)."""
     default = reference_runs["default_tp1pp1"][1]["losses"][0]
     perturbed = reference_runs["perturbed_tp1pp1"][1]["losses"][0]
     assert abs(perturbed - default) / default > 0.1
