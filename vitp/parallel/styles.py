@@ -315,8 +315,9 @@ class SequenceExit(ParallelStyle):
 class TPRegionEnter(ParallelStyle):
     """Output ``output`` ``(B, D)`` of the module enters the TP region (Megatron ``f``: identity
     forward, all-reduce of the gradient backward), so the per-rank partial gradients of all its
-    consumers are summed once here. On the first stage of a pipeline the gradient of the tensor
-    sent on to the next stage is reduced a second time (``pp > 1``: count 2, as measured)."""
+    consumers are summed once here. With ``pp > 1`` this runs twice per micro-batch on the
+    first stage: DeepSpeed's ``PipelineEngine._exec_backward_pass`` calls ``backward`` once per
+    output tensor of a stage (``tokens``, then ``c``), and both reach this node."""
 
     output: int = 1
     tag: str = "cond"
