@@ -13,6 +13,8 @@ from typing import Any, List
 
 import torch.nn as nn
 
+from vitp.utils import divisors as _divisors  # also imported by timm_tp
+
 
 @dataclass
 class ParallelState:
@@ -97,10 +99,6 @@ def make_state(tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = 
                          f"size {world}; valid layouts: {', '.join(_layouts(world))}")
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
     return from_grid(PipelineParallelGrid(topology=topo), sequence_parallel)
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _sizes_of_module(model: nn.Module) -> List[tuple]:
