@@ -170,14 +170,13 @@ def _gloo_links(procs: int = 2) -> Dict[str, object]:
 
     Raises ``RuntimeError`` when a worker fails.
     """
-    import socket
     import statistics
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from vitp.utils import free_port
+
+    port = free_port()
     procs = max(2, procs)
     code = "from vitp.plan.devices import _gloo_worker; _gloo_worker()"
     workers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
