@@ -11,6 +11,8 @@ import torch
 
 from vitp.parallel import distributed as dist
 
+from .telemetry import peak_memory_gib
+
 log = logging.getLogger("vitp")
 
 T_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -80,12 +82,7 @@ def binned_loss(t: torch.Tensor, loss: torch.Tensor) -> Dict[str, float]:
 def log_stages(module: torch.nn.Module, state: Any, device: torch.device, run_dir: Path) -> None:
     """Gather per-rank (stage, tp rank) parameter counts and peak memory; rank 0 logs them and
     writes ``stages.json``."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB -> MiB (process RSS)
+    peak = peak_memory_gib(device) * 2**10  # MiB
     row = {"rank": dist.rank(), "stage": state.pp_rank, "tp_rank": state.tp_rank, "dp_rank": state.dp_rank,
            "parameters": sum(p.numel() for p in module.parameters()), "peak_memory_mib": round(peak, 1)}
     rows = [row]
