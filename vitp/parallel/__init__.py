@@ -6,7 +6,8 @@
 - :mod:`.mappings`: autograd collectives between replicated / TP / sequence regions
 - :mod:`.layers`: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`, sharding helpers
 - :mod:`.timm_tp`: :class:`TPAttention`, :class:`TPMlp`, :func:`tensor_parallelize` for stock timm blocks
-- :mod:`.random`: RNG streams (:func:`model_parallel_seed`, :func:`get_rng_tracker`, :func:`checkpoint`)
+- :mod:`.random`: RNG streams (:func:`model_parallel_seed`, :func:`get_rng_tracker`,
+  :func:`checkpoint_activations`)
 
 Nothing here knows a particular model: a model's plan (e.g. :func:`vitp.models.parallelize_generator`)
 composes these pieces.
@@ -23,7 +24,7 @@ from .mappings import (
     reduce_scatter_to_sequence_region,
     scatter_to_sequence_region,
 )
-from .random import RNGStatesTracker, checkpoint, get_rng_tracker, model_parallel_seed
+from .random import RNGStatesTracker, checkpoint_activations, get_rng_tracker, model_parallel_seed
 from .state import ParallelState, from_grid, make_state, validate_tp
 from .timm_tp import (
     SequenceInfo,
@@ -50,7 +51,7 @@ __all__ = [
     "SequenceInfo",
     "TPAttention",
     "TPMlp",
-    "checkpoint",
+    "checkpoint_activations",
     "copy_to_tp_region",
     "from_grid",
     "full_state_dict",
