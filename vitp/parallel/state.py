@@ -78,8 +78,9 @@ def _layouts(world: int) -> List[str]:
 def make_state(tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = False) -> ParallelState:
     """Build the DeepSpeed grid for ``tp x pp x dp`` and return this rank's state.
 
-    Requires ``torch.distributed`` to be initialised (e.g. :func:`vitp.dist.init_distributed`).
-    Every rank must call it (it creates process groups).
+    Requires ``torch.distributed`` to be initialised (e.g. by
+    :func:`vitp.parallel.distributed.init_distributed`). Every rank must call it (it creates
+    process groups).
 
     Raises
     ------
@@ -92,7 +93,7 @@ def make_state(tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = 
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("make_state needs torch.distributed initialised (vitp.dist.init_distributed)")
+        raise RuntimeError("make_state needs torch.distributed initialised (vitp.parallel.distributed.init_distributed)")
     world = dist.get_world_size()
     if min(tp, pp, dp) < 1 or tp * pp * dp != world:
         raise ValueError(f"parallel layout tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} does not match the world "

@@ -4,8 +4,9 @@ config -> :class:`Trainer` (validate once, process groups, datasets, ``PipelineM
 generator's TP plan, ``deepspeed.initialize``, EMA, resume) -> :meth:`Trainer.fit` (a
 ``train_batch`` per optimizer step; the logger, sampler, evaluator and checkpointer decide when
 they act) -> metrics.jsonl / TensorBoard / sample grids / checkpoints -> final weights and eval.json.
-The loop follows torchtitan's ``Trainer`` (``train_step`` / ``train``) on DeepSpeed's pipeline
-engine (``PipelineEngine.train_batch``: 1F1B over the micro-batches of one step).
+The loop follows torchtitan's ``Trainer`` (its ``train_step`` / ``train``: here
+:meth:`Trainer.train_step` / :meth:`Trainer.fit`) on DeepSpeed's pipeline engine
+(``PipelineEngine.train_batch``: 1F1B over the micro-batches of one step).
 """
 from __future__ import annotations
 
