@@ -1,6 +1,6 @@
 """Megatron-style tensor and sequence parallelism for timm ViT blocks (model-agnostic).
 
-- :mod:`.distributed`: process groups for every launcher (:func:`init_distributed`, ranks)
+- :mod:`.distributed`: process groups for every launcher (:func:`.distributed.init_distributed`, ranks)
 - :mod:`.state`: :class:`ParallelState` (who am I in ``tp x pp x dp``), :func:`make_state`, :func:`from_grid`
 - :mod:`.comm`: counted collectives and :class:`CommRecorder`
 - :mod:`.mappings`: autograd collectives between replicated / TP / sequence regions
