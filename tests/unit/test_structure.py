@@ -90,23 +90,31 @@ _MD = re.compile(r"(?<![\w/.-])([\w-]+\.md)\b")
 PENDING = {"vitp/parallel/grads.py: design.md"}
 
 
-def _docstring_nodes(tree):
+def _strings(tree):
+    """``(docstrings, other string literals)`` of ``tree``, in one walk."""
+    docs, other = {}, []
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-                yield first.value
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docs[id(first.value)] = first.value.value
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            other.append(node)
+    return [d for d in docs.values() if isinstance(d, str)], {n.value for n in other if id(n) not in docs}
 
 
-def _prose(path, tree):
-    """The comments and docstrings of ``path``."""
-    comments = [t.string for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-                if t.type == tokenize.COMMENT]
-    return comments + [d.value for d in _docstring_nodes(tree)]
+def _comments(path):
+    return [t.string for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+            if t.type == tokenize.COMMENT]
+
+
+_TOP = {}
 
 
 def _top_names(tree):
-    out = {}
+    if id(tree) in _TOP:
+        return _TOP[id(tree)]
+    out = _TOP[id(tree)] = {}
     for node in tree.body:
         for n in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -178,27 +186,18 @@ def _role_exists(name, module, is_pkg, tree):
         for n in ast.walk(tree))
 
 
-def _written_names(trees):
-    """Every string literal of the code that is not a docstring (file names the code writes)."""
-    out = set()
-    for tree in trees:
-        docs = {id(d) for d in _docstring_nodes(tree)}
-        out |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-                and id(n) not in docs}
-    return out
-
-
 def test_docstrings_and_comments_name_only_what_exists():
     """Every ``vitp.x.y``, Sphinx role (``:func:`...``` etc.), repository path and ``*.md`` name in the
     comments and docstrings of ``vitp/`` and ``scripts/`` names a module, function, class, attribute
     or file that exists (a ``.md`` name may also be a file the code writes)."""
     files = [(p, *_module_of(p)) for p in sorted(ROOT.rglob("*.py")) + sorted((REPO / "scripts").rglob("*.py"))]
-    trees = {p: ast.parse(p.read_text()) for p, _, _ in files}
-    literals = _written_names(trees.values())
+    trees = {p: MODULES[m][1] if m in MODULES else ast.parse(p.read_text()) for p, m, _ in files}
+    strings = {p: _strings(t) for p, t in trees.items()}
+    literals = set().union(*(lit for _, lit in strings.values()))  # file names the code writes, among others
     bad = []
     for path, module, is_pkg in files:
         where = path.relative_to(REPO).as_posix()
-        for text in _prose(path, trees[path]):
+        for text in _comments(path) + strings[path][0]:
             bad += [f"{where}: {m}" for m in _ROLE.findall(text) if not _role_exists(m, module, is_pkg, trees[path])]
             bad += [f"{where}: {m}" for m in _DOTTED.findall(text) if not _exists(m)]
             bad += [f"{where}: {f}" for f in _REPO_FILE.findall(text) if not list(REPO.glob(f))]
