@@ -228,7 +228,8 @@ def dtensor_parallelize(model, tp: int):
     """torch's own TP on the generator's blocks (``parallelize_module``): qkv and fc1
     ``ColwiseParallel``, proj and fc2 ``RowwiseParallel``; everything else stays replicated.
     qkv's rows are permuted first so that the contiguous column split is the head-wise one
-    (timm packs ``[Q | K | V]``; design.md invariant 1), and each attention runs ``H / tp`` heads."""
+    (timm's ``Attention`` packs ``[Q | K | V]``; :func:`vitp.parallel.shard_tensor` with stride 3
+    takes the same head-wise slice), and each attention runs ``H / tp`` heads."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -10,9 +10,8 @@ import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from vitp.config import compose as compose_cfg  # noqa: E402,F401
-from vitp.parallel.local_group import free_port, run_local_group  # noqa: E402
-
-_free_port = free_port
+from vitp.parallel.local_group import run_local_group  # noqa: E402
+from vitp.utils import free_port  # noqa: E402
 
 # Forked from one server that imported these once (the suite starts ~100 ranks).
 _PRELOAD = ["torch", "deepspeed", "timm", "albumentations", "hydra", "vitp.train", "vitp.data", "vitp.eval",
@@ -44,7 +43,7 @@ def launch(world, args, run_dir, env_extra=None):
     import subprocess
     import sys
 
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
 
+from vitp.utils import divisors
+
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
@@ -277,10 +279,6 @@ def format_resolution(hw: Tuple[int, int]) -> str:
     return f"{hw[0]}x{hw[1]}"
 
 
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _fail(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
@@ -409,12 +407,12 @@ def _check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution")
         return
     if H == W:  # the square message, as before non-square sizes existed
         raise ValueError(f"resolution {H} ({key}) is not divisible by model.patch_size={p}; valid patch "
-                         f"sizes: {_divisors(H)}")
+                         f"sizes: {divisors(H)}")
     near = sorted({(h, w) for h in {max(p, H // p * p), -(-H // p) * p} for w in {max(p, W // p * p), -(-W // p) * p}})
     raise ValueError(f"resolution {format_resolution(hw)} ({key}) is not divisible by model.patch_size={p}: "
                      f"height and width must both be multiples of it; nearest valid sizes: "
                      f"{', '.join(format_resolution(n) for n in near)}; valid patch sizes for "
-                     f"{format_resolution(hw)}: {_divisors(math.gcd(H, W))}")
+                     f"{format_resolution(hw)}: {divisors(math.gcd(H, W))}")
 
 
 def validate_model(m: "DictConfig") -> None:
@@ -424,7 +422,7 @@ def validate_model(m: "DictConfig") -> None:
     """
     D, heads = m.width, m.num_heads
     if D % heads:
-        valid = [h for h in _divisors(D) if D // h >= 8]
+        valid = [h for h in divisors(D) if D // h >= 8]
         raise ValueError(f"model.width={D} is not divisible by model.num_heads={heads}; valid num_heads: {valid}")
     _check_patch_grid(parse_resolution(m.image_size), m.patch_size)
     _fail(m.num_frames % m.tubelet_size == 0,
@@ -470,6 +468,18 @@ def _check_bucket_batches(cfg: "DictConfig", dp: int) -> None:
               f"{', '.join(str(split * k) for k in range(1, 5))}, ...")
 
 
+def check_batch_split(global_batch: int, micro_batch: int, dp: int) -> None:
+    """Check that ``global_batch`` (samples per optimizer step) splits into micro-batches of
+    ``micro_batch`` samples on each of ``dp`` data-parallel ranks.
+
+    Raises ``ValueError`` naming ``trainer.global_batch_size`` and the nearest valid value.
+    """
+    _fail(global_batch % (micro_batch * dp) == 0,
+          f"trainer.global_batch_size={global_batch} must be a multiple of trainer.micro_batch_size "
+          f"({micro_batch}) x dp ({dp}); e.g. set "
+          f"trainer.global_batch_size={micro_batch * dp * max(1, global_batch // (micro_batch * dp))}")
+
+
 def _layouts(world: int) -> List[tuple]:
     return [(t, p) for t in range(1, world + 1) for p in range(1, world + 1) if world % (t * p) == 0]
 
@@ -494,7 +504,7 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
         if value % tp:
             g = math.gcd(*(v for _, v in sizes))
             raise ValueError(f"parallel.tp={tp} does not divide {option}={value}; valid tp degrees for this "
-                             f"model: {_divisors(g)}")
+                             f"model: {divisors(g)}")
     _fail(m.depth >= pp, f"model.depth={m.depth} < parallel.pp={pp}: every pipeline stage needs at least one "
                          f"block; use parallel.pp <= {m.depth}")
     precision = resolve_precision(tr.precision, device_type)
@@ -505,10 +515,7 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
           "parallel.zero_stage=0 in fp32: DeepSpeed's pipeline engine does not report, and with pp > 1 "
           "miscomputes, the clipping grad norm; use parallel.zero_stage=1 (the default)")
     dp = world_size // (tp * pp)
-    micro, glob = tr.micro_batch_size, tr.global_batch_size
-    _fail(glob % (micro * dp) == 0,
-          f"trainer.global_batch_size={glob} must be a multiple of trainer.micro_batch_size ({micro}) x dp "
-          f"({dp}); e.g. set trainer.global_batch_size={micro * dp * max(1, glob // (micro * dp))}")
+    check_batch_split(tr.global_batch_size, tr.micro_batch_size, dp)
     _check_bucket_batches(cfg, dp)
     return Layout(tp=tp, pp=pp, dp=dp, precision=precision)
 

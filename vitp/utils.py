@@ -1,11 +1,12 @@
-"""Small helpers every layer may use: atomic file writes and the plain-dict view of a config."""
+"""Small helpers every layer may use: atomic file writes, the plain-dict view of a config, the
+divisors of a size and a free local TCP port."""
 from __future__ import annotations
 
 import os
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, Union
+from typing import Any, Dict, Iterator, List, Union
 
 PathLike = Union[str, os.PathLike]
 
@@ -60,3 +61,19 @@ def to_dict(cfg: Any) -> Dict[str, Any]:
     if is_dataclass(cfg):
         return asdict(cfg)
     return dict(cfg)
+
+
+def divisors(n: int) -> List[int]:
+    """The positive divisors of ``n`` in increasing order (``[]`` for ``n < 1``): the valid
+    values listed by layout and size errors."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a local ``MASTER_PORT``; another
+    process may take it before it is bound again)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

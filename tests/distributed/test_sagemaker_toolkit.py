@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import TELEMETRY_PREFIXES, PERTURBED, _free_port, assert_rows_close, metrics, run_ranks, train_rank
+from tests.helpers import TELEMETRY_PREFIXES, PERTURBED, assert_rows_close, metrics, run_ranks, train_rank
+from vitp.utils import free_port
 
 pytest.importorskip("sagemaker_training")
 pytest.importorskip("sagemaker_pytorch_container")
@@ -115,7 +116,7 @@ def start_job(base: Path, job_name: str, prefix: tuple = (), **popen) -> subproc
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(SAGEMAKER_BASE_DIR=str(base), SAGEMAKER_TRAINING_MODULE="sagemaker_pytorch_container.training:main",
                TRAINING_JOB_NAME=job_name, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               NO_ALBUMENTATIONS_UPDATE="1", PET_MASTER_PORT=str(_free_port()),  # torchrun's --master_port
+               NO_ALBUMENTATIONS_UPDATE="1", PET_MASTER_PORT=str(free_port()),  # torchrun's --master_port
                PATH=f"{TRAIN.parent}{os.pathsep}{os.environ.get('PATH', '')}")  # the toolkit runs `torchrun` from PATH
     log = open(f"{base}.log", "w")
     return subprocess.Popen([*prefix, str(TRAIN)], env=env, cwd=base.parent, stdout=log, stderr=subprocess.STDOUT,

@@ -160,7 +160,7 @@ def generator_from_state(model_cfg: Any, state: Dict[str, torch.Tensor], device:
     gen = Generator.from_config(model_cfg)
     gen.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     if partial_sync and partial_sync["p"] < 1.0 and partial_sync["tp"] > 1:
-        from vitp.models.partial_sync_ref import PartialSyncGenerator
+        from vitp.models.partial_sync_streams import PartialSyncGenerator
 
         gen = PartialSyncGenerator(gen, partial_sync["tp"], partial_sync["p"], partial_sync["scale"])
     return gen.to(device).eval()

@@ -337,9 +337,10 @@ def failure_reason(error: BaseException) -> str:
     """The text for SageMaker's failure file: first line the problem and its fix, then where it
     happened, then (for errors that are not bad input) the traceback.
 
-    A :class:`SystemExit` from ``vitp-train`` (bad input: ``run_cli`` exits 2) or from Hydra
-    (``sys.exit(1)``) is raised while handling the real error, which is its ``__context__``."""
-    from vitp.cli import bad_input_errors
+    A :class:`SystemExit` from ``vitp-train`` (bad input: ``run_cli`` exits 2; a non-finite loss:
+    3) or from Hydra (``sys.exit(1)``) is raised while handling the real error, which is its
+    ``__context__``."""
+    from vitp.cli import reported_errors
 
     if isinstance(error, SystemExit) and error.__context__ is not None:
         error = error.__context__
@@ -347,7 +348,7 @@ def failure_reason(error: BaseException) -> str:
              f"{os.environ.get('SM_CURRENT_HOST', 'this host')}; the job's log has the details)")
     if isinstance(error, SystemExit):
         return f"vitp-train exited with status {error.code}\n{where}\n"
-    if isinstance(error, bad_input_errors()):
+    if isinstance(error, reported_errors()):
         return f"vitp-train: error: {error_chain(error)}\n{where}\n"
     trace = "".join(traceback.format_exception(type(error), error, error.__traceback__)[-12:])
     return f"{type(error).__name__}: {error_chain(error)}\n{where}\n{trace}"

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..config import check_batch_split
 from ..objectives.flow import draw_sample_noise, make_pair, sample_seed
 
 # Stream tags keep the seeds of order, augmentation and noise independent.
@@ -48,12 +49,7 @@ class BatchSchedule:
     def __init__(self, num_items: int, global_batch: int, micro_batch: int, dp: int, seed: int):
         if num_items < 1:
             raise ValueError("the training dataset is empty")
-        if global_batch % (micro_batch * dp):
-            raise ValueError(
-                f"trainer.global_batch_size={global_batch} must be a multiple of "
-                f"trainer.micro_batch_size ({micro_batch}) x dp ({dp}); e.g. set "
-                f"trainer.global_batch_size={micro_batch * dp * max(1, global_batch // (micro_batch * dp))}"
-            )
+        check_batch_split(global_batch, micro_batch, dp)
         self.N, self.G, self.mb, self.dp, self.seed = num_items, global_batch, micro_batch, dp, seed
         self.accumulation = global_batch // (micro_batch * dp)
         self._perm_epoch, self._perm = -1, None

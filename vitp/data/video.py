@@ -1,6 +1,6 @@
 """Video clips from a folder (or a list) of video files, decoded with PyAV.
 
-Items are clip windows addressed by ``(index, aug_seed)`` keys like every :class:`KeyedDataset`:
+Items are clip windows addressed by ``(index, aug_seed)`` keys like every :class:`~vitp.data.base.KeyedDataset`:
 ``x`` is float32 ``(C, T, R, R)`` in ``[-1, 1]``, the label an int.
 
 Layout of the items

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from vitp.models import Generator
-from vitp.objectives import sample_seed, velocity
+from vitp.objectives import sample_seed, v_loss
 from vitp.utils import atomic_write_text
 
 from .judge import frechet_distance, judge_features, judge_metrics, load_or_train_judge
@@ -49,8 +49,7 @@ def heldout_loss(gen: Generator, cfg: DictConfig, dataset: Any, batch_size: int 
             tb = torch.full((len(x),), t)
             z = t * x + (1 - t) * cfg.objective.noise_scale * eps
             x_pred = gen(z.to(device), tb.to(device), y.to(device)).float().cpu()
-            err = velocity(x_pred, z, tb, cfg.objective.t_eps) - velocity(x, z, tb, cfg.objective.t_eps)
-            per_t[k] += err.pow(2).flatten(1).mean(1).double().sum()
+            per_t[k] += v_loss(x_pred, x, z, tb, cfg.objective.t_eps).double().sum()
     per_t /= n
     return {"heldout_loss": per_t.mean().item(), "heldout_loss_per_t": {f"{t:.2f}": v for t, v in zip(ts, per_t.tolist())}}
 

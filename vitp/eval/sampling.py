@@ -12,6 +12,7 @@ from vitp.config import parse_resolution
 from vitp.media import frame_strip, to_grid, write_video_samples
 from vitp.models import Generator
 from vitp.objectives import sample
+from vitp.utils import atomic_write
 
 
 def class_grid_labels(num_classes: int, per_class: int, max_rows: int = 0) -> torch.Tensor:
@@ -59,8 +60,8 @@ def write_sample_grid(gen: Generator, cfg: DictConfig, path: Path) -> Dict[str, 
     labels = class_grid_labels(cfg.model.num_classes, cfg.sampler.samples_per_class, cfg.sampler.grid_classes)
     x = generate(gen, cfg, labels, cfg.sampler.seed)
     grid = to_grid(x, nrow=cfg.sampler.samples_per_class)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_image(grid, str(path))
+    with atomic_write(path) as tmp:  # same suffix: save_image picks the format by it
+        save_image(grid, str(tmp))
     strips = None
     if x.shape[2] > 1:
         write_video_samples(x, labels, path.parent, name=path.stem, fps=cfg.sampler.fps)

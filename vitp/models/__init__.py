@@ -3,7 +3,7 @@ from .generator import Block, Embed, FinalLayer, Generator, layer_specs, seed_la
 from .layers import GridAttention, TokenGroups, TubeletEmbed, input_grid, num_tokens, sincos_3d_pos_embed, token_grid
 from .keys import export_key, from_export_state, generator_key, pipeline_to_generator, to_export_state
 from .parallelize import GENERATOR_PLAN, generator_layers, parallelize_generator
-from .partial_sync_ref import PartialSyncGenerator
+from .partial_sync_streams import PartialSyncGenerator
 
 __all__ = [
     "Block",

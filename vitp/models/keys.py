@@ -1,7 +1,7 @@
 """The one map between the three key layouts of the generator's weights.
 
 - **pipeline**: ``PipelineModule`` names ``"<layer index>.<name>"``; layer 0 is ``Embed``,
-  layers ``1..depth`` the blocks, layer ``depth + 1`` the ``FinalLayer`` (:func:`layer_specs`);
+  layers ``1..depth`` the blocks, layer ``depth + 1`` the ``FinalLayer`` (:func:`~vitp.models.generator.layer_specs`);
 - **generator**: :class:`~vitp.models.Generator` names ``embed.*``, ``blocks.<i>.*``, ``final.*``;
 - **export** (safetensors files): the ViT blocks under timm's ``VisionTransformer`` names
   (``blocks.<i>.attn.qkv.weight`` ...; the affine-free ``norm1``/``norm2`` written as the identity

@@ -70,6 +70,14 @@ def velocity(x_pred: torch.Tensor, z_t: torch.Tensor, t: torch.Tensor, t_eps: fl
     return (x_pred - z_t) / denom.to(x_pred.dtype)
 
 
+def v_loss(x_pred: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor, t: torch.Tensor, t_eps: float) -> torch.Tensor:
+    """Per-sample v-loss ``(B,)`` in fp32: the mean over all but the batch dim of
+    ``(velocity(x_pred) - velocity(x))**2`` at ``(z_t, t)``; ``x_pred``, ``x``, ``z_t`` are
+    ``(B, ...)`` of one shape, ``t`` is ``(B,)``."""
+    x_pred, x, z_t = x_pred.float(), x.float(), z_t.float()
+    return (velocity(x_pred, z_t, t, t_eps) - velocity(x, z_t, t, t_eps)).pow(2).flatten(1).mean(1)
+
+
 class FlowMatchingLoss(nn.Module):
     """v-loss from an x-prediction. ``forward(x_pred, (x, z_t, t)) -> scalar``.
 
@@ -85,12 +93,9 @@ class FlowMatchingLoss(nn.Module):
         self.records: list = []
 
     def per_sample(self, x_pred: torch.Tensor, targets: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Per-sample loss ``(B,)``."""
+        """Per-sample loss ``(B,)`` (:func:`v_loss`)."""
         x, z_t, t = targets
-        x_pred, x, z_t = x_pred.float(), x.float(), z_t.float()
-        v_pred = velocity(x_pred, z_t, t, self.t_eps)
-        v = velocity(x, z_t, t, self.t_eps)
-        return (v_pred - v).pow(2).flatten(1).mean(1)
+        return v_loss(x_pred, x, z_t, t, self.t_eps)
 
     def forward(self, x_pred: torch.Tensor, targets: Sequence[torch.Tensor]) -> torch.Tensor:
         per = self.per_sample(x_pred, targets)

@@ -49,7 +49,7 @@ def sample(
 
     Parameters
     ----------
-    model : callable ``(z_t (B, C, T, H, W), t (B,), y (B,)) -> x_pred`` (e.g. :class:`Generator`)
+    model : callable ``(z_t (B, C, T, H, W), t (B,), y (B,)) -> x_pred`` (e.g. :class:`vitp.models.Generator`)
     y : (B,) int64 class labels (``num_classes`` = unconditional)
     shape : ``(C, T, H, W)`` of one sample
     steps : number of intervals of the uniform t grid

@@ -1,6 +1,6 @@
 """Megatron-style tensor and sequence parallelism for timm ViT blocks (model-agnostic).
 
-- :mod:`.distributed`: process groups for every launcher (:func:`init_distributed`, ranks)
+- :mod:`.distributed`: process groups for every launcher (:func:`.distributed.init_distributed`, ranks)
 - :mod:`.state`: :class:`ParallelState` (who am I in ``tp x pp x dp``), :func:`make_state`, :func:`from_grid`
 - :mod:`.comm`: counted collectives and :class:`CommRecorder`
 - :mod:`.mappings`: autograd collectives between replicated / TP / sequence regions
@@ -10,7 +10,8 @@
   gradients, sequence enter/exit, partial sync), each declaring its parameters and collectives
 - :mod:`.plan`: :class:`ParallelPlan` (pattern -> style table), :func:`apply_plan`, :func:`describe_plan`,
   and :func:`tensor_parallelize` for stock timm blocks
-- :mod:`.random`: RNG streams (:func:`model_parallel_seed`, :func:`get_rng_tracker`, :func:`checkpoint`)
+- :mod:`.random`: RNG streams (:func:`model_parallel_seed`, :func:`get_rng_tracker`,
+  :func:`checkpoint_activations`)
 
 Nothing here knows a particular model: a model's plan (e.g. :data:`vitp.models.GENERATOR_PLAN`)
 composes these pieces.
@@ -25,7 +26,7 @@ from .mappings import (
     reduce_scatter_to_sequence_region,
     scatter_to_sequence_region,
 )
-from .random import RNGStatesTracker, checkpoint, get_rng_tracker, model_parallel_seed
+from .random import RNGStatesTracker, checkpoint_activations, get_rng_tracker, model_parallel_seed
 from .state import ParallelState, from_grid, make_state, validate_tp
 from .timm_tp import (
     TPAttention,
@@ -56,7 +57,7 @@ __all__ = [
     "RowParallelLinear",
     "TPAttention",
     "TPMlp",
-    "checkpoint",
+    "checkpoint_activations",
     "copy_to_tp_region",
     "from_grid",
     "full_state_dict",

@@ -17,11 +17,12 @@ import datetime
 import json
 import os
 import re
-import socket
 import zlib
 from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
+
+from vitp.utils import free_port
 
 _LOCAL_RANK = re.compile(r"^--local[_-]rank(?:=(\d+))?$")
 
@@ -182,12 +183,6 @@ def adopt_launcher_env() -> Dict[str, str]:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def resolve_device(device: str = "auto") -> torch.device:
     """``auto`` -> ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.
 
@@ -221,7 +216,7 @@ def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 180
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if os.environ["WORLD_SIZE"] == "1":
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))  # nobody else needs to know it
+        os.environ.setdefault("MASTER_PORT", str(free_port()))  # nobody else needs to know it
     os.environ.setdefault("LOCAL_RANK", "0")
     if device.type == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

@@ -1,7 +1,7 @@
 """Gradient bookkeeping of a tensor-parallel model: the exact global grad norm, clipping, and the
 once-per-step reduction of replicated parameters whose gradients are per-rank partial sums.
 
-Global norm (design.md invariant 4; Megatron-LM ``optimizer/clip_grads.py``
+Global norm (Megatron-LM ``optimizer/clip_grads.py``
 ``get_grad_norm_fp32``): a parameter marked ``tensor_model_parallel=True`` holds a different
 slice on every TP rank and is counted on each; any other parameter is replicated over the TP
 group and counted on TP rank 0 only; the squares are summed over the model-parallel group (the

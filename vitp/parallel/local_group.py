@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from typing import Any, Callable, List, Sequence
 
+from vitp.utils import free_port
+
 DEFAULT_PRELOAD = ("torch", "deepspeed", "timm", "vitp.train", "vitp.pipeline", "vitp.models")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:

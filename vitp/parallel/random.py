@@ -13,9 +13,9 @@ Modelled on Megatron-Core ``tensor_parallel/random.py`` (``CudaRNGStatesTracker`
 ``model_parallel_cuda_manual_seed``), extended to CPU: the state swapped is the CPU generator's
 for CPU tensors and the CUDA generator's of that device for CUDA tensors.
 
-Note: a forked state is not restored by activation checkpointing's recomputation; with
-``attn_drop > 0`` (or MLP/SP dropout) and checkpointing, save/restore :meth:`get_states` around
-the recomputed region.
+Activation checkpointing must replay the forked stream on recomputation (torch's own checkpoint
+restores only the default generators): :func:`checkpoint_activations` does, so dropout on sharded
+activations draws the same masks in the forward pass and in the recompute.
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def model_parallel_seed(seed: int, state) -> Dict[str, int]:
     return {"default": default, "tensor_parallel": tp_seed}
 
 
-def checkpoint(function, *args):
+def checkpoint_activations(function, *args):
     """Non-reentrant activation checkpoint of ``function(*args)`` that also replays the TP RNG
     stream on recomputation (torch restores only the default generators), so dropout inside
     the tensor-parallel region draws the same masks in the forward pass and in the recompute

@@ -13,6 +13,8 @@ from typing import Any, List
 
 import torch.nn as nn
 
+from vitp.utils import divisors
+
 
 @dataclass
 class ParallelState:
@@ -76,8 +78,9 @@ def _layouts(world: int) -> List[str]:
 def make_state(tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = False) -> ParallelState:
     """Build the DeepSpeed grid for ``tp x pp x dp`` and return this rank's state.
 
-    Requires ``torch.distributed`` to be initialised (e.g. :func:`vitp.dist.init_distributed`).
-    Every rank must call it (it creates process groups).
+    Requires ``torch.distributed`` to be initialised (e.g. by
+    :func:`vitp.parallel.distributed.init_distributed`). Every rank must call it (it creates
+    process groups).
 
     Raises
     ------
@@ -90,17 +93,13 @@ def make_state(tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = 
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("make_state needs torch.distributed initialised (vitp.dist.init_distributed)")
+        raise RuntimeError("make_state needs torch.distributed initialised (vitp.parallel.distributed.init_distributed)")
     world = dist.get_world_size()
     if min(tp, pp, dp) < 1 or tp * pp * dp != world:
         raise ValueError(f"parallel layout tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} does not match the world "
                          f"size {world}; valid layouts: {', '.join(_layouts(world))}")
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
     return from_grid(PipelineParallelGrid(topology=topo), sequence_parallel)
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _sizes_of_module(model: nn.Module) -> List[tuple]:
@@ -139,7 +138,7 @@ def validate_tp(model: nn.Module, tp: int) -> None:
     for option, value in sizes:
         if int(value) % tp:
             raise ValueError(f"parallel.tp={tp} does not divide {option}={value}; valid tp degrees for this "
-                             f"model: {_divisors(g) if g else [1]}")
+                             f"model: {divisors(g) if g else [1]}")
 
 
 __all__ = ["ParallelState", "from_grid", "make_state", "validate_tp"]

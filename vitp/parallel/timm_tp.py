@@ -52,6 +52,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import Attention, GluMlp, Mlp, SwiGLU
 
+from vitp.utils import divisors
+
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -67,12 +69,12 @@ from .mappings import (
 )
 from .partial_sync import partial_sync_of
 from .random import sharded_fork
-from .state import ParallelState, _divisors
+from .state import ParallelState
 
 
 def _check_divisible(what: str, value: int, tp: int) -> None:
     if value % tp:
-        raise ValueError(f"parallel.tp={tp} does not divide {what}={value}; valid tp degrees: {_divisors(value)}")
+        raise ValueError(f"parallel.tp={tp} does not divide {what}={value}; valid tp degrees: {divisors(value)}")
 
 
 class TPAttention(nn.Module):

@@ -21,7 +21,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from vitp.models import Block, Embed, FinalLayer, layer_specs, seed_layer
 from vitp.objectives import FlowMatchingLoss
-from vitp.parallel import checkpoint
+from vitp.parallel import checkpoint_activations
 from vitp.utils import to_dict
 
 
@@ -63,7 +63,7 @@ def build_pipeline(model_cfg: Any, loss_fn: FlowMatchingLoss, *, seed: int, tp: 
     """
     specs = [LayerSpec(_PIPE[cls], **kw) for cls, kw in layer_specs(**to_dict(model_cfg))]
     module = PipelineModule(
-        activation_checkpoint_func=checkpoint,
+        activation_checkpoint_func=checkpoint_activations,
         layers=specs,
         topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp),
         loss_fn=loss_fn,

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Dict, Optional
 
+from vitp.utils import atomic_write_text
+
 GB = 1e9
 
 
@@ -170,14 +172,13 @@ def _gloo_links(procs: int = 2) -> Dict[str, object]:
 
     Raises ``RuntimeError`` when a worker fails.
     """
-    import socket
     import statistics
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from vitp.utils import free_port
+
+    port = free_port()
     procs = max(2, procs)
     code = "from vitp.plan.devices import _gloo_worker; _gloo_worker()"
     workers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -238,8 +239,7 @@ def cpu_profile(threads: int = 1, remeasure: bool = False, links: bool = True, p
     prof = measure_cpu_profile(threads, links, procs)
     cache[key] = prof.as_dict()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cache, indent=1))
+        atomic_write_text(path, json.dumps(cache, indent=1))  # ranks measuring at once never see half a file
     except OSError:
         pass  # a read-only home: measure again next time
     return prof

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, List, Optional, Sequence
 
+from vitp.utils import divisors
+
 
 @dataclass(frozen=True)
 class LayoutSpec:
@@ -72,10 +74,6 @@ def layout_of(cfg: Any, world_size: int, device_type: str = "cpu") -> LayoutSpec
                       partial_sync=p, partial_sp=sp and p < 1)
 
 
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidate_layouts(cfg: Any, world_size: int, device_type: str = "cpu", ac_options: Sequence[int] = (0, 1),
                       micro_options: Optional[Iterable[int]] = None) -> List[LayoutSpec]:
     """Every layout of ``world_size`` processes that :func:`vitp.config.validate_layout` accepts:
@@ -86,10 +84,10 @@ def candidate_layouts(cfg: Any, world_size: int, device_type: str = "cpu", ac_op
 
     out = []
     glob = cfg.trainer.global_batch_size
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
+    for tp in divisors(world_size):
+        for pp in divisors(world_size // tp):
             dp = world_size // (tp * pp)
-            micros = sorted(set(micro_options or _divisors(max(1, glob // dp))))
+            micros = sorted(set(micro_options or divisors(max(1, glob // dp))))
             for sp in ([False, True] if tp > 1 else [False]):
                 for ac in ac_options:
                     for micro in micros:

@@ -5,11 +5,15 @@ sees the same batch.
 ZeRO stage 1 partitions the optimizer state over the data-parallel ranks. With ``dp = 1`` in
 fp32 it partitions nothing but still copies every gradient into flat buckets, all-reduces them
 on a 1-rank group, steps AdamW on flat buffers and keeps a second fp32 copy of the weights; and
-DeepSpeed's own stage-0 fp32 pipeline path miscomputes the clipping norm (design.md). So at
-``dp = 1`` in fp32 the engine runs ZeRO stage 0 with :class:`ExactClipAdamW`, torch's AdamW
-that clips by the exact global norm itself (:func:`vitp.parallel.grads.global_grad_norm`).
-bf16 keeps ZeRO-1 at any ``dp``: it needs fp32 master weights (which ZeRO-1 keeps), and
-DeepSpeed's bf16 stage-0 path cannot resume (design.md).
+DeepSpeed's own stage-0 fp32 pipeline path reports no global grad norm and, with ``pp > 1``,
+clips by a norm that leaves out the replicated parameters of the later stages (measured at
+deepspeed 0.19.8; why :func:`vitp.config.validate_layout` refuses ``parallel.zero_stage=0`` in
+fp32). So at ``dp = 1`` in fp32 the engine runs ZeRO stage 0 with :class:`ExactClipAdamW`,
+torch's AdamW that clips by the exact global norm itself
+(:func:`vitp.parallel.grads.global_grad_norm`; ``tests/distributed/test_pipeline.py`` checks the
+grad norms of ``tp x pp`` runs against one process). bf16 keeps ZeRO-1 at any ``dp``: it needs
+fp32 master weights (which ZeRO-1 keeps), and DeepSpeed's bf16 stage-0 path cannot resume
+(``load_checkpoint`` fails with ``KeyError: 0`` at deepspeed 0.19.8).
 """
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """What a run reports: ``metrics.jsonl`` and TensorBoard scalars/images (rank 0), loss per
-``t`` bin over all ranks, and the per-stage parameter and memory table (``stages.json``)."""
+``t`` bin over all ranks, and the per-stage parameter and memory table (``stages.json``).
+
+``stages.json`` is written atomically (:func:`vitp.utils.atomic_write_text`); ``metrics.jsonl``
+is an append-only log, one flushed line per logged step (a crash can leave a partial last line,
+which the next attempt's :func:`vitp.train.rundir.drop_failed_attempt` drops)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +14,9 @@ from typing import Any, Dict, Optional
 import torch
 
 from vitp.parallel import distributed as dist
+from vitp.utils import atomic_write_text
+
+from .telemetry import peak_memory_gib
 
 log = logging.getLogger("vitp")
 
@@ -80,12 +87,7 @@ def binned_loss(t: torch.Tensor, loss: torch.Tensor) -> Dict[str, float]:
 def log_stages(module: torch.nn.Module, state: Any, device: torch.device, run_dir: Path) -> None:
     """Gather per-rank (stage, tp rank) parameter counts and peak memory; rank 0 logs them and
     writes ``stages.json``."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB -> MiB (process RSS)
+    peak = peak_memory_gib(device) * 2**10  # MiB
     row = {"rank": dist.rank(), "stage": state.pp_rank, "tp_rank": state.tp_rank, "dp_rank": state.dp_rank,
            "parameters": sum(p.numel() for p in module.parameters()), "peak_memory_mib": round(peak, 1)}
     rows = [row]
@@ -97,4 +99,4 @@ def log_stages(module: torch.nn.Module, state: Any, device: torch.device, run_di
             if r["dp_rank"] == 0:
                 log.info("stage %d tp %d: %.3fM parameters, peak memory %.0f MiB", r["stage"], r["tp_rank"],
                          r["parameters"] / 1e6, r["peak_memory_mib"])
-        (run_dir / "stages.json").write_text(json.dumps(rows, indent=1) + "\n")
+        atomic_write_text(run_dir / "stages.json", json.dumps(rows, indent=1) + "\n")

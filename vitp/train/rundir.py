@@ -18,7 +18,7 @@ import re
 import shutil
 import socket
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -130,7 +130,7 @@ def check_history(run_dir: Path, cfg: DictConfig) -> None:
                          f"run's config to continue it")
 
 
-def drop_failed_attempt(run_dir: Path, start_step: int, tensorboard_dir: Optional[str] = None) -> None:
+def drop_failed_attempt(run_dir: Path, start_step: int) -> None:
     """Remove what an interrupted attempt wrote after ``start_step`` (everything when starting from
     scratch): ``metrics.jsonl`` / ``eval.jsonl`` lines and ``samples/step_*`` grids. TensorBoard
     events are hidden by the run logger's ``purge_step``."""

@@ -75,7 +75,8 @@ def _profile(device: torch.device, precision: str):
 
 
 def peak_memory_gib(device: torch.device) -> float:
-    """This process's peak memory: CUDA allocator peak on CUDA, max resident set size on CPU."""
+    """This process's peak memory in GiB (2**30 bytes): the CUDA allocator peak on CUDA, the max
+    resident set size (everything the process holds) on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

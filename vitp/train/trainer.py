@@ -4,8 +4,9 @@ config -> :class:`Trainer` (validate once, process groups, datasets, ``PipelineM
 generator's TP plan, ``deepspeed.initialize``, EMA, resume) -> :meth:`Trainer.fit` (a
 ``train_batch`` per optimizer step; the logger, sampler, evaluator and checkpointer decide when
 they act) -> metrics.jsonl / TensorBoard / sample grids / checkpoints -> final weights and eval.json.
-The loop follows torchtitan's ``Trainer`` (``train_step`` / ``train``) on DeepSpeed's pipeline
-engine (``PipelineEngine.train_batch``: 1F1B over the micro-batches of one step).
+The loop follows torchtitan's ``Trainer`` (its ``train_step`` / ``train``: here
+:meth:`Trainer.train_step` / :meth:`Trainer.fit`) on DeepSpeed's pipeline engine
+(``PipelineEngine.train_batch``: 1F1B over the micro-batches of one step).
 """
 from __future__ import annotations
 
@@ -193,9 +194,10 @@ class Trainer:
         from vitp.data.loader import LoaderBatches, train_loader
 
         from .engine import check_batch_consistency
+        from .nonfinite import StepBatches
 
         cfg, tr = self.cfg, self.cfg.trainer
-        self.batches = None
+        self.batches = self.step_batches = None
         if self.start_step >= tr.max_steps:
             return None
         data = self.train_ds if self.buckets is None else [tr for tr, _ in self.bucket_data]
@@ -208,7 +210,8 @@ class Trainer:
         except BaseException:
             self.batches.close()
             raise
-        return itertools.chain([first], self.batches)
+        self.step_batches = StepBatches(itertools.chain([first], self.batches))  # what a step read (.nonfinite)
+        return self.step_batches
 
     # ----------------------------------------------------------------- weights, samples, eval
     def full_state(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -279,13 +282,15 @@ class Trainer:
         """One optimizer step (all micro-batches of the global batch through the 1F1B pipeline),
         the EMA update, and the metrics of ``step`` when they are due. Returns the loss.
 
-        Raises ``FloatingPointError`` if the loss is NaN or infinite.
+        Raises ``FloatingPointError`` if the loss is NaN or infinite, saying where the non-finite
+        value first appeared and what to change (:func:`.nonfinite.nonfinite_loss_error`).
         """
         lr = self.engine.get_lr()[0]  # the lr this step uses
         batch = self.cfg.trainer.global_batch_size
         if self.buckets is not None:
             self._enter_bucket(self.schedule.bucket(step - 1))
             batch = self.buckets[self._bucket].batch_size
+        self.step_batches.new_step()
         loss = self.engine.train_batch(data_iter=self.data_iter).item()
         self.telemetry.count_step(self._bucket if self.buckets is not None else None)  # this step's shape
         self._samples_log += batch
@@ -295,11 +300,19 @@ class Trainer:
         self.grad_norms.append(float(norm) if norm is not None else float("nan"))
         self._n_log += 1
         if not math.isfinite(loss):
-            hint = "" if self.layout.precision == "fp32" else ", or use trainer.precision=fp32"
-            raise FloatingPointError(f"loss is {loss} at step {step}: lower optim.lr or keep optim.grad_clip > 0{hint}")
+            raise self._nonfinite_loss(step, loss)
         if self.logger.should_log(step):
             self._log_metrics(step, lr)
         return loss
+
+    def _nonfinite_loss(self, step: int, loss: float) -> FloatingPointError:
+        """The error for a non-finite ``loss`` at ``step`` (collective: every rank sees the loss)."""
+        from .nonfinite import nonfinite_loss_error
+
+        first = len(self.losses) == 1
+        return nonfinite_loss_error(loss, step, batches=self.step_batches.read, first_step=first,
+                                    prev_grad_norm=math.nan if first else self.grad_norms[-2],
+                                    grad_clip=self.cfg.optim.grad_clip, precision=self.layout.precision)
 
     def _enter_bucket(self, b: int) -> None:
         """Give every layer of this rank the token grid of bucket ``b`` and, when the shape changes,

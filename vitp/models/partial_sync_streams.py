@@ -1,12 +1,13 @@
-"""Single-process reference of a partially synchronized generator (:mod:`vitp.parallel.partial_sync`).
+"""A partially synchronized generator (:mod:`vitp.parallel.partial_sync`) run on one device.
 
 :class:`PartialSyncGenerator` runs the ``tp`` residual streams of a ``parallel.partial_sync < 1``
 model one after the other in one process, from the full (timm-layout) weights of a
 :class:`~vitp.models.Generator`; the collectives become plain sums over the streams. It is the
-straightforward implementation of the rule that the tests compare the distributed model against
-(forward and gradients), and the model that samples and evaluates a ``p < 1`` run on one device
-(the per-rank shards are fixed slices of the full weights, so full weights + ``(tp, p, scale)``
-define the function; see :func:`vitp.checkpoint.export.generator_from_state`).
+model that samples and evaluates a ``p < 1`` run on one device (the per-rank shards are fixed
+slices of the full weights, so full weights + ``(tp, p, scale)`` define the function; see
+:func:`vitp.checkpoint.export.generator_from_state`), and, being the straightforward
+implementation of the rule, the reference the tests compare the distributed model against
+(forward and gradients).
 
 Per block, with rank ``r``'s heads / hidden units (:func:`vitp.parallel.shard_tensor` of the
 full weights), ``o_r`` its partial ``proj`` / ``fc2`` output (no bias) and ``k = int(p * D)``:
@@ -19,7 +20,7 @@ in eval mode, or with them at zero).
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import List
 
 import torch
 import torch.nn as nn
@@ -128,11 +129,3 @@ class PartialSyncGenerator(nn.Module):
         for blk in gen.blocks:
             xs = block_streams(blk, xs, c, self.p, self.scale)
         return torch.stack([gen.final(x, c) for x in xs]).mean(0)
-
-
-def partial_sync_meta(model: Any) -> dict:
-    """``{"partial_sync": p, "partial_sync_tp": tp, "partial_sync_scale": rule}`` of a
-    :class:`PartialSyncGenerator` (``{}`` for any other model): the export metadata."""
-    if not isinstance(model, PartialSyncGenerator):
-        return {}
-    return {"partial_sync": model.p, "partial_sync_tp": model.tp, "partial_sync_scale": model.scale_rule}

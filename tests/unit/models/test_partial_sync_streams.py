@@ -1,4 +1,4 @@
-"""The single-process reference of partial synchronization (vitp.models.partial_sync_ref), float64:
+"""The single-process reference of partial synchronization (vitp.models.partial_sync_streams), float64:
 
 - at ``p = 1`` the ``tp`` streams are one model: it equals the plain generator (outputs and
   every gradient), so its per-rank sharding is a correct tensor-parallel decomposition;
@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from tests.helpers import compose_cfg
 from vitp.models import Generator
 from vitp.models.layers import modulate
-from vitp.models.partial_sync_ref import PartialSyncGenerator, block_streams
+from vitp.models.partial_sync_streams import PartialSyncGenerator, block_streams
 from vitp.parallel.partial_sync import private_scale, synced_channels
 
 VIDEO = ["data=synthetic", "data.channels=3", "data.num_classes=4", "data.num_frames=6", "data.resolution=6",

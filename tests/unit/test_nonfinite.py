@@ -1,0 +1,68 @@
+"""vitp.train.nonfinite: where a non-finite loss first appeared, and the exit status it gets."""
+import math
+
+import pytest
+import torch
+
+from vitp.cli import EXIT_BAD_INPUT, EXIT_NON_FINITE, run_cli
+from vitp.train.nonfinite import StepBatches, holds_nonfinite, nonfinite_loss_error
+
+NAN = float("nan")
+
+
+def _batch(bad=False):
+    x = torch.zeros(2, 3, 4, 4)
+    if bad:
+        x[1, 2, 3, 3] = float("inf")
+    return (x, torch.tensor([0.1, 0.2]), torch.tensor([1, 2])), (x.clone(), x, torch.tensor([0.1, 0.2]))
+
+
+def test_step_batches_keeps_what_the_current_step_read():
+    it = StepBatches(iter(range(5)))
+    assert [next(it), next(it)] == [0, 1] and it.read == [0, 1]
+    it.new_step()
+    assert next(it) == 2 and it.read == [2]
+
+
+def test_nonfinite_values_are_found_in_nested_batches():
+    assert not holds_nonfinite([_batch(), _batch()])
+    assert holds_nonfinite([_batch(), _batch(bad=True)])
+
+
+def _message(batches=(), prev=0.5, first=False, clip=1.0, precision="fp32"):
+    return str(nonfinite_loss_error(NAN, 7, batches=list(batches), prev_grad_norm=prev, first_step=first,
+                                    grad_clip=clip, precision=precision))
+
+
+def test_the_message_names_the_place_and_its_fix():
+    assert _message([_batch(bad=True)]) == ("loss is nan at step 7: the input batch of that step already holds "
+                                            "NaN/Inf, so the data do: check data.root / the dataset (its files and "
+                                            "transforms)")
+    assert _message([_batch()]) == ("loss is nan at step 7: the forward pass made it from a finite input batch: "
+                                    "lower optim.lr or keep optim.grad_clip > 0")
+    assert _message(clip=0.0, precision="bf16").endswith(
+        "lower optim.lr or set optim.grad_clip > 0 (it is 0: no clipping), or use trainer.precision=fp32")
+    assert _message(prev=math.inf) == ("loss is nan at step 7: the gradients of step 6 were already non-finite (grad "
+                                       "norm inf) though its loss was finite: keep optim.grad_clip > 0 and lower "
+                                       "optim.lr")
+    assert "the first step of this run: if the weights it started from hold NaN/Inf, fix trainer.init_from" in \
+        _message(prev=NAN, first=True)
+
+
+def test_gradients_that_went_bad_a_step_earlier_win_over_a_bad_batch():
+    assert "gradients of step 6" in _message([_batch(bad=True)], prev=NAN)
+    assert "input batch" in _message([_batch(bad=True)], prev=NAN, first=True)
+
+
+def _raise(error):
+    raise error
+
+
+@pytest.mark.parametrize("error,status", [(FloatingPointError("loss is nan at step 3: ..."), 3),
+                                          (ValueError("model.depth=0; use ..."), 2)])
+def test_a_nonfinite_loss_has_its_own_exit_status(capsys, error, status):
+    assert (EXIT_NON_FINITE, EXIT_BAD_INPUT) == (3, 2)
+    with pytest.raises(SystemExit) as e:
+        run_cli("vitp-train", _raise, error)
+    assert e.value.code == status
+    assert capsys.readouterr().err == f"vitp-train: error: {error}\n"
