@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from vitp import deepspeed_adapter as ds  # noqa: E402
 from vitp.config import validate_config  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.utils import atomic_write_text  # noqa: E402
@@ -147,7 +148,7 @@ class Trainer:
                                          activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
         # TP-partial gradients are summed once per step (engine.install_step_hook), not per micro-batch
         par = cfg.parallel
-        self.state = from_grid(self.module._grid, par.sequence_parallel, defer_grad_sync=True,
+        self.state = from_grid(ds.pipeline_grid(self.module), par.sequence_parallel, defer_grad_sync=True,
                                partial_sync=par.partial_sync, partial_sync_scale=par.partial_sync_scale)
         parallelize_generator(self.module, self.state, seq_len=num_tokens(**cfg.model))
         if self.checkpointer.resume_tag is None:
@@ -160,7 +161,7 @@ class Trainer:
         from .engine import build_optimizer, deepspeed_config, install_step_hook
 
         o = self.cfg.optim
-        optimizer = build_optimizer(self.module, self.cfg, self.layout, self.state, self.module._grid)
+        optimizer = build_optimizer(self.module, self.cfg, self.layout, self.state, ds.pipeline_grid(self.module))
         ds_log = logging.getLogger("DeepSpeed")
         ds_log.setLevel(logging.ERROR)  # "lr before the scheduler started" warnings during set-up
         self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer,
