@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vitp import deepspeed_adapter as ds
+import vitp.deepspeed_adapter as ds
 
 
 def test_every_internal_the_adapter_relies_on_exists_in_the_installed_deepspeed():

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from vitp import deepspeed_adapter as ds
+import vitp.deepspeed_adapter as ds
 
 
 def safe_load(path: str, map_location=None) -> Any:

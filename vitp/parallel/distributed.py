@@ -212,7 +212,7 @@ def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 180
     """
     import deepspeed
 
-    from vitp import deepspeed_adapter as ds
+    import vitp.deepspeed_adapter as ds
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return

@@ -19,7 +19,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from vitp import deepspeed_adapter as ds
+import vitp.deepspeed_adapter as ds
 from vitp.models import Block, Embed, FinalLayer, layer_specs, seed_layer
 from vitp.objectives import FlowMatchingLoss
 from vitp.parallel import checkpoint

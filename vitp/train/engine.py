@@ -17,7 +17,7 @@ from typing import Any, Dict
 
 import torch
 
-from vitp import deepspeed_adapter as ds
+import vitp.deepspeed_adapter as ds
 from vitp.config import Layout
 from vitp.parallel import distributed as dist
 from vitp.parallel.grads import clip_grads_, global_grad_norm, sync_partial_grads

@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from vitp import deepspeed_adapter as ds  # noqa: E402
+import vitp.deepspeed_adapter as ds  # noqa: E402
 from vitp.config import validate_config  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.utils import atomic_write_text  # noqa: E402
