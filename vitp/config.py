@@ -2,8 +2,8 @@
 
 The YAML files under ``conf/`` are merged onto these dataclasses, so an unknown key, a value of
 the wrong type or a choice outside its enum fails when the config is composed.
-:func:`validate_config` then checks every cross-field rule (model divisibility, the ``tp x pp x
-dp`` layout against the world size, batch sizes, schedules) once, before any process group
+:func:`validate_config` then checks every cross-field rule (model divisibility, batch sizes, schedules,
+the ``tp x pp x dp`` layout against the world size, which ``parallel.auto`` plans later) before any process group
 exists. Every field has a one-line ``# comment``: ``scripts/config_reference.py`` turns them into
 the reference in ``docs/config.md`` (a test fails when the two differ).
 """

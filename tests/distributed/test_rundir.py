@@ -1,11 +1,14 @@
-"""A restarted run shows one history; another config is refused (the busy-folder refusal is in
-test_launchers.py, against a live run)."""
+"""A restarted run shows one history; another config is refused (the busy-folder refusal is also
+in test_launchers.py, against a live run); a refused launch writes nothing into the run dir."""
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from tests.helpers import metrics, run_ranks
+from tests.helpers import free_port, metrics, run_ranks
 from vitp.config import compose
 
 
@@ -51,3 +54,60 @@ def _restart_before_the_first_checkpoint(rank, run):
         train(compose([*over, "model.depth=3", "trainer.max_steps=2"]), run)
     assert (run / "metrics.jsonl").read_text() == before
     assert "depth: 2" in (run / ".hydra" / "config.yaml").read_text()
+
+
+TINY = ["experiment=smoke", "trainer.max_steps=1"]
+
+
+def _vitp_train(args, run, **env):
+    """``python -m vitp.train`` (what ``vitp-train`` runs) into ``run``; its exit status and output."""
+    keep = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-m", "vitp.train", *args, f"hydra.run.dir={run}"], cwd=run.parent,
+                       env={**keep, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **env},
+                       capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_list_resolution_trains_and_a_refused_launch_writes_nothing(tmp_path):
+    """``data.resolution=[H, W]`` (the list form) trains; a launch refused for its config leaves
+    the run dir empty (no .hydra/, train.log, metrics.jsonl, tb/), so the corrected relaunch is
+    not taken for another config's run."""
+    from omegaconf import OmegaConf
+
+    run = tmp_path / "run"
+    code, out = _vitp_train([*TINY, "data.resolution=[47,32]"], run)
+    assert code == 2 and "resolution 47x32 (data.resolution) is not divisible by model.patch_size=2" in out, out
+    assert list(run.iterdir()) == []  # the folder Hydra made, empty
+    code, out = _vitp_train([*TINY, "data.resolution=[48,32]"], run)
+    assert code == 0, out[-3000:]
+    assert OmegaConf.load(run / ".hydra" / "config.yaml").model.image_size == [48, 32]
+    assert [r["step"] for r in metrics(run)] == [1]
+    assert "384 tokens per sample" in (run / "train.log").read_text()  # 24 x 16 patches
+
+
+def test_a_launch_into_a_busy_run_dir_writes_nothing_there(tmp_path):
+    """The refusal goes to the console, not into the owner's train.log; nothing else is written."""
+    from vitp.train.rundir import RunDirLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("the owner's line\n")
+    owner = RunDirLock(run)
+    owner.acquire()
+    try:
+        code, out = _vitp_train(TINY, run)
+    finally:
+        owner.release()
+    assert code == 2 and f"run dir {run} is in use by another vitp-train" in out, out[-3000:]
+    assert (run / "train.log").read_text() == "the owner's line\n"
+    assert sorted(p.name for p in run.iterdir()) == [".vitp.lock", "train.log"]
+
+
+def test_a_bad_layout_is_refused_before_any_process_group(tmp_path):
+    """Rank 1 of 2 started alone: a process group would wait for rank 0; the layout check (tp=3
+    does not divide the world of 2, from WORLD_SIZE) refuses first."""
+    run = tmp_path / "run"
+    code, out = _vitp_train([*TINY, "parallel.tp=3"], run, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    assert code == 2 and "parallel.tp=3 x parallel.pp=1 does not divide world_size=2" in out, out[-3000:]

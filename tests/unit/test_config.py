@@ -182,7 +182,36 @@ def test_launcher_arguments_go_before_the_users_so_hydra_flags_stay_last():
     from vitp.cli.train import prepare_argv
 
     assert prepare_argv(["vitp-train", "experiment=smoke", "--cfg", "job"]) == [
-        "vitp-train", "hydra.output_subdir=null", "experiment=smoke", "--cfg", "job"]
+        "vitp-train", "hydra.output_subdir=null", "++hydra.job_logging.handlers.file.delay=true", "experiment=smoke",
+        "--cfg", "job"]
+
+
+def test_prepare_argv_starts_no_process_group(monkeypatch):
+    import torch.distributed
+
+    from vitp.cli.train import prepare_argv
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = prepare_argv(["vitp-train", "experiment=smoke"])
+    assert argv == ["vitp-train", "hydra.output_subdir=null", "hydra/job_logging=stdout", "experiment=smoke"]
+    assert not torch.distributed.is_initialized()
+
+
+def test_list_resolution_is_accepted_by_the_planner_and_vitp_plan(capsys):
+    """``data.resolution=[48,32]`` (a ListConfig in the composed config) counts as 48x32 wherever
+    the planner's shapes are used: vitp-plan and the trainer's telemetry."""
+    from vitp.cli.plan import run as plan
+    from vitp.plan import ModelShape, layer_params, layout_of, step_comm
+
+    listed, text = compose_cfg(["experiment=smoke", "data.resolution=[48,32]"]), compose_cfg(
+        ["experiment=smoke", "data.resolution=48x32"])
+    assert layer_params(listed.model) == layer_params(text.model)
+    assert ModelShape.from_config(listed.model).grid == (1, 24, 16)
+    lay = layout_of(listed, 1, "cpu")
+    assert step_comm(listed.model, lay) == step_comm(text.model, lay)
+    assert plan(["--gpus", "1", "--device", "h100", "experiment=smoke", "data.resolution=[48,32]"])
+    assert "384 tokens/sample" in capsys.readouterr().out  # 24 x 16 patches of 2 x 2
 
 
 def test_written_files_follow_the_umask(tmp_path):

@@ -5,6 +5,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import time
 
 import pytest
 
@@ -91,3 +92,49 @@ def test_launcher_job_id_names_the_default_run_dir(env, job, monkeypatch):
     else:
         assert f"hydra.run.dir=${{paths.output_root}}/{job}" in argv
         assert prepare_argv(["vitp-train", "hydra.run.dir=/mine"]).count("hydra.run.dir=/mine") == 1
+
+
+def _file_logger(path):
+    import logging
+
+    handler = logging.FileHandler(path, delay=True)  # as vitp-train configures Hydra's train.log
+    handler.setFormatter(logging.Formatter("%(created)f %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def test_held_log_lines_are_dropped_for_a_refused_launch_and_written_with_their_time_once_checks_pass(tmp_path):
+    import logging
+
+    from vitp.train.rundir import hold_log_files, release_log_files
+
+    log, root = logging.getLogger("vitp.test_rundir"), logging.getLogger()
+    level, root.level = root.level, logging.INFO
+    run, elsewhere = tmp_path / "run", tmp_path / "other.log"
+    inside, outside = _file_logger(run / "train.log"), _file_logger(elsewhere)
+    try:
+        hold_log_files(run)
+        hold_log_files(run)  # idempotent
+        log.info("refused")
+        release_log_files(write=False)
+        assert not run.exists() and inside not in root.handlers  # not even created
+        assert elsewhere.read_text().endswith("refused\n")  # files outside the run dir are not held
+
+        run.mkdir()  # (Hydra makes it)
+        root.addHandler(inside)
+        hold_log_files(run)
+        t0 = time.time()
+        log.info("checked")
+        time.sleep(0.05)
+        t1 = time.time()
+        release_log_files(write=True)
+        log.info("training")
+        release_log_files(write=False)  # after the release: nothing held, nothing dropped
+        lines = [x.split(" ", 1) for x in (run / "train.log").read_text().splitlines()]
+        assert [m for _, m in lines] == ["checked", "training"]
+        assert t0 <= float(lines[0][0]) < t1 <= float(lines[1][0])  # each line keeps the time it was logged
+    finally:
+        for h in (inside, outside):
+            root.removeHandler(h)
+            h.close()
+        root.level = level

@@ -11,7 +11,6 @@ a requeued job resumes.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 import re
@@ -29,7 +28,8 @@ from omegaconf import DictConfig  # noqa: E402
 from vitp.cli import run_cli  # noqa: E402
 from vitp.config import check_override_keys, register_configs  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
-from vitp.train import train  # noqa: E402
+from vitp.train import check_config, train  # noqa: E402
+from vitp.train.rundir import hold_log_files, release_log_files  # noqa: E402
 
 log = logging.getLogger("vitp")
 
@@ -59,14 +59,11 @@ def launcher_job_id(env: Mapping[str, str]) -> Optional[str]:
 
 def default_run_dir() -> Optional[str]:
     """The ``hydra.run.dir`` to use when the user named none: ``${paths.output_root}/<job id>`` when the
-    launcher names the job (so a requeued job resumes), else ``<output_root>/<date>/<time>`` as
-    chosen on rank 0 under a multi-process launcher, else ``None`` (Hydra's default, the same)."""
+    launcher names the job (so a requeued job resumes), else ``None`` (Hydra's default,
+    ``<output_root>/<date>/<time>``; under a multi-process launcher every rank then uses rank 0's,
+    :func:`_shared_run_dir`)."""
     job = launcher_job_id(os.environ)
-    if job:
-        return "${paths.output_root}/" + job
-    if dist.world_size() > 1:
-        return dist.broadcast_object(datetime.datetime.now().strftime("${paths.output_root}/%Y-%m-%d/%H-%M-%S"))
-    return None
+    return "${paths.output_root}/" + job if job else None
 
 
 def _shared_run_dir(mine: str) -> str:
@@ -79,6 +76,17 @@ def _shared_run_dir(mine: str) -> str:
     return chosen
 
 
+def _train(cfg: DictConfig, run_dir: str, overrides: list) -> dict:
+    """:func:`vitp.train.train` under any launcher: with several processes, the config and layout
+    are checked (:func:`vitp.train.check_config`) before the process group starts, and every rank
+    then uses rank 0's run directory."""
+    if dist.world_size() > 1:
+        check_config(cfg)  # on every rank alike, before any process group exists
+        dist.init_distributed(dist.resolve_device(cfg.trainer.device))
+        run_dir = _shared_run_dir(run_dir)
+    return train(cfg, run_dir, overrides)
+
+
 def _hydra_entry() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -88,8 +96,11 @@ def _hydra_entry() -> None:
     @hydra.main(version_base="1.3", config_path=_config_path(), config_name="config")
     def _main(cfg: DictConfig) -> None:
         hc = HydraConfig.get()  # returns normally after a SIGTERM save: exit 0
-        run_dir = _shared_run_dir(hc.runtime.output_dir) if dist.world_size() > 1 else hc.runtime.output_dir
-        run_cli("vitp-train", train, cfg, run_dir, list(hc.overrides.task), log=log)
+        hold_log_files(hc.runtime.output_dir)  # train.log gets lines only once the launch's checks pass
+        try:
+            run_cli("vitp-train", _train, cfg, hc.runtime.output_dir, list(hc.overrides.task), log=log)
+        finally:
+            release_log_files(write=False)  # a refused launch: its lines (and error) went to the console only
 
     _main()
 
@@ -102,11 +113,13 @@ def _config_path() -> str:
 
 
 def prepare_argv(argv: list) -> list:
-    """Launcher-independent argv for Hydra.
+    """Launcher-independent argv for Hydra; starts no process group (``vitp-train`` starts it
+    after the config and layout checks, :func:`_train`).
 
     Strips ``--local_rank``, refuses unknown keys and takes the ranks of an MPI or srun launch
-    from its variables; under a multi-process launcher it initialises the process group and keeps
-    non-zero ranks from writing log files; without ``hydra.run.dir`` it picks
+    from its variables; keeps non-zero ranks from writing log files and makes rank 0's
+    ``train.log`` open on its first line (``delay=true``: a refused launch creates none,
+    :func:`vitp.train.rundir.hold_log_files`); without ``hydra.run.dir`` it picks
     :func:`default_run_dir`. Raises ``ValueError`` on an unknown key, or an MPI launch across
     hosts without ``MASTER_ADDR``.
     """
@@ -116,16 +129,14 @@ def prepare_argv(argv: list) -> list:
     ours = []  # put before the user's arguments, so Hydra flags like --cfg job / --info stay last
     if not any(a.startswith("hydra.output_subdir=") for a in argv):
         ours.append("hydra.output_subdir=null")  # train() writes .hydra/ itself, after its checks pass
-    if dist.world_size() > 1:
-        device_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("trainer.device=")), "auto")
-        dist.init_distributed(dist.resolve_device(device_arg))
     if not any(a.startswith("hydra.run.dir=") for a in argv):
         run_dir = default_run_dir()
         if run_dir:
             ours.append(f"hydra.run.dir={run_dir}")
-    if dist.world_size() > 1:
-        if not dist.is_main():
-            ours.append("hydra/job_logging=stdout")
+    if not dist.is_main():
+        ours.append("hydra/job_logging=stdout")
+    elif not any(a.startswith(("hydra/job_logging=", "hydra.job_logging")) for a in argv):
+        ours.append("++hydra.job_logging.handlers.file.delay=true")  # Hydra's default file handler
     return argv[:1] + ours + argv[1:]
 
 

@@ -206,7 +206,8 @@ def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 180
     srun (:func:`adopt_launcher_env`). Raises ``ValueError`` as :func:`launcher_env` does.
     """
     import deepspeed
-    import deepspeed.ops
+
+    import vitp.deepspeed_adapter as ds
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
@@ -219,7 +220,7 @@ def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 180
         os.environ.setdefault("MASTER_PORT", str(free_port()))  # nobody else needs to know it
     os.environ.setdefault("LOCAL_RANK", "0")
     if device.type == "cpu":
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        ds.disable_shm_comm_op()  # training does not use it; its first build takes ~50 s
         if "OMP_NUM_THREADS" not in os.environ:
             # N ranks on one host each spinning up all cores' threads run many times slower
             local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))

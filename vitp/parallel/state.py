@@ -54,7 +54,7 @@ class ParallelState:
 
 def from_grid(grid: Any, sequence_parallel: bool = False, defer_grad_sync: bool = False, partial_sync: float = 1.0,
               partial_sync_scale: str = "sqrt_tp") -> ParallelState:
-    """:class:`ParallelState` of a DeepSpeed ``PipelineParallelGrid`` (e.g. ``PipelineModule._grid``)."""
+    """:class:`ParallelState` of a DeepSpeed ``PipelineParallelGrid`` (e.g. :func:`vitp.deepspeed_adapter.pipeline_grid` of a ``PipelineModule``)."""
     return ParallelState(
         tp_group=grid.get_slice_parallel_group(),
         tp_rank=grid.get_slice_parallel_rank(),

@@ -8,7 +8,7 @@ tuple between layers (DeepSpeed calls ``layer(inputs)`` with one argument):
     FinalPipe:  (tokens, c)  -> x_pred (B, C, T, H, W)
 
 ``seed_layers=True`` with :func:`vitp.models.seed_layer` builds layer ``i`` after seeding
-``seed + i``, so the weights are the same as :class:`vitp.models.Generator` built with the same
+``seed + i`` (and only then: :func:`vitp.deepspeed_adapter.seed_layers_for_init_only`), so the weights are the same as :class:`vitp.models.Generator` built with the same
 seed, whatever the number of stages, so runs in different layouts start from the same model.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+import vitp.deepspeed_adapter as ds
 from vitp.models import Block, Embed, FinalLayer, layer_specs, seed_layer
 from vitp.objectives import FlowMatchingLoss
 from vitp.parallel import checkpoint_activations
@@ -73,9 +74,7 @@ def build_pipeline(model_cfg: Any, loss_fn: FlowMatchingLoss, *, seed: int, tp: 
         partition_method="type:BlockPipe",
         activation_checkpoint_interval=activation_checkpoint_interval,
     )
-    # seed_layers also reseeds the RNG in every forward with a rank-independent seed, which
-    # would give all dp ranks the same dropout masks; it is only wanted for initialisation.
-    module.seed_layers = False
+    ds.seed_layers_for_init_only(module)  # seeded construction, no reseeding in forward
     return module
 
 
@@ -84,11 +83,9 @@ def stage_blocks(depth: int, pp: int) -> List[int]:
 
     Raises ``ValueError`` when ``depth < pp`` (a stage would own no block).
     """
-    from deepspeed.runtime.utils import partition_balanced
-
     if depth < pp:
         raise ValueError(f"model.depth={depth} < parallel.pp={pp}: every pipeline stage needs at least one block; "
                          f"use parallel.pp <= {depth}")
     w = [0] + [1] * depth + [0]
-    parts = partition_balanced(weights=w, num_parts=pp)
+    parts = ds.partition_balanced(weights=w, num_parts=pp)
     return [sum(w[parts[i]:parts[i + 1]]) for i in range(pp)]

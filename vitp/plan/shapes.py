@@ -73,8 +73,12 @@ class ModelShape:
 
 
 def _frozen(model: Any) -> Tuple:
-    return tuple(sorted((k, str(v) if not isinstance(v, (int, float, bool, type(None))) else v)
-                        for k, v in to_dict(model).items()))
+    def leaf(v: Any) -> Any:  # hashable; a list (image_size [H, W]) stays a sequence, not its str
+        if isinstance(v, (list, tuple)):
+            return tuple(v)
+        return v if isinstance(v, (int, float, bool, type(None))) else str(v)
+
+    return tuple(sorted((k, leaf(v)) for k, v in to_dict(model).items()))
 
 
 def _meta_layers(frozen: Tuple, first: int = 0, end: Optional[int] = None):

@@ -4,6 +4,6 @@ TensorBoard (:mod:`.logger`), clean stops on signals (:mod:`.stop`).
 
 ``python -m vitp.train`` (or ``vitp-train``) is the command-line entry (:mod:`vitp.cli.train`).
 """
-from .trainer import Trainer, train, write_run_config
+from .trainer import Trainer, check_config, train, write_run_config
 
-__all__ = ["Trainer", "train", "write_run_config"]
+__all__ = ["Trainer", "check_config", "train", "write_run_config"]

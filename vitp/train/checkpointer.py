@@ -1,6 +1,6 @@
-"""The run's checkpoint component: finds what to resume from before any process group exists,
-restores it after the engine is built, and decides when to save (as torchtitan's
-``CheckpointManager``: the loop only says which step it finished)."""
+"""The run's checkpoint component: finds and verifies what to resume from (reading the run
+directory, writing nothing), restores it after the engine is built, and decides when to save (as
+torchtitan's ``CheckpointManager``: the loop only says which step it finished)."""
 from __future__ import annotations
 
 import logging
@@ -31,9 +31,11 @@ class Checkpointer:
     """Checkpoints of one run directory (``<run_dir>/checkpoints``).
 
     Construction resolves ``trainer.resume`` (``auto`` | ``never`` | a path), verifies the
-    checkpoint's files and that it matches this run's layout, precision and model, all before
-    any process group exists. Raises ``ValueError`` / ``FileNotFoundError`` naming the problem and
-    the fix.
+    checkpoint's files and that it matches this run's layout, precision and model, or (starting
+    fresh) that the folder holds no other config's run (:func:`.rundir.check_history`); it reads
+    the run directory and writes nothing (the trainer holds the folder's lock by then).
+    :meth:`prepare_run_dir` is the first write, once every check of the launch has passed.
+    Raises ``ValueError`` / ``FileNotFoundError`` naming the problem and the fix.
     """
 
     def __init__(self, cfg: DictConfig, run_dir: Path, layout: Layout):
@@ -57,7 +59,8 @@ class Checkpointer:
                         "changes accordingly", tr.max_steps, self.meta["max_steps"], self.start_step)
 
     def prepare_run_dir(self) -> None:
-        """Rank 0: create the run dir, remove half-written checkpoints, and drop the log lines and
+        """Rank 0, after every check of the launch (config, layout, data, resume, init files) has
+        passed: create the run dir, remove half-written checkpoints, and drop the log lines and
         sample grids an interrupted attempt wrote after the step we start from."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob("*.partial") if self.dir.is_dir() else []:

@@ -21,6 +21,7 @@ from typing import Any, Dict
 
 import torch
 
+import vitp.deepspeed_adapter as ds
 from vitp.config import Layout
 from vitp.parallel import distributed as dist
 from vitp.parallel.grads import clip_grads_, global_grad_norm, sync_partial_grads
@@ -34,8 +35,8 @@ def zero_stage(cfg: Any, layout: Layout) -> int:
 
 class ExactClipAdamW(torch.optim.AdamW):
     """torch's AdamW whose :meth:`step` first computes the exact global grad norm over the
-    model-parallel group, stores it as ``_global_grad_norm`` (DeepSpeed's engine reports it from
-    there) and clips with DeepSpeed ZeRO's arithmetic. State dict = AdamW's.
+    model-parallel group, hands it to DeepSpeed's engine (which reports it,
+    :func:`vitp.deepspeed_adapter.report_grad_norm`) and clips with DeepSpeed ZeRO's arithmetic. State dict = AdamW's.
 
     ``tp_rank`` and ``model_parallel_group`` say which parameters count on this rank (see
     :func:`vitp.parallel.grads.global_grad_norm`); ``max_norm = 0`` only measures.
@@ -44,13 +45,14 @@ class ExactClipAdamW(torch.optim.AdamW):
     def __init__(self, params, *, max_norm: float, tp_rank: int = 0, model_parallel_group=None, **adamw):
         super().__init__(params, **adamw)
         self.max_norm, self.tp_rank, self.model_parallel_group = max_norm, tp_rank, model_parallel_group
-        self._global_grad_norm = None
+        ds.report_grad_norm(self, None)
 
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for g in self.param_groups for p in g["params"]]
-        self._global_grad_norm = global_grad_norm(params, self.tp_rank, self.model_parallel_group)
-        clip_grads_(params, self.max_norm, self._global_grad_norm)
+        norm = global_grad_norm(params, self.tp_rank, self.model_parallel_group)
+        ds.report_grad_norm(self, norm)
+        clip_grads_(params, self.max_norm, norm)
         return super().step(closure)
 
 
@@ -72,19 +74,17 @@ def install_step_hook(engine: Any, layout: Layout) -> None:
     instruction, after the last micro-batch's backward), sum the TP-partial gradients
     (:func:`vitp.parallel.grads.sync_partial_grads`); skip DeepSpeed's reduction when it has
     nothing to do (ZeRO-0 at ``dp = 1``: it would copy every gradient into buckets and all-reduce
-    them on a 1-rank group). Patches this engine's instruction table only."""
-    from deepspeed.runtime.pipe import schedule
-
-    table = type(engine)._INSTRUCTION_MAP
-    reduce = table[schedule.ReduceGrads]
+    them on a 1-rank group). Changes this engine only (:func:`vitp.deepspeed_adapter.patch_instruction`)."""
     skip_ds = layout.dp == 1 and isinstance(engine.optimizer, ExactClipAdamW)
 
-    def reduce_grads(self):
-        sync_partial_grads(self.module)
-        if not skip_ds:
-            reduce(self)
+    def wrap(reduce):
+        def reduce_grads(self):
+            sync_partial_grads(self.module)
+            if not skip_ds:
+                reduce(self)
+        return reduce_grads
 
-    engine._INSTRUCTION_MAP = {**table, schedule.ReduceGrads: reduce_grads}
+    ds.patch_instruction(engine, "ReduceGrads", wrap)
 
 
 def deepspeed_config(cfg: Any, layout: Layout) -> Dict[str, Any]:

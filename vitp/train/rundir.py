@@ -7,6 +7,10 @@
   has no checkpoint to resume) is refused, naming the differing keys.
 - :func:`drop_failed_attempt`: log lines, sample grids and TensorBoard events that an interrupted
   attempt wrote after the step we restart from are removed, so the outputs show one history.
+- :func:`hold_log_files`: records bound for log files inside the run directory (Hydra's
+  ``train.log``) are held back until the launch has passed its checks
+  (:func:`release_log_files`), so a refused launch writes no line into the folder, nor into the
+  ``train.log`` of a run that owns it.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ RELAUNCH_KEYS = ("trainer.resume", "trainer.exit_at_step", "trainer.exit_after_m
                  "trainer.max_steps", "trainer.export_dir", "trainer.output_data_dir", "trainer.tensorboard_dir",
                  "data.num_workers")
 _SAMPLE = re.compile(r"^step_(\d{7})(\.png)?$")
+_held: List[tuple] = []  # (buffer, file handler) pairs of hold_log_files
 
 
 class RunDirBusy(ValueError):
@@ -145,3 +150,44 @@ def drop_failed_attempt(run_dir: Path, start_step: int) -> None:
         m = _SAMPLE.match(p.name)
         if m and int(m.group(1)) > keep_upto:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+class _Buffer(logging.Handler):
+    """Keeps the records it is given, for the file handler it stands in for."""
+
+    def __init__(self, level: int):
+        super().__init__(level)
+        self.records: List[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def hold_log_files(run_dir: Path) -> None:
+    """Replace every root-logger ``logging.FileHandler`` writing inside ``run_dir`` (Hydra's
+    ``train.log``) by a buffer until :func:`release_log_files`. Idempotent; does nothing without
+    such handlers. Hydra opens its file handler at start-up unless ``delay=true``, which
+    :func:`vitp.cli.train.prepare_argv` sets, so a held ``train.log`` is not even created."""
+    root, folder = logging.getLogger(), Path(run_dir).resolve()
+    for h in list(root.handlers):
+        if isinstance(h, logging.FileHandler) and folder in Path(h.baseFilename).resolve().parents:
+            buffer = _Buffer(h.level)
+            root.removeHandler(h)
+            root.addHandler(buffer)
+            _held.append((buffer, h))
+
+
+def release_log_files(write: bool) -> None:
+    """End :func:`hold_log_files`: with ``write``, the held records go to their files (their own
+    time stamps) and the file handlers take over again; without, the records are dropped and the
+    handlers closed, so the files get nothing (a refused launch)."""
+    root = logging.getLogger()
+    while _held:
+        buffer, handler = _held.pop(0)
+        root.removeHandler(buffer)
+        if write:
+            for record in buffer.records:
+                handler.handle(record)
+            root.addHandler(handler)
+        else:
+            handler.close()

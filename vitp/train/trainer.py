@@ -1,7 +1,7 @@
 """The training loop: one path for every ``tp x pp x dp`` layout.
 
-config -> :class:`Trainer` (validate once, process groups, datasets, ``PipelineModule`` with the
-generator's TP plan, ``deepspeed.initialize``, EMA, resume) -> :meth:`Trainer.fit` (a
+config -> :class:`Trainer` (checks, process groups, datasets, ``PipelineModule`` with the TP
+plan, ``deepspeed.initialize``, EMA, resume; only then the run dir is written) -> :meth:`Trainer.fit` (a
 ``train_batch`` per optimizer step; the logger, sampler, evaluator and checkpointer decide when
 they act) -> metrics.jsonl / TensorBoard / sample grids / checkpoints -> final weights and eval.json.
 The loop follows torchtitan's ``Trainer`` (its ``train_step`` / ``train``: here
@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+import vitp.deepspeed_adapter as ds  # noqa: E402
 from vitp.config import validate_config  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.utils import atomic_write_text  # noqa: E402
@@ -38,7 +39,7 @@ from .autolayout import apply_auto_layout  # noqa: E402
 from .checkpointer import Checkpointer  # noqa: E402
 from .ema import EMA  # noqa: E402
 from .logger import RunLogger, binned_loss, log_stages  # noqa: E402
-from .rundir import lock_run_dir  # noqa: E402
+from .rundir import hold_log_files, lock_run_dir, release_log_files  # noqa: E402
 from .stop import StopSignal  # noqa: E402
 from .telemetry import Telemetry  # noqa: E402
 
@@ -52,6 +53,26 @@ def write_run_config(run_dir: Path, cfg: DictConfig, overrides: Optional[list]) 
         atomic_write_text(run_dir / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
 
 
+def check_config(cfg: DictConfig, device: Optional[torch.device] = None) -> Optional[Any]:
+    """The checks that need no process group, for a launch on ``device`` (default:
+    ``trainer.device``) with the world size of the environment (``WORLD_SIZE``, 1 without a
+    launcher): the whole config (:func:`vitp.config.validate_config`) and, unless
+    ``parallel.auto`` (whose layout the planner chooses later), the layout. Returns the
+    :class:`vitp.config.Layout` (``None`` with ``parallel.auto``).
+
+    Raises ``ValueError`` naming the key and the valid values.
+    """
+    device = device or dist.resolve_device(cfg.trainer.device)
+    return validate_config(cfg, None if cfg.parallel.auto else dist.world_size(), device.type)
+
+
+def _warn_without_effect(cfg: DictConfig) -> None:
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
+        log.warning("parallel.sequence_parallel=true has no effect with parallel.tp=1")
+    if cfg.parallel.partial_sync < 1 and cfg.parallel.tp == 1:
+        log.warning("parallel.partial_sync < 1 has no effect with parallel.tp=1 (nothing to synchronize)")
+
+
 def _due(every: int, step: int) -> bool:
     return bool(every) and step % every == 0
 
@@ -59,57 +80,76 @@ def _due(every: int, step: int) -> bool:
 class Trainer:
     """Build everything a run needs (the constructor), then :meth:`fit`.
 
-    Rank 0 owns the run directory while the run lasts (:mod:`.rundir`: a second launch into it is
-    refused). Every check (config, layout against the world size, resume checkpoint, the folder's
-    earlier config, init files) runs before anything else is written there, so a refused launch
-    leaves it as it was (bar the lock file); rank 0 then
-    writes ``run_dir/.hydra/config.yaml`` (and ``overrides.yaml`` from ``overrides``).
-
-    With ``parallel.auto`` the planner chooses the layout first (:mod:`.autolayout`; keys named in
-    ``overrides`` stay fixed) and writes it into ``cfg``, so the recorded config holds it.
+    The constructor checks before it writes, in this order: the config, and unless
+    ``parallel.auto`` the layout against the world size of the environment (``WORLD_SIZE``), before
+    any process group exists (:func:`check_config`); then the process group (with ``parallel.auto``
+    the planner chooses the layout, :mod:`.autolayout`, keeping the keys named in ``overrides``,
+    and the layout is checked); the data; the run directory's lock (rank 0 owns the folder while
+    the run lasts, :mod:`.rundir`: a second launch into it is refused); the resume checkpoint or
+    the folder's earlier config (:class:`.checkpointer.Checkpointer`); the model with its init
+    files; the engine (restoring the checkpoint). Only then does rank 0 write: the log files held
+    back until now (:func:`.rundir.hold_log_files`), the clean-up of an interrupted attempt
+    (:meth:`.checkpointer.Checkpointer.prepare_run_dir`), ``run_dir/.hydra/config.yaml`` (and
+    ``overrides.yaml`` from ``overrides``), ``metrics.jsonl`` and TensorBoard events. So a refused
+    launch writes nothing into the run directory, bar the lock file ``.vitp.lock`` when the refusal
+    comes after the lock was taken, and leaves a folder another run owns as it was.
 
     Raises ``ValueError`` / ``FileNotFoundError`` on an invalid layout, config or input file,
-    before any training step.
+    before any training step; :class:`.rundir.RunDirBusy` when another run owns the folder.
     """
 
     def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None):
         for name in ("DeepSpeed", "compilers"):  # DeepSpeed's op probe logs compiler commands
             logging.getLogger(name).setLevel(logging.WARNING)
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0  # train_step works outside fit too
+        self.lock = None
+        hold_log_files(self.run_dir)  # a refused launch must not write into a folder's train.log
+        checked = False
+        try:
+            self._check_and_build(overrides)
+            checked = True
+            release_log_files(write=True)  # every check has passed: the run dir is ours to write
+            self._write_run_dir(overrides)
+        except BaseException:
+            if not checked:
+                release_log_files(write=False)
+            if self.lock is not None:
+                self.lock.release()
+            raise
+
+    def _check_and_build(self, overrides: Optional[list]) -> None:
+        """Every check and everything that can fail on bad input, writing nothing (class doc)."""
+        cfg = self.cfg
         self.device = dist.resolve_device(cfg.trainer.device)
+        self.layout = check_config(cfg, self.device)  # None with parallel.auto
+        if not cfg.parallel.auto:
+            _warn_without_effect(cfg)
+        dist.init_distributed(self.device)
         self.auto = None  # parallel=auto: the planner's choice, written into cfg (.autolayout)
         if cfg.parallel.auto:
             self.auto = apply_auto_layout(cfg, self.run_dir, self.device, overrides)
-        if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
-            log.warning("parallel.sequence_parallel=true has no effect with parallel.tp=1")
-        if cfg.parallel.partial_sync < 1 and cfg.parallel.tp == 1:
-            log.warning("parallel.partial_sync < 1 has no effect with parallel.tp=1 (nothing to synchronize)")
-        self.layout = validate_config(cfg, dist.world_size(), self.device.type)
-        dist.init_distributed(self.device)
+            _warn_without_effect(cfg)
+            self.layout = validate_config(cfg, dist.world_size(), self.device.type)
         self.main = dist.is_main()  # rank 0 writes everything
-        self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0  # train_step works outside fit too
+        self._build_data()
         self.lock = lock_run_dir(self.run_dir)  # before reading the folder: one owner at a time
-        try:
-            self._build(overrides)
-        except BaseException:
-            self.lock.release()
-            raise
-
-    def _build(self, overrides: Optional[list]) -> None:
-        cfg = self.cfg
         self.checkpointer = Checkpointer(cfg, self.run_dir, self.layout)
         self.start_step = self.checkpointer.start_step
-        if self.main:
-            self.checkpointer.prepare_run_dir()
-        self._build_data()
         self._build_model()
         self._build_engine()
-        if self.main:  # every check has passed (layout, resume, init files)
+        self._log_start()
+        self.telemetry = Telemetry(cfg, self.layout, self.device)
+
+    def _write_run_dir(self, overrides: Optional[list]) -> None:
+        """Rank 0 cleans up an interrupted attempt and records the config; every rank opens the
+        run logger (metrics.jsonl and TensorBoard on rank 0) and the data iterator."""
+        cfg = self.cfg
+        if self.main:
+            self.checkpointer.prepare_run_dir()
             write_run_config(self.run_dir, cfg, overrides)
         self.logger = RunLogger(self.run_dir, self.main, cfg.trainer.tensorboard_dir, self.start_step,
                                 log_every=cfg.trainer.log_every, max_steps=cfg.trainer.max_steps)
-        self._log_start()
-        self.telemetry = Telemetry(cfg, self.layout, self.device)
         self.data_iter = self.telemetry.timed(self._data_iterator())
         self.losses: list = []
         self.grad_norms: list = []
@@ -148,7 +188,7 @@ class Trainer:
                                          activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
         # TP-partial gradients are summed once per step (engine.install_step_hook), not per micro-batch
         par = cfg.parallel
-        self.state = from_grid(self.module._grid, par.sequence_parallel, defer_grad_sync=True,
+        self.state = from_grid(ds.pipeline_grid(self.module), par.sequence_parallel, defer_grad_sync=True,
                                partial_sync=par.partial_sync, partial_sync_scale=par.partial_sync_scale)
         parallelize_generator(self.module, self.state, seq_len=num_tokens(**cfg.model))
         if self.checkpointer.resume_tag is None:
@@ -161,7 +201,7 @@ class Trainer:
         from .engine import build_optimizer, deepspeed_config, install_step_hook
 
         o = self.cfg.optim
-        optimizer = build_optimizer(self.module, self.cfg, self.layout, self.state, self.module._grid)
+        optimizer = build_optimizer(self.module, self.cfg, self.layout, self.state, ds.pipeline_grid(self.module))
         ds_log = logging.getLogger("DeepSpeed")
         ds_log.setLevel(logging.ERROR)  # "lr before the scheduler started" warnings during set-up
         self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer,

@@ -235,6 +235,7 @@ def pipeline_layers_sp(cfg):
 
     from vitp.models import Generator, generator_key, parallelize_generator, pipeline_to_generator
     from vitp.objectives import FlowMatchingLoss
+    from vitp.deepspeed_adapter import pipeline_grid
     from vitp.parallel import from_grid
     from vitp.pipeline import build_pipeline
 
@@ -244,7 +245,7 @@ def pipeline_layers_sp(cfg):
     gen = Generator(**cfg).double()
     gen.load_state_dict(pipeline_to_generator(pipe.state_dict(), cfg["depth"]))
     _, inputs, w = build("gen", cfg)
-    pstate = from_grid(pipe._grid, sequence_parallel=True)
+    pstate = from_grid(pipeline_grid(pipe), sequence_parallel=True)
     res = {"pipe_state": dataclasses.asdict(dataclasses.replace(pstate, tp_group=None))}
     parallelize_generator(pipe, pstate)
     res["pipe/sp=True"] = compare(gen, PipeCall(pipe), pstate, inputs, w,

@@ -1,0 +1,219 @@
+"""Every use vitp makes of DeepSpeed internals, in one place.
+
+vitp runs on DeepSpeed's public API (``deepspeed.initialize``, ``PipelineModule``,
+``PipelineEngine.train_batch``, ``save_checkpoint`` / ``load_checkpoint``) except for the few
+things below, which reach into private attributes, patch a class table, swap a class, flip a flag
+after construction, or rely on an undocumented helper. Each function says why. They hold at the
+pinned DeepSpeed (``pyproject.toml``); an upgrade can break any of them without an error of its
+own, so :data:`REQUIRED` lists every internal symbol they rely on (and, where the reliance is on
+what a DeepSpeed function does, a text its source must contain), and :func:`check` verifies them
+in the installed DeepSpeed (``tests/unit/test_deepspeed_adapter.py``), raising ``RuntimeError``
+that names the missing symbol and the adapter function that needs it.
+
+Nothing here imports another vitp module (``vitp.parallel`` may import this one).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One DeepSpeed internal vitp relies on: ``target`` is ``"module:Qual.name"``; ``uses`` (if set)
+    must occur in the source of that function (what we rely on it doing); ``needed_by`` names the
+    adapter function."""
+
+    target: str
+    needed_by: str
+    uses: Optional[str] = None
+
+
+REQUIRED: List[Internal] = [
+    # patch_instruction: the pipeline engine looks instructions up through self._INSTRUCTION_MAP
+    Internal("deepspeed.runtime.pipe.engine:PipelineEngine._INSTRUCTION_MAP", "patch_instruction"),
+    Internal("deepspeed.runtime.pipe.engine:PipelineEngine._exec_schedule", "patch_instruction",
+             uses="self._INSTRUCTION_MAP[type(cmd)]"),
+    Internal("deepspeed.runtime.pipe.schedule:ReduceGrads", "patch_instruction"),
+    # pipeline_grid: the module's PipelineParallelGrid
+    Internal("deepspeed.runtime.pipe.module:PipelineModule.mpu", "pipeline_grid", uses="return self._grid"),
+    # seed_layers_for_init_only: forward reseeds while the flag is set
+    Internal("deepspeed.runtime.pipe.module:PipelineModule.forward", "seed_layers_for_init_only",
+             uses="if self.seed_layers:"),
+    Internal("deepspeed.runtime.pipe.module:PipelineModule._build", "seed_layers_for_init_only",
+             uses="if self.seed_layers:"),
+    # partition_balanced: how partition_method="type:..." cuts the layers into stages
+    Internal("deepspeed.runtime.utils:partition_balanced", "partition_balanced"),
+    Internal("deepspeed.runtime.pipe.module:PipelineModule._partition_layers", "partition_balanced",
+             uses="partition_balanced("),
+    # replace_checkpoint_load: the engine reads every file through self.checkpoint_engine.load
+    Internal("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine.load",
+             "replace_checkpoint_load"),
+    Internal("deepspeed.runtime.engine:DeepSpeedEngine._load_checkpoint", "replace_checkpoint_load",
+             uses="self.checkpoint_engine"),
+    # checkpoint_safe_globals: the classes DeepSpeed pickles into its checkpoints
+    Internal("deepspeed.runtime.fp16.loss_scaler:LossScaler", "checkpoint_safe_globals"),
+    Internal("deepspeed.runtime.zero.config:ZeroStageEnum", "checkpoint_safe_globals"),
+    Internal("deepspeed.utils.tensor_fragment:fragment_address", "checkpoint_safe_globals"),
+    # report_grad_norm: the engine copies optimizer._global_grad_norm after each step
+    Internal("deepspeed.runtime.engine:DeepSpeedEngine._take_model_step", "report_grad_norm",
+             uses="self.optimizer._global_grad_norm"),
+    # disable_shm_comm_op: init_distributed builds the op only if this table says it is compatible
+    Internal("deepspeed.ops:__getattr__", "disable_shm_comm_op", uses='"__compatible_ops__"'),
+    Internal("deepspeed.comm.torch:build_shm_op", "disable_shm_comm_op",
+             uses="deepspeed.ops.__compatible_ops__.get(builder.NAME"),
+]
+
+
+def _resolve(target: str) -> Any:
+    module, _, qual = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = inspect.getattr_static(obj, part)  # no descriptor or lazy module attribute runs
+    return obj
+
+
+def _problem(item: Internal) -> Optional[str]:
+    try:
+        obj = _resolve(item.target)
+    except (ImportError, AttributeError) as e:
+        return f"{item.target} is missing ({type(e).__name__}: {e})"
+    if item.uses is None:
+        return None
+    try:
+        source = inspect.getsource(getattr(obj, "__func__", obj))
+    except (OSError, TypeError) as e:
+        return f"{item.target}: source unreadable ({e})"
+    return None if item.uses in source else f"{item.target} no longer contains {item.uses!r}"
+
+
+def missing(required: Optional[List[Internal]] = None) -> List[str]:
+    """One line per entry of ``required`` (default :data:`REQUIRED`) that the installed DeepSpeed
+    lacks (symbol absent, or its source without the ``uses`` text), naming the adapter function
+    that needs it; ``[]`` when all hold."""
+    out = []
+    for item in REQUIRED if required is None else required:
+        problem = _problem(item)
+        if problem:
+            out.append(f"{problem}, needed by vitp.deepspeed_adapter.{item.needed_by}")
+    return out
+
+
+def check(required: Optional[List[Internal]] = None) -> None:
+    """Raise ``RuntimeError`` naming every DeepSpeed internal of ``required`` (default
+    :data:`REQUIRED`) that the installed DeepSpeed lacks, and the adapter function that needs it."""
+    import deepspeed
+
+    problems = missing(required)
+    if problems:
+        raise RuntimeError(f"DeepSpeed {deepspeed.__version__} lacks internals vitp relies on "
+                           f"(vitp/deepspeed_adapter.py): " + "; ".join(problems))
+
+
+# ------------------------------------------------------------------------- pipeline engine
+def patch_instruction(engine: Any, instruction: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Replace how this pipeline ``engine`` executes the schedule instruction ``instruction``
+    (a class name of ``deepspeed.runtime.pipe.schedule``, e.g. ``"ReduceGrads"``) by
+    ``wrap(original)``, a function of the engine (``fn(engine, **instruction_kwargs)``).
+
+    Why: DeepSpeed has no hook between the last micro-batch's backward and its gradient reduction;
+    its engine dispatches instructions through the class table ``_INSTRUCTION_MAP``, looked up on
+    ``self``, so an instance attribute overrides it for this engine only.
+    Raises ``KeyError`` for an instruction the table lacks.
+    """
+    from deepspeed.runtime.pipe import schedule
+
+    table: Dict[Any, Callable] = type(engine)._INSTRUCTION_MAP
+    kind = getattr(schedule, instruction)
+    engine._INSTRUCTION_MAP = {**table, kind: wrap(table[kind])}
+
+
+def pipeline_grid(module: Any) -> Any:
+    """The ``PipelineParallelGrid`` (process groups and ranks) of a ``PipelineModule``.
+
+    Why: DeepSpeed builds the grid inside ``PipelineModule`` and keeps it private (``_grid``);
+    ``mpu()`` returns it (it is what DeepSpeed passes as the model-parallel unit).
+    """
+    return module.mpu()
+
+
+def seed_layers_for_init_only(module: Any) -> None:
+    """Stop ``module`` (built with ``seed_layers=True``) reseeding the RNG in every forward.
+
+    Why: ``seed_layers`` seeds layer ``i`` with ``base_seed + i`` while building (what makes
+    initialisation layout independent), but DeepSpeed also reseeds in every forward with a
+    rank-independent seed, which would give every data-parallel rank the same dropout masks;
+    DeepSpeed has no option for the first without the second, so the flag is cleared after
+    construction.
+    """
+    module.seed_layers = False
+
+
+def partition_balanced(weights: List[int], num_parts: int) -> List[int]:
+    """Part boundaries (``num_parts + 1`` indices) DeepSpeed's ``partition_method="type:..."``
+    uses for per-layer ``weights``.
+
+    Why: the planner and the weight gatherer must know which stage owns which block before (or
+    without) building a ``PipelineModule``; this undocumented helper is what DeepSpeed cuts with.
+    """
+    from deepspeed.runtime.utils import partition_balanced as _partition
+
+    return _partition(weights=weights, num_parts=num_parts)
+
+
+# ------------------------------------------------------------------------------- checkpoints
+def checkpoint_safe_globals() -> list:
+    """The classes DeepSpeed pickles into its checkpoint files (for ``torch.load(weights_only=True)``
+    allow-lists). Why: they live in internal modules and change with DeepSpeed's checkpoint code."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def replace_checkpoint_load(engine: Any, load: Callable[[str, Any], Any]) -> None:
+    """Make every checkpoint file this ``engine`` reads go through ``load(path, map_location)``.
+
+    Why: DeepSpeed's torch checkpoint engine calls ``torch.load(weights_only=False)``, with no
+    option to change it; the engine is created inside ``deepspeed.initialize``, so a subclass with
+    our ``load`` takes over its state (``__new__`` + ``__dict__``: no second constructor call).
+    Raises ``ValueError`` when the engine's checkpoint engine is not DeepSpeed's default torch one.
+    """
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class LoadReplaced(TorchCheckpointEngine):
+        """DeepSpeed's torch checkpoint engine reading files with vitp's loader."""
+
+        def load(self, path: str, map_location=None):
+            return load(path, map_location)
+
+    current = engine.checkpoint_engine
+    if type(current) is not TorchCheckpointEngine:
+        raise ValueError(f"unexpected DeepSpeed checkpoint engine {type(current).__name__}; "
+                         f"vitp needs the default torch engine")
+    replaced = LoadReplaced.__new__(LoadReplaced)
+    replaced.__dict__.update(current.__dict__)
+    engine.checkpoint_engine = replaced
+
+
+# ------------------------------------------------------------------------- optimizer, comm
+def report_grad_norm(optimizer: Any, norm: Any) -> None:
+    """Hand ``norm`` to the DeepSpeed engine as this step's global grad norm
+    (``engine.get_global_grad_norm()``). Why: the engine copies a client optimizer's private
+    ``_global_grad_norm`` after each step; there is no public setter."""
+    optimizer._global_grad_norm = norm
+
+
+def disable_shm_comm_op() -> None:
+    """Keep ``deepspeed.init_distributed`` from JIT-compiling its shared-memory comm op on CPU.
+
+    Why: the first build takes about 50 s with g++ and training does not use it; DeepSpeed builds
+    it only if ``deepspeed.ops.__compatible_ops__`` (a module-level table it fills on first
+    access) marks it compatible, and has no switch for it.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
