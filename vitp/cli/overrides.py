@@ -103,8 +103,10 @@ def typed_config(saved: Any) -> "DictConfig":
     return OmegaConf.merge(OmegaConf.structured(Config), saved)
 
 
-def _refusal(o: "Override", prog: str, allowed: Optional[Tuple[str, ...]]) -> Optional[str]:
-    """Why ``prog`` cannot apply ``o`` to a finished run's config, or ``None``."""
+def refusal(o: "Override", prog: str, allowed: Optional[Tuple[str, ...]] = None, hint: str = "") -> Optional[str]:
+    """Why ``prog`` cannot set the parsed override ``o`` on a finished run's config, or ``None``:
+    a sweep, an add or delete, a group choice or ``hydra.*`` key, an unknown key (the schema's
+    message with the nearest key), or a key outside the prefixes ``allowed`` (``hint`` appended)."""
     from vitp.config import CONFIG_GROUPS, unknown_key_message
 
     key, line = o.key_or_group, o.input_line
@@ -120,7 +122,7 @@ def _refusal(o: "Override", prog: str, allowed: Optional[Tuple[str, ...]]) -> Op
         return msg
     if allowed is not None and not key.startswith(allowed):
         keys = ", ".join(k + ("*" if k.endswith(".") else "") for k in allowed)
-        return f"{key}: {prog} can change {keys}; the other keys are fixed by the trained weights"
+        return f"{key}: {prog} can change {keys}; the other keys are fixed by the trained weights{hint}"
     return None
 
 
@@ -137,7 +139,7 @@ def apply_overrides(cfg: "DictConfig", args: Sequence[str], prog: str,
 
     cfg = cfg.copy()
     for o in parse_overrides(args):
-        msg = _refusal(o, prog, allowed)
+        msg = refusal(o, prog, allowed)
         if msg:
             raise ValueError(msg)
         try:
