@@ -2,9 +2,10 @@
 
 ``vitp-train`` (:mod:`.train`), ``vitp-sample`` (:mod:`.sample`), ``vitp-eval`` (:mod:`.eval`),
 ``vitp-export`` (:mod:`.export`), ``vitp-sagemaker`` (:mod:`.sagemaker`), ``vitp-plan`` (:mod:`.plan`),
-``vitp-sweep`` (:mod:`.sweep`). Bad input (missing or
-corrupt files, impossible layouts, wrong config values, a NaN loss) ends every one of them the same
-way: one line ``<prog>: error: <message>`` and exit status 2, no traceback.
+``vitp-sweep`` (:mod:`.sweep`). Every one takes config changes in one syntax, Hydra's
+``key=value`` overrides checked by the schema (:mod:`.overrides`); flags are for paths and counts.
+Bad input (missing or corrupt files, impossible layouts, wrong config values, a NaN loss) ends every
+one of them the same way: one line ``<prog>: error: <message>`` and exit status 2, no traceback.
 """
 from __future__ import annotations
 
