@@ -107,7 +107,8 @@ def test_strings_with_equals_signs_and_spaces_arrive_as_strings(tmp_path, form):
     assert job_hyperparameters(env, argv) == user
     over = sagemaker_overrides(env, argv)
     assert _parsed(next(o for o in over if o.startswith("paths."))) == ("paths.output_root", "run=a b")
-    assert _parsed(next(o for o in over if o.startswith("hydra.run.dir"))) == ("hydra.run.dir", str(tmp_path / "x=1, y"))
+    run_dir = next(o for o in over if o.startswith("hydra.run.dir"))
+    assert _parsed(run_dir) == ("hydra.run.dir", str(tmp_path / "x=1, y"))
     check_overrides(over)
     cfg = compose_cfg([o for o in over if not o.startswith("hydra.")])
     assert (cfg.paths.output_root, cfg.data.root, cfg.trainer.resume, cfg.trainer.max_steps) == (

@@ -62,7 +62,8 @@ def test_keys_refused_with_one_line_messages():
         check_eval_keys(parse_overrides(["model.depth=4,6"]))
     with pytest.raises(ValueError, match="sampler= picks a config file when vitp-train composes a run"):
         check_eval_keys(parse_overrides(["sampler=euler,heun"]))
-    with pytest.raises(ValueError, match=r"\+sampler.x=1: vitp-sweep eval sets keys of the run's config; it does not add"):
+    with pytest.raises(ValueError, match=r"\+sampler.x=1: vitp-sweep eval sets keys of the run's config; it does "
+                                         r"not add"):
         check_eval_keys(parse_overrides(["+sampler.x=1"]))
     check_eval_keys(parse_overrides(["sampler.steps=1,2", "eval.num_samples=20", "objective.t_eps=0.05"]))
     with pytest.raises(ValueError, match=r"unknown config key model.dept \(did you mean model.depth\?\)"):
@@ -117,7 +118,8 @@ def test_eval_sweep_writes_its_own_files_and_keeps_eval_json(run_dir, capsys):
     (["eval", "{run}", "sampler.steps=0,1"], "sampler.steps=0; it must be >= 1"),
     (["eval", "{run}", "sampler.method=euler,foo"], "Error merging override sampler.method=foo; Invalid value 'foo', "
                                                    "expected one of [heun, euler]"),
-    (["eval", "{run}", "sampler.cfg_interval='[0,1]'"], "sampler.cfg_interval='[0,1]'; Invalid value assigned: str is not a ListConfig"),
+    (["eval", "{run}", "sampler.cfg_interval='[0,1]'"],  # a quoted list is a string, as in vitp-train
+     "sampler.cfg_interval='[0,1]'; Invalid value assigned: str is not a ListConfig"),
     (["eval", "{run}", "--sort", "speed"], "--sort speed: unknown column"),
     (["collect", "{missing}"], "does not exist"),
     (["collect", "{run}/sweeps"], "neither a vitp run directory nor a folder of run directories"),
