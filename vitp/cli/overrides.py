@@ -150,16 +150,16 @@ def apply_overrides(cfg: "DictConfig", args: Sequence[str], prog: str,
 
 
 # ------------------------------------------------------------------------------- writing values for Hydra
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     """Deep equality that tells ``True`` from ``1`` and takes NaN as equal to NaN."""
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     if type(a) is not type(b):
         return False
     if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     return a == b
 
 
@@ -179,7 +179,7 @@ def _hydra_string(text: str) -> str:
 
     try:
         override = OverridesParser.create().parse_overrides([f"k={text}"])[0]
-        if not override.is_sweep_override() and _same(override.value(), text):
+        if not override.is_sweep_override() and same_value(override.value(), text):
             return text
     except Exception:  # noqa: BLE001 - any parse error means: quote it
         pass
@@ -225,7 +225,7 @@ def hydra_override(key: str, value: Any, what: str = "value") -> str:
     except ValueError as e:
         raise ValueError(f"{what} {key!r} is not a config key Hydra can parse ({e}); "
                          f"use dotted names like trainer.max_steps") from None
-    if override.is_sweep_override() or not _same(override.value(), value):
+    if override.is_sweep_override() or not same_value(override.value(), value):
         raise ValueError(f"{what} {key}={value!r} cannot be passed to Hydra intact (read back as "
                          f"{override.value()!r})")
     return text
