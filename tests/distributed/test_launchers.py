@@ -103,7 +103,7 @@ def test_signal_to_the_process_group_saves_and_exits_0(tmp_path):
     assert 2 <= stops[0] < stops[1] < 100000
     assert f"resumed from {run / 'checkpoints' / f'step_{stops[0]:07d}'}" in (tmp_path / "SIGINT.log").read_text()
     assert "seed: 0" in (run / ".hydra" / "config.yaml").read_text()  # the refused command wrote nothing
-    sample([str(run), "--num", "1", "--steps", "1"])
+    sample([str(run), "--num", "1", "sampler.steps=1"])
     assert (run / "samples" / "sample_seed0.png").is_file()
     p = subprocess.run([sys.executable, "-m", "vitp.train", *args[:-1], f"trainer.max_steps={stops[1] + 2}",
                         f"hydra.run.dir={run}"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -77,7 +77,7 @@ def test_export_sample_and_eval_on_one_device(ps_runs):
     gen, _ = load_generator(out)
     assert isinstance(gen, PartialSyncGenerator) and gen.tp == 2 and gen.p == 0.5
     png = tmp / "s.png"
-    sample.run([str(out), "--num", "2", "--steps", "2", "--out", str(png)])
+    sample.run([str(out), "--num", "2", "sampler.steps=2", "--out", str(png)])
     assert png.is_file()
     before = json.loads((tmp / "full" / "eval.json").read_text())["heldout_loss"]
     res = eval_cli.run([str(tmp / "full"), "eval.classifier_epochs=1", "eval.num_samples=20"])

@@ -36,7 +36,7 @@ def test_non_square_tp2_sp_matches_one_process(non_square_single, tmp_path):
 
 
 def test_sample_cli_at_another_size(non_square_single, capsys):
-    """``vitp-sample --resolution HxW`` samples a 6x10 run at 10x6 (portrait tiles); a size that
+    """``vitp-sample model.image_size=HxW`` samples a 6x10 run at 10x6 (portrait tiles); a size that
     does not tile into patches fails naming the nearest valid sizes."""
     from PIL import Image
 
@@ -44,10 +44,11 @@ def test_sample_cli_at_another_size(non_square_single, capsys):
 
     run, _ = non_square_single
     out = run / "portrait.png"
-    sample_main([str(run), "--classes", "3", "--num", "2", "--steps", "2", "--resolution", "10x6", "--out", str(out)])
+    sample_main([str(run), "--classes", "3", "--num", "2", "sampler.steps=2", "model.image_size=10x6", "--out",
+                 str(out)])
     assert Image.open(out).size == (2 * 60 + 3 * 2, 100 + 2 * 2)  # 10x6 tiles upscaled x10, 2 px padding
     with pytest.raises(SystemExit) as e:
-        sample_main([str(run), "--resolution", "10x7", "--out", str(run / "bad.png")])
+        sample_main([str(run), "data.resolution=10x7", "--out", str(run / "bad.png")])
     assert e.value.code == 2 and "nearest valid sizes: 10x6, 10x8" in capsys.readouterr().err
 
 

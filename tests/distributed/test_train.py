@@ -154,7 +154,7 @@ def test_sample_and_eval_clis(tmp_path, capsys):
     for key in ("heldout_loss", "sample_accuracy", "fd_digits", "fd_digits_real", "judge_accuracy_real_heldout"):
         assert isinstance(ev[key], float)
     assert len(ev["heldout_loss_per_t"]) == 10
-    p = _cli(["vitp-sample", str(run), "--classes", "3", "7", "--num", "4", "--steps", "3", "--cfg-scale", "2.0"], tmp_path)
+    p = _cli(["vitp-sample", str(run), "--classes", "3", "7", "--num", "4", "sampler.steps=3", "sampler.cfg_scale=2.0"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     from PIL import Image
 

@@ -40,10 +40,10 @@ def test_vitp_sample_writes_videos(video_run, tmp_path):
     from vitp.cli.sample import run as sample
 
     run, _ = video_run
-    sample([str(run), "--classes", "1", "--num", "2", "--steps", "2", "--out", str(tmp_path / "vids")])
+    sample([str(run), "--classes", "1", "--num", "2", "sampler.steps=2", "--out", str(tmp_path / "vids")])
     assert sorted(p.name for p in (tmp_path / "vids").iterdir()) == ["class1_seed0.gif", "class1_seed1.gif", "grid.gif"]
     w = export([str(run), "-o", str(tmp_path / "w.safetensors")])
-    sample([str(w), "--num", "1", "--steps", "2", "--out", str(tmp_path / "grid.mp4"), "--fps", "4"])
+    sample([str(w), "--num", "1", "sampler.steps=2", "--out", str(tmp_path / "grid.mp4"), "sampler.fps=4"])
     grid = read_video_frames(tmp_path / "grid.mp4")
     assert grid.shape[0] == 4 and grid.shape[-1] == 3  # 4 frames, one row per class
     with pytest.raises(ValueError, match="video model"):

@@ -181,10 +181,45 @@ def test_vitp_plan_cli(capsys):
     assert {"memory_gib", "comm_bytes_per_step", "time", "fits", "mfu"} <= set(out["layouts"][0])
     run(["--gpus", "4", "--device", "h200", "--top", "2", *PLAN_MODELS["S"]])
     text = capsys.readouterr().out
-    assert "4 x h200" in text and "fits" in text.splitlines()[1]
+    assert "4 x h200 (141 GiB, 8/node)" in text and "fits" in text.splitlines()[1]
     with pytest.raises(SystemExit) as e:
         main(["--gpus", "4", "trainer.max_step=3"])
     assert e.value.code == 2 and "did you mean trainer.max_steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a bad value: one line, as vitp-train's composition says it
+        main(["--gpus", "4", "sampler.method=foo"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == ("vitp-plan: error: Error merging override sampler.method=foo; Invalid value "
+                                         "'foo', expected one of [heun, euler]\n")
+
+
+def test_sizes_print_with_three_significant_digits():
+    """One formatter for every size the planner prints: three significant digits, binary units."""
+    from vitp.plan import format_bytes
+
+    cases = {0: "0 B", 12: "12 B", 999: "999 B", 1000: "0.977 KiB", 1024: "1.00 KiB", 1536: "1.50 KiB",
+             41_500 * 4: "162 KiB", 2**20 - 1: "1.00 MiB", 33.4e6: "31.9 MiB", 141 * 2**30: "141 GiB",
+             3.2e12: "2.91 TiB", 2**50: "1024 TiB"}
+    assert {n: format_bytes(n) for n in cases} == cases
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="a size is a finite number of bytes >= 0"):
+            format_bytes(bad)
+
+
+def test_vitp_plan_prints_a_small_model_in_fitting_units(capsys):
+    """A small model's memory is printed in KiB with three significant digits (it read 0.00 GiB),
+    and the JSON holds exact bytes beside GiB with four significant digits (it held 4 decimals)."""
+    from vitp.cli.plan import run
+    from vitp.plan import format_bytes
+
+    rows = run(["--gpus", "1", "--device", "h100", "--top", "1", "--ac", "0", "--micro", "8", "experiment=smoke"])
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("model: 41.5k parameters,") and "1 x h100 (80.0 GiB, 8/node)" in table[0]
+    mem = rows[0]["memory_bytes"]
+    cells = table[2 + 1].split("|")[1].split()  # row 1, the memory columns: six "<number> <unit>" pairs
+    assert [" ".join(cells[i:i + 2]) for i in (0, 10)] == [format_bytes(mem["weights"]), format_bytes(mem["total"])]
+    assert cells[1] == "KiB" and 100 <= float(cells[0]) < 1000 and len(cells[0].replace(".", "")) == 3
+    assert rows[0]["memory_gib"]["total"] == float(f"{mem['total'] / 2**30:.4g}") > 0
+    assert rows[0]["limit_bytes"] == 80 * 2**30 - int(PRESETS["h100"].reserve_gib * 2**30)
 
 
 def test_telemetry_metrics_and_timed_iterator(models, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.helpers import PLAN_MODELS, compose_cfg
-from vitp.plan import AUTO_KEYS, PRESETS, DeviceProfile, choose_layout, fixed_keys, layout_of, plan
+from vitp.plan import AUTO_KEYS, PRESETS, DeviceProfile, choose_layout, fixed_keys, format_bytes, layout_of, plan
 
 CPU = DeviceProfile("cpu-test", "cpu", {"fp32": 1e11, "bf16": 1e11}, 16.0, 1e10, 1e9, 1e9, devices_per_node=64,
                     efficiency=1.0, latency_s=1e-4, layer_overhead_s=1e-4, reserve_gib=0.0, cores=2)
@@ -37,7 +37,7 @@ def test_auto_takes_the_planners_first_row_and_its_overrides_reproduce_it(ranked
     assert layout_of(again, 4) == choice.best.layout
     line = choice.summary()
     assert "tp=1 pp=2 dp=2 sp=off ac=0 micro=4 x 1 per step, first of 62 valid layouts (62 fit)" in line
-    assert f"{choice.best.peak.total / 2**30:.3g} GiB peak per rank" in line
+    assert f"predicted {format_bytes(choice.best.peak.total)} peak per rank" in line
     assert line.endswith("reproduce with: " + " ".join(choice.best.layout.overrides()))
     assert choose_layout(cfg, 4, CPU).as_dict() == choice.as_dict()  # deterministic
 
@@ -69,8 +69,8 @@ def test_fixed_keys_from_the_command_line():
 def test_refuses_when_nothing_fits():
     cfg = compose_cfg(["experiment=img256", "data.root=x", "parallel=auto"])
     small = replace(PRESETS["h100"], memory_gib=4.0)
-    with pytest.raises(ValueError, match=r"none of the \d+ valid layouts fits 8 x h100 \(1 GiB per rank\); the "
-                                         r"smallest, parallel.tp=.*, needs [\d.]+ GiB.*parallel.auto_memory_gib"):
+    with pytest.raises(ValueError, match=r"none of the \d+ valid layouts fits 8 x h100 \(1.00 GiB per rank\); the "
+                                         r"smallest, parallel.tp=.*, needs \d\.\d\d GiB\..*parallel.auto_memory_gib"):
         choose_layout(cfg, 8, small)
     choice = choose_layout(cfg, 8, PRESETS["h100"], micro_options=(32, 128))
     assert choice.best.fits and choice.best.layout.micro in (32, 128)

@@ -93,6 +93,28 @@ def test_sm_hps_wins_over_the_lossy_argv(tmp_path):
     assert job_hyperparameters({"SM_HPS": '{"sagemaker_program": "e.py", "seed": 1}'}) == {"seed": 1}
 
 
+@pytest.mark.parametrize("form", ["SM_HPS", "argv"])
+def test_strings_with_equals_signs_and_spaces_arrive_as_strings(tmp_path, form):
+    """A string hyperparameter holding ``=`` or spaces (``--paths.output_root 'run=a b'``) is that
+    string, not a ``k=v`` object, from the argv as from SM_HPS; so are Hydra's own string keys and a
+    string key given ``true``; a section key still reads ``k=v,k2=v2`` as the toolkit's object."""
+    user = {"paths.output_root": "run=a b", "hydra.run.dir": str(tmp_path / "x=1, y"), "trainer.resume": "true",
+            "data.root": "a=b,c=d", "trainer": {"max_steps": 2}}
+    env, argv = _toolkit_forms({k: json.dumps(v) for k, v in user.items()}, tmp_path)
+    assert "--paths.output_root" in argv and "run=a b" in argv and "max_steps=2" in argv
+    if form == "argv":
+        env.pop("SM_HPS")
+    assert job_hyperparameters(env, argv) == user
+    over = sagemaker_overrides(env, argv)
+    assert _parsed(next(o for o in over if o.startswith("paths."))) == ("paths.output_root", "run=a b")
+    run_dir = next(o for o in over if o.startswith("hydra.run.dir"))
+    assert _parsed(run_dir) == ("hydra.run.dir", str(tmp_path / "x=1, y"))
+    check_overrides(over)
+    cfg = compose_cfg([o for o in over if not o.startswith("hydra.")])
+    assert (cfg.paths.output_root, cfg.data.root, cfg.trainer.resume, cfg.trainer.max_steps) == (
+        "run=a b", "a=b,c=d", "true", 2)
+
+
 @pytest.mark.parametrize("text", ["out,dir", "a'b", "x\\", "a\\'b", "true", "1e3", "null", " padded ", "café",
                                   "[1, 2]", "{a: 1}", "a=b", "", "${paths.output_root}/x", "line\nbreak", '"q"'])
 def test_any_string_reaches_hydra_intact(text):

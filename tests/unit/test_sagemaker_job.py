@@ -16,12 +16,14 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
+from tests.helpers import compose_cfg
 from vitp.cli import sagemaker_job as job
 
 REPO = Path(__file__).resolve().parents[2]
 ROLE = "arn:aws:iam::123456789012:role/SageMakerRole"
-HYDRA = ["experiment=img256", "trainer.max_steps=1000", "model.depth=28", "data.classes=[1,2]"]
+HYDRA = ["experiment=img256", "trainer.max_steps=1000", "model.depth=28", "data.resolution=[64,32]"]
 
 
 def _fails(argv, capsys) -> str:
@@ -50,7 +52,10 @@ def _fails(argv, capsys) -> str:
     (["--base-job-name", "vitp_run"], "--base-job-name 'vitp_run'"),
     (["--checkpoint-s3", "bucket/ckpt"], "--checkpoint-s3: 'bucket/ckpt' is not an S3 URI"),
     (["trainer.max_steps"], "override 'trainer.max_steps' is not KEY=VALUE"),
-    (["data.classes=[1,2"], "Hydra cannot parse the overrides"),
+    (["data.resolution=[1,2"], "cannot parse 'data.resolution=[1,2'"),
+    (["trainer.max_step=10"], "unknown config key trainer.max_step (did you mean trainer.max_steps?)"),
+    (["model.mlp=relu"], "Error merging override model.mlp=relu; Invalid value 'relu', expected one of [gelu, swiglu]"),
+    (["seed=1,2"], "override 'seed=1,2': a training job takes one value per key"),
 ])
 def test_bad_input_fails_with_one_clear_line(argv, message, capsys):
     assert message in _fails(["--dry-run", *argv], capsys)
@@ -60,9 +65,25 @@ def test_no_role_needs_dry_run(capsys):
     assert "--role is required" in _fails(["--channel", "train=s3://b1/x"], capsys)
 
 
-def test_overrides_become_hyperparameters_verbatim():
-    hps = job.parse_overrides(["experiment=img256", "trainer.max_steps=1000", "+model.extra='a=b'", "x="])
-    assert hps == {"experiment": "img256", "trainer.max_steps": "1000", "+model.extra": "'a=b'", "x": ""}
+def test_overrides_become_hyperparameters_the_job_reads_as_hydra_does():
+    """Values the in-job toolkit decodes to Hydra's reading travel as typed; Hydra's quoted strings
+    and lists of bare strings travel as the JSON of Hydra's reading, which the toolkit decodes to
+    the same value (``vitp-sagemaker-job data.root='a b'`` gives the job ``a b``, not ``'a b'``)."""
+    over = ["experiment=img256", "trainer.max_steps=1000", "data.root='a=b, c'", "data.files=[x.mp4,'y,z.mp4']",
+            "trainer.resume='true'", "trainer.init_from=null", "optim.betas=[0.9,0.99]", "trainer.precision=bf16"]
+    hps = job.parse_overrides(over)
+    assert hps == {"experiment": "img256", "trainer.max_steps": "1000", "data.root": '"a=b, c"',
+                   "data.files": '["x.mp4", "y,z.mp4"]', "trainer.resume": '"true"', "trainer.init_from": "null",
+                   "optim.betas": "[0.9,0.99]", "trainer.precision": "bf16"}
+    from vitp.cli.sagemaker import sagemaker_overrides
+
+    in_job = {k: job._toolkit_reads(v) for k, v in hps.items()}  # what SM_HPS holds in the job
+    got = sagemaker_overrides({"SM_HPS": json.dumps(in_job)})[:len(over)]
+    cfg = compose_cfg([o for o in got if not o.startswith("hydra.")])
+    want = compose_cfg(over)  # vitp-train's reading of the same command line
+    for key in ("data.root", "data.files", "trainer.resume", "trainer.init_from", "optim.betas", "trainer.max_steps"):
+        assert OmegaConf.select(cfg, key) == OmegaConf.select(want, key), key
+    assert cfg.data.root == "a=b, c" and list(cfg.data.files) == ["x.mp4", "y,z.mp4"] and cfg.trainer.resume == "true"
 
 
 def test_durations():
@@ -204,7 +225,7 @@ def test_dry_run_prints_the_request_the_sdk_sends(sdk, staged, fake_repo, no_net
     assert req["EnableManagedSpotTraining"] is True
     assert req["StoppingCondition"] == {"MaxRuntimeInSeconds": 86400, "MaxWaitTimeInSeconds": 129600}
     assert req["HyperParameters"] == {"experiment": "img256", "trainer.max_steps": "1000", "model.depth": "28",
-                                      "data.classes": "[1,2]"}
+                                      "data.resolution": "[64,32]"}
     assert req["Environment"] == {"NCCL_DEBUG": "INFO", "FI_PROVIDER": "efa"}
     # entry script and torchrun distribution travel in the SDK's sm_drivers channel, not as hyperparameters
     drivers = out["sm_drivers_channel"]

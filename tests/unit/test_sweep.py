@@ -25,27 +25,46 @@ def test_cartesian_expansion_in_hydra_grammar():
     sw = parse_overrides(["sampler.cfg_interval=[0.1,1],[0,1]", "objective.P_mean=-0.8,0", "seed=range(0,2)"])
     assert [c[0] for c in sw.combos[::4]] == ["sampler.cfg_interval=[0.1,1]", "sampler.cfg_interval=[0,1]"]
     assert {lab["objective.P_mean"] for lab in sw.labels} == {"-0.8", "0"} and len(sw.combos) == 8
-    assert parse_overrides(["sampler.cfg_interval='[0.1,1]'"]).fixed == ["sampler.cfg_interval=[0.1,1]"]
+    # a quoted list is a string, as vitp-train reads it (no special case)
+    assert parse_overrides(["sampler.cfg_interval='[0.1,1]'"]).fixed == ["sampler.cfg_interval='[0.1,1]'"]
     sw = parse_overrides(["model=tiny,dit_digits", "+trainer.foo=1"])
     assert sw.keys == ["model"] and sw.fixed == ["+trainer.foo=1"]
     assert parse_overrides([]).combos == [[]]
     label = {"objective.P_mean": "-0.8", "sampler.cfg_interval": "[0.1,1]"}
     assert slug(label, 3) == "003_P_mean_-0.8_cfg_interval_0.1_1"
     for bad, msg in (("sampler.steps", "is not an override"), ("sampler.steps=interval(1,2)", "continuous"),
-                     ("sampler.steps=[1,", "cannot parse")):
+                     ("sampler.steps=[1,", "cannot parse"), ("model=glob(nothing*)", "has no combination")):
         with pytest.raises(ValueError, match=msg):
             parse_overrides([bad])
     with pytest.raises(ValueError, match="sampler.steps is given twice"):
         parse_overrides(["sampler.steps=1", "sampler.steps=2,3"])
 
 
+def test_hydra_sweep_functions_expand_as_a_multirun():
+    """choice(), range() with a step, sort(), glob() over a config group and quoted strings with
+    commas expand as Hydra's basic sweeper expands them (the same value strings)."""
+    sw = parse_overrides(["sampler.steps=range(10,31,10)", "sampler.method=choice(euler,heun)",
+                          "sampler.cfg_scale=sort(2,1.5,1)", "model=glob(t*)"])
+    assert sw.keys == ["sampler.steps", "sampler.method", "sampler.cfg_scale"] and sw.fixed == ["model=tiny"]
+    assert len(sw.combos) == 18 and sw.combos[0] == ["sampler.steps=10", "sampler.method=euler", "sampler.cfg_scale=1"]
+    assert [lab["sampler.steps"] for lab in sw.labels[::6]] == ["10", "20", "30"]
+    assert [lab["sampler.cfg_scale"] for lab in sw.labels[:3]] == ["1", "1.5", "2"]
+    assert parse_overrides(["model=glob(*)"]).labels[:2] == [{"model": "dit_digits"}, {"model": "jit_b"}]
+    sw = parse_overrides(["data.root='a,b','c d'", "choice_sweep_of_one=choice(1)"])
+    assert sw.labels == [{"data.root": "'a,b'"}, {"data.root": "'c d'"}] and sw.fixed == ["choice_sweep_of_one=1"]
+
+
 def test_keys_refused_with_one_line_messages():
     with pytest.raises(ValueError, match=r"unknown config key sampler.cfg_scal \(did you mean sampler.cfg_scale\?\)"):
         check_eval_keys(parse_overrides(["sampler.cfg_scal=1,2"]))
-    with pytest.raises(ValueError, match="model.depth changes the trained model, data or training"):
+    with pytest.raises(ValueError, match=r"model.depth: vitp-sweep eval can change sampler.\*, eval.\*, .*fixed by the "
+                                         r"trained weights; sweep recipes with vitp-sweep train"):
         check_eval_keys(parse_overrides(["model.depth=4,6"]))
-    with pytest.raises(ValueError, match="sampler= is not an evaluation setting"):
+    with pytest.raises(ValueError, match="sampler= picks a config file when vitp-train composes a run"):
         check_eval_keys(parse_overrides(["sampler=euler,heun"]))
+    with pytest.raises(ValueError, match=r"\+sampler.x=1: vitp-sweep eval sets keys of the run's config; it does "
+                                         r"not add"):
+        check_eval_keys(parse_overrides(["+sampler.x=1"]))
     check_eval_keys(parse_overrides(["sampler.steps=1,2", "eval.num_samples=20", "objective.t_eps=0.05"]))
     with pytest.raises(ValueError, match=r"unknown config key model.dept \(did you mean model.depth\?\)"):
         check_train_keys(parse_overrides(["model.dept=4,6"]))
@@ -95,13 +114,20 @@ def test_eval_sweep_writes_its_own_files_and_keeps_eval_json(run_dir, capsys):
 
 @pytest.mark.parametrize("argv, msg", [
     (["eval", "{missing}"], "does not exist"),
-    (["eval", "{run}", "model.depth=1,2"], "model.depth changes the trained model"),
+    (["eval", "{run}", "model.depth=1,2"], "model.depth: vitp-sweep eval can change sampler.*"),
     (["eval", "{run}", "sampler.steps=0,1"], "sampler.steps=0; it must be >= 1"),
+    (["eval", "{run}", "sampler.method=euler,foo"], "Error merging override sampler.method=foo; Invalid value 'foo', "
+                                                   "expected one of [heun, euler]"),
+    (["eval", "{run}", "sampler.cfg_interval='[0,1]'"],  # a quoted list is a string, as in vitp-train
+     "sampler.cfg_interval='[0,1]'; Invalid value assigned: str is not a ListConfig"),
     (["eval", "{run}", "--sort", "speed"], "--sort speed: unknown column"),
     (["collect", "{missing}"], "does not exist"),
     (["collect", "{run}/sweeps"], "neither a vitp run directory nor a folder of run directories"),
     (["train", "model.dept=1,2"], "unknown config key model.dept"),
     (["train", "experiment=smoke", "model.width=31,32"], "combination {'model.width': '31'}: model.width=31"),
+    (["train", "experiment=smoke", "model.mlp=gelu,relu"], "combination {'model.mlp': 'relu'}: Error merging override "
+                                                           "model.mlp=relu; Invalid value 'relu'"),
+    (["train", "experiment=smoke", "model=tiny,nosuch"], "Could not find 'model/nosuch'"),
     (["sweep"], "the first argument is the mode, one of eval, train, collect"),
 ])
 def test_cli_bad_input_is_one_line_and_status_2(run_dir, tmp_path, capsys, argv, msg):

@@ -2,12 +2,14 @@
 
 ``vitp-train`` (:mod:`.train`), ``vitp-sample`` (:mod:`.sample`), ``vitp-eval`` (:mod:`.eval`),
 ``vitp-export`` (:mod:`.export`), ``vitp-sagemaker`` (:mod:`.sagemaker`), ``vitp-plan`` (:mod:`.plan`),
-``vitp-sweep`` (:mod:`.sweep`). Bad input (missing or
-corrupt files, impossible layouts, wrong config values) ends every one of them the same way: one
-line ``<prog>: error: <message>`` and exit status 2 (:data:`EXIT_BAD_INPUT`), no traceback. A
-training whose loss turned NaN or infinite ends the same way with exit status 3
-(:data:`EXIT_NON_FINITE`), the message saying where the non-finite value first appeared
-(:mod:`vitp.train.nonfinite`). Any other error is a bug: a traceback and exit status 1.
+``vitp-sweep`` (:mod:`.sweep`). Every one takes config changes in one syntax, Hydra's
+``key=value`` overrides checked by the schema (:mod:`.overrides`); flags are for paths and counts.
+Bad input (missing or corrupt files, impossible layouts, wrong config values) ends every one of
+them the same way: one line ``<prog>: error: <message>`` and exit status 2
+(:data:`EXIT_BAD_INPUT`), no traceback. A training whose loss turned NaN or infinite ends the
+same way with exit status 3 (:data:`EXIT_NON_FINITE`), the message saying where the non-finite
+value first appeared (:mod:`vitp.train.nonfinite`). Any other error is a bug: a traceback and
+exit status 1.
 """
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """``vitp-eval RUN_DIR [--weights FILE] [key=value ...]``: re-evaluate a trained run (e.g. other
-sampler settings) and rewrite its ``eval.json``; see :mod:`vitp.eval.metrics`."""
+sampler settings) and rewrite its ``eval.json``; see :mod:`vitp.eval.metrics`.
+
+The overrides are Hydra's ``key=value`` grammar, set on the run's saved config and checked by the
+schema as ``vitp-train`` checks them (:mod:`vitp.cli.overrides`): ``vitp-eval RUN sampler.steps=50
+sampler.cfg_interval=[0.1,1]``."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from vitp.checkpoint import ARCH_KEYS, check_model_matches, generator_from_state, read_export, resolve_weights
 from vitp.checkpoint.export import file_model, file_partial_sync
 from vitp.cli import run_cli
-from vitp.config import Config, check_keys, unknown_key_message, validate_config
+from vitp.cli.overrides import apply_overrides, typed_config
+from vitp.config import validate_config
 from vitp.data import build_datasets
 from vitp.eval import evaluate
 from vitp.parallel.distributed import resolve_device
@@ -27,18 +32,15 @@ def last_step(run_dir: Path) -> Optional[int]:
 
 
 def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
-    """The run's composed config (``.hydra/config.yaml``) validated against the schema, with
-    dotlist ``overrides`` applied. Raises ``FileNotFoundError`` naming the missing file."""
+    """The run's composed config (``.hydra/config.yaml``) on the typed schema, with the Hydra-style
+    ``key=value`` ``overrides`` set (:func:`vitp.cli.overrides.apply_overrides`).
+
+    Raises ``FileNotFoundError`` naming the missing file; ``ValueError`` (one line) for a key the
+    schema lacks (in the file or an override), a bad value or a malformed override."""
     path = run_dir / ".hydra" / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a vitp run directory")
-    saved = OmegaConf.load(path)
-    check_keys(saved)
-    for key in (o.split("=", 1)[0].lstrip("+") for o in overrides):
-        msg = unknown_key_message(key)
-        if msg:
-            raise ValueError(msg)
-    return OmegaConf.merge(OmegaConf.structured(Config), saved, OmegaConf.from_dotlist(overrides))
+    return apply_overrides(typed_config(OmegaConf.load(path)), overrides, "vitp-eval")
 
 
 def load_generator_for(path: Path, cfg: DictConfig):
@@ -51,8 +53,8 @@ def load_generator_for(path: Path, cfg: DictConfig):
 
 
 def main(argv: Optional[list] = None) -> None:
-    """Console entry point ``vitp-eval RUN_DIR [key=value ...]``; bad input exits with a
-    one-line message (status 2)."""
+    """Console entry point ``vitp-eval RUN_DIR [--weights FILE] [key=value ...]``; bad input exits
+    with a one-line message (status 2)."""
     run_cli("vitp-eval", run, argv)
 
 
@@ -82,7 +84,8 @@ def run(argv: Optional[list] = None) -> dict:
     p = argparse.ArgumentParser(prog="vitp-eval", description="Evaluate a finished vitp run; rewrites eval.json.")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--weights", default="model_ema.safetensors", help="weights file inside RUN_DIR")
-    p.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. sampler.cfg_scale=2.0")
+    p.add_argument("overrides", nargs="*", default=[], help="Hydra-style key=value overrides of the run's config, "
+                                                            "e.g. sampler.cfg_scale=2.0 sampler.steps=50")
     a = p.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg, gen, train_ds, heldout_ds, per_bucket = load_for_eval(a.run_dir, a.weights, a.overrides)

@@ -3,11 +3,13 @@
     vitp-plan --gpus 16 --device h100 experiment=video512 data.root=x data.num_classes=101
     vitp-plan --gpus 4 --device cpu experiment=smoke data.resolution=16 --json
 
-Prints, per layout, the memory of the fullest rank (weights, gradients, optimizer state,
-activations with SP / checkpointing / in-flight micro-batches, workspace), the bytes each rank
-moves per step over TP, PP and DP, the predicted step time, tokens/s and MFU, and whether it fits;
-fitting layouts first, fastest first (:mod:`vitp.plan`). Each row's ``vitp-train`` overrides are in
-the JSON output (``--json``).
+Overrides are ``vitp-train``'s (Hydra's grammar, composed from ``conf/`` and checked by the
+schema: :func:`vitp.cli.overrides.compose_checked`). Prints, per layout, the memory of the fullest
+rank (weights, gradients, optimizer state, activations with SP / checkpointing / in-flight
+micro-batches, workspace), the bytes each rank moves per step over TP, PP and DP (sizes with three
+significant digits in B, KiB, MiB, GiB or TiB: :func:`vitp.plan.format_bytes`), the predicted step
+time, tokens/s and MFU, and whether it fits; fitting layouts first, fastest first
+(:mod:`vitp.plan`). Each row's ``vitp-train`` overrides are in the JSON output (``--json``).
 """
 from __future__ import annotations
 
@@ -43,28 +45,35 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)
 
 
+def _count(n: float) -> str:
+    """A count with three significant digits: ``24300`` -> ``24.3k``, ``1.2e9`` -> ``1.20B``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale * 0.9995:
+            return f"{n / scale:#.3g}".rstrip(".") + unit
+    return f"{n:.0f}"
+
+
 def _header(cfg, args, prof, preds) -> str:
-    from vitp.plan import ModelShape, layer_params
+    from vitp.plan import GIB, ModelShape, format_bytes, layer_params
 
     shape = ModelShape.from_config(cfg.model)
     params = sum(sum(layer.values()) for layer in layer_params(cfg.model))
     fits = sum(p.fits for p in preds)
-    return (f"model: {params / 1e6:.1f}M parameters, {shape.tokens} tokens/sample, depth {shape.depth}, width "
+    return (f"model: {_count(params)} parameters, {shape.tokens} tokens/sample, depth {shape.depth}, width "
             f"{shape.width}; global batch {cfg.trainer.global_batch_size}; {args.gpus} x {prof.name} "
-            f"({prof.memory_gib:g} GiB, {prof.devices_per_node}/node); {len(preds)} valid layouts, {fits} fit")
+            f"({format_bytes(prof.memory_gib * GIB)}, {prof.devices_per_node}/node); {len(preds)} valid layouts, "
+            f"{fits} fit")
 
 
 def run(argv: Optional[List[str]] = None) -> list:
     """Plan and print; returns the predictions (JSON-able dicts). Raises ``ValueError`` on bad input."""
     args = parse_args(argv)
-    from vitp.cli.train import check_override_keys
-    from vitp.config import compose
+    from vitp.cli.overrides import compose_checked
     from vitp.plan import MemoryOptions, format_table, get_profile, plan
 
     if args.gpus < 1:
         raise ValueError(f"--gpus {args.gpus}: use a positive number of devices")
-    check_override_keys(args.overrides)
-    cfg = compose(args.overrides)
+    cfg = compose_checked(args.overrides)
     prof = get_profile(args.device, args.mem_gib, procs=args.gpus)  # cpu: gloo measured with as many processes
     if args.gpus_per_node:
         prof = replace(prof, devices_per_node=args.gpus_per_node)

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 import os
 import re
 import sys
@@ -61,6 +60,9 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from vitp.cli.overrides import compose_checked, error_chain, override_key
+from vitp.cli.overrides import hydra_override as _hydra_override
 
 DEFAULT_BASE_DIR = "/opt/ml"  # the toolkit's default when SAGEMAKER_BASE_DIR is unset (environment.py)
 RUN_DIR_NAME = "run"  # the run directory inside the checkpoint path: the same for every job on that path
@@ -122,11 +124,40 @@ def job_paths(env: Mapping[str, str]) -> JobPaths:
 _ARGV_OBJECT = re.compile(r"[A-Za-z_][\w.\-]*=[^,]*(,[A-Za-z_][\w.\-]*=[^,]*)*")
 
 
-def _decode_argv_value(text: str) -> Any:
-    """A value as the toolkit's argv carries it (``mapping.to_cmd_args``): JSON (numbers, ``true``,
-    lists, objects), else a Python literal (``str()`` of a list or bool: ``['a', 'b']``, ``True``),
-    else ``k=v,k2=v2`` (how it writes an object; a string of that form reads as one too), else the
-    text; the empty text is ``null`` (how it writes ``None``)."""
+def _leaf_type(key: str) -> Tuple[bool, Any]:
+    """``(True, type hint)`` when the dotted ``key`` names a leaf of vitp's schema
+    (:class:`vitp.config.Config`; ``hydra.*``: Hydra's own ``hydra.conf.HydraConf``), else
+    ``(False, None)``: a section, a group choice or an unknown key."""
+    import typing
+    from dataclasses import is_dataclass
+
+    from hydra.conf import HydraConf
+
+    from vitp.config import Config
+
+    parts = key.split(".")
+    node, parts = (HydraConf, parts[1:]) if parts[0] == "hydra" else (Config, parts)
+    for i, part in enumerate(parts):
+        hint = typing.get_type_hints(node).get(part)
+        if hint is None:
+            return False, None
+        if not is_dataclass(hint):
+            return i == len(parts) - 1, hint
+        node = hint
+    return False, None
+
+
+def _decode_argv_value(text: str, key: str) -> Any:
+    """The value of hyperparameter ``key`` as the toolkit's argv carries it (``mapping.to_cmd_args``,
+    ``str()`` of each value). A string key of the schema (``paths.output_root``,
+    ``hydra.run.dir``) takes the text as it is, also with ``=``, commas or spaces; other keys
+    read JSON (numbers, ``true``, lists, objects), else a Python literal (``str()`` of a list or
+    bool: ``['a', 'b']``, ``True``), else the text; a key that is no leaf of the schema (a section
+    such as ``trainer``) also reads ``k=v,k2=v2`` as an object (how the toolkit writes one). The
+    empty text is ``null`` (how it writes ``None``) unless the key is a plain ``str``."""
+    leaf, hint = _leaf_type(key)
+    if leaf and hint in (str, Optional[str]):
+        return None if text == "" and hint is not str else text
     if text == "":
         return None
     try:
@@ -139,8 +170,8 @@ def _decode_argv_value(text: str) -> Any:
             return value
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         pass
-    if _ARGV_OBJECT.fullmatch(text):
-        return {k: _decode_argv_value(v) for k, v in (item.split("=", 1) for item in text.split(","))}
+    if not leaf and _ARGV_OBJECT.fullmatch(text):
+        return {k: _decode_argv_value(v, f"{key}.{k}") for k, v in (item.split("=", 1) for item in text.split(","))}
     return text
 
 
@@ -157,7 +188,7 @@ def _argv_hyperparameters(argv: Sequence[str]) -> Dict[str, Any]:
             if not items:
                 raise ValueError(f"hyperparameter --{key} has no value")
             value = items.pop(0)
-        out[key] = _decode_argv_value(value)
+        out[key] = _decode_argv_value(value, key)
     return out
 
 
@@ -195,92 +226,16 @@ def flatten(hps: Mapping[str, Any], prefix: str = "") -> List[Tuple[str, Any]]:
 
 
 # ------------------------------------------------------------------------------- Hydra grammar
-def _parse_override(text: str):
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    return OverridesParser.create().parse_overrides([text])[0]
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Deep equality that tells ``True`` from ``1`` and takes NaN as equal to NaN."""
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b
-
-
-def _quote(text: str) -> str:
-    """Hydra's single-quoted string: ``'`` is escaped as ``\\'`` and so is a run of backslashes
-    before a quote or the end (doubled); other backslashes stay literal (Hydra 1.3, "Quoted
-    values" in https://hydra.cc/docs/advanced/override_grammar/basic/)."""
-    return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text) + "'"
-
-
-def _hydra_string(text: str) -> str:
-    """``text`` bare when Hydra's parser reads it back as exactly that string (so group choices
-    like ``experiment=smoke`` stay as they are), else quoted (commas, which would make a sweep,
-    ``true``/``1e3``/``null`` that would change type, outer spaces, non-ASCII, ...)."""
-    try:
-        override = _parse_override(f"k={text}")
-        if not override.is_sweep_override() and _same(override.value(), text):
-            return text
-    except Exception:  # noqa: BLE001 - any parse error means: quote it
-        pass
-    return _quote(text)
-
-
-def hydra_value(value: Any) -> str:
-    """A JSON value (``json.loads`` output) written in Hydra's override grammar."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return repr(value)  # Hydra reads Python's repr back exactly, also inf, -inf and nan
-    if isinstance(value, str):
-        return _hydra_string(value)
-    if isinstance(value, list):
-        return "[" + ",".join(hydra_value(v) for v in value) + "]"
-    if isinstance(value, dict):  # inside a list (top-level objects are flattened)
-        return "{" + ",".join(f"{_hydra_key(str(k))}:{hydra_value(v)}" for k, v in value.items()) + "}"
-    raise ValueError(f"unsupported hyperparameter value {value!r} of type {type(value).__name__}")
-
-
-def _hydra_key(key: str) -> str:
-    if not re.fullmatch(r"[A-Za-z_][\w\-]*", key):
-        raise ValueError(f"object key {key!r} inside a list is not a plain name; use letters, digits, _ and -")
-    return key
-
-
 def hydra_override(key: str, value: Any) -> str:
-    """``key=<value>`` checked with Hydra's own parser to read back as ``value``.
+    """``key=<value>`` for a hyperparameter, quoted by Hydra's rules and checked with Hydra's own
+    parser to read back as ``value`` (:func:`vitp.cli.overrides.hydra_override`).
 
     Raises ``ValueError`` naming the hyperparameter when the key is not a config key Hydra can
     parse, or the value cannot be written so that it arrives intact."""
-    text = f"{key}={hydra_value(value)}"
-    try:
-        override = _parse_override(text)
-    except Exception as e:  # noqa: BLE001 - Hydra's OverrideParseException, with a grammar dump
-        raise ValueError(f"hyperparameter {key!r} is not a config key Hydra can parse ({str(e).splitlines()[0]}); "
-                         f"use dotted names like trainer.max_steps") from None
-    if override.is_sweep_override() or not _same(override.value(), value):
-        raise ValueError(f"hyperparameter {key}={value!r} cannot be passed to Hydra intact (read back as "
-                         f"{override.value()!r})")
-    return text
+    return _hydra_override(key, value, "hyperparameter")
 
 
 # ------------------------------------------------------------------------------- overrides
-def _override_key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
 def sagemaker_overrides(env: Mapping[str, str], argv: Sequence[str] = ()) -> List[str]:
     """Hydra overrides for the job described by ``env`` (``os.environ``) and ``argv`` (the
     entry's arguments): the hyperparameters (:func:`job_hyperparameters`, :func:`flatten`,
@@ -301,7 +256,7 @@ def sagemaker_overrides(env: Mapping[str, str], argv: Sequence[str] = ()) -> Lis
         "data.root": paths.train,
         "data.heldout_root": paths.validation,
     }
-    given = {_override_key(o) for o in out}
+    given = {override_key(o) for o in out}
     out += [hydra_override(k, v) for k, v in defaults.items() if v is not None and k not in given]
     return out
 
@@ -311,28 +266,10 @@ def check_overrides(overrides: Sequence[str]) -> None:
     key, :func:`vitp.config.check_override_keys`), a wrong type, an unknown group choice.
 
     Raises ``ValueError``."""
-    from vitp.config import check_override_keys, compose  # not vitp.cli.train: a bad job fails before torch loads
-
-    check_override_keys(list(overrides))
-    try:  # Hydra's own settings (hydra.*) are not part of the composed run config
-        compose([o for o in overrides if _override_key(o).split(".")[0].split("/")[0] != "hydra"])
-    except Exception as e:  # noqa: BLE001 - Hydra / OmegaConf composition errors of many types
-        raise ValueError(f"bad hyperparameters: {error_chain(e)}") from None
+    compose_checked(overrides)  # not vitp.cli.train: a bad job fails before torch loads
 
 
 # ------------------------------------------------------------------------------- failure reason
-def error_chain(error: BaseException) -> str:
-    """An error and its causes (Hydra wraps the informative OmegaConf error), in one line."""
-    parts: List[str] = []
-    while error is not None and len(parts) < 4:
-        # Hydra's config search path and OmegaConf's node details repeat what the message says
-        text = re.split(r" (?:Config search path|full_key:)", " ".join(str(error).split()))[0]
-        if text and text not in parts:
-            parts.append(text)
-        error = error.__cause__
-    return "; ".join(parts)
-
-
 def failure_reason(error: BaseException) -> str:
     """The text for SageMaker's failure file: first line the problem and its fix, then where it
     happened, then (for errors that are not bad input) the traceback.

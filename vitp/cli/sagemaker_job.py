@@ -3,8 +3,8 @@
 The job runs ``sagemaker_entry.py`` (from ``scripts/``) under torchrun on every instance
 (``Torchrun`` distribution: one process per GPU unless ``--processes-per-host``), from a staged
 source folder that also holds ``requirements.txt`` and a vitp wheel built from this checkout (see
-:func:`stage_source`). Positional ``KEY=VALUE`` arguments are Hydra overrides; they travel as the
-job's hyperparameters, verbatim. ``--dry-run`` prints the CreateTrainingJob request the SDK builds,
+:func:`stage_source`). Positional ``KEY=VALUE`` arguments are Hydra overrides, checked by the schema
+before the job starts; they travel as the job's hyperparameters (:func:`parse_overrides`). ``--dry-run`` prints the CreateTrainingJob request the SDK builds,
 captured from the SDK itself while it runs against moto's mocked AWS (no credentials, no network).
 
 The SDK is an optional extra: ``pip install -e ".[sagemaker]"`` (imported only when needed).
@@ -129,21 +129,36 @@ def _pairs(items: Iterable[str], what: str, example: str) -> Dict[str, str]:
     return out
 
 
+def _toolkit_reads(text: str):
+    """A hyperparameter as the in-job toolkit decodes it (``environment.read_hyperparameters`` in
+    sagemaker-training: ``json.loads``, else the string itself; the SDK sends strings as they are)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def parse_overrides(overrides: Iterable[str]) -> Dict[str, str]:
     """Hydra overrides -> hyperparameters: ``trainer.max_steps=1000`` -> ``{"trainer.max_steps": "1000"}``.
 
-    Keys keep their dots (the in-job side turns each entry back into ``key=value``); values stay the
-    strings typed. Each override is checked with Hydra's own parser so a typo fails here, not in the job.
+    Keys keep their dots (the in-job side turns each entry back into ``key=value``). A value travels
+    as the string typed where the toolkit decodes it to what Hydra reads (numbers, ``true``,
+    ``[0.1,1]``, ``smoke``); else (Hydra's quoted strings ``'a b'``, lists of bare strings
+    ``[a.mp4,b.mp4]``) as the JSON of Hydra's reading, so the job sees what ``vitp-train`` would.
+    The overrides are composed and checked by the schema here (:func:`vitp.cli.overrides.compose_checked`),
+    so a typo or a bad value fails before a job starts. Raises ``ValueError`` (one line).
     """
+    from vitp.cli.overrides import compose_checked, same_value
+    from vitp.cli.overrides import parse_overrides as parse
+
     overrides = list(overrides)
     hps = _pairs(overrides, "override", "trainer.max_steps=1000")
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    try:
-        OverridesParser.create().parse_overrides(overrides)
-    except HydraException as e:
-        raise ValueError("Hydra cannot parse the overrides: " + "; ".join(str(e).splitlines())) from None
+    for key, o in zip(list(hps), parse(overrides)):
+        if o.is_sweep_override():
+            raise ValueError(f"override {o.input_line!r}: a training job takes one value per key")
+        if not same_value(_toolkit_reads(hps[key]), o.value()):
+            hps[key] = json.dumps(o.value())
+    compose_checked(overrides)
     if len(hps) > MAX_HYPERPARAMETERS:
         raise ValueError(f"{len(hps)} overrides: a training job takes at most {MAX_HYPERPARAMETERS}")
     for k, v in hps.items():

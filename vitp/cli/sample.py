@@ -1,21 +1,39 @@
 """``vitp-sample``: class-conditional samples from a run directory or a weights file, one process, any device.
 
-Images: one PNG grid (a row per class). Video: one GIF (or MP4) per class and seed plus a grid video.
+``vitp-sample SOURCE [--classes C ...] [--num N] [--out FILE|DIR] [--format gif|mp4] [key=value ...]``;
+the overrides (Hydra's grammar, checked by the schema: :mod:`vitp.cli.overrides`) change the run's
+sampler, size and device (:data:`SAMPLE_KEYS`). Images: one PNG grid (a row per class). Video: one
+GIF (or MP4) per class and seed plus a grid video.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
+from omegaconf import OmegaConf
 
-from vitp.checkpoint import load_generator, resolve_weights
+from vitp.checkpoint import generator_from_state, read_export, resolve_weights
+from vitp.checkpoint.export import file_partial_sync
 from vitp.cli import run_cli
+from vitp.cli.overrides import apply_overrides, override_key, typed_config
 from vitp.config import validate_config
 from vitp.eval import class_grid_labels, generate
 from vitp.media import to_grid
 from vitp.parallel.distributed import resolve_device
+
+
+# what vitp-sample may change: the sampler, the size it samples at, and where it runs
+SAMPLE_KEYS = ("sampler.", "model.image_size", "model.num_frames", "data.resolution", "data.num_frames",
+               "trainer.device")
+# flags of earlier versions -> the override each stands for (still read, with a note)
+OLD_FLAGS = {"seed": "sampler.seed", "method": "sampler.method", "steps": "sampler.steps",
+             "cfg_scale": "sampler.cfg_scale", "cfg_interval": "sampler.cfg_interval", "device": "trainer.device",
+             "fps": "sampler.fps", "resolution": "model.image_size", "frames": "model.num_frames"}
+USAGE = ("vitp-sample SOURCE [--classes C ...] [--num N] [--out FILE|DIR] [--format gif|mp4] [key=value ...]")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -23,45 +41,89 @@ def main(argv: Optional[List[str]] = None) -> None:
     run_cli("vitp-sample", run, argv)
 
 
-def run(argv: Optional[List[str]] = None) -> None:
-    """Write a PNG grid (one row per requested class), or videos for a video model.
-
-    ``vitp-sample RUN_DIR|FILE.safetensors [--classes 0 3 7] [--num 8] [--seed 0] [--method heun]
-    [--steps 20] [--cfg-scale 2.0] [--cfg-interval 0.1 1.0] [--device auto] [--out grid.png|DIR|grid.gif]
-    [--format gif|mp4] [--fps 8] [--resolution HxW] [--frames T]``
-
-    ``--resolution`` / ``--frames`` sample at another size than the run's (any bucket, or any size
-    whose sides divide by the patch size: sin-cos positions follow the grid).
-    """
-    p = argparse.ArgumentParser(prog="vitp-sample", description=run.__doc__.splitlines()[0])
+def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, List[str]]:
+    """``(flags, overrides)`` of a ``vitp-sample`` command line: the flags of paths and counts, and
+    the ``key=value`` overrides, those of the deprecated flags (``--steps 3`` ->
+    ``sampler.steps=3``, noted on stderr) first. Raises ``ValueError`` on a bad ``--num`` or class."""
+    p = argparse.ArgumentParser(prog="vitp-sample", usage=USAGE, description=run.__doc__.splitlines()[0])
     p.add_argument("source", type=Path, help="run directory (its model_ema.safetensors, else its latest checkpoint), "
                                              "a checkpoint folder, or a .safetensors file")
-    p.add_argument("--classes", type=int, nargs="*", default=None, help="class labels (default: all classes)")
-    p.add_argument("--num", type=int, default=None, help="samples per class (default: the run's sampler setting)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--method", choices=["euler", "heun"], default=None)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--cfg-scale", type=float, default=None)
-    p.add_argument("--cfg-interval", type=float, nargs=2, default=None)
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--classes", nargs="*", default=None, help="class labels (default: all classes)")
+    p.add_argument("--num", type=int, default=None, help="samples per class (default: the run's "
+                                                         "sampler.samples_per_class)")
     p.add_argument("--out", type=Path, default=None,
                    help="images: output PNG (default: SOURCE_DIR/samples/sample_seed<S>.png); video: a folder for "
                         "one file per class and seed + grid (default: SOURCE_DIR/samples/sample_seed<S>/), or a "
                         ".gif/.mp4 file for the grid alone")
     p.add_argument("--format", choices=["gif", "mp4"], default=None, help="video file format (default gif)")
-    p.add_argument("--fps", type=float, default=None, help="video frames per second (default: sampler.fps)")
-    p.add_argument("--resolution", default=None, help="sample size HxW in pixels, or one int for a square "
-                                                      "(default: the run's model.image_size)")
-    p.add_argument("--frames", type=int, default=None, help="video frames per sample (default: the run's)")
-    a = p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", default=[],
+                   help="Hydra-style key=value: sampler.* (steps, method, cfg_scale, cfg_interval, seed, fps), "
+                        "model.image_size=HxW, model.num_frames=T, trainer.device=auto|cpu|cuda")
+    for flag, key in OLD_FLAGS.items():
+        p.add_argument("--" + flag.replace("_", "-"), nargs=2 if flag == "cfg_interval" else None, default=None,
+                       help=f"deprecated: write {key}=...")
+    a = p.parse_intermixed_args(argv)
+    words = [str(c) for c in a.classes or []]  # --classes 3 7 sampler.steps=2: the override is no class
+    a.classes = [int(c) if c.lstrip("-").isdigit() else _bad_class(c) for c in words if "=" not in c] or None
+    overrides = [c for c in words if "=" in c]
     if a.num is not None and a.num < 1:
-        p.error("--num must be >= 1")
+        raise ValueError(f"--num {a.num}: use a positive number of samples per class")
+    for flag, key in OLD_FLAGS.items():
+        val = getattr(a, flag)
+        if val is not None:
+            overrides.append(f"{key}=[{val[0]},{val[1]}]" if flag == "cfg_interval" else f"{key}={val}")
+            print(f"vitp-sample: --{flag.replace('_', '-')} is deprecated; write {overrides[-1]}", file=sys.stderr)
+    return a, overrides + a.overrides
 
-    path, _, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
-    gen, cfg = load_generator(path, resolve_device(a.device))
-    _apply_options(cfg, a)
+
+def _bad_class(text: str) -> int:
+    raise ValueError(f"--classes {text}: class labels are integers, e.g. --classes 0 3 7")
+
+
+def sample_config(path: Path, overrides: List[str], num: Optional[int] = None) -> Tuple[Any, Any]:
+    """``(generator, config)`` of the weights file ``path``: its run config with the ``overrides``
+    (keys :data:`SAMPLE_KEYS`; ``data.resolution`` / ``data.num_frames`` also set the model's size,
+    as in training; ``trainer.device`` defaults to ``auto``, not the run's), validated.
+
+    Raises ``ValueError`` (one line) for a key outside :data:`SAMPLE_KEYS`, a bad value or a size
+    the model cannot sample at; ``FileNotFoundError`` for a missing file."""
+    state, meta = read_export(path)
+    saved = OmegaConf.create(json.loads(meta["vitp_config"]))
+    cfg = typed_config(saved)
+    cfg.trainer.device = "auto"  # vitp-sample runs where it is started, whatever the run trained on
+    if num is not None:
+        cfg.sampler.samples_per_class = num
+    cfg = apply_overrides(cfg, overrides, "vitp-sample", allowed=SAMPLE_KEYS)
+    given = {override_key(o) for o in overrides}
+    for data_key, model_key in (("data.resolution", "model.image_size"), ("data.num_frames", "model.num_frames")):
+        if data_key in given and model_key not in given:
+            OmegaConf.update(cfg, model_key, OmegaConf.select(cfg, data_key))
+    frames = cfg.model.num_frames
+    if frames != saved.model.num_frames and saved.model.num_frames == 1:
+        raise ValueError(f"model.num_frames={frames}: this is an image model (1 frame); leave the frames out")
+    if frames < 1:
+        raise ValueError(f"model.num_frames={frames}: use a positive number of frames")
     validate_config(cfg)
-    n_cls = cfg.model.num_classes
+    gen = generator_from_state(saved.model, state, resolve_device(cfg.trainer.device), file_partial_sync(meta))
+    return gen, cfg
+
+
+def run(argv: Optional[List[str]] = None) -> None:
+    """Write a PNG grid (one row per requested class), or videos for a video model.
+
+    ``vitp-sample SOURCE [--classes C ...] [--num N] [--out FILE|DIR] [--format gif|mp4] [key=value ...]``
+    with Hydra-style overrides of the run's ``sampler.*`` (``sampler.steps=20``,
+    ``sampler.cfg_scale=2.0``, ``sampler.cfg_interval=[0.1,1]``, ``sampler.seed=0``,
+    ``sampler.fps=8``), ``model.image_size=HxW`` / ``model.num_frames=T`` (sample at another size
+    than the run's: any bucket, or any size whose sides divide by the patch size; sin-cos positions
+    follow the grid) and ``trainer.device=auto|cpu|cuda`` (default ``auto``). The flags
+    ``--seed --method --steps --cfg-scale --cfg-interval --device --fps --resolution --frames`` of
+    earlier versions still work, with a note naming the override.
+    """
+    a, overrides = parse_args(argv)
+    path, _, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
+    gen, cfg = sample_config(path, overrides, a.num)
+    n_cls, seed = cfg.model.num_classes, cfg.sampler.seed
     classes = a.classes if a.classes else list(range(n_cls))
     bad = [c for c in classes if not 0 <= c <= n_cls]
     if bad:
@@ -69,30 +131,24 @@ def run(argv: Optional[List[str]] = None) -> None:
     per = cfg.sampler.samples_per_class
     labels = torch.tensor(classes)[class_grid_labels(len(classes), per)]
     video = cfg.model.num_frames > 1
-    suffix = a.out.suffix.lower() if a.out is not None else ""
-    if not video and (a.format or (a.out is not None and suffix not in (".png", ".jpg", ".jpeg", ".webp"))):
-        raise ValueError("this is an image model: --out takes a .png, .jpg or .webp file name and --format is for video")
-    if video and suffix and suffix not in (".gif", ".mp4"):
-        raise ValueError(f"--out {a.out}: use a folder, or a .gif / .mp4 file (this is a video model)")
-    if video and suffix and a.format and suffix != "." + a.format:
-        raise ValueError(f"--out {a.out} and --format {a.format} disagree; give one of them")
-    x = generate(gen, cfg, labels, a.seed)
+    _check_out(a.out, a.format, video)
+    x = generate(gen, cfg, labels, seed)
     how = f"{cfg.sampler.method} {cfg.sampler.steps} steps, CFG {cfg.sampler.cfg_scale}"
     if video:
         from vitp.media import video_grid, write_gif, write_mp4, write_video_samples
 
-        fps = a.fps or cfg.sampler.fps
+        fps = cfg.sampler.fps
         if a.out is not None and a.out.suffix:
             grid = (video_grid(x, nrow=per) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
             (write_gif if a.out.suffix.lower() == ".gif" else write_mp4)(a.out, grid, fps=fps)
             print(f"wrote {a.out} ({len(classes)} classes x {per} samples, {x.shape[2]} frames, {how})")
         else:
-            out = a.out or base / "samples" / f"sample_seed{a.seed}"
+            out = a.out or base / "samples" / f"sample_seed{seed}"
             paths = write_video_samples(x, labels, out, fps=fps, fmt=a.format or "gif")
             print(f"wrote {len(paths)} videos to {out} ({len(classes)} classes x {per} samples + {paths[-1].name}, "
                   f"{x.shape[2]} frames, {how})")
         return
-    out = a.out or base / "samples" / f"sample_seed{a.seed}.png"
+    out = a.out or base / "samples" / f"sample_seed{seed}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     from torchvision.utils import save_image
 
@@ -100,33 +156,15 @@ def run(argv: Optional[List[str]] = None) -> None:
     print(f"wrote {out} ({len(classes)} classes x {per} samples, {how})")
 
 
-def _apply_options(cfg, a: argparse.Namespace) -> None:
-    """The sampler options and the size given on the command line, over the run's config."""
-    for key, val in (("method", a.method), ("steps", a.steps), ("cfg_scale", a.cfg_scale),
-                     ("samples_per_class", a.num)):
-        if val is not None:
-            cfg.sampler[key] = val
-    if a.cfg_interval is not None:
-        cfg.sampler.cfg_interval = list(a.cfg_interval)
-    _set_size(cfg, a.resolution, a.frames)
-
-
-def _set_size(cfg, resolution: Optional[str], frames: Optional[int]) -> None:
-    """Sample at ``resolution`` (``"HxW"`` or an int) and ``frames`` instead of the run's size.
-
-    Raises ``ValueError`` for a malformed size or frames on an image model; sizes that do not
-    tile into patches fail in :func:`vitp.config.validate_config`, naming the valid sizes.
-    """
-    from vitp.config import parse_resolution
-
-    if resolution is not None:
-        cfg.model.image_size = list(parse_resolution(resolution, "--resolution"))
-    if frames is not None:
-        if cfg.model.num_frames == 1 and frames != 1:
-            raise ValueError(f"--frames {frames}: this is an image model (1 frame); leave --frames out")
-        if frames < 1:
-            raise ValueError(f"--frames {frames}: use a positive number of frames")
-        cfg.model.num_frames = frames
+def _check_out(out: Optional[Path], fmt: Optional[str], video: bool) -> None:
+    """Refuse an ``--out`` / ``--format`` that does not fit the model (``ValueError``, one line)."""
+    suffix = out.suffix.lower() if out is not None else ""
+    if not video and (fmt or (out is not None and suffix not in (".png", ".jpg", ".jpeg", ".webp"))):
+        raise ValueError("this is an image model: --out takes a .png, .jpg or .webp file name and --format is for video")
+    if video and suffix and suffix not in (".gif", ".mp4"):
+        raise ValueError(f"--out {out}: use a folder, or a .gif / .mp4 file (this is a video model)")
+    if video and suffix and fmt and suffix != "." + fmt:
+        raise ValueError(f"--out {out} and --format {fmt} disagree; give one of them")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 (``comparison.csv``, ``comparison.md``) and one plot (``comparison.png``, sample accuracy against
 the FD-digits ratio); see :mod:`vitp.eval.compare` for the columns.
 
+The overrides are Hydra's, expanded by Hydra's own parser and basic sweeper exactly as
+``vitp-train --multirun`` would (:func:`expand`): ``key=a,b,c``, ``key=choice(a,b)``,
+``key=range(0,10,2)``, ``key=sort(...)``, ``group=glob(pattern)`` (config groups), and
+``key=[0.1,1],[0,1]`` for two list values; ``interval(...)`` is refused (it has no values to list).
+
 ``vitp-sweep eval RUN_DIR [--name NAME] [--weights FILE] key=a,b ...``
-    Loads the run's generator once and evaluates every combination of the listed values (the
-    cartesian product, as a Hydra ``--multirun``; ``key=[0.1,1],[0,1]`` lists two list values) with
+    Loads the run's generator once and evaluates every combination (the cartesian product) with
     the code of ``vitp-eval``. Only evaluation keys may change (``sampler.*``, ``eval.*``,
     ``objective.noise_scale``, ``objective.t_eps``, ``trainer.device``). The run's own
     ``eval.json`` is left alone: each setting's goes to ``RUN_DIR/sweeps/NAME/NNN_<setting>/``.
@@ -25,8 +29,8 @@ the table of the others and exits with status 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
-import itertools
 import json
 import logging
 import os
@@ -44,7 +48,6 @@ log = logging.getLogger("vitp")
 
 # what `vitp-sweep eval` may change: settings of the evaluation, not of the trained model or data
 EVAL_KEYS = ("sampler.", "eval.", "objective.noise_scale", "objective.t_eps", "trainer.device")
-_LIST_IN_QUOTES = re.compile(r"^(['\"])([\[{].*[\]}])\1$")
 
 
 @dataclass
@@ -57,68 +60,79 @@ class Sweep:
     labels: List[Dict[str, str]] = field(default_factory=lambda: [{}])  # {swept key: value} per combination
 
 
-def _values(arg: str) -> tuple:
-    """``(prefix + key, [value strings])`` of one override, parsed with Hydra's override grammar."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+@contextlib.contextmanager
+def _config_loader():
+    """Hydra's config loader over the shipped ``conf/`` (what ``glob(...)`` lists group options with)."""
+    import importlib.resources
+
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from vitp.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(importlib.resources.files("vitp.conf")), version_base="1.3"):
+        yield GlobalHydra.instance().config_loader()
+
+
+def expand(args: List[str]) -> List[List[str]]:
+    """Every combination of ``args`` as ``vitp-train --multirun args`` runs them: Hydra's parser
+    and its basic sweeper (``BasicSweeper.split_arguments``: the cartesian product, the last axis
+    changing fastest), so ``key=a,b``, ``choice(...)``, ``range(...)``, ``sort(...)`` and, for
+    group choices, ``glob(...)`` mean what they mean there. Raises ``ValueError`` (one line) on a
+    malformed override, an ``interval(...)`` sweep, a key given twice or an empty sweep."""
+    # Hydra's own default sweeper (hydra/sweeper: basic); split_arguments is a static method of it
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.errors import HydraException
 
-    if "=" not in arg or arg.startswith("-"):
-        raise ValueError(f"{arg!r} is not an override; write key=value or key=a,b,c")
-    try:
-        (o,) = OverridesParser.create().parse_overrides([arg])
-    except HydraException as e:
-        raise ValueError(f"cannot parse {arg!r}: {str(e).splitlines()[0]}") from None
-    if o.is_sweep_override() and o.is_interval_sweep():
-        raise ValueError(f"{arg!r}: interval(...) is a continuous range; list the values (key=a,b,c)")
-    values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
-    # a list quoted for the shell twice ("k='[0.1,1]'") is still meant as a list
-    values = [m.group(2) if (m := _LIST_IN_QUOTES.match(v)) else v for v in values]
-    prefix = arg[: len(arg) - len(arg.lstrip("+~"))]
-    return prefix + o.key_or_group, values
+    from vitp.cli.overrides import parse_overrides as parse
+
+    with _config_loader() as loader:
+        parsed = parse(args, loader)
+        seen = set()
+        for o in parsed:
+            key = o.key_or_group
+            if key in seen:
+                raise ValueError(f"{key} is given twice; list its values once (key=a,b)")
+            seen.add(key)
+            if o.is_sweep_override() and not o.is_discrete_sweep():
+                raise ValueError(f"{o.input_line!r}: interval(...) is a continuous range; list the values "
+                                 "(key=a,b,c) or use range(start,stop,step)")
+        try:
+            (combos,) = BasicSweeper.split_arguments(parsed, None)
+        except HydraException as e:
+            raise ValueError(f"cannot expand {' '.join(args)}: {str(e).splitlines()[0]}") from None
+    if not combos:
+        raise ValueError(f"the sweep {' '.join(args)} has no combination: a glob(...) or range(...) matches nothing")
+    return combos
 
 
 def parse_overrides(args: List[str]) -> Sweep:
     """Split Hydra-style overrides into fixed ones and swept axes (``key=a,b``, ``key=range(0,3)``,
     ``key=[0.1,1],[0,1]``: two list values; ``key=[0.1,1]``: one) and expand the axes to their
-    cartesian product, the last axis changing fastest. Raises ``ValueError`` on a malformed
-    override, an ``interval(...)`` sweep or a key given twice."""
-    sw, axes, seen = Sweep(), [], set()
-    for arg in args:
-        key, values = _values(arg)
-        if key.lstrip("+~") in seen:
-            raise ValueError(f"{key.lstrip('+~')} is given twice; list its values once (key=a,b)")
-        seen.add(key.lstrip("+~"))
-        if len(values) == 1:
-            sw.fixed.append(f"{key}={values[0]}")
-        else:
-            axes.append((key, values))
-    sw.keys = [k.lstrip("+~") for k, _ in axes]
-    picks = list(itertools.product(*[vals for _, vals in axes]))
-    sw.combos = [[f"{k}={v}" for (k, _), v in zip(axes, pick)] for pick in picks]
-    sw.labels = [dict(zip(sw.keys, pick)) for pick in picks]
+    cartesian product, the last axis changing fastest (:func:`expand`). An axis is swept when
+    its value differs between combinations. Raises ``ValueError`` as :func:`expand` does."""
+    combos = expand(args)
+    swept = [i for i in range(len(combos[0])) if len({c[i] for c in combos}) > 1]
+    sw = Sweep(fixed=[o for i, o in enumerate(combos[0]) if i not in swept])
+    sw.keys = [combos[0][i].split("=", 1)[0].lstrip("+~") for i in swept]
+    sw.combos = [[c[i] for i in swept] for c in combos]
+    sw.labels = [dict(zip(sw.keys, (o.split("=", 1)[1] for o in combo))) for combo in sw.combos]
     return sw
 
 
 def check_eval_keys(sw: Sweep) -> None:
-    """Refuse keys `vitp-sweep eval` cannot change (``ValueError``, one line): unknown keys with the
-    schema's message (as ``vitp-eval``), group choices, and keys of the model, data or training."""
-    from vitp.config import CONFIG_GROUPS, unknown_key_message
+    """Refuse what `vitp-sweep eval` cannot change (``ValueError``, one line), as ``vitp-eval``
+    refuses it (:func:`vitp.cli.overrides.refusal`): unknown keys with the schema's message, group
+    choices, added or deleted keys, and keys outside :data:`EVAL_KEYS` (the model, data, training)."""
+    from vitp.cli.overrides import parse_overrides as parse
+    from vitp.cli.overrides import refusal
 
-    for arg in sw.fixed + [o for combo in sw.combos for o in combo]:
-        key = arg.split("=", 1)[0].lstrip("+~")
-        if arg.startswith(("+", "~")):
-            raise ValueError(f"{arg.split('=', 1)[0]}: vitp-sweep eval sets existing keys, "
-                             "it does not add or delete them")
-        if key in CONFIG_GROUPS or "@" in key or key.startswith("hydra."):
-            raise ValueError(f"{key}= is not an evaluation setting; vitp-sweep eval takes keys "
-                             f"(e.g. sampler.method=euler); sweep recipes with vitp-sweep train")
-        msg = unknown_key_message(key)
+    for o in parse(sw.fixed + [o for combo in sw.combos for o in combo]):
+        msg = refusal(o, "vitp-sweep eval", EVAL_KEYS, "; sweep recipes with vitp-sweep train")
         if msg:
             raise ValueError(msg)
-        if not key.startswith(EVAL_KEYS):
-            raise ValueError(f"{key} changes the trained model, data or training; vitp-sweep eval takes "
-                             f"{', '.join(k + ('*' if k.endswith('.') else '') for k in EVAL_KEYS)} "
-                             "(sweep recipes with vitp-sweep train)")
 
 
 def check_train_keys(sw: Sweep) -> None:
@@ -156,9 +170,8 @@ def eval_sweep(run_dir: Path, overrides: List[str], name: Optional[str] = None,
     """Evaluate every sampler setting of ``overrides`` on the run's weights (loaded once) and write
     the comparison to ``run_dir/sweeps/<name>/`` (default name: the date and time); ``wall_s`` is
     each evaluation's wall time in seconds. The run's ``eval.json`` is not touched."""
-    from omegaconf import OmegaConf
-
     from vitp.cli.eval import last_step, load_for_eval
+    from vitp.cli.overrides import apply_overrides
     from vitp.config import validate_config
     from vitp.eval import evaluate
     from vitp.eval.compare import make_row, sort_rows, write_comparison
@@ -169,7 +182,7 @@ def eval_sweep(run_dir: Path, overrides: List[str], name: Optional[str] = None,
     check_eval_keys(sw)
     sort_rows([], sw.keys, sort)  # an unknown --sort column fails before any work
     cfg, gen, train_ds, heldout_ds, per_bucket = load_for_eval(Path(run_dir), weights, sw.fixed)
-    cfgs = [OmegaConf.merge(cfg, OmegaConf.from_dotlist(combo)) for combo in sw.combos]
+    cfgs = [apply_overrides(cfg, combo, "vitp-sweep eval", EVAL_KEYS) for combo in sw.combos]
     for c in cfgs:
         validate_config(c)  # every setting checked before the first evaluation
     out = Path(run_dir) / "sweeps" / (name or _stamp())
@@ -196,23 +209,15 @@ def _write_plan(out: Path, mode: str, sw: Sweep, **extra) -> None:
 
 def _check_combinations(sw: Sweep) -> None:
     """Compose and validate every combination's config (as ``vitp-train`` will) before any run."""
-    from hydra.errors import HydraException
-
-    from vitp.config import compose, validate_config
+    from vitp.cli.overrides import compose_checked
+    from vitp.config import validate_config
 
     for combo, label in zip(sw.combos, sw.labels):
-        args = [a for a in sw.fixed + combo if not a.lstrip("+~").startswith("hydra.")] + ["eval.enabled=true"]
+        args = sw.fixed + combo + ["eval.enabled=true"]
         try:
-            validate_config(compose(args))
-        except HydraException as e:
-            raise ValueError(f"combination {label or args}: {str(e).splitlines()[0]}") from None
+            validate_config(compose_checked(args))
         except ValueError as e:
             raise ValueError(f"combination {label or args}: {e}") from None
-
-
-def _run_dir_override(d: Path) -> str:
-    safe = re.fullmatch(r"[A-Za-z0-9._/~+-]+", str(d))
-    return f"hydra.run.dir={d}" if safe else "hydra.run.dir='" + str(d).replace("'", "\\'") + "'"
 
 
 def _train_one(d: Path, args: List[str]) -> int:
@@ -226,7 +231,9 @@ def _train_one(d: Path, args: List[str]) -> int:
                 raise ValueError(f"{d} holds a run of other overrides ({done}); choose another --out")
         log.info("%s: finished before, kept", d)
         return 0
-    cmd = [sys.executable, "-m", "vitp.cli.train", *args, _run_dir_override(d)]
+    from vitp.cli.overrides import hydra_override
+
+    cmd = [sys.executable, "-m", "vitp.cli.train", *args, hydra_override("hydra.run.dir", str(d))]
     log.info("training %s", " ".join(cmd[3:]))
     return subprocess.run(cmd, env=dict(os.environ)).returncode
 

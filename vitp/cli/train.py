@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
 from omegaconf import DictConfig  # noqa: E402
 
 from vitp.cli import run_cli  # noqa: E402
+from vitp.cli.overrides import compose_checked, is_override  # noqa: E402
 from vitp.config import check_override_keys, register_configs  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.train import check_config, train  # noqa: E402
@@ -120,11 +121,14 @@ def prepare_argv(argv: list) -> list:
     from its variables; keeps non-zero ranks from writing log files and makes rank 0's
     ``train.log`` open on its first line (``delay=true``: a refused launch creates none,
     :func:`vitp.train.rundir.hold_log_files`); without ``hydra.run.dir`` it picks
-    :func:`default_run_dir`. Raises ``ValueError`` on an unknown key, or an MPI launch across
-    hosts without ``MASTER_ADDR``.
+    :func:`default_run_dir`. Raises ``ValueError`` on an unknown key, a value the schema refuses,
+    or an MPI launch across hosts without ``MASTER_ADDR``.
     """
     argv = dist.strip_launcher_args(argv)
-    check_override_keys(argv[1:])
+    if any(a in ("-m", "--multirun") for a in argv[1:]):
+        check_override_keys(argv[1:])  # sweeps: Hydra composes each job
+    else:  # an unknown key or a bad value: one line, before anything starts
+        compose_checked([a for a in argv[1:] if is_override(a)])
     dist.adopt_launcher_env()  # before world_size(): an mpirun rank would otherwise train alone
     ours = []  # put before the user's arguments, so Hydra flags like --cfg job / --info stay last
     if not any(a.startswith("hydra.output_subdir=") for a in argv):

@@ -9,6 +9,7 @@ the training telemetry reports as TFLOP/s and MFU.
 - :mod:`.comm`: TP collectives (as :class:`vitp.parallel.CommRecorder` records them), pipeline sends, DP reduction
 - :mod:`.devices`: device profiles (H100/H200/A100 datasheet presets, a measured CPU profile)
 - :mod:`.steptime`: step time from a profile; :mod:`.planner`: ranking and the table
+- :mod:`.units`: :func:`format_bytes`, how every printed size is written (three significant digits, B to TiB)
 - :mod:`.auto`: the layout ``parallel=auto`` trains with (the first fitting row, fixed keys held)
 
 Pure functions of the config: nothing here starts a process group or imports the trainer.
@@ -22,12 +23,13 @@ from .memory import STATE_BYTES, MemoryOptions, StageMemory, StateBytes, block_s
 from .planner import Prediction, format_table, plan, predict
 from .shapes import ModelShape, layer_params, layer_params_per_rank, stage_layer_ranges
 from .steptime import step_time
+from .units import GIB, format_bytes
 
 __all__ = [
     "AUTO_KEYS", "AutoChoice", "choose_layout", "fixed_keys",
     "Collective", "DeviceProfile", "LayoutSpec", "MemoryOptions", "ModelShape", "PRESETS", "Prediction",
     "STATE_BYTES", "StageComm", "StageMemory", "StateBytes", "block_saved", "candidate_layouts", "cpu_profile",
-    "cuda_preset", "format_table", "forward_flops_per_sample", "get_profile", "layer_params",
+    "cuda_preset", "GIB", "format_bytes", "format_table", "forward_flops_per_sample", "get_profile", "layer_params",
     "layer_params_per_rank", "layout_of", "measure_cpu_profile", "model_flops_per_step", "plan", "pp_send_bytes",
     "predict", "stage_layer_ranges", "stage_memory", "step_comm", "step_time", "tp_collectives",
 ]

@@ -13,7 +13,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from .devices import DeviceProfile
 from .memory import MemoryOptions
-from .planner import GIB, Prediction, plan
+from .planner import Prediction, plan
+from .units import format_bytes
 
 # the keys parallel=auto chooses -> the LayoutSpec field each one sets
 AUTO_KEYS: Dict[str, str] = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.sequence_parallel": "sp",
@@ -53,10 +54,10 @@ class AutoChoice:
         ``vitp-train`` overrides that reproduce it."""
         p, lay = self.best, self.best.layout
         fixed = f", fixed {' '.join(f'{k}={v}' for k, v in self.fixed.items())}" if self.fixed else ""
-        return (f"parallel=auto on {lay.world} x {self.profile.name} ({p.limit_bytes / GIB:.3g} GiB per rank{fixed}): "
+        return (f"parallel=auto on {lay.world} x {self.profile.name} ({format_bytes(p.limit_bytes)} per rank{fixed}): "
                 f"tp={lay.tp} pp={lay.pp} dp={lay.dp} sp={'on' if lay.sp else 'off'} ac={lay.ac} micro={lay.micro} "
                 f"x {lay.accum} per step, first of {self.candidates} valid layouts ({self.fitting} fit); predicted "
-                f"{p.peak.total / GIB:.3g} GiB peak per rank, {p.time['step_s']:.4g} s/step, MFU {p.mfu:.1%}; "
+                f"{format_bytes(p.peak.total)} peak per rank, {p.time['step_s']:.4g} s/step, MFU {p.mfu:.1%}; "
                 f"reproduce with: {' '.join(lay.overrides())}")
 
     def as_dict(self) -> dict:
@@ -95,8 +96,8 @@ def choose_layout(cfg: Any, world_size: int, prof: DeviceProfile, fixed: Sequenc
     if not fitting:
         small = preds[0]  # the unfit rows are ordered by peak memory
         raise ValueError(f"parallel.auto: none of the {len(preds)} valid layouts{fixed_text} fits {world_size} x "
-                         f"{prof.name} ({small.limit_bytes / GIB:.3g} GiB per rank); the smallest, "
-                         f"{' '.join(small.layout.overrides())}, needs {small.peak.total / GIB:.3g} GiB. Use more "
+                         f"{prof.name} ({format_bytes(small.limit_bytes)} per rank); the smallest, "
+                         f"{' '.join(small.layout.overrides())}, needs {format_bytes(small.peak.total)}. Use more "
                          f"devices, a smaller model or trainer.global_batch_size, or set parallel.auto_memory_gib")
     return AutoChoice(preds[0], len(preds), fitting, prof, want)
 

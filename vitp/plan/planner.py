@@ -12,8 +12,7 @@ from .layout import LayoutSpec, candidate_layouts
 from .memory import MemoryOptions, StageMemory, stage_memory
 from .shapes import ModelShape
 from .steptime import predicted_mfu, step_time
-
-GIB = 2**30
+from .units import GIB, format_bytes
 
 
 @dataclass(frozen=True)
@@ -39,12 +38,15 @@ class Prediction:
         return self.peak.total <= self.limit_bytes
 
     def as_dict(self) -> dict:
+        """JSON-able: the layout, ``memory_bytes`` of the fullest stage (exact) and ``memory_gib``
+        (the same in GiB, four significant digits), ``limit_bytes`` / ``limit_gib`` per rank, the
+        bytes per rank per step, the step time parts (seconds), tokens/s and MFU."""
         pk = self.peak
-        mem = {k: round(getattr(pk, k) / GIB, 4) for k in ("weights", "grads", "optimizer", "ema", "activations",
-                                                            "recompute", "pipe_buffers", "zero_buckets", "workspace",
-                                                            "total")}
-        return {**self.layout.as_dict(), "fits": self.fits, "peak_stage": pk.stage, "memory_gib": mem,
-                "limit_gib": round(self.limit_bytes / GIB, 3),
+        mem = {k: int(getattr(pk, k)) for k in ("weights", "grads", "optimizer", "ema", "activations", "recompute",
+                                                "pipe_buffers", "zero_buckets", "workspace", "total")}
+        return {**self.layout.as_dict(), "fits": self.fits, "peak_stage": pk.stage, "memory_bytes": mem,
+                "memory_gib": {k: _sig4(v / GIB) for k, v in mem.items()},
+                "limit_bytes": int(self.limit_bytes), "limit_gib": _sig4(self.limit_bytes / GIB),
                 "comm_bytes_per_step": {k: max(getattr(c, k) for c in self.comm)
                                         for k in ("tp_bytes", "pp_bytes", "dp_bytes")},
                 "time": {k: round(v, 6) for k, v in self.time.items()}, "tokens_per_s": round(self.tokens_per_s, 1),
@@ -90,10 +92,12 @@ def plan(cfg: Any, world_size: int, prof: DeviceProfile, opts: Optional[MemoryOp
 
 
 def format_table(preds: List[Prediction], top: Optional[int] = None) -> str:
-    """A ranked text table (memory of the fullest stage in GiB, bytes per rank per step)."""
+    """A ranked text table: memory of the fullest stage and bytes per rank per step, each with three
+    significant digits in a fitting unit (:func:`vitp.plan.units.format_bytes`)."""
+    b = format_bytes
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>3} {'sp':>3} {'ac':>3} {'mb':>4} {'acc':>4} | "
-            f"{'weights':>8} {'grads':>8} {'opt+ema':>8} {'activ':>8} {'work':>8} {'total':>8} GiB | "
-            f"{'TP':>9} {'PP':>9} {'DP':>9} B/step | {'step s':>9} {'tok/s':>10} {'MFU':>6} fits")
+            f"{'weights':>9} {'grads':>9} {'opt+ema':>9} {'activ':>9} {'work':>9} {'total':>9} | "
+            f"{'TP/step':>9} {'PP/step':>9} {'DP/step':>9} | {'step s':>9} {'tok/s':>10} {'MFU':>6} fits")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(preds[:top] if top else preds, 1):
         lay, pk = p.layout, p.peak
@@ -101,15 +105,13 @@ def format_table(preds: List[Prediction], top: Optional[int] = None) -> str:
         act = pk.activations + pk.recompute + pk.pipe_buffers
         rows.append(
             f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {'y' if lay.sp else '-':>3} {lay.ac:>3} {lay.micro:>4} "
-            f"{lay.accum:>4} | {pk.weights / GIB:>8.2f} {pk.grads / GIB:>8.2f} {(pk.optimizer + pk.ema) / GIB:>8.2f} "
-            f"{act / GIB:>8.2f} {(pk.zero_buckets + pk.workspace) / GIB:>8.2f} {pk.total / GIB:>8.2f}     | "
-            f"{_si(comm['tp_bytes']):>9} {_si(comm['pp_bytes']):>9} {_si(comm['dp_bytes']):>9}        | "
+            f"{lay.accum:>4} | {b(pk.weights):>9} {b(pk.grads):>9} {b(pk.optimizer + pk.ema):>9} {b(act):>9} "
+            f"{b(pk.zero_buckets + pk.workspace):>9} {b(pk.total):>9} | "
+            f"{b(comm['tp_bytes']):>9} {b(comm['pp_bytes']):>9} {b(comm['dp_bytes']):>9} | "
             f"{p.time['step_s']:>9.4g} {p.tokens_per_s:>10.4g} {p.mfu:>6.1%} {'yes' if p.fits else 'NO'}")
     return "\n".join(rows)
 
 
-def _si(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.3g}{unit}"
-    return f"{x:.0f}"
+def _sig4(x: float) -> float:
+    """``x`` rounded to four significant digits (JSON sizes in GiB that stay readable for any model)."""
+    return float(f"{x:.4g}")

@@ -1,0 +1,140 @@
+"""One override syntax (vitp/cli/overrides.py): every command reads Hydra's ``key=value`` grammar,
+checked by the schema, and refuses bad input in the same one line. vitp-sample and vitp-eval run
+here on the perturbed smoke weights (no training)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.helpers import PERTURBED, compose_cfg
+from vitp.cli.overrides import apply_overrides, compose_checked, is_override, typed_config
+
+BAD_VALUE = "Error merging override sampler.method=foo; Invalid value 'foo', expected one of [heun, euler]"
+UNKNOWN = "unknown config key sampler.stepz (did you mean sampler.steps?)"
+
+
+@pytest.fixture(scope="module")
+def saved():
+    return typed_config(compose_cfg(["experiment=smoke"]))
+
+
+def test_values_are_read_as_hydra_reads_them(saved):
+    cfg = apply_overrides(saved, ["sampler.steps=3", "sampler.cfg_interval=[0.1,1]", "data.root='a b,c=d'",
+                                  "sampler.cfg_scale=2", "trainer.init_from=null", "optim.lr=2e-3"], "vitp-eval")
+    assert cfg.sampler.steps == 3 and list(cfg.sampler.cfg_interval) == [0.1, 1.0] and cfg.data.root == "a b,c=d"
+    assert cfg.sampler.cfg_scale == 2.0 and isinstance(cfg.sampler.cfg_scale, float) and cfg.trainer.init_from is None
+    assert cfg.optim.lr == 0.002 and saved.sampler.steps == 2  # a copy: the input is unchanged
+    # the same values composed from conf/ (vitp-train, vitp-plan) read the same
+    new = compose_checked(["experiment=smoke", "sampler.cfg_interval=[0.1,1]", "data.root='a b,c=d'"])
+    assert list(new.sampler.cfg_interval) == [0.1, 1.0] and new.data.root == "a b,c=d"
+    assert [is_override(w) for w in ("a.b=1", "+a=1", "~a.b", "--steps", "run_dir", "x/y.png")] == [
+        True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("sampler.method=foo", BAD_VALUE),
+    ("sampler.stepz=3", UNKNOWN),
+    ("sampler.steps=abc", "Error merging override sampler.steps=abc; Value 'abc' of type 'str' could not be "
+                          "converted to Integer"),
+    ("sampler.steps=1,2", "sampler.steps=1,2: vitp-eval takes one value per key; compare several with vitp-sweep"),
+    ("+sampler.x=1", "+sampler.x=1: vitp-eval sets keys of the run's config; it does not add or delete them"),
+    ("~sampler.steps", "~sampler.steps: vitp-eval sets keys of the run's config"),
+    ("experiment=smoke", "experiment= picks a config file when vitp-train composes a run"),
+    ("hydra.run.dir=x", "hydra.run.dir= picks a config file"),
+    ("sampler.steps=[1,", "cannot parse 'sampler.steps=[1,'"),
+    ("steps", "'steps' is not an override; write key=value"),
+])
+def test_bad_overrides_are_one_line_errors(saved, arg, message):
+    with pytest.raises(ValueError) as e:
+        apply_overrides(saved, [arg], "vitp-eval")
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_keys_outside_the_allowed_ones_are_refused(saved):
+    with pytest.raises(ValueError, match=r"^model.depth: vitp-sample can change sampler.\*, trainer.device; the other "
+                                         r"keys are fixed by the trained weights$"):
+        apply_overrides(saved, ["model.depth=3"], "vitp-sample", ("sampler.", "trainer.device"))
+
+
+@pytest.mark.parametrize("prog", ["vitp-train", "vitp-sample", "vitp-eval", "vitp-plan", "vitp-sweep"])
+def test_every_command_says_a_bad_value_and_an_unknown_key_the_same_way(tmp_path, capsys, monkeypatch, prog):
+    """The same bad value and the same unknown key give the same one-line error and status 2 on
+    every command that takes overrides."""
+    import importlib
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    OmegaConf.save(compose_cfg(["experiment=smoke"]), run / ".hydra" / "config.yaml")
+    head = {"vitp-sample": [str(PERTURBED)], "vitp-eval": [str(run)], "vitp-plan": ["--gpus", "1"],
+            "vitp-sweep": ["eval", str(run)], "vitp-train": [f"hydra.run.dir={run}"]}[prog]
+    main = importlib.import_module(f"vitp.cli.{prog.split('-')[1]}").main
+    for arg, message in (("sampler.method=foo", BAD_VALUE), ("sampler.stepz=3", UNKNOWN)):
+        with pytest.raises(SystemExit) as e:
+            if prog == "vitp-train":  # reads sys.argv (Hydra's entry point)
+                monkeypatch.setattr("sys.argv", [prog, *head, arg])
+                main()
+            else:
+                main([*head, arg])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"{prog}: error: {message}") and err.count("\n") == 1, err
+
+
+def test_vitp_sample_overrides_and_the_deprecated_flags_give_the_same_grid(tmp_path, capsys):
+    """``sampler.*`` / ``model.image_size`` overrides sample as the old flags did; the old flags
+    still work, each with a note naming its override; --classes, --num and --out stay flags."""
+    from vitp.cli.sample import main
+
+    new, old = tmp_path / "new.png", tmp_path / "old.png"
+    main([str(PERTURBED), "--classes", "3", "7", "sampler.steps=2", "--num", "2", "sampler.cfg_scale=2.0",
+          "sampler.cfg_interval=[0.1,1]", "sampler.seed=1", "trainer.device=cpu", "--out", str(new)])
+    assert capsys.readouterr().err == ""
+    main([str(PERTURBED), "--classes", "3", "7", "--num", "2", "--steps", "2", "--cfg-scale", "2.0", "--cfg-interval",
+          "0.1", "1", "--seed", "1", "--device", "cpu", "--out", str(old)])
+    notes = capsys.readouterr().err.splitlines()
+    assert notes == ["vitp-sample: --seed is deprecated; write sampler.seed=1",
+                     "vitp-sample: --steps is deprecated; write sampler.steps=2",
+                     "vitp-sample: --cfg-scale is deprecated; write sampler.cfg_scale=2.0",
+                     "vitp-sample: --cfg-interval is deprecated; write sampler.cfg_interval=[0.1,1]",
+                     "vitp-sample: --device is deprecated; write trainer.device=cpu"]
+    assert new.read_bytes() == old.read_bytes()
+    from PIL import Image
+
+    main([str(PERTURBED), "--classes", "1", "--num", "1", "sampler.steps=1", "data.resolution=10x6",
+          "--out", str(tmp_path / "size.png")])
+    a = tmp_path / "a.png"
+    main([str(PERTURBED), "--classes", "1", "--num", "1", "sampler.steps=1", "--resolution", "10x6", "--out", str(a)])
+    assert Image.open(a).size == Image.open(tmp_path / "size.png").size != Image.open(new).size
+    assert a.read_bytes() == (tmp_path / "size.png").read_bytes()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["model.depth=3"], "model.depth: vitp-sample can change sampler.*, model.image_size, model.num_frames, "
+                        "data.resolution, data.num_frames, trainer.device"),
+    (["model.num_frames=4"], "model.num_frames=4: this is an image model (1 frame)"),
+    (["model.image_size=10x7"], "nearest valid sizes: 10x6, 10x8"),
+    (["--classes", "x"], "--classes x: class labels are integers"),
+    (["--num", "0"], "--num 0: use a positive number of samples per class"),
+])
+def test_vitp_sample_refusals(capsys, args, message):
+    from vitp.cli.sample import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(PERTURBED), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1 and err.startswith("vitp-sample: error: ")
+
+
+def test_vitp_eval_reads_hydra_grammar(tmp_path):
+    """vitp-eval's overrides are Hydra's (they were an OmegaConf dotlist): a sweep is refused, a
+    quoted string stays a string, and values are typed by the schema."""
+    from vitp.cli.eval import load_run_config
+
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(compose_cfg(["experiment=smoke"]), tmp_path / ".hydra" / "config.yaml")
+    cfg = load_run_config(tmp_path, ["sampler.cfg_interval=[0.1,1]", "sampler.steps=5", "paths.output_root='x=1,2'"])
+    assert list(cfg.sampler.cfg_interval) == [0.1, 1.0] and cfg.sampler.steps == 5 and cfg.paths.output_root == "x=1,2"
+    assert json.loads(json.dumps(OmegaConf.to_container(cfg.sampler)))["steps"] == 5
+    with pytest.raises(ValueError, match="vitp-eval takes one value per key"):
+        load_run_config(tmp_path, ["sampler.steps=5,6"])

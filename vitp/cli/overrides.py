@@ -1,0 +1,231 @@
+"""One override syntax for every vitp command: Hydra's ``key=value`` grammar, checked against the
+closed schema of :mod:`vitp.config`.
+
+``vitp-train`` and ``vitp-plan`` compose a new run config from ``conf/`` with the overrides
+(:func:`compose_checked`); ``vitp-eval``, ``vitp-sample`` and ``vitp-sweep eval`` apply them to a
+finished run's config (:func:`apply_overrides`). Both parse with Hydra's own parser
+(``OverridesParser``) and set values as Hydra does (``OmegaConf.update(..., merge=True)`` on the
+typed schema), so a value means the same on every command, and bad input is one line:
+
+- an unknown key: ``unknown config key trainer.max_step (did you mean trainer.max_steps?); ...``
+- a bad value: ``Error merging override sampler.method=foo; Invalid value 'foo', expected one of [heun, euler]``
+- a malformed override: ``cannot parse 'sampler.steps=[1,': ...``
+
+Values written for Hydra from Python (:func:`hydra_value`, :func:`hydra_override`) follow its
+quoting rules ("Quoted values" in https://hydra.cc/docs/advanced/override_grammar/basic/), and are
+checked to read back as the value they came from.
+
+Nothing here imports torch: a bad command line fails fast.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
+    from omegaconf import DictConfig
+
+
+# ------------------------------------------------------------------------------- parsing
+def is_override(arg: str) -> bool:
+    """Whether a command-line word is written as an override (``key=value``, ``+key=value``,
+    ``~key``), not a flag or a path: a dotted name before the first ``=``."""
+    return bool(re.match(r"^(\+\+|\+|~)?[A-Za-z_][\w.@/\-]*(=|$)", arg)) and ("=" in arg or arg.startswith("~"))
+
+
+def parse_overrides(args: Sequence[str], config_loader: Any = None) -> List["Override"]:
+    """Hydra's parse of ``args`` (``OverridesParser.create().parse_overrides``), one at a time so
+    an error names its override. ``config_loader`` lets ``glob(...)`` sweeps list group options.
+
+    Raises ``ValueError`` (one line) for a word that is not an override or one Hydra cannot parse.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create(config_loader=config_loader)
+    out = []
+    for arg in args:
+        if not is_override(arg):
+            raise ValueError(f"{arg!r} is not an override; write key=value (e.g. sampler.steps=50)")
+        try:
+            out += parser.parse_overrides([arg])
+        except HydraException as e:
+            raise ValueError(f"cannot parse {arg!r}: {str(e).splitlines()[0]}") from None
+    return out
+
+
+def override_key(override: str) -> str:
+    """The config key of an override string, without its ``+``/``++``/``~`` prefix."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def error_chain(error: BaseException) -> str:
+    """An error and its causes (Hydra wraps the informative OmegaConf error), in one line."""
+    parts: List[str] = []
+    while error is not None and len(parts) < 4:
+        # Hydra's config search path and OmegaConf's node details repeat what the message says
+        text = re.split(r" (?:Config search path|full_key:)", " ".join(str(error).split()))[0]
+        if text and text not in parts:
+            parts.append(text)
+        error = error.__cause__
+    return "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------- a new run config
+def compose_checked(overrides: Sequence[str]) -> "DictConfig":
+    """The run config ``vitp-train <overrides>`` would compose (:func:`vitp.config.compose`; ``hydra.*``
+    overrides are skipped, they set Hydra, not the run).
+
+    Raises ``ValueError`` in one line for an unknown key (with the nearest key), a value the schema
+    refuses, or an unknown group choice (with the available ones)."""
+    from vitp.config import check_override_keys, compose
+
+    check_override_keys(list(overrides))
+    try:
+        return compose([o for o in overrides if override_key(o).split(".")[0].split("/")[0] != "hydra"])
+    except Exception as e:  # noqa: BLE001 - Hydra / OmegaConf composition errors of many types
+        raise ValueError(error_chain(e)) from None
+
+
+# ------------------------------------------------------------------------------- a finished run's config
+def typed_config(saved: Any) -> "DictConfig":
+    """``saved`` (a run's ``.hydra/config.yaml`` or a weights file's ``vitp_config``) on the typed
+    schema, so values set later are checked as ``vitp-train`` checks them.
+
+    Raises ``ValueError`` naming a key the schema lacks (:func:`vitp.config.check_keys`)."""
+    from omegaconf import OmegaConf
+
+    from vitp.config import Config, check_keys
+
+    check_keys(saved)
+    return OmegaConf.merge(OmegaConf.structured(Config), saved)
+
+
+def refusal(o: "Override", prog: str, allowed: Optional[Tuple[str, ...]] = None, hint: str = "") -> Optional[str]:
+    """Why ``prog`` cannot set the parsed override ``o`` on a finished run's config, or ``None``:
+    a sweep, an add or delete, a group choice or ``hydra.*`` key, an unknown key (the schema's
+    message with the nearest key), or a key outside the prefixes ``allowed`` (``hint`` appended)."""
+    from vitp.config import CONFIG_GROUPS, unknown_key_message
+
+    key, line = o.key_or_group, o.input_line
+    if o.is_sweep_override():
+        return f"{line}: {prog} takes one value per key; compare several with vitp-sweep"
+    if o.is_add() or o.is_force_add() or o.is_delete():
+        return f"{line}: {prog} sets keys of the run's config; it does not add or delete them (drop the prefix)"
+    if key in CONFIG_GROUPS or "@" in key or key.split(".")[0] == "hydra":
+        return (f"{key}= picks a config file when vitp-train composes a run; {prog} sets keys of the run's "
+                f"config, e.g. sampler.steps=50")
+    msg = unknown_key_message(key)
+    if msg:
+        return msg
+    if allowed is not None and not key.startswith(allowed):
+        keys = ", ".join(k + ("*" if k.endswith(".") else "") for k in allowed)
+        return f"{key}: {prog} can change {keys}; the other keys are fixed by the trained weights{hint}"
+    return None
+
+
+def apply_overrides(cfg: "DictConfig", args: Sequence[str], prog: str,
+                    allowed: Optional[Tuple[str, ...]] = None) -> "DictConfig":
+    """A copy of the typed run config ``cfg`` (:func:`typed_config`) with the ``key=value``
+    overrides ``args`` set as Hydra sets them. ``allowed``: key prefixes ``prog`` may change
+    (``None``: every schema key).
+
+    Raises ``ValueError`` (one line, naming ``prog``) for a malformed override, a sweep, an
+    add/delete, a group choice, an unknown key, a key outside ``allowed``, or a bad value."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    cfg = cfg.copy()
+    for o in parse_overrides(args):
+        msg = refusal(o, prog, allowed)
+        if msg:
+            raise ValueError(msg)
+        try:
+            OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True)
+        except OmegaConfBaseException as e:
+            raise ValueError(f"Error merging override {o.input_line}; {error_chain(e)}") from None
+    return cfg
+
+
+# ------------------------------------------------------------------------------- writing values for Hydra
+def same_value(a: Any, b: Any) -> bool:
+    """Deep equality that tells ``True`` from ``1`` and takes NaN as equal to NaN."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return a == b
+
+
+def quote(text: str) -> str:
+    """Hydra's single-quoted string: ``'`` is escaped as ``\\'`` and so is a run of backslashes
+    before a quote or the end (doubled); other backslashes stay literal (Hydra 1.3, "Quoted
+    values" in https://hydra.cc/docs/advanced/override_grammar/basic/)."""
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text) + "'"
+
+
+def _hydra_string(text: str) -> str:
+    """``text`` bare when Hydra's parser reads it back as exactly that string (so group choices
+    like ``experiment=smoke`` stay as they are), else quoted (commas, which would make a sweep,
+    ``=`` and other grammar characters, ``true``/``1e3``/``null`` that would change type, outer
+    spaces, non-ASCII, ...)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        override = OverridesParser.create().parse_overrides([f"k={text}"])[0]
+        if not override.is_sweep_override() and same_value(override.value(), text):
+            return text
+    except Exception:  # noqa: BLE001 - any parse error means: quote it
+        pass
+    return quote(text)
+
+
+def hydra_value(value: Any) -> str:
+    """A JSON value (``json.loads`` output) written in Hydra's override grammar.
+
+    Raises ``ValueError`` for other types, or an object key inside a list that is not a plain name."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # Hydra reads Python's repr back exactly, also inf, -inf and nan
+    if isinstance(value, str):
+        return _hydra_string(value)
+    if isinstance(value, list):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # inside a list (top-level objects are flattened)
+        return "{" + ",".join(f"{_hydra_key(str(k))}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    raise ValueError(f"unsupported value {value!r} of type {type(value).__name__}")
+
+
+def _hydra_key(key: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][\w\-]*", key):
+        raise ValueError(f"object key {key!r} inside a list is not a plain name; use letters, digits, _ and -")
+    return key
+
+
+def hydra_override(key: str, value: Any, what: str = "value") -> str:
+    """``key=<value>`` checked with Hydra's own parser to read back as ``value``; ``what`` names
+    the value in errors (``"hyperparameter"``).
+
+    Raises ``ValueError`` naming ``key`` when it is not a key Hydra can parse, or the value cannot
+    be written so that it arrives intact."""
+    text = f"{key}={hydra_value(value)}"
+    try:
+        (override,) = parse_overrides([text])
+    except ValueError as e:
+        raise ValueError(f"{what} {key!r} is not a config key Hydra can parse ({e}); "
+                         f"use dotted names like trainer.max_steps") from None
+    if override.is_sweep_override() or not same_value(override.value(), value):
+        raise ValueError(f"{what} {key}={value!r} cannot be passed to Hydra intact (read back as "
+                         f"{override.value()!r})")
+    return text
