@@ -16,8 +16,16 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+if not torch.cuda.is_available():
+    # DeepSpeed's accelerator probe otherwise prints a warning to stdout at import (it would spoil
+    # `vitp-plan --json`) and probes for accelerators; a user's own setting wins
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 @dataclass(frozen=True)

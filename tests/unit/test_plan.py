@@ -4,6 +4,7 @@ Measured multi-process bytes are checked in tests/distributed/test_plan_validati
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -295,3 +296,41 @@ def test_partial_sync_block_traffic(models, sp):
     assert (lay.sp, lay.partial_sp, lay.partial_sync) == (False, sp, 0.5)
     assert "parallel.partial_sync=0.5" in lay.overrides()
     assert f"parallel.sequence_parallel={str(sp).lower()}" in lay.overrides()
+
+
+def test_vitp_plan_json_stdout_is_json_in_a_fresh_process():
+    """``vitp-plan --json | jq``: nothing else reaches stdout (DeepSpeed's accelerator probe
+    printed a warning there when vitp-plan ran on a machine without CUDA)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "vitp.cli.plan", "--gpus", "2", "--device", "h100", "--json", "--top",
+                        "1", "experiment=smoke"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["world"] == 2
+
+
+def test_vitp_plan_shows_the_parallel_plan_of_a_row(capsys):
+    """``--show-plan ROW``: the rows of GENERATOR_PLAN applied at that row's layout, per stage, with
+    the collectives the planner counts (those of vitp.plan.tp_collectives, one line each)."""
+    from vitp.cli.plan import main, run
+    from vitp.plan import tp_collectives
+
+    rows = run(["--gpus", "4", "--device", "h100", "--top", "0", "--ac", "0", "--micro", "2", "experiment=smoke",
+                "model.qk_norm=true"])
+    row = next(i for i, r in enumerate(rows) if r["tp"] == 2 and r["pp"] == 2 and not r["sp"]) + 1
+    capsys.readouterr()
+    run(["--gpus", "4", "--device", "h100", "--top", "0", "--ac", "0", "--micro", "2", "--show-plan", str(row),
+         "experiment=smoke", "model.qk_norm=true"])
+    text = capsys.readouterr().out.split("parallel plan at ")[1]
+    assert text.startswith("tp=2 pp=2 dp=1")
+    assert "on stage 0 (mode tp)" in text and "on stage 1 (mode tp)" in text
+    assert re.search(r"blocks\.\*\.attn +-> HeadParallelAttention\(partial=False\): 1 module", text)
+    cfg = compose_cfg(["experiment=smoke", "model.qk_norm=true", "parallel.tp=2", "parallel.pp=2",
+                       "trainer.micro_batch_size=2"])
+    lay = layout_of(cfg, 4)
+    listed = sum(1 for line in text.splitlines() if " x all_" in line or " x reduce_" in line)
+    assert listed == len(tp_collectives(cfg.model, lay, 0)) + len(tp_collectives(cfg.model, lay, 1))
+    with pytest.raises(SystemExit) as e:
+        main(["--gpus", "4", "--top", "2", "--show-plan", "3", "experiment=smoke"])
+    assert e.value.code == 2 and "--show-plan 3: the table has rows 1 to 2" in capsys.readouterr().err

@@ -10,6 +10,7 @@ micro-batches, workspace), the bytes each rank moves per step over TP, PP and DP
 significant digits in B, KiB, MiB, GiB or TiB: :func:`vitp.plan.format_bytes`), the predicted step
 time, tokens/s and MFU, and whether it fits; fitting layouts first, fastest first
 (:mod:`vitp.plan`). Each row's ``vitp-train`` overrides are in the JSON output (``--json``).
+``--show-plan ROW`` prints what the parallel plan does at a row's layout (:func:`plan_text`).
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="model the adaLN modulation replicated on every TP rank (older vitp); default: sharded, as trained")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--show-plan", type=int, nargs="?", const=1, default=None, metavar="ROW",
+                   help="also print the parallel plan of the table's row ROW (default 1): per stage, the rows "
+                        "applied, the parameters sharded / with partial gradients, the TP collectives of a micro-batch")
     p.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. experiment=img256 model.depth=24")
     return p.parse_intermixed_args(argv)
 
@@ -63,6 +67,25 @@ def _header(cfg, args, prof, preds) -> str:
             f"{shape.width}; global batch {cfg.trainer.global_batch_size}; {args.gpus} x {prof.name} "
             f"({format_bytes(prof.memory_gib * GIB)}, {prof.devices_per_node}/node); {len(preds)} valid layouts, "
             f"{fits} fit")
+
+
+def plan_text(cfg, lay) -> str:
+    """The generator's parallel plan (:data:`vitp.models.GENERATOR_PLAN`) at layout ``lay``: per
+    pipeline stage the rows it applies, and the TP collectives a micro-batch (and a step) issues
+    there, as the planner counts them (:func:`vitp.plan.tp_collectives`)."""
+    from vitp.plan import ModelShape, format_bytes, plan_report, stage_layer_ranges, tp_collectives
+    from vitp.plan.comm import plan_mode_of
+
+    out = [f"parallel plan at tp={lay.tp} pp={lay.pp} dp={lay.dp} sp={'on' if lay.sp else 'off'} "
+           f"partial_sync={lay.partial_sync} micro={lay.micro}:"]
+    if lay.tp == 1:
+        return out[0] + " tp=1, nothing is sharded"
+    for s, (first, end) in enumerate(stage_layer_ranges(ModelShape.from_config(cfg.model).depth, lay.pp)):
+        out.append(plan_report(cfg.model, plan_mode_of(lay), first, end).table(f"stage {s}"))
+        for c in tp_collectives(cfg.model, lay, s):
+            per = "per step" if c.per_step else "per micro-batch"
+            out.append(f"    {c.count:>3} x {c.kind:14} {c.direction:3} {c.tag:11} {format_bytes(c.nbytes):>9} {per}")
+    return "\n".join(out)
 
 
 def run(argv: Optional[List[str]] = None) -> list:
@@ -88,6 +111,10 @@ def run(argv: Optional[List[str]] = None) -> list:
     else:
         print(_header(cfg, args, prof, preds))
         print(format_table(shown))
+    if args.show_plan is not None:
+        if not 1 <= args.show_plan <= len(shown):
+            raise ValueError(f"--show-plan {args.show_plan}: the table has rows 1 to {len(shown)}")
+        print(plan_text(cfg, shown[args.show_plan - 1].layout))
     return rows
 
 

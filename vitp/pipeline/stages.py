@@ -16,10 +16,12 @@ from __future__ import annotations
 from typing import Any, List, Tuple
 
 import torch
-from deepspeed.pipe import LayerSpec, PipelineModule
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-import vitp.deepspeed_adapter as ds
+import vitp.deepspeed_adapter as ds  # first: it quiets DeepSpeed's accelerator probe on CPU
+
+from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
+
 from vitp.models import Block, Embed, FinalLayer, layer_specs, seed_layer
 from vitp.objectives import FlowMatchingLoss
 from vitp.parallel import checkpoint_activations

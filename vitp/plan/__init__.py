@@ -21,7 +21,7 @@ from .flops import forward_flops_per_sample, model_flops_per_step
 from .layout import LayoutSpec, candidate_layouts, layout_of
 from .memory import STATE_BYTES, MemoryOptions, StageMemory, StateBytes, block_saved, stage_memory
 from .planner import Prediction, format_table, plan, predict
-from .shapes import ModelShape, layer_params, layer_params_per_rank, stage_layer_ranges
+from .shapes import ModelShape, layer_params, layer_params_per_rank, plan_report, stage_layer_ranges
 from .steptime import step_time
 from .units import GIB, format_bytes
 
@@ -31,5 +31,5 @@ __all__ = [
     "STATE_BYTES", "StageComm", "StageMemory", "StateBytes", "block_saved", "candidate_layouts", "cpu_profile",
     "cuda_preset", "GIB", "format_bytes", "format_table", "forward_flops_per_sample", "get_profile", "layer_params",
     "layer_params_per_rank", "layout_of", "measure_cpu_profile", "model_flops_per_step", "plan", "pp_send_bytes",
-    "predict", "stage_layer_ranges", "stage_memory", "step_comm", "step_time", "tp_collectives",
+    "plan_report", "predict", "stage_layer_ranges", "stage_memory", "step_comm", "step_time", "tp_collectives",
 ]
