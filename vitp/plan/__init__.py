@@ -7,7 +7,7 @@ the training telemetry reports as TFLOP/s and MFU.
 - :mod:`.layout`: :class:`LayoutSpec`, the valid layouts (by :func:`vitp.config.validate_layout`)
 - :mod:`.memory`: per-rank memory (ZeRO state table, saved activations per block, 1F1B in-flight micro-batches)
 - :mod:`.comm`: TP collectives (as :class:`vitp.parallel.CommRecorder` records them), pipeline sends, DP reduction
-- :mod:`.devices`: device profiles (H100/H200/A100 datasheet presets, a measured CPU profile)
+- :mod:`.devices`: device profiles (H100/H200/A100 datasheet presets, a measured CPU profile, an assumed one)
 - :mod:`.steptime`: step time from a profile; :mod:`.planner`: ranking and the table
 - :mod:`.units`: :func:`format_bytes`, how every printed size is written (three significant digits, B to TiB)
 - :mod:`.auto`: the layout ``parallel=auto`` trains with (the first fitting row, fixed keys held)
@@ -16,7 +16,8 @@ Pure functions of the config: nothing here starts a process group or imports the
 """
 from .auto import AUTO_KEYS, AutoChoice, choose_layout, fixed_keys
 from .comm import Collective, StageComm, pp_send_bytes, step_comm, tp_collectives
-from .devices import PRESETS, DeviceProfile, cpu_profile, cuda_preset, get_profile, measure_cpu_profile
+from .devices import (PRESETS, DeviceProfile, cached_cpu_profile, cpu_profile, cuda_preset, default_cpu_profile,
+                      get_profile, measure_cpu_profile)
 from .flops import forward_flops_per_sample, model_flops_per_step
 from .layout import LayoutSpec, candidate_layouts, layout_of
 from .memory import STATE_BYTES, MemoryOptions, StageMemory, StateBytes, block_saved, stage_memory
@@ -28,7 +29,8 @@ from .units import GIB, format_bytes
 __all__ = [
     "AUTO_KEYS", "AutoChoice", "choose_layout", "fixed_keys",
     "Collective", "DeviceProfile", "LayoutSpec", "MemoryOptions", "ModelShape", "PRESETS", "Prediction",
-    "STATE_BYTES", "StageComm", "StageMemory", "StateBytes", "block_saved", "candidate_layouts", "cpu_profile",
+    "STATE_BYTES", "StageComm", "StageMemory", "StateBytes", "block_saved", "cached_cpu_profile", "candidate_layouts",
+    "cpu_profile", "default_cpu_profile",
     "cuda_preset", "GIB", "format_bytes", "format_table", "forward_flops_per_sample", "get_profile", "layer_params",
     "layer_params_per_rank", "layout_of", "measure_cpu_profile", "model_flops_per_step", "plan", "pp_send_bytes",
     "plan_report", "predict", "stage_layer_ranges", "stage_memory", "step_comm", "step_time", "tp_collectives",

@@ -14,7 +14,9 @@ H200) or 200 Gb/s (A100, HDR InfiniBand in DGX A100) NIC per GPU):
 
 FP32 uses the non-tensor-core peak (PyTorch leaves TF32 matmuls off by default). The
 ``efficiency``, latency, per-layer overhead and reserve values are assumptions, stated per field.
-The ``cpu`` profile is measured on this machine (:func:`measure_cpu_profile`) and cached.
+The ``cpu`` profile is measured on this machine (:func:`measure_cpu_profile`) and cached; where
+nothing may be measured, :func:`default_cpu_profile` assumes a slow core (its numbers are stated
+at :data:`CPU_DEFAULT_FLOPS_PER_THREAD`).
 """
 from __future__ import annotations
 
@@ -222,20 +224,62 @@ def _cache_path() -> Path:
     return Path(root) / "cpu_profile.json"
 
 
-def cpu_profile(threads: int = 1, remeasure: bool = False, links: bool = True, procs: int = 2) -> DeviceProfile:
-    """The measured ``cpu`` profile, cached in ``$VITP_CACHE_DIR`` (or ``~/.cache/vitp``)
-    ``/cpu_profile.json`` per host, core count, torch version, thread and process count."""
+def _cache_key(threads: int, links: bool, procs: int) -> str:
     import socket
 
     import torch
 
-    key = f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}|{threads}|{int(links)}|{procs if links else 0}"
+    return f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}|{threads}|{int(links)}|{procs if links else 0}"
+
+
+def _read_cache() -> dict:
     path = _cache_path()
-    cache = json.loads(path.read_text()) if path.is_file() else {}
-    if key in cache and not remeasure:
-        entry = dict(cache[key])
-        entry["latency_by_group"] = {int(g): v for g, v in entry.get("latency_by_group", {}).items()}  # JSON keys
-        return DeviceProfile(**entry)
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):  # unreadable or not JSON: measured again (and rewritten) when asked
+        return {}
+
+
+def cached_cpu_profile(threads: int = 1, links: bool = True, procs: int = 2) -> Optional[DeviceProfile]:
+    """The ``cpu`` profile :func:`cpu_profile` measured earlier for this key (host, core count,
+    torch version, threads, processes), or ``None``: reads the cache, never measures."""
+    entry = _read_cache().get(_cache_key(threads, links, procs))
+    if entry is None:
+        return None
+    entry = dict(entry)
+    entry["latency_by_group"] = {int(g): v for g, v in entry.get("latency_by_group", {}).items()}  # JSON keys
+    return DeviceProfile(**entry)
+
+
+# The ``cpu`` profile assumed where none was measured (the start-up check, vitp.train.preflight,
+# measures nothing): 50 GFLOP/s of fp32 (and bf16) matmul per thread, about what one AVX2 core with
+# two FMA units sustains at 2.5-3 GHz (2 x 8 lanes x 2 FLOPs per cycle, less overhead); 10 GB/s of
+# memory bandwidth per process; 1 ms of dispatch per layer; gloo at 1 GB/s and 0.1 ms. Slower than
+# most machines measure (this 2-core VM: 80-170 GFLOP/s per thread), so a prediction made with it
+# errs on the long side.
+CPU_DEFAULT_FLOPS_PER_THREAD = 50e9
+
+
+def default_cpu_profile(threads: int = 1) -> DeviceProfile:
+    """The assumed ``cpu`` profile (see :data:`CPU_DEFAULT_FLOPS_PER_THREAD`) for processes of
+    ``threads`` threads, with this machine's RAM and cores (read from the OS, nothing measured)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    flops = CPU_DEFAULT_FLOPS_PER_THREAD * max(1, threads)
+    return DeviceProfile("cpu", "cpu", {"fp32": flops, "bf16": flops}, round(memory, 1), 10 * GB, 1 * GB, 1 * GB,
+                         devices_per_node=1024, efficiency=1.0, latency_s=1e-4, layer_overhead_s=1e-3,
+                         reserve_gib=0.0, cores=cores,
+                         source=f"assumed, not measured ({threads} thread(s) per process; vitp-plan --device cpu "
+                                f"measures this machine)")
+
+
+def cpu_profile(threads: int = 1, remeasure: bool = False, links: bool = True, procs: int = 2) -> DeviceProfile:
+    """The measured ``cpu`` profile, cached in ``$VITP_CACHE_DIR`` (or ``~/.cache/vitp``)
+    ``/cpu_profile.json`` per host, core count, torch version, thread and process count."""
+    cached = None if remeasure else cached_cpu_profile(threads, links, procs)
+    if cached is not None:
+        return cached
+    key, path, cache = _cache_key(threads, links, procs), _cache_path(), _read_cache()
     prof = measure_cpu_profile(threads, links, procs)
     cache[key] = prof.as_dict()
     try:

@@ -39,6 +39,7 @@ from .autolayout import apply_auto_layout  # noqa: E402
 from .checkpointer import Checkpointer  # noqa: E402
 from .ema import EMA  # noqa: E402
 from .logger import RunLogger, binned_loss, log_stages  # noqa: E402
+from .preflight import preflight  # noqa: E402
 from .rundir import hold_log_files, lock_run_dir, release_log_files  # noqa: E402
 from .stop import StopSignal  # noqa: E402
 from .telemetry import Telemetry  # noqa: E402
@@ -84,7 +85,8 @@ class Trainer:
     ``parallel.auto`` the layout against the world size of the environment (``WORLD_SIZE``), before
     any process group exists (:func:`check_config`); then the process group (with ``parallel.auto``
     the planner chooses the layout, :mod:`.autolayout`, keeping the keys named in ``overrides``,
-    and the layout is checked); the data; the run directory's lock (rank 0 owns the folder while
+    and the layout is checked); the planner's memory and step time of that layout (:mod:`.preflight`:
+    refused when it does not fit, a warning when a step is slow); the data; the run directory's lock (rank 0 owns the folder while
     the run lasts, :mod:`.rundir`: a second launch into it is refused); the resume checkpoint or
     the folder's earlier config (:class:`.checkpointer.Checkpointer`); the model with its init
     files; the engine (restoring the checkpoint). Only then does rank 0 write: the log files held
@@ -131,6 +133,7 @@ class Trainer:
             self.auto = apply_auto_layout(cfg, self.run_dir, self.device, overrides)
             _warn_without_effect(cfg)
             self.layout = validate_config(cfg, dist.world_size(), self.device.type)
+        preflight(cfg, self.device)  # the planner's memory and step time for this layout (.preflight)
         self.main = dist.is_main()  # rank 0 writes everything
         self._build_data()
         self.lock = lock_run_dir(self.run_dir)  # before reading the folder: one owner at a time

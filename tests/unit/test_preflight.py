@@ -1,0 +1,92 @@
+"""The start-up check (vitp.train.preflight): a run the planner predicts to need more memory than
+the device has is refused before anything is written; a predicted step over a minute is warned
+about once, naming the keys that fix it; the documented commands pass."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import compose_cfg
+from vitp.train import preflight as pf
+
+CPU = torch.device("cpu")
+# the issue's command: 256 px at the default model's patch 2 (16,384 tokens per sample, batch 64)
+OWN_256 = ["data=image_folder", "data.root=DIR", "data.num_classes=2"]
+KEYS = ("model.patch_size", "data.resolution", "trainer.micro_batch_size", "trainer.global_batch_size", "parallel.")
+
+
+@pytest.fixture(autouse=True)
+def assumed_cpu(monkeypatch, tmp_path):
+    """No cached CPU profile: the assumed one (fixed numbers, whatever this machine measured)."""
+    monkeypatch.setenv("VITP_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_a_run_bigger_than_the_memory_is_refused_naming_the_keys():
+    with pytest.raises(ValueError) as e:
+        pf.check_predictions(compose_cfg([*OWN_256, "parallel.auto_memory_gib=16"]), CPU, 1)
+    msg = str(e.value)
+    assert msg.startswith("predicted peak memory 71.9 GiB per rank (16384 tokens per sample (model.patch_size=2), "
+                          "micro-batch 64 x 1, layout tp=1 pp=1 dp=1) exceeds the 16.0 GiB a rank of 1 x cpu")
+    assert all(k in msg for k in KEYS) and "\n" not in msg
+    assert "e.g. model.patch_size=8 fits" in msg and "parallel.auto_memory_gib" in msg
+    with pytest.raises(ValueError, match=r"exceeds the 8\.00 GiB a rank"):  # a CPU's RAM is shared by the ranks
+        pf.check_predictions(compose_cfg([*OWN_256, "parallel.auto_memory_gib=16", "trainer.micro_batch_size=32"]),
+                             CPU, 2)
+
+
+def test_a_slow_step_is_warned_about_once_with_the_time_and_the_keys(caplog):
+    cfg = compose_cfg([*OWN_256, "parallel.auto_memory_gib=100"])  # fits: only the step time is left
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        warning = pf.preflight(cfg, CPU)
+    assert warning is not None and warning.startswith("predicted ") and " s per step (16384 tokens" in warning
+    step_s = float(warning.split()[1])
+    assert step_s > pf.STEP_WARN_S and all(k in warning for k in KEYS)
+    assert [r.getMessage() for r in caplog.records] == [warning]
+
+
+@pytest.mark.parametrize("over", [
+    [],  # the digits demo
+    ["experiment=video_demo"],
+    ["experiment=photo_buckets"],
+    ["data=image_folder", "data.root=photos", "data.num_classes=2", "data.resolution=32", "model.patch_size=4"],
+])
+def test_the_cpu_demos_and_the_documented_cpu_command_pass_silently(over, caplog):
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        assert pf.preflight(compose_cfg(over), CPU) is None
+    assert not caplog.records
+
+
+def test_buckets_are_checked_at_their_own_size_and_batch():
+    cfg = compose_cfg(["experiment=photo_buckets"])
+    from vitp.plan import layout_of
+
+    preds = pf.shape_predictions(cfg, layout_of(cfg, 1, "cpu"), pf.startup_profile(cfg, CPU, 1))
+    assert [(label, p.layout.micro) for label, _, p in preds] == [
+        ("bucket 16x24", 24), ("bucket 24x24", 16), ("bucket 24x16", 24)]
+    big = compose_cfg(["experiment=photo_buckets", "data.buckets.1.resolution=256x256", "model.patch_size=2",
+                       "parallel.auto_memory_gib=4"])
+    with pytest.raises(ValueError, match=r"\(bucket 256x256: 16384 tokens per sample"):
+        pf.check_predictions(big, CPU, 1)
+
+
+def test_the_documented_gpu_command_fits_one_h100():
+    cfg = compose_cfg(["experiment=img256", "data.root=/data/my_photos", "data.num_classes=10",
+                       "parallel.auto_device=h100"])
+    assert pf.check_predictions(cfg, torch.device("cuda"), 1) is None
+    assert pf.startup_profile(cfg, torch.device("cuda"), 1).name == "h100"
+
+
+def test_vitp_train_refuses_in_one_line_before_writing(tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", VITP_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, "-m", "vitp.train", "experiment=smoke", "parallel.auto_memory_gib=0.0001",
+                        f"hydra.run.dir={run}"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = (p.stdout + p.stderr).strip().splitlines()[-1]
+    assert "vitp-train: error: predicted peak memory" in last and "model.patch_size" in last
+    assert not run.exists() or not any(run.iterdir())
