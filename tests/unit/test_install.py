@@ -126,6 +126,8 @@ def demos() -> Dict[str, List[str]]:
             over = [a.split(",")[0] for a in argv[2:] if "=" in a and not a.startswith("-")]  # one combination
         else:
             continue
+        if any(a.startswith("--") for a in over):
+            continue  # vitp-train --resume RUN: a recorded run's config, not a demo of its own
         data = compose(over).data
         if data.root is not None and not str(data.root).startswith("skimage:"):
             continue  # a folder of the user's (docs/own-data.md's is run by tests/distributed/test_own_data.py)
