@@ -61,12 +61,12 @@ def test_failed_attempt_outputs_are_dropped(tmp_path, start, kept):
     for s in (1, 2, 3):
         (samples / f"step_{s:07d}").mkdir(parents=True)
         (samples / f"step_{s:07d}.png").write_bytes(b"png")
-    (samples / "sample_seed0.png").write_bytes(b"png")  # vitp-sample's output is not the run's history
+    (samples / "sample_step0000004_c3+7_n4_heun3_cfg2_seed0.png").write_bytes(b"png")  # vitp-sample's output is not the run's history
     drop_failed_attempt(tmp_path, start)
     for name in ("metrics.jsonl", "eval.jsonl"):
         assert [json.loads(x)["step"] for x in (tmp_path / name).read_text().splitlines()] == kept
     assert sorted(p.name for p in samples.iterdir()) == sorted(
-        ["sample_seed0.png"] + [f"step_{s:07d}{e}" for s in kept for e in ("", ".png")])
+        ["sample_step0000004_c3+7_n4_heun3_cfg2_seed0.png"] + [f"step_{s:07d}{e}" for s in kept for e in ("", ".png")])
 
 
 @pytest.mark.parametrize("env,job", [
