@@ -1,5 +1,6 @@
 """docs/own-data.md: its CPU commands, run as written (a photo folder of two classes, then
-vitp-train on it) for three steps, pass the start-up check without a warning and train."""
+vitp-train on it) for three steps, pass the start-up check without a warning and train; a
+step over the check's threshold is warned about once, before step 1, and the run goes on."""
 import json
 import logging
 import math
@@ -23,12 +24,17 @@ def cpu_commands():
     return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
 
 
-def _train_in(rank, overrides, run_dir, cwd):
-    """``vitp-train overrides`` from ``cwd`` (relative data.root); returns the losses and the
-    warnings logged while the trainer was built."""
+def _train_in(rank, overrides, run_dir, cwd, warn_over_s=None):
+    """``vitp-train overrides`` from ``cwd`` (relative data.root), with the start-up check's
+    threshold at ``warn_over_s`` if given; returns the losses and the warnings logged while the
+    trainer was built (before step 1)."""
     os.chdir(cwd)
     from vitp.config import compose
+    import vitp.train.preflight as pf
     from vitp.train import Trainer
+
+    if warn_over_s is not None:
+        pf.STEP_WARN_S = warn_over_s
 
     seen = []
 
@@ -60,3 +66,12 @@ def test_the_documented_cpu_command_trains(tmp_path):
     assert len(res["losses"]) == 3 and all(math.isfinite(v) for v in res["losses"])
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()][-1] == 3
     assert (run / "samples" / "step_0000003.png").is_file() and (run / "model_ema.safetensors").is_file()
+
+
+def test_a_slow_step_is_warned_about_before_step_1_and_the_run_goes_on(tmp_path):
+    res = run_ranks(1, _train_in, ["experiment=smoke", "trainer.max_steps=1"], str(tmp_path / "run"), str(tmp_path),
+                    0.0)[0]
+    (line,) = res["warnings"]
+    assert line.startswith("predicted ") and " s per step (" in line and "over 0 s" in line
+    assert "model.patch_size" in line and "trainer.micro_batch_size" in line
+    assert len(res["losses"]) == 1
