@@ -129,8 +129,8 @@ def check_predictions(cfg: Any, device: torch.device, world: int) -> Optional[st
     label, shaped, big = max(preds, key=lambda p: p[2].peak.total)
     if not big.fits:
         patch = _larger_patch(cfg, lay, prof, model)
-        raise ValueError(f"predicted peak memory {format_bytes(big.peak.total)} per rank ({_describe(label, shaped, big)}) "
-                         f"exceeds the {format_bytes(big.limit_bytes)} a rank of {on} has (layout planner, as "
+        raise ValueError(f"predicted peak memory {format_bytes(big.peak.total)} per rank "
+                         f"({_describe(label, shaped, big)}) exceeds the {format_bytes(big.limit_bytes)} a rank of {on} has (layout planner, as "
                          f"vitp-plan); shrink the run: {FIX_KEYS}{'; e.g. ' + patch if patch else ''}; "
                          f"parallel.auto_memory_gib=GIB sets the memory per device this check assumes")
     label, shaped, slow = max(preds, key=lambda p: p[2].time["step_s"])
