@@ -76,17 +76,21 @@ def error_chain(error: BaseException) -> str:
 # ------------------------------------------------------------------------------- a new run config
 def compose_checked(overrides: Sequence[str]) -> "DictConfig":
     """The run config ``vitp-train <overrides>`` would compose (:func:`vitp.config.compose`; ``hydra.*``
-    overrides are skipped, they set Hydra, not the run).
+    overrides are skipped, they set Hydra, not the run), checked by :func:`vitp.config.validate_config`
+    (each field's range and the cross-field rules; the layout needs the world size, checked later).
 
     Raises ``ValueError`` in one line for an unknown key (with the nearest key), a value the schema
-    refuses, or an unknown group choice (with the available ones)."""
-    from vitp.config import check_override_keys, compose
+    refuses (a wrong type, a value out of its field's range: ``trainer.micro_batch_size=0: must be an
+    integer >= 1; ...``), a cross-field rule broken, or an unknown group choice (with the available ones)."""
+    from vitp.config import check_override_keys, compose, validate_config
 
     check_override_keys(list(overrides))
     try:
-        return compose([o for o in overrides if override_key(o).split(".")[0].split("/")[0] != "hydra"])
+        cfg = compose([o for o in overrides if override_key(o).split(".")[0].split("/")[0] != "hydra"])
     except Exception as e:  # noqa: BLE001 - Hydra / OmegaConf composition errors of many types
         raise ValueError(error_chain(e)) from None
+    validate_config(cfg)
+    return cfg
 
 
 # ------------------------------------------------------------------------------- a finished run's config
