@@ -760,9 +760,10 @@ def register_configs() -> None:
     cs.store(name="vitp_schema", node=Config)
 
 
-def compose(overrides=()) -> "DictConfig":
+def compose(overrides=(), with_hydra: bool = False) -> "DictConfig":
     """The run config composed from the shipped ``conf/`` with Hydra overrides, exactly as
-    ``vitp-train <overrides>`` sees it (for scripts, notebooks and tests).
+    ``vitp-train <overrides>`` sees it (for scripts, notebooks and tests); ``with_hydra`` adds
+    Hydra's own node ``hydra`` (``hydra.run.dir``, ...), which ``hydra.*`` overrides set.
 
     Raises ``hydra.errors.ConfigCompositionException`` on unknown keys or wrong types.
     """
@@ -775,4 +776,4 @@ def compose(overrides=()) -> "DictConfig":
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(importlib.resources.files("vitp.conf")), version_base="1.3"):
-        return _compose(config_name="config", overrides=list(overrides))
+        return _compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)

@@ -341,3 +341,48 @@ def test_vitp_train_refuses_every_out_of_range_value_in_one_line(key, override, 
     head = f"vitp-train: error: {key}=" if key in FIELD_RULES else "vitp-train: error: "
     assert err.startswith(head) and key in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder this process cannot write: read-only by mode for a normal user; for root (whom
+    modes do not stop) a read-only tmpfs mounted on it, skipped where mounting is not allowed."""
+    import os
+    import subprocess
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+        yield ro
+        ro.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("root without permission to mount a read-only tmpfs")
+    try:
+        yield ro
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+@pytest.mark.parametrize("where", ["hydra.run.dir={ro}/run", "paths.output_root={ro}/outputs", "hydra.run.dir={file}/run"])
+def test_vitp_train_refuses_a_run_directory_it_cannot_make_in_one_line(where, read_only_dir, tmp_path, capsys,
+                                                                       monkeypatch):
+    """A read-only place (or a file in the way) for the run directory: one line naming the folder
+    and the keys that move the run, exit 2, before Hydra makes any folder or log file."""
+    from vitp.cli.train import main
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr("sys.argv", ["vitp-train", "experiment=smoke",
+                                     where.format(ro=read_only_dir, file=tmp_path / "file")])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("vitp-train: error: run directory ") and "hydra.run.dir=DIR" in err, err
+    import os
+
+    if "{file}" in where:
+        assert "is a file, not a folder" in err, err
+    else:
+        assert ("is on a read-only file system" if os.geteuid() == 0 else "is not writable") in err, err

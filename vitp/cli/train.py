@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 from omegaconf import DictConfig  # noqa: E402
 
 from vitp.cli import run_cli  # noqa: E402
-from vitp.cli.overrides import compose_checked, is_override  # noqa: E402
+from vitp.cli.overrides import check_run_dir, compose_checked, is_override  # noqa: E402
 from vitp.config import check_override_keys, register_configs  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.train import check_config, train  # noqa: E402
@@ -122,7 +122,8 @@ def prepare_argv(argv: list) -> list:
     ``train.log`` open on its first line (``delay=true``: a refused launch creates none,
     :func:`vitp.train.rundir.hold_log_files`); without ``hydra.run.dir`` it picks
     :func:`default_run_dir`. Raises ``ValueError`` on an unknown key, a value the schema refuses,
-    or an MPI launch across hosts without ``MASTER_ADDR``.
+    a run directory that cannot be made (:func:`vitp.cli.overrides.check_run_dir`), or an MPI
+    launch across hosts without ``MASTER_ADDR``.
     """
     argv = dist.strip_launcher_args(argv)
     if any(a in ("-m", "--multirun") for a in argv[1:]):
@@ -141,6 +142,8 @@ def prepare_argv(argv: list) -> list:
         ours.append("hydra/job_logging=stdout")
     elif not any(a.startswith(("hydra/job_logging=", "hydra.job_logging")) for a in argv):
         ours.append("++hydra.job_logging.handlers.file.delay=true")  # Hydra's default file handler
+    if not any(a in ("-m", "--multirun") for a in argv[1:]):
+        check_run_dir([a for a in ours + argv[1:] if is_override(a)])  # before Hydra makes it
     return argv[:1] + ours + argv[1:]
 
 
