@@ -214,7 +214,13 @@ def measure_cpu_profile(threads: int = 1, links: bool = True, procs: int = 2) ->
     return DeviceProfile("cpu", "cpu", peak, round(memory, 1), mem_bw, link["bw"], link["bw"], devices_per_node=1024,
                          efficiency=1.0, latency_s=link["latency_s"], latency_by_group=link["latency_by_group"],
                          layer_overhead_s=overhead, reserve_gib=0.0, cores=cores,
-                         source=f"measured here ({threads} thread(s) per process, {procs} processes)")
+                         source=_cpu_source(threads, links, procs))
+
+
+def _cpu_source(threads: int, links: bool, procs: int) -> str:
+    """How a ``cpu`` profile was measured: the process count only where links between processes
+    were (a single-process run measures none: "2 thread(s) per process", not "2 processes")."""
+    return f"measured here ({threads} thread(s) per process" + (f", links between {procs} processes)" if links else ")")
 
 
 def _cache_path() -> Path:
@@ -235,6 +241,7 @@ def cpu_profile(threads: int = 1, remeasure: bool = False, links: bool = True, p
     if key in cache and not remeasure:
         entry = dict(cache[key])
         entry["latency_by_group"] = {int(g): v for g, v in entry.get("latency_by_group", {}).items()}  # JSON keys
+        entry["source"] = _cpu_source(threads, links, procs)  # caches written before it said "2 processes" always
         return DeviceProfile(**entry)
     prof = measure_cpu_profile(threads, links, procs)
     cache[key] = prof.as_dict()
