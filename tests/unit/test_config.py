@@ -386,3 +386,32 @@ def test_vitp_train_refuses_a_run_directory_it_cannot_make_in_one_line(where, re
         assert "is a file, not a folder" in err, err
     else:
         assert ("is on a read-only file system" if os.geteuid() == 0 else "is not writable") in err, err
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.width=30", "vitp-train: error: model.width=30: must be a positive multiple of 4"),
+    ("parallel.tp=3", "vitp-train: error: parallel.tp=3 x parallel.pp=1 does not divide world_size=2"),
+])
+def test_torchrun_refusal_is_one_line_and_the_root_cause_of_torchruns_summary(override, message, tmp_path):
+    """``torchrun --nproc_per_node 2 -m vitp.train <bad value>``: rank 0 prints the line once (other
+    ranks stay quiet), before Hydra; each rank writes it to its torchelastic error file, so the
+    summary torchrun prints after its workers exit (a ``ChildFailedError`` traceback nothing in a
+    worker can follow) ends with the line as the root cause's traceback, then only its border."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this interpreter")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", NO_ALBUMENTATIONS_UPDATE="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    p = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(31500 + os.getpid() % 1000),
+                        "-m", "vitp.train", "experiment=smoke", f"hydra.run.dir={tmp_path / 'run'}", override],
+                       env=env, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode != 0 and lines[0].startswith(message), p.stderr  # rank 0's line, printed once
+    assert sum(ln.startswith("vitp-train: error:") for ln in lines) == 1, p.stderr
+    assert lines[-2] == f"  traceback : {lines[0]}" and set(lines[-1]) == {"="}, p.stderr
+    assert "To enable traceback see" not in p.stderr and not (tmp_path / "run").exists()

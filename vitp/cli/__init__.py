@@ -46,17 +46,17 @@ def exit_status(error: BaseException) -> int:
 
 def record_for_torchrun(line: str) -> bool:
     """Under ``torchrun`` (torch.distributed.elastic), write ``line`` to this worker's error file
-    (``TORCHELASTIC_ERROR_FILE``, JSON ``{"message": ..., "timestamp": ...}`` as
-    ``torch.distributed.elastic.multiprocessing.errors.ProcessFailure`` reads it), so torchrun's
-    failure summary shows it as the rank's ``traceback`` instead of "To enable traceback see ...".
-    torchrun prints that summary (a ``ChildFailedError`` traceback) after its workers exit, so it
-    stays below the line; this puts the line inside it too. True if written."""
+    (``TORCHELASTIC_ERROR_FILE``, in the JSON layout of torch's ``ErrorHandler.record_exception``
+    without a Python call stack), so torchrun's failure summary shows it as the rank's
+    ``traceback`` instead of "To enable traceback see ...". torchrun prints that summary (its own
+    ``ChildFailedError`` traceback) after the workers exit, so nothing a worker does can come after
+    it; with this, the summary's last entry, the root cause, is the line. True if written."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
     try:
         with open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
     except OSError:
         return False
     return True

@@ -122,15 +122,19 @@ def prepare_argv(argv: list) -> list:
     ``train.log`` open on its first line (``delay=true``: a refused launch creates none,
     :func:`vitp.train.rundir.hold_log_files`); without ``hydra.run.dir`` it picks
     :func:`default_run_dir`. Raises ``ValueError`` on an unknown key, a value the schema refuses,
+    a layout that does not fit the launch's world size (:func:`vitp.train.check_config`),
     a run directory that cannot be made (:func:`vitp.cli.overrides.check_run_dir`), or an MPI
     launch across hosts without ``MASTER_ADDR``.
     """
     argv = dist.strip_launcher_args(argv)
+    cfg = None
     if any(a in ("-m", "--multirun") for a in argv[1:]):
         check_override_keys(argv[1:])  # sweeps: Hydra composes each job
     else:  # an unknown key or a bad value: one line, before anything starts
-        compose_checked([a for a in argv[1:] if is_override(a)])
+        cfg = compose_checked([a for a in argv[1:] if is_override(a)])
     dist.adopt_launcher_env()  # before world_size(): an mpirun rank would otherwise train alone
+    if cfg is not None:
+        check_config(cfg)  # the layout for this launch's world size, also before Hydra starts
     ours = []  # put before the user's arguments, so Hydra flags like --cfg job / --info stay last
     if not any(a.startswith("hydra.output_subdir=") for a in argv):
         ours.append("hydra.output_subdir=null")  # train() writes .hydra/ itself, after its checks pass
