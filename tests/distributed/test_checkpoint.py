@@ -37,7 +37,17 @@ def _runs(rank, tmp):
     first = train_rank(rank, [*SINGLE, "trainer.exit_at_step=4"], f"{tmp}/resumed")
     second = train_rank(rank, SINGLE, f"{tmp}/resumed")
     fork = train_rank(rank, [*SINGLE, f"trainer.resume={tmp}/full/checkpoints/step_0000006"], f"{tmp}/fork")
+    before = _files(Path(tmp) / "full")
+    with pytest.raises(ValueError, match=r"step_0000008 is at step 8, past trainer.max_steps=4: set "
+                                         r"trainer.max_steps=8 or more to continue it, or .*\(vitp-export"):
+        train_rank(rank, [*SINGLE, "trainer.max_steps=4"], f"{tmp}/full")  # would label step-8 weights step 4
+    assert _files(Path(tmp) / "full") == before
     return full, first, second, fork
+
+
+def _files(run: Path) -> dict:
+    """Every file of a run dir (bar its lock) and its bytes."""
+    return {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".vitp.lock"}
 
 
 def test_resume_is_exact_single_process(tmp_path):

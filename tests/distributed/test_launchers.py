@@ -96,6 +96,7 @@ def test_signal_to_the_process_group_saves_and_exits_0(tmp_path):
         code = _stop_with(sig, args, run, log, busy)
         out = log.read_text()
         assert code == 0 and f"stopped by {sig.name}" in out and "killed by signal" not in out, out[-3000:]
+        assert f"To continue: vitp-train --resume {run}\n" in out
         tag = find_checkpoint("auto", run / "checkpoints")
         stops.append(verify_checkpoint(tag)["step"])
         assert tag.name == f"step_{stops[-1]:07d}" and _rows(run)[-1]["step"] == stops[-1]
@@ -104,7 +105,7 @@ def test_signal_to_the_process_group_saves_and_exits_0(tmp_path):
     assert f"resumed from {run / 'checkpoints' / f'step_{stops[0]:07d}'}" in (tmp_path / "SIGINT.log").read_text()
     assert "seed: 0" in (run / ".hydra" / "config.yaml").read_text()  # the refused command wrote nothing
     sample([str(run), "--num", "1", "sampler.steps=1"])
-    assert (run / "samples" / "sample_seed0.png").is_file()
+    assert (run / "samples" / f"sample_step{stops[1]:07d}_c0..9_n1_heun1_cfg1.5_seed0.png").is_file()
     p = subprocess.run([sys.executable, "-m", "vitp.train", *args[:-1], f"trainer.max_steps={stops[1] + 2}",
                         f"hydra.run.dir={run}"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]

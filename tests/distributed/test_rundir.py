@@ -2,9 +2,11 @@
 in test_launchers.py, against a live run); a refused launch writes nothing into the run dir."""
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,7 +80,7 @@ def test_list_resolution_trains_and_a_refused_launch_writes_nothing(tmp_path):
     run = tmp_path / "run"
     code, out = _vitp_train([*TINY, "data.resolution=[47,32]"], run)
     assert code == 2 and "resolution 47x32 (data.resolution) is not divisible by model.patch_size=2" in out, out
-    assert list(run.iterdir()) == []  # the folder Hydra made, empty
+    assert not run.exists()  # refused before Hydra makes the folder
     code, out = _vitp_train([*TINY, "data.resolution=[48,32]"], run)
     assert code == 0, out[-3000:]
     assert OmegaConf.load(run / ".hydra" / "config.yaml").model.image_size == [48, 32]
@@ -111,3 +113,32 @@ def test_a_bad_layout_is_refused_before_any_process_group(tmp_path):
     code, out = _vitp_train([*TINY, "parallel.tp=3"], run, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1",
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     assert code == 2 and "parallel.tp=3 x parallel.pp=1 does not divide world_size=2" in out, out[-3000:]
+
+
+def _command(argv, cwd):
+    """``argv`` as a user types it (``vitp-train ...``: the console script next to this Python), in
+    ``cwd`` without a launcher's variables (so the default run dir is ``outputs/<date>/<time>``)."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
+            "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "TORCHELASTIC_RUN_ID", "TRAINING_JOB_NAME")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    p = subprocess.run([str(Path(sys.executable).parent / argv[0]), *argv[1:]], cwd=cwd, capture_output=True,
+                       text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_a_stopped_default_dir_run_resumes_with_the_command_it_prints(tmp_path):
+    """The default run dir is new at every launch, so "the same command" started over; the stop
+    line ends with the command that continues the stopped folder, and that command does."""
+    code, out = _command(["vitp-train", "experiment=smoke", "trainer.max_steps=3", "trainer.exit_at_step=2"], tmp_path)
+    assert code == 0, out[-3000:]
+    (run,) = (tmp_path / "outputs").glob("*/*")
+    last = (run / "train.log").read_text().splitlines()[-1]
+    assert "stopped by trainer.exit_at_step after step 2;" in last and last.split("] - ", 1)[-1] in out
+    command = shlex.split(last.split("To continue: ", 1)[1])
+    assert command == ["vitp-train", "--resume", str(run)]
+    code, out = _command(command, tmp_path)
+    assert code == 0, out[-3000:]
+    assert list((tmp_path / "outputs").glob("*/*")) == [run]  # no new folder
+    assert f"resumed from {run}/checkpoints/step_0000002 (step 2 of 3)" in out
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000003"

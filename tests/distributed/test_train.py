@@ -158,7 +158,7 @@ def test_sample_and_eval_clis(tmp_path, capsys):
     assert p.returncode == 0, p.stderr[-3000:]
     from PIL import Image
 
-    img = Image.open(run / "samples" / "sample_seed0.png")
+    img = Image.open(run / "samples" / "sample_step0000004_c3+7_n4_heun3_cfg2_seed0.png")  # named by its settings
     assert img.size == (4 * 64 + 5 * 2, 2 * 64 + 3 * 2)  # 2 rows x 4 columns of 64 px tiles
     from vitp.cli.eval import main as eval_main
     from vitp.cli.sample import main as sample_main

@@ -42,6 +42,14 @@ def test_vitp_sample_writes_videos(video_run, tmp_path):
     run, _ = video_run
     sample([str(run), "--classes", "1", "--num", "2", "sampler.steps=2", "--out", str(tmp_path / "vids")])
     assert sorted(p.name for p in (tmp_path / "vids").iterdir()) == ["class1_seed0.gif", "class1_seed1.gif", "grid.gif"]
+    with pytest.raises(ValueError, match=r"vids holds 3 sample videos; choose another --out, or pass --force"):
+        sample([str(run), "--classes", "0", "--num", "1", "sampler.steps=2", "--out", str(tmp_path / "vids")])
+    sample([str(run), "--classes", "0", "--num", "1", "sampler.steps=2", "--out", str(tmp_path / "vids"), "--force"])
+    assert sorted(p.name for p in (tmp_path / "vids").iterdir()) == ["class0_seed0.gif", "grid.gif"]  # one call's
+    for classes in (["1"], ["0"]):  # the default folders are named by what made them: no mixing
+        sample([str(run), "--classes", *classes, "--num", "1", "sampler.steps=2"])
+    assert sorted(p.name for p in (run / "samples").glob("sample_*")) == [
+        f"sample_step0000003_c{c}_n1_heun2_cfg1.5_seed0_fps8" for c in (0, 1)]
     w = export([str(run), "-o", str(tmp_path / "w.safetensors")])
     sample([str(w), "--num", "1", "sampler.steps=2", "--out", str(tmp_path / "grid.mp4"), "sampler.fps=4"])
     grid = read_video_frames(tmp_path / "grid.mp4")

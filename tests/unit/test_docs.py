@@ -123,9 +123,13 @@ def sweep_combos(overrides: List[str]) -> List[List[str]]:
 
 def check_overrides(overrides: List[str], world: Optional[int] = None, sweep: bool = False) -> None:
     """Compose and validate ``overrides`` (with ``sweep``: every combination of its axes) as
-    ``vitp-train`` would; with ``world`` also the layout (skipped under ``parallel=auto``)."""
+    ``vitp-train`` would; with ``world`` also the layout (skipped under ``parallel=auto``).
+    ``vitp-train``'s ``--resume RUN_DIR`` is taken out (the documented folder does not exist here;
+    its overrides are checked against the default config)."""
+    from vitp.cli.train import split_resume
     from vitp.config import check_override_keys, compose, validate_config
 
+    _, overrides = split_resume(list(overrides))
     for combo in sweep_combos(overrides) if sweep else [overrides]:
         check_override_keys(combo)
         cfg = compose(combo)

@@ -109,6 +109,36 @@ def test_vitp_sample_overrides_and_the_deprecated_flags_give_the_same_grid(tmp_p
     assert a.read_bytes() == (tmp_path / "size.png").read_bytes()
 
 
+def test_vitp_sample_names_outputs_by_their_settings_and_overwrites_only_with_force(tmp_path, capsys):
+    """Two different calls never write the same file; the same call again is refused in one line
+    before sampling (the file kept), and replaces it with --force."""
+    import shutil
+
+    from vitp.cli.sample import main
+
+    weights = tmp_path / "w.safetensors"
+    shutil.copy(PERTURBED, weights)
+    main([str(weights), "--classes", "3", "7", "--num", "2", "sampler.steps=1"])
+    main([str(weights), "--classes", "6", "--num", "2", "sampler.steps=1"])
+    main([str(weights), "--classes", "0", "1", "2", "--num", "1", "sampler.steps=1", "sampler.seed=1",
+          "sampler.cfg_interval=[0.1,1]", "data.resolution=10x6"])
+    first = tmp_path / "samples" / "sample_w_raw_step0000000_c3+7_n2_heun1_cfg1.5_seed0.png"
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == sorted([
+        first.name, "sample_w_raw_step0000000_c6_n2_heun1_cfg1.5_seed0.png",
+        "sample_w_raw_step0000000_c0..2_n1_heun1_cfg1.5_ci0.1-1_seed1_10x6.png"])
+    capsys.readouterr()
+    first.write_bytes(b"an earlier grid")
+    with pytest.raises(SystemExit) as e:
+        main([str(weights), "--classes", "3", "7", "--num", "2", "sampler.steps=1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"vitp-sample: error: {first} exists; choose another --out, or pass --force " \
+                                        f"to replace it\n"
+    assert first.read_bytes() == b"an earlier grid"
+    main([str(weights), "--classes", "3", "7", "--num", "2", "sampler.steps=1", "--force"])
+    assert first.read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir() if p.name.startswith(".")) == []  # no temp file
+
+
 @pytest.mark.parametrize("args, message", [
     (["model.depth=3"], "model.depth: vitp-sample can change sampler.*, model.image_size, model.num_frames, "
                         "data.resolution, data.num_frames, trainer.device"),

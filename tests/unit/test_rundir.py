@@ -61,12 +61,12 @@ def test_failed_attempt_outputs_are_dropped(tmp_path, start, kept):
     for s in (1, 2, 3):
         (samples / f"step_{s:07d}").mkdir(parents=True)
         (samples / f"step_{s:07d}.png").write_bytes(b"png")
-    (samples / "sample_seed0.png").write_bytes(b"png")  # vitp-sample's output is not the run's history
+    (samples / "sample_step0000004_c3+7_n4_heun3_cfg2_seed0.png").write_bytes(b"png")  # vitp-sample's output is not the run's history
     drop_failed_attempt(tmp_path, start)
     for name in ("metrics.jsonl", "eval.jsonl"):
         assert [json.loads(x)["step"] for x in (tmp_path / name).read_text().splitlines()] == kept
     assert sorted(p.name for p in samples.iterdir()) == sorted(
-        ["sample_seed0.png"] + [f"step_{s:07d}{e}" for s in kept for e in ("", ".png")])
+        ["sample_step0000004_c3+7_n4_heun3_cfg2_seed0.png"] + [f"step_{s:07d}{e}" for s in kept for e in ("", ".png")])
 
 
 @pytest.mark.parametrize("env,job", [
@@ -138,3 +138,39 @@ def test_held_log_lines_are_dropped_for_a_refused_launch_and_written_with_their_
             root.removeHandler(h)
             h.close()
         root.level = level
+
+
+def test_resume_command_names_the_folder_and_the_launcher(tmp_path):
+    """What a stopped run prints to continue: one process, one node of torchrun, another launcher."""
+    from vitp.train.rundir import resume_command
+
+    run = tmp_path / "a b"
+    assert resume_command(run, {}) == f"vitp-train --resume '{run}'"
+    assert resume_command(run, {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}) == \
+        f"torchrun --nproc_per_node 2 -m vitp.train --resume '{run}'"
+    assert "-m vitp.train --resume" in resume_command(run, {"WORLD_SIZE": "4", "OMPI_COMM_WORLD_SIZE": "4"})
+
+
+def test_resume_config_is_the_recorded_one_with_the_overrides(tmp_path):
+    """``vitp-train --resume RUN_DIR [key=value ...]``: the run's recorded config, resume=auto, the
+    overrides set; what it cannot do is refused in one line."""
+    from omegaconf import OmegaConf
+
+    from vitp.cli.train import resume_config, split_resume
+
+    assert split_resume(["a=1", "--resume", "R", "b=2"]) == ("R", ["a=1", "b=2"])
+    assert split_resume(["--resume=R"]) == ("R", [])
+    with pytest.raises(ValueError, match="--resume needs the run directory"):
+        split_resume(["--resume", "trainer.max_steps=3"])
+    with pytest.raises(FileNotFoundError, match="not a folder vitp-train wrote"):
+        resume_config(tmp_path, [])
+    (tmp_path / ".hydra").mkdir()
+    recorded = compose_cfg(["experiment=smoke", "model.depth=3", "trainer.resume=never"])
+    OmegaConf.save(recorded, tmp_path / ".hydra" / "config.yaml")
+    cfg = resume_config(tmp_path, ["trainer.max_steps=9"])
+    assert cfg.model.depth == 3 and cfg.trainer.max_steps == 9 and cfg.trainer.resume == "auto"
+    for bad, message in (("experiment=smoke", "experiment= picks a config file"),
+                         ("trainer.resume=never", "continues that folder from its latest checkpoint"),
+                         ("trainer.max_step=3", "did you mean trainer.max_steps?")):
+        with pytest.raises(ValueError, match=message):
+            resume_config(tmp_path, [bad])

@@ -166,6 +166,10 @@ def find_checkpoint(resume: str, ckpt_dir: Path) -> Optional[Path]:
         if (folder / META).is_file() or folder.name.endswith(".partial"):
             return folder
         latest = folder / LATEST
+        if not latest.is_file() and (folder / ".hydra" / "config.yaml").is_file():
+            raise FileNotFoundError(f"trainer.resume={resume} is a run directory: continue it in that folder with "
+                                    f"vitp-train --resume {resume}, or start a new run dir from its latest "
+                                    f"checkpoint with trainer.resume={folder / 'checkpoints'}")
         if not latest.is_file():
             raise FileNotFoundError(f"trainer.resume={resume}: neither a checkpoint tag folder ({META}) nor a "
                                     f"checkpoints folder with a '{LATEST}' file")

@@ -1,14 +1,18 @@
 """``vitp-sample``: class-conditional samples from a run directory or a weights file, one process, any device.
 
-``vitp-sample SOURCE [--classes C ...] [--num N] [--out FILE|DIR] [--format gif|mp4] [key=value ...]``;
+``vitp-sample SOURCE [--classes C ...] [--num N] [--out FILE|DIR] [--format gif|mp4] [--force] [key=value ...]``;
 the overrides (Hydra's grammar, checked by the schema: :mod:`vitp.cli.overrides`) change the run's
 sampler, size and device (:data:`SAMPLE_KEYS`). Images: one PNG grid (a row per class). Video: one
-GIF (or MP4) per class and seed plus a grid video.
+GIF (or MP4) per class and seed plus a grid video. By default the output is named by what made it
+(:func:`output_name`), so two different calls never write the same file; an existing output is
+refused without ``--force`` (as ``vitp-export`` does) and every file is written atomically.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
@@ -20,10 +24,11 @@ from vitp.checkpoint import generator_from_state, read_export, resolve_weights
 from vitp.checkpoint.export import file_partial_sync
 from vitp.cli import run_cli
 from vitp.cli.overrides import apply_overrides, override_key, typed_config
-from vitp.config import validate_config
+from vitp.config import parse_resolution, validate_config
 from vitp.eval import class_grid_labels, generate
 from vitp.media import to_grid
 from vitp.parallel.distributed import resolve_device
+from vitp.utils import atomic_write
 
 
 # what vitp-sample may change: the sampler, the size it samples at, and where it runs
@@ -33,7 +38,9 @@ SAMPLE_KEYS = ("sampler.", "model.image_size", "model.num_frames", "data.resolut
 OLD_FLAGS = {"seed": "sampler.seed", "method": "sampler.method", "steps": "sampler.steps",
              "cfg_scale": "sampler.cfg_scale", "cfg_interval": "sampler.cfg_interval", "device": "trainer.device",
              "fps": "sampler.fps", "resolution": "model.image_size", "frames": "model.num_frames"}
-USAGE = ("vitp-sample SOURCE [--classes C ...] [--num N] [--out FILE|DIR] [--format gif|mp4] [key=value ...]")
+USAGE = ("vitp-sample SOURCE [--classes C ...] [--num N] [--out FILE|DIR] [--format gif|mp4] [--force] "
+         "[key=value ...]")
+_VIDEO_FILE = re.compile(r"^(class\d+(_[A-Za-z0-9.-]+)?_seed\d+|grid)\.(gif|mp4)$")  # what write_video_samples writes
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -52,10 +59,12 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, Li
     p.add_argument("--num", type=int, default=None, help="samples per class (default: the run's "
                                                          "sampler.samples_per_class)")
     p.add_argument("--out", type=Path, default=None,
-                   help="images: output PNG (default: SOURCE_DIR/samples/sample_seed<S>.png); video: a folder for "
-                        "one file per class and seed + grid (default: SOURCE_DIR/samples/sample_seed<S>/), or a "
+                   help="images: output PNG (default: SOURCE_DIR/samples/sample_<settings>.png); video: a folder for "
+                        "one file per class and seed + grid (default: SOURCE_DIR/samples/sample_<settings>/), or a "
                         ".gif/.mp4 file for the grid alone")
     p.add_argument("--format", choices=["gif", "mp4"], default=None, help="video file format (default gif)")
+    p.add_argument("--force", action="store_true", help="replace an existing output (a video folder: the files an "
+                                                        "earlier vitp-sample wrote there)")
     p.add_argument("overrides", nargs="*", default=[],
                    help="Hydra-style key=value: sampler.* (steps, method, cfg_scale, cfg_interval, seed, fps), "
                         "model.image_size=HxW, model.num_frames=T, trainer.device=auto|cpu|cuda")
@@ -80,8 +89,8 @@ def _bad_class(text: str) -> int:
     raise ValueError(f"--classes {text}: class labels are integers, e.g. --classes 0 3 7")
 
 
-def sample_config(path: Path, overrides: List[str], num: Optional[int] = None) -> Tuple[Any, Any]:
-    """``(generator, config)`` of the weights file ``path``: its run config with the ``overrides``
+def sample_config(path: Path, overrides: List[str], num: Optional[int] = None) -> Tuple[Any, Any, dict]:
+    """``(generator, config, file metadata)`` of the weights file ``path``: its run config with the ``overrides``
     (keys :data:`SAMPLE_KEYS`; ``data.resolution`` / ``data.num_frames`` also set the model's size,
     as in training; ``trainer.device`` defaults to ``auto``, not the run's), validated.
 
@@ -105,54 +114,118 @@ def sample_config(path: Path, overrides: List[str], num: Optional[int] = None) -
         raise ValueError(f"model.num_frames={frames}: use a positive number of frames")
     validate_config(cfg)
     gen = generator_from_state(saved.model, state, resolve_device(cfg.trainer.device), file_partial_sync(meta))
-    return gen, cfg
+    return gen, cfg, meta
+
+
+def _classes_token(classes: List[int]) -> str:
+    """``c3+7`` for classes 3 and 7 (in row order), runs as ``c0..9``; a long list as its count and hash."""
+    runs: List[List[int]] = []
+    for c in classes:
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    text = "c" + "+".join(f"{r[0]}..{r[-1]}" if len(r) > 2 else "+".join(map(str, r)) for r in runs)
+    if len(text) <= 40:
+        return text
+    return f"c{len(classes)}cls-{hashlib.sha1(','.join(map(str, classes)).encode()).hexdigest()[:8]}"
+
+
+def output_name(cfg: Any, meta: dict, classes: List[int], per: int, fmt: Optional[str], source: Path,
+                step: Optional[int] = None) -> str:
+    """The default output name (no suffix) from everything that decides the samples: the weights
+    (a file's stem unless it is a run's ``model_ema.safetensors``, ``raw`` weights, the training step:
+    ``step``, else the file's),
+    the classes in row order, samples per class, the sampler (method, steps, CFG scale and interval,
+    seed), a size other than the trained one, and for video the fps and ``mp4``. E.g.
+    ``sample_step0000300_c3+7_n8_heun20_cfg1_seed0``."""
+    sp, trained = cfg.sampler, json.loads(meta["vitp_config"])["model"]
+    words = ["sample"]
+    if source.is_file() and source.name != "model_ema.safetensors":
+        words.append(re.sub(r"[^A-Za-z0-9.-]+", "-", source.stem).strip("-.")[:40] or "weights")
+    if meta.get("weights") == "raw":
+        words.append("raw")
+    step = int(meta.get("step", -1)) if step is None else step
+    if step >= 0:
+        words.append(f"step{step:07d}")
+    method = getattr(sp.method, "name", sp.method)  # the schema's enum
+    words += [_classes_token(classes), f"n{per}", f"{method}{sp.steps}", f"cfg{sp.cfg_scale:g}"]
+    if list(sp.cfg_interval) != [0.0, 1.0]:
+        words.append("ci{:g}-{:g}".format(*sp.cfg_interval))
+    words.append(f"seed{sp.seed}")
+    size, trained_size = (list(parse_resolution(m["image_size"])) + ([m["num_frames"]] if m["num_frames"] > 1 else [])
+                          for m in (cfg.model, trained))
+    if size != trained_size:
+        words.append("x".join(map(str, size)))
+    if cfg.model.num_frames > 1:
+        words += [f"fps{sp.fps:g}"] + (["mp4"] if fmt == "mp4" else [])
+    return "_".join(words)
+
+
+def _check_free(out: Path, folder: bool, force: bool) -> None:
+    """Refuse (``ValueError``) to overwrite ``out`` (a file, or with ``folder`` the video files an
+    earlier call wrote into that folder) without ``force``; with it, remove those earlier video files
+    so the folder holds one call's samples."""
+    old = sorted(p for p in out.iterdir() if _VIDEO_FILE.match(p.name)) if folder and out.is_dir() else []
+    if folder and out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; a video model writes a folder there (or give a .gif / .mp4 name)")
+    if not force and (old or (not folder and out.exists())):
+        what = f"{out} holds {len(old)} sample videos" if folder else f"{out} exists"
+        raise ValueError(f"{what}; choose another --out, or pass --force to replace {'them' if folder else 'it'}")
+    for p in old:
+        p.unlink()
 
 
 def run(argv: Optional[List[str]] = None) -> None:
     """Write a PNG grid (one row per requested class), or videos for a video model.
 
-    ``vitp-sample SOURCE [--classes C ...] [--num N] [--out FILE|DIR] [--format gif|mp4] [key=value ...]``
-    with Hydra-style overrides of the run's ``sampler.*`` (``sampler.steps=20``,
+    ``vitp-sample SOURCE [--classes C ...] [--num N] [--out FILE|DIR] [--format gif|mp4] [--force]
+    [key=value ...]`` with Hydra-style overrides of the run's ``sampler.*`` (``sampler.steps=20``,
     ``sampler.cfg_scale=2.0``, ``sampler.cfg_interval=[0.1,1]``, ``sampler.seed=0``,
     ``sampler.fps=8``), ``model.image_size=HxW`` / ``model.num_frames=T`` (sample at another size
     than the run's: any bucket, or any size whose sides divide by the patch size; sin-cos positions
     follow the grid) and ``trainer.device=auto|cpu|cuda`` (default ``auto``). The flags
     ``--seed --method --steps --cfg-scale --cfg-interval --device --fps --resolution --frames`` of
-    earlier versions still work, with a note naming the override.
+    earlier versions still work, with a note naming the override. The default output,
+    ``samples/<output_name>.png`` (video: a folder of that name) next to the weights, is named by
+    :func:`output_name`. Raises ``ValueError`` before sampling for an output that exists (without
+    ``--force``), a bad ``--out`` / ``--format`` or class, ``FileNotFoundError`` for a missing source.
     """
     a, overrides = parse_args(argv)
-    path, _, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
-    gen, cfg = sample_config(path, overrides, a.num)
-    n_cls, seed = cfg.model.num_classes, cfg.sampler.seed
+    path, step, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
+    gen, cfg, meta = sample_config(path, overrides, a.num)
+    n_cls = cfg.model.num_classes
     classes = a.classes if a.classes else list(range(n_cls))
     bad = [c for c in classes if not 0 <= c <= n_cls]
     if bad:
         raise ValueError(f"classes {bad} out of range; valid 0..{n_cls - 1} (and {n_cls} = unconditional)")
     per = cfg.sampler.samples_per_class
-    labels = torch.tensor(classes)[class_grid_labels(len(classes), per)]
     video = cfg.model.num_frames > 1
     _check_out(a.out, a.format, video)
-    x = generate(gen, cfg, labels, seed)
+    name = output_name(cfg, meta, classes, per, a.format, path, step)
+    out = a.out or base / "samples" / (name if video else name + ".png")
+    grid_file = not video or (a.out is not None and bool(a.out.suffix))  # else a folder (names hold dots: cfg1.5)
+    _check_free(out, folder=not grid_file, force=a.force)  # before sampling: refused at once
+    labels = torch.tensor(classes)[class_grid_labels(len(classes), per)]
+    x = generate(gen, cfg, labels, cfg.sampler.seed)
     how = f"{cfg.sampler.method} {cfg.sampler.steps} steps, CFG {cfg.sampler.cfg_scale}"
     if video:
         from vitp.media import video_grid, write_gif, write_mp4, write_video_samples
 
         fps = cfg.sampler.fps
-        if a.out is not None and a.out.suffix:
+        if grid_file:  # each writer replaces its file atomically
             grid = (video_grid(x, nrow=per) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-            (write_gif if a.out.suffix.lower() == ".gif" else write_mp4)(a.out, grid, fps=fps)
-            print(f"wrote {a.out} ({len(classes)} classes x {per} samples, {x.shape[2]} frames, {how})")
+            (write_gif if out.suffix.lower() == ".gif" else write_mp4)(out, grid, fps=fps)
+            print(f"wrote {out} ({len(classes)} classes x {per} samples, {x.shape[2]} frames, {how})")
         else:
-            out = a.out or base / "samples" / f"sample_seed{seed}"
             paths = write_video_samples(x, labels, out, fps=fps, fmt=a.format or "gif")
             print(f"wrote {len(paths)} videos to {out} ({len(classes)} classes x {per} samples + {paths[-1].name}, "
                   f"{x.shape[2]} frames, {how})")
         return
-    out = a.out or base / "samples" / f"sample_seed{seed}.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
     from torchvision.utils import save_image
 
-    save_image(to_grid(x, nrow=per), str(out))
+    with atomic_write(out) as tmp:
+        save_image(to_grid(x, nrow=per), str(tmp))
     print(f"wrote {out} ({len(classes)} classes x {per} samples, {how})")
 
 

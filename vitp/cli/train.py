@@ -1,6 +1,7 @@
 """``vitp-train``: Hydra config -> :func:`vitp.train.train`, under any launcher.
 
-``vitp-train [overrides]`` (one process), ``torchrun --nproc_per_node N -m vitp.train [overrides]``,
+``vitp-train [overrides]`` (one process), ``vitp-train --resume RUN_DIR [overrides]`` (continue a
+stopped run in its folder with its recorded config, :func:`resume_config`), ``torchrun --nproc_per_node N -m vitp.train [overrides]``,
 ``deepspeed --num_gpus N --module vitp.train [overrides]`` (its ``--local_rank`` is stripped),
 ``mpirun -np N python -m vitp.train [overrides]`` / ``srun`` (ranks from the launcher's variables,
 :func:`vitp.parallel.distributed.launcher_env`), or SageMaker (:mod:`vitp.cli.sagemaker`). Every
@@ -15,7 +16,8 @@ import logging
 import os
 import re
 import sys
-from typing import Mapping, Optional
+from pathlib import Path
+from typing import List, Mapping, Optional, Tuple
 
 import torch
 
@@ -26,7 +28,8 @@ if not torch.cuda.is_available():
 from omegaconf import DictConfig  # noqa: E402
 
 from vitp.cli import run_cli  # noqa: E402
-from vitp.cli.overrides import check_run_dir, compose_checked, is_override  # noqa: E402
+from vitp.cli.overrides import (  # noqa: E402
+    apply_overrides, check_run_dir, compose_checked, hydra_override, is_override, override_key, typed_config)
 from vitp.config import check_override_keys, register_configs  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.train import check_config, train  # noqa: E402
@@ -77,10 +80,72 @@ def _shared_run_dir(mine: str) -> str:
     return chosen
 
 
+_resume_dir: Optional[Path] = None  # the RUN_DIR of vitp-train --resume RUN_DIR (set by prepare_argv)
+
+
+def split_resume(args: List[str]) -> Tuple[Optional[str], List[str]]:
+    """``(RUN_DIR, the other arguments)`` of ``--resume RUN_DIR`` / ``--resume=RUN_DIR`` in ``args``
+    (``RUN_DIR`` ``None`` without the flag). Raises ``ValueError`` for a ``--resume`` without a
+    folder or given twice."""
+    found, rest, i = [], [], 0
+    while i < len(args):
+        if args[i] == "--resume":
+            if i + 1 == len(args) or args[i + 1].startswith("-") or is_override(args[i + 1]):
+                raise ValueError("--resume needs the run directory to continue: vitp-train --resume RUN_DIR")
+            found.append(args[i + 1])
+            i += 2
+            continue
+        if args[i].startswith("--resume="):
+            found.append(args[i].split("=", 1)[1])
+        else:
+            rest.append(args[i])
+        i += 1
+    if len(found) > 1:
+        raise ValueError(f"--resume given {len(found)} times ({', '.join(found)}); continue one run at a time")
+    return (found[0] if found else None), rest
+
+
+def resume_config(run_dir: Path, overrides: List[str]) -> DictConfig:
+    """The config that continues the run in ``run_dir`` (``vitp-train --resume RUN_DIR``): the
+    run's recorded ``.hydra/config.yaml`` on the typed schema, ``trainer.resume=auto`` (the run
+    dir's latest checkpoint; a run forked from another checkpoint that has none of its own yet
+    keeps its recorded path), and the ``key=value`` ``overrides`` set on it, e.g.
+    ``trainer.max_steps=2000`` to train longer.
+
+    Raises ``FileNotFoundError`` when ``run_dir`` holds no recorded config; ``ValueError`` (one
+    line) for a group choice (``experiment=...``: the run's config is already composed), a
+    ``hydra.*`` key, ``trainer.resume``, an unknown key or a bad value."""
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / ".hydra" / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume {run_dir}: no {path}, so not a folder vitp-train wrote; give the run dir a "
+                                f"stopped run printed (its 'run dir' log line)")
+    for o in overrides:
+        if override_key(o) in ("trainer.resume", "hydra.run.dir"):
+            raise ValueError(f"{o}: --resume {run_dir} continues that folder from its latest checkpoint; drop "
+                             f"{override_key(o)}, or leave out --resume to start a new run dir from a checkpoint")
+    cfg = typed_config(OmegaConf.load(path))
+    if (Path(run_dir) / "checkpoints" / "latest").is_file() or cfg.trainer.resume == "never":
+        cfg.trainer.resume = "auto"
+    return apply_overrides(cfg, overrides, "vitp-train --resume")
+
+
+def _recorded_overrides(run_dir: Path) -> List[str]:
+    """The overrides the run in ``run_dir`` was composed with (``.hydra/overrides.yaml``), if recorded."""
+    from omegaconf import OmegaConf
+
+    path = run_dir / ".hydra" / "overrides.yaml"
+    return [str(o) for o in OmegaConf.load(path)] if path.is_file() else []
+
+
 def _train(cfg: DictConfig, run_dir: str, overrides: list) -> dict:
     """:func:`vitp.train.train` under any launcher: with several processes, the config and layout
     are checked (:func:`vitp.train.check_config`) before the process group starts, and every rank
-    then uses rank 0's run directory."""
+    then uses rank 0's run directory. With ``--resume RUN_DIR`` the config is the run's recorded
+    one with ``overrides`` set (:func:`resume_config`)."""
+    if _resume_dir is not None:
+        cfg, overrides = resume_config(_resume_dir, overrides), _recorded_overrides(_resume_dir) + list(overrides)
     if dist.world_size() > 1:
         check_config(cfg)  # on every rank alike, before any process group exists
         dist.init_distributed(dist.resolve_device(cfg.trainer.device))
@@ -117,28 +182,39 @@ def prepare_argv(argv: list) -> list:
     """Launcher-independent argv for Hydra; starts no process group (``vitp-train`` starts it
     after the config and layout checks, :func:`_train`).
 
-    Strips ``--local_rank``, refuses unknown keys and takes the ranks of an MPI or srun launch
-    from its variables; keeps non-zero ranks from writing log files and makes rank 0's
+    Strips ``--local_rank``; with ``--resume RUN_DIR`` checks the overrides against that run's
+    recorded config (:func:`resume_config`) and sets ``hydra.run.dir=RUN_DIR``; refuses unknown
+    keys and takes the ranks of an MPI or srun launch from its variables; keeps non-zero ranks from writing log files and makes rank 0's
     ``train.log`` open on its first line (``delay=true``: a refused launch creates none,
     :func:`vitp.train.rundir.hold_log_files`); without ``hydra.run.dir`` it picks
     :func:`default_run_dir`. Raises ``ValueError`` on an unknown key, a value the schema refuses,
-    a layout that does not fit the launch's world size (:func:`vitp.train.check_config`),
-    a run directory that cannot be made (:func:`vitp.cli.overrides.check_run_dir`), or an MPI
-    launch across hosts without ``MASTER_ADDR``.
+    a layout that does not fit the launch's world size (:func:`vitp.train.check_config`), a run
+    directory that cannot be made (:func:`vitp.cli.overrides.check_run_dir`), a bad ``--resume``,
+    or an MPI launch across hosts without ``MASTER_ADDR``; ``FileNotFoundError`` for a ``--resume``
+    folder without a recorded config.
     """
+    global _resume_dir
     argv = dist.strip_launcher_args(argv)
-    cfg = None
-    if any(a in ("-m", "--multirun") for a in argv[1:]):
-        check_override_keys(argv[1:])  # sweeps: Hydra composes each job
+    resume, args = split_resume(argv[1:])
+    argv, _resume_dir, cfg = argv[:1] + args, None, None
+    if resume is not None:  # the run's recorded config with the overrides: checked here, used by _train
+        if any(a in ("-m", "--multirun") for a in args):
+            raise ValueError(f"--resume {resume} continues one run; it does not sweep (drop -m)")
+        cfg = resume_config(Path(resume), [a for a in args if is_override(a)])
+        _resume_dir = Path(resume).resolve()
+    elif any(a in ("-m", "--multirun") for a in args):
+        check_override_keys(args)  # sweeps: Hydra composes each job
     else:  # an unknown key or a bad value: one line, before anything starts
-        cfg = compose_checked([a for a in argv[1:] if is_override(a)])
+        cfg = compose_checked([a for a in args if is_override(a)])
     dist.adopt_launcher_env()  # before world_size(): an mpirun rank would otherwise train alone
     if cfg is not None:
         check_config(cfg)  # the layout for this launch's world size, also before Hydra starts
     ours = []  # put before the user's arguments, so Hydra flags like --cfg job / --info stay last
     if not any(a.startswith("hydra.output_subdir=") for a in argv):
         ours.append("hydra.output_subdir=null")  # train() writes .hydra/ itself, after its checks pass
-    if not any(a.startswith("hydra.run.dir=") for a in argv):
+    if _resume_dir is not None:
+        ours.append(hydra_override("hydra.run.dir", str(_resume_dir)))
+    elif not any(a.startswith("hydra.run.dir=") for a in argv):
         run_dir = default_run_dir()
         if run_dir:
             ours.append(f"hydra.run.dir={run_dir}")

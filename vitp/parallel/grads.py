@@ -13,6 +13,11 @@ sequence-parallel layer-norm gradients once per step): a replicated parameter th
 this rank's tokens (sequence parallelism) or heads (q/k norm) gets a partial gradient; summing
 it over the TP group once after the last micro-batch's backward, in one flat all-reduce, replaces
 one all-reduce per parameter and micro-batch (sums commute with accumulation).
+
+Both read only the marks the model's parallel plan puts on parameters (``tensor_model_parallel``
+from its sharding styles, the deferred group from its partial-gradient ones), and
+:func:`vitp.parallel.apply_plan` checks that those marks are exactly the roles its rows declare
+(:meth:`vitp.parallel.PlanReport.sharded`, :meth:`~vitp.parallel.PlanReport.partial_grad`).
 """
 from __future__ import annotations
 

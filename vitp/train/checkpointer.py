@@ -31,9 +31,10 @@ class Checkpointer:
     """Checkpoints of one run directory (``<run_dir>/checkpoints``).
 
     Construction resolves ``trainer.resume`` (``auto`` | ``never`` | a path), verifies the
-    checkpoint's files and that it matches this run's layout, precision and model, or (starting
-    fresh) that the folder holds no other config's run (:func:`.rundir.check_history`); it reads
-    the run directory and writes nothing (the trainer holds the folder's lock by then).
+    checkpoint's files, that it matches this run's layout, precision and model and is not past
+    ``trainer.max_steps``, or (starting fresh) that the folder holds no other config's run
+    (:func:`.rundir.check_history`); it reads the run directory and writes nothing (the trainer
+    holds the folder's lock by then).
     :meth:`prepare_run_dir` is the first write, once every check of the launch has passed.
     Raises ``ValueError`` / ``FileNotFoundError`` naming the problem and the fix.
     """
@@ -54,6 +55,11 @@ class Checkpointer:
             self.meta = ckpt.verify_checkpoint(self.resume_tag)
             ckpt.check_resumable(self.meta, self.resume_tag, cfg, layout)
         self.start_step = self.meta["step"] if self.meta else 0
+        if self.start_step > tr.max_steps:  # its outputs would be labelled max_steps, with weights of start_step
+            raise ValueError(f"checkpoint {self.resume_tag} is at step {self.start_step}, past trainer.max_steps="
+                             f"{tr.max_steps}: set trainer.max_steps={self.start_step} or more to continue it, or "
+                             f"start a new run from its weights (vitp-export {self.resume_tag}, then "
+                             f"trainer.init_from=<export>.safetensors)")
         if self.meta and self.meta.get("max_steps") not in (None, tr.max_steps):
             log.warning("trainer.max_steps=%d differs from the checkpoint's run (%d): the LR schedule after step %d "
                         "changes accordingly", tr.max_steps, self.meta["max_steps"], self.start_step)

@@ -11,6 +11,7 @@
   ``train.log``) are held back until the launch has passed its checks
   (:func:`release_log_files`), so a refused launch writes no line into the folder, nor into the
   ``train.log`` of a run that owns it.
+- :func:`resume_command`: what a stopped run prints to continue it in its folder.
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import socket
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -150,6 +152,22 @@ def drop_failed_attempt(run_dir: Path, start_step: int) -> None:
         m = _SAMPLE.match(p.name)
         if m and int(m.group(1)) > keep_upto:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def resume_command(run_dir: Path, env: Optional[Mapping[str, str]] = None) -> str:
+    """The command that continues the run in ``run_dir`` (absolute, shell-quoted), for the line a
+    stopped run ends with: ``vitp-train --resume RUN_DIR`` for one process, ``torchrun
+    --nproc_per_node N -m vitp.train --resume RUN_DIR`` for one node of torchrun (``env``: the
+    launcher's variables, default ``os.environ``); under another launcher a sentence asking for
+    that launcher's command with ``-m vitp.train --resume RUN_DIR``."""
+    env = os.environ if env is None else env
+    folder = shlex.quote(str(Path(run_dir).resolve()))
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return f"vitp-train --resume {folder}"
+    if "TORCHELASTIC_RUN_ID" in env and env.get("LOCAL_WORLD_SIZE") == str(world):
+        return f"torchrun --nproc_per_node {world} -m vitp.train --resume {folder}"
+    return f"this run's launcher ({world} processes) with -m vitp.train --resume {folder}"
 
 
 class _Buffer(logging.Handler):

@@ -39,7 +39,7 @@ from .autolayout import apply_auto_layout  # noqa: E402
 from .checkpointer import Checkpointer  # noqa: E402
 from .ema import EMA  # noqa: E402
 from .logger import RunLogger, binned_loss, log_stages  # noqa: E402
-from .rundir import hold_log_files, lock_run_dir, release_log_files  # noqa: E402
+from .rundir import hold_log_files, lock_run_dir, release_log_files, resume_command  # noqa: E402
 from .stop import StopSignal  # noqa: E402
 from .telemetry import Telemetry  # noqa: E402
 
@@ -459,8 +459,8 @@ class Trainer:
         if self.main:
             why = signal_name or ("trainer.exit_at_step" if step == tr.exit_at_step else "trainer.exit_after_minutes"
                                   if tr.exit_after_minutes is not None else "a signal on another rank")
-            log.warning("stopped by %s after step %d; checkpoint %s saved. Run the same command again "
-                        "(trainer.resume=auto) to continue", why, step, self.checkpointer.path(step))
+            log.warning("stopped by %s after step %d; checkpoint %s saved. To continue: %s", why, step,
+                        self.checkpointer.path(step), resume_command(self.run_dir))
         return self._result({}, step)
 
     def _finish(self, stopper: Optional[StopSignal] = None) -> Dict[str, Any]:
