@@ -2,17 +2,19 @@
 
 The YAML files under ``conf/`` are merged onto these dataclasses, so an unknown key, a value of
 the wrong type or a choice outside its enum fails when the config is composed.
-:func:`validate_config` then checks every cross-field rule (model divisibility, batch sizes, schedules,
+:func:`validate_config` then checks each field's valid range (one table, :data:`FIELD_RULES`:
+``model.width=30: must be a positive multiple of 4 ...; e.g. model.width=32``) and every cross-field rule (model divisibility, batch sizes, schedules,
 the ``tp x pp x dp`` layout against the world size, which ``parallel.auto`` plans later) before any process group
 exists. Every field has a one-line ``# comment``: ``scripts/config_reference.py`` turns them into
 the reference in ``docs/config.md`` (a test fails when the two differ).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
@@ -218,6 +220,247 @@ class Config:
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 
+# ------------------------------------------------------------------------------- valid values of every field
+@dataclass(frozen=True)
+class Rule:
+    """The valid values of one schema field (:data:`FIELD_RULES`, checked by :func:`check_fields`).
+
+    ``ok(value)`` tells a valid value; ``text`` names the valid ones, completing ``"<key>=<value>:
+    must be <text>"``; ``bad`` is a value it refuses (the tests set it on every field); ``fix(value)``
+    is a valid value to suggest (``None``: the field's schema default).
+    """
+
+    ok: Callable[[Any], bool]
+    text: str
+    bad: Any
+    fix: Optional[Callable[[Any], Any]] = None
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def span(lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: bool = False, hi_open: bool = False,
+         real: bool = False, null: str = "", note: str = "") -> Rule:
+    """A :class:`Rule` for a finite number (``real``) or an integer in ``[lo, hi]`` (an end is
+    left out when ``None``, excluded with ``lo_open`` / ``hi_open``); ``null`` (what null means)
+    also allows null; ``note`` explains special values (``"0 = off"``)."""
+    kind = "a number" if real else "an integer"
+    if lo is not None and hi is not None:
+        text = f"{kind} in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    elif lo is not None:
+        text = f"{kind} {'>' if lo_open else '>='} {lo}"
+    else:
+        text = f"a finite {kind.split()[1]}"
+    text += f" ({note})" if note else ""
+    text += f", or null ({null})" if null else ""
+
+    def ok(v: Any) -> bool:
+        if v is None:
+            return bool(null)
+        return (_number(v) and (lo is None or (v > lo if lo_open else v >= lo))
+                and (hi is None or (v < hi if hi_open else v <= hi)))
+
+    bad = float("nan") if lo is None else (lo if lo_open else lo - 1)
+    return Rule(ok, text, bad)
+
+
+def one_of(*choices: str, null: str = "") -> Rule:
+    """A :class:`Rule` for a string among ``choices`` (``null``: what null means, allowing it)."""
+    text = " | ".join(repr(c) for c in choices) + (f", or null ({null})" if null else "")
+    return Rule(lambda v: (v is None and bool(null)) or v in choices, text, "nope")
+
+
+def _pair(lo: float, hi: float, ordered: bool, text: str, bad: list) -> Rule:
+    def ok(v: Any) -> bool:
+        v = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig" else None
+        return (v is not None and len(v) == 2 and all(_number(x) and lo <= x for x in v)
+                and (v[0] <= v[1] <= hi if ordered else all(x < hi for x in v)))
+    return Rule(ok, text, bad)
+
+
+def _is_resolution(v: Any) -> bool:
+    try:
+        parse_resolution(v)
+    except ValueError:
+        return False
+    return True
+
+
+_RESOLUTION = Rule(_is_resolution, 'an int (square), [H, W] or "HxW" with positive integers', "0x8", lambda v: "48x32")
+_SEED = span(0, note="seeds numpy and torch")
+_PROBABILITY = span(0, 1, hi_open=True, real=True)
+
+# Every field's valid values, checked by check_fields (cross-field rules: validate_config). Fields
+# a bool or a choice closes fully are left out (their type is the check), and so are FREE_FORM's.
+FIELD_RULES: Dict[str, Rule] = {
+    "seed": _SEED,
+    "model.in_channels": span(1),
+    "model.image_size": _RESOLUTION,
+    "model.num_frames": span(1),
+    "model.num_classes": span(1),
+    "model.patch_size": span(1),
+    "model.tubelet_size": span(1),
+    "model.width": Rule(lambda v: _number(v) and v >= 4 and v % 4 == 0,
+                        "a positive multiple of 4 (the sin-cos position embedding splits it in 4)", 30, lambda v: max(4, round(v / 4) * 4) if _number(v) else 128),
+    "model.depth": span(1),
+    "model.num_heads": span(1),
+    "model.mlp_ratio": span(0, lo_open=True, real=True),
+    "model.layer_scale_init": span(0, lo_open=True, real=True, null="off"),
+    "model.attn_drop": _PROBABILITY,
+    "model.proj_drop": _PROBABILITY,
+    "model.drop_path": _PROBABILITY,
+    "data.resolution": _RESOLUTION,
+    "data.channels": span(1),
+    "data.num_frames": span(1),
+    "data.num_classes": span(1),
+    "data.holdout_fraction": _PROBABILITY,
+    "data.frame_stride": span(1),
+    "data.fps": span(0, lo_open=True, real=True, null="use data.frame_stride"),
+    "data.clip_step": span(1, null="one clip span"),
+    "data.video_cache_mb": span(0, real=True, note="0 = decode on every read"),
+    "data.scene_cut_threshold": span(0, 100, lo_open=True, real=True, note="FFmpeg scdet's percentage, 10 is its "
+                                     "default", null="ignore cuts"),
+    "data.num_workers": span(0, note="0 = load in the training process"),
+    "data.synthetic_size": span(1),
+    "objective.P_mean": span(real=True),
+    "objective.P_std": span(0, lo_open=True, real=True),
+    "objective.t_uniform": span(0, 1, real=True),
+    "objective.noise_scale": span(0, lo_open=True, real=True),
+    "objective.t_eps": span(0, 1, lo_open=True, hi_open=True, real=True),
+    "objective.label_drop": _PROBABILITY,
+    "sampler.steps": span(1),
+    "sampler.cfg_scale": span(0, real=True, note="1 = no guidance, 0 = unconditional"),
+    "sampler.cfg_interval": _pair(0, 1, True, "[lo, hi] with 0 <= lo <= hi <= 1", [0.5, 0.2]),
+    "sampler.samples_per_class": span(1),
+    "sampler.grid_classes": span(0, note="0 = all classes"),
+    "sampler.seed": _SEED,
+    "sampler.batch_size": span(1),
+    "sampler.fps": span(0, lo_open=True, real=True),
+    "parallel.tp": span(1),
+    "parallel.pp": span(1),
+    "parallel.zero_stage": span(0, 1, note="pipelines support ZeRO stage 0 or 1"),
+    "parallel.activation_checkpoint_interval": span(0, note="0 = off"),
+    "parallel.auto_device": one_of("h100", "h200", "a100", "cpu", null="detect from the device"),
+    "parallel.auto_memory_gib": span(0, lo_open=True, real=True, null="the device's"),
+    "parallel.partial_sync": span(0, 1, real=True, note="1 = exact TP"),
+    "parallel.partial_sync_scale": one_of("sqrt_tp", "none"),
+    "optim.lr": span(0, lo_open=True, real=True),
+    "optim.betas": _pair(0, 1, False, "[beta1, beta2], each in [0, 1)", [0.9, 1.0]),
+    "optim.eps": span(0, lo_open=True, real=True),
+    "optim.weight_decay": span(0, real=True),
+    "optim.warmup_steps": span(0),
+    "optim.min_lr_ratio": span(0, 1, real=True),
+    "optim.grad_clip": span(0, real=True, note="0 = no clipping"),
+    "optim.ema_decay": _PROBABILITY,
+    "trainer.max_steps": span(0, note="0 = no training step"),
+    "trainer.global_batch_size": span(1),
+    "trainer.micro_batch_size": span(1),
+    "trainer.log_every": span(1),
+    "trainer.sample_every": span(0, note="0 = only at the end"),
+    "trainer.eval_every": span(0, note="0 = only at the end"),
+    "trainer.checkpoint_every": span(0, note="0 = only at the end and on SIGTERM/SIGINT"),
+    "trainer.keep_checkpoints": span(0, note="0 = keep all"),
+    "trainer.exit_at_step": span(1, null="off"),
+    "trainer.exit_after_minutes": span(0, lo_open=True, real=True, null="off"),
+    "eval.t_grid": span(1),
+    "eval.noise_seed": _SEED,
+    "eval.classifier_epochs": span(0, note="digits runs only"),
+    "eval.num_samples": span(0, note="0 = as many as held-out items"),
+}
+
+# Fields any value of their type may hold, and who checks them instead
+FREE_FORM: Dict[str, str] = {
+    "data.root": "a folder, read when the data is built",
+    "data.heldout_root": "a folder, read when the data is built",
+    "data.files": "file names, read when the data is built",
+    "data.cache_dir": "a folder, created when needed",
+    "data.buckets": "a list of BucketConfig, each checked by validate_buckets",
+    "trainer.resume": "'auto' | 'never' | a checkpoint, found when training starts",
+    "trainer.init_from": "a weights file, read when training starts",
+    "trainer.init_from_timm": "a weights file, read when training starts",
+    "trainer.tensorboard_dir": "a folder, created",
+    "trainer.export_dir": "a folder, created",
+    "trainer.output_data_dir": "a folder, created",
+    "paths.output_root": "a folder, created",
+}
+
+
+def schema_fields() -> Dict[str, Any]:
+    """Every field of the schema by dotted key (``"trainer.max_steps"``; sections expanded, list
+    items not) -> its ``dataclasses.Field``."""
+    from dataclasses import fields, is_dataclass
+
+    out: Dict[str, Any] = {}
+    for f in fields(Config):
+        if is_dataclass(f.default_factory):
+            out.update({f"{f.name}.{g.name}": g for g in fields(f.default_factory)})
+        else:
+            out[f.name] = f
+    return out
+
+
+def closed_by_type(f: Any) -> bool:
+    """Whether the schema type of the field ``f`` admits only valid values (a bool or a choice)."""
+    kind = globals().get(f.type, f.type) if isinstance(f.type, str) else f.type
+    return kind in (bool, "bool") or (isinstance(kind, type) and issubclass(kind, Choice))
+
+
+def field_error(key: str, value: Any) -> Optional[str]:
+    """``None`` when ``value`` is valid for the schema field ``key`` (per :data:`FIELD_RULES`), else
+    the one-line refusal: the value, the valid range and a valid value."""
+    rule = FIELD_RULES.get(key)
+    if rule is None or rule.ok(value):
+        return None
+    fix = rule.fix(value) if rule.fix else schema_default(key)
+    if isinstance(fix, str) and fix.startswith("${") and fix.endswith("}"):  # a field that follows another
+        return f"{key}={_show(value)}: must be {rule.text}; it follows {fix[2:-1]} by default (leave it unset)"
+    return f"{key}={_show(value)}: must be {rule.text}; e.g. {key}={_show(fix)}"
+
+
+def check_fields(node: Any, section: str = "") -> None:
+    """Check every field of ``node`` (the whole config, or the section ``section`` of it: a
+    ``DictConfig`` or any object with the fields as attributes) against :data:`FIELD_RULES`.
+    A field that follows another (``${data.resolution}``) is checked at its source.
+
+    Raises ``ValueError`` with :func:`field_error`'s message for the first invalid field."""
+    from omegaconf import DictConfig, OmegaConf
+
+    prefix = f"{section}." if section else ""
+    for key in FIELD_RULES:
+        if not key.startswith(prefix):
+            continue
+        *path, name = key[len(prefix):].split(".")
+        parent = node
+        for part in path:
+            parent = getattr(parent, part)
+        if isinstance(parent, DictConfig) and OmegaConf.is_interpolation(parent, name):
+            continue
+        if not hasattr(parent, name):  # a partial section (a model built from keyword arguments)
+            continue
+        msg = field_error(key, getattr(parent, name))
+        _fail(msg is None, str(msg))
+
+
+def schema_default(key: str) -> Any:
+    """The schema's default of the field ``key`` (``"${data.channels}"`` for one that follows another)."""
+    f = schema_fields()[key]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _show(value: Any) -> str:
+    """``value`` as an override writes it (``null``, ``true``, ``[0.5,0.2]``, ``48x32``)."""
+    if type(value).__name__ == "ListConfig":
+        value = list(value)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_show(v) for v in value) + "]"
+    return str(value)
+
+
 def mlp_hidden_units(width: int, mlp_ratio: float, mlp: str) -> int:
     """MLP hidden units of a block: ``int(width * mlp_ratio)``, times 2/3 for SwiGLU, which keeps
     the parameter count of the GELU MLP (Shazeer 2020, "GLU Variants Improve Transformer")."""
@@ -365,38 +608,11 @@ def check_keys(cfg) -> None:
 
 
 def _check_run(cfg: "DictConfig") -> None:
-    tr, s, o = cfg.trainer, cfg.sampler, cfg.objective
-    _fail(tr.max_steps >= 0, f"trainer.max_steps={tr.max_steps}; it must be >= 0 (0 = no training step)")
-    _fail(tr.keep_checkpoints >= 0, f"trainer.keep_checkpoints={tr.keep_checkpoints}; it must be >= 0")
-    _fail(tr.checkpoint_every >= 0, f"trainer.checkpoint_every={tr.checkpoint_every}; it must be >= 0")
+    """Cross-field rules of the run outside the model (each field's own range: :func:`check_fields`)."""
+    tr = cfg.trainer
     _fail(not (tr.init_from and tr.init_from_timm), "set trainer.init_from or trainer.init_from_timm, not both")
-    _fail(s.steps >= 1, f"sampler.steps={s.steps}; it must be >= 1")
-    _fail(len(s.cfg_interval) == 2 and 0 <= s.cfg_interval[0] <= s.cfg_interval[1] <= 1,
-          f"sampler.cfg_interval={list(s.cfg_interval)}; use [lo, hi] with 0 <= lo <= hi <= 1")
-    _fail(tr.log_every >= 1, f"trainer.log_every={tr.log_every}; it must be >= 1")
-    _fail(0 <= cfg.data.holdout_fraction < 1, f"data.holdout_fraction={cfg.data.holdout_fraction}; use [0, 1)")
-    _fail(o.P_std > 0 and 0 < o.t_eps < 1, "objective.P_std must be > 0 and objective.t_eps in (0, 1)")
-    sc = cfg.data.scene_cut_threshold
-    _fail(sc is None or 0 < sc <= 100, f"data.scene_cut_threshold={sc}; use a percentage in (0, 100] (FFmpeg scdet's, "
-                                       f"10 is its default) or null")
-    _fail(not cfg.data.class_per_shot or sc is not None,
+    _fail(not cfg.data.class_per_shot or cfg.data.scene_cut_threshold is not None,
           "data.class_per_shot=true needs shots: set data.scene_cut_threshold (e.g. 10)")
-    _fail(0 <= o.t_uniform <= 1, f"objective.t_uniform is a probability in [0, 1], got {o.t_uniform}")
-    _fail(0 <= o.label_drop < 1, f"objective.label_drop={o.label_drop}; use [0, 1)")
-    opt = cfg.optim
-    _fail(opt.lr > 0, f"optim.lr={opt.lr}; it must be > 0")
-    _fail(opt.grad_clip >= 0, f"optim.grad_clip={opt.grad_clip}; use >= 0 (0 = no clipping)")
-    _fail(0 <= opt.ema_decay < 1, f"optim.ema_decay={opt.ema_decay}; use [0, 1)")
-    _fail(tr.exit_after_minutes is None or tr.exit_after_minutes > 0,
-          f"trainer.exit_after_minutes={tr.exit_after_minutes}; use a positive number of minutes or null")
-    _fail(cfg.eval.num_samples >= 0, f"eval.num_samples={cfg.eval.num_samples}; use >= 0 (0 = held-out size)")
-    _fail(math.isfinite(s.cfg_scale), f"sampler.cfg_scale={s.cfg_scale}; use a finite number (1 = no guidance)")
-    mem = cfg.parallel.auto_memory_gib
-    _fail(mem is None or mem > 0, f"parallel.auto_memory_gib={mem}; use a positive number of GiB or null")
-    par = cfg.parallel
-    _fail(0 <= par.partial_sync <= 1, f"parallel.partial_sync={par.partial_sync}; use [0, 1] (1 = exact TP)")
-    _fail(par.partial_sync_scale in ("sqrt_tp", "none"),
-          f"parallel.partial_sync_scale={par.partial_sync_scale!r}; use 'sqrt_tp' or 'none'")
 
 
 def _check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution") -> None:
@@ -416,22 +632,25 @@ def _check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution")
 
 
 def validate_model(m: "DictConfig") -> None:
-    """Divisibility rules of the generator (``model.*``, with the data-derived sizes).
+    """Each ``model.*`` field's range (:func:`check_fields`), then the divisibility rules of the
+    generator (with the data-derived sizes).
 
     Raises ``ValueError`` naming the key and the valid values.
     """
+    check_fields(m, "model")
     D, heads = m.width, m.num_heads
     if D % heads:
         valid = [h for h in divisors(D) if D // h >= 8]
-        raise ValueError(f"model.width={D} is not divisible by model.num_heads={heads}; valid num_heads: {valid}")
+        step = 4 * heads // math.gcd(4, heads)
+        raise ValueError(f"model.width={D} is not divisible by model.num_heads={heads}; valid num_heads: {valid}, "
+                         f"or a width that is a multiple of {step} (e.g. model.width={max(step, round(D / step) * step)})")
     _check_patch_grid(parse_resolution(m.image_size), m.patch_size)
     _fail(m.num_frames % m.tubelet_size == 0,
           f"num_frames {m.num_frames} is not divisible by model.tubelet_size={m.tubelet_size}")
-    _fail(m.depth >= 1, "model.depth must be >= 1")
-    # factorized with num_frames / tubelet_size == 1 is allowed: temporal blocks attend over one token
-    _fail(m.num_frames // m.tubelet_size >= 1 or m.attention != "factorized",
-          f"model.attention=factorized needs num_frames / model.tubelet_size >= 1, got {m.num_frames} / "
-          f"{m.tubelet_size}")
+    if hasattr(m, "mlp_ratio"):
+        _fail(mlp_hidden_units(D, m.mlp_ratio, m.mlp) >= 1,
+              f"model.mlp_ratio={m.mlp_ratio} leaves the MLP of width {D} without hidden units; use model.mlp_ratio "
+              f">= {2 / D if m.mlp == 'swiglu' else 1 / D:.3g} (4 is usual)")
 
 
 def validate_buckets(cfg: "DictConfig") -> None:
@@ -522,13 +741,15 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
 
 def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_type: str = "cpu"
                     ) -> Optional[Layout]:
-    """Every cross-field check of a composed run config, in one pass (the schema has already
-    checked keys, types and choices). With ``world_size`` also the layout
+    """Every check of a composed run config, in one pass (the schema has already checked types
+    and choices): keys, each field's range (:func:`check_fields`), then the cross-field rules.
+    With ``world_size`` also the layout
     (:func:`validate_layout`), whose result is returned.
 
     Raises ``ValueError`` naming the key and the valid values.
     """
     check_keys(cfg)
+    check_fields(cfg)
     _check_run(cfg)
     validate_model(cfg.model)
     validate_buckets(cfg)
@@ -541,9 +762,10 @@ def register_configs() -> None:
     cs.store(name="vitp_schema", node=Config)
 
 
-def compose(overrides=()) -> "DictConfig":
+def compose(overrides=(), with_hydra: bool = False) -> "DictConfig":
     """The run config composed from the shipped ``conf/`` with Hydra overrides, exactly as
-    ``vitp-train <overrides>`` sees it (for scripts, notebooks and tests).
+    ``vitp-train <overrides>`` sees it (for scripts, notebooks and tests); ``with_hydra`` adds
+    Hydra's own node ``hydra`` (``hydra.run.dir``, ...), which ``hydra.*`` overrides set.
 
     Raises ``hydra.errors.ConfigCompositionException`` on unknown keys or wrong types.
     """
@@ -556,4 +778,4 @@ def compose(overrides=()) -> "DictConfig":
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(importlib.resources.files("vitp.conf")), version_base="1.3"):
-        return _compose(config_name="config", overrides=list(overrides))
+        return _compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)

@@ -163,14 +163,14 @@ def test_group_files_hold_only_what_differs_from_the_schema():
     ("+model.foo=1", r"unknown config key model.foo; valid keys of model: .*attention"),
     ("+trainer.max_step=10", r"unknown config key trainer.max_step \(did you mean trainer.max_steps\?\)"),
     ("+new.key=1", r"unknown config key new.key; valid keys at the top level: data, eval"),
-    ("optim.grad_clip=-1", r"optim.grad_clip=-1.0; use >= 0"),
-    ("optim.ema_decay=1.5", r"optim.ema_decay=1.5; use \[0, 1\)"),
-    ("optim.lr=-1", r"optim.lr=-1.0; it must be > 0"),
-    ("trainer.exit_after_minutes=-1", r"trainer.exit_after_minutes=-1.0; use a positive"),
-    ("eval.num_samples=-5", r"eval.num_samples=-5; use >= 0"),
-    ("sampler.cfg_scale=nan", r"sampler.cfg_scale=nan; use a finite number"),
-    ("objective.t_uniform=1.5", r"objective.t_uniform is a probability in \[0, 1\], got 1.5"),
-    ("data.scene_cut_threshold=0", r"data.scene_cut_threshold=0.0; use a percentage in \(0, 100\]"),
+    ("optim.grad_clip=-1", r"optim.grad_clip=-1.0: must be a number >= 0 \(0 = no clipping\); e.g. optim.grad_clip=1.0"),
+    ("optim.ema_decay=1.5", r"optim.ema_decay=1.5: must be a number in \[0, 1\)"),
+    ("optim.lr=-1", r"optim.lr=-1.0: must be a number > 0"),
+    ("trainer.exit_after_minutes=-1", r"trainer.exit_after_minutes=-1.0: must be a number > 0, or null"),
+    ("eval.num_samples=-5", r"eval.num_samples=-5: must be an integer >= 0"),
+    ("sampler.cfg_scale=nan", r"sampler.cfg_scale=nan: must be a number >= 0"),
+    ("objective.t_uniform=1.5", r"objective.t_uniform=1.5: must be a number in \[0, 1\]"),
+    ("data.scene_cut_threshold=0", r"data.scene_cut_threshold=0.0: must be a number in \(0, 100\]"),
     ("data.class_per_shot=true", r"data.class_per_shot=true needs shots: set data.scene_cut_threshold"),
 ])
 def test_values_the_schema_cannot_express_are_checked_once(override, message):
@@ -277,9 +277,9 @@ def test_non_square_resolution_forms(value):
 @pytest.mark.parametrize("value,message", [
     ("[12,10]", r"resolution 12x10 \(data.resolution\) is not divisible by model.patch_size=4: .*nearest valid sizes: "
                 r"12x8, 12x12; valid patch sizes for 12x10: \[1, 2\]"),
-    ("12by10", r"data.resolution='12by10': use an int \(square\), \[H, W\] or \"HxW\""),
-    ("[12,0]", r"data.resolution=\[12, 0\]: use an int"),
-    ("[1,2,3]", r"data.resolution=\[1, 2, 3\]: use an int"),
+    ("12by10", r"data.resolution=12by10: must be an int \(square\), \[H, W\] or \"HxW\""),
+    ("[12,0]", r"data.resolution=\[12,0\]: must be an int"),
+    ("[1,2,3]", r"data.resolution=\[1,2,3\]: must be an int"),
 ])
 def test_non_square_resolution_errors_name_the_valid_sizes(value, message):
     with pytest.raises(ValueError, match=message):
@@ -298,3 +298,120 @@ def test_bucket_recipes_compose_validate_and_keep_tokens_per_step(exp, world, co
     tokens = [b.batch_size * num_tokens(**dict(m, image_size=list(b.size), num_frames=b.frames))
               for b in buckets]
     assert len(buckets) == count and max(tokens) / min(tokens) < (1.01 if count == 3 else 1.07), tokens
+
+
+# ------------------------------------------------------------------------------- every field's range
+def _bad_overrides():
+    """``(key, override)`` setting a value out of range on every schema field that has a range or a
+    closed type (FIELD_RULES' ``bad`` values; a word no bool or choice takes)."""
+    from vitp.cli.overrides import hydra_value
+    from vitp.config import FIELD_RULES, closed_by_type, schema_fields
+
+    out = [(k, f"{k}={hydra_value(rule.bad)}") for k, rule in FIELD_RULES.items()]
+    return out + [(k, f"{k}=nope") for k, f in schema_fields().items() if closed_by_type(f)]
+
+
+def test_every_schema_field_has_a_range_a_closed_type_or_is_listed_as_free_form():
+    """The table of ranges covers the schema: a new field must be given one (or a reason)."""
+    from vitp.config import FIELD_RULES, FREE_FORM, closed_by_type, schema_default, schema_fields
+
+    fields = schema_fields()
+    ruled, free = set(FIELD_RULES), set(FREE_FORM)
+    closed = {k for k, f in fields.items() if closed_by_type(f)}
+    assert ruled | free | closed == set(fields), sorted(set(fields) - ruled - free - closed)
+    assert not (ruled & free) and not (ruled & closed) and not (free & closed)
+    for key, rule in FIELD_RULES.items():  # the suggested fix is itself valid
+        fix = rule.fix(rule.bad) if rule.fix else schema_default(key)
+        assert not rule.ok(rule.bad), key
+        assert (isinstance(fix, str) and fix.startswith("${")) or rule.ok(fix), (key, fix)
+
+
+@pytest.mark.parametrize("key,override", _bad_overrides(), ids=[k for k, _ in _bad_overrides()])
+def test_vitp_train_refuses_every_out_of_range_value_in_one_line(key, override, tmp_path, capsys, monkeypatch):
+    """Each field's out-of-range value: ``vitp-train`` exits 2 with one line naming the key, before
+    Hydra starts (nothing written)."""
+    from vitp.cli.train import main
+    from vitp.config import FIELD_RULES
+
+    monkeypatch.setattr("sys.argv", ["vitp-train", f"hydra.run.dir={tmp_path / 'run'}", override])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    head = f"vitp-train: error: {key}=" if key in FIELD_RULES else "vitp-train: error: "
+    assert err.startswith(head) and key in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder this process cannot write: read-only by mode for a normal user; for root (whom
+    modes do not stop) a read-only tmpfs mounted on it, skipped where mounting is not allowed."""
+    import os
+    import subprocess
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+        yield ro
+        ro.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("root without permission to mount a read-only tmpfs")
+    try:
+        yield ro
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+@pytest.mark.parametrize("where", ["hydra.run.dir={ro}/run", "paths.output_root={ro}/outputs", "hydra.run.dir={file}/run"])
+def test_vitp_train_refuses_a_run_directory_it_cannot_make_in_one_line(where, read_only_dir, tmp_path, capsys,
+                                                                       monkeypatch):
+    """A read-only place (or a file in the way) for the run directory: one line naming the folder
+    and the keys that move the run, exit 2, before Hydra makes any folder or log file."""
+    from vitp.cli.train import main
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr("sys.argv", ["vitp-train", "experiment=smoke",
+                                     where.format(ro=read_only_dir, file=tmp_path / "file")])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("vitp-train: error: run directory ") and "hydra.run.dir=DIR" in err, err
+    import os
+
+    if "{file}" in where:
+        assert "is a file, not a folder" in err, err
+    else:
+        assert ("is on a read-only file system" if os.geteuid() == 0 else "is not writable") in err, err
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.width=30", "vitp-train: error: model.width=30: must be a positive multiple of 4"),
+    ("parallel.tp=3", "vitp-train: error: parallel.tp=3 x parallel.pp=1 does not divide world_size=2"),
+])
+def test_torchrun_refusal_is_one_line_and_the_root_cause_of_torchruns_summary(override, message, tmp_path):
+    """``torchrun --nproc_per_node 2 -m vitp.train <bad value>``: rank 0 prints the line once (other
+    ranks stay quiet), before Hydra; each rank writes it to its torchelastic error file, so the
+    summary torchrun prints after its workers exit (a ``ChildFailedError`` traceback nothing in a
+    worker can follow) ends with the line as the root cause's traceback, then only its border."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this interpreter")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", NO_ALBUMENTATIONS_UPDATE="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    p = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(31500 + os.getpid() % 1000),
+                        "-m", "vitp.train", "experiment=smoke", f"hydra.run.dir={tmp_path / 'run'}", override],
+                       env=env, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode != 0 and lines[0].startswith(message), p.stderr  # rank 0's line, printed once
+    assert sum(ln.startswith("vitp-train: error:") for ln in lines) == 1, p.stderr
+    assert lines[-2] == f"  traceback : {lines[0]}" and set(lines[-1]) == {"="}, p.stderr
+    assert "To enable traceback see" not in p.stderr and not (tmp_path / "run").exists()

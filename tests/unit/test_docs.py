@@ -287,3 +287,15 @@ def test_the_check_catches_a_wrong_command(argv, message):
     with pytest.raises((Exception, pytest.fail.Exception)) as e:
         check_command(argv)
     assert message in str(e.value) + str(getattr(e.value, "__cause__", "")), str(e.value)
+
+
+def test_readme_sections_named_in_code_and_packaging_exist():
+    """``README "Quick start"``-style pointers (pyproject.toml, vitp/, scripts/) name README headings
+    that exist (pyproject.toml once pointed at an "Install" section the README does not have)."""
+    headings = {m.group(1).strip() for m in re.finditer(r"^#+\s+(.*)$", (REPO / "README.md").read_text(), re.M)}
+    files = [REPO / "pyproject.toml", *sorted((REPO / "vitp").rglob("*.py")), *sorted((REPO / "scripts").rglob("*.py"))]
+    pointers = [(f.name, m.group(1)) for f in files for m in re.finditer(r'README\s+"([^"]+)"', f.read_text())]
+    assert pointers, "no README pointer found: the pattern no longer matches how code cites the README"
+    missing = [(name, section) for name, section in pointers
+               if not any(h == section or h.startswith(section + " ") for h in headings)]
+    assert not missing, f"README has no such heading: {missing}; headings: {sorted(headings)}"

@@ -334,3 +334,27 @@ def test_vitp_plan_shows_the_parallel_plan_of_a_row(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--gpus", "4", "--top", "2", "--show-plan", "3", "experiment=smoke"])
     assert e.value.code == 2 and "--show-plan 3: the table has rows 1 to 2" in capsys.readouterr().err
+
+
+def test_cpu_profile_source_names_processes_only_where_links_were_measured(tmp_path, monkeypatch):
+    """A single-process run's MFU line said "(2 thread(s) per process, 2 processes)": the process
+    count describes the links measured between processes, so it appears only with them (also for a
+    profile cached with the old text)."""
+    import json
+    import os
+    import socket
+
+    import torch
+
+    from vitp.plan.devices import PRESETS, cpu_profile
+
+    monkeypatch.setenv("VITP_CACHE_DIR", str(tmp_path))
+    entry = dict(PRESETS["h100"].as_dict(), name="cpu", source="measured here (2 thread(s) per process, 2 processes)")
+    key = f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}|2|0|0"
+    (tmp_path / "cpu_profile.json").write_text(json.dumps({key: entry}))
+    assert cpu_profile(threads=2, links=False).source == "measured here (2 thread(s) per process)"
+    entry["source"] = "anything"
+    key = f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}|1|1|4"
+    (tmp_path / "cpu_profile.json").write_text(json.dumps({key: entry}))
+    assert cpu_profile(threads=1, links=True, procs=4).source == "measured here (1 thread(s) per process, links " \
+                                                                 "between 4 processes)"

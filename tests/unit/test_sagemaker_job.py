@@ -54,6 +54,8 @@ def _fails(argv, capsys) -> str:
     (["trainer.max_steps"], "override 'trainer.max_steps' is not KEY=VALUE"),
     (["data.resolution=[1,2"], "cannot parse 'data.resolution=[1,2'"),
     (["trainer.max_step=10"], "unknown config key trainer.max_step (did you mean trainer.max_steps?)"),
+    (["experiment=img265"], "Could not find 'experiment/img265' Available options in 'experiment': img1024 img256"),
+    (["trainer.global_batch_size=0"], "trainer.global_batch_size=0: must be an integer >= 1"),
     (["model.mlp=relu"], "Error merging override model.mlp=relu; Invalid value 'relu', expected one of [gelu, swiglu]"),
     (["seed=1,2"], "override 'seed=1,2': a training job takes one value per key"),
 ])
@@ -241,7 +243,8 @@ def test_dry_run_options_image_processes_input_mode(sdk, staged, fake_repo, no_n
                     "--image-uri", "111122223333.dkr.ecr.eu-west-1.amazonaws.com/vitp:latest",
                     "--instance-type", "ml.g5.12xlarge", "--processes-per-host", "4", "--input-mode", "FastFile",
                     "--tensorboard-local-path", "/opt/ml/output/tb", "--role", ROLE,
-                    "--output-s3", "s3://my-bucket/vitp/models", "--bucket", "my-staging-bucket"], capsys)
+                    "--output-s3", "s3://my-bucket/vitp/models", "--bucket", "my-staging-bucket",
+                    "trainer.micro_batch_size=16"], capsys)  # the digits batch of 64 over 4 processes
     req = out["CreateTrainingJob"]
     assert req["AlgorithmSpecification"]["TrainingImage"] == "111122223333.dkr.ecr.eu-west-1.amazonaws.com/vitp:latest"
     assert req["AlgorithmSpecification"]["TrainingInputMode"] == "FastFile"
@@ -264,8 +267,8 @@ def test_unlisted_instance_type_warns_with_close_names(sdk, capsys):
 
 
 def test_unknown_framework_version_fails_with_the_sdk_message(sdk, fake_repo, capsys):
-    line = _fails(["--dry-run", "--repo", str(fake_repo), "--region", "us-east-1", "--framework-version", "2.99"],
-                  capsys)
+    line = _fails(["--dry-run", "--repo", str(fake_repo), "--region", "us-east-1", "--framework-version", "2.99",
+                   "trainer.micro_batch_size=8"], capsys)  # the digits batch of 64 over a p4d's 8 GPUs
     assert "2.99" in line and "2.14" in line  # the SDK lists the versions it knows
 
 
@@ -295,3 +298,59 @@ def test_submit_round_trip_under_moto(sdk, staged, fake_repo, capsys):
     assert [c["ChannelName"] for c in d["InputDataConfig"]] == ["train", "code", "sm_drivers"]
     assert sorted(k.rsplit("/", 1)[1] for k in keys) == sorted(["sagemaker_entry.py", "requirements.txt",
                                                                staged[1].name])
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """Staging the source or building a trainer (the request) fails the test."""
+    def built(*_a, **_k):
+        raise AssertionError("a request was built for a config that cannot run")
+
+    monkeypatch.setattr(job, "stage_source", built)
+    monkeypatch.setattr(job, "make_trainer", built)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--instance-count", "1", "parallel.tp=3"], "parallel.tp=3 x parallel.pp=1 does not divide world_size=8; valid (tp, pp) for 8 processes: "
+                        "[(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)] (the job runs 8 "
+                        "processes: --instance-count 1 x 8 per instance, one per GPU of ml.p4d.24xlarge)"),
+    (["--instance-count", "3"], "trainer.global_batch_size=1024 must be a multiple of trainer.micro_batch_size (32) x "
+                                "dp (24); e.g. set trainer.global_batch_size=768 (the job runs 24 processes"),
+    (["--processes-per-host", "3"], "trainer.global_batch_size=1024 must be a multiple of trainer.micro_batch_size "
+                                    "(32) x dp (3)"),
+])
+def test_dry_run_checks_the_layout_for_the_jobs_world_size_before_a_request(argv, message, sdk, nothing_built,
+                                                                             fake_repo, capsys):
+    """validate_config with the job's world size (instances x processes per instance: the flag, or
+    one per GPU of the instance type from the SDK's table): a layout that cannot run exits 2 in one
+    line, before the source is staged or a request built."""
+    line = _fails(["--dry-run", "--repo", str(fake_repo), "--region", "us-east-1", "--channel",
+                   "train=s3://data-bucket/imagenet", *argv[:2], "experiment=img256", "data.num_classes=1000",
+                   *argv[2:]], capsys)
+    assert message in line, line
+
+
+def test_a_recipe_that_reads_data_root_without_a_train_channel_warns(sdk):
+    """img256 reads data.root, which the job sets from its 'train' channel: without one, a warning
+    names the flag; with one, or for a recipe with its own data (the digits default), none."""
+    import contextlib
+    import io
+
+    def check(*argv):
+        a = job.build_parser().parse_args(["--dry-run", *argv])
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            world = job.check_job_config(a.overrides, job.spec_from_args(a), job.gpus_per_instance(
+                sdk, a.instance_type, "us-east-1"))
+        return world, err.getvalue()
+
+    world, err = check("experiment=img256")
+    assert world == 8 and err.count("\n") == 1 and "warning: data.name=image_folder reads data.root" in err
+    assert "--channel train=s3://BUCKET/PREFIX" in err
+    assert check("experiment=img256", "--channel", "train=s3://data-bucket/imagenet") == (8, "")
+    assert check("experiment=img256", "data.root=/opt/data") == (8, "")
+    world, err = check("--instance-type", "ml.p6-b200.48xlarge")  # not in the SDK's table: checked in the job
+    assert world is None and "does not list the GPUs of ml.p6-b200.48xlarge" in err and "--processes-per-host" in err
+    assert check("--instance-type", "ml.g5.2xlarge") == (1, "")  # one GPU: one process
+    assert check("--instance-count", "2", "--processes-per-host", "2", "trainer.micro_batch_size=16") == (4, "")
+    assert check("parallel=auto", "--instance-count", "2") == (None, "")  # the planner picks the layout in the job

@@ -115,7 +115,7 @@ def test_eval_sweep_writes_its_own_files_and_keeps_eval_json(run_dir, capsys):
 @pytest.mark.parametrize("argv, msg", [
     (["eval", "{missing}"], "does not exist"),
     (["eval", "{run}", "model.depth=1,2"], "model.depth: vitp-sweep eval can change sampler.*"),
-    (["eval", "{run}", "sampler.steps=0,1"], "sampler.steps=0; it must be >= 1"),
+    (["eval", "{run}", "sampler.steps=0,1"], "sampler.steps=0: must be an integer >= 1; e.g. sampler.steps=20"),
     (["eval", "{run}", "sampler.method=euler,foo"], "Error merging override sampler.method=foo; Invalid value 'foo', "
                                                    "expected one of [heun, euler]"),
     (["eval", "{run}", "sampler.cfg_interval='[0,1]'"],  # a quoted list is a string, as in vitp-train

@@ -13,8 +13,11 @@ exit status 1.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
+import time
 from typing import Any, Callable, Optional, TypeVar
 
 T = TypeVar("T")
@@ -41,15 +44,37 @@ def exit_status(error: BaseException) -> int:
     return EXIT_NON_FINITE if isinstance(error, FloatingPointError) else EXIT_BAD_INPUT
 
 
+def record_for_torchrun(line: str) -> bool:
+    """Under ``torchrun`` (torch.distributed.elastic), write ``line`` to this worker's error file
+    (``TORCHELASTIC_ERROR_FILE``, in the JSON layout of torch's ``ErrorHandler.record_exception``
+    without a Python call stack), so torchrun's failure summary shows it as the rank's
+    ``traceback`` instead of "To enable traceback see ...". torchrun prints that summary (its own
+    ``ChildFailedError`` traceback) after the workers exit, so nothing a worker does can come after
+    it; with this, the summary's last entry, the root cause, is the line. True if written."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        return False
+    return True
+
+
 def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.Logger] = None) -> T:
     """``fn(*args)``; on bad input or a non-finite loss write ``<prog>: error: <message>`` (to
     ``log`` if given, so it also lands in the run's log file, else to stderr) and exit with
-    :func:`exit_status` (2, or 3 for a non-finite loss)."""
+    :func:`exit_status` (2, or 3 for a non-finite loss). Under ``torchrun`` the line also goes to
+    the worker's error file (:func:`record_for_torchrun`), and only rank 0 writes it to stderr:
+    torchrun's summary lists every failed rank's line."""
     try:
         return fn(*args)
     except reported_errors() as e:
+        line = f"{prog}: error: {e}"
+        recorded = record_for_torchrun(line)
         if log is not None:
-            log.error("%s: error: %s", prog, e)
-        else:
-            print(f"{prog}: error: {e}", file=sys.stderr)
+            log.error("%s", line)
+        elif not (recorded and os.environ.get("RANK", "0") != "0"):
+            print(line, file=sys.stderr)
         raise SystemExit(exit_status(e)) from None

@@ -76,17 +76,56 @@ def error_chain(error: BaseException) -> str:
 # ------------------------------------------------------------------------------- a new run config
 def compose_checked(overrides: Sequence[str]) -> "DictConfig":
     """The run config ``vitp-train <overrides>`` would compose (:func:`vitp.config.compose`; ``hydra.*``
-    overrides are skipped, they set Hydra, not the run).
+    overrides are skipped, they set Hydra, not the run), checked by :func:`vitp.config.validate_config`
+    (each field's range and the cross-field rules; the layout needs the world size, checked later).
 
     Raises ``ValueError`` in one line for an unknown key (with the nearest key), a value the schema
-    refuses, or an unknown group choice (with the available ones)."""
-    from vitp.config import check_override_keys, compose
+    refuses (a wrong type, a value out of its field's range: ``trainer.micro_batch_size=0: must be an
+    integer >= 1; ...``), a cross-field rule broken, or an unknown group choice (with the available ones)."""
+    from vitp.config import check_override_keys, compose, validate_config
 
     check_override_keys(list(overrides))
     try:
-        return compose([o for o in overrides if override_key(o).split(".")[0].split("/")[0] != "hydra"])
+        cfg = compose([o for o in overrides if override_key(o).split(".")[0].split("/")[0] != "hydra"])
     except Exception as e:  # noqa: BLE001 - Hydra / OmegaConf composition errors of many types
         raise ValueError(error_chain(e)) from None
+    validate_config(cfg)
+    return cfg
+
+
+def check_run_dir(overrides: Sequence[str]) -> str:
+    """The run directory ``vitp-train <overrides>`` will write (``hydra.run.dir`` resolved as Hydra
+    resolves it; ``${now:...}`` at this second), after checking that it can be made: its nearest
+    existing folder must be a folder this process may write (not a file, not on a read-only file
+    system). Checked before Hydra creates the folder and its log file.
+
+    Raises ``ValueError`` in one line naming the folder and the keys that move the run."""
+    import os
+    from pathlib import Path
+
+    from vitp.config import compose
+
+    try:
+        run_dir = Path(compose(list(overrides), with_hydra=True).hydra.run.dir)
+    except Exception as e:  # noqa: BLE001 - Hydra / OmegaConf errors of many types
+        raise ValueError(error_chain(e)) from None
+    fix = "choose another with hydra.run.dir=DIR, or paths.output_root=DIR for the default <date>/<time> folders"
+    existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"run directory {run_dir} cannot be made: {existing} is a file, not a folder; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "on a read-only file system" if _read_only(existing) else "not writable by this user"
+        raise ValueError(f"run directory {run_dir} cannot be made: {existing} is {why}; {fix}")
+    return str(run_dir)
+
+
+def _read_only(path: Any) -> bool:
+    import os
+
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 # ------------------------------------------------------------------------------- a finished run's config

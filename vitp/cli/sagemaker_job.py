@@ -398,7 +398,7 @@ def load_sdk() -> SimpleNamespace:
         from importlib.metadata import version
 
         import boto3
-        from sagemaker.core import image_uris
+        from sagemaker.core import image_uris, instance_types_gpu_info
         from sagemaker.core.helper.session_helper import Session
         from sagemaker.core.training.configs import (CheckpointConfig, Compute, InputData, OutputDataConfig,
                                                      SourceCode, StoppingCondition, TensorBoardOutputConfig)
@@ -410,7 +410,7 @@ def load_sdk() -> SimpleNamespace:
         boto3=boto3, image_uris=image_uris, Session=Session, CheckpointConfig=CheckpointConfig, Compute=Compute,
         InputData=InputData, OutputDataConfig=OutputDataConfig, SourceCode=SourceCode,
         StoppingCondition=StoppingCondition, TensorBoardOutputConfig=TensorBoardOutputConfig, Torchrun=Torchrun,
-        ModelTrainer=ModelTrainer, version=version("sagemaker"))
+        ModelTrainer=ModelTrainer, version=version("sagemaker"), gpu_info=instance_types_gpu_info.retrieve)
 
 
 def warn_unlisted_instance_type(name: str) -> bool:
@@ -433,6 +433,52 @@ def warn_unlisted_instance_type(name: str) -> bool:
           + (f" (close: {', '.join(close)})" if close else "") + "; SageMaker will reject it if it does not exist",
           file=sys.stderr)
     return False
+
+
+def gpus_per_instance(sdk: SimpleNamespace, instance_type: str, region: str) -> Optional[int]:
+    """GPUs of ``instance_type`` from the SDK's table (``sagemaker.core.instance_types_gpu_info``:
+    0 for a type it lists without GPUs, ``None`` for one it does not list)."""
+    table = sdk.gpu_info(region) or sdk.gpu_info("us-east-1")
+    if instance_type in table:
+        return int(table[instance_type].get("Count", 0))
+    return None
+
+
+def check_job_config(overrides: List[str], spec: JobSpec, gpus: Optional[int]) -> Optional[int]:
+    """Check the job's config as its ``vitp-train`` will, before any request is built: the
+    overrides composed on the closed schema and :func:`vitp.config.validate_config` with the layout
+    for the job's world size (``--instance-count`` x processes per host: ``--processes-per-host``,
+    else the SDK driver's default, one per GPU (``gpus``), or 1 on an instance without GPUs), unless
+    ``parallel.auto`` (the planner picks the layout in the job). Warns (stderr) when the config reads
+    ``data.root`` but no ``train`` channel is given (the job sets ``data.root`` from it). Returns the
+    world size checked (``None``: not known, the GPU count of an unlisted instance type).
+
+    Raises ``ValueError`` (one line) naming the key and the valid values."""
+    from vitp.cli.overrides import compose_checked
+    from vitp.config import validate_config
+
+    cfg = compose_checked(overrides)
+    data = cfg.data
+    if data.name in ("image_folder", "video_folder") and data.root is None and not data.files \
+            and "train" not in spec.channels:
+        print(f"{PROG}: warning: data.name={data.name} reads data.root, which the job sets from its 'train' "
+              f"channel, and none is given: add --channel train=s3://BUCKET/PREFIX (or set data.root to a folder "
+              f"inside the image)", file=sys.stderr)
+    per_host = spec.processes_per_host or (None if gpus is None else max(gpus, 1))
+    if cfg.parallel.auto:
+        return None
+    if per_host is None:
+        print(f"{PROG}: note: the SDK's table does not list the GPUs of {spec.instance_type}, so the layout is "
+              f"checked in the job; pass --processes-per-host N to check it here", file=sys.stderr)
+        return None
+    world = spec.instance_count * per_host
+    try:
+        validate_config(cfg, world, "cuda" if gpus else "cpu")
+    except ValueError as e:
+        how = "--processes-per-host" if spec.processes_per_host else f"one per GPU of {spec.instance_type}"
+        raise ValueError(f"{e} (the job runs {world} processes: --instance-count {spec.instance_count} x "
+                         f"{per_host} per instance, {how})") from None
+    return world
 
 
 def resolve_image(sdk: SimpleNamespace, spec: JobSpec, region: str) -> str:
@@ -574,7 +620,8 @@ def _region(sdk: SimpleNamespace, spec: JobSpec) -> str:
 
 
 def run(argv: Optional[List[str]] = None) -> dict:
-    """Parse, stage the source folder, then submit (or print the request with ``--dry-run``)."""
+    """Parse, check the config for the job's world size (:func:`check_job_config`), stage the
+    source folder, then submit (or print the request with ``--dry-run``)."""
     a = build_parser().parse_args(argv)
     spec = spec_from_args(a)
     repo = a.repo or default_repo()
@@ -583,6 +630,7 @@ def run(argv: Optional[List[str]] = None) -> dict:
     sdk = load_sdk()
     region = _region(sdk, spec)
     warn_unlisted_instance_type(spec.instance_type)
+    check_job_config(a.overrides, spec, gpus_per_instance(sdk, spec.instance_type, region))
     image = resolve_image(sdk, spec, region)  # fails early on an unknown region or version
     with tempfile.TemporaryDirectory(prefix="vitp-sm-source-") as tmp:
         source_dir = Path(tmp) / "source"

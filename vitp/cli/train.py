@@ -29,7 +29,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from vitp.cli import run_cli  # noqa: E402
 from vitp.cli.overrides import (  # noqa: E402
-    apply_overrides, compose_checked, hydra_override, is_override, override_key, typed_config)
+    apply_overrides, check_run_dir, compose_checked, hydra_override, is_override, override_key, typed_config)
 from vitp.config import check_override_keys, register_configs  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.train import check_config, train  # noqa: E402
@@ -188,23 +188,27 @@ def prepare_argv(argv: list) -> list:
     ``train.log`` open on its first line (``delay=true``: a refused launch creates none,
     :func:`vitp.train.rundir.hold_log_files`); without ``hydra.run.dir`` it picks
     :func:`default_run_dir`. Raises ``ValueError`` on an unknown key, a value the schema refuses,
-    a bad ``--resume``, or an MPI launch across hosts without ``MASTER_ADDR``; ``FileNotFoundError``
-    for a ``--resume`` folder without a recorded config.
+    a layout that does not fit the launch's world size (:func:`vitp.train.check_config`), a run
+    directory that cannot be made (:func:`vitp.cli.overrides.check_run_dir`), a bad ``--resume``,
+    or an MPI launch across hosts without ``MASTER_ADDR``; ``FileNotFoundError`` for a ``--resume``
+    folder without a recorded config.
     """
     global _resume_dir
     argv = dist.strip_launcher_args(argv)
     resume, args = split_resume(argv[1:])
-    argv, _resume_dir = argv[:1] + args, None
+    argv, _resume_dir, cfg = argv[:1] + args, None, None
     if resume is not None:  # the run's recorded config with the overrides: checked here, used by _train
         if any(a in ("-m", "--multirun") for a in args):
             raise ValueError(f"--resume {resume} continues one run; it does not sweep (drop -m)")
-        resume_config(Path(resume), [a for a in args if is_override(a)])
+        cfg = resume_config(Path(resume), [a for a in args if is_override(a)])
         _resume_dir = Path(resume).resolve()
     elif any(a in ("-m", "--multirun") for a in args):
         check_override_keys(args)  # sweeps: Hydra composes each job
     else:  # an unknown key or a bad value: one line, before anything starts
-        compose_checked([a for a in args if is_override(a)])
+        cfg = compose_checked([a for a in args if is_override(a)])
     dist.adopt_launcher_env()  # before world_size(): an mpirun rank would otherwise train alone
+    if cfg is not None:
+        check_config(cfg)  # the layout for this launch's world size, also before Hydra starts
     ours = []  # put before the user's arguments, so Hydra flags like --cfg job / --info stay last
     if not any(a.startswith("hydra.output_subdir=") for a in argv):
         ours.append("hydra.output_subdir=null")  # train() writes .hydra/ itself, after its checks pass
@@ -218,6 +222,8 @@ def prepare_argv(argv: list) -> list:
         ours.append("hydra/job_logging=stdout")
     elif not any(a.startswith(("hydra/job_logging=", "hydra.job_logging")) for a in argv):
         ours.append("++hydra.job_logging.handlers.file.delay=true")  # Hydra's default file handler
+    if not any(a in ("-m", "--multirun") for a in argv[1:]):
+        check_run_dir([a for a in ours + argv[1:] if is_override(a)])  # before Hydra makes it
     return argv[:1] + ours + argv[1:]
 
 

@@ -7,9 +7,9 @@ any order; ``aug_seed=None`` selects the deterministic evaluation transform.
 """
 from __future__ import annotations
 
+import logging
 import random
 import threading
-import warnings
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -19,6 +19,8 @@ import torch
 from torch.utils.data import Dataset
 
 from vitp.config import parse_resolution
+
+log = logging.getLogger(__name__)  # data warnings: one line each, in the run's log under vitp-train
 
 Key = Union[int, Tuple[int, Optional[int]]]
 
@@ -56,10 +58,10 @@ def files_by_class(root: Path, extensions: Sequence[str], kind: str) -> dict:
         return {root.name: found_in(root, False)}
     loose = found_in(root, False)
     if loose:
-        warnings.warn(f"{len(loose)} {kind}(s) directly in {root} are ignored: with class subfolders present, "
-                      f"only {kind}s inside them are used", stacklevel=3)
+        log.warning(f"{len(loose)} {kind}(s) directly in {root} are ignored: with class subfolders present, "
+                      f"only {kind}s inside them are used")
     for name in [n for n, files in groups.items() if not files]:
-        warnings.warn(f"class folder {root / name} holds no {kind}; it is not a class", stacklevel=3)
+        log.warning(f"class folder {root / name} holds no {kind}; it is not a class")
         del groups[name]
     return groups
 
@@ -179,19 +181,28 @@ class FileDataset(KeyedDataset):
         self.resolution = self.size[0] if self.size[0] == self.size[1] else self.size  # int when square
         self.channels, self.train = int(channels), train
         self.skipped_files: List[str] = []
+        self.too_short_files: List[str] = []  # the skipped files that read but hold no whole clip
         self._bad: set = set()  # numbers of the files that failed to decode in __getitem__
         self._init_process_state()
 
     # ---------------------------------------------------------------------------- skip list
     @property
     def num_skipped(self) -> int:
-        """Files skipped as unreadable in this process."""
+        """Files skipped in this process: unreadable ones and (video) ones too short for a clip."""
         return len(self.skipped_files)
 
-    def _skip(self, path: Any, reason: str) -> None:
-        # stacklevel 3: the caller of __getitem__, or the constructor that found the file
-        warnings.warn(f"skipping {self.skip_label} {path}: {reason}", stacklevel=3)
+    def skip_summary(self) -> str:
+        """The skipped files counted by kind, e.g. ``"2 unreadable files, 1 too short"`` ("" if none)."""
+        short = len(self.too_short_files)
+        parts = [f"{self.num_skipped - short} unreadable file(s)"] if self.num_skipped > short else []
+        return ", ".join(parts + ([f"{short} too short for one clip"] if short else []))
+
+    def _skip(self, path: Any, reason: str, too_short: bool = False) -> None:
+        """Warn (one log line) and list ``path`` as skipped; ``too_short``: it reads, but is shorter than one clip."""
+        log.warning(f"skipping {self.skip_label} {path}: {reason}")
         self.skipped_files.append(str(path))
+        if too_short:
+            self.too_short_files.append(str(path))
 
     # ---------------------------------------------------------------------------- transform
     def cover_resize(self) -> Any:

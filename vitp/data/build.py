@@ -1,7 +1,7 @@
 """The dataset named by a :class:`~vitp.config.DataConfig`, split into training and held-out subsets."""
 from __future__ import annotations
 
-import warnings
+import logging
 from dataclasses import replace
 from typing import Tuple
 
@@ -12,6 +12,8 @@ from vitp.data.base import KeyedDataset, KeyedSubset
 from vitp.data.images import DigitsDataset, ImageFolderDataset, SyntheticDataset
 from vitp.data.photos import resolve_photo_root
 from vitp.data.video import VideoFolderDataset
+
+log = logging.getLogger(__name__)
 
 DATASET_NAMES = ("digits", "image_folder", "synthetic", "video_folder")
 
@@ -40,7 +42,7 @@ def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> Tuple[np
         members = rng.permutation(np.flatnonzero(labels == c))
         n_hold = min(max(round(fraction * len(members)), 1), len(members) - 1) if fraction > 0 else 0
         if fraction > 0 and n_hold == 0:
-            warnings.warn(f"class {c} has a single item: it has no held-out item", stacklevel=2)
+            log.warning(f"class {c} has a single item: it has no held-out item")
         held.append(members[:n_hold])
     heldout = np.sort(np.concatenate(held)).astype(np.int64)
     return np.setdiff1d(np.arange(len(labels)), heldout).astype(np.int64), heldout
@@ -107,6 +109,9 @@ def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset
     if base.num_classes != cfg.num_classes:
         where = f" under {cfg.root}" if cfg.name in ("image_folder", "video_folder") and cfg.root else ""
         shown = ", ".join(base.classes[:10]) + (", ..." if base.num_classes > 10 else "")
+        dropped = getattr(base, "dropped_classes", [])
+        if dropped:  # class folders whose every video was skipped (too short or unreadable)
+            shown += f"; dropped, no usable video: {', '.join(dropped[:10])}" + (", ..." if len(dropped) > 10 else "")
         raise ValueError(f"found {base.num_classes} classes{where} ({shown}) but data.num_classes="
                          f"{cfg.num_classes}; set data.num_classes={base.num_classes}")
     if cfg.heldout_root is not None:

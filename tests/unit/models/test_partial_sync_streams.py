@@ -158,9 +158,9 @@ def test_synced_channels_and_validation():
 def test_config_key_validation():
     from vitp.config import validate_config
 
-    with pytest.raises(ValueError, match=r"parallel.partial_sync=1.5; use \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"parallel.partial_sync=1.5: must be a number in \[0, 1\] \(1 = exact TP\)"):
         validate_config(compose_cfg(["experiment=smoke", "parallel.partial_sync=1.5"]))
-    with pytest.raises(ValueError, match="partial_sync_scale='x'"):
+    with pytest.raises(ValueError, match="parallel.partial_sync_scale=x: must be 'sqrt_tp' | 'none'"):
         validate_config(compose_cfg(["experiment=smoke", "parallel.partial_sync_scale=x"]))
 
 

@@ -46,7 +46,7 @@ def test_layer_kinds_alternate_and_config_is_validated():
     assert "expected one of [full, factorized]" in str(e.value.__cause__)
     cfg = _cfg("model.attention=factorized")
     cfg.num_frames = 0
-    with pytest.raises(ValueError, match="num_frames / model.tubelet_size >= 1"):
+    with pytest.raises(ValueError, match=r"model.num_frames=0: must be an integer >= 1; it follows data.num_frames"):
         validate_model(cfg)
 
 
