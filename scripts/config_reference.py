@@ -1,7 +1,7 @@
 """Write the configuration reference, ``docs/config.md``, from the schema in ``vitp/config.py``.
 
-Every dataclass field of the schema becomes one table row: key, type, default (as written in the
-source) and its one-line ``# comment``; one table per section (``model``, ``data``, ...). The
+Every dataclass field of the schema becomes one table row: key, type, its valid values (the rule
+``vitp.config.FIELD_RULES`` checks), default (as written in the source) and its one-line ``# comment``; one table per section (``model``, ``data``, ...). The
 Hydra groups under ``conf/`` are listed after it with the first line of each file's header
 comment. Nothing is written by hand, so the reference cannot drift from the schema
 (``tests/unit/test_docs.py`` fails when ``docs/config.md`` differs from what this prints).
@@ -44,7 +44,9 @@ processes, batch sizes) is checked in one pass (`validate_config`). Override any
 command line (`model.depth=12`), pick a group option (`model=jit_b`, `sampler=euler`) or a recipe
 (`experiment=smoke`). Defaults below are the schema's; a group option or recipe may change them
 (the default run composes `model=dit_digits`, `data=digits` and the other groups listed last).
-`${a.b}` means "follows key `a.b`"; `???` means required.
+`${a.b}` means "follows key `a.b`"; `???` means required. "valid" is the range `validate_config`
+checks (`vitp.config.FIELD_RULES`; a value outside it is refused in one line with a valid one);
+bools and choices are checked by their type.
 """
 
 
@@ -140,13 +142,22 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _valid(key: str) -> str:
+    """The valid values of ``key`` as ``vitp.config.FIELD_RULES`` checks them ("" if its type says it)."""
+    sys.path.insert(0, str(REPO))
+    from vitp.config import FIELD_RULES
+
+    rule = FIELD_RULES.get(key.replace("[i]", ""))
+    return _cell(rule.text) if rule else ""
+
+
 def _table(prefix: str, rows: List[dict], setters: Dict[str, List[str]]) -> List[str]:
-    out = ["| key | type | default | description | set by a group or recipe |", "|---|---|---|---|---|"]
+    out = ["| key | type | valid | default | description | set by a group or recipe |", "|---|---|---|---|---|---|"]
     for r in rows:
         key = prefix + r["name"]
         default = f"`{_cell(r['default'])}`" if r["default"] != "" else ""
         sets = "<br>".join(f"`{_cell(s)}`" for s in setters.get(key, []))
-        out.append(f"| `{key}` | {_cell(r['type'])} | {default} | {_cell(r['doc'])} | {sets} |")
+        out.append(f"| `{key}` | {_cell(r['type'])} | {_valid(key)} | {default} | {_cell(r['doc'])} | {sets} |")
     return out
 
 
