@@ -168,3 +168,21 @@ def test_vitp_eval_reads_hydra_grammar(tmp_path):
     assert json.loads(json.dumps(OmegaConf.to_container(cfg.sampler)))["steps"] == 5
     with pytest.raises(ValueError, match="vitp-eval takes one value per key"):
         load_run_config(tmp_path, ["sampler.steps=5,6"])
+
+
+def test_vitp_eval_labels_eval_json_with_the_step_of_the_weights(tmp_path):
+    """eval.json's step is that of the weights evaluated (a checkpoint's, or the final file's), not
+    the run's last logged step (a stopped run logged every 25 steps wrote step 950 for step-967 weights)."""
+    import json
+
+    from vitp.checkpoint.export import save_export
+    from vitp.cli.eval import weights_step
+    from vitp.models import Generator
+
+    cfg = compose_cfg(["experiment=smoke"])
+    state = Generator.from_config(cfg.model, seed=0).state_dict()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 950}) + "\n")
+    save_export(tmp_path / "model_ema.safetensors", state, cfg, step=967)
+    save_export(tmp_path / "old.safetensors", state, cfg)  # written without a step
+    assert weights_step(tmp_path, "model_ema.safetensors") == 967
+    assert weights_step(tmp_path, "old.safetensors") == 950

@@ -358,3 +358,17 @@ def test_cpu_profile_source_names_processes_only_where_links_were_measured(tmp_p
     (tmp_path / "cpu_profile.json").write_text(json.dumps({key: entry}))
     assert cpu_profile(threads=1, links=True, procs=4).source == "measured here (1 thread(s) per process, links " \
                                                                  "between 4 processes)"
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--micro", "0", "use comma-separated integers >= 1, e.g. 1,2,4"), ("--ac", "-1", "integers >= 0, e.g. 0,1"),
+    ("--mem-gib", "-5", "'-5': use a number > 0"), ("--mem-gib", "0", "'0': use a number > 0"),
+    ("--gpus-per-node", "0", "'0': use a number > 0"), ("--gpus", "0", "'0': use a number > 0")])
+def test_vitp_plan_refuses_bad_flag_values(flag, value, message, capsys):
+    """Each was a traceback (--micro 0: ZeroDivisionError), a message not naming the flag, or accepted."""
+    from vitp.cli.plan import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--gpus", "2", flag, value, "experiment=smoke"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"vitp-plan: error: argument {flag}: " in err and message in err, err

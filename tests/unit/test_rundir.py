@@ -53,6 +53,24 @@ def test_history_of_another_config_is_refused_naming_the_keys(tmp_path):
         "optim.lr: 0.001 before vs 0.5 now", "seed: 0 before vs 4 now"]
 
 
+def test_a_folder_with_files_and_no_run_is_refused(tmp_path):
+    """A data folder or someone's notes as hydra.run.dir: a run would replace their metrics.jsonl,
+    samples/ ... (a new user trained into a copy of the photo folder and lost files)."""
+    cfg = compose_cfg(["experiment=smoke"])
+    check_history(tmp_path / "new", cfg)  # a folder that does not exist yet
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / ".vitp.lock").touch()  # what a refused launch may leave
+    check_history(tmp_path / "empty", cfg)
+    data = tmp_path / "photos"
+    for name in ("cat", "coffee", "samples"):
+        (data / name).mkdir(parents=True)
+    (data / "metrics.jsonl").write_text("my notes\n")
+    with pytest.raises(ValueError, match=r"photos is not empty and holds no vitp run \(cat, coffee, metrics.jsonl, "
+                                         r"samples\): a run would write its outputs among these files; choose a new"):
+        check_history(data, cfg)
+    assert (data / "metrics.jsonl").read_text() == "my notes\n"
+
+
 @pytest.mark.parametrize("start,kept", [(0, []), (2, [1, 2])])
 def test_failed_attempt_outputs_are_dropped(tmp_path, start, kept):
     for name in ("metrics.jsonl", "eval.jsonl"):

@@ -31,6 +31,29 @@ def last_step(run_dir: Path) -> Optional[int]:
     return json.loads(lines[-1])["step"] if lines else None
 
 
+def weights_path(run_dir: Path, weights: str) -> Path:
+    """``run_dir/weights``; for an interrupted run without ``model_ema.safetensors``, its latest
+    checkpoint's EMA. Raises ``FileNotFoundError`` when there is neither."""
+    path = run_dir / weights
+    if not path.is_file() and weights == "model_ema.safetensors":
+        path = resolve_weights(run_dir, "ema")[0]
+    return path
+
+
+def weights_step(run_dir: Path, weights: str) -> Optional[int]:
+    """The training step of the weights evaluated (recorded in the file), else the run's last
+    logged step (files written before the step was recorded)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights_path(run_dir, weights)), framework="pt") as f:
+            step = (f.metadata() or {}).get("step")
+    except Exception:  # noqa: BLE001 - unreadable here: load_for_eval refuses it with the reason
+        step = None
+    step = int(step) if step is not None else -1  # -1: written without a step
+    return step if step >= 0 else last_step(run_dir)
+
+
 def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
     """The run's composed config (``.hydra/config.yaml``) on the typed schema, with the Hydra-style
     ``key=value`` ``overrides`` set (:func:`vitp.cli.overrides.apply_overrides`).
@@ -65,10 +88,7 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list) -> Tuple[DictCon
     run's data split. Raises ``FileNotFoundError`` / ``ValueError`` on a missing or foreign file."""
     cfg = load_run_config(run_dir, overrides)
     validate_config(cfg)
-    path = run_dir / weights
-    if not path.is_file() and weights == "model_ema.safetensors":  # an interrupted run: its latest checkpoint
-        path = resolve_weights(run_dir, "ema")[0]
-    gen = load_generator_for(path, cfg)
+    gen = load_generator_for(weights_path(run_dir, weights), cfg)
     train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
     per_bucket = None
     if cfg.data.buckets:  # held-out loss per shape bucket, items assigned as in training
@@ -89,8 +109,8 @@ def run(argv: Optional[list] = None) -> dict:
     a = p.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg, gen, train_ds, heldout_ds, per_bucket = load_for_eval(a.run_dir, a.weights, a.overrides)
-    res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=last_step(a.run_dir),
-                   buckets=per_bucket)
+    step = weights_step(a.run_dir, a.weights)  # the weights', not the run's last logged step
+    res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=step, buckets=per_bucket)
     print(json.dumps(res, indent=2))
     return res
 

@@ -22,22 +22,40 @@ from typing import List, Optional
 from vitp.cli import run_cli
 
 
-def _ints(text: str) -> List[int]:
-    """``"0,1,2"`` -> ``[0, 1, 2]``."""
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use comma-separated integers, e.g. 0,1") from None
+def _ints(lowest: int, example: str):
+    """Parser of ``"0,1,2"`` -> ``[0, 1, 2]``, every value ``>= lowest``."""
+    def parse(text: str) -> List[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x]
+        except ValueError:
+            values = []
+        if not values or min(values) < lowest:
+            raise argparse.ArgumentTypeError(f"{text!r}: use comma-separated integers >= {lowest}, e.g. {example}")
+        return values
+    return parse
+
+
+def _positive(kind):
+    """Parser of a number > 0 of ``kind`` (int or float)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: use a number > 0")
+        return value
+    return parse
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="vitp-plan", description=__doc__.splitlines()[0])
-    p.add_argument("--gpus", type=int, default=8, help="devices (processes) in the job (default 8)")
+    p.add_argument("--gpus", type=_positive(int), default=8, help="devices (processes) in the job (default 8)")
     p.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu (measured here, cached)")
-    p.add_argument("--mem-gib", type=float, default=None, help="memory per device in GiB (default: the profile's)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's, 8)")
-    p.add_argument("--ac", type=_ints, default=[0, 1], help="activation checkpoint intervals to try (default 0,1)")
-    p.add_argument("--micro", type=_ints, default=None, help="micro-batch sizes to try, e.g. 1,2,4 (default: all)")
+    p.add_argument("--mem-gib", type=_positive(float), default=None, help="memory per device in GiB (default: the profile's)")
+    p.add_argument("--gpus-per-node", type=_positive(int), default=None, help="devices per node (default: the profile's, 8)")
+    p.add_argument("--ac", type=_ints(0, "0,1"), default=[0, 1], help="activation checkpoint intervals to try (default 0,1)")
+    p.add_argument("--micro", type=_ints(1, "1,2,4"), default=None, help="micro-batch sizes to try, e.g. 1,2,4 (default: all)")
     p.add_argument("--adaln-replicated", action="store_true",
                    help="model the adaLN modulation replicated on every TP rank (older vitp); default: sharded, as trained")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
@@ -94,8 +112,8 @@ def run(argv: Optional[List[str]] = None) -> list:
     from vitp.cli.overrides import compose_checked
     from vitp.plan import MemoryOptions, format_table, get_profile, plan
 
-    if args.gpus < 1:
-        raise ValueError(f"--gpus {args.gpus}: use a positive number of devices")
+    if args.top < 0:
+        raise ValueError(f"--top {args.top}: use a number of rows >= 0 (0 = all)")
     cfg = compose_checked(args.overrides)
     prof = get_profile(args.device, args.mem_gib, procs=args.gpus)  # cpu: gloo measured with as many processes
     if args.gpus_per_node:

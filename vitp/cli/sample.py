@@ -131,6 +131,11 @@ def _classes_token(classes: List[int]) -> str:
     return f"c{len(classes)}cls-{hashlib.sha1(','.join(map(str, classes)).encode()).hexdigest()[:8]}"
 
 
+def _grid_words(classes: int, per: int) -> str:
+    """``"2 classes x 1 sample"`` (singular where it is one)."""
+    return f"{classes} class{'es' if classes != 1 else ''} x {per} sample{'s' if per != 1 else ''}"
+
+
 def output_name(cfg: Any, meta: dict, classes: List[int], per: int, fmt: Optional[str], source: Path,
                 step: Optional[int] = None) -> str:
     """The default output name (no suffix) from everything that decides the samples: the weights
@@ -216,17 +221,17 @@ def run(argv: Optional[List[str]] = None) -> None:
         if grid_file:  # each writer replaces its file atomically
             grid = (video_grid(x, nrow=per) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
             (write_gif if out.suffix.lower() == ".gif" else write_mp4)(out, grid, fps=fps)
-            print(f"wrote {out} ({len(classes)} classes x {per} samples, {x.shape[2]} frames, {how})")
+            print(f"wrote {out} ({_grid_words(len(classes), per)}, {x.shape[2]} frames, {how})")
         else:
             paths = write_video_samples(x, labels, out, fps=fps, fmt=a.format or "gif")
-            print(f"wrote {len(paths)} videos to {out} ({len(classes)} classes x {per} samples + {paths[-1].name}, "
+            print(f"wrote {len(paths)} videos to {out} ({_grid_words(len(classes), per)} + {paths[-1].name}, "
                   f"{x.shape[2]} frames, {how})")
         return
     from torchvision.utils import save_image
 
     with atomic_write(out) as tmp:
         save_image(to_grid(x, nrow=per), str(tmp))
-    print(f"wrote {out} ({len(classes)} classes x {per} samples, {how})")
+    print(f"wrote {out} ({_grid_words(len(classes), per)}, {how})")
 
 
 def _check_out(out: Optional[Path], fmt: Optional[str], video: bool) -> None:

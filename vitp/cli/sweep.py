@@ -170,7 +170,7 @@ def eval_sweep(run_dir: Path, overrides: List[str], name: Optional[str] = None,
     """Evaluate every sampler setting of ``overrides`` on the run's weights (loaded once) and write
     the comparison to ``run_dir/sweeps/<name>/`` (default name: the date and time); ``wall_s`` is
     each evaluation's wall time in seconds. The run's ``eval.json`` is not touched."""
-    from vitp.cli.eval import last_step, load_for_eval
+    from vitp.cli.eval import load_for_eval, weights_step
     from vitp.cli.overrides import apply_overrides
     from vitp.config import validate_config
     from vitp.eval import evaluate
@@ -187,7 +187,7 @@ def eval_sweep(run_dir: Path, overrides: List[str], name: Optional[str] = None,
         validate_config(c)  # every setting checked before the first evaluation
     out = Path(run_dir) / "sweeps" / (name or _stamp())
     _write_plan(out, "eval", sw, run=str(run_dir), weights=weights)
-    rows, step = [], last_step(Path(run_dir))
+    rows, step = [], weights_step(Path(run_dir), weights)
     for i, (c, label) in enumerate(zip(cfgs, sw.labels)):
         d, t0 = out / slug(label, i), time.perf_counter()
         res = evaluate(gen, c, train_ds, heldout_ds, Path(run_dir), full=True, step=step, buckets=per_bucket,

@@ -4,7 +4,8 @@
   the whole run. The kernel drops it when the owner exits or crashes, so it never goes stale; a
   second ``vitp-train`` into the same folder is refused, naming the owner.
 - :func:`check_history`: a folder whose ``.hydra/config.yaml`` belongs to another config (and that
-  has no checkpoint to resume) is refused, naming the differing keys.
+  has no checkpoint to resume) is refused, naming the differing keys; so is a folder that holds
+  files but no vitp run.
 - :func:`drop_failed_attempt`: log lines, sample grids and TensorBoard events that an interrupted
   attempt wrote after the step we restart from are removed, so the outputs show one history.
 - :func:`hold_log_files`: records bound for log files inside the run directory (Hydra's
@@ -124,11 +125,23 @@ def config_differences(saved: Any, cfg: DictConfig, ignore=RELAUNCH_KEYS) -> Lis
     return [f"{k}: {a.get(k)!r} before vs {b.get(k)!r} now" for k in keys if a.get(k) != b.get(k)]
 
 
+FRESH_OWN = (".vitp.lock", "train.log")  # what a launch may have left before its run wrote .hydra/
+
+
 def check_history(run_dir: Path, cfg: DictConfig) -> None:
-    """Refuse (``ValueError`` naming the keys) a fresh start in a folder that holds another config's
-    run: its ``.hydra/config.yaml`` differs from ``cfg`` in more than :data:`RELAUNCH_KEYS`."""
+    """Refuse (``ValueError``) a fresh start in a folder that holds another config's run (its
+    ``.hydra/config.yaml`` differs from ``cfg`` in more than :data:`RELAUNCH_KEYS`; the message
+    names the keys), or that holds files and no vitp run at all (a data folder, someone's notes):
+    training would write ``metrics.jsonl``, ``samples/`` ... among them and replace files of the
+    same names."""
     path = Path(run_dir) / ".hydra" / "config.yaml"
     if not path.is_file():
+        present = sorted(p.name for p in Path(run_dir).iterdir() if p.name not in FRESH_OWN) \
+            if Path(run_dir).is_dir() else []
+        if present:
+            raise ValueError(f"{run_dir} is not empty and holds no vitp run ({', '.join(present[:4])}"
+                             f"{', ...' if len(present) > 4 else ''}): a run would write its outputs among these "
+                             f"files; choose a new or empty hydra.run.dir")
         return
     diffs = config_differences(OmegaConf.to_container(OmegaConf.load(path), resolve=True), cfg)
     if diffs:
