@@ -187,8 +187,11 @@ def test_resume_config_is_the_recorded_one_with_the_overrides(tmp_path):
     OmegaConf.save(recorded, tmp_path / ".hydra" / "config.yaml")
     cfg = resume_config(tmp_path, ["trainer.max_steps=9"])
     assert cfg.model.depth == 3 and cfg.trainer.max_steps == 9 and cfg.trainer.resume == "auto"
+    earlier = tmp_path / "checkpoints" / "step_0000002"  # the latest is broken: continue from an earlier one
+    assert resume_config(tmp_path, [f"trainer.resume={earlier}"]).trainer.resume == str(earlier)
     for bad, message in (("experiment=smoke", "experiment= picks a config file"),
                          ("trainer.resume=never", "continues that folder from its latest checkpoint"),
+                         (f"trainer.resume={tmp_path.parent / 'other' / 'checkpoints'}", "drop trainer.resume"),
                          ("trainer.max_step=3", "did you mean trainer.max_steps?")):
         with pytest.raises(ValueError, match=message):
             resume_config(tmp_path, [bad])

@@ -112,7 +112,8 @@ def _fix_hint(tag_dir: Path) -> str:
     others = [t for t in published_tags(tag_dir.parent) if t != tag_dir.name]
     if others:
         return (f"; resume from an earlier complete checkpoint with trainer.resume={tag_dir.parent / others[-1]} "
-                f"(complete: {', '.join(others)})")
+                f"(after vitp-train --resume {tag_dir.parent.parent}, or in the run's own command; complete: "
+                f"{', '.join(others)})")
     return "; no other complete checkpoint is in that folder: start a new run dir (or trainer.init_from=<export>)"
 
 

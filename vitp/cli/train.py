@@ -110,21 +110,26 @@ def resume_config(run_dir: Path, overrides: List[str]) -> DictConfig:
     run's recorded ``.hydra/config.yaml`` on the typed schema, ``trainer.resume=auto`` (the run
     dir's latest checkpoint; a run forked from another checkpoint that has none of its own yet
     keeps its recorded path), and the ``key=value`` ``overrides`` set on it, e.g.
-    ``trainer.max_steps=2000`` to train longer.
+    ``trainer.max_steps=2000`` to train longer, or ``trainer.resume=RUN_DIR/checkpoints/step_N`` to
+    continue from an earlier checkpoint of the run (its latest is broken).
 
     Raises ``FileNotFoundError`` when ``run_dir`` holds no recorded config; ``ValueError`` (one
     line) for a group choice (``experiment=...``: the run's config is already composed), a
-    ``hydra.*`` key, ``trainer.resume``, an unknown key or a bad value."""
+    ``hydra.*`` key, ``trainer.resume`` outside the run's checkpoints, an unknown key or a bad value."""
     from omegaconf import OmegaConf
 
     path = Path(run_dir) / ".hydra" / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"--resume {run_dir}: no {path}, so not a folder vitp-train wrote; give the run dir a "
                                 f"stopped run printed (its 'run dir' log line)")
+    own = (Path(run_dir) / "checkpoints").resolve()
     for o in overrides:
+        if override_key(o) == "trainer.resume" and own in Path(o.split("=", 1)[-1]).resolve().parents:
+            continue  # an earlier checkpoint of this run (the latest is broken): continue from it, here
         if override_key(o) in ("trainer.resume", "hydra.run.dir"):
-            raise ValueError(f"{o}: --resume {run_dir} continues that folder from its latest checkpoint; drop "
-                             f"{override_key(o)}, or leave out --resume to start a new run dir from a checkpoint")
+            raise ValueError(f"{o}: --resume {run_dir} continues that folder from its latest checkpoint (or "
+                             f"trainer.resume=<one of its own checkpoints>); drop {override_key(o)}, or leave out "
+                             f"--resume to start a new run dir from a checkpoint")
     cfg = typed_config(OmegaConf.load(path))
     if (Path(run_dir) / "checkpoints" / "latest").is_file() or cfg.trainer.resume == "never":
         cfg.trainer.resume = "auto"
