@@ -186,3 +186,38 @@ def test_vitp_eval_labels_eval_json_with_the_step_of_the_weights(tmp_path):
     save_export(tmp_path / "old.safetensors", state, cfg)  # written without a step
     assert weights_step(tmp_path, "model_ema.safetensors") == 967
     assert weights_step(tmp_path, "old.safetensors") == 950
+
+
+def test_an_unwritable_place_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """vitp-sample / vitp-export into a folder they may not write, and vitp-eval of a read-only
+    run, ended in PermissionError tracebacks (vitp-eval after its evaluation)."""
+    from vitp.cli import run_cli
+    from vitp.cli.eval import main as eval_main
+
+    def write():
+        raise PermissionError(13, "Permission denied", str(tmp_path / "samples"))
+
+    with pytest.raises(SystemExit) as e:
+        run_cli("vitp-sample", write)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == (f"vitp-sample: error: [Errno 13] Permission denied: '{tmp_path / 'samples'}' "
+                                         "(write elsewhere, or fix that folder's permissions)\n")
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    OmegaConf.save(compose_cfg(["experiment=smoke"]), run / ".hydra" / "config.yaml")
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # as a user without write permission
+    with pytest.raises(SystemExit) as e:
+        eval_main([str(run)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"vitp-eval: error: {run} is not writable: vitp-eval writes eval.json")
+
+
+def test_vitp_train_refuses_a_key_without_a_value_in_one_line(capsys, monkeypatch):
+    """``vitp-train trainer.max_steps`` (no ``=``) was Hydra's "missing EQUAL" error, exit 1."""
+    from vitp.cli.train import main
+
+    monkeypatch.setattr("sys.argv", ["vitp-train", "experiment=smoke", "trainer.max_steps"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "vitp-train: error: 'trainer.max_steps' has no value: write trainer.max_steps=VALUE (Hydra's key=value)\n")

@@ -31,7 +31,7 @@ def bad_input_errors() -> tuple:
     """Exception types that mean bad input, not a bug: reported in one line, exit status 2."""
     from omegaconf.errors import OmegaConfBaseException
 
-    return ValueError, FileNotFoundError, OmegaConfBaseException
+    return ValueError, FileNotFoundError, PermissionError, OmegaConfBaseException
 
 
 def reported_errors() -> tuple:
@@ -72,6 +72,8 @@ def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.L
         return fn(*args)
     except reported_errors() as e:
         line = f"{prog}: error: {e}"
+        if isinstance(e, PermissionError) and e.filename:  # raised by the OS: e names the path
+            line += " (write elsewhere, or fix that folder's permissions)"
         recorded = record_for_torchrun(line)
         if log is not None:
             log.error("%s", line)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
@@ -88,6 +89,9 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list) -> Tuple[DictCon
     run's data split. Raises ``FileNotFoundError`` / ``ValueError`` on a missing or foreign file."""
     cfg = load_run_config(run_dir, overrides)
     validate_config(cfg)
+    if not os.access(run_dir, os.W_OK):  # found before minutes of evaluation, not after
+        raise PermissionError(f"{run_dir} is not writable: vitp-eval writes eval.json (and the digits judge's "
+                              f"cache) there; evaluate a copy of the run")
     gen = load_generator_for(weights_path(run_dir, weights), cfg)
     train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
     per_bucket = None

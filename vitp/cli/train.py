@@ -196,12 +196,15 @@ def prepare_argv(argv: list) -> list:
     a layout that does not fit the launch's world size (:func:`vitp.train.check_config`), a run
     directory that cannot be made (:func:`vitp.cli.overrides.check_run_dir`), a bad ``--resume``,
     or an MPI launch across hosts without ``MASTER_ADDR``; ``FileNotFoundError`` for a ``--resume``
-    folder without a recorded config.
+    folder without a recorded config, or a dotted key without ``=value``.
     """
     global _resume_dir
     argv = dist.strip_launcher_args(argv)
     resume, args = split_resume(argv[1:])
     argv, _resume_dir, cfg = argv[:1] + args, None, None
+    for prev, word in zip(argv[:-1], args):  # `trainer.max_steps 10`: Hydra's parser says "missing EQUAL"
+        if re.fullmatch(r"[A-Za-z_]\w*(\.\w+)+", word) and not prev.startswith("-"):
+            raise ValueError(f"{word!r} has no value: write {word}=VALUE (Hydra's key=value)")
     if resume is not None:  # the run's recorded config with the overrides: checked here, used by _train
         if any(a in ("-m", "--multirun") for a in args):
             raise ValueError(f"--resume {resume} continues one run; it does not sweep (drop -m)")
