@@ -35,9 +35,14 @@ from .timm_tp import TPAttention, TPMlp, sequence_parallel_enter, sequence_paral
 MODES = ("tp", "sp", "partial")
 
 
-def plan_mode(state: ParallelState) -> str:
+def mode_of(tp: int, sequence_parallel: bool, partial_sync: float) -> str:
     """``"partial"`` (``partial_sync < 1`` at tp > 1), else ``"sp"`` with sequence parallelism, else ``"tp"``."""
-    return "partial" if state.partial else "sp" if state.sequence_parallel else "tp"
+    return "partial" if tp > 1 and partial_sync < 1 else "sp" if sequence_parallel else "tp"
+
+
+def plan_mode(state: ParallelState) -> str:
+    """The plan mode (:func:`mode_of`) of this rank's :class:`ParallelState`."""
+    return mode_of(state.tp_size, state.sequence_parallel, state.partial_sync)
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,7 @@ class StepShape:
     @property
     def mode(self) -> str:
         """The plan mode (:func:`plan_mode`) of this shape's layout."""
-        return "partial" if self.tp > 1 and self.partial_sync < 1 else "sp" if self.sequence_parallel else "tp"
+        return mode_of(self.tp, self.sequence_parallel, self.partial_sync)
 
     def token_bytes(self, sp: bool, channels: Optional[int] = None) -> int:
         """Bytes of one ``(micro, N, channels)`` activation, ``N`` padded to a multiple of tp when ``sp``."""

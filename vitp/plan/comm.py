@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List
 
-from vitp.parallel.styles import Collective, StepShape
+from vitp.parallel.styles import Collective, StepShape, mode_of
 
 from .layout import LayoutSpec, local_tokens
 from .memory import ACT_BYTES
@@ -33,7 +33,7 @@ from .shapes import ModelShape, layer_params_per_rank, plan_report, stage_layer_
 
 def plan_mode_of(lay: LayoutSpec) -> str:
     """The plan mode of a layout: ``partial`` (``partial_sync < 1`` at tp > 1), ``sp`` or ``tp``."""
-    return "partial" if lay.tp > 1 and lay.partial_sync < 1 else "sp" if lay.sp else "tp"
+    return mode_of(lay.tp, lay.sp or lay.partial_sp, lay.partial_sync)
 
 
 def step_shape(model: Any, lay: LayoutSpec) -> StepShape:
