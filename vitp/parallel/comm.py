@@ -34,10 +34,17 @@ class CommRecord:
     output, or the reduce-scatter input. ``direction`` is ``"fwd"``, ``"bwd"`` or ``"none"``;
     ``tag`` says who issued it (``"tp"`` block linears, ``"sp_boundary"`` enter/exit of the
     sequence region, ``"cond"`` the adaLN conditioning, ``"param_grad"`` gradient hooks,
-    ``"export"`` gathering weights).
+    ``"export"`` gathering weights, ``"cp"`` context-parallel attention and ``"cp_boundary"`` the
+    gathered prediction). For ``all_to_all`` ``nbytes`` is this rank's input; for ``send_recv``
+    (one step of a ring: every rank sends to the next and receives from the previous) the bytes
+    each rank sends.
     """
 
-    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter"
+    def wire(self) -> int:
+        """Bytes one rank sends (:func:`wire_bytes`)."""
+        return wire_bytes(self.kind, self.nbytes, self.group_size)
+
+    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "send_recv"
     group_size: int
     nbytes: int
     shape: Tuple[int, ...]
@@ -46,6 +53,15 @@ class CommRecord:
 
 
 _RECORDERS: List["CommRecorder"] = []
+
+
+def wire_bytes(kind: str, nbytes: float, group: int) -> float:
+    """Bytes one rank sends for one collective of ``nbytes`` logical bytes (:class:`CommRecord`)
+    over ``group`` ranks, with ring algorithms (Patarasuk & Yuan 2009): all-reduce
+    ``2 (p-1)/p n``, all-gather / reduce-scatter / all-to-all ``(p-1)/p n``, send-recv ``n``."""
+    if kind == "send_recv":
+        return nbytes
+    return (2 if kind == "all_reduce" else 1) * nbytes * (group - 1) / group
 
 
 class CommRecorder:
@@ -86,12 +102,7 @@ class CommRecorder:
         """Bytes each rank sends with ring algorithms (Patarasuk & Yuan 2009): all-reduce
         ``2 (p-1)/p n``, all-gather and reduce-scatter ``(p-1)/p n``; only records with ``tag``
         if given. An all-reduce costs the same as a reduce-scatter plus an all-gather."""
-        total = 0
-        for r in self.records:
-            if tag is None or r.tag == tag:
-                p = r.group_size
-                total += (2 if r.kind == "all_reduce" else 1) * r.nbytes * (p - 1) // p
-        return total
+        return sum(int(r.wire()) for r in self.records if tag is None or r.tag == tag)
 
 
 class CommCounter(CommRecorder):
@@ -107,12 +118,17 @@ class CommCounter(CommRecorder):
 
     def add(self, record: CommRecord) -> None:
         if self.tags is None or record.tag in self.tags:
-            p = record.group_size
             self.count += 1
-            self.wire += (2 if record.kind == "all_reduce" else 1) * record.nbytes * (p - 1) // p
+            self.wire += int(record.wire())
 
     def reset(self) -> None:
         self.count, self.wire = 0, 0
+
+
+def record(kind: str, group, tensor_numel: int, shape, dtype: torch.dtype, direction: str, tag: str) -> None:
+    """Tell the active recorders of one collective (for primitives issued outside this module,
+    e.g. the point-to-point steps of ring attention)."""
+    _record(kind, group, tensor_numel, shape, dtype, direction, tag)
 
 
 def _record(kind: str, group, tensor_numel: int, shape, dtype: torch.dtype, direction: str, tag: str) -> None:
@@ -215,3 +231,33 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, *, direction: str = "none",
     work = _reduce_scatter_single(out, xs, group=group, async_op=async_op)
     finish = lambda: out.movedim(0, dim).contiguous()  # noqa: E731
     return Pending(work, finish) if async_op else finish()
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, *, direction: str = "none",
+               tag: str = "cp") -> torch.Tensor:
+    """Split ``x`` into ``world`` chunks along ``scatter_dim``, send chunk ``j`` to rank ``j``, and
+    concatenate the chunks received along ``gather_dim`` in rank order (one
+    ``all_to_all_single``, as DeepSpeed-Ulysses' ``single_all_to_all``, arXiv 2309.14509).
+
+    ``x`` of shape ``(.., s, .., g, ..)`` -> ``(.., s / world, .., g * world, ..)``.
+
+    Raises
+    ------
+    ValueError
+        If ``x.shape[scatter_dim]`` is not divisible by the group size, or the two dims are equal.
+    """
+    world = dist.get_world_size(group)
+    s, g = scatter_dim % x.dim(), gather_dim % x.dim()
+    if s == g:
+        raise ValueError("all_to_all: scatter_dim and gather_dim must differ")
+    if x.shape[s] % world:
+        raise ValueError(f"all_to_all: size {x.shape[s]} of dim {s} is not divisible by group size {world}")
+    xs = x.movedim(s, 0)
+    xs = xs.reshape((world, xs.shape[0] // world) + tuple(xs.shape[1:])).contiguous()
+    out = torch.empty_like(xs)
+    _record("all_to_all", group, xs.numel(), x.shape, x.dtype, direction, tag)
+    dist.all_to_all_single(out, xs, group=group)
+    y = out.movedim(1, s + 1).movedim(0, g)  # (.., world, x_g, ..): rank j's chunk at index j
+    shape = list(y.shape)
+    shape[g:g + 2] = [shape[g] * shape[g + 1]]
+    return y.reshape(shape)
