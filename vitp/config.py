@@ -132,9 +132,11 @@ class SamplerConfig:
 
 @dataclass
 class ParallelConfig:
-    """Layout: world_size = tp * pp * dp (dp is derived)."""
+    """Layout: world_size = tp * cp * pp * dp (dp is derived)."""
 
     tp: int = 1  # tensor-parallel degree
+    cp: int = 1  # context-parallel degree: every layer holds 1/cp of each sample's tokens
+    cp_mode: str = "ulysses"  # context-parallel attention: "ulysses" (all-to-all over heads) | "ring" (K/V passed around)
     pp: int = 1  # pipeline-parallel degree (stages)
     sequence_parallel: bool = False  # shard tokens over the tp group outside attention/MLP
     zero_stage: int = 1  # DeepSpeed ZeRO stage (0 or 1; >= 2 is incompatible with pipelines)
@@ -338,6 +340,8 @@ FIELD_RULES: Dict[str, Rule] = {
     "sampler.batch_size": span(1),
     "sampler.fps": span(0, lo_open=True, real=True),
     "parallel.tp": span(1),
+    "parallel.cp": span(1),
+    "parallel.cp_mode": one_of("ulysses", "ring"),
     "parallel.pp": span(1),
     "parallel.zero_stage": span(0, 1, note="pipelines support ZeRO stage 0 or 1"),
     "parallel.activation_checkpoint_interval": span(0, note="0 = off"),
@@ -470,18 +474,29 @@ def mlp_hidden_units(width: int, mlp_ratio: float, mlp: str) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """The process layout of a run: ``world_size = tp * pp * dp`` and the resolved precision."""
+    """The process layout of a run: ``world_size = tp * cp * pp * dp`` and the resolved precision.
+
+    DeepSpeed's engine sees ``dp * cp`` data-parallel ranks (:attr:`engine_dp`): the gradients of
+    a sample's token shards are summed over the cp ranks by the same reduction that averages
+    them over dp (Megatron-Core's ``with_context_parallel=True`` groups), while the data are
+    sharded over ``dp`` only."""
 
     tp: int
     pp: int
     dp: int
     precision: str  # "fp32" | "bf16" ("auto" resolved by device)
+    cp: int = 1
+
+    @property
+    def engine_dp(self) -> int:
+        """The data-parallel size of DeepSpeed's engine: ``dp * cp``."""
+        return self.dp * self.cp
 
     def engine_zero_stage(self, configured: int) -> int:
-        """ZeRO stage the engine runs for ``parallel.zero_stage = configured``: 0 in fp32 at
-        ``dp = 1`` (ZeRO-1 would partition nothing; vitp clips exactly itself, see
-        :mod:`vitp.train.engine`), else ``configured``."""
-        return 0 if self.precision == "fp32" and self.dp == 1 else int(configured)
+        """ZeRO stage the engine runs for ``parallel.zero_stage = configured``: 0 in fp32 when the
+        engine has one data-parallel rank (ZeRO-1 would partition nothing; vitp clips exactly
+        itself, see :mod:`vitp.train.engine`), else ``configured``."""
+        return 0 if self.precision == "fp32" and self.engine_dp == 1 else int(configured)
 
 
 def resolve_precision(precision: str, device_type: str) -> str:
@@ -703,6 +718,63 @@ def _layouts(world: int) -> List[tuple]:
     return [(t, p) for t in range(1, world + 1) for p in range(1, world + 1) if world % (t * p) == 0]
 
 
+def run_shapes(cfg: "DictConfig") -> List[Tuple[str, Tuple[int, int, int]]]:
+    """``[(name, token grid (gt, gh, gw))]`` of every shape a run trains: each bucket of
+    ``data.buckets`` (named ``data.buckets[i]``), else ``model.image_size`` x ``model.num_frames``."""
+    m = cfg.model
+    p, pt = m.patch_size, m.tubelet_size
+    if not cfg.data.buckets:
+        H, W = parse_resolution(m.image_size, "model.image_size")
+        return [("model.image_size", (m.num_frames // pt, H // p, W // p))]
+    out = []
+    for i, b in enumerate(cfg.data.buckets):
+        H, W = parse_resolution(b.resolution)
+        frames = m.num_frames if b.frames is None else b.frames
+        out.append((f"data.buckets[{i}]", (frames // pt, H // p, W // p)))
+    return out
+
+
+def check_context_parallel(cfg: "DictConfig", cp: int, tp: int) -> None:
+    """Rules of context parallelism (``parallel.cp > 1``), checked before any process group:
+
+    - ``model.attention=full``: every trained shape's token count ``N`` divides by cp (each rank
+      holds a contiguous ``N / cp`` tokens); ``cp_mode=ulysses`` also needs ``model.num_heads``
+      divisible by ``tp * cp`` (heads are split over both);
+    - ``model.attention=factorized``: frames are sharded, so ``gt`` and ``gh * gw`` divide by cp
+      (spatial blocks need no communication, temporal ones trade frames for positions);
+    - no partially synchronized activations (``parallel.partial_sync < 1``), and no attention
+      dropout with ``cp_mode=ring``.
+
+    Raises ``ValueError`` naming the shape or option and the fix.
+    """
+    if cp == 1:
+        return
+    par, m = cfg.parallel, cfg.model
+    _fail(par.partial_sync >= 1, f"parallel.partial_sync={par.partial_sync} with parallel.cp={cp}: partially "
+                                 "synchronized activations do not support context parallelism; use "
+                                 "parallel.partial_sync=1 or parallel.cp=1")
+    _fail(not (par.cp_mode == "ring" and m.attn_drop > 0),
+          f"model.attn_drop={m.attn_drop} with parallel.cp_mode=ring: ring attention has no attention dropout; "
+          "use model.attn_drop=0 or parallel.cp_mode=ulysses")
+    if m.attention == "full" and par.cp_mode == "ulysses" and m.num_heads % (tp * cp):
+        ok = [c for c in divisors(m.num_heads // math.gcd(m.num_heads, tp)) if (m.num_heads // tp) % c == 0]
+        raise ValueError(f"parallel.cp={cp} with parallel.cp_mode=ulysses splits model.num_heads={m.num_heads} over "
+                         f"tp x cp = {tp * cp} ranks, which does not divide it; use parallel.cp_mode=ring, or "
+                         f"parallel.cp in {ok}")
+    for name, (gt, gh, gw) in run_shapes(cfg):
+        n = gt * gh * gw
+        if m.attention == "full":
+            _fail(n % cp == 0, f"{name}: {n} tokens (grid {gt}x{gh}x{gw}) do not split over parallel.cp={cp}; "
+                               f"use a size whose token count is a multiple of {cp}, or parallel.cp in "
+                               f"{[c for c in divisors(n) if c > 1][:6]}")
+        else:
+            _fail(gt % cp == 0 and (gh * gw) % cp == 0,
+                  f"{name}: factorized attention shards frames over parallel.cp={cp}, but the grid {gt}x{gh}x{gw} "
+                  f"has {gt} frame(s) of {gh * gw} tokens (both must divide by cp); use a frame count that is a "
+                  f"multiple of {cp} x model.tubelet_size, model.attention=full, or parallel.cp in "
+                  f"{divisors(math.gcd(gt, gh * gw))}")
+
+
 def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu") -> Layout:
     """The run's :class:`Layout` on ``world_size`` processes, after checking that it can work:
     ``tp * pp`` divides the world, heads and MLP hidden units divide ``tp``, every pipeline stage
@@ -712,10 +784,12 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     Raises ``ValueError`` naming the option and listing the valid values.
     """
     par, m, tr = cfg.parallel, cfg.model, cfg.trainer
-    tp, pp = par.tp, par.pp
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
-        raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide world_size={world_size}; "
-                         f"valid (tp, pp) for {world_size} processes: {_layouts(world_size)}")
+    tp, pp, cp = par.tp, par.pp, par.cp
+    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
+        raise ValueError(f"parallel.tp={tp} x parallel.cp={cp} x parallel.pp={pp} does not divide world_size="
+                         f"{world_size}; valid (tp, pp) for {world_size // cp if world_size % cp == 0 else world_size}"
+                         f" processes per context-parallel rank: "
+                         f"{_layouts(world_size // cp if world_size % cp == 0 else world_size)}")
     sizes = [("model.num_heads", m.num_heads),
              (f"MLP hidden units (model.mlp={m.mlp}, model.width, model.mlp_ratio)",
               mlp_hidden_units(m.width, m.mlp_ratio, m.mlp))]
@@ -733,10 +807,11 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     _fail(not (par.zero_stage == 0 and precision == "fp32"),
           "parallel.zero_stage=0 in fp32: DeepSpeed's pipeline engine does not report, and with pp > 1 "
           "miscomputes, the clipping grad norm; use parallel.zero_stage=1 (the default)")
-    dp = world_size // (tp * pp)
+    check_context_parallel(cfg, cp, tp)
+    dp = world_size // (tp * pp * cp)
     check_batch_split(tr.global_batch_size, tr.micro_batch_size, dp)
     _check_bucket_batches(cfg, dp)
-    return Layout(tp=tp, pp=pp, dp=dp, precision=precision)
+    return Layout(tp=tp, pp=pp, dp=dp, precision=precision, cp=cp)
 
 
 def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_type: str = "cpu"

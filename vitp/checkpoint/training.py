@@ -189,8 +189,9 @@ def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout
     fix = (f"a training checkpoint resumes only at the same layout and model; to change them export the weights "
            f"(vitp-export {tag_dir}) and start a new run dir with trainer.init_from=<export>.safetensors "
            f"(weights only: optimizer and LR schedule restart)")
-    mine = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "precision": layout.precision,
+    mine = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp, "precision": layout.precision,
             "zero_stage": cfg.parallel.zero_stage}
+    meta = {"cp": 1, **meta}  # written before context parallelism existed
     diffs = [f"{k}: {meta.get(k)!r} in the checkpoint vs {v!r} now" for k, v in mine.items() if meta.get(k) != v]
     p_file, p_now = float(meta.get("partial_sync", 1.0)), float(cfg.parallel.partial_sync)  # absent: exact TP
     if p_file != p_now:

@@ -23,6 +23,14 @@ sequence parallelism, ``partial`` with ``parallel.partial_sync < 1``):
   sync the prediction is the mean over the TP group, and the patch embedding and the output
   head (``embed.x_embedder``, ``final.linear``) get partial gradients.
 
+Context-parallel rows (axis ``cp``, :mod:`vitp.parallel.context`; any mode): the embedding's
+tokens are split over the cp group (before the sequence-parallel split, so SP regions hold
+``N / (cp tp)`` tokens), every block's attention meets the other shards (Ulysses all-to-all or
+ring; factorized blocks trade frames for positions), and the output head's token shards are
+all-gathered for the loss, which every cp rank computes whole. All parameters see only their
+rank's tokens, so their gradients are summed over cp by the data-parallel reduction over
+``dp x cp`` (:class:`vitp.config.Layout`).
+
 The same paths name the layers of a :class:`~vitp.models.Generator` and of a DeepSpeed pipeline
 stage (:func:`generator_layers`).
 """
@@ -35,6 +43,9 @@ import torch.nn as nn
 from vitp.parallel import ParallelState
 from vitp.parallel.plan import ParallelPlan, PlanReport, PlanRow, apply_plan
 from vitp.parallel.styles import (
+    ContextEnter,
+    ContextExit,
+    ContextParallelAttention,
     GatheredColumnParallel,
     HeadParallelAttention,
     HiddenParallelMlp,
@@ -78,6 +89,7 @@ GENERATOR_PLAN = ParallelPlan(
     roots=("embed", "blocks", "final"),
     layers=generator_layers,
     rows=(
+        PlanRow("embed", ContextEnter(output=0), axis="cp"),
         PlanRow("embed", SequenceEnter(output=0), ("sp",)),
         PlanRow("embed", TPRegionEnter(output=1, tag="cond"), ALL),
         PlanRow("embed.x_embedder", PartialGradient("tp_partial_grad"), ("partial",)),
@@ -94,14 +106,17 @@ GENERATOR_PLAN = ParallelPlan(
         PlanRow("final.adaLN_modulation.1", GatheredColumnParallel(partial_output_grad=True), ("partial",)),
         PlanRow("final.linear", PartialGradient("tp_partial_grad"), ("partial",)),
         PlanRow("final", MeanOverTP(tag="head"), ("partial",)),
+        PlanRow("blocks.*", ContextParallelAttention(), axis="cp"),
+        PlanRow("final.linear", ContextExit(), axis="cp"),
     ),
 )
 
 
 def parallelize_generator(model: nn.Module, state: ParallelState, seq_len: Optional[int] = None,
-                          plan: ParallelPlan = GENERATOR_PLAN) -> PlanReport:
+                          plan: ParallelPlan = GENERATOR_PLAN, grid: Optional[Tuple[int, int, int]] = None
+                          ) -> PlanReport:
     """Apply ``plan`` (:data:`GENERATOR_PLAN`) to ``model`` in place and return the
-    :class:`~vitp.parallel.plan.PlanReport`; a no-op when ``state.tp_size == 1``.
+    :class:`~vitp.parallel.plan.PlanReport`; a no-op when ``state.tp_size == state.cp_size == 1``.
 
     ``model`` is a :class:`~vitp.models.Generator`, a DeepSpeed ``PipelineModule`` of
     :mod:`vitp.pipeline` layers, one of its stages, or a lone block, holding full (identical on
@@ -112,6 +127,9 @@ def parallelize_generator(model: nn.Module, state: ParallelState, seq_len: Optio
     seq_len : int, optional
         True token count ``N``; inferred from an ``Embed``/``FinalLayer`` grid. Needed under
         sequence parallelism for a stage that holds only blocks.
+    grid : (gt, gh, gw), optional
+        The token grid; inferred like ``seq_len``. Needed under context parallelism for a stage
+        that holds only blocks.
 
     Raises
     ------
@@ -119,14 +137,15 @@ def parallelize_generator(model: nn.Module, state: ParallelState, seq_len: Optio
         No block found, sizes not divisible by tp, an unknown ``seq_len`` under sequence
         parallelism, or a plan row that names no module.
     """
-    if state.tp_size == 1:
+    if state.tp_size == 1 and state.cp_size == 1:
         return PlanReport(plan.name, "tp")
     if not any(isinstance(m, Block) for m in model.modules()):
         raise ValueError("parallelize_generator: the model holds no generator Block")
     grids = [m.grid for m in model.modules() if isinstance(m, (Embed, FinalLayer))]
-    if seq_len is None and grids:
-        seq_len = token_count(grids[0])
-    if state.sequence_parallel and seq_len is None:
-        raise ValueError("parallelize_generator: sequence parallel needs the token count; pass seq_len=N for a "
-                         "stage without Embed/FinalLayer (e.g. a middle pipeline stage)")
-    return apply_plan(model, plan, state, seq_len)
+    grid = tuple(grid) if grid is not None else tuple(grids[0]) if grids else None
+    if seq_len is None and grid is not None:
+        seq_len = token_count(grid)
+    if (state.sequence_parallel or state.cp_size > 1) and seq_len is None:
+        raise ValueError("parallelize_generator: sequence and context parallelism need the token grid; pass "
+                         "grid=(gt, gh, gw) for a stage without Embed/FinalLayer (e.g. a middle pipeline stage)")
+    return apply_plan(model, plan, state, seq_len, grid)

@@ -97,8 +97,10 @@ def register_grad_allreduce(param: nn.Parameter, state: ParallelState, attr: str
     the parameter is marked for :func:`vitp.parallel.grads.sync_partial_grads`, which the caller
     runs once per optimizer step (the trainer does, before the grad norm).
     """
+    if state.tp_size == 1:  # nothing to sum (e.g. a context-parallel attention at tp = 1)
+        return
     setattr(param, attr, True)
-    if state.tp_size == 1 or getattr(param, "_vitp_grad_allreduce", False):
+    if getattr(param, "_vitp_grad_allreduce", False):
         return
     if state.defer_grad_sync:  # summed once per step by vitp.parallel.grads.sync_partial_grads
         defer_grad_allreduce(param, state.tp_group)
@@ -183,9 +185,10 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
         self.group = state.tp_group
         self.weight = weight
         self.bias = bias
-        _mark_sharded(self.weight, 0, stride)
-        if self.bias is not None:
-            _mark_sharded(self.bias, 0, stride)
+        if state.tp_size > 1:  # at tp = 1 (a context-parallel attention) nothing is sharded
+            _mark_sharded(self.weight, 0, stride)
+            if self.bias is not None:
+                _mark_sharded(self.bias, 0, stride)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, state: ParallelState, stride_chunks: Optional[int] = None,
@@ -267,7 +270,8 @@ class RowParallelLinear(NoDeepcopy, nn.Module):
         self.weight = weight
         self.bias = bias
         self.partial_sync = partial_sync  # vitp.parallel.partial_sync.PartialSync: sum only some channels
-        _mark_sharded(self.weight, 1, 1)
+        if state.tp_size > 1:
+            _mark_sharded(self.weight, 1, 1)
         if self.bias is not None and partial_sync is not None:
             register_grad_allreduce(self.bias, state, "tp_partial_grad")
         elif self.bias is not None and self.sequence_parallel:

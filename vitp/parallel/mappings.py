@@ -18,7 +18,15 @@ replicated``
 ``gather_from_tp_region``               all-gather last dim             split last dim, or
                                                                         reduce-scatter last dim
                                                                         (``partial_grad=True``)
+``all_to_all``                          all-to-all (scatter s, gather   all-to-all (scatter g,
+                                        g)                              gather s)
+``split_to_context_region``             split dim 1                     zero-pad dim 1
+``gather_from_context_region``          all-gather dim 1                split dim 1, times cp
 ======================================  ==============================  =========================
+
+The context-parallel pair (:mod:`vitp.parallel.context`) differs from the sequence-parallel one
+because parameter gradients are summed over the cp group afterwards: a rank's share of a sample's
+gradient flows back through its own tokens only.
 
 ``gather_from_sequence_region_to_replicated`` feeds replicated computation (every rank computes
 the same gradient, so each keeps its slice). With a group of size 1 every function is the
@@ -102,6 +110,73 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return comm.all_gather(g, ctx.dim, ctx.group, direction="bwd", tag=ctx.tag), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all ``(scatter, gather)`` (fwd) / its transpose ``(gather, scatter)`` (bwd)."""
+
+    @staticmethod
+    def forward(ctx, x, scatter, gather, group, tag):
+        ctx.scatter, ctx.gather, ctx.group, ctx.tag = scatter, gather, group, tag
+        return comm.all_to_all(x, scatter, gather, group, direction="fwd", tag=tag)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_to_all(g, ctx.gather, ctx.scatter, ctx.group, direction="bwd", tag=ctx.tag), None, None, None, None
+
+
+class _SplitContext(torch.autograd.Function):
+    """Keep this rank's contiguous chunk of dim 1 (fwd) / zero-pad its gradient back (bwd)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        world, rank = comm.group_size(group), comm.group_rank(group)
+        ctx.full, ctx.rank = x.shape[SEQ_DIM], rank
+        return _split(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        n = g.shape[SEQ_DIM]
+        pad = [0, 0] * (g.dim() - 1 - SEQ_DIM) + [ctx.rank * n, ctx.full - (ctx.rank + 1) * n]
+        return torch.nn.functional.pad(g, pad), None
+
+
+class _GatherContext(torch.autograd.Function):
+    """All-gather dim 1 (fwd) / this rank's chunk of the gradient times the group size (bwd)."""
+
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group = group
+        return comm.all_gather(x, SEQ_DIM, group, direction="fwd", tag=tag)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, SEQ_DIM, ctx.group) * comm.group_size(ctx.group), None, None
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, tag: str = "cp") -> torch.Tensor:
+    """Autograd all-to-all (:func:`vitp.parallel.comm.all_to_all`): ``(.., s, .., g, ..)`` ->
+    ``(.., s / world, .., g * world, ..)``; backward the transposed all-to-all."""
+    return x if comm.group_size(group) == 1 else _AllToAll.apply(x, scatter_dim, gather_dim, group, tag)
+
+
+def split_to_context_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Tokens ``(B, N, ...)`` -> this context-parallel rank's contiguous ``(B, N / cp, ...)``;
+    backward zero-pads the gradient (the other tokens' gradients live on the other cp ranks and
+    meet theirs in the parameter-gradient reduction over cp). No communication.
+
+    Raises ``ValueError`` if ``N`` is not divisible by the group size.
+    """
+    return x if comm.group_size(group) == 1 else _SplitContext.apply(x, group)
+
+
+def gather_from_context_region(x: torch.Tensor, group, tag: str = "cp_boundary") -> torch.Tensor:
+    """Token shards ``(B, N / cp, ...)`` -> ``(B, N, ...)`` feeding computation every cp rank
+    repeats (the loss). Backward keeps this rank's chunk of the (identical) gradient, times cp:
+    the data-parallel reduction averages over ``dp * cp`` ranks while the cp shards' gradients
+    are parts of one sample's gradient (Megatron-LM scales the loss by ``context_parallel_size``
+    for the same reason)."""
+    return x if comm.group_size(group) == 1 else _GatherContext.apply(x, group, tag)
 
 
 def copy_to_tp_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from .state import ParallelState
 from .styles import (
+    AXES,
     MODES,
     Collective,
     HeadParallelAttention,
@@ -50,16 +51,20 @@ Layers = Callable[[nn.Module], List[Tuple[str, nn.Module]]]
 
 @dataclass(frozen=True)
 class PlanRow:
-    """``pattern`` (canonical module path, ``*`` = one component) -> ``style``, in ``modes``."""
+    """``pattern`` (canonical module path, ``*`` = one component) -> ``style``, in ``modes``,
+    when the parallel degree ``axis`` (``tp`` or ``cp``) is above 1."""
 
     pattern: str
     style: ParallelStyle
     modes: Tuple[str, ...] = MODES
+    axis: str = "tp"
 
     def __post_init__(self):
         bad = [m for m in self.modes if m not in MODES]
         if bad:
             raise ValueError(f"plan row {self.pattern!r}: unknown mode(s) {bad}; use {MODES}")
+        if self.axis not in AXES:
+            raise ValueError(f"plan row {self.pattern!r}: unknown axis {self.axis!r}; use {AXES}")
 
 
 @dataclass(frozen=True)
@@ -113,8 +118,9 @@ class PlanReport:
     def collectives(self, shape: StepShape) -> List[Collective]:
         """TP collectives of one micro-batch (forward ones ``shape.redo`` times), plus one
         ``per_step`` all-reduce of the partial gradients (tag ``param_grad``), merged by kind,
-        direction, tag and size. Empty at tp = 1."""
-        if shape.tp == 1:
+        direction, tag and size; the context-parallel ones (tags ``cp``, ``cp_boundary``) run over
+        the cp group, the others over the TP group. Empty at tp = cp = 1."""
+        if shape.tp == 1 and shape.cp == 1:
             return []
         counts: Dict[tuple, int] = defaultdict(int)
         for style, sizes in self._sizes:
@@ -170,14 +176,14 @@ def _check_row(plan: ParallelPlan, row: PlanRow, layers, matches: List[_Match]) 
                          f"model; module paths look like {', '.join(names[:12])} ...: fix the pattern")
 
 
-def _run(layers, plan: ParallelPlan, mode: str, ctx: Optional[PlanContext]) -> PlanReport:
-    """Match every row against ``layers`` (checked in every mode), apply those of ``mode`` when
-    ``ctx`` is given."""
+def _run(layers, plan: ParallelPlan, mode: str, ctx: Optional[PlanContext], axes: Sequence[str]) -> PlanReport:
+    """Match every row against ``layers`` (checked in every mode), apply those of ``mode`` and an
+    active axis (``axes``) when ``ctx`` is given."""
     report = PlanReport(plan.name, mode)
     for row in plan.rows:
         matches = _matches(row, layers)
         _check_row(plan, row, layers, matches)
-        applied = mode in row.modes
+        applied = mode in row.modes and row.axis in axes
         report.rows.append((row.pattern, repr(row.style), row.modes, applied, [m.name for m in matches]))
         if not applied:
             continue
@@ -212,14 +218,19 @@ def _actual_roles(layers) -> Dict[str, str]:
     return out
 
 
-def apply_plan(model: nn.Module, plan: ParallelPlan, state: ParallelState, seq_len: Optional[int] = None
-               ) -> PlanReport:
+def _axes(tp: int, cp: int) -> Tuple[str, ...]:
+    return tuple(a for a, n in (("tp", tp), ("cp", cp)) if n > 1)
+
+
+def apply_plan(model: nn.Module, plan: ParallelPlan, state: ParallelState, seq_len: Optional[int] = None,
+               grid: Optional[Tuple[int, int, int]] = None) -> PlanReport:
     """Apply ``plan`` to ``model`` (holding full weights, identical on every TP rank) in place,
     log it (INFO on the first TP rank of the first data-parallel replica), and return its
-    :class:`PlanReport`. A no-op report when ``state.tp_size == 1``.
+    :class:`PlanReport`. A no-op report when ``state.tp_size == state.cp_size == 1``.
 
-    ``seq_len``: the true token count ``N`` that sequence-parallel attention drops the padding
-    to (updated later by ``set_grid``).
+    ``seq_len``: the true token count ``N`` of a sample (each context-parallel rank holds
+    ``N / cp``), which sequence-parallel attention drops the padding to (updated later by
+    ``set_grid``); ``grid``: the token grid ``(gt, gh, gw)`` (needed with context parallelism).
 
     Raises
     ------
@@ -231,10 +242,14 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, state: ParallelState, seq_l
         style whose :meth:`~vitp.parallel.styles.ParallelStyle.roles` is wrong).
     """
     mode = plan_mode(state)
-    if state.tp_size == 1:
+    axes = _axes(state.tp_size, state.cp_size)
+    if not axes:
         return PlanReport(plan.name, mode)
+    if state.cp_size > 1 and grid is None:
+        raise ValueError(f"parallel plan {plan.name!r}: context parallelism needs the token grid (grid=)")
     layers = plan.layers(model)  # before any swap: the layer finder may look for unsharded modules
-    report = _run(layers, plan, mode, PlanContext(state, seq_len))
+    local = None if seq_len is None else seq_len // state.cp_size
+    report = _run(layers, plan, mode, PlanContext(state, local, grid), axes)
     actual = _actual_roles(layers)
     if actual != report.params:
         diff = sorted(set(actual.items()) ^ set(report.params.items()))[:6]
@@ -245,10 +260,11 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, state: ParallelState, seq_l
     return report
 
 
-def describe_plan(model: nn.Module, plan: ParallelPlan, mode: str) -> PlanReport:
-    """The :class:`PlanReport` that :func:`apply_plan` would return in ``mode``, without changing
-    ``model`` (which may live on the ``meta`` device). Raises ``ValueError`` as ``apply_plan``."""
-    return _run(plan.layers(model), plan, mode, None)
+def describe_plan(model: nn.Module, plan: ParallelPlan, mode: str, tp: int = 2, cp: int = 1) -> PlanReport:
+    """The :class:`PlanReport` that :func:`apply_plan` would return in ``mode`` at tensor- and
+    context-parallel degrees ``tp`` and ``cp``, without changing ``model`` (which may live on the
+    ``meta`` device). Raises ``ValueError`` as ``apply_plan``."""
+    return _run(plan.layers(model), plan, mode, None, _axes(tp, cp))
 
 
 # --- stock timm VisionTransformer (or any module holding timm blocks) --------------------------
@@ -322,5 +338,8 @@ def tensor_parallelize(model: nn.Module, state: ParallelState, seq_len: Optional
                          "(vitp.models.parallelize_generator); tensor_parallelize supports partial_sync=1 only")
     if not timm_layers(model):
         raise ValueError("tensor_parallelize: no block with timm `attn` and `mlp` children found")
+    if state.cp_size > 1:
+        raise ValueError("tensor_parallelize supports parallel.cp=1 only; context parallelism needs a model plan "
+                         "(vitp.models.parallelize_generator)")
     apply_plan(model, TIMM_PLAN, state, seq_len)
     return model

@@ -1,9 +1,14 @@
-"""Who am I in the ``tp x pp x dp`` layout: :class:`ParallelState` and its construction.
+"""Who am I in the ``tp x cp x pp x dp`` layout: :class:`ParallelState` and its construction.
 
 The process groups come from DeepSpeed's ``PipelineParallelGrid`` over a
-``PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`` (deepspeed
+``PipeModelDataParallelTopology(num_pp, num_mp, num_dp=dp * cp)`` (deepspeed
 ``runtime/pipe/topology.py``): its "model" axis is the tensor-parallel ("slice") group and is
-the fastest-varying axis, so the ranks of a TP group are consecutive (same node).
+the fastest-varying axis, so the ranks of a TP group are consecutive (same node). Its "data"
+axis holds ``dp * cp`` ranks with cp the faster one, so the rank order is Megatron-Core's
+``tp-cp-dp-pp`` (tp innermost): DeepSpeed reduces gradients over data x context (a sample's
+token shards contribute parts of its gradient) while the data loader shards over dp only. The
+context-parallel groups are the "context" axis of the equivalent
+``ProcessTopology(axes=["pipe", "data", "context", "model"])``.
 """
 from __future__ import annotations
 
@@ -41,6 +46,10 @@ class ParallelState:
     defer_grad_sync: bool = False
     partial_sync: float = 1.0
     partial_sync_scale: str = "sqrt_tp"
+    cp_group: Any = None
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_mode: str = "ulysses"
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tp_size == 1:
@@ -52,21 +61,51 @@ class ParallelState:
         return self.tp_size > 1 and self.partial_sync < 1.0
 
 
+def context_group(grid: Any, cp: int) -> Any:
+    """This rank's context-parallel process group in a grid whose data axis holds ``dp * cp``
+    ranks (module docstring); ``None`` at ``cp = 1``. Collective: every rank creates every group,
+    in the same order (``torch.distributed.new_group``)."""
+    import torch.distributed as dist
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    if cp == 1:
+        return None
+    tp, pp, data = (grid.get_slice_parallel_world_size(), grid.pipe_parallel_size,
+                    grid.get_data_parallel_world_size())
+    if data % cp:
+        raise ValueError(f"parallel.cp={cp} does not divide the {data} data-parallel ranks of the grid")
+    topo = ProcessTopology(axes=["pipe", "data", "context", "model"], dims=[pp, data // cp, cp, tp])
+    mine = None
+    for ranks in topo.get_axis_comm_lists("context"):
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
 def from_grid(grid: Any, sequence_parallel: bool = False, defer_grad_sync: bool = False, partial_sync: float = 1.0,
-              partial_sync_scale: str = "sqrt_tp") -> ParallelState:
-    """:class:`ParallelState` of a DeepSpeed ``PipelineParallelGrid`` (e.g. :func:`vitp.deepspeed_adapter.pipeline_grid` of a ``PipelineModule``)."""
+              partial_sync_scale: str = "sqrt_tp", cp: int = 1, cp_mode: str = "ulysses") -> ParallelState:
+    """:class:`ParallelState` of a DeepSpeed ``PipelineParallelGrid`` (e.g.
+    :func:`vitp.deepspeed_adapter.pipeline_grid` of a ``PipelineModule``) whose data axis holds
+    ``dp * cp`` ranks (module docstring). With ``cp > 1`` it creates the context-parallel groups
+    (collective)."""
+    data_rank, data = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
     return ParallelState(
         tp_group=grid.get_slice_parallel_group(),
         tp_rank=grid.get_slice_parallel_rank(),
         tp_size=grid.get_slice_parallel_world_size(),
-        dp_rank=grid.get_data_parallel_rank(),
-        dp_size=grid.get_data_parallel_world_size(),
+        dp_rank=data_rank // cp,
+        dp_size=data // cp,
         pp_rank=grid.get_stage_id(),
         pp_size=grid.pipe_parallel_size,
         sequence_parallel=sequence_parallel,
         defer_grad_sync=defer_grad_sync,
         partial_sync=float(partial_sync),
         partial_sync_scale=partial_sync_scale,
+        cp_group=context_group(grid, cp),
+        cp_rank=data_rank % cp,
+        cp_size=cp,
+        cp_mode=cp_mode,
     )
 
 
@@ -75,8 +114,9 @@ def _layouts(world: int) -> List[str]:
             for p in range(1, world // t + 1) if (world // t) % p == 0]
 
 
-def make_state(tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = False) -> ParallelState:
-    """Build the DeepSpeed grid for ``tp x pp x dp`` and return this rank's state.
+def make_state(tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = False, cp: int = 1,
+               cp_mode: str = "ulysses") -> ParallelState:
+    """Build the DeepSpeed grid for ``tp x cp x pp x dp`` and return this rank's state.
 
     Requires ``torch.distributed`` to be initialised (e.g. by
     :func:`vitp.parallel.distributed.init_distributed`). Every rank must call it (it creates
@@ -95,11 +135,12 @@ def make_state(tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("make_state needs torch.distributed initialised (vitp.parallel.distributed.init_distributed)")
     world = dist.get_world_size()
-    if min(tp, pp, dp) < 1 or tp * pp * dp != world:
-        raise ValueError(f"parallel layout tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} does not match the world "
-                         f"size {world}; valid layouts: {', '.join(_layouts(world))}")
-    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
-    return from_grid(PipelineParallelGrid(topology=topo), sequence_parallel)
+    if min(tp, pp, dp, cp) < 1 or tp * pp * dp * cp != world:
+        raise ValueError(f"parallel layout tp={tp} x cp={cp} x pp={pp} x dp={dp} = {tp * pp * dp * cp} does not match "
+                         f"the world size {world}; valid layouts at cp={cp}: "
+                         f"{', '.join(_layouts(world // cp)) if world % cp == 0 else 'none'}")
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp * cp)
+    return from_grid(PipelineParallelGrid(topology=topo), sequence_parallel, cp=cp, cp_mode=cp_mode)
 
 
 def _sizes_of_module(model: nn.Module) -> List[tuple]:
@@ -141,4 +182,4 @@ def validate_tp(model: nn.Module, tp: int) -> None:
                              f"model: {divisors(g) if g else [1]}")
 
 
-__all__ = ["ParallelState", "from_grid", "make_state", "validate_tp"]
+__all__ = ["ParallelState", "context_group", "from_grid", "make_state", "validate_tp"]

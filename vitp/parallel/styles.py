@@ -16,7 +16,9 @@ model and the plan read by the planner (:mod:`vitp.plan`) are the same object:
 
 A plan runs in one of three modes (:func:`plan_mode`): ``tp`` (exact tensor parallelism),
 ``sp`` (with sequence parallelism: tokens sharded over the TP group outside attention/MLP) and
-``partial`` (partially synchronized activations, :mod:`vitp.parallel.partial_sync`).
+``partial`` (partially synchronized activations, :mod:`vitp.parallel.partial_sync`). A row's
+``axis`` says which parallel degree it serves: ``tp`` rows apply at tp > 1, ``cp`` rows
+(context parallelism, :mod:`vitp.parallel.context`) at cp > 1, in any of their modes.
 """
 from __future__ import annotations
 
@@ -26,13 +28,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
+from .context import ContextAttention
 from .layers import ColumnParallelLinear, register_grad_allreduce
-from .mappings import copy_to_tp_region
+from .mappings import copy_to_tp_region, gather_from_context_region, split_to_context_region
 from .partial_sync import mean_over_tp
 from .state import ParallelState
 from .timm_tp import TPAttention, TPMlp, sequence_parallel_enter, sequence_parallel_exit
 
 MODES = ("tp", "sp", "partial")
+AXES = ("tp", "cp")
 
 
 def mode_of(tp: int, sequence_parallel: bool, partial_sync: float) -> str:
@@ -49,18 +53,19 @@ def plan_mode(state: ParallelState) -> str:
 class Collective:
     """``count`` collectives of ``nbytes`` logical bytes each (as :class:`vitp.parallel.CommRecord`)."""
 
-    kind: str  # all_reduce | all_gather | reduce_scatter
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send_recv
     direction: str  # fwd | bwd
-    tag: str  # tp | cond | sp_boundary | param_grad | head
+    tag: str  # tp | cond | sp_boundary | param_grad | head | cp | cp_boundary
     nbytes: float
     count: int = 1
     per_step: bool = False  # once per optimizer step, not per micro-batch
 
     def wire_bytes(self, group: int) -> float:
-        """Bytes one rank sends for these collectives with ring algorithms (Patarasuk & Yuan
-        2009: all-reduce ``2 (p-1)/p n``, all-gather / reduce-scatter ``(p-1)/p n``)."""
-        factor = 2 if self.kind == "all_reduce" else 1
-        return self.count * factor * self.nbytes * (group - 1) / group
+        """Bytes one rank sends for these collectives over ``group`` ranks
+        (:func:`vitp.parallel.comm.wire_bytes`)."""
+        from .comm import wire_bytes
+
+        return self.count * wire_bytes(self.kind, self.nbytes, group)
 
 
 @dataclass(frozen=True)
@@ -82,24 +87,34 @@ class StepShape:
     pixels: int = 0
     redo: int = 1
     pp: int = 1
+    cp: int = 1
+    cp_mode: str = "ulysses"
 
     @property
     def mode(self) -> str:
         """The plan mode (:func:`plan_mode`) of this shape's layout."""
         return mode_of(self.tp, self.sequence_parallel, self.partial_sync)
 
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of one context-parallel shard, ``N / cp``."""
+        return self.tokens // self.cp
+
     def token_bytes(self, sp: bool, channels: Optional[int] = None) -> int:
-        """Bytes of one ``(micro, N, channels)`` activation, ``N`` padded to a multiple of tp when ``sp``."""
-        n = -(-self.tokens // self.tp) * self.tp if sp else self.tokens
+        """Bytes of one ``(micro, N / cp, channels)`` activation, ``N / cp`` padded to a multiple
+        of tp when ``sp``."""
+        n = -(-self.local_tokens // self.tp) * self.tp if sp else self.local_tokens
         return self.micro * n * (self.width if channels is None else channels) * self.act_bytes
 
 
 @dataclass
 class PlanContext:
-    """What styles need when applied: this rank's :class:`ParallelState` and the true token count."""
+    """What styles need when applied: this rank's :class:`ParallelState`, the true token count
+    of this rank (``N / cp``) and the full token grid ``(gt, gh, gw)`` (context parallelism)."""
 
     state: ParallelState
     seq_len: Optional[int] = None
+    grid: Optional[Tuple[int, int, int]] = None
 
 
 def _sharded(dim: int, stride: int = 1) -> str:
@@ -309,8 +324,9 @@ class SequenceExit(ParallelStyle):
 
     def apply(self, module, ctx):
         state = ctx.state
+        # seq_len(m) counts the whole sequence; a context-parallel rank holds N / cp of it
         module.register_forward_pre_hook(lambda m, args: _replace_item(
-            args, self.input, lambda x: sequence_parallel_exit(x, state, self.seq_len(m))))
+            args, self.input, lambda x: sequence_parallel_exit(x, state, self.seq_len(m) // state.cp_size)))
 
     def collectives(self, sizes, shape):
         return [Collective("all_gather", "fwd", "sp_boundary", shape.token_bytes(True))]
@@ -350,6 +366,76 @@ class MeanOverTP(ParallelStyle):
 
     def collectives(self, sizes, shape):
         return [Collective("all_reduce", "fwd", self.tag, shape.micro * shape.pixels * shape.act_bytes)]
+
+
+# --- context parallelism (vitp.parallel.context) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContextEnter(ParallelStyle):
+    """Tokens ``(B, N, D)`` at output ``output`` of the module enter the context-parallel region:
+    each cp rank keeps its contiguous ``N / cp`` (:func:`vitp.parallel.mappings.split_to_context_region`;
+    backward zero-pads, no communication). Applied before the sequence-parallel split."""
+
+    output: int = 0
+
+    def apply(self, module, ctx):
+        group = ctx.state.cp_group
+        module.register_forward_hook(
+            lambda _m, _a, out: _replace_item(tuple(out), self.output, lambda x: split_to_context_region(x, group)))
+
+
+@dataclass(frozen=True)
+class ContextParallelAttention(ParallelStyle):
+    """A block's attention (``module.attn``) attends over its cp group's token shards
+    (:class:`vitp.parallel.context.ContextAttention`, Ulysses or ring per ``state.cp_mode``). A
+    timm ``Attention`` (tp = 1) first becomes a :class:`~vitp.parallel.TPAttention` over the
+    one-rank TP group (same parameters, nothing sharded). Matches the block, whose
+    ``token_groups`` say the attention kind (full, spatial or temporal)."""
+
+    def apply(self, module, ctx):
+        state, attn = ctx.state, module.attn
+        if not isinstance(attn, TPAttention):
+            attn = TPAttention.from_timm(attn, state, ctx.seq_len)
+            module.attn = attn
+        attn.set_context(ContextAttention(state.cp_group, state.cp_size, state.cp_rank, state.cp_mode, ctx.grid))
+
+    def sizes(self, module):
+        groups = getattr(module, "token_groups", None)
+        return {"kind": groups.kind if groups is not None else "full"}
+
+    def collectives(self, sizes, shape):
+        return context_collectives(shape, sizes["kind"])
+
+
+def context_collectives(shape: StepShape, kind: str) -> List[Collective]:
+    """The cp collectives of one attention block (kind ``full``, ``spatial`` or ``temporal``) and
+    micro-batch, as :mod:`vitp.parallel.context` issues them: per rank
+    ``T = micro (N / cp) (H / tp) hd e`` bytes of each of q, k, v and the output."""
+    T = shape.micro * shape.local_tokens * (shape.width // shape.tp) * shape.act_bytes
+    if kind == "spatial" or shape.cp == 1:
+        return []
+    if kind == "temporal" or shape.cp_mode == "ulysses":
+        return [Collective("all_to_all", d, "cp", nb) for d in ("fwd", "bwd") for nb in (3 * T, T)]
+    steps = shape.cp - 1  # ring: K and V forward; K, V and their gradients backward
+    return [Collective("send_recv", "fwd", "cp", 2 * T, steps), Collective("send_recv", "bwd", "cp", 4 * T, steps)]
+
+
+@dataclass(frozen=True)
+class ContextExit(ParallelStyle):
+    """The module's output ``(B, N / cp, F)`` is all-gathered over the cp group for the loss,
+    which every cp rank then computes whole (:func:`vitp.parallel.mappings.gather_from_context_region`;
+    backward keeps this rank's chunk, times cp)."""
+
+    def apply(self, module, ctx):
+        group = ctx.state.cp_group
+        module.register_forward_hook(lambda _m, _a, out: gather_from_context_region(out, group))
+
+    def sizes(self, module):
+        return {"out": module.out_features}
+
+    def collectives(self, sizes, shape):
+        return [Collective("all_gather", "fwd", "cp_boundary", shape.micro * shape.tokens * sizes["out"] * shape.act_bytes)]
 
 
 def token_count(grid: Any) -> int:

@@ -128,6 +128,17 @@ class TPAttention(nn.Module):
                                                   partial_sync=partial_sync_of(attn.proj.out_features, state)
                                                   if partial else None)
         self.proj_drop = attn.proj_drop
+        self.context = None  # a vitp.parallel.context.ContextAttention under context parallelism
+
+    def set_context(self, context) -> None:
+        """Attend with the other token shards of a context-parallel group
+        (:class:`vitp.parallel.context.ContextAttention`); the input then holds ``N / cp`` tokens
+        (``N / (cp tp)`` under sequence parallelism). Raises ``ValueError`` with an attention mask."""
+        self.context = context
+        if self.seq_len is not None and context.grid is None:
+            raise ValueError("set_context: give the ContextAttention the token grid")
+        if context.grid is not None:
+            self.seq_len = context.local_tokens()
 
     @classmethod
     def from_timm(cls, attn: Attention, state: ParallelState, seq_len: Optional[int] = None,
@@ -136,8 +147,12 @@ class TPAttention(nn.Module):
         return cls(attn, state, seq_len, partial)
 
     def set_grid(self, grid: Sequence[int]) -> None:
-        """The token grid ``(gt, gh, gw)`` of the next steps: ``seq_len = gt * gh * gw``."""
+        """The token grid ``(gt, gh, gw)`` of the next steps: ``seq_len = gt * gh * gw`` (over cp
+        under context parallelism)."""
         self.seq_len = math.prod(int(g) for g in grid)
+        if self.context is not None:
+            self.context.set_grid(grid)
+            self.seq_len = self.context.local_tokens()
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 token_groups=None) -> torch.Tensor:
@@ -151,23 +166,30 @@ class TPAttention(nn.Module):
             if not 0 < n_pad - n < self.tp_size:
                 raise ValueError(f"sequence parallel: {n_pad} gathered tokens for seq_len={n} at tp={self.tp_size}")
             qkv = qkv[:, :n]
-        if token_groups is not None:
-            if attn_mask is not None or is_causal:
-                raise ValueError("attention masks are not supported with token_groups")
+        if (token_groups is not None or self.context is not None) and (attn_mask is not None or is_causal):
+            raise ValueError("attention masks are not supported with token_groups or context parallelism")
+        back = token_groups.ungroup if token_groups is not None else None
+        if self.context is not None:  # the other token shards (vitp.parallel.context)
+            qkv, back = self.context.enter(qkv, token_groups, self.head_dim)
+        elif token_groups is not None:
             qkv = token_groups.group(qkv)  # (B', N', 3 * H/tp * hd): groups of the full sequence
         bg, ng = qkv.shape[:2]
-        q, k, v = qkv.reshape(bg, ng, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        heads = qkv.shape[-1] // (3 * self.head_dim)  # H/tp, or H/(tp cp) under Ulysses
+        q, k, v = qkv.reshape(bg, ng, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[1] == self.num_heads > 1:
             h0 = self.local_heads * self.tp_rank
             attn_mask = attn_mask[:, h0:h0 + self.local_heads]
         p = self.attn_drop.p if self.training else 0.0
-        with sharded_fork(p, self.training, q.device, self.tp_size):
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal,
-                                               scale=self.scale)
-        o = o.transpose(1, 2).reshape(bg, ng, self.local_heads * self.head_dim)
-        if token_groups is not None:
-            o = token_groups.ungroup(o)  # (B, N, H/tp * hd)
+        if self.context is not None and self.context.ring(token_groups):
+            o = self.context.attend(q, k, v, self.scale)
+        else:
+            with sharded_fork(p, self.training, q.device, self.tp_size):
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal,
+                                                   scale=self.scale)
+        o = o.transpose(1, 2).reshape(bg, ng, heads * self.head_dim)
+        if back is not None:
+            o = back(o)  # (B, N, H/tp * hd)
         if n != n_pad:
             o = F.pad(o, (0, 0, 0, n_pad - n))  # pad rows: proj gives just the bias there
         o = self.proj(o)  # all-reduce, or reduce-scatter under SP

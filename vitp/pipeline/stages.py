@@ -59,8 +59,9 @@ def build_pipeline(model_cfg: Any, loss_fn: FlowMatchingLoss, *, seed: int, tp: 
     ``PipeModelDataParallelTopology(pp, tp, dp)`` grid, with full weights on every TP rank
     (shard them with :func:`vitp.models.parallelize_generator`).
 
-    Requires ``torch.distributed`` to be initialised with ``world_size == tp * pp * dp``.
-    Stages are balanced by block count (``partition_method="type:BlockPipe"``), not by parameter
+    Requires ``torch.distributed`` to be initialised with ``world_size == tp * pp * dp``;
+    ``dp`` counts the engine's data-parallel ranks, ``dp * cp`` under context parallelism
+    (:class:`vitp.config.Layout`, :mod:`vitp.parallel.state`). Stages are balanced by block count (``partition_method="type:BlockPipe"``), not by parameter
     count, which the adaLN weights skew; the embedding and final layer ride on the first and last
     stage.
     """

@@ -27,7 +27,7 @@ def gather_full_state(module: torch.nn.Module, tensors: Dict[str, torch.Tensor],
     local = {n: full_weight(named[n], state, tensor=v).cpu() for n, v in tensors.items()}
     if state.pp_size > 1:
         parts = [None] * dist.world_size() if dist.is_main() else None
-        send = local if state.tp_rank == 0 and state.dp_rank == 0 else {}
+        send = local if state.tp_rank == 0 and state.dp_rank == 0 and state.cp_rank == 0 else {}
         torch.distributed.gather_object(send, parts, dst=0)
         local = {k: v for part in (parts or []) for k, v in part.items()}
     return pipeline_to_generator(local, depth) if dist.is_main() else {}

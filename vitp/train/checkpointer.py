@@ -93,7 +93,8 @@ class Checkpointer:
         """Save and publish ``step_<step>`` (collective). Returns ``(ema, raw)`` full weights on
         rank 0, ``None`` elsewhere."""
         tr = self.cfg.trainer
-        meta = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "precision": self.layout.precision,
+        meta = {"tp": self.layout.tp, "cp": self.layout.cp, "pp": self.layout.pp, "dp": self.layout.dp,
+                "precision": self.layout.precision,
                 "zero_stage": self.cfg.parallel.zero_stage, "partial_sync": float(self.cfg.parallel.partial_sync),
                 "partial_sync_scale": self.cfg.parallel.partial_sync_scale,
                 "engine_zero_stage": self.layout.engine_zero_stage(self.cfg.parallel.zero_stage),

@@ -75,7 +75,7 @@ def install_step_hook(engine: Any, layout: Layout) -> None:
     (:func:`vitp.parallel.grads.sync_partial_grads`); skip DeepSpeed's reduction when it has
     nothing to do (ZeRO-0 at ``dp = 1``: it would copy every gradient into buckets and all-reduce
     them on a 1-rank group). Changes this engine only (:func:`vitp.deepspeed_adapter.patch_instruction`)."""
-    skip_ds = layout.dp == 1 and isinstance(engine.optimizer, ExactClipAdamW)
+    skip_ds = layout.engine_dp == 1 and isinstance(engine.optimizer, ExactClipAdamW)
 
     def wrap(reduce):
         def reduce_grads(self):
@@ -88,7 +88,9 @@ def install_step_hook(engine: Any, layout: Layout) -> None:
 
 
 def deepspeed_config(cfg: Any, layout: Layout) -> Dict[str, Any]:
-    """The DeepSpeed JSON config of the run (batch split over ``layout.dp``, ZeRO stage
+    """The DeepSpeed JSON config of the run (batch split over ``layout.dp``; DeepSpeed's engine
+    counts ``dp * cp`` data-parallel ranks, each cp rank seeing the same samples, so its
+    "train batch" is the global batch times cp; ZeRO stage
     (:func:`zero_stage`), precision, clipping (by DeepSpeed, or 0 when :class:`ExactClipAdamW`
     clips), and the LR schedule as one of DeepSpeed's warmup schedulers)."""
     dp, precision = layout.dp, layout.precision
@@ -105,7 +107,7 @@ def deepspeed_config(cfg: Any, layout: Layout) -> Dict[str, Any]:
         scheduler = {"type": "WarmupLR", "params": {
             "warmup_min_lr": o.lr / warmup, "warmup_max_lr": o.lr, "warmup_num_steps": n_warm, "warmup_type": "linear"}}
     return {
-        "train_batch_size": tr.global_batch_size,
+        "train_batch_size": tr.global_batch_size * layout.cp,
         "train_micro_batch_size_per_gpu": tr.micro_batch_size,
         "gradient_accumulation_steps": tr.global_batch_size // (tr.micro_batch_size * dp),
         "gradient_clipping": o.grad_clip if zero_stage(cfg, layout) else 0.0,

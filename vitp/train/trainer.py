@@ -179,7 +179,7 @@ class Trainer:
 
     def _build_model(self) -> None:
         from vitp.checkpoint.initialize import initialize_weights
-        from vitp.models import num_tokens, parallelize_generator
+        from vitp.models import num_tokens, parallelize_generator, token_grid
         from vitp.objectives import FlowMatchingLoss
         from vitp.parallel import from_grid, model_parallel_seed
         from vitp.pipeline import build_pipeline
@@ -187,13 +187,16 @@ class Trainer:
         cfg, lay = self.cfg, self.layout
         self.loss_fn = FlowMatchingLoss(cfg.objective.t_eps)
         with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its layer table on rank 0
-            self.module = build_pipeline(cfg.model, self.loss_fn, seed=cfg.seed, tp=lay.tp, pp=lay.pp, dp=lay.dp,
+            self.module = build_pipeline(cfg.model, self.loss_fn, seed=cfg.seed, tp=lay.tp, pp=lay.pp, dp=lay.engine_dp,
                                          activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
         # TP-partial gradients are summed once per step (engine.install_step_hook), not per micro-batch
         par = cfg.parallel
         self.state = from_grid(ds.pipeline_grid(self.module), par.sequence_parallel, defer_grad_sync=True,
-                               partial_sync=par.partial_sync, partial_sync_scale=par.partial_sync_scale)
-        parallelize_generator(self.module, self.state, seq_len=num_tokens(**cfg.model))
+                               partial_sync=par.partial_sync, partial_sync_scale=par.partial_sync_scale, cp=lay.cp,
+                               cp_mode=par.cp_mode)
+        m = cfg.model
+        parallelize_generator(self.module, self.state, seq_len=num_tokens(**m),
+                              grid=token_grid(m.image_size, m.num_frames, m.patch_size, m.tubelet_size))
         if self.checkpointer.resume_tag is None:
             initialize_weights(self.module, cfg, self.state)
         model_parallel_seed(cfg.seed, self.state)
@@ -225,8 +228,8 @@ class Trainer:
         lay = self.layout
         base = getattr(self.train_ds, "base", None)
         skipped = base.skip_summary() if hasattr(base, "skip_summary") else ""  # "2 unreadable file(s), 1 too short ..."
-        log.info("run dir %s | layout tp=%d pp=%d dp=%d | %s on %s | %d tokens per sample | %d train / %d held-out%s",
-                 self.run_dir, lay.tp, lay.pp, lay.dp, lay.precision, self.device, num_tokens(**self.cfg.model),
+        log.info("run dir %s | layout tp=%d cp=%d pp=%d dp=%d | %s on %s | %d tokens per sample | %d train / %d "
+                 "held-out%s", self.run_dir, lay.tp, lay.cp, lay.pp, lay.dp, lay.precision, self.device, num_tokens(**self.cfg.model),
                  len(self.train_ds), len(self.heldout_ds), f" | skipped {skipped}" if skipped else "")
         if self.checkpointer.resume_tag is not None:
             log.info("resumed from %s (step %d of %d)", self.checkpointer.resume_tag, self.start_step,
