@@ -37,10 +37,12 @@ class LayoutSpec:
     device: str = "cpu"
     partial_sync: float = 1.0
     partial_sp: bool = False
+    cp: int = 1
+    cp_mode: str = "ulysses"
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def global_batch(self) -> int:
@@ -71,7 +73,7 @@ def layout_of(cfg: Any, world_size: int, device_type: str = "cpu") -> LayoutSpec
     return LayoutSpec(tp=lay.tp, pp=lay.pp, dp=lay.dp, sp=sp and p >= 1, ac=int(par.activation_checkpoint_interval),
                       micro=int(tr.micro_batch_size), accum=tr.global_batch_size // (tr.micro_batch_size * lay.dp),
                       precision=lay.precision, zero_stage=lay.engine_zero_stage(par.zero_stage), device=device_type,
-                      partial_sync=p, partial_sp=sp and p < 1)
+                      partial_sync=p, partial_sp=sp and p < 1, cp=lay.cp, cp_mode=str(par.cp_mode))
 
 
 def candidate_layouts(cfg: Any, world_size: int, device_type: str = "cpu", ac_options: Sequence[int] = (0, 1),

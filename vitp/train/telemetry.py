@@ -127,7 +127,7 @@ class Telemetry:
         from vitp.plan import layout_of, step_comm
         from vitp.utils import to_dict
 
-        lay = layout_of(cfg, layout.tp * layout.pp * layout.dp, device.type)
+        lay = layout_of(cfg, layout.tp * layout.cp * layout.pp * layout.dp, device.type)
         self.device, self.world = device, lay.world
         self.counts = step_counts(cfg, lay)
         self.flops_per_step, self.tokens_per_step = self.counts[None].flops, self.counts[None].tokens
