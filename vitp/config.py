@@ -786,10 +786,12 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     par, m, tr = cfg.parallel, cfg.model, cfg.trainer
     tp, pp, cp = par.tp, par.pp, par.cp
     if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
+        if cp == 1:
+            raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide world_size={world_size}; "
+                             f"valid (tp, pp) for {world_size} processes: {_layouts(world_size)}")
         raise ValueError(f"parallel.tp={tp} x parallel.cp={cp} x parallel.pp={pp} does not divide world_size="
-                         f"{world_size}; valid (tp, pp) for {world_size // cp if world_size % cp == 0 else world_size}"
-                         f" processes per context-parallel rank: "
-                         f"{_layouts(world_size // cp if world_size % cp == 0 else world_size)}")
+                         f"{world_size}; valid parallel.cp: {divisors(world_size)}, and at cp={cp} valid (tp, pp): "
+                         f"{_layouts(world_size // cp) if world_size % cp == 0 else 'none'}")
     sizes = [("model.num_heads", m.num_heads),
              (f"MLP hidden units (model.mlp={m.mlp}, model.width, model.mlp_ratio)",
               mlp_hidden_units(m.width, m.mlp_ratio, m.mlp))]

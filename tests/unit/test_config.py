@@ -415,3 +415,36 @@ def test_torchrun_refusal_is_one_line_and_the_root_cause_of_torchruns_summary(ov
     assert sum(ln.startswith("vitp-train: error:") for ln in lines) == 1, p.stderr
     assert lines[-2] == f"  traceback : {lines[0]}" and set(lines[-1]) == {"="}, p.stderr
     assert "To enable traceback see" not in p.stderr and not (tmp_path / "run").exists()
+
+
+# --- context parallelism: what validate_layout refuses, before any process group -------------
+
+CP_VIDEO = ["data=synthetic", "data.num_frames=8", "data.resolution=4", "model.tubelet_size=2", "model.num_heads=4"]
+
+
+@pytest.mark.parametrize("over,world,match", [
+    (["parallel.cp=2"], 3, r"parallel.tp=1 x parallel.cp=2 x parallel.pp=1 does not divide world_size=3"),
+    (["data.resolution=6", "parallel.cp=2"], 2,
+     r"model.image_size: 9 tokens \(grid 1x3x3\) do not split over parallel.cp=2"),
+    ([*CP_VIDEO, "model.num_heads=2", "parallel.cp=4"], 4,
+     r"splits model.num_heads=2 over tp x cp = 4 ranks.*use parallel.cp_mode=ring, or parallel.cp in \[1, 2\]"),
+    ([*CP_VIDEO, "model.attention=factorized", "parallel.cp=4", "data.num_frames=4"], 4,
+     r"factorized attention shards frames over parallel.cp=4, but the grid 2x2x2 has 2 frame"),
+    ([*CP_VIDEO, "parallel.cp=2", "parallel.tp=2", "parallel.partial_sync=0.5"], 4,
+     r"partial_sync=0.5 with parallel.cp=2: .*use parallel.partial_sync=1 or parallel.cp=1"),
+    ([*CP_VIDEO, "parallel.cp=2", "parallel.cp_mode=ring", "model.attn_drop=0.1"], 2,
+     r"ring attention has no attention dropout; use model.attn_drop=0 or parallel.cp_mode=ulysses"),
+    (["parallel.cp=2", "data.buckets=[{resolution:8,batch_size:8},{resolution:6x10,batch_size:4}]"], 2,
+     r"data.buckets\[1\]: 15 tokens \(grid 1x3x5\) do not split over parallel.cp=2"),
+])
+def test_context_parallel_layouts_refused_with_the_fix(over, world, match):
+    with pytest.raises(ValueError, match=match):
+        validate_layout(compose_cfg(["experiment=smoke", *over]), world_size=world)
+
+
+def test_context_parallel_layout():
+    lay = validate_layout(compose_cfg(["experiment=smoke", *CP_VIDEO, "parallel.cp=2", "parallel.tp=2"]), world_size=8)
+    assert (lay.tp, lay.cp, lay.pp, lay.dp, lay.engine_dp) == (2, 2, 1, 2, 4)
+    assert lay.engine_zero_stage(1) == 1  # DeepSpeed sees 4 data-parallel ranks
+    one = validate_layout(compose_cfg(["experiment=smoke", *CP_VIDEO, "parallel.cp=2"]), world_size=2)
+    assert (one.dp, one.engine_dp, one.engine_zero_stage(1)) == (1, 2, 1)

@@ -95,3 +95,20 @@ def test_tp1_is_a_no_op(cfgs):
     assert report.params == {} and report.collectives(StepShape(2, 16, 32, 4, tp=1)) == []
     assert tensor_parallelize(model, ParallelState(sequence_parallel=True)) is model
     assert model.blocks[0].attn is attn and not ParallelState(sequence_parallel=True).sequence_parallel
+
+
+# --- context parallelism (cp_workers.py): fp64 parity of the generator at tp x cp --------------
+
+from .cp_workers import CP2_LAYOUTS, CP4_LAYOUTS, MODELS, cp_key  # noqa: E402
+
+
+@pytest.mark.parametrize("key", [cp_key(m, *lay) for lay in CP2_LAYOUTS for m in MODELS])
+def test_cp2_matches_reference(tp2, key):
+    for rank_res in tp2:
+        _check(rank_res[key], key)
+
+
+@pytest.mark.parametrize("key", [cp_key(m, *lay) for lay in CP4_LAYOUTS for m in MODELS])
+def test_cp4_and_tp2_cp2_match_reference(tp4, key):
+    for rank_res in tp4:
+        _check(rank_res[key], key)

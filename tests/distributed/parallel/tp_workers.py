@@ -21,6 +21,10 @@ VIDEO = ["data=synthetic", "data.channels=3", "data.num_classes=4", "data.num_fr
          "model.tubelet_size=2"]
 
 
+CP_VIDEO = ["data=synthetic", "data.channels=3", "data.num_classes=4", "data.num_frames=8", "data.resolution=4",
+            "model.tubelet_size=2"]
+
+
 def model_cfgs() -> dict:
     """``{variant: model config as a plain dict}``, composed in the parent (Hydra) and sent to the ranks."""
     from omegaconf import OmegaConf
@@ -39,6 +43,9 @@ def model_cfgs() -> dict:
         # falls inside a frame); depth 2 = one spatial + one temporal block when factorized
         "video_full": VIDEO,
         "video_factorized": [*VIDEO, "model.attention=factorized", "model.qk_norm=true"],
+        # context parallelism: grid (4, 2, 2), N = 16 splits over cp = 2 and 4, frames too
+        "cp_video_full": CP_VIDEO,
+        "cp_video_factorized": [*CP_VIDEO, "model.attention=factorized", "model.qk_norm=true"],
     }
     return {k: OmegaConf.to_container(compose_cfg(base + v).model, resolve=True) for k, v in variants.items()}
 
@@ -115,12 +122,15 @@ def fwd_bwd(model, inputs, w):
     return out.detach(), loss.detach()
 
 
-def compare(ref, model, state, inputs, w, rename=None):
-    """Reference vs TP: forward, loss, weights and gradients (gathered to full layout)."""
+def compare(ref, model, state, inputs, w, rename=None, after_backward=None):
+    """Reference vs TP: forward, loss, weights and gradients (gathered to full layout);
+    ``after_backward(model)`` runs after the parallel model's backward (e.g. a cp reduction)."""
     from vitp.parallel import full_weight
 
     out_r, loss_r = fwd_bwd(ref, inputs, w)
     out_t, loss_t = fwd_bwd(model, inputs, w)
+    if after_backward is not None:
+        after_backward(model)
     ref_params = dict(ref.named_parameters())
     scale = max(float(p.grad.abs().max()) for p in ref.parameters())
     errs, weights, missing, names = {}, 0.0, [], []
@@ -436,6 +446,9 @@ def worker_tp2(rank, cfgs):
     res.update(comm_vs_theory(cfgs["default"], states))
     res.update(factorized_comm(cfgs["video_factorized"], states[True]))
     res.update(shape_change_parity(cfgs["video_factorized"], states))
+    from .cp_workers import CP2_LAYOUTS, cp_parity
+
+    res.update(cp_parity(cfgs, CP2_LAYOUTS))
     return res
 
 
@@ -474,4 +487,7 @@ def worker_tp4(rank, cfgs):
     init(rank)
     res = tp4_parity(cfgs)
     res.update(rng_tp2_dp2())
+    from .cp_workers import CP4_LAYOUTS, cp_parity
+
+    res.update(cp_parity(cfgs, CP4_LAYOUTS))
     return res

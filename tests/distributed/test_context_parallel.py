@@ -1,0 +1,109 @@
+"""Context parallelism (``parallel.cp``) in every layout against the single-process run: loss,
+grad norm (clipping active) and final weights, from perturbed weights (non-zero adaLN gates), for
+an image model and a video model with full and factorized attention, in both cp modes.
+
+One process trains the references; each layout then trains its cases in one process group.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.fixtures.record_reference import write_perturbed
+from tests.helpers import reference_rank, run_ranks
+
+BASE = ["experiment=smoke", "model.num_heads=4", "optim.grad_clip=0.2", "data.synthetic_size=32"]
+# image: 8x8 digits at patch 2 = 16 tokens; video: 8 frames of 4x4 at tubelets (2, 2, 2) = grid (4, 2, 2)
+IMAGE = [*BASE]
+VIDEO = [*BASE, "data=synthetic", "data.channels=3", "data.num_classes=4", "data.num_frames=8", "data.resolution=4",
+         "model.tubelet_size=2"]
+MODELS = {"img": IMAGE, "vfull": [*VIDEO, "model.attention=full"],
+          "vfact": [*VIDEO, "model.attention=factorized", "model.qk_norm=true"]}
+# buckets whose token counts (16, 8, 24) all split over cp=2
+BUCKETS = ["trainer.max_steps=6", "data.buckets=[{resolution:8,batch_size:8},{resolution:4x8,batch_size:4,weight:2},"
+           "{resolution:[8,12],batch_size:8}]"]
+
+# (world, layout overrides, [(model, cp_mode)]): together every model in both modes, and
+# tp=2 x cp=2 x pp=2 on 8 ranks
+LAYOUTS = {
+    "cp2": (2, ["parallel.cp=2"], [("img", "ulysses"), ("vfull", "ulysses"), ("vfact", "ulysses"), ("img", "ring"),
+                                   ("vfull", "ring"), ("vfact", "ring"), ("bkt", "ulysses")]),
+    "cp4": (4, ["parallel.cp=4"], [("vfull", "ulysses"), ("vfact", "ring"), ("img", "ring")]),
+    "tp2cp2": (4, ["parallel.tp=2", "parallel.cp=2"], [("vfull", "ulysses"), ("img", "ring")]),
+    "tp2cp2sp": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"],
+                 [("vfact", "ulysses"), ("vfull", "ring"), ("img", "ulysses")]),
+    "cp2pp2": (4, ["parallel.cp=2", "parallel.pp=2"], [("img", "ulysses"), ("vfact", "ring")]),
+    "cp2dp2": (4, ["parallel.cp=2"], [("img", "ring"), ("vfull", "ulysses")]),
+    "tp2cp2pp2": (8, ["parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.sequence_parallel=true"],
+                  [("vfact", "ulysses"), ("vfull", "ring")]),
+}
+
+
+def _models(tmp):
+    """``{name: overrides}`` with a perturbed init written for each model (and the bucketed image run)."""
+    out = {}
+    for name, over in MODELS.items():
+        write_perturbed(tmp / f"{name}.safetensors", over)
+        out[name] = [*over, f"trainer.init_from={tmp / f'{name}.safetensors'}"]
+    out["bkt"] = [*out["img"], *BUCKETS]
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    """``{case: (run_dir, rank-0 result)}`` of the references (``ref/<model>``), a cp=2 run
+    stopped at step 2 and resumed, and every layout's cases (``<layout>/<model>-<mode>``)."""
+    tmp = tmp_path_factory.mktemp("cp")
+    models = _models(tmp)
+    refs = {f"ref-{m}": over for m, over in models.items()}
+    out = {}
+    res = run_ranks(1, reference_rank, refs, str(tmp))[0]
+    out.update({k: (tmp / k, v) for k, v in res.items()})
+    by_world = {}
+    for lname, (world, layout, cases) in LAYOUTS.items():
+        for m, mode in cases:
+            by_world.setdefault(world, {})[f"{lname}-{m}-{mode}"] = [*models[m], *layout, f"parallel.cp_mode={mode}"]
+    by_world[2]["resume-vfact"] = [*models["vfact"], "parallel.cp=2", "trainer.exit_at_step=2"]
+    for world, cases in sorted(by_world.items()):
+        res = run_ranks(world, reference_rank, cases, str(tmp), timeout=900)[0]
+        out.update({k: (tmp / k, v) for k, v in res.items()})
+    return out
+
+
+def _metrics(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+CASES = [f"{lname}-{m}-{mode}" for lname, (_, _, cases) in LAYOUTS.items() for m, mode in cases]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_context_parallel_matches_single_process(cp_runs, case):
+    model = case.split("-")[1]
+    ref_dir, ref = cp_runs[f"ref-{model}"]
+    run_dir, res = cp_runs[case]
+    assert max(ref["grad_norms"]) > 0.2  # clipping active
+    assert res["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert res["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    a, b = load_file(ref_dir / "model.safetensors"), load_file(run_dir / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5)
+    assert [x["loss"] for x in _metrics(run_dir)] == pytest.approx(ref["losses"], rel=1e-5)
+
+
+def test_bucketed_run_visits_every_bucket_with_cp(cp_runs):
+    buckets = {x["bucket"] for x in _metrics(cp_runs["cp2-bkt-ulysses"][0])}
+    assert buckets == {0, 1, 2}
+
+
+def test_context_parallel_resume_is_exact(cp_runs):
+    """cp=2: stopped after step 2 (checkpoint), resumed to step 4 == the uninterrupted cp=2 run."""
+    full = _metrics(cp_runs["cp2-vfact-ulysses"][0])
+    resumed = _metrics(cp_runs["resume-vfact"][0])
+    assert [x["step"] for x in resumed] == [1, 2, 3, 4]
+    assert [x["loss"] for x in resumed] == [x["loss"] for x in full]
+    assert [x["grad_norm"] for x in resumed] == [x["grad_norm"] for x in full]
