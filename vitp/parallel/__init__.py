@@ -10,6 +10,7 @@
   gradients, sequence enter/exit, partial sync), each declaring its parameters and collectives
 - :mod:`.plan`: :class:`ParallelPlan` (pattern -> style table), :func:`apply_plan`, :func:`describe_plan`,
   and :func:`tensor_parallelize` for stock timm blocks
+- :mod:`.ring`: :func:`ring_attention`, exact attention over a context-parallel group (K/V passed round a ring)
 - :mod:`.random`: RNG streams (:func:`model_parallel_seed`, :func:`get_rng_tracker`,
   :func:`checkpoint_activations`)
 
@@ -26,6 +27,7 @@ from .mappings import (
     reduce_scatter_to_sequence_region,
     scatter_to_sequence_region,
 )
+from .ring import ring_attention
 from .random import RNGStatesTracker, checkpoint_activations, get_rng_tracker, model_parallel_seed
 from .state import ParallelState, from_grid, make_state, validate_tp
 from .timm_tp import (
@@ -72,6 +74,7 @@ __all__ = [
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region",
     "register_grad_allreduce",
+    "ring_attention",
     "scatter_to_sequence_region",
     "sequence_parallel_enter",
     "sequence_parallel_exit",
