@@ -32,8 +32,9 @@ factorized, temporal        all-to-all of qkv ``(B, gt/cp, gh gw, 3 h hd)``  (sa
 Bytes one rank sends per block and micro-batch, forward, with ``e`` bytes per element and
 ``T = B (N / cp) h hd e`` (one rank's share of one of q, k, v or the output): Ulysses and the
 temporal exchange ``(3 T + T) (cp - 1) / cp``; ring ``2 T (cp - 1)``; spatial 0. Backward moves
-the same again (the transposed all-to-alls; the ring passes K, V and their gradients:
-:func:`vitp.parallel.ring.ring_attention`). Frames are the shard axis of factorized attention
+the same again for the all-to-alls (their transposes); the ring passes K and V again
+(``2 T (cp - 1)``) and their gradient accumulators in fp32, ``2 T' cp`` with ``T'`` = ``T`` at 4
+bytes per element (:func:`vitp.parallel.ring.ring_traffic`). Frames are the shard axis of factorized attention
 because half of its blocks then need no communication; positions are the exchanged axis of the
 temporal blocks so that they split any head count.
 """

@@ -417,8 +417,11 @@ def context_collectives(shape: StepShape, kind: str) -> List[Collective]:
         return []
     if kind == "temporal" or shape.cp_mode == "ulysses":
         return [Collective("all_to_all", d, "cp", nb) for d in ("fwd", "bwd") for nb in (3 * T, T)]
-    steps = shape.cp - 1  # ring: K and V forward; K, V and their gradients backward
-    return [Collective("send_recv", "fwd", "cp", 2 * T, steps), Collective("send_recv", "bwd", "cp", 4 * T, steps)]
+    # ring (vitp.parallel.ring.ring_attention): K and V forward (cp - 1 steps); backward K and V
+    # again plus the dK, dV accumulators in fp32 (fp64 for fp64), which travel cp steps
+    acc = T // shape.act_bytes * max(4, shape.act_bytes)
+    return [Collective("send_recv", "fwd", "cp", 2 * T, shape.cp - 1),
+            Collective("send_recv", "bwd", "cp", 2 * T, shape.cp - 1), Collective("send_recv", "bwd", "cp", 2 * acc, shape.cp)]
 
 
 @dataclass(frozen=True)
