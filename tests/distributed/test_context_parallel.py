@@ -7,6 +7,7 @@ One process trains the references; each layout then trains its cases in one proc
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -25,6 +26,15 @@ MODELS = {"img": IMAGE, "vfull": [*VIDEO, "model.attention=full"],
 # buckets whose token counts (16, 8, 24) all split over cp=2
 BUCKETS = ["trainer.max_steps=6", "data.buckets=[{resolution:8,batch_size:8},{resolution:4x8,batch_size:4,weight:2},"
            "{resolution:[8,12],batch_size:8}]"]
+
+# experiment=video_long (16k tokens at tp 2 x cp 4 on 8 GPUs) at CPU size: grid (2, 4, 4), cp=2 over 2 ranks
+VIDEO_LONG_CPU = ["experiment=video_long", "data=synthetic", "data.channels=3", "data.num_classes=4",
+                  "data.num_frames=4", "data.resolution=16", "data.synthetic_size=16", "data.num_workers=0",
+                  "model.patch_size=4", "model.width=32", "model.depth=2", "model.num_heads=4", "parallel.tp=1",
+                  "parallel.sequence_parallel=false", "trainer.max_steps=2", "trainer.global_batch_size=4",
+                  "trainer.micro_batch_size=2", "trainer.precision=fp32", "trainer.device=cpu", "trainer.progress=false",
+                  "trainer.sample_every=0", "trainer.eval_every=0", "trainer.checkpoint_every=0", "eval.enabled=false",
+                  "sampler.steps=2", "sampler.grid_classes=2", "sampler.samples_per_class=1", "parallel.cp=2"]
 
 # (world, layout overrides, [(model, cp_mode)]): together every model in both modes, and
 # tp=2 x cp=2 x pp=2 on 8 ranks
@@ -67,8 +77,15 @@ def cp_runs(tmp_path_factory):
         for m, mode in cases:
             by_world.setdefault(world, {})[f"{lname}-{m}-{mode}"] = [*models[m], *layout, f"parallel.cp_mode={mode}"]
     by_world[2]["resume-vfact"] = [*models["vfact"], "parallel.cp=2", "trainer.exit_at_step=2"]
+    by_world[2]["video_long"] = VIDEO_LONG_CPU
     for world, cases in sorted(by_world.items()):
         res = run_ranks(world, reference_rank, cases, str(tmp), timeout=900)[0]
+        out.update({k: (tmp / k, v) for k, v in res.items()})
+    # the cp=2 run's exported weights start a cp=1 run and a cp=2 run alike
+    export = [*MODELS["vfull"], f"trainer.init_from={tmp / 'cp2-vfull-ulysses' / 'model.safetensors'}"]
+    for world, case in ((1, "from_cp2_at_cp1"), (2, "from_cp2_at_cp2")):
+        over = export + (["parallel.cp=2", "parallel.cp_mode=ring"] if world == 2 else [])
+        res = run_ranks(world, reference_rank, {case: over}, str(tmp))[0]
         out.update({k: (tmp / k, v) for k, v in res.items()})
     return out
 
@@ -107,3 +124,21 @@ def test_context_parallel_resume_is_exact(cp_runs):
     assert [x["step"] for x in resumed] == [1, 2, 3, 4]
     assert [x["loss"] for x in resumed] == [x["loss"] for x in full]
     assert [x["grad_norm"] for x in resumed] == [x["grad_norm"] for x in full]
+
+
+def test_export_of_a_cp_run_starts_any_layout(cp_runs):
+    """The weights a cp=2 run exports start a cp=1 and a cp=2 (ring) run that train alike."""
+    a, b = cp_runs["from_cp2_at_cp1"][1], cp_runs["from_cp2_at_cp2"][1]
+    assert b["losses"] == pytest.approx(a["losses"], rel=1e-5)
+    assert b["grad_norms"] == pytest.approx(a["grad_norms"], rel=1e-5)
+    assert a["losses"][0] < cp_runs["ref-vfull"][1]["losses"][0]  # trained weights, not the initial ones
+
+
+def test_video_long_recipe_runs_at_cpu_size(cp_runs):
+    run_dir, res = cp_runs["video_long"]
+    assert len(res["losses"]) == 2 and all(math.isfinite(x) for x in res["losses"])
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    assert (cfg.parallel.cp, cfg.parallel.tp, cfg.model.attention) == (2, 1, "full")
+    assert [x["step"] for x in _metrics(run_dir)] == [1, 2]

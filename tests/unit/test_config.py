@@ -115,16 +115,19 @@ def test_every_python_package_is_in_the_wheel():
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
 
 
-@pytest.mark.parametrize("exp,tokens,world", [("video256", 2048, 8), ("video512", 8192, 16)])
-def test_video_gpu_recipes_compose_and_validate(exp, tokens, world):
+@pytest.mark.parametrize("exp,tokens,world,frames,attention", [("video256", 2048, 8, 16, "factorized"),
+                                                                ("video512", 8192, 16, 16, "factorized"),
+                                                                ("video_long", 16384, 16, 32, "full")])
+def test_video_gpu_recipes_compose_and_validate(exp, tokens, world, frames, attention):
     from vitp.models import num_tokens
 
     cfg = compose_cfg([f"experiment={exp}", "data.root=/data/clips", "data.num_classes=101"])
-    assert cfg.model.num_frames == 16 and cfg.model.attention == "factorized" and num_tokens(**cfg.model) == tokens
+    assert cfg.model.num_frames == frames and cfg.model.attention == attention and num_tokens(**cfg.model) == tokens
     layout = validate_config(cfg, world_size=world, device_type="cuda")
-    assert layout.dp * layout.tp * layout.pp == world and layout.precision == "bf16"
+    assert layout.dp * layout.tp * layout.cp * layout.pp == world and layout.precision == "bf16"
     ds = deepspeed_config(cfg, layout)
     assert ds["gradient_accumulation_steps"] * cfg.trainer.micro_batch_size * layout.dp == cfg.trainer.global_batch_size
+    assert ds["train_batch_size"] == cfg.trainer.global_batch_size * layout.cp  # DeepSpeed counts dp x cp ranks
 
 
 def test_video_demo_recipe_uses_the_shipped_footage():
