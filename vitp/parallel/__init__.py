@@ -1,7 +1,7 @@
 """Megatron-style tensor and sequence parallelism for timm ViT blocks (model-agnostic).
 
 - :mod:`.distributed`: process groups for every launcher (:func:`.distributed.init_distributed`, ranks)
-- :mod:`.state`: :class:`ParallelState` (who am I in ``tp x pp x dp``), :func:`make_state`, :func:`from_grid`
+- :mod:`.state`: :class:`ParallelState` (who am I in ``tp x cp x pp x dp``), :func:`make_state`, :func:`from_grid`
 - :mod:`.comm`: counted collectives and :class:`CommRecorder`
 - :mod:`.mappings`: autograd collectives between replicated / TP / sequence regions
 - :mod:`.layers`: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`, sharding helpers
@@ -11,6 +11,8 @@
 - :mod:`.plan`: :class:`ParallelPlan` (pattern -> style table), :func:`apply_plan`, :func:`describe_plan`,
   and :func:`tensor_parallelize` for stock timm blocks
 - :mod:`.ring`: :func:`ring_attention`, exact attention over a context-parallel group (K/V passed round a ring)
+- :mod:`.context`: context parallelism (tokens split over ``cp`` ranks): :class:`ContextAttention`
+  (Ulysses all-to-all, ring, frame-sharded factorized attention)
 - :mod:`.random`: RNG streams (:func:`model_parallel_seed`, :func:`get_rng_tracker`,
   :func:`checkpoint_activations`)
 
@@ -18,6 +20,7 @@ Nothing here knows a particular model: a model's plan (e.g. :data:`vitp.models.G
 composes these pieces.
 """
 from .comm import CommCounter, CommRecord, CommRecorder
+from .context import ContextAttention
 from .layers import ColumnParallelLinear, RowParallelLinear, full_weight, register_grad_allreduce, shard_like, shard_tensor
 from .mappings import (
     copy_to_tp_region,
@@ -44,6 +47,7 @@ from .styles import Collective, StepShape
 
 __all__ = [
     "CommCounter",
+    "ContextAttention",
     "ColumnParallelLinear",
     "CommRecord",
     "CommRecorder",
