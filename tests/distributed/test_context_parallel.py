@@ -78,6 +78,9 @@ def cp_runs(tmp_path_factory):
             by_world.setdefault(world, {})[f"{lname}-{m}-{mode}"] = [*models[m], *layout, f"parallel.cp_mode={mode}"]
     by_world[2]["resume-vfact"] = [*models["vfact"], "parallel.cp=2", "trainer.exit_at_step=2"]
     by_world[2]["video_long"] = VIDEO_LONG_CPU
+    for mode in ("ulysses", "ring"):  # what a GPU runs: bf16 weights, fp32 ring accumulation
+        by_world[2][f"bf16-{mode}"] = [*models["vfull"], "parallel.cp=2", f"parallel.cp_mode={mode}",
+                                       "trainer.precision=bf16"]
     for world, cases in sorted(by_world.items()):
         res = run_ranks(world, reference_rank, cases, str(tmp), timeout=900)[0]
         out.update({k: (tmp / k, v) for k, v in res.items()})
@@ -142,3 +145,11 @@ def test_video_long_recipe_runs_at_cpu_size(cp_runs):
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     assert (cfg.parallel.cp, cfg.parallel.tp, cfg.model.attention) == (2, 1, "full")
     assert [x["step"] for x in _metrics(run_dir)] == [1, 2]
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_bf16_context_parallel_tracks_fp32(cp_runs, mode):
+    ref = cp_runs["ref-vfull"][1]
+    res = cp_runs[f"bf16-{mode}"][1]
+    assert res["losses"] == pytest.approx(ref["losses"], rel=0.05)
+    assert res["losses"] != ref["losses"]  # really ran in bf16
