@@ -116,11 +116,20 @@ def test_whole_generator_and_loss_saved_bytes(models):
 def test_candidate_layouts_are_exactly_the_valid_ones(models):
     cfg = compose_cfg(PLAN_MODELS["S"] + ["trainer.global_batch_size=8"])
     lays = candidate_layouts(cfg, 4, "cpu", ac_options=(0,), micro_options=(1, 2))
-    got = {(x.tp, x.pp, x.dp, x.sp, x.micro) for x in lays}
-    # heads 4 and hidden 256 allow tp 1, 2, 4; depth 4 allows pp up to 4; batch 8 = micro x accum x dp
-    want = {(tp, pp, 4 // (tp * pp), sp, mb) for tp in (1, 2, 4) for pp in (1, 2, 4) if tp * pp <= 4
+    got = {(x.tp, x.cp, x.cp_mode if x.cp > 1 else "-", x.pp, x.dp, x.sp, x.micro) for x in lays}
+    # heads 4 and hidden 256 allow tp 1, 2, 4; depth 4 allows pp up to 4; batch 8 = micro x accum x dp;
+    # 64 tokens split over cp 1, 2, 4: Ulysses where tp x cp divides the 4 heads, else (only then) the ring
+    want = {(tp, cp, "-" if cp == 1 else "ulysses" if 4 % (tp * cp) == 0 else "ring", pp, 4 // (tp * pp * cp), sp, mb)
+            for cp in (1, 2, 4) for tp in (1, 2, 4) for pp in (1, 2, 4) if tp * pp * cp <= 4
             for sp in ([False, True] if tp > 1 else [False]) for mb in (1, 2)}
-    assert got == want
+    assert ModelShape.from_config(cfg.model).tokens == 64 and got == want
+    assert len(lays) == len(got) and {x.cp_mode for x in lays if x.cp > 1} == {"ulysses"}
+    two = candidate_layouts(compose_cfg(PLAN_MODELS["S"] + ["trainer.global_batch_size=8", "model.num_heads=2"]), 4,
+                            "cpu", ac_options=(0,), micro_options=(2,))
+    modes = {(x.tp, x.cp, x.cp_mode) for x in two if x.cp > 1}  # 2 heads: Ulysses only at tp x cp <= 2
+    assert modes == {(1, 2, "ulysses"), (2, 2, "ring"), (1, 4, "ring")}
+    ring = next(x for x in two if x.cp_mode == "ring")
+    assert "parallel.cp_mode=ring" in ring.overrides()
     for x in lays:
         c = compose_cfg(PLAN_MODELS["S"] + ["trainer.global_batch_size=8", *x.overrides()])
         assert layout_of(c, 4) == x and validate_layout(c, 4).dp == x.dp
