@@ -27,7 +27,7 @@ et al. 2020, §7: ZeRO stage 1 communicates as much as plain data parallelism).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Tuple
 
 from vitp.parallel.styles import Collective, StepShape, mode_of
@@ -61,7 +61,13 @@ def plan_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective
         return []
     first, end = stage_layer_ranges(ModelShape.from_config(model).depth, lay.pp)[stage]
     report = plan_report(model, plan_mode_of(lay), first, end, lay.tp, lay.cp)
-    return report.collectives(step_shape(model, lay))
+    colls = report.collectives(step_shape(model, lay))
+    if not lay.ac:
+        return colls
+    # the prediction is gathered after the last tensor the final layer saves, so the recomputation
+    # (torch's non-reentrant checkpoint stops early once every saved tensor is rebuilt) never
+    # reaches it: the plan counts it twice, training runs it once (measured)
+    return [replace(c, count=c.count // 2) if (c.tag, c.direction) == ("cp_boundary", "fwd") else c for c in colls]
 
 
 def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
