@@ -104,3 +104,24 @@ def test_profile_override_and_recorded_layout(tmp_path):
     saved.parallel.auto = False  # a folder of a run without parallel=auto records nothing to reuse
     (tmp_path / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(saved))
     assert recorded_layout(tmp_path) is None
+
+
+def test_auto_picks_context_parallelism_when_nothing_else_fits():
+    """A long video (256 frames at 512 px: 128 x 32 x 32 tokens, factorized attention) on 8 GPUs
+    with 4 heads: tp stops at 4, so no layout without cp holds one sample's activations in a
+    budget between the two minima; auto then trains a cp > 1 layout, and its values carry
+    parallel.cp (the memory model divides every token-proportional tensor by cp)."""
+    cfg = compose_cfg(["experiment=video512", "data.root=x", "data.num_classes=10", "data.num_frames=256",
+                       "model.depth=4", "model.num_heads=4", "trainer.global_batch_size=1", "parallel=auto"])
+    roomy = replace(PRESETS["h100"], memory_gib=1e4, reserve_gib=0.0)
+    preds = plan(cfg, 8, roomy, ac_options=(0, 1))
+    least = {cp: min(p.peak.total for p in preds if p.layout.cp == cp) for cp in (1, 2, 4, 8)}
+    assert least[2] < 0.9 * least[1]  # cp=2 x tp=4 halves what tp=4 alone keeps per rank
+    budget = replace(roomy, memory_gib=(least[1] + least[2]) / 2 / 2**30)
+    choice = choose_layout(cfg, 8, budget)
+    lay = choice.best.layout
+    assert lay.cp > 1 and choice.best.fits and choice.values()["parallel.cp"] == lay.cp
+    assert not any(p.fits for p in plan(cfg, 8, budget, ac_options=(0, 1)) if p.layout.cp == 1)
+    assert f"parallel.cp={lay.cp}" in lay.overrides() and f"cp={lay.cp}" in choice.summary()
+    fixed = choose_layout(compose_cfg([*S8, "parallel.cp=2"]), 4, CPU, fixed=["parallel.cp"])
+    assert fixed.best.layout.cp == 2 and fixed.fixed == {"parallel.cp": 2}
