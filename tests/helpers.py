@@ -127,9 +127,11 @@ PLAN_MODELS = {
 }
 
 
-def plan_case(model: str, tp: int, pp: int, dp: int, sp: bool = False, ac: int = 0, extra=()) -> list:
+def plan_case(model: str, tp: int, pp: int, dp: int, sp: bool = False, ac: int = 0, extra=(), cp: int = 1) -> list:
     """Overrides of a planner validation case: :data:`PLAN_MODELS` ``model`` in layout ``tp x pp x dp``
-    (sequence parallel ``sp``, checkpoint interval ``ac``), micro-batch 2 and 4 micro-batches per step."""
+    (sequence parallel ``sp``, checkpoint interval ``ac``, context-parallel degree ``cp``: world
+    ``tp cp pp dp``), micro-batch 2 and 4 micro-batches per step."""
     return [*PLAN_MODELS[model], f"parallel.tp={tp}", f"parallel.pp={pp}",
             f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.activation_checkpoint_interval={ac}",
-            "trainer.micro_batch_size=2", f"trainer.global_batch_size={8 * dp}", *extra]
+            "trainer.micro_batch_size=2", f"trainer.global_batch_size={8 * dp}", *extra] + (
+        [f"parallel.cp={cp}"] if cp > 1 else [])

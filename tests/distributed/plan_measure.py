@@ -14,7 +14,7 @@ optimizer), run one ``engine.train_batch`` (all micro-batches of a step through 
   and the stage outputs the pipeline engine holds;
 - ``ema``: the trainer's EMA copy of the rank's parameters;
 - ``bucket``: bytes of ZeRO-1's contiguous gradient buckets at the gradient reduction;
-- ``tp_comm``: the step's TP collectives from :class:`vitp.parallel.CommRecorder`
+- ``tp_comm``: the step's TP and context-parallel collectives from :class:`vitp.parallel.CommRecorder`
   (``{"kind/direction/tag": {"count", "bytes"}}``).
 """
 from __future__ import annotations
@@ -167,12 +167,14 @@ def measure_rank(rank: int, cases: Dict[str, List[str]], base: str) -> Dict[str,
 
 
 def predicted_tp_comm(model_cfg, lay, stage: int) -> Dict[str, dict]:
-    """The planner's TP collectives of one step on ``stage``, in :func:`measure_rank`'s
-    ``tp_comm`` form: ``{"kind/direction/tag": {"count": n, "bytes": b}}``."""
-    from vitp.plan import tp_collectives
+    """The planner's collectives of one step on ``stage`` (TP and context-parallel:
+    :func:`vitp.plan.plan_collectives`), in :func:`measure_rank`'s ``tp_comm`` form (which holds
+    every collective :class:`vitp.parallel.CommRecorder` saw): ``{"kind/direction/tag": {"count":
+    n, "bytes": b}}``."""
+    from vitp.plan import plan_collectives
 
     pred: Dict[str, dict] = {}
-    for c in tp_collectives(model_cfg, lay, stage):
+    for c in plan_collectives(model_cfg, lay, stage):
         e = pred.setdefault(f"{c.kind}/{c.direction}/{c.tag}", {"count": 0, "bytes": 0})
         k = 1 if c.per_step else lay.accum
         e["count"] += c.count * k

@@ -19,7 +19,7 @@ def _auto_rank(rank, overrides, run_dir, cache_dir):
     trainer = Trainer(compose(overrides), run_dir)
     res = trainer.fit()
     lay = trainer.layout
-    return {"auto": trainer.auto, "layout": (lay.tp, lay.pp, lay.dp), "losses": res["losses"],
+    return {"auto": trainer.auto, "layout": (lay.tp, lay.cp, lay.pp, lay.dp), "losses": res["losses"],
             "stopped_at": res["stopped_at"], "micro": trainer.cfg.trainer.micro_batch_size}
 
 
@@ -35,7 +35,8 @@ def test_auto_layout_is_the_planners_first_and_a_resume_keeps_it(tmp_path):
     best = plan(compose_cfg(OVER), 2, profile)[0]  # the planner, run here on the profile the trainer used
     assert best.fits and auto["values"] == {k: getattr(best.layout, f) for k, f in AUTO_KEYS.items()}
     v = auto["values"]
-    assert first[0]["layout"] == (v["parallel.tp"], v["parallel.pp"], 2 // (v["parallel.tp"] * v["parallel.pp"]))
+    tp, cp, pp = v["parallel.tp"], v["parallel.cp"], v["parallel.pp"]
+    assert first[0]["layout"] == (tp, cp, pp, 2 // (tp * cp * pp))
     assert first[0]["micro"] == v["trainer.micro_batch_size"]
     assert "reproduce with: " + " ".join(best.layout.overrides()) in auto["summary"]
     for r in first:

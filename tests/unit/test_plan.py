@@ -116,11 +116,20 @@ def test_whole_generator_and_loss_saved_bytes(models):
 def test_candidate_layouts_are_exactly_the_valid_ones(models):
     cfg = compose_cfg(PLAN_MODELS["S"] + ["trainer.global_batch_size=8"])
     lays = candidate_layouts(cfg, 4, "cpu", ac_options=(0,), micro_options=(1, 2))
-    got = {(x.tp, x.pp, x.dp, x.sp, x.micro) for x in lays}
-    # heads 4 and hidden 256 allow tp 1, 2, 4; depth 4 allows pp up to 4; batch 8 = micro x accum x dp
-    want = {(tp, pp, 4 // (tp * pp), sp, mb) for tp in (1, 2, 4) for pp in (1, 2, 4) if tp * pp <= 4
+    got = {(x.tp, x.cp, x.cp_mode if x.cp > 1 else "-", x.pp, x.dp, x.sp, x.micro) for x in lays}
+    # heads 4 and hidden 256 allow tp 1, 2, 4; depth 4 allows pp up to 4; batch 8 = micro x accum x dp;
+    # 64 tokens split over cp 1, 2, 4: Ulysses where tp x cp divides the 4 heads, else (only then) the ring
+    want = {(tp, cp, "-" if cp == 1 else "ulysses" if 4 % (tp * cp) == 0 else "ring", pp, 4 // (tp * pp * cp), sp, mb)
+            for cp in (1, 2, 4) for tp in (1, 2, 4) for pp in (1, 2, 4) if tp * pp * cp <= 4
             for sp in ([False, True] if tp > 1 else [False]) for mb in (1, 2)}
-    assert got == want
+    assert ModelShape.from_config(cfg.model).tokens == 64 and got == want
+    assert len(lays) == len(got) and {x.cp_mode for x in lays if x.cp > 1} == {"ulysses"}
+    two = candidate_layouts(compose_cfg(PLAN_MODELS["S"] + ["trainer.global_batch_size=8", "model.num_heads=2"]), 4,
+                            "cpu", ac_options=(0,), micro_options=(2,))
+    modes = {(x.tp, x.cp, x.cp_mode) for x in two if x.cp > 1}  # 2 heads: Ulysses only at tp x cp <= 2
+    assert modes == {(1, 2, "ulysses"), (2, 2, "ring"), (1, 4, "ring")}
+    ring = next(x for x in two if x.cp_mode == "ring")
+    assert "parallel.cp_mode=ring" in ring.overrides()
     for x in lays:
         c = compose_cfg(PLAN_MODELS["S"] + ["trainer.global_batch_size=8", *x.overrides()])
         assert layout_of(c, 4) == x and validate_layout(c, 4).dp == x.dp
@@ -314,7 +323,7 @@ def test_vitp_plan_shows_the_parallel_plan_of_a_row(capsys):
     """``--show-plan ROW``: the rows of GENERATOR_PLAN applied at that row's layout, per stage, with
     the collectives the planner counts (those of vitp.plan.tp_collectives, one line each)."""
     from vitp.cli.plan import main, run
-    from vitp.plan import tp_collectives
+    from vitp.plan import cp_collectives, plan_collectives, tp_collectives
 
     rows = run(["--gpus", "4", "--device", "h100", "--top", "0", "--ac", "0", "--micro", "2", "experiment=smoke",
                 "model.qk_norm=true"])
@@ -323,7 +332,7 @@ def test_vitp_plan_shows_the_parallel_plan_of_a_row(capsys):
     run(["--gpus", "4", "--device", "h100", "--top", "0", "--ac", "0", "--micro", "2", "--show-plan", str(row),
          "experiment=smoke", "model.qk_norm=true"])
     text = capsys.readouterr().out.split("parallel plan at ")[1]
-    assert text.startswith("tp=2 pp=2 dp=1")
+    assert text.startswith("tp=2 cp=1 pp=2 dp=1")
     assert "on stage 0 (mode tp)" in text and "on stage 1 (mode tp)" in text
     assert re.search(r"blocks\.\*\.attn +-> HeadParallelAttention\(partial=False\): 1 module", text)
     cfg = compose_cfg(["experiment=smoke", "model.qk_norm=true", "parallel.tp=2", "parallel.pp=2",
@@ -331,6 +340,26 @@ def test_vitp_plan_shows_the_parallel_plan_of_a_row(capsys):
     lay = layout_of(cfg, 4)
     listed = sum(1 for line in text.splitlines() if " x all_" in line or " x reduce_" in line)
     assert listed == len(tp_collectives(cfg.model, lay, 0)) + len(tp_collectives(cfg.model, lay, 1))
+    # cp > 1 (smoke has 2 heads: Ulysses at tp=1 x cp=2, the ring at tp=2 x cp=2, shown "2r"): the cp rows
+    # and their collectives over the cp group (Ulysses all-to-alls, the gathered prediction)
+    assert {(r["tp"], r["cp"], r["cp_mode"]) for r in rows if r["cp"] > 1} == {
+        (1, 2, "ulysses"), (1, 4, "ring"), (2, 2, "ring")}
+    row = next(i for i, r in enumerate(rows) if r["cp"] == 2 and r["tp"] == 1) + 1
+    assert "parallel.cp=2" in rows[row - 1]["overrides"] and rows[row - 1]["comm_bytes_per_step"]["cp_bytes"] > 0
+    capsys.readouterr()
+    run(["--gpus", "4", "--device", "h100", "--top", "0", "--ac", "0", "--micro", "2", "--show-plan", str(row),
+         "experiment=smoke", "model.qk_norm=true"])
+    table, text = capsys.readouterr().out.split("parallel plan at ")
+    assert re.search(r"\n +\d+ +2 +2r +1 +1 +- ", table) and re.search(rf"\n +{row} +1 +2 +1 +2 +- ", table)
+    assert text.startswith("tp=1 cp=2 (ulysses) pp=1 dp=2 sp=off")
+    assert re.search(r"blocks\.\* +-> ContextParallelAttention\(\): 2 module", text)
+    model = compose_cfg(["experiment=smoke", "model.qk_norm=true"]).model
+    lay = layout_of(compose_cfg(["experiment=smoke", "model.qk_norm=true", "parallel.cp=2",
+                                 "trainer.micro_batch_size=2"]), 4)
+    lines = [x for x in text.splitlines() if " per micro-batch" in x or " per step" in x]
+    assert all("over the cp group (2)" in x for x in lines) and {x.split()[2] for x in lines} == {
+        "all_to_all", "all_gather"}
+    assert len(lines) == len(plan_collectives(model, lay, 0)) == len(cp_collectives(model, lay, 0)) == 5  # 2 x 2 + 1
     with pytest.raises(SystemExit) as e:
         main(["--gpus", "4", "--top", "2", "--show-plan", "3", "experiment=smoke"])
     assert e.value.code == 2 and "--show-plan 3: the table has rows 1 to 2" in capsys.readouterr().err

@@ -27,16 +27,17 @@ def test_auto_takes_the_planners_first_row_and_its_overrides_reproduce_it(ranked
     cfg, preds = ranked
     choice = choose_layout(cfg, 4, CPU)
     assert cfg.parallel.auto is True and choice.best.layout == preds[0].layout
-    assert choice.candidates == len(preds) == 62 and choice.fitting == sum(p.fits for p in preds) == 62
+    assert choice.candidates == len(preds) == 100 and choice.fitting == sum(p.fits for p in preds) == 100
     fitting = [p.time["step_s"] for p in preds if p.fits]
     assert choice.best.time["step_s"] == min(fitting)
     # on this profile: no TP, two stages, two replicas, micro-batch 4, one micro-batch per step
-    assert choice.values() == {"parallel.tp": 1, "parallel.pp": 2, "parallel.sequence_parallel": False,
-                               "parallel.activation_checkpoint_interval": 0, "trainer.micro_batch_size": 4}
+    assert choice.values() == {"parallel.tp": 1, "parallel.cp": 1, "parallel.cp_mode": "ulysses", "parallel.pp": 2,
+                               "parallel.sequence_parallel": False, "parallel.activation_checkpoint_interval": 0,
+                               "trainer.micro_batch_size": 4}
     again = compose_cfg([*S8, *choice.best.layout.overrides()])
     assert layout_of(again, 4) == choice.best.layout
     line = choice.summary()
-    assert "tp=1 pp=2 dp=2 sp=off ac=0 micro=4 x 1 per step, first of 62 valid layouts (62 fit)" in line
+    assert "tp=1 cp=1 pp=2 dp=2 sp=off ac=0 micro=4 x 1 per step, first of 100 valid layouts (100 fit)" in line
     assert f"predicted {format_bytes(choice.best.peak.total)} peak per rank" in line
     assert line.endswith("reproduce with: " + " ".join(choice.best.layout.overrides()))
     assert choose_layout(cfg, 4, CPU).as_dict() == choice.as_dict()  # deterministic
@@ -90,14 +91,37 @@ def test_profile_override_and_recorded_layout(tmp_path):
     (tmp_path / ".hydra").mkdir()
     saved = compose_cfg([*S8, "parallel.tp=2", "parallel.pp=1", "trainer.micro_batch_size=2"])
     (tmp_path / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(saved))
-    assert recorded_layout(tmp_path) == {"parallel.tp": 2, "parallel.pp": 1, "parallel.sequence_parallel": False,
+    assert recorded_layout(tmp_path) == {"parallel.tp": 2, "parallel.cp": 1, "parallel.cp_mode": "ulysses",
+                                         "parallel.pp": 1, "parallel.sequence_parallel": False,
                                          "parallel.activation_checkpoint_interval": 0, "trainer.micro_batch_size": 2}
     # a relaunch reuses the recorded layout (no new plan); command-line keys still win
     out = _decide(compose_cfg([*S8, "trainer.micro_batch_size=1"]), tmp_path, torch.device("cpu"), 4,
                   ["trainer.micro_batch_size"])
     assert out["source"] == "recorded" and out["choice"] is None
     assert out["values"]["parallel.tp"] == 2 and out["values"]["trainer.micro_batch_size"] == 1
-    assert "parallel.tp=2 parallel.pp=1 parallel.sequence_parallel=false" in out["summary"]
+    assert "parallel.tp=2 parallel.cp=1 parallel.cp_mode=ulysses parallel.pp=1 parallel.sequence_parallel=false" in out[
+        "summary"]
     saved.parallel.auto = False  # a folder of a run without parallel=auto records nothing to reuse
     (tmp_path / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(saved))
     assert recorded_layout(tmp_path) is None
+
+
+def test_auto_picks_context_parallelism_when_nothing_else_fits():
+    """A long video (256 frames at 512 px: 128 x 32 x 32 tokens, factorized attention) on 8 GPUs
+    with 4 heads: tp stops at 4, so no layout without cp holds one sample's activations in a
+    budget between the two minima; auto then trains a cp > 1 layout, and its values carry
+    parallel.cp (the memory model divides every token-proportional tensor by cp)."""
+    cfg = compose_cfg(["experiment=video512", "data.root=x", "data.num_classes=10", "data.num_frames=256",
+                       "model.depth=4", "model.num_heads=4", "trainer.global_batch_size=1", "parallel=auto"])
+    roomy = replace(PRESETS["h100"], memory_gib=1e4, reserve_gib=0.0)
+    preds = plan(cfg, 8, roomy, ac_options=(0, 1))
+    least = {cp: min(p.peak.total for p in preds if p.layout.cp == cp) for cp in (1, 2, 4, 8)}
+    assert least[2] < 0.9 * least[1]  # cp=2 x tp=4 halves what tp=4 alone keeps per rank
+    budget = replace(roomy, memory_gib=(least[1] + least[2]) / 2 / 2**30)
+    choice = choose_layout(cfg, 8, budget)
+    lay = choice.best.layout
+    assert lay.cp > 1 and choice.best.fits and choice.values()["parallel.cp"] == lay.cp
+    assert not any(p.fits for p in plan(cfg, 8, budget, ac_options=(0, 1)) if p.layout.cp == 1)
+    assert f"parallel.cp={lay.cp}" in lay.overrides() and f"cp={lay.cp}" in choice.summary()
+    fixed = choose_layout(compose_cfg([*S8, "parallel.cp=2"]), 4, CPU, fixed=["parallel.cp"])
+    assert fixed.best.layout.cp == 2 and fixed.fixed == {"parallel.cp": 2}

@@ -1,4 +1,4 @@
-"""``vitp-plan``: rank the ``(tp, pp, dp, sp, AC, micro-batch)`` layouts of a run config on N devices.
+"""``vitp-plan``: rank the ``(tp, cp, pp, dp, sp, AC, micro-batch)`` layouts of a run config on N devices.
 
     vitp-plan --gpus 16 --device h100 experiment=video512 data.root=x data.num_classes=101
     vitp-plan --gpus 4 --device cpu experiment=smoke data.resolution=16 --json
@@ -6,7 +6,8 @@
 Overrides are ``vitp-train``'s (Hydra's grammar, composed from ``conf/`` and checked by the
 schema: :func:`vitp.cli.overrides.compose_checked`). Prints, per layout, the memory of the fullest
 rank (weights, gradients, optimizer state, activations with SP / checkpointing / in-flight
-micro-batches, workspace), the bytes each rank moves per step over TP, PP and DP (sizes with three
+micro-batches, workspace), the bytes each rank moves per step over TP, CP (context parallelism:
+attention exchanges and the gathered prediction), PP and DP (sizes with three
 significant digits in B, KiB, MiB, GiB or TiB: :func:`vitp.plan.format_bytes`), the predicted step
 time, tokens/s and MFU, and whether it fits; fitting layouts first, fastest first
 (:mod:`vitp.plan`). Each row's ``vitp-train`` overrides are in the JSON output (``--json``).
@@ -62,7 +63,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--show-plan", type=int, nargs="?", const=1, default=None, metavar="ROW",
                    help="also print the parallel plan of the table's row ROW (default 1): per stage, the rows "
-                        "applied, the parameters sharded / with partial gradients, the TP collectives of a micro-batch")
+                        "applied, the parameters sharded / with partial gradients, the TP and CP collectives of a micro-batch")
     p.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. experiment=img256 model.depth=24")
     return p.parse_intermixed_args(argv)
 
@@ -89,20 +90,25 @@ def _header(cfg, args, prof, preds) -> str:
 
 def plan_text(cfg, lay) -> str:
     """The generator's parallel plan (:data:`vitp.models.GENERATOR_PLAN`) at layout ``lay``: per
-    pipeline stage the rows it applies, and the TP collectives a micro-batch (and a step) issues
-    there, as the planner counts them (:func:`vitp.plan.tp_collectives`)."""
-    from vitp.plan import ModelShape, format_bytes, plan_report, stage_layer_ranges, tp_collectives
+    pipeline stage the rows it applies (TP rows at tp > 1, context-parallel rows at cp > 1), and
+    the collectives a micro-batch (and a step) issues there with the group each runs over (TP, or
+    cp for tags ``cp`` / ``cp_boundary``), as the planner counts them
+    (:func:`vitp.plan.plan_collectives`)."""
+    from vitp.plan import CP_TAGS, ModelShape, format_bytes, plan_collectives, plan_report, stage_layer_ranges
     from vitp.plan.comm import plan_mode_of
 
-    out = [f"parallel plan at tp={lay.tp} pp={lay.pp} dp={lay.dp} sp={'on' if lay.sp else 'off'} "
+    cp = f" cp={lay.cp}" + (f" ({lay.cp_mode})" if lay.cp > 1 else "")
+    out = [f"parallel plan at tp={lay.tp}{cp} pp={lay.pp} dp={lay.dp} sp={'on' if lay.sp else 'off'} "
            f"partial_sync={lay.partial_sync} micro={lay.micro}:"]
-    if lay.tp == 1:
-        return out[0] + " tp=1, nothing is sharded"
+    if lay.tp == 1 and lay.cp == 1:
+        return out[0] + " tp=1 and cp=1, nothing is sharded"
     for s, (first, end) in enumerate(stage_layer_ranges(ModelShape.from_config(cfg.model).depth, lay.pp)):
-        out.append(plan_report(cfg.model, plan_mode_of(lay), first, end).table(f"stage {s}"))
-        for c in tp_collectives(cfg.model, lay, s):
+        out.append(plan_report(cfg.model, plan_mode_of(lay), first, end, lay.tp, lay.cp).table(f"stage {s}"))
+        for c in plan_collectives(cfg.model, lay, s):
             per = "per step" if c.per_step else "per micro-batch"
-            out.append(f"    {c.count:>3} x {c.kind:14} {c.direction:3} {c.tag:11} {format_bytes(c.nbytes):>9} {per}")
+            group = f"cp group ({lay.cp})" if c.tag in CP_TAGS else f"TP group ({lay.tp})"
+            out.append(f"    {c.count:>3} x {c.kind:14} {c.direction:3} {c.tag:11} {format_bytes(c.nbytes):>9} {per:15} "
+                       f"over the {group}")
     return "\n".join(out)
 
 

@@ -1,12 +1,12 @@
 """Layout planner and model FLOPs: predict per-rank memory, communication and step time of every
-valid ``(tp, pp, dp, sp, AC)`` layout of a run config (``vitp-plan``), and count the model FLOPs
+valid ``(tp, cp, pp, dp, sp, AC)`` layout of a run config (``vitp-plan``), and count the model FLOPs
 the training telemetry reports as TFLOP/s and MFU.
 
 - :mod:`.shapes`: model sizes, exact parameter counts per layer (meta build), the TP sharding rule
 - :mod:`.flops`: :func:`model_flops_per_step` (6N-style linears + attention, factorized video counted per block kind)
 - :mod:`.layout`: :class:`LayoutSpec`, the valid layouts (by :func:`vitp.config.validate_layout`)
 - :mod:`.memory`: per-rank memory (ZeRO state table, saved activations per block, 1F1B in-flight micro-batches)
-- :mod:`.comm`: TP collectives (as :class:`vitp.parallel.CommRecorder` records them), pipeline sends, DP reduction
+- :mod:`.comm`: TP and context-parallel collectives (as :class:`vitp.parallel.CommRecorder` records them), pipeline sends, DP reduction
 - :mod:`.devices`: device profiles (H100/H200/A100 datasheet presets, a measured CPU profile, an assumed one)
 - :mod:`.steptime`: step time from a profile; :mod:`.planner`: ranking and the table
 - :mod:`.units`: :func:`format_bytes`, how every printed size is written (three significant digits, B to TiB)
@@ -15,7 +15,7 @@ the training telemetry reports as TFLOP/s and MFU.
 Pure functions of the config: nothing here starts a process group or imports the trainer.
 """
 from .auto import AUTO_KEYS, AutoChoice, choose_layout, fixed_keys
-from .comm import Collective, StageComm, pp_send_bytes, step_comm, tp_collectives
+from .comm import CP_TAGS, Collective, StageComm, cp_collectives, plan_collectives, pp_send_bytes, step_comm, tp_collectives
 from .devices import (PRESETS, DeviceProfile, cached_cpu_profile, cpu_profile, cuda_preset, default_cpu_profile,
                       get_profile, measure_cpu_profile)
 from .flops import forward_flops_per_sample, model_flops_per_step
@@ -27,7 +27,7 @@ from .steptime import step_time
 from .units import GIB, format_bytes
 
 __all__ = [
-    "AUTO_KEYS", "AutoChoice", "choose_layout", "fixed_keys",
+    "AUTO_KEYS", "AutoChoice", "choose_layout", "fixed_keys", "CP_TAGS", "cp_collectives", "plan_collectives",
     "Collective", "DeviceProfile", "LayoutSpec", "MemoryOptions", "ModelShape", "PRESETS", "Prediction",
     "STATE_BYTES", "StageComm", "StageMemory", "StateBytes", "block_saved", "cached_cpu_profile", "candidate_layouts",
     "cpu_profile", "default_cpu_profile",

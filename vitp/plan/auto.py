@@ -1,6 +1,6 @@
 """``parallel=auto``: the layout the planner ranks first for a run config on N devices.
 
-:func:`choose_layout` runs :func:`vitp.plan.plan` over every valid ``(tp, pp, dp, sp, AC,
+:func:`choose_layout` runs :func:`vitp.plan.plan` over every valid ``(tp, cp, pp, dp, sp, AC,
 micro-batch)`` of the config and returns the fastest layout that fits (:class:`AutoChoice`),
 holding constant the keys of :data:`AUTO_KEYS` the user fixed. Pure: the caller supplies the
 device profile (:mod:`vitp.train.autolayout` detects it on rank 0 and broadcasts the choice), so
@@ -17,7 +17,8 @@ from .planner import Prediction, plan
 from .units import format_bytes
 
 # the keys parallel=auto chooses -> the LayoutSpec field each one sets
-AUTO_KEYS: Dict[str, str] = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.sequence_parallel": "sp",
+AUTO_KEYS: Dict[str, str] = {"parallel.tp": "tp", "parallel.cp": "cp", "parallel.cp_mode": "cp_mode",
+                             "parallel.pp": "pp", "parallel.sequence_parallel": "sp",
                              "parallel.activation_checkpoint_interval": "ac", "trainer.micro_batch_size": "micro"}
 
 
@@ -47,7 +48,8 @@ class AutoChoice:
     def values(self) -> Dict[str, Any]:
         """``{config key: value}`` of :data:`AUTO_KEYS` that select the chosen layout."""
         lay = self.best.layout
-        return {key: (bool(getattr(lay, f)) if f == "sp" else int(getattr(lay, f))) for key, f in AUTO_KEYS.items()}
+        kinds = {"sp": bool, "cp_mode": str}
+        return {key: kinds.get(f, int)(getattr(lay, f)) for key, f in AUTO_KEYS.items()}
 
     def summary(self) -> str:
         """One log line: the layout, its predicted peak memory, step time and MFU, and the
@@ -55,7 +57,8 @@ class AutoChoice:
         p, lay = self.best, self.best.layout
         fixed = f", fixed {' '.join(f'{k}={v}' for k, v in self.fixed.items())}" if self.fixed else ""
         return (f"parallel=auto on {lay.world} x {self.profile.name} ({format_bytes(p.limit_bytes)} per rank{fixed}): "
-                f"tp={lay.tp} pp={lay.pp} dp={lay.dp} sp={'on' if lay.sp else 'off'} ac={lay.ac} micro={lay.micro} "
+                f"tp={lay.tp} cp={lay.cp}{' (ring)' if lay.cp > 1 and lay.cp_mode == 'ring' else ''} pp={lay.pp} "
+                f"dp={lay.dp} sp={'on' if lay.sp else 'off'} ac={lay.ac} micro={lay.micro} "
                 f"x {lay.accum} per step, first of {self.candidates} valid layouts ({self.fitting} fit); predicted "
                 f"{format_bytes(p.peak.total)} peak per rank, {p.time['step_s']:.4g} s/step, MFU {p.mfu:.1%}; "
                 f"reproduce with: {' '.join(lay.overrides())}")
@@ -72,7 +75,10 @@ def choose_layout(cfg: Any, world_size: int, prof: DeviceProfile, fixed: Sequenc
     first of :func:`vitp.plan.plan` (fitting layouts, fastest first; ties keep the planner's
     enumeration order) among those whose ``fixed`` keys (of :data:`AUTO_KEYS`) equal ``cfg``'s.
     A fixed activation-checkpoint interval or micro-batch size replaces ``ac_options`` /
-    ``micro_options``; a fixed ``parallel.sequence_parallel=true`` leaves only tp > 1.
+    ``micro_options``; a fixed ``parallel.sequence_parallel=true`` leaves only tp > 1; a fixed
+    ``parallel.cp_mode`` is the only mode tried at cp > 1 (else ``ring`` only where Ulysses
+    cannot split the heads, :func:`vitp.plan.candidate_layouts`). Context parallelism wins where
+    a sample's activations do not fit otherwise: the memory model divides them by cp.
 
     Raises ``ValueError`` when the config is invalid, when no valid layout has the fixed values,
     or when none fits the device memory (naming the smallest one and what it needs).
@@ -85,7 +91,8 @@ def choose_layout(cfg: Any, world_size: int, prof: DeviceProfile, fixed: Sequenc
         ac_options = (int(want["parallel.activation_checkpoint_interval"]),)
     if "trainer.micro_batch_size" in want:
         micro_options = (int(want["trainer.micro_batch_size"]),)
-    preds = [p for p in plan(cfg, world_size, prof, opts, ac_options, micro_options)
+    modes = (str(want["parallel.cp_mode"]),) if "parallel.cp_mode" in want else None
+    preds = [p for p in plan(cfg, world_size, prof, opts, ac_options, micro_options, modes)
              if all(getattr(p.layout, AUTO_KEYS[k]) == v for k, v in want.items())]
     fixed_text = f" with {', '.join(f'{k}={v}' for k, v in want.items())}" if want else ""
     if not preds:

@@ -1,5 +1,5 @@
-"""Communication of one training step per rank: tensor-parallel collectives, pipeline sends and
-data-parallel gradient reduction.
+"""Communication of one training step per rank: tensor- and context-parallel collectives, pipeline
+sends and data-parallel gradient reduction.
 
 Tensor parallelism: the collectives are those the generator's plan declares
 (:data:`vitp.models.GENERATOR_PLAN`; each style of :mod:`vitp.parallel.styles` states what one
@@ -11,24 +11,32 @@ bytes of one ``(b, N, D)`` activation that is two all-reduces of ``T`` forward a
 reduce-scatter of the same logical tensor and re-gathers the column inputs in backward
 (Korthikanti et al. 2022, §4.2.2). Activation checkpointing runs every forward collective again.
 
+Context parallelism (:mod:`vitp.parallel.context`): the plan's cp rows list the attention
+exchanges of every block (Ulysses / temporal all-to-alls, ring K/V steps; none for spatial
+blocks) and the all-gather of the prediction over the cp group (tags ``cp`` and
+``cp_boundary``), counted over ``cp`` ranks and reported apart from the TP bytes.
+
 Wire bytes per rank use ring algorithms (Patarasuk & Yuan 2009): all-reduce ``2 (p-1)/p n``,
 all-gather / reduce-scatter ``(p-1)/p n``. Pipeline (DeepSpeed ``PipelineEngine``): per
 micro-batch a stage sends its outputs ``(tokens, c)`` forward and the gradients of its inputs
 backward (same shapes). Data parallelism: DeepSpeed's ZeRO-1 reduces each gradient to the rank
 owning its partition and all-gathers the updated parameters, together the volume of one ring
-all-reduce of the stage's parameters, ``2 (dp-1)/dp P`` elements in the model dtype (Rajbhandari
+all-reduce of the stage's parameters, ``2 (e-1)/e P`` elements in the model dtype over the
+engine's ``e = dp * cp`` data-parallel ranks (a sample's token shards are summed there too) (Rajbhandari
 et al. 2020, §7: ZeRO stage 1 communicates as much as plain data parallelism).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, List
+from dataclasses import dataclass, replace
+from typing import Any, List, Tuple
 
 from vitp.parallel.styles import Collective, StepShape, mode_of
 
 from .layout import LayoutSpec, local_tokens
 from .memory import ACT_BYTES
 from .shapes import ModelShape, layer_params_per_rank, plan_report, stage_layer_ranges
+
+CP_TAGS = ("cp", "cp_boundary")  # collectives over the context-parallel group (vitp.parallel.styles)
 
 
 def plan_mode_of(lay: LayoutSpec) -> str:
@@ -41,24 +49,46 @@ def step_shape(model: Any, lay: LayoutSpec) -> StepShape:
     shape = ModelShape.from_config(model)
     return StepShape(micro=lay.micro, tokens=shape.tokens, width=shape.width, act_bytes=ACT_BYTES[lay.precision],
                      tp=lay.tp, sequence_parallel=lay.sp or lay.partial_sp, partial_sync=lay.partial_sync,
-                     pixels=shape.pixels, redo=2 if lay.ac else 1, pp=lay.pp)
+                     pixels=shape.pixels, redo=2 if lay.ac else 1, pp=lay.pp, cp=lay.cp, cp_mode=lay.cp_mode)
+
+
+def plan_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
+    """Every collective of the plan on a rank of pipeline stage ``stage``: those of one
+    micro-batch, plus those marked ``per_step`` that run once per optimizer step; the TP and the
+    context-parallel ones (tags :data:`CP_TAGS`) together, as
+    :meth:`vitp.parallel.PlanReport.collectives` lists them (empty at tp = cp = 1)."""
+    if lay.tp == 1 and lay.cp == 1:
+        return []
+    first, end = stage_layer_ranges(ModelShape.from_config(model).depth, lay.pp)[stage]
+    report = plan_report(model, plan_mode_of(lay), first, end, lay.tp, lay.cp)
+    colls = report.collectives(step_shape(model, lay))
+    if not lay.ac:
+        return colls
+    # the prediction is gathered after the last tensor the final layer saves, so the recomputation
+    # (torch's non-reentrant checkpoint stops early once every saved tensor is rebuilt) never
+    # reaches it: the plan counts it twice, training runs it once (measured)
+    return [replace(c, count=c.count // 2) if (c.tag, c.direction) == ("cp_boundary", "fwd") else c for c in colls]
 
 
 def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
-    """Tensor-parallel collectives of one micro-batch on a rank of pipeline stage ``stage``, plus
-    those marked ``per_step`` that run once per optimizer step (empty when ``tp == 1``): the
-    plan's own list (:meth:`vitp.parallel.PlanReport.collectives`)."""
-    if lay.tp == 1:
-        return []
-    first, end = stage_layer_ranges(ModelShape.from_config(model).depth, lay.pp)[stage]
-    return plan_report(model, plan_mode_of(lay), first, end).collectives(step_shape(model, lay))
+    """Tensor-parallel collectives (over the TP group) of one micro-batch on a rank of pipeline
+    stage ``stage``, plus those marked ``per_step`` that run once per optimizer step (empty when
+    ``tp == 1``): the plan's own list (:func:`plan_collectives`) without the context-parallel ones."""
+    return [c for c in plan_collectives(model, lay, stage) if c.tag not in CP_TAGS]
+
+
+def cp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
+    """Context-parallel collectives (tags :data:`CP_TAGS`, over the cp group) of one micro-batch
+    on a rank of pipeline stage ``stage`` (empty when ``cp == 1``)."""
+    return [c for c in plan_collectives(model, lay, stage) if c.tag in CP_TAGS]
 
 
 @dataclass(frozen=True)
 class StageComm:
     """Bytes one rank of pipeline stage ``stage`` sends per optimizer step (ring wire bytes for
-    the collectives, plain bytes for pipeline sends), the number of TP collectives and of
-    pipeline tensor sends (DeepSpeed sends each tensor of ``(tokens, c)`` on its own)."""
+    the collectives, plain bytes for pipeline sends), the number of TP collectives, of
+    context-parallel collectives (ring steps counted one each) and of pipeline tensor sends
+    (DeepSpeed sends each tensor of ``(tokens, c)`` on its own)."""
 
     stage: int
     tp_bytes: float
@@ -66,12 +96,21 @@ class StageComm:
     pp_bytes: float
     pp_sends: int
     dp_bytes: float
+    cp_bytes: float = 0.0
+    cp_count: int = 0
 
 
 def pp_send_bytes(model: Any, lay: LayoutSpec) -> float:
-    """Bytes of one pipeline send per micro-batch: ``(tokens, c)`` forward, or their gradients."""
+    """Bytes of one pipeline send per micro-batch: ``(tokens, c)`` forward, or their gradients
+    (this rank's ``N / cp`` tokens, ``ceil(N / cp / tp)`` under SP)."""
     shape = ModelShape.from_config(model)
-    return lay.micro * (local_tokens(shape.tokens, lay.tp, lay.sp) + 1) * shape.width * ACT_BYTES[lay.precision]
+    return lay.micro * (local_tokens(shape.tokens, lay.tp, lay.sp, lay.cp) + 1) * shape.width * ACT_BYTES[lay.precision]
+
+
+def _per_step(colls: List[Collective], accum: int, group: int) -> Tuple[float, int]:
+    """``(wire bytes, count)`` per optimizer step of ``colls`` over ``group`` ranks."""
+    per = [1 if c.per_step else accum for c in colls]  # per-micro-batch collectives x accumulation
+    return sum(k * c.wire_bytes(group) for k, c in zip(per, colls)), sum(k * c.count for k, c in zip(per, colls))
 
 
 def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = True) -> List[StageComm]:
@@ -79,14 +118,15 @@ def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = True) -> List[S
     shape = ModelShape.from_config(model)
     per_layer = layer_params_per_rank(model, lay.tp, adaln_sharded)
     send = pp_send_bytes(model, lay)
+    e = lay.engine_dp  # the gradient reduction spans dp x cp ranks
     out = []
     for s, (first, end) in enumerate(stage_layer_ranges(shape.depth, lay.pp)):
-        colls = tp_collectives(model, lay, s)
+        colls = plan_collectives(model, lay, s)
+        tp_b, tp_n = _per_step([c for c in colls if c.tag not in CP_TAGS], lay.accum, lay.tp)
+        cp_b, cp_n = _per_step([c for c in colls if c.tag in CP_TAGS], lay.accum, lay.cp)
         sends = (s < lay.pp - 1) + (s > 0)  # forward to the next stage, gradients to the previous one
-        params = sum(per_layer[first:end])
-        dp = 2 * (lay.dp - 1) / lay.dp * params * ACT_BYTES[lay.precision]
-        per = [1 if c.per_step else lay.accum for c in colls]  # per-micro-batch collectives x accumulation
-        out.append(StageComm(stage=s, tp_bytes=sum(k * c.wire_bytes(lay.tp) for k, c in zip(per, colls)),
-                             tp_count=sum(k * c.count for k, c in zip(per, colls)), pp_bytes=lay.accum * sends * send,
-                             pp_sends=lay.accum * sends * 2, dp_bytes=dp))  # tokens and c: two tensor sends
+        dp = 2 * (e - 1) / e * sum(per_layer[first:end]) * ACT_BYTES[lay.precision]
+        out.append(StageComm(stage=s, tp_bytes=tp_b, tp_count=tp_n, pp_bytes=lay.accum * sends * send,
+                             pp_sends=lay.accum * sends * 2, dp_bytes=dp,  # tokens and c: two tensor sends
+                             cp_bytes=cp_b, cp_count=cp_n))
     return out

@@ -14,7 +14,7 @@ from vitp.utils import divisors
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    """One ``(tp, pp, dp, sp, AC)`` layout with its batch split and numerics.
+    """One ``(tp, cp, pp, dp, sp, AC)`` layout with its batch split and numerics.
 
     ``micro`` samples per micro-batch per dp rank, ``accum`` micro-batches per optimizer step
     (DeepSpeed's gradient accumulation steps, the 1F1B pipeline's micro-batch count);
@@ -22,7 +22,10 @@ class LayoutSpec:
     device type (cpu | cuda) the kernels run on. ``partial_sync`` (``p < 1``,
     :mod:`vitp.parallel.partial_sync`): every TP rank keeps its own residual stream, so no token is
     sharded (``sp`` is False) and ``partial_sp`` says the synchronized slice moves as
-    reduce-scatter + all-gather.
+    reduce-scatter + all-gather. ``cp`` context-parallel ranks hold ``N / cp`` tokens of every
+    sample (:mod:`vitp.parallel.context`; ``cp_mode`` ``ulysses`` or ``ring`` for full
+    attention); they see the same samples, so ``global_batch`` counts ``dp`` only, while the
+    gradient reduction and ZeRO-1's partitions span :attr:`engine_dp` = ``dp * cp`` ranks.
     """
 
     tp: int
@@ -45,6 +48,11 @@ class LayoutSpec:
         return self.tp * self.cp * self.pp * self.dp
 
     @property
+    def engine_dp(self) -> int:
+        """Ranks of the gradient reduction and of ZeRO's partitions: ``dp * cp``."""
+        return self.dp * self.cp
+
+    @property
     def global_batch(self) -> int:
         return self.micro * self.accum * self.dp
 
@@ -53,9 +61,10 @@ class LayoutSpec:
 
     def overrides(self) -> List[str]:
         """The ``vitp-train`` overrides that select this layout."""
-        out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+        out = [f"parallel.tp={self.tp}", f"parallel.cp={self.cp}", f"parallel.pp={self.pp}",
                f"parallel.sequence_parallel={str(self.sp or self.partial_sp).lower()}",
                f"parallel.activation_checkpoint_interval={self.ac}", f"trainer.micro_batch_size={self.micro}"]
+        out += [f"parallel.cp_mode={self.cp_mode}"] if self.cp > 1 and self.cp_mode != "ulysses" else []
         return out + ([f"parallel.partial_sync={self.partial_sync}"] if self.partial_sync < 1 else [])
 
 
@@ -76,30 +85,58 @@ def layout_of(cfg: Any, world_size: int, device_type: str = "cpu") -> LayoutSpec
                       partial_sync=p, partial_sp=sp and p < 1, cp=lay.cp, cp_mode=str(par.cp_mode))
 
 
+def _cp_modes(cfg: Any, cp: int, cp_modes: Optional[Sequence[str]]) -> Sequence[str]:
+    """The ``parallel.cp_mode`` values to try at ``cp``: ``cp_modes`` if given, else ``ulysses``
+    and, only where Ulysses cannot split the heads (full attention), ``ring``; one value at cp = 1
+    or with factorized attention (whose blocks never use the ring)."""
+    if cp == 1:
+        return [str(cfg.parallel.cp_mode)]
+    if cp_modes:
+        return list(cp_modes)
+    return ["ulysses", "ring"] if str(cfg.model.attention) == "full" else ["ulysses"]
+
+
 def candidate_layouts(cfg: Any, world_size: int, device_type: str = "cpu", ac_options: Sequence[int] = (0, 1),
-                      micro_options: Optional[Iterable[int]] = None) -> List[LayoutSpec]:
+                      micro_options: Optional[Iterable[int]] = None, cp_modes: Optional[Sequence[str]] = None
+                      ) -> List[LayoutSpec]:
     """Every layout of ``world_size`` processes that :func:`vitp.config.validate_layout` accepts:
-    all ``(tp, pp)`` dividing the world, sequence parallelism on and off (tp > 1), each
-    ``ac_options`` interval, and each micro-batch size in ``micro_options`` (default: every divisor
-    of ``global_batch / dp``), keeping ``trainer.global_batch_size``."""
+    all ``(cp, tp, pp)`` dividing the world (cp = 1 first), sequence parallelism on and off
+    (tp > 1), each ``ac_options`` interval, and each micro-batch size in ``micro_options``
+    (default: every divisor of ``global_batch / dp``), keeping ``trainer.global_batch_size``. At
+    cp > 1 with full attention ``cp_mode=ring`` is offered only where ``ulysses`` is invalid
+    (heads not divisible by ``tp * cp``), unless ``cp_modes`` names the modes to try."""
     from omegaconf import OmegaConf
 
     out = []
     glob = cfg.trainer.global_batch_size
-    for tp in divisors(world_size):
-        for pp in divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            micros = sorted(set(micro_options or divisors(max(1, glob // dp))))
-            for sp in ([False, True] if tp > 1 else [False]):
-                for ac in ac_options:
-                    for micro in micros:
-                        c = OmegaConf.merge(cfg, {"parallel": {"tp": tp, "pp": pp, "sequence_parallel": sp,
-                                                               "activation_checkpoint_interval": ac},
-                                                  "trainer": {"micro_batch_size": micro}})
-                        try:
-                            out.append(layout_of(c, world_size, device_type))
-                        except ValueError:
-                            continue
+    for cp in divisors(world_size):
+        for tp in divisors(world_size // cp):
+            for pp in divisors(world_size // (cp * tp)):
+                dp = world_size // (cp * tp * pp)
+                micros = sorted(set(micro_options or divisors(max(1, glob // dp))))
+                for sp in ([False, True] if tp > 1 else [False]):
+                    for ac in ac_options:
+                        for micro in micros:
+                            out += _first_valid(cfg, world_size, device_type, [
+                                OmegaConf.merge(cfg, {"parallel": {"tp": tp, "pp": pp, "cp": cp, "cp_mode": mode,
+                                                                   "sequence_parallel": sp,
+                                                                   "activation_checkpoint_interval": ac},
+                                                      "trainer": {"micro_batch_size": micro}})
+                                for mode in _cp_modes(cfg, cp, cp_modes)], cp_modes is None)
+    return out
+
+
+def _first_valid(cfg: Any, world_size: int, device_type: str, configs: List[Any], first_only: bool
+                 ) -> List[LayoutSpec]:
+    """The layouts of ``configs`` that validate (only the first that does when ``first_only``)."""
+    out = []
+    for c in configs:
+        try:
+            out.append(layout_of(c, world_size, device_type))
+        except ValueError:
+            continue
+        if first_only:
+            break
     return out
 
 
@@ -108,15 +145,18 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def local_tokens(tokens: int, tp: int, sp: bool) -> int:
-    """Tokens a TP rank holds outside attention/MLP: ``ceil(N / tp)`` under sequence parallelism
-    (N padded to a multiple of tp, :func:`vitp.parallel.sequence_parallel_enter`), else N."""
-    return ceil_div(tokens, tp) if sp and tp > 1 else tokens
+def local_tokens(tokens: int, tp: int, sp: bool, cp: int = 1) -> int:
+    """Tokens a rank holds outside attention/MLP: ``N / cp`` of a context-parallel shard, and of
+    those ``ceil(N / cp / tp)`` under sequence parallelism (padded to a multiple of tp,
+    :func:`vitp.parallel.sequence_parallel_enter`)."""
+    n = tokens // cp
+    return ceil_div(n, tp) if sp and tp > 1 else n
 
 
-def gathered_tokens(tokens: int, tp: int, sp: bool) -> int:
-    """Tokens of a gathered sequence-parallel tensor: N padded to a multiple of tp (SP), else N."""
-    return ceil_div(tokens, tp) * tp if sp and tp > 1 else tokens
+def gathered_tokens(tokens: int, tp: int, sp: bool, cp: int = 1) -> int:
+    """Tokens of a gathered sequence-parallel tensor: ``N / cp`` padded to a multiple of tp (SP), else ``N / cp``."""
+    n = tokens // cp
+    return ceil_div(n, tp) * tp if sp and tp > 1 else n
 
 
 __all__ = ["LayoutSpec", "candidate_layouts", "ceil_div", "gathered_tokens", "layout_of", "local_tokens"]

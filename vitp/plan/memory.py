@@ -2,7 +2,8 @@
 
 Model state (Rajbhandari et al. 2020, "ZeRO", §3 and §5.1: mixed-precision Adam keeps ``2 + 2``
 bytes of half-precision weights and gradients plus ``4 + 4 + 4`` bytes of fp32 master weights and
-the two Adam moments per parameter; stage 1 partitions the last ``12`` over dp). What DeepSpeed
+the two Adam moments per parameter; stage 1 partitions the last ``12`` over the engine's
+data-parallel ranks, ``dp * cp`` with context parallelism). What DeepSpeed
 0.19 keeps here is the table :data:`STATE_BYTES` (read from ``runtime/zero/stage_1_and_2.py`` and
 ``runtime/bf16_optimizer.py``, measured in ``tests/distributed/test_plan_validation.py``): ZeRO-1
 keeps an fp32 master copy of its partition even in fp32 training, and accumulates gradients in
@@ -14,7 +15,8 @@ divides those inside attention/MLP by t, sequence parallelism also the rest, ful
 keeps only each checkpoint's input). Their GPT block stores ``sbh (34 + 5 a s / h)`` bytes in
 fp16; this generator's block is listed tensor by tensor in :func:`block_saved` (adaLN-Zero, no
 dropout masks, and fused SDPA kernels that keep the logsumexp instead of the ``a s^2`` score
-matrix). Pipeline (Narayanan et al. 2021, §2.2.1; DeepSpeed ``TrainSchedule``): with 1F1B, stage
+matrix). Context parallelism divides every token-proportional tensor by cp; the embedding's
+input, the pixel tensors of the loss and the gathered prediction stay whole on every cp rank. Pipeline (Narayanan et al. 2021, §2.2.1; DeepSpeed ``TrainSchedule``): with 1F1B, stage
 ``s`` of ``p`` holds the activations of ``min(p - s, m)`` micro-batches at once.
 
 Measured on CPU (gloo, fp32 and bf16; ``tests/distributed/test_plan_validation.py``); on CUDA the
@@ -89,39 +91,49 @@ class Saved:
         return self.elements * (size or ACT_BYTES[precision])
 
 
-def _proj_input_copy(shape: ModelShape, kind: str, tp: int, sp: bool) -> bool:
+def _proj_input_copy(shape: ModelShape, kind: str, tp: int, sp: bool, cp: int = 1, cp_mode: str = "ulysses") -> bool:
     """Whether ``proj`` saves its own copy of the attention output (else a view of SDPA's output):
     with qk-norm q is contiguous and SDPA's CPU output follows its (B, H, N, hd) layout, so the
-    transpose copies; a temporal block under TP ungroups it (copy); SP padding re-pads it (copy)."""
-    return shape.qk_norm or (tp > 1 and kind == "temporal") or (sp and shape.tokens % tp != 0)
+    transpose copies; a temporal block under TP or CP ungroups it (copy); SP padding re-pads it
+    (copy); Ulysses' second all-to-all returns a new tensor (:mod:`vitp.parallel.context`)."""
+    regrouped = (tp > 1 or cp > 1) and kind == "temporal"
+    ulysses = cp > 1 and kind == "full" and cp_mode == "ulysses"
+    return shape.qk_norm or regrouped or ulysses or (sp and (shape.tokens // cp) % tp != 0)
 
 
-def block_saved(shape: ModelShape, kind: str, tp: int, sp: bool) -> List[Saved]:
+def block_saved(shape: ModelShape, kind: str, tp: int, sp: bool, cp: int = 1, cp_mode: str = "ulysses"
+                ) -> List[Saved]:
     """Tensors one block saves for backward, per sample on one TP rank (parameters excluded;
     the conditioning ``c`` is counted once per stage, see :func:`stage_memory`).
 
-    Region sizes: ``n`` tokens of the sequence region (N, or ceil(N/tp) under SP), ``g`` tokens
-    of a gathered input (N, or N padded to a multiple of tp under SP; the column-parallel ``qkv``
-    and ``fc1`` save their local input and re-gather it in backward, as Megatron does), and attention
-    / MLP internals over ``1/tp`` of the heads / hidden units.
+    Region sizes: ``n`` tokens of the sequence region (N / cp, or ceil(N / cp / tp) under SP), ``g``
+    tokens of a gathered input (N / cp, padded to a multiple of tp under SP; the column-parallel
+    ``qkv`` and ``fc1`` save their local input and re-gather it in backward, as Megatron does),
+    and attention / MLP internals over ``1/tp`` of the heads / hidden units. Context parallelism
+    (``cp`` ranks, :mod:`vitp.parallel.context`) divides every token count by cp: Ulysses'
+    full-sequence q, k, v, output and logsumexp ``(B, N, 3 h / cp hd)`` hold as many elements as
+    the local ``(B, N / cp, 3 h hd)`` (its all-to-alls save nothing), the temporal exchange
+    regroups ``N / cp`` tokens, and the ring keeps the local q, k, v, output and logsumexp.
     """
     N, D, H, h = shape.tokens, shape.width, shape.heads, shape.hidden
-    n, g = local_tokens(N, tp, sp), gathered_tokens(N, tp, sp)
+    n, g, local = local_tokens(N, tp, sp, cp), gathered_tokens(N, tp, sp, cp), N // cp
+    # SP pad rows are cut before attention: regrouping (factorized) or Ulysses' all-to-all copies the N / cp rows
+    qkv_rows = g if kind == "full" and (cp == 1 or cp_mode == "ring") else local
     rows = [Saved("norm1 input (residual)", n * D), Saved("norm1 output", n * D),
             Saved("qkv input (modulated; local, re-gathered in backward)", n * D),
-            # SP pad rows are cut before attention: regrouping for factorized attention copies the N rows
-            Saved("qkv output (q, k, v)", (g if kind == "full" else N) * 3 * D / tp),
-            Saved("SDPA output", N * D / tp), Saved("SDPA logsumexp", N * H / tp, 4),
+            Saved("qkv output (q, k, v)", qkv_rows * 3 * D / tp),
+            Saved("SDPA output", local * D / tp), Saved("SDPA logsumexp", local * H / tp, 4),
             Saved("proj output (gate1 input)", n * D), Saved("norm2 input (residual)", n * D),
             Saved("norm2 output", n * D), Saved("fc1 input (modulated; local, re-gathered in backward)", n * D),
             Saved("MLP hidden (fc1 out, act out)" if shape.mlp == "gelu"
                   else "MLP hidden (fc1_g, silu, fc1_x, product)", g * (2 if shape.mlp == "gelu" else 4) * h / tp),
             Saved("fc2 output (gate2 input)", n * D), Saved("norm1/norm2 mean and rstd", 4 * n, STATS),
             Saved("adaLN: silu(c), 1+scale1, 1+scale2, modulation output (6D)", 9 * D)]
-    if _proj_input_copy(shape, kind, tp, sp):
+    if _proj_input_copy(shape, kind, tp, sp, cp, cp_mode):
         rows.append(Saved("proj input (own copy)", g * D / tp))
     if shape.qk_norm:
-        rows += [Saved("q, k after qk-norm", 2 * N * D / tp), Saved("qk-norm mean and rstd", 4 * N * H / tp, STATS)]
+        rows += [Saved("q, k after qk-norm", 2 * local * D / tp),
+                 Saved("qk-norm mean and rstd", 4 * local * H / tp, STATS)]
     if shape.layer_scale:
         rows.append(Saved("LayerScale outputs (not validated)", 2 * n * D))
     return rows
@@ -135,11 +147,12 @@ def embed_saved(shape: ModelShape) -> List[Saved]:
             Saved("timestep MLP hidden (pre/post SiLU)", 2 * D), Saved("class index (int64)", 1, 8)]
 
 
-def final_saved(shape: ModelShape, tp: int, sp: bool) -> List[Saved]:
-    """Tensors the output layer saves per sample (last stage); under SP the final norm saves the
-    gathered (padded) tokens."""
-    N, D = shape.tokens, shape.width
-    g = gathered_tokens(N, tp, sp)
+def final_saved(shape: ModelShape, tp: int, sp: bool, cp: int = 1) -> List[Saved]:
+    """Tensors the output layer saves per sample (last stage): over this rank's ``N / cp`` tokens
+    (its output is all-gathered over cp afterwards, saving nothing); under SP the final norm
+    saves the gathered (padded) tokens."""
+    N, D = shape.tokens // cp, shape.width
+    g = gathered_tokens(shape.tokens, tp, sp, cp)
     return [Saved("final norm input (gathered under SP)", g * D), Saved("final norm output", N * D),
             Saved("final linear input (modulated)", N * D), Saved("final norm mean and rstd", 2 * N, STATS),
             Saved("final adaLN: silu(c), 1+scale", 2 * D)]
@@ -166,16 +179,16 @@ def layer_saved_bytes(shape: ModelShape, layer: int, lay: LayoutSpec) -> float:
     if layer == 0:
         return _sum(embed_saved(shape), lay)
     if layer == shape.depth + 1:
-        return _sum(final_saved(shape, lay.tp, lay.sp), lay)
-    return _sum(block_saved(shape, shape.block_kind(layer - 1), lay.tp, lay.sp), lay)
+        return _sum(final_saved(shape, lay.tp, lay.sp, lay.cp), lay)
+    return _sum(block_saved(shape, shape.block_kind(layer - 1), lay.tp, lay.sp, lay.cp, lay.cp_mode), lay)
 
 
 def chunk_input_bytes(shape: ModelShape, first_layer: int, lay: LayoutSpec) -> float:
     """Bytes per sample a checkpoint keeps of its chunk's input (besides ``c``): the data batch
-    (fp32 pixels, t, int64 y) for the input layer, else the tokens of this rank."""
+    (fp32 pixels, t, int64 y; whole on every cp rank) for the input layer, else the tokens of this rank."""
     if first_layer == 0:
         return shape.pixels * 4 + 4 + 8
-    return local_tokens(shape.tokens, lay.tp, lay.sp) * shape.width * ACT_BYTES[lay.precision]
+    return local_tokens(shape.tokens, lay.tp, lay.sp, lay.cp) * shape.width * ACT_BYTES[lay.precision]
 
 
 def _resaved_input_bytes(shape: ModelShape, first_layer: int, lay: LayoutSpec) -> float:
@@ -272,7 +285,7 @@ def _state(P: int, lay: LayoutSpec, opts: MemoryOptions) -> Tuple[float, float, 
     sb = opts.state_bytes[key]
     other = sum(v for k, v in sb.whole.items() if k not in ("weights", "grads"))
     return (P * sb.whole.get("weights", 0), P * sb.whole.get("grads", 0),
-            P * other + P * sum(sb.split.values()) / lay.dp, P * sum(sb.step_split.values()) / lay.dp)
+            P * other + P * sum(sb.split.values()) / lay.engine_dp, P * sum(sb.step_split.values()) / lay.engine_dp)
 
 
 def _activations(shape: ModelShape, lay: LayoutSpec, first: int, end: int, last: bool) -> Tuple[float, float]:
@@ -305,7 +318,8 @@ def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = No
         stored, rebuilt = _activations(shape, lay, first, end, last)
         # stage outputs: tokens until their backward; the last stage's predictions stay in its
         # output buffers (DeepSpeed returns before clearing them there), the newest LAST_OUTPUT_BUFFERS
-        out_bytes = shape.pixels * act_b if last else local_tokens(shape.tokens, lay.tp, lay.sp) * shape.width * act_b
+        # (the prediction gathered over cp, every cp rank holds it whole)
+        out_bytes = (shape.pixels if last else local_tokens(shape.tokens, lay.tp, lay.sp, lay.cp) * shape.width) * act_b
         held = min(LAST_OUTPUT_BUFFERS, lay.accum) if last else in_flight
         layer_max = max(layer_saved_bytes(shape, i, lay) for i in range(first, end))
         bucket = ZERO_BUCKET_BUFFERS * opts.zero_bucket_elements * act_b if lay.zero_stage == 1 else 0

@@ -1,5 +1,5 @@
 """Rank the layouts of a run config on a number of devices: memory per rank, communication and
-step time for every valid ``(tp, pp, dp, sp, AC, micro-batch)``; the ones that fit first,
+step time for every valid ``(tp, cp, pp, dp, sp, AC, micro-batch)``; the ones that fit first,
 fastest first."""
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class Prediction:
                 "memory_gib": {k: _sig4(v / GIB) for k, v in mem.items()},
                 "limit_bytes": int(self.limit_bytes), "limit_gib": _sig4(self.limit_bytes / GIB),
                 "comm_bytes_per_step": {k: max(getattr(c, k) for c in self.comm)
-                                        for k in ("tp_bytes", "pp_bytes", "dp_bytes")},
+                                        for k in ("tp_bytes", "cp_bytes", "pp_bytes", "dp_bytes")},
                 "time": {k: round(v, 6) for k, v in self.time.items()}, "tokens_per_s": round(self.tokens_per_s, 1),
                 "mfu": round(self.mfu, 4)}
 
@@ -74,9 +74,11 @@ def predict(model: Any, lay: LayoutSpec, prof: DeviceProfile, opts: Optional[Mem
 
 
 def plan(cfg: Any, world_size: int, prof: DeviceProfile, opts: Optional[MemoryOptions] = None,
-         ac_options: Sequence[int] = (0, 1), micro_options: Optional[Sequence[int]] = None) -> List[Prediction]:
-    """Predictions for every valid layout of the run config ``cfg`` on ``world_size`` devices of
-    ``prof``: the layouts that fit by step time, then the rest by peak memory.
+         ac_options: Sequence[int] = (0, 1), micro_options: Optional[Sequence[int]] = None,
+         cp_modes: Optional[Sequence[str]] = None) -> List[Prediction]:
+    """Predictions for every valid layout (:func:`vitp.plan.candidate_layouts`; ``cp_modes`` as
+    there) of the run config ``cfg`` on ``world_size`` devices of ``prof``: the layouts that fit
+    by step time, then the rest by peak memory.
 
     Raises ``ValueError`` when the config itself is invalid (:func:`vitp.config.validate_config`).
     """
@@ -87,27 +89,30 @@ def plan(cfg: Any, world_size: int, prof: DeviceProfile, opts: Optional[MemoryOp
     validate_config(cfg)
     model = to_dict(cfg.model)  # resolved once: OmegaConf interpolations are slow to read
     preds = [predict(model, lay, prof, opts)
-             for lay in candidate_layouts(cfg, world_size, prof.kind, ac_options, micro_options)]
+             for lay in candidate_layouts(cfg, world_size, prof.kind, ac_options, micro_options, cp_modes)]
     return sorted(preds, key=lambda p: (not p.fits, p.time["step_s"] if p.fits else p.peak.total))
 
 
 def format_table(preds: List[Prediction], top: Optional[int] = None) -> str:
     """A ranked text table: memory of the fullest stage and bytes per rank per step, each with three
-    significant digits in a fitting unit (:func:`vitp.plan.units.format_bytes`)."""
+    significant digits in a fitting unit (:func:`vitp.plan.units.format_bytes`). Column ``cp``: the
+    context-parallel degree, ``r`` appended for ``cp_mode=ring`` (``2r``); ``CP/step``: bytes of
+    its collectives (attention exchanges and the gathered prediction)."""
     b = format_bytes
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>3} {'sp':>3} {'ac':>3} {'mb':>4} {'acc':>4} | "
+    head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>3} {'sp':>3} {'ac':>3} {'mb':>4} {'acc':>4} | "
             f"{'weights':>9} {'grads':>9} {'opt+ema':>9} {'activ':>9} {'work':>9} {'total':>9} | "
-            f"{'TP/step':>9} {'PP/step':>9} {'DP/step':>9} | {'step s':>9} {'tok/s':>10} {'MFU':>6} fits")
+            f"{'TP/step':>9} {'CP/step':>9} {'PP/step':>9} {'DP/step':>9} | {'step s':>9} {'tok/s':>10} {'MFU':>6} fits")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(preds[:top] if top else preds, 1):
         lay, pk = p.layout, p.peak
-        comm = {k: max(getattr(c, k) for c in p.comm) for k in ("tp_bytes", "pp_bytes", "dp_bytes")}
+        comm = {k: max(getattr(c, k) for c in p.comm) for k in ("tp_bytes", "cp_bytes", "pp_bytes", "dp_bytes")}
         act = pk.activations + pk.recompute + pk.pipe_buffers
+        cp = f"{lay.cp}{'r' if lay.cp > 1 and lay.cp_mode == 'ring' else ''}"
         rows.append(
-            f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {'y' if lay.sp else '-':>3} {lay.ac:>3} {lay.micro:>4} "
-            f"{lay.accum:>4} | {b(pk.weights):>9} {b(pk.grads):>9} {b(pk.optimizer + pk.ema):>9} {b(act):>9} "
-            f"{b(pk.zero_buckets + pk.workspace):>9} {b(pk.total):>9} | "
-            f"{b(comm['tp_bytes']):>9} {b(comm['pp_bytes']):>9} {b(comm['dp_bytes']):>9} | "
+            f"{i:>3} {lay.tp:>3} {cp:>3} {lay.pp:>3} {lay.dp:>3} {'y' if lay.sp else '-':>3} {lay.ac:>3} "
+            f"{lay.micro:>4} {lay.accum:>4} | {b(pk.weights):>9} {b(pk.grads):>9} {b(pk.optimizer + pk.ema):>9} "
+            f"{b(act):>9} {b(pk.zero_buckets + pk.workspace):>9} {b(pk.total):>9} | "
+            f"{b(comm['tp_bytes']):>9} {b(comm['cp_bytes']):>9} {b(comm['pp_bytes']):>9} {b(comm['dp_bytes']):>9} | "
             f"{p.time['step_s']:>9.4g} {p.tokens_per_s:>10.4g} {p.mfu:>6.1%} {'yes' if p.fits else 'NO'}")
     return "\n".join(rows)
 

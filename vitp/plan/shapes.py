@@ -113,18 +113,20 @@ def layer_params(model: Any) -> List[Dict[str, int]]:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_report(frozen: Tuple, first: int, end: Optional[int], mode: str):
+def _plan_report(frozen: Tuple, first: int, end: Optional[int], mode: str, tp: int, cp: int):
     from vitp.models import GENERATOR_PLAN
     from vitp.parallel import describe_plan
 
-    return describe_plan(_meta_layers(frozen, first, end), GENERATOR_PLAN, mode)
+    return describe_plan(_meta_layers(frozen, first, end), GENERATOR_PLAN, mode, tp, cp)
 
 
-def plan_report(model: Any, mode: str = "tp", first: int = 0, end: Optional[int] = None):
+def plan_report(model: Any, mode: str = "tp", first: int = 0, end: Optional[int] = None, tp: int = 2, cp: int = 1):
     """The :class:`vitp.parallel.PlanReport` of :data:`vitp.models.GENERATOR_PLAN` in ``mode``
-    (``tp`` | ``sp`` | ``partial``) for layers ``first..end`` (a pipeline stage; all by default)
-    of the ``model`` config, from its meta-device layers. Cached: do not modify it."""
-    return _plan_report(_frozen(model), first, end, mode)
+    (``tp`` | ``sp`` | ``partial``) at tensor- and context-parallel degrees ``tp`` and ``cp`` (the
+    rows of an axis apply when its degree is above 1; the default ``tp=2`` lists the TP roles)
+    for layers ``first..end`` (a pipeline stage; all by default) of the ``model`` config, from its
+    meta-device layers. Cached: do not modify it."""
+    return _plan_report(_frozen(model), first, end, mode, tp, cp)
 
 
 def layer_params_per_rank(model: Any, tp: int, adaln_sharded: bool = True) -> List[int]:

@@ -6,12 +6,13 @@ the block linears and attention divided over tp, embedding / final layer / adaLN
 plus one more forward with activation checkpointing) at ``peak x efficiency``; element-wise
 work (norms, modulation, activations, residuals) as memory traffic, ~3 x the bytes the stage
 saves for backward (written once, read in the forward and the backward) at ``mem_bw``; a fixed
-``layer_overhead_s`` per layer; and the TP collectives and pipeline sends (bytes / link
+``layer_overhead_s`` per layer; and the TP and context-parallel collectives and pipeline sends (bytes / link
 bandwidth + latency; they run between the kernels, not under them). The 1F1B pipeline takes
 ``(m - 1) max_s t_s + sum_s t_s`` for ``m`` micro-batches (fill and drain of every stage, then the
 slowest stage sets the pace: the bubble of Narayanan et al. 2021, §2.2.1); the data-parallel
 gradient reduction and the optimizer step (memory-bound: ~``28/dp + 2 b`` bytes per parameter
-move, plus the trainer's fp32 EMA update: ~12 bytes, 20 in bf16) follow. On a CPU profile with fewer cores than processes the step takes at least the
+move, ``dp`` counting the ``dp cp`` ranks ZeRO partitions over, plus the trainer's fp32 EMA
+update: ~12 bytes, 20 in bf16) follow. On a CPU profile with fewer cores than processes the step takes at least the
 processes' total busy time divided by the cores.
 """
 from __future__ import annotations
@@ -28,24 +29,29 @@ from .shapes import ModelShape, layer_params_per_rank, stage_layer_ranges
 
 
 def stage_forward_flops(model: Any, lay: LayoutSpec, first: int, end: int, adaln_sharded: bool = True) -> float:
-    """Forward FLOPs one TP rank computes per sample for the layers ``[first, end)``."""
+    """Forward FLOPs one rank computes per sample for the layers ``[first, end)``: block linears
+    and attention over ``1 / (tp cp)`` (heads over tp; tokens, or Ulysses' heads, over cp), the
+    adaLN modulation over tp (every cp rank computes it for the sample), the embedding whole (it
+    runs before the cp split) and the output linear over ``N / cp`` tokens."""
     shape = ModelShape.from_config(model)
     total = 0.0
+    D, cp = shape.width, lay.cp
     for i in range(first, end):
         if i == 0:
             total += embed_forward_flops(shape)
         elif i == shape.depth + 1:
-            total += final_forward_flops(shape)
+            head = 2.0 * shape.tokens * D * shape.patch_values  # the token-wise part of final_forward_flops
+            total += final_forward_flops(shape) - head + head / cp
         else:
             f = block_forward_flops(shape, shape.block_kind(i - 1))
-            total += (f["linear"] + f["attention"]) / lay.tp + f["per_sample"] / (lay.tp if adaln_sharded else 1)
+            total += (f["linear"] + f["attention"]) / (lay.tp * cp) + f["per_sample"] / (lay.tp if adaln_sharded else 1)
     return total
 
 
 @dataclass(frozen=True)
 class StageTime:
-    """Seconds one rank of ``stage`` spends per micro-batch (compute, TP collectives, pipeline
-    sends) and per step (data-parallel reduction, optimizer)."""
+    """Seconds one rank of ``stage`` spends per micro-batch (compute, TP and context-parallel
+    collectives, pipeline sends) and per step (data-parallel reduction, optimizer)."""
 
     stage: int
     compute_s: float
@@ -53,10 +59,11 @@ class StageTime:
     pp_s: float
     dp_s: float
     optimizer_s: float
+    cp_s: float = 0.0
 
     @property
     def micro_s(self) -> float:
-        return self.compute_s + self.tp_s + self.pp_s
+        return self.compute_s + self.tp_s + self.cp_s + self.pp_s
 
 
 def _bw(prof: DeviceProfile, group_span: int) -> float:
@@ -65,31 +72,34 @@ def _bw(prof: DeviceProfile, group_span: int) -> float:
 
 
 def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: bool = True) -> List[StageTime]:
-    """:class:`StageTime` of every pipeline stage (ranks ordered pipe, data, model: TP groups are
-    consecutive ranks, DP groups stride tp, stages stride tp x dp)."""
+    """:class:`StageTime` of every pipeline stage. Ranks are ordered tp, cp, dp, pp
+    (:mod:`vitp.parallel.state`): TP groups are consecutive ranks, cp groups stride tp (spanning
+    ``tp cp`` ranks: NVLink when they fit a node, like TP), DP groups stride ``tp cp``, stages
+    stride ``tp cp dp``. The gradient reduction and ZeRO's partitions span ``dp cp`` ranks."""
     shape = ModelShape.from_config(model)
     per_layer = layer_params_per_rank(model, lay.tp, adaln_sharded)
     rate = prof.peak(lay.precision) * prof.efficiency
     passes = 4.0 if lay.ac else 3.0  # forward + backward (2x), plus the recomputed forward
     saved = [(m.activations / m.in_flight) for m in stage_memory(model, replace(lay, ac=0))]  # per micro-batch
-    b = ACT_BYTES[lay.precision]
+    b, e, m = ACT_BYTES[lay.precision], lay.engine_dp, lay.accum
     out = []
     for s, ((first, end), comm) in enumerate(zip(stage_layer_ranges(shape.depth, lay.pp), step_comm(model, lay))):
         flops = passes * lay.micro * stage_forward_flops(model, lay, first, end, adaln_sharded)
         compute = (flops / rate + passes * saved[s] / prof.mem_bw
                    + (end - first) * prof.layer_overhead_s * passes / 3.0)
-        tp = comm.tp_bytes / lay.accum / _bw(prof, lay.tp) + comm.tp_count / lay.accum * prof.latency(lay.tp)
-        pp = comm.pp_bytes / lay.accum / _bw(prof, lay.world) + comm.pp_sends / lay.accum * prof.latency(2)
-        dp = (comm.dp_bytes / _bw(prof, lay.tp * lay.dp) + prof.latency(lay.dp)) if lay.dp > 1 else 0.0
+        tp = comm.tp_bytes / m / _bw(prof, lay.tp) + comm.tp_count / m * prof.latency(lay.tp)
+        cp = comm.cp_bytes / m / _bw(prof, lay.tp * lay.cp) + comm.cp_count / m * prof.latency(lay.cp)
+        pp = comm.pp_bytes / m / _bw(prof, lay.world) + comm.pp_sends / m * prof.latency(2)
+        dp = (comm.dp_bytes / _bw(prof, lay.tp * e) + prof.latency(e)) if e > 1 else 0.0
         P = sum(per_layer[first:end])
-        opt = P * (28.0 / lay.dp + 2 * b + (12 if b == 4 else 20)) / prof.mem_bw
-        out.append(StageTime(s, compute, tp, pp, dp, opt))
+        opt = P * (28.0 / e + 2 * b + (12 if b == 4 else 20)) / prof.mem_bw
+        out.append(StageTime(s, compute, tp, pp, dp, opt, cp))
     return out
 
 
 def step_time(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: bool = True) -> Dict[str, float]:
     """Predicted seconds per optimizer step and its parts: ``{"step_s", "pipeline_s", "dp_s",
-    "optimizer_s", "compute_s", "tp_s", "pp_s", "bubble"}`` (per-step totals of the slowest
+    "optimizer_s", "compute_s", "tp_s", "cp_s", "pp_s", "bubble"}`` (per-step totals of the slowest
     stage; ``bubble`` = idle fraction of the pipeline)."""
     st = stage_times(model, lay, prof, adaln_sharded)
     m = lay.accum
@@ -98,11 +108,11 @@ def step_time(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: b
     tail = max(t.dp_s for t in st) + max(t.optimizer_s for t in st)
     step = pipeline + tail
     if prof.cores:  # CPU processes share cores: the step lasts at least the total work / cores
-        busy = sum(lay.tp * lay.dp * (m * t.micro_s + t.dp_s + t.optimizer_s) for t in st)
+        busy = sum(lay.tp * lay.cp * lay.dp * (m * t.micro_s + t.dp_s + t.optimizer_s) for t in st)
         step = max(step, busy / prof.cores)
     return {"step_s": step, "pipeline_s": pipeline, "dp_s": tail - max(t.optimizer_s for t in st),
             "optimizer_s": max(t.optimizer_s for t in st), "compute_s": m * slow.compute_s, "tp_s": m * slow.tp_s,
-            "pp_s": m * slow.pp_s, "bubble": 1.0 - m * slow.micro_s / pipeline}
+            "cp_s": m * slow.cp_s, "pp_s": m * slow.pp_s, "bubble": 1.0 - m * slow.micro_s / pipeline}
 
 
 def predicted_mfu(model: Any, lay: LayoutSpec, prof: DeviceProfile, step_s: float) -> float:

@@ -36,7 +36,7 @@ log = logging.getLogger("vitp")
 STEP_WARN_S = 60.0  # a predicted step longer than this is worth a warning before step 1
 FIX_KEYS = ("model.patch_size (larger: fewer tokens per sample), data.resolution (smaller), "
             "trainer.micro_batch_size / trainer.global_batch_size (smaller), or parallel.* (parallel.tp / "
-            "parallel.pp over more devices, parallel.activation_checkpoint_interval=1)")
+            "parallel.cp / parallel.pp over more devices, parallel.activation_checkpoint_interval=1)")
 
 
 def startup_profile(cfg: Any, device: torch.device, world: int):
@@ -87,7 +87,7 @@ def _describe(label: str, model: dict, pred: Any) -> str:
     lay, tokens = pred.layout, ModelShape.from_config(model).tokens
     where = f"{label}: " if label else ""
     return (f"{where}{tokens} tokens per sample (model.patch_size={model['patch_size']}), micro-batch {lay.micro} x "
-            f"{lay.accum}, layout tp={lay.tp} pp={lay.pp} dp={lay.dp}")
+            f"{lay.accum}, layout tp={lay.tp}{f' cp={lay.cp}' if lay.cp > 1 else ''} pp={lay.pp} dp={lay.dp}")
 
 
 def _larger_patch(cfg: Any, lay: Any, prof: Any, model: dict) -> Optional[str]:

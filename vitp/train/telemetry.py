@@ -17,6 +17,9 @@ Per logged step, over the steps since the previous log:
   only the first and last pipeline stages read data);
 - ``comm/tp_bytes``: ring bytes per step one rank sent in TP collectives, counted as they run
   (:class:`vitp.parallel.CommCounter`; largest over ranks);
+- ``comm/cp_bytes``: the same for the context-parallel collectives (tags ``cp`` and
+  ``cp_boundary``: attention all-to-alls or ring steps, the gathered prediction; 0 at cp = 1),
+  which :func:`vitp.plan.step_comm` predicts as ``cp_bytes``;
 - ``comm/pp_bytes``, ``comm/dp_bytes``: bytes per step the busiest rank sends between pipeline
   stages (activations and their gradients; with buckets the mean over the logged steps' shapes
   and micro-batch sizes) and in ZeRO-1's gradient reduction + parameter all-gather (ring volume),
@@ -37,6 +40,7 @@ import torch
 
 from vitp.parallel import CommCounter
 from vitp.parallel import distributed as dist
+from vitp.plan.comm import CP_TAGS  # over the context-parallel group
 
 log = logging.getLogger("vitp")
 
@@ -134,7 +138,7 @@ class Telemetry:
         self.dp_bytes = max(c.dp_bytes for c in step_comm(to_dict(cfg.model), lay))
         self._steps, self._tokens, self._flops, self._pp = 0, 0.0, 0.0, 0.0
         self.peak_flops, source = _profile(device, lay.precision)
-        self.counter = CommCounter(TP_TAGS)
+        self.counter, self.cp_counter = CommCounter(TP_TAGS), CommCounter(CP_TAGS)
         self.data: Optional[TimedIterator] = None
         if dist.is_main():
             names = [b.name for b in buckets_of(cfg.data)] if cfg.data.buckets else []
@@ -151,10 +155,12 @@ class Telemetry:
         return self.data
 
     def start(self) -> None:
-        """Start counting TP collectives (until :meth:`stop`)."""
+        """Start counting TP and context-parallel collectives (until :meth:`stop`)."""
         self.counter.__enter__()
+        self.cp_counter.__enter__()
 
     def stop(self) -> None:
+        self.cp_counter.__exit__(None, None, None)
         self.counter.__exit__(None, None, None)
 
     def count_step(self, bucket: Optional[int] = None) -> None:
@@ -171,21 +177,23 @@ class Telemetry:
         seconds (those not counted by :meth:`count_step` count at ``data.resolution``); resets the
         counters. Collective (an all-reduce over all ranks)."""
         wait = self.data.wait_s if self.data is not None else 0.0
-        local = torch.tensor([peak_memory_gib(self.device), wait / elapsed_s, self.counter.wire / steps],
-                             dtype=torch.float64, device=self.device)
+        local = torch.tensor([peak_memory_gib(self.device), wait / elapsed_s, self.counter.wire / steps,
+                              self.cp_counter.wire / steps], dtype=torch.float64, device=self.device)
         if dist.world_size() > 1:
             torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
-        mem, wait_frac, tp = local.tolist()
+        mem, wait_frac, tp, cp = local.tolist()
         rest, base = max(0, steps - self._steps), self.counts[None]
         tokens, flops = self._tokens + rest * base.tokens, self._flops + rest * base.flops
         tflops = flops / elapsed_s / self.world / 1e12
         out = {"perf/tokens_per_s": tokens / elapsed_s, "perf/tflops": tflops,
                "perf/peak_mem_gib": mem, "perf/data_wait_frac": wait_frac, "comm/tp_bytes": tp,
+               "comm/cp_bytes": cp,
                "comm/pp_bytes": (self._pp + rest * base.pp_bytes) / max(steps, self._steps, 1),
                "comm/dp_bytes": self.dp_bytes}
         if self.peak_flops:
             out["perf/mfu"] = tflops * 1e12 / self.peak_flops
         self.counter.reset()
+        self.cp_counter.reset()
         self._steps, self._tokens, self._flops, self._pp = 0, 0.0, 0.0, 0.0
         if self.data is not None:
             self.data.wait_s = 0.0
