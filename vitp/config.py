@@ -141,7 +141,7 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard tokens over the tp group outside attention/MLP
     zero_stage: int = 1  # DeepSpeed ZeRO stage (0 or 1; >= 2 is incompatible with pipelines)
     activation_checkpoint_interval: int = 0  # layers per activation checkpoint (0 = off)
-    auto: bool = False  # planner picks tp, pp, SP, AC and micro-batch at launch (command-line ones stay fixed)
+    auto: bool = False  # planner picks tp, cp, pp, SP, AC and micro-batch at launch (command-line ones stay fixed)
     auto_device: Optional[str] = None  # profile h100|h200|a100|cpu for parallel.auto and the start-up check (null = detect from the device)
     auto_memory_gib: Optional[float] = None  # GiB per device for parallel.auto and the start-up check (null = the GPU's, or RAM on CPU)
     partial_sync: float = 1.0  # CAAT-Net: fraction of channels summed over tp after proj/fc2 (1 = exact TP)

@@ -27,7 +27,7 @@ MODELS = {"img": IMAGE, "vfull": [*VIDEO, "model.attention=full"],
 BUCKETS = ["trainer.max_steps=6", "data.buckets=[{resolution:8,batch_size:8},{resolution:4x8,batch_size:4,weight:2},"
            "{resolution:[8,12],batch_size:8}]"]
 
-# experiment=video_long (16k tokens at tp 2 x cp 4 on 8 GPUs) at CPU size: grid (2, 4, 4), cp=2 over 2 ranks
+# experiment=video_long (32k tokens at cp 2 x dp 4 on 8 GPUs) at CPU size: grid (2, 4, 4), cp=2 over 2 ranks
 VIDEO_LONG_CPU = ["experiment=video_long", "data=synthetic", "data.channels=3", "data.num_classes=4",
                   "data.num_frames=4", "data.resolution=16", "data.synthetic_size=16", "data.num_workers=0",
                   "model.patch_size=4", "model.width=32", "model.depth=2", "model.num_heads=4", "parallel.tp=1",

@@ -117,7 +117,7 @@ def test_every_python_package_is_in_the_wheel():
 
 @pytest.mark.parametrize("exp,tokens,world,frames,attention", [("video256", 2048, 8, 16, "factorized"),
                                                                 ("video512", 8192, 16, 16, "factorized"),
-                                                                ("video_long", 16384, 16, 32, "full")])
+                                                                ("video_long", 32768, 16, 64, "full")])
 def test_video_gpu_recipes_compose_and_validate(exp, tokens, world, frames, attention):
     from vitp.models import num_tokens
 

@@ -125,7 +125,8 @@ class PlanReport:
         counts: Dict[tuple, int] = defaultdict(int)
         for style, sizes in self._sizes:
             for c in style.collectives(sizes, shape):
-                counts[(c.kind, c.direction, c.tag, c.nbytes)] += c.count * (shape.redo if c.direction == "fwd" else 1)
+                counts[(c.kind, c.direction, c.tag, c.nbytes)] += c.count * (shape.redo if c.direction == "fwd"
+                                                                             and c.redo else 1)
         out = [Collective(k, d, t, nb, n) for (k, d, t, nb), n in counts.items()]
         if self.partial_grad_elements:
             out.append(Collective("all_reduce", "bwd", "param_grad", self.partial_grad_elements * shape.act_bytes,
@@ -138,7 +139,7 @@ class PlanReport:
         skipped = sum(not r[3] for r in self.rows)
         lines = [f"parallel plan {self.plan!r}{' on ' + where if where else ''} (mode {self.mode}): "
                  f"{len(self.sharded())} sharded, {len(self.partial_grad())} partial-gradient parameters; "
-                 f"{skipped} row(s) of other modes not applied"]
+                 f"{skipped} row(s) of other modes or degrees not applied"]
         for pattern, style, _modes, applied, matched in self.rows:
             if applied:
                 lines.append(f"  {pattern:28} -> {style}: {len(matched)} module(s)")

@@ -61,13 +61,7 @@ def plan_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective
         return []
     first, end = stage_layer_ranges(ModelShape.from_config(model).depth, lay.pp)[stage]
     report = plan_report(model, plan_mode_of(lay), first, end, lay.tp, lay.cp)
-    colls = report.collectives(step_shape(model, lay))
-    if not lay.ac:
-        return colls
-    # the prediction is gathered after the last tensor the final layer saves, so the recomputation
-    # (torch's non-reentrant checkpoint stops early once every saved tensor is rebuilt) never
-    # reaches it: the plan counts it twice, training runs it once (measured)
-    return [replace(c, count=c.count // 2) if (c.tag, c.direction) == ("cp_boundary", "fwd") else c for c in colls]
+    return report.collectives(step_shape(model, lay))
 
 
 def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
