@@ -35,6 +35,7 @@ CASES = {
     # context parallelism (cp=2): Ulysses (full attention), frame-sharded factorized attention
     # (V at 16 px: grid 2x4x4, 4 % cp == 16 % cp == 0), with TP + SP, pipelines and checkpointing
     "S cp2 1x1x2": plan_case("S", 1, 1, 2, cp=2),
+    "S cp2r 1x1x2": plan_case("S", 1, 1, 2, cp=2, extra=["parallel.cp_mode=ring"]),
     "S cp2 2x1x1 sp": plan_case("S", 2, 1, 1, sp=True, cp=2),
     "S cp2 1x2x1 ac1": plan_case("S", 1, 2, 1, ac=1, cp=2),
     "V cp2 1x1x2": plan_case("V", 1, 1, 2, cp=2, extra=[V16]),
@@ -97,7 +98,7 @@ def test_context_parallel_memory_to_the_byte(measured):
     0.01 %: DeepSpeed pads its flat buffers, as at cp=1), and context parallelism halves most
     activation bytes."""
     rows = [r for r in _rows(measured) if r["case"] in CP_CASES]
-    assert len({r["case"] for r in rows}) == len(CP_CASES) == 6
+    assert len({r["case"] for r in rows}) == len(CP_CASES) == 7
     for r in rows:
         for k in ("params", "grads", "ema", "activations", "bucket"):
             assert r[k][0] == r[k][1], (r["case"], r["stage"], k, r[k])
