@@ -720,12 +720,14 @@ def _layouts(world: int) -> List[tuple]:
 
 def run_shapes(cfg: "DictConfig") -> List[Tuple[str, Tuple[int, int, int]]]:
     """``[(name, token grid (gt, gh, gw))]`` of every shape a run trains: each bucket of
-    ``data.buckets`` (named ``data.buckets[i]``), else ``model.image_size`` x ``model.num_frames``."""
+    ``data.buckets`` (named ``data.buckets[i]``), else the model's size and frame count."""
     m = cfg.model
     p, pt = m.patch_size, m.tubelet_size
     if not cfg.data.buckets:
         H, W = parse_resolution(m.image_size, "model.image_size")
-        return [("model.image_size", (m.num_frames // pt, H // p, W // p))]
+        name = (f"the run's size {format_resolution((H, W))} x {m.num_frames} frame(s) (model.image_size, "
+                f"model.num_frames: data.resolution, data.num_frames)")
+        return [(name, (m.num_frames // pt, H // p, W // p))]
     out = []
     for i, b in enumerate(cfg.data.buckets):
         H, W = parse_resolution(b.resolution)
@@ -734,7 +736,39 @@ def run_shapes(cfg: "DictConfig") -> List[Tuple[str, Tuple[int, int, int]]]:
     return out
 
 
-def check_context_parallel(cfg: "DictConfig", cp: int, tp: int) -> None:
+def _context_problem(cfg: "DictConfig", cp: int, tp: int) -> Optional[str]:
+    """What keeps ``parallel.cp=cp`` from working with this config (``None``: nothing), with the
+    fix that changes the config rather than cp (:func:`check_context_parallel`)."""
+    par, m = cfg.parallel, cfg.model
+    if cp == 1:
+        return None
+    if par.partial_sync < 1:
+        return (f"parallel.partial_sync={par.partial_sync} with parallel.cp={cp}: partially synchronized activations "
+                "do not support context parallelism; use parallel.partial_sync=1 or parallel.cp=1")
+    if par.cp_mode == "ring" and m.attn_drop > 0:
+        return (f"model.attn_drop={m.attn_drop} with parallel.cp_mode=ring: ring attention has no attention dropout; "
+                "use model.attn_drop=0 or parallel.cp_mode=ulysses")
+    if m.attention == "full" and par.cp_mode == "ulysses" and m.num_heads % (tp * cp):
+        return (f"parallel.cp={cp} with parallel.cp_mode=ulysses splits model.num_heads={m.num_heads} over tp x cp = "
+                f"{tp * cp} ranks, which does not divide it; use parallel.cp_mode=ring (any head count)")
+    for name, (gt, gh, gw) in run_shapes(cfg):
+        n = gt * gh * gw
+        if m.attention == "full" and n % cp:
+            return (f"{name}: {n} tokens (grid {gt}x{gh}x{gw}) do not split over parallel.cp={cp}; use a size whose "
+                    f"token count (frames / model.tubelet_size x (H / model.patch_size) x (W / model.patch_size)) is "
+                    f"a multiple of {cp}")
+        if m.attention != "full" and gt % cp:
+            return (f"{name}: factorized attention shards frames over parallel.cp={cp}, but the grid {gt}x{gh}x{gw} "
+                    f"has {gt} frame(s) of tokens; use a frame count that is a multiple of {cp} x model.tubelet_size, "
+                    f"or model.attention=full")
+        if m.attention != "full" and (gh * gw) % cp:
+            return (f"{name}: factorized attention trades frames for positions over parallel.cp={cp}, but a frame of "
+                    f"the grid {gt}x{gh}x{gw} has {gh * gw} positions; use a size whose (H / model.patch_size) x "
+                    f"(W / model.patch_size) is a multiple of {cp}, or model.attention=full")
+    return None
+
+
+def check_context_parallel(cfg: "DictConfig", cp: int, tp: int, world_size: Optional[int] = None) -> None:
     """Rules of context parallelism (``parallel.cp > 1``), checked before any process group:
 
     - ``model.attention=full``: every trained shape's token count ``N`` divides by cp (each rank
@@ -745,34 +779,17 @@ def check_context_parallel(cfg: "DictConfig", cp: int, tp: int) -> None:
     - no partially synchronized activations (``parallel.partial_sync < 1``), and no attention
       dropout with ``cp_mode=ring``.
 
-    Raises ``ValueError`` naming the shape or option and the fix.
+    Raises ``ValueError`` naming the shape or option, the fix, and (with ``world_size``) the cp
+    degrees that work for this config on that many processes.
     """
-    if cp == 1:
+    problem = _context_problem(cfg, cp, tp)
+    if problem is None:
         return
-    par, m = cfg.parallel, cfg.model
-    _fail(par.partial_sync >= 1, f"parallel.partial_sync={par.partial_sync} with parallel.cp={cp}: partially "
-                                 "synchronized activations do not support context parallelism; use "
-                                 "parallel.partial_sync=1 or parallel.cp=1")
-    _fail(not (par.cp_mode == "ring" and m.attn_drop > 0),
-          f"model.attn_drop={m.attn_drop} with parallel.cp_mode=ring: ring attention has no attention dropout; "
-          "use model.attn_drop=0 or parallel.cp_mode=ulysses")
-    if m.attention == "full" and par.cp_mode == "ulysses" and m.num_heads % (tp * cp):
-        ok = [c for c in divisors(m.num_heads // math.gcd(m.num_heads, tp)) if (m.num_heads // tp) % c == 0]
-        raise ValueError(f"parallel.cp={cp} with parallel.cp_mode=ulysses splits model.num_heads={m.num_heads} over "
-                         f"tp x cp = {tp * cp} ranks, which does not divide it; use parallel.cp_mode=ring, or "
-                         f"parallel.cp in {ok}")
-    for name, (gt, gh, gw) in run_shapes(cfg):
-        n = gt * gh * gw
-        if m.attention == "full":
-            _fail(n % cp == 0, f"{name}: {n} tokens (grid {gt}x{gh}x{gw}) do not split over parallel.cp={cp}; "
-                               f"use a size whose token count is a multiple of {cp}, or parallel.cp in "
-                               f"{[c for c in divisors(n) if c > 1][:6]}")
-        else:
-            _fail(gt % cp == 0 and (gh * gw) % cp == 0,
-                  f"{name}: factorized attention shards frames over parallel.cp={cp}, but the grid {gt}x{gh}x{gw} "
-                  f"has {gt} frame(s) of {gh * gw} tokens (both must divide by cp); use a frame count that is a "
-                  f"multiple of {cp} x model.tubelet_size, model.attention=full, or parallel.cp in "
-                  f"{divisors(math.gcd(gt, gh * gw))}")
+    if world_size is not None:
+        per = world_size // (tp * cfg.parallel.pp) if world_size % (tp * cfg.parallel.pp) == 0 else 1
+        ok = [c for c in divisors(per) if _context_problem(cfg, c, tp) is None]
+        problem += f"; parallel.cp values that work here ({world_size} processes): {ok}"
+    raise ValueError(problem)
 
 
 def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu") -> Layout:
@@ -790,8 +807,9 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
             raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide world_size={world_size}; "
                              f"valid (tp, pp) for {world_size} processes: {_layouts(world_size)}")
         raise ValueError(f"parallel.tp={tp} x parallel.cp={cp} x parallel.pp={pp} does not divide world_size="
-                         f"{world_size}; valid parallel.cp: {divisors(world_size)}, and at cp={cp} valid (tp, pp): "
-                         f"{_layouts(world_size // cp) if world_size % cp == 0 else 'none'}")
+                         f"{world_size}; launch a multiple of {tp * cp * pp} processes, or use parallel.cp in "
+                         f"{divisors(world_size)} (at cp={cp} the valid (tp, pp) are "
+                         f"{_layouts(world_size // cp) if world_size % cp == 0 else 'none'})")
     sizes = [("model.num_heads", m.num_heads),
              (f"MLP hidden units (model.mlp={m.mlp}, model.width, model.mlp_ratio)",
               mlp_hidden_units(m.width, m.mlp_ratio, m.mlp))]
@@ -809,7 +827,7 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     _fail(not (par.zero_stage == 0 and precision == "fp32"),
           "parallel.zero_stage=0 in fp32: DeepSpeed's pipeline engine does not report, and with pp > 1 "
           "miscomputes, the clipping grad norm; use parallel.zero_stage=1 (the default)")
-    check_context_parallel(cfg, cp, tp)
+    check_context_parallel(cfg, cp, tp, world_size)
     dp = world_size // (tp * pp * cp)
     check_batch_split(tr.global_batch_size, tr.micro_batch_size, dp)
     _check_bucket_batches(cfg, dp)

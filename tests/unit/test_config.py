@@ -426,13 +426,20 @@ CP_VIDEO = ["data=synthetic", "data.num_frames=8", "data.resolution=4", "model.t
 
 
 @pytest.mark.parametrize("over,world,match", [
-    (["parallel.cp=2"], 3, r"parallel.tp=1 x parallel.cp=2 x parallel.pp=1 does not divide world_size=3"),
+    (["parallel.cp=2"], 3, r"parallel.tp=1 x parallel.cp=2 x parallel.pp=1 does not divide world_size=3; launch a "
+                           r"multiple of 2 processes, or use parallel.cp in \[1, 3\]"),
     (["data.resolution=6", "parallel.cp=2"], 2,
-     r"model.image_size: 9 tokens \(grid 1x3x3\) do not split over parallel.cp=2"),
+     r"the run's size 6x6 x 1 frame\(s\) .*: 9 tokens \(grid 1x3x3\) do not split over parallel.cp=2.*"
+     r"parallel.cp values that work here \(2 processes\): \[1\]"),
     ([*CP_VIDEO, "model.num_heads=2", "parallel.cp=4"], 4,
-     r"splits model.num_heads=2 over tp x cp = 4 ranks.*use parallel.cp_mode=ring, or parallel.cp in \[1, 2\]"),
+     r"splits model.num_heads=2 over tp x cp = 4 ranks.*use parallel.cp_mode=ring.*work here \(4 processes\): "
+     r"\[1, 2\]"),
     ([*CP_VIDEO, "model.attention=factorized", "parallel.cp=4", "data.num_frames=4"], 4,
-     r"factorized attention shards frames over parallel.cp=4, but the grid 2x2x2 has 2 frame"),
+     r"factorized attention shards frames over parallel.cp=4, but the grid 2x2x2 has 2 frame.*multiple of 4 x "
+     r"model.tubelet_size"),
+    ([*CP_VIDEO, "model.attention=factorized", "parallel.cp=2", "data.resolution=6"], 2,
+     r"a frame of the grid 4x3x3 has 9 positions; use a size whose \(H / model.patch_size\) x \(W / "
+     r"model.patch_size\) is a multiple of 2"),
     ([*CP_VIDEO, "parallel.cp=2", "parallel.tp=2", "parallel.partial_sync=0.5"], 4,
      r"partial_sync=0.5 with parallel.cp=2: .*use parallel.partial_sync=1 or parallel.cp=1"),
     ([*CP_VIDEO, "parallel.cp=2", "parallel.cp_mode=ring", "model.attn_drop=0.1"], 2,

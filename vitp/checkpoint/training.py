@@ -187,7 +187,7 @@ def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout
     """Raise ``ValueError`` explaining the fix when the checkpoint's layout, precision, ZeRO stage or
     model differ from this run's."""
     fix = (f"a training checkpoint resumes only at the same layout and model; to change them export the weights "
-           f"(vitp-export {tag_dir}) and start a new run dir with trainer.init_from=<export>.safetensors "
+           f"(vitp-export {tag_dir} --weights raw) and start a new run dir with trainer.init_from=<export>.safetensors "
            f"(weights only: optimizer and LR schedule restart)")
     mine = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp, "precision": layout.precision,
             "zero_stage": cfg.parallel.zero_stage}

@@ -88,7 +88,8 @@ def log_stages(module: torch.nn.Module, state: Any, device: torch.device, run_di
     """Gather per-rank (stage, tp rank) parameter counts and peak memory; rank 0 logs them and
     writes ``stages.json``."""
     peak = peak_memory_gib(device) * 2**10  # MiB
-    row = {"rank": dist.rank(), "stage": state.pp_rank, "tp_rank": state.tp_rank, "dp_rank": state.dp_rank,
+    row = {"rank": dist.rank(), "stage": state.pp_rank, "tp_rank": state.tp_rank,
+           "cp_rank": getattr(state, "cp_rank", 0), "dp_rank": state.dp_rank,
            "parameters": sum(p.numel() for p in module.parameters()), "peak_memory_mib": round(peak, 1)}
     rows = [row]
     if dist.world_size() > 1:
@@ -96,7 +97,7 @@ def log_stages(module: torch.nn.Module, state: Any, device: torch.device, run_di
         torch.distributed.all_gather_object(rows, row)
     if dist.is_main():
         for r in rows:
-            if r["dp_rank"] == 0:
+            if r["dp_rank"] == 0 and r["cp_rank"] == 0:
                 log.info("stage %d tp %d: %.3fM parameters, peak memory %.0f MiB", r["stage"], r["tp_rank"],
                          r["parameters"] / 1e6, r["peak_memory_mib"])
         atomic_write_text(run_dir / "stages.json", json.dumps(rows, indent=1) + "\n")
