@@ -146,6 +146,7 @@ def parallelize_generator(model: nn.Module, state: ParallelState, seq_len: Optio
     if seq_len is None and grid is not None:
         seq_len = token_count(grid)
     if (state.sequence_parallel or state.cp_size > 1) and seq_len is None:
-        raise ValueError("parallelize_generator: sequence and context parallelism need the token grid; pass "
-                         "grid=(gt, gh, gw) for a stage without Embed/FinalLayer (e.g. a middle pipeline stage)")
+        raise ValueError("parallelize_generator: sequence and context parallelism need the token count; pass "
+                         "seq_len=N (or grid=(gt, gh, gw), which context parallelism needs) for a stage without "
+                         "Embed/FinalLayer (e.g. a middle pipeline stage)")
     return apply_plan(model, plan, state, seq_len, grid)

@@ -228,8 +228,9 @@ class Trainer:
         lay = self.layout
         base = getattr(self.train_ds, "base", None)
         skipped = base.skip_summary() if hasattr(base, "skip_summary") else ""  # "2 unreadable file(s), 1 too short ..."
-        log.info("run dir %s | layout tp=%d cp=%d pp=%d dp=%d | %s on %s | %d tokens per sample | %d train / %d "
-                 "held-out%s", self.run_dir, lay.tp, lay.cp, lay.pp, lay.dp, lay.precision, self.device, num_tokens(**self.cfg.model),
+        cp = f" cp={lay.cp}" if lay.cp > 1 else ""
+        log.info("run dir %s | layout tp=%d%s pp=%d dp=%d | %s on %s | %d tokens per sample | %d train / %d "
+                 "held-out%s", self.run_dir, lay.tp, cp, lay.pp, lay.dp, lay.precision, self.device, num_tokens(**self.cfg.model),
                  len(self.train_ds), len(self.heldout_ds), f" | skipped {skipped}" if skipped else "")
         if self.checkpointer.resume_tag is not None:
             log.info("resumed from %s (step %d of %d)", self.checkpointer.resume_tag, self.start_step,
