@@ -153,9 +153,16 @@ def test_gpu_check_cpu_smoke(tmp_path):
                        text=True, timeout=300)
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     table = p.stdout[p.stdout.index("check "):].splitlines()
-    assert [row.split()[:2] for row in table[1:4]] == [["bf16_nccl", "ok"], ["sdpa", "ok"], ["mfu_tiny_8px", "ok"]]
+    assert [row.split()[:2] for row in table[1:5]] == [["bf16_nccl", "ok"], ["sdpa", "ok"], ["cp", "ok"],
+                                                       ["mfu_tiny_8px", "ok"]]
     res = json.loads((out / "gpu_check.json").read_text())
-    assert res["cpu_smoke"] is True and set(res["checks"]) == {"bf16_nccl", "sdpa", "mfu_tiny_8px"}
+    assert res["cpu_smoke"] is True and set(res["checks"]) == {"bf16_nccl", "sdpa", "cp", "mfu_tiny_8px"}
+    # cp: 2 torchrun ranks (gloo, fp32), cp = 2 Ulysses and ring against cp = 1 on a grid (4, 4, 4)
+    cp = res["checks"]["cp"]["result"]
+    assert (cp["backend"], cp["dtype"], cp["world"], cp["tokens"]) == ("gloo", "torch.float32", 2, 64)
+    assert set(cp["modes"]) == {"ulysses", "ring"} and cp["ref_loss"] > 0
+    for r in cp["modes"].values():
+        assert r["same_params"] and r["loss_rel"] <= 1e-5 and 0 < r["grad_rel"] <= 1e-4
     train = res["checks"]["bf16_nccl"]["result"]
     assert (train["backend"], train["param_dtype"], train["precision"]) == ("gloo", "torch.bfloat16", "bf16")
     assert train["engine_zero_stage"] == 1 and len(train["losses"]) == 3 and all(0 < x < 10 for x in train["losses"])
