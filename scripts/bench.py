@@ -26,6 +26,15 @@ Sections (``--sections``, default all):
   against one process running the same batch; bubble ``1 - T_1 / (p T_m)`` against the 1F1B
   theory ``(p - 1) / (m + p - 1)``.
 - ``tokens`` (1 process): vitp and the plain loop as the token count grows.
+- ``cp`` (4 then 2 processes; context parallelism, :mod:`vitp.parallel.context`; ``--sections cp``
+  alone takes ~1-3 minutes): on a video generator of 4096 tokens (``--quick``: 64), per rank at
+  cp = 1, 2, 4 for full attention (Ulysses, ring) and factorized attention (a) the bytes saved
+  for backward by one training micro-batch forward, whole and without what every cp rank holds
+  at full size, against ``1 / cp``; (b) the cp collectives of forward + backward (CommRecorder,
+  tags ``cp`` and ``cp_boundary``) against :func:`vitp.parallel.styles.context_collectives` per
+  block plus the gather of the prediction; (c) one attention layer at cp = 2, vitp's Ulysses
+  against DeepSpeed's ``deepspeed.sequence.layer.DistributedAttention`` and vitp's ring against
+  its Ulysses (interleaved), with the outputs' max abs difference.
 """
 from __future__ import annotations
 
@@ -486,6 +495,299 @@ def pipeline_worker(size: str, micro_counts, reps: int, steps: int, tmp: str) ->
     return {"one_process_ms": round(1e3 * t1, 2), "micro_batches": out}
 
 
+# ----------------------------------------------------------------------------- context parallelism
+
+# (a), (b): a video generator; "video": 16 frames of 128x128 px at patch 8, tubelet 1 -> grid
+# (16, 16, 16), N = 4096 tokens, width 64, depth 2, 4 heads, one sample per micro-batch
+CP_MODELS = {
+    "video": ["data.channels=3", "data.num_classes=10", "data.num_frames=16", "data.resolution=128",
+              "model.patch_size=8", "model.tubelet_size=1", "model.width=64", "model.depth=2", "model.num_heads=4",
+              "trainer.global_batch_size=1", "trainer.micro_batch_size=1"],
+    # --quick: grid (4, 4, 4), N = 64, width 32, 4 heads, 2 samples
+    "tiny": ["data.channels=3", "data.num_classes=10", "data.num_frames=4", "data.resolution=16", "model.patch_size=4",
+             "model.tubelet_size=1", "model.width=32", "model.depth=2", "model.num_heads=4",
+             "trainer.global_batch_size=2", "trainer.micro_batch_size=2"],
+}
+# (c): one attention layer at cp = 2: (micro, tokens, width, heads)
+CP_ATTENTION = {"video": (1, 4096, 128, 4), "tiny": (2, 64, 32, 4)}
+# per attention kind: the cp modes measured (factorized attention has one way to split)
+CP_LAYOUTS = (("full", "ulysses"), ("full", "ring"), ("factorized", "ulysses"))
+CP_DEGREES = (1, 2, 4)
+
+
+def cp_config(size: str, attention: str):
+    return _compose_cp([*BASE, *CP_MODELS[size], f"model.attention={attention}"])
+
+
+def _compose_cp(overrides):
+    from vitp.config import compose as _compose
+
+    return _compose(overrides)
+
+
+def cp_batch(cfg):
+    """One micro-batch ``(z_t, t, y)`` and the flow-matching targets ``(x, z_t, t)``, identical on every rank."""
+    import torch
+
+    from vitp.config import parse_resolution
+
+    m, B = cfg.model, cfg.trainer.micro_batch_size
+    (H, W) = parse_resolution(m.image_size)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, m.in_channels, m.num_frames, H, W, generator=g)
+    z = torch.randn(x.shape, generator=g)
+    t = torch.rand(B, generator=g)
+    y = torch.randint(0, m.num_classes + 1, (B,), generator=g)
+    return (z, t, y), (x, z, t)
+
+
+def region_saved_bytes(model, inputs, targets, loss_fn):
+    """Forward of one training micro-batch (generator and flow-matching loss) with a
+    saved-tensor hook: ``(loss, {"total", "cp_region", "full_size"})``, bytes of the distinct
+    storages autograd saves, parameters excluded. ``full_size``: what every cp rank holds whole,
+    i.e. storages first saved outside the token-sharded region (the input pixels saved by the
+    patch embedding, the timestep and class embeddings, the gathered prediction and the loss's
+    targets) plus the rest of the patch embedding's output ``(B, N, D)`` when a saved view of
+    this rank's shard keeps it alive (the split's chunk of a ``B = 1`` batch is a view of it);
+    ``cp_region``: the rest, the activations between the split and the head's gather."""
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, where = {}, {"inside": False, "embed": None}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip and st.data_ptr() not in seen:
+            own = t.numel() * t.element_size() if st.data_ptr() == where["embed"] else st.nbytes()
+            seen[st.data_ptr()] = (st.nbytes(), own if where["inside"] else 0)  # (bytes, of them in the region)
+        return t
+
+    def enter(_m, _a, out):  # prepended: runs before the cp split's hook
+        where.update(inside=True, embed=out[0].untyped_storage().data_ptr())
+
+    hooks = [model.embed.register_forward_hook(enter, prepend=True),
+             model.final.linear.register_forward_hook(lambda *a: where.update(inside=False))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_fn(model(*inputs), targets)
+    finally:
+        for h in hooks:
+            h.remove()
+    total, inside = (sum(v[i] for v in seen.values()) for i in (0, 1))
+    return loss, {"total": total, "cp_region": inside, "full_size": total - inside}
+
+
+def cp_theory(cfg, model, cp: int, mode: str):
+    """Predicted cp collectives of one micro-batch (forward + backward), fp32:
+    :func:`vitp.parallel.styles.context_collectives` of every block plus the boundary gather of
+    the head's output ``micro * N * P * 4`` bytes (``P = pt p p C``)."""
+    from vitp.models import num_tokens
+    from vitp.parallel.styles import Collective, StepShape, context_collectives
+
+    m, B = cfg.model, cfg.trainer.micro_batch_size
+    N, P = num_tokens(**m), m.tubelet_size * m.patch_size ** 2 * m.in_channels
+    shape = StepShape(micro=B, tokens=N, width=m.width, act_bytes=4, tp=1, cp=cp, cp_mode=mode)
+    out = []
+    for blk in model.blocks:
+        groups = getattr(blk, "token_groups", None)
+        out += context_collectives(shape, groups.kind if groups is not None else "full")
+    return out + ([Collective("all_gather", "fwd", "cp_boundary", B * N * P * 4)] if cp > 1 else [])
+
+
+def compare_cp_comm(records, theory, cp: int) -> dict:
+    """Measured cp records against :func:`cp_theory`: per ``kind/direction/tag`` counts and
+    logical bytes, and the bytes one rank sends (:func:`vitp.parallel.comm.wire_bytes`)."""
+    from collections import defaultdict
+
+    meas, pred = defaultdict(lambda: [0, 0]), defaultdict(lambda: [0, 0])
+    for r in records:
+        meas[f"{r.kind}/{r.direction}/{r.tag}"][0] += 1
+        meas[f"{r.kind}/{r.direction}/{r.tag}"][1] += r.nbytes
+    for c in theory:
+        pred[f"{c.kind}/{c.direction}/{c.tag}"][0] += c.count
+        pred[f"{c.kind}/{c.direction}/{c.tag}"][1] += int(c.count * c.nbytes)
+    rows = {k: {"count": meas[k][0], "theory_count": pred[k][0], "bytes": meas[k][1], "theory_bytes": pred[k][1]}
+            for k in sorted(set(meas) | set(pred))}
+    wire = sum(int(r.wire()) for r in records)
+    wire_theory = int(sum(c.wire_bytes(cp) for c in theory))
+    return {"per_collective": rows, "wire_bytes": wire, "theory_wire_bytes": wire_theory,
+            "equal": wire == wire_theory and all(r["count"] == r["theory_count"] and r["bytes"] == r["theory_bytes"]
+                                                 for r in rows.values())}
+
+
+def cp_layout_numbers(cfg, state, cp: int, mode: str) -> dict:
+    """Saved bytes (forward) and cp collectives (forward + backward) of one micro-batch at one layout."""
+    from vitp.models import Generator, parallelize_generator, token_grid
+    from vitp.objectives import FlowMatchingLoss
+    from vitp.parallel import CommRecorder
+
+    model, m = Generator.from_config(cfg.model, seed=cfg.seed), cfg.model
+    if cp > 1:
+        parallelize_generator(model, state, grid=token_grid(m.image_size, m.num_frames, m.patch_size, m.tubelet_size))
+    inputs, targets = cp_batch(cfg)
+    with CommRecorder() as rec:
+        loss, saved = region_saved_bytes(model, inputs, targets, FlowMatchingLoss(cfg.objective.t_eps))
+        loss.backward()
+    records = [r for r in rec.records if r.tag in ("cp", "cp_boundary")]
+    return {"saved": saved, "loss": float(loss.detach()), "others": len(rec.records) - len(records),
+            "comm": compare_cp_comm(records, cp_theory(cfg, model, cp, mode), cp)}
+
+
+def cp_memory_comm_worker(size: str) -> dict:
+    """(a) saved activation bytes per rank and (b) cp collectives against theory, at cp = 1, 2, 4
+    for every :data:`CP_LAYOUTS` (4 processes; cp = 1 and 2 run as dp x cp layouts of them)."""
+    import torch
+    import torch.distributed as tdist
+
+    from vitp.parallel import distributed as dist
+    from vitp.parallel import make_state
+
+    dist.init_distributed(torch.device("cpu"))
+    world, out = tdist.get_world_size(), {}
+    for attention, mode in CP_LAYOUTS:
+        cfg = cp_config(size, attention)
+        for cp in [c for c in CP_DEGREES if c > 1 or mode == "ulysses"]:  # cp = 1: no mode
+            state = make_state(tp=1, cp=cp, dp=world // cp, cp_mode=mode)
+            row = cp_layout_numbers(cfg, state, cp, mode)
+            rows = [None] * world
+            tdist.all_gather_object(rows, row)
+            row["saved_max_over_ranks"] = {k: max(r["saved"][k] for r in rows) for k in row["saved"]}
+            row["comm_equal_all_ranks"] = all(r["comm"]["equal"] for r in rows)
+            out[f"{attention}/{mode}/cp={cp}"] = row
+    return _cp_ratios(out) if dist.is_main() else {}
+
+
+def _cp_ratios(rows: dict) -> dict:
+    """Saved bytes of every layout over those of cp = 1 (same attention), against ``1 / cp``."""
+    for key, row in rows.items():
+        attention, _, cpk = key.split("/")
+        cp, base = int(cpk.split("=")[1]), rows[f"{attention}/ulysses/cp=1"]["saved_max_over_ranks"]
+        s = row["saved_max_over_ranks"]
+        row["ratio_vs_cp1"] = {k: round(s[k] / base[k], 4) for k in ("total", "cp_region")}
+        row["target"] = round(1 / cp, 4)
+        row["cp_region_within_5pct"] = abs(s["cp_region"] / base["cp_region"] * cp - 1) <= 0.05
+    return rows
+
+
+class DeepSpeedUlysses:
+    """timm ``Attention``'s ``qkv`` and ``proj`` around DeepSpeed-Ulysses'
+    ``deepspeed.sequence.layer.DistributedAttention`` (``scatter_idx=2``, ``gather_idx=1``,
+    ``batch_dim_idx=0``: ``(B, N / cp, H, hd)`` -> ``(B, N, H / cp, hd)`` by all-to-all, as its
+    ``_generate_layout_params`` reads a batch-first input) with ``F.scaled_dot_product_attention``
+    as the local attention. ``__call__``: ``(B, N / cp, D)`` -> ``(B, N / cp, D)``."""
+
+    def __init__(self, attn, group):
+        from deepspeed.sequence.layer import DistributedAttention
+
+        self.attn = attn
+        self.core = DistributedAttention(self._local, group, scatter_idx=2, gather_idx=1)
+
+    def _local(self, q, k, v):
+        import torch.nn.functional as F
+
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           scale=self.attn.scale)
+        return o.transpose(1, 2)  # (B, N, H / cp, hd)
+
+    def parameters(self):
+        return self.attn.parameters()
+
+    def __call__(self, x):
+        a, (B, n, D) = self.attn, x.shape
+        q, k, v = a.qkv(x).reshape(B, n, 3, a.num_heads, a.head_dim).unbind(2)
+        return a.proj(self.core(q, k, v, batch_dim_idx=0).reshape(B, n, D))
+
+
+def cp_attention_modules(shape, state):
+    """The same timm ``Attention`` (seeded) as vitp's Ulysses and ring attention
+    (:class:`vitp.parallel.TPAttention` at tp = 1 with a :class:`vitp.parallel.context.ContextAttention`,
+    what the generator's plan makes of it) and as :class:`DeepSpeedUlysses`."""
+    import copy
+
+    import torch
+    from timm.layers import Attention
+
+    from vitp.parallel import TPAttention
+    from vitp.parallel.context import ContextAttention
+
+    B, N, D, H = shape
+    torch.manual_seed(4)
+    attn = Attention(D, num_heads=H, qkv_bias=True)
+    mods = {}
+    for mode in ("ulysses", "ring"):
+        m = TPAttention.from_timm(copy.deepcopy(attn), state, N)
+        m.set_context(ContextAttention(state.cp_group, state.cp_size, state.cp_rank, mode, (N, 1, 1)))
+        mods[f"vitp_{mode}"] = m
+    mods["deepspeed_ulysses"] = DeepSpeedUlysses(copy.deepcopy(attn), state.cp_group)
+    return attn, mods
+
+
+def cp_attention_worker(shape, reps: int, steps: int) -> dict:
+    """(c) forward + backward of one attention layer (qkv and proj included alike) at cp = 2:
+    vitp's Ulysses against DeepSpeed's ``DistributedAttention`` and vitp's ring, interleaved
+    (2 processes, one thread each); once, every output against the unsharded attention."""
+    import torch
+    import torch.distributed as tdist
+
+    from vitp.parallel import distributed as dist
+    from vitp.parallel import make_state
+
+    dist.init_distributed(torch.device("cpu"))
+    state = make_state(tp=1, cp=2)
+    B, N, D, H = shape
+    full, mods = cp_attention_modules(shape, state)
+    g = torch.Generator().manual_seed(5)
+    x_full, w_full = torch.randn(B, N, D, generator=g), torch.randn(B, N, D, generator=g)
+    x, w = (t.chunk(2, dim=1)[state.cp_rank].contiguous() for t in (x_full, w_full))
+    with torch.no_grad():
+        ref = full(x_full).chunk(2, dim=1)[state.cp_rank]
+        outs = {k: m(x) for k, m in mods.items()}
+    diff = torch.tensor([float((outs["vitp_ulysses"] - outs["deepspeed_ulysses"]).abs().max())]
+                        + [float((o - ref).abs().max()) for o in outs.values()], dtype=torch.float64)
+    tdist.all_reduce(diff, op=tdist.ReduceOp.MAX)
+
+    def step_of(m):
+        params = list(m.parameters())
+
+        def step():
+            for p in params:
+                p.grad = None
+            xi = x.detach().requires_grad_()
+            loss = (m(xi) * w).sum()
+            loss.backward()
+            return float(loss.detach())
+        return step
+
+    variants = [Variant(k, step_of(m)) for k, m in mods.items()]
+    times = interleave(variants, reps, steps)
+    if not dist.is_main():
+        return {}
+    return {"shape": {"micro": B, "tokens": N, "width": D, "heads": H, "cp": 2},
+            "max_abs_diff": {"vitp_ulysses_vs_deepspeed": float(diff[0]),
+                             **{f"{k}_vs_unsharded": float(d) for k, d in zip(outs, diff[1:])}},
+            "vitp_vs_deepspeed": ratio(times, "vitp_ulysses", "deepspeed_ulysses"),
+            "ring_vs_ulysses": ratio(times, "vitp_ring", "vitp_ulysses"),
+            "first_loss": {v.name: v.first_loss for v in variants}}
+
+
+CP_DESCRIPTION = {"video": "video generator, 16 frames of 128x128 px, patch 8, tubelet 1: N = 4096 tokens, width 64, "
+                           "depth 2, 4 heads, 1 sample, fp32",
+                  "tiny": "tiny video generator, grid 4x4x4: N = 64 tokens, width 32, depth 2, 4 heads, 2 samples, fp32"}
+CP_FORMULA = ("per micro-batch and rank, fp32 (e = 4), T = B (N / cp) D e: Ulysses and the temporal blocks "
+              "2 x all-to-all (3T + T) (fwd + bwd), spatial blocks 0, ring send_recv 2T (cp - 1) fwd, "
+              "2T (cp - 1) + 2T cp (fp32 dK, dV) bwd (vitp.parallel.styles.context_collectives per block), "
+              "plus all_gather fwd of the prediction B N P e (P = pt p p C, tag cp_boundary); wire bytes = "
+              "(cp - 1) / cp x logical bytes for all_gather / all_to_all, logical bytes for send_recv")
+
+
+def run_cp(args) -> dict:
+    """The ``cp`` section: (a) + (b) on 4 processes, (c) on 2 (:data:`CP_MODELS`, :data:`CP_ATTENTION`)."""
+    size = "tiny" if args.quick else "video"
+    return {"model": CP_DESCRIPTION[size], "formula": CP_FORMULA,
+            "memory_comm": run_group(4, cp_memory_comm_worker, size, timeout=600),
+            "attention": run_group(2, cp_attention_worker, CP_ATTENTION[size], args.reps, args.steps, timeout=600)}
+
+
 # ----------------------------------------------------------------------------- report
 
 def _fmt_ratio(r: dict) -> str:
@@ -540,10 +842,42 @@ def markdown(res: dict) -> str:
         for n, r in res["tokens"].items():
             lines.append(f"| {n} | {r['vitp_ms']} | {r['plain_ms']} | {_fmt_ratio(r)} |")
         lines.append("")
+    if "cp" in res:
+        lines += _cp_markdown(res["cp"])
     return "\n".join(lines)
 
 
-SECTIONS = ("overhead", "tp", "memory", "activations", "pipeline", "tokens")
+def _cp_markdown(r: dict) -> list:
+    """The tables of the ``cp`` section."""
+    m = r["memory_comm"]
+    lines = [f"Context parallelism ({r['model']}): saved activation bytes of one training micro-batch forward "
+             "(generator + flow-matching loss) per rank, and cp collectives of forward + backward against theory. "
+             "`cp region` = the token-sharded activations between the embedding's split and the output head; "
+             "`total` adds what every cp rank holds whole (input pixels, timestep/class embeddings, the gathered "
+             "prediction and the loss's targets).", "",
+             "| attention / mode / cp | saved total | / cp=1 | saved cp region | / cp=1 | target 1/cp | "
+             "cp wire bytes / rank | theory | equal |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, row in m.items():
+        s, q, c = row["saved_max_over_ranks"], row["ratio_vs_cp1"], row["comm"]
+        lines.append(f"| {key} | {s['total']} | {q['total']} | {s['cp_region']} | {q['cp_region']} | {row['target']} | "
+                     f"{c['wire_bytes']} | {c['theory_wire_bytes']} | {c['equal'] and row['comm_equal_all_ranks']} |")
+    a = r["attention"]
+    sh, d = a["shape"], a["max_abs_diff"]
+    lines += ["", f"Theory: {r['formula']}.", "",
+              f"One attention layer (qkv + attention + proj, forward + backward) at cp=2, B={sh['micro']}, "
+              f"N={sh['tokens']}, D={sh['width']}, {sh['heads']} heads: median ratio (min-max) over repetitions; "
+              f"max |vitp Ulysses - DeepSpeed| = {d['vitp_ulysses_vs_deepspeed']:.3g}, against the unsharded "
+              f"attention: vitp Ulysses {d['vitp_ulysses_vs_unsharded']:.3g}, ring {d['vitp_ring_vs_unsharded']:.3g}, "
+              f"DeepSpeed {d['deepspeed_ulysses_vs_unsharded']:.3g}.", "",
+              "| comparison | ratio (min-max) | ms |", "|---|---|---|",
+              f"| vitp Ulysses / DeepSpeed DistributedAttention | {_fmt_ratio(a['vitp_vs_deepspeed'])} | "
+              f"{a['vitp_vs_deepspeed']['vitp_ulysses_ms']} / {a['vitp_vs_deepspeed']['deepspeed_ulysses_ms']} |",
+              f"| vitp ring / vitp Ulysses | {_fmt_ratio(a['ring_vs_ulysses'])} | "
+              f"{a['ring_vs_ulysses']['vitp_ring_ms']} / {a['ring_vs_ulysses']['vitp_ulysses_ms']} |", ""]
+    return lines
+
+
+SECTIONS = ("overhead", "tp", "memory", "activations", "pipeline", "tokens", "cp")
 
 
 def parse_args(argv=None):
@@ -587,6 +921,8 @@ def run_section(name: str, args, sizes, tmp: str):
     if "tokens" in sections:
         res["tokens"] = run_group(1, tokens_worker, "tiny" if args.quick else "demo",
                                   (8,) if args.quick else (8, 16, 32), reps, steps, tmp)
+    if "cp" in sections:
+        res["cp"] = run_cp(args)
     return res[name]
 
 

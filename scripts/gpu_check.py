@@ -16,6 +16,10 @@ result so far) is rewritten after each check, and one table is printed at the en
   ``torch.nn.attention.sdpa_kernel`` (flash, efficient, cuDNN, math) on a JiT-B head shape, and the
   ATen SDPA op (and CUDA kernel names) that one profiled training step of the real trainer runs;
   passes when flash runs when forced and the trainer's attention is a fused kernel (not math).
+- ``cp``: context parallelism on 2 GPUs (skipped, saying so, with fewer): a small video
+  generator (512 tokens, bf16, flash SDPA forced) at cp = 2 over NCCL with Ulysses and with
+  ring attention, launched with torchrun, against cp = 1 on each rank alone: loss and every
+  parameter gradient (summed over the cp group, divided by cp) within bf16 tolerance.
 - ``mfu_<case>``: a JiT-B/L generator on synthetic data in bf16 (:data:`CASES`: 256 tokens at
   256 px with patch 16 and at 1024 px with patch 64); after warm-up, timed ``train_step`` calls
   and the trainer's own telemetry (:mod:`vitp.train.telemetry`: model FLOPs of
@@ -69,7 +73,7 @@ TRAIN = {  # the bf16 + NCCL check: a small generator at 32 px (64 tokens), 6 st
             "trainer.max_steps=6", "data.synthetic_size=512"],
     "smoke": [*TINY, "trainer.max_steps=3"],
 }
-TIMEOUT_S = {"bf16_nccl": 90, "sdpa": 75}  # each mfu_<case>: MFU_TIMEOUT_S
+TIMEOUT_S = {"bf16_nccl": 90, "sdpa": 75, "cp": 90}  # each mfu_<case>: MFU_TIMEOUT_S
 MFU_TIMEOUT_S = 100
 WARMUP, STEPS = 3, 10
 
@@ -231,10 +235,128 @@ def check_mfu(smoke: bool, work: Path, case: str) -> Dict[str, Any]:
     return res
 
 
+# ----------------------------------------------------------------------------- context parallelism
+
+CP_MODEL = {  # (a small video generator; grid (gt, gh, gw), full attention)
+    # 8 frames of 32x32 at patch 4: grid (8, 8, 8), N = 512, width 256, 4 heads of 64 (flash), bf16
+    "gpu": ["data.channels=3", "data.num_classes=10", "data.num_frames=8", "data.resolution=32", "model.patch_size=4",
+            "model.tubelet_size=1", "model.width=256", "model.depth=2", "model.num_heads=4"],
+    # 4 frames of 8x8 at patch 2: grid (4, 4, 4), N = 64, width 32, 4 heads of 8, fp32
+    "smoke": ["data.channels=3", "data.num_classes=10", "data.num_frames=4", "data.resolution=8", "model.patch_size=2",
+              "model.tubelet_size=1", "model.width=32", "model.depth=2", "model.num_heads=4"],
+}
+CP_BATCH = 2
+# max |a - b| / max |b| of the loss and of every parameter gradient against cp = 1 (same dtype):
+# bf16 keeps 8 bits of mantissa (eps 2^-8 = 0.0039); fp32 for the CPU smoke run
+CP_TOL = {"gpu": {"loss": 2e-2, "grad": 5e-2}, "smoke": {"loss": 1e-5, "grad": 1e-4}}
+
+
+def _cp_step(model, batch, dtype, device):
+    """Loss and parameter gradients of one micro-batch; SDPA restricted to flash (CPU: its CPU
+    flash kernel), so a fallback to another backend fails the check instead of passing it."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from vitp.objectives import FlowMatchingLoss
+
+    (z, t, y), x = batch
+    model.zero_grad(set_to_none=True)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        loss = FlowMatchingLoss(0.05)(model(z.to(device), t.to(device), y.to(device)),
+                                      (x.to(device), z.to(device), t.to(device)))
+        loss.backward()
+    return loss.detach().float(), {n: p.grad.detach().float() for n, p in model.named_parameters()}
+
+
+def _rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def cp_rank_main(smoke: bool, out: Path) -> int:
+    """One rank of :func:`check_cp` (under torchrun, 2 ranks): the same generator and batch on
+    every rank, cp = 1 on each rank alone, then cp = 2 Ulysses and ring over both ranks (gradients
+    summed over the cp group and divided by cp, as the dp x cp reduction of training does);
+    rank 0 writes ``out/cp_ranks.json``."""
+    import torch
+    import torch.distributed as tdist
+
+    from vitp.config import compose, parse_resolution
+    from vitp.models import Generator, parallelize_generator, token_grid
+    from vitp.parallel import distributed as dist
+    from vitp.parallel import make_state
+
+    kind = "smoke" if smoke else "gpu"
+    device = torch.device("cpu") if smoke else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_distributed(device)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    cfg = compose(["data=synthetic", *CP_MODEL[kind]])
+    m = cfg.model
+    (H, W), g = parse_resolution(m.image_size), torch.Generator().manual_seed(0)
+    x = torch.randn(CP_BATCH, m.in_channels, m.num_frames, H, W, generator=g)
+    z, t, y = torch.randn(x.shape, generator=g), torch.rand(CP_BATCH, generator=g), torch.tensor([1, 10])
+    batch = ((z, t, y), x)
+
+    def build():  # adaLN-Zero starts as the identity: random weights make every gradient non-trivial
+        model = Generator.from_config(m, seed=0)
+        noise = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=noise))
+        return model.to(device, dtype)
+
+    ref_loss, ref_grads = _cp_step(build(), batch, dtype, device)
+    res = {"backend": tdist.get_backend(), "dtype": str(dtype), "world": tdist.get_world_size(),
+           "tokens": math.prod(token_grid(m.image_size, m.num_frames, m.patch_size, m.tubelet_size)),
+           "tol": CP_TOL[kind], "ref_loss": float(ref_loss), "modes": {}}
+    for mode in ("ulysses", "ring"):
+        state = make_state(tp=1, cp=2, cp_mode=mode)
+        model = build()
+        parallelize_generator(model, state, grid=token_grid(m.image_size, m.num_frames, m.patch_size, m.tubelet_size))
+        loss, grads = _cp_step(model, batch, dtype, device)
+        for gr in grads.values():
+            tdist.all_reduce(gr, group=state.cp_group)
+            gr /= state.cp_size
+        errs = {n: _rel(gr, ref_grads[n]) for n, gr in grads.items() if n in ref_grads}
+        worst = max(errs, key=errs.get)
+        res["modes"][mode] = {"loss": float(loss), "loss_rel": _rel(loss, ref_loss), "grad_rel": errs[worst],
+                              "worst": worst, "same_params": sorted(grads) == sorted(ref_grads)}
+    if tdist.get_rank() == 0:
+        (out / "cp_ranks.json").write_text(json.dumps(res, indent=1))
+    tdist.barrier()
+    return 0
+
+
+def check_cp(smoke: bool, work: Path) -> Dict[str, Any]:
+    """cp = 2 (Ulysses and ring) of a small video generator on 2 GPUs (NCCL, bf16, flash SDPA)
+    against cp = 1, launched with torchrun; skipped with fewer than 2 GPUs. ``smoke``: 2 CPU
+    processes with gloo at fp32."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if not smoke and gpus < 2:
+        return {"ok": True, "skipped": True, "gpus": gpus,
+                "summary": f"SKIPPED: cp=2 needs 2 GPUs, this machine has {gpus}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).resolve()), "--cp-rank", "--out", str(work)] + (["--cpu-smoke"] if smoke else [])
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    path = work / "cp_ranks.json"
+    if p.returncode != 0 or not path.is_file():
+        return {"ok": False, "exit_code": p.returncode, "log_tail": (p.stdout + p.stderr)[-3000:],
+                "summary": f"torchrun exited {p.returncode}"}
+    res = json.loads(path.read_text())
+    tol = res["tol"]
+    res["ok"] = res["world"] == 2 and res["backend"] == ("gloo" if smoke else "nccl") and all(
+        r["loss_rel"] <= tol["loss"] and r["grad_rel"] <= tol["grad"] and r["same_params"] for r in res["modes"].values())
+    res["summary"] = f"{res['backend']}, {res['dtype'].split('.')[-1]}, N={res['tokens']}: " + ", ".join(
+        f"{k} loss {r['loss_rel']:.2g} grad {r['grad_rel']:.2g}" for k, r in res["modes"].items()) \
+        + f" (rel. to cp=1; tol {tol['loss']:g} / {tol['grad']:g})"
+    return res
+
+
 def checks(smoke: bool) -> Dict[str, tuple]:
     """``{name: (function, kwargs, timeout_s)}`` in run order."""
     out: Dict[str, tuple] = {"bf16_nccl": (check_bf16_nccl, {}, TIMEOUT_S["bf16_nccl"]),
-                             "sdpa": (check_sdpa, {}, TIMEOUT_S["sdpa"])}
+                             "sdpa": (check_sdpa, {}, TIMEOUT_S["sdpa"]), "cp": (check_cp, {}, TIMEOUT_S["cp"])}
     for case in SMOKE_CASES if smoke else CASES:
         out[f"mfu_{case}"] = (check_mfu, {"case": case}, MFU_TIMEOUT_S)
     return out
@@ -318,9 +440,12 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU with gloo (tests the script)")
     p.add_argument("--only", default=None, help="comma-separated checks to run (default: all)")
     p.add_argument("--check", default=None, help=argparse.SUPPRESS)  # internal: run one check in this process
+    p.add_argument("--cp-rank", action="store_true", help=argparse.SUPPRESS)  # internal: a torchrun rank of cp
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.cp_rank:
+        return cp_rank_main(args.cpu_smoke, out)
     if args.check:
         return run_one(args.check, args.cpu_smoke, out)
     todo = checks(args.cpu_smoke)

@@ -153,9 +153,16 @@ def test_gpu_check_cpu_smoke(tmp_path):
                        text=True, timeout=300)
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     table = p.stdout[p.stdout.index("check "):].splitlines()
-    assert [row.split()[:2] for row in table[1:4]] == [["bf16_nccl", "ok"], ["sdpa", "ok"], ["mfu_tiny_8px", "ok"]]
+    assert [row.split()[:2] for row in table[1:5]] == [["bf16_nccl", "ok"], ["sdpa", "ok"], ["cp", "ok"],
+                                                       ["mfu_tiny_8px", "ok"]]
     res = json.loads((out / "gpu_check.json").read_text())
-    assert res["cpu_smoke"] is True and set(res["checks"]) == {"bf16_nccl", "sdpa", "mfu_tiny_8px"}
+    assert res["cpu_smoke"] is True and set(res["checks"]) == {"bf16_nccl", "sdpa", "cp", "mfu_tiny_8px"}
+    # cp: 2 torchrun ranks (gloo, fp32), cp = 2 Ulysses and ring against cp = 1 on a grid (4, 4, 4)
+    cp = res["checks"]["cp"]["result"]
+    assert (cp["backend"], cp["dtype"], cp["world"], cp["tokens"]) == ("gloo", "torch.float32", 2, 64)
+    assert set(cp["modes"]) == {"ulysses", "ring"} and cp["ref_loss"] > 0
+    for r in cp["modes"].values():
+        assert r["same_params"] and r["loss_rel"] <= 1e-5 and 0 < r["grad_rel"] <= 1e-4
     train = res["checks"]["bf16_nccl"]["result"]
     assert (train["backend"], train["param_dtype"], train["precision"]) == ("gloo", "torch.bfloat16", "bf16")
     assert train["engine_zero_stage"] == 1 and len(train["losses"]) == 3 and all(0 < x < 10 for x in train["losses"])
@@ -176,3 +183,39 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert mfu["predicted"]["peak_gib"] > 0 and mfu["peak_mem_gib"] == perf["perf/peak_mem_gib"] > 0
     assert mfu["memory_measured_over_predicted"] == pytest.approx(mfu["peak_mem_gib"] / mfu["predicted"]["peak_gib"])
     assert (out / "mfu_tiny_8px.log").is_file() and not list(out.glob("*_run"))  # run dirs stay out of OUT
+
+
+@pytest.mark.slow
+def test_bench_cp_quick(tmp_path):
+    """``scripts/bench.py --quick --sections cp`` (tiny video generator, N = 64): cp collectives of
+    forward + backward equal theory exactly (count and logical bytes per collective, wire bytes per
+    rank), the token-sharded saved activations at cp = 2 are about half of cp = 1, and vitp's
+    Ulysses attention gives DeepSpeed's DistributedAttention output."""
+    out = tmp_path / "bench"
+    _run(["scripts/bench.py", "--quick", "--sections", "cp", "--out", str(out)], tmp_path)
+    res = json.loads(out.with_suffix(".json").read_text())["cp"]
+    rows = res["memory_comm"]
+    assert set(rows) == {f"{a}/{m}/cp={c}" for a, m in (("full", "ulysses"), ("full", "ring"), ("factorized", "ulysses"))
+                         for c in (1, 2, 4) if c > 1 or m == "ulysses"}
+    # by hand, full attention Ulysses at cp = 2: T = B (N / cp) D e = 2 * 32 * 32 * 4 bytes; per block
+    # all-to-all of 3T and T forward and backward (wire (cp-1)/cp = 1/2 of them), 2 blocks; the
+    # prediction's gather B N P e with P = 4 * 4 * 3, wire 1/2
+    T = 2 * 32 * 32 * 4
+    assert rows["full/ulysses/cp=2"]["comm"]["wire_bytes"] == 2 * 2 * (3 * T + T) // 2 + 2 * 64 * 48 * 4 // 2
+    for key, row in rows.items():
+        comm = row["comm"]
+        assert comm["equal"] and row["comm_equal_all_ranks"], (key, comm)
+        assert comm["wire_bytes"] == comm["theory_wire_bytes"] and (comm["wire_bytes"] > 0) == (not key.endswith("=1"))
+        for name, c in comm["per_collective"].items():
+            assert (c["count"], c["bytes"]) == (c["theory_count"], c["theory_bytes"]), (key, name, c)
+        assert row["others"] == 0 and row["loss"] == pytest.approx(rows["full/ulysses/cp=1"]["loss"], rel=1e-5)
+    # saved activations: at this size the full-size tensors (pixels, targets) are 7 % of cp = 1's total
+    assert 0.5 < rows["factorized/ulysses/cp=2"]["ratio_vs_cp1"]["cp_region"] <= 0.5 * 1.05
+    # full attention keeps one more (B, N / cp, D) tensor per block than cp = 1 (measured +5.3 %)
+    assert 0.5 < rows["full/ulysses/cp=2"]["ratio_vs_cp1"]["cp_region"] <= 0.5 * 1.06
+    assert rows["full/ulysses/cp=2"]["ratio_vs_cp1"]["total"] > rows["full/ulysses/cp=2"]["ratio_vs_cp1"]["cp_region"]
+    att = res["attention"]
+    assert att["max_abs_diff"]["vitp_ulysses_vs_deepspeed"] < 1e-6 and att["max_abs_diff"]["vitp_ring_vs_unsharded"] < 1e-5
+    assert att["first_loss"]["vitp_ulysses"] == pytest.approx(att["first_loss"]["deepspeed_ulysses"], rel=1e-6)
+    r = att["vitp_vs_deepspeed"]
+    assert r["reps"] == 2 and r["vitp_ulysses_ms"] > 0 and r["min"] <= r["ratio"] <= r["max"]
