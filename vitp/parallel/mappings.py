@@ -130,9 +130,13 @@ class _SplitContext(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        world, rank = comm.group_size(group), comm.group_rank(group)
-        ctx.full, ctx.rank = x.shape[SEQ_DIM], rank
-        return _split(x, SEQ_DIM, group)
+        world = comm.group_size(group)
+        ctx.full, ctx.rank = x.shape[SEQ_DIM], comm.group_rank(group)
+        if ctx.full % world:
+            raise ValueError(f"cannot split {ctx.full} tokens over {world} context-parallel ranks")
+        n = ctx.full // world
+        # a copy, never a view: a view (micro-batch 1) would keep the whole (B, N, D) input alive
+        return x.narrow(SEQ_DIM, ctx.rank * n, n).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def backward(ctx, g):
