@@ -6,7 +6,11 @@ every rank attends its local queries to the block it currently holds; partial ou
 with their log-sum-exps, so the result equals softmax attention over the whole sequence
 (Liu et al. 2023, "Ring Attention with Blockwise Transformers", arXiv 2310.01889; the merge and
 the block backward as in FlashAttention-2, arXiv 2307.08691, and the public reference
-github.com/zhuzilin/ring-flash-attention, ``ring_flash_attn/ring_flash_attn.py``).
+github.com/zhuzilin/ring-flash-attention, ``ring_flash_attn/ring_flash_attn.py``). Per block
+torch's fused SDPA kernels that return the log-sum-exp run, as in torch's ``context_parallel``
+(torch/distributed/tensor/experimental/_context_parallel/_attention.py); the backward of each
+block takes the merged output and log-sum-exp, which makes it that block's exact share of dq,
+dk, dv.
 
 Backward scheme (that of ring-flash-attention): K/V travel the ring again, and the dK/dV
 accumulator of each block travels one hop behind with it: at step ``s`` rank ``r`` holds block
@@ -254,9 +258,13 @@ def ring_attention(q, k, v, group, scale: float, *, dropout_p: float = 0.0, tag:
         all ``cp*n`` keys for this rank's queries, equal to ``F.scaled_dot_product_attention``
         on the gathered sequence. Differentiable in ``q``, ``k``, ``v``.
 
-    Block math is plain matmuls accumulated in fp32 (fp64 for fp64 inputs), on any device (gloo
-    or NCCL); a flash kernel per block is the later optimisation. A group of size 1 calls
-    ``F.scaled_dot_product_attention``. Traffic: module docstring and :func:`ring_traffic`.
+    Each block runs a fused kernel that returns its log-sum-exp, chosen per call by device and
+    dtype (:func:`_block_kernel`): CPU ``_scaled_dot_product_flash_attention_for_cpu``; CUDA flash
+    (fp16/bf16) or memory-efficient attention where torch's SDPA checks accept the inputs; else
+    the math blocks (plain matmuls, e.g. fp64 on CUDA). Blocks take the input dtype; the merge,
+    dq and the travelling dK/dV accumulate in fp32 (fp64 for fp64), cast back at the end. Saved
+    for backward: local q, k, v, out and lse ``(B, H, n)`` (accumulation dtype). A group of size
+    1 calls ``F.scaled_dot_product_attention``. Traffic: module docstring and :func:`ring_traffic`.
     Source: Liu et al. 2023 (arXiv 2310.01889); github.com/zhuzilin/ring-flash-attention.
 
     Raises
