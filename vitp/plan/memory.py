@@ -91,15 +91,16 @@ class Saved:
         return self.elements * (size or ACT_BYTES[precision])
 
 
-def _proj_input_copy(shape: ModelShape, kind: str, tp: int, sp: bool, cp: int = 1) -> bool:
+def _proj_input_copy(shape: ModelShape, kind: str, tp: int, sp: bool, cp: int = 1,
+                     cp_mode: str = "ulysses") -> bool:
     """Whether ``proj`` saves its own copy of the attention output (else a view of SDPA's output):
     with qk-norm q is contiguous and SDPA's CPU output follows its (B, H, N, hd) layout, so the
     transpose copies; a temporal block under TP or CP ungroups it (copy); SP padding re-pads it
-    (copy); under context parallelism Ulysses' second all-to-all returns a new tensor and the
-    ring's (B, h, N / cp, hd) output is transposed by a copy (:mod:`vitp.parallel.context`; both
-    measured)."""
+    (copy); under context parallelism Ulysses' second all-to-all returns a new tensor (copy), while
+    the ring's fused block kernels (:mod:`vitp.parallel.ring`) give an output in q's layout, as
+    SDPA does at cp=1, which the log-sum-exp merge keeps (a view; both measured)."""
     regrouped = (tp > 1 or cp > 1) and kind == "temporal"
-    context = cp > 1 and kind == "full"
+    context = cp > 1 and kind == "full" and cp_mode != "ring"
     return shape.qk_norm or regrouped or context or (sp and (shape.tokens // cp) % tp != 0)
 
 
@@ -131,7 +132,7 @@ def block_saved(shape: ModelShape, kind: str, tp: int, sp: bool, cp: int = 1, cp
                   else "MLP hidden (fc1_g, silu, fc1_x, product)", g * (2 if shape.mlp == "gelu" else 4) * h / tp),
             Saved("fc2 output (gate2 input)", n * D), Saved("norm1/norm2 mean and rstd", 4 * n, STATS),
             Saved("adaLN: silu(c), 1+scale1, 1+scale2, modulation output (6D)", 9 * D)]
-    if _proj_input_copy(shape, kind, tp, sp, cp):
+    if _proj_input_copy(shape, kind, tp, sp, cp, cp_mode):
         rows.append(Saved("proj input (own copy)", g * D / tp))
     if shape.qk_norm:
         rows += [Saved("q, k after qk-norm", 2 * local * D / tp),
