@@ -54,33 +54,15 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class _LocalGroups:
-    """``TokenGroups``-like regrouping of a ``(t, h, w)``-ordered local sequence (spatial: one
-    group per frame; temporal: one group per position) on a given grid."""
-
-    def __init__(self, kind: str, grid: Sequence[int]):
-        self.kind, self.grid = kind, tuple(int(g) for g in grid)
-
-    def group(self, x: torch.Tensor) -> torch.Tensor:
-        gt, gh, gw = self.grid
-        B, _, F = x.shape
-        if self.kind == "spatial":
-            return x.reshape(B * gt, gh * gw, F)
-        return x.reshape(B, gt, gh * gw, F).transpose(1, 2).reshape(B * gh * gw, gt, F)
-
-    def ungroup(self, x: torch.Tensor) -> torch.Tensor:
-        gt, gh, gw = self.grid
-        F = x.shape[-1]
-        if self.kind == "spatial":
-            return x.reshape(-1, gt * gh * gw, F)
-        return x.reshape(-1, gh * gw, gt, F).transpose(1, 2).reshape(-1, gt * gh * gw, F)
-
-
 class ContextAttention:
     """What an attention over ``heads`` local heads of ``head_dim`` does with the other token
     shards of its context-parallel ``group`` (``size`` ranks, ``mode`` ``"ulysses"`` or
     ``"ring"``; module docstring). ``grid`` is the full token grid ``(gt, gh, gw)``
     (:meth:`set_grid`).
+
+    ``token_groups`` (factorized attention) is the model's regrouping object (``kind``,
+    ``group``/``ungroup``, built as ``cls(kind, grid)``: :class:`vitp.models.TokenGroups`); its
+    class regroups the local tokens on the local grid.
 
     :meth:`enter` takes this rank's ``qkv`` ``(B, N / cp, 3 heads head_dim)`` and returns the
     ``qkv`` to attend over, regrouped into independent sequences ``(B', N', 3 h' head_dim)``, and
@@ -123,9 +105,9 @@ class ContextAttention:
             return self._ulysses(qkv, head_dim)
         gt, gh, gw = self.grid
         if token_groups.kind == "spatial":  # whole frames are local: no communication
-            local = _LocalGroups("spatial", (gt // self.size, gh, gw))
+            local = type(token_groups)("spatial", (gt // self.size, gh, gw))  # the model's regrouping
             return local.group(qkv), local.ungroup
-        return self._temporal(qkv)
+        return self._temporal(qkv, token_groups)
 
     def _ulysses(self, qkv: torch.Tensor, head_dim: int) -> Tuple[torch.Tensor, Callable]:
         B, n, C = qkv.shape
@@ -141,13 +123,13 @@ class ContextAttention:
 
         return full.reshape(B, N, 3 * (h // self.size) * head_dim), back
 
-    def _temporal(self, qkv: torch.Tensor) -> Tuple[torch.Tensor, Callable]:
+    def _temporal(self, qkv: torch.Tensor, token_groups) -> Tuple[torch.Tensor, Callable]:
         gt, gh, gw = self.grid
         B, n, C = qkv.shape
         hw = gh * gw
         # frames gathered, positions scattered: (B, gt/cp, hw, C) -> (B, gt, hw/cp, C)
         x = all_to_all(qkv.reshape(B, gt // self.size, hw, C), 2, 1, self.group)
-        local = _LocalGroups("temporal", (gt, hw // self.size, 1))
+        local = type(token_groups)("temporal", (gt, hw // self.size, 1))  # positions in one row
 
         def back(o: torch.Tensor) -> torch.Tensor:
             o = local.ungroup(o)  # (B, gt * hw/cp, F)
