@@ -716,7 +716,7 @@ def cp_attention_modules(shape, state):
     mods = {}
     for mode in ("ulysses", "ring"):
         m = TPAttention.from_timm(copy.deepcopy(attn), state, N)
-        m.set_context(ContextAttention(state.cp_group, state.cp_size, state.cp_rank, mode, (N, 1, 1)))
+        m.set_context(ContextAttention(state.cp_group, state.cp_size, mode, (N, 1, 1)))
         mods[f"vitp_{mode}"] = m
     mods["deepspeed_ulysses"] = DeepSpeedUlysses(copy.deepcopy(attn), state.cp_group)
     return attn, mods

@@ -73,10 +73,10 @@ class ContextAttention:
     Raises ``ValueError`` for an unknown mode, or (in :meth:`enter`) shapes that do not split.
     """
 
-    def __init__(self, group, size: int, rank: int, mode: str, grid: Optional[Sequence[int]] = None):
+    def __init__(self, group, size: int, mode: str, grid: Optional[Sequence[int]] = None):
         if mode not in MODES:
             raise ValueError(f"parallel.cp_mode={mode!r}; use one of {MODES}")
-        self.group, self.size, self.rank, self.mode = group, int(size), int(rank), mode
+        self.group, self.size, self.mode = group, int(size), mode
         self.grid = tuple(int(g) for g in grid) if grid is not None else None
 
     def __repr__(self) -> str:

@@ -399,7 +399,7 @@ class ContextParallelAttention(ParallelStyle):
         if not isinstance(attn, TPAttention):
             attn = TPAttention.from_timm(attn, state, ctx.seq_len)
             module.attn = attn
-        attn.set_context(ContextAttention(state.cp_group, state.cp_size, state.cp_rank, state.cp_mode, ctx.grid))
+        attn.set_context(ContextAttention(state.cp_group, state.cp_size, state.cp_mode, ctx.grid))
 
     def sizes(self, module):
         groups = getattr(module, "token_groups", None)

@@ -27,7 +27,7 @@ et al. 2020, §7: ZeRO stage 1 communicates as much as plain data parallelism).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, List, Tuple
 
 from vitp.parallel.styles import Collective, StepShape, mode_of

@@ -89,7 +89,7 @@ def log_stages(module: torch.nn.Module, state: Any, device: torch.device, run_di
     writes ``stages.json``."""
     peak = peak_memory_gib(device) * 2**10  # MiB
     row = {"rank": dist.rank(), "stage": state.pp_rank, "tp_rank": state.tp_rank,
-           "cp_rank": getattr(state, "cp_rank", 0), "dp_rank": state.dp_rank,
+           "cp_rank": state.cp_rank, "dp_rank": state.dp_rank,
            "parameters": sum(p.numel() for p in module.parameters()), "peak_memory_mib": round(peak, 1)}
     rows = [row]
     if dist.world_size() > 1:
