@@ -63,6 +63,8 @@ class ModelConfig:
     proj_drop: float = 0.0  # dropout after attention proj and MLP fc2
     drop_path: float = 0.0  # stochastic depth rate, linearly increasing over blocks
     attention: AttentionMode = AttentionMode.full  # "full" (joint over T*H*W tokens) | "factorized" (Latte: even blocks spatial, odd temporal)
+    text_dim: int = 0  # caption embedding channels of the text encoder (e.g. 4096 for T5-XXL); 0 = class-conditional, >0 = cross-attention to captions in every block
+    text_len: int = 0  # caption tokens L per sample (the encoder's max length; follows the embeddings); used by the planner
 
 
 @dataclass
@@ -312,6 +314,8 @@ FIELD_RULES: Dict[str, Rule] = {
     "model.attn_drop": _PROBABILITY,
     "model.proj_drop": _PROBABILITY,
     "model.drop_path": _PROBABILITY,
+    "model.text_dim": span(0),
+    "model.text_len": span(0),
     "data.resolution": _RESOLUTION,
     "data.channels": span(1),
     "data.num_frames": span(1),

@@ -1,12 +1,13 @@
 """The ViT generator (no parallel code in its layers) and its tensor-parallel plan."""
 from .generator import Block, Embed, FinalLayer, Generator, layer_specs, seed_layer, set_grid
-from .layers import GridAttention, TokenGroups, TubeletEmbed, input_grid, num_tokens, sincos_3d_pos_embed, token_grid
+from .layers import CrossAttention, GridAttention, TokenGroups, TubeletEmbed, input_grid, num_tokens, sincos_3d_pos_embed, token_grid
 from .keys import export_key, from_export_state, generator_key, pipeline_to_generator, to_export_state
 from .parallelize import GENERATOR_PLAN, generator_layers, parallelize_generator
 from .partial_sync_streams import PartialSyncGenerator
 
 __all__ = [
     "Block",
+    "CrossAttention",
     "Embed",
     "FinalLayer",
     "GENERATOR_PLAN",

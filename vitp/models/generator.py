@@ -42,11 +42,13 @@ from vitp.config import mlp_hidden_units, validate_model
 from vitp.utils import to_dict
 
 from .layers import (
+    CrossAttention,
     GridAttention,
     TimestepEmbedder,
     TokenGroups,
     TubeletEmbed,
     input_grid,
+    masked_mean,
     modulate,
     sincos_3d_pos_embed,
     token_grid,
@@ -56,22 +58,39 @@ Grid = Tuple[int, int, int]
 
 
 class Embed(nn.Module):
-    """Input stage: ``(z_t, t, y)`` -> ``(tokens (B, N, D), c (B, D))``.
+    """Input stage: ``(z_t, t, y)`` -> ``(tokens (B, N, D), c (B, D))``, or with captions
+    ``(z_t, t, y, mask)`` -> ``(tokens, c, ctx (B, L, D), mask (B, L))``.
 
-    ``z_t`` is ``(B, C, T, H, W)``, ``t`` is ``(B,)`` in [0, 1], ``y`` is ``(B,)`` int64 where
-    ``y == num_classes`` is the null class used for classifier-free guidance. ``grid`` is the
-    token grid ``(gt, gh, gw)`` (:func:`~vitp.models.layers.token_grid`).
+    ``z_t`` is ``(B, C, T, H, W)``, ``t`` is ``(B,)`` in [0, 1]. Class-conditional
+    (``text_dim == 0``): ``y`` is ``(B,)`` int64 where ``y == num_classes`` is the null class used
+    for classifier-free guidance. Text-conditional (``text_dim > 0``): ``y`` is the encoder's
+    per-token caption embedding ``(B, L, text_dim)`` and ``mask`` ``(B, L)`` bool its valid
+    tokens; as PixArt-alpha (Chen et al. 2023, arXiv 2310.00426), ``y_embedder`` (a timm ``Mlp``,
+    GELU-tanh) projects it to the blocks' width as ``ctx`` for their cross-attention, and the
+    masked mean of ``ctx`` through ``y_pool`` (``Linear(D, D)``) is added to the timestep
+    embedding, so adaLN sees the caption too (the pooled text vector of SD3's adaLN). The null
+    caption of classifier-free guidance is the encoded empty caption, an input like any other.
+    ``grid`` is the token grid ``(gt, gh, gw)`` (:func:`~vitp.models.layers.token_grid`).
+
+    Raises ``ValueError`` for a caption whose mask holds no valid token.
     """
 
     def __init__(self, in_channels: int, width: int, patch_size: int, tubelet_size: int, grid: Grid,
-                 num_classes: int):
+                 num_classes: int, text_dim: int = 0):
         super().__init__()
-        self.p, self.pt, self.width = patch_size, tubelet_size, width
+        self.p, self.pt, self.width, self.text_dim = patch_size, tubelet_size, width, int(text_dim)
         self.grid = tuple(int(g) for g in grid)
         self.x_embedder = TubeletEmbed(in_channels, width, patch_size, tubelet_size)
         self.t_embedder = TimestepEmbedder(width)
-        self.y_embedder = nn.Embedding(num_classes + 1, width)
-        nn.init.normal_(self.y_embedder.weight, std=0.02)
+        if self.text_dim:
+            self.y_embedder = Mlp(self.text_dim, width, width, act_layer=lambda: nn.GELU(approximate="tanh"))
+            self.y_pool = nn.Linear(width, width)
+            for lin in (self.y_embedder.fc1, self.y_embedder.fc2, self.y_pool):
+                nn.init.normal_(lin.weight, std=0.02)
+                nn.init.zeros_(lin.bias)
+        else:
+            self.y_embedder = nn.Embedding(num_classes + 1, width)
+            nn.init.normal_(self.y_embedder.weight, std=0.02)
         self.register_buffer("pos_embed", sincos_3d_pos_embed(*self.grid, width)[None], persistent=False)
         self._pos_cache: Dict[Grid, torch.Tensor] = {}
 
@@ -87,17 +106,31 @@ class Embed(nn.Module):
         # like the buffer it replaces: .to(device) / a bf16 cast of the module moved or cast that one
         self.grid, self.pos_embed = grid, pos.to(self.pos_embed.device, self.pos_embed.dtype)
 
-    def forward(self, z_t: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, z_t: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, ...]:
         """Raises ``ValueError`` if ``z_t`` does not tile into tubelets or its grid is not the set
-        grid (:func:`set_grid`: later layers would unpatchify with another grid)."""
+        grid (:func:`set_grid`: later layers would unpatchify with another grid), or if the
+        conditioning does not fit ``text_dim``."""
         grid = input_grid(z_t.shape, self.p, self.pt)
         if grid != self.grid:
             raise ValueError(f"input token grid {grid} (of z_t {tuple(z_t.shape)}) differs from the model's grid "
                              f"{self.grid}; call vitp.models.set_grid(model, grid) on every layer first")
         z_t = z_t.to(self.x_embedder.proj.weight.dtype)  # data arrive in fp32; weights may be bf16
         tokens = self.x_embedder(z_t) + self.pos_embed.to(z_t.dtype)
-        c = self.t_embedder(t).to(tokens.dtype) + self.y_embedder(y)
-        return tokens, c
+        c = self.t_embedder(t).to(tokens.dtype)
+        if not self.text_dim:
+            if mask is not None or y.dim() != 1:
+                raise ValueError(f"a class-conditional model takes labels y (B,), got {tuple(y.shape)}"
+                                 f"{' and a caption mask' if mask is not None else ''}; train with model.text_dim > 0 "
+                                 "for captions")
+            return tokens, c + self.y_embedder(y)
+        if mask is None or y.dim() != 3 or y.shape[-1] != self.text_dim:
+            raise ValueError(f"a text-conditional model (model.text_dim={self.text_dim}) takes caption embeddings "
+                             f"(B, L, {self.text_dim}) and their mask (B, L); got y {tuple(y.shape)}")
+        if not bool(mask.any(dim=1).all()):  # an all-padding row would make attention NaN
+            raise ValueError("a caption mask row has no valid token: every encoded caption has at least its end token")
+        ctx = self.y_embedder(y.to(tokens.dtype))
+        return tokens, c + self.y_pool(masked_mean(ctx, mask)), ctx, mask
 
 
 class Block(nn.Module):
@@ -109,13 +142,18 @@ class Block(nn.Module):
     with :class:`~vitp.models.layers.TokenGroups` over ``grid``); the parameters do not depend on
     it. The gates start at zero (adaLN-Zero), so each block is the identity at initialisation.
 
+    ``cross_attn=True`` (text conditioning) adds PixArt-alpha's cross-attention sub-layer between
+    attention and MLP: ``x = x + cross_attn(norm_cross(x), ctx, mask)``
+    (:class:`~vitp.models.layers.CrossAttention`, output projection zero at init; ``norm_cross`` a
+    LayerNorm without parameters), and ``forward`` takes ``(x, c, ctx (B, L, D), mask (B, L))``.
+
     Raises ``ValueError`` for an unknown ``attention`` or ``mlp``.
     """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, mlp: str = "gelu", qkv_bias: bool = True,
                  qk_norm: bool = False, layer_scale_init: Optional[float] = None, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, drop_path: float = 0.0, attention: str = "full",
-                 grid: Optional[Grid] = None):
+                 grid: Optional[Grid] = None, cross_attn: bool = False):
         super().__init__()
         if attention == "full":
             self.token_groups = None
@@ -138,11 +176,17 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, layer_scale_init) if layer_scale_init else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        if cross_attn:
+            self.norm_cross = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+            self.cross_attn = CrossAttention(dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, attn_drop=attn_drop,
+                                             proj_drop=proj_drop)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
         self._init_weights()
 
     def _init_weights(self) -> None:
-        for m in (self.attn, self.mlp):
+        for m in (self.attn, self.mlp, getattr(self, "cross_attn", None)):
+            if m is None:
+                continue
             for lin in m.modules():
                 if isinstance(lin, nn.Linear):
                     nn.init.xavier_uniform_(lin.weight)
@@ -150,17 +194,25 @@ class Block(nn.Module):
                         nn.init.zeros_(lin.bias)
         nn.init.zeros_(self.adaLN_modulation[-1].weight)
         nn.init.zeros_(self.adaLN_modulation[-1].bias)
+        if hasattr(self, "cross_attn"):  # PixArt: the cross-attention starts as a no-op
+            nn.init.zeros_(self.cross_attn.proj.weight)
+            nn.init.zeros_(self.cross_attn.proj.bias)
 
     def set_grid(self, grid: Grid) -> None:
         """Regroup factorized attention over the token grid ``grid`` from now on (no-op for full attention)."""
         if self.token_groups is not None and tuple(grid) != self.token_groups.grid:
             self.token_groups = TokenGroups(self.token_groups.kind, grid)
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, ctx: Optional[torch.Tensor] = None,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c).chunk(6, dim=-1)
         h = modulate(self.norm1(x), shift1, scale1)
         h = self.ls1(self.attn(h) if self.token_groups is None else self.attn(h, token_groups=self.token_groups))
         x = x + self.drop_path1(gate1.unsqueeze(1) * h)
+        if hasattr(self, "cross_attn"):
+            if ctx is None or mask is None:
+                raise ValueError("a text-conditional block needs the caption tokens ctx (B, L, D) and mask (B, L)")
+            x = x + self.cross_attn(self.norm_cross(x), ctx, mask)
         h = self.ls2(self.mlp(modulate(self.norm2(x), shift2, scale2)))
         return x + self.drop_path2(gate2.unsqueeze(1) * h)
 
@@ -183,7 +235,8 @@ class FinalLayer(nn.Module):
         """Unpatchify to the token grid ``grid`` from now on."""
         self.grid = tuple(int(g) for g in grid)
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, *text: torch.Tensor) -> torch.Tensor:
+        """``text``: the caption tokens and mask of a text-conditional model, unused here."""
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
         x = self.linear(modulate(self.norm_final(x), shift, scale))  # (B, N, pt*p*p*C)
         B = x.shape[0]
@@ -197,7 +250,8 @@ def layer_specs(in_channels: int, image_size: Any, num_frames: int, num_classes:
                 tubelet_size: int, width: int, depth: int, num_heads: int, mlp_ratio: float = 4.0,
                 mlp: str = "gelu", qkv_bias: bool = True, qk_norm: bool = False,
                 layer_scale_init: Optional[float] = None, attn_drop: float = 0.0, proj_drop: float = 0.0,
-                drop_path: float = 0.0, attention: str = "full") -> List[Tuple[type, Dict[str, Any]]]:
+                drop_path: float = 0.0, attention: str = "full", text_dim: int = 0,
+                text_len: int = 0) -> List[Tuple[type, Dict[str, Any]]]:
     """The generator as an ordered list of ``(class, kwargs)``: Embed, depth x Block, FinalLayer
     (the fields of ``ModelConfig`` as arguments: ``layer_specs(**model_cfg)``). ``image_size`` is
     an int (square), ``(H, W)`` or ``"HxW"``; it sets the initial grid only (:func:`set_grid`).
@@ -206,14 +260,18 @@ def layer_specs(in_channels: int, image_size: Any, num_frames: int, num_classes:
     the same per-layer seed, so their weights are identical at any number of stages. Block
     ``i`` gets ``attention="full"``, or for ``attention="factorized"`` ``"spatial"`` (even
     ``i``) / ``"temporal"`` (odd ``i``); its drop-path rate grows linearly to ``drop_path``.
+    ``text_dim > 0`` makes the generator text-conditional (caption embeddings of that many
+    channels; every block gets cross-attention); ``text_len`` (caption tokens L) sizes nothing
+    here (the planner's estimates use it).
     """
     grid = token_grid(image_size, num_frames, patch_size, tubelet_size)
     rates = [drop_path * i / max(depth - 1, 1) for i in range(depth)]
     kinds = ["full"] * depth if attention == "full" else ["spatial" if i % 2 == 0 else "temporal" for i in range(depth)]
     block = dict(dim=width, num_heads=num_heads, mlp_ratio=mlp_ratio, mlp=mlp, qkv_bias=qkv_bias, qk_norm=qk_norm,
-                 layer_scale_init=layer_scale_init, attn_drop=attn_drop, proj_drop=proj_drop, grid=grid)
+                 layer_scale_init=layer_scale_init, attn_drop=attn_drop, proj_drop=proj_drop, grid=grid,
+                 cross_attn=text_dim > 0)
     embed = dict(in_channels=in_channels, width=width, patch_size=patch_size, tubelet_size=tubelet_size, grid=grid,
-                 num_classes=num_classes)
+                 num_classes=num_classes, text_dim=text_dim)
     final = dict(width=width, patch_size=patch_size, tubelet_size=tubelet_size, out_channels=in_channels, grid=grid)
     blocks = [(Block, dict(block, drop_path=r, attention=k)) for r, k in zip(rates, kinds)]
     return [(Embed, embed)] + blocks + [(FinalLayer, final)]
@@ -244,7 +302,8 @@ def seed_layer(seed: int) -> None:
 
 
 class Generator(nn.Module):
-    """Single-process generator: ``forward(z_t, t, y) -> x_pred`` with shapes as in the module doc.
+    """Single-process generator: ``forward(z_t, t, y, mask=None) -> x_pred`` with shapes as in the
+    module doc (``y, mask``: labels, or caption embeddings and mask, as :class:`Embed`).
 
     Built from the fields of ``ModelConfig`` as keyword arguments (see :func:`layer_specs`);
     :meth:`from_config` takes the config section itself. With ``seed``, layer ``i`` is built
@@ -269,11 +328,12 @@ class Generator(nn.Module):
         """:class:`Generator` of a ``model`` config section (DictConfig, dataclass or mapping)."""
         return cls(seed=seed, **to_dict(model_cfg))
 
-    def forward(self, z_t: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, z_t: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         grid = input_grid(z_t.shape, self.embed.p, self.embed.pt)
         if grid != self.embed.grid:  # another size than the last call: follow the input
             set_grid(self, grid)
-        x, c = self.embed(z_t, t, y)
+        x, c, *text = self.embed(z_t, t, y) if mask is None else self.embed(z_t, t, y, mask)
         for blk in self.blocks:
-            x = blk(x, c)
+            x = blk(x, c, *text)
         return self.final(x, c)

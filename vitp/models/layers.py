@@ -11,6 +11,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.layers import Attention, Mlp, build_sincos2d_pos_embed
 
 from vitp.config import parse_resolution
@@ -158,3 +159,57 @@ class GridAttention(Attention):
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """adaLN modulation: ``x (B, N, D) * (1 + scale (B, D)) + shift (B, D)``."""
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class CrossAttention(nn.Module):
+    """Multi-head cross-attention from image/video tokens to caption tokens, as PixArt-alpha's
+    ``MultiHeadCrossAttention`` (Chen et al. 2023, arXiv 2310.00426; PixArt-alpha/PixArt-alpha
+    ``diffusion/model/nets/PixArt_blocks.py``), laid out like timm's ``Attention``: ``q``
+    ``Linear(D, D)``, ``kv`` ``Linear(D, 2 D)`` packed ``[K all heads | V all heads]``, per-head
+    ``q_norm`` / ``k_norm`` (timm ``qk_norm``), ``proj`` ``Linear(D, D)``, timm's ``attn_drop`` /
+    ``proj_drop``.
+
+    ``forward(x (B, N, D), ctx (B, L, D), mask (B, L) bool) -> (B, N, D)``: queries from the ``N``
+    tokens, keys/values from the ``L`` caption tokens, caption padding (``mask`` False) never
+    attended. Every row of ``mask`` must hold a True (an encoded caption has at least its end
+    token; :class:`vitp.models.Embed` checks). ``proj`` starts at zero (PixArt), so a block is the
+    identity at initialisation as with adaLN-Zero.
+    """
+
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, qk_norm: bool = False,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"cross-attention width {dim} is not divisible by num_heads={num_heads}")
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        self.q_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.proj_drop(self.proj(self.attend(self.q(x), self.kv(ctx), mask)))
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q (B, N, h hd)`` over ``kv (B, L, 2 h hd)`` (``[K | V]``) with the
+        key-padding ``mask (B, L)``, for any head count ``h`` (all heads, or one tensor-parallel
+        rank's share): ``(B, N, h hd)``, before the output projection."""
+        B, N, hd = q.shape[0], q.shape[1], self.head_dim
+        h = q.shape[-1] // hd
+        q = self.q_norm(q.view(B, N, h, hd).transpose(1, 2))
+        k, v = kv.view(B, kv.shape[1], 2, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
+        k = self.k_norm(k)
+        p = self.attn_drop.p if self.training else 0.0
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :].to(torch.bool), dropout_p=p,
+                                           scale=self.scale)
+        return o.transpose(1, 2).reshape(B, N, h * hd)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x (B, L, D)`` over the tokens where ``mask (B, L)`` is True: ``(B, D)``."""
+    w = mask.to(x.dtype).unsqueeze(-1)
+    return (x * w).sum(1) / w.sum(1).clamp_min(1)

@@ -13,6 +13,11 @@ sequence parallelism, ``partial`` with ``parallel.partial_sync < 1``):
 - ``blocks.*.attn`` / ``blocks.*.mlp``: heads / hidden units split (qkv column-parallel with
   a per-head stride of 3, proj and fc2 row-parallel); the partial-sync variants sum only
   ``int(p D)`` channels after proj and fc2 and let each rank keep its own residual stream;
+- text conditioning (``model.text_dim > 0``): the embedding's caption tokens ``ctx``
+  ``(B, L, D)`` enter the TP region like ``c`` (their gradient summed once, tag ``text``), and
+  ``blocks.*.cross_attn`` splits by heads (``q``, ``kv`` column-parallel, ``proj``
+  row-parallel, as NeMo's DiT); under context parallelism the caption stays whole on every rank
+  and cross-attention needs no communication (queries are the rank's tokens);
 - ``blocks.*.adaLN_modulation.1`` and ``final.adaLN_modulation.1`` (``Linear(D, 6 D)``, a third
   of a block's ``18 D^2`` weights; ``Linear(D, 2 D)``): column-parallel with the small ``(B, 6 D)``
   output all-gathered; its gradient is reduce-scattered where the output feeds a token shard
@@ -48,6 +53,7 @@ from vitp.parallel.styles import (
     ContextParallelAttention,
     GatheredColumnParallel,
     HeadParallelAttention,
+    HeadParallelCrossAttention,
     HiddenParallelMlp,
     MeanOverTP,
     PartialGradient,
@@ -81,7 +87,7 @@ def _final_tokens(final: nn.Module) -> int:
     return token_count(final.grid)
 
 
-_BLOCK_REST = ("attn", "mlp", "adaLN_modulation")  # planned by their own rows
+_BLOCK_REST = ("attn", "cross_attn", "mlp", "adaLN_modulation")  # planned by their own rows
 EXACT, ALL = ("tp", "sp"), ("tp", "sp", "partial")
 
 GENERATOR_PLAN = ParallelPlan(
@@ -92,9 +98,12 @@ GENERATOR_PLAN = ParallelPlan(
         PlanRow("embed", ContextEnter(output=0), axis="cp"),
         PlanRow("embed", SequenceEnter(output=0), ("sp",)),
         PlanRow("embed", TPRegionEnter(output=1, tag="cond"), ALL),
+        PlanRow("embed", TPRegionEnter(output=2, tag="text", caption=True), ALL),
         PlanRow("embed.x_embedder", PartialGradient("tp_partial_grad"), ("partial",)),
         PlanRow("blocks.*.attn", HeadParallelAttention(), EXACT),
         PlanRow("blocks.*.attn", HeadParallelAttention(partial=True), ("partial",)),
+        PlanRow("blocks.*.cross_attn", HeadParallelCrossAttention(), EXACT, optional=True),
+        PlanRow("blocks.*.cross_attn", HeadParallelCrossAttention(partial=True), ("partial",), optional=True),
         PlanRow("blocks.*.mlp", HiddenParallelMlp(), EXACT),
         PlanRow("blocks.*.mlp", HiddenParallelMlp(partial=True), ("partial",)),
         PlanRow("blocks.*.adaLN_modulation.1", GatheredColumnParallel(partial_output_grad=False), ("tp",)),

@@ -20,7 +20,7 @@ in eval mode, or with them at zero).
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -61,6 +61,16 @@ def _mlp(mlp: nn.Module, h: torch.Tensor, r: int, tp: int) -> torch.Tensor:
     return F.linear(a, shard_tensor(mlp.fc2.weight, 1, 1, tp, r))
 
 
+def _cross(cross: nn.Module, h: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor, r: int, tp: int) -> torch.Tensor:
+    """Rank ``r``'s heads of a :class:`~vitp.models.CrossAttention` -> partial ``proj`` output, no bias."""
+    def col(lin, x, stride):
+        b = None if lin.bias is None else shard_tensor(lin.bias, 0, stride, tp, r)
+        return F.linear(x, shard_tensor(lin.weight, 0, stride, tp, r), b)
+
+    o = cross.attend(col(cross.q, h, 1), col(cross.kv, ctx, 2), mask)
+    return F.linear(o, shard_tensor(cross.proj.weight, 1, 1, tp, r))
+
+
 def partial_sum(parts: List[torch.Tensor], k: int, scale: float, bias) -> List[torch.Tensor]:
     """Every rank's stream update from the ranks' partial outputs ``parts`` (each ``(B, N, D)``):
     channels ``[:k]`` summed over the ranks, ``[k:]`` rank-local times ``scale``, plus ``bias``."""
@@ -69,8 +79,10 @@ def partial_sum(parts: List[torch.Tensor], k: int, scale: float, bias) -> List[t
     return out if bias is None else [y + bias for y in out]
 
 
-def block_streams(blk: Block, xs: List[torch.Tensor], c: torch.Tensor, p: float, scale: float) -> List[torch.Tensor]:
-    """One generator :class:`~vitp.models.Block` over the ``tp = len(xs)`` streams ``xs``."""
+def block_streams(blk: Block, xs: List[torch.Tensor], c: torch.Tensor, p: float, scale: float,
+                  *text: torch.Tensor) -> List[torch.Tensor]:
+    """One generator :class:`~vitp.models.Block` over the ``tp = len(xs)`` streams ``xs``
+    (``text``: the caption tokens and mask of a text-conditional block)."""
     tp = len(xs)
     shift1, scale1, gate1, shift2, scale2, gate2 = blk.adaLN_modulation(c).chunk(6, dim=-1)
     attn, mlp = blk.attn, blk.mlp
@@ -78,13 +90,18 @@ def block_streams(blk: Block, xs: List[torch.Tensor], c: torch.Tensor, p: float,
              for r, x in enumerate(xs)]
     ys = partial_sum(parts, synced_channels(attn.proj.out_features, p), scale, attn.proj.bias)
     xs = [x + blk.drop_path1(gate1.unsqueeze(1) * blk.ls1(y)) for x, y in zip(xs, ys)]
+    if hasattr(blk, "cross_attn"):
+        cross = blk.cross_attn
+        parts = [_cross(cross, blk.norm_cross(x), *text, r, tp) for r, x in enumerate(xs)]
+        xs = [x + y for x, y in zip(xs, partial_sum(parts, synced_channels(cross.proj.out_features, p), scale,
+                                                     cross.proj.bias))]
     parts = [_mlp(mlp, modulate(blk.norm2(x), shift2, scale2), r, tp) for r, x in enumerate(xs)]
     ys = partial_sum(parts, synced_channels(mlp.fc2.out_features, p), scale, mlp.fc2.bias)
     return [x + blk.drop_path2(gate2.unsqueeze(1) * blk.ls2(y)) for x, y in zip(xs, ys)]
 
 
 class PartialSyncGenerator(nn.Module):
-    """``forward(z_t, t, y) -> x_pred`` of ``generator`` (full weights) run as ``tp`` partially
+    """``forward(z_t, t, y, mask=None) -> x_pred`` of ``generator`` (full weights) run as ``tp`` partially
     synchronized streams on one process (module docstring). ``generator`` is kept as
     ``self.generator`` (its parameters are this module's; state-dict keys gain ``generator.``).
 
@@ -119,13 +136,14 @@ class PartialSyncGenerator(nn.Module):
     def extra_repr(self) -> str:
         return f"tp={self.tp}, partial_sync={self.p}, scale={self.scale_rule}"
 
-    def forward(self, z_t: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, z_t: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         gen = self.generator
         grid = input_grid(z_t.shape, gen.embed.p, gen.embed.pt)
         if grid != gen.embed.grid:
             set_grid(gen, grid)
-        x, c = gen.embed(z_t, t, y)
+        x, c, *text = gen.embed(z_t, t, y) if mask is None else gen.embed(z_t, t, y, mask)
         xs = [x] * self.tp
         for blk in gen.blocks:
-            xs = block_streams(blk, xs, c, self.p, self.scale)
+            xs = block_streams(blk, xs, c, self.p, self.scale, *text)
         return torch.stack([gen.final(x, c) for x in xs]).mean(0)

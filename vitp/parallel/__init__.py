@@ -35,6 +35,7 @@ from .random import RNGStatesTracker, checkpoint_activations, get_rng_tracker, m
 from .state import ParallelState, from_grid, make_state, validate_tp
 from .timm_tp import (
     TPAttention,
+    TPCrossAttention,
     TPMlp,
     full_state_dict,
     is_timm_block,
@@ -62,6 +63,7 @@ __all__ = [
     "RNGStatesTracker",
     "RowParallelLinear",
     "TPAttention",
+    "TPCrossAttention",
     "TPMlp",
     "checkpoint_activations",
     "copy_to_tp_region",

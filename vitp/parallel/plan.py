@@ -52,12 +52,15 @@ Layers = Callable[[nn.Module], List[Tuple[str, nn.Module]]]
 @dataclass(frozen=True)
 class PlanRow:
     """``pattern`` (canonical module path, ``*`` = one component) -> ``style``, in ``modes``,
-    when the parallel degree ``axis`` (``tp`` or ``cp``) is above 1."""
+    when the parallel degree ``axis`` (``tp`` or ``cp``) is above 1. ``optional``: the pattern
+    names a module only some variants of the model have (text conditioning's cross-attention),
+    so matching none is not an error."""
 
     pattern: str
     style: ParallelStyle
     modes: Tuple[str, ...] = MODES
     axis: str = "tp"
+    optional: bool = False
 
     def __post_init__(self):
         bad = [m for m in self.modes if m not in MODES]
@@ -171,7 +174,7 @@ def _check_row(plan: ParallelPlan, row: PlanRow, layers, matches: List[_Match]) 
         raise ValueError(f"parallel plan {plan.name!r}: row {row.pattern!r} ({row.style}) names no layer of the "
                          f"model; its layers are {', '.join(plan.roots)}: fix the pattern")
     present = [n for n, _ in layers if fnmatch.fnmatchcase(n.split(".")[0], root)]
-    if present and not matches:
+    if present and not matches and not row.optional:
         names = sorted({f"{n}.{s}" if s else n for n, layer in layers[:3] for s, _ in layer.named_modules()})
         raise ValueError(f"parallel plan {plan.name!r}: row {row.pattern!r} ({row.style}) matches no module of the "
                          f"model; module paths look like {', '.join(names[:12])} ...: fix the pattern")

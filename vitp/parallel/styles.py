@@ -33,7 +33,7 @@ from .layers import ColumnParallelLinear, register_grad_allreduce
 from .mappings import copy_to_tp_region, gather_from_context_region, split_to_context_region
 from .partial_sync import mean_over_tp
 from .state import ParallelState
-from .timm_tp import TPAttention, TPMlp, sequence_parallel_enter, sequence_parallel_exit
+from .timm_tp import TPAttention, TPCrossAttention, TPMlp, sequence_parallel_enter, sequence_parallel_exit
 
 MODES = ("tp", "sp", "partial")
 AXES = ("tp", "cp")
@@ -75,7 +75,7 @@ class StepShape:
 
     ``micro`` samples of ``tokens`` tokens of ``width`` channels, ``act_bytes`` bytes per
     element; ``pixels`` values per sample (C*T*H*W); ``redo`` = 2 when activation checkpointing
-    runs every forward again; ``pp`` pipeline stages.
+    runs every forward again; ``pp`` pipeline stages; ``text_tokens`` caption tokens ``L``.
     """
 
     micro: int
@@ -90,6 +90,7 @@ class StepShape:
     pp: int = 1
     cp: int = 1
     cp_mode: str = "ulysses"
+    text_tokens: int = 0  # caption tokens L of a text-conditional model (0: class labels)
 
     @property
     def mode(self) -> str:
@@ -223,6 +224,28 @@ class HeadParallelAttention(_TPRegion):
 
 
 @dataclass(frozen=True)
+class HeadParallelCrossAttention(_TPRegion):
+    """A block's cross-attention (:class:`vitp.models.CrossAttention`) ->
+    :class:`~vitp.parallel.TPCrossAttention`: ``q`` and ``kv`` (stride 2, ``[K | V]``)
+    column-parallel by heads, ``proj`` row-parallel, q/k-norm weights replicated with partial
+    gradients. The tokens cross the TP region as in attention (one all-reduce each way, or SP's
+    all-gather / reduce-scatter); the caption entered it once at the embedding
+    (:class:`TPRegionEnter` on ``ctx``). ``partial``: the partial-sync variant."""
+
+    row = "proj"
+
+    def apply(self, module, ctx):
+        return TPCrossAttention(module, ctx.state, self.partial)
+
+    def column_roles(self, module):
+        out = {n: _sharded(0) for n, _ in module.q.named_parameters(prefix="q")}
+        out.update({n: _sharded(0, 2) for n, _ in module.kv.named_parameters(prefix="kv")})
+        for norm in ("q_norm", "k_norm"):
+            out.update({n: _partial("tp_partial_grad") for n, _ in getattr(module, norm).named_parameters(prefix=norm)})
+        return out
+
+
+@dataclass(frozen=True)
 class HiddenParallelMlp(_TPRegion):
     """timm ``Mlp`` / ``SwiGLU`` / ``GluMlp`` -> :class:`~vitp.parallel.TPMlp`: ``fc1`` (``fc1_g``,
     ``fc1_x``; a packed GLU ``fc1`` with stride 2) column-parallel, ``fc2`` row-parallel.
@@ -339,18 +362,28 @@ class TPRegionEnter(ParallelStyle):
     forward, all-reduce of the gradient backward), so the per-rank partial gradients of all its
     consumers are summed once here. With ``pp > 1`` this runs twice per micro-batch on the
     first stage: DeepSpeed's ``PipelineEngine._exec_backward_pass`` calls ``backward`` once per
-    output tensor of a stage (``tokens``, then ``c``), and both reach this node."""
+    output tensor of a stage (``tokens``, then ``c``), and both reach this node. ``caption``:
+    the output is the caption tokens ``(B, L, D)`` of a text-conditional model (absent from a
+    class-conditional one's outputs, then nothing is done)."""
 
     output: int = 1
     tag: str = "cond"
+    caption: bool = False
 
     def apply(self, module, ctx):
         group = ctx.state.tp_group
-        module.register_forward_hook(
-            lambda _m, _a, out: _replace_item(tuple(out), self.output, lambda c: copy_to_tp_region(c, group, self.tag)))
+
+        def hook(_m, _a, out):
+            if self.output >= len(out):  # a class-conditional model has no caption output
+                return out
+            return _replace_item(tuple(out), self.output, lambda c: copy_to_tp_region(c, group, self.tag))
+
+        module.register_forward_hook(hook)
 
     def collectives(self, sizes, shape):
-        nb = shape.micro * shape.width * shape.act_bytes
+        if self.caption and not shape.text_tokens:
+            return []
+        nb = shape.micro * shape.width * shape.act_bytes * (shape.text_tokens if self.caption else 1)
         return [Collective("all_reduce", "bwd", self.tag, nb, 2 if shape.pp > 1 else 1)]
 
 

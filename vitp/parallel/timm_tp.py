@@ -328,3 +328,53 @@ def load_full_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], state:
     sharded tensors. Raises ``KeyError`` for a missing key."""
     for k, v in model.state_dict(keep_vars=True).items():
         v.copy_(shard_like(v, full[k].to(v.dtype), state))
+
+
+class TPCrossAttention(nn.Module):
+    """A cross-attention from tokens to caption tokens (``q``, packed ``kv`` ``[K | V]``,
+    ``q_norm`` / ``k_norm``, ``proj``, and an ``attend(q, kv, mask)`` method over any head count,
+    as :class:`vitp.models.CrossAttention`, PixArt-alpha's ``MultiHeadCrossAttention``) over this
+    rank's ``H / tp`` heads, split as NeMo's DiT cross-attention (NVIDIA/NeMo
+    ``nemo/collections/diffusion/models/dit/dit_layer_spec.py``): ``q`` and ``kv`` column-parallel
+    (``kv`` with a per-head stride of 2), ``proj`` row-parallel.
+
+    ``forward(x, ctx (B, L, D), mask (B, L))``: ``x`` ``(B, N, D)`` -> ``(B, N, D)``, or with
+    sequence parallelism ``(B, N_pad / tp, D)`` -> ``(B, N_pad / tp, D)`` (``q`` all-gathers
+    the token shards, ``proj`` reduce-scatters; pad rows only ever query). ``ctx`` is the same on
+    every TP rank and already inside the TP region: ``kv``'s input gradient stays a per-rank
+    partial sum that the plan sums once per micro-batch where the caption enters
+    (:class:`vitp.parallel.styles.TPRegionEnter`). Under context parallelism nothing changes:
+    queries are this rank's tokens, the caption is whole on every rank. ``partial``: as
+    :class:`TPAttention` (``q`` reads this rank's own stream; ``proj`` sums ``int(p D)``
+    channels).
+
+    Raises ``ValueError`` when ``num_heads`` is not divisible by tp.
+    """
+
+    def __init__(self, cross: nn.Module, state: ParallelState, partial: bool = False):
+        super().__init__()
+        _check_divisible("num_heads", cross.num_heads, state.tp_size)
+        layer_state = dataclasses.replace(state, sequence_parallel=False) if partial else state
+        self.tp_size, self.sequence_parallel = state.tp_size, layer_state.sequence_parallel
+        self.num_heads, self.head_dim, self.scale = cross.num_heads, cross.head_dim, cross.scale
+        self._attend = type(cross).attend  # the model's own attention over the local heads
+        self.q = ColumnParallelLinear.from_linear(cross.q, layer_state, input_comm=not partial)
+        self.kv = ColumnParallelLinear.from_linear(cross.kv, layer_state, stride_chunks=2, sequence_parallel=False,
+                                                   input_comm=False)
+        self.q_norm, self.k_norm = cross.q_norm, cross.k_norm
+        for p in list(self.q_norm.parameters()) + list(self.k_norm.parameters()):
+            register_grad_allreduce(p, state, "tp_partial_grad")  # each rank normalises only its heads
+        self.attn_drop = cross.attn_drop
+        self.proj = RowParallelLinear.from_linear(cross.proj, layer_state,
+                                                  partial_sync=partial_sync_of(cross.proj.out_features, state)
+                                                  if partial else None)
+        self.proj_drop = cross.proj_drop
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, kv = self.q(x), self.kv(ctx)  # (B, N_pad, H/tp hd), (B, L, 2 H/tp hd)
+        with sharded_fork(self.attn_drop.p, self.training, q.device, self.tp_size):
+            o = self.proj(self._attend(self, q, kv, mask))
+        drop = sharded_fork(self.proj_drop.p, self.training, o.device, self.tp_size) if self.sequence_parallel \
+            else contextlib.nullcontext()
+        with drop:
+            return self.proj_drop(o)

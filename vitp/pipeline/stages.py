@@ -7,6 +7,13 @@ tuple between layers (DeepSpeed calls ``layer(inputs)`` with one argument):
     BlockPipe:  (tokens, c)  -> (tokens, c)        x depth
     FinalPipe:  (tokens, c)  -> x_pred (B, C, T, H, W)
 
+A text-conditional generator (``model.text_dim > 0``) passes the projected caption tokens and
+their mask along: ``(z_t, t, y, mask) -> (tokens, c, ctx, mask) -> ... -> x_pred``. The caption
+tokens travel with the activations from stage to stage (and their gradient back to the first
+stage's ``y_embedder``) rather than being re-read by every stage: DeepSpeed feeds data to the
+first and last stage only, the projection's weights live on the first stage, and ``ctx``
+(``B L D``) is small next to the tokens (``B N D``, ``N`` >> ``L`` at generation sizes).
+
 ``seed_layers=True`` with :func:`vitp.models.seed_layer` builds layer ``i`` after seeding
 ``seed + i`` (and only then: :func:`vitp.deepspeed_adapter.seed_layers_for_init_only`), so the weights are the same as :class:`vitp.models.Generator` built with the same
 seed, whatever the number of stages, so runs in different layouts start from the same model.
@@ -36,17 +43,17 @@ class EmbedPipe(Embed):
 
 
 class BlockPipe(Block):
-    """Pipeline adapter: ``(tokens, c) -> (tokens, c)``."""
+    """Pipeline adapter: ``(tokens, c[, ctx, mask]) -> (tokens, c[, ctx, mask])``."""
 
-    def forward(self, inputs: Tuple[torch.Tensor, torch.Tensor]):  # type: ignore[override]
-        x, c = inputs
-        return super().forward(x, c), c
+    def forward(self, inputs: Tuple[torch.Tensor, ...]):  # type: ignore[override]
+        x, c, *text = inputs
+        return (super().forward(x, c, *text), c, *text)
 
 
 class FinalPipe(FinalLayer):
-    """Pipeline adapter: ``(tokens, c) -> x_pred``."""
+    """Pipeline adapter: ``(tokens, c[, ctx, mask]) -> x_pred``."""
 
-    def forward(self, inputs: Tuple[torch.Tensor, torch.Tensor]):  # type: ignore[override]
+    def forward(self, inputs: Tuple[torch.Tensor, ...]):  # type: ignore[override]
         return super().forward(*inputs)
 
 

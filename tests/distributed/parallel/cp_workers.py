@@ -15,7 +15,7 @@ import torch
 from .tp_workers import build, compare
 
 # (tp, cp, sequence_parallel, cp_mode) per process group
-MODELS = ("default", "cp_video_full", "cp_video_factorized")
+MODELS = ("default", "cp_video_full", "cp_video_factorized", "text", "cp_video_text")
 CP2_LAYOUTS = [(1, 2, False, "ulysses"), (1, 2, False, "ring")]
 CP4_LAYOUTS = [(1, 4, False, "ulysses"), (1, 4, False, "ring"), (2, 2, False, "ulysses"), (2, 2, False, "ring"),
                (2, 2, True, "ulysses"), (2, 2, True, "ring")]

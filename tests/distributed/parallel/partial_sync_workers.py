@@ -11,7 +11,8 @@ import torch
 
 from .tp_workers import build, compare, init, model_cfgs
 
-VARIANTS = ("default", "swiglu", "qk_norm", "layer_scale", "odd_tokens", "video_full", "video_factorized")
+VARIANTS = ("default", "swiglu", "qk_norm", "layer_scale", "odd_tokens", "video_full", "video_factorized", "text",
+            "text_qk_norm_odd")
 
 
 def _ref_and_tp(cfg, state):

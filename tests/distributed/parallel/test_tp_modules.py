@@ -26,7 +26,8 @@ def _check(r, key):
 
 PARITY_KEYS = [f"{m}/sp={sp}" for sp in (False, True) for m in
                ["gen/default", "gen/no_qkv_bias", "gen/qk_norm", "gen/swiglu", "gen/layer_scale", "gen/odd_tokens",
-                "gen/video_full", "gen/video_factorized", "vit/plain", "vit/packed"]]
+                "gen/video_full", "gen/video_factorized", "gen/text", "gen/text_qk_norm_odd", "vit/plain",
+                "vit/packed"]]
 
 
 @pytest.mark.parametrize("key", PARITY_KEYS)

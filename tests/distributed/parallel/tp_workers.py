@@ -46,6 +46,10 @@ def model_cfgs() -> dict:
         # context parallelism: grid (4, 2, 2), N = 16 splits over cp = 2 and 4, frames too
         "cp_video_full": CP_VIDEO,
         "cp_video_factorized": [*CP_VIDEO, "model.attention=factorized", "model.qk_norm=true"],
+        # text conditioning: caption tokens of 12 channels, cross-attention in every block
+        "text": ["model.text_dim=12"],
+        "text_qk_norm_odd": ["model.text_dim=12", "model.qk_norm=true", "data.resolution=6"],  # N = 9
+        "cp_video_text": [*CP_VIDEO, "model.attention=factorized", "model.text_dim=12"],
     }
     return {k: OmegaConf.to_container(compose_cfg(base + v).model, resolve=True) for k, v in variants.items()}
 
@@ -91,13 +95,22 @@ def build(kind, cfg):
 
         (H, W), C = parse_resolution(cfg["image_size"]), cfg["in_channels"]
         inputs = (torch.randn(B, C, cfg["num_frames"], H, W, generator=g, dtype=torch.float64),
-                  torch.rand(B, generator=g),
-                  torch.randint(0, cfg["num_classes"] + 1, (B,), generator=g))
+                  torch.rand(B, generator=g), *conditioning(cfg, g))
     perturb(model)
     with torch.no_grad():
         out = model(*inputs)
     w = torch.randn(out.shape, generator=g, dtype=out.dtype)
     return model, inputs, w
+
+
+def conditioning(cfg, g, L=5):
+    """Class labels ``(y,)``, or caption embeddings ``(y (B, L, text_dim), mask (B, L))`` with
+    padding (sample 0 holds 3 valid tokens, the others all ``L``)."""
+    if not cfg.get("text_dim"):
+        return (torch.randint(0, cfg["num_classes"] + 1, (B,), generator=g),)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[0, 3:] = False
+    return torch.randn(B, L, cfg["text_dim"], generator=g, dtype=torch.float64), mask
 
 
 def parallelize(kind, model, state, seq_len=None):
