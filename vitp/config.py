@@ -103,6 +103,11 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes
     synthetic_size: int = 1024  # synthetic: number of items
     buckets: List[BucketConfig] = field(default_factory=list)  # shape buckets; empty = one size (resolution, num_frames)
+    captions: Optional[str] = None  # caption per item: "sidecar" (<file>.txt), a captions .jsonl/.csv manifest (relative to root), "templates" (caption_templates filled per class); null = class labels
+    caption_templates: List[str] = field(default_factory=list)  # captions="templates": formats with {class} / {class_word} (digits: "seven"), one per item drawn by its index
+    missing_caption: str = "skip"  # an item whose file has no caption: "skip" (counted in the log) | "empty" (the empty caption)
+    text_embeddings: Optional[str] = None  # folder of caption embeddings written by vitp-encode-captions (needed when model.text_dim > 0)
+    text_encoder: Optional[str] = None  # local path of the text encoder (vitp-sample --prompt encodes with it; checked against the embeddings' encoder)
 
 
 @dataclass
@@ -130,6 +135,7 @@ class SamplerConfig:
     seed: int = 0  # noise seed of the sample grid
     batch_size: int = 256  # samples per forward pass
     fps: float = 8.0  # frames per second of video previews (GIF / MP4)
+    prompts: List[str] = field(default_factory=list)  # text models: one grid row per prompt (empty = the first grid_classes distinct held-out captions)
 
 
 @dataclass
@@ -199,6 +205,8 @@ class EvalConfig:
     noise_seed: int = 1234  # seed of the fixed held-out noise
     classifier_epochs: int = 30  # digits: epochs of the small judge classifier
     num_samples: int = 0  # generated samples for accuracy/FD (0 = as many as held-out items)
+    unseen_prompt_templates: List[str] = field(default_factory=list)  # digits with caption templates: phrasings never trained on, whose prompt accuracy is reported apart
+    prompt_samples: int = 10  # digits with caption templates: samples per (template, digit) prompt for the prompt accuracy
 
 
 @dataclass
@@ -314,6 +322,7 @@ FIELD_RULES: Dict[str, Rule] = {
     "model.attn_drop": _PROBABILITY,
     "model.proj_drop": _PROBABILITY,
     "model.drop_path": _PROBABILITY,
+    "data.missing_caption": one_of("skip", "empty"),
     "model.text_dim": span(0),
     "model.text_len": span(0),
     "data.resolution": _RESOLUTION,

@@ -121,6 +121,8 @@ class KeyedSubset(KeyedDataset):
     indices : sequence of int
     eval_only : bool
         Replace every ``aug_seed`` by ``None`` (the held-out split uses the eval transform).
+
+    ``captions``: the items' captions when ``base`` has them (:mod:`vitp.data.text`), else None.
     """
 
     def __init__(self, base: KeyedDataset, indices: Sequence[int], eval_only: bool = False):
@@ -129,6 +131,8 @@ class KeyedSubset(KeyedDataset):
         self.eval_only = eval_only
         self.labels = base.labels[self.indices]
         self.classes = base.classes
+        captions = getattr(base, "captions", None)
+        self.captions = None if captions is None else [captions[i] for i in self.indices]
 
     def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
         index, aug_seed = parse_key(key, len(self))

@@ -11,7 +11,10 @@ from vitp.config import DataConfig
 from vitp.data.base import KeyedDataset, KeyedSubset
 from vitp.data.images import DigitsDataset, ImageFolderDataset, SyntheticDataset
 from vitp.data.photos import resolve_photo_root
+from vitp.data.text import dataset_captions, item_captions
 from vitp.data.video import VideoFolderDataset
+
+__all__ = ["DATASET_NAMES", "build_datasets", "dataset_captions", "stratified_split"]
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +119,24 @@ def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset
                          f"{cfg.num_classes}; set data.num_classes={base.num_classes}")
     if cfg.heldout_root is not None:
         held = _heldout_folder(cfg, base, seed)
-        return KeyedSubset(base, np.arange(len(base))), KeyedSubset(held, np.arange(len(held)), eval_only=True)
+        return (KeyedSubset(base, _captioned(base, cfg, np.arange(len(base)))),
+                KeyedSubset(held, _captioned(held, cfg, np.arange(len(held))), eval_only=True))
     train_idx, held_idx = stratified_split(base.labels, cfg.holdout_fraction, seed)
     if cfg.name == "video_folder":  # no training clip may share frames with a held-out clip
         train_idx = base.disjoint_train(train_idx, held_idx)
-    return KeyedSubset(base, train_idx), KeyedSubset(base, held_idx, eval_only=True)
+    return (KeyedSubset(base, _captioned(base, cfg, train_idx)),
+            KeyedSubset(base, _captioned(base, cfg, held_idx, read=False), eval_only=True))
+
+
+def _captioned(base: KeyedDataset, cfg: DataConfig, indices: np.ndarray, read: bool = True) -> np.ndarray:
+    """``indices`` without the items that have no caption (``data.captions`` set; the captions
+    are read into ``base.captions`` once, :func:`vitp.data.text.item_captions`)."""
+    if cfg.captions is None:
+        return indices
+    if read or getattr(base, "captions", None) is None:
+        base.captions = item_captions(base, cfg)
+    keep = np.array([c is not None for c in base.captions], dtype=bool)
+    return indices[keep[indices]]
 
 
 def _with_root(cfg, root: str):

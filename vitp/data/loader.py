@@ -12,7 +12,10 @@ positions ``g = (m * dp + r) * micro + i``. Consequences:
   the same noise, so losses and gradients match the single-process run;
 - resuming at step ``s`` reproduces the batches of an uninterrupted run.
 
-Each yielded batch is the DeepSpeed pipeline pair ``((z_t, t, y_in), (x, z_t, t))``.
+Each yielded batch is the DeepSpeed pipeline pair ``((z_t, t, y_in), (x, z_t, t))``, or for a
+text-conditional run ``((z_t, t, caption embeddings, mask), (x, z_t, t))``
+(:mod:`vitp.data.text`). The CFG drop replaces a label by the null class, a caption by the empty
+caption, drawn from the sample's own seed (so every layout and a resumed run drop the same).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..config import check_batch_split
 from ..objectives.flow import draw_sample_noise, make_pair, sample_seed
+from .text import ClassConditioning
 
 # Stream tags keep the seeds of order, augmentation and noise independent.
 _ORDER, _AUG, _NOISE = 1, 2, 3
@@ -108,19 +112,22 @@ class FlowCollate:
     Parameters
     ----------
     objective : ObjectiveConfig (P_mean, P_std, noise_scale, label_drop)
-    num_classes : the null class index used for dropped labels
+    conditioning : :class:`vitp.data.text.ClassConditioning` / ``TextConditioning`` (ids ->
+        the model's conditioning tensors; ``null_id`` is what a CFG drop gives), or an int
+        ``num_classes`` (class labels, null class ``num_classes``)
     """
 
-    def __init__(self, objective: Any, num_classes: int):
-        self.objective, self.num_classes = objective, num_classes
+    def __init__(self, objective: Any, conditioning: Any):
+        self.objective = objective
+        self.conditioning = ClassConditioning(conditioning) if isinstance(conditioning, int) else conditioning
 
     def __call__(self, items):
         xs, ys, eps, ts, y_in = [], [], [], [], []
         for x, y, noise_seed in items:
-            e, t, yi = draw_sample_noise(x.shape, noise_seed, self.objective, self.num_classes, y)
+            e, t, yi = draw_sample_noise(x.shape, noise_seed, self.objective, self.conditioning.null_id, y)
             xs.append(x), ys.append(y), eps.append(e), ts.append(t), y_in.append(yi)
         x = torch.stack(xs)
-        return make_pair(
+        inputs, targets = make_pair(
             x,
             torch.tensor(ys),
             torch.stack(eps).to(x.dtype),
@@ -128,6 +135,7 @@ class FlowCollate:
             torch.tensor(y_in, dtype=torch.long),
             self.objective.noise_scale,
         )
+        return (*inputs[:2], *self.conditioning(inputs[2])), targets
 
 
 class _KeySampler:
@@ -201,16 +209,16 @@ class LoaderBatches:
 
 
 def train_loader(
-    dataset: Any, schedule: BatchSchedule, objective: Any, num_classes: int, *,
+    dataset: Any, schedule: BatchSchedule, objective: Any, conditioning: Any, *,
     start_step: int, stop_step: int, dp_rank: int, num_workers: int = 0,
 ) -> DataLoader:
     """A DataLoader that yields the pipeline pairs of steps ``[start_step, stop_step)`` for one DP
     rank, ``schedule.accumulation`` micro-batches per step; its ``num_workers`` worker processes
-    ignore SIGINT/SIGTERM (:func:`ignore_stop_signals`)."""
+    ignore SIGINT/SIGTERM (:func:`ignore_stop_signals`). ``conditioning``: as :class:`FlowCollate`."""
     return DataLoader(
         _KeyedItems(dataset),
         batch_sampler=_KeySampler(schedule, start_step, stop_step, dp_rank),
-        collate_fn=FlowCollate(objective, num_classes),
+        collate_fn=FlowCollate(objective, conditioning),
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
         worker_init_fn=ignore_stop_signals,  # the main process handles a stop (see there)

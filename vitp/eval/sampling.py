@@ -23,43 +23,69 @@ def class_grid_labels(num_classes: int, per_class: int, max_rows: int = 0) -> to
     return classes.repeat_interleave(per_class)
 
 
-def generate(gen: Generator, cfg: DictConfig, labels: torch.Tensor, seed: int) -> torch.Tensor:
+def generate(gen: Generator, cfg: DictConfig, labels: torch.Tensor, seed: int, conditioning: Any = None) -> torch.Tensor:
     """Samples ``(B, C, T, H, W)`` for ``labels`` with the configured sampler, in batches, at the
-    size ``model.image_size`` (an int, ``[H, W]`` or ``"HxW"``) and ``model.num_frames``."""
+    size ``model.image_size`` (an int, ``[H, W]`` or ``"HxW"``) and ``model.num_frames``.
+
+    ``labels``: ``(B,)`` ids of ``conditioning`` (:mod:`vitp.data.text`: class labels by default,
+    or caption / prompt ids of a text-conditional model); guidance's unconditional input is
+    ``conditioning``'s ``null_id``."""
+    from vitp.data.text import ClassConditioning
+
     s, m = cfg.sampler, cfg.model
+    cond = conditioning if conditioning is not None else ClassConditioning(m.num_classes)
+    null = cond(torch.tensor([cond.null_id]))
     shape = (m.in_channels, m.num_frames, *parse_resolution(m.image_size, "model.image_size"))
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn((len(labels), *shape), generator=g)
     out = []
     for i in range(0, len(labels), s.batch_size):
-        out.append(sample(gen, labels[i:i + s.batch_size], shape, num_classes=m.num_classes, steps=s.steps,
+        out.append(sample(gen, cond(labels[i:i + s.batch_size]), shape, null=null, steps=s.steps,
                           method=s.method, cfg_scale=s.cfg_scale, cfg_interval=tuple(s.cfg_interval),
                           noise_scale=cfg.objective.noise_scale, t_eps=cfg.objective.t_eps,
                           noise=noise[i:i + s.batch_size]).cpu())
     return torch.cat(out)
 
 
-def heldout_label_samples(gen: Generator, cfg: DictConfig, y_ho: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def heldout_label_samples(gen: Generator, cfg: DictConfig, y_ho: torch.Tensor,
+                          conditioning: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(labels, samples)``: ``eval.num_samples`` (0 = as many as held-out items) samples with the
-    held-out labels (cycled), from the fixed seed ``eval.noise_seed + 1``."""
+    held-out labels (or caption ids, with ``conditioning``; cycled), from the fixed seed
+    ``eval.noise_seed + 1``."""
     n = cfg.eval.num_samples or len(y_ho)
     labels = y_ho.repeat(n // len(y_ho) + 1)[:n]
-    return labels, generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1)
+    return labels, generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1, conditioning=conditioning)
 
 
-def write_sample_grid(gen: Generator, cfg: DictConfig, path: Path) -> Dict[str, Any]:
+def grid_ids(cfg: DictConfig, conditioning: Any = None) -> torch.Tensor:
+    """The conditioning ids of the sample grid, ``sampler.samples_per_class`` per row: classes
+    (:func:`class_grid_labels`), or prompts ``1..n`` of a :class:`vitp.data.text.PromptConditioning`."""
+    per = cfg.sampler.samples_per_class
+    prompts = getattr(conditioning, "prompts", None)
+    if prompts is not None:
+        return torch.arange(1, len(prompts)).repeat_interleave(per)
+    return class_grid_labels(cfg.model.num_classes, per, cfg.sampler.grid_classes)
+
+
+def write_sample_grid(gen: Generator, cfg: DictConfig, path: Path, conditioning: Any = None) -> Dict[str, Any]:
     """Write the fixed-seed class grid (one row per class) as PNG (first frames) at ``path``; for
     video (``num_frames > 1``) also one GIF per class and seed plus ``grid.gif`` in the folder
-    ``path`` without its suffix (e.g. ``samples/step_0000500/``), at ``sampler.fps``.
+    ``path`` without its suffix (e.g. ``samples/step_0000500/``), at ``sampler.fps``. With a
+    :class:`vitp.data.text.PromptConditioning` one row per prompt, captioned with it in the PNG.
 
     Returns ``{"grid": (3, H', W') in [0, 1], "strips": (rows, 3, H, T * W) in [0, 1] or None}``;
     the strips (each class row's first sample, frames side by side) are TensorBoard's view of the videos.
     """
     from torchvision.utils import save_image
 
-    labels = class_grid_labels(cfg.model.num_classes, cfg.sampler.samples_per_class, cfg.sampler.grid_classes)
-    x = generate(gen, cfg, labels, cfg.sampler.seed)
+    from vitp.media import caption_rows
+
+    labels = grid_ids(cfg, conditioning)
+    x = generate(gen, cfg, labels, cfg.sampler.seed, conditioning)
     grid = to_grid(x, nrow=cfg.sampler.samples_per_class)
+    prompts = getattr(conditioning, "prompts", None)
+    if prompts is not None:
+        grid = caption_rows(grid, prompts[1:])
     with atomic_write(path) as tmp:  # same suffix: save_image picks the format by it
         save_image(grid, str(tmp))
     strips = None
@@ -77,10 +103,11 @@ def at_size(cfg: DictConfig, size: Sequence[int], frames: int) -> DictConfig:
     return OmegaConf.merge(cfg, {"model": {"image_size": [int(v) for v in size], "num_frames": int(frames)}})
 
 
-def write_bucket_grids(gen: Generator, cfg: DictConfig, buckets: Sequence[Any], folder: Path) -> Dict[str, Any]:
+def write_bucket_grids(gen: Generator, cfg: DictConfig, buckets: Sequence[Any], folder: Path,
+                       conditioning: Any = None) -> Dict[str, Any]:
     """One fixed-seed class grid per shape bucket: ``folder/grid_<name>.png`` (``name`` as
     :attr:`vitp.data.buckets.Bucket.name`, e.g. ``grid_6x10.png``, ``grid_32x32x8.png``; video
     GIFs in ``folder/grid_<name>/``), each tile ``H x W`` pixels of its bucket (upscaled as in
     :func:`vitp.media.to_grid`). Returns ``{name: write_sample_grid's result}``."""
-    return {b.name: write_sample_grid(gen, at_size(cfg, b.size, b.frames), folder / f"grid_{b.name}.png")
-            for b in buckets}
+    return {b.name: write_sample_grid(gen, at_size(cfg, b.size, b.frames), folder / f"grid_{b.name}.png",
+                                      conditioning) for b in buckets}

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .video import MIN_SIDE, PathLike, check_video_batch, to_uint8_frames, write_gif, write_mp4
@@ -134,3 +135,26 @@ def write_video_samples(x: torch.Tensor, labels: Union[torch.Tensor, Sequence[in
     grid = (video_grid(tiles, nrow=per, min_tile=min_tile) * 255).round().to(torch.uint8)
     paths.append(write(folder / f"grid.{fmt}", grid.permute(0, 2, 3, 1).numpy(), fps=fps, min_side=min_side))
     return paths
+
+
+def caption_rows(grid: torch.Tensor, captions: Sequence[str], width: int = 0) -> torch.Tensor:
+    """A grid ``(3, H', W')`` in [0, 1] with ``len(captions)`` rows (:func:`to_grid`) and a white
+    band on its left holding each row's caption (Pillow's default font, cut to fit): the sample
+    grids of a text-conditional model name their prompts. ``width``: band width in pixels
+    (0: from the longest caption, at most 360)."""
+    from PIL import Image, ImageDraw
+
+    rows = max(1, len(captions))
+    img = Image.fromarray((grid.permute(1, 2, 0).clamp(0, 1).numpy() * 255).round().astype("uint8"))
+    draw = ImageDraw.Draw(img)
+    longest = max((draw.textlength(c) for c in captions), default=0)
+    band = width or int(min(360, longest + 12))
+    out = Image.new("RGB", (img.width + band, img.height), (255, 255, 255))
+    out.paste(img, (band, 0))
+    draw = ImageDraw.Draw(out)
+    step = img.height / rows
+    for r, text in enumerate(captions):
+        while text and draw.textlength(text) > band - 8:
+            text = text[:-4] + "..." if len(text) > 4 else ""
+        draw.text((4, int((r + 0.5) * step) - 5), text, fill=(0, 0, 0))
+    return torch.from_numpy(np.asarray(out).copy()).permute(2, 0, 1).float() / 255

@@ -11,7 +11,7 @@ when ``lo = 0``. The rule is decided on the exact grid ``t_k = k / steps`` so th
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -32,10 +32,11 @@ def guided(t: float, cfg_interval: Sequence[float]) -> bool:
 @torch.no_grad()
 def sample(
     model: Denoiser,
-    y: torch.Tensor,
+    y: Union[torch.Tensor, Tuple[torch.Tensor, ...]],
     shape: Sequence[int],
     *,
-    num_classes: int,
+    num_classes: Optional[int] = None,
+    null: Optional[Tuple[torch.Tensor, ...]] = None,
     steps: int = 20,
     method: str = "heun",
     cfg_scale: float = 1.0,
@@ -49,8 +50,12 @@ def sample(
 
     Parameters
     ----------
-    model : callable ``(z_t (B, C, T, H, W), t (B,), y (B,)) -> x_pred`` (e.g. :class:`vitp.models.Generator`)
-    y : (B,) int64 class labels (``num_classes`` = unconditional)
+    model : callable ``(z_t (B, C, T, H, W), t (B,), *y) -> x_pred`` (e.g. :class:`vitp.models.Generator`)
+    y : (B,) int64 class labels (``num_classes`` = unconditional), or a tuple of conditioning
+        tensors with batch dimension B (a caption's embeddings ``(B, L, Dc)`` and mask ``(B, L)``)
+    num_classes, null : the unconditional input of classifier-free guidance: the null class
+        ``num_classes`` for labels, or ``null``, a tuple like ``y`` with batch dimension 1 (the
+        encoded empty caption), repeated over the batch
     shape : ``(C, T, H, W)`` of one sample
     steps : number of intervals of the uniform t grid
     method : ``"euler"`` or ``"heun"`` (Heun on all steps but the last, which is Euler, as in JiT)
@@ -64,7 +69,7 @@ def sample(
 
     Raises
     ------
-    ValueError on an unknown method or ``steps < 1``.
+    ValueError on an unknown method or ``steps < 1``, or guidance without its null input.
     """
     if method not in ("euler", "heun"):
         raise ValueError(f"sampler.method={method!r} is not supported; use 'euler' or 'heun'")
@@ -73,22 +78,27 @@ def sample(
     p = next(iter(model.parameters())) if isinstance(model, nn.Module) else None
     device = p.device if p is not None else torch.device("cpu")
     dtype = p.dtype if p is not None else torch.float32
-    B = y.shape[0]
-    y = y.to(device)
+    y = tuple(v.to(device) for v in (y if isinstance(y, (tuple, list)) else (y,)))
+    B = y[0].shape[0]
     if noise is None:
         noise = torch.randn((B, *shape), generator=generator)
     z = (noise_scale * noise).to(device=device, dtype=torch.float32)
-    null = torch.full_like(y, num_classes)
     use_cfg = cfg_scale != 1.0
+    if use_cfg:
+        if null is None and num_classes is None:
+            raise ValueError("classifier-free guidance (sampler.cfg_scale != 1) needs the null input: num_classes or null")
+        null = (torch.full_like(y[0], num_classes),) if null is None else \
+            tuple(v.to(device).expand(B, *v.shape[1:]) for v in null)
+        pair = tuple(torch.cat([c, u]) for c, u in zip(y, null))
 
     def v_at(z: torch.Tensor, k: int) -> torch.Tensor:  # velocity at grid point t_k
         tb = torch.full((B,), ts[k], device=device)
         w = cfg_scale if guided(k / steps, cfg_interval) else 1.0
         if use_cfg and w != 1.0:
-            x_pred = model(torch.cat([z, z]).to(dtype), torch.cat([tb, tb]).to(dtype), torch.cat([y, null])).float()
+            x_pred = model(torch.cat([z, z]).to(dtype), torch.cat([tb, tb]).to(dtype), *pair).float()
             v_c, v_u = velocity(x_pred, torch.cat([z, z]), torch.cat([tb, tb]), t_eps).chunk(2)
             return v_u + w * (v_c - v_u)
-        return velocity(model(z.to(dtype), tb.to(dtype), y).float(), z, tb, t_eps)
+        return velocity(model(z.to(dtype), tb.to(dtype), *y).float(), z, tb, t_eps)
 
     ts = torch.linspace(0.0, 1.0, steps + 1).tolist()
     for i in range(steps):

@@ -52,6 +52,11 @@ class RunLogger:
             self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
             self.jsonl.flush()
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        """Text (a sample grid's prompts, one per row) in TensorBoard's Text tab."""
+        if self.enabled:
+            self.tb.add_text(tag, text, step)
+
     def image(self, tag: str, img: torch.Tensor, step: int) -> None:
         """One image ``(3, H, W)`` in [0, 1] (a sample grid)."""
         if self.enabled:

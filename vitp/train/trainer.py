@@ -162,9 +162,14 @@ class Trainer:
     def _build_data(self) -> None:
         from vitp.data import build_datasets
         from vitp.data.loader import BatchSchedule
+        from vitp.data.text import CaptionIds, conditioning
 
         cfg = self.cfg
         self.train_ds, self.heldout_ds = build_datasets(cfg.data, cfg.seed)
+        self.conditioning = conditioning(cfg)  # class labels, or the caption embeddings (vitp.data.text)
+        if self.conditioning.text:
+            store = self.conditioning.store
+            self.train_ds, self.heldout_ds = CaptionIds(self.train_ds, store), CaptionIds(self.heldout_ds, store)
         self.schedule = BatchSchedule(len(self.train_ds), cfg.trainer.global_batch_size,
                                       cfg.trainer.micro_batch_size, self.layout.dp, cfg.seed)
         self.buckets = None
@@ -173,6 +178,9 @@ class Trainer:
 
             self.buckets = buckets_of(cfg.data)
             self.bucket_data = bucket_datasets(cfg.data, cfg.seed, build_datasets)
+            if self.conditioning.text:
+                store = self.conditioning.store
+                self.bucket_data = [(CaptionIds(tr, store), CaptionIds(ho, store)) for tr, ho in self.bucket_data]
             self.schedule = BucketSchedule([len(tr) for tr, _ in self.bucket_data], self.buckets,
                                            self.schedule.accumulation, self.layout.dp, cfg.seed)
             self._bucket = None
@@ -250,7 +258,7 @@ class Trainer:
             return None
         data = self.train_ds if self.buckets is None else [tr for tr, _ in self.bucket_data]
         self.batches = LoaderBatches(train_loader(
-            data, self.schedule, cfg.objective, cfg.model.num_classes, start_step=self.start_step,
+            data, self.schedule, cfg.objective, self.conditioning, start_step=self.start_step,
             stop_step=tr.max_steps, dp_rank=self.state.dp_rank, num_workers=cfg.data.num_workers))
         try:
             first = next(self.batches)
@@ -294,14 +302,31 @@ class Trainer:
         if not self.main:
             return
         path = self.run_dir / "samples" / f"step_{step:07d}.png"
+        prompts = self._grid_prompts()
         if self.buckets is None:
-            outs = {"": write_sample_grid(gen, self.cfg, path)}
+            outs = {"": write_sample_grid(gen, self.cfg, path, prompts)}
         else:
-            outs = {f"/{k}": v for k, v in write_bucket_grids(gen, self.cfg, self.buckets, path.with_suffix("")).items()}
+            outs = {f"/{k}": v for k, v in write_bucket_grids(gen, self.cfg, self.buckets, path.with_suffix(""),
+                                                              prompts).items()}
+        if prompts is not None:
+            self.logger.text("samples/prompts", "\n".join(f"{i}. {p}" for i, p in enumerate(prompts.prompts[1:], 1)),
+                             step)
         for suffix, out in outs.items():
             self.logger.image("samples" + suffix, out["grid"], step)
             if out["strips"] is not None:
                 self.logger.images(f"samples{suffix}/frames", out["strips"], step)
+
+    def _grid_prompts(self):
+        """A text model's sample-grid prompts (:func:`vitp.data.text.grid_prompts`), kept once made;
+        ``None`` for a class-conditional model."""
+        from vitp.data.text import PromptConditioning, grid_prompts
+
+        if not self.conditioning.text:
+            return None
+        if getattr(self, "_prompts", None) is None:
+            self._prompts = PromptConditioning(grid_prompts(self.cfg, [self.heldout_ds, self.train_ds]),
+                                               self.conditioning.store, self.cfg.data.text_encoder)
+        return self._prompts
 
     def heldout_eval(self, step: int, final: bool) -> Dict[str, Any]:
         """Held-out loss (per bucket with ``data.buckets``: ``heldout_loss/<HxW[xT]>``, and overall;
@@ -313,7 +338,7 @@ class Trainer:
             return {}
         per_bucket = None if self.buckets is None else {b.name: ho for b, (_, ho) in zip(self.buckets, self.bucket_data)}
         res = evaluate(gen, self.cfg, self.train_ds, self.heldout_ds, self.run_dir, full=final, step=step,
-                       logger=self.logger, buckets=per_bucket)
+                       logger=self.logger, buckets=per_bucket, conditioning=self.conditioning)
         if not final and "heldout_loss" in res:
             self.bar.write(f"step {step}: held-out loss {res['heldout_loss']:.4f}")
         with open(self.run_dir / "eval.jsonl", "a") as f:
