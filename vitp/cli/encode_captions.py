@@ -138,10 +138,23 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     captions, out, source = captions_and_out(a)
     device = resolve_device(a.device)
     dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    logging.basicConfig(level=logging.INFO, format="vitp-encode-captions: %(message)s", stream=sys.stderr)
     start = time.perf_counter()
     encoder = TextEncoder(a.encoder, device=str(device), dtype=dtype, max_length=a.max_length)
-    index = write_store(out, captions, encoder, batch_size=a.batch_size, shard_size=a.shard_size,
-                        overwrite=a.overwrite, dtype=dtype)
+    log = logging.getLogger("vitp.text")  # write_store's notes (resuming, already complete) on stderr
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("vitp-encode-captions: %(message)s"))
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        index = write_store(out, captions, encoder, batch_size=a.batch_size, shard_size=a.shard_size,
+                            overwrite=a.overwrite, dtype=dtype)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
     print("\n".join(summary(index, len(captions), source, out, time.perf_counter() - start, encoder.encoded)))
     return index
+
+
+if __name__ == "__main__":
+    main()

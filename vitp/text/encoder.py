@@ -128,6 +128,7 @@ class TextEncoder:
     padded token count ``L`` (default 120 for the T5 family, as PixArt-alpha; the tokenizer's
     ``model_max_length``, 77, for CLIP). Captions longer than ``L`` tokens are truncated and
     counted (:attr:`truncated`, :attr:`last_truncated`); :attr:`encoded` counts the captions encoded.
+    The tokenizer and config load at once; the weights (:attr:`model`) on the first :meth:`encode`.
 
     Raises ``FileNotFoundError`` (no ``config.json``), ``ValueError`` for an unsupported
     ``model_type``, dtype or device, or ``max_length < 1``.
@@ -143,9 +144,9 @@ class TextEncoder:
         self.record = encoder_record(self.path)
         self.device = resolve_device(device)
         self.dtype = dtype
+        self.config = load_config(self.path)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-        self.model = _load_model(self.path, self.record, DTYPES[dtype])
-        self.model.to(self.device).eval().requires_grad_(False)
+        self._model: Any = None
         self.max_length = int(max_length) if max_length is not None else self._default_max_length()
         if self.max_length < 1:
             raise ValueError(f"max_length={self.max_length}: use a positive number of tokens")
@@ -154,11 +155,19 @@ class TextEncoder:
         self.truncated = 0  # ... of them truncated
         self.last_truncated = 0  # ... by the last call
 
+    @property
+    def model(self) -> Any:
+        """The transformers encoder, loaded on first use (a rerun on a finished store never loads it)."""
+        if self._model is None:
+            self._model = _load_model(self.path, self.record, DTYPES[self.dtype])
+            self._model.to(self.device).eval().requires_grad_(False)
+        return self._model
+
     def _default_max_length(self) -> int:
         if self.record["model_type"] in T5_FAMILY:
             return T5_MAX_LENGTH
         n = int(getattr(self.tokenizer, "model_max_length", 0) or 0)
-        positions = int(_text_config(self.model.config).max_position_embeddings)
+        positions = int(_text_config(self.config).max_position_embeddings)
         return n if 0 < n <= positions else positions  # tokenizers without a limit report 1e30
 
     def encode(self, captions: List[str]) -> Tuple[torch.Tensor, torch.Tensor]:
