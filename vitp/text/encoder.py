@@ -104,20 +104,45 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def _load_tokenizer(path: Path) -> Any:
+    """``AutoTokenizer`` of ``path`` (local files only). Raises ``ValueError`` naming the folder when
+    it cannot be read; a folder whose tokenizer is only a SentencePiece ``spiece.model`` (T5, umT5
+    snapshots without ``tokenizer.json``) needs the ``sentencepiece`` package to convert it."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, ImportError, OSError, TypeError) as e:
+        hint = ""
+        if any(path.glob("*.model")) and not (path / "tokenizer.json").is_file():
+            hint = ("; its tokenizer is a SentencePiece .model file without tokenizer.json: transformers needs the "
+                    "sentencepiece package to read it (pip install sentencepiece)")
+        raise ValueError(f"text encoder {path}: cannot load its tokenizer ({' '.join(str(e).split())[:300]}){hint}") \
+            from None
+
+
 def _load_model(path: Path, record: Dict[str, Any], dtype: torch.dtype) -> Any:
-    """The encoder class of ``record`` from ``path`` (local files only). A full CLIP checkpoint
-    holds the vision tower too: its weights are expected to go unused, so transformers' report
-    of them is silenced."""
+    """The encoder class of ``record`` from ``path`` (local files only).
+
+    Weights the checkpoint holds beyond the encoder (a full T5's decoder, a full CLIP's vision tower)
+    go unused, so transformers' load report is silenced; weights the encoder needs and the checkpoint
+    lacks (or holds in another shape) would be left random, so they raise ``ValueError``."""
     import transformers
 
     cls = getattr(transformers, record["class"])
     verbosity = transformers.logging.get_verbosity()
-    if record["model_type"] == "clip":
-        transformers.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
     try:
-        return cls.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+        model, info = cls.from_pretrained(str(path), local_files_only=True, dtype=dtype, output_loading_info=True)
     finally:
         transformers.logging.set_verbosity(verbosity)
+    for what in ("missing_keys", "mismatched_keys"):
+        keys = sorted(map(str, info.get(what) or []))
+        if keys:
+            raise ValueError(f"text encoder {path}: the checkpoint lacks {len(keys)} {record['class']} weights "
+                             f"({what}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}); it is not a "
+                             f"complete {record['model_type']} encoder")
+    return model
 
 
 class TextEncoder:
@@ -136,8 +161,6 @@ class TextEncoder:
 
     def __init__(self, path: PathLike, device: str = "cpu", dtype: str = "float32",
                  max_length: Optional[int] = None):
-        import transformers
-
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
         self.path = Path(path).expanduser().absolute()
@@ -145,7 +168,7 @@ class TextEncoder:
         self.device = resolve_device(device)
         self.dtype = dtype
         self.config = load_config(self.path)
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        self.tokenizer = _load_tokenizer(self.path)
         self._model: Any = None
         self.max_length = int(max_length) if max_length is not None else self._default_max_length()
         if self.max_length < 1:

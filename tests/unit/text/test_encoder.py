@@ -113,3 +113,27 @@ def test_a_full_clip_checkpoint_encodes_with_its_text_tower(tmp_path):
         ref = model.text_model(**ids).last_hidden_state
     torch.testing.assert_close(emb, ref, rtol=0, atol=0)
     assert mask.tolist() == ids["attention_mask"].bool().tolist() and mask[1].sum() == 2  # <start> <end>
+
+
+def test_a_checkpoint_missing_encoder_weights_or_tokenizer_is_refused(tiny_path, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_path, broken)
+    state = load_file(broken / "model.safetensors")
+    state.pop("encoder.block.1.layer.1.DenseReluDense.wo.weight")
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    enc = TextEncoder(broken)  # the weights load on first use
+    with pytest.raises(ValueError, match=r"broken: the checkpoint lacks 1 T5EncoderModel weights \(missing_keys: "
+                                         r"encoder.block.1.layer.1.DenseReluDense.wo.weight\); it is not a complete t5"):
+        enc.encode(["a cat"])
+    sp = tmp_path / "spiece"
+    sp.mkdir()
+    shutil.copy(tiny_path / "config.json", sp)
+    (sp / "spiece.model").write_bytes(b"not a sentencepiece model")
+    (sp / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "T5Tokenizer"}))
+    with pytest.raises(ValueError, match=r"spiece: cannot load its tokenizer \(.*\); its tokenizer is a SentencePiece "
+                                         r".model file without tokenizer.json"):
+        TextEncoder(sp)
