@@ -120,7 +120,7 @@ def summary(index: Dict[str, Any], given: int, source: str, out: Path, seconds: 
             f"{index['num_captions']} stored; {index['num_truncated']} truncated at {index['max_length']} tokens",
             f"{shards} shard{'s' if shards != 1 else ''}, {size} bytes = {size / 1e6:.2f} MB ({index['dtype']}, "
             f"{index['encoder']['hidden_size']} channels, encoder {index['encoder']['name']}); {what}",
-            f"store: {out}",
+            f"store: {out.absolute()}",
             f"train with: {hydra_override('data.text_embeddings', str(out.absolute()))}"]
 
 

@@ -8,7 +8,7 @@ and the encoder's last hidden state is the condition, with the tokenizer's atten
 real tokens from padding.
 
 The encoder is read from a folder that holds its ``config.json`` and weights (one saved with
-``save_pretrained``, or a snapshot downloaded beforehand, e.g. ``huggingface-cli download
+``save_pretrained``, or a snapshot downloaded beforehand, e.g. ``hf download
 google/t5-v1_1-xxl --local-dir /models/t5-v1_1-xxl``); every ``from_pretrained`` here passes
 ``local_files_only=True``, so vitp never downloads anything.
 """
@@ -40,7 +40,7 @@ def _config_file(path: PathLike) -> Path:
         what = "does not exist" if not folder.exists() else "has no config.json"
         raise FileNotFoundError(
             f"text encoder {folder} {what}: give a local folder saved with save_pretrained or a downloaded "
-            f"snapshot (e.g. huggingface-cli download google/t5-v1_1-xxl --local-dir {folder}); vitp never downloads")
+            f"snapshot (e.g. hf download google/t5-v1_1-xxl --local-dir {folder}); vitp never downloads")
     return folder / "config.json"
 
 

@@ -88,6 +88,6 @@ def test_a_missing_encoder_exits_2_with_one_line(tmp_path):
                        capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == (f"vitp-encode-captions: error: text encoder {tmp_path / 't5-v1_1-xxl'} does not exist: give "
-                        f"a local folder saved with save_pretrained or a downloaded snapshot (e.g. huggingface-cli "
+                        f"a local folder saved with save_pretrained or a downloaded snapshot (e.g. hf "
                         f"download google/t5-v1_1-xxl --local-dir {tmp_path / 't5-v1_1-xxl'}); vitp never downloads\n")
     assert not (tmp_path / "emb").exists()
