@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -76,8 +77,8 @@ def encoder_record(path: PathLike) -> Dict[str, Any]:
     """What identifies the encoder in ``path``, as stored in an embedding store's ``index.json``:
     ``{"name", "path", "model_type", "class", "config_sha256", "hidden_size"}``.
 
-    ``name`` is the ``_name_or_path`` written in ``config.json`` (hub configs often carry the repo
-    id), else the folder's name; ``path`` is absolute; ``class`` the transformers class used
+    ``name`` is the ``_name_or_path`` written in ``config.json`` when it is a hub id such as
+    ``google/t5-v1_1-xxl`` (hub configs often carry one), else the folder's name; ``path`` is absolute; ``class`` the transformers class used
     (:data:`ENCODER_CLASSES`); ``config_sha256`` is :func:`config_sha256`; ``hidden_size`` the
     embedding width ``Dc`` (channels per token).
 
@@ -86,8 +87,9 @@ def encoder_record(path: PathLike) -> Dict[str, Any]:
     raw = json.loads(_config_file(path).read_text())
     config = load_config(path)
     folder = Path(path).expanduser().absolute()
-    name = raw.get("_name_or_path") or ""
-    return {"name": name if name and name != str(path) else folder.name, "path": str(folder),
+    name = str(raw.get("_name_or_path") or "")
+    hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) and not name.startswith(".")  # not a local path
+    return {"name": name if hub_id else folder.name, "path": str(folder),
             "model_type": config.model_type, "class": ENCODER_CLASSES[config.model_type],
             "config_sha256": config_sha256(config), "hidden_size": int(_text_config(config).hidden_size)}
 

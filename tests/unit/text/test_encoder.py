@@ -30,6 +30,9 @@ def test_the_tiny_encoder_is_the_same_for_the_same_seed(tiny_path, tmp_path):
     cfg = json.loads((again / "config.json").read_text())
     (again / "config.json").write_text(json.dumps({**cfg, "transformers_version": "0.0.1"}))
     assert encoder_record(again)["config_sha256"] == rec["config_sha256"]
+    for written, name in (("google/t5-v1_1-xxl", "google/t5-v1_1-xxl"), ("/home/someone/t5", "again")):
+        (again / "config.json").write_text(json.dumps({**cfg, "_name_or_path": written}))
+        assert encoder_record(again)["name"] == name and encoder_record(again)["config_sha256"] == rec["config_sha256"]
     (again / "config.json").write_text(json.dumps({**cfg, "d_ff": 65}))
     assert encoder_record(again)["config_sha256"] != rec["config_sha256"]
 
