@@ -120,7 +120,7 @@ def summary(index: Dict[str, Any], given: int, source: str, out: Path, seconds: 
             f"{index['num_captions']} stored; {index['num_truncated']} truncated at {index['max_length']} tokens",
             f"{shards} shard{'s' if shards != 1 else ''}, {size} bytes = {size / 1e6:.2f} MB ({index['dtype']}, "
             f"{index['encoder']['hidden_size']} channels, encoder {index['encoder']['name']}); {what}",
-            f"store: {out}",
+            f"store: {out.absolute()}",
             f"train with: {hydra_override('data.text_embeddings', str(out.absolute()))}"]
 
 
@@ -138,10 +138,23 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     captions, out, source = captions_and_out(a)
     device = resolve_device(a.device)
     dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    logging.basicConfig(level=logging.INFO, format="vitp-encode-captions: %(message)s", stream=sys.stderr)
     start = time.perf_counter()
     encoder = TextEncoder(a.encoder, device=str(device), dtype=dtype, max_length=a.max_length)
-    index = write_store(out, captions, encoder, batch_size=a.batch_size, shard_size=a.shard_size,
-                        overwrite=a.overwrite, dtype=dtype)
+    log = logging.getLogger("vitp.text")  # write_store's notes (resuming, already complete) on stderr
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("vitp-encode-captions: %(message)s"))
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        index = write_store(out, captions, encoder, batch_size=a.batch_size, shard_size=a.shard_size,
+                            overwrite=a.overwrite, dtype=dtype)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
     print("\n".join(summary(index, len(captions), source, out, time.perf_counter() - start, encoder.encoded)))
     return index
+
+
+if __name__ == "__main__":
+    main()

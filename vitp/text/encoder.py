@@ -8,7 +8,7 @@ and the encoder's last hidden state is the condition, with the tokenizer's atten
 real tokens from padding.
 
 The encoder is read from a folder that holds its ``config.json`` and weights (one saved with
-``save_pretrained``, or a snapshot downloaded beforehand, e.g. ``huggingface-cli download
+``save_pretrained``, or a snapshot downloaded beforehand, e.g. ``hf download
 google/t5-v1_1-xxl --local-dir /models/t5-v1_1-xxl``); every ``from_pretrained`` here passes
 ``local_files_only=True``, so vitp never downloads anything.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -40,7 +41,7 @@ def _config_file(path: PathLike) -> Path:
         what = "does not exist" if not folder.exists() else "has no config.json"
         raise FileNotFoundError(
             f"text encoder {folder} {what}: give a local folder saved with save_pretrained or a downloaded "
-            f"snapshot (e.g. huggingface-cli download google/t5-v1_1-xxl --local-dir {folder}); vitp never downloads")
+            f"snapshot (e.g. hf download google/t5-v1_1-xxl --local-dir {folder}); vitp never downloads")
     return folder / "config.json"
 
 
@@ -76,8 +77,8 @@ def encoder_record(path: PathLike) -> Dict[str, Any]:
     """What identifies the encoder in ``path``, as stored in an embedding store's ``index.json``:
     ``{"name", "path", "model_type", "class", "config_sha256", "hidden_size"}``.
 
-    ``name`` is the ``_name_or_path`` written in ``config.json`` (hub configs often carry the repo
-    id), else the folder's name; ``path`` is absolute; ``class`` the transformers class used
+    ``name`` is the ``_name_or_path`` written in ``config.json`` when it is a hub id such as
+    ``google/t5-v1_1-xxl`` (hub configs often carry one), else the folder's name; ``path`` is absolute; ``class`` the transformers class used
     (:data:`ENCODER_CLASSES`); ``config_sha256`` is :func:`config_sha256`; ``hidden_size`` the
     embedding width ``Dc`` (channels per token).
 
@@ -86,8 +87,9 @@ def encoder_record(path: PathLike) -> Dict[str, Any]:
     raw = json.loads(_config_file(path).read_text())
     config = load_config(path)
     folder = Path(path).expanduser().absolute()
-    name = raw.get("_name_or_path") or ""
-    return {"name": name if name and name != str(path) else folder.name, "path": str(folder),
+    name = str(raw.get("_name_or_path") or "")
+    hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) and not name.startswith(".")  # not a local path
+    return {"name": name if hub_id else folder.name, "path": str(folder),
             "model_type": config.model_type, "class": ENCODER_CLASSES[config.model_type],
             "config_sha256": config_sha256(config), "hidden_size": int(_text_config(config).hidden_size)}
 
@@ -104,20 +106,45 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def _load_tokenizer(path: Path) -> Any:
+    """``AutoTokenizer`` of ``path`` (local files only). Raises ``ValueError`` naming the folder when
+    it cannot be read; a folder whose tokenizer is only a SentencePiece ``spiece.model`` (T5, umT5
+    snapshots without ``tokenizer.json``) needs the ``sentencepiece`` package to convert it."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, ImportError, OSError, TypeError) as e:
+        hint = ""
+        if any(path.glob("*.model")) and not (path / "tokenizer.json").is_file():
+            hint = ("; its tokenizer is a SentencePiece .model file without tokenizer.json: transformers needs the "
+                    "sentencepiece package to read it (pip install sentencepiece)")
+        raise ValueError(f"text encoder {path}: cannot load its tokenizer ({' '.join(str(e).split())[:300]}){hint}") \
+            from None
+
+
 def _load_model(path: Path, record: Dict[str, Any], dtype: torch.dtype) -> Any:
-    """The encoder class of ``record`` from ``path`` (local files only). A full CLIP checkpoint
-    holds the vision tower too: its weights are expected to go unused, so transformers' report
-    of them is silenced."""
+    """The encoder class of ``record`` from ``path`` (local files only).
+
+    Weights the checkpoint holds beyond the encoder (a full T5's decoder, a full CLIP's vision tower)
+    go unused, so transformers' load report is silenced; weights the encoder needs and the checkpoint
+    lacks (or holds in another shape) would be left random, so they raise ``ValueError``."""
     import transformers
 
     cls = getattr(transformers, record["class"])
     verbosity = transformers.logging.get_verbosity()
-    if record["model_type"] == "clip":
-        transformers.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
     try:
-        return cls.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+        model, info = cls.from_pretrained(str(path), local_files_only=True, dtype=dtype, output_loading_info=True)
     finally:
         transformers.logging.set_verbosity(verbosity)
+    for what in ("missing_keys", "mismatched_keys"):
+        keys = sorted(map(str, info.get(what) or []))
+        if keys:
+            raise ValueError(f"text encoder {path}: the checkpoint lacks {len(keys)} {record['class']} weights "
+                             f"({what}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}); it is not a "
+                             f"complete {record['model_type']} encoder")
+    return model
 
 
 class TextEncoder:
@@ -128,6 +155,7 @@ class TextEncoder:
     padded token count ``L`` (default 120 for the T5 family, as PixArt-alpha; the tokenizer's
     ``model_max_length``, 77, for CLIP). Captions longer than ``L`` tokens are truncated and
     counted (:attr:`truncated`, :attr:`last_truncated`); :attr:`encoded` counts the captions encoded.
+    The tokenizer and config load at once; the weights (:attr:`model`) on the first :meth:`encode`.
 
     Raises ``FileNotFoundError`` (no ``config.json``), ``ValueError`` for an unsupported
     ``model_type``, dtype or device, or ``max_length < 1``.
@@ -135,17 +163,15 @@ class TextEncoder:
 
     def __init__(self, path: PathLike, device: str = "cpu", dtype: str = "float32",
                  max_length: Optional[int] = None):
-        import transformers
-
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
         self.path = Path(path).expanduser().absolute()
         self.record = encoder_record(self.path)
         self.device = resolve_device(device)
         self.dtype = dtype
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-        self.model = _load_model(self.path, self.record, DTYPES[dtype])
-        self.model.to(self.device).eval().requires_grad_(False)
+        self.config = load_config(self.path)
+        self.tokenizer = _load_tokenizer(self.path)
+        self._model: Any = None
         self.max_length = int(max_length) if max_length is not None else self._default_max_length()
         if self.max_length < 1:
             raise ValueError(f"max_length={self.max_length}: use a positive number of tokens")
@@ -154,11 +180,19 @@ class TextEncoder:
         self.truncated = 0  # ... of them truncated
         self.last_truncated = 0  # ... by the last call
 
+    @property
+    def model(self) -> Any:
+        """The transformers encoder, loaded on first use (a rerun on a finished store never loads it)."""
+        if self._model is None:
+            self._model = _load_model(self.path, self.record, DTYPES[self.dtype])
+            self._model.to(self.device).eval().requires_grad_(False)
+        return self._model
+
     def _default_max_length(self) -> int:
         if self.record["model_type"] in T5_FAMILY:
             return T5_MAX_LENGTH
         n = int(getattr(self.tokenizer, "model_max_length", 0) or 0)
-        positions = int(_text_config(self.model.config).max_position_embeddings)
+        positions = int(_text_config(self.config).max_position_embeddings)
         return n if 0 < n <= positions else positions  # tokenizers without a limit report 1e30
 
     def encode(self, captions: List[str]) -> Tuple[torch.Tensor, torch.Tensor]:

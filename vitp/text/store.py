@@ -213,22 +213,24 @@ def _encode_shard(out: Path, s: int, first: int, captions: List[str], encoder: A
     """Encode ``captions`` (ids ``first..``) in batches into shard ``s``, written atomically; its index entry."""
     from safetensors.torch import save_file
 
-    embs, masks, truncated = [], [], 0
-    for i in range(0, len(captions), batch_size):
+    n, L, D = len(captions), head["max_length"], head["encoder"]["hidden_size"]
+    # filled in place: the host holds one shard (n * L * D values) in the stored dtype, not two
+    tensors = {"embeddings": torch.empty(n, L, D, dtype=STORE_DTYPES[head["dtype"]]),
+               "mask": torch.empty(n, L, dtype=torch.bool)}
+    truncated = 0
+    for i in range(0, n, batch_size):
         emb, mask = encoder.encode(captions[i:i + batch_size])
         truncated += encoder.last_truncated
-        embs.append(emb.to(STORE_DTYPES[head["dtype"]]))
-        masks.append(mask)
-        bar.update(len(masks[-1]))
-    tensors = {"embeddings": torch.cat(embs).contiguous(), "mask": torch.cat(masks).contiguous()}
-    meta = {"format": FORMAT, "version": str(VERSION), "first": str(first), "count": str(len(captions)),
+        tensors["embeddings"][i:i + len(emb)] = emb
+        tensors["mask"][i:i + len(emb)] = mask
+        bar.update(len(emb))
+    meta = {"format": FORMAT, "version": str(VERSION), "first": str(first), "count": str(n),
             "config_sha256": head["encoder"]["config_sha256"], "captions_sha256": head["captions_sha256"],
             "truncated": str(truncated)}
     path = out / shard_name(s)
     with atomic_write(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
-    return {"file": path.name, "first": first, "count": len(captions), "bytes": path.stat().st_size,
-            "truncated": truncated}
+    return {"file": path.name, "first": first, "count": n, "bytes": path.stat().st_size, "truncated": truncated}
 
 
 def _kept_shard(path: Path, first: int, count: int, head: Dict[str, Any]) -> Optional[Dict[str, Any]]:
