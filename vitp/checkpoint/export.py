@@ -41,7 +41,9 @@ def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg
     Metadata: ``format``, ``vitp_model`` (model config JSON), ``vitp_config`` (the run config),
     ``step``, ``weights`` (``ema`` | ``raw``); for ``parallel.partial_sync < 1`` also
     ``partial_sync``, ``partial_sync_tp``, ``partial_sync_scale`` (and in the sidecar): the
-    per-rank layout is fixed slices of the full tensors, so these define it.
+    per-rank layout is fixed slices of the full tensors, so these define it. ``conditioning``
+    (``class`` | ``text``) and for text ``text_encoder`` (:func:`text_conditioning`; in the
+    sidecar too).
     """
     from safetensors.torch import save_file
 
@@ -50,16 +52,40 @@ def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg
     model = cfg_dict["model"]
     meta = {"format": FORMAT, "vitp_model": json.dumps(model), "vitp_config": json.dumps(cfg_dict),
             "step": str(step if step is not None else -1), "weights": weights}
+    text = text_conditioning(cfg_dict)
+    meta["conditioning"] = "text" if text else "class"
+    if text:
+        meta["text_encoder"] = json.dumps(text)
     ps = partial_sync_of(cfg_dict.get("parallel"))
     if ps["p"] < 1.0:  # also in vitp_config; spelled out for readers that do not parse it
         meta.update(partial_sync=str(ps["p"]), partial_sync_tp=str(ps["tp"]), partial_sync_scale=ps["scale"])
     with atomic_write(path) as tmp:
         save_file(to_export_state(gen_state, model["width"], model["depth"]), str(tmp), metadata=meta)
-    side = {"format": FORMAT, "weights": weights, "step": step, "model": model, "tensors": str(path.name)}
+    side = {"format": FORMAT, "weights": weights, "step": step, "model": model, "tensors": str(path.name),
+            "conditioning": meta["conditioning"], **({"text_encoder": text} if text else {})}
     if ps["p"] < 1.0:
         side["partial_sync"] = {**ps, "note": PARTIAL_SYNC_NOTE}
     atomic_write_text(path.with_suffix(".json"), json.dumps(side, indent=2) + "\n", fsync=True)
     return path
+
+
+def text_conditioning(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """What a text-conditional model (``model.text_dim > 0`` in the run config ``cfg``, a plain
+    dict) was trained on: ``{"embeddings": absolute store path, "max_length": L, "encoder": the
+    store's encoder record (name, local path, class, config hash, channels)}``, read from the
+    store's ``index.json`` (``encoder`` is ``{"path": data.text_encoder}`` when the store is
+    gone); ``None`` for a class-conditional model."""
+    if not cfg["model"].get("text_dim"):
+        return None
+    data = cfg["data"]
+    where = data.get("text_embeddings")
+    out: Dict[str, Any] = {"embeddings": str(Path(where).resolve()) if where else None,
+                           "encoder": {"path": data.get("text_encoder")}}
+    index = Path(where) / "index.json" if where else None
+    if index is not None and index.is_file():
+        head = json.loads(index.read_text())
+        out.update(max_length=head.get("max_length"), encoder=head.get("encoder", out["encoder"]))
+    return out
 
 
 def save_weights(run_dir: Path, cfg: DictConfig, ema_state: Dict[str, torch.Tensor],

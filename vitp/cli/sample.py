@@ -28,18 +28,18 @@ from vitp.config import parse_resolution, validate_config
 from vitp.eval import class_grid_labels, generate
 from vitp.media import to_grid
 from vitp.parallel.distributed import resolve_device
-from vitp.utils import atomic_write
+from vitp.utils import atomic_write, atomic_write_text
 
 
 # what vitp-sample may change: the sampler, the size it samples at, and where it runs
 SAMPLE_KEYS = ("sampler.", "model.image_size", "model.num_frames", "data.resolution", "data.num_frames",
-               "trainer.device")
+               "trainer.device", "data.text_encoder", "data.text_embeddings")
 # flags of earlier versions -> the override each stands for (still read, with a note)
 OLD_FLAGS = {"seed": "sampler.seed", "method": "sampler.method", "steps": "sampler.steps",
              "cfg_scale": "sampler.cfg_scale", "cfg_interval": "sampler.cfg_interval", "device": "trainer.device",
              "fps": "sampler.fps", "resolution": "model.image_size", "frames": "model.num_frames"}
-USAGE = ("vitp-sample SOURCE [--classes C ...] [--num N] [--out FILE|DIR] [--format gif|mp4] [--force] "
-         "[key=value ...]")
+USAGE = ("vitp-sample SOURCE [--classes C ... | --prompt TEXT ... | --prompt-file F] [--num N] [--out FILE|DIR] "
+         "[--format gif|mp4] [--force] [key=value ...]")
 _VIDEO_FILE = re.compile(r"^(class\d+(_[A-Za-z0-9.-]+)?_seed\d+|grid)\.(gif|mp4)$")  # what write_video_samples writes
 
 
@@ -56,6 +56,10 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, Li
     p.add_argument("source", type=Path, help="run directory (its model_ema.safetensors, else its latest checkpoint), "
                                              "a checkpoint folder, or a .safetensors file")
     p.add_argument("--classes", nargs="*", default=None, help="class labels (default: all classes)")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="text-conditional models: a prompt, one grid row (repeat the flag for more rows)")
+    p.add_argument("--prompt-file", type=Path, default=None,
+                   help="text-conditional models: prompts, one per line (.txt) or a \"caption\" per JSON line (.jsonl)")
     p.add_argument("--num", type=int, default=None, help="samples per class (default: the run's "
                                                          "sampler.samples_per_class)")
     p.add_argument("--out", type=Path, default=None,
@@ -131,13 +135,66 @@ def _classes_token(classes: List[int]) -> str:
     return f"c{len(classes)}cls-{hashlib.sha1(','.join(map(str, classes)).encode()).hexdigest()[:8]}"
 
 
-def _grid_words(classes: int, per: int) -> str:
-    """``"2 classes x 1 sample"`` (singular where it is one)."""
-    return f"{classes} class{'es' if classes != 1 else ''} x {per} sample{'s' if per != 1 else ''}"
+def _grid_words(classes: int, per: int, prompts: bool = False) -> str:
+    """``"2 classes x 1 sample"`` (singular where it is one; ``prompts``: ``"2 prompts x ..."``)."""
+    rows = (f"{classes} prompt{'s' if classes != 1 else ''}" if prompts else
+            f"{classes} class{'es' if classes != 1 else ''}")
+    return f"{rows} x {per} sample{'s' if per != 1 else ''}"
+
+
+def _conditioning(a: argparse.Namespace, cfg: Any, meta: dict) -> Tuple[Any, List[int], List[str]]:
+    """``(conditioning, row ids, prompts)`` of the grid: the requested classes of a
+    class-conditional model, or the prompts (``--prompt``, ``--prompt-file``) of a text-conditional
+    one, read from the run's caption embeddings where they hold them, else encoded with the run's
+    local encoder (:class:`vitp.data.text.PromptConditioning`). Raises ``ValueError`` for prompts
+    to a class model, classes to a text model, a text model without prompts, or a class out of range."""
+    prompts = list(a.prompt or []) + (_prompt_file(a.prompt_file) if a.prompt_file else [])
+    if not cfg.model.text_dim:
+        if prompts:
+            raise ValueError("this model is class-conditional (model.text_dim=0): give --classes, not --prompt")
+        n_cls = cfg.model.num_classes
+        classes = a.classes if a.classes else list(range(n_cls))
+        bad = [c for c in classes if not 0 <= c <= n_cls]
+        if bad:
+            raise ValueError(f"classes {bad} out of range; valid 0..{n_cls - 1} (and {n_cls} = unconditional)")
+        return None, classes, []
+    if a.classes:
+        raise ValueError("this model is text-conditional: give --prompt \"...\" (or --prompt-file F), not --classes")
+    if not prompts:
+        raise ValueError("this model is text-conditional: give --prompt \"...\" (repeat for more rows) or --prompt-file F")
+    from vitp.data.text import PromptConditioning
+
+    store = _run_store(cfg, meta)
+    text = json.loads(meta.get("text_encoder", "{}")) if meta.get("text_encoder") else {}
+    encoder = (cfg.data.text_encoder or (text.get("encoder") or {}).get("path")
+               or (store.encoder.get("path") if store is not None else None))  # the recorded local path
+    device = str(resolve_device(cfg.trainer.device))
+    cond = PromptConditioning(prompts, store, encoder, device=device)
+    return cond, list(range(1, len(prompts) + 1)), prompts
+
+
+def _run_store(cfg: Any, meta: dict) -> Any:
+    """The run's caption embeddings (``data.text_embeddings``, else the path its export
+    recorded), or ``None`` when neither exists any more."""
+    from vitp.text import TextEmbeddings
+
+    text = json.loads(meta["text_encoder"]) if meta.get("text_encoder") else {}
+    for where in (cfg.data.text_embeddings, text.get("embeddings")):
+        if where and (Path(where) / "index.json").is_file():
+            return TextEmbeddings(where)
+    return None
+
+
+def _prompt_file(path: Path) -> List[str]:
+    """Prompts of a ``.txt`` (one per line, blank lines skipped) or ``.jsonl`` (``"caption"``
+    field) file. Raises ``FileNotFoundError`` / ``ValueError`` naming the file."""
+    from vitp.cli.encode_captions import read_caption_file
+
+    return [p for p in read_caption_file(path) if p]
 
 
 def output_name(cfg: Any, meta: dict, classes: List[int], per: int, fmt: Optional[str], source: Path,
-                step: Optional[int] = None) -> str:
+                step: Optional[int] = None, prompts: Optional[List[str]] = None) -> str:
     """The default output name (no suffix) from everything that decides the samples: the weights
     (a file's stem unless it is a run's ``model_ema.safetensors``, ``raw`` weights, the training step:
     ``step``, else the file's),
@@ -154,7 +211,9 @@ def output_name(cfg: Any, meta: dict, classes: List[int], per: int, fmt: Optiona
     if step >= 0:
         words.append(f"step{step:07d}")
     method = getattr(sp.method, "name", sp.method)  # the schema's enum
-    words += [_classes_token(classes), f"n{per}", f"{method}{sp.steps}", f"cfg{sp.cfg_scale:g}"]
+    rows = (f"p{len(prompts)}-{hashlib.sha1(chr(10).join(prompts).encode()).hexdigest()[:8]}" if prompts
+            else _classes_token(classes))
+    words += [rows, f"n{per}", f"{method}{sp.steps}", f"cfg{sp.cfg_scale:g}"]
     if list(sp.cfg_interval) != [0.0, 1.0]:
         words.append("ci{:g}-{:g}".format(*sp.cfg_interval))
     words.append(f"seed{sp.seed}")
@@ -199,20 +258,17 @@ def run(argv: Optional[List[str]] = None) -> None:
     a, overrides = parse_args(argv)
     path, step, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
     gen, cfg, meta = sample_config(path, overrides, a.num)
-    n_cls = cfg.model.num_classes
-    classes = a.classes if a.classes else list(range(n_cls))
-    bad = [c for c in classes if not 0 <= c <= n_cls]
-    if bad:
-        raise ValueError(f"classes {bad} out of range; valid 0..{n_cls - 1} (and {n_cls} = unconditional)")
+    conditioning, rows, prompts = _conditioning(a, cfg, meta)
     per = cfg.sampler.samples_per_class
     video = cfg.model.num_frames > 1
     _check_out(a.out, a.format, video)
-    name = output_name(cfg, meta, classes, per, a.format, path, step)
+    name = output_name(cfg, meta, rows, per, a.format, path, step, prompts)
     out = a.out or base / "samples" / (name if video else name + ".png")
     grid_file = not video or (a.out is not None and bool(a.out.suffix))  # else a folder (names hold dots: cfg1.5)
     _check_free(out, folder=not grid_file, force=a.force)  # before sampling: refused at once
-    labels = torch.tensor(classes)[class_grid_labels(len(classes), per)]
-    x = generate(gen, cfg, labels, cfg.sampler.seed)
+    labels = torch.tensor(rows)[class_grid_labels(len(rows), per)]
+    x = generate(gen, cfg, labels, cfg.sampler.seed, conditioning)
+    classes = rows
     how = f"{cfg.sampler.method} {cfg.sampler.steps} steps, CFG {cfg.sampler.cfg_scale}"
     if video:
         from vitp.media import video_grid, write_gif, write_mp4, write_video_samples
@@ -221,17 +277,25 @@ def run(argv: Optional[List[str]] = None) -> None:
         if grid_file:  # each writer replaces its file atomically
             grid = (video_grid(x, nrow=per) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
             (write_gif if out.suffix.lower() == ".gif" else write_mp4)(out, grid, fps=fps)
-            print(f"wrote {out} ({_grid_words(len(classes), per)}, {x.shape[2]} frames, {how})")
+            print(f"wrote {out} ({_grid_words(len(classes), per, bool(prompts))}, {x.shape[2]} frames, {how})")
         else:
             paths = write_video_samples(x, labels, out, fps=fps, fmt=a.format or "gif")
-            print(f"wrote {len(paths)} videos to {out} ({_grid_words(len(classes), per)} + {paths[-1].name}, "
-                  f"{x.shape[2]} frames, {how})")
+            print(f"wrote {len(paths)} videos to {out} ({_grid_words(len(classes), per, bool(prompts))} + "
+                  f"{paths[-1].name}, {x.shape[2]} frames, {how})")
+        if prompts:  # class<i> in the file names is prompt i
+            side = out / "prompts.txt" if not grid_file else out.with_suffix(".txt")
+            atomic_write_text(side, "".join(f"{i} {p}\n" for i, p in enumerate(prompts, 1)))
         return
     from torchvision.utils import save_image
 
+    grid = to_grid(x, nrow=per)
+    if prompts:
+        from vitp.media import caption_rows
+
+        grid = caption_rows(grid, prompts)
     with atomic_write(out) as tmp:
-        save_image(to_grid(x, nrow=per), str(tmp))
-    print(f"wrote {out} ({_grid_words(len(classes), per)}, {how})")
+        save_image(grid, str(tmp))
+    print(f"wrote {out} ({_grid_words(len(classes), per, bool(prompts))}, {how})")
 
 
 def _check_out(out: Optional[Path], fmt: Optional[str], video: bool) -> None:

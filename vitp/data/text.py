@@ -139,7 +139,7 @@ def open_text_embeddings(cfg: Any) -> Any:
         from vitp.text.encoder import encoder_record
 
         rec = encoder_record(d.text_encoder)
-        expect = {"config_sha256": rec["config_sha256"], "hidden_size": rec["hidden_size"]}
+        expect = {k: rec[k] for k in ("config_sha256", "hidden_size", "weights_fingerprint")}
     store = TextEmbeddings(d.text_embeddings, expect=expect)
     if store.dim != m.text_dim:
         raise ValueError(f"model.text_dim={m.text_dim} but the caption embeddings in {store.path} have {store.dim} "
@@ -236,7 +236,8 @@ class PromptConditioning:
         from vitp.text.encoder import TextEncoder
 
         enc = TextEncoder(encoder_path, device=device, max_length=store.max_length if store is not None else None)
-        if store is not None and enc.record["config_sha256"] != store.encoder["config_sha256"]:
+        same = ("config_sha256", "weights_fingerprint")
+        if store is not None and any(enc.record[k] != store.encoder.get(k, enc.record[k]) for k in same):
             raise ValueError(f"the encoder at {encoder_path} ({enc.record['name']}) is not the one that made the "
                              f"caption embeddings at {store.path} ({store.encoder['name']}); sample with that encoder")
         emb, self.mask = enc.encode(self.prompts)
@@ -268,3 +269,21 @@ def grid_prompts(cfg: Any, datasets: Sequence[Any]) -> List[str]:
             if c and len(seen) < rows:
                 seen.setdefault(c, None)
     return list(seen)
+
+
+def ensure_text_embeddings(cfg: Any) -> bool:
+    """Encode the data set's captions into ``data.text_embeddings`` (what ``vitp-encode-captions``
+    does, on the training device) when a text-conditional run names its encoder
+    (``data.text_encoder``) and no store is there yet, so that a demo trains in one command.
+    Returns whether it encoded. Call it on one process and let the others wait."""
+    from vitp.text import TextEncoder, write_store
+
+    d, m = cfg.data, cfg.model
+    if not (m.text_dim and d.text_embeddings and d.text_encoder) or (Path(d.text_embeddings) / "index.json").is_file():
+        return False
+    enc = TextEncoder(d.text_encoder, device="auto", max_length=m.text_len or None)
+    captions = dataset_captions(d, cfg.seed)
+    log.info(f"encoding {len(captions)} captions with the text encoder {enc.record['name']} into {d.text_embeddings} "
+             "(vitp-encode-captions does this ahead of training)")
+    write_store(d.text_embeddings, captions, enc, progress=False)
+    return True

@@ -49,7 +49,8 @@ def step_shape(model: Any, lay: LayoutSpec) -> StepShape:
     shape = ModelShape.from_config(model)
     return StepShape(micro=lay.micro, tokens=shape.tokens, width=shape.width, act_bytes=ACT_BYTES[lay.precision],
                      tp=lay.tp, sequence_parallel=lay.sp or lay.partial_sp, partial_sync=lay.partial_sync,
-                     pixels=shape.pixels, redo=2 if lay.ac else 1, pp=lay.pp, cp=lay.cp, cp_mode=lay.cp_mode)
+                     pixels=shape.pixels, redo=2 if lay.ac else 1, pp=lay.pp, cp=lay.cp, cp_mode=lay.cp_mode,
+                     text_tokens=shape.text_tokens)
 
 
 def plan_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:

@@ -14,7 +14,10 @@ FLOPs), nor are norms, activations and other element-wise work. Per sample:
   gh*gw for a factorized spatial block, gt for a temporal one (Latte), counted separately;
 - per-sample linears (adaLN modulation ``2 D 6D`` per block, final adaLN ``2 D 2D``, timestep MLP)
   count once per sample, not per token;
-- the tubelet embedding and the output linear: ``2 N D (pt p p C)`` each.
+- the tubelet embedding and the output linear: ``2 N D (pt p p C)`` each;
+- text conditioning (PixArt-alpha's cross-attention, ``L`` caption tokens of ``Dc`` channels):
+  per block ``2 N (2 D^2)`` (q, proj), ``2 L (2 D^2)`` (kv), ``4 N L D`` (scores, values); the
+  caption projection ``2 L (Dc D + D^2)`` and pooling ``2 D^2`` once per sample.
 """
 from __future__ import annotations
 
@@ -29,15 +32,17 @@ def block_forward_flops(shape: ModelShape, kind: str) -> Dict[str, float]:
     """Forward FLOPs of one block for one sample: ``{"linear", "attention", "per_sample"}``."""
     N, D, h = shape.tokens, shape.width, shape.hidden
     mlp = (2 if shape.mlp == "gelu" else 3) * D * h
-    return {"linear": 2.0 * N * (4 * D * D + mlp),
-            "attention": 4.0 * N * shape.attention_span(kind) * D,
+    L = shape.text_tokens
+    return {"linear": 2.0 * N * (4 * D * D + mlp) + (2.0 * N * 2 * D * D + 2.0 * L * 2 * D * D if L else 0.0),
+            "attention": 4.0 * N * shape.attention_span(kind) * D + 4.0 * N * L * D,
             "per_sample": 2.0 * D * 6 * D}
 
 
 def embed_forward_flops(shape: ModelShape) -> float:
     """Forward FLOPs of the input layer for one sample (tubelet Conv3d + timestep MLP)."""
-    D = shape.width
-    return 2.0 * shape.tokens * D * shape.patch_values + 2.0 * (FREQ_DIM * D + D * D)
+    D, L = shape.width, shape.text_tokens
+    text = 2.0 * L * (shape.text_dim * D + D * D) + 2.0 * D * D if L else 0.0
+    return 2.0 * shape.tokens * D * shape.patch_values + 2.0 * (FREQ_DIM * D + D * D) + text
 
 
 def final_forward_flops(shape: ModelShape) -> float:

@@ -40,6 +40,8 @@ class ModelShape:
     attention: str
     patch_values: int
     layer_scale: bool
+    text_tokens: int = 0  # caption tokens L of a text-conditional model (model.text_len; 0: class labels)
+    text_dim: int = 0  # caption embedding channels Dc (model.text_dim)
 
     @property
     def tokens(self) -> int:
@@ -58,7 +60,8 @@ class ModelShape:
                    hidden=mlp_hidden_units(m["width"], m["mlp_ratio"], str(m["mlp"])), mlp=str(m["mlp"]),
                    qk_norm=bool(m["qk_norm"]), attention=str(m["attention"]),
                    patch_values=m["tubelet_size"] * m["patch_size"] ** 2 * m["in_channels"],
-                   layer_scale=bool(m.get("layer_scale_init")))
+                   layer_scale=bool(m.get("layer_scale_init")),
+                   text_tokens=int(m.get("text_len") or 0) if m.get("text_dim") else 0, text_dim=int(m.get("text_dim") or 0))
 
     def block_kind(self, i: int) -> str:
         """Attention of block ``i``: ``full``, or ``spatial`` (even) / ``temporal`` (odd) when factorized."""

@@ -36,7 +36,9 @@ PathLike = Union[str, Path]
 
 def _config_file(path: PathLike) -> Path:
     """``path/config.json``; raises ``FileNotFoundError`` naming ``path`` when it is missing."""
-    folder = Path(path).expanduser()
+    from .tiny import local_encoder
+
+    folder = local_encoder(path)
     if not (folder / "config.json").is_file():
         what = "does not exist" if not folder.exists() else "has no config.json"
         raise FileNotFoundError(
@@ -84,6 +86,9 @@ def encoder_record(path: PathLike) -> Dict[str, Any]:
 
     Raises ``FileNotFoundError`` when ``path`` has no ``config.json``; ``ValueError`` for an
     unsupported ``model_type``."""
+    from .tiny import local_encoder
+
+    path = local_encoder(path)
     raw = json.loads(_config_file(path).read_text())
     config = load_config(path)
     folder = Path(path).expanduser().absolute()
@@ -91,7 +96,23 @@ def encoder_record(path: PathLike) -> Dict[str, Any]:
     hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) and not name.startswith(".")  # not a local path
     return {"name": name if hub_id else folder.name, "path": str(folder),
             "model_type": config.model_type, "class": ENCODER_CLASSES[config.model_type],
-            "config_sha256": config_sha256(config), "hidden_size": int(_text_config(config).hidden_size)}
+            "config_sha256": config_sha256(config), "hidden_size": int(_text_config(config).hidden_size),
+            "weights_fingerprint": weights_fingerprint(folder)}
+
+
+def weights_fingerprint(folder: Path) -> str:
+    """sha256 over the encoder's weight files (``*.safetensors``, ``*.bin``): each one's name,
+    size and first and last MiB. Two encoders of one architecture (same :func:`config_sha256`)
+    but other weights differ here, without reading a 10 GB checkpoint whole."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(folder).iterdir() if p.suffix in (".safetensors", ".bin")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -134,10 +155,14 @@ def _load_model(path: Path, record: Dict[str, Any], dtype: torch.dtype) -> Any:
     cls = getattr(transformers, record["class"])
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
+    bar = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # a per-load "Loading weights" bar in every log
     try:
         model, info = cls.from_pretrained(str(path), local_files_only=True, dtype=dtype, output_loading_info=True)
     finally:
         transformers.logging.set_verbosity(verbosity)
+        if bar:
+            transformers.utils.logging.enable_progress_bar()
     for what in ("missing_keys", "mismatched_keys"):
         keys = sorted(map(str, info.get(what) or []))
         if keys:
@@ -165,7 +190,9 @@ class TextEncoder:
                  max_length: Optional[int] = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-        self.path = Path(path).expanduser().absolute()
+        from .tiny import local_encoder
+
+        self.path = local_encoder(path).absolute()
         self.record = encoder_record(self.path)
         self.device = resolve_device(device)
         self.dtype = dtype

@@ -49,7 +49,7 @@ STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32"}
 # what must match to resume an encode or to reuse a finished store
 SETTINGS = ("captions_sha256", "config_sha256", "dtype", "max_length", "shard_size")
-EXPECT_KEYS = ("config_sha256", "hidden_size", "name")
+EXPECT_KEYS = ("config_sha256", "hidden_size", "name", "weights_fingerprint")
 
 
 def unique_captions(captions: Sequence[str]) -> List[str]:

@@ -36,3 +36,32 @@ def make_tiny_encoder(path: Any, seed: int = 0, d_model: int = 32, num_layers: i
     model.save_pretrained(str(path))
     ByT5Tokenizer().save_pretrained(str(path))
     return path
+
+
+DEMO_ENCODER = "tiny"  # data.text_encoder=tiny: the CPU demos' encoder (experiment=digits_text)
+
+
+def local_encoder(path: Any) -> Path:
+    """``path`` as a folder; ``"tiny"`` names the demo encoder, :func:`make_tiny_encoder` with its
+    defaults (seed 0, 32 channels), built on first use in ``$VITP_CACHE_DIR/text-encoders/tiny-t5``
+    (default ``~/.cache/vitp``) and the same on every machine. A random encoder: it tells the
+    digits' phrasings apart by their bytes but knows no language; real runs give a local T5,
+    umT5 or CLIP folder."""
+    import os
+    import tempfile
+
+    if str(path) != DEMO_ENCODER:
+        return Path(path).expanduser()
+    root = Path(os.environ.get("VITP_CACHE_DIR") or Path.home() / ".cache" / "vitp") / "text-encoders"
+    folder = root / "tiny-t5"
+    if not (folder / "config.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-t5-"))
+        make_tiny_encoder(tmp)
+        try:
+            tmp.rename(folder)  # atomic: concurrent ranks build their own and one wins
+        except OSError:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder

@@ -162,10 +162,11 @@ class Trainer:
     def _build_data(self) -> None:
         from vitp.data import build_datasets
         from vitp.data.loader import BatchSchedule
-        from vitp.data.text import CaptionIds, conditioning
+        from vitp.data.text import CaptionIds, conditioning, ensure_text_embeddings
 
         cfg = self.cfg
         self.train_ds, self.heldout_ds = build_datasets(cfg.data, cfg.seed)
+        self._on_main_first(lambda: ensure_text_embeddings(cfg))  # the demo's one-command caption encoding
         self.conditioning = conditioning(cfg)  # class labels, or the caption embeddings (vitp.data.text)
         if self.conditioning.text:
             store = self.conditioning.store
@@ -184,6 +185,21 @@ class Trainer:
             self.schedule = BucketSchedule([len(tr) for tr, _ in self.bucket_data], self.buckets,
                                            self.schedule.accumulation, self.layout.dp, cfg.seed)
             self._bucket = None
+
+    def _on_main_first(self, fn) -> None:
+        """Run ``fn`` on rank 0 while the others wait; a failure there is raised on every rank."""
+        error = None
+        if self.main:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+                error = e
+        if dist.world_size() > 1:
+            failed = dist.broadcast_object(None if error is None else f"rank 0: {type(error).__name__}: {error}")
+            if failed and error is None:
+                raise RuntimeError(failed)
+        if error is not None:
+            raise error
 
     def _build_model(self) -> None:
         from vitp.checkpoint.initialize import initialize_weights
