@@ -33,7 +33,7 @@ def pipeline_to_generator(pipe_state: Dict[str, torch.Tensor], depth: int) -> Di
 
 def is_timm_block_key(key: str) -> bool:
     """True for generator keys that a timm ``VisionTransformer`` block holds under the same name."""
-    return key.startswith("blocks.") and ".adaLN_modulation." not in key
+    return key.startswith("blocks.") and ".adaLN_modulation." not in key and ".cross_attn." not in key
 
 
 def export_key(gen_key: str) -> str:

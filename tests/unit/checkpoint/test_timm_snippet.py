@@ -23,6 +23,7 @@ def snippet() -> str:
 @pytest.mark.parametrize("over", [
     [],
     ["model.mlp=swiglu", "model.qk_norm=true", "model.layer_scale_init=0.1", "model.qkv_bias=false"],
+    ["model.text_dim=12"],  # text-conditional: cross-attention is exported under gen., the timm parts load
 ])
 def test_the_documented_snippet_loads_exported_blocks_into_timm(over, tmp_path, monkeypatch):
     cfg = compose_cfg(["experiment=smoke", "model.depth=2", *over])
@@ -40,9 +41,14 @@ def test_the_documented_snippet_loads_exported_blocks_into_timm(over, tmp_path, 
 
     D = cfg.model.width
     x, c = torch.randn(2, 5, D), torch.randn(2, D)
+    text = (torch.randn(2, 3, D), torch.ones(2, 3, dtype=torch.bool)) if cfg.model.text_dim else ()
     for g, t in zip(gen.blocks, vit.blocks):
+        if text:
+            with torch.no_grad():  # timm's block has no cross-attention: compare without it
+                g.cross_attn.proj.weight.zero_()
+                g.cross_attn.proj.bias.zero_()
         lin = g.adaLN_modulation[-1]
         with torch.no_grad():  # shift1, scale1, gate1, shift2, scale2, gate2 = 0, 0, 1, 0, 0, 1
             lin.weight.zero_()
             lin.bias.copy_(torch.tensor([0.0, 0, 1, 0, 0, 1]).repeat_interleave(D))
-            torch.testing.assert_close(t(x), g(x, c), rtol=1e-4, atol=1e-4)  # qk-norm eps: 1e-6 vs 1e-5
+            torch.testing.assert_close(t(x), g(x, c, *text), rtol=1e-4, atol=1e-4)  # qk-norm eps: 1e-6 vs 1e-5
