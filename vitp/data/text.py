@@ -124,23 +124,28 @@ def open_text_embeddings(cfg: Any) -> Any:
     """The caption embeddings of a text-conditional run (``cfg.model.text_dim > 0``), checked
     against the model and, when ``data.text_encoder`` is set, against that encoder.
 
-    Raises ``ValueError`` when ``data.text_embeddings`` is unset or the store's channels /
-    token count differ from ``model.text_dim`` / ``model.text_len``; the store's own errors
-    (missing, truncated, another encoder: :class:`vitp.text.TextEmbeddings`).
+    Raises ``ValueError`` when ``data.text_embeddings`` is unset, the store's channels /
+    token count differ from ``model.text_dim`` / ``model.text_len``, or its encoder (config hash,
+    channels) is not ``data.text_encoder``; the store's own errors (missing, truncated:
+    :class:`vitp.text.TextEmbeddings`) and the encoder's (:func:`vitp.text.encoder_record`).
     """
     from vitp.text import TextEmbeddings
+    from vitp.text.store import check_encoder
 
     d, m = cfg.data, cfg.model
     if not d.text_embeddings:
         raise ValueError("model.text_dim > 0 needs precomputed caption embeddings: run vitp-encode-captions --encoder "
                          "<local encoder> --out DIR <data overrides>, then set data.text_embeddings=DIR")
-    expect = None
+    store = TextEmbeddings(d.text_embeddings)
     if d.text_encoder:
         from vitp.text.encoder import encoder_record
 
         rec = encoder_record(d.text_encoder)
-        expect = {"config_sha256": rec["config_sha256"], "hidden_size": rec["hidden_size"]}
-    store = TextEmbeddings(d.text_embeddings, expect=expect)
+        check_encoder(store.encoder, {k: rec[k] for k in ("config_sha256", "hidden_size")}, store.path,
+                      label=f"data.text_encoder={d.text_encoder}", fix=(
+                          f"set data.text_encoder to the encoder that made them ({store.encoder['path']}), or encode "
+                          f"the captions with data.text_encoder (vitp-encode-captions --encoder {d.text_encoder} "
+                          "--out NEW_DIR <this run's data overrides>) and set data.text_embeddings=NEW_DIR"))
     if store.dim != m.text_dim:
         raise ValueError(f"model.text_dim={m.text_dim} but the caption embeddings in {store.path} have {store.dim} "
                          f"channels (encoder {store.encoder['name']}); set model.text_dim={store.dim}")
@@ -150,11 +155,11 @@ def open_text_embeddings(cfg: Any) -> Any:
     return store
 
 
-def conditioning(cfg: Any) -> Any:
-    """:class:`TextConditioning` over :func:`open_text_embeddings` when ``model.text_dim > 0``,
-    else :class:`ClassConditioning` of ``model.num_classes``."""
+def conditioning(cfg: Any, store: Any = None) -> Any:
+    """:class:`TextConditioning` over ``store`` (default: :func:`open_text_embeddings`) when
+    ``model.text_dim > 0``, else :class:`ClassConditioning` of ``model.num_classes``."""
     if cfg.model.text_dim:
-        return TextConditioning(open_text_embeddings(cfg))
+        return TextConditioning(store if store is not None else open_text_embeddings(cfg))
     return ClassConditioning(cfg.model.num_classes)
 
 
@@ -180,9 +185,11 @@ class CaptionIds(KeyedDataset):
             except KeyError:
                 missing.append(c)
         if missing:
-            raise ValueError(f"{len(missing)} caption(s) of the data set are not in the caption embeddings at "
-                             f"{store.path} (e.g. {missing[0]!r}): they were encoded from other data; re-run "
-                             "vitp-encode-captions with this data config")
+            raise ValueError(f"{len(missing)} of the data set's {len(known) + len(missing)} distinct captions are not "
+                             f"in the caption embeddings at {store.path} (data.text_embeddings; e.g. {missing[0]!r}): "
+                             "they were encoded from other data or captions; encode this run's captions with "
+                             "vitp-encode-captions --encoder <encoder> --out DIR <this run's data overrides> and set "
+                             "data.text_embeddings=DIR")
         self.ids = np.array([known[c] for c in captions], dtype=np.int64)
 
     def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
