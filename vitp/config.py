@@ -323,6 +323,7 @@ FIELD_RULES: Dict[str, Rule] = {
     "model.proj_drop": _PROBABILITY,
     "model.drop_path": _PROBABILITY,
     "data.missing_caption": one_of("skip", "empty"),
+    "eval.prompt_samples": span(1),
     "model.text_dim": span(0),
     "model.text_len": span(0),
     "data.resolution": _RESOLUTION,
@@ -393,6 +394,12 @@ FREE_FORM: Dict[str, str] = {
     "data.files": "file names, read when the data is built",
     "data.cache_dir": "a folder, created when needed",
     "data.buckets": "a list of BucketConfig, each checked by validate_buckets",
+    "data.captions": "'sidecar', a manifest path or 'templates', checked by validate_captions",
+    "data.caption_templates": "format strings with {class} / {class_word}, filled when the data is built",
+    "data.text_embeddings": "a store folder, opened when training starts",
+    "data.text_encoder": "'tiny' or a local encoder folder, read when training or sampling starts",
+    "sampler.prompts": "caption strings",
+    "eval.unseen_prompt_templates": "format strings with {class} / {class_word}",
     "trainer.resume": "'auto' | 'never' | a checkpoint, found when training starts",
     "trainer.init_from": "a weights file, read when training starts",
     "trainer.init_from_timm": "a weights file, read when training starts",
@@ -643,6 +650,51 @@ def _check_run(cfg: "DictConfig") -> None:
           "data.class_per_shot=true needs shots: set data.scene_cut_threshold (e.g. 10)")
 
 
+CAPTION_MANIFESTS = (".jsonl", ".csv")  # data.captions: a manifest path ends with one of these
+FILE_DATASETS = ("image_folder", "video_folder")  # data sets whose items come from files (sidecars, manifests)
+
+
+def validate_captions(d: "DictConfig") -> None:
+    """Rules of ``data.captions`` (any run, any command): a known source (``sidecar``, a ``.jsonl``
+    / ``.csv`` manifest path, ``templates``); a file source only for data sets of files; templates
+    given for ``templates``. Each fails before any data is read.
+
+    Raises ``ValueError`` naming the option and the fix."""
+    src = d.captions
+    if src is None:
+        return
+    templates = src == "templates"
+    _fail(templates or src == "sidecar" or any(str(src).lower().endswith(e) for e in CAPTION_MANIFESTS),
+          f"data.captions={src}: use sidecar (a <name>.txt next to each file), the path of a .jsonl or .csv "
+          "manifest (relative to data.root), or templates (with data.caption_templates)")
+    _fail(templates or d.name in FILE_DATASETS,
+          f"data.captions={src} reads the captions of files, but data.name={d.name} has no files: use "
+          "data.captions=templates with data.caption_templates, e.g. "
+          "'data.caption_templates=[\"a handwritten {class_word}\",\"the digit {class}\"]'")
+    _fail(not templates or len(d.caption_templates) > 0,
+          "data.captions=templates needs data.caption_templates=[...], e.g. "
+          "'data.caption_templates=[\"a handwritten {class_word}\",\"the digit {class}\"]'")
+
+
+def validate_text_run(cfg: "DictConfig") -> None:
+    """Rules of training a text-conditional model (``model.text_dim > 0``): the items need
+    captions (``data.captions``) and the run the captions' precomputed embeddings
+    (``data.text_embeddings``). Checked by the trainer before any process group; ``vitp-plan``,
+    ``vitp-sample`` and ``vitp-encode-captions`` need neither, so :func:`validate_config` leaves it out.
+
+    Raises ``ValueError`` naming the option and the fix."""
+    m, d = cfg.model, cfg.data
+    if not m.text_dim:
+        return
+    _fail(d.captions is not None,
+          f"model.text_dim={m.text_dim} trains on captions, but data.captions is unset: set data.captions=sidecar "
+          "(a <name>.txt next to each file), a .jsonl/.csv manifest path, or templates (with data.caption_templates)")
+    _fail(bool(d.text_embeddings),
+          f"model.text_dim={m.text_dim} needs the captions' precomputed embeddings, but data.text_embeddings is "
+          "unset: run vitp-encode-captions --encoder <local encoder folder> --out DIR <this run's data overrides>, "
+          "then set data.text_embeddings=DIR")
+
+
 def _check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution") -> None:
     """Raise ``ValueError`` unless both sides of ``hw`` divide by the patch size ``p``, naming the
     nearest valid sizes and the patch sizes this size allows."""
@@ -859,6 +911,7 @@ def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_
     check_keys(cfg)
     check_fields(cfg)
     _check_run(cfg)
+    validate_captions(cfg.data)
     validate_model(cfg.model)
     validate_buckets(cfg)
     return None if world_size is None else validate_layout(cfg, world_size, device_type)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Tuple
+from pathlib import Path
+from typing import Any, List, Tuple
 
 import numpy as np
 
@@ -11,10 +12,10 @@ from vitp.config import DataConfig
 from vitp.data.base import KeyedDataset, KeyedSubset
 from vitp.data.images import DigitsDataset, ImageFolderDataset, SyntheticDataset
 from vitp.data.photos import resolve_photo_root
-from vitp.data.text import dataset_captions, item_captions
+from vitp.data.text import CAPTION_SOURCES, item_captions, text_embeddings_pending
 from vitp.data.video import VideoFolderDataset
 
-__all__ = ["DATASET_NAMES", "build_datasets", "dataset_captions", "stratified_split"]
+__all__ = ["DATASET_NAMES", "build_datasets", "dataset_captions", "ensure_text_embeddings", "stratified_split"]
 
 log = logging.getLogger(__name__)
 
@@ -163,3 +164,34 @@ def _heldout_folder(cfg: DataConfig, train: KeyedDataset, seed: int) -> KeyedDat
                          f"data.root has {', '.join(train.classes[:10])}; give both folders the same class "
                          f"subfolders")
     return held
+
+
+def dataset_captions(data_cfg: Any, seed: int = 0) -> List[str]:
+    """Every caption of the data set ``data_cfg`` describes (training and held-out items, in
+    item order, duplicates kept): what ``vitp-encode-captions`` encodes.
+
+    Raises ``ValueError`` when ``data.captions`` is unset, and what building the data raises.
+    """
+    if data_cfg.captions is None:
+        raise ValueError(f"data.captions is unset: choose where captions come from ({CAPTION_SOURCES}), or give "
+                         "vitp-encode-captions --captions FILE")
+    train, held = build_datasets(data_cfg, seed)
+    return [c for ds in (train, held) for c in ds.captions]
+
+
+def ensure_text_embeddings(cfg: Any) -> bool:
+    """Encode the data set's captions into ``data.text_embeddings`` (what ``vitp-encode-captions``
+    does, on the training device) when a text-conditional run names its encoder
+    (``data.text_encoder``) and no store is there yet, so that a demo trains in one command.
+    Returns whether it encoded. Call it on one process and let the others wait."""
+    from vitp.text import TextEncoder, write_store
+
+    d, m = cfg.data, cfg.model
+    if not text_embeddings_pending(cfg):
+        return False
+    enc = TextEncoder(d.text_encoder, device="auto", max_length=m.text_len or None)
+    captions = dataset_captions(d, cfg.seed)
+    log.info(f"encoding {len(captions)} captions with the text encoder {enc.record['name']} into {d.text_embeddings} "
+             "(vitp-encode-captions does this ahead of training)")
+    write_store(d.text_embeddings, captions, enc, progress=False)
+    return True

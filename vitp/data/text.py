@@ -124,23 +124,29 @@ def open_text_embeddings(cfg: Any) -> Any:
     """The caption embeddings of a text-conditional run (``cfg.model.text_dim > 0``), checked
     against the model and, when ``data.text_encoder`` is set, against that encoder.
 
-    Raises ``ValueError`` when ``data.text_embeddings`` is unset or the store's channels /
-    token count differ from ``model.text_dim`` / ``model.text_len``; the store's own errors
-    (missing, truncated, another encoder: :class:`vitp.text.TextEmbeddings`).
+    Raises ``ValueError`` when ``data.text_embeddings`` is unset, the store's channels /
+    token count differ from ``model.text_dim`` / ``model.text_len``, or its encoder (config hash,
+    channels) is not ``data.text_encoder``; the store's own errors (missing, truncated:
+    :class:`vitp.text.TextEmbeddings`) and the encoder's (:func:`vitp.text.encoder_record`).
     """
     from vitp.text import TextEmbeddings
+    from vitp.text.store import check_encoder
 
     d, m = cfg.data, cfg.model
     if not d.text_embeddings:
         raise ValueError("model.text_dim > 0 needs precomputed caption embeddings: run vitp-encode-captions --encoder "
                          "<local encoder> --out DIR <data overrides>, then set data.text_embeddings=DIR")
-    expect = None
+    store = TextEmbeddings(d.text_embeddings)
     if d.text_encoder:
         from vitp.text.encoder import encoder_record
 
         rec = encoder_record(d.text_encoder)
-        expect = {k: rec[k] for k in ("config_sha256", "hidden_size", "weights_fingerprint")}
-    store = TextEmbeddings(d.text_embeddings, expect=expect)
+        same = ("config_sha256", "hidden_size", "weights_fingerprint")
+        check_encoder(store.encoder, {k: rec[k] for k in same if k in store.encoder}, store.path,
+                      label=f"data.text_encoder={d.text_encoder}", fix=(
+                          f"set data.text_encoder to the encoder that made them ({store.encoder['path']}), or encode "
+                          f"the captions with data.text_encoder (vitp-encode-captions --encoder {d.text_encoder} "
+                          "--out NEW_DIR <this run's data overrides>) and set data.text_embeddings=NEW_DIR"))
     if store.dim != m.text_dim:
         raise ValueError(f"model.text_dim={m.text_dim} but the caption embeddings in {store.path} have {store.dim} "
                          f"channels (encoder {store.encoder['name']}); set model.text_dim={store.dim}")
@@ -150,11 +156,11 @@ def open_text_embeddings(cfg: Any) -> Any:
     return store
 
 
-def conditioning(cfg: Any) -> Any:
-    """:class:`TextConditioning` over :func:`open_text_embeddings` when ``model.text_dim > 0``,
-    else :class:`ClassConditioning` of ``model.num_classes``."""
+def conditioning(cfg: Any, store: Any = None) -> Any:
+    """:class:`TextConditioning` over ``store`` (default: :func:`open_text_embeddings`) when
+    ``model.text_dim > 0``, else :class:`ClassConditioning` of ``model.num_classes``."""
     if cfg.model.text_dim:
-        return TextConditioning(open_text_embeddings(cfg))
+        return TextConditioning(store if store is not None else open_text_embeddings(cfg))
     return ClassConditioning(cfg.model.num_classes)
 
 
@@ -180,30 +186,17 @@ class CaptionIds(KeyedDataset):
             except KeyError:
                 missing.append(c)
         if missing:
-            raise ValueError(f"{len(missing)} caption(s) of the data set are not in the caption embeddings at "
-                             f"{store.path} (e.g. {missing[0]!r}): they were encoded from other data; re-run "
-                             "vitp-encode-captions with this data config")
+            raise ValueError(f"{len(missing)} of the data set's {len(known) + len(missing)} distinct captions are not "
+                             f"in the caption embeddings at {store.path} (data.text_embeddings; e.g. {missing[0]!r}): "
+                             "they were encoded from other data or captions; encode this run's captions with "
+                             "vitp-encode-captions --encoder <encoder> --out DIR <this run's data overrides> and set "
+                             "data.text_embeddings=DIR")
         self.ids = np.array([known[c] for c in captions], dtype=np.int64)
 
     def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
         index, aug_seed = parse_key(key, len(self))
         x, _ = self.dataset[(index, aug_seed)]
         return x, int(self.ids[index])
-
-
-def dataset_captions(data_cfg: Any, seed: int = 0) -> List[str]:
-    """Every caption of the data set ``data_cfg`` describes (training and held-out items, in
-    item order, duplicates kept): what ``vitp-encode-captions`` encodes.
-
-    Raises ``ValueError`` when ``data.captions`` is unset, and what building the data raises.
-    """
-    from .build import build_datasets
-
-    if data_cfg.captions is None:
-        raise ValueError(f"data.captions is unset: choose where captions come from ({CAPTION_SOURCES}), or give "
-                         "vitp-encode-captions --captions FILE")
-    train, held = build_datasets(data_cfg, seed)
-    return [c for ds in (train, held) for c in ds.captions]
 
 
 class PromptConditioning:
@@ -271,19 +264,9 @@ def grid_prompts(cfg: Any, datasets: Sequence[Any]) -> List[str]:
     return list(seen)
 
 
-def ensure_text_embeddings(cfg: Any) -> bool:
-    """Encode the data set's captions into ``data.text_embeddings`` (what ``vitp-encode-captions``
-    does, on the training device) when a text-conditional run names its encoder
-    (``data.text_encoder``) and no store is there yet, so that a demo trains in one command.
-    Returns whether it encoded. Call it on one process and let the others wait."""
-    from vitp.text import TextEncoder, write_store
-
+def text_embeddings_pending(cfg: Any) -> bool:
+    """Whether :func:`vitp.data.build.ensure_text_embeddings` will encode: a text-conditional run naming its
+    encoder (``data.text_encoder``) whose ``data.text_embeddings`` holds no store yet."""
     d, m = cfg.data, cfg.model
-    if not (m.text_dim and d.text_embeddings and d.text_encoder) or (Path(d.text_embeddings) / "index.json").is_file():
-        return False
-    enc = TextEncoder(d.text_encoder, device="auto", max_length=m.text_len or None)
-    captions = dataset_captions(d, cfg.seed)
-    log.info(f"encoding {len(captions)} captions with the text encoder {enc.record['name']} into {d.text_embeddings} "
-             "(vitp-encode-captions does this ahead of training)")
-    write_store(d.text_embeddings, captions, enc, progress=False)
-    return True
+    return bool(m.text_dim and d.text_embeddings and d.text_encoder) and \
+        not (Path(d.text_embeddings) / "index.json").is_file()

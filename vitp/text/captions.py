@@ -84,8 +84,9 @@ def manifest_path(root: Path, source: str) -> Path:
     path = Path(source).expanduser()
     path = path if path.is_absolute() else Path(root) / path
     if not path.is_file():
-        raise FileNotFoundError(f"caption manifest {path} not found (a relative path is read from the data root "
-                                f"{root})")
+        raise FileNotFoundError(f"caption manifest {path} not found (data.captions={source}; a relative path is read "
+                                f"from the data root {root}): write it, one {{\"file\": ..., \"caption\": ...}} "
+                                "per line (.jsonl) or a header with file and caption columns (.csv), or give its path")
     return path
 
 

@@ -77,10 +77,13 @@ def _settings(head: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def describe_encoder(enc: Dict[str, Any]) -> str:
-    """``name (hidden_size channels, config <sha prefix>)`` of an encoder record (or part of one)."""
+    """``name (hidden_size channels, config <sha prefix>)`` of an encoder record (or part of one;
+    without a name, the part in parentheses alone)."""
     parts = [f"{enc['hidden_size']} channels"] if "hidden_size" in enc else []
     parts += [f"config {enc['config_sha256'][:12]}"] if "config_sha256" in enc else []
-    return f"{enc.get('name', '?')} ({', '.join(parts)})" if parts else str(enc.get("name", "?"))
+    if "name" not in enc:
+        return ", ".join(parts) or "?"
+    return f"{enc['name']} ({', '.join(parts)})" if parts else str(enc["name"])
 
 
 def _difference(old: Dict[str, Any], new: Dict[str, Any]) -> str:
@@ -155,18 +158,22 @@ def read_index(path: Path) -> Dict[str, Any]:
     return index
 
 
-def check_encoder(found: Dict[str, Any], expect: Dict[str, Any], where: Any) -> None:
+def check_encoder(found: Dict[str, Any], expect: Dict[str, Any], where: Any, label: Optional[str] = None,
+                  fix: Optional[str] = None) -> None:
     """Raise ``ValueError`` (naming both encoders) when the encoder record ``found`` of the store
     ``where`` differs from ``expect`` in any of its keys :data:`EXPECT_KEYS`; ``ValueError`` too
-    for a key of ``expect`` outside them."""
+    for a key of ``expect`` outside them. ``label`` names where ``expect`` came from (e.g.
+    ``data.text_encoder=PATH``), ``fix`` replaces the default advice of the message."""
     unknown = sorted(set(expect) - set(EXPECT_KEYS))
     if unknown:
         raise ValueError(f"expect={expect}: unknown keys {unknown}; use {', '.join(EXPECT_KEYS)}")
     bad = [k for k in EXPECT_KEYS if k in expect and found.get(k) != expect[k]]
     if bad:
-        raise ValueError(f"{where}: embeddings made by encoder {describe_encoder(found)}, the run expects "
-                         f"{describe_encoder(expect)} (differs in {', '.join(bad)}); encode the captions with the "
-                         f"run's encoder (vitp-encode-captions --encoder ...) or point the run at a store made by it")
+        run = f"{label} ({describe_encoder(expect)})" if label else f"the run's encoder {describe_encoder(expect)}"
+        fix = fix or ("encode the captions with the run's encoder (vitp-encode-captions --encoder ...) or point the "
+                      "run at a store made by it")
+        raise ValueError(f"{where}: embeddings made by encoder {describe_encoder(found)}, not by {run}: they differ "
+                         f"in {', '.join(bad)}; {fix}")
 
 
 # ----------------------------------------------------------------------------------------- writing

@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 import vitp.deepspeed_adapter as ds  # noqa: E402
-from vitp.config import validate_config  # noqa: E402
+from vitp.config import validate_config, validate_text_run  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.utils import atomic_write_text  # noqa: E402
 
@@ -57,14 +57,17 @@ def write_run_config(run_dir: Path, cfg: DictConfig, overrides: Optional[list]) 
 def check_config(cfg: DictConfig, device: Optional[torch.device] = None) -> Optional[Any]:
     """The checks that need no process group, for a launch on ``device`` (default:
     ``trainer.device``) with the world size of the environment (``WORLD_SIZE``, 1 without a
-    launcher): the whole config (:func:`vitp.config.validate_config`) and, unless
+    launcher): the whole config (:func:`vitp.config.validate_config`), a text model's captions
+    and embeddings options (:func:`vitp.config.validate_text_run`) and, unless
     ``parallel.auto`` (whose layout the planner chooses later), the layout. Returns the
     :class:`vitp.config.Layout` (``None`` with ``parallel.auto``).
 
     Raises ``ValueError`` naming the key and the valid values.
     """
     device = device or dist.resolve_device(cfg.trainer.device)
-    return validate_config(cfg, None if cfg.parallel.auto else dist.world_size(), device.type)
+    layout = validate_config(cfg, None if cfg.parallel.auto else dist.world_size(), device.type)
+    validate_text_run(cfg)
+    return layout
 
 
 def _warn_without_effect(cfg: DictConfig) -> None:
@@ -83,7 +86,9 @@ class Trainer:
 
     The constructor checks before it writes, in this order: the config, and unless
     ``parallel.auto`` the layout against the world size of the environment (``WORLD_SIZE``), before
-    any process group exists (:func:`check_config`); then the process group (with ``parallel.auto``
+    any process group exists (:func:`check_config`); a text model's caption embeddings (opened and
+    checked against the model and ``data.text_encoder``, :func:`vitp.data.text.open_text_embeddings`);
+    then the process group (with ``parallel.auto``
     the planner chooses the layout, :mod:`.autolayout`, keeping the keys named in ``overrides``,
     and the layout is checked); the planner's memory and step time of that layout (:mod:`.preflight`:
     refused when it does not fit, a warning when a step is slow); the data; the run directory's lock (rank 0 owns the folder while
@@ -127,6 +132,12 @@ class Trainer:
         self.layout = check_config(cfg, self.device)  # None with parallel.auto
         if not cfg.parallel.auto:
             _warn_without_effect(cfg)
+        self.text_store = None  # a missing, damaged or mismatched store is refused before any process group
+        if cfg.model.text_dim:
+            from vitp.data.text import open_text_embeddings, text_embeddings_pending
+
+            if not text_embeddings_pending(cfg):  # else vitp-train encodes the captions first (_build_data)
+                self.text_store = open_text_embeddings(cfg)
         dist.init_distributed(self.device)
         self.auto = None  # parallel=auto: the planner's choice, written into cfg (.autolayout)
         if cfg.parallel.auto:
@@ -162,12 +173,13 @@ class Trainer:
     def _build_data(self) -> None:
         from vitp.data import build_datasets
         from vitp.data.loader import BatchSchedule
-        from vitp.data.text import CaptionIds, conditioning, ensure_text_embeddings
+        from vitp.data.build import ensure_text_embeddings
+        from vitp.data.text import CaptionIds, conditioning
 
         cfg = self.cfg
         self.train_ds, self.heldout_ds = build_datasets(cfg.data, cfg.seed)
         self._on_main_first(lambda: ensure_text_embeddings(cfg))  # the demo's one-command caption encoding
-        self.conditioning = conditioning(cfg)  # class labels, or the caption embeddings (vitp.data.text)
+        self.conditioning = conditioning(cfg, self.text_store)  # class labels, or caption embeddings (vitp.data.text)
         if self.conditioning.text:
             store = self.conditioning.store
             self.train_ds, self.heldout_ds = CaptionIds(self.train_ds, store), CaptionIds(self.heldout_ds, store)

@@ -68,6 +68,6 @@ def test_bad_manifests(root, name, text, error, message):
 
 
 def test_a_missing_manifest_is_named(root):
-    with pytest.raises(FileNotFoundError, match=r"caption manifest .*/nope.jsonl not found \(a relative path is read "
+    with pytest.raises(FileNotFoundError, match=r"caption manifest .*/nope.jsonl not found \(data.captions=nope.jsonl; a relative path is read "
                                                 r"from the data root"):
         read_captions(root, FILES, "nope.jsonl")

@@ -158,8 +158,8 @@ def test_format_version_and_encoder_checks(store, tiny, tmp_path):
     (out / INDEX).write_text(json.dumps(index))
     assert TextEmbeddings(out, expect={"hidden_size": 32, "config_sha256": tiny.record["config_sha256"]}).dim == 32
     with pytest.raises(ValueError, match=r"emb: embeddings made by encoder tiny-t5 \(32 channels, config "
-                                         r"[0-9a-f]{12}\), the run expects t5-v1_1-xxl \(4096 channels\) "
-                                         r"\(differs in hidden_size, name\)"):
+                                         r"[0-9a-f]{12}\), not by the run's encoder t5-v1_1-xxl \(4096 channels\): "
+                                         r"they differ in hidden_size, name"):
         TextEmbeddings(out, expect={"name": "t5-v1_1-xxl", "hidden_size": 4096})
     with pytest.raises(ValueError, match=r"unknown keys \['width'\]"):
         TextEmbeddings(out, expect={"width": 32})

@@ -1,0 +1,97 @@
+"""Where captions come from, checked before any data is read (vitp.config.validate_captions,
+validate_text_run), and a ``.csv`` manifest on an image folder (vitp.data.text.item_captions)."""
+import logging
+
+import numpy as np
+import pytest
+
+from tests.helpers import compose_cfg
+from vitp.config import validate_config, validate_text_run
+from vitp.data import build_datasets
+
+TEMPLATES = 'data.caption_templates=["a handwritten {class_word}"]'
+FOLDER = ["data=image_folder", "data.root=/data/photos", "data.num_classes=2"]
+
+
+@pytest.mark.parametrize("over, message", [
+    (["data.captions=sidecar"], "data.captions=sidecar reads the captions of files, but data.name=digits has no "
+                                "files: use data.captions=templates with data.caption_templates, e.g."),
+    (["data=synthetic", "data.captions=captions.jsonl"], "data.captions=captions.jsonl reads the captions of files, "
+                                                         "but data.name=synthetic has no files"),
+    ([*FOLDER, "data.captions=captions.json"], "data.captions=captions.json: use sidecar (a <name>.txt next to each "
+                                               "file), the path of a .jsonl or .csv manifest"),
+    (["data.captions=templates"], "data.captions=templates needs data.caption_templates=[...], e.g."),
+])
+def test_a_caption_source_the_data_cannot_have_is_refused_by_the_config_check(over, message):
+    cfg = compose_cfg(over)
+    with pytest.raises(ValueError) as e:
+        validate_config(cfg)
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("over", [
+    [*FOLDER, "data.captions=sidecar"],
+    ["data=video_folder", "data.root=/data/clips", "data.num_classes=2", "data.captions=meta/Captions.CSV"],
+    ["data.captions=templates", TEMPLATES],
+    [],
+])
+def test_caption_sources_the_data_can_have_pass(over):
+    validate_config(compose_cfg(over))
+
+
+@pytest.mark.parametrize("over, message", [
+    ([TEMPLATES, "data.text_embeddings=/emb"], "model.text_dim=32 trains on captions, but data.captions is unset: set "
+                                              "data.captions=sidecar"),
+    (["data.captions=templates", TEMPLATES], "model.text_dim=32 needs the captions' precomputed embeddings, but "
+                                             "data.text_embeddings is unset: run vitp-encode-captions --encoder"),
+])
+def test_training_a_text_model_needs_captions_and_their_embeddings(over, message):
+    cfg = compose_cfg(["model.text_dim=32", *over])
+    validate_config(cfg)  # vitp-plan, vitp-sample: a text model's shape needs no store
+    with pytest.raises(ValueError) as e:
+        validate_text_run(cfg)
+    assert str(e.value).startswith(message)
+
+
+def test_a_text_run_with_captions_and_embeddings_or_a_class_run_passes():
+    validate_text_run(compose_cfg(["model.text_dim=32", "data.captions=templates", TEMPLATES,
+                                   "data.text_embeddings=/emb"]))
+    validate_text_run(compose_cfg(["data.text_embeddings=/emb"]))  # model.text_dim=0: class-conditional
+
+
+def _png(path, value):
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(path)
+
+
+def test_a_csv_manifest_captions_an_image_folder(tmp_path, caplog):
+    """Open-Sora's column names (path, text), a quoted caption with a comma, a row naming no file
+    (counted), a file without a row (skipped), paths relative to the root."""
+    root = tmp_path / "photos"
+    for cls, k in [("cat", 0), ("cat", 1), ("cat", 2), ("dog", 0), ("dog", 1), ("dog", 2)]:
+        _png(root / cls / f"{k}.png", 40 * k + (100 if cls == "dog" else 0))
+    (root / "captions.csv").write_text(
+        "text,path\n"
+        '"a cat, sitting",cat/0.png\n'
+        "a grey cat,./cat/1.png\n"
+        "  a dog  ,dog/0.png\n"
+        "a dog again,dog/1.png\n"
+        "a dog at last,dog/2.png\n"
+        "a bird,bird/0.png\n")
+    cfg = compose_cfg([*FOLDER, f"data.root={root}", "data.resolution=8", "data.channels=3",
+                       "data.captions=captions.csv", "data.holdout_fraction=0"]).data
+    with caplog.at_level(logging.WARNING, logger="vitp.data.text"):
+        train, held = build_datasets(cfg, seed=0)
+    assert len(held) == 0 and len(train) == 5
+    base = train.base
+    by_file = {f"{p.parent.name}/{p.name}": c for p, c in zip(base.files, base.captions)}
+    assert by_file == {"cat/0.png": "a cat, sitting", "cat/1.png": "a grey cat", "cat/2.png": None,
+                       "dog/0.png": "a dog", "dog/1.png": "a dog again", "dog/2.png": "a dog at last"}
+    assert [base.captions[i] for i in train.indices] == ["a cat, sitting", "a grey cat", "a dog", "a dog again",
+                                                        "a dog at last"]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert f"1 of 6 files under {root} have no caption (captions.csv): 1 item(s) skipped " \
+           "(data.missing_caption=skip)" in warnings
+    assert "1 caption entries of captions.csv name no file of the data set" in warnings
