@@ -97,3 +97,46 @@ def test_caption_drop_changes_the_loss(text_setup, reference):
     root, over = text_setup
     res = _train(0, [*over, "objective.label_drop=0.0"], str(root / "nodrop"))
     assert res["losses"][0] != pytest.approx(reference["losses"][0], rel=1e-6)
+
+
+def test_resume_mid_run_equals_the_uninterrupted_run(text_setup, reference):
+    """Stopped after step 2 and resumed: the caption drop and noise of steps 3-4 are the same draws."""
+    root, over = text_setup
+    run = root / "resume"
+    first = _train(0, [*over, "trainer.exit_at_step=2"], str(run))
+    second = _train(0, over, str(run))
+    assert first["losses"] + second["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+
+
+def test_sample_with_prompts_from_the_store_and_from_the_encoder(text_setup, reference, capsys):
+    """A prompt the store holds and one it does not (encoded with the run's local encoder): one
+    captioned row each; a class request to a text model is refused in one line."""
+    from PIL import Image
+
+    from vitp.cli.sample import main
+
+    root, _ = text_setup
+    out = root / "prompts.png"
+    main([str(root / "ref"), "--prompt", "the digit 7", "--prompt", "the number 7", "--num", "2",
+          "--out", str(out), "sampler.steps=2"])
+    assert "2 prompts x 2 samples" in capsys.readouterr().out
+    w, h = Image.open(out).size
+    assert w > h  # the caption band to the left of the 2 x 2 grid
+    with pytest.raises(SystemExit) as e:
+        main([str(root / "ref"), "--classes", "3"])
+    assert e.value.code == 2
+    assert "text-conditional: give --prompt" in capsys.readouterr().err
+
+
+def test_eval_measures_prompt_accuracy_per_phrasing(text_setup, reference):
+    """vitp-eval on a text run: held-out loss with the captions, and the judge's accuracy of
+    samples for every (template, digit) prompt, seen and unseen phrasings apart."""
+    from vitp.cli.eval import run
+
+    root, _ = text_setup
+    res = run([str(root / "ref"), "eval.classifier_epochs=1", "eval.num_samples=20", "eval.prompt_samples=1",
+               "eval.unseen_prompt_templates=[\"the number {class}\"]"])
+    assert res["heldout_loss"] > 0
+    assert {"prompt_accuracy_seen", "prompt_accuracy_unseen", "prompt_accuracy/the digit {class}",
+            "prompt_accuracy/the number {class}"} <= set(res)
+    assert 0.0 <= res["prompt_accuracy_seen"] <= 1.0

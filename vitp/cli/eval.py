@@ -82,8 +82,10 @@ def main(argv: Optional[list] = None) -> None:
     run_cli("vitp-eval", run, argv)
 
 
-def load_for_eval(run_dir: Path, weights: str, overrides: list) -> Tuple[DictConfig, Any, Any, Any, Optional[dict]]:
-    """``(cfg, generator, train_ds, heldout_ds, heldout per bucket or None)`` of a finished run:
+def load_for_eval(run_dir: Path, weights: str, overrides: list
+                  ) -> Tuple[DictConfig, Any, Any, Any, Optional[dict], Any]:
+    """``(cfg, generator, train_ds, heldout_ds, heldout per bucket or None, conditioning)`` of a
+    finished run (:func:`vitp.data.text.conditioning`: class labels or the caption embeddings):
     its config with ``overrides`` (validated), the weights file ``run_dir/weights`` (an
     interrupted run without ``model_ema.safetensors``: its latest checkpoint's EMA), and the
     run's data split. Raises ``FileNotFoundError`` / ``ValueError`` on a missing or foreign file."""
@@ -93,14 +95,17 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list) -> Tuple[DictCon
         raise PermissionError(f"{run_dir} is not writable: vitp-eval writes eval.json (and the digits judge's "
                               f"cache) there; evaluate a copy of the run")
     gen = load_generator_for(weights_path(run_dir, weights), cfg)
-    train_ds, heldout_ds = build_datasets(cfg.data, cfg.seed)
+    from vitp.data.text import conditioned, conditioning
+
+    cond = conditioning(cfg)  # class labels, or the run's caption embeddings
+    train_ds, heldout_ds = conditioned(cond, *build_datasets(cfg.data, cfg.seed))
     per_bucket = None
     if cfg.data.buckets:  # held-out loss per shape bucket, items assigned as in training
         from vitp.data.buckets import bucket_datasets, buckets_of
 
         pairs = bucket_datasets(cfg.data, cfg.seed, build_datasets)
-        per_bucket = {b.name: ho for b, (_, ho) in zip(buckets_of(cfg.data), pairs)}
-    return cfg, gen, train_ds, heldout_ds, per_bucket
+        per_bucket = {b.name: conditioned(cond, ho)[0] for b, (_, ho) in zip(buckets_of(cfg.data), pairs)}
+    return cfg, gen, train_ds, heldout_ds, per_bucket, cond
 
 
 def run(argv: Optional[list] = None) -> dict:
@@ -112,9 +117,10 @@ def run(argv: Optional[list] = None) -> dict:
                                                             "e.g. sampler.cfg_scale=2.0 sampler.steps=50")
     a = p.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg, gen, train_ds, heldout_ds, per_bucket = load_for_eval(a.run_dir, a.weights, a.overrides)
+    cfg, gen, train_ds, heldout_ds, per_bucket, cond = load_for_eval(a.run_dir, a.weights, a.overrides)
     step = weights_step(a.run_dir, a.weights)  # the weights', not the run's last logged step
-    res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=step, buckets=per_bucket)
+    res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=step, buckets=per_bucket,
+                   conditioning=cond)
     print(json.dumps(res, indent=2))
     return res
 

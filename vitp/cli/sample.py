@@ -166,6 +166,10 @@ def _conditioning(a: argparse.Namespace, cfg: Any, meta: dict) -> Tuple[Any, Lis
 
     store = _run_store(cfg, meta)
     text = json.loads(meta.get("text_encoder", "{}")) if meta.get("text_encoder") else {}
+    trained = (text.get("encoder") or {}).get("config_sha256")
+    if store is not None and trained and store.encoder.get("config_sha256") != trained:
+        raise ValueError(f"the caption embeddings at {store.path} were made by encoder {store.encoder['name']}, but "
+                         f"this model was trained on {text['encoder'].get('name')}'s: use a store of that encoder")
     encoder = (cfg.data.text_encoder or (text.get("encoder") or {}).get("path")
                or (store.encoder.get("path") if store is not None else None))  # the recorded local path
     device = str(resolve_device(cfg.trainer.device))

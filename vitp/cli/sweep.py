@@ -181,7 +181,7 @@ def eval_sweep(run_dir: Path, overrides: List[str], name: Optional[str] = None,
     sw = parse_overrides(overrides)
     check_eval_keys(sw)
     sort_rows([], sw.keys, sort)  # an unknown --sort column fails before any work
-    cfg, gen, train_ds, heldout_ds, per_bucket = load_for_eval(Path(run_dir), weights, sw.fixed)
+    cfg, gen, train_ds, heldout_ds, per_bucket, cond = load_for_eval(Path(run_dir), weights, sw.fixed)
     cfgs = [apply_overrides(cfg, combo, "vitp-sweep eval", EVAL_KEYS) for combo in sw.combos]
     for c in cfgs:
         validate_config(c)  # every setting checked before the first evaluation
@@ -191,7 +191,7 @@ def eval_sweep(run_dir: Path, overrides: List[str], name: Optional[str] = None,
     for i, (c, label) in enumerate(zip(cfgs, sw.labels)):
         d, t0 = out / slug(label, i), time.perf_counter()
         res = evaluate(gen, c, train_ds, heldout_ds, Path(run_dir), full=True, step=step, buckets=per_bucket,
-                       out=d / "eval.json")
+                       out=d / "eval.json", conditioning=cond)
         rows.append(make_row(label, res, d.name, time.perf_counter() - t0))
         log.info("setting %d/%d %s done", i + 1, len(cfgs), label)
     return write_comparison(rows, sw.keys, out, f"sampler sweep of {run_dir} ({weights}) " + " ".join(sw.fixed), sort)

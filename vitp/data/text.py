@@ -270,3 +270,11 @@ def text_embeddings_pending(cfg: Any) -> bool:
     d, m = cfg.data, cfg.model
     return bool(m.text_dim and d.text_embeddings and d.text_encoder) and \
         not (Path(d.text_embeddings) / "index.json").is_file()
+
+
+def conditioned(conditioning_: Any, *datasets: Any) -> List[Any]:
+    """``datasets`` as the model reads them under ``conditioning_``: unchanged for class labels,
+    :class:`CaptionIds` over the store of a :class:`TextConditioning` (items ``(x, caption id)``)."""
+    if not getattr(conditioning_, "text", False):
+        return list(datasets)
+    return [CaptionIds(ds, conditioning_.store) for ds in datasets]

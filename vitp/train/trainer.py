@@ -174,15 +174,13 @@ class Trainer:
         from vitp.data import build_datasets
         from vitp.data.loader import BatchSchedule
         from vitp.data.build import ensure_text_embeddings
-        from vitp.data.text import CaptionIds, conditioning
+        from vitp.data.text import conditioned, conditioning
 
         cfg = self.cfg
         self.train_ds, self.heldout_ds = build_datasets(cfg.data, cfg.seed)
         self._on_main_first(lambda: ensure_text_embeddings(cfg))  # the demo's one-command caption encoding
         self.conditioning = conditioning(cfg, self.text_store)  # class labels, or caption embeddings (vitp.data.text)
-        if self.conditioning.text:
-            store = self.conditioning.store
-            self.train_ds, self.heldout_ds = CaptionIds(self.train_ds, store), CaptionIds(self.heldout_ds, store)
+        self.train_ds, self.heldout_ds = conditioned(self.conditioning, self.train_ds, self.heldout_ds)
         self.schedule = BatchSchedule(len(self.train_ds), cfg.trainer.global_batch_size,
                                       cfg.trainer.micro_batch_size, self.layout.dp, cfg.seed)
         self.buckets = None
@@ -191,9 +189,7 @@ class Trainer:
 
             self.buckets = buckets_of(cfg.data)
             self.bucket_data = bucket_datasets(cfg.data, cfg.seed, build_datasets)
-            if self.conditioning.text:
-                store = self.conditioning.store
-                self.bucket_data = [(CaptionIds(tr, store), CaptionIds(ho, store)) for tr, ho in self.bucket_data]
+            self.bucket_data = [tuple(conditioned(self.conditioning, tr, ho)) for tr, ho in self.bucket_data]
             self.schedule = BucketSchedule([len(tr) for tr, _ in self.bucket_data], self.buckets,
                                            self.schedule.accumulation, self.layout.dp, cfg.seed)
             self._bucket = None
