@@ -171,7 +171,7 @@ def test_paths_come_from_the_job_environment(tmp_path):
 @pytest.mark.parametrize("hps, message", [
     ('{"trainer": {"max_step": 1}}', r"unknown config key trainer.max_step \(did you mean trainer.max_steps\?\)"),
     ('{"trainer.max_steps": "six"}', r"trainer.max_steps=six; Value 'six' of type 'str' could not be converted to Int"),
-    ('{"experiment": "nope"}', r"Could not find 'experiment/nope' Available options in 'experiment': img1024"),
+    ('{"experiment": "nope"}', r"Could not find 'experiment/nope' Available options in 'experiment': digits_text img1024"),
     ('{"model.mlp": "relu"}', r"Invalid value 'relu', expected one of \[gelu, swiglu\]"),
     ('{"trainer max_steps": 1}', r"hyperparameter 'trainer max_steps' is not a config key Hydra can parse"),
     ('{oops', r"SM_HPS is not valid JSON"),

@@ -54,7 +54,7 @@ def _fails(argv, capsys) -> str:
     (["trainer.max_steps"], "override 'trainer.max_steps' is not KEY=VALUE"),
     (["data.resolution=[1,2"], "cannot parse 'data.resolution=[1,2'"),
     (["trainer.max_step=10"], "unknown config key trainer.max_step (did you mean trainer.max_steps?)"),
-    (["experiment=img265"], "Could not find 'experiment/img265' Available options in 'experiment': img1024 img256"),
+    (["experiment=img265"], "Could not find 'experiment/img265' Available options in 'experiment': digits_text img1024 img256"),
     (["trainer.global_batch_size=0"], "trainer.global_batch_size=0: must be an integer >= 1"),
     (["model.mlp=relu"], "Error merging override model.mlp=relu; Invalid value 'relu', expected one of [gelu, swiglu]"),
     (["seed=1,2"], "override 'seed=1,2': a training job takes one value per key"),
