@@ -286,9 +286,15 @@ def test_a_store_of_another_encoder_is_refused(encoder, images, image_run, tmp_p
     assert theirs != ours
     msg = _refused([*image_run, f"data.text_encoder={other}"], tmp_path / "run", monkeypatch=monkeypatch)
     assert msg.startswith(f"{images[1]}: embeddings made by encoder t5 (32 channels, config {theirs}), not by "
-                          f"data.text_encoder={other} (32 channels, config {ours}): they differ in config_sha256; "
+                          f"data.text_encoder={other} (32 channels, config {ours}): they differ in config_sha256, "
+                          f"weights_fingerprint; "
                           f"set data.text_encoder to the encoder that made them ({encoder}), or encode the captions "
                           f"with data.text_encoder (vitp-encode-captions --encoder {other} --out NEW_DIR")
+    # same architecture, other weights (seed 1): the weights fingerprint tells them apart
+    reseeded = make_tiny_encoder(tmp_path / "reseeded", seed=1)
+    assert encoder_record(reseeded)["config_sha256"][:12] == theirs
+    msg = _refused([*image_run, f"data.text_encoder={reseeded}"], tmp_path / "run2", monkeypatch=monkeypatch)
+    assert "they differ in weights_fingerprint" in msg
     # the encoder that made the store passes
     from vitp.data.text import open_text_embeddings
     from vitp.config import compose
@@ -298,7 +304,7 @@ def test_a_store_of_another_encoder_is_refused(encoder, images, image_run, tmp_p
 
 def test_captions_not_in_the_store_are_refused(encoder, tmp_path):
     from vitp.config import compose
-    from vitp.data.text import dataset_captions
+    from vitp.data.build import dataset_captions
     from vitp.text import TextEncoder, write_store
 
     digits = ["experiment=smoke", *TEXT, "data.captions=templates", "trainer.max_steps=1"]

@@ -115,7 +115,17 @@ def test_sample_with_prompts_from_the_store_and_from_the_encoder(text_setup, ref
 
     from vitp.cli.sample import main
 
+    import json
+
+    from safetensors import safe_open
+
     root, _ = text_setup
+    with safe_open(str(root / "ref" / "model_ema.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["conditioning"] == "text"
+    recorded = json.loads(meta["text_encoder"])
+    assert recorded["encoder"]["hidden_size"] == 32 and len(recorded["encoder"]["config_sha256"]) == 64
+    assert recorded["embeddings"] == str((root / "emb").resolve()) and recorded["max_length"] == 24
     out = root / "prompts.png"
     main([str(root / "ref"), "--prompt", "the digit 7", "--prompt", "the number 7", "--num", "2",
           "--out", str(out), "sampler.steps=2"])
