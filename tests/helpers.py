@@ -125,6 +125,12 @@ PLAN_MODELS = {
           "model.depth=4", "model.num_heads=4", "model.mlp_ratio=4", "model.mlp=swiglu", "model.qk_norm=true",
           "model.attention=factorized"],
 }
+# "T": model S conditioned on captions (16 caption tokens of the demo encoder, 32 channels), its
+# store encoded by the first training run into TEXT_STORE (the test substitutes a folder)
+TEXT_STORE = "@TEXT_STORE@"
+PLAN_MODELS["T"] = [*PLAN_MODELS["S"], "data.captions=templates", 'data.caption_templates=["a {class_word}","class {class}"]',
+                    "data.text_encoder=tiny", f"data.text_embeddings={TEXT_STORE}", "model.text_dim=32",
+                    "model.text_len=16"]
 
 
 def plan_case(model: str, tp: int, pp: int, dp: int, sp: bool = False, ac: int = 0, extra=(), cp: int = 1) -> list:

@@ -682,9 +682,16 @@ def validate_text_run(cfg: "DictConfig") -> None:
     (``data.text_embeddings``). Checked by the trainer before any process group; ``vitp-plan``,
     ``vitp-sample`` and ``vitp-encode-captions`` need neither, so :func:`validate_config` leaves it out.
 
+    A class-conditional model (``model.text_dim=0``) given caption embeddings is refused too: it
+    would train on labels without a word about the captions.
+
     Raises ``ValueError`` naming the option and the fix."""
     m, d = cfg.model, cfg.data
     if not m.text_dim:
+        _fail(not d.text_embeddings,
+              f"data.text_embeddings={d.text_embeddings} is set but model.text_dim=0 trains on class labels: set "
+              "model.text_dim to the embeddings' channels (e.g. 4096 for T5-XXL, 32 for the demo encoder), or unset "
+              "data.text_embeddings")
         return
     _fail(d.captions is not None,
           f"model.text_dim={m.text_dim} trains on captions, but data.captions is unset: set data.captions=sidecar "

@@ -6,11 +6,14 @@ telemetry of real runs (metrics.jsonl, TensorBoard; comm/cp_bytes at cp=2)."""
 from __future__ import annotations
 
 import json
+import tempfile
+import uuid
+from pathlib import Path
 
 import pytest
 
 from tests.distributed.plan_measure import measure_rank, predicted_tp_comm
-from tests.helpers import compose_cfg, plan_case, run_ranks, train_rank
+from tests.helpers import TEXT_STORE, compose_cfg, plan_case, run_ranks, train_rank
 from vitp.parallel.comm import wire_bytes
 from vitp.plan import CP_TAGS, layout_of, stage_memory, step_comm
 
@@ -41,8 +44,14 @@ CASES = {
     "V cp2 1x1x2": plan_case("V", 1, 1, 2, cp=2, extra=[V16]),
     "V cp2 2x1x1 sp": plan_case("V", 2, 1, 1, sp=True, cp=2, extra=[V16]),
     "V cp2 1x2x1 bf16": plan_case("V", 1, 2, 1, cp=2, extra=[V16, "trainer.precision=bf16"]),
+    # text conditioning (cross-attention to 16 caption tokens): TP + SP, a pipeline, cp with TP
+    "T 2x1x2 sp": plan_case("T", 2, 1, 2, sp=True),
+    "T 1x2x2": plan_case("T", 1, 2, 2),
+    "T cp2 2x1x1": plan_case("T", 2, 1, 1, cp=2),
 }
-CP_CASES = [name for name in CASES if " cp" in name]
+_STORE = str(Path(tempfile.gettempdir()) / f"vitp-plan-text-{uuid.uuid4().hex[:8]}")
+CASES = {k: [o.replace(TEXT_STORE, _STORE) for o in v] for k, v in CASES.items()}
+CP_CASES = [name for name in CASES if " cp" in name and not name.startswith("T ")]  # text: estimated
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +89,7 @@ def test_memory_predictions_within_10_percent(measured):
         bad += [(r["case"], r["stage"], k, f"{e:+.1%}") for k, e in errs.items() if abs(e) > TOL]
         assert r["params"][0] == r["params"][1], r
         assert r["bucket"][0] == r["bucket"][1], r  # ZeRO-1's two gradient buckets, exactly
-    assert len({r["case"].split()[0] for r in rows}) == 2 and len(measured) >= 12
+    assert len({r["case"].split()[0] for r in rows}) == 3 and len(measured) >= 12
     assert not bad, bad
 
 

@@ -35,7 +35,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ``ValueError`` for a non-positive batch, shard or length."""
     p = argparse.ArgumentParser(prog="vitp-encode-captions", usage=USAGE, description=__doc__.splitlines()[0])
     p.add_argument("--encoder", type=Path, required=True,
-                   help="local folder of a transformers text encoder (config.json, weights, tokenizer)")
+                   help="local folder of a transformers text encoder (config.json, weights, tokenizer), or 'tiny' (the "
+                        "CPU demos' random T5, built in $VITP_CACHE_DIR/text-encoders)")
     p.add_argument("--out", type=Path, default=None, help="store folder (default: the data config's data.text_embeddings)")
     p.add_argument("--captions", type=Path, default=None,
                    help="encode these captions instead of the data set's: .txt (one per line) or .jsonl "
@@ -45,7 +46,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="encoder and stored dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N (default auto)")
     p.add_argument("--max-length", type=int, default=None,
-                   help="tokens per caption, padded / truncated (default: 120 for T5 / umT5, 77 for CLIP)")
+                   help="tokens per caption, padded / truncated (default: the overrides' model.text_len when set, else 120 "
+                        "for T5 / umT5, 77 for CLIP)")
     p.add_argument("--shard-size", type=int, default=4096, help="captions per shard file (default 4096)")
     p.add_argument("--overwrite", action="store_true", help="replace a store of other captions or settings in --out")
     p.add_argument("overrides", nargs="*", default=[],
@@ -87,7 +89,8 @@ def read_caption_file(path: Path) -> List[str]:
 
 def captions_and_out(a: argparse.Namespace) -> Tuple[List[str], Path, str]:
     """``(captions, store folder, where the captions came from)``: ``--captions`` or the data set
-    of the overrides; ``--out`` or its ``data.text_embeddings``. Raises ``ValueError`` when
+    of the overrides; ``--out`` or its ``data.text_embeddings``; without ``--max-length``, the
+    overrides' ``model.text_len`` when set. Raises ``ValueError`` when
     neither names the output folder."""
     cfg = None
     if a.captions is None or a.out is None:
@@ -97,6 +100,8 @@ def captions_and_out(a: argparse.Namespace) -> Tuple[List[str], Path, str]:
 
         cfg = compose_checked(a.overrides)
         out = a.out or OmegaConf.select(cfg, "data.text_embeddings", default=None)
+        if a.max_length is None and OmegaConf.select(cfg, "model.text_len", default=0):
+            a.max_length = int(cfg.model.text_len)  # the run's caption length (experiment=digits_text: 32)
         if out is None:
             raise ValueError("no output folder: pass --out DIR or set data.text_embeddings=DIR")
     if a.captions is not None:

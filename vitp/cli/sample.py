@@ -174,6 +174,10 @@ def _conditioning(a: argparse.Namespace, cfg: Any, meta: dict) -> Tuple[Any, Lis
                or (store.encoder.get("path") if store is not None else None))  # the recorded local path
     device = str(resolve_device(cfg.trainer.device))
     cond = PromptConditioning(prompts, store, encoder, device=device)
+    if cond.truncated:
+        length = store.max_length if store is not None else "the encoder's"
+        print(f"vitp-sample: {cond.truncated} prompt(s) longer than {length} tokens were cut there (the model "
+              "was trained on captions of that length)", file=sys.stderr)
     return cond, list(range(1, len(prompts) + 1)), prompts
 
 
@@ -194,7 +198,12 @@ def _prompt_file(path: Path) -> List[str]:
     field) file. Raises ``FileNotFoundError`` / ``ValueError`` naming the file."""
     from vitp.cli.encode_captions import read_caption_file
 
-    return [p for p in read_caption_file(path) if p]
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--prompt-file {path} not found: give a .txt file (one prompt per line) or .jsonl")
+    prompts = [p for p in read_caption_file(path) if p]
+    if not prompts:
+        raise ValueError(f"--prompt-file {path} holds no prompt: write one per line")
+    return prompts
 
 
 def output_name(cfg: Any, meta: dict, classes: List[int], per: int, fmt: Optional[str], source: Path,

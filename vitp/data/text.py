@@ -16,6 +16,7 @@ classifier-free guidance's drop uses (``null_id``: the null class, or the encode
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -72,8 +73,9 @@ def item_captions(base: KeyedDataset, cfg: Any) -> Optional[List[Optional[str]]]
                          "files: use data.captions=templates with data.caption_templates")
     from vitp.text.captions import read_captions
 
-    root = getattr(base, "root", None) or Path(files[0]).parent
-    per_file, counts = read_captions(Path(root), files, source)
+    root = Path(os.path.abspath(getattr(base, "root", None) or Path(files[0]).parent))
+    # the data set's files are paths as found (relative to the working directory when data.root is)
+    per_file, counts = read_captions(root, [Path(os.path.abspath(f)) for f in files], source)
     captions = [per_file[base._file_of(i)] for i in range(len(base))]
     missing = sum(c is None for c in captions)
     if missing:
@@ -206,7 +208,8 @@ class PromptConditioning:
     The embeddings are the run's own where its store holds every prompt (bit-identical to what
     training read); otherwise all are encoded with the local encoder at ``encoder_path`` (the
     run's ``data.text_encoder``), which must be the store's encoder (same config hash), at the
-    store's token count, rounded through the store's dtype as training saw them.
+    store's token count, rounded through the store's dtype as training saw them; :attr:`truncated`
+    counts the prompts cut at that count.
 
     Raises ``ValueError`` when a prompt needs encoding and no encoder path is given, or the
     encoder differs from the one that made the store; the encoder's own errors.
@@ -214,6 +217,7 @@ class PromptConditioning:
 
     text = True
     null_id = 0
+    truncated = 0  # how many prompts were longer than the token count (encoded ones only)
 
     def __init__(self, prompts: Sequence[str], store: Any = None, encoder_path: Optional[str] = None,
                  device: str = "cpu"):
@@ -234,6 +238,7 @@ class PromptConditioning:
             raise ValueError(f"the encoder at {encoder_path} ({enc.record['name']}) is not the one that made the "
                              f"caption embeddings at {store.path} ({store.encoder['name']}); sample with that encoder")
         emb, self.mask = enc.encode(self.prompts)
+        self.truncated = enc.last_truncated  # prompts cut at the store's token count (the model never saw more)
         dtype = getattr(torch, store.dtype) if store is not None else torch.float32
         self.emb = emb.to(dtype).float()
 

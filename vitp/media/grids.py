@@ -146,15 +146,28 @@ def caption_rows(grid: torch.Tensor, captions: Sequence[str], width: int = 0) ->
 
     rows = max(1, len(captions))
     img = Image.fromarray((grid.permute(1, 2, 0).clamp(0, 1).numpy() * 255).round().astype("uint8"))
+    font = _label_font()
     draw = ImageDraw.Draw(img)
-    longest = max((draw.textlength(c) for c in captions), default=0)
+    longest = max((draw.textlength(c, font=font) for c in captions), default=0)
     band = width or int(min(360, longest + 12))
     out = Image.new("RGB", (img.width + band, img.height), (255, 255, 255))
     out.paste(img, (band, 0))
     draw = ImageDraw.Draw(out)
     step = img.height / rows
     for r, text in enumerate(captions):
-        while text and draw.textlength(text) > band - 8:
+        while text and draw.textlength(text, font=font) > band - 8:
             text = text[:-4] + "..." if len(text) > 4 else ""
-        draw.text((4, int((r + 0.5) * step) - 5), text, fill=(0, 0, 0))
+        draw.text((4, int((r + 0.5) * step) - 6), text, fill=(0, 0, 0), font=font)
     return torch.from_numpy(np.asarray(out).copy()).permute(2, 0, 1).float() / 255
+
+
+def _label_font(size: int = 11):
+    """DejaVu Sans from matplotlib's font files (any Unicode Latin text), else Pillow's default."""
+    from PIL import ImageFont
+
+    try:
+        from matplotlib import font_manager
+
+        return ImageFont.truetype(font_manager.findfont("DejaVu Sans", fallback_to_default=False), size)
+    except Exception:  # noqa: BLE001 - no matplotlib font: Pillow's own
+        return ImageFont.load_default()

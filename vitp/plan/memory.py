@@ -138,12 +138,12 @@ def block_saved(shape: ModelShape, kind: str, tp: int, sp: bool, cp: int = 1, cp
         rows += [Saved("q, k after qk-norm", 2 * local * D / tp),
                  Saved("qk-norm mean and rstd", 4 * local * H / tp, STATS)]
     if shape.layer_scale:
-        rows.append(Saved("LayerScale outputs (not validated)", 2 * n * D))
+        rows.append(Saved("LayerScale outputs (estimate)", 2 * n * D))
     if shape.text_tokens:
         L = shape.text_tokens
-        rows += [Saved("cross-attn: norm_cross output, q input (not validated)", 2 * n * D),
-                 Saved("cross-attn: q, k, v, output (not validated)", (2 * g + 2 * L) * D / tp),
-                 Saved("cross-attn: logsumexp, proj output (not validated)", local * H / tp + n * D)]
+        rows += [Saved("cross-attn: norm_cross output, q input (estimate)", 2 * n * D),
+                 Saved("cross-attn: q, k, v, output (estimate)", (2 * g + 2 * L) * D / tp),
+                 Saved("cross-attn: logsumexp, proj output (estimate)", local * H / tp + n * D)]
     return rows
 
 
@@ -151,7 +151,7 @@ def embed_saved(shape: ModelShape) -> List[Saved]:
     """Tensors the input layer saves per sample (stage 0): the noisy input for the tubelet conv
     (in the model dtype), the timestep MLP's inputs, the class indices."""
     D, L = shape.width, shape.text_tokens
-    text = [Saved("caption embeddings, projection hidden, ctx (not validated)", L * (shape.text_dim + 3 * D))] if L else []
+    text = [Saved("caption embeddings, projection hidden, ctx (estimate)", L * (shape.text_dim + 3 * D))] if L else []
     return [Saved("z_t (conv input)", shape.pixels), Saved("timestep sinusoid", FREQ_DIM),
             Saved("timestep MLP hidden (pre/post SiLU)", 2 * D), Saved("class index (int64)", 1, 8), *text]
 

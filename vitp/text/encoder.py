@@ -41,6 +41,9 @@ def _config_file(path: PathLike) -> Path:
     folder = local_encoder(path)
     if not (folder / "config.json").is_file():
         what = "does not exist" if not folder.exists() else "has no config.json"
+        if folder.name == "tiny-t5" and folder.parent.name == "text-encoders":
+            raise FileNotFoundError(f"text encoder {folder} {what}: it is vitp's demo encoder; give "
+                                    f"data.text_encoder=tiny (or --encoder tiny), which builds it here")
         raise FileNotFoundError(
             f"text encoder {folder} {what}: give a local folder saved with save_pretrained or a downloaded "
             f"snapshot (e.g. hf download google/t5-v1_1-xxl --local-dir {folder}); vitp never downloads")
@@ -80,21 +83,22 @@ def encoder_record(path: PathLike) -> Dict[str, Any]:
     ``{"name", "path", "model_type", "class", "config_sha256", "hidden_size"}``.
 
     ``name`` is the ``_name_or_path`` written in ``config.json`` when it is a hub id such as
-    ``google/t5-v1_1-xxl`` (hub configs often carry one), else the folder's name; ``path`` is absolute; ``class`` the transformers class used
+    ``google/t5-v1_1-xxl`` (hub configs often carry one), else the folder's name; ``path`` is absolute (``"tiny"`` for the demo encoder); ``class`` the transformers class used
     (:data:`ENCODER_CLASSES`); ``config_sha256`` is :func:`config_sha256`; ``hidden_size`` the
     embedding width ``Dc`` (channels per token).
 
     Raises ``FileNotFoundError`` when ``path`` has no ``config.json``; ``ValueError`` for an
     unsupported ``model_type``."""
-    from .tiny import local_encoder
+    from .tiny import DEMO_ENCODER, local_encoder
 
+    demo = str(path) == DEMO_ENCODER  # recorded by its name: every machine builds the same one
     path = local_encoder(path)
     raw = json.loads(_config_file(path).read_text())
     config = load_config(path)
     folder = Path(path).expanduser().absolute()
     name = str(raw.get("_name_or_path") or "")
     hub_id = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) and not name.startswith(".")  # not a local path
-    return {"name": name if hub_id else folder.name, "path": str(folder),
+    return {"name": name if hub_id else folder.name, "path": DEMO_ENCODER if demo else str(folder),
             "model_type": config.model_type, "class": ENCODER_CLASSES[config.model_type],
             "config_sha256": config_sha256(config), "hidden_size": int(_text_config(config).hidden_size),
             "weights_fingerprint": weights_fingerprint(folder)}
@@ -193,7 +197,7 @@ class TextEncoder:
         from .tiny import local_encoder
 
         self.path = local_encoder(path).absolute()
-        self.record = encoder_record(self.path)
+        self.record = encoder_record(path)
         self.device = resolve_device(device)
         self.dtype = dtype
         self.config = load_config(self.path)

@@ -140,6 +140,8 @@ def read_index(path: Path) -> Dict[str, Any]:
     file = path / INDEX
     if not file.is_file():
         msg = f"{file} not found: run vitp-encode-captions --encoder ENCODER --out {path} first"
+        if not path.exists():
+            msg += " (if the store moved, point data.text_embeddings at its new folder)"
         if (path / PARTIAL).is_file():
             msg += (f"; {path / PARTIAL} shows an interrupted encode: re-run the same vitp-encode-captions "
                     f"command to finish it")
@@ -193,7 +195,7 @@ def _existing(out: Path) -> Optional[Dict[str, Any]]:
                 return head
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise ValueError(f"{out / name} is damaged or not a vitp text-embedding store; pick another "
-                                 f"output folder or pass overwrite=True (--overwrite)") from None
+                                 f"output folder or replace it (vitp-encode-captions --overwrite)") from None
     return None
 
 
@@ -296,7 +298,8 @@ def write_store(out: Any, captions: Sequence[str], encoder: Any, batch_size: int
 
     Raises ``ValueError`` when ``out`` holds a store (finished or not) of other captions, another
     encoder, dtype, max_length or shard_size, naming the difference (``overwrite=True`` replaces
-    it), when ``out`` is a file, or for a bad ``batch_size``/``shard_size``/``dtype``."""
+    it), when ``out`` is a file or a non-empty folder holding no store (the data folder: its
+    ``captions.jsonl`` would be replaced), or for a bad ``batch_size``/``shard_size``/``dtype``."""
     out = Path(out)
     dtype = dtype or ("bfloat16" if encoder.dtype == "bfloat16" else "float32")
     if dtype not in STORE_DTYPES:
@@ -305,6 +308,9 @@ def write_store(out: Any, captions: Sequence[str], encoder: Any, batch_size: int
         raise ValueError(f"batch_size={batch_size}, shard_size={shard_size}: use positive numbers of captions")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file; give a folder for the text embeddings")
+    if out.is_dir() and _existing(out) is None and any(out.iterdir()):
+        raise ValueError(f"{out} holds other files and no text-embedding store; give an empty or new folder for the "
+                         f"store (it writes index.json, captions.jsonl and shards there): never the data folder")
     unique = unique_captions(captions)
     head = _header(encoder, unique, shard_size, dtype)
     if overwrite and out.is_dir():
@@ -312,7 +318,8 @@ def write_store(out: Any, captions: Sequence[str], encoder: Any, batch_size: int
     old = _existing(out)
     diff = _difference(old, head) if old is not None else ""
     if diff:
-        raise ValueError(f"{out} holds {diff}; pick another output folder or pass overwrite=True (--overwrite)")
+        raise ValueError(f"{out} holds {diff}; pick another output folder or replace it (vitp-encode-captions "
+                         f"--overwrite)")
     if old is not None and "shards" in old:
         if _reusable(out, old):
             log.info(f"{out} is complete ({old['num_captions']} captions, the same captions and encoder): "

@@ -33,7 +33,15 @@ def make_tiny_encoder(path: Any, seed: int = 0, d_model: int = 32, num_layers: i
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = T5EncoderModel(config)
-    model.save_pretrained(str(path))
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar for 100 kB
+    try:
+        model.save_pretrained(str(path))
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     ByT5Tokenizer().save_pretrained(str(path))
     return path
 

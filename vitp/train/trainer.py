@@ -75,6 +75,9 @@ def _warn_without_effect(cfg: DictConfig) -> None:
         log.warning("parallel.sequence_parallel=true has no effect with parallel.tp=1")
     if cfg.parallel.partial_sync < 1 and cfg.parallel.tp == 1:
         log.warning("parallel.partial_sync < 1 has no effect with parallel.tp=1 (nothing to synchronize)")
+    if cfg.data.captions is not None and not cfg.model.text_dim:
+        log.warning(f"data.captions={cfg.data.captions} has no effect with model.text_dim=0: the model trains on "
+                    "class labels (set model.text_dim to the encoder's channels to train on captions)")
 
 
 def _due(every: int, step: int) -> bool:
@@ -153,7 +156,7 @@ class Trainer:
         self._build_model()
         self._build_engine()
         self._log_start()
-        self.telemetry = Telemetry(cfg, self.layout, self.device)
+        self.telemetry = Telemetry(self._with_text_len(cfg), self.layout, self.device)
 
     def _write_run_dir(self, overrides: Optional[list]) -> None:
         """Rank 0 cleans up an interrupted attempt and records the config; every rank opens the
@@ -193,6 +196,16 @@ class Trainer:
             self.schedule = BucketSchedule([len(tr) for tr, _ in self.bucket_data], self.buckets,
                                            self.schedule.accumulation, self.layout.dp, cfg.seed)
             self._bucket = None
+
+    def _with_text_len(self, cfg: DictConfig) -> DictConfig:
+        """``cfg`` with ``model.text_len`` from the caption store when unset (0), so the model FLOPs
+        of the telemetry count the cross-attention over the caption tokens (a copy; the run config
+        stays as given)."""
+        if not self.conditioning.text or cfg.model.text_len:
+            return cfg
+        from omegaconf import OmegaConf
+
+        return OmegaConf.merge(cfg, {"model": {"text_len": self.conditioning.store.max_length}})
 
     def _on_main_first(self, fn) -> None:
         """Run ``fn`` on rank 0 while the others wait; a failure there is raised on every rank."""

@@ -56,7 +56,7 @@ def test_training_a_text_model_needs_captions_and_their_embeddings(over, message
 def test_a_text_run_with_captions_and_embeddings_or_a_class_run_passes():
     validate_text_run(compose_cfg(["model.text_dim=32", "data.captions=templates", TEMPLATES,
                                    "data.text_embeddings=/emb"]))
-    validate_text_run(compose_cfg(["data.text_embeddings=/emb"]))  # model.text_dim=0: class-conditional
+    validate_text_run(compose_cfg([]))  # model.text_dim=0: class-conditional
 
 
 def _png(path, value):
@@ -95,3 +95,31 @@ def test_a_csv_manifest_captions_an_image_folder(tmp_path, caplog):
     assert f"1 of 6 files under {root} have no caption (captions.csv): 1 item(s) skipped " \
            "(data.missing_caption=skip)" in warnings
     assert "1 caption entries of captions.csv name no file of the data set" in warnings
+
+
+def test_caption_embeddings_for_a_class_model_are_refused():
+    """A store given to a class-conditional model would be ignored: refused with the fix."""
+    cfg = compose_cfg(["data.captions=templates", TEMPLATES, "data.text_embeddings=/emb"])
+    with pytest.raises(ValueError, match=r"data.text_embeddings=/emb is set but model.text_dim=0 trains on class "
+                                         r"labels: set model.text_dim to the embeddings' channels"):
+        validate_text_run(cfg)
+
+
+@pytest.mark.parametrize("source", ["sidecar", "captions.jsonl"])
+def test_a_relative_data_root_finds_its_captions(tmp_path, monkeypatch, source):
+    """data.root relative to the working directory: sidecars and manifest entries are found (the
+    files are found relative to the working directory, the manifest's paths relative to the root)."""
+    import json
+
+    root = tmp_path / "photos"
+    for cls in ("cat", "dog"):
+        for k in range(2):
+            _png(root / cls / f"{k}.png", 60 * k)
+            (root / cls / f"{k}.txt").write_text(f"a {cls} {k}\n")
+    (root / "captions.jsonl").write_text("".join(json.dumps({"file": f"{c}/{k}.png", "caption": f"a {c} {k}"}) + "\n"
+                                                for c in ("cat", "dog") for k in range(2)))
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_cfg([*FOLDER, "data.root=photos", "data.resolution=8", "data.channels=3",
+                       f"data.captions={source}", "data.holdout_fraction=0"]).data
+    train, _ = build_datasets(cfg, seed=0)
+    assert sorted(train.captions) == ["a cat 0", "a cat 1", "a dog 0", "a dog 1"]

@@ -112,8 +112,8 @@ def test_rerun_is_a_no_op_and_other_settings_are_refused(store, tiny, tiny_path,
     assert "is complete (7 captions, the same captions and encoder): nothing to encode" in caplog.text
     monkeypatch.undo()
     with pytest.raises(ValueError, match=r"emb holds embeddings of another caption list \(7 captions stored, 3 given, "
-                                         r"counting the empty caption\); pick another output folder or pass "
-                                         r"overwrite=True \(--overwrite\)"):
+                                         r"counting the empty caption\); pick another output folder or replace "
+                                         r"it \(vitp-encode-captions --overwrite\)"):
         write_store(out, ["a", "b"], tiny, shard_size=3, progress=False)
     with pytest.raises(ValueError, match="shard_size 3, not 4096"):
         write_store(out, CAPTIONS, tiny, progress=False)
@@ -147,7 +147,8 @@ def test_a_damaged_shard_is_refused_at_open_and_re_encoded_by_a_rerun(store, tin
 def test_format_version_and_encoder_checks(store, tiny, tmp_path):
     out, index = store
     with pytest.raises(FileNotFoundError, match=r"nowhere/index.json not found: run vitp-encode-captions "
-                                                r"--encoder ENCODER --out .*nowhere first$"):
+                                                r"--encoder ENCODER --out .*nowhere first \(if the store moved, point "
+                                                r"data.text_embeddings at its new folder\)$"):
         TextEmbeddings(tmp_path / "nowhere")
     (out / INDEX).write_text(json.dumps({**index, "version": 2}))
     with pytest.raises(ValueError, match="version 2, this vitp reads version 1; re-encode"):
@@ -178,3 +179,12 @@ def test_it_pickles_for_dataloader_workers(store):
                                          collate_fn=lambda ids: emb.get(ids)[0])
     batches = list(loader)
     torch.testing.assert_close(torch.cat(batches), emb.get(np.arange(7))[0], rtol=0, atol=0)
+
+
+def test_a_data_folder_is_never_used_as_the_store(tmp_path, tiny):
+    """--out at a folder holding other files (a data root with its captions.jsonl manifest) is
+    refused, even with overwrite, and nothing there changes."""
+    (tmp_path / "captions.jsonl").write_text('{"file": "a.png", "caption": "a cat"}\n')
+    with pytest.raises(ValueError, match="holds other files and no text-embedding store; give an empty or new folder"):
+        write_store(tmp_path, ["a cat"], tiny, progress=False, overwrite=True)
+    assert (tmp_path / "captions.jsonl").read_text() == '{"file": "a.png", "caption": "a cat"}\n'
