@@ -73,7 +73,11 @@ TRAIN = {  # the bf16 + NCCL check: a small generator at 32 px (64 tokens), 6 st
             "trainer.max_steps=6", "data.synthetic_size=512"],
     "smoke": [*TINY, "trainer.max_steps=3"],
 }
-TIMEOUT_S = {"bf16_nccl": 90, "sdpa": 75, "cp": 90}  # each mfu_<case>: MFU_TIMEOUT_S
+# text conditioning: the train check's model with cross-attention to 16 caption tokens of the demo
+# encoder ("tiny", built locally), captions filled from the synthetic classes, encoded by vitp-train
+TEXT = ["data.captions=templates", 'data.caption_templates=["a {class_word}","class {class}"]',
+        "data.text_encoder=tiny", "model.text_dim=32", "model.text_len=16", "objective.label_drop=0.2"]
+TIMEOUT_S = {"bf16_nccl": 90, "sdpa": 75, "cp": 90, "text_bf16": 90}  # each mfu_<case>: MFU_TIMEOUT_S
 MFU_TIMEOUT_S = 100
 WARMUP, STEPS = 3, 10
 
@@ -119,6 +123,33 @@ def check_bf16_nccl(smoke: bool, work: Path) -> Dict[str, Any]:
             "device": str(trainer.device), "losses": losses, "fit_s": time.perf_counter() - start,
             "summary": f"{backend}, {dtype.split('.')[-1]} weights, {len(losses)} steps, loss {losses[0]:.4g} -> "
                        f"{losses[-1]:.4g} ({'finite' if all(map(math.isfinite, losses)) else 'NOT finite'})"}
+
+
+def check_text_bf16(smoke: bool, work: Path) -> Dict[str, Any]:
+    """Text conditioning in bf16 with the real trainer: the captions encoded on the device into a
+    store, cross-attention with the caption mask (SDPA with a boolean mask), finite losses, and
+    the cross-attention's SDPA kernel."""
+    import torch
+
+    trainer = _trainer([*TRAIN["smoke" if smoke else "gpu"], *TEXT, f"data.text_embeddings={work / 'text_emb'}"],
+                       work / "text_bf16")
+    dtype = str(next(trainer.engine.module.parameters()).dtype)
+    block = next(m for m in trainer.engine.module.modules() if hasattr(m, "cross_attn"))
+    D = block.cross_attn.q.in_features
+    x = torch.randn(2, 8, D, device=trainer.device, dtype=torch.bfloat16)
+    ctx = torch.randn(2, 16, D, device=trainer.device, dtype=torch.bfloat16)
+    mask = torch.ones(2, 16, dtype=torch.bool, device=trainer.device)
+    mask[0, 5:] = False
+    with torch.profiler.profile() as prof, torch.no_grad():
+        block.cross_attn(x, ctx, mask)
+    kernel = sdpa_kernel_of(e.name for e in prof.events())
+    res = trainer.fit()
+    losses = res["losses"]
+    ok = dtype == "torch.bfloat16" and len(losses) == trainer.cfg.trainer.max_steps and \
+        all(math.isfinite(v) for v in losses)
+    return {"ok": ok, "param_dtype": dtype, "losses": losses, "cross_attention_kernel": kernel,
+            "summary": f"{len(losses)} steps, loss {losses[0]:.4g} -> {losses[-1]:.4g}, cross-attention SDPA "
+                       f"{kernel} (boolean caption mask)"}
 
 
 SDPA_OPS = (("_scaled_dot_product_flash_attention_for_cpu", "flash (cpu)"),
@@ -356,7 +387,8 @@ def check_cp(smoke: bool, work: Path) -> Dict[str, Any]:
 def checks(smoke: bool) -> Dict[str, tuple]:
     """``{name: (function, kwargs, timeout_s)}`` in run order."""
     out: Dict[str, tuple] = {"bf16_nccl": (check_bf16_nccl, {}, TIMEOUT_S["bf16_nccl"]),
-                             "sdpa": (check_sdpa, {}, TIMEOUT_S["sdpa"]), "cp": (check_cp, {}, TIMEOUT_S["cp"])}
+                             "sdpa": (check_sdpa, {}, TIMEOUT_S["sdpa"]), "cp": (check_cp, {}, TIMEOUT_S["cp"]),
+                             "text_bf16": (check_text_bf16, {}, TIMEOUT_S["text_bf16"])}
     for case in SMOKE_CASES if smoke else CASES:
         out[f"mfu_{case}"] = (check_mfu, {"case": case}, MFU_TIMEOUT_S)
     return out

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-GPU check of vitp (H200 target, under 8 minutes): bf16 + NCCL training with the real trainer,
-# the SDPA kernel in use, cp=2 (Ulysses, ring; torchrun on 2 GPUs, skipped with fewer) against cp=1,
+# the SDPA kernel in use, text conditioning (bf16 cross-attention), cp=2 (Ulysses, ring; torchrun on 2 GPUs, skipped with fewer) against cp=1,
 # MFU of JiT-B/L generators at 256 tokens (256 px and 1024 px) and the planner's per-rank memory against torch.cuda.max_memory_allocated. Prints one table; results go
 # to $OUT (or --out DIR; default ./gpu_check_out) as gpu_check.json plus one JSON and log per check.
 #

@@ -302,6 +302,11 @@ def test_a_store_of_another_encoder_is_refused(encoder, images, image_run, tmp_p
     assert open_text_embeddings(compose([*image_run, f"data.text_encoder={encoder}"])).dim == 32
 
 
+def _refused_rank(rank, overrides, run_dir):
+    """:func:`_refused` in a fresh process: this refusal comes after the process group starts."""
+    return _refused(overrides, run_dir)
+
+
 def test_captions_not_in_the_store_are_refused(encoder, tmp_path):
     from vitp.config import compose
     from vitp.data.build import dataset_captions
@@ -310,8 +315,11 @@ def test_captions_not_in_the_store_are_refused(encoder, tmp_path):
     digits = ["experiment=smoke", *TEXT, "data.captions=templates", "trainer.max_steps=1"]
     encoded = dataset_captions(compose([digits[2], 'data.caption_templates=["the digit {class}"]']).data)
     write_store(tmp_path / "emb", encoded, TextEncoder(encoder, max_length=48), progress=False)
-    msg = _refused([*digits, 'data.caption_templates=["the digit {class}","a handwritten {class_word}"]',
-                    f"data.text_embeddings={tmp_path / 'emb'}"], tmp_path / "run")
+    from tests.helpers import run_ranks
+
+    msg = run_ranks(1, _refused_rank, [*digits, 'data.caption_templates=["the digit {class}","a handwritten '
+                                                '{class_word}"]', f"data.text_embeddings={tmp_path / 'emb'}"],
+                    str(tmp_path / "run"))[0]
     assert msg.startswith(f"10 of the data set's 20 distinct captions are not in the caption embeddings at "
                           f"{tmp_path / 'emb'} (data.text_embeddings; e.g. 'a handwritten ")
     assert msg.endswith("and set data.text_embeddings=DIR")

@@ -57,10 +57,16 @@ def _cases(rank, cases, base):
     return {name: _train(rank, over, f"{base}/{name}") for name, over in cases.items()}
 
 
+def _one(overrides, run_dir):
+    """One training run in a fresh process (a run in pytest's own process would leave its process
+    group and MASTER_PORT behind for every later test)."""
+    return run_ranks(1, _train, overrides, str(run_dir))[0]
+
+
 @pytest.fixture(scope="module")
 def reference(text_setup):
     root, over = text_setup
-    return _train(0, over, str(root / "ref"))
+    return _one(over, root / "ref")
 
 
 LAYOUTS = {  # 4 ranks each
@@ -95,7 +101,7 @@ def test_layout_matches_single_process(reference, layouts, name):
 def test_caption_drop_changes_the_loss(text_setup, reference):
     """The CFG caption drop is part of the keyed batch: a run without it trains on other inputs."""
     root, over = text_setup
-    res = _train(0, [*over, "objective.label_drop=0.0"], str(root / "nodrop"))
+    res = _one([*over, "objective.label_drop=0.0"], root / "nodrop")
     assert res["losses"][0] != pytest.approx(reference["losses"][0], rel=1e-6)
 
 
@@ -103,8 +109,8 @@ def test_resume_mid_run_equals_the_uninterrupted_run(text_setup, reference):
     """Stopped after step 2 and resumed: the caption drop and noise of steps 3-4 are the same draws."""
     root, over = text_setup
     run = root / "resume"
-    first = _train(0, [*over, "trainer.exit_at_step=2"], str(run))
-    second = _train(0, over, str(run))
+    first = _one([*over, "trainer.exit_at_step=2"], run)
+    second = _one(over, run)
     assert first["losses"] + second["losses"] == pytest.approx(reference["losses"], rel=1e-6)
 
 

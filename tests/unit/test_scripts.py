@@ -153,10 +153,12 @@ def test_gpu_check_cpu_smoke(tmp_path):
                        text=True, timeout=300)
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     table = p.stdout[p.stdout.index("check "):].splitlines()
-    assert [row.split()[:2] for row in table[1:5]] == [["bf16_nccl", "ok"], ["sdpa", "ok"], ["cp", "ok"],
-                                                       ["mfu_tiny_8px", "ok"]]
+    assert [row.split()[:2] for row in table[1:6]] == [["bf16_nccl", "ok"], ["sdpa", "ok"], ["cp", "ok"],
+                                                       ["text_bf16", "ok"], ["mfu_tiny_8px", "ok"]]
     res = json.loads((out / "gpu_check.json").read_text())
-    assert res["cpu_smoke"] is True and set(res["checks"]) == {"bf16_nccl", "sdpa", "cp", "mfu_tiny_8px"}
+    assert res["cpu_smoke"] is True and set(res["checks"]) == {"bf16_nccl", "sdpa", "cp", "text_bf16", "mfu_tiny_8px"}
+    text = res["checks"]["text_bf16"]["result"]  # bf16 cross-attention with a boolean caption mask
+    assert text["param_dtype"] == "torch.bfloat16" and len(text["losses"]) == 3 and text["cross_attention_kernel"]
     # cp: 2 torchrun ranks (gloo, fp32), cp = 2 Ulysses and ring against cp = 1 on a grid (4, 4, 4)
     cp = res["checks"]["cp"]["result"]
     assert (cp["backend"], cp["dtype"], cp["world"], cp["tokens"]) == ("gloo", "torch.float32", 2, 64)
