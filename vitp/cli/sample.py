@@ -164,8 +164,8 @@ def _conditioning(a: argparse.Namespace, cfg: Any, meta: dict) -> Tuple[Any, Lis
         raise ValueError("this model is text-conditional: give --prompt \"...\" (repeat for more rows) or --prompt-file F")
     from vitp.data.text import PromptConditioning
 
-    store = _run_store(cfg, meta)
-    text = json.loads(meta.get("text_encoder", "{}")) if meta.get("text_encoder") else {}
+    text = json.loads(meta["text_encoder"]) if meta.get("text_encoder") else {}  # what the export recorded
+    store = _run_store(cfg, text)
     trained = (text.get("encoder") or {}).get("config_sha256")
     if store is not None and trained and store.encoder.get("config_sha256") != trained:
         raise ValueError(f"the caption embeddings at {store.path} were made by encoder {store.encoder['name']}, but "
@@ -181,12 +181,11 @@ def _conditioning(a: argparse.Namespace, cfg: Any, meta: dict) -> Tuple[Any, Lis
     return cond, list(range(1, len(prompts) + 1)), prompts
 
 
-def _run_store(cfg: Any, meta: dict) -> Any:
+def _run_store(cfg: Any, text: dict) -> Any:
     """The run's caption embeddings (``data.text_embeddings``, else the path its export
-    recorded), or ``None`` when neither exists any more."""
+    recorded in ``text``), or ``None`` when neither exists any more."""
     from vitp.text import TextEmbeddings
 
-    text = json.loads(meta["text_encoder"]) if meta.get("text_encoder") else {}
     for where in (cfg.data.text_embeddings, text.get("embeddings")):
         if where and (Path(where) / "index.json").is_file():
             return TextEmbeddings(where)

@@ -180,20 +180,15 @@ class CaptionIds(KeyedDataset):
             raise ValueError("model.text_dim > 0 needs captions: set data.captions (sidecar, a manifest, or "
                              "templates)")
         self.dataset, self.labels, self.classes, self.captions = dataset, dataset.labels, dataset.classes, captions
-        known = {}
-        missing = []
-        for c in dict.fromkeys(captions):
-            try:
-                known[c] = store.id_of(c)
-            except KeyError:
-                missing.append(c)
+        distinct = list(dict.fromkeys(captions))
+        missing = [c for c in distinct if c not in store]
         if missing:
-            raise ValueError(f"{len(missing)} of the data set's {len(known) + len(missing)} distinct captions are not "
+            raise ValueError(f"{len(missing)} of the data set's {len(distinct)} distinct captions are not "
                              f"in the caption embeddings at {store.path} (data.text_embeddings; e.g. {missing[0]!r}): "
                              "they were encoded from other data or captions; encode this run's captions with "
                              "vitp-encode-captions --encoder <encoder> --out DIR <this run's data overrides> and set "
                              "data.text_embeddings=DIR")
-        self.ids = np.array([known[c] for c in captions], dtype=np.int64)
+        self.ids = store.ids_of(captions)
 
     def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
         index, aug_seed = parse_key(key, len(self))
@@ -222,7 +217,7 @@ class PromptConditioning:
     def __init__(self, prompts: Sequence[str], store: Any = None, encoder_path: Optional[str] = None,
                  device: str = "cpu"):
         self.prompts = ["", *prompts]
-        known = store is not None and all(_has(store, p) for p in self.prompts)
+        known = store is not None and all(p in store for p in self.prompts)
         if known:
             self.emb, self.mask = store.get(store.ids_of(self.prompts))
             return
@@ -245,14 +240,6 @@ class PromptConditioning:
     def __call__(self, ids: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ids = torch.as_tensor(ids, dtype=torch.long)
         return self.emb[ids], self.mask[ids]
-
-
-def _has(store: Any, caption: str) -> bool:
-    try:
-        store.id_of(caption)
-        return True
-    except KeyError:
-        return False
 
 
 def grid_prompts(cfg: Any, datasets: Sequence[Any]) -> List[str]:

@@ -404,10 +404,18 @@ class TextEmbeddings:
             self._captions = captions
         return self._captions
 
-    def id_of(self, caption: str) -> int:
-        """The id of ``caption`` (0 for ``""``). Raises ``KeyError`` naming the caption and the store."""
+    def _id_map(self) -> Dict[str, int]:
         if self._ids is None:
             self._ids = {c: i for i, c in enumerate(self._load_captions())}
+        return self._ids
+
+    def __contains__(self, caption: str) -> bool:
+        """Whether the store holds ``caption``."""
+        return caption in self._id_map()
+
+    def id_of(self, caption: str) -> int:
+        """The id of ``caption`` (0 for ``""``). Raises ``KeyError`` naming the caption and the store."""
+        self._id_map()
         try:
             return self._ids[caption]
         except KeyError:
