@@ -34,7 +34,7 @@ class Choice(str, Enum):
 
 MlpKind = Choice("MlpKind", {"gelu": "gelu", "swiglu": "swiglu"})
 AttentionMode = Choice("AttentionMode", {"full": "full", "factorized": "factorized"})
-DatasetName = Choice("DatasetName", {n: n for n in ("digits", "image_folder", "synthetic", "video_folder")})
+DatasetName = Choice("DatasetName", {n: n for n in ("digits", "image_folder", "shards", "synthetic", "video_folder")})
 SamplerMethod = Choice("SamplerMethod", {"heun": "heun", "euler": "euler"})
 Schedule = Choice("Schedule", {"constant": "constant", "cosine": "cosine"})
 Precision = Choice("Precision", {"auto": "auto", "fp32": "fp32", "bf16": "bf16"})
@@ -81,7 +81,7 @@ class BucketConfig:
 class DataConfig:
     """Training / held-out data."""
 
-    name: DatasetName = DatasetName.digits  # "digits" | "image_folder" | "synthetic" | "video_folder"
+    name: DatasetName = DatasetName.digits  # "digits" | "image_folder" | "shards" | "synthetic" | "video_folder"
     root: Optional[str] = None  # folder of images / videos (image_folder, video_folder); class = subfolder name
     resolution: Any = 8  # output size after resize + crop, in pixels: an int (square), [H, W] or "HxW" (e.g. 48x32)
     channels: int = 1  # pixel channels (1 for digits, 3 for photos)
@@ -101,6 +101,9 @@ class DataConfig:
     class_per_shot: bool = False  # video_folder with scene_cut_threshold: each shot of a file is its own class "<class>/shot<k>"
     scene_cut_threshold: Optional[float] = None  # video_folder: FFmpeg scdet percentage (e.g. 10): clips never straddle a shot change (null = ignore cuts)
     num_workers: int = 0  # DataLoader worker processes
+    shards: Optional[str] = None  # shards: folder or s3:// / http(s):// prefix written by vitp-pack (docs/sharded-data.md)
+    shard_cache: Optional[str] = None  # shards: folder that remote shards are downloaded to (null = $VITP_CACHE_DIR/shards)
+    shuffle_window: int = 16  # shards: shards whose items one epoch shuffles together (0 or >= the shard count: one uniform permutation)
     synthetic_size: int = 1024  # synthetic: number of items
     buckets: List[BucketConfig] = field(default_factory=list)  # shape buckets; empty = one size (resolution, num_frames)
     captions: Optional[str] = None  # caption per item: "sidecar" (<file>.txt), a captions .jsonl/.csv manifest (relative to root), "templates" (caption_templates filled per class); null = class labels
@@ -338,6 +341,7 @@ FIELD_RULES: Dict[str, Rule] = {
     "data.scene_cut_threshold": span(0, 100, lo_open=True, real=True, note="FFmpeg scdet's percentage, 10 is its "
                                      "default", null="ignore cuts"),
     "data.num_workers": span(0, note="0 = load in the training process"),
+    "data.shuffle_window": span(0, note="0 = one uniform permutation of all items"),
     "data.synthetic_size": span(1),
     "objective.P_mean": span(real=True),
     "objective.P_std": span(0, lo_open=True, real=True),
@@ -393,6 +397,8 @@ FREE_FORM: Dict[str, str] = {
     "data.heldout_root": "a folder, read when the data is built",
     "data.files": "file names, read when the data is built",
     "data.cache_dir": "a folder, created when needed",
+    "data.shards": "a folder or URL written by vitp-pack, read when the data is built",
+    "data.shard_cache": "a folder, created when needed",
     "data.buckets": "a list of BucketConfig, each checked by validate_buckets",
     "data.captions": "'sidecar', a manifest path or 'templates', checked by validate_captions",
     "data.caption_templates": "format strings with {class} / {class_word}, filled when the data is built",

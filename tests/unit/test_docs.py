@@ -43,7 +43,7 @@ RUN_BY: Dict[Tuple[str, ...], str] = {
 }
 VITP_CLIS = {"vitp-train": "train", "vitp-sample": "sample", "vitp-eval": "eval", "vitp-export": "export",
              "vitp-plan": "plan", "vitp-sweep": "sweep", "vitp-sagemaker-job": "sagemaker_job",
-             "vitp-encode-captions": "encode_captions"}
+             "vitp-encode-captions": "encode_captions", "vitp-pack": "pack"}
 
 
 def _blocks() -> List[Tuple[Path, str]]:

@@ -129,6 +129,8 @@ def demos() -> Dict[str, List[str]]:
         if any(a.startswith("--") for a in over):
             continue  # vitp-train --resume RUN: a recorded run's config, not a demo of its own
         data = compose(over).data
+        if data.name == "shards":
+            continue  # vitp-pack's output (tests/unit/data/test_shards.py packs and reads it)
         if data.root is not None and not str(data.root).startswith("skimage:"):
             continue  # a folder of the user's (docs/own-data.md's is run by tests/distributed/test_own_data.py)
         key = json.dumps([data.name, data.root, list(data.files or [])])

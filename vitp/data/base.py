@@ -112,6 +112,14 @@ class KeyedDataset(Dataset):
         raise NotImplementedError
 
 
+def runs(values: np.ndarray) -> np.ndarray:
+    """Lengths of the runs of equal consecutive values, int64 (``[3, 3, 5, 3] -> [2, 1, 1]``)."""
+    if len(values) == 0:
+        return np.zeros(0, dtype=np.int64)
+    cuts = np.flatnonzero(np.diff(values)) + 1
+    return np.diff(np.concatenate([[0], cuts, [len(values)]])).astype(np.int64)
+
+
 class KeyedSubset(KeyedDataset):
     """The items ``indices`` of ``base``; key ``(i, s)`` reads ``base[(indices[i], s)]``.
 
@@ -123,6 +131,9 @@ class KeyedSubset(KeyedDataset):
         Replace every ``aug_seed`` by ``None`` (the held-out split uses the eval transform).
 
     ``captions``: the items' captions when ``base`` has them (:mod:`vitp.data.text`), else None.
+    ``groups``: when ``base`` has ``item_group`` (the shard of each item, :mod:`vitp.data.shards`),
+    the sizes of the runs of the subset's items in one shard (the epoch order reads them together,
+    :func:`vitp.data.loader.epoch_order`), else None.
     """
 
     def __init__(self, base: KeyedDataset, indices: Sequence[int], eval_only: bool = False):
@@ -133,6 +144,8 @@ class KeyedSubset(KeyedDataset):
         self.classes = base.classes
         captions = getattr(base, "captions", None)
         self.captions = None if captions is None else [captions[i] for i in self.indices]
+        item_group = getattr(base, "item_group", None)
+        self.groups = None if item_group is None else runs(np.asarray(item_group)[self.indices])
 
     def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
         index, aug_seed = parse_key(key, len(self))
@@ -185,6 +198,7 @@ class FileDataset(KeyedDataset):
         self.resolution = self.size[0] if self.size[0] == self.size[1] else self.size  # int when square
         self.channels, self.train = int(channels), train
         self.skipped_files: List[str] = []
+        self.skip_reasons: dict = {}  # file -> why it was skipped (vitp-pack's manifest lists them)
         self.too_short_files: List[str] = []  # the skipped files that read but hold no whole clip
         self._bad: set = set()  # numbers of the files that failed to decode in __getitem__
         self._init_process_state()
@@ -205,6 +219,7 @@ class FileDataset(KeyedDataset):
         """Warn (one log line) and list ``path`` as skipped; ``too_short``: it reads, but is shorter than one clip."""
         log.warning(f"skipping {self.skip_label} {path}: {reason}")
         self.skipped_files.append(str(path))
+        self.skip_reasons[str(path)] = reason
         if too_short:
             self.too_short_files.append(str(path))
 

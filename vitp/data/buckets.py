@@ -32,6 +32,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from vitp.config import format_resolution, parse_resolution
+from vitp.data.loader import epoch_order
 from vitp.objectives.flow import sample_seed
 
 # stream tags (those of vitp.data.loader are 1-3)
@@ -109,11 +110,14 @@ class BucketSchedule:
     accumulation, dp : micro-batches per step and data-parallel degree; bucket ``b``'s micro-batch
         holds ``batch_size / (accumulation * dp)`` samples
     seed : run seed
+    groups, window : per bucket, the shard-local order of :func:`vitp.data.loader.epoch_order`
+        (None: uniform permutations)
 
     Raises ``ValueError`` if no bucket holds an item or a batch does not split.
     """
 
-    def __init__(self, pool_sizes: Sequence[int], buckets: Sequence[Bucket], accumulation: int, dp: int, seed: int):
+    def __init__(self, pool_sizes: Sequence[int], buckets: Sequence[Bucket], accumulation: int, dp: int, seed: int,
+                 groups: Optional[Sequence[Optional[Sequence[int]]]] = None, window: int = 0):
         live = [i for i, n in enumerate(pool_sizes) if n > 0]
         if not live:
             raise ValueError("no data.buckets entry holds an item: check the bucket sizes against the data")
@@ -127,6 +131,7 @@ class BucketSchedule:
         self._cum = np.cumsum(w / w.sum())
         self._offsets: List[np.ndarray] = [np.zeros(len(buckets), dtype=np.int64)]  # items used before step s
         self._perms: dict = {}
+        self.groups, self.window = groups or [None] * len(buckets), window
 
     def bucket(self, step: int) -> int:
         """The bucket of step ``step`` (0-based), drawn with probability ``weight / sum(weights)``."""
@@ -150,8 +155,8 @@ class BucketSchedule:
         epoch, k = divmod(pos, self.sizes[b])
         if (b, epoch) not in self._perms:
             self._perms = {key: v for key, v in self._perms.items() if key[0] != b}  # one epoch per bucket
-            rng = np.random.default_rng(np.random.SeedSequence([self.seed, _ORDER, b, epoch]))
-            self._perms[(b, epoch)] = rng.permutation(self.sizes[b])
+            self._perms[(b, epoch)] = epoch_order(self.sizes[b], [self.seed, _ORDER, b, epoch], self.groups[b],
+                                                  self.window)
         return int(self._perms[(b, epoch)][k])
 
     def micro_batch_keys(self, step: int, micro: int, dp_rank: int) -> List[Tuple[int, int, int, int]]:

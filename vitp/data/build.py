@@ -12,6 +12,7 @@ from vitp.config import DataConfig
 from vitp.data.base import KeyedDataset, KeyedSubset
 from vitp.data.images import DigitsDataset, ImageFolderDataset, SyntheticDataset
 from vitp.data.photos import resolve_photo_root
+from vitp.data.shards import shard_datasets
 from vitp.data.text import CAPTION_SOURCES, item_captions, text_embeddings_pending
 from vitp.data.video import VideoFolderDataset
 
@@ -19,7 +20,7 @@ __all__ = ["DATASET_NAMES", "build_datasets", "dataset_captions", "ensure_text_e
 
 log = logging.getLogger(__name__)
 
-DATASET_NAMES = ("digits", "image_folder", "synthetic", "video_folder")
+DATASET_NAMES = ("digits", "image_folder", "shards", "synthetic", "video_folder")
 
 
 def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -86,7 +87,8 @@ def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset
     cfg : DataConfig
         ``cfg.name`` is one of ``"digits"``, ``"image_folder"``, ``"synthetic"``, ``"video_folder"``
         (clip windows of videos; training windows overlapping held-out windows are dropped, see
-        :meth:`vitp.data.video.VideoFolderDataset.disjoint_train`).
+        :meth:`vitp.data.video.VideoFolderDataset.disjoint_train`), ``"shards"`` (a data set
+        packed by ``vitp-pack``, split as its manifest says: :func:`vitp.data.shards.shard_datasets`).
     seed : int
         Fixes the held-out split (and the synthetic data).
 
@@ -107,6 +109,8 @@ def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset
     FileNotFoundError
         If ``data.root`` (or ``data.heldout_root``) does not exist.
     """
+    if cfg.name == "shards":  # the split is the manifest's (vitp-pack)
+        return shard_datasets(cfg)
     base = _base_dataset(cfg, seed)
     if cfg.name not in ("synthetic", "video_folder") and cfg.num_frames != 1:
         raise ValueError(f"data.name={cfg.name} holds still images: set data.num_frames=1 (got {cfg.num_frames})")

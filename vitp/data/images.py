@@ -81,6 +81,19 @@ def check_image(path: Path, channels: int) -> Optional[str]:
     return None
 
 
+def digits_tensor(pixels: np.ndarray, resolution: Any) -> torch.Tensor:
+    """The digits' pixels ``(N, 8, 8)`` (0..16) as items: ``pixels / 8 - 1``, bilinearly resized
+    (``align_corners=False``) to ``M x M``, ``M = max(H, W)``, when ``M != 8``, then center-cropped to
+    ``(H, W)``. Returns float32 ``(N, 1, 1, H, W)``."""
+    x = torch.from_numpy(np.asarray(pixels).astype(np.float32) / 8.0 - 1.0).unsqueeze(1)  # (N, 1, 8, 8)
+    H, W = parse_resolution(resolution)
+    m = max(H, W)
+    if m != 8:
+        x = F.interpolate(x, size=(m, m), mode="bilinear", align_corners=False)
+    top, left = (m - H) // 2, (m - W) // 2  # center crop (as albumentations' CenterCrop)
+    return x[..., top:top + H, left:left + W].unsqueeze(2).contiguous()  # (N, C=1, T=1, H, W)
+
+
 class DigitsDataset(KeyedDataset):
     """The 1797 real 8x8 handwritten digits of ``sklearn.datasets.load_digits`` (10 classes).
 
@@ -100,13 +113,7 @@ class DigitsDataset(KeyedDataset):
         if channels != 1:
             raise ValueError(f"the digits are grayscale: set data.channels=1 (got {channels})")
         digits = load_digits()
-        x = torch.from_numpy(digits.images.astype(np.float32) / 8.0 - 1.0).unsqueeze(1)  # (N, 1, 8, 8)
-        H, W = parse_resolution(resolution)
-        m = max(H, W)
-        if m != 8:
-            x = F.interpolate(x, size=(m, m), mode="bilinear", align_corners=False)
-        top, left = (m - H) // 2, (m - W) // 2  # center crop (as albumentations' CenterCrop)
-        self.images = x[..., top:top + H, left:left + W].unsqueeze(2).contiguous()  # (N, C=1, T=1, H, W)
+        self.images = digits_tensor(digits.images, resolution)
         self.labels = digits.target.astype(np.int64)
         self.classes = [str(c) for c in range(10)]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import atexit
 import signal
 import weakref
-from typing import Any, Iterator, List, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -36,6 +36,31 @@ from .text import ClassConditioning
 _ORDER, _AUG, _NOISE = 1, 2, 3
 
 
+def epoch_order(n: int, key: Sequence[int], groups: Optional[Sequence[int]] = None, window: int = 0) -> np.ndarray:
+    """The order of the ``n`` items in one epoch: a permutation drawn from the seed words ``key``.
+
+    Without ``groups``, or when all groups fit in one ``window``, a uniform permutation of all items.
+    With ``groups`` (sizes of runs of consecutive items, e.g. the items of each shard, summing to
+    ``n``): the groups are permuted, cut into windows of ``window`` groups, and the items of each
+    window permuted; the epoch reads one window after the other, so consecutive positions touch at
+    most ``window`` groups (shards stay in the readers' caches). This is WebDataset's shard shuffle +
+    shuffle buffer (webdataset/webdataset, ``wids.ChunkedSampler``), but a function of ``key`` alone:
+    any data-parallel degree and a resumed run read the same order.
+
+    Returns int64 ``(n,)``.
+    """
+    rng = np.random.default_rng(np.random.SeedSequence(list(key)))
+    if groups is None or window < 1 or len(groups) <= window:
+        return rng.permutation(n)
+    starts = np.concatenate([[0], np.cumsum(groups)[:-1]]).astype(np.int64)
+    shards = rng.permutation(len(groups))
+    out = []
+    for w in range(0, len(shards), window):
+        members = np.concatenate([np.arange(starts[g], starts[g] + groups[g]) for g in shards[w:w + window]])
+        out.append(members[rng.permutation(len(members))])
+    return np.concatenate(out).astype(np.int64)
+
+
 class BatchSchedule:
     """Which samples form micro-batch ``m`` of step ``s`` on DP rank ``r``.
 
@@ -44,25 +69,28 @@ class BatchSchedule:
     num_items : dataset length N
     global_batch, micro_batch, dp : batch sizes; ``global_batch = micro_batch * accumulation * dp``
     seed : run seed
+    groups, window : the shard-local order of :func:`epoch_order` (None: a uniform permutation)
 
     Raises
     ------
     ValueError if the global batch is not a multiple of ``micro_batch * dp``.
     """
 
-    def __init__(self, num_items: int, global_batch: int, micro_batch: int, dp: int, seed: int):
+    def __init__(self, num_items: int, global_batch: int, micro_batch: int, dp: int, seed: int,
+                 groups: Optional[Sequence[int]] = None, window: int = 0):
         if num_items < 1:
             raise ValueError("the training dataset is empty")
         check_batch_split(global_batch, micro_batch, dp)
         self.N, self.G, self.mb, self.dp, self.seed = num_items, global_batch, micro_batch, dp, seed
         self.accumulation = global_batch // (micro_batch * dp)
         self._perm_epoch, self._perm = -1, None
+        self.groups, self.window = groups, window
 
     def _item(self, pos: int) -> int:
         epoch, k = divmod(pos, self.N)
         if epoch != self._perm_epoch:
-            rng = np.random.default_rng(np.random.SeedSequence([self.seed, _ORDER, epoch]))
-            self._perm, self._perm_epoch = rng.permutation(self.N), epoch
+            self._perm = epoch_order(self.N, [self.seed, _ORDER, epoch], self.groups, self.window)
+            self._perm_epoch = epoch
         return int(self._perm[k])
 
     def micro_batch_keys(self, step: int, micro: int, dp_rank: int) -> List[Tuple[int, int, int]]:

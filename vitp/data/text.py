@@ -180,6 +180,7 @@ class CaptionIds(KeyedDataset):
             raise ValueError("model.text_dim > 0 needs captions: set data.captions (sidecar, a manifest, or "
                              "templates)")
         self.dataset, self.labels, self.classes, self.captions = dataset, dataset.labels, dataset.classes, captions
+        self.groups = getattr(dataset, "groups", None)  # the shard-local order (vitp.data.loader.epoch_order)
         distinct = list(dict.fromkeys(captions))
         missing = [c for c in distinct if c not in store]
         if missing:

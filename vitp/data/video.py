@@ -347,8 +347,7 @@ class VideoFolderDataset(FileDataset):
         self.video_cache_mb = float(video_cache_mb)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.probe_count = 0  # files probed (not found in the JSON index) by this construction
-        sources = self._find(files, class_per_file)
-        self._build(sources)
+        self._build(self._find(files, class_per_file))
         self._resize = self.cover_resize()
         self._make_transforms(random_crop, hflip)  # resizing happens at decode time (_frame)
         self._cache_whole = self._decoded_bytes() <= self.video_cache_mb * 2**20
@@ -401,11 +400,18 @@ class VideoFolderDataset(FileDataset):
 
     def _build(self, sources: List[Tuple[Path, str]]) -> None:
         probes, self.probe_count = probe_all([p for p, _ in sources], self.cache_dir, self.scene_threshold)
+        self._index_files([(path, cls, probes[str(path.resolve())]) for path, cls in sources])
+
+    def _index_files(self, entries: List[Tuple[Any, str, dict]]) -> None:
+        """Items (clip windows) and labels of ``[(file, class name, probe)]`` (:func:`probe_video`'s
+        dict), skipping the unusable files."""
+        sources = [(path, cls) for path, cls, _ in entries]
+        probes = {id(path): info for path, _, info in entries}
         class_ids: Dict[str, int] = {}  # class name -> label, in order of first appearance
         files, self._times, self._pts, self._windows = [], [], [], []
         item_file, item_window, labels = [], [], []
         for path, cls in sources:
-            info = probes[str(path.resolve())]
+            info = probes[id(path)]
             if not info["ok"]:
                 self._skip(path, info["reason"])
                 continue
@@ -443,7 +449,7 @@ class VideoFolderDataset(FileDataset):
         self.item_file = np.asarray(item_file, dtype=np.int64)
         self.item_window = np.asarray(item_window, dtype=np.int64)
         self.labels = np.asarray(labels, dtype=np.int64)
-        infos = [probes[str(p.resolve())] for p in files]
+        infos = [probes[id(p)] for p in files]
         self._sizes = [(info["width"], info["height"]) for info in infos]
         self._orientation = [info["orientation"] for info in infos]
 
@@ -526,7 +532,7 @@ class VideoFolderDataset(FileDataset):
         before the first of them; ``None`` when the seek cannot be trusted."""
         first, last = min(need), max(need)
         out: Dict[int, np.ndarray] = {}
-        with av.open(str(self.files[f])) as container:
+        with av.open(self._source(f)) as container:
             stream = container.streams.video[0]
             if seek:
                 pts = self._pts[f]
@@ -545,6 +551,10 @@ class VideoFolderDataset(FileDataset):
                 if i >= last:
                     break
         return out
+
+    def _source(self, f: int) -> Any:
+        """What ``av.open`` reads file ``f`` from (a path; a file object for a packed sample)."""
+        return str(self.files[f])
 
     def _frame(self, frame, f: int) -> np.ndarray:
         """Frame of file ``f`` upright (as players show it), resized: uint8 ``(h, w, C)``."""

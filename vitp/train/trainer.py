@@ -185,7 +185,8 @@ class Trainer:
         self.conditioning = conditioning(cfg, self.text_store)  # class labels, or caption embeddings (vitp.data.text)
         self.train_ds, self.heldout_ds = conditioned(self.conditioning, self.train_ds, self.heldout_ds)
         self.schedule = BatchSchedule(len(self.train_ds), cfg.trainer.global_batch_size,
-                                      cfg.trainer.micro_batch_size, self.layout.dp, cfg.seed)
+                                      cfg.trainer.micro_batch_size, self.layout.dp, cfg.seed,
+                                      getattr(self.train_ds, "groups", None), cfg.data.shuffle_window)
         self.buckets = None
         if cfg.data.buckets:  # one shape per step (vitp.data.buckets)
             from vitp.data.buckets import BucketSchedule, bucket_datasets, buckets_of
@@ -194,7 +195,9 @@ class Trainer:
             self.bucket_data = bucket_datasets(cfg.data, cfg.seed, build_datasets)
             self.bucket_data = [tuple(conditioned(self.conditioning, tr, ho)) for tr, ho in self.bucket_data]
             self.schedule = BucketSchedule([len(tr) for tr, _ in self.bucket_data], self.buckets,
-                                           self.schedule.accumulation, self.layout.dp, cfg.seed)
+                                           self.schedule.accumulation, self.layout.dp, cfg.seed,
+                                           [getattr(tr, "groups", None) for tr, _ in self.bucket_data],
+                                           cfg.data.shuffle_window)
             self._bucket = None
 
     def _with_text_len(self, cfg: DictConfig) -> DictConfig:

@@ -99,7 +99,7 @@ def test_heldout_fraction_zero_and_invalid():
 
 
 def test_bad_config_messages():
-    with pytest.raises(ValueError, match="digits, image_folder, synthetic"):
+    with pytest.raises(ValueError, match="digits, image_folder, shards, synthetic"):
         build_datasets(_cfg(name="mnist"), seed=0)
     with pytest.raises(ValueError, match="data.root="):
         build_datasets(_cfg(name="image_folder", root=None), seed=0)

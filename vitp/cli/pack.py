@@ -1,0 +1,109 @@
+"""``vitp-pack``: pack a data set into WebDataset tar shards that ``data=shards`` trains on.
+
+``vitp-pack OUT [--samples-per-shard N] [--workers N] [--quiet] [key=value ...]``. The overrides
+choose the data set as for ``vitp-train`` (``data=image_folder data.root=DIR``, ``data=video_folder
+...``, the digits by default; ``data.captions=...`` packs captions; ``data.text_embeddings=DIR``
+copies the caption store, encoding it first when ``data.text_encoder`` is set and it is missing).
+Layout and reader: :mod:`vitp.data.shards`; writer: :mod:`vitp.data.pack`. Run it again with the
+same arguments after an interruption: complete shards are kept.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from vitp.cli import run_cli
+
+USAGE = "vitp-pack OUT [--samples-per-shard N] [--workers N] [--quiet] [key=value ...]"
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Console entry point; bad input exits with a one-line message (status 2)."""
+    run_cli("vitp-pack", run, argv)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """``OUT``, the flags and the ``key=value`` overrides; raises ``ValueError`` for a
+    non-positive shard size or worker count."""
+    p = argparse.ArgumentParser(prog="vitp-pack", usage=USAGE, description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path, help="output folder (new or empty, or an interrupted pack of the same data)")
+    p.add_argument("--samples-per-shard", type=int, default=1000,
+                   help="samples per tar shard (default 1000; aim for shards of 100 MB to 1 GB)")
+    p.add_argument("--workers", type=int, default=1, help="processes writing shards (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", default=[],
+                   help="Hydra-style key=value choosing the data set, e.g. data=image_folder data.root=DIR")
+    a = p.parse_intermixed_args(argv)
+    if "=" in str(a.out):
+        raise ValueError(f"the first argument is the output folder, got the override {a.out}; "
+                         f"usage: {USAGE}")
+    for flag in ("samples_per_shard", "workers"):
+        if getattr(a, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: use a positive number")
+    return a
+
+
+def summary(manifest: Dict[str, Any], out: Path, seconds: float) -> List[str]:
+    """The lines printed at the end: counts, shards, skips, split, and the overrides to train with."""
+    from vitp.cli.overrides import hydra_override
+
+    m = manifest["vitp"]
+    shards = manifest["shardlist"]
+    lines = [f"packed {m['num_samples']} {m['kind']} samples of {len(m['classes'])} classes into {len(shards)} "
+             f"shards, {m['bytes'] / 1e6:.1f} MB, in {seconds:.1f} s",
+             f"held out: {m['num_heldout']} samples (per {m['holdout']['unit']}); training: {m['num_train']}"]
+    if m["skipped"]:
+        first = m["skipped"][0]
+        lines.append(f"skipped {len(m['skipped'])} unreadable / unusable files (listed in index.json), e.g. "
+                     f"{first['file']}: {first['reason']}")
+    if m["captions"]:
+        lines.append("captions packed" + (f"; caption store in {out / m['text_embeddings']}"
+                                          if m["text_embeddings"] else ""))
+    train = ["data=shards", hydra_override("data.shards", str(out.absolute())), f"data.num_classes={len(m['classes'])}"]
+    if m["text_embeddings"]:
+        train.append(hydra_override("data.text_embeddings", str((out / m["text_embeddings"]).absolute())))
+    lines += [f"manifest: {(out / 'index.json').absolute()}", f"train with: {' '.join(train)}"]
+    return lines
+
+
+def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Pack the data set of the overrides into ``OUT`` (see the module docstring); returns the manifest.
+
+    Raises ``ValueError`` for bad flags or overrides and data without anything to pack,
+    ``FileExistsError`` for an output folder that is not new, empty or the same pack in progress,
+    and what building the data set raises (``FileNotFoundError`` for a missing folder)."""
+    from vitp.cli.overrides import compose_checked
+    from vitp.data.build import ensure_text_embeddings
+    from vitp.data.pack import pack
+
+    a = parse_args(argv)
+    cfg = compose_checked(a.overrides)
+    start = time.perf_counter()
+    log = logging.getLogger("vitp")  # the data sets' notes (skipped files, resuming) on stderr
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("vitp-pack: %(message)s"))
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        store = cfg.data.text_embeddings
+        if store is not None:
+            ensure_text_embeddings(cfg)  # encodes when data.text_encoder is set and the store is missing
+            if not (Path(store) / "index.json").is_file():
+                raise FileNotFoundError(f"data.text_embeddings={store} holds no caption store; write it with "
+                                        f"vitp-encode-captions first, or unset data.text_embeddings")
+        manifest = pack(cfg.data, a.out, seed=int(cfg.seed), samples_per_shard=a.samples_per_shard,
+                        workers=a.workers, progress=not a.quiet, text_store=store)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    print("\n".join(summary(manifest, a.out, time.perf_counter() - start)))
+    return manifest
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Pack the data set a ``data`` config describes into WebDataset tar shards (``vitp-pack``).
+
+The layout is in :mod:`vitp.data.shards`. Packing reads the data as training would (the digits,
+an image folder, a video folder, with their classes, captions and held-out split: the folder
+datasets' scan skips unreadable files and says why), then writes shard ``k`` with webdataset's
+``TarWriter`` into ``shard-k.tar.part`` and renames it when complete, in worker processes. An
+interrupted pack run again with the same config and output folder keeps the complete shards and
+writes the rest; the manifest ``index.json`` is written last, so its presence means complete.
+
+Sources stay as they were: image and video files are stored byte for byte (a packed data set
+trains on the same pixels as its folder), the digits' 8x8 pixels as ``.npy``.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from vitp.data.shards import CAPTIONS, FORMAT, MANIFEST, SAMPLES, TEXT_STORE, VERSION
+from vitp.utils import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+PROGRESS = ".vitp-pack.json"  # the config of a pack in progress (resume check)
+
+
+@dataclass
+class Sample:
+    """One sample to pack: its media (a source file, or the digits' pixels), label, class name,
+    caption, held-out flag and the manifest's shape fields (pixels as displayed; video: frames, fps,
+    orientation)."""
+
+    source: Any  # Path of the file, or a uint8 (8, 8) array (digits)
+    ext: str
+    label: int
+    cls: str
+    caption: Optional[str]
+    heldout: bool
+    height: int = 0
+    width: int = 0
+    frames: int = 1
+    fps: float = 0.0
+    orientation: Optional[str] = None
+
+    def files(self, key: str) -> Dict[str, Any]:
+        """The sample as webdataset's ``TarWriter`` writes it (every value bytes or str)."""
+        if isinstance(self.source, np.ndarray):
+            buf = io.BytesIO()
+            np.save(buf, self.source)
+            media, name = buf.getvalue(), "sklearn.datasets.load_digits"
+        else:
+            media, name = Path(self.source).read_bytes(), str(self.source)
+        out = {"__key__": key, self.ext: media, "cls": str(self.label),
+               "json": json.dumps({"source": name, "class": self.cls})}
+        if self.caption is not None:
+            out["txt"] = self.caption
+        return out
+
+
+def _digits(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str, str]]:
+    from sklearn.datasets import load_digits
+
+    from vitp.data.build import build_datasets
+
+    train, held = build_datasets(cfg, seed)  # the folder version's split and captions
+    heldout = np.zeros(len(train.base), dtype=bool)
+    heldout[held.indices] = True
+    captions = getattr(train.base, "captions", None)
+    pixels = load_digits().images.astype(np.uint8)  # 0..16
+    samples = [Sample(pixels[i], "npy", int(train.base.labels[i]), train.base.classes[int(train.base.labels[i])],
+                      None if captions is None else captions[i], bool(heldout[i]), 8, 8)
+               for i in range(len(train.base))]
+    return "digits", list(train.base.classes), samples, {}
+
+
+def _images(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str, str]]:
+    from vitp.data.build import build_datasets
+
+    train, held = build_datasets(cfg, seed)  # the folder version's split, captions and skips
+    split = held.base is train.base
+    samples, skipped = [], {}
+    for base, all_held in [(train.base, False)] + ([] if split else [(held.base, True)]):
+        captions = getattr(base, "captions", None)
+        skipped.update(base.skip_reasons)
+        for i in range(len(base)):
+            h, w = base.native_size(i)
+            samples.append(Sample(base.files[i], base.files[i].suffix.lower().lstrip("."), int(base.labels[i]),
+                                  base.classes[int(base.labels[i])], None if captions is None else captions[i],
+                                  all_held, h, w))
+    if split:
+        for i in held.indices:
+            samples[int(i)].heldout = True
+    return "image", list(train.base.classes), samples, skipped
+
+
+def _videos(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str, str]]:
+    from vitp.data.build import _base_dataset, stratified_split
+    from vitp.data.text import item_captions
+
+    if cfg.class_per_shot:
+        raise ValueError("data.class_per_shot labels shots, but a packed video is one sample with one label: unset "
+                         "it to pack (or train from the video folder)")
+    out, skipped, classes = [], {}, None
+    roots = [(cfg, False)] + ([(_heldout_cfg(cfg), True)] if cfg.heldout_root else [])
+    for c, is_held in roots:
+        base = _base_dataset(c, seed)
+        classes = classes or list(base.classes)
+        skipped.update(base.skip_reasons)
+        captions = item_captions(base, c)
+        first = {int(f): i for i, f in reversed(list(enumerate(base.item_file)))}  # first window of each file
+        labels = np.asarray([int(base.labels[first[f]]) for f in range(len(base.files))], dtype=np.int64)
+        held = np.zeros(len(labels), dtype=bool)
+        if is_held:
+            held[:] = True
+        elif not cfg.heldout_root:
+            held[stratified_split(labels, cfg.holdout_fraction, seed)[1]] = True
+        for f, path in enumerate(base.files):
+            times = base._times[f]
+            fps = (len(times) - 1) / times[-1] if times[-1] > 0 else 25.0
+            w, h = base._sizes[f]
+            out.append(Sample(path, path.suffix.lower().lstrip("."), int(labels[f]), base.classes[labels[f]],
+                              None if captions is None else captions[first[f]], bool(held[f]), h, w,
+                              len(times), float(fps), base._orientation[f]))
+    return "video", classes, out, skipped
+
+
+def _heldout_cfg(cfg: Any) -> Any:
+    from vitp.data.build import _with_root
+
+    return _with_root(cfg, cfg.heldout_root)
+
+
+def collect(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str, str]]:
+    """``(kind, classes, samples, skipped files -> reason)`` of the data set ``cfg`` (a ``data``
+    section) in item order; the held-out split is the folder version's for images and digits
+    (:func:`vitp.data.build.build_datasets` with ``seed``), per file for videos (stratified by
+    class, :func:`vitp.data.build.stratified_split`; ``data.heldout_root``'s files are held out).
+
+    Raises ``ValueError`` for data without anything to pack (synthetic, already shards) and what
+    building the data set raises."""
+    if cfg.name == "digits":
+        return _digits(cfg, seed)
+    if cfg.name == "image_folder":
+        return _images(cfg, seed)
+    if cfg.name == "video_folder":
+        return _videos(cfg, seed)
+    raise ValueError(f"vitp-pack packs data.name=digits, image_folder or video_folder, not {cfg.name}"
+                     + (" (synthetic data is generated, there are no files)" if cfg.name == "synthetic" else ""))
+
+
+def _write_shard(job: Tuple[str, int, List[Tuple[str, Sample]]]) -> Tuple[int, int]:
+    """Write one shard (``job``: folder, shard number, ``[(key, sample)]``) through a ``.part``
+    file; returns ``(shard number, bytes)``."""
+    import webdataset as wds
+
+    out, k, items = job
+    final = Path(out) / shard_name(k)
+    part = final.with_name(final.name + ".part")
+    with wds.TarWriter(str(part), mtime=0) as sink:  # fixed mtime: the same data packs to the same bytes
+        for key, sample in items:
+            sink.write(sample.files(key))
+    with open(part, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(part, final)
+    return k, final.stat().st_size
+
+
+def shard_name(k: int) -> str:
+    """File name of shard ``k``."""
+    return f"shard-{k:06d}.tar"
+
+
+def _config_hash(cfg_data: dict, seed: int, per_shard: int) -> str:
+    text = json.dumps({"data": cfg_data, "seed": seed, "samples_per_shard": per_shard}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _prepare(out: Path, digest: str) -> None:
+    """Make ``out`` ready: new, empty, or a pack of the same config in progress.
+
+    Raises ``FileExistsError`` for a complete pack, another pack in progress, or a folder of other files."""
+    if (out / MANIFEST).exists():
+        raise FileExistsError(f"{out} already holds a packed data set ({MANIFEST}); train on it with "
+                              f"data=shards data.shards={out}, or choose another output folder")
+    progress = out / PROGRESS
+    if progress.exists():
+        if json.loads(progress.read_text()).get("config_sha256") != digest:
+            raise FileExistsError(f"{out} holds an interrupted pack of another data config or shard size; delete the "
+                                  f"folder or pack into another one")
+        return
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty and holds no pack in progress; choose a new or empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(progress, json.dumps({"config_sha256": digest}) + "\n")
+
+
+def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, workers: int = 1,
+         progress: bool = True, text_store: Optional[str] = None) -> Dict[str, Any]:
+    """Pack the data set of ``cfg`` (a ``data`` config section) into ``out``; returns the manifest.
+
+    Parameters
+    ----------
+    samples_per_shard : samples per shard (the last shard holds the rest)
+    workers : processes writing shards (1: this process)
+    text_store : a caption store (:mod:`vitp.text.store`) to copy into ``out/text-embeddings``
+
+    Raises
+    ------
+    FileExistsError
+        ``out`` holds a complete pack, another pack in progress, or other files.
+    ValueError
+        ``samples_per_shard`` or ``workers`` below 1, data without anything to pack, and what
+        building the data set raises (:func:`collect`).
+    """
+    from omegaconf import OmegaConf
+    from tqdm import tqdm
+
+    if samples_per_shard < 1 or workers < 1:
+        raise ValueError(f"samples per shard ({samples_per_shard}) and workers ({workers}) must be >= 1")
+    out = Path(out).expanduser()
+    cfg_data = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg))
+    _prepare(out, _config_hash(cfg_data, seed, samples_per_shard))
+    kind, classes, samples, skipped = collect(cfg, seed)
+    if not samples:
+        raise ValueError("the data set holds no sample to pack")
+    keyed = [(f"{i:09d}", s) for i, s in enumerate(samples)]
+    jobs = [(str(out), k, keyed[a:a + samples_per_shard]) for k, a in enumerate(range(0, len(keyed), samples_per_shard))]
+    sizes: Dict[int, int] = {}
+    todo = []
+    for job in jobs:
+        done = out / shard_name(job[1])
+        if done.exists():
+            sizes[job[1]] = done.stat().st_size  # written by an interrupted run (renamed only when complete)
+        else:
+            todo.append(job)
+    if sizes:
+        log.info(f"resuming: {len(sizes)} of {len(jobs)} shards already written")
+    bar = tqdm(total=len(samples), initial=sum(len(jobs[k][2]) for k in sizes), unit="sample", disable=not progress,
+               desc="vitp-pack")
+    if workers == 1:
+        results = map(_write_shard, todo)
+    else:
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+        results = pool.map(_write_shard, todo)
+    try:
+        for k, size in results:
+            sizes[k] = size
+            bar.update(len(jobs[k][2]))
+    finally:
+        bar.close()
+        if workers > 1:
+            pool.shutdown(cancel_futures=True)
+    return _finish(out, cfg_data, seed, samples_per_shard, kind, classes, samples, skipped, jobs, sizes, text_store)
+
+
+def _finish(out: Path, cfg_data: dict, seed: int, per_shard: int, kind: str, classes: List[str],
+            samples: List[Sample], skipped: Dict[str, str], jobs: list, sizes: Dict[int, int],
+            text_store: Optional[str]) -> Dict[str, Any]:
+    """Write ``samples.safetensors``, ``captions.jsonl``, the caption store and, last, the manifest."""
+    from safetensors.numpy import save_file
+
+    orientations = sorted({s.orientation for s in samples if s.orientation})
+    arrays = {
+        "label": np.asarray([s.label for s in samples], dtype=np.int64),
+        "heldout": np.asarray([s.heldout for s in samples], dtype=np.uint8),
+        "height": np.asarray([s.height for s in samples], dtype=np.int32),
+        "width": np.asarray([s.width for s in samples], dtype=np.int32),
+        "frames": np.asarray([s.frames for s in samples], dtype=np.int32),
+        "fps": np.asarray([s.fps for s in samples], dtype=np.float32),
+        "orientation": np.asarray([orientations.index(s.orientation) + 1 if s.orientation else 0 for s in samples],
+                                  dtype=np.int8),
+    }
+    save_file(arrays, str(out / SAMPLES))
+    captioned = any(s.caption is not None for s in samples)
+    if captioned:
+        atomic_write_text(out / CAPTIONS, "".join(json.dumps(s.caption) + "\n" for s in samples))
+    if text_store is not None:
+        if (out / TEXT_STORE).exists():
+            shutil.rmtree(out / TEXT_STORE)
+        shutil.copytree(text_store, out / TEXT_STORE)
+    manifest = {
+        "__kind__": "wids-shard-index-v1", "wids_version": 1, "name": out.name,
+        "shardlist": [{"url": shard_name(k), "nsamples": len(items), "filesize": sizes[k]} for _, k, items in jobs],
+        "vitp": _summary(cfg_data, seed, per_shard, kind, classes, samples, skipped, arrays, orientations,
+                         captioned, text_store is not None),
+    }
+    manifest["vitp"]["bytes"] = sum(sizes.values())
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    (out / PROGRESS).unlink(missing_ok=True)
+    return manifest
+
+
+def _summary(cfg_data: dict, seed: int, per_shard: int, kind: str, classes: List[str], samples: Sequence[Sample],
+             skipped: Dict[str, str], arrays: Dict[str, np.ndarray], orientations: List[str], captioned: bool,
+             text: bool) -> Dict[str, Any]:
+    """The manifest's ``vitp`` section: what was packed, counts, shapes, skips, the split."""
+    held = arrays["heldout"].astype(bool)
+    shapes: Dict[str, int] = {}
+    for h, w in zip(arrays["height"].tolist(), arrays["width"].tolist()):
+        shapes[f"{h}x{w}"] = shapes.get(f"{h}x{w}", 0) + 1
+    top = dict(sorted(shapes.items(), key=lambda kv: -kv[1])[:20])
+    meta = {
+        "format": FORMAT, "version": VERSION, "kind": kind, "classes": classes,
+        "num_samples": len(samples), "num_train": int((~held).sum()), "num_heldout": int(held.sum()),
+        "samples_per_class": {c: int((arrays["label"] == i).sum()) for i, c in enumerate(classes)},
+        "samples_per_shard": per_shard, "bytes": None,
+        "shapes": {"distinct": len(shapes), "most_common": top},
+        "skipped": [{"file": f, "reason": r} for f, r in skipped.items()],
+        "holdout": {"fraction": cfg_data.get("holdout_fraction"), "heldout_root": cfg_data.get("heldout_root"),
+                    "seed": seed, "unit": "file" if kind == "video" else "sample"},
+        "captions": captioned, "text_embeddings": TEXT_STORE if text else None,
+        "orientations": orientations, "source": cfg_data,
+    }
+    if kind == "video":
+        f = arrays["frames"]
+        meta["frames"] = {"min": int(f.min()), "max": int(f.max()), "mean": float(f.mean()),
+                          "seconds": float((f / np.maximum(arrays["fps"], 1e-6)).sum())}
+    return meta

@@ -1,0 +1,408 @@
+"""Sharded data sets: WebDataset tar shards written by ``vitp-pack``, read by random access.
+
+Layout of a packed data set (a local folder or an object-store prefix, ``data.shards``):
+
+- ``shard-000000.tar`` ...: WebDataset tar shards (https://github.com/webdataset/webdataset). Sample
+  ``i`` is the files ``{i:09d}.<ext>``: the source file's bytes as they were (``jpg``, ``png``,
+  ``mp4``, ...; the digits' 8x8 pixels as ``npy``), ``cls`` (the label), ``txt`` (the caption, if
+  any) and ``json`` (source file, class name);
+- ``index.json``: the shard list in wids's descriptor format (``wids_version``, ``shardlist`` of
+  ``{"url", "nsamples", "filesize"}``), plus a ``vitp`` section: kind, classes, counts, the
+  skipped files and why, the held-out split's definition, the source config;
+- ``samples.safetensors``: per-sample arrays read at start-up instead of opening shards: ``label``,
+  ``heldout`` (the held-out split), ``height``/``width`` (pixels as displayed: bucket assignment),
+  ``frames``/``fps`` (video: clip windows), ``orientation`` (video: 0, or k for the manifest's
+  ``orientations[k - 1]``);
+- ``captions.jsonl`` (one caption per sample) and ``text-embeddings/`` (the caption store of
+  :mod:`vitp.text.store`) when the data set has captions.
+
+Samples are read with ``wids`` (``wids.ShardListDataset``, webdataset's random-access reader): it
+indexes each shard's tar headers when first opened (memory-mapped; no extraction) and keeps the
+last ``lru`` shards open; remote shards are downloaded whole into a cache folder first (wids's
+per-scheme download handlers; ``s3://`` through ``boto3`` here, which honours ``AWS_ENDPOINT_URL``).
+Start-up reads the two small files above, never the shards: its time does not grow with the
+number of samples beyond loading ``samples.safetensors`` (about 30 bytes per sample).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+
+from vitp.data.base import FileDataset, KeyedSubset, parse_key
+from vitp.data.images import digits_tensor, load_image
+from vitp.data.video import VideoFolderDataset
+
+log = logging.getLogger(__name__)
+
+FORMAT, VERSION = "vitp-shards", 1
+MANIFEST, SAMPLES, CAPTIONS, TEXT_STORE = "index.json", "samples.safetensors", "captions.jsonl", "text-embeddings"
+META_EXTS = ("cls", "txt", "json")  # a sample's files other than its media
+REMOTE_SCHEMES = ("s3", "http", "https", "gs")
+
+
+def is_remote(url: str) -> bool:
+    """Whether ``url`` names an object store / web location (``s3://``, ``http(s)://``, ``gs://``)."""
+    return urlparse(str(url)).scheme in REMOTE_SCHEMES
+
+
+def join_url(base: str, name: str) -> str:
+    """``name`` inside the folder or prefix ``base`` (a path or a URL)."""
+    return f"{str(base).rstrip('/')}/{name}" if is_remote(base) else str(Path(base) / name)
+
+
+def _s3_client():
+    try:
+        import boto3
+    except ImportError as e:  # pragma: no cover - boto3 is a dependency
+        raise ImportError("reading s3:// shards needs boto3: pip install boto3") from e
+    return boto3.client("s3")  # endpoint from AWS_ENDPOINT_URL (boto3 >= 1.28), credentials as the AWS CLI
+
+
+def _split_s3(url: str) -> Tuple[str, str]:
+    u = urlparse(url)
+    return u.netloc, u.path.lstrip("/")
+
+
+def read_bytes(url: str) -> bytes:
+    """The bytes at a local path, ``s3://bucket/key`` or ``http(s)://`` URL.
+
+    Raises ``FileNotFoundError`` naming ``url`` when nothing is there (or the bucket, the endpoint
+    or the credentials are wrong: the message says which)."""
+    scheme = urlparse(url).scheme
+    try:
+        if scheme == "s3":
+            bucket, key = _split_s3(url)
+            return _s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        if scheme in ("http", "https"):
+            import urllib.request
+
+            with urllib.request.urlopen(url, timeout=60) as r:
+                return r.read()
+        return Path(urlparse(url).path if scheme == "file" else url).read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{url} does not exist") from None
+    except Exception as e:  # noqa: BLE001 - botocore / urllib errors carry the reason
+        raise FileNotFoundError(f"cannot read {url}: {type(e).__name__}: {e}") from e
+
+
+def s3_download(remote: str, local: str) -> None:
+    """wids download handler for ``s3://``: ``boto3`` into ``local`` through a ``.part`` file, so
+    that a killed download never leaves a truncated shard in the cache."""
+    bucket, key = _split_s3(remote)
+    part = f"{local}.part{os.getpid()}"
+    try:
+        _s3_client().download_file(bucket, key, part)
+    except Exception as e:  # noqa: BLE001
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        raise FileNotFoundError(f"shard {remote} could not be downloaded ({type(e).__name__}: {e}); check that "
+                                f"vitp-pack's output is complete under data.shards") from e
+    os.replace(part, local)
+
+
+def _use_handlers() -> None:
+    import wids.wids_dl
+
+    wids.wids_dl.default_cmds["s3"] = s3_download  # the module's handler table (its own uses the aws CLI)
+
+
+class ShardIndex:
+    """The manifest and per-sample arrays of a packed data set (read at start-up, no shard opened).
+
+    Attributes: ``url`` (the folder / prefix), ``shards`` (wids shard list with absolute URLs),
+    ``meta`` (the manifest's ``vitp`` section), ``kind`` (``"image"``, ``"digits"``, ``"video"``),
+    ``classes``, the arrays ``label``, ``heldout``, ``height``, ``width``, ``frames``, ``fps``,
+    ``orientation`` (one entry per sample), ``shard_of`` (shard number of each sample), ``captions`` (list or None).
+
+    Raises
+    ------
+    FileNotFoundError
+        No manifest at ``url`` (names the URL and ``vitp-pack``), or a shard missing or of another
+        size than packed (local folders and ``s3://``: names the shard).
+    ValueError
+        A manifest of another format or version, or arrays that disagree with the shard list.
+    """
+
+    def __init__(self, url: str, check: bool = True):
+        self.url = str(url).rstrip("/") if is_remote(url) else str(Path(url).expanduser().resolve())
+        where = join_url(self.url, MANIFEST)
+        try:
+            spec = json.loads(read_bytes(where))
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"no packed data set at data.shards={url} ({e}); write one with "
+                                    f"vitp-pack OUT <data overrides> and set data.shards=OUT") from None
+        except ValueError as e:
+            raise ValueError(f"{where} is not a JSON manifest ({e}); pack the data again with vitp-pack") from None
+        meta = spec.get("vitp", {})
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise ValueError(f"{where} is not a {FORMAT} v{VERSION} manifest (format={meta.get('format')!r}, "
+                             f"version={meta.get('version')!r}); pack the data with this vitp's vitp-pack")
+        self.meta, self.kind, self.classes = meta, meta["kind"], list(meta["classes"])
+        self.shards = [dict(s, url=join_url(self.url, s["url"])) for s in spec["shardlist"]]
+        from safetensors.numpy import load
+
+        arrays = load(read_bytes(join_url(self.url, SAMPLES)))
+        n = sum(s["nsamples"] for s in self.shards)
+        for k in ("label", "heldout", "height", "width", "frames", "fps", "orientation"):
+            if len(arrays[k]) != n:
+                raise ValueError(f"{join_url(self.url, SAMPLES)}: {k} has {len(arrays[k])} entries but the shards "
+                                 f"hold {n} samples; pack the data again")
+            setattr(self, k, arrays[k])
+        self.shard_of = np.repeat(np.arange(len(self.shards)), [s["nsamples"] for s in self.shards])
+        self.captions = None
+        if meta.get("captions"):
+            lines = read_bytes(join_url(self.url, CAPTIONS)).decode().splitlines()
+            self.captions = [json.loads(line) for line in lines]
+        if check:
+            self.check_shards()
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+    def orientation_of(self, i: int) -> Optional[str]:
+        """How players turn sample ``i``'s frames upright (:func:`vitp.media.video.display_orientation`)."""
+        k = int(self.orientation[i])
+        return None if k == 0 else self.meta["orientations"][k - 1]
+
+    @property
+    def text_store(self) -> Optional[str]:
+        """The packed caption store (a local folder) or None."""
+        name = self.meta.get("text_embeddings")
+        return None if name is None or is_remote(self.url) else join_url(self.url, name)
+
+    def check_shards(self) -> None:
+        """Every shard present with the size it was packed with: a ``stat`` per shard for a local
+        folder, one listing per 1000 shards for ``s3://`` (other URLs are checked when read).
+        Raises ``FileNotFoundError`` naming the missing / truncated shards."""
+        sizes = self._listed_sizes()
+        if sizes is None:
+            return
+        bad = []
+        for s in self.shards:
+            got = sizes.get(s["url"])
+            if got is None:
+                bad.append(f"{s['url']} is missing")
+            elif "filesize" in s and got != s["filesize"]:
+                bad.append(f"{s['url']} has {got} bytes, packed with {s['filesize']} (truncated or replaced)")
+        if bad:
+            raise FileNotFoundError(f"{len(bad)} of the {len(self.shards)} shards of data.shards={self.url} are "
+                                    f"unusable: {'; '.join(bad[:5])}; copy the shards again or re-run vitp-pack")
+
+    def _listed_sizes(self) -> Optional[Dict[str, int]]:
+        scheme = urlparse(self.url).scheme
+        if scheme == "s3":
+            bucket, prefix = _split_s3(self.url + "/")
+            pages = _s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            return {f"s3://{bucket}/{o['Key']}": o["Size"] for p in pages for o in p.get("Contents", [])}
+        if is_remote(self.url):
+            return None
+        return {s["url"]: os.stat(s["url"]).st_size for s in self.shards if os.path.isfile(s["url"])}
+
+
+class ShardReader:
+    """One process's random access to the samples of a :class:`ShardIndex` (``wids``).
+
+    ``reader[i]`` is ``{ext: bytes}`` of sample ``i``. Local shards are read in place; remote ones
+    are downloaded to ``cache_dir`` (a folder per data set) when first needed. ``lru`` shards stay
+    open (memory-mapped)."""
+
+    def __init__(self, index: ShardIndex, cache_dir: Optional[str], lru: int):
+        import wids
+
+        _use_handlers()
+        self.index = index
+        remote = is_remote(index.url)
+        cache = Path(cache_dir or _default_cache()) / hashlib.sha1(index.url.encode()).hexdigest()[:16]
+        if remote:
+            cache.mkdir(parents=True, exist_ok=True)
+
+        def localname(url: str) -> str:
+            return str(cache / os.path.basename(urlparse(url).path)) if remote else url
+
+        with contextlib.redirect_stderr(io.StringIO()):  # wids prints a line per construction
+            self.ds = wids.ShardListDataset(index.shards, localname=localname, transformations=[], lru_size=lru)
+
+    def __getitem__(self, i: int) -> Dict[str, bytes]:
+        sample = self.ds[int(i)]  # wids keys the files by ".ext"
+        return {k.lstrip("."): v.getvalue() for k, v in sample.items() if not k.startswith("_")}
+
+
+def _default_cache() -> str:
+    return os.path.join(os.environ.get("VITP_CACHE_DIR") or os.path.expanduser("~/.cache/vitp"), "shards")
+
+
+def media_of(sample: Dict[str, bytes]) -> Tuple[str, bytes]:
+    """``(extension, bytes)`` of a sample's media file (the entry that is not ``cls``/``txt``/``json``).
+    Raises ``KeyError`` for a sample without one."""
+    for ext, data in sample.items():
+        if ext not in META_EXTS:
+            return ext, data
+    raise KeyError(f"the sample holds no media file (only {', '.join(sample)})")
+
+
+class _SampleNames(Sequence):
+    """``files`` of a sharded data set: the name of sample ``i`` (``<shard url>#<key>``), made on demand."""
+
+    def __init__(self, index: ShardIndex, samples: Optional[np.ndarray] = None):
+        self.index, self.samples = index, samples
+
+    def __len__(self) -> int:
+        return len(self.index) if self.samples is None else len(self.samples)
+
+    def __getitem__(self, f: int) -> str:
+        i = int(f if self.samples is None else self.samples[f])
+        return f"{self.index.shards[self.index.shard_of[i]]['url']}#{i:09d}"
+
+
+class _Shards:
+    """What the sharded datasets share: the index, the per-process reader, the ``groups`` order."""
+
+    _per_process = ("_lock", "_reader")
+
+    def _init_process_state(self) -> None:
+        super()._init_process_state()
+        self._reader = None
+
+    def _sample(self, i: int) -> Dict[str, bytes]:
+        if self._reader is None:  # opened in the process that reads (DataLoader workers: their own)
+            self._reader = ShardReader(self.index, self.cache_dir, self.lru)
+        return self._reader[i]
+
+
+class ShardImages(_Shards, FileDataset):
+    """The images of a packed data set: item ``i`` is sample ``i``, decoded and transformed as
+    :class:`~vitp.data.images.ImageFolderDataset` does (digits: as
+    :class:`~vitp.data.images.DigitsDataset`), so a packed folder trains on the same tensors.
+
+    ``x`` float32 ``(C, 1, H, W)`` in ``[-1, 1]``. A sample that fails to decode is warned about
+    once, listed in ``skipped_files`` and replaced by the next decodable one (as for folders).
+
+    Raises ``ValueError`` for ``channels`` other than 1 or 3 (digits: 1).
+    """
+
+    kind, skip_label = "image", "undecodable sample"
+
+    def __init__(self, index: ShardIndex, resolution: Any, channels: int, train: bool = True,
+                 random_crop: bool = True, hflip: bool = True, cache_dir: Optional[str] = None, lru: int = 16):
+        self.index, self.cache_dir, self.lru = index, cache_dir, lru
+        super().__init__(resolution, channels, train)
+        if self.channels not in (1, 3) or (index.kind == "digits" and self.channels != 1):
+            raise ValueError(f"data.channels={channels} does not fit the packed {index.kind} data at {index.url} "
+                             f"(use {'1' if index.kind == 'digits' else '3 (RGB) or 1 (grey)'})")
+        self.files, self.labels, self.classes = _SampleNames(index), index.label.astype(np.int64), index.classes
+        self._make_transforms(random_crop, hflip, pre=[self.cover_resize()])
+
+    def _file_of(self, index: int) -> int:
+        return index
+
+    def native_size(self, index: int) -> Optional[Tuple[int, int]]:
+        """``(h, w)`` as displayed, from the manifest; None for the digits (rendered at any size)."""
+        return None if self.index.kind == "digits" else (int(self.index.height[index]), int(self.index.width[index]))
+
+    def _read(self, index: int, aug_seed: Optional[int]) -> np.ndarray:
+        ext, data = media_of(self._sample(index))
+        if ext == "npy":
+            return np.load(io.BytesIO(data))
+        r = max(self.size)
+        return load_image(io.BytesIO(data), self.channels, draft=(r, r))
+
+    def _augment(self, data: np.ndarray, aug_seed: Optional[int]) -> np.ndarray:
+        return data if self.index.kind == "digits" else super()._augment(data, aug_seed)
+
+    def _to_tensor(self, out: np.ndarray) -> torch.Tensor:
+        if self.index.kind == "digits":
+            return digits_tensor(out[None], self.size)[0]
+        return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1))).unsqueeze(1)
+
+
+class ShardVideos(_Shards, VideoFolderDataset):
+    """The clips of a packed video data set: each sample is one video file; its items are the clip
+    windows :class:`~vitp.data.video.VideoFolderDataset` cuts from it, laid out from the manifest's
+    frame count and frame rate (frame ``k`` at ``k / fps``: exact for constant-frame-rate video) and
+    decoded from the sample's bytes. ``sample_of_item[i]`` is the sample of item ``i``.
+
+    Parameters: ``index`` and the clip settings of :class:`~vitp.data.video.VideoFolderDataset`.
+
+    Raises ``ValueError`` for settings the manifest cannot serve (scene cuts) and as the folder
+    dataset for bad clip settings or no usable clip.
+    """
+
+    def __init__(self, index: ShardIndex, cache_dir: Optional[str] = None, lru: int = 16, **clip):
+        if clip.get("scene_cut_threshold") is not None:
+            raise ValueError("data.scene_cut_threshold is not available on packed videos (the manifest holds no "
+                             "shot boundaries); unset it or train from the video folder")
+        self.index, self.cache_dir, self.lru = index, cache_dir, lru
+        super().__init__(**clip)
+        self.sample_of_file = np.asarray([int(str(f).rsplit("#", 1)[1]) for f in self.files], dtype=np.int64)
+        self.sample_of_item = self.sample_of_file[self.item_file]
+
+    def _find(self, files, class_per_file: bool) -> List[Tuple[str, str]]:
+        names = _SampleNames(self.index)
+        return [(names[i], self.index.classes[int(self.index.label[i])]) for i in range(len(self.index))]
+
+    def _build(self, sources: List[Tuple[str, str]]) -> None:
+        ix = self.index
+        entries = []
+        for i, (name, cls) in enumerate(sources):
+            n, fps = int(ix.frames[i]), float(ix.fps[i])
+            entries.append((name, cls, {"ok": True, "num_frames": n, "times": (np.arange(n) / fps).tolist(),
+                                        "pts": None, "fps": fps, "width": int(ix.width[i]),
+                                        "height": int(ix.height[i]), "orientation": ix.orientation_of(i)}))
+        self._index_files(entries)
+
+    def _source(self, f: int) -> Any:
+        return io.BytesIO(media_of(self._sample(int(self.sample_of_file[f])))[1])
+
+
+def shard_datasets(cfg: Any) -> Tuple[KeyedSubset, KeyedSubset]:
+    """``(train, held_out)`` of the packed data set at ``cfg.shards`` (a ``data`` config section);
+    the split is the manifest's. The base dataset's ``item_group`` (shard of each item) gives the
+    subsets their ``groups`` (:class:`~vitp.data.base.KeyedSubset`).
+
+    Raises ``ValueError`` when ``data.shards`` is unset, the classes disagree with
+    ``data.num_classes`` or a split is empty; what :class:`ShardIndex` raises."""
+    if not cfg.shards:
+        raise ValueError("data.name=shards needs data.shards=<folder or s3:// prefix written by vitp-pack>")
+    index = ShardIndex(cfg.shards)
+    if len(index.classes) != cfg.num_classes:
+        raise ValueError(f"the packed data at {cfg.shards} has {len(index.classes)} classes but data.num_classes="
+                         f"{cfg.num_classes}; set data.num_classes={len(index.classes)}")
+    common = dict(cache_dir=cfg.shard_cache, lru=max(4, int(cfg.shuffle_window) + 2))
+    if index.kind == "video":
+        base = ShardVideos(index, resolution=cfg.resolution, num_frames=cfg.num_frames,
+                           frame_stride=cfg.frame_stride, fps=cfg.fps, clip_step=cfg.clip_step,
+                           channels=cfg.channels, train=True, random_crop=cfg.random_crop, hflip=cfg.hflip,
+                           video_cache_mb=cfg.video_cache_mb, scene_cut_threshold=cfg.scene_cut_threshold,
+                           **common)
+        sample = base.sample_of_item
+        base.item_group = index.shard_of[sample]
+    else:
+        if cfg.num_frames != 1:
+            raise ValueError(f"the packed data at {cfg.shards} holds still images: set data.num_frames=1")
+        base = ShardImages(index, cfg.resolution, cfg.channels, train=True, random_crop=cfg.random_crop,
+                           hflip=cfg.hflip, **common)
+        sample = np.arange(len(index))
+        base.item_group = index.shard_of
+    if index.captions is not None:
+        base.captions = [index.captions[int(s)] for s in sample]
+    held = index.heldout[sample].astype(bool)
+    out = []
+    for idx, eval_only in ((np.flatnonzero(~held), False), (np.flatnonzero(held), True)):
+        if index.captions is not None:
+            idx = idx[np.asarray([base.captions[i] is not None for i in idx], dtype=bool)] if len(idx) else idx
+        out.append(KeyedSubset(base, idx, eval_only=eval_only))
+    if not len(out[0]):
+        raise ValueError(f"the packed data at {cfg.shards} has no training sample")
+    log.info(f"data.shards={cfg.shards}: {len(index)} samples in {len(index.shards)} shards, {len(out[0])} "
+             f"training / {len(out[1])} held-out items")
+    return out[0], out[1]
