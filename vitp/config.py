@@ -667,7 +667,7 @@ def validate_captions(d: "DictConfig") -> None:
 
     Raises ``ValueError`` naming the option and the fix."""
     src = d.captions
-    if src is None:
+    if src is None or d.name == "shards":  # a pack's captions were read when it was packed
         return
     templates = src == "templates"
     _fail(templates or src == "sidecar" or any(str(src).lower().endswith(e) for e in CAPTION_MANIFESTS),
@@ -699,13 +699,15 @@ def validate_text_run(cfg: "DictConfig") -> None:
               "model.text_dim to the embeddings' channels (e.g. 4096 for T5-XXL, 32 for the demo encoder), or unset "
               "data.text_embeddings")
         return
-    _fail(d.captions is not None,
+    _fail(d.captions is not None or d.name == "shards",
           f"model.text_dim={m.text_dim} trains on captions, but data.captions is unset: set data.captions=sidecar "
           "(a <name>.txt next to each file), a .jsonl/.csv manifest path, or templates (with data.caption_templates)")
     _fail(bool(d.text_embeddings),
           f"model.text_dim={m.text_dim} needs the captions' precomputed embeddings, but data.text_embeddings is "
           "unset: run vitp-encode-captions --encoder <local encoder folder> --out DIR <this run's data overrides>, "
-          "then set data.text_embeddings=DIR")
+          "then set data.text_embeddings=DIR" + (" (a pack made with data.text_embeddings holds a copy: "
+                                                 "data.text_embeddings=<data.shards>/text-embeddings)"
+                                                 if d.name == "shards" else ""))
 
 
 def _check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution") -> None:

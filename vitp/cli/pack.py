@@ -47,6 +47,24 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return a
 
 
+# settings of the packed data the trainer reads as for the folder (crop size, clip windows)
+CARRIED = ("resolution", "channels", "num_frames", "frame_stride", "fps", "clip_step", "random_crop", "hflip")
+
+
+def train_overrides(meta: Dict[str, Any]) -> List[str]:
+    """``data.*`` overrides that make ``data=shards`` read the pack as its source config read the
+    folder: ``num_classes`` and the :data:`CARRIED` settings that differ from the schema's defaults."""
+    from vitp.cli.overrides import hydra_override
+    from vitp.config import schema_default
+
+    src = meta.get("source", {})
+    out = [f"data.num_classes={len(meta['classes'])}"]
+    for k in CARRIED:
+        if k in src and src[k] != schema_default(f"data.{k}"):
+            out.append(hydra_override(f"data.{k}", src[k]))
+    return out
+
+
 def summary(manifest: Dict[str, Any], out: Path, seconds: float) -> List[str]:
     """The lines printed at the end: counts, shards, skips, split, and the overrides to train with."""
     from vitp.cli.overrides import hydra_override
@@ -60,10 +78,14 @@ def summary(manifest: Dict[str, Any], out: Path, seconds: float) -> List[str]:
         first = m["skipped"][0]
         lines.append(f"skipped {len(m['skipped'])} unreadable / unusable files (listed in index.json), e.g. "
                      f"{first['file']}: {first['reason']}")
+    if not m["num_heldout"]:
+        lines.append("no held-out sample (eval.json has no held-out loss): raise data.holdout_fraction or give "
+                     "data.heldout_root" + (" (videos are held out whole, per class with two or more files)"
+                                           if m["kind"] == "video" else ""))
     if m["captions"]:
         lines.append("captions packed" + (f"; caption store in {out / m['text_embeddings']}"
                                           if m["text_embeddings"] else ""))
-    train = ["data=shards", hydra_override("data.shards", str(out.absolute())), f"data.num_classes={len(m['classes'])}"]
+    train = ["data=shards", hydra_override("data.shards", str(out.absolute())), *train_overrides(m)]
     if m["text_embeddings"]:
         train.append(hydra_override("data.text_embeddings", str((out / m["text_embeddings"]).absolute())))
     lines += [f"manifest: {(out / 'index.json').absolute()}", f"train with: {' '.join(train)}"]

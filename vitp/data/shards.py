@@ -406,3 +406,28 @@ def shard_datasets(cfg: Any) -> Tuple[KeyedSubset, KeyedSubset]:
     log.info(f"data.shards={cfg.shards}: {len(index)} samples in {len(index.shards)} shards, {len(out[0])} "
              f"training / {len(out[1])} held-out items")
     return out[0], out[1]
+
+
+def packed_index(dataset: Any) -> Optional[ShardIndex]:
+    """The :class:`ShardIndex` under ``dataset`` (through ``KeyedSubset.base`` / ``CaptionIds.dataset``), or None."""
+    seen = 0
+    while dataset is not None and seen < 8:
+        index = getattr(dataset, "index", None)
+        if isinstance(index, ShardIndex):
+            return index
+        dataset, seen = getattr(dataset, "base", None) or getattr(dataset, "dataset", None), seen + 1
+    return None
+
+
+def as_packed_source(cfg: Any, dataset: Any) -> Any:
+    """``cfg`` (a run config) with ``data.name``, ``data.captions`` and ``data.caption_templates``
+    of the config ``dataset`` was packed from, when it is a packed data set (else ``cfg``): what the
+    evaluation needs to judge packed digits as the digits."""
+    index = packed_index(dataset)
+    if index is None:
+        return cfg
+    from omegaconf import OmegaConf
+
+    src = index.meta.get("source", {})
+    keep = {k: src[k] for k in ("name", "captions", "caption_templates") if k in src}
+    return OmegaConf.merge(cfg, {"data": keep})

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from vitp.data.shards import as_packed_source
 from vitp.models import Generator
 from vitp.objectives import sample_seed, v_loss
 from vitp.utils import atomic_write_text
@@ -167,6 +168,7 @@ def evaluate(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: Any, ru
     to ``out`` (default ``run_dir/eval.json``; the judge is cached in ``run_dir`` either way);
     with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``. ``conditioning``:
     how item ids become model inputs (:mod:`vitp.data.text`; default class labels)."""
+    cfg = as_packed_source(cfg, heldout_ds)  # packed digits are judged as the digits
     res: Dict[str, Any] = {"step": step} if step is not None else {}
     if buckets:
         res.update(bucket_heldout_loss(gen, cfg, buckets, conditioning))
