@@ -73,15 +73,16 @@ def summary(manifest: Dict[str, Any], out: Path, seconds: float) -> List[str]:
     shards = manifest["shardlist"]
     lines = [f"packed {m['num_samples']} {m['kind']} samples of {len(m['classes'])} classes into {len(shards)} "
              f"shards, {m['bytes'] / 1e6:.1f} MB, in {seconds:.1f} s",
-             f"held out: {m['num_heldout']} samples (per {m['holdout']['unit']}); training: {m['num_train']}"]
+             f"held out: {m['num_heldout']} samples (per {m['holdout']['unit']})"
+             + (f" and the last {m['holdout']['fraction']:g} of the frames of {m['heldout_tails']} files (classes of "
+                f"one file)" if m.get("heldout_tails") else "") + f"; training: {m['num_train']}"]
     if m["skipped"]:
         first = m["skipped"][0]
         lines.append(f"skipped {len(m['skipped'])} unreadable / unusable files (listed in index.json), e.g. "
                      f"{first['file']}: {first['reason']}")
-    if not m["num_heldout"]:
+    if not m["num_heldout"] and not m.get("heldout_tails"):
         lines.append("no held-out sample (eval.json has no held-out loss): raise data.holdout_fraction or give "
-                     "data.heldout_root" + (" (videos are held out whole, per class with two or more files)"
-                                           if m["kind"] == "video" else ""))
+                     "data.heldout_root")
     if m["captions"]:
         lines.append("captions packed" + (f"; caption store in {out / m['text_embeddings']}"
                                           if m["text_embeddings"] else ""))

@@ -51,6 +51,7 @@ class Sample:
     frames: int = 1
     fps: float = 0.0
     orientation: Optional[str] = None
+    heldout_from: int = 0  # video: first held-out frame (0: the whole file, frames: none)
 
     def files(self, key: str) -> Dict[str, Any]:
         """The sample as webdataset's ``TarWriter`` writes it (every value bytes or str)."""
@@ -119,19 +120,38 @@ def _videos(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str
         captions = item_captions(base, c)
         first = {int(f): i for i, f in reversed(list(enumerate(base.item_file)))}  # first window of each file
         labels = np.asarray([int(base.labels[first[f]]) for f in range(len(base.files))], dtype=np.int64)
-        held = np.zeros(len(labels), dtype=bool)
-        if is_held:
-            held[:] = True
-        elif not cfg.heldout_root:
-            held[stratified_split(labels, cfg.holdout_fraction, seed)[1]] = True
+        held_from = _video_split(labels, [len(t) for t in base._times], is_held, cfg, seed)
         for f, path in enumerate(base.files):
             times = base._times[f]
             fps = (len(times) - 1) / times[-1] if times[-1] > 0 else 25.0
             w, h = base._sizes[f]
             out.append(Sample(path, path.suffix.lower().lstrip("."), int(labels[f]), base.classes[labels[f]],
-                              None if captions is None else captions[first[f]], bool(held[f]), h, w,
-                              len(times), float(fps), base._orientation[f]))
+                              None if captions is None else captions[first[f]], bool(held_from[f] == 0), h, w,
+                              len(times), float(fps), base._orientation[f], int(held_from[f])))
     return "video", classes, out, skipped
+
+
+def _video_split(labels: np.ndarray, frames: Sequence[int], all_held: bool, cfg: Any, seed: int) -> np.ndarray:
+    """Per file, the first held-out frame: 0 (the whole file held out), ``frames`` (none), or in
+    between (its tail). Classes of two or more files hold out whole files (stratified,
+    ``data.holdout_fraction``); a class of one file holds out the last ``holdout_fraction`` of its
+    frames, so that one-file-per-class data (``data.class_per_file``) still has a held-out split
+    whose clips share no frame with training."""
+    from vitp.data.build import stratified_split
+
+    n = np.asarray(frames, dtype=np.int64)
+    if all_held:
+        return np.zeros(len(n), dtype=np.int64)
+    out = n.copy()
+    if cfg.heldout_root or cfg.holdout_fraction <= 0:
+        return out
+    counts = np.bincount(labels)
+    multi = np.flatnonzero(counts[labels] >= 2)
+    if len(multi):
+        out[multi[stratified_split(labels[multi], cfg.holdout_fraction, seed)[1]]] = 0
+    single = np.flatnonzero(counts[labels] == 1)
+    out[single] = n[single] - np.maximum(1, np.round(cfg.holdout_fraction * n[single])).astype(np.int64)
+    return out
 
 
 def _heldout_cfg(cfg: Any) -> Any:
@@ -143,8 +163,8 @@ def _heldout_cfg(cfg: Any) -> Any:
 def collect(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str, str]]:
     """``(kind, classes, samples, skipped files -> reason)`` of the data set ``cfg`` (a ``data``
     section) in item order; the held-out split is the folder version's for images and digits
-    (:func:`vitp.data.build.build_datasets` with ``seed``), per file for videos (stratified by
-    class, :func:`vitp.data.build.stratified_split`; ``data.heldout_root``'s files are held out).
+    (:func:`vitp.data.build.build_datasets` with ``seed``); for videos see :func:`_video_split`
+    (``data.heldout_root``'s files are held out whole).
 
     Raises ``ValueError`` for data without anything to pack (synthetic, already shards) and what
     building the data set raises."""
@@ -277,6 +297,7 @@ def _finish(out: Path, cfg_data: dict, seed: int, per_shard: int, kind: str, cla
         "width": np.asarray([s.width for s in samples], dtype=np.int32),
         "frames": np.asarray([s.frames for s in samples], dtype=np.int32),
         "fps": np.asarray([s.fps for s in samples], dtype=np.float32),
+        "heldout_from": np.asarray([s.heldout_from for s in samples], dtype=np.int32),
         "orientation": np.asarray([orientations.index(s.orientation) + 1 if s.orientation else 0 for s in samples],
                                   dtype=np.int8),
     }
@@ -323,6 +344,7 @@ def _summary(cfg_data: dict, seed: int, per_shard: int, kind: str, classes: List
     }
     if kind == "video":
         f = arrays["frames"]
+        meta["heldout_tails"] = int(((arrays["heldout_from"] > 0) & (arrays["heldout_from"] < f)).sum())
         meta["frames"] = {"min": int(f.min()), "max": int(f.max()), "mean": float(f.mean()),
                           "seconds": float((f / np.maximum(arrays["fps"], 1e-6)).sum())}
     return meta

@@ -11,7 +11,8 @@ Layout of a packed data set (a local folder or an object-store prefix, ``data.sh
   skipped files and why, the held-out split's definition, the source config;
 - ``samples.safetensors``: per-sample arrays read at start-up instead of opening shards: ``label``,
   ``heldout`` (the held-out split), ``height``/``width`` (pixels as displayed: bucket assignment),
-  ``frames``/``fps`` (video: clip windows), ``orientation`` (video: 0, or k for the manifest's
+  ``frames``/``fps`` (video: clip windows), ``heldout_from`` (video: the first held-out frame;
+  0 = the whole file, ``frames`` = none), ``orientation`` (video: 0, or k for the manifest's
   ``orientations[k - 1]``);
 - ``captions.jsonl`` (one caption per sample) and ``text-embeddings/`` (the caption store of
   :mod:`vitp.text.store`) when the data set has captions.
@@ -121,7 +122,7 @@ class ShardIndex:
 
     Attributes: ``url`` (the folder / prefix), ``shards`` (wids shard list with absolute URLs),
     ``meta`` (the manifest's ``vitp`` section), ``kind`` (``"image"``, ``"digits"``, ``"video"``),
-    ``classes``, the arrays ``label``, ``heldout``, ``height``, ``width``, ``frames``, ``fps``,
+    ``classes``, the arrays ``label``, ``heldout``, ``heldout_from``, ``height``, ``width``, ``frames``, ``fps``,
     ``orientation`` (one entry per sample), ``shard_of`` (shard number of each sample), ``captions`` (list or None).
 
     Raises
@@ -153,7 +154,7 @@ class ShardIndex:
 
         arrays = load(read_bytes(join_url(self.url, SAMPLES)))
         n = sum(s["nsamples"] for s in self.shards)
-        for k in ("label", "heldout", "height", "width", "frames", "fps", "orientation"):
+        for k in ("label", "heldout", "heldout_from", "height", "width", "frames", "fps", "orientation"):
             if len(arrays[k]) != n:
                 raise ValueError(f"{join_url(self.url, SAMPLES)}: {k} has {len(arrays[k])} entries but the shards "
                                  f"hold {n} samples; pack the data again")
@@ -364,6 +365,19 @@ class ShardVideos(_Shards, VideoFolderDataset):
         return io.BytesIO(media_of(self._sample(int(self.sample_of_file[f])))[1])
 
 
+def _split(index: ShardIndex, base: Any, sample: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Boolean ``(train, held out)`` per item: the manifest's flag for images; for clips, held out
+    when the eval clip starts at or after its file's ``heldout_from``, training when every jittered
+    clip ends before it (windows across the boundary are used by neither)."""
+    if index.kind != "video":
+        held = index.heldout[sample].astype(bool)
+        return ~held, held
+    start = index.heldout_from[sample]
+    last = np.asarray([base.item_frames(i)[1][1] for i in range(len(base))], dtype=np.int64)
+    first = np.asarray([int(base.clip_indices(i, None)[1].min()) for i in range(len(base))], dtype=np.int64)
+    return last < start, first >= start
+
+
 def shard_datasets(cfg: Any) -> Tuple[KeyedSubset, KeyedSubset]:
     """``(train, held_out)`` of the packed data set at ``cfg.shards`` (a ``data`` config section);
     the split is the manifest's. The base dataset's ``item_group`` (shard of each item) gives the
@@ -395,9 +409,9 @@ def shard_datasets(cfg: Any) -> Tuple[KeyedSubset, KeyedSubset]:
         base.item_group = index.shard_of
     if index.captions is not None:
         base.captions = [index.captions[int(s)] for s in sample]
-    held = index.heldout[sample].astype(bool)
+    train, held = _split(index, base, sample)
     out = []
-    for idx, eval_only in ((np.flatnonzero(~held), False), (np.flatnonzero(held), True)):
+    for idx, eval_only in ((np.flatnonzero(train), False), (np.flatnonzero(held), True)):
         if index.captions is not None:
             idx = idx[np.asarray([base.captions[i] is not None for i in idx], dtype=bool)] if len(idx) else idx
         out.append(KeyedSubset(base, idx, eval_only=eval_only))
