@@ -213,29 +213,67 @@ class ShardIndex:
 class ShardReader:
     """One process's random access to the samples of a :class:`ShardIndex` (``wids``).
 
-    ``reader[i]`` is ``{ext: bytes}`` of sample ``i``. Local shards are read in place; remote ones
-    are downloaded to ``cache_dir`` (a folder per data set) when first needed. ``lru`` shards stay
-    open (memory-mapped)."""
+    ``reader[i]`` is ``{ext: bytes}`` of sample ``i``. A shard is opened with
+    ``wids.IndexedTarSamples`` (memory-mapped, its tar headers indexed; nothing written next to
+    it, so read-only mounts work) and the last ``lru`` shards stay open. Remote shards are first
+    downloaded whole into ``cache_dir`` (a folder per data set) with wids's per-scheme download
+    handlers, through a ``.part`` file renamed when complete: concurrent readers and killed
+    downloads never leave a truncated shard in the cache.
+
+    Raises (from ``reader[i]``) ``FileNotFoundError`` for a shard that cannot be fetched and
+    ``RuntimeError`` for one that holds another number of samples than the manifest says.
+    """
 
     def __init__(self, index: ShardIndex, cache_dir: Optional[str], lru: int):
-        import wids
+        from wids.wids_lru import LRUCache
 
-        _use_handlers()
-        self.index = index
-        remote = is_remote(index.url)
-        cache = Path(cache_dir or _default_cache()) / hashlib.sha1(index.url.encode()).hexdigest()[:16]
-        if remote:
-            cache.mkdir(parents=True, exist_ok=True)
+        self.index, self.remote = index, is_remote(index.url)
+        self.cache = Path(cache_dir or _default_cache()) / hashlib.sha1(index.url.encode()).hexdigest()[:16]
+        self.starts = np.concatenate([[0], np.cumsum([s["nsamples"] for s in index.shards])]).astype(np.int64)
+        self.open = LRUCache(max(1, lru), release_handler=lambda _k, tar: tar.close())
 
-        def localname(url: str) -> str:
-            return str(cache / os.path.basename(urlparse(url).path)) if remote else url
+    def local_path(self, k: int) -> str:
+        """Shard ``k`` as a local file: itself, or its copy in the cache (downloaded if missing)."""
+        url = self.index.shards[k]["url"]
+        if not self.remote:
+            return url
+        local = self.cache / os.path.basename(urlparse(url).path)
+        if not local.exists():
+            import wids.wids_dl
 
-        with contextlib.redirect_stderr(io.StringIO()):  # wids prints a line per construction
-            self.ds = wids.ShardListDataset(index.shards, localname=localname, transformations=[], lru_size=lru)
+            _use_handlers()
+            self.cache.mkdir(parents=True, exist_ok=True)
+            part = f"{local}.part{os.getpid()}"
+            try:
+                wids.wids_dl.download_file_no_log(url, part)
+            except Exception as e:  # noqa: BLE001 - handlers raise many types (AssertionError for a failed curl)
+                with contextlib.suppress(OSError):
+                    os.unlink(part)
+                raise FileNotFoundError(f"shard {url} could not be downloaded ({type(e).__name__}: {e}); check "
+                                        f"data.shards and that vitp-pack's output was copied whole") from e
+            os.replace(part, local)
+        return str(local)
+
+    def shard(self, k: int) -> Any:
+        """The open ``wids.IndexedTarSamples`` of shard ``k``."""
+        tar = self.open[k]
+        if tar is None:
+            from wids.wids import IndexedTarSamples
+
+            tar = IndexedTarSamples(path=self.local_path(k))
+            want = self.index.shards[k]["nsamples"]
+            if len(tar) != want:
+                tar.close()
+                raise RuntimeError(f"shard {self.index.shards[k]['url']} holds {len(tar)} samples, the manifest "
+                                   f"says {want}: it is truncated or from another pack; copy it again or re-run "
+                                   f"vitp-pack")
+            self.open[k] = tar
+        return tar
 
     def __getitem__(self, i: int) -> Dict[str, bytes]:
-        sample = self.ds[int(i)]  # wids keys the files by ".ext"
-        return {k.lstrip("."): v.getvalue() for k, v in sample.items() if not k.startswith("_")}
+        k = int(self.index.shard_of[int(i)])
+        sample = self.shard(k)[int(i) - int(self.starts[k])]  # wids keys the files by ".ext"
+        return {key.lstrip("."): v.getvalue() for key, v in sample.items() if not key.startswith("_")}
 
 
 def _default_cache() -> str:
