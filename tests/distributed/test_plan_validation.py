@@ -165,10 +165,11 @@ def test_telemetry_of_a_run(tmp_path):
     cfg = compose_cfg(over)
     comm = step_comm(cfg.model, layout_of(cfg, 4))
     keys = ("perf/tokens_per_s", "perf/tflops", "perf/mfu", "perf/peak_mem_gib", "perf/data_wait_frac",
-            "comm/tp_bytes", "comm/cp_bytes", "comm/pp_bytes", "comm/dp_bytes")
+            "comm/tp_bytes", "comm/cp_bytes", "comm/pp_bytes", "comm/dp_bytes", "data/skipped_samples")
     for r in rows:
         assert set(keys) <= set(r) and r["perf/tokens_per_s"] > 0 and 0 < r["perf/mfu"] and 0 <= r[
             "perf/data_wait_frac"] < 1
+        assert r["data/skipped_samples"] == 0  # the digits never fail to decode
         assert r["comm/tp_bytes"] == max(c.tp_bytes for c in comm) and r["comm/pp_bytes"] == max(
             c.pp_bytes for c in comm) and r["comm/dp_bytes"] == 0 == r["comm/cp_bytes"]
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))

@@ -220,6 +220,10 @@ class FileDataset(KeyedDataset):
         log.warning(f"skipping {self.skip_label} {path}: {reason}")
         self.skipped_files.append(str(path))
         self.skip_reasons[str(path)] = reason
+        counter = getattr(self, "skip_counter", None)
+        if counter is not None:
+            with counter.get_lock():
+                counter.value += 1
         if too_short:
             self.too_short_files.append(str(path))
 
@@ -306,3 +310,20 @@ class FileDataset(KeyedDataset):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._init_process_state()
+
+
+def attach_skip_counter(datasets: Any) -> Any:
+    """A counter shared with DataLoader worker processes (``multiprocessing.Value``), attached as
+    ``skip_counter`` to the :class:`FileDataset` under each of ``datasets`` (a dataset or a list;
+    through ``KeyedSubset.base`` / ``.dataset``): every sample skipped in ``__getitem__`` adds one.
+    Call it before the loader starts its workers. Returns the counter."""
+    import multiprocessing
+
+    counter = multiprocessing.Value("q", 0)
+    for ds in datasets if isinstance(datasets, (list, tuple)) else [datasets]:
+        for _ in range(8):  # CaptionIds -> KeyedSubset -> FileDataset
+            if isinstance(ds, FileDataset):
+                ds.skip_counter = counter
+                break
+            ds = getattr(ds, "base", None) or getattr(ds, "dataset", None)
+    return counter

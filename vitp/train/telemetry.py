@@ -15,6 +15,9 @@ Per logged step, over the steps since the previous log:
   CUDA, the process's maximum resident set size (``ru_maxrss``, everything the process holds) on CPU;
 - ``perf/data_wait_frac``: time spent waiting for the next batch / wall time (largest over ranks;
   only the first and last pipeline stages read data);
+- ``data/skipped_samples``: training samples skipped so far because they failed to decode, by the
+  loader of this run's process and its DataLoader workers (largest over ranks; each skip is also a
+  warning naming the sample, :class:`vitp.data.base.FileDataset`);
 - ``comm/tp_bytes``: ring bytes per step one rank sent in TP collectives, counted as they run
   (:class:`vitp.parallel.CommCounter`; largest over ranks);
 - ``comm/cp_bytes``: the same for the context-parallel collectives (tags ``cp`` and
@@ -140,6 +143,7 @@ class Telemetry:
         self.peak_flops, source = _profile(device, lay.precision)
         self.counter, self.cp_counter = CommCounter(TP_TAGS), CommCounter(CP_TAGS)
         self.data: Optional[TimedIterator] = None
+        self.skipped: Any = None  # shared counter of undecodable samples (vitp.data.base.attach_skip_counter)
         if dist.is_main():
             names = [b.name for b in buckets_of(cfg.data)] if cfg.data.buckets else []
             per = ", ".join(f"{self.counts[k].flops / 1e12:.4g} model TFLOP and {self.counts[k].tokens:.0f} tokens "
@@ -177,11 +181,12 @@ class Telemetry:
         seconds (those not counted by :meth:`count_step` count at ``data.resolution``); resets the
         counters. Collective (an all-reduce over all ranks)."""
         wait = self.data.wait_s if self.data is not None else 0.0
+        skipped = self.skipped.value if self.skipped is not None else 0
         local = torch.tensor([peak_memory_gib(self.device), wait / elapsed_s, self.counter.wire / steps,
-                              self.cp_counter.wire / steps], dtype=torch.float64, device=self.device)
+                              self.cp_counter.wire / steps, skipped], dtype=torch.float64, device=self.device)
         if dist.world_size() > 1:
             torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
-        mem, wait_frac, tp, cp = local.tolist()
+        mem, wait_frac, tp, cp, skipped = local.tolist()
         rest, base = max(0, steps - self._steps), self.counts[None]
         tokens, flops = self._tokens + rest * base.tokens, self._flops + rest * base.flops
         tflops = flops / elapsed_s / self.world / 1e12
@@ -189,7 +194,7 @@ class Telemetry:
                "perf/peak_mem_gib": mem, "perf/data_wait_frac": wait_frac, "comm/tp_bytes": tp,
                "comm/cp_bytes": cp,
                "comm/pp_bytes": (self._pp + rest * base.pp_bytes) / max(steps, self._steps, 1),
-               "comm/dp_bytes": self.dp_bytes}
+               "comm/dp_bytes": self.dp_bytes, "data/skipped_samples": skipped}
         if self.peak_flops:
             out["perf/mfu"] = tflops * 1e12 / self.peak_flops
         self.counter.reset()

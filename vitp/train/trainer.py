@@ -287,6 +287,7 @@ class Trainer:
     def _data_iterator(self):
         """Pipeline pairs of the remaining steps for this dp rank; the first batch is checked to be
         the same on every rank of the replica."""
+        from vitp.data.base import attach_skip_counter
         from vitp.data.loader import LoaderBatches, train_loader
 
         from .engine import check_batch_consistency
@@ -297,6 +298,7 @@ class Trainer:
         if self.start_step >= tr.max_steps:
             return None
         data = self.train_ds if self.buckets is None else [tr for tr, _ in self.bucket_data]
+        self.telemetry.skipped = attach_skip_counter(data)  # data/skipped_samples, also from the workers
         self.batches = LoaderBatches(train_loader(
             data, self.schedule, cfg.objective, self.conditioning, start_step=self.start_step,
             stop_step=tr.max_steps, dp_rank=self.state.dp_rank, num_workers=cfg.data.num_workers))
