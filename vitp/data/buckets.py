@@ -93,7 +93,15 @@ def bucket_datasets(cfg: Any, seed: int, build) -> List[Tuple[Any, Any]]:
         pair = []
         for sub in build(cfg_b, seed):
             native = getattr(sub.base, "native_size", lambda _i: None)
-            keep = [k for k, j in enumerate(sub.indices) if i in assign(native(int(j)), b.frames, buckets)]
+            memo: dict = {}  # items share few sizes: assign each size once (a pack of millions starts fast)
+
+            def fits(j: int) -> bool:
+                size = native(j)
+                if size not in memo:
+                    memo[size] = i in assign(size, b.frames, buckets)
+                return memo[size]
+
+            keep = [k for k, j in enumerate(sub.indices) if fits(int(j))]
             pair.append(KeyedSubset(sub.base, sub.indices[keep], eval_only=sub.eval_only))
         out.append(tuple(pair))
     return out
