@@ -38,7 +38,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from vitp.data.base import FileDataset, KeyedSubset, parse_key
+from vitp.data.base import FileDataset, KeyedSubset, StorageError, parse_key
 from vitp.data.images import digits_tensor, load_image
 from vitp.data.video import VideoFolderDataset
 
@@ -97,16 +97,20 @@ def read_bytes(url: str) -> bytes:
 
 def s3_download(remote: str, local: str) -> None:
     """wids download handler for ``s3://``: ``boto3`` into ``local`` through a ``.part`` file, so
-    that a killed download never leaves a truncated shard in the cache."""
+    that a failed or killed download never leaves a truncated shard in the cache.
+
+    Raises :class:`~vitp.data.base.StorageError` naming the shard: the dataset raises it through
+    instead of skipping the shard's samples (a run stops and resumes from its last checkpoint)."""
     bucket, key = _split_s3(remote)
     part = f"{local}.part{os.getpid()}"
     try:
         _s3_client().download_file(bucket, key, part)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - botocore / network errors carry the reason
         with contextlib.suppress(OSError):
             os.unlink(part)
-        raise FileNotFoundError(f"shard {remote} could not be downloaded ({type(e).__name__}: {e}); check that "
-                                f"vitp-pack's output is complete under data.shards") from e
+        raise StorageError(f"shard {remote} could not be downloaded ({type(e).__name__}: {e}); check that the "
+                           f"object exists (vitp-pack's output complete under data.shards), the endpoint "
+                           f"(AWS_ENDPOINT_URL) and the credentials, then resume the run") from e
     os.replace(part, local)
 
 
@@ -213,8 +217,9 @@ class ShardReader:
     """One process's random access to the samples of a :class:`ShardIndex` (``wids``).
 
     ``reader[i]`` is ``{ext: bytes}`` of sample ``i``. Local shards are read in place; remote ones
-    are downloaded to ``cache_dir`` (a folder per data set) when first needed. ``lru`` shards stay
-    open (memory-mapped)."""
+    are downloaded whole to ``cache_dir`` (a folder per data set URL) when first needed and kept
+    there (the cache grows to the data set's size); a cached shard of another size than the
+    manifest's is downloaded again. ``lru`` shards stay open (memory-mapped)."""
 
     def __init__(self, index: ShardIndex, cache_dir: Optional[str], lru: int):
         import wids
@@ -226,8 +231,14 @@ class ShardReader:
         if remote:
             cache.mkdir(parents=True, exist_ok=True)
 
+        sizes = {s["url"]: s.get("filesize") for s in index.shards}
+
         def localname(url: str) -> str:
-            return str(cache / os.path.basename(urlparse(url).path)) if remote else url
+            if not remote:
+                return url
+            local = cache / os.path.basename(urlparse(url).path)
+            _drop_stale(local, sizes[url])
+            return str(local)
 
         with contextlib.redirect_stderr(io.StringIO()):  # wids prints a line per construction
             self.ds = wids.ShardListDataset(index.shards, localname=localname, transformations=[], lru_size=lru)
@@ -235,6 +246,16 @@ class ShardReader:
     def __getitem__(self, i: int) -> Dict[str, bytes]:
         sample = self.ds[int(i)]  # wids keys the files by ".ext"
         return {k.lstrip("."): v.getvalue() for k, v in sample.items() if not k.startswith("_")}
+
+
+def _drop_stale(local: Path, size: Optional[int]) -> None:
+    """Delete a cached shard of another size than the manifest's (left by an earlier pack at the
+    same URL, or cut short outside vitp), so that wids downloads it again instead of reading it."""
+    with contextlib.suppress(FileNotFoundError):
+        got = local.stat().st_size
+        if size is not None and got != size:
+            log.warning(f"cached shard {local} has {got} bytes, the manifest says {size}: downloading it again")
+            local.unlink()
 
 
 def _default_cache() -> str:
