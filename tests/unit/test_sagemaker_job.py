@@ -375,8 +375,10 @@ def test_dry_run_shards_from_s3_become_a_fastfile_channel(sdk, staged, fake_repo
     assert req["AlgorithmSpecification"]["TrainingInputMode"] == "File"
     channels = {c["ChannelName"]: c for c in req["InputDataConfig"]}
     assert list(channels) == ["validation", "shards", "code", "sm_drivers"]
-    assert channels["shards"] == {"ChannelName": "shards", "InputMode": "FastFile", "DataSource": {"S3DataSource": {
-        "S3DataType": "S3Prefix", "S3Uri": "s3://data-bucket/packs/digits/", "S3DataDistributionType": "FullyReplicated"}}}
+    prefix = {"S3DataType": "S3Prefix", "S3Uri": "s3://data-bucket/packs/digits/",
+              "S3DataDistributionType": "FullyReplicated"}
+    assert channels["shards"] == {"ChannelName": "shards", "InputMode": "FastFile",
+                                  "DataSource": {"S3DataSource": prefix}}
     assert "InputMode" not in channels["validation"] and channels["code"]["InputMode"] == "File"
     assert req["HyperParameters"] == {"data": "shards", "data.shards": "/opt/ml/input/data/shards",
                                       "data.num_classes": "10", "trainer.max_steps": "3"}

@@ -4,7 +4,9 @@ The job runs ``sagemaker_entry.py`` (from ``scripts/``) under torchrun on every 
 (``Torchrun`` distribution: one process per GPU unless ``--processes-per-host``), from a staged
 source folder that also holds ``requirements.txt`` and a vitp wheel built from this checkout (see
 :func:`stage_source`). Positional ``KEY=VALUE`` arguments are Hydra overrides, checked by the schema
-before the job starts; they travel as the job's hyperparameters (:func:`parse_overrides`). ``--dry-run`` prints the CreateTrainingJob request the SDK builds,
+before the job starts; they travel as the job's hyperparameters (:func:`parse_overrides`). A packed
+data set on S3 (``data=shards data.shards=s3://...``) becomes a ``shards`` channel in FastFile or
+File mode, read in the job as a local folder (:func:`shard_channel`, ``--shards-mode``). ``--dry-run`` prints the CreateTrainingJob request the SDK builds,
 captured from the SDK itself while it runs against moto's mocked AWS (no credentials, no network).
 
 The SDK is an optional extra: ``pip install -e ".[sagemaker]"`` (imported only when needed).
@@ -25,6 +27,9 @@ Sources (SDK v3 = ``sagemaker`` 3.27: ``sagemaker-train`` 1.27, ``sagemaker-core
   and ``StoppingCondition`` (MaxWaitTimeInSeconds >= MaxRuntimeInSeconds):
   https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_StoppingCondition.html
 - TensorBoard output: https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TensorBoardOutputConfig.html
+- Input modes (File, FastFile) and the channel path ``/opt/ml/input/data/<channel>``:
+  https://docs.aws.amazon.com/sagemaker/latest/dg/model-access-training-data.html ; a channel's
+  ``InputMode`` overrides the job's ``TrainingInputMode``: ``Channel`` in botocore's service model.
 - Limits (hyperparameters, environment, channel and job names): botocore's ``sagemaker`` service model,
   ``CreateTrainingJob`` input shape.
 """

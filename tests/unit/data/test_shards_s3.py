@@ -126,7 +126,8 @@ def test_s3_reader_in_a_dataloader_worker(s3, tmp_path):
     (f"s3://no-such-bucket/{PREFIX}", r"no packed data set at data.shards=s3://no-such-bucket/packs/digits .*"
                                       r"NoSuchBucket.*vitp-pack OUT"),
     (f"s3://{BUCKET}/packs/digitz", r"no packed data set at data.shards=s3://vitp-data/packs/digitz "
-                                    r"\(cannot read s3://vitp-data/packs/digitz/index.json: .*NoSuchKey.*vitp-pack OUT"),
+                                    r"\(cannot read s3://vitp-data/packs/digitz/index.json: "
+                                    r".*NoSuchKey.*vitp-pack OUT"),
 ])
 def test_s3_wrong_bucket_or_prefix_names_the_url(s3, tmp_path, url, expect):
     with pytest.raises(FileNotFoundError, match=expect):
@@ -180,3 +181,26 @@ def test_s3_download_failing_mid_run_leaves_no_partial_shard(s3, tmp_path, monke
     x, _ = _read(train, len(train) - 1)  # the connection is back: the shard downloads whole
     assert _cache_files(cache) == ["shard-000000.tar", "shard-000003.tar"]
     assert (next(cache.rglob("shard-000003.tar"))).stat().st_size == (local / "shard-000003.tar").stat().st_size
+
+
+def _train_from_s3(rank, env, overrides, run_dir):
+    """:func:`tests.helpers.train_rank` with the test's AWS variables (the ranks fork from a server
+    started before this module set them)."""
+    os.environ.update(env)
+    from tests.helpers import train_rank
+
+    return train_rank(rank, overrides, run_dir)
+
+
+def test_training_reads_the_shards_from_s3(s3, tmp_path):
+    """Three steps of the real trainer (one rank, a DataLoader worker) on data.shards=s3://...:
+    finite losses, the shards it read in the cache (the items equal the folder's: tests above)."""
+    from tests.helpers import run_ranks
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    over = ["experiment=smoke", "trainer.max_steps=3", "data=shards", "data.num_classes=10", "data.num_workers=1",
+            f"data.shards=s3://{BUCKET}/{PREFIX}", f"data.shard_cache={tmp_path / 'cache'}"]
+    res = run_ranks(1, _train_from_s3, env, over, tmp_path / "run")[0]
+    assert res["stopped_at"] is None and len(res["losses"]) == 3 and all(0 < x < 10 for x in res["losses"])
+    files = _cache_files(tmp_path / "cache")
+    assert files and all(f.startswith("shard-") and f.endswith(".tar") for f in files), files
