@@ -24,6 +24,7 @@ from vitp.cli import sagemaker_job as job
 REPO = Path(__file__).resolve().parents[2]
 ROLE = "arn:aws:iam::123456789012:role/SageMakerRole"
 HYDRA = ["experiment=img256", "trainer.max_steps=1000", "model.depth=28", "data.resolution=[64,32]"]
+SHARDS = ["data=shards", "data.shards=s3://data-bucket/packs/digits", "data.num_classes=10"]
 
 
 def _fails(argv, capsys) -> str:
@@ -58,6 +59,11 @@ def _fails(argv, capsys) -> str:
     (["trainer.global_batch_size=0"], "trainer.global_batch_size=0: must be an integer >= 1"),
     (["model.mlp=relu"], "Error merging override model.mlp=relu; Invalid value 'relu', expected one of [gelu, swiglu]"),
     (["seed=1,2"], "override 'seed=1,2': a training job takes one value per key"),
+    (["--channel", "shards=s3://bk1/x", *SHARDS], "--channel shards: the 'shards' channel is made from "
+                                                 "data.shards=s3://data-bucket/packs/digits; drop the --channel, "
+                                                 "or use --shards-mode download"),
+    (["data=shards", "data.shards=s3://Data_Bucket/p", "data.num_classes=10"],
+     "data.shards: 's3://Data_Bucket/p' is not an S3 URI like s3://my-bucket/prefix"),
 ])
 def test_bad_input_fails_with_one_clear_line(argv, message, capsys):
     assert message in _fails(["--dry-run", *argv], capsys)
@@ -244,8 +250,11 @@ def test_dry_run_options_image_processes_input_mode(sdk, staged, fake_repo, no_n
                     "--instance-type", "ml.g5.12xlarge", "--processes-per-host", "4", "--input-mode", "FastFile",
                     "--tensorboard-local-path", "/opt/ml/output/tb", "--role", ROLE,
                     "--output-s3", "s3://my-bucket/vitp/models", "--bucket", "my-staging-bucket",
+                    "--channel", "train=s3://data-bucket/train",
                     "trainer.micro_batch_size=16"], capsys)  # the digits batch of 64 over 4 processes
     req = out["CreateTrainingJob"]
+    train = next(c for c in req["InputDataConfig"] if c["ChannelName"] == "train")
+    assert "InputMode" not in train  # the job's FastFile applies (the SDK sets File on a bare-URI channel)
     assert req["AlgorithmSpecification"]["TrainingImage"] == "111122223333.dkr.ecr.eu-west-1.amazonaws.com/vitp:latest"
     assert req["AlgorithmSpecification"]["TrainingInputMode"] == "FastFile"
     assert out["sm_drivers_channel"]["distributed.json"]["process_count_per_node"] == 4
@@ -354,3 +363,38 @@ def test_a_recipe_that_reads_data_root_without_a_train_channel_warns(sdk):
     assert check("--instance-type", "ml.g5.2xlarge") == (1, "")  # one GPU: one process
     assert check("--instance-count", "2", "--processes-per-host", "2", "trainer.micro_batch_size=16") == (4, "")
     assert check("parallel=auto", "--instance-count", "2") == (None, "")  # the planner picks the layout in the job
+
+
+def test_dry_run_shards_from_s3_become_a_fastfile_channel(sdk, staged, fake_repo, no_network, capsys):
+    """data=shards data.shards=s3://...: a 'shards' channel (the prefix, FullyReplicated) with
+    InputMode FastFile while the job's other channels keep File; the job reads the mount's path."""
+    out = _dry_run(["--repo", str(fake_repo), "--wheel", str(staged[1]), "--region", "us-east-1",
+                    "--instance-type", "ml.g5.2xlarge", "--channel", "validation=s3://data-bucket/val",
+                    *SHARDS, "trainer.max_steps=3"], capsys)
+    req = out["CreateTrainingJob"]
+    assert req["AlgorithmSpecification"]["TrainingInputMode"] == "File"
+    channels = {c["ChannelName"]: c for c in req["InputDataConfig"]}
+    assert list(channels) == ["validation", "shards", "code", "sm_drivers"]
+    prefix = {"S3DataType": "S3Prefix", "S3Uri": "s3://data-bucket/packs/digits/",
+              "S3DataDistributionType": "FullyReplicated"}
+    assert channels["shards"] == {"ChannelName": "shards", "InputMode": "FastFile",
+                                  "DataSource": {"S3DataSource": prefix}}
+    assert "InputMode" not in channels["validation"] and channels["code"]["InputMode"] == "File"
+    assert req["HyperParameters"] == {"data": "shards", "data.shards": "/opt/ml/input/data/shards",
+                                      "data.num_classes": "10", "trainer.max_steps": "3"}
+    assert job.SHARDS_LOCAL_PATH == "/opt/ml/input/data/shards"  # SageMaker's /opt/ml/input/data/<channel>
+    assert no_network == []
+
+
+@pytest.mark.parametrize("over, mode, want, hp", [
+    (SHARDS, "File", {"uri": "s3://data-bucket/packs/digits/", "mode": "File"}, "/opt/ml/input/data/shards"),
+    (SHARDS[:1] + ["data.shards=s3://data-bucket/packs/digits/"] + SHARDS[2:], "FastFile",
+     {"uri": "s3://data-bucket/packs/digits/", "mode": "FastFile"}, "/opt/ml/input/data/shards"),
+    (SHARDS, "download", None, "s3://data-bucket/packs/digits"),  # the training code downloads the shards
+    (["data=shards", "data.shards=/fsx/packs/digits", "data.num_classes=10"], "FastFile", None, "/fsx/packs/digits"),
+    (["data.shards=s3://data-bucket/packs/digits"], "FastFile", None, "s3://data-bucket/packs/digits"),  # digits
+])
+def test_shard_channel_by_mode(over, mode, want, hp):
+    hps = job.parse_overrides(over)
+    assert job.shard_channel(over, hps, {}, mode) == want
+    assert hps["data.shards"] == hp

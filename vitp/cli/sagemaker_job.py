@@ -4,7 +4,9 @@ The job runs ``sagemaker_entry.py`` (from ``scripts/``) under torchrun on every 
 (``Torchrun`` distribution: one process per GPU unless ``--processes-per-host``), from a staged
 source folder that also holds ``requirements.txt`` and a vitp wheel built from this checkout (see
 :func:`stage_source`). Positional ``KEY=VALUE`` arguments are Hydra overrides, checked by the schema
-before the job starts; they travel as the job's hyperparameters (:func:`parse_overrides`). ``--dry-run`` prints the CreateTrainingJob request the SDK builds,
+before the job starts; they travel as the job's hyperparameters (:func:`parse_overrides`). A packed
+data set on S3 (``data=shards data.shards=s3://...``) becomes a ``shards`` channel in FastFile or
+File mode, read in the job as a local folder (:func:`shard_channel`, ``--shards-mode``). ``--dry-run`` prints the CreateTrainingJob request the SDK builds,
 captured from the SDK itself while it runs against moto's mocked AWS (no credentials, no network).
 
 The SDK is an optional extra: ``pip install -e ".[sagemaker]"`` (imported only when needed).
@@ -25,6 +27,9 @@ Sources (SDK v3 = ``sagemaker`` 3.27: ``sagemaker-train`` 1.27, ``sagemaker-core
   and ``StoppingCondition`` (MaxWaitTimeInSeconds >= MaxRuntimeInSeconds):
   https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_StoppingCondition.html
 - TensorBoard output: https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TensorBoardOutputConfig.html
+- Input modes (File, FastFile) and the channel path ``/opt/ml/input/data/<channel>``:
+  https://docs.aws.amazon.com/sagemaker/latest/dg/model-access-training-data.html ; a channel's
+  ``InputMode`` overrides the job's ``TrainingInputMode``: ``Channel`` in botocore's service model.
 - Limits (hyperparameters, environment, channel and job names): botocore's ``sagemaker`` service model,
   ``CreateTrainingJob`` input shape.
 """
@@ -61,6 +66,9 @@ DLC_FRAMEWORK = "pytorch-amzn2023"
 DLC_VERSION = "2.14"
 
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"  # the in-job side keeps its run directory here
+SHARDS_CHANNEL = "shards"  # data.shards=s3://... becomes this channel, mounted at SHARDS_LOCAL_PATH in the job
+SHARDS_LOCAL_PATH = f"/opt/ml/input/data/{SHARDS_CHANNEL}"
+SHARDS_MODES = ("FastFile", "File", "download")  # --shards-mode: the channel's InputMode, or no channel
 TENSORBOARD_LOCAL_PATH = "/opt/ml/output/tensorboard"
 SDK_CHANNELS = ("code", "sm_drivers")  # channels the SDK adds itself
 DRY_RUN_ROLE = "arn:aws:iam::123456789012:role/vitp-dry-run-placeholder"  # moto's account id
@@ -93,6 +101,7 @@ class JobSpec:
     bucket: Optional[str]
     input_mode: str
     channels: Dict[str, str]
+    shards: Optional[Dict[str, str]]  # {"uri": s3://..., "mode": FastFile | File}: the shards channel
     hyperparameters: Dict[str, str]
     environment: Dict[str, str]
     checkpoint_s3: Optional[str]
@@ -237,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="input channel, e.g. train=s3://b/imagenet/train (the job reads the 'train' channel); repeat")
     g.add_argument("--input-mode", choices=["File", "FastFile"], default="File",
                    help="File copies channels to the volume first; FastFile streams from S3 (default: %(default)s)")
+    g.add_argument("--shards-mode", choices=SHARDS_MODES, default="FastFile",
+                   help=f"with data=shards data.shards=s3://...: the job reads the shards from a '{SHARDS_CHANNEL}' "
+                        f"channel at {SHARDS_LOCAL_PATH} in FastFile mode (streamed on demand) or File mode "
+                        "(copied to the volume before training), or 'download' (no channel: the training code "
+                        "downloads whole shards to data.shard_cache) (default: %(default)s)")
     g.add_argument("--checkpoint-s3", default=None,
                    help=f"S3 URI synced with {CHECKPOINT_LOCAL_PATH} (run directory, checkpoints); reuse it to resume "
                         "in a new job (default: the SDK's per-job s3://<bucket>/<base>/<job>/checkpoints)")
@@ -286,15 +300,45 @@ def spec_from_args(a: argparse.Namespace) -> JobSpec:
                       ("--output-s3", a.output_s3)):
         if uri is not None:
             check_s3(uri, flag)
+    channels, hps = parse_channels(a.channel), parse_overrides(a.overrides)
+    shards = shard_channel(a.overrides, hps, channels, a.shards_mode)
     return JobSpec(
         instance_type=check_instance_type(a.instance_type), instance_count=a.instance_count,
         volume_size_gb=a.volume_size_gb, processes_per_host=a.processes_per_host, image_uri=a.image_uri,
         framework_version=a.framework_version, region=a.region, role=a.role, base_job_name=a.base_job_name,
-        bucket=a.bucket, input_mode=a.input_mode, channels=parse_channels(a.channel),
-        hyperparameters=parse_overrides(a.overrides), environment=_job_env(a),
+        bucket=a.bucket, input_mode=a.input_mode, channels=channels, shards=shards,
+        hyperparameters=hps, environment=_job_env(a),
         checkpoint_s3=a.checkpoint_s3, tensorboard_s3=a.tensorboard_s3,
         tensorboard_local_path=a.tensorboard_local_path, output_s3=a.output_s3, spot=a.spot,
         max_run_s=max_run, max_wait_s=max_wait, wait=a.wait, dry_run=a.dry_run)
+
+
+def shard_channel(overrides: List[str], hps: Dict[str, str], channels: Dict[str, str],
+                  mode: str) -> Optional[Dict[str, str]]:
+    """The ``shards`` channel of a job whose overrides read a packed data set from S3
+    (``data=shards data.shards=s3://BUCKET/PREFIX``), or ``None``.
+
+    With ``mode`` ``FastFile`` or ``File`` the job gets the channel (the prefix, ``S3Prefix``,
+    ``FullyReplicated``: every instance sees all shards) and ``hps["data.shards"]`` becomes
+    :data:`SHARDS_LOCAL_PATH`, where SageMaker mounts (FastFile) or copies (File) the prefix, so the
+    job reads the shards as local files. With ``download`` nothing changes: the training code
+    downloads whole shards from S3 to ``data.shard_cache`` (:mod:`vitp.data.shards`).
+
+    Returns ``{"uri": "s3://BUCKET/PREFIX/", "mode": mode}`` (the URI ends with ``/``: an S3 prefix
+    without it also matches ``PREFIX2/...``). Raises ``ValueError`` when ``data.shards`` is not an
+    S3 URI of the right shape, or a ``--channel shards`` is given too."""
+    from vitp.cli.overrides import compose_checked
+
+    data = compose_checked(overrides).data
+    uri = str(data.shards or "")
+    if data.name != "shards" or not uri.startswith("s3://") or mode == "download":
+        return None
+    check_s3(uri, "data.shards")
+    if SHARDS_CHANNEL in channels:
+        raise ValueError(f"--channel {SHARDS_CHANNEL}: the '{SHARDS_CHANNEL}' channel is made from data.shards={uri}; "
+                         f"drop the --channel, or use --shards-mode download")
+    hps["data.shards"] = SHARDS_LOCAL_PATH
+    return {"uri": uri.rstrip("/") + "/", "mode": mode}
 
 
 def _job_env(a: argparse.Namespace) -> Dict[str, str]:
@@ -400,6 +444,7 @@ def load_sdk() -> SimpleNamespace:
         import boto3
         from sagemaker.core import image_uris, instance_types_gpu_info
         from sagemaker.core.helper.session_helper import Session
+        from sagemaker.core.shapes import Channel, DataSource, S3DataSource
         from sagemaker.core.training.configs import (CheckpointConfig, Compute, InputData, OutputDataConfig,
                                                      SourceCode, StoppingCondition, TensorBoardOutputConfig)
         from sagemaker.train.distributed import Torchrun
@@ -408,7 +453,8 @@ def load_sdk() -> SimpleNamespace:
         raise ValueError(f"the SageMaker Python SDK v3 is missing ({e}); install it with: {INSTALL_HINT}") from None
     return SimpleNamespace(
         boto3=boto3, image_uris=image_uris, Session=Session, CheckpointConfig=CheckpointConfig, Compute=Compute,
-        InputData=InputData, OutputDataConfig=OutputDataConfig, SourceCode=SourceCode,
+        InputData=InputData, Channel=Channel, DataSource=DataSource, S3DataSource=S3DataSource,
+        OutputDataConfig=OutputDataConfig, SourceCode=SourceCode,
         StoppingCondition=StoppingCondition, TensorBoardOutputConfig=TensorBoardOutputConfig, Torchrun=Torchrun,
         ModelTrainer=ModelTrainer, version=version("sagemaker"), gpu_info=instance_types_gpu_info.retrieve)
 
@@ -526,12 +572,26 @@ def run_trainer(sdk: SimpleNamespace, spec: JobSpec, source_dir: Path, boto_sess
     boto_session.events.register("after-call.sagemaker.CreateTrainingJob", after)
     session = sdk.Session(boto_session=boto_session, default_bucket=spec.bucket)
     trainer = make_trainer(sdk, spec, source_dir, session, image)
-    channels = [sdk.InputData(channel_name=k, data_source=v) for k, v in spec.channels.items()]
+    channels = input_channels(sdk, spec)
     with contextlib.redirect_stdout(sys.stderr):  # keep stdout for our JSON
         trainer.train(input_data_config=channels or None, wait=spec.wait, logs=spec.wait)
     if "request" not in seen:
         raise RuntimeError("the SDK returned without calling CreateTrainingJob")
     return seen
+
+
+def input_channels(sdk: SimpleNamespace, spec: JobSpec) -> list:
+    """The job's data channels: each ``--channel`` (an ``S3Prefix``, ``FullyReplicated`` data
+    source without a channel InputMode, so ``--input-mode`` applies: the SDK would set File on a
+    channel given as a bare URI) and the shards channel with its own InputMode (:func:`shard_channel`)."""
+    def source(uri: str):
+        return sdk.S3DataSource(s3_data_type="S3Prefix", s3_uri=uri, s3_data_distribution_type="FullyReplicated")
+
+    out = [sdk.InputData(channel_name=k, data_source=source(v)) for k, v in spec.channels.items()]
+    if spec.shards:
+        out.append(sdk.Channel(channel_name=SHARDS_CHANNEL, data_source=sdk.DataSource(
+            s3_data_source=source(spec.shards["uri"])), input_mode=spec.shards["mode"]))
+    return out
 
 
 @contextlib.contextmanager

@@ -157,6 +157,12 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+class StorageError(OSError):
+    """The storage holding a file failed (e.g. a shard's download from an object store), not the
+    file itself: :meth:`FileDataset.__getitem__` raises it instead of skipping the file, since a skip
+    would silently drop every item of a shard from training."""
+
+
 class FileDataset(KeyedDataset):
     """Base of datasets decoded from files (:class:`~vitp.data.images.ImageFolderDataset`,
     :class:`~vitp.data.video.VideoFolderDataset`): the skip list, the seeded augmentation, the
@@ -284,6 +290,8 @@ class FileDataset(KeyedDataset):
                 continue
             try:
                 data = self._read(j, aug_seed)
+            except StorageError:
+                raise
             except Exception as e:  # noqa: BLE001 - e.g. a file truncated after it was indexed
                 self._bad.add(f)
                 self._skip(self.files[f], self._decode_failure(e))

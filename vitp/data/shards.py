@@ -39,7 +39,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from vitp.data.base import FileDataset, KeyedSubset, parse_key
+from vitp.data.base import FileDataset, KeyedSubset, StorageError, parse_key
 from vitp.data.images import digits_tensor, load_image
 from vitp.data.video import VideoFolderDataset
 
@@ -98,16 +98,20 @@ def read_bytes(url: str) -> bytes:
 
 def s3_download(remote: str, local: str) -> None:
     """wids download handler for ``s3://``: ``boto3`` into ``local`` through a ``.part`` file, so
-    that a killed download never leaves a truncated shard in the cache."""
+    that a failed or killed download never leaves a truncated shard in the cache.
+
+    Raises :class:`~vitp.data.base.StorageError` naming the shard: the dataset raises it through
+    instead of skipping the shard's samples (a run stops and resumes from its last checkpoint)."""
     bucket, key = _split_s3(remote)
     part = f"{local}.part{os.getpid()}"
     try:
         _s3_client().download_file(bucket, key, part)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - botocore / network errors carry the reason
         with contextlib.suppress(OSError):
             os.unlink(part)
-        raise FileNotFoundError(f"shard {remote} could not be downloaded ({type(e).__name__}: {e}); check that "
-                                f"vitp-pack's output is complete under data.shards") from e
+        raise StorageError(f"shard {remote} could not be downloaded ({type(e).__name__}: {e}); check that the "
+                           f"object exists (vitp-pack's output complete under data.shards), the endpoint "
+                           f"(AWS_ENDPOINT_URL) and the credentials, then resume the run") from e
     os.replace(part, local)
 
 
@@ -216,12 +220,14 @@ class ShardReader:
     ``reader[i]`` is ``{ext: bytes}`` of sample ``i``. A shard is opened with
     ``wids.IndexedTarSamples`` (memory-mapped, its tar headers indexed; nothing written next to
     it, so read-only mounts work) and the last ``lru`` shards stay open. Remote shards are first
-    downloaded whole into ``cache_dir`` (a folder per data set) with wids's per-scheme download
+    downloaded whole into ``cache_dir`` (a folder per data set URL) with wids's per-scheme download
     handlers, through a ``.part`` file renamed when complete: concurrent readers and killed
-    downloads never leave a truncated shard in the cache.
+    downloads never leave a truncated shard in the cache. Downloaded shards are kept (the cache
+    grows to the data set's size); a cached shard of another size than the manifest's is
+    downloaded again.
 
-    Raises (from ``reader[i]``) ``FileNotFoundError`` for a shard that cannot be fetched and
-    ``RuntimeError`` for one that holds another number of samples than the manifest says.
+    Raises (from ``reader[i]``) :class:`~vitp.data.base.StorageError` for a shard that cannot be
+    fetched and ``RuntimeError`` for one that holds another number of samples than the manifest says.
     """
 
     def __init__(self, index: ShardIndex, cache_dir: Optional[str], lru: int):
@@ -238,6 +244,7 @@ class ShardReader:
         if not self.remote:
             return url
         local = self.cache / os.path.basename(urlparse(url).path)
+        _drop_stale(local, self.index.shards[k].get("filesize"))
         if not local.exists():
             import wids.wids_dl
 
@@ -249,8 +256,10 @@ class ShardReader:
             except Exception as e:  # noqa: BLE001 - handlers raise many types (AssertionError for a failed curl)
                 with contextlib.suppress(OSError):
                     os.unlink(part)
-                raise FileNotFoundError(f"shard {url} could not be downloaded ({type(e).__name__}: {e}); check "
-                                        f"data.shards and that vitp-pack's output was copied whole") from e
+                if isinstance(e, StorageError):
+                    raise
+                raise StorageError(f"shard {url} could not be downloaded ({type(e).__name__}: {e}); check data.shards "
+                                   f"and that vitp-pack's output was copied whole, then resume the run") from e
             os.replace(part, local)
         return str(local)
 
@@ -274,6 +283,16 @@ class ShardReader:
         k = int(self.index.shard_of[int(i)])
         sample = self.shard(k)[int(i) - int(self.starts[k])]  # wids keys the files by ".ext"
         return {key.lstrip("."): v.getvalue() for key, v in sample.items() if not key.startswith("_")}
+
+
+def _drop_stale(local: Path, size: Optional[int]) -> None:
+    """Delete a cached shard of another size than the manifest's (left by an earlier pack at the
+    same URL, or cut short outside vitp), so that wids downloads it again instead of reading it."""
+    with contextlib.suppress(FileNotFoundError):
+        got = local.stat().st_size
+        if size is not None and got != size:
+            log.warning(f"cached shard {local} has {got} bytes, the manifest says {size}: downloading it again")
+            local.unlink()
 
 
 def _default_cache() -> str:
