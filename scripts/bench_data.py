@@ -18,11 +18,13 @@
      with the default objective and class labels) until the first batch arrives, worker start
      included. Imports and config composition are reported apart (``import_s``, ``config_s``);
    - ``samples_per_s``: ``--batches`` batches after the first with ``--workers`` DataLoader workers;
-   - ``peak_rss_mb``: peak of the summed RSS of the process tree (main + DataLoader workers), polled
-     every 50 ms from this process (psutil, else ``/proc``). Pages the forked workers share with the
-     main process count once per process, so this overstates the physical memory. The child also
-     reports ``getrusage`` maxrss: ``RUSAGE_SELF`` (the main process) and ``RUSAGE_CHILDREN`` (the
-     largest single worker, read after the workers have been joined).
+   - ``peak_pss_mb`` / ``peak_rss_mb``: peak of the summed PSS / RSS of the process tree (main +
+     DataLoader workers), polled every 50 ms from this process (``/proc/<pid>/smaps_rollup``; the
+     tree from psutil, else ``/proc``). PSS shares each page among the processes mapping it: the
+     tree's physical memory. RSS counts the pages the forked workers share with the main process
+     (torch, the data set's lists) once per process, so it overstates. The child also reports
+     ``getrusage`` maxrss: ``RUSAGE_SELF`` (the main process) and ``RUSAGE_CHILDREN`` (the largest
+     single worker, read after the workers have been joined).
 
 The video folder probes every file at start-up (decodes all frames; cached in a JSON index under
 ``data.cache_dir``): each ``video_folder`` run gets a fresh cache folder (cold: a data set's first
@@ -47,11 +49,11 @@ import sys
 import time
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 IMAGE_CLASSES, CLIP_CLASSES, SIZE = 10, 3, 32
 RESULT = "BENCH_DATA_RESULT "  # the child's result line
-METRICS = ("startup_s", "samples_per_s", "peak_rss_mb", "build_s", "first_batch_s", "import_s")
+METRICS = ("startup_s", "samples_per_s", "peak_pss_mb", "peak_rss_mb", "build_s", "first_batch_s", "import_s")
 PAIRS = {"images": ("image_folder", "image_shards"), "videos": ("video_folder", "video_shards")}
 
 
@@ -103,22 +105,28 @@ def _write_clips(job) -> int:
 
 
 def make_folder(root: Path, n: int, classes: int, writer, workers: int) -> Dict[str, Any]:
-    """``n`` files in ``classes`` class folders under ``root`` (written into ``root.part`` and
-    renamed, so a present ``root`` is complete and reused); returns seconds, files and bytes."""
+    """``n`` files in ``classes`` class folders under ``root``, written into ``root.part`` and
+    renamed, so a present ``root`` is complete and reused (with the time recorded in
+    ``root.gen.json``); returns seconds, files, bytes and whether it was reused."""
+    record = root.with_name(root.name + ".gen.json")
+    if root.is_dir() and record.is_file():
+        return {**json.loads(record.read_text()), "reused": True}
     start = time.perf_counter()
-    if not root.is_dir():
-        part = root.with_name(root.name + ".part")
-        shutil.rmtree(part, ignore_errors=True)
-        for c in range(classes):
-            (part / f"c{c}").mkdir(parents=True)
-        chunk = max(1, min(1000, n // (4 * workers) or 1))
-        jobs = [(str(part), lo, min(n, lo + chunk)) for lo in range(0, n, chunk)]
-        with get_context("fork").Pool(workers) as pool:
-            assert sum(pool.imap_unordered(writer, jobs)) == n
-        part.rename(root)
+    part = root.with_name(root.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
+    for c in range(classes):
+        (part / f"c{c}").mkdir(parents=True)
+    chunk = max(1, min(1000, n // (4 * workers)))
+    jobs = [(str(part), lo, min(n, lo + chunk)) for lo in range(0, n, chunk)]
+    with get_context("fork").Pool(workers) as pool:
+        assert sum(pool.imap_unordered(writer, jobs)) == n
+    part.rename(root)
     files = [p for p in root.rglob("*") if p.is_file()]
-    return {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
-            "seconds": round(time.perf_counter() - start, 3)}
+    rec = {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
+           "seconds": round(time.perf_counter() - start, 3)}
+    record.write_text(json.dumps(rec))
+    return {**rec, "reused": False}
 
 
 def pack_folder(out: Path, overrides: List[str], per_shard: int) -> Dict[str, Any]:
@@ -196,47 +204,60 @@ def measure(spec: Dict[str, Any]) -> Dict[str, Any]:
             "maxrss_children_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / mb}
 
 
-def _tree_rss(pid: int) -> int:
-    """Summed RSS (bytes) of ``pid`` and its descendants; 0 once it is gone."""
+def _tree_pids(pid: int) -> List[int]:
+    """``pid`` and its descendants (psutil, else ``/proc/<pid>/task/*/children``)."""
     try:
         import psutil
+
+        p = psutil.Process(pid)
+        return [pid] + [c.pid for c in p.children(recursive=True)]
     except ImportError:
-        psutil = None
-    if psutil is not None:
-        try:
-            p = psutil.Process(pid)
-            procs = [p, *p.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return 0
-        total = 0
-        for q in procs:
-            try:
-                total += q.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-        return total
-    total, todo = 0, [pid]
-    while todo:  # /proc: VmRSS and the children of every thread
+        pass
+    except Exception:  # noqa: BLE001 - psutil.NoSuchProcess: gone
+        return []
+    out, todo = [], [pid]
+    while todo:
         q = todo.pop()
+        out.append(q)
         try:
-            status = Path(f"/proc/{q}/status").read_text()
-            total += int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) * 1024
             for task in Path(f"/proc/{q}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, StopIteration, ValueError):
+        except (OSError, ValueError):
             pass
-    return total
+    return out
+
+
+def _tree_memory(pid: int) -> Tuple[int, int]:
+    """``(RSS, PSS)`` in bytes summed over ``pid`` and its descendants (``/proc/<pid>/smaps_rollup``,
+    Linux >= 4.14; PSS splits each shared page between the processes mapping it, so the sum is the
+    tree's physical memory; RSS counts a page the forked workers share with the main process once
+    per process). Without smaps_rollup: ``VmRSS`` for both. 0 for processes that are gone."""
+    rss = pss = 0
+    for q in _tree_pids(pid):
+        try:
+            text = Path(f"/proc/{q}/smaps_rollup").read_text()
+            fields = dict(x.split(":", 1) for x in text.splitlines()[1:] if ":" in x)
+            r, s = (int(fields[k].split()[0]) * 1024 for k in ("Rss", "Pss"))
+        except (OSError, KeyError, ValueError):
+            try:
+                status = Path(f"/proc/{q}/status").read_text()
+                r = s = int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) * 1024
+            except (OSError, StopIteration, ValueError):
+                continue
+        rss, pss = rss + r, pss + s
+    return rss, pss
 
 
 def run_case(spec: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-    """``measure(spec)`` in a fresh interpreter, its process tree's RSS polled every 50 ms from here."""
+    """``measure(spec)`` in a fresh interpreter, its process tree's RSS and PSS polled every 50 ms
+    from here."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "NO_ALBUMENTATIONS_UPDATE": "1"}
     start = time.perf_counter()
     p = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env)
-    peak = 0
+    peak = (0, 0)
     while p.poll() is None:
-        peak = max(peak, _tree_rss(p.pid))
+        peak = tuple(max(x, y) for x, y in zip(peak, _tree_memory(p.pid)))
         if time.perf_counter() - start > timeout:
             p.kill()
             raise SystemExit(f"case {spec['case']} ran past {timeout:.0f} s; lower --batches or raise --timeout")
@@ -246,8 +267,8 @@ def run_case(spec: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     if p.returncode != 0 or not lines:
         raise SystemExit(f"case {spec['case']} failed (exit {p.returncode}):\n{err[-3000:]}")
     res = json.loads(lines[-1][len(RESULT):])
-    return {"case": spec["case"], "rep": spec["rep"], **res, "peak_rss_mb": peak / 2 ** 20,
-            "process_wall_s": time.perf_counter() - start}
+    return {"case": spec["case"], "rep": spec["rep"], **res, "peak_rss_mb": peak[0] / 2 ** 20,
+            "peak_pss_mb": peak[1] / 2 ** 20, "process_wall_s": time.perf_counter() - start}
 
 
 # ------------------------------------------------------------------------------------- driver
@@ -285,15 +306,19 @@ def summarize(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return {"summary": summary, "ratios_shards_over_folder": ratios}
 
 
+def _num(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.2f}" if abs(x) >= 1 else f"{x:.3f}"
+
+
 def table(res: Dict[str, Any]) -> str:
     """The summary as a fixed-width table: median [min-max] per metric, then the ratios."""
-    cols = ("startup_s", "samples_per_s", "peak_rss_mb", "build_s", "first_batch_s")
-    lines = [f"{'case':<18}" + "".join(f"{c:>24}" for c in cols)]
+    cols = ("startup_s", "samples_per_s", "peak_pss_mb", "peak_rss_mb", "build_s", "first_batch_s")
+    lines = [f"{'case':<21}" + "".join(f"{c:>22}" for c in cols)]
     for case, row in res["summary"].items():
-        lines.append(f"{case:<18}" + "".join(
-            f"{row[c]['median']:>10.3g} [{row[c]['min']:.3g}-{row[c]['max']:.3g}]".rjust(24) for c in cols))
+        lines.append(f"{case:<21}" + "".join(
+            f"{_num(row[c]['median'])} [{_num(row[c]['min'])}-{_num(row[c]['max'])}]".rjust(22) for c in cols))
     for kind, r in res["ratios_shards_over_folder"].items():
-        lines.append(f"{kind + ' shards/folder':<18}" + "".join(f"{r[c]:>24.3g}" for c in cols))
+        lines.append(f"{kind + ' shards/folder':<21}" + "".join(f"{r[c]:>22.3f}" for c in cols))
     return "\n".join(lines)
 
 
@@ -338,15 +363,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             runs.append(run_case(spec, a.timeout))
             r = runs[-1]
             print(f"rep {rep} {r['case']:<18} startup {r['startup_s']:.2f} s, {r['samples_per_s']:.0f} samples/s, "
-                  f"peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
-    res = {"args": {k: str(v) for k, v in vars(a).items() if k != "child"}, "data": data, **summarize(runs),
-           "runs": runs, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
+                  f"peak PSS {r['peak_pss_mb']:.0f} MB", flush=True)
+    args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k != "child"}
+    res = {"args": args, "data": data, **summarize(runs), "runs": runs,
+           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
            "notes": ["startup_s = build_datasets + DataLoader (vitp train_loader) until the first batch, "
                      "imports and config composition excluded (import_s, config_s)",
                      "video_folder: fresh probe cache (cold); video_folder_warm: the probe index cached",
                      "OS page cache warm in every repetition (data just written / read)",
-                     "peak_rss_mb: summed RSS of main + workers polled every 50 ms (shared pages counted per "
-                     "process)"]}
+                     "peak_pss_mb / peak_rss_mb: summed PSS / RSS of main + workers polled every 50 ms (RSS "
+                     "counts shared pages once per process)"]}
     print(table(res))
     if a.out is not None:
         a.out.write_text(json.dumps(res, indent=1))
