@@ -17,14 +17,16 @@
      training set's ``groups`` and ``data.shuffle_window``, as the trainer builds it; ``FlowCollate``
      with the default objective and class labels) until the first batch arrives, worker start
      included. Imports and config composition are reported apart (``import_s``, ``config_s``);
-   - ``samples_per_s``: ``--batches`` batches after the first with ``--workers`` DataLoader workers;
+   - ``samples_per_s``: ``--batches`` batches after the first with ``--workers`` DataLoader workers
+     (videos: ``data.video_cache_mb=0`` by default, every clip read decodes; ``--video-cache-mb``);
    - ``peak_pss_mb`` / ``peak_rss_mb``: peak of the summed PSS / RSS of the process tree (main +
      DataLoader workers), polled every 50 ms from this process (``/proc/<pid>/smaps_rollup``; the
      tree from psutil, else ``/proc``). PSS shares each page among the processes mapping it: the
      tree's physical memory. RSS counts the pages the forked workers share with the main process
-     (torch, the data set's lists) once per process, so it overstates. The child also reports
-     ``getrusage`` maxrss: ``RUSAGE_SELF`` (the main process) and ``RUSAGE_CHILDREN`` (the largest
-     single worker, read after the workers have been joined).
+     (torch, the data set's lists) once per process, so it overstates. The child also reports its
+     own peak RSS (``main_hwm_mb``, ``VmHWM``) and the largest worker's (``worker_maxrss_mb``,
+     ``RUSAGE_CHILDREN`` after the workers have been joined). ``RUSAGE_SELF`` would be wrong here:
+     Linux carries ``ru_maxrss`` over fork + exec, so a child reports this (larger) process's RSS.
 
 The video folder probes every file at start-up (decodes all frames; cached in a JSON index under
 ``data.cache_dir``): each ``video_folder`` run gets a fresh cache folder (cold: a data set's first
@@ -152,7 +154,8 @@ def data_overrides(a: argparse.Namespace, work: Path) -> Dict[str, List[str]]:
         "images": ["data=image_folder", f"data.root={work / f'images-{a.images}'}",
                    f"data.num_classes={IMAGE_CLASSES}", f"data.resolution={SIZE}", "data.channels=3"],
         "videos": ["data=video_folder", f"data.root={work / f'clips-{a.clips}'}", f"data.num_classes={CLIP_CLASSES}",
-                   f"data.resolution={SIZE}", "data.channels=3", "data.num_frames=8", "data.frame_stride=2"],
+                   f"data.resolution={SIZE}", "data.channels=3", "data.num_frames=8", "data.frame_stride=2",
+                   f"data.video_cache_mb={a.video_cache_mb}"],
     }
 
 
@@ -189,19 +192,30 @@ def measure(spec: Dict[str, Any]) -> Dict[str, Any]:
                              cfg.data.shuffle_window)  # as vitp.train.trainer builds it
     batches = LoaderBatches(train_loader(train, schedule, cfg.objective, cfg.data.num_classes, start_step=0,
                                          stop_step=n + 1, dp_rank=0, num_workers=spec["workers"]))
-    inputs, targets = next(batches)
+    _, targets = next(batches)
     t4 = time.perf_counter()
     for _ in range(n):
         next(batches)
     t5 = time.perf_counter()
     batches.close()  # joins the workers: RUSAGE_CHILDREN now covers them
-    mb = 1024.0 if sys.platform != "darwin" else 1024.0 ** 2  # ru_maxrss: KiB on Linux, bytes on macOS
     return {"import_s": t1 - t0, "config_s": t2 - t1, "build_s": t3 - t2, "first_batch_s": t4 - t3,
             "startup_s": t4 - t2, "samples_per_s": n * b / (t5 - t4), "train_items": len(train),
             "groups": None if getattr(train, "groups", None) is None else len(train.groups),
-            "x_shape": list(targets[0].shape),
-            "maxrss_self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / mb,
-            "maxrss_children_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / mb}
+            "x_shape": list(targets[0].shape), **_own_peaks()}
+
+
+def _own_peaks() -> Dict[str, float]:
+    """``main_hwm_mb``: this process's peak RSS (``VmHWM``: its own address space since exec) and
+    ``worker_maxrss_mb``: the largest joined worker's (``RUSAGE_CHILDREN`` maxrss; a forked worker
+    counts the pages it shares with this process). Not ``RUSAGE_SELF``: Linux carries maxrss over
+    fork + exec, so it would report the launching process's RSS when that was larger."""
+    mb = 1024.0 if sys.platform != "darwin" else 1024.0 ** 2  # ru_maxrss: KiB on Linux, bytes on macOS
+    try:
+        status = Path("/proc/self/status").read_text()
+        hwm = int(next(x for x in status.splitlines() if x.startswith("VmHWM:")).split()[1]) / 1024
+    except (OSError, StopIteration, ValueError):  # no /proc: ru_maxrss, possibly the launcher's
+        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / mb
+    return {"main_hwm_mb": hwm, "worker_maxrss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / mb}
 
 
 def _tree_pids(pid: int) -> List[int]:
@@ -332,6 +346,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=50, help="batches timed after the first")
     p.add_argument("--batch", type=int, default=64, help="images per batch")
     p.add_argument("--clip-batch", type=int, default=8, help="clips (8 frames, stride 2) per batch")
+    p.add_argument("--video-cache-mb", type=float, default=0.0,
+                   help="data.video_cache_mb of the video cases (default 0: every read decodes, as for a data set "
+                        "too large to keep decoded; 256, vitp's default, decodes each clip once per worker)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     p.add_argument("--gen-workers", type=int, default=2, help="processes writing the synthetic files")
     p.add_argument("--image-shard-size", type=int, default=1000, help="images per shard")
