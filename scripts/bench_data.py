@@ -23,10 +23,10 @@
      DataLoader workers), polled every 50 ms from this process (``/proc/<pid>/smaps_rollup``; the
      tree from psutil, else ``/proc``). PSS shares each page among the processes mapping it: the
      tree's physical memory. RSS counts the pages the forked workers share with the main process
-     (torch, the data set's lists) once per process, so it overstates. The child also reports its
-     own peak RSS (``main_hwm_mb``, ``VmHWM``) and the largest worker's (``worker_maxrss_mb``,
-     ``RUSAGE_CHILDREN`` after the workers have been joined). ``RUSAGE_SELF`` would be wrong here:
-     Linux carries ``ru_maxrss`` over fork + exec, so a child reports this (larger) process's RSS.
+     (torch, the data set's lists) once per process, so it overstates; PSS also shares the pages of
+     libraries other processes of the machine map (another torch job lowers it). The child reports
+     its own ``VmHWM`` (``main_hwm_mb``) as a cross-check; ``ru_maxrss`` is not used (see
+     :func:`_own_peaks`).
 
 The video folder probes every file at start-up (decodes all frames; cached in a JSON index under
 ``data.cache_dir``): each ``video_folder`` run gets a fresh cache folder (cold: a data set's first
@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -197,7 +196,7 @@ def measure(spec: Dict[str, Any]) -> Dict[str, Any]:
     for _ in range(n):
         next(batches)
     t5 = time.perf_counter()
-    batches.close()  # joins the workers: RUSAGE_CHILDREN now covers them
+    batches.close()
     return {"import_s": t1 - t0, "config_s": t2 - t1, "build_s": t3 - t2, "first_batch_s": t4 - t3,
             "startup_s": t4 - t2, "samples_per_s": n * b / (t5 - t4), "train_items": len(train),
             "groups": None if getattr(train, "groups", None) is None else len(train.groups),
@@ -205,17 +204,16 @@ def measure(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _own_peaks() -> Dict[str, float]:
-    """``main_hwm_mb``: this process's peak RSS (``VmHWM``: its own address space since exec) and
-    ``worker_maxrss_mb``: the largest joined worker's (``RUSAGE_CHILDREN`` maxrss; a forked worker
-    counts the pages it shares with this process). Not ``RUSAGE_SELF``: Linux carries maxrss over
-    fork + exec, so it would report the launching process's RSS when that was larger."""
-    mb = 1024.0 if sys.platform != "darwin" else 1024.0 ** 2  # ru_maxrss: KiB on Linux, bytes on macOS
+    """``main_hwm_mb``: this process's peak RSS as the kernel keeps it (``VmHWM``), a cross-check of
+    the polled figures. A lower bound: the kernel updates it lazily (read at the end it was 627 MB
+    where polling saw 730 MB). Not ``ru_maxrss``: Linux carries it over fork + exec (a child reports
+    its launcher's RSS when that was larger; a DataLoader worker, its parent's at the fork), and
+    ``RUSAGE_CHILDREN`` holds the 430 MB of a helper process that ``import torch`` forks."""
     try:
         status = Path("/proc/self/status").read_text()
-        hwm = int(next(x for x in status.splitlines() if x.startswith("VmHWM:")).split()[1]) / 1024
-    except (OSError, StopIteration, ValueError):  # no /proc: ru_maxrss, possibly the launcher's
-        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / mb
-    return {"main_hwm_mb": hwm, "worker_maxrss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / mb}
+        return {"main_hwm_mb": int(next(x for x in status.splitlines() if x.startswith("VmHWM:")).split()[1]) / 1024}
+    except (OSError, StopIteration, ValueError):  # no /proc
+        return {"main_hwm_mb": float("nan")}
 
 
 def _tree_pids(pid: int) -> List[int]:
