@@ -221,3 +221,37 @@ def test_bench_cp_quick(tmp_path):
     assert att["first_loss"]["vitp_ulysses"] == pytest.approx(att["first_loss"]["deepspeed_ulysses"], rel=1e-6)
     r = att["vitp_vs_deepspeed"]
     assert r["reps"] == 2 and r["vitp_ulysses_ms"] > 0 and r["min"] <= r["ratio"] <= r["max"]
+
+
+@pytest.mark.slow
+def test_bench_data_small(tmp_path):
+    """``scripts/bench_data.py`` in its small mode: 200 images in 2 shards, 6 clips; one repetition."""
+    out = tmp_path / "bench_data.json"
+    _run(["scripts/bench_data.py", "--work", str(tmp_path / "work"), "--images", "200", "--clips", "6", "--batches",
+          "2", "--reps", "1", "--batch", "16", "--image-shard-size", "100", "--no-warm", "--out", str(out)], tmp_path)
+    res = json.loads(out.read_text())
+    d = res["data"]
+    assert (d["images"]["files"], d["clips"]["files"]) == (200, 6) and d["images"]["bytes"] > 0
+    assert (d["pack_images"]["samples"], d["pack_images"]["shards"]) == (200, 2)
+    assert (d["pack_videos"]["samples"], d["pack_videos"]["shards"]) == (6, 1)
+    assert d["pack_images"]["seconds"] > 0 and d["pack_images"]["bytes"] > d["images"]["bytes"]  # tar headers
+    runs = {r["case"]: r for r in res["runs"]}
+    assert list(runs) == ["image_folder", "image_shards", "video_folder", "video_shards"]
+    for case, r in runs.items():
+        assert all(r[m] > 0 for m in ("startup_s", "samples_per_s", "peak_pss_mb", "peak_rss_mb", "build_s")), r
+        assert r["startup_s"] == pytest.approx(r["build_s"] + r["first_batch_s"], rel=1e-9)
+        # the tree (main + 2 forked workers) holds more RSS than the main process ever did alone
+        assert r["peak_rss_mb"] > 1.5 * r["main_hwm_mb"] > 0 and r["peak_pss_mb"] <= r["peak_rss_mb"]
+    # the same training split from the folder and from its pack: 2 % held out per class (one of 20
+    # images per class; one of 2 clips per class, one 8-frame window per clip)
+    assert runs["image_folder"]["train_items"] == runs["image_shards"]["train_items"] == 190
+    assert runs["video_folder"]["train_items"] == runs["video_shards"]["train_items"] == 3
+    assert runs["image_shards"]["groups"] == 2 and runs["image_folder"]["groups"] is None
+    assert runs["image_shards"]["x_shape"] == [16, 3, 1, 32, 32]  # (B, C, T, H, W)
+    assert runs["video_shards"]["x_shape"] == [8, 3, 8, 32, 32]
+    for kind, (folder, shards) in {"images": ("image_folder", "image_shards"),
+                                   "videos": ("video_folder", "video_shards")}.items():
+        s = res["summary"]
+        assert s[folder]["startup_s"]["min"] <= s[folder]["startup_s"]["median"] <= s[folder]["startup_s"]["max"]
+        assert res["ratios_shards_over_folder"][kind]["samples_per_s"] == pytest.approx(
+            s[shards]["samples_per_s"]["median"] / s[folder]["samples_per_s"]["median"])
