@@ -65,7 +65,9 @@ def summary(manifest: Dict[str, Any], out: Path, seconds: float) -> List[str]:
                                           if m["text_embeddings"] else ""))
     train = ["data=shards", hydra_override("data.shards", str(out.absolute())), f"data.num_classes={len(m['classes'])}"]
     # the packed data's own settings: data=shards starts from the schema's (the digits': 8 px, 1 channel)
-    keys = ["resolution", "channels"] + (["num_frames", "frame_stride", "fps", "clip_step"] if m["kind"] == "video" else [])
+    keys = ["resolution", "channels"]
+    if m["kind"] == "video":
+        keys += ["num_frames", "frame_stride", "fps", "clip_step"]
     train += [hydra_override(f"data.{k}", m["source"][k]) for k in keys if m["source"].get(k) is not None]
     if m["text_embeddings"]:
         train.append(hydra_override("data.text_embeddings", str((out / m["text_embeddings"]).absolute())))

