@@ -34,6 +34,7 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 RUN_BY: Dict[Tuple[str, ...], str] = {
     ("torchrun", "scripts/benchmark_tp_comm.py"): "tests/unit/test_scripts.py::test_benchmark_tp_comm",
     ("python", "scripts/bench.py"): "tests/unit/test_scripts.py::test_bench_quick",
+    ("python", "scripts/bench_data.py"): "tests/unit/test_scripts.py::test_bench_data_small",
     ("python", "scripts/make_photo_folder.py"): "tests/distributed/test_own_data.py::test_the_documented_cpu_command_trains",
     ("bash", "scripts/gpu_check.sh"): "tests/unit/test_scripts.py::test_gpu_check_cpu_smoke",
     ("torchrun", "vitp.train"): "tests/distributed/test_train.py::test_torchrun_with_tensor_and_sequence_parallelism",

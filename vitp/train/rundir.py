@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -24,6 +25,7 @@ import re
 import shlex
 import shutil
 import socket
+import weakref
 from pathlib import Path
 from typing import Any, List, Mapping, Optional
 
@@ -45,6 +47,24 @@ _held: List[tuple] = []  # (buffer, file handler) pairs of hold_log_files
 
 class RunDirBusy(ValueError):
     """Another live process owns the run directory."""
+
+
+_LOCKS: "weakref.WeakSet[RunDirLock]" = weakref.WeakSet()  # held locks, dropped by forked children
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (DataLoader workers): close the inherited lock descriptors. ``flock``
+    belongs to the open file, which the children share: a worker outliving its killed trainer by
+    the seconds torch's watchdog takes would otherwise keep the folder locked against the restart."""
+    for lock in list(_LOCKS):
+        if lock.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock.fd)
+            lock.fd = None
+    _LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class RunDirLock:
@@ -81,6 +101,7 @@ class RunDirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self.fd = fd
+        _LOCKS.add(self)
 
     def release(self) -> None:
         """Give the folder up (idempotent)."""
