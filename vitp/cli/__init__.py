@@ -13,6 +13,7 @@ exit status 1.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -80,3 +81,20 @@ def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.L
         elif not (recorded and os.environ.get("RANK", "0") != "0"):
             print(line, file=sys.stderr)
         raise SystemExit(exit_status(e)) from None
+
+
+@contextlib.contextmanager
+def log_to_stderr(logger: str, prog: str):
+    """While the block runs, INFO records of the logger ``logger`` go to stderr as
+    ``<prog>: <message>`` (a CLI's notes: skipped files, resuming); restored afterwards."""
+    log = logging.getLogger(logger)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{prog}: %(message)s"))
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)

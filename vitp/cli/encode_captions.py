@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from vitp.cli import run_cli
+from vitp.cli import log_to_stderr, run_cli
 
 USAGE = ("vitp-encode-captions --encoder PATH [--out DIR] [--captions FILE] [--batch-size N] [--dtype float32|bfloat16] "
          "[--device auto|cpu|cuda] [--max-length L] [--shard-size K] [--overwrite] [key=value ...]")
@@ -145,18 +143,9 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     start = time.perf_counter()
     encoder = TextEncoder(a.encoder, device=str(device), dtype=dtype, max_length=a.max_length)
-    log = logging.getLogger("vitp.text")  # write_store's notes (resuming, already complete) on stderr
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("vitp-encode-captions: %(message)s"))
-    level = log.level
-    log.setLevel(logging.INFO)
-    log.addHandler(handler)
-    try:
+    with log_to_stderr("vitp.text", "vitp-encode-captions"):  # write_store's notes (resuming, already complete)
         index = write_store(out, captions, encoder, batch_size=a.batch_size, shard_size=a.shard_size,
                             overwrite=a.overwrite, dtype=dtype)
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
     print("\n".join(summary(index, len(captions), source, out, time.perf_counter() - start, encoder.encoded)))
     return index
 

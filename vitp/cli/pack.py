@@ -10,13 +10,11 @@ same arguments after an interruption: complete shards are kept.
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from vitp.cli import run_cli
+from vitp.cli import log_to_stderr, run_cli
 
 USAGE = "vitp-pack OUT [--samples-per-shard N] [--workers N] [--quiet] [key=value ...]"
 
@@ -106,13 +104,7 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     a = parse_args(argv)
     cfg = compose_checked(a.overrides)
     start = time.perf_counter()
-    log = logging.getLogger("vitp")  # the data sets' notes (skipped files, resuming) on stderr
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("vitp-pack: %(message)s"))
-    level = log.level
-    log.setLevel(logging.INFO)
-    log.addHandler(handler)
-    try:
+    with log_to_stderr("vitp", "vitp-pack"):  # the data sets' notes (skipped files, resuming)
         store = cfg.data.text_embeddings
         if store is not None:
             ensure_text_embeddings(cfg)  # encodes when data.text_encoder is set and the store is missing
@@ -121,9 +113,6 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                         f"vitp-encode-captions first, or unset data.text_embeddings")
         manifest = pack(cfg.data, a.out, seed=int(cfg.seed), samples_per_shard=a.samples_per_shard,
                         workers=a.workers, progress=not a.quiet, text_store=store)
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
     print("\n".join(summary(manifest, a.out, time.perf_counter() - start)))
     return manifest
 

@@ -39,7 +39,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from vitp.data.base import FileDataset, KeyedSubset, StorageError, parse_key
+from vitp.data.base import FileDataset, KeyedSubset, StorageError
 from vitp.data.images import digits_tensor, load_image
 from vitp.data.video import VideoFolderDataset
 
@@ -311,15 +311,14 @@ def media_of(sample: Dict[str, bytes]) -> Tuple[str, bytes]:
 class _SampleNames(Sequence):
     """``files`` of a sharded data set: the name of sample ``i`` (``<shard url>#<key>``), made on demand."""
 
-    def __init__(self, index: ShardIndex, samples: Optional[np.ndarray] = None):
-        self.index, self.samples = index, samples
+    def __init__(self, index: ShardIndex):
+        self.index = index
 
     def __len__(self) -> int:
-        return len(self.index) if self.samples is None else len(self.samples)
+        return len(self.index)
 
-    def __getitem__(self, f: int) -> str:
-        i = int(f if self.samples is None else self.samples[f])
-        return f"{self.index.shards[self.index.shard_of[i]]['url']}#{i:09d}"
+    def __getitem__(self, i: int) -> str:
+        return f"{self.index.shards[self.index.shard_of[int(i)]]['url']}#{int(i):09d}"
 
 
 class _Shards:
