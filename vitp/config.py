@@ -705,8 +705,8 @@ def validate_text_run(cfg: "DictConfig") -> None:
     _fail(bool(d.text_embeddings),
           f"model.text_dim={m.text_dim} needs the captions' precomputed embeddings, but data.text_embeddings is "
           "unset: run vitp-encode-captions --encoder <local encoder folder> --out DIR <this run's data overrides>, "
-          "then set data.text_embeddings=DIR" + (" (a pack made with data.text_embeddings holds a copy: "
-                                                 "data.text_embeddings=<data.shards>/text-embeddings)"
+          "then set data.text_embeddings=DIR" + (f" (a pack made with data.text_embeddings holds a copy: "
+                                                 f"data.text_embeddings={d.shards}/text-embeddings)"
                                                  if d.name == "shards" else ""))
 
 

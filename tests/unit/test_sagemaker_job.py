@@ -394,7 +394,9 @@ def test_dry_run_shards_from_s3_become_a_fastfile_channel(sdk, staged, fake_repo
     (["data=shards", "data.shards=/fsx/packs/digits", "data.num_classes=10"], "FastFile", None, "/fsx/packs/digits"),
     (["data.shards=s3://data-bucket/packs/digits"], "FastFile", None, "s3://data-bucket/packs/digits"),  # digits
 ])
-def test_shard_channel_by_mode(over, mode, want, hp):
+def test_shard_channel_by_mode(over, mode, want, hp, capsys):
     hps = job.parse_overrides(over)
     assert job.shard_channel(over, hps, {}, mode) == want
     assert hps["data.shards"] == hp
+    warned = "data.shards=/fsx/packs/digits is a path, read as is inside the job" in capsys.readouterr().err
+    assert warned == hp.startswith("/fsx")  # a local pack path would not exist in the job unless mounted there

@@ -32,12 +32,15 @@ def bad_input_errors() -> tuple:
     """Exception types that mean bad input, not a bug: reported in one line, exit status 2."""
     from omegaconf.errors import OmegaConfBaseException
 
-    return ValueError, FileNotFoundError, PermissionError, OmegaConfBaseException
+    return ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError, OmegaConfBaseException
 
 
 def reported_errors() -> tuple:
-    """Exception types reported in one line without a traceback: bad input and a non-finite loss."""
-    return (*bad_input_errors(), FloatingPointError)
+    """Exception types reported in one line without a traceback: bad input, storage that failed
+    (a shard that cannot be fetched or read: :class:`vitp.data.base.StorageError`) and a non-finite loss."""
+    from vitp.data.base import StorageError
+
+    return (*bad_input_errors(), StorageError, FloatingPointError)
 
 
 def exit_status(error: BaseException) -> int:

@@ -10,6 +10,8 @@ same arguments after an interruption: complete shards are kept.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -63,14 +65,16 @@ def train_overrides(meta: Dict[str, Any]) -> List[str]:
     return out
 
 
-def summary(manifest: Dict[str, Any], out: Path, seconds: float) -> List[str]:
-    """The lines printed at the end: counts, shards, skips, split, and the overrides to train with."""
+def summary(manifest: Dict[str, Any], out: Path, seconds: float, carried: List[str] = ()) -> List[str]:
+    """The lines printed at the end: counts, shards, skips, split, and the overrides to train with
+    (``carried``: the pack command's overrides of other groups than ``data``, e.g. an experiment's
+    model settings, repeated for the training command)."""
     from vitp.cli.overrides import hydra_override
 
     m = manifest["vitp"]
     shards = manifest["shardlist"]
     lines = [f"packed {m['num_samples']} {m['kind']} samples of {len(m['classes'])} classes into {len(shards)} "
-             f"shards, {m['bytes'] / 1e6:.1f} MB, in {seconds:.1f} s",
+             f"shard{'s' if len(shards) != 1 else ''}, {m['bytes'] / 1e6:.1f} MB, in {seconds:.1f} s",
              f"held out: {m['num_heldout']} samples (per {m['holdout']['unit']})"
              + (f" and the last {m['holdout']['fraction']:g} of the frames of {m['heldout_tails']} files (classes of "
                 f"one file)" if m.get("heldout_tails") else "") + f"; training: {m['num_train']}"]
@@ -84,11 +88,22 @@ def summary(manifest: Dict[str, Any], out: Path, seconds: float) -> List[str]:
     if m["captions"]:
         lines.append("captions packed" + (f"; caption store in {out / m['text_embeddings']}"
                                           if m["text_embeddings"] else ""))
-    train = ["data=shards", hydra_override("data.shards", str(out.absolute())), *train_overrides(m)]
+    train = [*carried, "data=shards", hydra_override("data.shards", str(out.absolute())), *train_overrides(m)]
     if m["text_embeddings"]:
         train.append(hydra_override("data.text_embeddings", str((out / m["text_embeddings"]).absolute())))
     lines += [f"manifest: {(out / 'index.json').absolute()}", f"train with: {' '.join(train)}"]
     return lines
+
+
+@contextlib.contextmanager
+def _resumable_on_interrupt():
+    """Ctrl-C: one line saying how to resume (complete shards are kept), exit status 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print("vitp-pack: interrupted; run the same command again to resume (complete shards are kept)",
+              file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -97,14 +112,14 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     Raises ``ValueError`` for bad flags or overrides and data without anything to pack,
     ``FileExistsError`` for an output folder that is not new, empty or the same pack in progress,
     and what building the data set raises (``FileNotFoundError`` for a missing folder)."""
-    from vitp.cli.overrides import compose_checked
+    from vitp.cli.overrides import compose_checked, override_key
     from vitp.data.build import ensure_text_embeddings
     from vitp.data.pack import pack
 
     a = parse_args(argv)
     cfg = compose_checked(a.overrides)
     start = time.perf_counter()
-    with log_to_stderr("vitp", "vitp-pack"):  # the data sets' notes (skipped files, resuming)
+    with log_to_stderr("vitp", "vitp-pack"), _resumable_on_interrupt():  # notes: skipped files, resuming
         store = cfg.data.text_embeddings
         if store is not None:
             ensure_text_embeddings(cfg)  # encodes when data.text_encoder is set and the store is missing
@@ -113,7 +128,8 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                         f"vitp-encode-captions first, or unset data.text_embeddings")
         manifest = pack(cfg.data, a.out, seed=int(cfg.seed), samples_per_shard=a.samples_per_shard,
                         workers=a.workers, progress=not a.quiet, text_store=store)
-    print("\n".join(summary(manifest, a.out, time.perf_counter() - start)))
+    carried = [o for o in a.overrides if override_key(o).split(".")[0].split("/")[0].lstrip("+~") not in ("data", "hydra")]
+    print("\n".join(summary(manifest, a.out, time.perf_counter() - start, carried)))
     return manifest
 
 

@@ -331,6 +331,10 @@ def shard_channel(overrides: List[str], hps: Dict[str, str], channels: Dict[str,
 
     data = compose_checked(overrides).data
     uri = str(data.shards or "")
+    if data.name == "shards" and uri and "://" not in uri and not uri.startswith("/opt/ml/"):
+        print(f"{PROG}: warning: data.shards={uri} is a path, read as is inside the job: unless the job's image or a "
+              f"file system mounts it there, upload the pack (aws s3 sync {uri} s3://BUCKET/PREFIX) and give "
+              f"data.shards=s3://BUCKET/PREFIX", file=sys.stderr)
     if data.name != "shards" or not uri.startswith("s3://") or mode == "download":
         return None
     check_s3(uri, "data.shards")

@@ -226,10 +226,6 @@ class FileDataset(KeyedDataset):
         log.warning(f"skipping {self.skip_label} {path}: {reason}")
         self.skipped_files.append(str(path))
         self.skip_reasons[str(path)] = reason
-        counter = getattr(self, "skip_counter", None)
-        if counter is not None:
-            with counter.get_lock():
-                counter.value += 1
         if too_short:
             self.too_short_files.append(str(path))
 
@@ -294,10 +290,23 @@ class FileDataset(KeyedDataset):
                 raise
             except Exception as e:  # noqa: BLE001 - e.g. a file truncated after it was indexed
                 self._bad.add(f)
-                self._skip(self.files[f], self._decode_failure(e))
+                self._skip_in_training(f, self._decode_failure(e))
                 continue
             return self._to_tensor(self._augment(data, aug_seed)), int(self.labels[j])
         raise RuntimeError(self._undecodable())
+
+    def _skip_in_training(self, f: int, reason: str) -> None:
+        """:meth:`_skip` file ``f``; with :func:`attach_skip_counter`, warned and counted once per run
+        (its DataLoader workers each meet it, only the first one warns and counts)."""
+        counter, seen = getattr(self, "skip_counter", None), getattr(self, "skip_flags", None)
+        if counter is not None and seen is not None:
+            with counter.get_lock():
+                first, seen[f] = not seen[f], 1
+                counter.value += int(first)
+            if not first:
+                self.skipped_files.append(str(self.files[f]))
+                return
+        self._skip(self.files[f], reason)
 
     def _decode_failure(self, error: Exception) -> str:
         """Reason given in the warning about a file that fails in ``__getitem__``."""
@@ -323,7 +332,8 @@ class FileDataset(KeyedDataset):
 def attach_skip_counter(datasets: Any) -> Any:
     """A counter shared with DataLoader worker processes (``multiprocessing.Value``), attached as
     ``skip_counter`` to the :class:`FileDataset` under each of ``datasets`` (a dataset or a list;
-    through ``KeyedSubset.base`` / ``.dataset``): every sample skipped in ``__getitem__`` adds one.
+    through ``KeyedSubset.base`` / ``.dataset``), with a shared flag per file (``skip_flags``):
+    every file that fails in ``__getitem__`` adds one, once, whichever process met it first.
     Call it before the loader starts its workers. Returns the counter."""
     import multiprocessing
 
@@ -332,6 +342,7 @@ def attach_skip_counter(datasets: Any) -> Any:
         for _ in range(8):  # CaptionIds -> KeyedSubset -> FileDataset
             if isinstance(ds, FileDataset):
                 ds.skip_counter = counter
+                ds.skip_flags = multiprocessing.Array("b", len(ds.files), lock=False)  # guarded by counter's lock
                 break
             ds = getattr(ds, "base", None) or getattr(ds, "dataset", None)
     return counter

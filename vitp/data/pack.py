@@ -108,9 +108,10 @@ def _videos(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str
     from vitp.data.build import _base_dataset, stratified_split
     from vitp.data.text import item_captions
 
-    if cfg.class_per_shot:
-        raise ValueError("data.class_per_shot labels shots, but a packed video is one sample with one label: unset "
-                         "it to pack (or train from the video folder)")
+    if cfg.class_per_shot or cfg.scene_cut_threshold is not None:
+        raise ValueError("data.scene_cut_threshold / data.class_per_shot cut videos at shots, but a packed video is one "
+                         "sample whose clips may span any frames: unset them to pack (cut the scenes into files first), "
+                         "or train from the video folder")
     out, skipped, classes = [], {}, None
     roots = [(cfg, False)] + ([(_heldout_cfg(cfg), True)] if cfg.heldout_root else [])
     for c, is_held in roots:
@@ -210,7 +211,10 @@ def _prepare(out: Path, digest: str, create: bool) -> None:
     make it and record the config (after the data set was read, so that bad data settings leave no
     folder behind that a corrected command would be refused).
 
-    Raises ``FileExistsError`` for a complete pack, another pack in progress, or a folder of other files."""
+    Raises ``FileExistsError`` for a complete pack, another pack in progress, or a folder of other
+    files; ``NotADirectoryError`` when ``out`` is a file."""
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is a file: vitp-pack writes a folder; give a new or empty folder's path")
     if (out / MANIFEST).exists():
         raise FileExistsError(f"{out} already holds a packed data set ({MANIFEST}); train on it with "
                               f"data=shards data.shards={out}, or choose another output folder")
@@ -307,6 +311,7 @@ def _finish(out: Path, cfg_data: dict, seed: int, per_shard: int, kind: str, cla
                                   dtype=np.int8),
     }
     save_file(arrays, str(out / SAMPLES))
+    os.chmod(out / SAMPLES, 0o644)  # safetensors writes 0600: others on a shared file system read the pack too
     captioned = any(s.caption is not None for s in samples)
     if captioned:
         atomic_write_text(out / CAPTIONS, "".join(json.dumps(s.caption) + "\n" for s in samples))

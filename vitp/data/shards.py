@@ -49,6 +49,7 @@ FORMAT, VERSION = "vitp-shards", 1
 MANIFEST, SAMPLES, CAPTIONS, TEXT_STORE = "index.json", "samples.safetensors", "captions.jsonl", "text-embeddings"
 META_EXTS = ("cls", "txt", "json")  # a sample's files other than its media
 REMOTE_SCHEMES = ("s3", "http", "https", "gs")
+_LOGGED: set = set()  # shard_datasets' summary lines already logged
 
 
 def is_remote(url: str) -> bool:
@@ -66,6 +67,7 @@ def _s3_client():
         import boto3
     except ImportError as e:  # pragma: no cover - boto3 is a dependency
         raise ImportError("reading s3:// shards needs boto3: pip install boto3") from e
+    logging.getLogger("botocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every client
     return boto3.client("s3")  # endpoint from AWS_ENDPOINT_URL (boto3 >= 1.28), credentials as the AWS CLI
 
 
@@ -77,8 +79,9 @@ def _split_s3(url: str) -> Tuple[str, str]:
 def read_bytes(url: str) -> bytes:
     """The bytes at a local path, ``s3://bucket/key`` or ``http(s)://`` URL.
 
-    Raises ``FileNotFoundError`` naming ``url`` when nothing is there (or the bucket, the endpoint
-    or the credentials are wrong: the message says which)."""
+    Raises ``FileNotFoundError`` naming ``url`` when nothing is there, and
+    :class:`~vitp.data.base.StorageError` when the store cannot be reached or refuses (credentials,
+    bucket, endpoint: the message says which to check)."""
     scheme = urlparse(url).scheme
     try:
         if scheme == "s3":
@@ -93,7 +96,11 @@ def read_bytes(url: str) -> bytes:
     except FileNotFoundError:
         raise FileNotFoundError(f"{url} does not exist") from None
     except Exception as e:  # noqa: BLE001 - botocore / urllib errors carry the reason
-        raise FileNotFoundError(f"cannot read {url}: {type(e).__name__}: {e}") from e
+        code = str(getattr(e, "response", {}).get("Error", {}).get("Code", getattr(e, "code", "")))
+        if code in ("NoSuchKey", "404"):
+            raise FileNotFoundError(f"{url} does not exist") from None
+        raise StorageError(f"cannot read {url}: {type(e).__name__}: {e}; check the credentials (AWS_ACCESS_KEY_ID / "
+                           f"AWS_PROFILE or the instance's role), the bucket name and AWS_ENDPOINT_URL") from None
 
 
 def s3_download(remote: str, local: str) -> None:
@@ -148,6 +155,8 @@ class ShardIndex:
                                     f"vitp-pack OUT <data overrides> and set data.shards=OUT") from None
         except ValueError as e:
             raise ValueError(f"{where} is not a JSON manifest ({e}); pack the data again with vitp-pack") from None
+        except StorageError as e:
+            raise StorageError(f"data.shards={url}: {e}") from None
         meta = spec.get("vitp", {})
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise ValueError(f"{where} is not a {FORMAT} v{VERSION} manifest (format={meta.get('format')!r}, "
@@ -227,7 +236,8 @@ class ShardReader:
     downloaded again.
 
     Raises (from ``reader[i]``) :class:`~vitp.data.base.StorageError` for a shard that cannot be
-    fetched and ``RuntimeError`` for one that holds another number of samples than the manifest says.
+    fetched, whose tar headers cannot be read, or that holds another number of samples than the
+    manifest says (the run stops, naming the shard, instead of skipping all its samples).
     """
 
     def __init__(self, index: ShardIndex, cache_dir: Optional[str], lru: int):
@@ -269,13 +279,17 @@ class ShardReader:
         if tar is None:
             from wids.wids import IndexedTarSamples
 
-            tar = IndexedTarSamples(path=self.local_path(k))
-            want = self.index.shards[k]["nsamples"]
+            url, want = self.index.shards[k]["url"], self.index.shards[k]["nsamples"]
+            path = self.local_path(k)
+            try:
+                tar = IndexedTarSamples(path=path)
+            except Exception as e:  # noqa: BLE001 - a damaged header fails the whole shard's index
+                raise StorageError(f"shard {url} is damaged: its tar headers cannot be read ({type(e).__name__}: "
+                                   f"{e}); copy it again or re-run vitp-pack, then resume the run") from None
             if len(tar) != want:
                 tar.close()
-                raise RuntimeError(f"shard {self.index.shards[k]['url']} holds {len(tar)} samples, the manifest "
-                                   f"says {want}: it is truncated or from another pack; copy it again or re-run "
-                                   f"vitp-pack")
+                raise StorageError(f"shard {url} holds {len(tar)} samples, the manifest says {want}: it is damaged "
+                                   f"or from another pack; copy it again or re-run vitp-pack, then resume the run")
             self.open[k] = tar
         return tar
 
@@ -473,8 +487,11 @@ def shard_datasets(cfg: Any) -> Tuple[KeyedSubset, KeyedSubset]:
         out.append(KeyedSubset(base, idx, eval_only=eval_only))
     if not len(out[0]):
         raise ValueError(f"the packed data at {cfg.shards} has no training sample")
-    log.info(f"data.shards={cfg.shards}: {len(index)} samples in {len(index.shards)} shards, {len(out[0])} "
-             f"training / {len(out[1])} held-out items")
+    line = (f"data.shards={cfg.shards}: {len(index)} samples in {len(index.shards)} shards, {len(out[0])} "
+            f"training / {len(out[1])} held-out items")
+    if line not in _LOGGED:  # built once per bucket: said once
+        _LOGGED.add(line)
+        log.info(line)
     return out[0], out[1]
 
 

@@ -141,6 +141,8 @@ class Trainer:
 
             if not text_embeddings_pending(cfg):  # else vitp-train encodes the captions first (_build_data)
                 self.text_store = open_text_embeddings(cfg)
+                log.info(f"caption embeddings: {cfg.data.text_embeddings} (encoder "
+                         f"{self.text_store.index['encoder']['name']})")
         dist.init_distributed(self.device)
         self.auto = None  # parallel=auto: the planner's choice, written into cfg (.autolayout)
         if cfg.parallel.auto:

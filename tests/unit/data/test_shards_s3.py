@@ -122,15 +122,18 @@ def test_s3_reader_in_a_dataloader_worker(s3, tmp_path):
     assert y.tolist() == [ref[700][1], ref[1200][1]]
 
 
-@pytest.mark.parametrize("url,expect", [
-    (f"s3://no-such-bucket/{PREFIX}", r"no packed data set at data.shards=s3://no-such-bucket/packs/digits .*"
-                                      r"NoSuchBucket.*vitp-pack OUT"),
-    (f"s3://{BUCKET}/packs/digitz", r"no packed data set at data.shards=s3://vitp-data/packs/digitz "
-                                    r"\(cannot read s3://vitp-data/packs/digitz/index.json: "
-                                    r".*NoSuchKey.*vitp-pack OUT"),
+@pytest.mark.parametrize("url,error,expect", [
+    # a bucket that is not there: the store refuses, the fix is the name / credentials / endpoint
+    (f"s3://no-such-bucket/{PREFIX}", StorageError, r"data.shards=s3://no-such-bucket/packs/digits: cannot read "
+                                                    r".*NoSuchBucket.*check the credentials.*the bucket name and "
+                                                    r"AWS_ENDPOINT_URL"),
+    # no manifest under the prefix: nothing was packed there
+    (f"s3://{BUCKET}/packs/digitz", FileNotFoundError, r"no packed data set at data.shards=s3://vitp-data/packs/digitz "
+                                                       r"\(s3://vitp-data/packs/digitz/index.json does not exist\); "
+                                                       r"write one with vitp-pack OUT"),
 ])
-def test_s3_wrong_bucket_or_prefix_names_the_url(s3, tmp_path, url, expect):
-    with pytest.raises(FileNotFoundError, match=expect):
+def test_s3_wrong_bucket_or_prefix_names_the_url(s3, tmp_path, url, error, expect):
+    with pytest.raises(error, match=expect):
         build_datasets(_data_cfg(url, tmp_path / "cache"), seed=0)
 
 
