@@ -67,7 +67,7 @@ REFERENCE = Path(__file__).parent / "fixtures" / "reference"
 PERTURBED = REFERENCE / "perturbed.safetensors"  # the smoke model with non-zero adaLN gates (record_reference.py)
 SMOKE4 = ["experiment=smoke", "trainer.max_steps=4"]
 TIME_KEYS = ("samples_per_s",)
-TELEMETRY_PREFIXES = ("perf/", "comm/")  # wall time, memory and traffic (vitp.train.telemetry)
+TELEMETRY_PREFIXES = ("perf/", "comm/", "data/")  # wall time, memory, traffic, skipped samples (vitp.train.telemetry)
 
 
 def metrics(run_dir) -> list:
