@@ -256,6 +256,15 @@ def broadcast_object(obj):
     return box[0]
 
 
+def gather_objects(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def is_main() -> bool:
     """True on global rank 0, the only rank that writes logs and files."""
     return rank() == 0

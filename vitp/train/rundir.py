@@ -146,6 +146,24 @@ def config_differences(saved: Any, cfg: DictConfig, ignore=RELAUNCH_KEYS) -> Lis
     return [f"{k}: {a.get(k)!r} before vs {b.get(k)!r} now" for k in keys if a.get(k) != b.get(k)]
 
 
+def check_same_config(cfg: DictConfig) -> None:
+    """Refuse (``ValueError`` on every rank) a job whose ranks were launched with different configs:
+    on several nodes each launcher agent passes its own command line, and a node given other
+    overrides (a seed, a batch size) would train another model on its replicas, or hang in a
+    collective of another shape. Collective; the message names the ranks and the keys that differ."""
+    if dist.world_size() == 1:
+        return
+    mine = _flat(cfg)
+    ref = dist.broadcast_object(mine)
+    diff = [f"{k}={mine.get(k)!r} (rank 0: {ref.get(k)!r})" for k in sorted(set(ref) | set(mine))
+            if ref.get(k) != mine.get(k)]
+    report = [(r, d) for r, d in enumerate(dist.gather_objects(diff)) if d]
+    if report:
+        shown = "; ".join(f"rank {r}: {', '.join(d[:3])}" for r, d in report[:3])
+        raise ValueError(f"the ranks of this job were launched with different configs ({shown}): launch every node "
+                         f"with the same command line and overrides")
+
+
 FRESH_OWN = (".vitp.lock", "train.log")  # what a launch may have left before its run wrote .hydra/
 
 

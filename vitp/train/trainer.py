@@ -40,7 +40,7 @@ from .checkpointer import Checkpointer  # noqa: E402
 from .ema import EMA  # noqa: E402
 from .logger import RunLogger, binned_loss, log_stages  # noqa: E402
 from .preflight import preflight  # noqa: E402
-from .rundir import hold_log_files, lock_run_dir, release_log_files, resume_command  # noqa: E402
+from .rundir import check_same_config, hold_log_files, lock_run_dir, release_log_files, resume_command  # noqa: E402
 from .stop import StopSignal  # noqa: E402
 from .telemetry import Telemetry  # noqa: E402
 
@@ -144,6 +144,7 @@ class Trainer:
                 log.info(f"caption embeddings: {cfg.data.text_embeddings} (encoder "
                          f"{self.text_store.index['encoder']['name']})")
         dist.init_distributed(self.device)
+        check_same_config(cfg)  # every node's launcher was given the same overrides
         self.auto = None  # parallel=auto: the planner's choice, written into cfg (.autolayout)
         if cfg.parallel.auto:
             self.auto = apply_auto_layout(cfg, self.run_dir, self.device, overrides)
