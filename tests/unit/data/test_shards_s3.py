@@ -195,6 +195,7 @@ def _train_from_s3(rank, env, overrides, run_dir):
     return train_rank(rank, overrides, run_dir)
 
 
+@pytest.mark.slow  # a trainer subprocess
 def test_training_reads_the_shards_from_s3(s3, tmp_path):
     """Three steps of the real trainer (one rank, a DataLoader worker) on data.shards=s3://...:
     finite losses, the shards it read in the cache (the items equal the folder's: tests above)."""
