@@ -11,7 +11,7 @@ import logging
 import random
 import threading
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import albumentations as A
 import numpy as np
@@ -338,11 +338,18 @@ def attach_skip_counter(datasets: Any) -> Any:
     import multiprocessing
 
     counter = multiprocessing.Value("q", 0)
-    for ds in datasets if isinstance(datasets, (list, tuple)) else [datasets]:
-        for _ in range(8):  # CaptionIds -> KeyedSubset -> FileDataset
+    for top in datasets if isinstance(datasets, (list, tuple)) else [datasets]:
+        for ds in wrapped(top):
             if isinstance(ds, FileDataset):
                 ds.skip_counter = counter
                 ds.skip_flags = multiprocessing.Array("b", len(ds.files), lock=False)  # guarded by counter's lock
                 break
-            ds = getattr(ds, "base", None) or getattr(ds, "dataset", None)
     return counter
+
+
+def wrapped(dataset: Any) -> Iterator[Any]:
+    """``dataset`` and the datasets it wraps, outermost first (``CaptionIds.dataset``,
+    ``KeyedSubset.base``)."""
+    while dataset is not None:
+        yield dataset
+        dataset = getattr(dataset, "base", None) or getattr(dataset, "dataset", None)

@@ -27,6 +27,7 @@ number of samples beyond loading ``samples.safetensors`` (about 30 bytes per sam
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -39,7 +40,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from vitp.data.base import FileDataset, KeyedSubset, StorageError
+from vitp.data.base import FileDataset, KeyedSubset, StorageError, wrapped
 from vitp.data.images import digits_tensor, load_image
 from vitp.data.video import VideoFolderDataset
 
@@ -104,28 +105,36 @@ def read_bytes(url: str) -> bytes:
 
 
 def s3_download(remote: str, local: str) -> None:
-    """wids download handler for ``s3://``: ``boto3`` into ``local`` through a ``.part`` file, so
-    that a failed or killed download never leaves a truncated shard in the cache.
+    """wids download handler for ``s3://``: ``boto3`` into ``local`` (:meth:`ShardReader.local_path`
+    passes a ``.part`` file, renamed when complete and removed on failure).
 
     Raises :class:`~vitp.data.base.StorageError` naming the shard: the dataset raises it through
     instead of skipping the shard's samples (a run stops and resumes from its last checkpoint)."""
     bucket, key = _split_s3(remote)
-    part = f"{local}.part{os.getpid()}"
     try:
-        _s3_client().download_file(bucket, key, part)
+        _s3_client().download_file(bucket, key, local)
     except Exception as e:  # noqa: BLE001 - botocore / network errors carry the reason
-        with contextlib.suppress(OSError):
-            os.unlink(part)
         raise StorageError(f"shard {remote} could not be downloaded ({type(e).__name__}: {e}); check that the "
                            f"object exists (vitp-pack's output complete under data.shards), the endpoint "
                            f"(AWS_ENDPOINT_URL) and the credentials, then resume the run") from e
-    os.replace(part, local)
 
 
 def _use_handlers() -> None:
     import wids.wids_dl
 
     wids.wids_dl.default_cmds["s3"] = s3_download  # the module's handler table (its own uses the aws CLI)
+
+
+@functools.lru_cache(maxsize=4)
+def _per_sample(url: str, captions: bool, manifest_sha1: str) -> Tuple[Dict[str, np.ndarray], Optional[list]]:
+    """``samples.safetensors`` and ``captions.jsonl`` of the pack at ``url``, read once per process
+    and manifest (the data sets of each shape bucket open the same pack; remote: one download)."""
+    from safetensors.numpy import load
+
+    arrays = load(read_bytes(join_url(url, SAMPLES)))
+    if not captions:
+        return arrays, None
+    return arrays, [json.loads(line) for line in read_bytes(join_url(url, CAPTIONS)).decode().splitlines()]
 
 
 class ShardIndex:
@@ -149,7 +158,8 @@ class ShardIndex:
         self.url = str(url).rstrip("/") if is_remote(url) else str(Path(url).expanduser().resolve())
         where = join_url(self.url, MANIFEST)
         try:
-            spec = json.loads(read_bytes(where))
+            raw = read_bytes(where)
+            spec = json.loads(raw)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"no packed data set at data.shards={url} ({e}); write one with "
                                     f"vitp-pack OUT <data overrides> and set data.shards=OUT") from None
@@ -163,9 +173,7 @@ class ShardIndex:
                              f"version={meta.get('version')!r}); pack the data with this vitp's vitp-pack")
         self.meta, self.kind, self.classes = meta, meta["kind"], list(meta["classes"])
         self.shards = [dict(s, url=join_url(self.url, s["url"])) for s in spec["shardlist"]]
-        from safetensors.numpy import load
-
-        arrays = load(read_bytes(join_url(self.url, SAMPLES)))
+        arrays, self.captions = _per_sample(self.url, bool(meta.get("captions")), hashlib.sha1(raw).hexdigest())
         n = sum(s["nsamples"] for s in self.shards)
         for k in ("label", "heldout", "heldout_from", "height", "width", "frames", "fps", "orientation"):
             if len(arrays[k]) != n:
@@ -173,10 +181,6 @@ class ShardIndex:
                                  f"hold {n} samples; pack the data again")
             setattr(self, k, arrays[k])
         self.shard_of = np.repeat(np.arange(len(self.shards)), [s["nsamples"] for s in self.shards])
-        self.captions = None
-        if meta.get("captions"):
-            lines = read_bytes(join_url(self.url, CAPTIONS)).decode().splitlines()
-            self.captions = [json.loads(line) for line in lines]
         if check:
             self.check_shards()
 
@@ -336,7 +340,8 @@ class _SampleNames(Sequence):
 
 
 class _Shards:
-    """What the sharded datasets share: the index, the per-process reader, the ``groups`` order."""
+    """What the sharded datasets share: the index and the per-process reader (opened lazily, dropped
+    when pickled into a DataLoader worker)."""
 
     _per_process = ("_lock", "_reader")
 
@@ -414,11 +419,12 @@ class ShardVideos(_Shards, VideoFolderDataset):
                              "shot boundaries); unset it or train from the video folder")
         self.index, self.cache_dir, self.lru = index, cache_dir, lru
         super().__init__(**clip)
-        self.sample_of_file = np.asarray([int(str(f).rsplit("#", 1)[1]) for f in self.files], dtype=np.int64)
+        self.sample_of_file = np.asarray([self._sample_of_name[f] for f in self.files], dtype=np.int64)
         self.sample_of_item = self.sample_of_file[self.item_file]
 
     def _find(self, files, class_per_file: bool) -> List[Tuple[str, str]]:
         names = _SampleNames(self.index)
+        self._sample_of_name = {names[i]: i for i in range(len(self.index))}  # files the build keeps -> samples
         return [(names[i], self.index.classes[int(self.index.label[i])]) for i in range(len(self.index))]
 
     def _build(self, sources: List[Tuple[str, str]]) -> None:
@@ -497,13 +503,7 @@ def shard_datasets(cfg: Any) -> Tuple[KeyedSubset, KeyedSubset]:
 
 def packed_index(dataset: Any) -> Optional[ShardIndex]:
     """The :class:`ShardIndex` under ``dataset`` (through ``KeyedSubset.base`` / ``CaptionIds.dataset``), or None."""
-    seen = 0
-    while dataset is not None and seen < 8:
-        index = getattr(dataset, "index", None)
-        if isinstance(index, ShardIndex):
-            return index
-        dataset, seen = getattr(dataset, "base", None) or getattr(dataset, "dataset", None), seen + 1
-    return None
+    return next((ds.index for ds in wrapped(dataset) if isinstance(getattr(ds, "index", None), ShardIndex)), None)
 
 
 def as_packed_source(cfg: Any, dataset: Any) -> Any:
