@@ -238,9 +238,14 @@ def test_resuming_another_layout_or_model_explains_the_fix(tp2pp2_run, tmp_path)
     tag = _copy_tag(tp2pp2_run, tmp_path)
     meta = ckpt.verify_checkpoint(tag)
     cfg = compose([*TP2PP2])
-    ckpt.check_resumable(meta, tag, cfg, Layout(2, 2, 1, "fp32"))
-    with pytest.raises(ValueError, match=r"tp: 2 in the checkpoint vs 1 now.*vitp-export .*trainer.init_from"):
-        ckpt.check_resumable(meta, tag, cfg, Layout(1, 2, 2, "fp32"))
+    assert ckpt.check_resumable(meta, tag, cfg, Layout(2, 2, 1, "fp32")) is False  # DeepSpeed's own files
+    assert ckpt.check_resumable(meta, tag, cfg, Layout(1, 2, 2, "fp32")) is True  # resharded (vitp.checkpoint.reshard)
+    with pytest.raises(ValueError, match=r"precision: 'fp32' in the checkpoint vs 'bf16' now; tp: 2 in the checkpoint "
+                                         r"vs 1 now.*vitp-export .*trainer.init_from"):
+        ckpt.check_resumable(meta, tag, cfg, Layout(1, 2, 2, "bf16"))
+    old = {k: v for k, v in meta.items() if k != "engine"}  # written before the layout-independent optimizer state
+    with pytest.raises(ValueError, match=r"written at another layout \(tp: 2 in the checkpoint vs 1 now\) by a vitp"):
+        ckpt.check_resumable(old, tag, cfg, Layout(1, 2, 2, "fp32"))
     with pytest.raises(ValueError, match=r"model.width: 32 in the file vs 64 now|model.width: 32 in the checkpoint"):
         ckpt.check_resumable(meta, tag, compose([*TP2PP2, "model.width=64"]), Layout(2, 2, 1, "fp32"))
     # the run directory is left as it was

@@ -2,9 +2,9 @@
 killed by SIGKILL and resumed equals the uninterrupted run, at 1 process with DataLoader workers and
 at tp=2 x dp=2 with shape buckets and the shard-local order.
 
-Resuming at another data-parallel degree is refused by the checkpoint (vitp.checkpoint.check_resumable:
-layout changes go through vitp-export / trainer.init_from); that the batches of a step do not depend
-on dp is tested at the schedule level (tests/unit/data/test_shards.py)."""
+That the batches of a step do not depend on dp is tested at the schedule level
+(tests/unit/data/test_shards.py); resuming the whole state at another dp in
+tests/distributed/test_reshard.py."""
 import json
 import multiprocessing as mp
 import os

@@ -1,5 +1,6 @@
 """Checkpoints and weight files: crash-safe training checkpoints that resume exactly
-(:mod:`.training`), the export layout loadable at any layout and by timm (:mod:`.export`),
+(:mod:`.training`) at the same or another layout (:mod:`.reshard`), the export layout loadable
+at any layout and by timm (:mod:`.export`),
 starting from existing weights (:mod:`.initialize`, :mod:`.timm`), RNG state (:mod:`.rng`) and
 safe DeepSpeed loading (:mod:`.safe_load`)."""
 from .export import (
@@ -20,6 +21,9 @@ from .training import (
     META,
     check_resumable,
     find_checkpoint,
+    latest_meta,
+    layout_text,
+    load_rng,
     load_training_checkpoint,
     published_tags,
     resolve_weights,
@@ -31,7 +35,7 @@ from .training import (
 
 __all__ = [
     "ARCH_KEYS", "FORMAT", "KILL_HOOK", "LATEST", "META", "RESUME_KEYS", "check_model_matches", "check_resumable",
-    "find_checkpoint", "generator_from_state", "resolve_weights", "load_generator", "load_timm_state", "load_training_checkpoint",
+    "find_checkpoint", "generator_from_state", "resolve_weights", "load_generator", "latest_meta", "layout_text", "load_timm_state", "load_rng", "load_training_checkpoint",
     "published_tags", "read_export", "save_export", "save_training_checkpoint", "save_weights", "tag_name",
     "timm_block_state", "truncate_log", "verify_checkpoint",
 ]

@@ -3,12 +3,14 @@
 A checkpoint ``<run dir>/checkpoints/step_NNNNNNN/`` holds DeepSpeed's own files (per-layer
 weights, ZeRO optimizer shards, LR scheduler, step counters), ``model_ema.safetensors`` /
 ``model.safetensors`` (full weights in the export layout, :mod:`vitp.checkpoint.export`),
+``optimizer.safetensors`` (the full AdamW state, :mod:`vitp.checkpoint.reshard`),
 ``rng_rank<R>.pt`` (every RNG stream of rank R) and ``vitp_meta.json`` (step, layout, model
 config, EMA counter, file manifest). A tag is written under ``step_NNNNNNN.partial``; only after
 every rank has finished writing does rank 0 add ``vitp_meta.json``, rename the folder and
 atomically replace the ``latest`` file (same format as DeepSpeed's), so a crash mid-save leaves
-the previous checkpoint as the latest. A checkpoint resumes exactly, but only at the same
-``(tp, pp, dp)``, model and precision; other layouts start from an export.
+the previous checkpoint as the latest. A checkpoint resumes exactly at the same
+``(tp, cp, pp, dp)`` through DeepSpeed's files, and at any other layout (same model and precision)
+from its full tensors (:mod:`.reshard`).
 
 Loading never unpickles arbitrary objects (:mod:`vitp.checkpoint.safe_load`).
 """
@@ -61,13 +63,14 @@ def _maybe_die(rank: int, step: int, folder: Path) -> None:
 
 
 def save_training_checkpoint(engine: Any, ckpt_dir: Path, step: int, *, rank: int, main: bool, meta: Dict[str, Any],
-                             full_states: Callable[[], Tuple[dict, dict]], cfg: DictConfig, keep: int
-                             ) -> Optional[Tuple[dict, dict]]:
+                             full_states: Callable[[], Tuple[dict, dict]], cfg: DictConfig, keep: int,
+                             write_state: Optional[Callable[[Path], None]] = None) -> Optional[Tuple[dict, dict]]:
     """Save, then publish, checkpoint ``step_<step>`` under ``ckpt_dir`` (collective: every rank calls it).
 
     ``full_states()`` is the collective that gathers ``(ema, raw)`` Generator-keyed full weights on
-    rank 0. Returns them on rank 0 (``None`` elsewhere). ``keep`` > 0 deletes all but the newest
-    ``keep`` published checkpoints (never the latest).
+    rank 0; ``write_state(folder)``, collective too, writes the layout-independent optimizer state
+    (:mod:`.reshard`). Returns the weights on rank 0 (``None`` elsewhere). ``keep`` > 0 deletes all
+    but the newest ``keep`` published checkpoints (never the latest).
     """
     tag = tag_name(step)
     partial = ckpt_dir / f"{tag}.partial"
@@ -82,6 +85,8 @@ def save_training_checkpoint(engine: Any, ckpt_dir: Path, step: int, *, rank: in
     if main:
         save_export(partial / "model_ema.safetensors", ema, cfg, step=step, weights="ema")
         save_export(partial / "model.safetensors", raw, cfg, step=step, weights="raw")
+    if write_state is not None:
+        write_state(partial)
     _maybe_die(rank, step, partial)
     _barrier()  # every rank has finished writing
     if main:
@@ -183,16 +188,37 @@ def find_checkpoint(resume: str, ckpt_dir: Path) -> Optional[Path]:
     return folder / tag
 
 
-def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout: Layout) -> None:
-    """Raise ``ValueError`` explaining the fix when the checkpoint's layout, precision, ZeRO stage or
-    model differ from this run's."""
-    fix = (f"a training checkpoint resumes only at the same layout and model; to change them export the weights "
-           f"(vitp-export {tag_dir} --weights raw) and start a new run dir with trainer.init_from=<export>.safetensors "
-           f"(weights only: optimizer and LR schedule restart)")
-    mine = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp, "precision": layout.precision,
-            "zero_stage": cfg.parallel.zero_stage}
+def latest_meta(ckpt_dir: Path) -> Optional[Dict[str, Any]]:
+    """The metadata of ``ckpt_dir``'s latest checkpoint, or ``None`` when there is none or it cannot
+    be read (callers only describe it; :func:`verify_checkpoint` judges it)."""
+    try:
+        tag = find_checkpoint("auto", Path(ckpt_dir))
+        return json.loads((tag / META).read_text()) if tag is not None else None
+    except (OSError, ValueError):
+        return None
+
+
+def layout_text(meta: Dict[str, Any]) -> str:
+    """``tp=2 pp=2 dp=2 (8 ranks)`` of a checkpoint's metadata."""
+    cp = f" cp={meta['cp']}" if meta.get("cp", 1) > 1 else ""
+    world = meta["tp"] * meta.get("cp", 1) * meta["pp"] * meta["dp"]
+    return f"tp={meta['tp']}{cp} pp={meta['pp']} dp={meta['dp']} ({world} ranks)"
+
+
+def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout: Layout) -> bool:
+    """Whether the checkpoint resumes by resharding (:mod:`.reshard`: its ``tp``/``cp``/``pp``/``dp``
+    differ from this run's) rather than through DeepSpeed's own files (the same layout).
+
+    Raises ``ValueError`` explaining the fix when precision, model or partial-sync settings differ
+    (no layout change carries those), or the layout differs and the checkpoint predates the
+    layout-independent optimizer state."""
+    fix = (f"to change them export the weights (vitp-export {tag_dir} --weights raw) and start a new run dir with "
+           f"trainer.init_from=<export>.safetensors (weights only: optimizer and LR schedule restart)")
     meta = {"cp": 1, **meta}  # written before context parallelism existed
-    diffs = [f"{k}: {meta.get(k)!r} in the checkpoint vs {v!r} now" for k, v in mine.items() if meta.get(k) != v]
+    mine = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp}
+    moved = [f"{k}: {meta.get(k)!r} in the checkpoint vs {v!r} now" for k, v in mine.items() if meta.get(k) != v]
+    diffs = [] if meta.get("precision") == layout.precision else [
+        f"precision: {meta.get('precision')!r} in the checkpoint vs {layout.precision!r} now"]
     p_file, p_now = float(meta.get("partial_sync", 1.0)), float(cfg.parallel.partial_sync)  # absent: exact TP
     if p_file != p_now:
         diffs.append(f"parallel.partial_sync: {p_file} in the checkpoint vs {p_now} now")
@@ -202,14 +228,23 @@ def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout
     elif p_now < 1 and meta.get("partial_sync_scale") != cfg.parallel.partial_sync_scale:
         diffs.append(f"parallel.partial_sync_scale: {meta.get('partial_sync_scale')!r} in the checkpoint vs "
                      f"{cfg.parallel.partial_sync_scale!r} now")
+    if meta.get("zero_stage") != cfg.parallel.zero_stage:
+        diffs.append(f"parallel.zero_stage: {meta.get('zero_stage')!r} in the checkpoint vs {cfg.parallel.zero_stage!r} now")
     # checkpoints written before vitp chose the engine's stage ran parallel.zero_stage itself
     ran, runs = meta.get("engine_zero_stage", meta.get("zero_stage")), layout.engine_zero_stage(cfg.parallel.zero_stage)
-    if not diffs and ran != runs:
+    if not diffs and not moved and ran != runs:
         diffs.append(f"the engine ran ZeRO stage {ran!r} when the checkpoint was written and runs {runs} now "
                      f"(fp32 at dp=1 runs stage 0 since vitp clips exactly itself)")
     diffs += model_differences(meta.get("model", {}), cfg.model, RESUME_KEYS)
     if diffs:
-        raise ValueError(f"checkpoint {tag_dir} does not match this run ({'; '.join(diffs)}); {fix}")
+        raise ValueError(f"checkpoint {tag_dir} does not match this run ({'; '.join(diffs + moved)}); a training "
+                         f"checkpoint resumes at another tp/cp/pp/dp, but only with the same precision, ZeRO "
+                         f"setting, partial sync and model; {fix}")
+    if moved and "engine" not in meta:
+        raise ValueError(f"checkpoint {tag_dir} was written at another layout ({'; '.join(moved)}) by a vitp that did "
+                         f"not yet keep the optimizer in a layout-independent form: resume it at its own layout, "
+                         f"or {fix}")
+    return bool(moved)
 
 
 def load_training_checkpoint(engine: Any, tag_dir: Path, rank: int) -> None:
@@ -219,6 +254,11 @@ def load_training_checkpoint(engine: Any, tag_dir: Path, rank: int) -> None:
                                      load_lr_scheduler_states=True)
     if path is None:
         raise FileNotFoundError(f"DeepSpeed found no checkpoint in {tag_dir}")
+    load_rng(tag_dir, rank)
+
+
+def load_rng(tag_dir: Path, rank: int) -> None:
+    """Set every RNG stream of this process to those rank ``rank`` saved in ``tag_dir``."""
     rng_file = tag_dir / f"rng_rank{rank:05d}.pt"
     try:
         s = torch.load(str(rng_file), map_location="cpu", weights_only=True)

@@ -68,11 +68,27 @@ def recorded_layout(run_dir: Path) -> Optional[Dict[str, Any]]:
     return {key: OmegaConf.select(saved, key) for key in AUTO_KEYS}
 
 
+def world_change(run_dir: Path, world: int) -> Optional[str]:
+    """``"the latest checkpoint ... was written at tp=2 pp=2 dp=2 (8 ranks), this job has 4"`` when
+    the run directory's latest checkpoint was written at another world size, else ``None``."""
+    from vitp.checkpoint import latest_meta, layout_text
+
+    meta = latest_meta(Path(run_dir) / "checkpoints")
+    if meta is None or meta["tp"] * meta.get("cp", 1) * meta["pp"] * meta["dp"] == world:
+        return None
+    return f"the latest checkpoint (step {meta.get('step')}) was written at {layout_text(meta)}, this job has {world}"
+
+
 def _decide(cfg: DictConfig, run_dir: Path, device: torch.device, world: int, fixed: list) -> Dict[str, Any]:
     """Rank 0's decision: ``{"source", "values", "summary", "choice"}`` (see :func:`apply_auto_layout`)."""
     from vitp.plan import choose_layout
 
     recorded = recorded_layout(run_dir)
+    moved = world_change(run_dir, world) if recorded is not None else None
+    if moved:  # the job came back with another world size: plan again for this one
+        choice = choose_layout(cfg, world, detect_profile(cfg, device, world), fixed=fixed)
+        return {"source": "replanned", "values": choice.values(), "choice": choice.as_dict(),
+                "summary": f"parallel=auto: {moved}: re-planned for {world} ranks; {choice.summary()}"}
     if recorded is not None:
         values = {**recorded, **{k: OmegaConf.select(cfg, k) for k in fixed}}
         text = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())
@@ -89,7 +105,8 @@ def apply_auto_layout(cfg: DictConfig, run_dir: Path, device: torch.device, over
     the process group; rank 0 decides, every rank gets its decision). Keys of
     :data:`vitp.plan.AUTO_KEYS` named in ``overrides`` (the Hydra command line) stay fixed.
 
-    Returns ``{"source": "planned" | "recorded", "values": {key: value}, "summary": the log line,
+    Returns ``{"source": "planned" | "recorded" | "replanned" (the world size changed since the
+    latest checkpoint), "values": {key: value}, "summary": the log line,
     "choice": AutoChoice.as_dict() when planned}``, the same on every rank. Raises ``ValueError``
     (on every rank) when no layout fits or the device has no profile.
     """

@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from vitp import checkpoint as ckpt
+from vitp.checkpoint import reshard
 from vitp.checkpoint.export import read_export
 from vitp.config import Layout
 from vitp.models import generator_key
@@ -25,6 +26,7 @@ from .rundir import check_history, drop_failed_attempt
 log = logging.getLogger("vitp")
 
 FullStates = Callable[[], Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]]
+Gather = Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
 
 
 class Checkpointer:
@@ -49,11 +51,12 @@ class Checkpointer:
             raise ValueError(f"{run_dir} already holds a run (metrics.jsonl) and trainer.resume=never; choose a new "
                              f"hydra.run.dir, or use trainer.resume=auto to continue it")
         self.meta: Optional[Dict[str, Any]] = None
+        self.reshard = False  # resuming at another layout (vitp.checkpoint.reshard)
         if self.resume_tag is None:
             check_history(run_dir, cfg)
         else:
             self.meta = ckpt.verify_checkpoint(self.resume_tag)
-            ckpt.check_resumable(self.meta, self.resume_tag, cfg, layout)
+            self.reshard = ckpt.check_resumable(self.meta, self.resume_tag, cfg, layout)
         self.start_step = self.meta["step"] if self.meta else 0
         if self.start_step > tr.max_steps:  # its outputs would be labelled max_steps, with weights of start_step
             raise ValueError(f"checkpoint {self.resume_tag} is at step {self.start_step}, past trainer.max_steps="
@@ -75,11 +78,23 @@ class Checkpointer:
         drop_failed_attempt(self.run_dir, self.start_step)
 
     def load(self, engine: Any, ema: EMA, state: ParallelState) -> None:
-        """Restore weights, optimizer, LR schedule, RNG streams and this stage's EMA tensors."""
+        """Restore weights, optimizer, LR schedule, RNG streams and this stage's EMA tensors (at
+        another layout from the checkpoint's full tensors, :mod:`vitp.checkpoint.reshard`)."""
+        self.state = state  # this rank's coordinates, recorded by save
         if self.resume_tag is None:
             return
-        ckpt.load_training_checkpoint(engine, self.resume_tag, dist.rank())
         depth = self.cfg.model.depth
+        if self.reshard:
+            if dist.is_main():
+                log.info("resuming %s at another layout: %s; weights, AdamW moments and step, EMA, LR schedule and "
+                         "data position resharded from its full tensors", self.resume_tag,
+                         reshard.describe_change(self.meta, self.layout))
+            reshard.load_resharded(engine, self.resume_tag, self.meta, state, depth)
+            src = reshard.rng_source_rank(self.meta, state)
+            if src is not None:
+                ckpt.load_rng(self.resume_tag, src)
+        else:
+            ckpt.load_training_checkpoint(engine, self.resume_tag, dist.rank())
         keys = [generator_key(n, depth) for n in ema.params]
         ema_full, _ = read_export(self.resume_tag / "model_ema.safetensors", keys=keys)  # this stage only
         load_ema_state(ema.params, engine.module, ema_full, state, depth)
@@ -89,26 +104,35 @@ class Checkpointer:
         """A periodic checkpoint after ``step`` (``trainer.checkpoint_every``)."""
         return bool(self.every) and step % self.every == 0
 
-    def save(self, step: int, engine: Any, ema: EMA, full_states: FullStates):
-        """Save and publish ``step_<step>`` (collective). Returns ``(ema, raw)`` full weights on
-        rank 0, ``None`` elsewhere."""
+    def save(self, step: int, engine: Any, ema: EMA, full_states: FullStates, gather: Gather):
+        """Save and publish ``step_<step>`` (collective). ``gather``: pipeline-named local tensors
+        to full generator-keyed ones on rank 0 (for the layout-independent optimizer state).
+        Returns ``(ema, raw)`` full weights on rank 0, ``None`` elsewhere."""
         tr = self.cfg.trainer
+        s = self.state
+        coords = dist.gather_objects((s.pp_rank, s.dp_rank, s.cp_rank, s.tp_rank))
         meta = {"tp": self.layout.tp, "cp": self.layout.cp, "pp": self.layout.pp, "dp": self.layout.dp,
                 "precision": self.layout.precision,
                 "zero_stage": self.cfg.parallel.zero_stage, "partial_sync": float(self.cfg.parallel.partial_sync),
                 "partial_sync_scale": self.cfg.parallel.partial_sync_scale,
                 "engine_zero_stage": self.layout.engine_zero_stage(self.cfg.parallel.zero_stage),
                 "model": OmegaConf.to_container(self.cfg.model, resolve=True), "ema_updates": ema.updates,
-                "seed": self.cfg.seed, "global_batch_size": tr.global_batch_size, "max_steps": tr.max_steps}
-        return ckpt.save_training_checkpoint(engine, self.dir, step, rank=dist.rank(), main=dist.is_main(),
-                                             meta=meta, full_states=full_states, cfg=self.cfg, keep=self.keep)
+                "seed": self.cfg.seed, "global_batch_size": tr.global_batch_size, "max_steps": tr.max_steps,
+                "world_size": dist.world_size(), "rank_coords": coords, "engine": reshard.engine_counters(engine)}
 
-    def save_final(self, step: int, engine: Any, ema: EMA, full_states: FullStates):
+        def write_state(folder: Path) -> None:
+            reshard.save_optimizer_state(engine, gather, folder / reshard.FILE, dist.is_main(), step)
+
+        return ckpt.save_training_checkpoint(engine, self.dir, step, rank=dist.rank(), main=dist.is_main(),
+                                             meta=meta, full_states=full_states, cfg=self.cfg, keep=self.keep,
+                                             write_state=write_state)
+
+    def save_final(self, step: int, engine: Any, ema: EMA, full_states: FullStates, gather: Gather):
         """The last checkpoint of a finished run (none if a resumed, finished run already has it);
         returns the full weights like :meth:`save`."""
         if ckpt.tag_name(step) in ckpt.published_tags(self.dir):
             return full_states()  # collective; rank 0 gets the weights
-        return self.save(step, engine, ema, full_states)
+        return self.save(step, engine, ema, full_states, gather)
 
     def path(self, step: int) -> Path:
         """Folder of the checkpoint after ``step``."""

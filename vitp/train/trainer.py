@@ -54,7 +54,8 @@ def write_run_config(run_dir: Path, cfg: DictConfig, overrides: Optional[list]) 
         atomic_write_text(run_dir / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
 
 
-def check_config(cfg: DictConfig, device: Optional[torch.device] = None) -> Optional[Any]:
+def check_config(cfg: DictConfig, device: Optional[torch.device] = None, run_dir: Optional[Path] = None
+                 ) -> Optional[Any]:
     """The checks that need no process group, for a launch on ``device`` (default:
     ``trainer.device``) with the world size of the environment (``WORLD_SIZE``, 1 without a
     launcher): the whole config (:func:`vitp.config.validate_config`), a text model's captions
@@ -62,10 +63,22 @@ def check_config(cfg: DictConfig, device: Optional[torch.device] = None) -> Opti
     ``parallel.auto`` (whose layout the planner chooses later), the layout. Returns the
     :class:`vitp.config.Layout` (``None`` with ``parallel.auto``).
 
-    Raises ``ValueError`` naming the key and the valid values.
+    Raises ``ValueError`` naming the key and the valid values; when the layout does not fit this
+    world size and ``run_dir``'s latest checkpoint was written at another one, the message names
+    that layout and the options.
     """
+    from .autolayout import world_change
+
     device = device or dist.resolve_device(cfg.trainer.device)
-    layout = validate_config(cfg, None if cfg.parallel.auto else dist.world_size(), device.type)
+    try:
+        layout = validate_config(cfg, None if cfg.parallel.auto else dist.world_size(), device.type)
+    except ValueError as e:
+        moved = world_change(run_dir, dist.world_size()) if run_dir is not None else None
+        if not moved:
+            raise
+        raise ValueError(f"{e}. Resuming: {moved}; relaunch with that many ranks, or set parallel=auto to re-plan for "
+                         f"{dist.world_size()}, or set parallel.tp/cp/pp to degrees whose product divides "
+                         f"{dist.world_size()} (the whole training state is resharded to any layout)") from None
     validate_text_run(cfg)
     return layout
 
@@ -132,7 +145,7 @@ class Trainer:
         """Every check and everything that can fail on bad input, writing nothing (class doc)."""
         cfg = self.cfg
         self.device = dist.resolve_device(cfg.trainer.device)
-        self.layout = check_config(cfg, self.device)  # None with parallel.auto
+        self.layout = check_config(cfg, self.device, self.run_dir)  # None with parallel.auto
         if not cfg.parallel.auto:
             _warn_without_effect(cfg)
         self.text_store = None  # a missing, damaged or mismatched store is refused before any process group
@@ -393,7 +406,7 @@ class Trainer:
     def save_checkpoint(self, step: int, final: bool = False):
         """Checkpoint after ``step`` (collective); returns ``(EMA, raw)`` full weights on rank 0."""
         save = self.checkpointer.save_final if final else self.checkpointer.save
-        return save(step, self.engine, self.ema, self.full_states)
+        return save(step, self.engine, self.ema, self.full_states, self.full_state)
 
     # ------------------------------------------------------------------------------- loop
     def train_step(self, step: int) -> float:

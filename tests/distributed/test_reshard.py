@@ -1,0 +1,122 @@
+"""Resuming the whole training state at another layout (vitp.checkpoint.reshard).
+
+An 8-rank run (tp=2 x pp=2 x dp=2) from perturbed weights checkpoints at step 3 and runs to
+step 6. The same job "comes back" after step 3 with 4 ranks (tp=2 x pp=2 x dp=1, in its own run
+directory, ``trainer.resume=auto``) and, from that checkpoint, as one process: steps 4-6 equal the
+uninterrupted run to 5 significant digits (loss, grad norm, lr), and the state written at step 6
+(AdamW moments, EMA, weights) equals the uninterrupted run's, so nothing was re-initialised. The
+same from a bf16 ZeRO-1 run (2 ranks, moments sharded over dp=2, resumed as one process). With
+a layout that does not fit the new world size the error names the checkpoint's layout and the
+options (``parallel=auto`` re-planning: tests/distributed/test_auto_layout.py).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import PERTURBED, assert_rows_close, launch
+
+BASE = ["experiment=smoke", "trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.keep_checkpoints=0",
+        "trainer.micro_batch_size=2", f"trainer.init_from={PERTURBED}"]
+TP2PP2 = ["parallel.tp=2", "parallel.pp=2"]
+KEYS = ("loss", "grad_norm", "lr")
+
+
+def _train(world: int, over: list, run: Path, env_extra=None) -> None:
+    run.parent.mkdir(parents=True, exist_ok=True)
+    procs = launch(world, over, run, env_extra)
+    codes = [p.wait(timeout=900) for p in procs]
+    assert codes == [0] * world, (run.parent / "rank0.log").read_text()[-4000:]
+
+
+def _rows(run: Path, first: int = 0) -> list:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r[k] for k in ("step", *KEYS)} for r in rows if r["step"] > first]
+
+
+def _back_at_step(src: Path, dst: Path, tag: str = "step_0000003") -> Path:
+    """``src`` as a job killed after publishing ``tag``: later checkpoints gone, ``latest`` = tag."""
+    shutil.copytree(src, dst)
+    for t in (dst / "checkpoints").glob("step_*"):
+        if t.name > tag:
+            shutil.rmtree(t)
+    (dst / "checkpoints" / "latest").write_text(tag)
+    return dst
+
+
+def _state(tag: Path) -> dict:
+    return {f"{f}:{k}": v for f in ("optimizer", "model", "model_ema")
+            for k, v in load_file(tag / f"{f}.safetensors").items()}
+
+
+def _assert_state_close(a: dict, b: dict, rel: float, abs_: float) -> None:
+    assert a.keys() == b.keys()
+    bad = [k for k in a if not torch.allclose(a[k], b[k], rtol=rel, atol=abs_)]
+    assert not bad, f"{len(bad)} of {len(a)} tensors differ, e.g. {bad[:4]}"
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reshard")
+    full = tmp / "full8" / "run"
+    _train(8, [*BASE, *TP2PP2], full)
+    back4 = _back_at_step(full, tmp / "back4" / "run")
+    _train(4, [*BASE, *TP2PP2], back4)  # same run dir, trainer.resume=auto, half the ranks
+    one = tmp / "one" / "run"
+    _train(1, [*BASE, f"trainer.resume={full / 'checkpoints' / 'step_0000003'}"], one)
+    return full, back4, one
+
+
+def test_eight_ranks_resume_at_four_and_at_one_process(fp32_runs):
+    full, back4, one = fp32_runs
+    ref = _rows(full, first=3)
+    assert [r["step"] for r in ref] == [4, 5, 6]
+    assert_rows_close(_rows(back4, first=3), ref, rel=1e-5)
+    assert_rows_close(_rows(one), ref, rel=1e-5)
+    log = (back4.parent / "rank0.log").read_text()
+    assert "at another layout: tp=2 pp=2 dp=2 (8 ranks) -> tp=2 pp=2 dp=1 (4 ranks)" in log
+    assert "AdamW moments and step, EMA, LR schedule and data position resharded" in log
+    # the state after step 6 equals the uninterrupted run's: moments, EMA and weights were carried
+    ref_state = _state(full / "checkpoints" / "step_0000006")
+    for run in (back4, one):
+        _assert_state_close(_state(run / "checkpoints" / "step_0000006"), ref_state, rel=1e-4, abs_=1e-7)
+    meta = json.loads((one / "checkpoints" / "step_0000006" / "vitp_meta.json").read_text())
+    ref_meta = json.loads((full / "checkpoints" / "step_0000006" / "vitp_meta.json").read_text())
+    assert meta["engine"]["lr_scheduler"] == ref_meta["engine"]["lr_scheduler"]
+    assert meta["ema_updates"] == ref_meta["ema_updates"] == 6
+    assert (meta["tp"], meta["pp"], meta["dp"]) == (1, 1, 1)
+
+
+def test_world_size_change_is_explained_or_replanned(fp32_runs, tmp_path):
+    full, _, _ = fp32_runs
+    run = _back_at_step(full, tmp_path / "two" / "run")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+               OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "vitp.train", *BASE, *TP2PP2, f"hydra.run.dir={run}"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-3000:]
+    assert ("the latest checkpoint (step 3) was written at tp=2 pp=2 dp=2 (8 ranks), this job has 2; relaunch "
+            "with that many ranks, or set parallel=auto to re-plan for 2") in out, out[-3000:]
+
+
+def test_bf16_zero1_resumes_at_another_dp(tmp_path):
+    """bf16 with ZeRO-1 over dp=2 (each rank holds half of every flat fp32 master and moment
+    partition) resumed as one process: the fp32 master weights and moments are carried exactly
+    (state after the next steps close to the uninterrupted run's; bf16 arithmetic differs by
+    layout, hence the tolerance)."""
+    over = [*BASE, "trainer.precision=bf16"]
+    full = tmp_path / "full2" / "run"
+    _train(2, over, full)
+    one = tmp_path / "one" / "run"
+    _train(1, [*over, f"trainer.resume={full / 'checkpoints' / 'step_0000003'}"], one)
+    assert_rows_close(_rows(one), _rows(full, first=3), rel=2e-3)
+    a, b = _state(one / "checkpoints" / "step_0000006"), _state(full / "checkpoints" / "step_0000006")
+    assert any(k.startswith("optimizer:master/") for k in a)
+    _assert_state_close(a, b, rel=2e-2, abs_=1e-4)

@@ -1,0 +1,209 @@
+"""The whole training state in a layout-independent form, so that a checkpoint written at
+``(tp, pp, dp)`` resumes at ``(tp', pp', dp')``.
+
+Every checkpoint holds, besides DeepSpeed's own per-rank files (which resume the same layout
+bit for bit), full unsharded generator-keyed fp32 tensors written by rank 0:
+``model.safetensors`` (the weights), ``model_ema.safetensors`` (the EMA) and
+``optimizer.safetensors`` (this module): AdamW's ``exp_avg`` / ``exp_avg_sq`` and, in bf16, the
+fp32 master weights, each under ``<kind>/<generator key>``, with AdamW's step count in the
+metadata; the LR schedule and DeepSpeed's step counters are in ``vitp_meta.json``. At another
+layout every rank slices what its (stage, TP shard) holds out of these and writes it into the
+optimizer through DeepSpeed's tensor-fragment API (``safe_get_full_optimizer_state`` /
+``safe_set_full_optimizer_state`` / ``safe_*_full_fp32_param``: the ``hp_mapping`` of ZeRO and
+the bf16 optimizer through which DeepSpeed's universal checkpoints load), or into torch's AdamW
+state where the engine runs ZeRO stage 0 (fp32 at ``dp = 1``). The same reading of full tensors
+per stage as ``trainer.init_from`` (:func:`vitp.pipeline.load_full_state`) slices them into TP
+shards, so resharding needs no offline conversion and the files of any one node suffice.
+Sources: DeepSpeed universal checkpointing (Lian et al. 2024, arXiv:2406.18820;
+``deepspeed/utils/tensor_fragment.py``); Megatron-Core ``dist_checkpointing``; torch DCP.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from vitp.models import generator_key
+from vitp.parallel import ParallelState, shard_like
+from vitp.parallel import distributed as dist
+
+log = logging.getLogger("vitp")
+
+FILE = "optimizer.safetensors"
+FORMAT = "vitp.optimizer/1"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+Gather = Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
+
+
+def _zero_optimizer(engine: Any) -> Optional[Any]:
+    """DeepSpeed's ZeRO / bf16 optimizer wrapper (parameters carry ``_hp_mapping``), or ``None``
+    for a plain torch optimizer (ZeRO stage 0)."""
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        base = opt.optimizer
+        for group in base.param_groups:  # torch creates AdamW's state at the first step: before it, as torch would
+            for flat in group["params"]:
+                if not base.state.get(flat):
+                    base.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
+                                        "exp_avg_sq": torch.zeros_like(flat)}
+        # DeepSpeed links the moments to the parameters after its first step, and again after a
+        # load: link them to the state as it is now
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+        return opt
+    return None
+
+
+def _base_states(engine: Any) -> list:
+    """The per-tensor state dicts of the torch optimizer doing the update (flat partitions under ZeRO)."""
+    opt = engine.optimizer
+    base = getattr(opt, "optimizer", opt)
+    return list(base.state.values())
+
+
+def adam_step(engine: Any) -> int:
+    """AdamW's step count (the bias correction's ``t``), the same for every tensor.
+
+    Raises ``ValueError`` when the optimizer's tensors disagree (a state no resharding can keep)."""
+    steps = {int(s["step"]) for s in _base_states(engine) if "step" in s}
+    if len(steps) > 1:
+        raise ValueError(f"the optimizer's tensors have different AdamW step counts {sorted(steps)}")
+    return steps.pop() if steps else 0
+
+
+def local_optimizer_state(engine: Any) -> Dict[str, Dict[str, torch.Tensor]]:
+    """``{kind: {pipeline parameter name: fp32 tensor shaped like the parameter}}`` of this rank's
+    (stage, TP shard): ``exp_avg``, ``exp_avg_sq`` and, when the optimizer keeps separate fp32
+    master weights (bf16), ``master``. Collective over the data-parallel group under ZeRO (the
+    fragment API all-reduces each parameter's partitions)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    zero = _zero_optimizer(engine)
+    out: Dict[str, Dict[str, torch.Tensor]] = {k: {} for k in MOMENTS}
+    bf16 = any(p.dtype != torch.float32 for p in engine.module.parameters())
+    if bf16:
+        out["master"] = {}
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for name, p in engine.module.named_parameters():
+        for key in MOMENTS:
+            if zero is not None:
+                v = safe_get_full_optimizer_state(p, key)
+            else:
+                st = base.state.get(p, {})
+                v = st[key] if key in st else torch.zeros_like(p, dtype=torch.float32)
+            out[key][name] = v.detach().float().cpu()
+        if bf16:
+            out["master"][name] = safe_get_full_fp32_param(p).detach().float().cpu()
+    return out
+
+
+def save_optimizer_state(engine: Any, gather: Gather, path: Path, main: bool, step: int) -> None:
+    """Gather :func:`local_optimizer_state` to full generator-keyed tensors and write ``path`` on
+    rank 0 (collective). ``gather`` maps pipeline-named local tensors to full generator-keyed
+    ones on rank 0 (:func:`vitp.pipeline.gather_full_state`)."""
+    from safetensors.torch import save_file
+
+    from vitp.utils import atomic_write
+
+    local = local_optimizer_state(engine)
+    full = {f"{kind}/{k}": v.contiguous() for kind, part in local.items() for k, v in gather(part).items()}
+    t = adam_step(engine)
+    if main:
+        with atomic_write(path) as tmp:
+            save_file(full, str(tmp), metadata={"format": FORMAT, "adam_step": str(t), "step": str(step),
+                                                "kinds": ",".join(local)})
+
+
+def engine_counters(engine: Any) -> Dict[str, Any]:
+    """The LR schedule's state and DeepSpeed's step counters, JSON-serialisable (``vitp_meta.json``)."""
+    sched = engine.lr_scheduler
+    return {"lr_scheduler": sched.state_dict() if sched is not None else None,
+            "global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
+            "skipped_steps": int(engine.skipped_steps),
+            "lr": [float(g["lr"]) for g in engine.optimizer.param_groups]}
+
+
+def _restore_counters(engine: Any, meta: Dict[str, Any]) -> None:
+    c = meta["engine"]
+    engine.global_steps, engine.global_samples = c["global_steps"], c["global_samples"]
+    engine.skipped_steps = c["skipped_steps"]
+    sched = engine.lr_scheduler
+    if sched is not None and c["lr_scheduler"] is not None:
+        sched.load_state_dict(c["lr_scheduler"])
+    for g, lr in zip(engine.optimizer.param_groups, c["lr"]):  # the lr the next step trains at
+        g["lr"] = lr
+
+
+def _read(path: Path, keys: list) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: this checkpoint was written before vitp kept the optimizer in "
+                                f"a layout-independent form, so it resumes only at its own layout (or export its "
+                                f"weights and start a new run dir with trainer.init_from)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            return {k: f.get_tensor(k) for k in keys if k in f.keys()}, meta
+    except Exception as e:  # safetensors' own error types for truncated / corrupt files
+        raise ValueError(f"checkpoint file {path} is corrupt or truncated: {e}") from e
+
+
+def load_resharded(engine: Any, tag_dir: Path, meta: Dict[str, Any], state: ParallelState, depth: int) -> None:
+    """Restore weights, fp32 master weights, AdamW moments and step, LR schedule and DeepSpeed's
+    counters of this rank's (stage, TP shard) from a checkpoint's full tensors (any layout).
+
+    Raises ``FileNotFoundError`` / ``ValueError`` naming the file when it is missing, damaged or
+    lacks a tensor of this model."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    from .export import read_export
+
+    named = list(engine.module.named_parameters())
+    gen = {n: generator_key(n, depth) for n, _ in named}
+    weights, _ = read_export(tag_dir / "model.safetensors", keys=list(gen.values()))
+    path = tag_dir / FILE
+    kinds = [*MOMENTS, "master"]
+    full, fmeta = _read(path, [f"{k}/{g}" for k in kinds for g in gen.values()])
+    zero = _zero_optimizer(engine)
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    t = int(fmeta.get("adam_step", 0))
+    with torch.no_grad():
+        for name, p in named:
+            key = gen[name]
+            for kind in MOMENTS:
+                if f"{kind}/{key}" not in full:
+                    raise ValueError(f"{path} lacks {kind}/{key}: it was written for another model config")
+            master = full.get(f"master/{key}", weights[key])
+            p.copy_(shard_like(p, master.to(p.dtype), state))
+            moments = {k: shard_like(p, full[f"{k}/{key}"], state).float() for k in MOMENTS}
+            if zero is not None:
+                safe_set_full_fp32_param(p, shard_like(p, master, state).float())
+                for k, v in moments.items():
+                    safe_set_full_optimizer_state(p, v, k)
+            else:
+                base.state[p] = {"step": torch.tensor(float(t)), **{k: v.clone() for k, v in moments.items()}}
+    for s in _base_states(engine):
+        if "step" in s:
+            s["step"] = torch.tensor(float(t)) if torch.is_tensor(s["step"]) else t
+    _restore_counters(engine, meta)
+
+
+def rng_source_rank(meta: Dict[str, Any], state: ParallelState) -> Optional[int]:
+    """The rank of the checkpoint's layout whose RNG streams this rank takes: the one at the same
+    TP and context-parallel rank of the first stage and first replica (the model-parallel stream
+    is seeded per TP rank), or ``None`` when the old layout had no such rank."""
+    for r, (pp, dp, cp, tp) in enumerate(meta.get("rank_coords", [])):
+        if (pp, dp, cp, tp) == (0, 0, state.cp_rank, state.tp_rank):
+            return r
+    return None
+
+
+def describe_change(meta: Dict[str, Any], layout: Any) -> str:
+    """``tp=2 pp=2 dp=2 -> tp=2 pp=2 dp=1`` for the log."""
+    def fmt(d):
+        return " ".join(f"{k}={d[k]}" for k in ("tp", "cp", "pp", "dp") if k != "cp" or d.get(k, 1) > 1)
+    now = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp}
+    return f"{fmt({'cp': 1, **meta})} ({meta.get('world_size', '?')} ranks) -> {fmt(now)} ({dist.world_size()} ranks)"
