@@ -155,6 +155,8 @@ def test_node_killed_mid_save_resumes_from_the_previous_checkpoint_on_both_nodes
     assert {"model_ema.safetensors", "model.safetensors", "rng_rank00002.pt"} <= node1
     assert "rng_rank00000.pt" not in node1 and any(n.startswith("layer_") for n in node1)
     assert sorted(p.name for p in runs[1].iterdir()) == [".hydra", "checkpoints"]  # no logs on node 1
+    weights, step, _ = ckpt.resolve_weights(runs[1])  # vitp-export on node 1's folder alone
+    assert (weights.name, step) == ("model_ema.safetensors", 2)
 
     run0 = _two_nodes(tmp, "torchrun", LOCAL, local=True, attempt=1)
     assert_rows_close(metrics(run0), recorded("perturbed_tp1pp1"), rel=1e-5)
