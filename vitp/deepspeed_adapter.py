@@ -14,11 +14,12 @@ Nothing here imports another vitp module (``vitp.parallel`` may import this one)
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -61,6 +62,13 @@ REQUIRED: List[Internal] = [
              "replace_checkpoint_load"),
     Internal("deepspeed.runtime.engine:DeepSpeedEngine._load_checkpoint", "replace_checkpoint_load",
              uses="self.checkpoint_engine"),
+    # record_checkpoint_writes: every file a save writes goes through checkpoint_engine.save
+    Internal("deepspeed.runtime.engine:DeepSpeedEngine._save_checkpoint", "record_checkpoint_writes",
+             uses="self.checkpoint_engine.save("),
+    Internal("deepspeed.runtime.engine:DeepSpeedEngine._save_zero_checkpoint", "record_checkpoint_writes",
+             uses="self.checkpoint_engine.save("),
+    Internal("deepspeed.runtime.pipe.module:PipelineModule.save_state_dict", "record_checkpoint_writes",
+             uses="checkpoint_engine.save("),
     # checkpoint_safe_globals: the classes DeepSpeed pickles into its checkpoints
     Internal("deepspeed.runtime.fp16.loss_scaler:LossScaler", "checkpoint_safe_globals"),
     Internal("deepspeed.runtime.zero.config:ZeroStageEnum", "checkpoint_safe_globals"),
@@ -205,6 +213,35 @@ def replace_checkpoint_load(engine: Any, load: Callable[[str, Any], Any]) -> Non
     replaced = LoadReplaced.__new__(LoadReplaced)
     replaced.__dict__.update(current.__dict__)
     engine.checkpoint_engine = replaced
+
+
+@contextlib.contextmanager
+def record_checkpoint_writes(engine: Any) -> Iterator[List[str]]:
+    """Within the block, the path of every file ``engine.save_checkpoint`` writes is appended to
+    the list it yields.
+
+    Why: DeepSpeed decides which rank writes which file (layer files on data-parallel rank 0 of
+    each stage, ZeRO shards on every rank, ``mp_rank_*`` files ...) and says nothing about it; every
+    one of them goes through ``engine.checkpoint_engine.save(state_dict, path)``, which we wrap on
+    the instance for the block (node-local checkpoint folders copy what a rank wrote to the nodes
+    that load it, :mod:`vitp.checkpoint.training`).
+    """
+    written: List[str] = []
+    ce = engine.checkpoint_engine
+    own, inner = ce.__dict__.get("save"), ce.save
+
+    def save(state_dict, path):
+        inner(state_dict, path)
+        written.append(str(path))
+
+    ce.save = save
+    try:
+        yield written
+    finally:
+        if own is None:
+            del ce.save  # the class's own method again
+        else:
+            ce.save = own
 
 
 # ------------------------------------------------------------------------- optimizer, comm

@@ -102,8 +102,10 @@ def test_world_size_change_is_explained_or_replanned(fp32_runs, tmp_path):
                        capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode == 2, out[-3000:]
-    assert ("the latest checkpoint (step 3) was written at tp=2 pp=2 dp=2 (8 ranks), this job has 2; relaunch "
-            "with that many ranks, or set parallel=auto to re-plan for 2") in out, out[-3000:]
+    assert ("does not divide world_size=2; valid (tp, pp) for 2 processes: [(1, 1), (1, 2), (2, 1)]. Resuming: the "
+            "latest checkpoint (step 3) was written at tp=2 pp=2 dp=2 (8 ranks), this job has 2; relaunch with the "
+            "checkpoint's number of ranks, or set parallel=auto to re-plan for 2") in out, out[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_0000003"]  # nothing written
 
 
 def test_bf16_zero1_resumes_at_another_dp(tmp_path):

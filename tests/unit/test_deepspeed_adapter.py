@@ -17,7 +17,8 @@ def test_every_internal_the_adapter_relies_on_exists_in_the_installed_deepspeed(
     # every adapter function that touches an internal is covered by an entry of the registry
     assert {i.needed_by for i in ds.REQUIRED} == {
         "patch_instruction", "pipeline_grid", "seed_layers_for_init_only", "partition_balanced",
-        "replace_checkpoint_load", "checkpoint_safe_globals", "report_grad_norm", "disable_shm_comm_op"}
+        "replace_checkpoint_load", "checkpoint_safe_globals", "report_grad_norm", "disable_shm_comm_op",
+        "record_checkpoint_writes"}
     assert all(callable(getattr(ds, i.needed_by)) for i in ds.REQUIRED)
 
 
@@ -81,3 +82,20 @@ def test_patch_instruction_changes_one_engine_only():
 def test_partition_balanced_cuts_blocks_as_deepspeed():
     # Embed, 5 blocks, Final on 2 stages: [Embed + 3 blocks | 2 blocks + Final]
     assert ds.partition_balanced([0, 1, 1, 1, 1, 1, 0], 2) == [0, 4, 7]
+
+
+def test_record_checkpoint_writes_lists_the_saved_paths_and_restores_the_engine(tmp_path):
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class Engine:
+        checkpoint_engine = TorchCheckpointEngine()
+
+    e = Engine()
+    with ds.record_checkpoint_writes(e) as written:
+        e.checkpoint_engine.save({"x": 1}, str(tmp_path / "a.pt"))
+        e.checkpoint_engine.save({"y": 2}, str(tmp_path / "b.pt"))
+    assert written == [str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]
+    assert (tmp_path / "b.pt").is_file()
+    assert "save" not in e.checkpoint_engine.__dict__  # the class's method again
+    e.checkpoint_engine.save({"z": 3}, str(tmp_path / "c.pt"))
+    assert written == [str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]

@@ -2,7 +2,7 @@
 (:mod:`.training`) at the same or another layout (:mod:`.reshard`), the export layout loadable
 at any layout and by timm (:mod:`.export`),
 starting from existing weights (:mod:`.initialize`, :mod:`.timm`), RNG state (:mod:`.rng`) and
-safe DeepSpeed loading (:mod:`.safe_load`)."""
+safe DeepSpeed loading (:mod:`.safe_load`) and node-local checkpoint folders (:mod:`.storage`)."""
 from .export import (
     ARCH_KEYS,
     FORMAT,
@@ -29,13 +29,15 @@ from .training import (
     resolve_weights,
     save_training_checkpoint,
     tag_name,
+    tag_problem,
     truncate_log,
     verify_checkpoint,
 )
 
 __all__ = [
     "ARCH_KEYS", "FORMAT", "KILL_HOOK", "LATEST", "META", "RESUME_KEYS", "check_model_matches", "check_resumable",
-    "find_checkpoint", "generator_from_state", "resolve_weights", "load_generator", "latest_meta", "layout_text", "load_timm_state", "load_rng", "load_training_checkpoint",
-    "published_tags", "read_export", "save_export", "save_training_checkpoint", "save_weights", "tag_name",
+    "find_checkpoint", "generator_from_state", "resolve_weights", "load_generator", "latest_meta", "layout_text",
+    "load_timm_state", "load_rng", "load_training_checkpoint", "published_tags", "read_export", "save_export",
+    "save_training_checkpoint", "save_weights", "tag_name", "tag_problem",
     "timm_block_state", "truncate_log", "verify_checkpoint",
 ]

@@ -5,12 +5,17 @@ weights, ZeRO optimizer shards, LR scheduler, step counters), ``model_ema.safete
 ``model.safetensors`` (full weights in the export layout, :mod:`vitp.checkpoint.export`),
 ``optimizer.safetensors`` (the full AdamW state, :mod:`vitp.checkpoint.reshard`),
 ``rng_rank<R>.pt`` (every RNG stream of rank R) and ``vitp_meta.json`` (step, layout, model
-config, EMA counter, file manifest). A tag is written under ``step_NNNNNNN.partial``; only after
-every rank has finished writing does rank 0 add ``vitp_meta.json``, rename the folder and
-atomically replace the ``latest`` file (same format as DeepSpeed's), so a crash mid-save leaves
-the previous checkpoint as the latest. A checkpoint resumes exactly at the same
-``(tp, cp, pp, dp)`` through DeepSpeed's files, and at any other layout (same model and precision)
-from its full tensors (:mod:`.reshard`).
+config, EMA counter, file manifest with sizes, and ``parts``: which ranks load each file). A tag
+is written under ``step_NNNNNNN.partial``; only after every rank has finished writing does rank 0
+add ``vitp_meta.json``, rename the folder and atomically replace the ``latest`` file (same format
+as DeepSpeed's), so a crash mid-save leaves the previous checkpoint as the latest. A checkpoint
+resumes exactly at the same ``(tp, cp, pp, dp)`` through DeepSpeed's files, and at any other
+layout (same model and precision) from its full tensors (:mod:`.reshard`).
+
+Node-local folders (each node its own run dir, :mod:`.storage`): every rank writes into its own
+node's folder, the files a rank on another node loads are sent there, and each node's first rank
+publishes the same record once every node holds its part; every rank resumes from the newest
+checkpoint that every rank finds complete in its own folder.
 
 Loading never unpickles arbitrary objects (:mod:`vitp.checkpoint.safe_load`).
 """
@@ -22,17 +27,20 @@ import re
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
 
+import vitp.deepspeed_adapter as ds
 from vitp.config import Layout
+from vitp.parallel import distributed as dist
 from vitp.utils import atomic_write_text
 
 from .export import RESUME_KEYS, model_differences, save_export
 from .rng import rng_state, set_rng_state
 from .safe_load import install_safe_loading
+from .storage import StorageGroups
 
 META = "vitp_meta.json"
 LATEST = "latest"
@@ -46,8 +54,7 @@ def tag_name(step: int) -> str:
 
 
 def _barrier() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    dist.barrier()
 
 
 def _maybe_die(rank: int, step: int, folder: Path) -> None:
@@ -64,23 +71,34 @@ def _maybe_die(rank: int, step: int, folder: Path) -> None:
 
 def save_training_checkpoint(engine: Any, ckpt_dir: Path, step: int, *, rank: int, main: bool, meta: Dict[str, Any],
                              full_states: Callable[[], Tuple[dict, dict]], cfg: DictConfig, keep: int,
-                             write_state: Optional[Callable[[Path], None]] = None) -> Optional[Tuple[dict, dict]]:
+                             write_state: Optional[Callable[[Path], None]] = None,
+                             storage: Optional[StorageGroups] = None) -> Optional[Tuple[dict, dict]]:
     """Save, then publish, checkpoint ``step_<step>`` under ``ckpt_dir`` (collective: every rank calls it).
 
     ``full_states()`` is the collective that gathers ``(ema, raw)`` Generator-keyed full weights on
     rank 0; ``write_state(folder)``, collective too, writes the layout-independent optimizer state
     (:mod:`.reshard`). Returns the weights on rank 0 (``None`` elsewhere). ``keep`` > 0 deletes all
     but the newest ``keep`` published checkpoints (never the latest).
+
+    ``storage`` (default: one folder for every rank) says which ranks share ``ckpt_dir``
+    (node-local folders, :mod:`.storage`): every rank writes into its own folder, the files a rank
+    of another group loads are copied there (:func:`_copy_parts`), and only once every rank's part
+    is in every folder that needs it does each group's leader write the same completion record,
+    rename the folder and write ``latest``; old checkpoints go only after every node published.
     """
+    world = dist.world_size()
+    storage = storage or StorageGroups.single(world, rank)
     tag = tag_name(step)
     partial = ckpt_dir / f"{tag}.partial"
-    if main:
+    if storage.is_leader:
         if partial.exists():
             shutil.rmtree(partial)
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     _barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=partial.name, save_latest=False)
+    with ds.record_checkpoint_writes(engine) as written:
+        engine.save_checkpoint(str(ckpt_dir), tag=partial.name, save_latest=False)
     torch.save(rng_state(), partial / f"rng_rank{rank:05d}.pt")
+    written.append(str(partial / f"rng_rank{rank:05d}.pt"))
     ema, raw = full_states()
     if main:
         save_export(partial / "model_ema.safetensors", ema, cfg, step=step, weights="ema")
@@ -88,21 +106,88 @@ def save_training_checkpoint(engine: Any, ckpt_dir: Path, step: int, *, rank: in
     if write_state is not None:
         write_state(partial)
     _maybe_die(rank, step, partial)
-    _barrier()  # every rank has finished writing
-    if main:
-        manifest = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
-        record = {**meta, "step": step, "manifest": manifest}
-        atomic_write_text(partial / META, json.dumps(record, indent=1) + "\n", fsync=True)
-        final = ckpt_dir / tag
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        atomic_write_text(ckpt_dir / LATEST, tag, fsync=True)
-        if keep > 0:
-            for old in published_tags(ckpt_dir)[:-keep]:
-                shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    _barrier()  # every rank has finished writing into its own folder
+    parts = _gather_parts(partial, written, main, getattr(engine, "stage_id", 0))
+    _copy_parts(partial, parts, storage)
+    _barrier()  # every rank's part is written into every folder that needs it
+    record = {**dist.broadcast_object(meta), "step": step, "world_size": world,
+              "manifest": {n: parts[n]["size"] for n in sorted(parts)},
+              "parts": {n: parts[n]["readers"] for n in sorted(parts)}}
+    if storage.is_leader:
+        _publish(partial, record, ckpt_dir, tag)
+    _barrier()  # published on every node: only now may the previous checkpoints go
+    if storage.is_leader and keep > 0:
+        for old in published_tags(ckpt_dir)[:-keep]:
+            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
     _barrier()
     return (ema, raw) if main else None
+
+
+ALL = "all"  # the readers of a file every rank loads
+_LAYER_FILE = re.compile(r"^layer_\d+-.*model_states\.pt$")  # DeepSpeed's per-layer weights of one stage
+_OWN_FILE = re.compile(r"^(rng_rank\d+\.pt|.*zero_pp_rank_\d+_mp_rank_\d+_?optim_states\.pt)$")  # its writer's alone
+
+
+def _readers(name: str, writer: int, stages: List[int]) -> Any:
+    """The ranks that load ``name`` at the same layout: a layer file every rank of its writer's
+    pipeline stage (DeepSpeed globs every tp rank's file of the layer); the RNG file and a ZeRO
+    optimizer shard their writer; anything else (DeepSpeed's ``mp_rank_*`` files, which every rank
+    globs; rank 0's weights and other files) every rank (:data:`ALL`)."""
+    if _LAYER_FILE.match(name):
+        return [r for r, s in enumerate(stages) if s == stages[writer]]
+    if _OWN_FILE.match(name):
+        return [writer]
+    return ALL
+
+
+def _gather_parts(partial: Path, written: List[str], main: bool, stage: int) -> Dict[str, Dict[str, Any]]:
+    """``{file name: {"size", "writer", "readers"}}`` of the whole checkpoint, the same on every
+    rank (collective). A rank's files are those it recorded writing; the files in rank 0's folder
+    that no rank recorded are rank 0's own (its weights files, whatever else it writes there),
+    loaded by every rank."""
+    mine = {Path(p).name: os.path.getsize(p) for p in written}
+    gathered = dist.gather_objects((mine, stage))
+    stages = [s for _, s in gathered]
+    parts: Dict[str, Dict[str, Any]] = {}
+    for r, (files, _) in enumerate(gathered):
+        for name, size in files.items():
+            parts.setdefault(name, {"size": size, "writer": r, "readers": _readers(name, r, stages)})
+    extra = {p.name: p.stat().st_size for p in sorted(partial.iterdir())
+             if p.is_file() and p.name not in parts} if main else None
+    for name, size in dist.broadcast_object(extra).items():
+        parts[name] = {"size": size, "writer": 0, "readers": ALL}
+    return parts
+
+
+def _copy_parts(partial: Path, parts: Dict[str, Dict[str, Any]], storage: StorageGroups) -> None:
+    """Copy every file to each storage group with a rank that loads it and no copy of it, from its
+    writer to the lowest such rank, by point-to-point messages (collective). Every rank walks the
+    same list in the same order, so blocking sends and receives cannot deadlock."""
+    if storage.shared:
+        return
+    rank = storage.rank
+    for name in sorted(parts):
+        part = parts[name]
+        readers = range(dist.world_size()) if part["readers"] == ALL else part["readers"]
+        dst: Dict[int, int] = {}
+        for r in readers:
+            dst.setdefault(storage.index(r), r)
+        dst.pop(storage.index(part["writer"]), None)
+        for g in sorted(dst):
+            if rank == part["writer"]:
+                dist.send_file(partial / name, dst[g], part["size"])
+            elif rank == dst[g]:
+                dist.recv_file(partial / name, part["writer"], part["size"])
+
+
+def _publish(partial: Path, record: Dict[str, Any], ckpt_dir: Path, tag: str) -> None:
+    """Write the completion record, rename ``<tag>.partial`` to ``<tag>`` and point ``latest`` at it."""
+    atomic_write_text(partial / META, json.dumps(record, indent=1) + "\n", fsync=True)
+    final = ckpt_dir / tag
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    atomic_write_text(ckpt_dir / LATEST, tag, fsync=True)
 
 
 def published_tags(ckpt_dir: Path) -> List[str]:
@@ -122,9 +207,13 @@ def _fix_hint(tag_dir: Path) -> str:
     return "; no other complete checkpoint is in that folder: start a new run dir (or trainer.init_from=<export>)"
 
 
-def verify_checkpoint(tag_dir: Path) -> Dict[str, Any]:
-    """The checkpoint's metadata after checking that every file it lists is present with the size
-    it was written with (content errors surface when the file is loaded, naming it).
+def verify_checkpoint(tag_dir: Path, rank: Optional[int] = None, names: Optional[Iterable[str]] = None,
+                      layout: Optional[Layout] = None) -> Dict[str, Any]:
+    """The checkpoint's metadata after checking that the files it lists are present with the size
+    they were written with (content errors surface when the file is loaded, naming it): every
+    file, or (node-local folders) those rank ``rank`` loads (its ``parts``; when the checkpoint's
+    layout differs from ``layout``, the files every rank loads, which resharding reads), or the
+    files ``names``.
 
     Raises ``FileNotFoundError`` (missing tag or file) / ``ValueError`` (wrong size, corrupt
     metadata) naming the file and the fix.
@@ -138,16 +227,36 @@ def verify_checkpoint(tag_dir: Path) -> Dict[str, Any]:
     try:
         meta = json.loads(meta_path.read_text())
         manifest = meta["manifest"]
+        parts = meta.get("parts", {})  # absent: written before node-local folders, every rank loads every file
     except (ValueError, KeyError) as e:
         raise ValueError(f"checkpoint metadata {meta_path} is corrupt: {e}" + _fix_hint(tag_dir)) from e
-    for name, size in manifest.items():
+    wanted = set(manifest) if names is None else set(names)
+    if rank is not None and layout is not None and _layout_of(meta) != _layout_of(vars(layout)):
+        wanted = {n for n in wanted if parts.get(n, ALL) == ALL}
+    elif rank is not None:
+        wanted = {n for n in wanted if parts.get(n, ALL) == ALL or rank in parts[n]}
+    for name in sorted(wanted):
         f = tag_dir / name
         if not f.is_file():
             raise FileNotFoundError(f"checkpoint file {f} is missing" + _fix_hint(tag_dir))
-        if f.stat().st_size != size:
+        if name in manifest and f.stat().st_size != manifest[name]:
             raise ValueError(f"checkpoint file {f} is truncated or was rewritten ({f.stat().st_size} bytes, "
-                             f"{size} when written)" + _fix_hint(tag_dir))
+                             f"{manifest[name]} when written)" + _fix_hint(tag_dir))
     return meta
+
+
+def _layout_of(d: Dict[str, Any]) -> Tuple[int, int, int, int]:
+    return d.get("tp"), d.get("cp", 1), d.get("pp"), d.get("dp")
+
+
+def tag_problem(tag_dir: Path, rank: int, layout: Optional[Layout] = None) -> Optional[Tuple[str, str]]:
+    """``None`` when ``tag_dir`` holds every file rank ``rank`` loads (at ``layout``), else
+    ``(exception class name, message)`` of :func:`verify_checkpoint` (a :data:`.storage.View` entry)."""
+    try:
+        verify_checkpoint(tag_dir, rank, layout=layout)
+    except (FileNotFoundError, ValueError) as e:
+        return type(e).__name__, str(e)
+    return None
 
 
 def find_checkpoint(resume: str, ckpt_dir: Path) -> Optional[Path]:
@@ -257,14 +366,18 @@ def load_training_checkpoint(engine: Any, tag_dir: Path, rank: int) -> None:
     load_rng(tag_dir, rank)
 
 
-def load_rng(tag_dir: Path, rank: int) -> None:
-    """Set every RNG stream of this process to those rank ``rank`` saved in ``tag_dir``."""
+def load_rng(tag_dir: Path, rank: int, required: bool = True) -> bool:
+    """Set every RNG stream of this process to those rank ``rank`` saved in ``tag_dir``; returns
+    whether it did (``required=False``: a file this node's folder lacks is skipped)."""
     rng_file = tag_dir / f"rng_rank{rank:05d}.pt"
+    if not required and not rng_file.is_file():
+        return False
     try:
         s = torch.load(str(rng_file), map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(f"checkpoint file {rng_file} could not be loaded: {e}") from e
     set_rng_state(s)
+    return True
 
 
 def truncate_log(path: Path, step: int) -> int:
@@ -311,5 +424,5 @@ def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[
     else:
         raise FileNotFoundError(f"{source} holds no vitp checkpoint (expected a run directory, its checkpoints/ "
                                 f"folder, a checkpoints/step_NNNNNNN folder, or a .safetensors file)")
-    meta = verify_checkpoint(tag)
+    meta = verify_checkpoint(tag, names=[name])  # a node-local folder holds rank 0's weights too
     return tag / name, meta["step"], tag.parent.parent

@@ -144,17 +144,27 @@ def _recorded_overrides(run_dir: Path) -> List[str]:
     return [str(o) for o in OmegaConf.load(path)] if path.is_file() else []
 
 
-def _train(cfg: DictConfig, run_dir: str, overrides: list) -> dict:
+def literal_run_dir(hydra_overrides: List[str]) -> bool:
+    """Whether the launch named its run directory as a plain path (``hydra.run.dir=/scratch/run``,
+    or ``--resume RUN_DIR``), without interpolations such as ``${now:...}``: every rank then uses
+    its own launcher's path (node-local run dirs when nodes name different folders)."""
+    given = [o.split("=", 1)[1] for o in hydra_overrides if o.split("=", 1)[0].lstrip("+") == "hydra.run.dir"]
+    return bool(given) and "${" not in given[-1]
+
+
+def _train(cfg: DictConfig, run_dir: str, overrides: list, own_run_dir: bool = False) -> dict:
     """:func:`vitp.train.train` under any launcher: with several processes, the config and layout
     are checked (:func:`vitp.train.check_config`) before the process group starts, and every rank
-    then uses rank 0's run directory. With ``--resume RUN_DIR`` the config is the run's recorded
-    one with ``overrides`` set (:func:`resume_config`)."""
+    then uses rank 0's run directory, unless ``own_run_dir`` (a plain ``hydra.run.dir``,
+    :func:`literal_run_dir`: each node's launcher names its folder). With ``--resume RUN_DIR`` the
+    config is the run's recorded one with ``overrides`` set (:func:`resume_config`)."""
     if _resume_dir is not None:
         cfg, overrides = resume_config(_resume_dir, overrides), _recorded_overrides(_resume_dir) + list(overrides)
     if dist.world_size() > 1:
         check_config(cfg, run_dir=Path(run_dir))  # on every rank alike, before any process group exists
         dist.init_distributed(dist.resolve_device(cfg.trainer.device))
-        run_dir = _shared_run_dir(run_dir)
+        if not own_run_dir:
+            run_dir = _shared_run_dir(run_dir)
     return train(cfg, run_dir, overrides)
 
 
@@ -169,7 +179,8 @@ def _hydra_entry() -> None:
         hc = HydraConfig.get()  # returns normally after a SIGTERM save: exit 0
         hold_log_files(hc.runtime.output_dir)  # train.log gets lines only once the launch's checks pass
         try:
-            run_cli("vitp-train", _train, cfg, hc.runtime.output_dir, list(hc.overrides.task), log=log)
+            run_cli("vitp-train", _train, cfg, hc.runtime.output_dir, list(hc.overrides.task),
+                    literal_run_dir(list(hc.overrides.hydra)), log=log)
         finally:
             release_log_files(write=False)  # a refused launch: its lines (and error) went to the console only
 
@@ -215,8 +226,10 @@ def prepare_argv(argv: list) -> list:
     else:  # an unknown key or a bad value: one line, before anything starts
         cfg = compose_checked([a for a in args if is_override(a)])
     dist.adopt_launcher_env()  # before world_size(): an mpirun rank would otherwise train alone
-    if cfg is not None:
-        check_config(cfg)  # the layout for this launch's world size, also before Hydra starts
+    if cfg is not None:  # the layout for this launch's world size, also before Hydra starts
+        given = [a.split("=", 1)[1] for a in args if a.split("=", 1)[0].lstrip("+") == "hydra.run.dir"]
+        run_dir = _resume_dir or (Path(given[-1]) if given and "${" not in given[-1] else None)
+        check_config(cfg, run_dir=run_dir)  # a resumed run's checkpoint layout is named in a refusal
     ours = []  # put before the user's arguments, so Hydra flags like --cfg job / --info stay last
     if not any(a.startswith("hydra.output_subdir=") for a in argv):
         ours.append("hydra.output_subdir=null")  # train() writes .hydra/ itself, after its checks pass

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import zlib
+from pathlib import Path
 from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
@@ -268,3 +269,52 @@ def gather_objects(obj) -> list:
 def is_main() -> bool:
     """True on global rank 0, the only rank that writes logs and files."""
     return rank() == 0
+
+
+def p2p_device() -> torch.device:
+    """Where tensors for point-to-point calls of the default process group must live: the current
+    CUDA device under NCCL, else the CPU (gloo)."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+FILE_CHUNK = 64 << 20  # bytes per message of send_file / recv_file
+
+
+def send_file(path: Path, dst: int, size: int, chunk: int = FILE_CHUNK) -> None:
+    """Send the first ``size`` bytes of ``path`` to rank ``dst`` (which calls :func:`recv_file`
+    with the same ``size``), as uint8 tensors of at most ``chunk`` bytes on :func:`p2p_device`.
+    Raises ``ValueError`` naming the file when it holds fewer than ``size`` bytes."""
+    device = p2p_device()
+    with open(path, "rb") as f:
+        left = size
+        while left:
+            data = f.read(min(chunk, left))
+            if not data:
+                raise ValueError(f"{path} holds {size - left} bytes, {size} expected: it changed while being sent")
+            torch.distributed.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst)
+            left -= len(data)
+
+
+def recv_file(path: Path, src: int, size: int, chunk: int = FILE_CHUNK) -> None:
+    """Receive ``size`` bytes from rank ``src`` (:func:`send_file`) into ``path``: written under
+    ``<path>.recv``, flushed to disk, then renamed, so ``path`` is never half a file."""
+    device = p2p_device()
+    tmp = Path(f"{path}.recv")
+    with open(tmp, "wb") as f:
+        left = size
+        while left:
+            buf = torch.empty(min(chunk, left), dtype=torch.uint8, device=device)
+            torch.distributed.recv(buf, src)
+            f.write(buf.cpu().numpy().tobytes())
+            left -= buf.numel()
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing without an initialised process group)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()

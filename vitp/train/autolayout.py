@@ -76,7 +76,8 @@ def world_change(run_dir: Path, world: int) -> Optional[str]:
     meta = latest_meta(Path(run_dir) / "checkpoints")
     if meta is None or meta["tp"] * meta.get("cp", 1) * meta["pp"] * meta["dp"] == world:
         return None
-    return f"the latest checkpoint (step {meta.get('step')}) was written at {layout_text(meta)}, this job has {world}"
+    return (f"the latest checkpoint (step {meta.get('step')}) was written at {layout_text(meta)}, this job has "
+            f"{world}")
 
 
 def _decide(cfg: DictConfig, run_dir: Path, device: torch.device, world: int, fixed: list) -> Dict[str, Any]:

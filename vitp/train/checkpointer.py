@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -14,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from vitp import checkpoint as ckpt
 from vitp.checkpoint import reshard
 from vitp.checkpoint.export import read_export
+from vitp.checkpoint.storage import StorageGroups, choose_resume_tag
 from vitp.config import Layout
 from vitp.models import generator_key
 from vitp.parallel import ParallelState
@@ -24,6 +26,24 @@ from .ema import EMA
 from .rundir import check_history, drop_failed_attempt
 
 log = logging.getLogger("vitp")
+
+
+def _together(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every rank (collective); when it raises ``ValueError`` / ``FileNotFoundError`` on
+    any rank, every rank raises (its own error, else the first rank's), so no rank waits alone in
+    the next collective (node-local folders differ between nodes)."""
+    try:
+        out, err = fn(), None
+    except (ValueError, FileNotFoundError) as e:
+        out, err = None, e
+    errors = dist.gather_objects(None if err is None else (type(err).__name__, str(err)))
+    if err is not None:
+        raise err
+    first = next((e for e in errors if e), None)
+    if first:
+        raise (FileNotFoundError if first[0] == "FileNotFoundError" else ValueError)(first[1])
+    return out
+
 
 FullStates = Callable[[], Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]]
 Gather = Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
@@ -41,41 +61,80 @@ class Checkpointer:
     Raises ``ValueError`` / ``FileNotFoundError`` naming the problem and the fix.
     """
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, layout: Layout):
-        tr = cfg.trainer
+    def __init__(self, cfg: DictConfig, run_dir: Path, layout: Layout, storage: Optional[StorageGroups] = None):
+        tr = self.tr = cfg.trainer
         self.cfg, self.run_dir, self.layout = cfg, run_dir, layout
+        self.storage = storage or StorageGroups.single(dist.world_size(), dist.rank())
         self.dir = run_dir / "checkpoints"
         self.every, self.keep = tr.checkpoint_every, tr.keep_checkpoints
-        self.resume_tag = ckpt.find_checkpoint(str(tr.resume), self.dir)
-        if self.resume_tag is None and (run_dir / "metrics.jsonl").exists() and tr.resume == "never":
-            raise ValueError(f"{run_dir} already holds a run (metrics.jsonl) and trainer.resume=never; choose a new "
-                             f"hydra.run.dir, or use trainer.resume=auto to continue it")
-        self.meta: Optional[Dict[str, Any]] = None
+        self.resume_tag = self._agree(str(tr.resume))
         self.reshard = False  # resuming at another layout (vitp.checkpoint.reshard)
-        if self.resume_tag is None:
-            check_history(run_dir, cfg)
-        else:
-            self.meta = ckpt.verify_checkpoint(self.resume_tag)
-            self.reshard = ckpt.check_resumable(self.meta, self.resume_tag, cfg, layout)
+        self.meta: Optional[Dict[str, Any]] = _together(self._check)
         self.start_step = self.meta["step"] if self.meta else 0
-        if self.start_step > tr.max_steps:  # its outputs would be labelled max_steps, with weights of start_step
-            raise ValueError(f"checkpoint {self.resume_tag} is at step {self.start_step}, past trainer.max_steps="
-                             f"{tr.max_steps}: set trainer.max_steps={self.start_step} or more to continue it, or "
-                             f"start a new run from its weights (vitp-export {self.resume_tag}, then "
-                             f"trainer.init_from=<export>.safetensors)")
         if self.meta and self.meta.get("max_steps") not in (None, tr.max_steps):
             log.warning("trainer.max_steps=%d differs from the checkpoint's run (%d): the LR schedule after step %d "
                         "changes accordingly", tr.max_steps, self.meta["max_steps"], self.start_step)
 
+    def _resume_folder(self, resume: str) -> Tuple[Optional[Path], Optional[str]]:
+        """``(checkpoints folder, tag)`` that ``trainer.resume`` names on this rank: ``auto`` this run's
+        folder and its newest tag every rank has (``None``), a tag folder that tag."""
+        if resume == "auto":
+            return self.dir, None
+        found = ckpt.find_checkpoint(resume, self.dir)
+        if (found / ckpt.META).is_file() or found.name.endswith(".partial"):
+            return found.parent, found.name
+        return found.parent, None
+
+    def _agree(self, resume: str) -> Optional[Path]:
+        """The checkpoint tag folder this rank resumes from (collective): every rank lists the
+        checkpoints complete for its own part in its own folder; all take the newest one every
+        rank has (:func:`vitp.checkpoint.storage.choose_resume_tag`), and rank 0 says why when the
+        folders disagreed. ``None``: start at step 0."""
+        if resume == "never":
+            return None
+
+        def local():
+            folder, tag = self._resume_folder(resume)
+            tags = [tag] if tag else ckpt.published_tags(folder)
+            return folder, {t: ckpt.tag_problem(folder / t, dist.rank(), self.layout) for t in tags}
+
+        folder, view = _together(local)
+        views = dist.gather_objects((view, f"{socket.gethostname()}:{folder}"))
+        tag, notes = choose_resume_tag([v for v, _ in views], [w for _, w in views])
+        if notes and dist.is_main():
+            log.warning("resuming from %s, the newest checkpoint in every node's folder: %s", tag, "; ".join(notes))
+        return None if tag is None else folder / tag
+
+    def _check(self) -> Optional[Dict[str, Any]]:
+        """This rank's checks of the resume checkpoint (or of the folder's history when starting
+        fresh); returns the checkpoint's metadata."""
+        tr, run_dir = self.tr, self.run_dir
+        if self.resume_tag is None:
+            if (run_dir / "metrics.jsonl").exists() and tr.resume == "never":
+                raise ValueError(f"{run_dir} already holds a run (metrics.jsonl) and trainer.resume=never; choose a "
+                                 f"new hydra.run.dir, or use trainer.resume=auto to continue it")
+            check_history(run_dir, self.cfg)
+            return None
+        meta = ckpt.verify_checkpoint(self.resume_tag, dist.rank(), layout=self.layout)
+        self.reshard = ckpt.check_resumable(meta, self.resume_tag, self.cfg, self.layout)
+        if meta["step"] > tr.max_steps:  # its outputs would be labelled max_steps, with weights of start_step
+            raise ValueError(f"checkpoint {self.resume_tag} is at step {meta['step']}, past trainer.max_steps="
+                             f"{tr.max_steps}: set trainer.max_steps={meta['step']} or more to continue it, or "
+                             f"start a new run from its weights (vitp-export {self.resume_tag}, then "
+                             f"trainer.init_from=<export>.safetensors)")
+        return meta
+
     def prepare_run_dir(self) -> None:
-        """Rank 0, after every check of the launch (config, layout, data, resume, init files) has
-        passed: create the run dir, remove half-written checkpoints, and drop the log lines and
-        sample grids an interrupted attempt wrote after the step we start from."""
+        """Each storage group's leader (rank 0 for a shared folder), after every check of the
+        launch (config, layout, data, resume, init files) has passed: create the run dir, remove
+        half-written checkpoints and (rank 0) drop the log lines and sample grids an interrupted
+        attempt wrote after the step we start from."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob("*.partial") if self.dir.is_dir() else []:
             log.warning("removing %s: a checkpoint whose save never finished", stale)
             shutil.rmtree(stale)
-        drop_failed_attempt(self.run_dir, self.start_step)
+        if dist.is_main():
+            drop_failed_attempt(self.run_dir, self.start_step)
 
     def load(self, engine: Any, ema: EMA, state: ParallelState) -> None:
         """Restore weights, optimizer, LR schedule, RNG streams and this stage's EMA tensors (at
@@ -91,8 +150,8 @@ class Checkpointer:
                          reshard.describe_change(self.meta, self.layout))
             reshard.load_resharded(engine, self.resume_tag, self.meta, state, depth)
             src = reshard.rng_source_rank(self.meta, state)
-            if src is not None:
-                ckpt.load_rng(self.resume_tag, src)
+            if src is not None:  # a node-local folder may lack it: then the streams stay seeded
+                ckpt.load_rng(self.resume_tag, src, required=False)
         else:
             ckpt.load_training_checkpoint(engine, self.resume_tag, dist.rank())
         keys = [generator_key(n, depth) for n in ema.params]
@@ -125,12 +184,12 @@ class Checkpointer:
 
         return ckpt.save_training_checkpoint(engine, self.dir, step, rank=dist.rank(), main=dist.is_main(),
                                              meta=meta, full_states=full_states, cfg=self.cfg, keep=self.keep,
-                                             write_state=write_state)
+                                             write_state=write_state, storage=self.storage)
 
     def save_final(self, step: int, engine: Any, ema: EMA, full_states: FullStates, gather: Gather):
         """The last checkpoint of a finished run (none if a resumed, finished run already has it);
         returns the full weights like :meth:`save`."""
-        if ckpt.tag_name(step) in ckpt.published_tags(self.dir):
+        if all(dist.gather_objects(ckpt.tag_name(step) in ckpt.published_tags(self.dir))):  # in every folder
             return full_states()  # collective; rank 0 gets the weights
         return self.save(step, engine, ema, full_states, gather)
 

@@ -32,6 +32,7 @@ from typing import Any, List, Mapping, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from vitp.checkpoint import truncate_log
+from vitp.checkpoint.storage import PROBE_PREFIX
 from vitp.parallel import distributed as dist
 
 log = logging.getLogger("vitp")
@@ -175,7 +176,8 @@ def check_history(run_dir: Path, cfg: DictConfig) -> None:
     same names."""
     path = Path(run_dir) / ".hydra" / "config.yaml"
     if not path.is_file():
-        present = sorted(p.name for p in Path(run_dir).iterdir() if p.name not in FRESH_OWN) \
+        present = sorted(p.name for p in Path(run_dir).iterdir()
+                         if p.name not in FRESH_OWN and not p.name.startswith(PROBE_PREFIX)) \
             if Path(run_dir).is_dir() else []
         if present:
             raise ValueError(f"{run_dir} is not empty and holds no vitp run ({', '.join(present[:4])}"

@@ -31,6 +31,7 @@ if not torch.cuda.is_available():
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 import vitp.deepspeed_adapter as ds  # noqa: E402
+from vitp.checkpoint.storage import detect_storage_groups  # noqa: E402
 from vitp.config import validate_config, validate_text_run  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.utils import atomic_write_text  # noqa: E402
@@ -76,9 +77,10 @@ def check_config(cfg: DictConfig, device: Optional[torch.device] = None, run_dir
         moved = world_change(run_dir, dist.world_size()) if run_dir is not None else None
         if not moved:
             raise
-        raise ValueError(f"{e}. Resuming: {moved}; relaunch with that many ranks, or set parallel=auto to re-plan for "
-                         f"{dist.world_size()}, or set parallel.tp/cp/pp to degrees whose product divides "
-                         f"{dist.world_size()} (the whole training state is resharded to any layout)") from None
+        raise ValueError(f"{e}. Resuming: {moved}; relaunch with the checkpoint's number of ranks, or set "
+                         f"parallel=auto to re-plan for {dist.world_size()}, or set parallel.tp/cp/pp to degrees whose "
+                         f"product divides {dist.world_size()} (the whole training state is resharded to any layout)"
+                         ) from None
     validate_text_run(cfg)
     return layout
 
@@ -167,7 +169,11 @@ class Trainer:
         self.main = dist.is_main()  # rank 0 writes everything
         self._build_data()
         self.lock = lock_run_dir(self.run_dir)  # before reading the folder: one owner at a time
-        self.checkpointer = Checkpointer(cfg, self.run_dir, self.layout)
+        self.storage = detect_storage_groups(self.run_dir)  # node-local run dirs (leaves nothing behind)
+        if self.main and not self.storage.shared:
+            log.info("node-local run dirs: %d checkpoint folders (ranks %s)", len(self.storage.groups),
+                     " | ".join(",".join(map(str, g)) for g in self.storage.groups))
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.layout, self.storage)
         self.start_step = self.checkpointer.start_step
         self._build_model()
         self._build_engine()
@@ -175,12 +181,13 @@ class Trainer:
         self.telemetry = Telemetry(self._with_text_len(cfg), self.layout, self.device)
 
     def _write_run_dir(self, overrides: Optional[list]) -> None:
-        """Rank 0 cleans up an interrupted attempt and records the config; every rank opens the
-        run logger (metrics.jsonl and TensorBoard on rank 0) and the data iterator."""
+        """Rank 0 (with node-local run dirs, each folder's first rank: :mod:`vitp.checkpoint.storage`)
+        cleans up an interrupted attempt and records the config; every rank opens the run logger
+        (metrics.jsonl and TensorBoard on rank 0) and the data iterator."""
         cfg = self.cfg
-        if self.main:
+        if self.storage.is_leader:  # rank 0; with node-local run dirs also each other node's first rank
             self.checkpointer.prepare_run_dir()
-            write_run_config(self.run_dir, cfg, overrides)
+            write_run_config(self.run_dir, cfg, overrides)  # vitp-train --resume RUN_DIR works on every node
         self.logger = RunLogger(self.run_dir, self.main, cfg.trainer.tensorboard_dir, self.start_step,
                                 log_every=cfg.trainer.log_every, max_steps=cfg.trainer.max_steps)
         self.data_iter = self.telemetry.timed(self._data_iterator())
