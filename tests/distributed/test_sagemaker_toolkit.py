@@ -294,19 +294,19 @@ def test_bad_hyperparameter_fails_the_job_with_a_readable_reason(restarted_job, 
 # ---------------------------------------------------------------- two instances
 # On SageMaker every instance of a job sees the same paths (/opt/ml/...), each on its own disk,
 # and reaches the others as algo-1, algo-2, ... Simulated here: each host's `train` runs in its own
-# mount namespace where one path (the job's SAGEMAKER_BASE_DIR) is that host's tree, and both
-# share a private network namespace (loopback only, so the toolkit's fixed --master_port 7777
-# cannot collide with anything else on the machine) whose /etc/hosts, bound over the machine's
-# for these processes only, maps algo-1 and algo-2 to 127.0.0.1. Needs `unshare` (util-linux) and
-# user namespaces (or root).
+# mount namespace where one path (the job's SAGEMAKER_BASE_DIR) is that host's tree, with its own
+# host name (a UTS namespace, as a container has), and both hosts share a private network
+# namespace (loopback only, so the toolkit's fixed --master_port 7777 cannot collide with anything
+# else on the machine) whose /etc/hosts, bound over the machine's for these processes only, maps
+# algo-1 and algo-2 to 127.0.0.1. Needs `unshare` (util-linux), `ip` and user namespaces (or root).
 SIM_HOSTS = ("algo-1", "algo-2")
 PAIR = r"""
-sim=$1 base=$2 train=$3
+sim=$1 base=$2 train=$3 names=("$4" "$5")
 ip link set lo up && mount --bind "$sim/hosts" /etc/hosts || exit 90
 pids=()
 for i in 0 1; do
-    unshare --mount bash -c 'mount --bind "$1" "$2" && exec "$3"' host "$sim/host$i" "$base" "$train" \
-        > "$sim/host$i.log" 2>&1 &
+    unshare --mount --uts bash -c 'hostname "$4" && mount --bind "$1" "$2" && exec "$3"' host "$sim/host$i" \
+        "$base" "$train" "${names[i]}" > "$sim/host$i.log" 2>&1 &
     pids+=($!)
 done
 codes=()
@@ -315,11 +315,13 @@ echo "${codes[*]}" > "$sim/codes"
 """
 
 
-def _namespaces_work() -> bool:
+def _namespaces_work(folder: Path) -> bool:
+    """Whether this machine lets a process make the namespaces :data:`PAIR` uses."""
     if not (shutil.which("unshare") and shutil.which("ip")):
         return False
-    r = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--mount", "sh", "-c",
-                        "ip link set lo up && mount --bind /tmp /mnt"], capture_output=True)
+    r = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--mount", "--uts", "sh", "-c",
+                        'ip link set lo up && mount --bind "$0" "$0" && hostname algo-1', str(folder)],
+                       capture_output=True)
     return r.returncode == 0
 
 
@@ -330,10 +332,10 @@ def run_two_hosts(sim: Path, hps: dict, channels: Path, job_name: str, merged: P
     checkpoint folder (``checkpointconfig.json`` LocalPath ``sim/opt_ml/checkpoints``, as SageMaker's
     ``/opt/ml/checkpoints``), first filled with a copy of ``merged`` (what a restarted job downloads
     from the checkpoint S3 URI). Waits for both; returns ``[(tree, exit status), ...]``."""
-    if not _namespaces_work():
-        pytest.skip("needs unshare with user, mount and network namespaces (util-linux, iproute2)")
     base = sim / "opt_ml"  # the path both hosts see; each host's own tree is mounted on it
     base.mkdir(parents=True)
+    if not _namespaces_work(sim):
+        pytest.skip("needs unshare with user, mount, network and UTS namespaces (util-linux, iproute2)")
     trees = [job_tree(sim / f"host{i}", hps, channels, processes=2, checkpoints=base / "checkpoints",
                       hosts=SIM_HOSTS, host=i, seen_as=base) for i in range(2)]
     for tree in trees if merged else ():
@@ -341,7 +343,7 @@ def run_two_hosts(sim: Path, hps: dict, channels: Path, job_name: str, merged: P
     (sim / "hosts").write_text(Path("/etc/hosts").read_text() + "\n127.0.0.1 " + " ".join(SIM_HOSTS) + "\n")
     env = {**job_env(base, job_name), "GLOO_SOCKET_IFNAME": "lo"}  # the namespace's only interface
     p = subprocess.Popen(["unshare", "--user", "--map-root-user", "--net", "--mount", "bash", "-c", PAIR, "pair",
-                          str(sim), str(base), str(TRAIN)], env=env, cwd=sim, start_new_session=True,
+                          str(sim), str(base), str(TRAIN), *SIM_HOSTS], env=env, cwd=sim, start_new_session=True,
                          stdout=open(sim / "pair.log", "w"), stderr=subprocess.STDOUT)
     try:
         p.wait(timeout=timeout)
