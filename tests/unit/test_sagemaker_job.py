@@ -247,7 +247,7 @@ def test_dry_run_prints_the_request_the_sdk_sends(sdk, staged, fake_repo, no_net
     assert inst["processes_per_host_from"] == "one per GPU of ml.p5.48xlarge"
     assert inst["layout"] == "tp=1 cp=1 pp=1 dp=16, checked for the world size"
     assert inst["torchrun"] == {f"algo-{i + 1}": "torchrun --nnodes=2 --nproc_per_node=8 --master_addr=algo-1 "
-                                                 f"--master_port=7777 --node_rank={i} sagemaker_entry.py" for i in range(2)}
+                                f"--master_port=7777 --node_rank={i} sagemaker_entry.py" for i in range(2)}
     assert inst["entry_arguments"] == ("--experiment img256 --trainer.max_steps 1000 --model.depth 28 "
                                        "--data.resolution '[64, 32]'")
     note = inst["checkpoints"]

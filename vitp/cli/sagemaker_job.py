@@ -711,10 +711,10 @@ def checkpoint_note(spec: JobSpec, request: dict) -> str:
 
 
 def instances_summary(spec: JobSpec, request: dict, distributed: dict, gpus: Optional[int], layout) -> dict:
-    """What runs where: hosts, processes per host, the world size and the layout checked for it
-    (:func:`check_job_config`; else why the job decides it), each host's torchrun command (:func:`host_commands`; the entry's arguments, the
-    same on every host, once), where rank 0's outputs land, and how checkpoints work
-    (:func:`checkpoint_note`)."""
+    """What runs where: hosts, processes per host, the world size and the ``layout`` checked for it
+    (:func:`check_job_config`; else why the job decides it), each host's torchrun command
+    (:func:`host_commands`; the entry's arguments, the same on every host, once), where rank 0's
+    outputs land, and how checkpoints work (:func:`checkpoint_note`)."""
     per_host = spec.processes_per_host or (None if gpus is None else max(gpus, 1))
     commands = host_commands(spec, request, distributed, gpus)
     cut = commands["algo-1"].index(ENTRY_SCRIPT) + 1
@@ -722,8 +722,8 @@ def instances_summary(spec: JobSpec, request: dict, distributed: dict, gpus: Opt
     if per_host is None:  # the driver counts the GPUs in the job; the SDK's table does not know them
         launch = {h: c.replace("--nproc_per_node=1 ", f"--nproc_per_node=<GPUs of {spec.instance_type}> ")
                   for h, c in launch.items()}
-    how = "--processes-per-host" if spec.processes_per_host else (
-        f"one per GPU of {spec.instance_type}" if gpus else "1 (no GPU)" if gpus == 0 else "the GPUs counted in the job")
+    how = ("--processes-per-host" if spec.processes_per_host else f"one per GPU of {spec.instance_type}" if gpus
+           else "1 (no GPU)" if gpus == 0 else "the GPUs counted in the job")
     return {
         "hosts": list(commands), "processes_per_host": per_host, "processes_per_host_from": how,
         "world_size": None if per_host is None else spec.instance_count * per_host,
