@@ -74,31 +74,35 @@ def _encode(hps: dict) -> dict:
 
 
 def job_tree(base: Path, hps: dict, channels: Path, *, processes: int = 0, checkpoints: Path = None,
-             tensorboard: Path = None, requirements: bool = False) -> Path:
+             tensorboard: Path = None, requirements: bool = False, hosts: tuple = ("localhost",), host: int = 0,
+             seen_as: Path = None) -> Path:
     """The folder SageMaker mounts at ``/opt/ml`` for one job on one host: config files, data
     channels (copied), ``model/``, ``output/``; ``processes`` > 0 turns on ``torch_distributed``
     with that many processes on the host. The source dir holds the entry script and, with
     ``requirements``, the requirements.txt the toolkit installs (its lines are satisfied here:
-    pip changes nothing; ~1-4 s, so one job in this module does it). Returns ``base``."""
+    pip changes nothing; ~1-4 s, so one job in this module does it). ``hosts[host]`` is this
+    tree's host in ``resourceconfig.json``; ``seen_as`` is the path the job sees the tree at (the
+    simulated hosts' mount point, :func:`run_two_hosts`; default ``base``): the job's name and its
+    source dir (one for all hosts, as SageMaker's ``code`` channel) derive from it. Returns ``base``."""
+    seen_as = seen_as or base
     config = base / "input" / "config"
     config.mkdir(parents=True)
-    source = base.parent / f"{base.name}_source"  # the job's source_dir: entry script + requirements.txt
-    source.mkdir()
+    source = seen_as.parent / f"{seen_as.name}_source"  # the job's source_dir: entry script + requirements.txt
+    source.mkdir(exist_ok=True)
     shutil.copy(REPO / "scripts" / "sagemaker_entry.py", source / "sagemaker_entry.py")
     if requirements:
         shutil.copy(REPO / "scripts" / "sagemaker_requirements.txt", source / "requirements.txt")
     framework = {"sagemaker_program": "sagemaker_entry.py", "sagemaker_submit_directory": str(source),
-                 "sagemaker_region": "us-west-2", "sagemaker_job_name": base.name}
+                 "sagemaker_region": "us-west-2", "sagemaker_job_name": seen_as.name}
     if processes:
         framework.update(sagemaker_torch_distributed_enabled=True,
                          sagemaker_mpi_num_of_processes_per_host=processes)  # the runners' per-host count
     (config / "hyperparameters.json").write_text(json.dumps(_encode({**framework, **hps})))
-    host = "localhost"
     (config / "resourceconfig.json").write_text(json.dumps({
-        "current_host": host, "hosts": [host], "current_group_name": "homogeneousCluster",
+        "current_host": hosts[host], "hosts": list(hosts), "current_group_name": "homogeneousCluster",
         "current_instance_type": "ml.c5.4xlarge", "network_interface_name": "eth0",
         "instance_groups": [{"instance_group_name": "homogeneousCluster", "instance_type": "ml.c5.4xlarge",
-                             "hosts": [host]}]}))
+                             "hosts": list(hosts)}]}))
     file_mode = {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated", "RecordWrapperType": "None"}
     (config / "inputdataconfig.json").write_text(json.dumps({"train": file_mode, "validation": file_mode}))
     for name in ("train", "validation"):
@@ -111,13 +115,19 @@ def job_tree(base: Path, hps: dict, channels: Path, *, processes: int = 0, check
     return base
 
 
-def start_job(base: Path, job_name: str, prefix: tuple = (), **popen) -> subprocess.Popen:
-    """``train`` as the PyTorch container starts it (after the ``prefix`` command), output in ``<base>.log``."""
+def job_env(base: Path, job_name: str) -> dict:
+    """The environment a PyTorch container gives ``train``, with this machine's settings."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(SAGEMAKER_BASE_DIR=str(base), SAGEMAKER_TRAINING_MODULE="sagemaker_pytorch_container.training:main",
                TRAINING_JOB_NAME=job_name, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                NO_ALBUMENTATIONS_UPDATE="1", PET_MASTER_PORT=str(free_port()),  # torchrun's --master_port
                PATH=f"{TRAIN.parent}{os.pathsep}{os.environ.get('PATH', '')}")  # the toolkit runs `torchrun` from PATH
+    return env
+
+
+def start_job(base: Path, job_name: str, prefix: tuple = (), **popen) -> subprocess.Popen:
+    """``train`` as the PyTorch container starts it (after the ``prefix`` command), output in ``<base>.log``."""
+    env = job_env(base, job_name)
     log = open(f"{base}.log", "w")
     return subprocess.Popen([*prefix, str(TRAIN)], env=env, cwd=base.parent, stdout=log, stderr=subprocess.STDOUT,
                             **popen)
@@ -279,3 +289,153 @@ def test_bad_hyperparameter_fails_the_job_with_a_readable_reason(restarted_job, 
                                              "mean trainer.max_steps?); valid keys of trainer: ")
     assert reason.count("vitp-sagemaker: error") == 1 and "ExecuteUserScriptError" not in reason
     assert _files(ckpt) == before and not (job / "output" / "success").exists()
+
+
+# ---------------------------------------------------------------- two instances
+# On SageMaker every instance of a job sees the same paths (/opt/ml/...), each on its own disk,
+# and reaches the others as algo-1, algo-2, ... Simulated here: each host's `train` runs in its own
+# mount namespace where one path (the job's SAGEMAKER_BASE_DIR) is that host's tree, with its own
+# host name (a UTS namespace, as a container has), and both hosts share a private network
+# namespace (loopback only, so the toolkit's fixed --master_port 7777 cannot collide with anything
+# else on the machine) whose /etc/hosts, bound over the machine's for these processes only, maps
+# algo-1 and algo-2 to 127.0.0.1. Needs `unshare` (util-linux), `ip` and user namespaces (or root).
+SIM_HOSTS = ("algo-1", "algo-2")
+PAIR = r"""
+sim=$1 base=$2 train=$3 names=("$4" "$5")
+ip link set lo up && mount --bind "$sim/hosts" /etc/hosts || exit 90
+pids=()
+for i in 0 1; do
+    unshare --mount --uts bash -c 'hostname "$4" && mount --bind "$1" "$2" && exec "$3"' host "$sim/host$i" \
+        "$base" "$train" "${names[i]}" > "$sim/host$i.log" 2>&1 &
+    pids+=($!)
+done
+codes=()
+for p in "${pids[@]}"; do wait "$p"; codes+=($?); done
+echo "${codes[*]}" > "$sim/codes"
+"""
+
+
+def _namespaces_work(folder: Path) -> bool:
+    """Whether this machine lets a process make the namespaces :data:`PAIR` uses."""
+    if not (shutil.which("unshare") and shutil.which("ip")):
+        return False
+    r = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--mount", "--uts", "sh", "-c",
+                        'ip link set lo up && mount --bind "$0" "$0" && hostname algo-1', str(folder)],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+def run_two_hosts(sim: Path, hps: dict, channels: Path, job_name: str, merged: Path = None,
+                  timeout: float = 300) -> list:
+    """One job on two simulated instances (``SIM_HOSTS``, 2 processes each, ``torch_distributed``):
+    trees ``sim/host0`` and ``sim/host1``, each mounted at ``sim/opt_ml`` for its host, with its own
+    checkpoint folder (``checkpointconfig.json`` LocalPath ``sim/opt_ml/checkpoints``, as SageMaker's
+    ``/opt/ml/checkpoints``), first filled with a copy of ``merged`` (what a restarted job downloads
+    from the checkpoint S3 URI). Waits for both; returns ``[(tree, exit status), ...]``."""
+    base = sim / "opt_ml"  # the path both hosts see; each host's own tree is mounted on it
+    base.mkdir(parents=True)
+    if not _namespaces_work(sim):
+        pytest.skip("needs unshare with user, mount, network and UTS namespaces (util-linux, iproute2)")
+    trees = [job_tree(sim / f"host{i}", hps, channels, processes=2, checkpoints=base / "checkpoints",
+                      hosts=SIM_HOSTS, host=i, seen_as=base) for i in range(2)]
+    for tree in trees if merged else ():
+        shutil.copytree(merged, tree / "checkpoints", dirs_exist_ok=True)
+    (sim / "hosts").write_text(Path("/etc/hosts").read_text() + "\n127.0.0.1 " + " ".join(SIM_HOSTS) + "\n")
+    env = {**job_env(base, job_name), "GLOO_SOCKET_IFNAME": "lo"}  # the namespace's only interface
+    p = subprocess.Popen(["unshare", "--user", "--map-root-user", "--net", "--mount", "bash", "-c", PAIR, "pair",
+                          str(sim), str(base), str(TRAIN), *SIM_HOSTS], env=env, cwd=sim, start_new_session=True,
+                         stdout=open(sim / "pair.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        p.wait(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    codes = (sim / "codes").read_text().split() if (sim / "codes").is_file() else []
+    assert len(codes) == 2, (sim / "pair.log").read_text()[-2000:]
+    return [(tree, int(c)) for tree, c in zip(trees, codes)]
+
+
+def _host_logs(hosts: list) -> str:
+    return "\n".join(f"--- {t.name} (exit {c})\n{Path(f'{t}.log').read_text()[-3000:]}" for t, c in hosts)
+
+
+def _tp2_hps(steps: int) -> dict:
+    return _with_steps(HPS, steps, **{"parallel.tp": 2})  # 4 processes: tp=2 x dp=2, the dp pairs span the hosts
+
+
+@pytest.fixture(scope="module")
+def two_hosts(restarted_job, channels, tmp_path_factory):
+    """The reference's K + 2 steps (K: the restarted job's stop) on two instances at tp=2 x dp=2,
+    uninterrupted. Returns ``([(tree, exit status)] per host, K)``."""
+    stop = restarted_job[3]
+    hosts = run_two_hosts(tmp_path_factory.mktemp("two-hosts"), _tp2_hps(stop + 2), channels, "vitp-two-hosts")
+    return hosts, stop
+
+
+@pytest.fixture(scope="module")
+def two_hosts_restarted(two_hosts, channels, tmp_path_factory):
+    """A two-instance job to step K, then a second one to step K + 2 whose hosts each start with the
+    union of the first job's two checkpoint folders (SageMaker syncs every host's folder to the one
+    checkpoint S3 prefix and a restarted job downloads all of it to every host; a file both hosts
+    wrote is whichever upload came last: here host 1's). Returns ``(first job's hosts, files both
+    first hosts wrote with different bytes, second job's hosts)``."""
+    stop, tmp = two_hosts[1], tmp_path_factory.mktemp("two-hosts-restart")
+    first = run_two_hosts(tmp / "first", _tp2_hps(stop), channels, "vitp-two-hosts-1")
+    assert [c for _, c in first] == [0, 0], _host_logs(first)
+    merged = tmp / "s3-prefix"
+    for tree, _ in first:
+        shutil.copytree(tree / "checkpoints", merged, dirs_exist_ok=True)
+    folders = [{str(p.relative_to(t / "checkpoints")): p.read_bytes() for p in (t / "checkpoints").rglob("*")
+                if p.is_file()} for t, _ in first]
+    differ = sorted(k for k in set(folders[0]) & set(folders[1]) if folders[0][k] != folders[1][k])
+    second = run_two_hosts(tmp / "second", _tp2_hps(stop + 2), channels, "vitp-two-hosts-2", merged=merged)
+    return first, differ, second
+
+
+def test_two_instances_train_as_one_process(two_hosts, reference):
+    """Two instances (algo-1, algo-2) x 2 processes through the PyTorch toolkit's torch_distributed:
+    torchrun spans both hosts (node rank = the host's place in the host list, rendezvous on
+    algo-1:7777) and trains at tp=2 x dp=2 like the 1-process run, every logged value to 5
+    significant digits. Rank 0 is on algo-1: the run's logs and metrics, the model dir's weights and
+    the held-out evaluation are there; algo-2's model dir stays empty."""
+    hosts, stop = two_hosts
+    assert [c for _, c in hosts] == [0, 0], _host_logs(hosts)
+    for i, (tree, _) in enumerate(hosts):
+        assert (f"torchrun --nnodes 2 --nproc_per_node 2 --master_addr algo-1 --master_port 7777 --node_rank {i} "
+                f"sagemaker_entry.py") in Path(f"{tree}.log").read_text()
+    algo1, algo2 = (tree for tree, _ in hosts)
+    run = algo1 / "checkpoints" / "run"
+    assert "layout tp=2 pp=1 dp=2" in (run / "train.log").read_text()
+    assert [r["step"] for r in rows(run)] == list(range(1, stop + 3))
+    assert_rows_close(rows(run), reference, rel=1e-5)
+    assert not (algo2 / "checkpoints" / "run" / "metrics.jsonl").exists()
+    assert (algo1 / "model" / "model_ema.safetensors").is_file() and not any((algo2 / "model").iterdir())
+    assert (algo1 / "output" / "success").is_file() and (algo2 / "output" / "success").is_file()
+
+
+def test_each_instance_keeps_its_ranks_checkpoint_part(two_hosts):
+    """Each host's /opt/ml/checkpoints (node-local, synced to the job's one S3 prefix) ends the run
+    with the final checkpoint published: algo-2's folder holds its ranks' (2, 3) part in the step
+    folder, and neither folder keeps a half-written ``.partial``."""
+    hosts, stop = two_hosts
+    tag = f"step_{stop + 2:07d}"
+    for tree, _ in hosts:
+        ckpts = tree / "checkpoints" / "run" / "checkpoints"
+        assert not list(ckpts.glob("*.partial")), sorted(p.name for p in ckpts.iterdir())
+        assert (ckpts / tag).is_dir() and any((ckpts / tag).iterdir()), tree.name
+    algo2 = hosts[1][0] / "checkpoints" / "run" / "checkpoints" / tag
+    assert {"rng_rank00002.pt", "rng_rank00003.pt"} <= {p.name for p in algo2.iterdir()}
+
+
+def test_restarted_job_on_the_merged_folders_resumes_exactly(two_hosts, two_hosts_restarted):
+    """A restarted two-instance job, every host given the union of both hosts' checkpoint folders,
+    resumes from step K and continues exactly as the uninterrupted two-instance run: per-step rows
+    equal (not only close); a file both hosts wrote is the same on both (so the union does not
+    depend on which upload came last)."""
+    hosts, stop = two_hosts
+    first, differ, second = two_hosts_restarted
+    assert differ == []
+    assert [c for _, c in second] == [0, 0], _host_logs(second)
+    run, seen = second[0][0] / "checkpoints" / "run", second[0][0].parent / "opt_ml" / "checkpoints" / "run"
+    assert f"resumed from {seen / 'checkpoints' / f'step_{stop:07d}'}" in Path(f"{second[0][0]}.log").read_text()
+    assert rows(run) == rows(hosts[0][0] / "checkpoints" / "run")

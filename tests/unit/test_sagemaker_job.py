@@ -241,6 +241,19 @@ def test_dry_run_prints_the_request_the_sdk_sends(sdk, staged, fake_repo, no_net
     assert drivers["sourcecode.json"]["requirements"] == "requirements.txt"
     assert drivers["distributed.json"] == {"process_count_per_node": None, "smp": None}
     assert any(line.endswith("distributed_drivers/torchrun_driver.py") for line in drivers["sm_train.sh (from cd on)"])
+    # what runs on each instance: the SDK driver's torchrun command per host, one rendezvous on algo-1
+    inst = out["instances"]
+    assert inst["hosts"] == ["algo-1", "algo-2"] and inst["processes_per_host"] == 8 and inst["world_size"] == 16
+    assert inst["processes_per_host_from"] == "one per GPU of ml.p5.48xlarge"
+    assert inst["layout"] == "tp=1 cp=1 pp=1 dp=16, checked for the world size"
+    assert inst["torchrun"] == {f"algo-{i + 1}": "torchrun --nnodes=2 --nproc_per_node=8 --master_addr=algo-1 "
+                                f"--master_port=7777 --node_rank={i} sagemaker_entry.py" for i in range(2)}
+    assert inst["entry_arguments"] == ("--experiment img256 --trainer.max_steps 1000 --model.depth 28 "
+                                       "--data.resolution '[64, 32]'")
+    note = inst["checkpoints"]
+    assert note.startswith("Each of the 2 instances has its own /opt/ml/checkpoints (its own disk, not shared), and "
+                           "SageMaker syncs every host's folder to the same s3://my-bucket/vitp/run1/checkpoints.")
+    assert "each host gets the union of all hosts' uploads" in note and "SDK's default" not in note
     assert no_network == []
 
 
@@ -265,6 +278,13 @@ def test_dry_run_options_image_processes_input_mode(sdk, staged, fake_repo, no_n
     code = next(c for c in req["InputDataConfig"] if c["ChannelName"] == "code")
     assert code["DataSource"]["S3DataSource"]["S3Uri"].startswith("s3://my-staging-bucket/vitp/")
     assert req["CheckpointConfig"]["S3Uri"].startswith(f"s3://my-staging-bucket/vitp/{req['TrainingJobName']}/")
+    inst = out["instances"]
+    assert inst["torchrun"] == {"algo-1": "torchrun --nnodes=1 --nproc_per_node=4 sagemaker_entry.py"}
+    assert inst["world_size"] == 4 and inst["layout"] == "tp=1 cp=1 pp=1 dp=4, checked for the world size"
+    note = inst["checkpoints"]
+    assert note.startswith(f"/opt/ml/checkpoints is synced to {req['CheckpointConfig']['S3Uri']}; the run directory")
+    assert note.endswith("a new job gets another one and starts afresh (pass --checkpoint-s3 to continue a run in a "
+                         "new job).")
     assert no_network == []
 
 
@@ -309,6 +329,29 @@ def test_submit_round_trip_under_moto(sdk, staged, fake_repo, capsys):
                                                                staged[1].name])
 
 
+@pytest.mark.parametrize("argv, gpus, nproc, layout", [
+    (["--instance-type", "ml.p6-b200.48xlarge"], None, "<GPUs of ml.p6-b200.48xlarge>",
+     "chosen in the job: its GPU count is not known here"),
+    (["--instance-type", "ml.p5.48xlarge", "parallel=auto"], 8, "8",
+     "chosen in the job: parallel=auto plans it for the world size"),
+])
+def test_instances_summary_for_eleven_hosts(argv, gpus, nproc, layout, sdk):
+    """Hosts algo-1..algo-11; the SDK driver ranks them in sorted order (algo-10 is node 1), with
+    the rendezvous on algo-1; a layout the job decides is said so, and an unknown GPU count is not
+    shown as 1 process."""
+    a = job.build_parser().parse_args(["--dry-run", "--instance-count", "11", *argv])
+    spec = job.spec_from_args(a)
+    request = {"HyperParameters": spec.hyperparameters,
+               "CheckpointConfig": {"S3Uri": "s3://b1/ckpt", "LocalPath": "/opt/ml/checkpoints"}}
+    inst = job.instances_summary(spec, request, {"process_count_per_node": None, "smp": None}, gpus, None)
+    assert inst["hosts"] == [f"algo-{i}" for i in range(1, 12)] and inst["layout"] == layout
+    ranks = {h: int(c.split("--node_rank=")[1].split()[0]) for h, c in inst["torchrun"].items()}
+    assert ranks == {h: i for i, h in enumerate(sorted(inst["hosts"]))} and ranks["algo-10"] == 1
+    assert all(f"--nnodes=11 --nproc_per_node={nproc} --master_addr=algo-1 --master_port=7777 " in c
+               for c in inst["torchrun"].values())
+    assert inst["world_size"] == (None if gpus is None else 88)
+
+
 @pytest.fixture
 def nothing_built(monkeypatch):
     """Staging the source or building a trainer (the request) fails the test."""
@@ -349,9 +392,9 @@ def test_a_recipe_that_reads_data_root_without_a_train_channel_warns(sdk):
         a = job.build_parser().parse_args(["--dry-run", *argv])
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            world = job.check_job_config(a.overrides, job.spec_from_args(a), job.gpus_per_instance(
+            layout = job.check_job_config(a.overrides, job.spec_from_args(a), job.gpus_per_instance(
                 sdk, a.instance_type, "us-east-1"))
-        return world, err.getvalue()
+        return layout and layout.tp * layout.cp * layout.pp * layout.dp, err.getvalue()
 
     world, err = check("experiment=img256")
     assert world == 8 and err.count("\n") == 1 and "warning: data.name=image_folder reads data.root" in err

@@ -22,7 +22,13 @@ Sources (SDK v3 = ``sagemaker`` 3.27: ``sagemaker-train`` 1.27, ``sagemaker-core
   command and the NCCL/EFA variables it sets), ``sagemaker/core/training/configs.py``
   (``SourceCode``, ``Compute``, ``CheckpointConfig``, ``TensorBoardOutputConfig``, ``InputData``),
   ``sagemaker/core/image_uri_config/pytorch-amzn2023.json`` (PyTorch training DLC versions).
-- Checkpoints with ``ModelTrainer``: https://docs.aws.amazon.com/sagemaker/latest/dg/model-checkpoints-enable.html
+- Checkpoints with ``ModelTrainer``: https://docs.aws.amazon.com/sagemaker/latest/dg/model-checkpoints-enable.html ;
+  the local path is synced to S3 during the job and what is under the S3 URI is written to the container when
+  a job starts: https://docs.aws.amazon.com/sagemaker/latest/dg/model-checkpoints.html
+- Several instances: ``sagemaker/train/container_drivers/scripts/environment.py`` (hosts ``algo-1..N``
+  sorted, ``SM_MASTER_ADDR`` = ``algo-1``, ``SM_MASTER_PORT`` = 7777, ``SM_CURRENT_HOST_RANK``) and
+  ``torchrun_driver.create_commands``; every host's ``/opt/ml/model`` goes into one ``model.tar.gz``:
+  https://docs.aws.amazon.com/sagemaker/latest/dg/your-algorithms-training-algo-output.html
 - Managed spot training: https://docs.aws.amazon.com/sagemaker/latest/dg/model-managed-spot-training.html
   and ``StoppingCondition`` (MaxWaitTimeInSeconds >= MaxRuntimeInSeconds):
   https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_StoppingCondition.html
@@ -41,6 +47,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -494,14 +501,15 @@ def gpus_per_instance(sdk: SimpleNamespace, instance_type: str, region: str) -> 
     return None
 
 
-def check_job_config(overrides: List[str], spec: JobSpec, gpus: Optional[int]) -> Optional[int]:
+def check_job_config(overrides: List[str], spec: JobSpec, gpus: Optional[int]):
     """Check the job's config as its ``vitp-train`` will, before any request is built: the
     overrides composed on the closed schema and :func:`vitp.config.validate_config` with the layout
     for the job's world size (``--instance-count`` x processes per host: ``--processes-per-host``,
     else the SDK driver's default, one per GPU (``gpus``), or 1 on an instance without GPUs), unless
     ``parallel.auto`` (the planner picks the layout in the job). Warns (stderr) when the config reads
     ``data.root`` but no ``train`` channel is given (the job sets ``data.root`` from it). Returns the
-    world size checked (``None``: not known, the GPU count of an unlisted instance type).
+    :class:`vitp.config.Layout` checked (its ``tp * cp * pp * dp`` is the job's world size), or
+    ``None`` when the job decides it (``parallel.auto``, or the GPU count of an unlisted instance type).
 
     Raises ``ValueError`` (one line) naming the key and the valid values."""
     from vitp.cli.overrides import compose_checked
@@ -523,12 +531,11 @@ def check_job_config(overrides: List[str], spec: JobSpec, gpus: Optional[int]) -
         return None
     world = spec.instance_count * per_host
     try:
-        validate_config(cfg, world, "cuda" if gpus else "cpu")
+        return validate_config(cfg, world, "cuda" if gpus else "cpu")
     except ValueError as e:
         how = "--processes-per-host" if spec.processes_per_host else f"one per GPU of {spec.instance_type}"
         raise ValueError(f"{e} (the job runs {world} processes: --instance-count {spec.instance_count} x "
                          f"{per_host} per instance, {how})") from None
-    return world
 
 
 def resolve_image(sdk: SimpleNamespace, spec: JobSpec, region: str) -> str:
@@ -626,9 +633,12 @@ def _read_prefix(s3, uri: str) -> Dict[str, bytes]:
     return out
 
 
-def dry_run(sdk: SimpleNamespace, spec: JobSpec, source_dir: Path, region: str, image: str) -> dict:
+def dry_run(sdk: SimpleNamespace, spec: JobSpec, source_dir: Path, region: str, image: str,
+            gpus: Optional[int] = None, layout=None) -> dict:
     """The request the SDK sends, captured while it runs against moto, plus what it uploaded for
-    the ``code`` channel (file sizes) and the ``sm_drivers`` channel (the launch configuration)."""
+    the ``code`` channel (file sizes) and the ``sm_drivers`` channel (the launch configuration),
+    and what runs on each instance (:func:`instances_summary`; ``gpus`` per instance and the
+    ``layout`` :func:`check_job_config` checked)."""
     spec = dataclasses.replace(spec, role=spec.role or DRY_RUN_ROLE, wait=False)
     with _offline_aws(region):
         boto_session = sdk.boto3.Session(region_name=region)
@@ -646,9 +656,85 @@ def dry_run(sdk: SimpleNamespace, spec: JobSpec, source_dir: Path, region: str, 
         "sm_drivers_channel": {"sourcecode.json": json.loads(drivers.get("sourcecode.json", b"{}")),
                                "distributed.json": json.loads(drivers.get("distributed.json", b"{}")),
                                "sm_train.sh (from cd on)": script[start:]},
+        "instances": instances_summary(spec, request, json.loads(drivers.get("distributed.json", b"{}")), gpus,
+                                       layout),
         "dry_run": f"captured from SageMaker SDK {sdk.version} running against moto (no AWS calls made); "
                    f"account 123456789012, the default bucket name and role {DRY_RUN_ROLE} (when --role "
                    "is not given) are placeholders",
+    }
+
+
+def host_commands(spec: JobSpec, request: dict, distributed: dict, gpus: Optional[int]) -> Dict[str, List[str]]:
+    """``{"algo-1": [torchrun, ...], ...}``: the command the SDK's torchrun driver
+    (``torchrun_driver.create_commands``) builds on each instance, run here with the environment
+    the SDK's in-job ``environment.py`` gives that host (``SM_HOSTS`` sorted, ``SM_MASTER_ADDR`` /
+    ``SM_MASTER_PORT``, ``SM_CURRENT_HOST_RANK``; ``SM_NUM_GPUS`` = ``gpus``, the driver's default
+    process count). Hosts are named ``algo-1..N``, as SageMaker names them."""
+    saved = list(sys.path)
+    try:  # the drivers import their helpers as a top-level "common" package from their own folder
+        from sagemaker.train.container_drivers.distributed_drivers import torchrun_driver as driver
+        from sagemaker.train.container_drivers.scripts import environment as in_job
+    finally:
+        sys.path[:] = saved
+    hosts = [f"algo-{i + 1}" for i in range(spec.instance_count)]
+    hps = in_job.deserialize_hyperparameters(request.get("HyperParameters", {}))
+    image_torch = tuple(int(x) for x in re.findall(r"\d+", spec.framework_version)[:2])  # the image's, not ours
+    out = {}
+    for host in hosts:
+        env = {"SM_ENTRY_SCRIPT": ENTRY_SCRIPT, "SM_DISTRIBUTED_CONFIG": json.dumps(distributed),
+               "SM_HPS": json.dumps(hps), "SM_HOST_COUNT": str(len(hosts)), "SM_MASTER_ADDR": in_job.SM_MASTER_ADDR,
+               "SM_MASTER_PORT": str(in_job.SM_MASTER_PORT), "SM_CURRENT_HOST_RANK": str(sorted(hosts).index(host)),
+               "SM_NUM_GPUS": str(gpus or 0)}
+        with mock.patch.dict(os.environ, env), mock.patch.object(driver, "pytorch_version", lambda: image_torch):
+            out[host] = driver.create_commands()
+    return out
+
+
+def checkpoint_note(spec: JobSpec, request: dict) -> str:
+    """How the job's checkpoints are stored and found again, for one instance or several."""
+    config = request.get("CheckpointConfig", {})
+    uri, local, n = config.get("S3Uri"), config.get("LocalPath", CHECKPOINT_LOCAL_PATH), spec.instance_count
+    restart = (f"A restarted job (spot capacity back, or a new job with --checkpoint-s3 {uri}) starts with what is "
+               f"under that URI")
+    if n == 1:
+        text = f"{local} is synced to {uri}; the run directory is {local}/run. {restart} and resumes the run."
+    else:
+        text = (f"Each of the {n} instances has its own {local} (its own disk, not shared), and SageMaker syncs every "
+                f"host's folder to the same {uri}. The run directory is {local}/run on every host: rank 0 (on algo-1) "
+                f"writes the run's log, metrics and Hydra config there, and each host writes its own ranks' checkpoint "
+                f"files into its own folder. {restart} on every host: each host gets the union of all hosts' uploads "
+                f"and the run resumes from the newest checkpoint complete in it.")
+    if not spec.checkpoint_s3:
+        text += (" The URI is the SDK's default for this job name: a new job gets another one and starts afresh "
+                 "(pass --checkpoint-s3 to continue a run in a new job).")
+    return text
+
+
+def instances_summary(spec: JobSpec, request: dict, distributed: dict, gpus: Optional[int], layout) -> dict:
+    """What runs where: hosts, processes per host, the world size and the ``layout`` checked for it
+    (:func:`check_job_config`; else why the job decides it), each host's torchrun command
+    (:func:`host_commands`; the entry's arguments, the same on every host, once), where rank 0's
+    outputs land, and how checkpoints work (:func:`checkpoint_note`)."""
+    per_host = spec.processes_per_host or (None if gpus is None else max(gpus, 1))
+    commands = host_commands(spec, request, distributed, gpus)
+    cut = commands["algo-1"].index(ENTRY_SCRIPT) + 1
+    launch = {host: shlex.join(cmd[:cut]) for host, cmd in commands.items()}
+    if per_host is None:  # the driver counts the GPUs in the job; the SDK's table does not know them
+        launch = {h: c.replace("--nproc_per_node=1 ", f"--nproc_per_node=<GPUs of {spec.instance_type}> ")
+                  for h, c in launch.items()}
+    how = ("--processes-per-host" if spec.processes_per_host else f"one per GPU of {spec.instance_type}" if gpus
+           else "1 (no GPU)" if gpus == 0 else "the GPUs counted in the job")
+    return {
+        "hosts": list(commands), "processes_per_host": per_host, "processes_per_host_from": how,
+        "world_size": None if per_host is None else spec.instance_count * per_host,
+        "layout": (f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp={layout.dp}, checked for the world size"
+                   if layout else "chosen in the job: " + ("its GPU count is not known here" if per_host is None
+                                                           else "parallel=auto plans it for the world size")),
+        "torchrun": launch, "entry_arguments": shlex.join(commands["algo-1"][cut:]),
+        "outputs": "rank 0 runs on algo-1 (node rank 0): final weights and eval.json (model dir), TensorBoard events "
+                   "and output data are written there only; SageMaker puts every host's model dir into one "
+                   "model.tar.gz",
+        "checkpoints": checkpoint_note(spec, request),
     }
 
 
@@ -694,12 +780,16 @@ def run(argv: Optional[List[str]] = None) -> dict:
     sdk = load_sdk()
     region = _region(sdk, spec)
     warn_unlisted_instance_type(spec.instance_type)
-    check_job_config(a.overrides, spec, gpus_per_instance(sdk, spec.instance_type, region))
+    gpus = gpus_per_instance(sdk, spec.instance_type, region)
+    layout = check_job_config(a.overrides, spec, gpus)
     image = resolve_image(sdk, spec, region)  # fails early on an unknown region or version
     with tempfile.TemporaryDirectory(prefix="vitp-sm-source-") as tmp:
         source_dir = Path(tmp) / "source"
         stage_source(Path(repo), source_dir, a.wheel)
-        out = (dry_run if spec.dry_run else submit)(sdk, spec, source_dir, region, image)
+        if spec.dry_run:
+            out = dry_run(sdk, spec, source_dir, region, image, gpus, layout)
+        else:
+            out = submit(sdk, spec, source_dir, region, image)
     print(json.dumps(out, indent=2))
     return out
 
