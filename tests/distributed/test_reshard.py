@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import PERTURBED, assert_rows_close, launch
+from tests.helpers import PERTURBED, assert_rows_close, run_ranks
 
 BASE = ["experiment=smoke", "trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.keep_checkpoints=0",
         "trainer.micro_batch_size=2", f"trainer.init_from={PERTURBED}"]
@@ -28,11 +28,25 @@ TP2PP2 = ["parallel.tp=2", "parallel.pp=2"]
 KEYS = ("loss", "grad_norm", "lr")
 
 
-def _train(world: int, over: list, run: Path, env_extra=None) -> None:
-    run.parent.mkdir(parents=True, exist_ok=True)
-    procs = launch(world, over, run, env_extra)
-    codes = [p.wait(timeout=900) for p in procs]
-    assert codes == [0] * world, (run.parent / "rank0.log").read_text()[-4000:]
+def _train_rank(rank: int, over: list, run: str) -> list:
+    """``vitp.train.train`` on one forked rank; returns the ``vitp`` log lines (rank 0's tell the resume)."""
+    import logging
+
+    from vitp.config import compose
+    from vitp.train import train
+
+    lines: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("vitp").addHandler(handler)
+    logging.getLogger("vitp").setLevel(logging.INFO)
+    train(compose(over), run)
+    return lines
+
+
+def _train(world: int, over: list, run: Path) -> str:
+    """Train ``world`` ranks (forked from a preloaded server: a fast start); rank 0's log text."""
+    return "\n".join(run_ranks(world, _train_rank, over, str(run), timeout=900)[0])
 
 
 def _rows(run: Path, first: int = 0) -> list:
@@ -67,19 +81,18 @@ def fp32_runs(tmp_path_factory):
     full = tmp / "full8" / "run"
     _train(8, [*BASE, *TP2PP2], full)
     back4 = _back_at_step(full, tmp / "back4" / "run")
-    _train(4, [*BASE, *TP2PP2], back4)  # same run dir, trainer.resume=auto, half the ranks
+    log = _train(4, [*BASE, *TP2PP2], back4)  # same run dir, trainer.resume=auto, half the ranks
     one = tmp / "one" / "run"
     _train(1, [*BASE, f"trainer.resume={full / 'checkpoints' / 'step_0000003'}"], one)
-    return full, back4, one
+    return full, back4, one, log
 
 
 def test_eight_ranks_resume_at_four_and_at_one_process(fp32_runs):
-    full, back4, one = fp32_runs
+    full, back4, one, log = fp32_runs
     ref = _rows(full, first=3)
     assert [r["step"] for r in ref] == [4, 5, 6]
     assert_rows_close(_rows(back4, first=3), ref, rel=1e-5)
     assert_rows_close(_rows(one), ref, rel=1e-5)
-    log = (back4.parent / "rank0.log").read_text()
     assert "at another layout: tp=2 pp=2 dp=2 (8 ranks) -> tp=2 pp=2 dp=1 (4 ranks)" in log
     assert "AdamW moments and step, EMA, LR schedule and data position resharded" in log
     # the state after step 6 equals the uninterrupted run's: moments, EMA and weights were carried
@@ -94,7 +107,7 @@ def test_eight_ranks_resume_at_four_and_at_one_process(fp32_runs):
 
 
 def test_world_size_change_is_explained_or_replanned(fp32_runs, tmp_path):
-    full, _, _ = fp32_runs
+    full = fp32_runs[0]
     run = _back_at_step(full, tmp_path / "two" / "run")
     before = sorted(p.name for p in run.rglob("*"))
     env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
