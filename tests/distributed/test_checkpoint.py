@@ -244,7 +244,8 @@ def test_resuming_another_layout_or_model_explains_the_fix(tp2pp2_run, tmp_path)
                                          r"vs 1 now.*vitp-export .*trainer.init_from"):
         ckpt.check_resumable(meta, tag, cfg, Layout(1, 2, 2, "bf16"))
     old = {k: v for k, v in meta.items() if k != "engine"}  # written before the layout-independent optimizer state
-    with pytest.raises(ValueError, match=r"written at another layout \(tp: 2 in the checkpoint vs 1 now\) by a vitp"):
+    with pytest.raises(ValueError, match=r"written at another layout \(tp: 2 in the checkpoint vs 1 now; dp: 1 in the checkpoint vs 2 now\) "
+                                         r"by a vitp .*resume it at its own layout, or export the weights"):
         ckpt.check_resumable(old, tag, cfg, Layout(1, 2, 2, "fp32"))
     with pytest.raises(ValueError, match=r"model.width: 32 in the file vs 64 now|model.width: 32 in the checkpoint"):
         ckpt.check_resumable(meta, tag, compose([*TP2PP2, "model.width=64"]), Layout(2, 2, 1, "fp32"))

@@ -321,7 +321,7 @@ def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout
     Raises ``ValueError`` explaining the fix when precision, model or partial-sync settings differ
     (no layout change carries those), or the layout differs and the checkpoint predates the
     layout-independent optimizer state."""
-    fix = (f"to change them export the weights (vitp-export {tag_dir} --weights raw) and start a new run dir with "
+    fix = (f"export the weights (vitp-export {tag_dir} --weights raw) and start a new run dir with "
            f"trainer.init_from=<export>.safetensors (weights only: optimizer and LR schedule restart)")
     meta = {"cp": 1, **meta}  # written before context parallelism existed
     mine = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp}
@@ -348,7 +348,7 @@ def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout
     if diffs:
         raise ValueError(f"checkpoint {tag_dir} does not match this run ({'; '.join(diffs + moved)}); a training "
                          f"checkpoint resumes at another tp/cp/pp/dp, but only with the same precision, ZeRO "
-                         f"setting, partial sync and model; {fix}")
+                         f"setting, partial sync and model; to change those, {fix}")
     if moved and "engine" not in meta:
         raise ValueError(f"checkpoint {tag_dir} was written at another layout ({'; '.join(moved)}) by a vitp that did "
                          f"not yet keep the optimizer in a layout-independent form: resume it at its own layout, "
