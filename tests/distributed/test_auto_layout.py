@@ -56,7 +56,7 @@ def test_auto_layout_is_the_planners_first_and_a_resume_keeps_it(tmp_path):
     back = run_ranks(1, _auto_rank, ["experiment=smoke", "parallel=auto", "trainer.max_steps=6"], str(run), cache)[0]
     assert back["auto"]["source"] == "replanned" and back["layout"] == (1, 1, 1, 1), back["auto"]
     assert (f"the latest checkpoint (step 4) was written at tp={tp}{f' cp={cp}' if cp > 1 else ''} pp={pp} "
-            f"dp={2 // (tp * cp * pp)} (2 ranks), this job has 1: re-planned for 1 ranks") in back["auto"]["summary"]
+            f"dp={2 // (tp * cp * pp)} (2 ranks), this job has 1: re-planned for 1 rank;") in back["auto"]["summary"]
     assert len(back["losses"]) == 2 and all(math.isfinite(x) for x in back["losses"])
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]

@@ -206,4 +206,6 @@ def describe_change(meta: Dict[str, Any], layout: Any) -> str:
     def fmt(d):
         return " ".join(f"{k}={d[k]}" for k in ("tp", "cp", "pp", "dp") if k != "cp" or d.get(k, 1) > 1)
     now = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp}
-    return f"{fmt({'cp': 1, **meta})} ({meta.get('world_size', '?')} ranks) -> {fmt(now)} ({dist.world_size()} ranks)"
+    old, new = meta.get("world_size", "?"), dist.world_size()
+    return (f"{fmt({'cp': 1, **meta})} ({old} rank{'' if old == 1 else 's'}) -> {fmt(now)} "
+            f"({new} rank{'' if new == 1 else 's'})")

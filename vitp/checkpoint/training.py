@@ -311,7 +311,7 @@ def layout_text(meta: Dict[str, Any]) -> str:
     """``tp=2 pp=2 dp=2 (8 ranks)`` of a checkpoint's metadata."""
     cp = f" cp={meta['cp']}" if meta.get("cp", 1) > 1 else ""
     world = meta["tp"] * meta.get("cp", 1) * meta["pp"] * meta["dp"]
-    return f"tp={meta['tp']}{cp} pp={meta['pp']} dp={meta['dp']} ({world} ranks)"
+    return f"tp={meta['tp']}{cp} pp={meta['pp']} dp={meta['dp']} ({world} rank{'' if world == 1 else 's'})"
 
 
 def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout: Layout) -> bool:

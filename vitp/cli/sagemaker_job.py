@@ -25,7 +25,7 @@ Sources (SDK v3 = ``sagemaker`` 3.27: ``sagemaker-train`` 1.27, ``sagemaker-core
 - Checkpoints with ``ModelTrainer``: https://docs.aws.amazon.com/sagemaker/latest/dg/model-checkpoints-enable.html ;
   the local path is synced to S3 during the job and what is under the S3 URI is written to the container when
   a job starts: https://docs.aws.amazon.com/sagemaker/latest/dg/model-checkpoints.html
-- Several instances: ``sagemaker/train/container_drivers/scripts/environment.py`` (hosts ``algo-1..N``
+- Several instances: the SDK's ``sagemaker.train.container_drivers.scripts.environment`` (hosts ``algo-1..N``
   sorted, ``SM_MASTER_ADDR`` = ``algo-1``, ``SM_MASTER_PORT`` = 7777, ``SM_CURRENT_HOST_RANK``) and
   ``torchrun_driver.create_commands``; every host's ``/opt/ml/model`` goes into one ``model.tar.gz``:
   https://docs.aws.amazon.com/sagemaker/latest/dg/your-algorithms-training-algo-output.html

@@ -89,7 +89,7 @@ def _decide(cfg: DictConfig, run_dir: Path, device: torch.device, world: int, fi
     if moved:  # the job came back with another world size: plan again for this one
         choice = choose_layout(cfg, world, detect_profile(cfg, device, world), fixed=fixed)
         return {"source": "replanned", "values": choice.values(), "choice": choice.as_dict(),
-                "summary": f"parallel=auto: {moved}: re-planned for {world} ranks; {choice.summary()}"}
+                "summary": f"parallel=auto: {moved}: re-planned for {world} rank{'' if world == 1 else 's'}; {choice.summary()}"}
     if recorded is not None:
         values = {**recorded, **{k: OmegaConf.select(cfg, k) for k in fixed}}
         text = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())
