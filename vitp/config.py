@@ -665,8 +665,8 @@ def _check_run(cfg: "DictConfig") -> None:
           "data.class_per_shot=true needs shots: set data.scene_cut_threshold (e.g. 10)")
     if len(tr.profile_steps) == 2:
         a, b, n = *tr.profile_steps, tr.max_steps
-        fix = f"trainer.profile_steps=[{max(1, min(a, n))}, {n}]" if n >= 1 else "trainer.profile_steps=[]"
-        _fail(b <= n, f"trainer.profile_steps=[{a}, {b}] ends after trainer.max_steps={n}: the timeline is written "
+        fix = f"trainer.profile_steps=[{max(1, min(a, n))},{n}]" if n >= 1 else "trainer.profile_steps=[]"
+        _fail(b <= n, f"trainer.profile_steps=[{a},{b}] ends after trainer.max_steps={n}: the timeline is written "
                       f"after its last step; e.g. {fix}")
 
 
