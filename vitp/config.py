@@ -197,6 +197,7 @@ class TrainerConfig:
     tensorboard_dir: Optional[str] = None  # TensorBoard event folder (null = <run dir>/tb)
     export_dir: Optional[str] = None  # also copy final weights and eval.json here (e.g. SM_MODEL_DIR)
     output_data_dir: Optional[str] = None  # also copy final samples, eval.json(l), metrics.jsonl here
+    profile_steps: List[int] = field(default_factory=list)  # [a, b]: per-stage pipeline timeline of optimizer steps a..b into <run dir>/profile ([] = off)
 
 
 @dataclass
@@ -294,6 +295,12 @@ def _pair(lo: float, hi: float, ordered: bool, text: str, bad: list) -> Rule:
     return Rule(ok, text, bad)
 
 
+def _is_step_range(v: Any) -> bool:
+    v = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig" else None
+    return v is not None and (v == [] or (len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                              for x in v) and 1 <= v[0] <= v[1]))
+
+
 def _is_resolution(v: Any) -> bool:
     try:
         parse_resolution(v)
@@ -385,6 +392,8 @@ FIELD_RULES: Dict[str, Rule] = {
     "trainer.keep_checkpoints": span(0, note="0 = keep all"),
     "trainer.exit_at_step": span(1, null="off"),
     "trainer.exit_after_minutes": span(0, lo_open=True, real=True, null="off"),
+    "trainer.profile_steps": Rule(_is_step_range, "[] (off) or [a, b], integers with 1 <= a <= b (optimizer "
+                                  "steps, inclusive)", [3, 2], lambda v: [2, 3]),
     "eval.t_grid": span(1),
     "eval.noise_seed": _SEED,
     "eval.classifier_epochs": span(0, note="digits runs only"),
@@ -654,6 +663,11 @@ def _check_run(cfg: "DictConfig") -> None:
     _fail(not (tr.init_from and tr.init_from_timm), "set trainer.init_from or trainer.init_from_timm, not both")
     _fail(not cfg.data.class_per_shot or cfg.data.scene_cut_threshold is not None,
           "data.class_per_shot=true needs shots: set data.scene_cut_threshold (e.g. 10)")
+    if len(tr.profile_steps) == 2:
+        a, b, n = *tr.profile_steps, tr.max_steps
+        fix = f"trainer.profile_steps=[{max(1, min(a, n))},{n}]" if n >= 1 else "trainer.profile_steps=[]"
+        _fail(b <= n, f"trainer.profile_steps=[{a},{b}] ends after trainer.max_steps={n}: the timeline is written "
+                      f"after its last step; e.g. {fix}")
 
 
 CAPTION_MANIFESTS = (".jsonl", ".csv")  # data.captions: a manifest path ends with one of these

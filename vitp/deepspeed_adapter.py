@@ -40,12 +40,25 @@ class Internal:
     uses: Optional[str] = None
 
 
+# the instructions of DeepSpeed's training schedule (pipeline_instructions)
+_TRAIN_INSTRUCTIONS = ("LoadMicroBatch", "ForwardPass", "BackwardPass", "SendActivation", "RecvActivation", "SendGrad",
+                       "RecvGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
+
 REQUIRED: List[Internal] = [
     # patch_instruction: the pipeline engine looks instructions up through self._INSTRUCTION_MAP
     Internal("deepspeed.runtime.pipe.engine:PipelineEngine._INSTRUCTION_MAP", "patch_instruction"),
     Internal("deepspeed.runtime.pipe.engine:PipelineEngine._exec_schedule", "patch_instruction",
              uses="self._INSTRUCTION_MAP[type(cmd)]"),
     Internal("deepspeed.runtime.pipe.schedule:ReduceGrads", "patch_instruction"),
+    # pipeline_instructions: the instructions of DeepSpeed's 1F1B training schedule, each executed
+    # with its kwargs (buffer_id), each kind in micro-batch order on a stage
+    *[Internal(f"deepspeed.runtime.pipe.schedule:{name}", "pipeline_instructions") for name in _TRAIN_INSTRUCTIONS],
+    Internal("deepspeed.runtime.pipe.engine:PipelineEngine._exec_schedule", "pipeline_instructions",
+             uses="self._exec_instr(**cmd.kwargs)"),
+    Internal("deepspeed.runtime.pipe.engine:PipelineEngine._train_schedule", "pipeline_instructions",
+             uses="schedule.TrainSchedule("),
+    Internal("deepspeed.runtime.pipe.schedule:TrainSchedule.steps", "pipeline_instructions",
+             uses="micro_batch_id, is_forward = self._step_to_micro_batch(step_id)"),
     # pipeline_grid: the module's PipelineParallelGrid
     Internal("deepspeed.runtime.pipe.module:PipelineModule.mpu", "pipeline_grid", uses="return self._grid"),
     # seed_layers_for_init_only: forward reseeds while the flag is set
@@ -136,14 +149,31 @@ def patch_instruction(engine: Any, instruction: str, wrap: Callable[[Callable], 
 
     Why: DeepSpeed has no hook between the last micro-batch's backward and its gradient reduction;
     its engine dispatches instructions through the class table ``_INSTRUCTION_MAP``, looked up on
-    ``self``, so an instance attribute overrides it for this engine only.
-    Raises ``KeyError`` for an instruction the table lacks.
+    ``self``, so an instance attribute overrides it for this engine only. Patches compose: a second
+    patch of the same instruction wraps the first (``wrap`` gets the already patched function).
+    Raises ``AttributeError`` for a name ``deepspeed.runtime.pipe.schedule`` lacks, ``KeyError``
+    for an instruction the table lacks.
     """
     from deepspeed.runtime.pipe import schedule
 
-    table: Dict[Any, Callable] = type(engine)._INSTRUCTION_MAP
+    table: Dict[Any, Callable] = engine._INSTRUCTION_MAP  # this engine's own table once patched, else the class's
     kind = getattr(schedule, instruction)
     engine._INSTRUCTION_MAP = {**table, kind: wrap(table[kind])}
+
+
+def pipeline_instructions() -> List[str]:
+    """The class names (of ``deepspeed.runtime.pipe.schedule``) of every instruction DeepSpeed's
+    training schedule (``TrainSchedule``, 1F1B; also at ``pp = 1``) issues: load, forward, backward,
+    the four point-to-point transfers, the two gradient reductions and the optimizer step.
+
+    Why it is internal: the schedule and its instruction classes are DeepSpeed's engine internals.
+    What :mod:`vitp.train.timeline` relies on: ``_exec_schedule`` calls the function of each
+    instruction with the instruction's kwargs (``buffer_id`` for buffer ops), and in
+    ``TrainSchedule`` each kind of buffer op runs on a stage in micro-batch order (so the k-th
+    ``ForwardPass`` of a step is micro-batch k; buffers are reused, ``buffer_id`` is not the
+    micro-batch).
+    """
+    return list(_TRAIN_INSTRUCTIONS)
 
 
 def pipeline_grid(module: Any) -> Any:

@@ -181,6 +181,22 @@ def test_values_the_schema_cannot_express_are_checked_once(override, message):
         validate_config(compose_cfg([override]))
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.profile_steps=[3,2]"], r"trainer.profile_steps=\[3,2\]: must be \[\] \(off\) or \[a, b\], integers "
+                                      r"with 1 <= a <= b \(optimizer steps, inclusive\); e.g. trainer.profile_steps=\[2,3\]"),
+    (["trainer.profile_steps=[0,2]"], r"trainer.profile_steps=\[0,2\]: must be"),
+    (["trainer.profile_steps=[5]"], r"trainer.profile_steps=\[5\]: must be"),
+    (["trainer.max_steps=4", "trainer.profile_steps=[3,9]"],
+     r"trainer.profile_steps=\[3,9\] ends after trainer.max_steps=4: the timeline is written after its last step; "
+     r"e.g. trainer.profile_steps=\[3,4\]"),
+])
+def test_profile_steps_must_be_a_range_within_the_run(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate_config(compose_cfg(overrides))
+    for good in ([], [2, 2], [1, 4]):  # off, one step, the whole run
+        validate_config(compose_cfg(["trainer.max_steps=4", f"trainer.profile_steps={good}"]))
+
+
 def test_launcher_arguments_go_before_the_users_so_hydra_flags_stay_last():
     from vitp.cli.train import prepare_argv
 

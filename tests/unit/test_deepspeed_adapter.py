@@ -18,7 +18,7 @@ def test_every_internal_the_adapter_relies_on_exists_in_the_installed_deepspeed(
     assert {i.needed_by for i in ds.REQUIRED} == {
         "patch_instruction", "pipeline_grid", "seed_layers_for_init_only", "partition_balanced",
         "replace_checkpoint_load", "checkpoint_safe_globals", "report_grad_norm", "disable_shm_comm_op",
-        "record_checkpoint_writes"}
+        "record_checkpoint_writes", "pipeline_instructions"}
     assert all(callable(getattr(ds, i.needed_by)) for i in ds.REQUIRED)
 
 
@@ -99,3 +99,35 @@ def test_record_checkpoint_writes_lists_the_saved_paths_and_restores_the_engine(
     assert "save" not in e.checkpoint_engine.__dict__  # the class's method again
     e.checkpoint_engine.save({"z": 3}, str(tmp_path / "c.pt"))
     assert written == [str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]
+
+
+def test_patches_compose_and_every_training_instruction_is_in_the_table():
+    """A second patch of the same instruction wraps the first (the step hook and the timeline both
+    wrap ReduceGrads), and a patch of another instruction keeps earlier ones."""
+    from deepspeed.runtime.pipe import schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    class Engine(PipelineEngine):
+        def __init__(self):
+            pass
+
+    calls = []
+
+    def tag(name):
+        def wrap(original):
+            def fn(self, **kw):
+                calls.append(name)
+                return original
+            return fn
+        return wrap
+
+    engine = Engine()
+    ds.patch_instruction(engine, "ReduceGrads", tag("hook"))
+    ds.patch_instruction(engine, "ForwardPass", tag("forward"))
+    ds.patch_instruction(engine, "ReduceGrads", tag("timer"))
+    inner = engine._INSTRUCTION_MAP[schedule.ReduceGrads](engine)  # the timer's original: the hook
+    assert inner(engine) is PipelineEngine._INSTRUCTION_MAP[schedule.ReduceGrads]
+    assert engine._INSTRUCTION_MAP[schedule.ForwardPass](engine) is PipelineEngine._INSTRUCTION_MAP[schedule.ForwardPass]
+    assert calls == ["timer", "hook", "forward"]
+    names = ds.pipeline_instructions()
+    assert {getattr(schedule, n) for n in names} == set(PipelineEngine._INSTRUCTION_MAP)

@@ -285,6 +285,14 @@ class Trainer:
                                                     config=deepspeed_config(self.cfg, self.layout))
         ds_log.setLevel(logging.WARNING)
         install_step_hook(self.engine, self.layout)
+        self.timeline = None  # trainer.profile_steps: per-stage instruction timeline (.timeline)
+        if self.cfg.trainer.profile_steps:
+            from .timeline import Timeline
+
+            st = self.state
+            self.timeline = Timeline(self.cfg.trainer.profile_steps, {"stage": st.pp_rank, "tp": st.tp_rank,
+                                     "dp": st.dp_rank, "cp": st.cp_rank}, self.device, self.run_dir)
+            self.timeline.install(self.engine)  # after the step hook: ReduceGrads' time includes it
         # DeepSpeed's warmup schedulers hold lr = 0 until their first step(); advance once so that
         # the first optimizer step trains at lr / warmup_steps.
         self.engine.lr_scheduler.step()
@@ -429,7 +437,10 @@ class Trainer:
             self._enter_bucket(self.schedule.bucket(step - 1))
             batch = self.buckets[self._bucket].batch_size
         self.step_batches.new_step()
+        if self.timeline is not None:
+            self.timeline.begin(step)
         loss = self.engine.train_batch(data_iter=self.data_iter).item()
+        profile = self.timeline.end(step) if self.timeline is not None else {}  # collective on recorded steps
         self.telemetry.count_step(self._bucket if self.buckets is not None else None)  # this step's shape
         self._samples_log += batch
         self.ema.update(self.engine.module)
@@ -440,7 +451,9 @@ class Trainer:
         if not math.isfinite(loss):
             raise self._nonfinite_loss(step, loss)
         if self.logger.should_log(step):
-            self._log_metrics(step, lr)
+            self._log_metrics(step, lr, profile)
+        elif profile:  # a recorded step between logged ones: its own metrics.jsonl line
+            self.logger.scalars(step, profile)
         return loss
 
     def _nonfinite_loss(self, step: int, loss: float) -> FloatingPointError:
@@ -466,7 +479,7 @@ class Trainer:
         self.engine.reset_activation_shape()
         self._bucket = b
 
-    def _log_metrics(self, step: int, lr: float) -> None:
+    def _log_metrics(self, step: int, lr: float, profile: Optional[Dict[str, float]] = None) -> None:
         n, elapsed = self._n_log, time.perf_counter() - self._t_log
         values = {"loss": sum(self.losses[-n:]) / n, "grad_norm": sum(self.grad_norms[-n:]) / n, "lr": lr,
                   "samples_per_s": self._samples_log / elapsed}
@@ -474,6 +487,7 @@ class Trainer:
             values["bucket"] = self._bucket
         values.update(binned_loss(*self.loss_fn.pop_records()))
         values.update(self.telemetry.metrics(n, elapsed))
+        values.update(profile or {})  # the step's timeline fractions (trainer.profile_steps)
         self.logger.scalars(step, values)
         if self.bar is not None:  # train_step called outside fit (benchmarks, scripts/gpu_check.py)
             self.bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")

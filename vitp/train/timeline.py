@@ -1,0 +1,207 @@
+"""Per-stage pipeline timeline of optimizer steps ``trainer.profile_steps = [a, b]`` (issue 29).
+
+Every rank times each instruction DeepSpeed's pipeline engine executes (load, forward, backward,
+the four point-to-point transfers, the two gradient reductions, the optimizer step:
+:func:`vitp.deepspeed_adapter.pipeline_instructions`) by wrapping it in the engine's instruction
+table (:func:`vitp.deepspeed_adapter.patch_instruction`, installed after the step hook, so the
+``ReduceGrads`` interval includes the TP-partial gradient sum), and the whole step
+(``engine.train_batch`` up to the loss on the host). After each recorded step the ranks' events
+are gathered to rank 0 (one ``all_gather_object``, outside the timed step), which logs the
+per-stage fractions of that step (:func:`stage_fractions`) and, after step ``b``, writes
+``<run dir>/profile/timeline_steps_a-b.json`` (:func:`chrome_trace`, Chrome / Perfetto
+``traceEvents``) and one summary line per stage.
+
+What is measured: host wall time, ``time.perf_counter`` before and after each instruction. On
+CUDA the wrapper synchronizes the device before and after each instruction while recording, so an
+interval holds the instruction's kernels (profiled steps run without CPU/GPU overlap between
+instructions; unprofiled steps are unchanged). DeepSpeed's sends and receives are blocking: the
+time a stage waits for its peer is inside ``RecvActivation`` / ``RecvGrad`` / ``Send*``, so the
+pipeline bubble shows as communication ("p2p"), not as idle. Idle is the rest of the step:
+Python between instructions, building the schedule, the loss broadcast at the end of
+``train_batch``. Across ranks, events are placed on one time axis by each rank's
+``time.time() - time.perf_counter()`` offset (system clocks: exact on one host, NTP-close across hosts).
+
+Nothing runs when ``trainer.profile_steps`` is empty (no wrapper is installed), and the wrappers
+draw no random numbers: losses are unchanged (``tests/distributed/test_timeline.py``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+import vitp.deepspeed_adapter as ds
+from vitp.parallel import distributed as dist
+from vitp.utils import atomic_write_text
+
+log = logging.getLogger("vitp")
+
+# what each instruction counts as in the summary; comm = p2p + reduce
+CATEGORY = {"LoadMicroBatch": "compute", "ForwardPass": "compute", "BackwardPass": "compute",
+            "SendActivation": "p2p", "RecvActivation": "p2p", "SendGrad": "p2p", "RecvGrad": "p2p",
+            "ReduceTiedGrads": "reduce", "ReduceGrads": "reduce", "OptimizerStep": "optimizer"}
+FRACTIONS = ("compute", "comm", "optimizer", "idle")  # these add up to 1 per stage and step
+
+
+def _event(name: str, start_s: float, end_s: float, **args: Any) -> Dict[str, Any]:
+    """One recorded interval: instruction ``name``, start and end in seconds (one rank's clock)."""
+    return {"name": name, "start": start_s, "end": end_s, "args": args}
+
+
+class Timeline:
+    """Records the instructions of steps ``a..b`` on this rank (``steps = (a, b)``); ``coords``:
+    the rank's ``stage``, ``tp``, ``dp``, ``cp`` coordinates. :meth:`install` on the engine once,
+    then :meth:`begin` / :meth:`end` around every optimizer step (``end`` is collective on
+    recorded steps)."""
+
+    def __init__(self, steps: Sequence[int], coords: Dict[str, int], device: torch.device, run_dir: Path):
+        self.first, self.last = int(steps[0]), int(steps[1])
+        self.coords, self.run_dir = dict(coords), Path(run_dir)
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.step: Optional[int] = None  # the step being recorded, else None
+        self.events: List[Dict[str, Any]] = []  # this rank's events of the current step
+        self.gathered: List[List[Dict[str, Any]]] = []  # rank 0: every step's events of every rank
+        self.offset = time.time() - time.perf_counter()  # this rank's perf_counter -> epoch seconds
+        self._count: Dict[str, int] = defaultdict(int)  # per instruction kind: micro-batches seen this step
+
+    def install(self, engine: Any) -> None:
+        """Wrap every training instruction of ``engine`` with the recorder (after the step hook)."""
+        for name in ds.pipeline_instructions():
+            ds.patch_instruction(engine, name, self._wrap(name))
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _wrap(self, name: str) -> Callable[[Callable], Callable]:
+        def wrap(original: Callable) -> Callable:
+            def timed(engine: Any, **kwargs: Any) -> Any:
+                if self.step is None:
+                    return original(engine, **kwargs)
+                self._sync()
+                start = time.perf_counter()
+                try:
+                    return original(engine, **kwargs)
+                finally:
+                    self._sync()
+                    self._record(name, start, time.perf_counter(), kwargs.get("buffer_id"))
+            return timed
+        return wrap
+
+    def _record(self, name: str, start: float, end: float, buffer_id: Optional[int]) -> None:
+        args: Dict[str, Any] = {"step": self.step}
+        if buffer_id is not None:  # a buffer op: the k-th of its kind in a step is micro-batch k
+            args.update(micro_batch=self._count[name], buffer_id=buffer_id)
+            self._count[name] += 1
+        self.events.append(_event(name, start, end, **args))
+
+    def begin(self, step: int) -> None:
+        """Start recording ``step`` when it is in ``[a, b]`` (before ``train_batch``)."""
+        if self.first <= step <= self.last:
+            self.step, self.events, self._count = step, [], defaultdict(int)
+            self._sync()
+            self._step_start = time.perf_counter()
+
+    def end(self, step: int) -> Dict[str, float]:
+        """Close ``step`` (after ``train_batch``); on a recorded step gather every rank's events
+        (collective) and return, on rank 0, the ``profile/*`` metrics of the step
+        (:func:`stage_metrics`); after step ``b`` rank 0 also writes the trace. ``{}`` otherwise."""
+        if self.step != step:
+            return {}
+        self._sync()
+        self.events.append(_event("step", self._step_start, time.perf_counter(), step=step))
+        self.step = None
+        mine = {"coords": {**self.coords, "rank": dist.rank()}, "offset": self.offset, "events": self.events}
+        ranks = dist.gather_objects(mine)
+        self.events = []
+        if not dist.is_main():
+            return {}
+        self.gathered.append(ranks)
+        fractions = stage_fractions(ranks)
+        if step == self.last:
+            self._write(fractions)
+        return stage_metrics(fractions)
+
+    def _write(self, last: Dict[int, Dict[str, float]]) -> None:
+        """Rank 0: the trace of every recorded step and one log line per stage (over all recorded steps)."""
+        path = self.run_dir / "profile" / f"timeline_steps_{self.first}-{self.last}.json"
+        per_rank: Dict[int, Dict[str, Any]] = {}
+        for ranks in self.gathered:
+            for r in ranks:
+                row = per_rank.setdefault(r["coords"]["rank"], {"coords": r["coords"], "offset": r["offset"],
+                                                                "events": []})
+                row["events"] += r["events"]
+        atomic_write_text(path, json.dumps(chrome_trace(list(per_rank.values()))) + "\n")
+        total = stage_fractions(list(per_rank.values()))
+        for stage, f in sorted(total.items()):
+            log.info("timeline steps %d-%d stage %d: compute %.3f, comm %.3f (p2p %.3f, reduce %.3f), optimizer "
+                     "%.3f, idle %.3f of %.1f ms per step (recorded intervals %.1f ms = %.3f of the step); %s",
+                     self.first, self.last, stage, f["compute"], f["comm"], f["p2p"], f["reduce"], f["optimizer"],
+                     f["idle"], f["step_ms"], f["busy_ms"], f["busy_ms"] / f["step_ms"], path)
+
+
+def stage_fractions(ranks: List[Dict[str, Any]]) -> Dict[int, Dict[str, float]]:
+    """Per pipeline stage, over its ranks and the recorded steps: the mean step wall time
+    ``step_ms`` and sum of instruction intervals per step ``busy_ms`` (milliseconds), and the
+    fractions of the summed step time spent in ``compute`` (load, forward, backward), ``comm`` = ``p2p`` (sends and
+    receives, waiting for the peer included) + ``reduce`` (tied and data-parallel gradient
+    reductions), ``optimizer``, and ``idle`` = 1 - the others (time outside every instruction).
+    ``compute + comm + optimizer + idle = 1``. ``ranks``: per rank ``{"coords", "events"}``
+    (:meth:`Timeline.end`)."""
+    sums: Dict[int, Dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for r in ranks:
+        stage = r["coords"]["stage"]
+        for e in r["events"]:
+            dur = (e["end"] - e["start"]) * 1e3
+            key = "step_ms" if e["name"] == "step" else CATEGORY[e["name"]]
+            sums[stage][key] += dur
+            if key != "step_ms":
+                sums[stage]["busy_ms"] += dur
+        sums[stage]["steps"] += sum(e["name"] == "step" for e in r["events"])
+    out = {}
+    for stage, s in sums.items():
+        wall = s["step_ms"]
+        f = {k: s[k] / wall for k in ("compute", "p2p", "reduce", "optimizer")}
+        f["comm"] = f["p2p"] + f["reduce"]
+        f["idle"] = 1.0 - f["compute"] - f["comm"] - f["optimizer"]
+        f["step_ms"], f["busy_ms"] = wall / s["steps"], s["busy_ms"] / s["steps"]
+        out[stage] = f
+    return out
+
+
+def stage_metrics(fractions: Dict[int, Dict[str, float]]) -> Dict[str, float]:
+    """``profile/stage{s}_{compute,comm,p2p,reduce,optimizer,idle}`` (fractions of the step),
+    ``profile/stage{s}_step_ms`` and ``profile/stage{s}_busy_ms`` (milliseconds) of
+    :func:`stage_fractions`."""
+    keys = (*FRACTIONS, "p2p", "reduce", "step_ms", "busy_ms")
+    return {f"profile/stage{s}_{k}": f[k] for s, f in sorted(fractions.items()) for k in keys}
+
+
+def chrome_trace(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The Chrome / Perfetto trace (``{"traceEvents": [...]}``, ``chrome://tracing`` JSON format) of
+    ``ranks`` (per rank ``{"coords", "offset", "events"}``): one process per pipeline stage, one
+    thread row per rank, a complete event (``"ph": "X"``, ``ts`` / ``dur`` in microseconds from
+    the earliest event of any rank) per instruction and per step (``"cat": "step"``, enclosing the
+    step's instructions); ``args`` hold the step, micro-batch and buffer id and the rank's
+    coordinates."""
+    t0 = min((e["start"] + r["offset"] for r in ranks for e in r["events"]), default=0.0)
+    out: List[Dict[str, Any]] = []
+    for r in sorted(ranks, key=lambda r: r["coords"]["rank"]):
+        c = r["coords"]
+        pid, tid = c["stage"], c["rank"]
+        out.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"stage {pid}"}})
+        out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                    "args": {"name": f"rank {tid} (tp {c['tp']}, cp {c['cp']}, dp {c['dp']})"}})
+        for e in r["events"]:
+            step = e["name"] == "step"
+            out.append({"name": f"step {e['args']['step']}" if step else e["name"],
+                        "cat": "step" if step else CATEGORY[e["name"]], "ph": "X", "pid": pid, "tid": tid,
+                        "ts": (e["start"] + r["offset"] - t0) * 1e6, "dur": (e["end"] - e["start"]) * 1e6,
+                        "args": {**e["args"], **c}})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
