@@ -82,6 +82,11 @@ REQUIRED: List[Internal] = [
              uses="self.checkpoint_engine.save("),
     Internal("deepspeed.runtime.pipe.module:PipelineModule.save_state_dict", "record_checkpoint_writes",
              uses="checkpoint_engine.save("),
+    # link_optimizer_state: ZeRO / bf16 optimizers link AdamW's state to each parameter lazily
+    Internal("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state",
+             "link_optimizer_state", uses="if not self._hp_optimizer_states_linked:"),
+    Internal("deepspeed.runtime.bf16_optimizer:BF16_Optimizer._lazy_init_hp_params_optimizer_state",
+             "link_optimizer_state", uses="if not self._hp_optimizer_states_linked:"),
     # checkpoint_safe_globals: the classes DeepSpeed pickles into its checkpoints
     Internal("deepspeed.runtime.fp16.loss_scaler:LossScaler", "checkpoint_safe_globals"),
     Internal("deepspeed.runtime.zero.config:ZeroStageEnum", "checkpoint_safe_globals"),
@@ -275,6 +280,28 @@ def record_checkpoint_writes(engine: Any) -> Iterator[List[str]]:
 
 
 # ------------------------------------------------------------------------- optimizer, comm
+def link_optimizer_state(optimizer: Any) -> bool:
+    """Link the AdamW state of a ZeRO / bf16 ``optimizer`` wrapper to each parameter's
+    ``_hp_mapping`` as the state is now (creating torch AdamW's zero state first where no step has
+    run), so that DeepSpeed's ``safe_get/set_full_optimizer_state`` reach it. Returns ``False``
+    (doing nothing) for a plain torch optimizer.
+
+    Why: DeepSpeed links the moments only after its first ``step()`` and once per optimizer (a
+    flag); a freshly built engine has no state to link, and a state replaced since is not relinked.
+    """
+    if not hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        return False
+    base = optimizer.optimizer
+    for group in base.param_groups:  # torch creates AdamW's state at the first step: before it, as torch would
+        for flat in group["params"]:
+            if not base.state.get(flat):
+                base.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
+                                    "exp_avg_sq": torch.zeros_like(flat)}
+    optimizer._hp_optimizer_states_linked = False
+    optimizer._lazy_init_hp_params_optimizer_state()
+    return True
+
+
 def report_grad_norm(optimizer: Any, norm: Any) -> None:
     """Hand ``norm`` to the DeepSpeed engine as this step's global grad norm
     (``engine.get_global_grad_norm()``). Why: the engine copies a client optimizer's private

@@ -18,7 +18,7 @@ def test_every_internal_the_adapter_relies_on_exists_in_the_installed_deepspeed(
     assert {i.needed_by for i in ds.REQUIRED} == {
         "patch_instruction", "pipeline_grid", "seed_layers_for_init_only", "partition_balanced",
         "replace_checkpoint_load", "checkpoint_safe_globals", "report_grad_norm", "disable_shm_comm_op",
-        "record_checkpoint_writes", "pipeline_instructions"}
+        "record_checkpoint_writes", "pipeline_instructions", "link_optimizer_state"}
     assert all(callable(getattr(ds, i.needed_by)) for i in ds.REQUIRED)
 
 

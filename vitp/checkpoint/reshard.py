@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+import vitp.deepspeed_adapter as ds
 from vitp.models import generator_key
 from vitp.parallel import ParallelState, shard_like
 from vitp.parallel import distributed as dist
@@ -38,22 +39,10 @@ Gather = Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
 
 
 def _zero_optimizer(engine: Any) -> Optional[Any]:
-    """DeepSpeed's ZeRO / bf16 optimizer wrapper (parameters carry ``_hp_mapping``), or ``None``
-    for a plain torch optimizer (ZeRO stage 0)."""
-    opt = engine.optimizer
-    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-        base = opt.optimizer
-        for group in base.param_groups:  # torch creates AdamW's state at the first step: before it, as torch would
-            for flat in group["params"]:
-                if not base.state.get(flat):
-                    base.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
-                                        "exp_avg_sq": torch.zeros_like(flat)}
-        # DeepSpeed links the moments to the parameters after its first step, and again after a
-        # load: link them to the state as it is now
-        opt._hp_optimizer_states_linked = False
-        opt._lazy_init_hp_params_optimizer_state()
-        return opt
-    return None
+    """DeepSpeed's ZeRO / bf16 optimizer wrapper (parameters carry ``_hp_mapping``), its AdamW
+    state linked to them (:func:`vitp.deepspeed_adapter.link_optimizer_state`), or ``None`` for a
+    plain torch optimizer (ZeRO stage 0)."""
+    return engine.optimizer if ds.link_optimizer_state(engine.optimizer) else None
 
 
 def _base_states(engine: Any) -> list:
