@@ -198,8 +198,11 @@ def published_tags(ckpt_dir: Path) -> List[str]:
     return sorted(tags, key=lambda t: int(TAG_RE.match(t).group(1)))
 
 
-def _fix_hint(tag_dir: Path) -> str:
-    others = [t for t in published_tags(tag_dir.parent) if t != tag_dir.name]
+def _fix_hint(tag_dir: Path, rank: Optional[int] = None, layout: Optional[Layout] = None) -> str:
+    """The earlier checkpoints to resume from instead: those with a record and, for ``rank``, the
+    files it loads (a node-local folder may hold another node's records but not its files)."""
+    others = [t for t in published_tags(tag_dir.parent) if t != tag_dir.name
+              and (rank is None or _holds_part(tag_dir.parent / t, rank, layout))]
     if others:
         return (f"; resume from an earlier complete checkpoint with trainer.resume={tag_dir.parent / others[-1]} "
                 f"(after vitp-train --resume {tag_dir.parent.parent}, or in the run's own command; complete: "
@@ -207,8 +210,16 @@ def _fix_hint(tag_dir: Path) -> str:
     return "; no other complete checkpoint is in that folder: start a new run dir (or trainer.init_from=<export>)"
 
 
+def _holds_part(tag_dir: Path, rank: int, layout: Optional[Layout]) -> bool:
+    try:
+        verify_checkpoint(tag_dir, rank, layout=layout, hint=False)
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
+
+
 def verify_checkpoint(tag_dir: Path, rank: Optional[int] = None, names: Optional[Iterable[str]] = None,
-                      layout: Optional[Layout] = None) -> Dict[str, Any]:
+                      layout: Optional[Layout] = None, hint: bool = True) -> Dict[str, Any]:
     """The checkpoint's metadata after checking that the files it lists are present with the size
     they were written with (content errors surface when the file is loaded, naming it): every
     file, or (node-local folders) those rank ``rank`` loads (its ``parts``; when the checkpoint's
@@ -219,17 +230,22 @@ def verify_checkpoint(tag_dir: Path, rank: Optional[int] = None, names: Optional
     metadata) naming the file and the fix.
     """
     meta_path = tag_dir / META
+
+    def fix() -> str:
+        return _fix_hint(tag_dir, rank, layout) if hint else ""
+
     if not tag_dir.is_dir():
-        raise FileNotFoundError(f"checkpoint {tag_dir} does not exist" + _fix_hint(tag_dir))
+        raise FileNotFoundError(f"checkpoint {tag_dir} does not exist" + fix())
     if not meta_path.is_file():
         raise FileNotFoundError(f"checkpoint {tag_dir} is incomplete ({META} missing): its save never finished"
-                                + _fix_hint(tag_dir))
+                                + fix())
     try:
         meta = json.loads(meta_path.read_text())
         manifest = meta["manifest"]
         parts = meta.get("parts", {})  # absent: written before node-local folders, every rank loads every file
     except (ValueError, KeyError) as e:
-        raise ValueError(f"checkpoint metadata {meta_path} is corrupt: {e}" + _fix_hint(tag_dir)) from e
+        why = f"no key {e}" if isinstance(e, KeyError) else e
+        raise ValueError(f"checkpoint metadata {meta_path} is corrupt: {why}" + fix()) from e
     wanted = set(manifest) if names is None else set(names)
     if rank is not None and layout is not None and _layout_of(meta) != _layout_of(vars(layout)):
         wanted = {n for n in wanted if parts.get(n, ALL) == ALL}
@@ -238,10 +254,10 @@ def verify_checkpoint(tag_dir: Path, rank: Optional[int] = None, names: Optional
     for name in sorted(wanted):
         f = tag_dir / name
         if not f.is_file():
-            raise FileNotFoundError(f"checkpoint file {f} is missing" + _fix_hint(tag_dir))
+            raise FileNotFoundError(f"checkpoint file {f} is missing" + fix())
         if name in manifest and f.stat().st_size != manifest[name]:
             raise ValueError(f"checkpoint file {f} is truncated or was rewritten ({f.stat().st_size} bytes, "
-                             f"{manifest[name]} when written)" + _fix_hint(tag_dir))
+                             f"{manifest[name]} when written)" + fix())
     return meta
 
 

@@ -67,3 +67,24 @@ def test_one_process_is_one_storage_group(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing written
     two = StorageGroups(((0, 1), (2, 3)), 3)
     assert (two.leader, two.is_leader, two.index(1), two.shared) == (2, False, 0, False)
+
+
+def test_the_fix_names_only_earlier_checkpoints_that_hold_the_ranks_part(tmp_path):
+    """A node-local folder holds every node's records but only its own ranks' files: the earlier
+    checkpoint a refusal suggests must hold the failing rank's files too."""
+    for tag, files in ((T2, ["rng_rank00000.pt"]), (T4, ["rng_rank00000.pt", "rng_rank00001.pt"]),
+                       (T6, ["rng_rank00000.pt"])):
+        (tmp_path / tag).mkdir()
+        for name in files:
+            (tmp_path / tag / name).write_bytes(b"r")
+        record = {"step": int(tag[-7:]), "manifest": {"rng_rank00000.pt": 1, "rng_rank00001.pt": 1},
+                  "parts": {"rng_rank00000.pt": [0], "rng_rank00001.pt": [1]}}
+        (tmp_path / tag / META).write_text(json.dumps(record))
+    with pytest.raises(FileNotFoundError, match=rf"rng_rank00001.pt is missing; .*trainer.resume=.*{T4} .*"
+                                                rf"complete: {T4}\)"):
+        verify_checkpoint(tmp_path / T6, rank=1)
+    with pytest.raises(FileNotFoundError, match=rf"complete: {T2}, {T4}\)"):
+        verify_checkpoint(tmp_path / T6)  # every file: the record alone counts
+    (tmp_path / T6 / META).write_text(json.dumps({"step": 6}))
+    with pytest.raises(ValueError, match=r"corrupt: no key 'manifest'"):
+        verify_checkpoint(tmp_path / T6, rank=0)
