@@ -81,6 +81,7 @@ def _shared_run_dir(mine: str) -> str:
 
 
 _resume_dir: Optional[Path] = None  # the RUN_DIR of vitp-train --resume RUN_DIR (set by prepare_argv)
+_own_run_dir = False  # a plain hydra.run.dir or --resume: each rank keeps its launcher's path (prepare_argv)
 
 
 def split_resume(args: List[str]) -> Tuple[Optional[str], List[str]]:
@@ -144,11 +145,12 @@ def _recorded_overrides(run_dir: Path) -> List[str]:
     return [str(o) for o in OmegaConf.load(path)] if path.is_file() else []
 
 
-def literal_run_dir(hydra_overrides: List[str]) -> bool:
-    """Whether the launch named its run directory as a plain path (``hydra.run.dir=/scratch/run``,
-    or ``--resume RUN_DIR``), without interpolations such as ``${now:...}``: every rank then uses
-    its own launcher's path (node-local run dirs when nodes name different folders)."""
-    given = [o.split("=", 1)[1] for o in hydra_overrides if o.split("=", 1)[0].lstrip("+") == "hydra.run.dir"]
+def literal_run_dir(args: List[str]) -> bool:
+    """Whether the command line (before Hydra resolves it: Hydra records the resolved path)
+    named its run directory as a plain path (``hydra.run.dir=/scratch/run``), without
+    interpolations such as ``${now:...}``: every rank then uses its own launcher's path
+    (node-local run dirs when nodes name different folders)."""
+    given = [o.split("=", 1)[1] for o in args if o.split("=", 1)[0].lstrip("+") == "hydra.run.dir"]
     return bool(given) and "${" not in given[-1]
 
 
@@ -180,7 +182,7 @@ def _hydra_entry() -> None:
         hold_log_files(hc.runtime.output_dir)  # train.log gets lines only once the launch's checks pass
         try:
             run_cli("vitp-train", _train, cfg, hc.runtime.output_dir, list(hc.overrides.task),
-                    literal_run_dir(list(hc.overrides.hydra)), log=log)
+                    _own_run_dir, log=log)
         finally:
             release_log_files(write=False)  # a refused launch: its lines (and error) went to the console only
 
@@ -209,7 +211,7 @@ def prepare_argv(argv: list) -> list:
     or an MPI launch across hosts without ``MASTER_ADDR``; ``FileNotFoundError`` for a ``--resume``
     folder without a recorded config, or a dotted key without ``=value``.
     """
-    global _resume_dir
+    global _resume_dir, _own_run_dir
     argv = dist.strip_launcher_args(argv)
     resume, args = split_resume(argv[1:])
     argv, _resume_dir, cfg = argv[:1] + args, None, None
@@ -233,6 +235,7 @@ def prepare_argv(argv: list) -> list:
     ours = []  # put before the user's arguments, so Hydra flags like --cfg job / --info stay last
     if not any(a.startswith("hydra.output_subdir=") for a in argv):
         ours.append("hydra.output_subdir=null")  # train() writes .hydra/ itself, after its checks pass
+    _own_run_dir = _resume_dir is not None or literal_run_dir(args)
     if _resume_dir is not None:
         ours.append(hydra_override("hydra.run.dir", str(_resume_dir)))
     elif not any(a.startswith("hydra.run.dir=") for a in argv):
