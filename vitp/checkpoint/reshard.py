@@ -45,11 +45,14 @@ def _zero_optimizer(engine: Any) -> Optional[Any]:
     return engine.optimizer if ds.link_optimizer_state(engine.optimizer) else None
 
 
+def _torch_optimizer(engine: Any) -> Any:
+    """The torch optimizer doing the update (inside DeepSpeed's ZeRO / bf16 wrapper, or itself)."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
 def _base_states(engine: Any) -> list:
     """The per-tensor state dicts of the torch optimizer doing the update (flat partitions under ZeRO)."""
-    opt = engine.optimizer
-    base = getattr(opt, "optimizer", opt)
-    return list(base.state.values())
+    return list(_torch_optimizer(engine).state.values())
 
 
 def adam_step(engine: Any) -> int:
@@ -74,7 +77,7 @@ def local_optimizer_state(engine: Any) -> Dict[str, Dict[str, torch.Tensor]]:
     bf16 = any(p.dtype != torch.float32 for p in engine.module.parameters())
     if bf16:
         out["master"] = {}
-    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    base = _torch_optimizer(engine)
     for name, p in engine.module.named_parameters():
         for key in MOMENTS:
             if zero is not None:
@@ -157,7 +160,7 @@ def load_resharded(engine: Any, tag_dir: Path, meta: Dict[str, Any], state: Para
     kinds = [*MOMENTS, "master"]
     full, fmeta = _read(path, [f"{k}/{g}" for k in kinds for g in gen.values()])
     zero = _zero_optimizer(engine)
-    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    base = _torch_optimizer(engine)
     t = int(fmeta.get("adam_step", 0))
     with torch.no_grad():
         for name, p in named:

@@ -139,7 +139,8 @@ class Checkpointer:
     def load(self, engine: Any, ema: EMA, state: ParallelState) -> None:
         """Restore weights, optimizer, LR schedule, RNG streams and this stage's EMA tensors (at
         another layout from the checkpoint's full tensors, :mod:`vitp.checkpoint.reshard`)."""
-        self.state = state  # this rank's coordinates, recorded by save
+        s = state  # every rank's coordinates, recorded by each save (they do not change during a run)
+        self.coords = dist.gather_objects((s.pp_rank, s.dp_rank, s.cp_rank, s.tp_rank))
         if self.resume_tag is None:
             return
         depth = self.cfg.model.depth
@@ -168,8 +169,6 @@ class Checkpointer:
         to full generator-keyed ones on rank 0 (for the layout-independent optimizer state).
         Returns ``(ema, raw)`` full weights on rank 0, ``None`` elsewhere."""
         tr = self.cfg.trainer
-        s = self.state
-        coords = dist.gather_objects((s.pp_rank, s.dp_rank, s.cp_rank, s.tp_rank))
         meta = {"tp": self.layout.tp, "cp": self.layout.cp, "pp": self.layout.pp, "dp": self.layout.dp,
                 "precision": self.layout.precision,
                 "zero_stage": self.cfg.parallel.zero_stage, "partial_sync": float(self.cfg.parallel.partial_sync),
@@ -177,7 +176,7 @@ class Checkpointer:
                 "engine_zero_stage": self.layout.engine_zero_stage(self.cfg.parallel.zero_stage),
                 "model": OmegaConf.to_container(self.cfg.model, resolve=True), "ema_updates": ema.updates,
                 "seed": self.cfg.seed, "global_batch_size": tr.global_batch_size, "max_steps": tr.max_steps,
-                "world_size": dist.world_size(), "rank_coords": coords, "engine": reshard.engine_counters(engine)}
+                "world_size": dist.world_size(), "rank_coords": self.coords, "engine": reshard.engine_counters(engine)}
 
         def write_state(folder: Path) -> None:
             reshard.save_optimizer_state(engine, gather, folder / reshard.FILE, dist.is_main(), step)
