@@ -22,9 +22,11 @@ Sections (``--sections``, default all):
   against ``total / (tp * pp)``.
 - ``activations`` (2 processes): bytes saved for backward by one block (saved-tensor hooks,
   parameters excluded) at tp=1, tp=2 and tp=2 + SP, against Korthikanti et al. 2022 (Eq. 2-4).
-- ``pipeline`` (2 processes, pp=2): step time of one global batch split into ``m`` micro-batches
-  against one process running the same batch; bubble ``1 - T_1 / (p T_m)`` against the 1F1B
-  theory ``(p - 1) / (m + p - 1)``.
+- ``pipeline`` (2 then 3 processes, pp=2 and pp=3; ``--quick``: pp=2): step time of one global
+  batch split into ``m`` micro-batches against one process running the same batch; bubble
+  ``1 - T_1 / (p T_m)`` against the 1F1B theory ``(p - 1) / (m + p - 1)``; per stage the idle
+  time the pipeline timeline measures against 1F1B with the stages' measured compute; the CPU
+  time per step over the cores (where ranks outnumber cores the step cannot be shorter).
 - ``tokens`` (1 process): vitp and the plain loop as the token count grows.
 - ``cp`` (4 then 2 processes; context parallelism, :mod:`vitp.parallel.context`; ``--sections cp``
   alone takes ~1-3 minutes): on a video generator of 4096 tokens (``--quick``: 64), per rank at
@@ -465,34 +467,83 @@ def activations_worker(size: str) -> dict:
 # ----------------------------------------------------------------------------- pipeline
 
 def pipeline_worker(size: str, micro_counts, reps: int, steps: int, tmp: str) -> dict:
-    """pp=2 step time for ``m`` micro-batches of one global batch against one process running
-    the same batch (rank 0; rank 1 idles), interleaved. Bubble ``1 - T_1 / (p T_m)``."""
-    from vitp.parallel import distributed as dist
+    """At pp = world size: step time of one global batch split into ``m`` micro-batches, against
+    one process running the same batch (rank 0; the other ranks wait), interleaved. Per ``m``: the
+    step time (median over repetitions of the per-repetition median, min-max), the derived bubble
+    ``1 - T_1 / (p T_m)`` against ``(p - 1) / (m + p - 1)``, and from the pipeline timeline
+    (:mod:`vitp.train.timeline`, every timed step recorded) per stage the measured idle time
+    against 1F1B with the stages' measured compute (``idle_1f1b_ms``), the recorded share of the
+    step, and the CPU seconds every rank used per step (``time.process_time``) divided by the
+    cores: the step cannot be shorter than that where ranks outnumber cores."""
+    import torch.distributed as tdist
 
-    variants, p = [], 2
+    from vitp.parallel import distributed as dist
+    from vitp.train import Trainer
+    from vitp.train.timeline import stage_fractions
+
+    p = dist.world_size()
+    gb = compose(size).trainer.global_batch_size
+    runs = {}
     for m in micro_counts:
-        cfg = compose(size, ["parallel.pp=2", f"trainer.micro_batch_size={compose(size).trainer.global_batch_size // m}"])
-        v, tr, micro = vitp_variant(f"m{m}", cfg, f"{tmp}/pipe-{size}-{m}")
-        variants.append(v)
+        cfg = compose(size, [f"parallel.pp={p}", f"trainer.micro_batch_size={gb // m}", "trainer.profile_steps=[1,1000000]"])
+        tr = Trainer(cfg, f"{tmp}/pipe-{size}-{p}-{m}")
+        micro = [next(tr.data_iter) for _ in range(tr.engine.gradient_accumulation_steps())]
+        runs[m] = {"trainer": tr, "data": itertools.cycle(micro), "times": [], "cpu": []}
         if m == 1:
             one = micro
-    cfg1 = compose(size)
-    if dist.is_main():
-        plain, _, _ = plain_variant("one_process", cfg1, one)
-    else:
-        plain = Variant("one_process", lambda: 0.0)
-    times = interleave(variants + [plain], reps, steps)
+    plain = plain_variant("one_process", compose(size), one)[0] if dist.is_main() else Variant("one_process", lambda: 0.0)
+    for _ in range(2):  # warm-up
+        plain.step()
+        for r in runs.values():
+            r["trainer"].engine.train_batch(data_iter=r["data"])
+    t_one, step = [], 0
+    for rep in range(reps):
+        order = list(runs) + ["one"]
+        for key in order[rep % len(order):] + order[:rep % len(order)]:
+            times, cpus = [], []
+            for _ in range(steps):
+                tdist.barrier()
+                if key == "one":
+                    t0 = time.perf_counter()
+                    plain.step()
+                    times.append(time.perf_counter() - t0)
+                    continue
+                r, step = runs[key], step + 1
+                r["trainer"].timeline.begin(step)
+                t0, c0 = time.perf_counter(), time.process_time()
+                r["trainer"].engine.train_batch(data_iter=r["data"])
+                times.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
+                r["trainer"].timeline.end(step)  # gathers the events (outside the timed interval)
+            if key == "one":
+                t_one.append(statistics.median(times))
+            else:
+                runs[key]["times"].append(statistics.median(times))
+                runs[key]["cpu"].append(statistics.median(cpus))
+    cpu = {m: dist.gather_objects(statistics.median(r["cpu"])) for m, r in runs.items()}
     if not dist.is_main():
         return {}
-    t1 = statistics.median(times["one_process"])
+    cores = len(os.sched_getaffinity(0))
+    t1 = statistics.median(t_one)
     out = {}
-    for m in micro_counts:
-        tm = [x for x in times[f"m{m}"]]
+    for m, r in runs.items():
+        tm = r["times"]
         bub = [1 - t1 / (p * x) for x in tm]
-        out[str(m)] = {"step_ms": round(1e3 * statistics.median(tm), 2), "bubble": round(statistics.median(bub), 3),
+        fr = stage_fractions([x for ranks in r["trainer"].timeline.gathered for x in ranks])
+        out[str(m)] = {"step_ms": round(1e3 * statistics.median(tm), 1), "step_ms_min": round(1e3 * min(tm), 1),
+                       "step_ms_max": round(1e3 * max(tm), 1), "bubble": round(statistics.median(bub), 3),
                        "bubble_min": round(min(bub), 3), "bubble_max": round(max(bub), 3),
-                       "theory_1f1b": round((p - 1) / (m + p - 1), 3)}
-    return {"one_process_ms": round(1e3 * t1, 2), "micro_batches": out}
+                       "theory_1f1b": round((p - 1) / (m + p - 1), 3),
+                       "cpu_bound_ms": round(1e3 * sum(cpu[m]) / cores, 1),
+                       "stages": {str(s): {"idle_ms": round(f["idle_ms"], 1), "idle_1f1b_ms": round(f["idle_1f1b_ms"], 1),
+                                           "idle_vs_1f1b": round(f["idle_ms"] / f["idle_1f1b_ms"], 3) if f["idle_1f1b_ms"] > 0 else None,
+                                           "compute_ms": round(f["compute_ms"], 1), "comm": round(f["comm"], 4),
+                                           "wait": round(f["wait"], 4), "gap": round(f["gap"], 4),
+                                           "recorded": round(f["busy_ms"] / f["step_ms"], 4)}
+                                  for s, f in sorted(fr.items())}}
+    medians = [out[str(m)]["step_ms"] for m in micro_counts]
+    return {"pp": p, "cores": cores, "one_process_ms": round(1e3 * t1, 2), "micro_batches": out,
+            "non_increasing": all(b <= a for a, b in zip(medians, medians[1:]))}
 
 
 # ----------------------------------------------------------------------------- context parallelism
@@ -830,13 +881,7 @@ def markdown(res: dict) -> str:
                   f"{r['korthikanti_ratio']['tp2_with_scores']} | {r['korthikanti_ratio']['tp2_sp']}; "
                   f"{r['korthikanti_ratio']['tp2_sp_with_scores']} |", ""]
     if "pipeline" in res:
-        r = res["pipeline"]
-        lines += [f"pp=2, one global batch; one process: {r['one_process_ms']} ms", "",
-                  "| micro-batches m | step ms | bubble (min-max) | 1F1B theory |", "|---|---|---|---|"]
-        for m, row in r["micro_batches"].items():
-            lines.append(f"| {m} | {row['step_ms']} | {row['bubble']} ({row['bubble_min']}-{row['bubble_max']}) | "
-                         f"{row['theory_1f1b']} |")
-        lines.append("")
+        lines += _pipeline_markdown(res["pipeline"])
     if "tokens" in res:
         lines += ["| tokens | vitp ms | plain ms | vitp / plain |", "|---|---|---|---|"]
         for n, r in res["tokens"].items():
@@ -845,6 +890,26 @@ def markdown(res: dict) -> str:
     if "cp" in res:
         lines += _cp_markdown(res["cp"])
     return "\n".join(lines)
+
+
+def _pipeline_markdown(res: dict) -> list:
+    """The table of the ``pipeline`` section: per pp and m, step time, derived bubble, and per stage
+    the timeline's idle time against 1F1B with the measured stage compute."""
+    lines = []
+    for r in res.values():
+        p = r["pp"]
+        lines += [f"pp={p}, one global batch; one process: {r['one_process_ms']} ms; {r['cores']} cores; step time "
+                  f"non-increasing in m: {'yes' if r['non_increasing'] else 'NO'}", "",
+                  "| m | step ms (min-max) | bubble (min-max) | 1F1B theory | per stage: idle ms / 1F1B idle ms = ratio "
+                  "| CPU-bound ms |", "|---|---|---|---|---|---|"]
+        for m, row in r["micro_batches"].items():
+            stages = "; ".join(f"{s}: {x['idle_ms']:.0f} / {x['idle_1f1b_ms']:.0f} = {x['idle_vs_1f1b']}"
+                               for s, x in row["stages"].items())
+            lines.append(f"| {m} | {row['step_ms']} ({row['step_ms_min']}-{row['step_ms_max']}) | {row['bubble']} "
+                         f"({row['bubble_min']}-{row['bubble_max']}) | {row['theory_1f1b']} | {stages} | "
+                         f"{row['cpu_bound_ms']} |")
+        lines.append("")
+    return lines
 
 
 def _cp_markdown(r: dict) -> list:
@@ -916,8 +981,8 @@ def run_section(name: str, args, sizes, tmp: str):
     if "activations" in sections:
         res["activations"] = run_group(2, activations_worker, sizes[-1])
     if "pipeline" in sections:
-        counts = (1, 2) if args.quick else (1, 2, 4, 8)
-        res["pipeline"] = run_group(2, pipeline_worker, sizes[-1], counts, reps, steps, tmp)
+        counts, pps = ((1, 2), (2,)) if args.quick else ((1, 2, 4, 8), (2, 3))
+        res["pipeline"] = {f"pp{pp}": run_group(pp, pipeline_worker, sizes[-1], counts, reps, steps, tmp) for pp in pps}
     if "tokens" in sections:
         res["tokens"] = run_group(1, tokens_worker, "tiny" if args.quick else "demo",
                                   (8,) if args.quick else (8, 16, 32), reps, steps, tmp)

@@ -122,8 +122,13 @@ def test_bench_quick(tmp_path):
     assert len(res["memory"]["ranks"]) == 4
     act = res["activations"]["ratio_vs_tp1"]
     assert 0 < act["tp2_sp"] < act["tp2"] < 1
-    assert set(res["pipeline"]["micro_batches"]) == {"1", "2"} and res["tokens"]["16"]["vitp_ms"] > 0
-    assert "vitp / plain" in md and "1F1B theory" in md
+    pipe = res["pipeline"]["pp2"]
+    assert set(pipe["micro_batches"]) == {"1", "2"} and res["tokens"]["16"]["vitp_ms"] > 0
+    for m, row in pipe["micro_batches"].items():  # every stage's idle time set against 1F1B from the timeline
+        assert set(row["stages"]) == {"0", "1"} and row["cpu_bound_ms"] > 0, row
+        for st in row["stages"].values():
+            assert st["idle_1f1b_ms"] > 0 and st["idle_ms"] > 0 and 0.5 < st["recorded"] <= 1.0, row
+    assert "vitp / plain" in md and "1F1B theory" in md and "1F1B idle ms" in md
 
 
 @pytest.mark.slow

@@ -14,12 +14,15 @@ per-stage fractions of that step (:func:`stage_fractions`) and, after step ``b``
 What is measured: host wall time, ``time.perf_counter`` before and after each instruction. On
 CUDA the wrapper synchronizes the device before and after each instruction while recording, so an
 interval holds the instruction's kernels (profiled steps run without CPU/GPU overlap between
-instructions; unprofiled steps are unchanged). DeepSpeed's sends and receives are blocking: the
-time a stage waits for its peer is inside ``RecvActivation`` / ``RecvGrad`` / ``Send*``, so the
-pipeline bubble shows as communication ("p2p"), not as idle. Idle is the rest of the step:
-Python between instructions, building the schedule, the loss broadcast at the end of
-``train_batch``. Across ranks, events are placed on one time axis by each rank's
-``time.time() - time.perf_counter()`` offset (system clocks: exact on one host, NTP-close across hosts).
+instructions; unprofiled steps are unchanged). DeepSpeed's sends and receives are blocking, and the
+clipping norm inside ``OptimizerStep`` is a collective over the stages: the time a rank waits for
+its peer sits inside those instructions. Rank 0 splits it off (:func:`wait_times`, from the
+peers' events on one time axis) and counts it as idle, with the time outside every instruction
+(Python between instructions, building the schedule, the loss broadcast at the end of
+``train_batch``); so the idle time of a stage is the pipeline bubble and can be set against
+1F1B's (:func:`stage_fractions`). Across ranks, events are placed on one time axis by each rank's
+``time.time() - time.perf_counter()`` offset (system clocks: exact on one host, NTP-close across
+hosts; across hosts the split is as good as the clocks).
 
 Nothing runs when ``trainer.profile_steps`` is empty (no wrapper is installed), and the wrappers
 draw no random numbers: losses are unchanged (``tests/distributed/test_timeline.py``).
@@ -45,7 +48,7 @@ log = logging.getLogger("vitp")
 CATEGORY = {"LoadMicroBatch": "compute", "ForwardPass": "compute", "BackwardPass": "compute",
             "SendActivation": "p2p", "RecvActivation": "p2p", "SendGrad": "p2p", "RecvGrad": "p2p",
             "ReduceTiedGrads": "reduce", "ReduceGrads": "reduce", "OptimizerStep": "optimizer"}
-FRACTIONS = ("compute", "comm", "optimizer", "idle")  # these add up to 1 per stage and step
+FRACTIONS = ("compute", "comm", "optimizer", "idle")  # these add up to 1 per stage and step; idle = wait + gap
 
 
 def _event(name: str, start_s: float, end_s: float, **args: Any) -> Dict[str, Any]:
@@ -141,46 +144,128 @@ class Timeline:
         total = stage_fractions(list(per_rank.values()))
         for stage, f in sorted(total.items()):
             log.info("timeline steps %d-%d stage %d: compute %.3f, comm %.3f (p2p %.3f, reduce %.3f), optimizer "
-                     "%.3f, idle %.3f of %.1f ms per step (recorded intervals %.1f ms = %.3f of the step); %s",
+                     "%.3f, idle %.3f (waiting for other ranks %.3f, between instructions %.3f) of %.1f ms per step; "
+                     "idle %.1f ms per step, 1F1B with these stages' compute: %.1f ms (m=%g); %s",
                      self.first, self.last, stage, f["compute"], f["comm"], f["p2p"], f["reduce"], f["optimizer"],
-                     f["idle"], f["step_ms"], f["busy_ms"], f["busy_ms"] / f["step_ms"], path)
+                     f["idle"], f["wait"], f["gap"], f["step_ms"], f["idle_ms"], f.get("idle_1f1b_ms", 0.0),
+                     f["micro_batches"], path)
+
+
+# the peer instruction that completes a point-to-point transfer: (peer kind, stage offset of the peer)
+P2P_PEER = {"SendActivation": ("RecvActivation", 1), "RecvActivation": ("SendActivation", -1),
+            "SendGrad": ("RecvGrad", -1), "RecvGrad": ("SendGrad", 1)}
+# collectives inside an instruction and the ranks they wait for: the stage's ranks (the TP-partial
+# sum, tied and data-parallel gradient reductions) or every rank (the grad norm of clipping)
+COLLECTIVE_GROUP = {"ReduceTiedGrads": "stage", "ReduceGrads": "stage", "OptimizerStep": "all"}
+
+
+def _absolute(ranks: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Every rank's events with ``start`` / ``end`` on one clock (epoch seconds, via the rank's offset)."""
+    out = []
+    for r in ranks:
+        evs = [dict(e, start=e["start"] + r["offset"], end=e["end"] + r["offset"]) for e in r["events"]]
+        out.append({"coords": r["coords"], "events": evs})
+    return out
+
+
+def wait_times(ranks: List[Dict[str, Any]]) -> List[List[float]]:
+    """Per rank and event (same order as ``ranks[i]["events"]``): seconds of the interval spent
+    waiting for another rank, estimated from the peers' events on the common clock.
+
+    A send or receive waits until its peer posts the matching instruction (the same micro-batch
+    index, the neighbour stage with the same tp / cp / dp coordinates): ``wait = min(dur, max(0,
+    peer start - own start))``; the rest is the transfer. DeepSpeed's p2p is blocking, and gloo's
+    and NCCL's sends rendezvous with the receive, so the sender waits too. A collective instruction
+    waits for the last rank of its group to arrive (:data:`COLLECTIVE_GROUP`: ``wait = min(dur,
+    max(0, latest start in the group - own start))``, over the same step). Events without a
+    recorded peer (a trace of some ranks only) count no wait."""
+    ranks = _absolute(ranks)
+    index: Dict[tuple, float] = {}  # (rank key, name, step, micro-batch) -> start
+    latest: Dict[tuple, float] = defaultdict(lambda: float("-inf"))  # (group key, name, step) -> latest start
+    for r in ranks:
+        c = r["coords"]
+        for e in r["events"]:
+            a = e["args"]
+            if e["name"] in P2P_PEER:
+                index[(c["stage"], c["tp"], c["cp"], c["dp"], e["name"], a["step"], a.get("micro_batch"))] = e["start"]
+            if e["name"] in COLLECTIVE_GROUP:
+                g = c["stage"] if COLLECTIVE_GROUP[e["name"]] == "stage" else None
+                latest[(g, e["name"], a["step"])] = max(latest[(g, e["name"], a["step"])], e["start"])
+    out = []
+    for r in ranks:
+        c, waits = r["coords"], []
+        for e in r["events"]:
+            a, dur, peer_start = e["args"], e["end"] - e["start"], None
+            if e["name"] in P2P_PEER:
+                kind, off = P2P_PEER[e["name"]]
+                peer_start = index.get((c["stage"] + off, c["tp"], c["cp"], c["dp"], kind, a["step"], a.get("micro_batch")))
+            elif e["name"] in COLLECTIVE_GROUP:
+                g = c["stage"] if COLLECTIVE_GROUP[e["name"]] == "stage" else None
+                peer_start = latest[(g, e["name"], a["step"])]
+            waits.append(min(dur, max(0.0, peer_start - e["start"])) if peer_start is not None else 0.0)
+        out.append(waits)
+    return out
 
 
 def stage_fractions(ranks: List[Dict[str, Any]]) -> Dict[int, Dict[str, float]]:
     """Per pipeline stage, over its ranks and the recorded steps: the mean step wall time
     ``step_ms`` and sum of instruction intervals per step ``busy_ms`` (milliseconds), and the
-    fractions of the summed step time spent in ``compute`` (load, forward, backward), ``comm`` = ``p2p`` (sends and
-    receives, waiting for the peer included) + ``reduce`` (tied and data-parallel gradient
-    reductions), ``optimizer``, and ``idle`` = 1 - the others (time outside every instruction).
-    ``compute + comm + optimizer + idle = 1``. ``ranks``: per rank ``{"coords", "events"}``
-    (:meth:`Timeline.end`)."""
+    fractions of the summed step time spent in ``compute`` (load, forward, backward), ``comm`` =
+    ``p2p`` (sends and receives) + ``reduce`` (tied and data-parallel gradient reductions),
+    ``optimizer``, and ``idle`` = ``wait`` (inside a transfer or collective, waiting for another
+    rank to arrive: :func:`wait_times`) + ``gap`` (outside every instruction: Python between
+    instructions, the schedule's set-up, the loss broadcast at the end). ``p2p``, ``reduce`` and
+    ``optimizer`` exclude the waits. ``compute + comm + optimizer + idle = 1``.
+
+    Against the 1F1B schedule: ``micro_batches`` (m, forward passes per step on the stage),
+    ``compute_ms`` (per step), ``idle_ms`` (per step) and ``idle_1f1b_ms``, the idle time 1F1B
+    leaves this stage given every stage's measured work: with ``t_s`` the stage's compute and
+    transfers (waits excluded) per micro-batch, the pipeline lasts ``(m - 1) max_s t_s + sum_s t_s`` (fill, steady state at the
+    slowest stage's pace, drain; Narayanan et al. 2021, §2.2.1), of which stage ``s`` computes
+    ``m t_s``; for equal stages ``(p - 1) t`` per step, the bubble ``(p - 1) / (m + p - 1)``.
+    ``ranks``: per rank ``{"coords", "offset", "events"}`` (:meth:`Timeline.end`)."""
     sums: Dict[int, Dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for r in ranks:
-        stage = r["coords"]["stage"]
-        for e in r["events"]:
+    for r, waits in zip(ranks, wait_times(ranks)):
+        s = sums[r["coords"]["stage"]]
+        s["ranks"] += 1
+        for e, wait in zip(r["events"], waits):
             dur = (e["end"] - e["start"]) * 1e3
-            key = "step_ms" if e["name"] == "step" else CATEGORY[e["name"]]
-            sums[stage][key] += dur
-            if key != "step_ms":
-                sums[stage]["busy_ms"] += dur
-        sums[stage]["steps"] += sum(e["name"] == "step" for e in r["events"])
+            if e["name"] == "step":
+                s["step_ms"] += dur
+                s["steps"] += 1
+                continue
+            s[CATEGORY[e["name"]]] += dur - wait * 1e3
+            s["wait"] += wait * 1e3
+            s["busy_ms"] += dur
+            s["forwards"] += e["name"] == "ForwardPass"
     out = {}
     for stage, s in sums.items():
         wall = s["step_ms"]
-        f = {k: s[k] / wall for k in ("compute", "p2p", "reduce", "optimizer")}
+        f = {k: s[k] / wall for k in ("compute", "p2p", "reduce", "optimizer", "wait")}
         f["comm"] = f["p2p"] + f["reduce"]
-        f["idle"] = 1.0 - f["compute"] - f["comm"] - f["optimizer"]
+        f["gap"] = 1.0 - s["busy_ms"] / wall
+        f["idle"] = f["wait"] + f["gap"]
         f["step_ms"], f["busy_ms"] = wall / s["steps"], s["busy_ms"] / s["steps"]
+        f["micro_batches"] = s["forwards"] / s["steps"]
+        f["compute_ms"], f["idle_ms"] = s["compute"] / s["steps"], f["idle"] * wall / s["steps"]
         out[stage] = f
+    # a stage's time per micro-batch: its compute and its own transfers (the planner's micro_s)
+    per_micro = {st: (f["compute_ms"] + f["p2p"] * f["step_ms"]) / f["micro_batches"]
+                 for st, f in out.items() if f["micro_batches"]}
+    for st, f in out.items():
+        m = f["micro_batches"]
+        if per_micro and m:
+            pipeline = (m - 1) * max(per_micro.values()) + sum(per_micro.values())
+            f["idle_1f1b_ms"] = pipeline - m * per_micro[st]
     return out
 
 
 def stage_metrics(fractions: Dict[int, Dict[str, float]]) -> Dict[str, float]:
-    """``profile/stage{s}_{compute,comm,p2p,reduce,optimizer,idle}`` (fractions of the step),
-    ``profile/stage{s}_step_ms`` and ``profile/stage{s}_busy_ms`` (milliseconds) of
+    """``profile/stage{s}_{compute,comm,p2p,reduce,optimizer,idle,wait,gap}`` (fractions of the
+    step), ``profile/stage{s}_{step_ms,busy_ms,idle_ms,idle_1f1b_ms}`` (milliseconds per step) of
     :func:`stage_fractions`."""
-    keys = (*FRACTIONS, "p2p", "reduce", "step_ms", "busy_ms")
-    return {f"profile/stage{s}_{k}": f[k] for s, f in sorted(fractions.items()) for k in keys}
+    keys = (*FRACTIONS, "p2p", "reduce", "wait", "gap", "step_ms", "busy_ms", "idle_ms", "idle_1f1b_ms")
+    return {f"profile/stage{s}_{k}": f[k] for s, f in sorted(fractions.items()) for k in keys if k in f}
 
 
 def chrome_trace(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
