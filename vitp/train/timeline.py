@@ -145,7 +145,7 @@ class Timeline:
         for stage, f in sorted(total.items()):
             log.info("timeline steps %d-%d stage %d: compute %.3f, comm %.3f (p2p %.3f, reduce %.3f), optimizer "
                      "%.3f, idle %.3f (waiting for other ranks %.3f, between instructions %.3f) of %.1f ms per step; "
-                     "idle %.1f ms per step, 1F1B with these stages' compute: %.1f ms (m=%g); %s",
+                     "idle %.1f ms per step, 1F1B with these stages' work: %.1f ms (m=%g); %s",
                      self.first, self.last, stage, f["compute"], f["comm"], f["p2p"], f["reduce"], f["optimizer"],
                      f["idle"], f["wait"], f["gap"], f["step_ms"], f["idle_ms"], f.get("idle_1f1b_ms", 0.0),
                      f["micro_batches"], path)
