@@ -29,16 +29,21 @@ too), and vitp's optimizer step: :class:`vitp.train.engine.ExactClipAdamW` (torc
 parameter groups, clipping by the exact global grad norm, its square all-reduced over the pp
 ranks), then ``zero_grad``.
 
-Timing: after 2 untimed steps of each (the first gives the parity numbers below), ``reps``
+Timing: after 3 untimed steps of each (they give the parity numbers below), ``reps``
 repetitions of ``steps`` steps of each variant in turn (A, B, C; the order rotated each
 repetition as in ``scripts/bench.py``), a ``torch.distributed.barrier()`` before each step; a
 step's time is the maximum over ranks; per repetition the median of its steps; reported: the
 median over repetitions and its min-max, and the median (min-max) over repetitions of the ratio
 to (a).
 
-Parity (first step, on the same initial weights): each variant's loss, the max abs difference to
-(a) of the initial weights, of every gradient before clipping, of the global grad norm and of
-every weight after step 1 (parameters matched by their DeepSpeed name ``<layer index>.<name>``).
+Parity (the 3 untimed steps, from the same initial weights): each variant's losses, and against
+(a) the max abs difference of the initial weights, per step of every gradient before clipping
+(step 1 alone would check little: the generator's output layer and adaLN gates start at zero, so
+only the output layer has a gradient at step 1 and nothing flows back across the stages; from
+step 2 on gradients cross them), the relative difference of the loss and the global grad norm,
+and the max abs difference of every weight after step 3 (parameters matched by their DeepSpeed
+name ``<layer index>.<name>``). The weights alone would hide a gradient scale error: Adam's
+update barely depends on the gradients' scale.
 """
 from __future__ import annotations
 
@@ -57,12 +62,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import Variant, compose, run_group  # noqa: E402
+from bench import SIZES, Variant, compose, run_group  # noqa: E402
 
 NAMES = ("deepspeed_1f1b", "torch_1f1b", "torch_interleaved_1f1b")
 LABELS = {"deepspeed_1f1b": "(a) vitp / DeepSpeed 1F1B", "torch_1f1b": "(b) torch Schedule1F1B",
           "torch_interleaved_1f1b": "(c) torch ScheduleInterleaved1F1B, 2 virtual stages"}
 VIRTUAL = 2  # virtual stages (model chunks) per rank of (c)
+PARITY_STEPS = 3  # untimed first steps of each variant whose gradients, losses and weights are compared
 
 
 # ----------------------------------------------------------------------------- model chunks
@@ -94,15 +100,16 @@ def build_layers(cfg, indices) -> dict:
     """``{i: layer i}`` for ``i`` in ``indices``: the pipeline adapters of
     :mod:`vitp.pipeline.stages` over :func:`vitp.models.layer_specs`, layer ``i`` built right after
     ``seed_layer(cfg.seed + i)`` (DeepSpeed's ``seed_layers=True``), so the weights equal DeepSpeed's."""
-    from vitp.models import layer_specs, seed_layer
-    from vitp.pipeline.stages import _PIPE
+    from vitp.models import Block, Embed, FinalLayer, layer_specs, seed_layer
+    from vitp.pipeline.stages import BlockPipe, EmbedPipe, FinalPipe
     from vitp.utils import to_dict
 
+    adapter = {Embed: EmbedPipe, Block: BlockPipe, FinalLayer: FinalPipe}  # as build_pipeline's LayerSpecs
     out = {}
     for i, (cls, kw) in enumerate(layer_specs(**to_dict(cfg.model))):
         if i in indices:
             seed_layer(cfg.seed + i)
-            out[i] = _PIPE[cls](**kw)
+            out[i] = adapter[cls](**kw)
     return out
 
 
@@ -125,30 +132,28 @@ def _snapshot(named, grads: bool) -> dict:
 
 
 class Recorder:
-    """First-step parity records of one variant on this rank: initial weights, gradients before
-    clipping and the global grad norm (hooked into ``optimizer.step`` once), weights after step 1."""
+    """Parity records of one variant on this rank over its first :data:`PARITY_STEPS` steps:
+    initial weights; at every optimizer step (``optimizer.step`` hooked until :meth:`finish`) the
+    gradients before clipping and the global grad norm; the weights after the last of them."""
 
     def __init__(self, named_params, optimizer):
         self.named = list(named_params)
         self.init = _snapshot(self.named, grads=False)
-        self.grads = self.after = self.norm = None
-        opt, orig = optimizer, optimizer.step
+        self.grads, self.norms, self.after = [], [], None
+        self.opt, orig = optimizer, optimizer.step
 
-        def first_step(closure=None):
+        def recorded_step(closure=None):
             from vitp.parallel.grads import global_grad_norm
 
-            self.grads = _snapshot(self.named, grads=True)
-            self.norm = global_grad_norm([p for _, p in self.named], 0)
-            del opt.step  # back to the class's step
+            self.grads.append(_snapshot(self.named, grads=True))
+            self.norms.append(global_grad_norm([p for _, p in self.named], 0))  # all-reduced over the pp ranks
             return orig(closure)
 
-        opt.step = first_step
+        optimizer.step = recorded_step
 
     def finish(self) -> None:
+        del self.opt.step  # back to the class's step
         self.after = _snapshot(self.named, grads=False)
-
-    def records(self) -> dict:
-        return {"init": self.init, "grads": self.grads, "after": self.after, "norm": self.norm}
 
 
 def deepspeed_variant(cfg, run_dir: str):
@@ -229,7 +234,7 @@ def torch_variant(name: str, cfg, micro, chunks: dict, interleaved: bool):
 
     def step():
         losses = [] if last else None
-        sched.step(**kw, losses=losses)
+        sched.step(**kw, losses=losses, return_outputs=False)  # DeepSpeed keeps no merged output either
         mean = torch.stack([x.detach() for x in losses]).mean() if last else torch.zeros(())
         tdist.broadcast(mean, src=last_rank)
         opt.step()
@@ -273,34 +278,60 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def parity(recs: dict) -> dict:
-    """Max abs differences of every variant's first-step records to (a)'s (records of all ranks
-    gathered on rank 0); ``{}`` on the other ranks."""
+def _gather_kind(recs: dict, kind: str):
+    """``{variant: {parameter name: tensor}}`` of one record kind of every rank, on rank 0 (else None)."""
     import torch.distributed as tdist
 
-    mine = {n: r.records() for n, r in recs.items()}
     out = [None] * tdist.get_world_size() if tdist.get_rank() == 0 else None
-    tdist.gather_object(mine, out, dst=0)
+    pick = (lambda r: r.grads[int(kind.split(".")[1])]) if kind.startswith("grads.") else (lambda r: getattr(r, kind))
+    tdist.gather_object({n: pick(r) for n, r in recs.items()}, out, dst=0)
     if out is None:
-        return {}
-    merged = {n: {k: {} for k in ("init", "grads", "after")} for n in recs}
+        return None
+    merged = {n: {} for n in recs}
     for rk in out:
-        for n, r in rk.items():
-            for k in merged[n]:
-                dup = set(merged[n][k]) & set(r[k])
-                if dup:
-                    raise RuntimeError(f"{n}: parameters on two ranks: {sorted(dup)[:4]}")
-                merged[n][k].update(r[k])
-    norms = {n: out[0][n]["norm"] for n in recs}
-    a = merged[NAMES[0]]
-    res = {"grad_norm": norms}
+        for n, d in rk.items():
+            dup = set(merged[n]) & set(d)
+            if dup:
+                raise RuntimeError(f"{n}: parameters on two ranks: {sorted(dup)[:4]}")
+            merged[n].update(d)
+    return merged
+
+
+def parity(recs: dict, losses: dict) -> dict:
+    """Differences of every variant's records (:class:`Recorder`) to (a)'s, gathered on rank 0 one
+    kind at a time (the large model's weights are ~64 MB per copy): max abs difference of the
+    initial weights, per step of the gradients before clipping (with (a)'s largest gradient and how
+    many parameters have a non-zero gradient: at step 1 only the zero-initialised output layer
+    does, adaLN-zero), relative difference of the grad norm and of the loss, and max abs difference
+    of the weights after the last step. ``{}`` on the other ranks."""
+    import torch.distributed as tdist
+
+    if tdist.get_rank() != 0:
+        for kind in ("init", *(f"grads.{i}" for i in range(PARITY_STEPS)), "after"):
+            _gather_kind(recs, kind)
+        return {}
+    a0 = NAMES[0]
+    res = {n: {"losses": losses[n], "grad_norms": recs[n].norms} for n in recs}
     for n in NAMES[1:]:
-        res[n] = {"params": len(merged[n]["init"]),
-                  "init_weights_max_abs_diff": _max_diff(merged[n]["init"], a["init"]),
-                  "grads_max_abs_diff": _max_diff(merged[n]["grads"], a["grads"]),
-                  "grad_max_abs": max(float(g.abs().max()) for g in a["grads"].values()),
-                  "grad_norm_rel_diff": abs(norms[n] - norms[NAMES[0]]) / norms[NAMES[0]],
-                  "weights_after_step1_max_abs_diff": _max_diff(merged[n]["after"], a["after"])}
+        res[n]["steps"] = [{"loss_rel_diff": abs(losses[n][i] - losses[a0][i]) / abs(losses[a0][i]),
+                            "grad_norm_rel_diff": abs(recs[n].norms[i] - recs[a0].norms[i]) / recs[a0].norms[i]}
+                           for i in range(PARITY_STEPS)]
+    for kind in ("init", *(f"grads.{i}" for i in range(PARITY_STEPS)), "after"):
+        merged = _gather_kind(recs, kind)
+        a = merged[a0]
+        for n in NAMES[1:]:
+            row = res[n]
+            if kind == "init":
+                row["params"] = len(merged[n])
+                row["init_weights_max_abs_diff"] = _max_diff(merged[n], a)
+            elif kind == "after":
+                row["weights_after_max_abs_diff"] = _max_diff(merged[n], a)
+            else:
+                st = row["steps"][int(kind.split(".")[1])]
+                st["grads_max_abs_diff"] = _max_diff(merged[n], a)
+                st["grad_max_abs"] = max(float(g.abs().max()) for g in a.values())
+                st["params_nonzero_grad"] = sum(1 for g in a.values() if bool(g.any()))
+        del merged, a
     return res
 
 
@@ -341,15 +372,16 @@ def schedule_worker(size: str, extra, micro_counts, reps: int, steps: int, tmp: 
                                  {s: build_layers(cfg, range(iparts[s], iparts[s + 1])) for s in mine},
                                  interleaved=True)
         variants, recs = [a, b, c], {NAMES[0]: rec_a, NAMES[1]: rec_b, NAMES[2]: rec_c}
-        for v in variants:  # step 1 (parity) and a second untimed warm-up step
+        losses = {}
+        for v in variants:  # PARITY_STEPS untimed steps of each (the parity records; warm-up)
             tdist.barrier()
-            v.first_loss = v.step()
-            v.tidy()
+            losses[v.name] = []
+            for _ in range(PARITY_STEPS):
+                losses[v.name].append(v.step())
+                v.tidy()
+            v.first_loss = losses[v.name][0]
             recs[v.name].finish()
-        par = parity(recs)
-        for v in variants:
-            v.step()
-            v.tidy()
+        par = parity(recs, losses)
         times = time_variants(variants, reps, steps)
         tdist.barrier()
         if dist.is_main():
@@ -367,12 +399,13 @@ def schedule_worker(size: str, extra, micro_counts, reps: int, steps: int, tmp: 
             tr.batches.close()  # the trainer's data loader
     if not dist.is_main():
         return {}
-    return results
+    return {"model": model_description(size, extra), "micro_batches": results}
 
 
 # ----------------------------------------------------------------------------- report
 
 def model_description(size: str, extra) -> dict:
+    """The measured model's sizes (width, depth, heads, tokens ``N``, global batch, image ``CxHxW``)."""
     cfg = compose(size, extra)
     m, d = cfg.model, cfg.data
     from vitp.models import num_tokens
@@ -388,7 +421,7 @@ def markdown(res: dict) -> str:
     md = res["model"]
     lines = [f"`python scripts/bench_schedule.py {res['argv']}` ({res['when']}, {res['cores']} cores): pp={res['pp']}, "
              f"model width {md['width']}, depth {md['depth']}, {md['heads']} heads, {md['tokens']} tokens, global batch "
-             f"{md['global_batch']}, {md['precision']}; {res['reps']} interleaved repetitions of {res['steps']} steps; "
+             f"{md['global_batch']}, {md['precision']}; {res['reps']} interleaved repetition(s) of {res['steps']} step(s); "
              "step = forward + backward of all micro-batches + loss broadcast + vitp's AdamW step with exact global "
              "grad-norm clipping; a step's time is its max over ranks; median over repetitions (min-max).", "",
              "| m | variant | step ms median (min-max) | ratio to (a) (min-max) | first loss |", "|---|---|---|---|---|"]
@@ -397,15 +430,21 @@ def markdown(res: dict) -> str:
             t = r["times"][n]
             lines.append(f"| {m} | {LABELS[n]} | {t['step_ms']:.1f} ({t['step_ms_min']:.1f}-{t['step_ms_max']:.1f}) | "
                          f"{t['ratio']:.3f} ({t['ratio_min']:.3f}-{t['ratio_max']:.3f}) | {r['first_loss'][n]:.7g} |")
-    lines += ["", "Parity with (a) after the first step (max abs difference over all parameters; blocks per rank):", "",
-              "| m | variant | blocks per rank | init weights | gradients (max abs grad) | grad norm rel. diff | "
-              "weights after step 1 |", "|---|---|---|---|---|---|---|"]
+    lines += ["", f"Parity with (a) over the first {PARITY_STEPS} (untimed) steps: max abs difference over all parameters "
+              "of the initial weights, per step of the gradients before clipping (in brackets: (a)'s largest "
+              "gradient / parameters with a non-zero gradient), largest relative difference of the loss and of "
+              f"the grad norm over the steps, weights after step {PARITY_STEPS}:", "",
+              "| m | variant | blocks per rank | init weights | gradients per step | loss rel. diff | "
+              "grad norm rel. diff | weights after |", "|---|---|---|---|---|---|---|---|"]
     for m, r in res["micro_batches"].items():
         for n in NAMES[1:]:
             p = r["parity"][n]
+            grads = "; ".join(f"{st['grads_max_abs_diff']:.3g} ({st['grad_max_abs']:.3g} / {st['params_nonzero_grad']}"
+                              f" of {p['params']})" for st in p["steps"])
             lines.append(f"| {m} | {LABELS[n]} | {r['blocks_per_rank'][n]} | {p['init_weights_max_abs_diff']:.3g} | "
-                         f"{p['grads_max_abs_diff']:.3g} ({p['grad_max_abs']:.3g}) | {p['grad_norm_rel_diff']:.3g} | "
-                         f"{p['weights_after_step1_max_abs_diff']:.3g} |")
+                         f"{grads} | {max(st['loss_rel_diff'] for st in p['steps']):.3g} | "
+                         f"{max(st['grad_norm_rel_diff'] for st in p['steps']):.3g} | "
+                         f"{p['weights_after_max_abs_diff']:.3g} |")
     return "\n".join(lines) + "\n"
 
 
@@ -427,11 +466,16 @@ def main(argv=None) -> None:
     counts = [int(x) for x in (args.micro_batches or ("2,4" if args.quick else "4,8")).split(",")]
     reps = args.reps or (1 if args.quick else 5)
     size, extra = ("tiny", [f"model.depth={VIRTUAL * args.pp}"]) if args.quick else ("large", [])
+    gb = int(next(o for o in SIZES[size] if o.startswith("trainer.global_batch_size=")).split("=")[1])
+    bad = [m for m in counts if m < args.pp or gb % m]
+    if bad:
+        raise SystemExit(f"--micro-batches {bad}: each m must divide the global batch {gb} and be at least --pp "
+                         f"{args.pp} (torch's Schedule1F1B requires m >= its number of stages)")
     with tempfile.TemporaryDirectory(prefix="vitp-bench-schedule-") as tmp:
         res = run_group(args.pp, schedule_worker, size, extra, counts, reps, args.steps, tmp)
-    res = {"pp": args.pp, "model": model_description(size, extra), "quick": args.quick, "reps": reps,
-           "steps": args.steps, "cores": len(os.sched_getaffinity(0)), "when": time.strftime("%Y-%m-%d %H:%M"),
-           "argv": " ".join(sys.argv[1:] if argv is None else argv), "micro_batches": res}
+    res = {"pp": args.pp, "model": res["model"], "quick": args.quick, "reps": reps, "steps": args.steps,
+           "cores": len(os.sched_getaffinity(0)), "when": time.strftime("%Y-%m-%d %H:%M"),
+           "argv": " ".join(sys.argv[1:] if argv is None else argv), "micro_batches": res["micro_batches"]}
     text = markdown(res)
     print(json.dumps(res, indent=1))
     print(text)
