@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.fixtures.record_reference import write_perturbed
-from tests.helpers import PERTURBED, TP2PP2, reference_rank, run_ranks
+from tests.helpers import PERTURBED, TP2PP2, run_ranks, train_rank
 from vitp.pipeline import stage_blocks
 
 # from the perturbed export (non-zero adaLN gates): attention and MLP shape every loss
@@ -52,70 +52,40 @@ def _check(reference, run_dir, results):
     assert [x["loss"] for x in lines] == pytest.approx(ref["losses"], rel=1e-5)
 
 
-VIDEO = ["experiment=smoke", "trainer.max_steps=4", "model.depth=4", "data=synthetic", "data.channels=3",
-         "data.num_classes=4", "data.num_frames=6", "data.resolution=6", "data.synthetic_size=32",
-         "model.tubelet_size=2", "optim.grad_clip=0.2"]  # grid (3, 3, 3), N = 27
-VIDEO_MODES = {"a": ["model.attention=factorized"], "b": ["model.attention=full"]}
-PP2 = [*SMOKE, "parallel.pp=2", "trainer.global_batch_size=8"]
-
-
-@pytest.fixture(scope="module")
-def group_runs(tmp_path_factory):
-    """This module's runs at 2 and at 4 ranks, each world size's cases trained in turn in one process
-    group (a group start per world size instead of per case): ``(base dir, {case: per-rank results})``,
-    case ``name`` in ``base / name``; the video cases from the perturbed export ``base / video_init.safetensors``."""
-    base = tmp_path_factory.mktemp("groups")
-    write_perturbed(base / "video_init.safetensors", VIDEO)
-    video = [*VIDEO, f"trainer.init_from={base / 'video_init.safetensors'}", "parallel.tp=2", "parallel.pp=2",
-             "parallel.sequence_parallel=true"]
-    cases = {
-        2: {"layout_1_2_1": [*SMOKE, "parallel.tp=1", "parallel.pp=2"],
-            "micro_batch_4": [*PP2, "trainer.micro_batch_size=4"],
-            "micro_batch_2": [*PP2, "trainer.micro_batch_size=2"]},
-        4: {"layout_1_2_2": [*SMOKE, "parallel.tp=1", "parallel.pp=2", "parallel.activation_checkpoint_interval=1"],
-            "tp2pp2_ckpt": [*TP2PP2, "parallel.activation_checkpoint_interval=1", "eval.enabled=false"],
-            **{f"video_{m}": [*video, *extra] for m, extra in VIDEO_MODES.items()}},
-    }
-    out = {}
-    for world, group in cases.items():
-        res = run_ranks(world, reference_rank, group, str(base))
-        out.update({name: [r[name] for r in res] for name in group})
-    return base, out
-
-
 # (2, 1, 1) + SP and (2, 2, 1) are in test_reference.py, (2, 1, 2) and (1, 1, 2) in test_train.py,
-# tp=2 x pp=2 with dropout in test_checkpoint.py; (1, 2, 1) and (1, 2, 2) share group_runs' groups.
+# tp=2 x pp=2 with dropout in test_checkpoint.py.
 @pytest.mark.parametrize("tp,pp,dp,extra", [
     (1, 2, 1, []),
     (1, 2, 2, ["parallel.activation_checkpoint_interval=1"]),
     (2, 2, 2, ["parallel.sequence_parallel=true", "parallel.activation_checkpoint_interval=1"]),
 ])
-def test_layout_matches_single_process(reference, group_runs, tmp_path, tp, pp, dp, extra):
-    base, runs = group_runs
-    name = f"layout_{tp}_{pp}_{dp}"
-    if name in runs:
-        run, res = base / name, runs[name]
-    else:
-        run = tmp_path / "run"
-        over = [*SMOKE, f"parallel.tp={tp}", f"parallel.pp={pp}", *extra]
-        res = run_ranks(tp * pp * dp, _train_rank, over, str(run))
-    _check(reference, run, res)
+def test_layout_matches_single_process(reference, tmp_path, tp, pp, dp, extra):
+    run = tmp_path / "run"
+    over = [*SMOKE, f"parallel.tp={tp}", f"parallel.pp={pp}", *extra]
+    _check(reference, run, run_ranks(tp * pp * dp, _train_rank, over, str(run)))
     stages = json.loads((run / "stages.json").read_text())
     assert sorted({s["stage"] for s in stages}) == list(range(pp))
 
 
-def test_grad_norm_independent_of_micro_batch_split(group_runs):
+def _train_two(rank, over_a, over_b, run_dir):
+    return _train_rank(rank, over_a, run_dir + "/a"), _train_rank(rank, over_b, run_dir + "/b")
+
+
+def test_grad_norm_independent_of_micro_batch_split(tmp_path):
     """The same global batch of 8 as 2 micro-batches of 4 or 4 micro-batches of 2 (pp=2 x dp=1)."""
-    a, b = (group_runs[1][f"micro_batch_{m}"][0] for m in (4, 2))
+    base = [*SMOKE, "parallel.pp=2", "trainer.global_batch_size=8"]
+    (a, b), _ = run_ranks(2, _train_two, [*base, "trainer.micro_batch_size=4"],
+                          [*base, "trainer.micro_batch_size=2"], str(tmp_path))
     assert a["grad_norms"] == pytest.approx(b["grad_norms"], rel=1e-5)
     assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
 
 
-def test_activation_checkpointing_with_dropout_is_exact(tp2pp2_run, group_runs):
+def test_activation_checkpointing_with_dropout_is_exact(tp2pp2_run, tmp_path):
     """tp=2 x pp=2 with attention/projection dropout and drop-path: recomputation replays the
     default and the TP RNG streams, so every step equals the run without checkpointing."""
     _, plain = tp2pp2_run
-    ckpt = group_runs[1]["tp2pp2_ckpt"]
+    ckpt = run_ranks(4, train_rank, [*TP2PP2, "parallel.activation_checkpoint_interval=1", "eval.enabled=false"],
+                     str(tmp_path / "run"))
     for a, b in zip(ckpt, plain):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
         assert a["grad_norms"] == pytest.approx(b["grad_norms"], rel=1e-6)
@@ -131,24 +101,31 @@ def test_zero0_fp32_is_rejected_with_the_fix():
     assert validate_layout(cfg, world_size=2).pp == 2
 
 
-def test_video_tp2_pp2_sp_matches_single_process(group_runs, tmp_path):
+VIDEO = ["experiment=smoke", "trainer.max_steps=4", "model.depth=4", "data=synthetic", "data.channels=3",
+         "data.num_classes=4", "data.num_frames=6", "data.resolution=6", "data.synthetic_size=32",
+         "model.tubelet_size=2", "optim.grad_clip=0.2"]  # grid (3, 3, 3), N = 27
+
+
+def test_video_tp2_pp2_sp_matches_single_process(tmp_path):
     """Video model, factorized (spatial, temporal | spatial, temporal blocks over two stages) and
     full attention, N = 27 tokens padded to 28 under SP, at tp=2 x pp=2 + SP against 1 process,
     from perturbed weights (non-zero adaLN gates)."""
-    base, group = group_runs
-    init = f"trainer.init_from={base / 'video_init.safetensors'}"
-    refs = run_ranks(1, reference_rank, {m: [*VIDEO, init, *extra] for m, extra in VIDEO_MODES.items()},
-                     str(tmp_path / "ref"))[0]
-    for m in VIDEO_MODES:
-        ref = refs[m]
+    write_perturbed(tmp_path / "init.safetensors", VIDEO)
+    init = f"trainer.init_from={tmp_path / 'init.safetensors'}"
+    modes = ([*VIDEO, init, "model.attention=factorized"], [*VIDEO, init, "model.attention=full"])
+    refs = run_ranks(1, _train_two, *modes, str(tmp_path / "ref"))[0]
+    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
+    runs = run_ranks(4, _train_two, *[[*m, *layout] for m in modes], str(tmp_path / "run"))
+    for i, sub in enumerate("ab"):
+        ref = refs[i]
         assert max(ref["grad_norms"]) > 0.2  # clipping active
-        for r in group[f"video_{m}"]:
-            assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
-            assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
-        a = load_file(tmp_path / "ref" / m / "model.safetensors")
-        b = load_file(base / f"video_{m}" / "model.safetensors")
+        for r in runs:
+            assert r[i]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+            assert r[i]["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+        a = load_file(tmp_path / "ref" / sub / "model.safetensors")
+        b = load_file(tmp_path / "run" / sub / "model.safetensors")
         assert a.keys() == b.keys() and "blocks.1.attn.qkv.weight" in a  # timm key names
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5)
-    stages = json.loads((base / "video_a" / "stages.json").read_text())
+    stages = json.loads((tmp_path / "run" / "a" / "stages.json").read_text())
     assert sorted({s["stage"] for s in stages}) == [0, 1]
