@@ -28,6 +28,42 @@ def run_ranks(world: int, fn, *args, timeout: float = 300):
         raise AssertionError(str(e)) from None
 
 
+def run_ranks_until_killed(world: int, fn, *args, kill_rank: int, timeout: float = 300) -> None:
+    """``fn(rank, *args)`` on ``world`` ranks forked as :func:`run_ranks` forks them, of which rank
+    ``kill_rank`` must die by SIGKILL (the fault hook :data:`vitp.checkpoint.KILL_HOOK`); then the
+    others, waiting in a collective for the dead rank, are killed too, as a crashed job's."""
+    import multiprocessing as mp
+    import signal
+    import time
+
+    from vitp.parallel.local_group import _rank_main
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    procs[kill_rank].join(timeout=timeout)
+    died = procs[kill_rank].exitcode
+    time.sleep(1)
+    for p in procs:
+        p.kill()
+        p.join()
+    reports = []
+    while not queue.empty():  # ranks that returned or raised before the kill
+        reports.append(queue.get())
+    assert died == -signal.SIGKILL, (died, reports)
+
+
+def train_rank_killed(rank, hook, overrides, run_dir):
+    """:func:`train_rank` with :data:`vitp.checkpoint.KILL_HOOK` set to ``hook`` ("<rank>:<step>")."""
+    from vitp.checkpoint import KILL_HOOK
+
+    os.environ[KILL_HOOK] = hook
+    return train_rank(rank, overrides, run_dir)
+
+
 def train_rank(rank, overrides, run_dir):
     """``vitp.train.train`` on one rank of :func:`run_ranks`; returns per-step losses and grad norms."""
     from vitp.config import compose

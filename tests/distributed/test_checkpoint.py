@@ -2,17 +2,15 @@
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import TP2PP2, launch, run_ranks, train_rank
+from tests.helpers import TP2PP2, run_ranks, run_ranks_until_killed, train_rank, train_rank_killed
 from vitp import checkpoint as ckpt
 from vitp.checkpoint.safe_load import install_safe_loading
 from vitp.config import Layout
@@ -66,16 +64,12 @@ def test_resume_is_exact_single_process(tmp_path):
 
 
 def test_kill_during_save_resumes_from_the_previous_checkpoint(tp2pp2_run, tmp_path):
-    """tp=2 x pp=2: rank 3 truncates a file and dies by SIGKILL while saving step 4; the restart
-    (through the deepspeed launcher) resumes from step 2 and equals the uninterrupted run."""
+    """tp=2 x pp=2: rank 3 truncates a file and dies by SIGKILL while saving step 4 (forked ranks;
+    the survivors, waiting in a barrier for it, killed as under a real crash); the restart (through
+    the deepspeed launcher) resumes from step 2 and equals the uninterrupted run."""
     ref_dir, ref = tp2pp2_run
     run = tmp_path / "run"
-    procs = launch(4, TP2PP2, run, {ckpt.KILL_HOOK: "3:4"})
-    assert procs[3].wait(timeout=300) == -signal.SIGKILL
-    time.sleep(1)
-    for p in procs:  # the survivors wait in a barrier for the dead rank, as under a real crash
-        p.kill()
-        p.wait()
+    run_ranks_until_killed(4, train_rank_killed, "3:4", TP2PP2, str(run), kill_rank=3)
     assert (run / "checkpoints" / "latest").read_text() == "step_0000002"
     assert (run / "checkpoints" / "step_0000004.partial").is_dir()
     assert ckpt.published_tags(run / "checkpoints") == ["step_0000002"]

@@ -2,9 +2,10 @@
 directory, meet through a real rendezvous (torchrun's c10d store; the DeepSpeed launcher's
 ``--no_ssh`` path with a two-host hostfile, one launcher per node), 2 processes each, and train
 as one job whose per-step loss and grad norm equal the recorded one-process run from perturbed
-weights (5 significant digits). The run directory is shared (a cluster's shared file system), or
-each node has its own (node-local checkpoint folders: SageMaker's per-host checkpoint folder, a
-node's NVMe): a node killed mid-save, the resume on both nodes, the nodes' folders merged."""
+weights (5 significant digits), in a shared run directory (a cluster's shared file system).
+Node-local checkpoint folders (each node its own run dir: SageMaker's per-host checkpoint folder, a
+node's NVMe), with the two nodes' ranks forked in one process group: a node killed mid-save, the
+resume on both nodes, the nodes' folders merged."""
 import json
 import os
 import shutil
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PERTURBED, SMOKE4, assert_rows_close, metrics, recorded, run_ranks, train_rank
+from tests.helpers import (PERTURBED, SMOKE4, assert_rows_close, metrics, recorded, run_ranks,
+                           run_ranks_until_killed, train_rank)
 from vitp import checkpoint as ckpt
 from vitp.utils import free_port
 
@@ -41,31 +43,27 @@ def _deepspeed(node: int, port: int, hostfile: Path) -> list:
             "--master_addr", "127.0.0.1", "--master_port", str(port), "--module", "vitp.train"]
 
 
-def _two_nodes(tmp: Path, launcher: str, over: list, node1_extra=(), codes_expected=(0, 0), local=False,
-               node1_env=None, attempt=0) -> Path:
-    """Start one agent per node (each in ``tmp/node<i>``; node 1 also given ``node1_extra`` and the
-    environment ``node1_env``), wait for both and check their exit codes; returns the run dir:
-    ``tmp/shared/run``, or with ``local`` node 0's own ``tmp/node0/run`` (node 1 uses ``tmp/node1/run``:
-    node-local run dirs). ``attempt`` numbers the agents' logs ``agent<attempt>.log``."""
+def _two_nodes(tmp: Path, launcher: str, over: list, node1_extra=(), codes_expected=(0, 0)) -> Path:
+    """Start one agent per node (each in ``tmp/node<i>``; node 1 also given ``node1_extra``), wait
+    for both and check their exit codes; returns the shared run dir ``tmp/shared/run``."""
     port = free_port()
     hostfile = tmp / "hostfile"
     hostfile.write_text("node-a slots=2\nnode-b slots=2\n")  # names only: --no_ssh starts nothing remote
     procs, logs = [], []
+    run = tmp / "shared" / "run"
     for node in range(2):
         cwd = tmp / f"node{node}"
         cwd.mkdir(parents=True, exist_ok=True)
-        run = cwd / "run" if local else tmp / "shared" / "run"
         cmd = _torchrun(node, port) if launcher == "torchrun" else _deepspeed(node, port, hostfile)
-        logs.append(cwd / f"agent{attempt or ''}.log")
+        logs.append(cwd / "agent.log")
         extra = list(node1_extra) if node else []
-        env = {**_env(), **(node1_env or {})} if node else _env()
-        procs.append(subprocess.Popen([*cmd, *over, *extra, f"hydra.run.dir={run}"], cwd=cwd, env=env,
+        procs.append(subprocess.Popen([*cmd, *over, *extra, f"hydra.run.dir={run}"], cwd=cwd, env=_env(),
                                       stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT, start_new_session=True))
         time.sleep(0.5)  # node 0 first, as a cluster's head node (c10d ranks its agents by host, then pid)
     codes = [p.wait(timeout=600) for p in procs] if codes_expected == (0, 0) else _fail_together(procs)
     ok = [c == 0 for c in codes] == [c == 0 for c in codes_expected]
     assert ok, "\n".join(f"--- node {i}\n{log.read_text()[-3000:]}" for i, log in enumerate(logs))
-    return tmp / "node0" / "run" if local else tmp / "shared" / "run"
+    return run
 
 
 def _fail_together(procs: list, grace: float = 20) -> list:
@@ -112,17 +110,39 @@ def test_nodes_launched_with_different_overrides_are_refused(tmp_path):
 # --- node-local run dirs --------------------------------------------------------------------------
 # tp=2 x dp=2: node 0 holds dp replica 0 (ranks 0, 1), node 1 replica 1 (ranks 2, 3); DeepSpeed writes
 # the layer and mp_rank files on dp rank 0 only, so node 1 needs node 0's files (and rank 0's weights).
+# The launches above test the agents; here the subject is the checkpoint folders, so the four ranks
+# are forked from a preloaded server (tests.helpers.run_ranks: seconds instead of two agents' start),
+# each node's ranks with the environment its agent gives them and their own run dir.
 LOCAL = [*SMOKE4, f"trainer.init_from={PERTURBED}", "parallel.tp=2", "trainer.checkpoint_every=2"]
 NODE_RANKS = ((0, 1), (2, 3))
+
+
+def _node_rank(rank: int, over: list, tmp: str, hook: str = "") -> list:
+    """Rank ``rank`` of a job on two simulated nodes: node ``rank // 2``'s ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` (as its torchrun agent sets them), training in that node's own run dir
+    ``tmp/node<i>/run``; ``hook`` sets :data:`vitp.checkpoint.KILL_HOOK`. Returns the ``vitp`` log lines."""
+    import logging
+
+    from vitp.config import compose
+    from vitp.train import train
+
+    os.environ.update(LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2", **({ckpt.KILL_HOOK: hook} if hook else {}))
+    lines: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("vitp").addHandler(handler)
+    logging.getLogger("vitp").setLevel(logging.INFO)
+    train(compose(over), f"{tmp}/node{rank // 2}/run")
+    return lines
 
 
 @pytest.fixture(scope="module")
 def killed_mid_save(tmp_path_factory):
     """Two nodes, each with its own run dir: node 1's rank 2 truncates a file and SIGKILLs itself
-    while saving step 4 (node 0's ranks then fail in the save's barrier). Returns the folder of the
-    two nodes and a copy of both run dirs as the failed attempt left them (``after_kill/node<i>``)."""
+    while saving step 4 (the job's other ranks are then killed). Returns the folder of the two nodes
+    and a copy of both run dirs as the failed attempt left them (``after_kill/node<i>``)."""
     tmp = tmp_path_factory.mktemp("nodelocal")
-    _two_nodes(tmp, "torchrun", LOCAL, local=True, node1_env={ckpt.KILL_HOOK: "2:4"}, codes_expected=(1, 1))
+    run_ranks_until_killed(4, _node_rank, LOCAL, str(tmp), "2:4", kill_rank=2)
     for node in range(2):
         shutil.copytree(tmp / f"node{node}" / "run", tmp / "after_kill" / f"node{node}", symlinks=True)
     return tmp
@@ -137,7 +157,7 @@ def _needed_here(tag: Path, ranks) -> set:
 def test_node_killed_mid_save_resumes_from_the_previous_checkpoint_on_both_nodes(killed_mid_save):
     """Each node's folder alone holds its ranks' part of step 2 (node 0's layer files and rank 0's
     weights copied to node 1, nothing more), the same completion record on both; step 4, whose save
-    node 1 died in, is published nowhere. The relaunch of both agents resumes from step 2 on both
+    node 1 died in, is published nowhere. The relaunch of both nodes' ranks resumes from step 2 on both
     nodes and equals the uninterrupted one-process run."""
     tmp = killed_mid_save
     runs = [tmp / "after_kill" / f"node{n}" for n in range(2)]
@@ -158,9 +178,8 @@ def test_node_killed_mid_save_resumes_from_the_previous_checkpoint_on_both_nodes
     weights, step, _ = ckpt.resolve_weights(runs[1])  # vitp-export on node 1's folder alone
     assert (weights.name, step) == ("model_ema.safetensors", 2)
 
-    run0 = _two_nodes(tmp, "torchrun", LOCAL, local=True, attempt=1)
-    assert_rows_close(metrics(run0), recorded("perturbed_tp1pp1"), rel=1e-5)
-    out = "".join((tmp / f"node{n}" / "agent1.log").read_text() for n in range(2))
+    out = "\n".join(line for lines in run_ranks(4, _node_rank, LOCAL, str(tmp)) for line in lines)
+    assert_rows_close(metrics(tmp / "node0" / "run"), recorded("perturbed_tp1pp1"), rel=1e-5)
     assert "resumed from" in out and "step_0000002 (step 2 of 4)" in out
     runs = [tmp / f"node{n}" / "run" for n in range(2)]
     for run in runs:

@@ -7,7 +7,8 @@ uninterrupted run to 5 significant digits (loss, grad norm, lr), and the state w
 (AdamW moments, EMA, weights) equals the uninterrupted run's, so nothing was re-initialised. The
 same from a bf16 ZeRO-1 run (to bf16 tolerance after the first resumed step). With
 a layout that does not fit the new world size the error names the checkpoint's layout and the
-options (``parallel=auto`` re-planning: tests/distributed/test_auto_layout.py).
+options (``parallel=auto`` re-planning: tests/distributed/test_auto_layout.py). The fp32 and bf16
+runs of one world size share a process group (trained in turn: one group start instead of two).
 """
 import json
 import os
@@ -28,25 +29,34 @@ TP2PP2 = ["parallel.tp=2", "parallel.pp=2"]
 KEYS = ("loss", "grad_norm", "lr")
 
 
-def _train_rank(rank: int, over: list, run: str) -> list:
-    """``vitp.train.train`` on one forked rank; returns the ``vitp`` log lines (rank 0's tell the resume)."""
+def _train_rank(rank: int, runs: list) -> list:
+    """``vitp.train.train`` of every ``(overrides, run dir)`` in ``runs`` in turn, on one forked rank;
+    returns each run's ``vitp`` log lines (rank 0's tell the resume)."""
     import logging
 
     from vitp.config import compose
     from vitp.train import train
 
-    lines: list = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("vitp").addHandler(handler)
-    logging.getLogger("vitp").setLevel(logging.INFO)
-    train(compose(over), run)
-    return lines
+    out = []
+    for over, run in runs:
+        lines: list = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        logging.getLogger("vitp").addHandler(handler)
+        logging.getLogger("vitp").setLevel(logging.INFO)
+        try:
+            train(compose(over), run)
+        finally:
+            logging.getLogger("vitp").removeHandler(handler)
+        out.append(lines)
+    return out
 
 
-def _train(world: int, over: list, run: Path) -> str:
-    """Train ``world`` ranks (forked from a preloaded server: a fast start); rank 0's log text."""
-    return "\n".join(run_ranks(world, _train_rank, over, str(run), timeout=900)[0])
+def _train(world: int, runs: list) -> list:
+    """Train ``world`` ranks (forked from a preloaded server: a fast start), one process group for
+    every ``(overrides, run dir)`` in ``runs`` in turn; rank 0's log text of each."""
+    res = run_ranks(world, _train_rank, [(over, str(run)) for over, run in runs], timeout=900)[0]
+    return ["\n".join(lines) for lines in res]
 
 
 def _rows(run: Path, first: int = 0) -> list:
@@ -75,20 +85,28 @@ def _assert_state_close(a: dict, b: dict, rel: float, abs_: float) -> None:
     assert not bad, f"{len(bad)} of {len(a)} tensors differ, e.g. {bad[:4]}"
 
 
+PRECISIONS = {"fp32": [], "bf16": ["trainer.precision=bf16"]}
+
+
 @pytest.fixture(scope="module")
-def fp32_runs(tmp_path_factory):
+def runs(tmp_path_factory):
+    """For fp32 and for bf16 (ZeRO-1), one process group per world size running both in turn: the
+    uninterrupted 8-rank run, the same job back after step 3 with 4 ranks and as one process.
+    Returns ``{precision: (full, back4, one, rank 0's log of the 4-rank resume)}``."""
     tmp = tmp_path_factory.mktemp("reshard")
-    full = tmp / "full8" / "run"
-    _train(8, [*BASE, *TP2PP2], full)
-    back4 = _back_at_step(full, tmp / "back4" / "run")
-    log = _train(4, [*BASE, *TP2PP2], back4)  # same run dir, trainer.resume=auto, half the ranks
-    one = tmp / "one" / "run"
-    _train(1, [*BASE, f"trainer.resume={full / 'checkpoints' / 'step_0000003'}"], one)
-    return full, back4, one, log
+    full = {p: tmp / p / "full8" / "run" for p in PRECISIONS}
+    _train(8, [([*BASE, *extra, *TP2PP2], full[p]) for p, extra in PRECISIONS.items()])
+    back4 = {p: _back_at_step(full[p], tmp / p / "back4" / "run") for p in PRECISIONS}
+    # same run dir, trainer.resume=auto, half the ranks
+    logs = _train(4, [([*BASE, *extra, *TP2PP2], back4[p]) for p, extra in PRECISIONS.items()])
+    one = {p: tmp / p / "one" / "run" for p in PRECISIONS}
+    _train(1, [([*BASE, *extra, f"trainer.resume={full[p] / 'checkpoints' / 'step_0000003'}"], one[p])
+               for p, extra in PRECISIONS.items()])
+    return {p: (full[p], back4[p], one[p], log) for p, log in zip(PRECISIONS, logs)}
 
 
-def test_eight_ranks_resume_at_four_and_at_one_process(fp32_runs):
-    full, back4, one, log = fp32_runs
+def test_eight_ranks_resume_at_four_and_at_one_process(runs):
+    full, back4, one, log = runs["fp32"]
     ref = _rows(full, first=3)
     assert [r["step"] for r in ref] == [4, 5, 6]
     assert_rows_close(_rows(back4, first=3), ref, rel=1e-5)
@@ -106,8 +124,8 @@ def test_eight_ranks_resume_at_four_and_at_one_process(fp32_runs):
     assert (meta["tp"], meta["pp"], meta["dp"]) == (1, 1, 1)
 
 
-def test_world_size_change_is_explained_or_replanned(fp32_runs, tmp_path):
-    full = fp32_runs[0]
+def test_world_size_change_is_explained_or_replanned(runs, tmp_path):
+    full = runs["fp32"][0]
     run = _back_at_step(full, tmp_path / "two" / "run")
     before = sorted(p.name for p in run.rglob("*"))
     env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
@@ -122,19 +140,13 @@ def test_world_size_change_is_explained_or_replanned(fp32_runs, tmp_path):
     assert sorted(p.name for p in run.rglob("*")) == before  # nothing written
 
 
-def test_bf16_zero1_resumes_at_four_ranks_and_one_process(tmp_path):
+def test_bf16_zero1_resumes_at_four_ranks_and_one_process(runs):
     """bf16 with ZeRO-1: the 8-rank run's fp32 master weights and moments live in flat partitions
     split over dp=2; resumed by 4 ranks (dp=1) and by one process. The first step after the resume
     at tp=2 x pp=2 x dp=1 computes what the 8 ranks computed (same TP split, same bf16 weights from
     the carried master weights); later steps and the 1-process run differ by bf16 arithmetic of
     another layout (relative 1e-3), and the state after step 6 is close to the uninterrupted run's."""
-    over = [*BASE, "trainer.precision=bf16"]
-    full = tmp_path / "full8" / "run"
-    _train(8, [*over, *TP2PP2], full)
-    back4 = _back_at_step(full, tmp_path / "back4" / "run")
-    _train(4, [*over, *TP2PP2], back4)
-    one = tmp_path / "one" / "run"
-    _train(1, [*over, f"trainer.resume={full / 'checkpoints' / 'step_0000003'}"], one)
+    full, back4, one, _ = runs["bf16"]
     ref = _rows(full, first=3)
     assert _rows(back4, first=3)[0]["loss"] == pytest.approx(ref[0]["loss"], rel=1e-6)
     for run in (back4, one):

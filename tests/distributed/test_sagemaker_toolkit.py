@@ -359,28 +359,29 @@ def _host_logs(hosts: list) -> str:
     return "\n".join(f"--- {t.name} (exit {c})\n{Path(f'{t}.log').read_text()[-3000:]}" for t, c in hosts)
 
 
-def _tp2_hps(steps: int) -> dict:
-    return _with_steps(HPS, steps, **{"parallel.tp": 2})  # 4 processes: tp=2 x dp=2, the dp pairs span the hosts
+def _tp2_hps(steps: int, every: int) -> dict:
+    """``steps`` steps with a checkpoint every ``every``; 4 processes: tp=2 x dp=2, the dp pairs span the hosts."""
+    return {**HPS, "trainer": {**HPS["trainer"], "max_steps": steps, "checkpoint_every": every}, "parallel.tp": 2}
 
 
 @pytest.fixture(scope="module")
 def two_hosts(restarted_job, channels, tmp_path_factory):
     """The reference's K + 2 steps (K: the restarted job's stop) on two instances at tp=2 x dp=2,
-    uninterrupted. Returns ``([(tree, exit status)] per host, K)``."""
+    uninterrupted, with a checkpoint after step K. Returns ``([(tree, exit status)] per host, K)``."""
     stop = restarted_job[3]
-    hosts = run_two_hosts(tmp_path_factory.mktemp("two-hosts"), _tp2_hps(stop + 2), channels, "vitp-two-hosts")
+    hosts = run_two_hosts(tmp_path_factory.mktemp("two-hosts"), _tp2_hps(stop + 2, stop), channels, "vitp-two-hosts")
     return hosts, stop
 
 
 @pytest.fixture(scope="module")
 def two_hosts_restarted(two_hosts, channels, tmp_path_factory):
-    """A two-instance job to step K, then a second one to step K + 2 whose hosts each start with the
-    union of the first job's two checkpoint folders (SageMaker syncs every host's folder to the one
-    checkpoint S3 prefix and a restarted job downloads all of it to every host; a file both hosts
-    wrote is whichever upload came last: here host 1's). Returns ``(first job's hosts, files both
-    first hosts wrote with different bytes, second job's hosts)``."""
-    stop, tmp = two_hosts[1], tmp_path_factory.mktemp("two-hosts-restart")
-    first = run_two_hosts(tmp / "first", _tp2_hps(stop), channels, "vitp-two-hosts-1")
+    """The uninterrupted two-instance job as if it had stopped after uploading step K's checkpoint,
+    restarted: a second job (the same hyperparameters) whose hosts each start with the union of the
+    first job's two checkpoint folders (SageMaker syncs every host's folder to the one checkpoint S3
+    prefix and a restarted job downloads all of it to every host; a file both hosts wrote is
+    whichever upload came last: here host 1's), the checkpoints after step K removed and ``latest``
+    naming step K. Returns ``(files both first hosts wrote with different bytes, second job's hosts)``."""
+    (first, stop), tmp = two_hosts, tmp_path_factory.mktemp("two-hosts-restart")
     assert [c for _, c in first] == [0, 0], _host_logs(first)
     merged = tmp / "s3-prefix"
     for tree, _ in first:
@@ -388,8 +389,13 @@ def two_hosts_restarted(two_hosts, channels, tmp_path_factory):
     folders = [{str(p.relative_to(t / "checkpoints")): p.read_bytes() for p in (t / "checkpoints").rglob("*")
                 if p.is_file()} for t, _ in first]
     differ = sorted(k for k in set(folders[0]) & set(folders[1]) if folders[0][k] != folders[1][k])
-    second = run_two_hosts(tmp / "second", _tp2_hps(stop + 2), channels, "vitp-two-hosts-2", merged=merged)
-    return first, differ, second
+    ckpts, tag = merged / "run" / "checkpoints", f"step_{stop:07d}"
+    assert (ckpts / tag).is_dir(), sorted(p.name for p in ckpts.iterdir())
+    for later in (t for t in ckpts.glob("step_*") if t.name > tag):
+        shutil.rmtree(later)
+    (ckpts / "latest").write_text(tag)
+    second = run_two_hosts(tmp / "second", _tp2_hps(stop + 2, stop), channels, "vitp-two-hosts-2", merged=merged)
+    return differ, second
 
 
 def test_two_instances_train_as_one_process(two_hosts, reference):
@@ -433,7 +439,7 @@ def test_restarted_job_on_the_merged_folders_resumes_exactly(two_hosts, two_host
     equal (not only close); a file both hosts wrote is the same on both (so the union does not
     depend on which upload came last)."""
     hosts, stop = two_hosts
-    first, differ, second = two_hosts_restarted
+    differ, second = two_hosts_restarted
     assert differ == []
     assert [c for _, c in second] == [0, 0], _host_logs(second)
     run, seen = second[0][0] / "checkpoints" / "run", second[0][0].parent / "opt_ml" / "checkpoints" / "run"
