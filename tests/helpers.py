@@ -32,18 +32,12 @@ def run_ranks_until_killed(world: int, fn, *args, kill_rank: int, timeout: float
     """``fn(rank, *args)`` on ``world`` ranks forked as :func:`run_ranks` forks them, of which rank
     ``kill_rank`` must die by SIGKILL (the fault hook :data:`vitp.checkpoint.KILL_HOOK`); then the
     others, waiting in a collective for the dead rank, are killed too, as a crashed job's."""
-    import multiprocessing as mp
     import signal
     import time
 
-    from vitp.parallel.local_group import _rank_main
+    from vitp.parallel.local_group import start_local_group
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
+    procs, queue = start_local_group(world, fn, *args, preload=_PRELOAD)
     procs[kill_rank].join(timeout=timeout)
     died = procs[kill_rank].exitcode
     time.sleep(1)

@@ -8,18 +8,15 @@ tests/distributed/test_reshard.py."""
 import json
 import multiprocessing as mp
 import os
-import signal
 import time
 
 import pytest
 
-from tests.helpers import _PRELOAD, run_ranks, train_rank
+from tests.helpers import run_ranks, run_ranks_until_killed, train_rank
 from vitp import checkpoint as ckpt
 from vitp.cli import pack as pack_cli
 from vitp.data.photos import make_photo_folder
-from vitp.parallel.local_group import _rank_main
 from vitp.train.rundir import LOCK_FILE
-from vitp.utils import free_port
 
 # 6 steps, a checkpoint every 2, the held-out loss at steps 0 and 3, dropout (the RNG state resumes too)
 SMOKE = ["experiment=smoke", "trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.eval_every=3",
@@ -68,19 +65,7 @@ def _kill_and_resume(world, args, run, kill_rank):
     ``kill_rank`` truncates a file and dies by SIGKILL while saving step 4 (the others are killed
     too, as a crashed job); then the same overrides again in the same run dir (trainer.resume=auto):
     they resume from step 2 and run steps 3 to 6."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, _train_and_die, (args, str(run), f"{kill_rank}:4"),
-                                                   queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    procs[kill_rank].join(timeout=300)
-    assert procs[kill_rank].exitcode == -signal.SIGKILL
-    time.sleep(0.5)
-    for p in procs:
-        p.kill()
-        p.join()
+    run_ranks_until_killed(world, _train_and_die, args, str(run), f"{kill_rank}:4", kill_rank=kill_rank)
     assert ckpt.published_tags(run / "checkpoints") == ["step_0000002"]
     assert (run / "checkpoints" / "step_0000004.partial").is_dir()
     _assert_unlocked(run)

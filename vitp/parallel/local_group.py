@@ -10,7 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import traceback
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Sequence, Tuple
 
 from vitp.utils import free_port
 
@@ -29,6 +29,21 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, queu
         queue.put((rank, None, traceback.format_exc()))
 
 
+def start_local_group(world: int, fn: Callable, *args: Any,
+                      preload: Sequence[str] = DEFAULT_PRELOAD) -> Tuple[List[Any], Any]:
+    """Start ``fn(rank, *args)`` on ``world`` new processes forked from a forkserver that imported
+    ``preload``; returns ``(processes, queue)``, the queue receiving ``(rank, result, traceback or
+    None)`` from each rank. :func:`run_local_group` collects them; a caller that kills ranks on
+    purpose joins the processes itself."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs, queue
+
+
 def run_local_group(world: int, fn: Callable, *args: Any, timeout: float = 300,
                     preload: Sequence[str] = DEFAULT_PRELOAD) -> List[Any]:
     """``fn(rank, *args)`` on ``world`` new processes; returns their results ordered by rank.
@@ -42,12 +57,7 @@ def run_local_group(world: int, fn: Callable, *args: Any, timeout: float = 300,
         A rank raised (the message holds its traceback), or no result came within ``timeout``
         seconds of the previous one.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(preload))
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
+    procs, queue = start_local_group(world, fn, *args, preload=preload)
     results = {}
     try:
         for _ in range(world):

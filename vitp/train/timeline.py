@@ -179,6 +179,12 @@ def wait_times(ranks: List[Dict[str, Any]]) -> List[List[float]]:
     waits for the last rank of its group to arrive (:data:`COLLECTIVE_GROUP`: ``wait = min(dur,
     max(0, latest start in the group - own start))``, over the same step). Events without a
     recorded peer (a trace of some ranks only) count no wait."""
+    def p2p_key(c: Dict[str, int], stage: int, name: str, a: Dict[str, Any]) -> tuple:
+        return (stage, c["tp"], c["cp"], c["dp"], name, a["step"], a.get("micro_batch"))
+
+    def group_key(c: Dict[str, int], name: str, a: Dict[str, Any]) -> tuple:
+        return (c["stage"] if COLLECTIVE_GROUP[name] == "stage" else None, name, a["step"])
+
     ranks = _absolute(ranks)
     index: Dict[tuple, float] = {}  # (rank key, name, step, micro-batch) -> start
     latest: Dict[tuple, float] = defaultdict(lambda: float("-inf"))  # (group key, name, step) -> latest start
@@ -187,10 +193,10 @@ def wait_times(ranks: List[Dict[str, Any]]) -> List[List[float]]:
         for e in r["events"]:
             a = e["args"]
             if e["name"] in P2P_PEER:
-                index[(c["stage"], c["tp"], c["cp"], c["dp"], e["name"], a["step"], a.get("micro_batch"))] = e["start"]
+                index[p2p_key(c, c["stage"], e["name"], a)] = e["start"]
             if e["name"] in COLLECTIVE_GROUP:
-                g = c["stage"] if COLLECTIVE_GROUP[e["name"]] == "stage" else None
-                latest[(g, e["name"], a["step"])] = max(latest[(g, e["name"], a["step"])], e["start"])
+                key = group_key(c, e["name"], a)
+                latest[key] = max(latest[key], e["start"])
     out = []
     for r in ranks:
         c, waits = r["coords"], []
@@ -198,10 +204,9 @@ def wait_times(ranks: List[Dict[str, Any]]) -> List[List[float]]:
             a, dur, peer_start = e["args"], e["end"] - e["start"], None
             if e["name"] in P2P_PEER:
                 kind, off = P2P_PEER[e["name"]]
-                peer_start = index.get((c["stage"] + off, c["tp"], c["cp"], c["dp"], kind, a["step"], a.get("micro_batch")))
+                peer_start = index.get(p2p_key(c, c["stage"] + off, kind, a))
             elif e["name"] in COLLECTIVE_GROUP:
-                g = c["stage"] if COLLECTIVE_GROUP[e["name"]] == "stage" else None
-                peer_start = latest[(g, e["name"], a["step"])]
+                peer_start = latest[group_key(c, e["name"], a)]
             waits.append(min(dur, max(0.0, peer_start - e["start"])) if peer_start is not None else 0.0)
         out.append(waits)
     return out
@@ -227,7 +232,6 @@ def stage_fractions(ranks: List[Dict[str, Any]]) -> Dict[int, Dict[str, float]]:
     sums: Dict[int, Dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for r, waits in zip(ranks, wait_times(ranks)):
         s = sums[r["coords"]["stage"]]
-        s["ranks"] += 1
         for e, wait in zip(r["events"], waits):
             dur = (e["end"] - e["start"]) * 1e3
             if e["name"] == "step":
