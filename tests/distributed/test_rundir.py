@@ -58,6 +58,29 @@ def _restart_before_the_first_checkpoint(rank, run):
     assert "depth: 2" in (run / ".hydra" / "config.yaml").read_text()
 
 
+def test_exit_at_step_at_or_before_the_resumed_step(tmp_path):
+    run_ranks(1, _exit_at_step_at_or_before_the_resumed_step, tmp_path / "run")
+
+
+def _exit_at_step_at_or_before_the_resumed_step(rank, run):
+    """The same command again after a stop at ``trainer.exit_at_step`` (a requeued or restarted
+    job) stops again at once, training nothing; a stop step before the resumed one is refused
+    before anything is written, naming the option, the step and the fix."""
+    from vitp.train import train
+
+    over = ["experiment=smoke", "trainer.max_steps=4"]
+    assert train(compose([*over, "trainer.exit_at_step=2"]), run)["stopped_at"] == 2
+    again = train(compose([*over, "trainer.exit_at_step=2"]), run)
+    assert again["stopped_at"] == 2 and again["losses"] == []
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000002"
+    with pytest.raises(ValueError, match=r"trainer.exit_at_step=1 is before step 2, where this run resumes .*drop "
+                                         r"trainer.exit_at_step .* or set it above 2"):
+        train(compose([*over, "trainer.exit_at_step=1"]), run)
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    assert len(train(compose(over), run)["losses"]) == 2 and [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+
+
 TINY = ["experiment=smoke", "trainer.max_steps=1"]
 
 

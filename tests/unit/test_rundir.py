@@ -195,3 +195,13 @@ def test_resume_config_is_the_recorded_one_with_the_overrides(tmp_path):
                          ("trainer.max_step=3", "did you mean trainer.max_steps?")):
         with pytest.raises(ValueError, match=message):
             resume_config(tmp_path, [bad])
+
+    # a stop at trainer.exit_at_step is the run's last launch's: --resume continues past it
+    (tmp_path / "checkpoints" / "step_0000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_0000002" / "vitp_meta.json").write_text('{"step": 2}')
+    (tmp_path / "checkpoints" / "latest").write_text("step_0000002")
+    for stop, kept in ((2, None), (1, None), (5, 5)):  # one still ahead (a signal stopped the run earlier) stays
+        OmegaConf.save(compose_cfg(["experiment=smoke", f"trainer.exit_at_step={stop}"]),
+                       tmp_path / ".hydra" / "config.yaml")
+        assert resume_config(tmp_path, []).trainer.exit_at_step == kept
+    assert resume_config(tmp_path, ["trainer.exit_at_step=3"]).trainer.exit_at_step == 3

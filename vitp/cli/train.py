@@ -110,7 +110,8 @@ def resume_config(run_dir: Path, overrides: List[str]) -> DictConfig:
     """The config that continues the run in ``run_dir`` (``vitp-train --resume RUN_DIR``): the
     run's recorded ``.hydra/config.yaml`` on the typed schema, ``trainer.resume=auto`` (the run
     dir's latest checkpoint; a run forked from another checkpoint that has none of its own yet
-    keeps its recorded path), and the ``key=value`` ``overrides`` set on it, e.g.
+    keeps its recorded path), no ``trainer.exit_at_step`` when the run already stopped there (one
+    still ahead stays), and the ``key=value`` ``overrides`` set on it, e.g.
     ``trainer.max_steps=2000`` to train longer, or ``trainer.resume=RUN_DIR/checkpoints/step_N`` to
     continue from an earlier checkpoint of the run (its latest is broken).
 
@@ -131,9 +132,14 @@ def resume_config(run_dir: Path, overrides: List[str]) -> DictConfig:
             raise ValueError(f"{o}: --resume {run_dir} continues that folder from its latest checkpoint (or "
                              f"trainer.resume=<one of its own checkpoints>); drop {override_key(o)}, or leave out "
                              f"--resume to start a new run dir from a checkpoint")
+    from vitp.checkpoint import latest_meta
+
     cfg = typed_config(OmegaConf.load(path))
     if (Path(run_dir) / "checkpoints" / "latest").is_file() or cfg.trainer.resume == "never":
         cfg.trainer.resume = "auto"
+    stop, latest = cfg.trainer.exit_at_step, latest_meta(Path(run_dir) / "checkpoints")
+    if stop is not None and latest is not None and stop <= latest["step"]:
+        cfg.trainer.exit_at_step = None  # the stop the run already made: --resume continues past it
     return apply_overrides(cfg, overrides, "vitp-train --resume")
 
 

@@ -53,10 +53,11 @@ class Checkpointer:
     """Checkpoints of one run directory (``<run_dir>/checkpoints``).
 
     Construction resolves ``trainer.resume`` (``auto`` | ``never`` | a path), verifies the
-    checkpoint's files, that it matches this run's layout, precision and model and is not past
-    ``trainer.max_steps``, or (starting fresh) that the folder holds no other config's run
-    (:func:`.rundir.check_history`); it reads the run directory and writes nothing (the trainer
-    holds the folder's lock by then).
+    checkpoint's files, that it matches this run's layout, precision and model and is past
+    neither ``trainer.max_steps`` nor ``trainer.exit_at_step`` (equal to the latter: a relaunch of
+    a run that stopped there, which :meth:`vitp.train.Trainer.fit` ends at once), or (starting
+    fresh) that the folder holds no other config's run (:func:`.rundir.check_history`); it reads
+    the run directory and writes nothing (the trainer holds the folder's lock by then).
     :meth:`prepare_run_dir` is the first write, once every check of the launch has passed.
     Raises ``ValueError`` / ``FileNotFoundError`` naming the problem and the fix.
     """
@@ -122,6 +123,11 @@ class Checkpointer:
                              f"{tr.max_steps}: set trainer.max_steps={meta['step']} or more to continue it, or "
                              f"start a new run from its weights (vitp-export {self.resume_tag}, then "
                              f"trainer.init_from=<export>.safetensors)")
+        if tr.exit_at_step is not None and tr.exit_at_step < meta["step"]:  # the loop would never meet it
+            raise ValueError(f"trainer.exit_at_step={tr.exit_at_step} is before step {meta['step']}, where this run "
+                             f"resumes ({self.resume_tag}), so it would never stop there: drop trainer.exit_at_step "
+                             f"(or set it to null) to train on to trainer.max_steps={tr.max_steps}, or set it above "
+                             f"{meta['step']}")
         return meta
 
     def prepare_run_dir(self) -> None:

@@ -175,6 +175,10 @@ class Trainer:
                      " | ".join(",".join(map(str, g)) for g in self.storage.groups))
         self.checkpointer = Checkpointer(cfg, self.run_dir, self.layout, self.storage)
         self.start_step = self.checkpointer.start_step
+        # resumed at trainer.exit_at_step: a relaunch (the same command, a requeued or restarted job)
+        # of a run that stopped there; it stops again at once (fit), as the first launch did
+        tr = cfg.trainer
+        self.stopped_before = tr.exit_at_step == self.start_step < tr.max_steps
         self._build_model()
         self._build_engine()
         self._log_start()
@@ -326,7 +330,7 @@ class Trainer:
 
         cfg, tr = self.cfg, self.cfg.trainer
         self.batches = self.step_batches = None
-        if self.start_step >= tr.max_steps:
+        if self.start_step >= tr.max_steps or self.stopped_before:
             return None
         data = self.train_ds if self.buckets is None else [tr for tr, _ in self.bucket_data]
         self.telemetry.skipped = attach_skip_counter(data)  # data/skipped_samples, also from the workers
@@ -505,13 +509,16 @@ class Trainer:
 
     def fit(self) -> Dict[str, Any]:
         """Train from the start (or resumed) step to ``trainer.max_steps``; stop early, with a
-        checkpoint, on SIGTERM/SIGINT, ``trainer.exit_at_step`` or ``trainer.exit_after_minutes``.
+        checkpoint, on SIGTERM/SIGINT, ``trainer.exit_at_step`` or ``trainer.exit_after_minutes``
+        (resumed at ``trainer.exit_at_step``: stop at once, training nothing).
 
         Returns ``{"losses", "grad_norms"}`` per step (every rank), ``eval`` (rank 0's final
         results), ``run_dir`` and ``stopped_at`` (the step of an early stop, else ``None``).
         Gives the run directory up when it returns or raises.
         """
         try:
+            if self.stopped_before:
+                return self._stop_again()
             stopper = StopSignal(self.device)
             try:
                 stopped_at = self._train_loop(stopper)
@@ -573,6 +580,16 @@ class Trainer:
             log.warning("stopped by %s after step %d; checkpoint %s saved. To continue: %s", why, step,
                         self.checkpointer.path(step), resume_command(self.run_dir))
         return self._result({}, step)
+
+    def _stop_again(self) -> Dict[str, Any]:
+        """End a launch that resumed at ``trainer.exit_at_step`` without training (exit 0): the
+        run already stopped there, and a restarted job must not fail for that."""
+        self.logger.close()
+        if self.main:
+            log.warning("trainer.exit_at_step=%d: this run already stopped after step %d (%s); nothing to train. "
+                        "To continue: %s, or drop trainer.exit_at_step (or set it above %d)", self.start_step,
+                        self.start_step, self.checkpointer.resume_tag, resume_command(self.run_dir), self.start_step)
+        return self._result({}, self.start_step)
 
     def _finish(self, stopper: Optional[StopSignal] = None) -> Dict[str, Any]:
         """Final checkpoint, weights, samples, evaluation and the copy to ``trainer.export_dir``;
