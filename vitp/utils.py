@@ -1,5 +1,5 @@
 """Small helpers every layer may use: atomic file writes, the plain-dict view of a config, the
-divisors of a size and a free local TCP port."""
+divisors of a size, a free local TCP port and :class:`RankZeroError`."""
 from __future__ import annotations
 
 import os
@@ -77,3 +77,9 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class RankZeroError(ValueError):
+    """Bad input that rank 0 found, raised on every other rank with rank 0's message (``rank 0:
+    ...``), so each rank stops with a clear error while rank 0 alone prints it:
+    :func:`vitp.cli.run_cli` does not print this one again on every rank."""

@@ -3,10 +3,12 @@ CPU profile measured here), records it, and a resume reuses the recorded layout 
 import json
 import math
 import os
+import subprocess
+import sys
 
 from omegaconf import OmegaConf
 
-from tests.helpers import compose_cfg, run_ranks
+from tests.helpers import compose_cfg, free_port, run_ranks
 
 OVER = ["experiment=smoke", "parallel=auto", "trainer.max_steps=4"]
 
@@ -60,3 +62,23 @@ def test_auto_layout_is_the_planners_first_and_a_resume_keeps_it(tmp_path):
     assert len(back["losses"]) == 2 and all(math.isfinite(x) for x in back["losses"])
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+
+
+def test_no_valid_layout_is_explained_once(tmp_path):
+    """``parallel=auto`` with no valid layout (tp=3 fixed on 2 ranks), two ``python -m vitp.train``
+    ranks as torchrun starts them: rank 0 prints the explanation, rank 1 does not print it again;
+    both exit 2, and rank 1's torchrun error file holds rank 0's explanation."""
+    port, procs = free_port(), []
+    for r in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+        env.update(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", TORCHELASTIC_ERROR_FILE=str(tmp_path / f"error{r}.json"))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "vitp.train", *OVER, "parallel.tp=3", f"hydra.run.dir={tmp_path / 'run'}"],
+            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    why = "parallel.auto: no valid layout of this config on 2 devices with parallel.tp=3"
+    assert [o.count(why) for o in outs] == [1, 0], outs
+    assert f"vitp-train: error: rank 0: {why}" in json.loads((tmp_path / "error1.json").read_text())["message"]["message"]
+

@@ -71,7 +71,10 @@ def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.L
     ``log`` if given, so it also lands in the run's log file, else to stderr) and exit with
     :func:`exit_status` (2, or 3 for a non-finite loss). Under ``torchrun`` the line also goes to
     the worker's error file (:func:`record_for_torchrun`), and only rank 0 writes it to stderr:
-    torchrun's summary lists every failed rank's line."""
+    torchrun's summary lists every failed rank's line. A :class:`vitp.utils.RankZeroError` (rank 0's
+    refusal, raised on the other ranks) goes to the error file only: rank 0 prints it once."""
+    from vitp.utils import RankZeroError
+
     try:
         return fn(*args)
     except reported_errors() as e:
@@ -79,7 +82,9 @@ def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.L
         if isinstance(e, PermissionError) and e.filename:  # raised by the OS: e names the path
             line += " (write elsewhere, or fix that folder's permissions)"
         recorded = record_for_torchrun(line)
-        if log is not None:
+        if isinstance(e, RankZeroError):
+            pass  # rank 0 printed it; the error file above still holds it
+        elif log is not None:
             log.error("%s", line)
         elif not (recorded and os.environ.get("RANK", "0") != "0"):
             print(line, file=sys.stderr)

@@ -25,6 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from vitp.parallel import distributed as dist
+from vitp.utils import RankZeroError
 
 log = logging.getLogger("vitp")
 
@@ -109,7 +110,8 @@ def apply_auto_layout(cfg: DictConfig, run_dir: Path, device: torch.device, over
     Returns ``{"source": "planned" | "recorded" | "replanned" (the world size changed since the
     latest checkpoint), "values": {key: value}, "summary": the log line,
     "choice": AutoChoice.as_dict() when planned}``, the same on every rank. Raises ``ValueError``
-    (on every rank) when no layout fits or the device has no profile.
+    when no layout fits or the device has no profile: on rank 0, which explains it, and on the
+    other ranks as :class:`vitp.utils.RankZeroError` with rank 0's message (printed once).
     """
     from vitp.plan import fixed_keys
 
@@ -122,8 +124,8 @@ def apply_auto_layout(cfg: DictConfig, run_dir: Path, device: torch.device, over
             dist.broadcast_object({"error": str(e), "bad_input": isinstance(e, ValueError)})
             raise
     decision = dist.broadcast_object(decision)
-    if "error" in decision:
-        raise (ValueError if decision["bad_input"] else RuntimeError)(f"rank 0: {decision['error']}")
+    if "error" in decision:  # rank 0 raised it and reports it; this rank stops with the same message
+        raise (RankZeroError if decision["bad_input"] else RuntimeError)(f"rank 0: {decision['error']}")
     for key, value in decision["values"].items():
         OmegaConf.update(cfg, key, value, merge=False)
     if dist.is_main():
