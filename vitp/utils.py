@@ -1,5 +1,5 @@
 """Small helpers every layer may use: atomic file writes, the plain-dict view of a config, the
-divisors of a size, a free local TCP port and :class:`RankZeroError`."""
+divisors of a size, a free local TCP port, :class:`RankZeroError` and :data:`RANK_LOCAL`."""
 from __future__ import annotations
 
 import os
@@ -83,3 +83,8 @@ class RankZeroError(ValueError):
     """Bad input that rank 0 found, raised on every other rank with rank 0's message (``rank 0:
     ...``), so each rank stops with a clear error while rank 0 alone prints it:
     :func:`vitp.cli.run_cli` does not print this one again on every rank."""
+
+
+# ``extra=`` of a log record that only this rank emits (a file its own batches failed to decode, its
+# node's folder): ranks other than 0 print it too (vitp.train.logger.OwnRecordsOnly)
+RANK_LOCAL = {"rank_local": True}

@@ -80,5 +80,6 @@ def test_no_valid_layout_is_explained_once(tmp_path):
     assert [p.returncode for p in procs] == [2, 2], outs
     why = "parallel.auto: no valid layout of this config on 2 devices with parallel.tp=3"
     assert [o.count(why) for o in outs] == [1, 0], outs
-    assert f"vitp-train: error: rank 0: {why}" in json.loads((tmp_path / "error1.json").read_text())["message"]["message"]
+    recorded = json.loads((tmp_path / "error1.json").read_text())["message"]["message"]
+    assert f"vitp-train: error: rank 0: {why}" in recorded
 

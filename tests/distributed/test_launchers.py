@@ -36,8 +36,10 @@ def _rows(run: Path) -> list:
 
 def test_openmpi_launch_trains_as_data_parallel(tmp_path):
     """Two ranks that know their place only from OMPI_COMM_WORLD_* (as ``mpirun -np 2`` starts
-    them) form one dp=2 group: the losses, grad norms and lr equal the 1-process run's."""
-    over = ["experiment=smoke", "trainer.max_steps=3", f"trainer.init_from={PERTURBED}"]
+    them) form one dp=2 group: the losses, grad norms and lr equal the 1-process run's. A warning
+    every rank logs (a key without effect) is printed by rank 0 alone, and train.log has it once."""
+    over = ["experiment=smoke", "trainer.max_steps=3", f"trainer.init_from={PERTURBED}",
+            "parallel.sequence_parallel=true"]  # no effect at tp=1: warned by every rank
     job = str(os.getpid() * 1000 + int(time.time()) % 1000)  # mpirun's job id: the ranks derive one port from it
     single = _start(over, tmp_path / "single", tmp_path / "single.log", _env())
     ranks = [_start(over, tmp_path / "mpi", tmp_path / f"mpi{r}.log", _env(
@@ -47,6 +49,9 @@ def test_openmpi_launch_trains_as_data_parallel(tmp_path):
     logs = {n: (tmp_path / f"{n}.log").read_text() for n in ("single", "mpi0", "mpi1")}
     assert codes == [0, 0, 0], {n: t[-2000:] for n, t in logs.items()}
     assert "layout tp=1 pp=1 dp=2" in logs["mpi0"] and "layout tp=1 pp=1 dp=1" in logs["single"]
+    warning = "parallel.sequence_parallel=true has no effect with parallel.tp=1"
+    assert [logs["mpi0"].count(warning), logs["mpi1"].count(warning)] == [1, 0], logs["mpi1"][-2000:]
+    assert (tmp_path / "mpi" / "train.log").read_text().count(warning) == 1
     a, b = _rows(tmp_path / "single"), _rows(tmp_path / "mpi")
     assert [r["step"] for r in b] == [1, 2, 3]
     for key in ("loss", "grad_norm", "lr"):

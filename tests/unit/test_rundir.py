@@ -205,3 +205,28 @@ def test_resume_config_is_the_recorded_one_with_the_overrides(tmp_path):
                        tmp_path / ".hydra" / "config.yaml")
         assert resume_config(tmp_path, []).trainer.exit_at_step == kept
     assert resume_config(tmp_path, ["trainer.exit_at_step=3"]).trainer.exit_at_step == 3
+
+
+def test_other_ranks_print_errors_and_their_own_records_only():
+    """The console filter of ranks other than 0: what every rank logs alike is dropped (rank 0 prints
+    it); errors and records marked rank-local (a file this rank's batches failed to decode) pass."""
+    import logging
+
+    from vitp.train.logger import OwnRecordsOnly
+    from vitp.utils import RANK_LOCAL
+
+    log, seen = logging.getLogger("vitp.test_console"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    handler.addFilter(OwnRecordsOnly())
+    log.addHandler(handler)
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    try:
+        log.warning("a key without effect")
+        log.info("run dir ...")
+        log.warning("skipping image x.png: truncated", extra=RANK_LOCAL)
+        log.error("vitp-train: error: this rank's data folder is missing")
+    finally:
+        log.removeHandler(handler)
+    assert seen == ["skipping image x.png: truncated", "vitp-train: error: this rank's data folder is missing"]

@@ -33,6 +33,7 @@ from vitp.cli.overrides import (  # noqa: E402
 from vitp.config import check_override_keys, register_configs  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.train import check_config, train  # noqa: E402
+from vitp.train.logger import quiet_other_ranks  # noqa: E402
 from vitp.train.rundir import hold_log_files, release_log_files  # noqa: E402
 
 log = logging.getLogger("vitp")
@@ -185,6 +186,7 @@ def _hydra_entry() -> None:
     @hydra.main(version_base="1.3", config_path=_config_path(), config_name="config")
     def _main(cfg: DictConfig) -> None:
         hc = HydraConfig.get()  # returns normally after a SIGTERM save: exit 0
+        quiet_other_ranks()  # a line every rank logs is printed once, by rank 0
         hold_log_files(hc.runtime.output_dir)  # train.log gets lines only once the launch's checks pass
         try:
             run_cli("vitp-train", _train, cfg, hc.runtime.output_dir, list(hc.overrides.task),

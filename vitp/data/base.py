@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vitp.config import parse_resolution
+from vitp.utils import RANK_LOCAL
 
 log = logging.getLogger(__name__)  # data warnings: one line each, in the run's log under vitp-train
 
@@ -221,9 +222,10 @@ class FileDataset(KeyedDataset):
         parts = [f"{self.num_skipped - short} unreadable file(s)"] if self.num_skipped > short else []
         return ", ".join(parts + ([f"{short} too short for one clip"] if short else []))
 
-    def _skip(self, path: Any, reason: str, too_short: bool = False) -> None:
-        """Warn (one log line) and list ``path`` as skipped; ``too_short``: it reads, but is shorter than one clip."""
-        log.warning(f"skipping {self.skip_label} {path}: {reason}")
+    def _skip(self, path: Any, reason: str, too_short: bool = False, rank_local: bool = False) -> None:
+        """Warn (one log line) and list ``path`` as skipped; ``too_short``: it reads, but is shorter than one clip;
+        ``rank_local``: met in this rank's batches (the scan skips a file on every rank alike)."""
+        log.warning(f"skipping {self.skip_label} {path}: {reason}", extra=RANK_LOCAL if rank_local else None)
         self.skipped_files.append(str(path))
         self.skip_reasons[str(path)] = reason
         if too_short:
@@ -306,7 +308,7 @@ class FileDataset(KeyedDataset):
             if not first:
                 self.skipped_files.append(str(self.files[f]))
                 return
-        self._skip(self.files[f], reason)
+        self._skip(self.files[f], reason, rank_local=True)
 
     def _decode_failure(self, error: Exception) -> str:
         """Reason given in the warning about a file that fails in ``__getitem__``."""

@@ -21,6 +21,7 @@ from vitp.models import generator_key
 from vitp.parallel import ParallelState
 from vitp.parallel import distributed as dist
 from vitp.pipeline import load_ema_state
+from vitp.utils import RANK_LOCAL
 
 from .ema import EMA
 from .rundir import check_history, drop_failed_attempt
@@ -137,7 +138,8 @@ class Checkpointer:
         attempt wrote after the step we start from."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob("*.partial") if self.dir.is_dir() else []:
-            log.warning("removing %s: a checkpoint whose save never finished", stale)
+            # rank-local: with node-local run dirs each node's first rank cleans its own folder
+            log.warning("removing %s: a checkpoint whose save never finished", stale, extra=RANK_LOCAL)
             shutil.rmtree(stale)
         if dist.is_main():
             drop_failed_attempt(self.run_dir, self.start_step)

@@ -1,5 +1,6 @@
 """What a run reports: ``metrics.jsonl`` and TensorBoard scalars/images (rank 0), loss per
-``t`` bin over all ranks, and the per-stage parameter and memory table (``stages.json``).
+``t`` bin over all ranks, the per-stage parameter and memory table (``stages.json``), and the
+console of the other ranks (:func:`quiet_other_ranks`: a line every rank logs appears once).
 
 ``stages.json`` is written atomically (:func:`vitp.utils.atomic_write_text`); ``metrics.jsonl``
 is an append-only log, one flushed line per logged step (a crash can leave a partial last line,
@@ -72,6 +73,28 @@ class RunLogger:
         if self.enabled:
             self.tb.close()
             self.jsonl.close()
+
+
+class OwnRecordsOnly(logging.Filter):
+    """The console filter of ranks other than 0: errors and records marked rank-local
+    (``extra=RANK_LOCAL``, :data:`vitp.utils.RANK_LOCAL`) pass; the rest is what every rank logs
+    alike (config notes, data-set scans), which rank 0 prints once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or bool(getattr(record, "rank_local", False))
+
+
+def quiet_other_ranks() -> None:
+    """On ranks other than 0, put :class:`OwnRecordsOnly` on every root-logger handler (the console
+    that ``vitp-train`` gives those ranks) and route Python warnings (a library's deprecation
+    notes) through it: without it, each warning every rank logs (a key without effect, a class
+    folder without images) was printed once per rank. Rank 0 keeps its console and ``train.log``
+    as they are."""
+    if dist.is_main():
+        return
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(OwnRecordsOnly())
+    logging.captureWarnings(True)
 
 
 def binned_loss(t: torch.Tensor, loss: torch.Tensor) -> Dict[str, float]:
