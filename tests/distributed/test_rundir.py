@@ -81,6 +81,31 @@ def _exit_at_step_at_or_before_the_resumed_step(rank, run):
     assert len(train(compose(over), run)["losses"]) == 2 and [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
 
 
+def test_a_relaunch_continues_past_the_checkpoint_it_started_from(tmp_path):
+    run_ranks(1, _relaunch_continues_past_the_checkpoint_it_started_from, tmp_path)
+
+
+def _relaunch_continues_past_the_checkpoint_it_started_from(rank, tmp):
+    """A run started from another run's checkpoint (``trainer.resume=PATH``, recorded in its
+    config) and relaunched with the same PATH (the same command, a requeued job) continues from
+    its own latest checkpoint; a PATH the record does not name is used as given."""
+    from omegaconf import OmegaConf
+
+    from vitp.train import train
+
+    over, a, b = ["experiment=smoke", "trainer.checkpoint_every=2"], tmp / "a", tmp / "b"
+    train(compose([*over, "trainer.max_steps=4"]), a)
+    start = f"trainer.resume={a / 'checkpoints' / 'step_0000002'}"
+    assert len(train(compose([*over, start, "trainer.max_steps=3"]), b)["losses"]) == 1  # step 3, saved
+    assert len(train(compose([*over, start, "trainer.max_steps=5"]), b)["losses"]) == 2  # 4, 5 (not 3 again)
+    assert [r["step"] for r in metrics(b)] == [3, 4, 5]
+    assert OmegaConf.load(b / ".hydra" / "config.yaml").trainer.resume == str(a / "checkpoints" / "step_0000002")
+    pin = f"trainer.resume={a / 'checkpoints' / 'step_0000004'}"  # another checkpoint: the user's pin
+    assert len(train(compose([*over, pin, "trainer.max_steps=6"]), b)["losses"]) == 2  # 5, 6 from a's step 4
+    assert [r["step"] for r in metrics(b)] == [3, 4, 5, 6]
+    assert OmegaConf.load(b / ".hydra" / "config.yaml").trainer.resume == str(a / "checkpoints" / "step_0000004")
+
+
 TINY = ["experiment=smoke", "trainer.max_steps=1"]
 
 

@@ -53,7 +53,8 @@ Gather = Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
 class Checkpointer:
     """Checkpoints of one run directory (``<run_dir>/checkpoints``).
 
-    Construction resolves ``trainer.resume`` (``auto`` | ``never`` | a path), verifies the
+    Construction resolves ``trainer.resume`` (``auto`` | ``never`` | a path; the path this run
+    started from, relaunched, gives way to the run's own latest checkpoint), verifies the
     checkpoint's files, that it matches this run's layout, precision and model and is past
     neither ``trainer.max_steps`` nor ``trainer.exit_at_step`` (equal to the latter: a relaunch of
     a run that stopped there, which :meth:`vitp.train.Trainer.fit` ends at once), or (starting
@@ -69,13 +70,35 @@ class Checkpointer:
         self.storage = storage or StorageGroups.single(dist.world_size(), dist.rank())
         self.dir = run_dir / "checkpoints"
         self.every, self.keep = tr.checkpoint_every, tr.keep_checkpoints
-        self.resume_tag = self._agree(str(tr.resume))
+        self.resume_tag = self._agree(self._launch_resume(str(tr.resume)))
         self.reshard = False  # resuming at another layout (vitp.checkpoint.reshard)
         self.meta: Optional[Dict[str, Any]] = _together(self._check)
         self.start_step = self.meta["step"] if self.meta else 0
         if self.meta and self.meta.get("max_steps") not in (None, tr.max_steps):
             log.warning("trainer.max_steps=%d differs from the checkpoint's run (%d): the LR schedule after step %d "
                         "changes accordingly", tr.max_steps, self.meta["max_steps"], self.start_step)
+
+    def _launch_resume(self, resume: str) -> str:
+        """``trainer.resume`` for this launch (rank 0 decides for all). A checkpoint outside this run
+        that the run directory's recorded config already names is where the run started: a relaunch
+        with it (the same command, a requeued or restarted job) continues from the run's own latest
+        checkpoint once there is one (``auto``), instead of going back and dropping what the run
+        did since. A path the record does not name (a new pin), or one of the run's own checkpoints
+        (the latest is broken), is used as given; the record keeps what the user asked for."""
+        if resume in ("auto", "never"):
+            return resume
+        choice = resume
+        if dist.is_main():
+            saved = self.run_dir / ".hydra" / "config.yaml"
+            recorded = OmegaConf.select(OmegaConf.load(saved), "trainer.resume") if saved.is_file() else None
+            path, own = Path(resume).resolve(), self.dir.resolve()
+            if (recorded is not None and Path(str(recorded)).resolve() == path and path != own
+                    and own not in path.parents and (self.dir / "latest").is_file()):
+                choice = "auto"
+                log.info("trainer.resume=%s is where this run started (%s); it has checkpoints of its own since, so "
+                         "it continues from its latest (to start over from %s, choose a new hydra.run.dir)", resume,
+                         saved, resume)
+        return dist.broadcast_object(choice)
 
     def _resume_folder(self, resume: str) -> Tuple[Optional[Path], Optional[str]]:
         """``(checkpoints folder, tag)`` that ``trainer.resume`` names on this rank: ``auto`` this run's
