@@ -119,6 +119,9 @@ def test_signal_to_the_process_group_saves_and_exits_0(tmp_path):
 
 
 def _signal_during_final_save(rank, over, run_dir):
+    """``(stopped_at, the run's last log line)`` of a run that gets SIGTERM during its final save."""
+    import logging
+
     from vitp.config import compose
     from vitp.train.trainer import Trainer
 
@@ -131,16 +134,23 @@ def _signal_during_final_save(rank, over, run_dir):
         return save(step, final)
 
     trainer.save_checkpoint = save_after_a_signal
-    return trainer.fit()["stopped_at"]
+    lines, handler = [], logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("vitp").addHandler(handler)
+    logging.getLogger("vitp").setLevel(logging.INFO)
+    return trainer.fit()["stopped_at"], lines[-1]
 
 
 def test_signal_after_the_last_step_still_saves(tmp_path):
     """SIGTERM during the final save: the save completes (final checkpoint and weights), the
-    samples and evaluation are skipped, the run returns normally."""
+    samples and evaluation are skipped, the run returns normally, and its last line names only
+    what it wrote (no eval.json, no samples/)."""
     from tests.helpers import run_ranks
 
     run = tmp_path / "run"
-    over = ["experiment=smoke", "trainer.max_steps=2", "trainer.checkpoint_every=0"]
-    assert run_ranks(1, _signal_during_final_save, over, str(run), timeout=60) == [None]
+    over = ["experiment=smoke", "trainer.max_steps=2", "trainer.checkpoint_every=0", "eval.enabled=true"]
+    assert run_ranks(1, _signal_during_final_save, over, str(run), timeout=60) == [
+        (None, f"done: {run} holds model_ema.safetensors, metrics.jsonl, tb/")]
     assert verify_checkpoint(find_checkpoint("auto", run / "checkpoints"))["step"] == 2
     assert (run / "model_ema.safetensors").is_file() and not (run / "samples" / "step_0000002.png").exists()
+    assert not (run / "eval.json").exists() and not (run / "samples").exists()

@@ -602,7 +602,8 @@ class Trainer:
         if self.main:
             save_weights(self.run_dir, cfg, *saved, step=tr.max_steps)
         result: Dict[str, Any] = {}
-        if stopper is not None and stopper.requested():  # collective: every rank skips alike
+        skipped = stopper is not None and stopper.requested()  # collective: every rank skips alike
+        if skipped:
             if self.main:
                 log.warning("%s after the last step: final checkpoint and weights saved, samples and evaluation "
                             "skipped (run vitp-eval %s)", stopper.flag or "a signal on another rank", self.run_dir)
@@ -610,9 +611,11 @@ class Trainer:
             self.sample_grid(tr.max_steps)
             result = self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {}
         self.logger.close()
-        if self.main:
-            log.info("done: %s holds model_ema.safetensors, samples/, metrics.jsonl%s%s", self.run_dir,
-                     ", eval.json" if cfg.eval.enabled else "", "" if tr.tensorboard_dir else ", tb/")
+        if self.main:  # what this launch wrote, not what a full finish would have
+            held = ["model_ema.safetensors", *([] if skipped else ["samples/"]), "metrics.jsonl",
+                    *(["eval.json"] if cfg.eval.enabled and not skipped else []),
+                    *([] if tr.tensorboard_dir else ["tb/"])]
+            log.info("done: %s holds %s", self.run_dir, ", ".join(held))
             if tr.export_dir:
                 self._copy_to_export_dir(Path(tr.export_dir))
             if tr.output_data_dir:
