@@ -22,6 +22,7 @@ Loading never unpickles arbitrary objects (:mod:`vitp.checkpoint.safe_load`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -45,6 +46,7 @@ from .storage import StorageGroups
 META = "vitp_meta.json"
 LATEST = "latest"
 TAG_RE = re.compile(r"^step_(\d{7,})$")
+log = logging.getLogger("vitp")
 KILL_HOOK = "VITP_TEST_KILL_DURING_SAVE"  # "<rank>:<step>": that rank truncates a file and SIGKILLs itself
 
 
@@ -78,7 +80,8 @@ def save_training_checkpoint(engine: Any, ckpt_dir: Path, step: int, *, rank: in
     ``full_states()`` is the collective that gathers ``(ema, raw)`` Generator-keyed full weights on
     rank 0; ``write_state(folder)``, collective too, writes the layout-independent optimizer state
     (:mod:`.reshard`). Returns the weights on rank 0 (``None`` elsewhere). ``keep`` > 0 deletes all
-    but the newest ``keep`` published checkpoints (never the latest).
+    but the newest ``keep`` published checkpoints up to ``step`` (never the latest); checkpoints
+    past ``step`` (left by an attempt before a resume from an older tag) are deleted (:func:`_rotate`).
 
     ``storage`` (default: one folder for every rank) says which ranks share ``ckpt_dir``
     (node-local folders, :mod:`.storage`): every rank writes into its own folder, the files a rank
@@ -116,11 +119,29 @@ def save_training_checkpoint(engine: Any, ckpt_dir: Path, step: int, *, rank: in
     if storage.is_leader:
         _publish(partial, record, ckpt_dir, tag)
     _barrier()  # published on every node: only now may the previous checkpoints go
-    if storage.is_leader and keep > 0:
-        for old in published_tags(ckpt_dir)[:-keep]:
-            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    if storage.is_leader:
+        _rotate(ckpt_dir, step, keep)
     _barrier()
     return (ema, raw) if main else None
+
+
+def _rotate(ckpt_dir: Path, step: int, keep: int) -> None:
+    """After ``step_<step>`` is published: remove the checkpoints past ``step`` (an earlier attempt
+    wrote them before this one resumed from an older tag; left, resuming would pick the newest of
+    them over ``latest``, and the rotation by step would delete ``latest`` itself) and, ``keep`` >
+    0, all but the newest ``keep`` up to ``step`` (``step_<step>``, ``latest``, always stays)."""
+    tags = published_tags(ckpt_dir)
+    stale = [t for t in tags if _tag_step(t) > step]
+    ours = [t for t in tags if _tag_step(t) <= step]
+    if stale:
+        log.warning("removing %s: written by an earlier attempt after step %d, the step this run resumed from "
+                    "is older", ", ".join(stale), step)
+    for old in stale + (ours[:-keep] if keep > 0 else []):
+        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+
+
+def _tag_step(tag: str) -> int:
+    return int(TAG_RE.match(tag).group(1))
 
 
 ALL = "all"  # the readers of a file every rank loads
@@ -195,7 +216,7 @@ def published_tags(ckpt_dir: Path) -> List[str]:
     if not ckpt_dir.is_dir():
         return []
     tags = [p.name for p in ckpt_dir.iterdir() if p.is_dir() and TAG_RE.match(p.name) and (p / META).is_file()]
-    return sorted(tags, key=lambda t: int(TAG_RE.match(t).group(1)))
+    return sorted(tags, key=_tag_step)
 
 
 def _fix_hint(tag_dir: Path, rank: Optional[int] = None, layout: Optional[Layout] = None) -> str:
