@@ -435,12 +435,24 @@ def truncate_log(path: Path, step: int) -> int:
     return len(lines) - len(keep)
 
 
+def _refuse_without_meta(tag: Path, name: str) -> None:
+    """Raise ``FileNotFoundError`` for checkpoint folder ``tag`` lacking its :data:`META`, naming
+    the newest complete checkpoint beside it and the weights file to pass to take it as it is."""
+    others = published_tags(tag.parent)
+    fix = (f"pass a complete checkpoint instead ({tag.parent / others[-1]}), or, to take this one's weights as they "
+           f"are, the weights file itself ({tag / name})" if others else
+           f"to take this one's weights as they are, pass the weights file itself ({tag / name})")
+    raise FileNotFoundError(f"{tag} is a checkpoint folder without its {META} (written last by a save: the save "
+                            f"never finished, or the file was removed); {fix}")
+
+
 def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[int], Path]:
     """``(weights file, step, run dir)`` of ``source``: a finished run dir (its final
     ``model_ema.safetensors`` / ``model.safetensors`` by ``weights``), a run dir without final
     weights or a checkpoints folder (the latest checkpoint), a checkpoint tag folder, or a file.
 
-    Raises ``FileNotFoundError`` / ``ValueError`` naming the path when it holds no complete checkpoint.
+    Raises ``FileNotFoundError`` / ``ValueError`` naming the path when it holds no complete checkpoint
+    (a tag folder without its :data:`META` too: its weights are taken only when the file is passed).
     """
     name = "model_ema.safetensors" if weights == "ema" else "model.safetensors"
     if source.is_file():
@@ -456,6 +468,8 @@ def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[
         tag = find_checkpoint(str(source), source)
     elif (source / "checkpoints" / LATEST).is_file():
         tag = find_checkpoint("auto", source / "checkpoints")
+    elif TAG_RE.match(source.name) or any(source.glob("rng_rank*.pt")):  # a checkpoint, not a weights folder
+        _refuse_without_meta(source, name)
     elif (source / name).is_file():
         return source / name, None, source
     else:
