@@ -812,6 +812,22 @@ def _layouts(world: int) -> List[tuple]:
     return [(t, p) for t in range(1, world + 1) for p in range(1, world + 1) if world % (t * p) == 0]
 
 
+def _passing_layouts(cfg: "DictConfig", world_size: int, cp: int, device_type: str) -> str:
+    """The ``(tp, pp)`` at ``parallel.cp=cp`` that pass :func:`validate_layout` on ``world_size``
+    processes with the rest of ``cfg`` (heads, depth, batch split, cp rules), as ``[(tp, pp), ...]``;
+    when none does, ``none with this config`` and why ``tp=1 pp=1`` fails."""
+    from omegaconf import OmegaConf
+
+    ok, why = [], None
+    for t, p in _layouts(world_size // cp):
+        try:
+            validate_layout(OmegaConf.merge(cfg, {"parallel": {"tp": t, "pp": p}}), world_size, device_type)
+            ok.append((t, p))
+        except ValueError as e:
+            why = why or f"at tp={t} pp={p}: {e}"
+    return str(ok) if ok else f"none with this config ({why})"
+
+
 def run_shapes(cfg: "DictConfig") -> List[Tuple[str, Tuple[int, int, int]]]:
     """``[(name, token grid (gt, gh, gw))]`` of every shape a run trains: each bucket of
     ``data.buckets`` (named ``data.buckets[i]``), else the model's size and frame count."""
@@ -897,13 +913,13 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     par, m, tr = cfg.parallel, cfg.model, cfg.trainer
     tp, pp, cp = par.tp, par.pp, par.cp
     if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
+        ok = _passing_layouts(cfg, world_size, cp, device_type) if cp >= 1 and world_size % cp == 0 else "none"
         if cp == 1:
             raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide world_size={world_size}; "
-                             f"valid (tp, pp) for {world_size} processes: {_layouts(world_size)}")
+                             f"valid (tp, pp) for {world_size} processes: {ok}")
         raise ValueError(f"parallel.tp={tp} x parallel.cp={cp} x parallel.pp={pp} does not divide world_size="
                          f"{world_size}; launch a multiple of {tp * cp * pp} processes, or use parallel.cp in "
-                         f"{divisors(world_size)} (at cp={cp} the valid (tp, pp) are "
-                         f"{_layouts(world_size // cp) if world_size % cp == 0 else 'none'})")
+                         f"{divisors(world_size)} (at cp={cp} the valid (tp, pp) are {ok})")
     sizes = [("model.num_heads", m.num_heads),
              (f"MLP hidden units (model.mlp={m.mlp}, model.width, model.mlp_ratio)",
               mlp_hidden_units(m.width, m.mlp_ratio, m.mlp))]

@@ -40,7 +40,21 @@ def _runs(rank, tmp):
                                          r"trainer.max_steps=8 or more to continue it, or .*\(vitp-export"):
         train_rank(rank, [*SINGLE, "trainer.max_steps=4"], f"{tmp}/full")  # would label step-8 weights step 4
     assert _files(Path(tmp) / "full") == before
-    return full, first, second, fork
+    return full, first, second, fork, _resume_older_tag(rank, tmp)
+
+
+def _resume_older_tag(rank, tmp):
+    """A copy of the full run (checkpoints 6 and 8) resumed from step 6 with keep_checkpoints=1,
+    stopped at 7, then resumed again (trainer.resume=auto): ``(tags and latest after the stop, the
+    second resume's losses)``."""
+    run = Path(tmp) / "older"
+    shutil.copytree(Path(tmp) / "full", run)
+    keep1 = [*SINGLE, "trainer.keep_checkpoints=1"]
+    train_rank(rank, [*keep1, f"trainer.resume={run}/checkpoints/step_0000006", "trainer.exit_at_step=7"], str(run))
+    moved = sorted(str(d.relative_to(run / "checkpoints" / ckpt.ABANDONED).parent) + "/" + d.name
+                   for d in (run / "checkpoints" / ckpt.ABANDONED).glob("*/step_*") if (d / ckpt.META).is_file())
+    after_stop = ckpt.published_tags(run / "checkpoints"), (run / "checkpoints" / "latest").read_text(), moved
+    return after_stop, train_rank(rank, keep1, str(run))["losses"]
 
 
 def _files(run: Path) -> dict:
@@ -49,9 +63,17 @@ def _files(run: Path) -> dict:
 
 
 def test_resume_is_exact_single_process(tmp_path):
-    """8 steps == 4 steps (exit_at_step, checkpoint, exit) + resume for 4, with dropout and drop-path."""
-    full, first, second, fork = run_ranks(1, _runs, str(tmp_path))[0]
+    """8 steps == 4 steps (exit_at_step, checkpoint, exit) + resume for 4, with dropout and drop-path;
+    keep_checkpoints after a resume from an older tag than the newest."""
+    full, first, second, fork, (after_stop, last) = run_ranks(1, _runs, str(tmp_path))[0]
     assert fork["losses"] == full["losses"][6:]  # trainer.resume=<path> into another run dir
+    # resumed from step 6 while step 8 existed: once step 7 is published, step 8 (the abandoned
+    # attempt's) moves whole into abandoned/<time>/ and 6 goes (keep=1); 7 stays the latest, and the
+    # next resume continues from it
+    tags, latest, moved = after_stop
+    assert (tags, latest) == (["step_0000007"], "step_0000007")
+    assert len(moved) == 1 and moved[0].endswith("/step_0000008"), moved
+    assert last == full["losses"][7:]
     assert first["stopped_at"] == 4 and len(first["losses"]) == 4 and len(second["losses"]) == 4
     assert first["losses"] + second["losses"] == full["losses"]
     assert first["grad_norms"] + second["grad_norms"] == full["grad_norms"]

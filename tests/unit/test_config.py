@@ -474,3 +474,49 @@ def test_context_parallel_layout():
     assert lay.engine_zero_stage(1) == 1  # DeepSpeed sees 4 data-parallel ranks
     one = validate_layout(compose_cfg(["experiment=smoke", *CP_VIDEO, "parallel.cp=2"]), world_size=2)
     assert (one.dp, one.engine_dp, one.engine_zero_stage(1)) == (1, 2, 1)
+
+
+def _listed(message: str, before: str) -> list:
+    """The ``[(tp, pp), ...]`` a refusal lists after ``before``."""
+    import ast
+
+    return ast.literal_eval(message.split(before, 1)[1].split("]", 1)[0] + "]")
+
+
+@pytest.mark.parametrize("over, world, before", [
+    (["parallel.tp=3"], 8, "valid (tp, pp) for 8 processes: "),
+    (["parallel.tp=3", "model.depth=4", "model.num_heads=4", "trainer.global_batch_size=16"], 8,
+     "valid (tp, pp) for 8 processes: "),
+    ([*CP_VIDEO, "parallel.tp=3", "parallel.cp=2"], 8, "at cp=2 the valid (tp, pp) are "),
+])
+def test_an_impossible_layout_lists_only_layouts_that_pass(over, world, before):
+    """The (tp, pp) listed when tp x pp does not divide the world are exactly those that pass
+    validate_layout for this model and batch (heads, depth, batch split, cp rules); they used to be
+    every (tp, pp) dividing the world, e.g. tp=4 for the smoke model's 2 heads."""
+    with pytest.raises(ValueError) as e:
+        validate_layout(compose_cfg(["experiment=smoke", *over]), world_size=world)
+    listed = _listed(str(e.value), before)
+    cp = next((int(o.split("=")[1]) for o in over if o.startswith("parallel.cp=")), 1)
+    passing = []
+    for t in range(1, world + 1):
+        for p in range(1, world + 1):
+            if world % (t * p * cp) == 0:
+                try:
+                    validate_layout(compose_cfg(["experiment=smoke", *over, f"parallel.tp={t}", f"parallel.pp={p}"]),
+                                    world_size=world)
+                    passing.append((t, p))
+                except ValueError:
+                    pass
+    assert listed == passing and listed
+    if over == ["parallel.tp=3"]:  # 2 heads, depth 2, 8 samples in micro-batches of 4: dp <= 2
+        assert str(e.value) == ("parallel.tp=3 x parallel.pp=1 does not divide world_size=8; valid (tp, pp) for 8 "
+                                "processes: [(2, 2)]")
+
+
+def test_an_impossible_layout_says_when_no_layout_passes():
+    with pytest.raises(ValueError) as e:
+        validate_layout(compose_cfg(["experiment=smoke", "parallel.tp=3", "parallel.zero_stage=0"]), world_size=2)
+    assert str(e.value) == ("parallel.tp=3 x parallel.pp=1 does not divide world_size=2; valid (tp, pp) for 2 "
+                            "processes: none with this config (at tp=1 pp=1: parallel.zero_stage=0 in fp32: "
+                            "DeepSpeed's pipeline engine does not report, and with pp > 1 miscomputes, the clipping "
+                            "grad norm; use parallel.zero_stage=1 (the default))")

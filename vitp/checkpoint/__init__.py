@@ -17,6 +17,7 @@ from .export import (
 from .timm import load_timm_state, timm_block_state
 from .training import (
     KILL_HOOK,
+    ABANDONED,
     LATEST,
     META,
     check_resumable,
@@ -35,7 +36,7 @@ from .training import (
 )
 
 __all__ = [
-    "ARCH_KEYS", "FORMAT", "KILL_HOOK", "LATEST", "META", "RESUME_KEYS", "check_model_matches", "check_resumable",
+    "ABANDONED", "ARCH_KEYS", "FORMAT", "KILL_HOOK", "LATEST", "META", "RESUME_KEYS", "check_model_matches", "check_resumable",
     "find_checkpoint", "generator_from_state", "resolve_weights", "load_generator", "latest_meta", "layout_text",
     "load_timm_state", "load_rng", "load_training_checkpoint", "published_tags", "read_export", "save_export",
     "save_training_checkpoint", "save_weights", "tag_name", "tag_problem",

@@ -22,10 +22,12 @@ Loading never unpickles arbitrary objects (:mod:`vitp.checkpoint.safe_load`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -44,7 +46,9 @@ from .storage import StorageGroups
 
 META = "vitp_meta.json"
 LATEST = "latest"
+ABANDONED = "abandoned"  # checkpoints of an attempt a resume from an older tag left behind
 TAG_RE = re.compile(r"^step_(\d{7,})$")
+log = logging.getLogger("vitp")
 KILL_HOOK = "VITP_TEST_KILL_DURING_SAVE"  # "<rank>:<step>": that rank truncates a file and SIGKILLs itself
 
 
@@ -78,7 +82,9 @@ def save_training_checkpoint(engine: Any, ckpt_dir: Path, step: int, *, rank: in
     ``full_states()`` is the collective that gathers ``(ema, raw)`` Generator-keyed full weights on
     rank 0; ``write_state(folder)``, collective too, writes the layout-independent optimizer state
     (:mod:`.reshard`). Returns the weights on rank 0 (``None`` elsewhere). ``keep`` > 0 deletes all
-    but the newest ``keep`` published checkpoints (never the latest).
+    but the newest ``keep`` published checkpoints up to ``step`` (never the latest); checkpoints
+    past ``step`` (left by an attempt before a resume from an older tag) are moved into
+    ``abandoned/`` (:func:`_rotate`).
 
     ``storage`` (default: one folder for every rank) says which ranks share ``ckpt_dir``
     (node-local folders, :mod:`.storage`): every rank writes into its own folder, the files a rank
@@ -116,11 +122,37 @@ def save_training_checkpoint(engine: Any, ckpt_dir: Path, step: int, *, rank: in
     if storage.is_leader:
         _publish(partial, record, ckpt_dir, tag)
     _barrier()  # published on every node: only now may the previous checkpoints go
-    if storage.is_leader and keep > 0:
-        for old in published_tags(ckpt_dir)[:-keep]:
-            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    if storage.is_leader:
+        _rotate(ckpt_dir, step, keep)
     _barrier()
     return (ema, raw) if main else None
+
+
+def _rotate(ckpt_dir: Path, step: int, keep: int) -> None:
+    """After ``step_<step>`` is published: move the checkpoints past ``step`` into
+    ``abandoned/<time>/`` (an earlier attempt wrote them before this one resumed from an older tag;
+    left in place, ``resume=auto`` would take the newest of them over ``latest`` and the rotation by
+    step would delete ``latest`` itself; moved, not deleted, they stay loadable by path) and,
+    ``keep`` > 0, delete all but the newest ``keep`` up to ``step`` (``step_<step>``, ``latest``,
+    always stays)."""
+    tags = published_tags(ckpt_dir)
+    stale = [t for t in tags if _tag_step(t) > step]
+    ours = [t for t in tags if _tag_step(t) <= step]
+    if stale:
+        dest = ckpt_dir / ABANDONED / time.strftime("%Y%m%d-%H%M%S")
+        dest = next(d for d in (Path(f"{dest}{s}") for s in ("", *(f"-{i}" for i in range(1, 1000)))) if not d.exists())
+        dest.mkdir(parents=True)
+        for tag in stale:
+            os.replace(ckpt_dir / tag, dest / tag)
+        log.warning("moved %s to %s: an earlier attempt wrote them after step %d, the older checkpoint this run "
+                    "resumed from and continued (load one with trainer.resume=%s/<tag>; delete the folder to free "
+                    "the space)", ", ".join(stale), dest, step, dest)
+    for old in ours[:-keep] if keep > 0 else []:
+        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+
+
+def _tag_step(tag: str) -> int:
+    return int(TAG_RE.match(tag).group(1))
 
 
 ALL = "all"  # the readers of a file every rank loads
@@ -195,7 +227,7 @@ def published_tags(ckpt_dir: Path) -> List[str]:
     if not ckpt_dir.is_dir():
         return []
     tags = [p.name for p in ckpt_dir.iterdir() if p.is_dir() and TAG_RE.match(p.name) and (p / META).is_file()]
-    return sorted(tags, key=lambda t: int(TAG_RE.match(t).group(1)))
+    return sorted(tags, key=_tag_step)
 
 
 def _fix_hint(tag_dir: Path, rank: Optional[int] = None, layout: Optional[Layout] = None) -> str:
@@ -414,12 +446,24 @@ def truncate_log(path: Path, step: int) -> int:
     return len(lines) - len(keep)
 
 
+def _refuse_without_meta(tag: Path, name: str) -> None:
+    """Raise ``FileNotFoundError`` for checkpoint folder ``tag`` lacking its :data:`META`, naming
+    the newest complete checkpoint beside it and the weights file to pass to take it as it is."""
+    others = published_tags(tag.parent)
+    fix = (f"pass a complete checkpoint instead ({tag.parent / others[-1]}), or, to take this one's weights as they "
+           f"are, the weights file itself ({tag / name})" if others else
+           f"to take this one's weights as they are, pass the weights file itself ({tag / name})")
+    raise FileNotFoundError(f"{tag} is a checkpoint folder without its {META} (written last by a save: the save "
+                            f"never finished, or the file was removed); {fix}")
+
+
 def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[int], Path]:
     """``(weights file, step, run dir)`` of ``source``: a finished run dir (its final
     ``model_ema.safetensors`` / ``model.safetensors`` by ``weights``), a run dir without final
     weights or a checkpoints folder (the latest checkpoint), a checkpoint tag folder, or a file.
 
-    Raises ``FileNotFoundError`` / ``ValueError`` naming the path when it holds no complete checkpoint.
+    Raises ``FileNotFoundError`` / ``ValueError`` naming the path when it holds no complete checkpoint
+    (a tag folder without its :data:`META` too: its weights are taken only when the file is passed).
     """
     name = "model_ema.safetensors" if weights == "ema" else "model.safetensors"
     if source.is_file():
@@ -435,6 +479,8 @@ def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[
         tag = find_checkpoint(str(source), source)
     elif (source / "checkpoints" / LATEST).is_file():
         tag = find_checkpoint("auto", source / "checkpoints")
+    elif TAG_RE.match(source.name) or any(source.glob("rng_rank*.pt")):  # a checkpoint, not a weights folder
+        _refuse_without_meta(source, name)
     elif (source / name).is_file():
         return source / name, None, source
     else:

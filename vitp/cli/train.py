@@ -11,7 +11,9 @@ a requeued job resumes.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -261,6 +263,10 @@ def prepare_argv(argv: list) -> list:
 
 def main() -> None:
     """Console entry point ``vitp-train``."""
+    # At exit the interpreter's garbage collections walk every object torch, DeepSpeed and the run
+    # left: 2.2-2.9 s per process on a 2-core CPU, 0.4 s frozen (measured); under a launcher it
+    # waits for the slowest rank. Nothing is written by then (logs and files are closed explicitly).
+    atexit.register(gc.freeze)
     sys.argv = run_cli("vitp-train", prepare_argv, sys.argv)
     _hydra_entry()
 
