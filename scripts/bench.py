@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """vitp's performance suite: one command, a JSON file and a Markdown table.
 
-    python scripts/bench.py [--quick] [--out bench] [--reps 7] [--sections overhead,tp,...]
+    python scripts/bench.py [--quick] [--out bench] [--reps 7] [--sections overhead,tp,...] [--load N]
 
 Every timing compares variants *interleaved* in one process group (A, B, A, B, ... after warm-up
 steps), so load from other processes on the machine hits all variants alike; it reports the
 median over repetitions of the per-repetition ratio of median step times, and the spread
 (min - max of those ratios). All variants train the same model on the same micro-batches
 (fp32, CPU, gloo, one thread per process) and their first-step losses are reported side by side.
+The 1-minute load average is sampled during every section and reported with it; ``--load N``
+adds ``N`` busy-loop processes for the whole run, a controlled load to time under.
 
 Sections (``--sections``, default all):
 
@@ -41,13 +43,16 @@ Sections (``--sections``, default all):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -469,8 +474,9 @@ def activations_worker(size: str) -> dict:
 def pipeline_worker(size: str, micro_counts, reps: int, steps: int, tmp: str) -> dict:
     """At pp = world size: step time of one global batch split into ``m`` micro-batches, against
     one process running the same batch (rank 0; the other ranks wait), interleaved. Per ``m``: the
-    step time (median over repetitions of the per-repetition median, min-max), the derived bubble
-    ``1 - T_1 / (p T_m)`` against ``(p - 1) / (m + p - 1)``, and from the pipeline timeline
+    step time (median over repetitions of the per-repetition median, min-max), its ratio to the
+    previous ``m``'s step in the same repetition (median, min-max: paired, so load that drifts
+    between repetitions cancels), the derived bubble ``1 - T_1 / (p T_m)`` against ``(p - 1) / (m + p - 1)``, and from the pipeline timeline
     (:mod:`vitp.train.timeline`, every timed step recorded) per stage the measured idle time
     against 1F1B with the stages' measured compute (``idle_1f1b_ms``), the recorded share of the
     step, and the CPU seconds every rank used per step (``time.process_time``) divided by the
@@ -541,9 +547,14 @@ def pipeline_worker(size: str, micro_counts, reps: int, steps: int, tmp: str) ->
                                            "wait": round(f["wait"], 4), "gap": round(f["gap"], 4),
                                            "recorded": round(f["busy_ms"] / f["step_ms"], 4)}
                                   for s, f in sorted(fr.items())}}
+    for a, b in zip(micro_counts, micro_counts[1:]):  # paired within a repetition: slow drifts of load cancel
+        rs = [y / x for x, y in zip(runs[a]["times"], runs[b]["times"])]
+        out[str(b)]["vs_previous"] = {"m": a, "ratio": round(statistics.median(rs), 4), "min": round(min(rs), 4),
+                                      "max": round(max(rs), 4)}
     medians = [out[str(m)]["step_ms"] for m in micro_counts]
     return {"pp": p, "cores": cores, "one_process_ms": round(1e3 * t1, 2), "micro_batches": out,
-            "non_increasing": all(b <= a for a, b in zip(medians, medians[1:]))}
+            "non_increasing": all(b <= a for a, b in zip(medians, medians[1:])),
+            "non_increasing_paired": all(out[str(m)]["vs_previous"]["ratio"] <= 1 for m in micro_counts[1:])}
 
 
 # ----------------------------------------------------------------------------- context parallelism
@@ -849,6 +860,9 @@ def markdown(res: dict) -> str:
     """The Markdown tables of a result dict (docs/performance.md)."""
     lines = [f"Measured by `python scripts/bench.py{' --quick' if res['quick'] else ''}` ({res['when']}): "
              f"{res['reps']} interleaved repetitions of {res['steps']} steps, median ratio (min-max).", ""]
+    for name, load in res.get("load", {}).items():
+        lines += [f"Load during `{name}`: 1-minute load average median {load['median']} (10-90 %: {load['p10']}-"
+                  f"{load['p90']}, {load['samples']} samples), {load['busy_processes']} busy-loop processes added.", ""]
     if "overhead" in res:
         lines += ["| size | tokens | batch | vitp ms | plain ms | vitp / plain | model-state bytes vitp / plain |",
                   "|---|---|---|---|---|---|---|"]
@@ -899,13 +913,16 @@ def _pipeline_markdown(res: dict) -> list:
     for r in res.values():
         p = r["pp"]
         lines += [f"pp={p}, one global batch; one process: {r['one_process_ms']} ms; {r['cores']} cores; step time "
-                  f"non-increasing in m: {'yes' if r['non_increasing'] else 'NO'}", "",
-                  "| m | step ms (min-max) | bubble (min-max) | 1F1B theory | per stage: idle ms / 1F1B idle ms = ratio "
-                  "| CPU-bound ms |", "|---|---|---|---|---|---|"]
+                  f"non-increasing in m: medians {'yes' if r['non_increasing'] else 'NO'}, paired ratios "
+                  f"{'yes' if r.get('non_increasing_paired') else 'NO'}", "",
+                  "| m | step ms (min-max) | / previous m, paired (min-max) | bubble (min-max) | 1F1B theory "
+                  "| per stage: idle ms / 1F1B idle ms = ratio | CPU-bound ms |", "|---|---|---|---|---|---|---|"]
         for m, row in r["micro_batches"].items():
             stages = "; ".join(f"{s}: {x['idle_ms']:.0f} / {x['idle_1f1b_ms']:.0f} = {x['idle_vs_1f1b']}"
                                for s, x in row["stages"].items())
-            lines.append(f"| {m} | {row['step_ms']} ({row['step_ms_min']}-{row['step_ms_max']}) | {row['bubble']} "
+            prev = row.get("vs_previous")
+            paired = f"{prev['ratio']} ({prev['min']}-{prev['max']})" if prev else "-"
+            lines.append(f"| {m} | {row['step_ms']} ({row['step_ms_min']}-{row['step_ms_max']}) | {paired} | {row['bubble']} "
                          f"({row['bubble_min']}-{row['bubble_max']}) | {row['theory_1f1b']} | {stages} | "
                          f"{row['cpu_bound_ms']} |")
         lines.append("")
@@ -953,7 +970,38 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="steps per variant per repetition (default 3, --quick 1)")
     p.add_argument("--sizes", default=None, help="comma-separated of demo,large (default both; --quick: tiny)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated of {','.join(SECTIONS)}")
+    p.add_argument("--load", type=int, default=0,
+                   help="busy-loop processes run alongside every section (a controlled load; default 0)")
     return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def machine_load(busy: int, every: float = 10.0):
+    """Run ``busy`` busy-loop processes (a controlled load, ``--load``) and sample the 1-minute
+    load average every ``every`` seconds. Yields a dict filled in on exit: ``busy_processes``,
+    ``samples`` and the samples' ``median``, ``p10`` and ``p90`` (runnable processes)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    samples, stop = [], threading.Event()
+
+    def sample():
+        samples.append(os.getloadavg()[0])
+        while not stop.wait(every):
+            samples.append(os.getloadavg()[0])
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    stats = {"busy_processes": busy}
+    try:
+        yield stats
+    finally:
+        stop.set()
+        thread.join()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        q = statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else samples * 9
+        stats.update(samples=len(samples), median=round(statistics.median(samples), 2), p10=round(q[0], 2),
+                     p90=round(q[-1], 2))
 
 
 def run_sections(args, sizes, tmp: str) -> dict:
@@ -963,7 +1011,9 @@ def run_sections(args, sizes, tmp: str) -> dict:
     partial.parent.mkdir(parents=True, exist_ok=True)
     sections = [s for s in SECTIONS if s in sections]
     for name in sections:  # each section's results are kept as soon as it ends
-        res[name] = run_section(name, args, sizes, tmp)
+        with machine_load(args.load) as load:
+            res[name] = run_section(name, args, sizes, tmp)
+        res.setdefault("load", {})[name] = load
         partial.write_text(json.dumps(res, indent=1))
     partial.unlink(missing_ok=True)
     return res

@@ -129,7 +129,12 @@ def test_bench_quick(tmp_path):
         assert set(row["stages"]) == {"0", "1"} and row["cpu_bound_ms"] > 0, row
         for st in row["stages"].values():
             assert st["idle_1f1b_ms"] > 0 and st["idle_ms"] > 0 and 0.5 < st["recorded"] <= 1.0, row
-    assert "vitp / plain" in md and "1F1B theory" in md and "1F1B idle ms" in md
+    assert "vs_previous" not in pipe["micro_batches"]["1"] and pipe["micro_batches"]["2"]["vs_previous"]["m"] == 1
+    prev = pipe["micro_batches"]["2"]["vs_previous"]
+    assert prev["min"] <= prev["ratio"] <= prev["max"] and pipe["non_increasing_paired"] == (prev["ratio"] <= 1)
+    assert set(res["load"]) == set(res) - {"load", "quick", "reps", "steps", "when"}
+    assert all(x["busy_processes"] == 0 and x["samples"] >= 1 and x["p10"] <= x["median"] <= x["p90"] for x in res["load"].values())
+    assert "vitp / plain" in md and "1F1B theory" in md and "1F1B idle ms" in md and "Load during `pipeline`" in md
 
 
 @pytest.mark.slow
