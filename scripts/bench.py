@@ -999,13 +999,12 @@ def machine_load(busy: int, every: float = 10.0):
         for proc in procs:
             proc.kill()
             proc.wait()
-        q = statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else samples * 9
+        q = statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else samples
         stats.update(samples=len(samples), median=round(statistics.median(samples), 2), p10=round(q[0], 2),
                      p90=round(q[-1], 2))
 
 
 def run_sections(args, sizes, tmp: str) -> dict:
-    reps, steps = args.reps, args.steps
     res, sections = {}, args.sections.split(",")
     partial = Path(f"{args.out}.partial.json")
     partial.parent.mkdir(parents=True, exist_ok=True)

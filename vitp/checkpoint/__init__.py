@@ -16,8 +16,8 @@ from .export import (
 )
 from .timm import load_timm_state, timm_block_state
 from .training import (
-    KILL_HOOK,
     ABANDONED,
+    KILL_HOOK,
     LATEST,
     META,
     check_resumable,

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -139,9 +140,8 @@ def _rotate(ckpt_dir: Path, step: int, keep: int) -> None:
     stale = [t for t in tags if _tag_step(t) > step]
     ours = [t for t in tags if _tag_step(t) <= step]
     if stale:
-        dest = ckpt_dir / ABANDONED / time.strftime("%Y%m%d-%H%M%S")
-        dest = next(d for d in (Path(f"{dest}{s}") for s in ("", *(f"-{i}" for i in range(1, 1000)))) if not d.exists())
-        dest.mkdir(parents=True)
+        (ckpt_dir / ABANDONED).mkdir(exist_ok=True)
+        dest = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=ckpt_dir / ABANDONED))
         for tag in stale:
             os.replace(ckpt_dir / tag, dest / tag)
         log.warning("moved %s to %s: an earlier attempt wrote them after step %d, the older checkpoint this run "

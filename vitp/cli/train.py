@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
 
 from omegaconf import DictConfig  # noqa: E402
 
+from vitp.checkpoint import latest_meta  # noqa: E402
 from vitp.cli import run_cli  # noqa: E402
 from vitp.cli.overrides import (  # noqa: E402
     apply_overrides, check_run_dir, compose_checked, hydra_override, is_override, override_key, typed_config)
@@ -135,8 +136,6 @@ def resume_config(run_dir: Path, overrides: List[str]) -> DictConfig:
             raise ValueError(f"{o}: --resume {run_dir} continues that folder from its latest checkpoint (or "
                              f"trainer.resume=<one of its own checkpoints>); drop {override_key(o)}, or leave out "
                              f"--resume to start a new run dir from a checkpoint")
-    from vitp.checkpoint import latest_meta
-
     cfg = typed_config(OmegaConf.load(path))
     if (Path(run_dir) / "checkpoints" / "latest").is_file() or cfg.trainer.resume == "never":
         cfg.trainer.resume = "auto"
