@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, TypeVar
 T = TypeVar("T")
 
 
+RANK_ZERO_GRACE_S = 2.0  # seconds the other ranks wait before exiting with a refusal rank 0 prints
 EXIT_BAD_INPUT = 2  # bad input: missing or corrupt files, impossible layouts, wrong config values
 EXIT_NON_FINITE = 3  # the training loss turned NaN or infinite (FloatingPointError)
 
@@ -82,12 +83,15 @@ def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.L
         if isinstance(e, PermissionError) and e.filename:  # raised by the OS: e names the path
             line += " (write elsewhere, or fix that folder's permissions)"
         recorded = record_for_torchrun(line)
+        other_rank = recorded and os.environ.get("RANK", "0") != "0"
         if isinstance(e, RankZeroError):
             pass  # rank 0 printed it; the error file above still holds it
         elif log is not None:
             log.error("%s", line)
-        elif not (recorded and os.environ.get("RANK", "0") != "0"):
+        elif not other_rank:
             print(line, file=sys.stderr)
+        if other_rank:  # exiting first, this rank would have torchrun stop rank 0 before it prints its line
+            time.sleep(RANK_ZERO_GRACE_S)
         raise SystemExit(exit_status(e)) from None
 
 
