@@ -188,6 +188,8 @@ class TrainerConfig:
     eval_every: int = 500  # steps between held-out loss evaluations (0 = only at the end)
     checkpoint_every: int = 500  # steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT)
     keep_checkpoints: int = 3  # newest complete checkpoints kept (0 = keep all)
+    checkpoint_async: bool = True  # write checkpoints in the background once staged in host memory (false: training waits)
+    export_shard_size_mb: float = 5120.0  # final weights: one safetensors file up to this size, else Hugging Face-style shards of at most this many MiB
     resume: str = "auto"  # "auto" (latest checkpoint of the run dir, if any) | "never" | path to a checkpoint
     exit_at_step: Optional[int] = None  # save a checkpoint and exit 0 after this step (resume continues)
     exit_after_minutes: Optional[float] = None  # same, once this much wall time has passed (time-limited jobs)
@@ -390,6 +392,7 @@ FIELD_RULES: Dict[str, Rule] = {
     "trainer.eval_every": span(0, note="0 = only at the end"),
     "trainer.checkpoint_every": span(0, note="0 = only at the end and on SIGTERM/SIGINT"),
     "trainer.keep_checkpoints": span(0, note="0 = keep all"),
+    "trainer.export_shard_size_mb": span(0, lo_open=True, real=True),
     "trainer.exit_at_step": span(1, null="off"),
     "trainer.exit_after_minutes": span(0, lo_open=True, real=True, null="off"),
     "trainer.profile_steps": Rule(_is_step_range, "[] (off) or [a, b], integers with 1 <= a <= b (optimizer "

@@ -14,12 +14,11 @@ Nothing here imports another vitp module (``vitp.parallel`` may import this one)
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -70,27 +69,18 @@ REQUIRED: List[Internal] = [
     Internal("deepspeed.runtime.utils:partition_balanced", "partition_balanced"),
     Internal("deepspeed.runtime.pipe.module:PipelineModule._partition_layers", "partition_balanced",
              uses="partition_balanced("),
-    # replace_checkpoint_load: the engine reads every file through self.checkpoint_engine.load
-    Internal("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine.load",
-             "replace_checkpoint_load"),
-    Internal("deepspeed.runtime.engine:DeepSpeedEngine._load_checkpoint", "replace_checkpoint_load",
-             uses="self.checkpoint_engine"),
-    # record_checkpoint_writes: every file a save writes goes through checkpoint_engine.save
-    Internal("deepspeed.runtime.engine:DeepSpeedEngine._save_checkpoint", "record_checkpoint_writes",
-             uses="self.checkpoint_engine.save("),
-    Internal("deepspeed.runtime.engine:DeepSpeedEngine._save_zero_checkpoint", "record_checkpoint_writes",
-             uses="self.checkpoint_engine.save("),
-    Internal("deepspeed.runtime.pipe.module:PipelineModule.save_state_dict", "record_checkpoint_writes",
-             uses="checkpoint_engine.save("),
     # link_optimizer_state: ZeRO / bf16 optimizers link AdamW's state to each parameter lazily
     Internal("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state",
              "link_optimizer_state", uses="if not self._hp_optimizer_states_linked:"),
     Internal("deepspeed.runtime.bf16_optimizer:BF16_Optimizer._lazy_init_hp_params_optimizer_state",
              "link_optimizer_state", uses="if not self._hp_optimizer_states_linked:"),
-    # checkpoint_safe_globals: the classes DeepSpeed pickles into its checkpoints
-    Internal("deepspeed.runtime.fp16.loss_scaler:LossScaler", "checkpoint_safe_globals"),
-    Internal("deepspeed.runtime.zero.config:ZeroStageEnum", "checkpoint_safe_globals"),
-    Internal("deepspeed.utils.tensor_fragment:fragment_address", "checkpoint_safe_globals"),
+    # param_fragment / hp_fragment: the flat range of a parameter a rank's partition holds, and its fp32 state
+    Internal("deepspeed.utils.tensor_fragment:get_hp_fragment_mapping", "param_fragment",
+             uses="lp_frag_address = fragment_address(start=fragment_start - lp_start"),
+    Internal("deepspeed.utils.tensor_fragment:tensor_fragment.get_hp_fragment", "hp_fragment",
+             uses="return self.get_optim_state_fragment(optim_state_key)"),
+    Internal("deepspeed.utils.mixed_precision_linkage:_init_lp_to_hp_mapping", "partition_group",
+             uses="lp_param._dp_group = dp_group"),
     # report_grad_norm: the engine copies optimizer._global_grad_norm after each step
     Internal("deepspeed.runtime.engine:DeepSpeedEngine._take_model_step", "report_grad_norm",
              uses="self.optimizer._global_grad_norm"),
@@ -214,69 +204,34 @@ def partition_balanced(weights: List[int], num_parts: int) -> List[int]:
     return _partition(weights=weights, num_parts=num_parts)
 
 
-# ------------------------------------------------------------------------------- checkpoints
-def checkpoint_safe_globals() -> list:
-    """The classes DeepSpeed pickles into its checkpoint files (for ``torch.load(weights_only=True)``
-    allow-lists). Why: they live in internal modules and change with DeepSpeed's checkpoint code."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, ZeroStageEnum, fragment_address]
+# ------------------------------------------------------------------------- optimizer state
+def is_partitioned(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is DeepSpeed's ZeRO / bf16 wrapper, whose fp32 state lives in flat
+    partitions reached through each parameter's ``_hp_mapping`` (else a plain torch optimizer)."""
+    return hasattr(optimizer, "_lazy_init_hp_params_optimizer_state")
 
 
-def replace_checkpoint_load(engine: Any, load: Callable[[str, Any], Any]) -> None:
-    """Make every checkpoint file this ``engine`` reads go through ``load(path, map_location)``.
-
-    Why: DeepSpeed's torch checkpoint engine calls ``torch.load(weights_only=False)``, with no
-    option to change it; the engine is created inside ``deepspeed.initialize``, so a subclass with
-    our ``load`` takes over its state (``__new__`` + ``__dict__``: no second constructor call).
-    Raises ``ValueError`` when the engine's checkpoint engine is not DeepSpeed's default torch one.
-    """
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    class LoadReplaced(TorchCheckpointEngine):
-        """DeepSpeed's torch checkpoint engine reading files with vitp's loader."""
-
-        def load(self, path: str, map_location=None):
-            return load(path, map_location)
-
-    current = engine.checkpoint_engine
-    if type(current) is not TorchCheckpointEngine:
-        raise ValueError(f"unexpected DeepSpeed checkpoint engine {type(current).__name__}; "
-                         f"vitp needs the default torch engine")
-    replaced = LoadReplaced.__new__(LoadReplaced)
-    replaced.__dict__.update(current.__dict__)
-    engine.checkpoint_engine = replaced
+def param_fragment(param: Any) -> Optional[Tuple[int, int]]:
+    """``(start, numel)``: the flat range of ``param`` whose fp32 state this rank's partition
+    holds, or ``None`` when it holds none. Why: DeepSpeed exposes it only as the internal
+    ``_hp_mapping.lp_fragment_address`` (``deepspeed/utils/tensor_fragment.py``)."""
+    m = getattr(param, "_hp_mapping", None)
+    if m is None:
+        return None
+    return int(m.lp_fragment_address.start), int(m.lp_fragment_address.numel)
 
 
-@contextlib.contextmanager
-def record_checkpoint_writes(engine: Any) -> Iterator[List[str]]:
-    """Within the block, the path of every file ``engine.save_checkpoint`` writes is appended to
-    the list it yields.
+def partition_group(param: Any) -> Any:
+    """The process group over which ``param``'s fp32 state is partitioned (ZeRO's data-parallel
+    group). Why: set only as the internal ``param._dp_group`` (``_init_lp_to_hp_mapping``)."""
+    return param._dp_group
 
-    Why: DeepSpeed decides which rank writes which file (layer files on data-parallel rank 0 of
-    each stage, ZeRO shards on every rank, ``mp_rank_*`` files ...) and says nothing about it; every
-    one of them goes through ``engine.checkpoint_engine.save(state_dict, path)``, which we wrap on
-    the instance for the block (node-local checkpoint folders copy what a rank wrote to the nodes
-    that load it, :mod:`vitp.checkpoint.training`).
-    """
-    written: List[str] = []
-    ce = engine.checkpoint_engine
-    own, inner = ce.__dict__.get("save"), ce.save
 
-    def save(state_dict, path):
-        inner(state_dict, path)
-        written.append(str(path))
-
-    ce.save = save
-    try:
-        yield written
-    finally:
-        if own is None:
-            del ce.save  # the class's own method again
-        else:
-            ce.save = own
+def hp_fragment(param: Any, key: Optional[str] = None) -> Any:
+    """The live 1-D fp32 tensor of this rank's fragment of ``param``: the master weights
+    (``key=None``) or an optimizer state (``exp_avg``, ...; linked by :func:`link_optimizer_state`).
+    Why: the public ``safe_get_local_*`` functions serve ZeRO-3 only."""
+    return param._hp_mapping.get_hp_fragment(key)
 
 
 # ------------------------------------------------------------------------- optimizer, comm

@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import TP2PP2, run_ranks, run_ranks_until_killed, train_rank, train_rank_killed
 from vitp import checkpoint as ckpt
-from vitp.checkpoint.safe_load import install_safe_loading
 from vitp.config import Layout
 
 SINGLE = ["experiment=smoke", "trainer.max_steps=8", "trainer.checkpoint_every=3", "trainer.keep_checkpoints=2",
@@ -40,7 +39,20 @@ def _runs(rank, tmp):
                                          r"trainer.max_steps=8 or more to continue it, or .*\(vitp-export"):
         train_rank(rank, [*SINGLE, "trainer.max_steps=4"], f"{tmp}/full")  # would label step-8 weights step 4
     assert _files(Path(tmp) / "full") == before
-    return full, first, second, fork, _resume_older_tag(rank, tmp)
+    return full, first, second, fork, _resume_older_tag(rank, tmp), _resume_legacy(rank, tmp)
+
+
+LEGACY = Path(__file__).parents[1] / "fixtures" / "legacy_run"  # written by vitp before sharded checkpoints
+
+
+def _resume_legacy(rank, tmp):
+    """The step-2 checkpoint of the earlier format (DeepSpeed's files, full tensors written by rank 0;
+    a 4-step run of experiment=smoke with a checkpoint every 2 steps) resumed to step 4: its
+    metrics rows, and the latest checkpoint's format."""
+    run = Path(tmp) / "legacy"
+    shutil.copytree(LEGACY, run)
+    train_rank(rank, ["experiment=smoke", "trainer.max_steps=4", "trainer.checkpoint_every=2"], str(run))
+    return _metrics(run), json.loads((run / "checkpoints" / "step_0000004" / ckpt.META).read_text()).get("format")
 
 
 def _resume_older_tag(rank, tmp):
@@ -65,7 +77,10 @@ def _files(run: Path) -> dict:
 def test_resume_is_exact_single_process(tmp_path):
     """8 steps == 4 steps (exit_at_step, checkpoint, exit) + resume for 4, with dropout and drop-path;
     keep_checkpoints after a resume from an older tag than the newest."""
-    full, first, second, fork, (after_stop, last) = run_ranks(1, _runs, str(tmp_path))[0]
+    full, first, second, fork, (after_stop, last), (legacy, fmt) = run_ranks(1, _runs, str(tmp_path))[0]
+    # a checkpoint of the earlier format resumes exactly (read path kept) and continues in the new one
+    _same_steps(legacy, _metrics(LEGACY))
+    assert fmt == "vitp.sharded/1"
     assert fork["losses"] == full["losses"][6:]  # trainer.resume=<path> into another run dir
     # resumed from step 6 while step 8 existed: once step 7 is published, step 8 (the abandoned
     # attempt's) moves whole into abandoned/<time>/ and 6 goes (keep=1); 7 stays the latest, and the
@@ -200,8 +215,7 @@ def _copy_tag(tp2pp2_run, tmp_path) -> Path:
 def test_truncated_or_missing_checkpoint_files_are_named(tp2pp2_run, tmp_path):
     tag = _copy_tag(tp2pp2_run, tmp_path)
     assert ckpt.verify_checkpoint(tag)["step"] == 4
-    # the optimizer's file: ZeRO-1 shards, or at ZeRO-0 (fp32, dp=1) DeepSpeed's model-states file
-    victim = next(tag.glob("zero_pp_rank_*optim_states.pt"), None) or next(tag.glob("mp_rank_*_model_states.pt"))
+    victim = sorted(tag.glob("__*_0.distcp"))[-1]  # a rank's pieces (DCP data file)
     with open(victim, "r+b") as f:
         f.truncate(100)
     with pytest.raises(ValueError, match=f"{victim}.*truncated"):
@@ -217,10 +231,11 @@ def test_truncated_or_missing_checkpoint_files_are_named(tp2pp2_run, tmp_path):
 
 
 def test_corrupt_file_fails_without_unpickling_code(tp2pp2_run, tmp_path):
-    """A pickle that would run code is refused by the weights_only loader DeepSpeed is given."""
+    """A pickle that would run code, as a checkpoint's DCP metadata or a timm file, is refused;
+    the checkpoint's own metadata and RNG files load through the restricted loaders."""
     import pickle
 
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from vitp.checkpoint.sharded import METADATA, read_metadata
 
     marker = tmp_path / "pwned"
 
@@ -228,24 +243,19 @@ def test_corrupt_file_fails_without_unpickling_code(tp2pp2_run, tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    path = tmp_path / "mp_rank_00_model_states.pt"
+    tag = _copy_tag(tp2pp2_run, tmp_path)
+    assert read_metadata(tag).state_dict_metadata  # the real metadata passes the allow-list
+    for f in tag.glob("rng_rank*.pt"):
+        torch.load(f, weights_only=True)
+    (tag / METADATA).write_bytes(pickle.dumps({"state_dict_metadata": Evil()}))
+    with pytest.raises(ValueError, match=f"checkpoint file {tag / METADATA} is corrupt or not a checkpoint's metadata"):
+        read_metadata(tag)
+    path = tmp_path / "vit.pth"
     with open(path, "wb") as f:
         pickle.dump({"module": Evil()}, f)
-
-    class Engine:
-        checkpoint_engine = TorchCheckpointEngine()
-
-    e = Engine()
-    install_safe_loading(e)
-    with pytest.raises(ValueError, match=f"checkpoint file {path} could not be loaded"):
-        e.checkpoint_engine.load(str(path))
     with pytest.raises(ValueError, match="could not be read safely"):
         ckpt.load_timm_state(path)
     assert not marker.exists()
-    # our own, DeepSpeed's and the RNG files all load with weights_only=True
-    tag = _copy_tag(tp2pp2_run, tmp_path)
-    for f in tag.glob("*.pt"):
-        e.checkpoint_engine.load(str(f))
 
 
 def test_resuming_another_layout_or_model_explains_the_fix(tp2pp2_run, tmp_path):
@@ -254,7 +264,7 @@ def test_resuming_another_layout_or_model_explains_the_fix(tp2pp2_run, tmp_path)
     tag = _copy_tag(tp2pp2_run, tmp_path)
     meta = ckpt.verify_checkpoint(tag)
     cfg = compose([*TP2PP2])
-    assert ckpt.check_resumable(meta, tag, cfg, Layout(2, 2, 1, "fp32")) is False  # DeepSpeed's own files
+    assert ckpt.check_resumable(meta, tag, cfg, Layout(2, 2, 1, "fp32")) is False  # the same layout
     assert ckpt.check_resumable(meta, tag, cfg, Layout(1, 2, 2, "fp32")) is True  # resharded (vitp.checkpoint.reshard)
     with pytest.raises(ValueError, match=r"precision: 'fp32' in the checkpoint vs 'bf16' now; tp: 2 in the checkpoint "
                                          r"vs 1 now.*vitp-export .*trainer.init_from"):
@@ -294,8 +304,8 @@ def _bf16_runs(rank, tmp):
 
 
 def test_bf16_resume_is_exact(tmp_path):
-    """bf16 (what precision=auto picks on GPUs) with ZeRO-1: DeepSpeed's bf16 optimizer state,
-    loaded through the weights_only engine, resumes bit-exactly."""
+    """bf16 (what precision=auto picks on GPUs) with ZeRO-1: the bf16 weights, fp32 master weights
+    and moments of DeepSpeed's bf16 optimizer, saved and loaded as pieces, resume bit-exactly."""
     full, first, second = run_ranks(1, _bf16_runs, str(tmp_path))[0]
     assert first["losses"] + second["losses"] == full["losses"]
     _same_steps(_metrics(tmp_path / "full"), _metrics(tmp_path / "resumed"))

@@ -86,9 +86,11 @@ def cp_runs(tmp_path_factory):
         out.update({k: (tmp / k, v) for k, v in res.items()})
     # the cp=2 run's exported weights start a cp=1 run and a cp=2 run alike
     export = [*MODELS["vfull"], f"trainer.init_from={tmp / 'cp2-vfull-ulysses' / 'model.safetensors'}"]
+    # ... and the cp=2 run's step-2 checkpoint resumes at cp=1 (one process) with its whole state
+    resume = {"ckpt_cp2_at_cp1": [*models["vfact"], f"trainer.resume={tmp / 'resume-vfact' / 'checkpoints' / 'step_0000002'}"]}
     for world, case in ((1, "from_cp2_at_cp1"), (2, "from_cp2_at_cp2")):
         over = export + (["parallel.cp=2", "parallel.cp_mode=ring"] if world == 2 else [])
-        res = run_ranks(world, reference_rank, {case: over}, str(tmp))[0]
+        res = run_ranks(world, reference_rank, {case: over, **(resume if world == 1 else {})}, str(tmp))[0]
         out.update({k: (tmp / k, v) for k, v in res.items()})
     return out
 
@@ -127,6 +129,16 @@ def test_context_parallel_resume_is_exact(cp_runs):
     assert [x["step"] for x in resumed] == [1, 2, 3, 4]
     assert [x["loss"] for x in resumed] == [x["loss"] for x in full]
     assert [x["grad_norm"] for x in resumed] == [x["grad_norm"] for x in full]
+
+
+def test_a_cp2_checkpoint_resumes_at_cp1(cp_runs):
+    """The cp=2 run's step-2 checkpoint (weights, EMA, moments split as cp=2 wrote them) resumed by
+    one process: steps 3-4 equal the uninterrupted one-process run's."""
+    ref = cp_runs["ref-vfact"][1]
+    res = cp_runs["ckpt_cp2_at_cp1"][1]
+    assert len(res["losses"]) == 2
+    assert res["losses"] == pytest.approx(ref["losses"][2:], rel=1e-5)
+    assert res["grad_norms"] == pytest.approx(ref["grad_norms"][2:], rel=1e-5)
 
 
 def test_export_of_a_cp_run_starts_any_layout(cp_runs):

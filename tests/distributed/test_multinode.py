@@ -108,8 +108,9 @@ def test_nodes_launched_with_different_overrides_are_refused(tmp_path):
 
 
 # --- node-local run dirs --------------------------------------------------------------------------
-# tp=2 x dp=2: node 0 holds dp replica 0 (ranks 0, 1), node 1 replica 1 (ranks 2, 3); DeepSpeed writes
-# the layer and mp_rank files on dp rank 0 only, so node 1 needs node 0's files (and rank 0's weights).
+# tp=2 x dp=2: node 0 holds dp replica 0 (ranks 0, 1), node 1 replica 1 (ranks 2, 3); the weights are
+# written once over the replicas (DCP's de-duplication spreads them), so each node needs some of the
+# other node's data files, and the coordinator's .metadata.
 # The launches above test the agents; here the subject is the checkpoint folders, so the four ranks
 # are forked from a preloaded server (tests.helpers.run_ranks: seconds instead of two agents' start),
 # each node's ranks with the environment its agent gives them and their own run dir.
@@ -155,8 +156,8 @@ def _needed_here(tag: Path, ranks) -> set:
 
 
 def test_node_killed_mid_save_resumes_from_the_previous_checkpoint_on_both_nodes(killed_mid_save):
-    """Each node's folder alone holds its ranks' part of step 2 (node 0's layer files and rank 0's
-    weights copied to node 1, nothing more), the same completion record on both; step 4, whose save
+    """Each node's folder alone holds its ranks' part of step 2 (the data files holding pieces its
+    ranks load, the metadata, nothing more), the same completion record on both; step 4, whose save
     node 1 died in, is published nowhere. The relaunch of both nodes' ranks resumes from step 2 on both
     nodes and equals the uninterrupted one-process run."""
     tmp = killed_mid_save
@@ -172,11 +173,14 @@ def test_node_killed_mid_save_resumes_from_the_previous_checkpoint_on_both_nodes
     record = [(run / "checkpoints" / "step_0000002" / ckpt.META).read_bytes() for run in runs]
     assert record[0] == record[1]
     node1 = {p.name for p in (runs[1] / "checkpoints" / "step_0000002").iterdir()}
-    assert {"model_ema.safetensors", "model.safetensors", "rng_rank00002.pt"} <= node1
-    assert "rng_rank00000.pt" not in node1 and any(n.startswith("layer_") for n in node1)
+    assert {".metadata", "rng_rank00002.pt"} <= node1 and any(n.startswith("__2_") for n in node1)
+    assert "rng_rank00000.pt" not in node1
+    node0 = {p.name for p in (runs[0] / "checkpoints" / "step_0000002").iterdir()}
+    assert node0 | node1 == set(json.loads(record[0])["manifest"]) | {ckpt.META}  # together: the whole checkpoint
     assert sorted(p.name for p in runs[1].iterdir()) == [".hydra", "checkpoints"]  # no logs on node 1
-    weights, step, _ = ckpt.resolve_weights(runs[1])  # vitp-export on node 1's folder alone
-    assert (weights.name, step) == ("model_ema.safetensors", 2)
+    # the EMA is sharded over the replicas: node 1's folder alone cannot be exported
+    with pytest.raises(FileNotFoundError, match=r"checkpoint file .*__[01]_\d+.distcp is missing"):
+        ckpt.resolve_weights(runs[1])
 
     out = "\n".join(line for lines in run_ranks(4, _node_rank, LOCAL, str(tmp)) for line in lines)
     assert_rows_close(metrics(tmp / "node0" / "run"), recorded("perturbed_tp1pp1"), rel=1e-5)

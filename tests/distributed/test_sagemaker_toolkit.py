@@ -430,7 +430,12 @@ def test_each_instance_keeps_its_ranks_checkpoint_part(two_hosts):
         assert not list(ckpts.glob("*.partial")), sorted(p.name for p in ckpts.iterdir())
         assert (ckpts / tag).is_dir() and any((ckpts / tag).iterdir()), tree.name
     algo2 = hosts[1][0] / "checkpoints" / "run" / "checkpoints" / tag
-    assert {"rng_rank00002.pt", "rng_rank00003.pt"} <= {p.name for p in algo2.iterdir()}
+    held = {p.name for p in algo2.iterdir()} - {"vitp_meta.json"}
+    assert {"rng_rank00002.pt", "rng_rank00003.pt", ".metadata"} <= held
+    # it received only the pieces its ranks load (each a file of its own on node-local folders)
+    parts = json.loads((algo2 / "vitp_meta.json").read_text())["parts"]
+    assert all(parts[n] == "all" or {2, 3} & set(parts[n]) for n in held), held
+    assert set(parts) - held, "algo-2 holds every piece: nothing was kept apart"
 
 
 def test_restarted_job_on_the_merged_folders_resumes_exactly(two_hosts, two_hosts_restarted):

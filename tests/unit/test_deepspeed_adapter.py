@@ -12,13 +12,13 @@ def test_every_internal_the_adapter_relies_on_exists_in_the_installed_deepspeed(
     assert ds.missing() == []
     targets = {i.target for i in ds.REQUIRED}
     for name in ("PipelineEngine._INSTRUCTION_MAP", "PipelineModule.mpu", "PipelineModule.forward",
-                 "TorchCheckpointEngine.load", "partition_balanced", "build_shm_op", "_take_model_step"):
+                 "get_hp_fragment_mapping", "partition_balanced", "build_shm_op", "_take_model_step"):
         assert any(t.endswith(name) for t in targets), name
     # every adapter function that touches an internal is covered by an entry of the registry
     assert {i.needed_by for i in ds.REQUIRED} == {
         "patch_instruction", "pipeline_grid", "seed_layers_for_init_only", "partition_balanced",
-        "replace_checkpoint_load", "checkpoint_safe_globals", "report_grad_norm", "disable_shm_comm_op",
-        "record_checkpoint_writes", "pipeline_instructions", "link_optimizer_state"}
+        "param_fragment", "hp_fragment", "partition_group", "report_grad_norm", "disable_shm_comm_op", "pipeline_instructions",
+        "link_optimizer_state"}
     assert all(callable(getattr(ds, i.needed_by)) for i in ds.REQUIRED)
 
 
@@ -82,23 +82,6 @@ def test_patch_instruction_changes_one_engine_only():
 def test_partition_balanced_cuts_blocks_as_deepspeed():
     # Embed, 5 blocks, Final on 2 stages: [Embed + 3 blocks | 2 blocks + Final]
     assert ds.partition_balanced([0, 1, 1, 1, 1, 1, 0], 2) == [0, 4, 7]
-
-
-def test_record_checkpoint_writes_lists_the_saved_paths_and_restores_the_engine(tmp_path):
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    class Engine:
-        checkpoint_engine = TorchCheckpointEngine()
-
-    e = Engine()
-    with ds.record_checkpoint_writes(e) as written:
-        e.checkpoint_engine.save({"x": 1}, str(tmp_path / "a.pt"))
-        e.checkpoint_engine.save({"y": 2}, str(tmp_path / "b.pt"))
-    assert written == [str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]
-    assert (tmp_path / "b.pt").is_file()
-    assert "save" not in e.checkpoint_engine.__dict__  # the class's method again
-    e.checkpoint_engine.save({"z": 3}, str(tmp_path / "c.pt"))
-    assert written == [str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]
 
 
 def test_patches_compose_and_every_training_instruction_is_in_the_table():

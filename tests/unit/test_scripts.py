@@ -310,3 +310,18 @@ def test_bench_schedule_quick(tmp_path):
             t = r["times"][n]
             assert 0 < t["step_ms_min"] <= t["step_ms"] <= t["step_ms_max"] and t["ratio"] > 0
         assert r["times"]["deepspeed_1f1b"]["ratio"] == 1.0
+
+
+@pytest.mark.slow
+def test_bench_checkpoint(tmp_path):
+    """The sharded-checkpoint bench at its smallest: 4 ranks (tp=2 x dp=2), then 2 resuming, and one
+    async/sync pair; the numbers it prints are consistent with each other."""
+    out_file = tmp_path / "ckpt.json"
+    out = _json_object(_run(["scripts/bench_checkpoint.py", "--world", "4", "--reps", "1", "--width", "32",
+                             "--depth", "2", "--out", str(out_file)], tmp_path), "layout")
+    assert json.loads(out_file.read_text()) == out
+    lay, stall = out["layout"], out["stall"]
+    assert lay["world"] == 4 and len(lay["written_bytes_per_rank"]) == 4 and lay["resume_ranks"] == 2
+    assert sum(lay["written_bytes_per_rank"]) == lay["folder_bytes"] > lay["state_once_bytes"]
+    assert all(0 < r for r in lay["resume_read_bytes_per_rank"]) and len(lay["resume_share_bytes_per_rank"]) == 2
+    assert stall["async"]["n"] == stall["sync"]["n"] == 4 and stall["async_over_sync"] > 0

@@ -5,12 +5,23 @@ tensors under ``gen.`` (:mod:`vitp.models.keys`), and the model and run config a
 (plus a ``<stem>.json`` sidecar). An export loads into any ``(tp, pp)`` (``trainer.init_from``),
 into one process (:func:`load_generator`, ``vitp-sample``), and its blocks into a stock timm ViT
 with strict key matching. The final ``model_ema.safetensors`` / ``model.safetensors`` of a run
-and the weights inside each training checkpoint use the same layout.
+use the same layout.
+
+Large models come out sharded as Hugging Face transformers shards its checkpoints
+(``modeling_utils.save_pretrained``, ``model.safetensors.index.json``): files
+``<stem>-00001-of-0000N.safetensors`` of whole tensors plus ``<name>.index.json`` mapping every
+tensor to its file (:func:`export_checkpoint`, written straight from a training checkpoint).
+:func:`read_export` reads a single file, a sharded export (only the shards holding the keys asked
+for) and a training checkpoint's weights (a torch distributed checkpoint, :mod:`.sharded`) named
+as the ``model_ema.safetensors`` / ``model.safetensors`` of its tag folder.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -31,6 +42,10 @@ ARCH_KEYS = ("in_channels", "num_classes", "patch_size", "tubelet_size", "width"
              "mlp_ratio", "mlp", "qkv_bias", "qk_norm", "layer_scale_init")
 # ... and those that change the computation (resuming must match them too)
 RESUME_KEYS = ARCH_KEYS + ("image_size", "num_frames", "attention")
+INDEX_SUFFIX = ".index.json"  # a sharded export's index: <out name>.index.json (transformers' naming)
+CHECKPOINT_META = "vitp_meta.json"  # a training checkpoint's completion record (vitp.checkpoint.training.META)
+CHECKPOINT_KINDS = {"model_ema.safetensors": "ema", "model.safetensors": "model"}  # file name -> tensor kind
+DCP_METADATA = ".metadata"  # a torch distributed checkpoint's metadata file (vitp.checkpoint.sharded.METADATA)
 
 
 def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg: DictConfig, *,
@@ -50,6 +65,20 @@ def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg
     path = Path(path)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     model = cfg_dict["model"]
+    meta, side = export_metadata(cfg_dict, step, weights)
+    with atomic_write(path) as tmp:
+        save_file(to_export_state(gen_state, model["width"], model["depth"]), str(tmp), metadata=meta)
+    _remove_stale(path, 1)
+    _write_sidecar(path, side, path.name)
+    return path
+
+
+def export_metadata(cfg_dict: Dict[str, Any], step: Optional[int], weights: str,
+                    model: Optional[Dict[str, Any]] = None) -> Tuple[Dict[str, str], Dict[str, Any]]:
+    """``(safetensors metadata, sidecar content)`` of an export of the run config ``cfg_dict`` (a
+    plain dict; ``model`` defaults to its ``model`` section), as :func:`save_export` documents
+    them; the sidecar's ``tensors`` entry is set by :func:`_write_sidecar`."""
+    model = cfg_dict["model"] if model is None else model
     meta = {"format": FORMAT, "vitp_model": json.dumps(model), "vitp_config": json.dumps(cfg_dict),
             "step": str(step if step is not None else -1), "weights": weights}
     text = text_conditioning(cfg_dict)
@@ -59,14 +88,16 @@ def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg
     ps = partial_sync_of(cfg_dict.get("parallel"))
     if ps["p"] < 1.0:  # also in vitp_config; spelled out for readers that do not parse it
         meta.update(partial_sync=str(ps["p"]), partial_sync_tp=str(ps["tp"]), partial_sync_scale=ps["scale"])
-    with atomic_write(path) as tmp:
-        save_file(to_export_state(gen_state, model["width"], model["depth"]), str(tmp), metadata=meta)
-    side = {"format": FORMAT, "weights": weights, "step": step, "model": model, "tensors": str(path.name),
+    side = {"format": FORMAT, "weights": weights, "step": step, "model": model, "tensors": None,
             "conditioning": meta["conditioning"], **({"text_encoder": text} if text else {})}
     if ps["p"] < 1.0:
         side["partial_sync"] = {**ps, "note": PARTIAL_SYNC_NOTE}
-    atomic_write_text(path.with_suffix(".json"), json.dumps(side, indent=2) + "\n", fsync=True)
-    return path
+    return meta, side
+
+
+def _write_sidecar(path: Path, side: Dict[str, Any], tensors: str) -> None:
+    """``<stem>.json`` next to export ``path``, naming ``tensors`` (the file, or a sharded export's index)."""
+    atomic_write_text(path.with_suffix(".json"), json.dumps({**side, "tensors": tensors}, indent=2) + "\n", fsync=True)
 
 
 def text_conditioning(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -95,21 +126,171 @@ def save_weights(run_dir: Path, cfg: DictConfig, ema_state: Dict[str, torch.Tens
     save_export(run_dir / "model.safetensors", raw_state, cfg, step=step, weights="raw")
 
 
+def export_checkpoint(tag_dir: str | os.PathLike, out: str | os.PathLike, cfg: Any = None, *, kind: str = "ema",
+                      step: Optional[int] = None, rank: int = 0, world: int = 1,
+                      max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write the ``kind`` (``ema`` | ``model``) weights of training checkpoint ``tag_dir`` (a
+    torch distributed checkpoint, :mod:`.sharded`) in the export layout of :func:`save_export`
+    (same keys, fp32, identity block norms, metadata with ``weights`` = ``ema`` | ``raw``, and the
+    ``<stem>.json`` sidecar); returns ``out`` or, sharded, the index file.
+
+    ``cfg``: the run config (``DictConfig`` or dict; default: the checkpoint's ``vitp_meta.json``
+    ``config``); ``step`` defaults to the checkpoint's. When the export-layout tensors total more
+    than ``max_shard_bytes`` (bytes, fp32 = 4 per element) the weights are sharded as Hugging Face
+    transformers shards its checkpoints (``save_pretrained``, ``model.safetensors.index.json``):
+    ``<stem>-00001-of-0000N.safetensors`` ... next to ``out``, whole tensors in
+    :func:`_export_order` (``blocks.2`` before ``blocks.10``), each shard at most
+    ``max_shard_bytes`` unless one tensor alone is larger, every shard with the full safetensors
+    metadata, plus ``<out name>.index.json`` (``{"metadata": {"total_size": bytes, "format", ...},
+    "weight_map": {export key: shard file}}``). Otherwise the single file ``out`` (what timm's
+    ``load_state_dict`` takes).
+
+    Collective-friendly, without communication: rank ``rank`` of ``world`` writes the shards
+    ``k`` with ``k % world == rank`` (the single file: rank 0), reading from the checkpoint only
+    their tensors, one shard at a time (memory: one shard); rank 0 also writes the index and the
+    sidecar and removes what an earlier export of the same stem left (the single file or index,
+    shards of another count). Every file is written atomically (:func:`vitp.utils.atomic_write`).
+    With ``world > 1`` the caller must put a barrier after every rank's call: only then is the
+    export complete.
+
+    Raises ``ValueError`` for an ``out`` not ending in ``.safetensors``, a bad ``rank``/``world``,
+    a checkpoint without ``kind`` tensors; ``FileNotFoundError`` / ``ValueError`` naming the file
+    when the checkpoint is incomplete or damaged.
+    """
+    from .sharded import tensor_shapes
+
+    tag_dir, out = Path(tag_dir), Path(out)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"export file {out}: use a .safetensors file name")
+    if not 0 <= rank < world:
+        raise ValueError(f"export rank {rank} is not one of world {world}'s ranks 0..{world - 1}")
+    record = checkpoint_record(tag_dir)
+    cfg_dict = to_dict(cfg) if cfg is not None else record["config"]
+    step = record.get("step") if step is None else step
+    meta, side = export_metadata(cfg_dict, step, "ema" if kind == "ema" else "raw")
+    shapes = tensor_shapes(tag_dir, kind)
+    if not shapes:
+        raise ValueError(f"checkpoint {tag_dir} holds no {kind} tensors (kinds: ema, model)")
+    plan = _export_plan(shapes, cfg_dict["model"]["width"], cfg_dict["model"]["depth"])
+    shards = _shard_groups(plan, max_shard_bytes)
+    names = [out.name] if len(shards) == 1 else shard_names(out, len(shards))
+    for k in range(rank, len(shards), world):
+        _write_shard(tag_dir, kind, out.with_name(names[k]), shards[k], plan, meta)
+    index = out.with_name(out.name + INDEX_SUFFIX)
+    if rank == 0:
+        if len(shards) > 1:
+            total = sum(plan[n][2] for n in plan)
+            weight_map = {n: names[k] for k, group in enumerate(shards) for n in group}
+            atomic_write_text(index, json.dumps({"metadata": {"total_size": total, **meta}, "weight_map": weight_map},
+                                                indent=2) + "\n", fsync=True)
+        _remove_stale(out, len(shards))
+        _write_sidecar(out, side, index.name if len(shards) > 1 else out.name)
+    return index if len(shards) > 1 else out
+
+
+def shard_names(out: Path, n: int) -> List[str]:
+    """File names of the ``n`` shards of export ``out``: ``<stem>-00001-of-0000N.safetensors`` ...
+    (transformers' ``WEIGHTS_NAME`` sharding pattern)."""
+    return [f"{out.stem}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+
+
+def _export_order(key: str) -> Tuple[Any, ...]:
+    """Sort key of an export key: by its generator name (``gen.`` dropped, so a block's tensors sit
+    together), numbers compared as numbers (``blocks.2`` before ``blocks.10``)."""
+    name = key[4:] if key.startswith("gen.") else key
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)), key
+
+
+def _export_plan(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], width: int, depth: int
+                 ) -> Dict[str, Tuple[Optional[str], Tuple[int, ...], int]]:
+    """``{export key: (generator key or None for an identity norm, shape, fp32 bytes)}`` of the
+    export of a checkpoint whose tensors have ``shapes`` (:func:`vitp.models.to_export_state`'s keys), in
+    :func:`_export_order`."""
+    plan = {export_key(k): (k, tuple(s)) for k, (s, _) in shapes.items()}
+    plan.update({f"blocks.{i}.{n}.{w}": (None, (width,)) for i in range(depth) for n in ("norm1", "norm2")
+                 for w in ("weight", "bias")})
+    return {k: (*plan[k], 4 * math.prod(plan[k][1])) for k in sorted(plan, key=_export_order)}
+
+
+def _shard_groups(plan: Dict[str, Tuple[Optional[str], Tuple[int, ...], int]], max_bytes: int) -> List[List[str]]:
+    """``plan``'s keys cut, in order, into groups of at most ``max_bytes`` (one larger tensor alone)."""
+    groups: List[List[str]] = [[]]
+    size = 0
+    for key, (_, _, nbytes) in plan.items():
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    return groups
+
+
+def _write_shard(tag_dir: Path, kind: str, path: Path, keys: List[str],
+                 plan: Dict[str, Tuple[Optional[str], Tuple[int, ...], int]], meta: Dict[str, str]) -> None:
+    """One export file ``path`` holding export ``keys``, read from the checkpoint (only those)."""
+    from safetensors.torch import save_file
+
+    from .sharded import read_full
+
+    loaded = read_full(tag_dir, kind, [plan[k][0] for k in keys if plan[k][0] is not None])
+    tensors = {}
+    for key in keys:
+        src, shape, _ = plan[key]
+        if src is None:  # the affine-free block norms, as the identity affine (to_export_state)
+            tensors[key] = torch.ones(shape) if key.endswith(".weight") else torch.zeros(shape)
+        else:
+            tensors[key] = loaded.pop(src).detach().float().contiguous()
+    with atomic_write(path) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
+
+
+def _remove_stale(out: Path, n: int) -> None:
+    """Delete what an earlier export to ``out`` left that this one (``n`` files) does not replace:
+    shards of ``out``'s stem counted other than ``n``; for a single file also the index; sharded,
+    an older single ``out`` (which :func:`read_export` would read before the index)."""
+    pattern = re.compile(re.escape(out.stem) + r"-\d{5,}-of-(\d{5,})\.safetensors")
+    for f in out.parent.glob(f"{glob_escape(out.stem)}-*-of-*.safetensors"):
+        m = pattern.fullmatch(f.name)
+        if m and (n == 1 or int(m.group(1)) != n):
+            f.unlink(missing_ok=True)
+    if n == 1:
+        out.with_name(out.name + INDEX_SUFFIX).unlink(missing_ok=True)
+    elif out.is_file():
+        out.unlink()
+
+
 def read_export(path: str | os.PathLike, keys: Optional[Iterable[str]] = None
                 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-    """``(generator state dict, metadata)`` of a vitp weights file; with ``keys`` (generator keys)
-    only those tensors are read (a pipeline stage needs only its own layers).
+    """``(generator state dict, metadata)`` of vitp weights; with ``keys`` (generator keys) only
+    those tensors are read (a pipeline stage needs only its own layers).
 
-    Also reads the older layout (generator keys, ``vitp_config`` metadata only).
-    Raises ``FileNotFoundError`` / ``ValueError`` naming the file when it is missing, truncated,
-    corrupt, or not written by vitp.
+    ``path``: an export file (also the older layout: generator keys, ``vitp_config`` metadata
+    only); a sharded export (Hugging Face transformers' layout, :func:`export_checkpoint`): its
+    index ``X.safetensors.index.json`` or the ``X.safetensors`` it stands for, reading only the
+    shards holding ``keys``; or ``<tag>/model_ema.safetensors`` / ``<tag>/model.safetensors`` of a
+    training checkpoint tag holding a torch distributed checkpoint (``.metadata``) instead: its
+    ``ema`` / ``model`` tensors (:func:`vitp.checkpoint.sharded.read_full`, as fp32) with metadata
+    built as an export file's from its ``vitp_meta.json`` (``model``, ``config``, ``step``).
+
+    Raises ``FileNotFoundError`` / ``ValueError`` naming the file when it (or a shard, or the
+    checkpoint's ``vitp_meta.json``) is missing, truncated, corrupt, or not written by vitp.
     """
+    path = Path(path)
+    if path.is_file() and not path.name.endswith(INDEX_SUFFIX):
+        return _read_file(path, keys)
+    index = path if path.name.endswith(INDEX_SUFFIX) else path.with_name(path.name + INDEX_SUFFIX)
+    if index.is_file():
+        return _read_sharded(index, keys)
+    if path.name in CHECKPOINT_KINDS and (path.parent / DCP_METADATA).is_file():
+        return _read_checkpoint(path.parent, CHECKPOINT_KINDS[path.name], keys)
+    raise FileNotFoundError(f"weights file {path} does not exist")
+
+
+def _read_file(path: Path, keys: Optional[Iterable[str]]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """:func:`read_export` of one safetensors file."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"weights file {path} does not exist")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -124,6 +305,76 @@ def read_export(path: str | os.PathLike, keys: Optional[Iterable[str]] = None
         raise ValueError(f"weights file {path} has no vitp_config metadata: it was not written by vitp "
                          f"(a timm ViT state dict loads with trainer.init_from_timm)")
     return (from_export_state(tensors, str(path)) if exported else tensors), meta
+
+
+def _read_sharded(index: Path, keys: Optional[Iterable[str]]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """:func:`read_export` of a sharded export by its index file: only the shards holding ``keys``."""
+    try:
+        head = json.loads(index.read_text())
+        weight_map = dict(head["weight_map"])
+        meta = {k: str(v) for k, v in head.get("metadata", {}).items() if k != "total_size"}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"weights index {index} is corrupt ({e}): re-export the weights (vitp-export)") from e
+    if "vitp_config" not in meta:
+        raise ValueError(f"weights index {index} has no vitp_config metadata: it was not written by vitp")
+    wanted = list(weight_map) if keys is None else [export_key(k) for k in keys]
+    missing = [k for k in wanted if k not in weight_map]
+    if missing:
+        raise ValueError(f"weights index {index} lists no tensors {missing[:4]}: it was written for another model")
+    by_file: Dict[str, List[str]] = {}
+    for k in wanted:
+        by_file.setdefault(weight_map[k], []).append(k)
+    tensors: Dict[str, torch.Tensor] = {}
+    for name in sorted(by_file):
+        if Path(name).name != name:
+            raise ValueError(f"weights index {index} names shard {name!r} outside its folder: it is corrupt")
+        tensors.update(_read_shard(index.parent / name, by_file[name], index))
+    if keys is None:
+        return from_export_state(tensors, str(index)), meta
+    return {k: tensors[export_key(k)] for k in keys}, meta
+
+
+def _read_shard(path: Path, keys: List[str], index: Path) -> Dict[str, torch.Tensor]:
+    """Export ``keys`` from shard ``path`` of the sharded export ``index``."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise FileNotFoundError(f"weights shard {path} is missing (listed in {index}): copy it next to the index, "
+                                f"or export the weights again (vitp-export)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in keys}
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+        raise ValueError(f"weights shard {path} (of {index}) is corrupt, truncated or not a safetensors file: "
+                         f"{e}") from e
+
+
+def checkpoint_record(tag_dir: Path) -> Dict[str, Any]:
+    """The ``vitp_meta.json`` of a training checkpoint (with ``config``, ``model``, ``step``).
+    Raises ``FileNotFoundError`` / ``ValueError`` naming the file."""
+    path = tag_dir / CHECKPOINT_META
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {tag_dir} is incomplete ({CHECKPOINT_META} missing): its save never "
+                                f"finished; pass a complete checkpoint")
+    try:
+        record = json.loads(path.read_text())
+        record.setdefault("model", record["config"]["model"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"checkpoint metadata {path} is corrupt (no run config: {e}); pass a complete "
+                         f"checkpoint") from e
+    return record
+
+
+def _read_checkpoint(tag_dir: Path, kind: str, keys: Optional[Iterable[str]]
+                     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """:func:`read_export` of a training checkpoint's ``kind`` tensors (fp32), metadata as an export's."""
+    from .sharded import read_full
+
+    record = checkpoint_record(tag_dir)
+    meta, _ = export_metadata(record["config"], record.get("step"), "ema" if kind == "ema" else "raw",
+                              record["model"])
+    state = read_full(tag_dir, kind, None if keys is None else list(keys))
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, meta
 
 
 def file_model(meta: Dict[str, str]) -> Dict[str, Any]:

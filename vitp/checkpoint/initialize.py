@@ -9,7 +9,7 @@ from typing import Dict, List
 import torch
 from omegaconf import DictConfig
 
-from vitp.models import Generator
+from vitp.models import Generator, generator_key
 from vitp.parallel import ParallelState
 from vitp.parallel import distributed as dist
 from vitp.pipeline import load_full_state
@@ -34,13 +34,14 @@ def init_from_export(module: torch.nn.Module, cfg: DictConfig, state: ParallelSt
     Raises ``FileNotFoundError`` / ``ValueError`` naming the file and the fix.
     """
     path = cfg.trainer.init_from
-    full, meta = read_export(path)
+    _, meta = read_export(path, keys=[])
     check_model_matches(file_model(meta), cfg.model, ARCH_KEYS, path,
                         "set those model.* keys to the file's values (see its .json sidecar)")
     check_partial_sync_layout(file_partial_sync(meta), state.tp_size, state.partial_sync, path)
+    full, _ = read_export(path, keys=[generator_key(n, cfg.model.depth) for n, _ in module.named_parameters()])
     load_full_state(module, full, state, cfg.model.depth, source=path, strict=True)
     if dist.is_main():
-        log.info("initialised all %d tensors from %s (step %s, %s weights)", len(full), path,
+        log.info("initialised all %d tensors of this stage from %s (step %s, %s weights)", len(full), path,
                  meta.get("step", "?"), meta.get("weights", "?"))
 
 

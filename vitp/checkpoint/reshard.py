@@ -1,27 +1,23 @@
-"""The whole training state in a layout-independent form, so that a checkpoint written at
-``(tp, pp, dp)`` resumes at ``(tp', pp', dp')``.
+"""Checkpoints of the earlier, full-tensor format, and the engine state every format shares.
 
-Every checkpoint holds, besides DeepSpeed's own per-rank files (which resume the same layout
-bit for bit), full unsharded generator-keyed fp32 tensors written by rank 0:
+Before sharded checkpoints (:mod:`.sharded`), every checkpoint held, besides DeepSpeed's own
+per-rank files, full unsharded generator-keyed fp32 tensors written by rank 0:
 ``model.safetensors`` (the weights), ``model_ema.safetensors`` (the EMA) and
-``optimizer.safetensors`` (this module): AdamW's ``exp_avg`` / ``exp_avg_sq`` and, in bf16, the
-fp32 master weights, each under ``<kind>/<generator key>``, with AdamW's step count in the
-metadata; the LR schedule and DeepSpeed's step counters are in ``vitp_meta.json``. At another
-layout every rank slices what its (stage, TP shard) holds out of these and writes it into the
-optimizer through DeepSpeed's tensor-fragment API (``safe_get_full_optimizer_state`` /
-``safe_set_full_optimizer_state`` / ``safe_*_full_fp32_param``: the ``hp_mapping`` of ZeRO and
-the bf16 optimizer through which DeepSpeed's universal checkpoints load), or into torch's AdamW
-state where the engine runs ZeRO stage 0 (fp32 at ``dp = 1``). The same reading of full tensors
-per stage as ``trainer.init_from`` (:func:`vitp.pipeline.load_full_state`) slices them into TP
-shards, so resharding needs no offline conversion and the files of any one node suffice.
+``optimizer.safetensors``: AdamW's ``exp_avg`` / ``exp_avg_sq`` and, in bf16, the fp32 master
+weights, each under ``<kind>/<generator key>``, with AdamW's step count in the metadata.
+:func:`load_resharded` still resumes them at any layout: every rank slices what its (stage, TP
+shard) holds out of these and writes it into the optimizer through DeepSpeed's tensor-fragment
+API (``safe_set_full_optimizer_state`` / ``safe_set_full_fp32_param``), or into torch's AdamW
+state where the engine runs ZeRO stage 0 (fp32 at ``dp = 1``). The LR schedule and DeepSpeed's
+step counters (:func:`engine_counters`) are in ``vitp_meta.json`` in both formats.
 Sources: DeepSpeed universal checkpointing (Lian et al. 2024, arXiv:2406.18820;
-``deepspeed/utils/tensor_fragment.py``); Megatron-Core ``dist_checkpointing``; torch DCP.
+``deepspeed/utils/tensor_fragment.py``).
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -33,9 +29,7 @@ from vitp.parallel import distributed as dist
 log = logging.getLogger("vitp")
 
 FILE = "optimizer.safetensors"
-FORMAT = "vitp.optimizer/1"
 MOMENTS = ("exp_avg", "exp_avg_sq")
-Gather = Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
 
 
 def _zero_optimizer(engine: Any) -> Optional[Any]:
@@ -63,49 +57,6 @@ def adam_step(engine: Any) -> int:
     if len(steps) > 1:
         raise ValueError(f"the optimizer's tensors have different AdamW step counts {sorted(steps)}")
     return steps.pop() if steps else 0
-
-
-def local_optimizer_state(engine: Any) -> Dict[str, Dict[str, torch.Tensor]]:
-    """``{kind: {pipeline parameter name: fp32 tensor shaped like the parameter}}`` of this rank's
-    (stage, TP shard): ``exp_avg``, ``exp_avg_sq`` and, when the optimizer keeps separate fp32
-    master weights (bf16), ``master``. Collective over the data-parallel group under ZeRO (the
-    fragment API all-reduces each parameter's partitions)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    zero = _zero_optimizer(engine)
-    out: Dict[str, Dict[str, torch.Tensor]] = {k: {} for k in MOMENTS}
-    bf16 = any(p.dtype != torch.float32 for p in engine.module.parameters())
-    if bf16:
-        out["master"] = {}
-    base = _torch_optimizer(engine)
-    for name, p in engine.module.named_parameters():
-        for key in MOMENTS:
-            if zero is not None:
-                v = safe_get_full_optimizer_state(p, key)
-            else:
-                st = base.state.get(p, {})
-                v = st[key] if key in st else torch.zeros_like(p, dtype=torch.float32)
-            out[key][name] = v.detach().float().cpu()
-        if bf16:
-            out["master"][name] = safe_get_full_fp32_param(p).detach().float().cpu()
-    return out
-
-
-def save_optimizer_state(engine: Any, gather: Gather, path: Path, main: bool, step: int) -> None:
-    """Gather :func:`local_optimizer_state` to full generator-keyed tensors and write ``path`` on
-    rank 0 (collective). ``gather`` maps pipeline-named local tensors to full generator-keyed
-    ones on rank 0 (:func:`vitp.pipeline.gather_full_state`)."""
-    from safetensors.torch import save_file
-
-    from vitp.utils import atomic_write
-
-    local = local_optimizer_state(engine)
-    full = {f"{kind}/{k}": v.contiguous() for kind, part in local.items() for k, v in gather(part).items()}
-    t = adam_step(engine)
-    if main:
-        with atomic_write(path) as tmp:
-            save_file(full, str(tmp), metadata={"format": FORMAT, "adam_step": str(t), "step": str(step),
-                                                "kinds": ",".join(local)})
 
 
 def engine_counters(engine: Any) -> Dict[str, Any]:

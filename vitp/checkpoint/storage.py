@@ -4,7 +4,7 @@ Without a shared file system (SageMaker: each host's ``/opt/ml/checkpoints`` syn
 prefix; Slurm with node-local NVMe) each node's launcher names its own run directory, which the
 other nodes cannot see. :func:`detect_storage_groups` finds the ranks that see the same folder (a
 *storage group*; one group when the folder is shared, the common case); the save
-(:func:`vitp.checkpoint.training.save_training_checkpoint`) then copies to every group the files
+(:func:`vitp.checkpoint.training.write_checkpoint`) then copies to every group the files
 its ranks load, and :func:`choose_resume_tag` picks the newest checkpoint that every rank finds
 complete in its own folder.
 """

@@ -1,23 +1,24 @@
 """Training checkpoints that survive faults: save, publish, find, verify, resume.
 
-A checkpoint ``<run dir>/checkpoints/step_NNNNNNN/`` holds DeepSpeed's own files (per-layer
-weights, ZeRO optimizer shards, LR scheduler, step counters), ``model_ema.safetensors`` /
-``model.safetensors`` (full weights in the export layout, :mod:`vitp.checkpoint.export`),
-``optimizer.safetensors`` (the full AdamW state, :mod:`vitp.checkpoint.reshard`),
-``rng_rank<R>.pt`` (every RNG stream of rank R) and ``vitp_meta.json`` (step, layout, model
-config, EMA counter, file manifest with sizes, and ``parts``: which ranks load each file). A tag
-is written under ``step_NNNNNNN.partial``; only after every rank has finished writing does rank 0
-add ``vitp_meta.json``, rename the folder and atomically replace the ``latest`` file (same format
-as DeepSpeed's), so a crash mid-save leaves the previous checkpoint as the latest. A checkpoint
-resumes exactly at the same ``(tp, cp, pp, dp)`` through DeepSpeed's files, and at any other
-layout (same model and precision) from its full tensors (:mod:`.reshard`).
+A checkpoint ``<run dir>/checkpoints/step_NNNNNNN/`` is one sharded DCP checkpoint
+(:mod:`.sharded`: ``.metadata`` and a ``__<rank>_0.distcp`` file per rank holding that rank's
+pieces of the weights, EMA and AdamW state, :mod:`.train_state`), ``rng_rank<R>.pt`` (every RNG
+stream of rank R) and ``vitp_meta.json`` (step, layout, model and run config, EMA counter,
+AdamW's step, LR schedule, file manifest with sizes, and ``parts``: which ranks load each file at
+this layout). A tag is written under ``step_NNNNNNN.partial`` (in the background:
+:mod:`.saver`); only after every rank has finished writing does rank 0 add ``vitp_meta.json``,
+rename the folder and atomically replace the ``latest`` file, so a crash mid-save leaves the
+previous checkpoint as the latest. A checkpoint resumes at any ``(tp, cp, pp, dp)`` (same model
+and precision), each rank reading its own pieces; checkpoints of the earlier format (full tensors
+written by rank 0 beside DeepSpeed's files) still resume (:mod:`.reshard`).
 
 Node-local folders (each node its own run dir, :mod:`.storage`): every rank writes into its own
 node's folder, the files a rank on another node loads are sent there, and each node's first rank
 publishes the same record once every node holds its part; every rank resumes from the newest
 checkpoint that every rank finds complete in its own folder.
 
-Loading never unpickles arbitrary objects (:mod:`vitp.checkpoint.safe_load`).
+Loading never unpickles arbitrary objects (:mod:`.sharded` reads DCP's metadata with an
+allow-list; RNG files with ``weights_only=True``).
 """
 from __future__ import annotations
 
@@ -29,20 +30,20 @@ import shutil
 import signal
 import tempfile
 import time
+import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
 
-import vitp.deepspeed_adapter as ds
 from vitp.config import Layout
 from vitp.parallel import distributed as dist
 from vitp.utils import atomic_write_text
 
-from .export import RESUME_KEYS, model_differences, save_export
-from .rng import rng_state, set_rng_state
-from .safe_load import install_safe_loading
+from .export import RESUME_KEYS, model_differences
+from .rng import set_rng_state
+from .sharded import save_planner
 from .storage import StorageGroups
 
 META = "vitp_meta.json"
@@ -58,10 +59,6 @@ def tag_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def _barrier() -> None:
-    dist.barrier()
-
-
 def _maybe_die(rank: int, step: int, folder: Path) -> None:
     """Fault-injection hook for tests: truncate this rank's largest file and SIGKILL the process."""
     hook = os.environ.get(KILL_HOOK)
@@ -74,59 +71,54 @@ def _maybe_die(rank: int, step: int, folder: Path) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save_training_checkpoint(engine: Any, ckpt_dir: Path, step: int, *, rank: int, main: bool, meta: Dict[str, Any],
-                             full_states: Callable[[], Tuple[dict, dict]], cfg: DictConfig, keep: int,
-                             write_state: Optional[Callable[[Path], None]] = None,
-                             storage: Optional[StorageGroups] = None) -> Optional[Tuple[dict, dict]]:
-    """Save, then publish, checkpoint ``step_<step>`` under ``ckpt_dir`` (collective: every rank calls it).
+def write_checkpoint(ckpt_dir: Path, step: int, *, staged: Dict[str, torch.Tensor], rng: Dict[str, Any],
+                     record: Dict[str, Any], storage: StorageGroups, group=None, keep: int = 0,
+                     to_first: bool = False) -> None:
+    """Write, then publish, checkpoint ``step_<step>`` under ``ckpt_dir`` (collective over
+    ``group``, a group of every rank; runs on the checkpoint thread when saving asynchronously).
 
-    ``full_states()`` is the collective that gathers ``(ema, raw)`` Generator-keyed full weights on
-    rank 0; ``write_state(folder)``, collective too, writes the layout-independent optimizer state
-    (:mod:`.reshard`). Returns the weights on rank 0 (``None`` elsewhere). ``keep`` > 0 deletes all
-    but the newest ``keep`` published checkpoints up to ``step`` (never the latest); checkpoints
-    past ``step`` (left by an attempt before a resume from an older tag) are moved into
-    ``abandoned/`` (:func:`_rotate`).
-
-    ``storage`` (default: one folder for every rank) says which ranks share ``ckpt_dir``
-    (node-local folders, :mod:`.storage`): every rank writes into its own folder, the files a rank
-    of another group loads are copied there (:func:`_copy_parts`), and only once every rank's part
-    is in every folder that needs it does each group's leader write the same completion record,
-    rename the folder and write ``latest``; old checkpoints go only after every node published.
+    ``staged``: this rank's pieces (:func:`.train_state.stage`), written as one DCP checkpoint
+    (:mod:`.sharded`; DCP writes each piece once however many ranks hold it); ``rng``: this
+    rank's RNG streams (``rng_rank<R>.pt``); ``record``: the completion record's content, to
+    which the step, file manifest and ``parts`` (which ranks load each file at this layout) are
+    added. ``storage`` says which ranks share ``ckpt_dir`` (node-local folders): each file is
+    copied to every other folder with a rank that loads it (:func:`_copy_parts`), and only then
+    does each folder's leader write the completion record, rename the folder and write
+    ``latest``. ``keep`` > 0 deletes all but the newest ``keep`` published checkpoints up to
+    ``step`` (never the latest); checkpoints past ``step`` move into ``abandoned/`` (:func:`_rotate`).
+    ``to_first``: rank 0's folder receives every data file too (the final checkpoint of a run with
+    node-local folders, from which rank 0 writes the run's weights shard by shard).
     """
-    world = dist.world_size()
-    storage = storage or StorageGroups.single(world, rank)
+    import torch.distributed.checkpoint as dcp
+
+    world, rank = dist.world_size(), storage.rank
     tag = tag_name(step)
     partial = ckpt_dir / f"{tag}.partial"
     if storage.is_leader:
         if partial.exists():
             shutil.rmtree(partial)
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    with ds.record_checkpoint_writes(engine) as written:
-        engine.save_checkpoint(str(ckpt_dir), tag=partial.name, save_latest=False)
-    torch.save(rng_state(), partial / f"rng_rank{rank:05d}.pt")
-    written.append(str(partial / f"rng_rank{rank:05d}.pt"))
-    ema, raw = full_states()
-    if main:
-        save_export(partial / "model_ema.safetensors", ema, cfg, step=step, weights="ema")
-        save_export(partial / "model.safetensors", raw, cfg, step=step, weights="raw")
-    if write_state is not None:
-        write_state(partial)
+        partial.mkdir(parents=True)
+    dist.barrier(group)
+    rng_file = partial / f"rng_rank{rank:05d}.pt"
+    torch.save(rng, rng_file)
+    # node-local folders: one file per piece, so a node receives exactly the pieces its ranks load
+    writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=storage.shared, sync_files=True)
+    with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group
+        warnings.simplefilter("ignore", UserWarning)
+        md = dcp.save(staged, storage_writer=writer, planner=save_planner(), process_group=group, no_dist=world == 1)
     _maybe_die(rank, step, partial)
-    _barrier()  # every rank has finished writing into its own folder
-    parts = _gather_parts(partial, written, main, getattr(engine, "stage_id", 0))
-    _copy_parts(partial, parts, storage)
-    _barrier()  # every rank's part is written into every folder that needs it
-    record = {**dist.broadcast_object(meta), "step": step, "world_size": world,
+    parts = _gather_parts(partial, md, staged, rank, group, to_first)
+    _copy_parts(partial, parts, storage, group)
+    dist.barrier(group)  # every rank's part is written into every folder that needs it
+    record = {**record, "step": step, "world_size": world,
               "manifest": {n: parts[n]["size"] for n in sorted(parts)},
               "parts": {n: parts[n]["readers"] for n in sorted(parts)}}
     if storage.is_leader:
         _publish(partial, record, ckpt_dir, tag)
-    _barrier()  # published on every node: only now may the previous checkpoints go
+    dist.barrier(group)  # published on every node: only now may the previous checkpoints go
     if storage.is_leader:
         _rotate(ckpt_dir, step, keep)
-    _barrier()
-    return (ema, raw) if main else None
+    dist.barrier(group)
 
 
 def _rotate(ckpt_dir: Path, step: int, keep: int) -> None:
@@ -156,42 +148,42 @@ def _tag_step(tag: str) -> int:
 
 
 ALL = "all"  # the readers of a file every rank loads
-_LAYER_FILE = re.compile(r"^layer_\d+-.*model_states\.pt$")  # DeepSpeed's per-layer weights of one stage
-_OWN_FILE = re.compile(r"^(rng_rank\d+\.pt|.*zero_pp_rank_\d+_mp_rank_\d+_?optim_states\.pt)$")  # its writer's alone
 
 
-def _readers(name: str, writer: int, stages: List[int]) -> Any:
-    """The ranks that load ``name`` at the same layout: a layer file every rank of its writer's
-    pipeline stage (DeepSpeed globs every tp rank's file of the layer); the RNG file and a ZeRO
-    optimizer shard their writer; anything else (DeepSpeed's ``mp_rank_*`` files, which every rank
-    globs; rank 0's weights and other files) every rank (:data:`ALL`)."""
-    if _LAYER_FILE.match(name):
-        return [r for r, s in enumerate(stages) if s == stages[writer]]
-    if _OWN_FILE.match(name):
-        return [writer]
-    return ALL
-
-
-def _gather_parts(partial: Path, written: List[str], main: bool, stage: int) -> Dict[str, Dict[str, Any]]:
+def _gather_parts(partial: Path, md: Any, staged: Dict[str, torch.Tensor], rank: int, group,
+                  to_first: bool = False) -> Dict[str, Dict[str, Any]]:
     """``{file name: {"size", "writer", "readers"}}`` of the whole checkpoint, the same on every
-    rank (collective). A rank's files are those it recorded writing; the files in rank 0's folder
-    that no rank recorded are rank 0's own (its weights files, whatever else it writes there),
-    loaded by every rank."""
-    mine = {Path(p).name: os.path.getsize(p) for p in written}
-    gathered = dist.gather_objects((mine, stage))
-    stages = [s for _, s in gathered]
+    rank (collective): each rank's DCP data file and RNG file are its own; a data file's readers
+    at this layout are the ranks whose pieces it holds (DCP's de-duplication may have put a
+    replica's piece into another rank's file); ``.metadata`` (rank 0's) every rank loads."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from .sharded import METADATA
+
+    mine = {p.name: p.stat().st_size for p in partial.iterdir()
+            if p.is_file() and (p.name == f"rng_rank{rank:05d}.pt" or p.name.startswith(f"__{rank}_"))}
+    if rank == 0 and (partial / METADATA).is_file():
+        mine[METADATA] = (partial / METADATA).stat().st_size
+    needed = set()
+    for fqn, t in staged.items():
+        for off in getattr(t, "global_offsets", ((0,) * t.dim(),)):
+            needed.add(md.storage_data[MetadataIndex(fqn, torch.Size(off))].relative_path)
+    gathered = dist.gather_objects((mine, sorted(needed)), group)
+    readers: Dict[str, List[int]] = {}
+    for r, (_, files) in enumerate(gathered):
+        for name in files:
+            readers.setdefault(name, []).append(r)
     parts: Dict[str, Dict[str, Any]] = {}
     for r, (files, _) in enumerate(gathered):
         for name, size in files.items():
-            parts.setdefault(name, {"size": size, "writer": r, "readers": _readers(name, r, stages)})
-    extra = {p.name: p.stat().st_size for p in sorted(partial.iterdir())
-             if p.is_file() and p.name not in parts} if main else None
-    for name, size in dist.broadcast_object(extra).items():
-        parts[name] = {"size": size, "writer": 0, "readers": ALL}
+            who = ALL if name == METADATA else [r] if name.startswith("rng_rank") else readers.get(name, [r])
+            if to_first and who != ALL and 0 not in who and not name.startswith("rng_rank"):
+                who = [0, *who]
+            parts[name] = {"size": size, "writer": r, "readers": who}
     return parts
 
 
-def _copy_parts(partial: Path, parts: Dict[str, Dict[str, Any]], storage: StorageGroups) -> None:
+def _copy_parts(partial: Path, parts: Dict[str, Dict[str, Any]], storage: StorageGroups, group=None) -> None:
     """Copy every file to each storage group with a rank that loads it and no copy of it, from its
     writer to the lowest such rank, by point-to-point messages (collective). Every rank walks the
     same list in the same order, so blocking sends and receives cannot deadlock."""
@@ -207,9 +199,9 @@ def _copy_parts(partial: Path, parts: Dict[str, Dict[str, Any]], storage: Storag
         dst.pop(storage.index(part["writer"]), None)
         for g in sorted(dst):
             if rank == part["writer"]:
-                dist.send_file(partial / name, dst[g], part["size"])
+                dist.send_file(partial / name, dst[g], part["size"], group=group)
             elif rank == dst[g]:
-                dist.recv_file(partial / name, part["writer"], part["size"])
+                dist.recv_file(partial / name, part["writer"], part["size"], group=group)
 
 
 def _publish(partial: Path, record: Dict[str, Any], ckpt_dir: Path, tag: str) -> None:
@@ -280,7 +272,9 @@ def verify_checkpoint(tag_dir: Path, rank: Optional[int] = None, names: Optional
         raise ValueError(f"checkpoint metadata {meta_path} is corrupt: {why}" + fix()) from e
     wanted = set(manifest) if names is None else set(names)
     if rank is not None and layout is not None and _layout_of(meta) != _layout_of(vars(layout)):
-        wanted = {n for n in wanted if parts.get(n, ALL) == ALL}
+        # another layout reads pieces of any rank's data file (sharded), or the full tensors (earlier format)
+        sharded = "format" in meta
+        wanted = {n for n in wanted if (not n.startswith("rng_rank")) if sharded or parts.get(n, ALL) == ALL}
     elif rank is not None:
         wanted = {n for n in wanted if parts.get(n, ALL) == ALL or rank in parts[n]}
     for name in sorted(wanted):
@@ -404,16 +398,6 @@ def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout
     return bool(moved)
 
 
-def load_training_checkpoint(engine: Any, tag_dir: Path, rank: int) -> None:
-    """Load DeepSpeed state (weights, optimizer, LR schedule) and this rank's RNG streams."""
-    install_safe_loading(engine)
-    path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True,
-                                     load_lr_scheduler_states=True)
-    if path is None:
-        raise FileNotFoundError(f"DeepSpeed found no checkpoint in {tag_dir}")
-    load_rng(tag_dir, rank)
-
-
 def load_rng(tag_dir: Path, rank: int, required: bool = True) -> bool:
     """Set every RNG stream of this process to those rank ``rank`` saved in ``tag_dir``; returns
     whether it did (``required=False``: a file this node's folder lacks is skipped)."""
@@ -458,20 +442,29 @@ def _refuse_without_meta(tag: Path, name: str) -> None:
 
 
 def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[int], Path]:
-    """``(weights file, step, run dir)`` of ``source``: a finished run dir (its final
-    ``model_ema.safetensors`` / ``model.safetensors`` by ``weights``), a run dir without final
-    weights or a checkpoints folder (the latest checkpoint), a checkpoint tag folder, or a file.
+    """``(weights path, step, run dir)`` of ``source``: a finished run dir (its final
+    ``model_ema.safetensors`` / ``model.safetensors`` by ``weights``, a single file or sharded:
+    ``<name>.index.json``), a run dir without final weights or a checkpoints folder (the latest
+    checkpoint), a checkpoint tag folder, or a file (also ``X.safetensors`` of a sharded export or
+``<tag>/<name>`` of a DCP checkpoint: returned as given). The path is what
+    :func:`vitp.checkpoint.export.read_export` reads; for a checkpoint holding a torch distributed
+    checkpoint (``.metadata``, no weights file) it is ``<tag>/<name>``, which does not exist as a file.
 
     Raises ``FileNotFoundError`` / ``ValueError`` naming the path when it holds no complete checkpoint
     (a tag folder without its :data:`META` too: its weights are taken only when the file is passed).
     """
     name = "model_ema.safetensors" if weights == "ema" else "model.safetensors"
-    if source.is_file():
+    if source.is_file() or source.suffix == ".safetensors" and (  # a file; a sharded export's, a DCP tag's
+            Path(f"{source}.index.json").is_file() or (source.parent / ".metadata").is_file()):
         return source, None, source.parent
+
+    def has_weights(folder: Path) -> bool:  # a single file, or a sharded export's index
+        return (folder / name).is_file() or (folder / f"{name}.index.json").is_file()
+
     if not source.exists():
         raise FileNotFoundError(f"{source} does not exist (expected a run directory, a checkpoint folder or a "
                                 f".safetensors file)")
-    if (source / name).is_file() and (source / "metrics.jsonl").is_file():  # a finished run: its final weights
+    if has_weights(source) and (source / "metrics.jsonl").is_file():  # a finished run: its final weights
         return source / name, None, source
     if (source / META).is_file() or source.name.endswith(".partial"):
         tag = source
@@ -479,12 +472,17 @@ def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[
         tag = find_checkpoint(str(source), source)
     elif (source / "checkpoints" / LATEST).is_file():
         tag = find_checkpoint("auto", source / "checkpoints")
+    elif (source / ".metadata").is_file() and not (source / name).is_file():  # a DCP checkpoint, no record
+        verify_checkpoint(source)  # raises: its META is missing
     elif TAG_RE.match(source.name) or any(source.glob("rng_rank*.pt")):  # a checkpoint, not a weights folder
         _refuse_without_meta(source, name)
-    elif (source / name).is_file():
+    elif has_weights(source):
         return source / name, None, source
     else:
         raise FileNotFoundError(f"{source} holds no vitp checkpoint (expected a run directory, its checkpoints/ "
                                 f"folder, a checkpoints/step_NNNNNNN folder, or a .safetensors file)")
-    meta = verify_checkpoint(tag, names=[name])  # a node-local folder holds rank 0's weights too
+    if (tag / ".metadata").is_file() and not (tag / name).is_file():  # weights inside the DCP checkpoint
+        meta = verify_checkpoint(tag)
+    else:
+        meta = verify_checkpoint(tag, names=[name])  # a node-local folder holds rank 0's weights too
     return tag / name, meta["step"], tag.parent.parent

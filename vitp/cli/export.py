@@ -1,54 +1,112 @@
-"""``vitp-export``: one consolidated safetensors file from a vitp run or checkpoint.
+"""``vitp-export``: consolidated safetensors weights from a vitp run or checkpoint.
 
 The file holds full (unsharded) fp32 tensors, the ViT blocks under timm's names and layouts and
 the model config (metadata + ``.json`` sidecar); see :mod:`vitp.checkpoint.export`. It loads into
 any ``(tp, pp)`` with ``trainer.init_from=FILE``, samples with ``vitp-sample FILE``, and its blocks
-load into a stock timm ViT.
+load into a stock timm ViT. From a training checkpoint (a torch distributed checkpoint) a model
+larger than ``--max-shard-size`` comes out sharded as Hugging Face transformers shards its
+checkpoints: ``<stem>-00001-of-0000N.safetensors`` ... plus ``<OUT name>.index.json``, read by the
+same commands given ``OUT`` or the index.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
 from vitp import checkpoint as ckpt
+from vitp.checkpoint import export as ex
 from vitp.cli import run_cli
 
+UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
-def run(argv: Optional[List[str]] = None) -> Path:
-    """``vitp-export SOURCE [-o OUT.safetensors] [--weights ema|raw]``; returns the written path."""
+
+def parse_size(text: str) -> int:
+    """Bytes of a size: ``5GB``, ``500MB``, ``1.5GiB``, ``123`` (bytes). Decimal units are powers
+    of 10 and ``KiB``/``MiB``/``GiB`` powers of 2, as transformers' ``convert_file_size_to_int``
+    reads ``max_shard_size``. Raises ``argparse.ArgumentTypeError`` for anything else or <= 0."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    n = int(float(m.group(1)) * UNITS[(m.group(2) or "B").upper()]) if m else 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0 (e.g. 5GB, 500MB, 1GiB, or bytes)")
+    return n
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vitp-export", description=__doc__.splitlines()[0])
     p.add_argument("source", type=Path, help="run directory (its latest checkpoint), checkpoints folder, "
-                                             "checkpoint tag folder, or a vitp .safetensors file")
+                                             "checkpoint tag folder, or vitp weights (.safetensors or a sharded "
+                                             "export's .index.json)")
     p.add_argument("-o", "--out", type=Path, default=None,
                    help="output file (default: <run dir>/export/<step>_<weights>.safetensors)")
     p.add_argument("--weights", choices=["ema", "raw"], default="ema", help="EMA (for sampling) or raw weights")
+    p.add_argument("--max-shard-size", type=parse_size, default="5GB", metavar="SIZE",
+                   help="from a checkpoint: larger weights are written as shards of at most SIZE (5GB = 5*10^9 "
+                        "bytes, 5GiB = 5*2^30, or bytes; default 5GB) plus OUT.index.json")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    return p
+
+
+def run(argv: Optional[List[str]] = None) -> Path:
+    """``vitp-export SOURCE [-o OUT.safetensors] [--weights ema|raw] [--max-shard-size SIZE]``;
+    returns the written path (the index file when sharded)."""
+    p = _parser()
     a = p.parse_args(argv)
     src, step, run_dir = ckpt.resolve_weights(a.source, a.weights)
-    state, meta = ckpt.read_export(src)
-    if step is None:
-        step = int(meta.get("step", -1))
+    dcp_tag = src.parent if not src.is_file() and not Path(f"{src}{ex.INDEX_SUFFIX}").is_file() else None
+    if dcp_tag is not None:  # a torch distributed checkpoint: written shard by shard, without the full state
+        from vitp.checkpoint.sharded import tensor_shapes
+
+        if src.name not in ex.CHECKPOINT_KINDS:
+            raise FileNotFoundError(f"weights file {src} does not exist")
+        kind, record = ex.CHECKPOINT_KINDS[src.name], ex.checkpoint_record(dcp_tag)
+        shapes = tensor_shapes(dcp_tag, kind)
+        cfg_dict, counts = record["config"], (len(shapes), sum(math.prod(s) for s, _ in shapes.values()))
+        step = record.get("step", -1) if step is None else step
+    else:
+        state, meta = ckpt.read_export(src)
+        cfg_dict, counts = json.loads(meta["vitp_config"]), (len(state), sum(v.numel() for v in state.values()))
+        step = int(meta.get("step", -1)) if step is None else step
     out = a.out or run_dir / "export" / f"{ckpt.tag_name(max(step, 0))}_{a.weights}.safetensors"
     if out.suffix != ".safetensors":
         p.error(f"--out {out}: use a .safetensors file name")
-    if out.resolve() == src.resolve():
+    if out.resolve() in (src.resolve(), Path(f"{src}{ex.INDEX_SUFFIX}").resolve()):
         p.error(f"--out {out} is the source file; choose another name")
-    if out.exists() and not a.force:
-        p.error(f"{out} exists; choose another --out or pass --force to replace it")
-    cfg = OmegaConf.create(json.loads(meta["vitp_config"]))
-    ckpt.save_export(out, state, cfg, step=step, weights=a.weights)
-    n = sum(v.numel() for v in state.values())
-    print(f"wrote {out} ({len(state)} tensors, {n / 1e6:.3f}M parameters, step {step}, {a.weights} weights) "
-          f"and {out.with_suffix('.json')}")
-    ps = ckpt.export.partial_sync_of(cfg.get("parallel"))
+    index = out.with_name(out.name + ex.INDEX_SUFFIX)
+    if (out.exists() or index.exists()) and not a.force:
+        p.error(f"{out if out.exists() else index} exists; choose another --out or pass --force to replace it")
+    cfg = OmegaConf.create(cfg_dict)
+    if dcp_tag is not None:
+        written = ex.export_checkpoint(dcp_tag, out, cfg, kind=kind, step=step,
+                                       max_shard_bytes=a.max_shard_size)
+    else:
+        written = ckpt.save_export(out, state, cfg, step=step, weights=a.weights)
+    _report(written, counts, step, a.weights)
+    ps = ex.partial_sync_of(cfg.get("parallel"))
     if ps["p"] < 1:
-        print(f"note: parallel.partial_sync={ps['p']} at tp={ps['tp']} ({ps['scale']}): "
-              f"{ckpt.export.PARTIAL_SYNC_NOTE}")
-    return out
+        print(f"note: parallel.partial_sync={ps['p']} at tp={ps['tp']} ({ps['scale']}): {ex.PARTIAL_SYNC_NOTE}")
+    return written
+
+
+def _report(written: Path, counts: Tuple[int, int], step: int, weights: str) -> None:
+    """Print the files written (the export file, or its shards and index, and the sidecar) and
+    ``counts``: (generator tensors, parameters)."""
+    what = f"{counts[0]} tensors, {counts[1] / 1e6:.3f}M parameters, step {step}, {weights} weights"
+    if not written.name.endswith(ex.INDEX_SUFFIX):
+        print(f"wrote {written} ({what}) and {written.with_suffix('.json')}")
+        return
+    shards = sorted(set(json.loads(written.read_text())["weight_map"].values()))
+    out = written.with_name(written.name[: -len(ex.INDEX_SUFFIX)])
+    print(f"wrote {len(shards)} shards ({what}):")
+    for name in shards:
+        print(f"  {written.parent / name}")
+    print(f"and {written} and {out.with_suffix('.json')}")
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -248,21 +248,21 @@ def world_size() -> int:
     return d.get_world_size() if d.is_available() and d.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
-def broadcast_object(obj):
-    """Rank 0's ``obj`` on every rank."""
+def broadcast_object(obj, group=None):
+    """Rank 0's ``obj`` on every rank (of ``group``, one spanning every rank)."""
     if world_size() == 1:
         return obj
     box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
+    torch.distributed.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def gather_objects(obj) -> list:
-    """Every rank's ``obj``, in rank order, on every rank."""
+def gather_objects(obj, group=None) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (of ``group``, one spanning every rank)."""
     if world_size() == 1:
         return [obj]
     out = [None] * world_size()
-    torch.distributed.all_gather_object(out, obj)
+    torch.distributed.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -271,10 +271,10 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def p2p_device() -> torch.device:
-    """Where tensors for point-to-point calls of the default process group must live: the current
-    CUDA device under NCCL, else the CPU (gloo)."""
-    if torch.distributed.get_backend() == "nccl":
+def p2p_device(group=None) -> torch.device:
+    """Where tensors for point-to-point calls of ``group`` (default: the default process group)
+    must live: the current CUDA device under NCCL, else the CPU (gloo)."""
+    if torch.distributed.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -282,31 +282,32 @@ def p2p_device() -> torch.device:
 FILE_CHUNK = 64 << 20  # bytes per message of send_file / recv_file
 
 
-def send_file(path: Path, dst: int, size: int, chunk: int = FILE_CHUNK) -> None:
+def send_file(path: Path, dst: int, size: int, chunk: int = FILE_CHUNK, group=None) -> None:
     """Send the first ``size`` bytes of ``path`` to rank ``dst`` (which calls :func:`recv_file`
     with the same ``size``), as uint8 tensors of at most ``chunk`` bytes on :func:`p2p_device`.
     Raises ``ValueError`` naming the file when it holds fewer than ``size`` bytes."""
-    device = p2p_device()
+    device = p2p_device(group)
     with open(path, "rb") as f:
         left = size
         while left:
             data = f.read(min(chunk, left))
             if not data:
                 raise ValueError(f"{path} holds {size - left} bytes, {size} expected: it changed while being sent")
-            torch.distributed.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst)
+            torch.distributed.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst,
+                                   group=group)
             left -= len(data)
 
 
-def recv_file(path: Path, src: int, size: int, chunk: int = FILE_CHUNK) -> None:
+def recv_file(path: Path, src: int, size: int, chunk: int = FILE_CHUNK, group=None) -> None:
     """Receive ``size`` bytes from rank ``src`` (:func:`send_file`) into ``path``: written under
     ``<path>.recv``, flushed to disk, then renamed, so ``path`` is never half a file."""
-    device = p2p_device()
+    device = p2p_device(group)
     tmp = Path(f"{path}.recv")
     with open(tmp, "wb") as f:
         left = size
         while left:
             buf = torch.empty(min(chunk, left), dtype=torch.uint8, device=device)
-            torch.distributed.recv(buf, src)
+            torch.distributed.recv(buf, src, group=group)
             f.write(buf.cpu().numpy().tobytes())
             left -= buf.numel()
         f.flush()
@@ -314,7 +315,7 @@ def recv_file(path: Path, src: int, size: int, chunk: int = FILE_CHUNK) -> None:
     os.replace(tmp, path)
 
 
-def barrier() -> None:
-    """Wait for every rank (nothing without an initialised process group)."""
+def barrier(group=None) -> None:
+    """Wait for every rank (of ``group``; nothing without an initialised process group)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        torch.distributed.barrier(group=group)

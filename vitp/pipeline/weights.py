@@ -65,13 +65,3 @@ def load_full_state(module: torch.nn.Module, full: Dict[str, torch.Tensor], stat
         raise ValueError(f"{source} lacks {len(missing)} tensors of this model, e.g. {missing[:4]}: "
                          f"it was written for another model config")
     return {"loaded": loaded, "missing": missing}
-
-
-def load_ema_state(ema_params: Dict[str, torch.Tensor], module: torch.nn.Module, full: Dict[str, Any],
-                   state: ParallelState, depth: int) -> None:
-    """Slice generator-keyed full tensors into a dict of pipeline-named tensors shaped like
-    ``module``'s parameters (an EMA of them)."""
-    params = dict(module.named_parameters())
-    with torch.no_grad():
-        for n, t in ema_params.items():
-            t.copy_(shard_like(params[n], full[generator_key(n, depth)], state))

@@ -244,8 +244,9 @@ class MemoryOptions:
 
     ``state_bytes``: :data:`STATE_BYTES`-like table; ``zero_bucket_elements``: ZeRO-1's gradient
     bucket (0 = none); ``adaln_sharded``: the blocks' adaLN modulation is split over TP;
-    ``ema_bytes``: bytes per parameter of the trainer's EMA copy (fp32, on the training device;
-    :class:`vitp.train.ema.EMA`; 0 = none).
+    ``ema_bytes``: bytes per parameter of the trainer's EMA copy (fp32, on the training device,
+    split over the ``dp * cp`` ranks as ZeRO-1 splits the optimizer: :class:`vitp.train.ema.EMA`;
+    0 = none).
     """
 
     state_bytes: Dict[Tuple[int, str], StateBytes] = field(default_factory=lambda: dict(STATE_BYTES))
@@ -264,6 +265,9 @@ class StageMemory:
     the recomputation peak of one micro-batch's backward; ``pipe_buffers``: stage outputs held until their backward;
     ``zero_buckets``: ZeRO-1's two contiguous gradient buckets; ``workspace``: the fp32 gradient
     partition at the step plus one layer's activation gradients (an estimate, not validated).
+    ``ckpt_host``: host memory a checkpoint stages on one rank (its share: weights shard, and its
+    fragments of EMA, moments and master weights; not in ``total``, which counts device memory);
+    ``ckpt_write``: bytes one rank writes per checkpoint (:func:`checkpoint_bytes`).
     """
 
     stage: int
@@ -278,11 +282,24 @@ class StageMemory:
     zero_buckets: float
     workspace: float
     in_flight: int
+    ckpt_host: float = 0.0
+    ckpt_write: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.weights + self.grads + self.optimizer + self.ema + self.activations + self.recompute
                 + self.pipe_buffers + self.zero_buckets + self.workspace)
+
+
+def checkpoint_bytes(P: int, lay: LayoutSpec) -> Tuple[float, float]:
+    """``(host, write)`` bytes of one rank holding ``P`` parameters per checkpoint
+    (:mod:`vitp.checkpoint.train_state`): it stages its weights shard (training dtype) and its
+    ZeRO fragments of the fp32 EMA, AdamW moments and (bf16) master weights; it writes its
+    fragments and ``1 / (dp cp)`` of the weights (the replicas split them: DCP's de-duplication).
+    Piece headers (~1 KiB per piece) are not counted."""
+    weights = P * (2 if lay.precision == "bf16" else 4)
+    frag = P * (4 + 8 + (4 if lay.precision == "bf16" else 0)) / (lay.engine_dp if lay.zero_stage >= 1 else 1)
+    return weights + frag, weights / lay.engine_dp + frag
 
 
 def _state(P: int, lay: LayoutSpec, opts: MemoryOptions) -> Tuple[float, float, float, float]:
@@ -332,8 +349,11 @@ def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = No
         held = min(LAST_OUTPUT_BUFFERS, lay.accum) if last else in_flight
         layer_max = max(layer_saved_bytes(shape, i, lay) for i in range(first, end))
         bucket = ZERO_BUCKET_BUFFERS * opts.zero_bucket_elements * act_b if lay.zero_stage == 1 else 0
+        host, write = checkpoint_bytes(P, lay)
+        ema_split = lay.engine_dp if lay.zero_stage >= 1 else 1  # sharded like ZeRO's partitions
         out.append(StageMemory(
-            stage=s, params=P, weights=weights, grads=grads, optimizer=optimizer, ema=P * opts.ema_bytes,
+            stage=s, params=P, weights=weights, grads=grads, optimizer=optimizer, ema=P * opts.ema_bytes / ema_split,
+            ckpt_host=host, ckpt_write=write,
             activations=in_flight * stored, recompute=rebuilt,
             pipe_buffers=held * lay.micro * out_bytes, zero_buckets=bucket, workspace=step + lay.micro * layer_max,
             in_flight=in_flight))

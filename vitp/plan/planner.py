@@ -14,6 +14,9 @@ from .shapes import ModelShape
 from .steptime import predicted_mfu, step_time
 from .units import GIB, format_bytes
 
+D2H_BW = 20e9  # bytes/s a GPU copies to pageable host memory (assumption; pinned PCIe 5 reaches ~50e9)
+STORAGE_BW = 1e9  # bytes/s one rank writes to checkpoint storage (assumption: a node's NVMe over 8 ranks)
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -27,6 +30,7 @@ class Prediction:
     tokens_per_s: float
     mfu: float
     limit_bytes: float
+    mem_bw: float = 1e11
 
     @property
     def peak(self) -> StageMemory:
@@ -50,7 +54,19 @@ class Prediction:
                 "comm_bytes_per_step": {k: max(getattr(c, k) for c in self.comm)
                                         for k in ("tp_bytes", "cp_bytes", "pp_bytes", "dp_bytes")},
                 "time": {k: round(v, 6) for k, v in self.time.items()}, "tokens_per_s": round(self.tokens_per_s, 1),
-                "mfu": round(self.mfu, 4)}
+                "mfu": round(self.mfu, 4), "checkpoint": self.checkpoint}
+
+    @property
+    def checkpoint(self) -> dict:
+        """Per rank and checkpoint (the busiest stage): ``host_bytes`` staged in host memory (training
+        waits for this copy: ``blocking_s``), ``write_bytes`` written in the background
+        (``background_s``), at the assumed bandwidths :data:`D2H_BW` (GPU) or half the memory
+        bandwidth (CPU) and :data:`STORAGE_BW`."""
+        host = max(m.ckpt_host for m in self.memory)
+        write = max(m.ckpt_write for m in self.memory)
+        copy_bw = D2H_BW if self.layout.device == "cuda" else self.mem_bw / 2
+        return {"host_bytes": int(host), "write_bytes": int(write), "blocking_s": round(host / copy_bw, 4),
+                "background_s": round(write / STORAGE_BW, 3)}
 
 
 def rank_limit_bytes(prof: DeviceProfile, world: int) -> float:
@@ -70,7 +86,7 @@ def predict(model: Any, lay: LayoutSpec, prof: DeviceProfile, opts: Optional[Mem
     tokens = lay.global_batch * ModelShape.from_config(model).tokens
     return Prediction(lay, stage_memory(model, lay, opts), step_comm(model, lay, opts.adaln_sharded), t,
                       tokens / t["step_s"], predicted_mfu(model, lay, prof, t["step_s"]),
-                      rank_limit_bytes(prof, lay.world))
+                      rank_limit_bytes(prof, lay.world), prof.mem_bw)
 
 
 def plan(cfg: Any, world_size: int, prof: DeviceProfile, opts: Optional[MemoryOptions] = None,
@@ -97,11 +113,13 @@ def format_table(preds: List[Prediction], top: Optional[int] = None) -> str:
     """A ranked text table: memory of the fullest stage and bytes per rank per step, each with three
     significant digits in a fitting unit (:func:`vitp.plan.units.format_bytes`). Column ``cp``: the
     context-parallel degree, ``r`` appended for ``cp_mode=ring`` (``2r``); ``CP/step``: bytes of
-    its collectives (attention exchanges and the gathered prediction)."""
+    its collectives (attention exchanges and the gathered prediction); ``ckpt/rank`` and ``host``:
+    bytes one rank writes per checkpoint and stages in host memory for it (:attr:`Prediction.checkpoint`)."""
     b = format_bytes
     head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>3} {'sp':>3} {'ac':>3} {'mb':>4} {'acc':>4} | "
             f"{'weights':>9} {'grads':>9} {'opt+ema':>9} {'activ':>9} {'work':>9} {'total':>9} | "
-            f"{'TP/step':>9} {'CP/step':>9} {'PP/step':>9} {'DP/step':>9} | {'step s':>9} {'tok/s':>10} {'MFU':>6} fits")
+            f"{'TP/step':>9} {'CP/step':>9} {'PP/step':>9} {'DP/step':>9} | {'step s':>9} {'tok/s':>10} {'MFU':>6} | "
+            f"{'ckpt/rank':>9} {'host':>9} fits")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(preds[:top] if top else preds, 1):
         lay, pk = p.layout, p.peak
@@ -113,7 +131,8 @@ def format_table(preds: List[Prediction], top: Optional[int] = None) -> str:
             f"{lay.micro:>4} {lay.accum:>4} | {b(pk.weights):>9} {b(pk.grads):>9} {b(pk.optimizer + pk.ema):>9} "
             f"{b(act):>9} {b(pk.zero_buckets + pk.workspace):>9} {b(pk.total):>9} | "
             f"{b(comm['tp_bytes']):>9} {b(comm['cp_bytes']):>9} {b(comm['pp_bytes']):>9} {b(comm['dp_bytes']):>9} | "
-            f"{p.time['step_s']:>9.4g} {p.tokens_per_s:>10.4g} {p.mfu:>6.1%} {'yes' if p.fits else 'NO'}")
+            f"{p.time['step_s']:>9.4g} {p.tokens_per_s:>10.4g} {p.mfu:>6.1%} | "
+            f"{b(p.checkpoint['write_bytes']):>9} {b(p.checkpoint['host_bytes']):>9} {'yes' if p.fits else 'NO'}")
     return "\n".join(rows)
 
 

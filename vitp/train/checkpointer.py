@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -13,14 +14,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from vitp import checkpoint as ckpt
-from vitp.checkpoint import reshard
+from vitp.checkpoint import reshard, train_state
 from vitp.checkpoint.export import read_export
+from vitp.checkpoint.rng import rng_state
+from vitp.checkpoint.saver import CheckpointWriter
+from vitp.checkpoint.sharded import METADATA
 from vitp.checkpoint.storage import StorageGroups, choose_resume_tag
 from vitp.config import Layout
 from vitp.models import generator_key
-from vitp.parallel import ParallelState
+from vitp.parallel import ParallelState, shard_like
 from vitp.parallel import distributed as dist
-from vitp.pipeline import load_ema_state
 from vitp.utils import RANK_LOCAL
 
 from .ema import EMA
@@ -46,8 +49,22 @@ def _together(fn: Callable[[], Any]) -> Any:
     return out
 
 
-FullStates = Callable[[], Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]]
-Gather = Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
+FORMAT = "vitp.sharded/1"  # the checkpoint format (vitp_meta.json "format"); absent: full tensors on rank 0
+
+
+def _load_legacy(engine: Any, ema: EMA, state: ParallelState, tag: Path, meta: Dict[str, Any], depth: int) -> None:
+    """A checkpoint of the earlier format (``model.safetensors``, ``model_ema.safetensors`` and
+    ``optimizer.safetensors`` of full tensors beside DeepSpeed's files): weights, moments,
+    master weights, counters (:func:`vitp.checkpoint.reshard.load_resharded`, any layout) and
+    this rank's EMA fragments, sliced out of this stage's full EMA tensors."""
+    reshard.load_resharded(engine, tag, meta, state, depth)
+    named = dict(engine.module.named_parameters())
+    keys = {n: generator_key(n, depth) for n in named}
+    full, _ = read_export(tag / "model_ema.safetensors", keys=list(keys.values()))  # this stage only
+    with torch.no_grad():
+        for n, p in named.items():
+            start, k = ema.fragments[n]
+            ema.params[n].copy_(shard_like(p, full[keys[n]], state).reshape(-1).narrow(0, start, k))
 
 
 class Checkpointer:
@@ -70,6 +87,8 @@ class Checkpointer:
         self.storage = storage or StorageGroups.single(dist.world_size(), dist.rank())
         self.dir = run_dir / "checkpoints"
         self.every, self.keep = tr.checkpoint_every, tr.keep_checkpoints
+        self.writer = CheckpointWriter(self.dir, self.storage, self.keep, asynchronous=tr.checkpoint_async)
+        self.bytes_read = 0  # by this rank's resume
         self.resume_tag = self._agree(self._launch_resume(str(tr.resume)))
         self.reshard = False  # resuming at another layout (vitp.checkpoint.reshard)
         self.meta: Optional[Dict[str, Any]] = _together(self._check)
@@ -168,60 +187,62 @@ class Checkpointer:
             drop_failed_attempt(self.run_dir, self.start_step)
 
     def load(self, engine: Any, ema: EMA, state: ParallelState) -> None:
-        """Restore weights, optimizer, LR schedule, RNG streams and this stage's EMA tensors (at
-        another layout from the checkpoint's full tensors, :mod:`vitp.checkpoint.reshard`)."""
+        """Restore weights, optimizer, LR schedule, RNG streams and this rank's EMA fragments, at
+        this or another layout, reading only this rank's pieces (:mod:`vitp.checkpoint.train_state`);
+        a checkpoint of the earlier format (full tensors on rank 0, DeepSpeed's files) through
+        :func:`_load_legacy`."""
         s = state  # every rank's coordinates, recorded by each save (they do not change during a run)
         self.coords = dist.gather_objects((s.pp_rank, s.dp_rank, s.cp_rank, s.tp_rank))
         if self.resume_tag is None:
             return
-        depth = self.cfg.model.depth
-        if self.reshard:
-            if dist.is_main():
-                log.info("resuming %s at another layout: %s; weights, AdamW moments and step, EMA, LR schedule and "
-                         "data position resharded from its full tensors", self.resume_tag,
-                         reshard.describe_change(self.meta, self.layout))
-            reshard.load_resharded(engine, self.resume_tag, self.meta, state, depth)
-            src = reshard.rng_source_rank(self.meta, state)
-            if src is not None:  # a node-local folder may lack it: then the streams stay seeded
-                ckpt.load_rng(self.resume_tag, src, required=False)
+        if dist.is_main() and self.reshard:
+            log.info("resuming %s at another layout: %s; weights, AdamW moments and step, EMA, LR schedule and "
+                     "data position resharded from its pieces", self.resume_tag,
+                     reshard.describe_change(self.meta, self.layout))
+        if (self.resume_tag / METADATA).is_file():
+            self.writer._ensure_group()
+            self.bytes_read = _together(lambda: train_state.load(engine, ema, state, self.cfg.model.depth,
+                                                                 self.resume_tag, self.meta, self.writer.group))
         else:
-            ckpt.load_training_checkpoint(engine, self.resume_tag, dist.rank())
-        keys = [generator_key(n, depth) for n in ema.params]
-        ema_full, _ = read_export(self.resume_tag / "model_ema.safetensors", keys=keys)  # this stage only
-        load_ema_state(ema.params, engine.module, ema_full, state, depth)
+            _load_legacy(engine, ema, state, self.resume_tag, self.meta, self.cfg.model.depth)
+        src = reshard.rng_source_rank(self.meta, state) if self.reshard else dist.rank()
+        if src is not None:  # a node-local folder may lack another rank's: then the streams stay seeded
+            ckpt.load_rng(self.resume_tag, src, required=self.reshard is False)
         ema.updates = self.meta["ema_updates"]
 
     def due(self, step: int) -> bool:
         """A periodic checkpoint after ``step`` (``trainer.checkpoint_every``)."""
         return bool(self.every) and step % self.every == 0
 
-    def save(self, step: int, engine: Any, ema: EMA, full_states: FullStates, gather: Gather):
-        """Save and publish ``step_<step>`` (collective). ``gather``: pipeline-named local tensors
-        to full generator-keyed ones on rank 0 (for the layout-independent optimizer state).
-        Returns ``(ema, raw)`` full weights on rank 0, ``None`` elsewhere."""
+    def save(self, step: int, engine: Any, ema: EMA, state: ParallelState, final: bool = False) -> None:
+        """Save ``step_<step>`` (collective): this rank's pieces are copied to host memory, then
+        written and published in the background (``trainer.checkpoint_async``) while training
+        goes on; :meth:`wait` blocks until it is published."""
+        t0 = time.perf_counter()
         tr = self.cfg.trainer
-        meta = {"tp": self.layout.tp, "cp": self.layout.cp, "pp": self.layout.pp, "dp": self.layout.dp,
-                "precision": self.layout.precision,
-                "zero_stage": self.cfg.parallel.zero_stage, "partial_sync": float(self.cfg.parallel.partial_sync),
-                "partial_sync_scale": self.cfg.parallel.partial_sync_scale,
-                "engine_zero_stage": self.layout.engine_zero_stage(self.cfg.parallel.zero_stage),
-                "model": OmegaConf.to_container(self.cfg.model, resolve=True), "ema_updates": ema.updates,
-                "seed": self.cfg.seed, "global_batch_size": tr.global_batch_size, "max_steps": tr.max_steps,
-                "world_size": dist.world_size(), "rank_coords": self.coords, "engine": reshard.engine_counters(engine)}
+        record = {"format": FORMAT, "tp": self.layout.tp, "cp": self.layout.cp, "pp": self.layout.pp,
+                  "dp": self.layout.dp, "precision": self.layout.precision,
+                  "zero_stage": self.cfg.parallel.zero_stage, "partial_sync": float(self.cfg.parallel.partial_sync),
+                  "partial_sync_scale": self.cfg.parallel.partial_sync_scale,
+                  "engine_zero_stage": self.layout.engine_zero_stage(self.cfg.parallel.zero_stage),
+                  "model": OmegaConf.to_container(self.cfg.model, resolve=True), "ema_updates": ema.updates,
+                  "seed": self.cfg.seed, "global_batch_size": tr.global_batch_size, "max_steps": tr.max_steps,
+                  "world_size": dist.world_size(), "rank_coords": self.coords,
+                  "engine": reshard.engine_counters(engine), "adam_step": reshard.adam_step(engine),
+                  "config": OmegaConf.to_container(self.cfg, resolve=True)}
+        depth = self.cfg.model.depth
+        self.writer.save(step, lambda: train_state.stage(engine, ema, state, depth), rng_state(), record, t0, final)
 
-        def write_state(folder: Path) -> None:
-            reshard.save_optimizer_state(engine, gather, folder / reshard.FILE, dist.is_main(), step)
+    def wait(self) -> None:
+        """Block until the checkpoint in flight (if any) is published; raises its error."""
+        self.writer.wait()
 
-        return ckpt.save_training_checkpoint(engine, self.dir, step, rank=dist.rank(), main=dist.is_main(),
-                                             meta=meta, full_states=full_states, cfg=self.cfg, keep=self.keep,
-                                             write_state=write_state, storage=self.storage)
-
-    def save_final(self, step: int, engine: Any, ema: EMA, full_states: FullStates, gather: Gather):
-        """The last checkpoint of a finished run (none if a resumed, finished run already has it);
-        returns the full weights like :meth:`save`."""
-        if all(dist.gather_objects(ckpt.tag_name(step) in ckpt.published_tags(self.dir))):  # in every folder
-            return full_states()  # collective; rank 0 gets the weights
-        return self.save(step, engine, ema, full_states, gather)
+    def save_final(self, step: int, engine: Any, ema: EMA, state: ParallelState) -> None:
+        """The last checkpoint of a finished run, published when this returns (none if a resumed,
+        finished run already has it)."""
+        self.writer.wait()
+        if not all(dist.gather_objects(ckpt.tag_name(step) in ckpt.published_tags(self.dir))):  # in every folder
+            self.save(step, engine, ema, state, final=True)
 
     def path(self, step: int) -> Path:
         """Folder of the checkpoint after ``step``."""

@@ -1,9 +1,13 @@
 """Exponential moving average of the weights, used for samples and evaluation."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import torch
+
+import vitp.deepspeed_adapter as ds
+
+CHUNK = 1 << 24  # elements per fused update: bounds the fp32 copies of bf16 weights an update makes
 
 
 class EMA:
@@ -11,21 +15,53 @@ class EMA:
 
     The decay warms up as ``d_n = min(decay, (1 + n) / (10 + n))`` after ``n`` updates (as timm's
     ``ModelEmaV3(use_warmup=True)``), so early samples do not show the zero-initialised model.
-    Keys are the module's ``named_parameters`` names (a pipeline stage's own shard).
+    Keys are the module's ``named_parameters`` names (a pipeline stage's own shard). Sharded like
+    the optimizer (ZeRO-1): ``fragments`` gives, per parameter, the flat range ``(start, numel)``
+    of its shard this rank keeps (:func:`vitp.checkpoint.train_state.fragments`; default the
+    whole parameter), so the EMA costs ``4 / (dp cp)`` bytes per parameter of the shard; each
+    update copies at most :data:`CHUNK` elements to fp32 at once.
     """
 
-    def __init__(self, module: torch.nn.Module, decay: float):
+    def __init__(self, module: torch.nn.Module, decay: float, fragments: Optional[Dict[str, Tuple[int, int]]] = None):
         self.decay, self.updates = decay, 0
-        self.params = {n: p.detach().float().clone() for n, p in module.named_parameters()}
+        named = dict(module.named_parameters())
+        self.sharded = fragments is not None
+        self.fragments = fragments if self.sharded else {n: (0, p.numel()) for n, p in named.items()}
+        self.params = {n: self._live(p, n).float().clone() for n, p in named.items()}
+
+    def _live(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        start, n = self.fragments[name]
+        return p.detach().reshape(-1).narrow(0, start, n)
 
     @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:
         """One EMA step towards ``module``'s current parameters (same names as at construction)."""
         d = min(self.decay, (1 + self.updates) / (10 + self.updates))
         self.updates += 1
-        ema, live = zip(*((self.params[n], p.detach().float()) for n, p in module.named_parameters()))
-        torch._foreach_lerp_(list(ema), list(live), 1 - d)
+        ema, live, size = [], [], 0
+        for n, p in module.named_parameters():
+            ema.append(self.params[n])
+            live.append(self._live(p, n).float())
+            size += ema[-1].numel()
+            if size >= CHUNK:
+                torch._foreach_lerp_(ema, live, 1 - d)
+                ema, live, size = [], [], 0
+        if ema:
+            torch._foreach_lerp_(ema, live, 1 - d)
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        """``{parameter name: fp32 EMA tensor}`` (this stage's shard)."""
-        return dict(self.params)
+    def state_dict(self, module: Optional[torch.nn.Module] = None) -> Dict[str, torch.Tensor]:
+        """``{parameter name: fp32 EMA tensor shaped like the parameter}`` (this stage's shard).
+        Sharded, the fragments are summed over each parameter's data-parallel group
+        (:func:`vitp.deepspeed_adapter.partition_group`, as DeepSpeed's ``get_full_hp_param``):
+        collective, pass ``module``."""
+        if not self.sharded:
+            return {n: t.view(p.shape) for (n, t), p in zip(self.params.items(), module.parameters())} \
+                if module is not None else dict(self.params)
+        out = {}
+        for n, p in module.named_parameters():
+            start, k = self.fragments[n]
+            full = torch.zeros(p.numel(), dtype=torch.float32, device=self.params[n].device)
+            full.narrow(0, start, k).copy_(self.params[n])
+            torch.distributed.all_reduce(full, group=ds.partition_group(p))
+            out[n] = full.view(p.shape)
+        return out

@@ -300,7 +300,9 @@ class Trainer:
         # DeepSpeed's warmup schedulers hold lr = 0 until their first step(); advance once so that
         # the first optimizer step trains at lr / warmup_steps.
         self.engine.lr_scheduler.step()
-        self.ema = EMA(self.engine.module, o.ema_decay)
+        from vitp.checkpoint.train_state import fragments
+
+        self.ema = EMA(self.engine.module, o.ema_decay, fragments(self.engine))  # sharded like ZeRO's partitions
         self.checkpointer.load(self.engine, self.ema, self.state)
 
     def _log_start(self) -> None:
@@ -353,17 +355,12 @@ class Trainer:
 
         return gather_full_state(self.engine.module, tensors, self.state, self.cfg.model.depth)
 
-    def full_states(self):
-        """``(EMA, raw)`` full weights on rank 0 (collective)."""
-        raw = {n: p.detach() for n, p in self.engine.module.named_parameters()}
-        return self.full_state(self.ema.state_dict()), self.full_state(raw)
-
     def ema_generator(self):
         """The EMA weights as a single-process generator on rank 0 (collective; ``None`` elsewhere)."""
         from vitp.checkpoint import generator_from_state
         from vitp.checkpoint.export import partial_sync_of
 
-        full = self.full_state(self.ema.state_dict())
+        full = self.full_state(self.ema.state_dict(self.engine.module))
         if not self.main:
             return None
         # partial_sync < 1: the tp streams run on this device (vitp.models.PartialSyncGenerator)
@@ -422,10 +419,27 @@ class Trainer:
             f.write(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float))}) + "\n")
         return res
 
-    def save_checkpoint(self, step: int, final: bool = False):
-        """Checkpoint after ``step`` (collective); returns ``(EMA, raw)`` full weights on rank 0."""
+    def save_checkpoint(self, step: int, final: bool = False) -> None:
+        """Checkpoint after ``step`` (collective): written in the background unless ``final``
+        (published when this returns)."""
         save = self.checkpointer.save_final if final else self.checkpointer.save
-        return save(step, self.engine, self.ema, self.full_states, self.full_state)
+        save(step, self.engine, self.ema, self.state)
+
+    def export_final(self, step: int) -> None:
+        """The run's ``model_ema.safetensors`` / ``model.safetensors`` (Hugging Face-style shards
+        above ``trainer.export_shard_size_mb``) from the final checkpoint, each shard written by
+        one rank reading only its tensors (collective; :func:`vitp.checkpoint.export.export_checkpoint`)."""
+        from vitp.checkpoint.export import export_checkpoint
+
+        tag, cfg = self.checkpointer.path(step), self.cfg
+        limit = int(cfg.trainer.export_shard_size_mb * 2**20)
+        shared = self.checkpointer.storage.shared
+        if shared or self.main:  # node-local folders: rank 0's alone holds every piece of the final checkpoint
+            rank, world = (dist.rank(), dist.world_size()) if shared else (0, 1)
+            for kind, name in (("ema", "model_ema.safetensors"), ("model", "model.safetensors")):
+                export_checkpoint(tag, self.run_dir / name, cfg, kind=kind, step=step, rank=rank, world=world,
+                                  max_shard_bytes=limit)
+        dist.barrier()
 
     # ------------------------------------------------------------------------------- loop
     def train_step(self, step: int) -> float:
@@ -528,6 +542,7 @@ class Trainer:
             finally:
                 stopper.restore()
         finally:
+            self.checkpointer.writer.close()
             self.lock.release()
 
     def _train_loop(self, stopper: StopSignal) -> Optional[int]:
@@ -567,12 +582,22 @@ class Trainer:
         return step == tr.exit_at_step or timed_out
 
     def _result(self, evaluation: Dict[str, Any], stopped_at: Optional[int]) -> Dict[str, Any]:
+        ck = self.checkpointer
         return {"losses": self.losses, "grad_norms": self.grad_norms, "eval": evaluation,
-                "run_dir": str(self.run_dir), "stopped_at": stopped_at}
+                "run_dir": str(self.run_dir), "stopped_at": stopped_at,
+                "checkpoint": {"bytes_read": ck.bytes_read, "saves": list(ck.writer.stats),
+                               "share_bytes": self.share_bytes()}}
+
+    def share_bytes(self) -> int:
+        """Bytes of this rank's share of the training state (weights, EMA and optimizer fragments)."""
+        from vitp.checkpoint.train_state import state_bytes
+
+        return sum(state_bytes(self.engine, self.ema).values())
 
     def _stop(self, step: int, signal_name: Optional[str]) -> Dict[str, Any]:
         tr = self.cfg.trainer
         self.save_checkpoint(step)
+        self.checkpointer.wait()  # a stop (SIGTERM too) waits for its checkpoint to be published
         self.logger.close()
         if self.main:
             why = signal_name or ("trainer.exit_at_step" if step == tr.exit_at_step else "trainer.exit_after_minutes"
@@ -595,12 +620,9 @@ class Trainer:
         """Final checkpoint, weights, samples, evaluation and the copy to ``trainer.export_dir``;
         the samples and evaluation are skipped when ``stopper`` got a signal after the last step
         (``vitp-eval <run dir>`` runs the evaluation later)."""
-        from vitp.checkpoint import save_weights
-
         cfg, tr = self.cfg, self.cfg.trainer
-        saved = self.save_checkpoint(tr.max_steps, final=True)
-        if self.main:
-            save_weights(self.run_dir, cfg, *saved, step=tr.max_steps)
+        self.save_checkpoint(tr.max_steps, final=True)
+        self.export_final(tr.max_steps)
         result: Dict[str, Any] = {}
         skipped = stopper is not None and stopper.requested()  # collective: every rank skips alike
         if skipped:
@@ -626,9 +648,11 @@ class Trainer:
 
     def _copy_to_export_dir(self, export: Path) -> None:
         export.mkdir(parents=True, exist_ok=True)
-        for name in ("model_ema.safetensors", "model_ema.json", "model.safetensors", "model.json", "eval.json"):
-            if (self.run_dir / name).is_file():
-                shutil.copy2(self.run_dir / name, export / name)
+        for pattern in ("model_ema*.safetensors", "model_ema.safetensors.index.json", "model_ema.json",
+                        "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "model.json",
+                        "eval.json"):
+            for f in self.run_dir.glob(pattern):
+                shutil.copy2(f, export / f.name)
 
 
     def _copy_outputs(self, out: Path) -> None:

@@ -65,3 +65,197 @@ def test_export_refuses_a_checkpoint_folder_without_its_metadata(smoke, tmp_path
                        f"({folder / 'model_ema.safetensors'})\n")
     export_main([str(tmp_path / "copied" / "model_ema.safetensors"), "-o", str(out)])  # the file: exported
     assert out.is_file()
+
+
+# ----------------------------------------------------------------- exports of a torch distributed checkpoint
+def _dcp_checkpoint(tag, cfg, gen, step=7):
+    """A new-format checkpoint tag: DCP tensors ``ema/<key>`` (fp32) and ``model/<key>`` (bf16),
+    ``vitp_meta.json`` with step, model, config and a manifest of the files."""
+    import json
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    state = gen.state_dict()
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, as intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({**{f"ema/{k}": v.clone() for k, v in state.items()},
+                  **{f"model/{k}": v.to(torch.bfloat16) for k, v in state.items()}}, checkpoint_id=str(tag), no_dist=True)
+    (tag / "rng_rank00000.pt").write_bytes(b"rng")
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    manifest = {p.name: p.stat().st_size for p in tag.iterdir()}
+    (tag / "vitp_meta.json").write_text(json.dumps({"step": step, "model": cfg_dict["model"], "config": cfg_dict,
+                                                    "manifest": manifest}))
+    return state
+
+
+def _assert_state(got, want):
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == torch.float32 and torch.equal(got[k], v), k
+
+
+def test_export_checkpoint_single_file_and_shards_by_two_ranks(smoke, tmp_path):
+    """A checkpoint's EMA weights exported as one file (bytes as save_export writes them) and as
+    >= 3 shards written by two "ranks" in turn: each writes only its shards k % 2; the index maps
+    every export key to its shard; every shard carries the file's metadata; both read back exactly
+    (all keys, and a subset from its shards only); a missing shard is named."""
+    import json
+    import re
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from vitp.checkpoint import read_export, save_export
+    from vitp.checkpoint.export import _export_order, export_checkpoint
+    from vitp.models import to_export_state
+
+    cfg, gen, _ = smoke
+    tag = tmp_path / "run" / "checkpoints" / "step_0000007"
+    state = _dcp_checkpoint(tag, cfg, gen)
+    want_file = to_export_state(state, cfg.model.width, cfg.model.depth)
+    ref = save_export(tmp_path / "ref.safetensors", state, cfg, step=7)
+    with safe_open(str(ref), framework="pt") as f:
+        ref_meta = f.metadata()
+
+    single = export_checkpoint(tag, tmp_path / "single.safetensors", cfg)
+    assert single == tmp_path / "single.safetensors"
+    got = load_file(single)
+    assert sorted(got) == sorted(want_file) and all(torch.equal(got[k], want_file[k]) for k in want_file)
+    with safe_open(str(single), framework="pt") as f:
+        assert f.metadata() == ref_meta and ref_meta["step"] == "7" and ref_meta["weights"] == "ema"
+    assert json.loads((tmp_path / "single.json").read_text()) == {
+        **json.loads((tmp_path / "ref.json").read_text()), "tensors": "single.safetensors"}
+    _assert_state(read_export(single)[0], state)
+
+    out, limit = tmp_path / "sh" / "w.safetensors", 40_000
+    index = export_checkpoint(tag, out, cfg, rank=0, world=2, max_shard_bytes=limit)
+    assert index == tmp_path / "sh" / "w.safetensors.index.json" and not out.exists()
+    head = json.loads(index.read_text())
+    names = sorted(set(head["weight_map"].values()))
+    n = len(names)
+    assert n >= 3 and names == [f"w-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    assert sorted(p.name for p in out.parent.glob("w-*")) == names[0::2]  # rank 0: shards 1, 3, ...
+    assert export_checkpoint(tag, out, cfg, rank=1, world=2, max_shard_bytes=limit) == index
+    assert sorted(p.name for p in out.parent.glob("w-*")) == names
+    assert sorted(head["weight_map"]) == sorted(want_file)
+    assert head["metadata"]["total_size"] == sum(4 * v.numel() for v in want_file.values()) == 167184
+    assert {k: v for k, v in head["metadata"].items() if k != "total_size"} == ref_meta
+    assert json.loads((out.parent / "w.json").read_text())["tensors"] == "w.safetensors.index.json"
+    for name in names:
+        shard = load_file(out.parent / name)
+        assert sum(4 * v.numel() for v in shard.values()) <= limit
+        assert all(head["weight_map"][k] == name and torch.equal(v, want_file[k]) for k, v in shard.items())
+        with safe_open(str(out.parent / name), framework="pt") as f:
+            assert f.metadata() == ref_meta
+    seq = list(head["weight_map"].values())  # whole tensors cut, in one sorted order, into consecutive shards
+    assert list(head["weight_map"]) == sorted(head["weight_map"], key=_export_order) and seq == sorted(seq)
+    assert not list(out.parent.glob(".*.tmp*"))
+
+    for path in (out, index):
+        got, meta = read_export(path)
+        _assert_state(got, state)
+        assert meta == ref_meta
+    sub = ["blocks.1.attn.qkv.weight", "final.linear.bias"]
+    keep = {head["weight_map"]["blocks.1.attn.qkv.weight"], head["weight_map"]["gen.final.linear.bias"]}
+    gone = next(name for name in names if name not in keep)
+    (out.parent / gone).unlink()
+    got, _ = read_export(out, keys=sub)  # reads only the shards holding these
+    assert sorted(got) == sorted(sub) and all(torch.equal(got[k], state[k]) for k in sub)
+    with pytest.raises(FileNotFoundError, match=re.escape(f"weights shard {out.parent / gone} is missing")):
+        read_export(out)
+    kept = out.parent / sorted(keep)[0]
+    kept.write_bytes(kept.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=re.escape(f"weights shard {kept} (of {index}) is corrupt, truncated")):
+        read_export(out, keys=sub)
+
+
+def test_reexport_removes_stale_files_and_shards_are_cut_in_block_order(smoke, tmp_path):
+    """Exporting again to the same name leaves only this export's files: a single file removes an
+    earlier index and its shards, another shard count removes the other shards; shards follow the
+    generator's order with block numbers compared as numbers (blocks.2 before blocks.10)."""
+    import json
+
+    from vitp.checkpoint.export import _export_plan, _shard_groups, export_checkpoint
+
+    cfg, gen, _ = smoke
+    tag = tmp_path / "step_0000007"
+    _dcp_checkpoint(tag, cfg, gen)
+    out = tmp_path / "w.safetensors"
+    export_checkpoint(tag, out, cfg, max_shard_bytes=40_000)
+    n5 = sorted(p.name for p in tmp_path.glob("w-*"))
+    export_checkpoint(tag, out, cfg, max_shard_bytes=70_000)
+    n3 = sorted(p.name for p in tmp_path.glob("w-*"))
+    assert len(n5) > len(n3) >= 3 and all(name.endswith(f"-of-{len(n3):05d}.safetensors") for name in n3)
+    assert sorted(json.loads((tmp_path / "w.safetensors.index.json").read_text())["weight_map"].values())[-1] == n3[-1]
+    export_checkpoint(tag, out, cfg)
+    assert out.is_file() and not list(tmp_path.glob("w-*")) and not (tmp_path / "w.safetensors.index.json").exists()
+
+    shapes = {f"blocks.{i}.attn.qkv.weight": ((96, 32), torch.float32) for i in (10, 2, 1)}
+    shapes["embed.x_embedder.proj.weight"] = ((32, 4), torch.float32)
+    plan = _export_plan(shapes, 32, 0)
+    assert list(plan) == ["blocks.1.attn.qkv.weight", "blocks.2.attn.qkv.weight", "blocks.10.attn.qkv.weight",
+                          "gen.embed.x_embedder.proj.weight"]
+    assert _shard_groups(plan, 96 * 32 * 4 + 1) == [[k] for k in plan]  # one tensor each, none merged
+    assert _shard_groups(plan, 10) == [[k] for k in plan]  # larger than the limit: alone in its shard
+    assert _shard_groups(plan, 10**6) == [list(plan)]
+
+
+def test_read_export_of_a_checkpoint_tag_and_vitp_export_shards_it(smoke, tmp_path, capsys):
+    """``<tag>/model_ema.safetensors`` / ``model.safetensors`` of a DCP checkpoint read its ema /
+    model tensors (fp32) with an export's metadata; resolve_weights points there and to a finished
+    run's sharded final weights; vitp-export --max-shard-size writes and names the shards."""
+    import json
+
+    from vitp.checkpoint import load_generator, read_export, resolve_weights
+    from vitp.cli.export import main as export_main
+    from vitp.cli.export import parse_size
+
+    cfg, gen, _ = smoke
+    run = tmp_path / "run"
+    tag = run / "checkpoints" / "step_0000007"
+    state = _dcp_checkpoint(tag, cfg, gen)
+    got, meta = read_export(tag / "model_ema.safetensors")
+    _assert_state(got, state)
+    assert (meta["step"], meta["weights"], meta["format"]) == ("7", "ema", "vitp.export/1")
+    assert json.loads(meta["vitp_config"])["model"]["width"] == cfg.model.width == json.loads(meta["vitp_model"])["width"]
+    raw, meta = read_export(tag / "model.safetensors", keys=["blocks.0.mlp.fc1.weight"])
+    assert meta["weights"] == "raw" and list(raw) == ["blocks.0.mlp.fc1.weight"]
+    assert torch.equal(raw["blocks.0.mlp.fc1.weight"], state["blocks.0.mlp.fc1.weight"].to(torch.bfloat16).float())
+
+    assert resolve_weights(tag) == (tag / "model_ema.safetensors", 7, run)
+    assert resolve_weights(tag, "raw") == (tag / "model.safetensors", 7, run)
+    (run / "checkpoints" / "latest").write_text("step_0000007")
+    assert resolve_weights(run) == (tag / "model_ema.safetensors", 7, run)
+
+    assert (parse_size("5GB"), parse_size("500MB"), parse_size("1GiB"), parse_size("123")) == (
+        5 * 10**9, 500 * 10**6, 2**30, 123)
+    out = tmp_path / "exp" / "w.safetensors"
+    export_main([str(tag), "-o", str(out), "--max-shard-size", "40000"])
+    printed = capsys.readouterr().out
+    shards = sorted((tmp_path / "exp").glob("w-*-of-*.safetensors"))
+    assert len(shards) >= 3 and all(str(p) in printed for p in shards)
+    assert f"and {out}.index.json and {tmp_path / 'exp' / 'w.json'}" in printed and "31 tensors" in printed
+    loaded, cfg2 = load_generator(out)
+    assert cfg2.model.width == cfg.model.width
+    _assert_state(loaded.state_dict(), state)
+    with pytest.raises(SystemExit):  # never overwrites without --force
+        export_main([str(tag), "-o", str(out)])
+    export_main([str(out), "-o", str(tmp_path / "one.safetensors")])  # a sharded export -> one file
+    _assert_state(read_export(tmp_path / "one.safetensors")[0], state)
+
+    for f in shards + [out.parent / "w.safetensors.index.json"]:  # a finished run with sharded final weights
+        f.rename(run / f.name.replace("w", "model_ema", 1))
+    (run / "metrics.jsonl").write_text('{"step": 7}\n')
+    index = json.loads((run / "model_ema.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v.replace("w", "model_ema", 1) for k, v in index["weight_map"].items()}
+    (run / "model_ema.safetensors.index.json").write_text(json.dumps(index))
+    assert resolve_weights(run) == (run / "model_ema.safetensors", None, run)
+    _assert_state(read_export(run / "model_ema.safetensors")[0], state)
+
+    (tag / "vitp_meta.json").unlink()
+    with pytest.raises(FileNotFoundError, match="vitp_meta.json missing"):
+        read_export(tag / "model_ema.safetensors")
+    with pytest.raises(FileNotFoundError, match="vitp_meta.json missing"):
+        resolve_weights(tag)
