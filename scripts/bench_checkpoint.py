@@ -8,8 +8,9 @@ Layout part: ``--world`` ranks (tp=2 x pp=2 x dp=world/4; a world of 4: tp=2 x d
 generator (default 512 x 7, 26.3M parameters, fp32), saving every 2 steps in the background; every rank reports its peak RSS (VmHWM), the bytes of the files it wrote into the last
 checkpoint and the bytes of its share of the state; then ``world/2`` ranks resume the step-2
 checkpoint (dp halved) and report the bytes each read. Stall part: one process trains the same
-model with a checkpoint after every step, ``--reps`` times asynchronous and synchronous
-(``trainer.checkpoint_async``), interleaved; per save, the time training waited (median, min-max).
+model for 12 steps with a checkpoint every 4, ``--reps`` times asynchronous and synchronous
+(``trainer.checkpoint_async``), interleaved; per save, the time training waited (median, min-max),
+and each run's wall time.
 Writes JSON to ``--out`` and prints it.
 """
 from __future__ import annotations
@@ -80,29 +81,39 @@ def _layout(world: int, model: list, tmp: Path) -> dict:
             "saves": full[0]["saves"]}
 
 
-def _stall_rank(rank: int, over: list, run: str) -> list:
+def _stall_rank(rank: int, over: list, run: str) -> dict:
+    import time
+
     from vitp.config import compose
     from vitp.train import train
 
-    return train(compose(over), run)["checkpoint"]["saves"]
+    t0 = time.perf_counter()
+    saves = train(compose(over), run)["checkpoint"]["saves"]
+    return {"saves": saves, "run_s": time.perf_counter() - t0}
 
 
 def _stall(reps: int, model: list, tmp: Path) -> dict:
+    """Per save, the seconds training waited, asynchronous and synchronous, and the whole run's
+    wall time (the background write competes with training for the cores)."""
     from vitp.parallel.local_group import run_local_group
 
     out = {"async": [], "sync": []}
+    runs = {"async": [], "sync": []}
     for r in range(reps):
         for mode in ("async", "sync"):
-            over = [*model, "trainer.max_steps=5", "trainer.checkpoint_every=1", "trainer.exit_at_step=4",
+            # saves at steps 4, 8 and 12, four steps apart: a background write ends before the next
+            over = [*model, "trainer.max_steps=13", "trainer.checkpoint_every=4", "trainer.exit_at_step=12",
                     f"trainer.checkpoint_async={mode == 'async'}"]
-            saves = run_local_group(1, _stall_rank, over, str(tmp / f"stall_{mode}_{r}"), timeout=1800)[0]
-            out[mode] += [s["blocked_s"] for s in saves]
+            res = run_local_group(1, _stall_rank, over, str(tmp / f"stall_{mode}_{r}"), timeout=1800)[0]
+            out[mode] += [s["blocked_s"] for s in res["saves"]]
+            runs[mode].append(res["run_s"])
 
     def stats(xs):
         return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "n": len(xs)}
 
     res = {k: stats(v) for k, v in out.items()}
     res["async_over_sync"] = res["async"]["median_s"] / res["sync"]["median_s"]
+    res["run_wall"] = {k: stats(v) for k, v in runs.items()}
     return res
 
 

@@ -324,4 +324,5 @@ def test_bench_checkpoint(tmp_path):
     assert lay["world"] == 4 and len(lay["written_bytes_per_rank"]) == 4 and lay["resume_ranks"] == 2
     assert sum(lay["written_bytes_per_rank"]) == lay["folder_bytes"] > lay["state_once_bytes"]
     assert all(0 < r for r in lay["resume_read_bytes_per_rank"]) and len(lay["resume_share_bytes_per_rank"]) == 2
-    assert stall["async"]["n"] == stall["sync"]["n"] == 4 and stall["async_over_sync"] > 0
+    assert stall["async"]["n"] == stall["sync"]["n"] == 3 and stall["async_over_sync"] > 0
+    assert stall["run_wall"]["async"]["n"] == 1
