@@ -199,20 +199,21 @@ def save_planner():
 
 
 # ----------------------------------------------------------------------------- reading
-_ALLOWED = {("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes",
-                                      "bool", "NoneType", "slice", "getattr")}
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.", "collections", "enum", "pathlib")
+# what DCP's .metadata holds (torch 2.14): its metadata dataclasses and enums, the storage index
+# entries, torch.Size, dtypes and layouts, the checkpoint path
+_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")}
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` (its dataclasses, ``torch.Size``, dtypes, enums) and nothing
-    else: a crafted file cannot run code."""
+    """Unpickles DCP's ``.metadata`` (its metadata classes, ``torch.Size``, dtypes) and nothing
+    else: a crafted file cannot call anything that runs code or touches files."""
 
     def find_class(self, module: str, name: str):
-        if ((module, name) in _ALLOWED or module.startswith(_ALLOWED_MODULES)
-                or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
-                or (module == "torch._utils" and name == "_rebuild_tensor_v2") or module == "torch.serialization"
-                and name == "_get_layout" or module == "torch" and name == "strided"):
+        if ((module, name) in _ALLOWED or module in _ALLOWED_MODULES
+                or module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
