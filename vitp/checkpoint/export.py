@@ -286,6 +286,68 @@ def read_export(path: str | os.PathLike, keys: Optional[Iterable[str]] = None
     raise FileNotFoundError(f"weights file {path} does not exist")
 
 
+def read_export_shards(path: str | os.PathLike, places: Dict[str, Any]
+                       ) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """``({generator key: this rank's TP shard, flat fp32}, metadata)``: for each key of
+    ``places`` (:class:`vitp.checkpoint.sharded.Place`: the full shape and the rank's TP split)
+    only the boxes of the full tensor the rank holds are read (safetensors' ``get_slice``; from a
+    training checkpoint, its pieces by offsets), so a rank's memory is its own share. The shard
+    is flattened in the parameter's row-major order (``.view(param.shape)`` gives the parameter).
+    ``path`` as :func:`read_export`.
+
+    Raises ``ValueError`` naming the file and the key on a missing tensor or a shape other than
+    ``place.full``; ``FileNotFoundError`` / ``ValueError`` as :func:`read_export`."""
+    from safetensors import safe_open
+
+    from .sharded import boxes, load_pieces, piece_tensor, piece_view, tensor_shapes
+
+    path = Path(path)
+    _, meta = read_export(path, keys=[])
+    bufs = {k: torch.empty(pl.numel, dtype=torch.float32) for k, pl in places.items()}
+    tag = path.parent if path.name in CHECKPOINT_KINDS and (path.parent / DCP_METADATA).is_file() else None
+    if tag is not None and not path.is_file():
+        kind = CHECKPOINT_KINDS[path.name]
+        shapes = {k: s for k, (s, _) in tensor_shapes(tag, kind).items()}
+        _check_shapes(path, shapes, places)
+        load_pieces(tag, {f"{kind}/{k}": piece_tensor(bufs[k], places[k]) for k in places}, no_dist=True)
+        return bufs, meta
+    index = path if path.name.endswith(INDEX_SUFFIX) else path.with_name(path.name + INDEX_SUFFIX)
+    name = export_key if meta.get("format") == FORMAT else (lambda k: k)
+    if path.is_file() and not path.name.endswith(INDEX_SUFFIX):
+        where = {name(k): path for k in places}
+    else:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        where = {name(k): index.parent / weight_map[name(k)] for k in places if name(k) in weight_map}
+    missing = {k: pl for k, pl in places.items() if name(k) not in where}
+    if missing:
+        _check_shapes(path, {}, missing)  # raises, naming them
+    by_file: Dict[Path, List[str]] = {}
+    for k in places:
+        by_file.setdefault(where[name(k)], []).append(k)
+    for file, keys in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            held = set(f.keys())
+            _check_shapes(path, {k: tuple(f.get_slice(name(k)).get_shape()) for k in keys if name(k) in held},
+                          {k: places[k] for k in keys})
+            for k in keys:
+                sl = f.get_slice(name(k))
+                for g, z, w in boxes(places[k]):
+                    piece_view(bufs[k], w).copy_(sl[tuple(slice(o, o + n) for o, n in zip(g, z))])
+    return bufs, meta
+
+
+def _check_shapes(source: Path, shapes: Dict[str, Tuple[int, ...]], places: Dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming ``source`` when a tensor of ``places`` is missing from ``shapes``
+    or has another full shape."""
+    missing = [k for k in places if k not in shapes]
+    if missing:
+        raise ValueError(f"{source} lacks {len(missing)} tensors of this model, e.g. {missing[:4]}: it was written "
+                         f"for another model config")
+    for k, pl in places.items():
+        if tuple(shapes[k]) != tuple(pl.full):
+            raise ValueError(f"{source}: {k} has shape {tuple(shapes[k])} but the model expects {tuple(pl.full)}")
+
+
 def _read_file(path: Path, keys: Optional[Iterable[str]]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     """:func:`read_export` of one safetensors file."""
     from safetensors import safe_open

@@ -21,7 +21,9 @@ from .export import (
     file_model,
     file_partial_sync,
     read_export,
+    read_export_shards,
 )
+from .sharded import place_of
 from .timm import load_timm_state, timm_block_state
 
 log = logging.getLogger("vitp")
@@ -38,10 +40,14 @@ def init_from_export(module: torch.nn.Module, cfg: DictConfig, state: ParallelSt
     check_model_matches(file_model(meta), cfg.model, ARCH_KEYS, path,
                         "set those model.* keys to the file's values (see its .json sidecar)")
     check_partial_sync_layout(file_partial_sync(meta), state.tp_size, state.partial_sync, path)
-    full, _ = read_export(path, keys=[generator_key(n, cfg.model.depth) for n, _ in module.named_parameters()])
-    load_full_state(module, full, state, cfg.model.depth, source=path, strict=True)
+    named = list(module.named_parameters())
+    places = {generator_key(n, cfg.model.depth): place_of(p, state) for n, p in named}
+    shards, _ = read_export_shards(path, places)  # this rank's TP shards of its stage, nothing more
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(shards[generator_key(n, cfg.model.depth)].view(p.shape))
     if dist.is_main():
-        log.info("initialised all %d tensors of this stage from %s (step %s, %s weights)", len(full), path,
+        log.info("initialised all %d tensors of this stage from %s (step %s, %s weights)", len(shards), path,
                  meta.get("step", "?"), meta.get("weights", "?"))
 
 

@@ -259,3 +259,39 @@ def test_read_export_of_a_checkpoint_tag_and_vitp_export_shards_it(smoke, tmp_pa
         read_export(tag / "model_ema.safetensors")
     with pytest.raises(FileNotFoundError, match="vitp_meta.json missing"):
         resolve_weights(tag)
+
+
+def test_a_rank_reads_only_its_tp_shards_of_an_export(smoke, tmp_path):
+    """``trainer.init_from``'s reader: a tp=2 rank's shards (the fused qkv split per head, stride 3;
+    a row-parallel weight; a replicated vector) read from a single file, a sharded export and a
+    checkpoint equal the slices of the full tensors; another shape is refused naming the key."""
+    import torch.distributed.checkpoint as dcp
+
+    from vitp.checkpoint.export import export_checkpoint, read_export_shards
+    from vitp.checkpoint.sharded import Place, piece_tensor
+    from vitp.parallel.layers import shard_tensor
+
+    cfg, gen, _ = smoke
+    state = gen.state_dict()
+    save_weights(tmp_path, cfg, state, state)
+    tag = tmp_path / "tag"
+    dcp.save({f"ema/{k}": piece_tensor(v.reshape(-1).clone(), Place(tuple(v.shape))) for k, v in state.items()},
+             checkpoint_id=str(tag), no_dist=True)
+    import json
+
+    from omegaconf import OmegaConf
+
+    (tag / "vitp_meta.json").write_text(json.dumps({"step": 1, "config": OmegaConf.to_container(cfg, resolve=True)}))
+    sharded = export_checkpoint(tag, tmp_path / "sh" / "model_ema.safetensors", cfg, max_shard_bytes=20_000)
+    assert sharded.name.endswith(".index.json")
+    qkv, proj, vec = "blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight", "blocks.0.attn.qkv.bias"
+    places = {qkv: Place(tuple(state[qkv].shape), 0, 3, 2, 1), proj: Place(tuple(state[proj].shape), 1, 1, 2, 1),
+              vec: Place(tuple(state[vec].shape))}
+    want = {qkv: shard_tensor(state[qkv], 0, 3, 2, 1), proj: shard_tensor(state[proj], 1, 1, 2, 1), vec: state[vec]}
+    for source in (tmp_path / "model_ema.safetensors", sharded, tag / "model_ema.safetensors"):
+        got, meta = read_export_shards(source, places)
+        assert "vitp_config" in meta
+        for k in places:
+            assert torch.equal(got[k].view(want[k].shape), want[k]), (source, k)
+    with pytest.raises(ValueError, match=r"blocks.0.attn.proj.weight has shape \(32, 32\) but the model expects"):
+        read_export_shards(tmp_path / "model_ema.safetensors", {proj: Place((32, 64), 1, 1, 2, 1)})
