@@ -67,6 +67,9 @@ class CheckpointWriter:
             stat["blocked_s"] = time.perf_counter() - t0
             stat["write_s"] = 0.0
             self.stats.append(stat)
+            if dist.is_main():
+                log.info("checkpoint step %d published: training waited %.2f s (written in the foreground)", step,
+                         stat["blocked_s"])
             return
         start = time.perf_counter()
         stat["blocked_s"] = start - t0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,7 +262,12 @@ def _reader_class():
                     f.seek(offset)
                     data = f.read(length)
                 self.bytes_read += length
-                stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                try:
+                    stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                except Exception as e:  # torch's own advice (weights_only=False) must not reach the user
+                    raise ValueError(f"checkpoint file {Path(self.path) / rel} is corrupt: its piece of "
+                                     f"{reqs[0].storage_index.fqn} (bytes {offset}..{offset + length}) does not load "
+                                     f"({type(e).__name__})") from None
                 for req in reqs:
                     part = stored
                     for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
@@ -310,18 +316,34 @@ def load_pieces(path: Path, pieces: Dict[str, torch.Tensor], group=None, no_dist
     import torch.distributed.checkpoint as dcp
 
     rd = reader(path)
+    rd.read_metadata()  # a damaged .metadata refused here, naming it (DCP would log tracebacks first)
     no_dist = no_dist or not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         with warnings.catch_warnings():  # one process: DCP warns that it loads without a process group
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(pieces, storage_reader=rd, process_group=group, no_dist=no_dist)
     except (FileNotFoundError, ValueError):
         raise
-    except Exception as e:  # DCP wraps the failing rank's error in CheckpointException
-        text = str(e)
-        kind = FileNotFoundError if "No such file" in text or "FileNotFoundError" in text else ValueError
-        raise kind(f"checkpoint {path} could not be read: {text.strip().splitlines()[-1] if text else e}") from e
+    except (CheckpointException, Exception) as e:  # DCP wraps each failing rank's error (a BaseException)
+        raise _readable(path, e) from None
     return rd.bytes_read
+
+
+def _readable(path: Path, e: BaseException) -> Exception:
+    """A ``ValueError`` / ``FileNotFoundError`` naming the file for DCP's failure ``e``: the first
+    failing rank's own error when it is ours, else its message."""
+    failures = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()] or [e]
+    first = failures[0]
+    if isinstance(first, (FileNotFoundError, ValueError)):
+        return type(first)(str(first))
+    text = str(first).strip()
+    ours = re.search(r"checkpoint file \S+ (is corrupt|is missing)[^;]*", text)
+    if ours:
+        return (FileNotFoundError if "missing" in ours.group(1) else ValueError)(ours.group(0).rstrip("."))
+    kind = FileNotFoundError if isinstance(first, OSError) or "No such file" in text else ValueError
+    return kind(f"checkpoint {path} could not be read: {text.splitlines()[-1] if text else type(first).__name__}")
 
 
 def read_full(path: Path, kind: str, keys: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:

@@ -97,7 +97,8 @@ def run(argv: Optional[List[str]] = None) -> Path:
 def _report(written: Path, counts: Tuple[int, int], step: int, weights: str) -> None:
     """Print the files written (the export file, or its shards and index, and the sidecar) and
     ``counts``: (generator tensors, parameters)."""
-    what = f"{counts[0]} tensors, {counts[1] / 1e6:.3f}M parameters, step {step}, {weights} weights"
+    what = (f"{counts[0]} generator tensors (and the blocks' identity norm1/norm2 timm expects), "
+            f"{counts[1] / 1e6:.3f}M parameters, step {step}, {weights} weights")
     if not written.name.endswith(ex.INDEX_SUFFIX):
         print(f"wrote {written} ({what}) and {written.with_suffix('.json')}")
         return

@@ -208,15 +208,18 @@ def _prompt_file(path: Path) -> List[str]:
 def output_name(cfg: Any, meta: dict, classes: List[int], per: int, fmt: Optional[str], source: Path,
                 step: Optional[int] = None, prompts: Optional[List[str]] = None) -> str:
     """The default output name (no suffix) from everything that decides the samples: the weights
-    (a file's stem unless it is a run's ``model_ema.safetensors``, ``raw`` weights, the training step:
+    (a file's stem, also a sharded export's ``X.safetensors`` or its index, unless it is a run's
+    ``model_ema.safetensors``; ``raw`` weights; the training step:
     ``step``, else the file's),
     the classes in row order, samples per class, the sampler (method, steps, CFG scale and interval,
     seed), a size other than the trained one, and for video the fps and ``mp4``. E.g.
     ``sample_step0000300_c3+7_n8_heun20_cfg1_seed0``."""
     sp, trained = cfg.sampler, json.loads(meta["vitp_config"])["model"]
     words = ["sample"]
-    if source.is_file() and source.name != "model_ema.safetensors":
-        words.append(re.sub(r"[^A-Za-z0-9.-]+", "-", source.stem).strip("-.")[:40] or "weights")
+    name = source.name.removesuffix(".index.json")  # a sharded export: by the name it stands for
+    weights_file = source.is_file() or Path(f"{source}.index.json").is_file()
+    if weights_file and name != "model_ema.safetensors":
+        words.append(re.sub(r"[^A-Za-z0-9.-]+", "-", Path(name).stem).strip("-.")[:40] or "weights")
     if meta.get("weights") == "raw":
         words.append("raw")
     step = int(meta.get("step", -1)) if step is None else step

@@ -201,14 +201,22 @@ class Checkpointer:
                      reshard.describe_change(self.meta, self.layout))
         if (self.resume_tag / METADATA).is_file():
             self.writer._ensure_group()
-            self.bytes_read = _together(lambda: train_state.load(engine, ema, state, self.cfg.model.depth,
-                                                                 self.resume_tag, self.meta, self.writer.group))
+            self.bytes_read = _together(lambda: self._load_pieces(engine, ema, state))
         else:
             _load_legacy(engine, ema, state, self.resume_tag, self.meta, self.cfg.model.depth)
         src = reshard.rng_source_rank(self.meta, state) if self.reshard else dist.rank()
         if src is not None:  # a node-local folder may lack another rank's: then the streams stay seeded
             ckpt.load_rng(self.resume_tag, src, required=self.reshard is False)
         ema.updates = self.meta["ema_updates"]
+
+    def _load_pieces(self, engine: Any, ema: EMA, state: ParallelState) -> int:
+        """:func:`vitp.checkpoint.train_state.load` of the resume checkpoint; a damaged file is
+        refused naming it and the earlier complete checkpoints to resume from instead."""
+        try:
+            return train_state.load(engine, ema, state, self.cfg.model.depth, self.resume_tag, self.meta,
+                                    self.writer.group)
+        except (FileNotFoundError, ValueError) as e:
+            raise type(e)(f"{e}{ckpt.training._fix_hint(self.resume_tag)}") from None
 
     def due(self, step: int) -> bool:
         """A periodic checkpoint after ``step`` (``trainer.checkpoint_every``)."""

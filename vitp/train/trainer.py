@@ -634,7 +634,10 @@ class Trainer:
             result = self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {}
         self.logger.close()
         if self.main:  # what this launch wrote, not what a full finish would have
-            held = ["model_ema.safetensors", *([] if skipped else ["samples/"]), "metrics.jsonl",
+            ema = "model_ema.safetensors"
+            if not (self.run_dir / ema).is_file():  # sharded: its index names the shards
+                ema = f"{ema}.index.json"
+            held = [ema, *([] if skipped else ["samples/"]), "metrics.jsonl",
                     *(["eval.json"] if cfg.eval.enabled and not skipped else []),
                     *([] if tr.tensorboard_dir else ["tb/"])]
             log.info("done: %s holds %s", self.run_dir, ", ".join(held))

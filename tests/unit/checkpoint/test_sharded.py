@@ -108,3 +108,22 @@ def test_replicated_pieces_are_written_once_and_spread():
     assert written == [1100, 1100, 1100, 1100]
     fqns = [w.index.fqn for p in out for w in p.items]
     assert sorted(fqns) == sorted(["own0", "own1", "own2", "own3", "w0a", "w0b", "w1a", "w1b"])
+
+
+def test_a_damaged_file_of_the_same_size_is_refused_naming_it(tmp_path):
+    """Bytes overwritten in a data file or in .metadata (sizes unchanged, so the manifest check
+    passes): reading refuses, naming the file (not torch's unpickling advice)."""
+    import torch.distributed.checkpoint as dcp
+
+    F = torch.randn(8, 8)
+    dcp.save({"ema/w": piece_tensor(F.reshape(-1).clone(), Place((8, 8)))}, checkpoint_id=str(tmp_path), no_dist=True)
+    data = next(tmp_path.glob("__0_*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[:64] = bytes(range(64))
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=rf"checkpoint file {data} is corrupt: its piece of ema/w .*does not load"):
+        read_full(tmp_path, "ema")
+    meta = tmp_path / ".metadata"
+    meta.write_bytes(bytes(len(meta.read_bytes())))
+    with pytest.raises(ValueError, match=rf"checkpoint file {meta} is corrupt or not a checkpoint's metadata"):
+        read_full(tmp_path, "ema")
