@@ -236,7 +236,7 @@ def test_read_export_of_a_checkpoint_tag_and_vitp_export_shards_it(smoke, tmp_pa
     printed = capsys.readouterr().out
     shards = sorted((tmp_path / "exp").glob("w-*-of-*.safetensors"))
     assert len(shards) >= 3 and all(str(p) in printed for p in shards)
-    assert f"and {out}.index.json and {tmp_path / 'exp' / 'w.json'}" in printed and "31 tensors" in printed
+    assert f"and {out}.index.json and {tmp_path / 'exp' / 'w.json'}" in printed and "31 generator tensors" in printed
     loaded, cfg2 = load_generator(out)
     assert cfg2.model.width == cfg.model.width
     _assert_state(loaded.state_dict(), state)
