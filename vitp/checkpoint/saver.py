@@ -93,10 +93,6 @@ class CheckpointWriter:
             finally:
                 self._thread.join()  # gone before the interpreter exits: torch aborts on a live one
 
-    @property
-    def in_flight(self) -> bool:
-        return self._pending is not None and not self._pending.done()
-
     def close(self, timeout: float = 120.0) -> None:
         """At the end of a run, also after an error: wait up to ``timeout`` seconds for a save still
         in flight (the process would abort on exit with its thread alive); one that does not finish

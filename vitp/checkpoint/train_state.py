@@ -20,7 +20,7 @@ import vitp.deepspeed_adapter as ds
 from vitp.models import generator_key
 
 from . import reshard
-from .sharded import MOMENTS, Place, load_pieces, piece_tensor, place_of
+from .sharded import MOMENTS, load_pieces, piece_tensor, place_of
 
 Fragment = Tuple[int, int]  # (first element, elements) of a parameter's flattened TP shard
 
@@ -100,7 +100,7 @@ def load(engine: Any, ema: Any, state: Any, depth: int, folder: Path, meta: Dict
         start, n = frags[name]
         if n == 0:
             continue
-        for kind in ("ema", *MOMENTS, *(("master",) if bf16 else ())):
+        for kind in kinds(engine):
             bufs[kind, name] = torch.empty(n, dtype=torch.float32)
             dest[f"{kind}/{key}"] = piece_tensor(bufs[kind, name], place, start)
     nbytes = load_pieces(folder, dest, group=group)
@@ -133,8 +133,3 @@ def state_bytes(engine: Any, ema: Any) -> Dict[str, int]:
     for kind in kinds(engine):
         out[kind] = frag
     return out
-
-
-def place_table(engine: Any, state: Any) -> Dict[str, Place]:
-    """``{pipeline parameter name: Place}`` of this rank's parameters."""
-    return {n: place_of(p, state) for n, p in engine.module.named_parameters()}
