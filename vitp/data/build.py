@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, List, Tuple
 
 import numpy as np

@@ -105,7 +105,7 @@ def _images(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str
 
 
 def _videos(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str, str]]:
-    from vitp.data.build import _base_dataset, stratified_split
+    from vitp.data.build import _base_dataset
     from vitp.data.text import item_captions
 
     if cfg.class_per_shot or cfg.scene_cut_threshold is not None:

@@ -20,7 +20,6 @@ import os
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from .base import Key, KeyedDataset, parse_key

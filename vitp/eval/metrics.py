@@ -16,37 +16,56 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from vitp.data.shards import as_packed_source
-from vitp.models import Generator
 from vitp.objectives import sample_seed, v_loss
 from vitp.utils import atomic_write_text
 
 from .judge import frechet_distance, judge_features, judge_metrics, load_or_train_judge
+from .inference import Share
 from .sampling import generate, heldout_label_samples
-from .temporal import temporal_metrics
+from .temporal import temporal_ratio, temporal_sums
 
 log = logging.getLogger("vitp")
 
 
+def _device(gen: Any) -> torch.device:
+    p = next(iter(gen.parameters()), None) if hasattr(gen, "parameters") else None
+    return p.device if p is not None else getattr(gen, "device", torch.device("cpu"))
+
+
+def eval_batch_size(cfg: DictConfig) -> int:
+    """Held-out items per forward call of a replica: the training micro-batch times the pipeline
+    stages (``trainer.micro_batch_size * parallel.pp``), so an evaluation batch needs no more
+    memory than a training micro-batch and fills the pipeline."""
+    return int(cfg.trainer.micro_batch_size) * int(cfg.parallel.pp)
+
+
 @torch.no_grad()
-def heldout_loss(gen: Generator, cfg: DictConfig, dataset: Any, batch_size: int = 256,
-                 conditioning: Any = None) -> Dict[str, Any]:
+def heldout_loss(gen: Any, cfg: DictConfig, dataset: Any, batch_size: Optional[int] = None,
+                 conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
     """Mean v-loss on the held-out set at ``t_k = (k + 0.5) / K`` for ``K = eval.t_grid``, with
     noise seeded by ``(eval.noise_seed, item, k)``; labels (captions) are not dropped.
     ``conditioning`` maps the items' ids to the model's inputs (:mod:`vitp.data.text`; default
-    class labels)."""
+    class labels). Items go through ``gen`` (a :class:`vitp.models.Generator` or a
+    :class:`vitp.eval.inference.StageDenoiser`) ``batch_size`` at a time (default
+    :func:`eval_batch_size`); with ``share`` each data-parallel replica takes its range of the
+    items and the per-``t`` sums are added over the replicas (float64; collective, the result on
+    every rank)."""
     from vitp.data.text import ClassConditioning
 
+    share = share or Share()
     cond = conditioning if conditioning is not None else ClassConditioning(cfg.model.num_classes)
-    K, device = cfg.eval.t_grid, next(gen.parameters()).device
+    K, device = cfg.eval.t_grid, _device(gen)
+    batch_size = batch_size or eval_batch_size(cfg)
     ts = [(k + 0.5) / K for k in range(K)]
     per_t = torch.zeros(K, dtype=torch.float64)
-    n = len(dataset)
-    for start in range(0, n, batch_size):
-        idx = range(start, min(n, start + batch_size))
+    n, mine = len(dataset), share.indices(len(dataset))
+    for start in range(mine.start, mine.stop, batch_size):
+        idx = range(start, min(mine.stop, start + batch_size))
         items = [dataset[(i, None)] for i in idx]
         x = torch.stack([it[0] for it in items])
         y = tuple(v.to(device) for v in cond(torch.tensor([int(it[1]) for it in items])))
@@ -57,12 +76,12 @@ def heldout_loss(gen: Generator, cfg: DictConfig, dataset: Any, batch_size: int 
             z = t * x + (1 - t) * cfg.objective.noise_scale * eps
             x_pred = gen(z.to(device), tb.to(device), *y).float().cpu()
             per_t[k] += v_loss(x_pred, x, z, tb, cfg.objective.t_eps).double().sum()
-    per_t /= n
+    per_t = share.sum(per_t) / n
     return {"heldout_loss": per_t.mean().item(), "heldout_loss_per_t": {f"{t:.2f}": v for t, v in zip(ts, per_t.tolist())}}
 
 
-def bucket_heldout_loss(gen: Generator, cfg: DictConfig, sets: Dict[str, Any], conditioning: Any = None
-                        ) -> Dict[str, Any]:
+def bucket_heldout_loss(gen: Any, cfg: DictConfig, sets: Dict[str, Any], conditioning: Any = None,
+                        share: Optional[Share] = None) -> Dict[str, Any]:
     """:func:`heldout_loss` per shape bucket: ``sets`` maps a bucket name (``"HxW"`` or
     ``"HxWxT"``) to its held-out items, assigned to buckets as the training items are
     (:func:`vitp.data.buckets.assign`) and rendered at the bucket's shape. Returns
@@ -74,7 +93,7 @@ def bucket_heldout_loss(gen: Generator, cfg: DictConfig, sets: Dict[str, Any], c
     for name, ds in sets.items():
         if not len(ds):
             continue
-        r, n = heldout_loss(gen, cfg, ds, conditioning=conditioning), len(ds)
+        r, n = heldout_loss(gen, cfg, ds, conditioning=conditioning, share=share), len(ds)
         res[f"heldout_loss/{name}"], res[f"heldout_items/{name}"] = r["heldout_loss"], n
         total, n_all = total + n * r["heldout_loss"], n_all + n
         for t, v in r["heldout_loss_per_t"].items():
@@ -90,30 +109,46 @@ def _stack(dataset: Any) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([it[0] for it in items]), torch.tensor([int(it[1]) for it in items])
 
 
-def digits_metrics(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path,
-                   conditioning: Any = None) -> Dict[str, Any]:
+def item_ids(dataset: Any) -> torch.Tensor:
+    """``(N,)`` the model-input ids of a data set's items (caption ids of a captioned set, else
+    labels), without reading the items when the data set lists them."""
+    ids = getattr(dataset, "ids", None)
+    if ids is None and not hasattr(dataset, "captions"):
+        ids = getattr(dataset, "labels", None)
+    if ids is None:
+        return torch.tensor([int(dataset[(i, None)][1]) for i in range(len(dataset))])
+    return torch.as_tensor(np.asarray(ids), dtype=torch.long)
+
+
+def digits_metrics(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path,
+                   conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
     """Judge accuracy on real held-out digits, on class-conditional samples, and FD-digits.
 
     The samples use the held-out labels (or ``eval.num_samples`` of them, cycled), so
     ``fd_digits`` (samples vs real training digits) is comparable to ``fd_digits_real``
     (real held-out vs real training digits) at the same sample count. A text-conditional run
     (``conditioning`` given) samples with the held-out captions and is judged against their
-    digits; with caption templates it also measures :func:`prompt_accuracy`.
+    digits; with caption templates it also measures :func:`prompt_accuracy`. With ``share`` the
+    samples are made on every replica and judged on rank 0 (``{}`` elsewhere; collective).
     """
+    share = share or Share()
+    ids, samples = heldout_label_samples(gen, cfg, item_ids(heldout_ds), conditioning, share)
+    extra = {}
+    if getattr(conditioning, "text", False) and cfg.data.captions == "templates":
+        extra = prompt_accuracy(gen, cfg, None, conditioning.store, share)  # samples first, judged below
+    if not share.main:
+        return {}
     x_tr, _ = _stack(train_ds)
-    x_ho, ids_ho = _stack(heldout_ds)
+    x_ho, _ = _stack(heldout_ds)
     y_tr, y_ho = (torch.as_tensor(ds.labels, dtype=torch.long) for ds in (train_ds, heldout_ds))
     judge = load_or_train_judge(run_dir / "judge.safetensors", x_tr, y_tr,
                                 epochs=cfg.eval.classifier_epochs, seed=cfg.seed)
-    ids, samples = heldout_label_samples(gen, cfg, ids_ho, conditioning)
     n = len(ids)
     labels = y_ho.repeat(n // len(y_ho) + 1)[:n]  # the digit of each sample's caption (or label)
     f_tr, f_ho, f_gen = (judge_features(judge, v) for v in (x_tr, x_ho, samples))
     fd_real = frechet_distance(f_tr, f_ho)
     fd_gen = frechet_distance(f_tr, f_gen)
-    extra = {}
-    if getattr(conditioning, "text", False) and cfg.data.captions == "templates":
-        extra = prompt_accuracy(gen, cfg, judge, conditioning.store)
+    extra = {k: v(judge) if callable(v) else v for k, v in extra.items()}
     return {
         **extra,
         "judge_accuracy_real_heldout": judge_metrics(judge, x_ho, y_ho)["accuracy"],
@@ -125,12 +160,15 @@ def digits_metrics(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: A
     }
 
 
-def prompt_accuracy(gen: Generator, cfg: DictConfig, judge: Any, store: Any) -> Dict[str, Any]:
+def prompt_accuracy(gen: Any, cfg: DictConfig, judge: Any, store: Any, share: Optional[Share] = None
+                    ) -> Dict[str, Any]:
     """Whether samples show the digit their prompt names: ``eval.prompt_samples`` samples of
     every (template, digit) prompt, for the training phrasings (``data.caption_templates``,
     ``prompt_accuracy_seen``) and phrasings never trained on (``eval.unseen_prompt_templates``,
     ``prompt_accuracy_unseen``; encoded with ``data.text_encoder``), judged by the digits judge.
-    Also ``prompt_accuracy/<template>`` per template."""
+    Also ``prompt_accuracy/<template>`` per template. With ``share`` the samples are split over
+    the replicas and judged on rank 0 (``{}`` elsewhere); ``judge=None`` returns each value as a
+    function of the judge (the samples are made before the judge exists)."""
     from vitp.data.text import PromptConditioning, fill_template
 
     res: Dict[str, Any] = {}
@@ -142,44 +180,70 @@ def prompt_accuracy(gen: Generator, cfg: DictConfig, judge: Any, store: Any) -> 
         digits = torch.arange(10).repeat(len(templates)).repeat_interleave(k)
         cond = PromptConditioning(prompts, store, cfg.data.text_encoder)
         ids = torch.arange(1, len(prompts) + 1).repeat_interleave(k)
-        samples = generate(gen, cfg, ids, seed=cfg.eval.noise_seed + 2, conditioning=cond)
-        res[f"prompt_accuracy_{group}"] = judge_metrics(judge, samples, digits)["accuracy"]
+        samples = generate(gen, cfg, ids, seed=cfg.eval.noise_seed + 2, conditioning=cond, share=share)
+        if samples is None:
+            continue
+
+        def acc(part: slice, samples=samples, digits=digits):
+            return lambda j: judge_metrics(j, samples[part], digits[part])["accuracy"]
+
+        res[f"prompt_accuracy_{group}"] = acc(slice(None))
         for i, t in enumerate(templates):
-            part = slice(i * 10 * k, (i + 1) * 10 * k)
-            res[f"prompt_accuracy/{t}"] = judge_metrics(judge, samples[part], digits[part])["accuracy"]
-    return res
+            res[f"prompt_accuracy/{t}"] = acc(slice(i * 10 * k, (i + 1) * 10 * k))
+    return res if judge is None else {key: f(judge) for key, f in res.items()}
 
 
-def video_metrics(gen: Generator, cfg: DictConfig, heldout_ds: Any, conditioning: Any = None) -> Dict[str, Any]:
+def video_metrics(gen: Any, cfg: DictConfig, heldout_ds: Any, conditioning: Any = None,
+                  share: Optional[Share] = None) -> Dict[str, Any]:
     """Temporal consistency of samples vs real held-out clips: mean absolute frame-to-frame
     difference (units of the [-1, 1] range; :func:`vitp.eval.temporal.temporal_consistency`), for
-    ``eval.num_samples`` samples (0 = one per held-out clip) with the held-out labels."""
-    x_ho, y_ho = _stack(heldout_ds)
-    labels, samples = heldout_label_samples(gen, cfg, y_ho, conditioning)
-    return {**temporal_metrics(samples, x_ho), "num_samples": len(labels)}
+    ``eval.num_samples`` samples (0 = one per held-out clip) with the held-out labels. Streams:
+    each replica (``share``) sums the differences of its own samples and its range of the
+    held-out clips, one batch at a time; only the sums are added over the replicas (collective,
+    the result on every rank)."""
+    share = share or Share()
+    y_ho = item_ids(heldout_ds)
+    n = cfg.eval.num_samples or len(y_ho)
+    labels = y_ho.repeat(n // len(y_ho) + 1)[:n]
+    mine = Share(share.rank, share.size, main=True)  # this replica's samples, not gathered
+    gen_sums = temporal_sums(generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1, conditioning=conditioning,
+                                      share=mine))
+    real_sums = torch.zeros(2, dtype=torch.float64)
+    for i in share.indices(len(heldout_ds)):
+        real_sums += temporal_sums(heldout_ds[(i, None)][0][None])
+    sums = share.sum(torch.cat([gen_sums, real_sums]))
+    return {**temporal_ratio(sums[:2], sums[2:]), "num_samples": n}
 
 
-def evaluate(gen: Generator, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, *, full: bool = True,
+def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, *, full: bool = True,
              step: Optional[int] = None, logger: Any = None, buckets: Optional[Dict[str, Any]] = None,
-             out: Optional[Path] = None, conditioning: Any = None) -> Dict[str, Any]:
+             out: Optional[Path] = None, conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
     """Held-out loss (always; with ``buckets``, ``{name: held-out items}``, per bucket and overall,
     :func:`bucket_heldout_loss`) and, when ``full`` and the data are digits, the judge metrics
     (video: temporal statistics) at ``data.resolution``. With ``full`` the results are written
     to ``out`` (default ``run_dir/eval.json``; the judge is cached in ``run_dir`` either way);
     with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``. ``conditioning``:
-    how item ids become model inputs (:mod:`vitp.data.text`; default class labels)."""
+    how item ids become model inputs (:mod:`vitp.data.text`; default class labels).
+
+    ``gen``: a :class:`vitp.models.Generator`, or with ``share`` (:class:`vitp.eval.inference.Share`)
+    this rank's :class:`vitp.eval.inference.StageDenoiser`: then every rank calls this, the work
+    is split over the replicas, and rank 0 alone writes and returns the full results (the other
+    ranks return the held-out loss)."""
+    share = share or Share()
     cfg = as_packed_source(cfg, heldout_ds)  # packed digits are judged as the digits
     res: Dict[str, Any] = {"step": step} if step is not None else {}
     if buckets:
-        res.update(bucket_heldout_loss(gen, cfg, buckets, conditioning))
+        res.update(bucket_heldout_loss(gen, cfg, buckets, conditioning, share))
     elif len(heldout_ds):
-        res.update(heldout_loss(gen, cfg, heldout_ds, conditioning=conditioning))
+        res.update(heldout_loss(gen, cfg, heldout_ds, conditioning=conditioning, share=share))
     if full and cfg.data.name == "digits" and len(heldout_ds) > 1:
-        res.update(digits_metrics(gen, cfg, train_ds, heldout_ds, run_dir, conditioning))
+        res.update(digits_metrics(gen, cfg, train_ds, heldout_ds, run_dir, conditioning, share))
         res["sampler"] = OmegaConf.to_container(cfg.sampler, resolve=True)
     if full and cfg.model.num_frames > 1 and len(heldout_ds):
-        res.update(video_metrics(gen, cfg, heldout_ds, conditioning))
+        res.update(video_metrics(gen, cfg, heldout_ds, conditioning, share))
         res["sampler"] = OmegaConf.to_container(cfg.sampler, resolve=True)
+    if not share.main:
+        return res
     if logger is not None and step is not None:
         logger.scalars(step, {f"eval/{k}": v for k, v in res.items() if isinstance(v, float)}, jsonl=False)
     if full:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import DictConfig
 
 from vitp.config import parse_resolution
 from vitp.media import frame_strip, to_grid, write_video_samples
-from vitp.models import Generator
 from vitp.objectives import sample
+from .inference import Share
 from vitp.utils import atomic_write
 
 
@@ -23,38 +23,54 @@ def class_grid_labels(num_classes: int, per_class: int, max_rows: int = 0) -> to
     return classes.repeat_interleave(per_class)
 
 
-def generate(gen: Generator, cfg: DictConfig, labels: torch.Tensor, seed: int, conditioning: Any = None) -> torch.Tensor:
-    """Samples ``(B, C, T, H, W)`` for ``labels`` with the configured sampler, in batches, at the
-    size ``model.image_size`` (an int, ``[H, W]`` or ``"HxW"``) and ``model.num_frames``.
+def sample_noise(seed: int, indices: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    """``(len(indices), *shape)`` standard normal noise, sample ``i``'s from its own generator
+    seeded by ``(seed, i)`` (:func:`vitp.objectives.sample_seed`): a sample is the same whichever
+    rank or batch draws it."""
+    from vitp.objectives import sample_seed
 
+    return torch.stack([torch.randn(tuple(shape), generator=torch.Generator().manual_seed(sample_seed(seed, int(i))))
+                        for i in indices]) if len(indices) else torch.empty((0, *shape))
+
+
+def generate(gen: Any, cfg: DictConfig, labels: torch.Tensor, seed: int, conditioning: Any = None,
+             share: Optional[Share] = None) -> Optional[torch.Tensor]:
+    """Samples ``(B, C, T, H, W)`` for ``labels`` with the configured sampler, in batches of
+    ``sampler.batch_size`` per replica, at the size ``model.image_size`` (an int, ``[H, W]`` or
+    ``"HxW"``) and ``model.num_frames``; sample ``i`` starts from :func:`sample_noise` of ``(seed, i)``.
+
+    ``gen``: a :class:`vitp.models.Generator` or a :class:`vitp.eval.inference.StageDenoiser`.
     ``labels``: ``(B,)`` ids of ``conditioning`` (:mod:`vitp.data.text`: class labels by default,
     or caption / prompt ids of a text-conditional model); guidance's unconditional input is
-    ``conditioning``'s ``null_id``."""
+    ``conditioning``'s ``null_id``. With ``share`` (:class:`vitp.eval.inference.Share`) each
+    data-parallel replica samples its range of the labels and the samples are gathered: the
+    result is on global rank 0, ``None`` elsewhere (collective)."""
     from vitp.data.text import ClassConditioning
 
     s, m = cfg.sampler, cfg.model
+    share = share or Share()
     cond = conditioning if conditioning is not None else ClassConditioning(m.num_classes)
     null = cond(torch.tensor([cond.null_id]))
     shape = (m.in_channels, m.num_frames, *parse_resolution(m.image_size, "model.image_size"))
-    g = torch.Generator().manual_seed(seed)
-    noise = torch.randn((len(labels), *shape), generator=g)
-    out = []
-    for i in range(0, len(labels), s.batch_size):
-        out.append(sample(gen, cond(labels[i:i + s.batch_size]), shape, null=null, steps=s.steps,
-                          method=s.method, cfg_scale=s.cfg_scale, cfg_interval=tuple(s.cfg_interval),
+    mine = share.indices(len(labels))
+    out = [torch.empty((0, *shape))]
+    for i in range(mine.start, mine.stop, s.batch_size):
+        idx = range(i, min(mine.stop, i + s.batch_size))
+        out.append(sample(gen, cond(labels[idx.start:idx.stop]), shape, null=null, steps=s.steps, method=s.method,
+                          cfg_scale=s.cfg_scale, cfg_interval=tuple(s.cfg_interval),
                           noise_scale=cfg.objective.noise_scale, t_eps=cfg.objective.t_eps,
-                          noise=noise[i:i + s.batch_size]).cpu())
-    return torch.cat(out)
+                          noise=sample_noise(seed, idx, shape)).cpu())
+    return share.gather(torch.cat(out), len(labels))
 
 
-def heldout_label_samples(gen: Generator, cfg: DictConfig, y_ho: torch.Tensor,
-                          conditioning: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def heldout_label_samples(gen: Any, cfg: DictConfig, y_ho: torch.Tensor, conditioning: Any = None,
+                          share: Optional[Share] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(labels, samples)``: ``eval.num_samples`` (0 = as many as held-out items) samples with the
     held-out labels (or caption ids, with ``conditioning``; cycled), from the fixed seed
-    ``eval.noise_seed + 1``."""
+    ``eval.noise_seed + 1`` (:func:`generate`: ``None`` samples off rank 0 with ``share``)."""
     n = cfg.eval.num_samples or len(y_ho)
     labels = y_ho.repeat(n // len(y_ho) + 1)[:n]
-    return labels, generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1, conditioning=conditioning)
+    return labels, generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1, conditioning=conditioning, share=share)
 
 
 def grid_ids(cfg: DictConfig, conditioning: Any = None) -> torch.Tensor:
@@ -67,7 +83,8 @@ def grid_ids(cfg: DictConfig, conditioning: Any = None) -> torch.Tensor:
     return class_grid_labels(cfg.model.num_classes, per, cfg.sampler.grid_classes)
 
 
-def write_sample_grid(gen: Generator, cfg: DictConfig, path: Path, conditioning: Any = None) -> Dict[str, Any]:
+def write_sample_grid(gen: Any, cfg: DictConfig, path: Path, conditioning: Any = None,
+                      share: Optional[Share] = None) -> Optional[Dict[str, Any]]:
     """Write the fixed-seed class grid (one row per class) as PNG (first frames) at ``path``; for
     video (``num_frames > 1``) also one GIF per class and seed plus ``grid.gif`` in the folder
     ``path`` without its suffix (e.g. ``samples/step_0000500/``), at ``sampler.fps``. With a
@@ -75,13 +92,17 @@ def write_sample_grid(gen: Generator, cfg: DictConfig, path: Path, conditioning:
 
     Returns ``{"grid": (3, H', W') in [0, 1], "strips": (rows, 3, H, T * W) in [0, 1] or None}``;
     the strips (each class row's first sample, frames side by side) are TensorBoard's view of the videos.
+    With ``share`` the samples are split over the replicas (:func:`generate`) and rank 0 alone
+    writes (``None`` elsewhere).
     """
     from torchvision.utils import save_image
 
     from vitp.media import caption_rows
 
     labels = grid_ids(cfg, conditioning)
-    x = generate(gen, cfg, labels, cfg.sampler.seed, conditioning)
+    x = generate(gen, cfg, labels, cfg.sampler.seed, conditioning, share)
+    if x is None:
+        return None
     grid = to_grid(x, nrow=cfg.sampler.samples_per_class)
     prompts = getattr(conditioning, "prompts", None)
     if prompts is not None:
@@ -103,11 +124,13 @@ def at_size(cfg: DictConfig, size: Sequence[int], frames: int) -> DictConfig:
     return OmegaConf.merge(cfg, {"model": {"image_size": [int(v) for v in size], "num_frames": int(frames)}})
 
 
-def write_bucket_grids(gen: Generator, cfg: DictConfig, buckets: Sequence[Any], folder: Path,
-                       conditioning: Any = None) -> Dict[str, Any]:
+def write_bucket_grids(gen: Any, cfg: DictConfig, buckets: Sequence[Any], folder: Path,
+                       conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
     """One fixed-seed class grid per shape bucket: ``folder/grid_<name>.png`` (``name`` as
     :attr:`vitp.data.buckets.Bucket.name`, e.g. ``grid_6x10.png``, ``grid_32x32x8.png``; video
     GIFs in ``folder/grid_<name>/``), each tile ``H x W`` pixels of its bucket (upscaled as in
-    :func:`vitp.media.to_grid`). Returns ``{name: write_sample_grid's result}``."""
-    return {b.name: write_sample_grid(gen, at_size(cfg, b.size, b.frames), folder / f"grid_{b.name}.png",
-                                      conditioning) for b in buckets}
+    :func:`vitp.media.to_grid`). Returns ``{name: write_sample_grid's result}`` (with ``share``:
+    on rank 0; ``{}`` elsewhere)."""
+    out = {b.name: write_sample_grid(gen, at_size(cfg, b.size, b.frames), folder / f"grid_{b.name}.png",
+                                     conditioning, share) for b in buckets}
+    return {k: v for k, v in out.items() if v is not None}

@@ -1,7 +1,7 @@
 """Temporal statistics of video samples against real clips (flicker / frozen video)."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -43,4 +43,21 @@ def temporal_metrics(samples: torch.Tensor, real: torch.Tensor) -> Dict[str, flo
     The ratio uses ``max(real, 1e-12)`` so static real clips do not divide by zero.
     """
     s, r = temporal_consistency(samples), temporal_consistency(real)
+    return {"temporal_diff": s, "temporal_diff_real": r, "temporal_diff_ratio": s / max(r, 1e-12)}
+
+
+@torch.no_grad()
+def temporal_sums(x: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[sum, count]`` (float64) of the frame-to-frame absolute differences of ``x``
+    ``(B, C, T, H, W)`` clamped to ``[-1, 1]``: :func:`temporal_consistency` is ``sum / count``,
+    and sums of batches add up (``[0, 0]`` for ``None`` or no samples)."""
+    if x is None or x.numel() == 0:
+        return torch.zeros(2, dtype=torch.float64)
+    d = (x[:, :, 1:].double().clamp(-1, 1) - x[:, :, :-1].double().clamp(-1, 1)).abs()
+    return torch.tensor([d.sum().item(), float(d.numel())], dtype=torch.float64)
+
+
+def temporal_ratio(samples: torch.Tensor, real: torch.Tensor) -> Dict[str, float]:
+    """:func:`temporal_metrics` from the :func:`temporal_sums` of the samples and of the real clips."""
+    s, r = (v[0].item() / max(v[1].item(), 1.0) for v in (samples, real))
     return {"temporal_diff": s, "temporal_diff_real": r, "temporal_diff_ratio": s / max(r, 1e-12)}

@@ -29,6 +29,15 @@ def guided(t: float, cfg_interval: Sequence[float]) -> bool:
     return t < hi and (lo == 0 or t > lo)
 
 
+def _placement(model: Denoiser) -> Tuple[torch.device, torch.dtype]:
+    """Device and dtype of a module's parameters, or a denoiser's ``.device`` / ``.dtype``
+    (:class:`vitp.eval.inference.StageDenoiser`); CPU fp32 otherwise."""
+    p = next(iter(model.parameters())) if isinstance(model, nn.Module) else None
+    if p is not None:
+        return p.device, p.dtype
+    return getattr(model, "device", torch.device("cpu")), getattr(model, "dtype", torch.float32)
+
+
 @torch.no_grad()
 def sample(
     model: Denoiser,
@@ -75,9 +84,7 @@ def sample(
         raise ValueError(f"sampler.method={method!r} is not supported; use 'euler' or 'heun'")
     if steps < 1:
         raise ValueError(f"sampler.steps must be >= 1, got {steps}")
-    p = next(iter(model.parameters())) if isinstance(model, nn.Module) else None
-    device = p.device if p is not None else torch.device("cpu")
-    dtype = p.dtype if p is not None else torch.float32
+    device, dtype = _placement(model)
     y = tuple(v.to(device) for v in (y if isinstance(y, (tuple, list)) else (y,)))
     B = y[0].shape[0]
     if noise is None:

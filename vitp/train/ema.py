@@ -57,11 +57,15 @@ class EMA:
         if not self.sharded:
             return {n: t.view(p.shape) for (n, t), p in zip(self.params.items(), module.parameters())} \
                 if module is not None else dict(self.params)
-        out = {}
-        for n, p in module.named_parameters():
-            start, k = self.fragments[n]
-            full = torch.zeros(p.numel(), dtype=torch.float32, device=self.params[n].device)
-            full.narrow(0, start, k).copy_(self.params[n])
-            torch.distributed.all_reduce(full, group=ds.partition_group(p))
-            out[n] = full.view(p.shape)
-        return out
+        return {n: self.full(n, p) for n, p in module.named_parameters()}
+
+    def full(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 EMA of parameter ``name`` shaped like ``p``: sharded, this rank's fragment
+        summed over the parameter's data-parallel partition group (collective over that group)."""
+        if not self.sharded:
+            return self.params[name].view(p.shape)
+        start, k = self.fragments[name]
+        out = torch.zeros(p.numel(), dtype=torch.float32, device=self.params[name].device)
+        out.narrow(0, start, k).copy_(self.params[name])
+        torch.distributed.all_reduce(out, group=ds.partition_group(p))
+        return out.view(p.shape)

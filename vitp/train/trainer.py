@@ -349,22 +349,33 @@ class Trainer:
         return self.step_batches
 
     # ----------------------------------------------------------------- weights, samples, eval
-    def full_state(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """Full generator-keyed weights of ``tensors`` on rank 0 (collective)."""
-        from vitp.pipeline import gather_full_state
+    @contextlib.contextmanager
+    def ema_denoiser(self):
+        """This rank's stage with the EMA weights swapped in, as a denoiser for sampling and
+        evaluation in the training layout (:class:`vitp.eval.inference.StageDenoiser`, micro-batches
+        of ``trainer.micro_batch_size``); the live weights and the training step's token grid come
+        back when the block ends. Collective: every rank enters."""
+        from vitp.eval.inference import StageDenoiser, current_grid, ema_weights
 
-        return gather_full_state(self.engine.module, tensors, self.state, self.cfg.model.depth)
+        if getattr(self, "denoiser", None) is None:
+            m = self.cfg.model
+            self.denoiser = StageDenoiser(self.engine.module, self.cfg.trainer.micro_batch_size, m.patch_size,
+                                          m.tubelet_size)
+        self.denoiser._train_grid = current_grid(self.engine.module)
+        try:
+            with ema_weights(self.engine.module, self.ema):
+                yield self.denoiser
+        finally:
+            self.denoiser.restore_grid()
 
-    def ema_generator(self):
-        """The EMA weights as a single-process generator on rank 0 (collective; ``None`` elsewhere)."""
-        from vitp.checkpoint import generator_from_state
-        from vitp.checkpoint.export import partial_sync_of
+    @property
+    def share(self):
+        """How samples and held-out items split over the replicas (:class:`vitp.eval.inference.Share`)."""
+        from vitp.eval.inference import Share
 
-        full = self.full_state(self.ema.state_dict(self.engine.module))
-        if not self.main:
-            return None
-        # partial_sync < 1: the tp streams run on this device (vitp.models.PartialSyncGenerator)
-        return generator_from_state(self.cfg.model, full, self.device, partial_sync_of(self.cfg.parallel))
+        if getattr(self, "_share", None) is None:
+            self._share = Share.of(self.engine.module, self.state)
+        return self._share
 
     def sample_grid(self, step: int) -> None:
         """Fixed-seed sample grid (and GIFs for video) of the EMA weights, to files and TensorBoard:
@@ -372,16 +383,16 @@ class Trainer:
         ``samples/step_N/grid_<HxW[xT]>.png`` (TensorBoard ``samples/<HxW[xT]>``)."""
         from vitp.eval import write_bucket_grids, write_sample_grid
 
-        gen = self.ema_generator()
-        if not self.main:
-            return
         path = self.run_dir / "samples" / f"step_{step:07d}.png"
         prompts = self._grid_prompts()
-        if self.buckets is None:
-            outs = {"": write_sample_grid(gen, self.cfg, path, prompts)}
-        else:
-            outs = {f"/{k}": v for k, v in write_bucket_grids(gen, self.cfg, self.buckets, path.with_suffix(""),
-                                                              prompts).items()}
+        with self.ema_denoiser() as gen:
+            if self.buckets is None:
+                outs = {"": write_sample_grid(gen, self.cfg, path, prompts, self.share)}
+            else:
+                outs = {f"/{k}": v for k, v in write_bucket_grids(gen, self.cfg, self.buckets, path.with_suffix(""),
+                                                                  prompts, self.share).items()}
+        if not self.main:
+            return
         if prompts is not None:
             self.logger.text("samples/prompts", "\n".join(f"{i}. {p}" for i, p in enumerate(prompts.prompts[1:], 1)),
                              step)
@@ -407,12 +418,12 @@ class Trainer:
         at the end the full evaluation) of the EMA weights; rank 0's results."""
         from vitp.eval import evaluate
 
-        gen = self.ema_generator()
+        per_bucket = None if self.buckets is None else {b.name: ho for b, (_, ho) in zip(self.buckets, self.bucket_data)}
+        with self.ema_denoiser() as gen:
+            res = evaluate(gen, self.cfg, self.train_ds, self.heldout_ds, self.run_dir, full=final, step=step,
+                           logger=self.logger, buckets=per_bucket, conditioning=self.conditioning, share=self.share)
         if not self.main:
             return {}
-        per_bucket = None if self.buckets is None else {b.name: ho for b, (_, ho) in zip(self.buckets, self.bucket_data)}
-        res = evaluate(gen, self.cfg, self.train_ds, self.heldout_ds, self.run_dir, full=final, step=step,
-                       logger=self.logger, buckets=per_bucket, conditioning=self.conditioning)
         if not final and "heldout_loss" in res:
             self.bar.write(f"step {step}: held-out loss {res['heldout_loss']:.4f}")
         with open(self.run_dir / "eval.jsonl", "a") as f:
