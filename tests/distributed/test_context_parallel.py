@@ -27,14 +27,17 @@ MODELS = {"img": IMAGE, "vfull": [*VIDEO, "model.attention=full"],
 BUCKETS = ["trainer.max_steps=6", "data.buckets=[{resolution:8,batch_size:8},{resolution:4x8,batch_size:4,weight:2},"
            "{resolution:[8,12],batch_size:8}]"]
 
-# experiment=video_long (32k tokens at cp 2 x dp 4 on 8 GPUs) at CPU size: grid (2, 4, 4), cp=2 over 2 ranks
+# experiment=video_long (32k tokens at cp 2 x dp 4 on 8 GPUs) at CPU size: grid (2, 4, 4), cp=2 x dp=2
+# over 4 ranks, with every phase: a sample grid, the held-out loss and a checkpoint after each step,
+# and the final evaluation
 VIDEO_LONG_CPU = ["experiment=video_long", "data=synthetic", "data.channels=3", "data.num_classes=4",
                   "data.num_frames=4", "data.resolution=16", "data.synthetic_size=16", "data.num_workers=0",
                   "model.patch_size=4", "model.width=32", "model.depth=2", "model.num_heads=4", "parallel.tp=1",
                   "parallel.sequence_parallel=false", "trainer.max_steps=2", "trainer.global_batch_size=4",
                   "trainer.micro_batch_size=2", "trainer.precision=fp32", "trainer.device=cpu", "trainer.progress=false",
-                  "trainer.sample_every=0", "trainer.eval_every=0", "trainer.checkpoint_every=0", "eval.enabled=false",
-                  "sampler.steps=2", "sampler.grid_classes=2", "sampler.samples_per_class=1", "parallel.cp=2"]
+                  "trainer.sample_every=1", "trainer.eval_every=1", "trainer.checkpoint_every=1", "eval.enabled=true",
+                  "eval.num_samples=3", "sampler.steps=2", "sampler.grid_classes=2", "sampler.samples_per_class=1",
+                  "parallel.cp=2"]
 
 # (world, layout overrides, [(model, cp_mode)]): together every model in both modes, and
 # tp=2 x cp=2 x pp=2 on 8 ranks
@@ -77,7 +80,7 @@ def cp_runs(tmp_path_factory):
         for m, mode in cases:
             by_world.setdefault(world, {})[f"{lname}-{m}-{mode}"] = [*models[m], *layout, f"parallel.cp_mode={mode}"]
     by_world[2]["resume-vfact"] = [*models["vfact"], "parallel.cp=2", "trainer.exit_at_step=2"]
-    by_world[2]["video_long"] = VIDEO_LONG_CPU
+    by_world[4]["video_long"] = VIDEO_LONG_CPU
     for mode in ("ulysses", "ring"):  # what a GPU runs: bf16 weights, fp32 ring accumulation
         by_world[2][f"bf16-{mode}"] = [*models["vfull"], "parallel.cp=2", f"parallel.cp_mode={mode}",
                                        "trainer.precision=bf16"]
@@ -157,6 +160,13 @@ def test_video_long_recipe_runs_at_cpu_size(cp_runs):
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     assert (cfg.parallel.cp, cfg.parallel.tp, cfg.model.attention) == (2, 1, "full")
     assert [x["step"] for x in _metrics(run_dir)] == [1, 2]
+    # every phase ran in the training layout: grids, held-out loss, checkpoints, the final evaluation
+    assert sorted(p.name for p in (run_dir / "samples").glob("step_*.png")) == ["step_0000001.png", "step_0000002.png"]
+    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 1, 2] and all(math.isfinite(e["heldout_loss"]) for e in evals)
+    final = json.loads((run_dir / "eval.json").read_text())
+    assert final["num_samples"] == 3 and math.isfinite(final["temporal_diff"]) and final["temporal_diff_real"] > 0
+    assert (run_dir / "checkpoints" / "step_0000002").is_dir()
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])

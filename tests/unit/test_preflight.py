@@ -104,3 +104,45 @@ def test_vitp_train_refuses_in_one_line_before_writing(tmp_path):
     last = (p.stdout + p.stderr).strip().splitlines()[-1]
     assert "vitp-train: error: predicted peak memory" in last and "model.patch_size" in last
     assert not run.exists() or not any(run.iterdir())
+
+
+def test_sampling_that_would_not_fit_is_refused_naming_sampler_batch_size():
+    """The sample grid's ODE state of sampler.batch_size clips is counted per rank: a video run that
+    trains within 80 GiB but would integrate 256 clips at once is refused before step 1."""
+    over = ["experiment=video_long", "data.root=/data/clips", "data.num_classes=8", "parallel.auto_device=h100",
+            "parallel.auto_memory_gib=80"]
+    assert pf.check_predictions(compose_cfg(over), torch.device("cuda"), 8) is None  # the recipe: batch_size 1
+    with pytest.raises(ValueError) as e:
+        pf.check_predictions(compose_cfg([*over, "sampler.batch_size=256"]), torch.device("cuda"), 8)
+    msg = str(e.value)
+    assert msg.startswith("sample grid: predicted peak memory") and "sampler.batch_size=256" in msg, msg
+
+
+@pytest.mark.parametrize("exp,gpus,extra", [("video_long", 8, []), ("img256", 8, []), ("img1024", 8, []),
+                                            ("video512", 8, [])])
+def test_recipes_fit_every_phase_on_their_gpus(exp, gpus, extra):
+    """vitp-plan's first row of each GPU recipe fits the training step and every phase around it
+    (sample grid, held-out loss, final samples) in an 80 GiB H100, each phase's forwards split
+    over the ranks."""
+    from vitp.plan import get_profile, plan
+    from vitp.utils import to_dict
+
+    cfg = compose_cfg([f"experiment={exp}", "data.num_classes=10", *extra])
+    prof = get_profile("h100", 80)
+    best = plan(cfg, gpus, prof)[0]
+    assert best.fits
+    costs = pf.phase_costs_of(cfg, best, to_dict(cfg.model), prof)
+    assert [c.name for c in costs] == ["sample grid", "held-out loss", "final samples"]
+    state = max(m.weights + m.grads + m.optimizer + m.ema for m in best.memory)
+    for c in costs:
+        assert state < c.memory_bytes <= best.limit_bytes, (exp, c)
+        assert c.forwards > 0 and c.seconds > 0
+    one = pf.phase_costs_of(cfg, replace_dp(best, 1), to_dict(cfg.model), prof)[0]
+    assert one.samples >= costs[0].samples * best.layout.dp - best.layout.dp  # dp replicas split the grid
+
+
+def replace_dp(pred, dp):
+    """``pred`` with its layout at ``dp`` replicas (the samples' split is all that changes)."""
+    from dataclasses import replace
+
+    return replace(pred, layout=replace(pred.layout, dp=dp))

@@ -112,11 +112,19 @@ def plan_text(cfg, lay) -> str:
     return "\n".join(out)
 
 
+def _phases(cfg, pred, prof) -> list:
+    """The sample grid, held-out loss and final samples of ``pred``'s layout (:mod:`vitp.plan.phases`)."""
+    from vitp.train.preflight import phase_costs_of
+    from vitp.utils import to_dict
+
+    return phase_costs_of(cfg, pred, to_dict(cfg.model), prof)
+
+
 def run(argv: Optional[List[str]] = None) -> list:
     """Plan and print; returns the predictions (JSON-able dicts). Raises ``ValueError`` on bad input."""
     args = parse_args(argv)
     from vitp.cli.overrides import compose_checked
-    from vitp.plan import MemoryOptions, format_table, get_profile, plan
+    from vitp.plan import MemoryOptions, format_phases, format_table, get_profile, plan
 
     if args.top < 0:
         raise ValueError(f"--top {args.top}: use a number of rows >= 0 (0 = all)")
@@ -129,12 +137,15 @@ def run(argv: Optional[List[str]] = None) -> list:
         raise ValueError(f"no valid layout of this config on {args.gpus} devices (check heads, MLP hidden units, "
                          "depth and trainer.global_batch_size against the device count)")
     shown = preds[:args.top] if args.top else preds
-    rows = [{**p.as_dict(), "overrides": p.layout.overrides()} for p in shown]
+    rows = [{**p.as_dict(), "overrides": p.layout.overrides(), "phases": [c.as_dict() for c in _phases(cfg, p, prof)]}
+            for p in shown]
     if args.json:
         print(json.dumps({"device": prof.as_dict(), "world": args.gpus, "layouts": rows}, indent=1))
     else:
         print(_header(cfg, args, prof, preds))
         print(format_table(shown))
+        print(f"sampling and evaluation of row 1 (per rank; held-out loss for 1000 held-out items):\n"
+              f"{format_phases(_phases(cfg, shown[0], prof), shown[0].limit_bytes)}")
     if args.show_plan is not None:
         if not 1 <= args.show_plan <= len(shown):
             raise ValueError(f"--show-plan {args.show_plan}: the table has rows 1 to {len(shown)}")

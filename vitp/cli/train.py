@@ -172,7 +172,7 @@ def _train(cfg: DictConfig, run_dir: str, overrides: list, own_run_dir: bool = F
         cfg, overrides = resume_config(_resume_dir, overrides), _recorded_overrides(_resume_dir) + list(overrides)
     if dist.world_size() > 1:
         check_config(cfg, run_dir=Path(run_dir))  # on every rank alike, before any process group exists
-        dist.init_distributed(dist.resolve_device(cfg.trainer.device))
+        dist.init_distributed(dist.resolve_device(cfg.trainer.device), dist.timeout_of(cfg))
         if not own_run_dir:
             run_dir = _shared_run_dir(run_dir)
     return train(cfg, run_dir, overrides)

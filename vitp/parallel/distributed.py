@@ -201,7 +201,8 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 1800) -> None:
-    """Initialise ``torch.distributed`` through DeepSpeed (gloo on CPU, NCCL on CUDA).
+    """Initialise ``torch.distributed`` through DeepSpeed (gloo on CPU, NCCL on CUDA), a rank
+    waiting at most ``timeout_s`` in a collective (:func:`timeout_of` of a run config).
 
     Idempotent. Works without a launcher (a 1-rank group on a free local port) and under MPI or
     srun (:func:`adopt_launcher_env`). Raises ``ValueError`` as :func:`launcher_env` does.
@@ -234,6 +235,16 @@ def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 180
         verbose=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def timeout_of(cfg) -> int:
+    """Seconds of the process group's timeout for a run config: ``trainer.dist_timeout_minutes``.
+    Raises ``ValueError`` when it is not positive."""
+    minutes = float(cfg.trainer.dist_timeout_minutes)
+    if not minutes > 0:
+        raise ValueError(f"trainer.dist_timeout_minutes={minutes} must be > 0 (how long a rank waits in a collective "
+                         "before the job fails; default 30)")
+    return int(round(minutes * 60))
 
 
 def rank() -> int:

@@ -10,6 +10,7 @@ the training telemetry reports as TFLOP/s and MFU.
 - :mod:`.devices`: device profiles (H100/H200/A100 datasheet presets, a measured CPU profile, an assumed one)
 - :mod:`.steptime`: step time from a profile; :mod:`.planner`: ranking and the table
 - :mod:`.units`: :func:`format_bytes`, how every printed size is written (three significant digits, B to TiB)
+- :mod:`.phases`: memory and time per rank of the sample grid, held-out loss and final samples
 - :mod:`.auto`: the layout ``parallel=auto`` trains with (the first fitting row, fixed keys held)
 
 Pure functions of the config: nothing here starts a process group or imports the trainer.
@@ -21,6 +22,7 @@ from .devices import (PRESETS, DeviceProfile, cached_cpu_profile, cpu_profile, c
 from .flops import forward_flops_per_sample, model_flops_per_step
 from .layout import LayoutSpec, candidate_layouts, layout_of
 from .memory import STATE_BYTES, MemoryOptions, StageMemory, StateBytes, block_saved, stage_memory
+from .phases import PhaseCost, format_phases, phase_costs
 from .planner import Prediction, format_table, plan, predict
 from .shapes import ModelShape, layer_params, layer_params_per_rank, plan_report, stage_layer_ranges
 from .steptime import step_time
@@ -28,7 +30,7 @@ from .units import GIB, format_bytes
 
 __all__ = [
     "AUTO_KEYS", "AutoChoice", "choose_layout", "fixed_keys", "CP_TAGS", "cp_collectives", "plan_collectives",
-    "Collective", "DeviceProfile", "LayoutSpec", "MemoryOptions", "ModelShape", "PRESETS", "Prediction",
+    "Collective", "DeviceProfile", "PhaseCost", "format_phases", "phase_costs", "LayoutSpec", "MemoryOptions", "ModelShape", "PRESETS", "Prediction",
     "STATE_BYTES", "StageComm", "StageMemory", "StateBytes", "block_saved", "cached_cpu_profile", "candidate_layouts",
     "cpu_profile", "default_cpu_profile",
     "cuda_preset", "GIB", "format_bytes", "format_table", "forward_flops_per_sample", "get_profile", "layer_params",

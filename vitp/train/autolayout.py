@@ -115,7 +115,7 @@ def apply_auto_layout(cfg: DictConfig, run_dir: Path, device: torch.device, over
     """
     from vitp.plan import fixed_keys
 
-    dist.init_distributed(device)
+    dist.init_distributed(device, dist.timeout_of(cfg))
     decision: Dict[str, Any] = {}
     if dist.is_main():
         try:

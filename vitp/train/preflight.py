@@ -145,11 +145,40 @@ def check_predictions(cfg: Any, device: torch.device, world: int) -> Optional[st
                          f"({_describe(label, shaped, big)}) exceeds the {format_bytes(big.limit_bytes)} a rank of {on} has (layout planner, as "
                          f"vitp-plan); shrink the run: {FIX_KEYS}{'; e.g. ' + patch if patch else ''}; "
                          f"parallel.auto_memory_gib=GIB sets the memory per device this check assumes")
+    _check_phases(cfg, preds, prof, on)
     label, shaped, slow = max(preds, key=lambda p: p[2].time["step_s"])
     if slow.time["step_s"] > STEP_WARN_S:
         return (f"predicted {slow.time['step_s']:.4g} s per step ({_describe(label, shaped, slow)}) on {on}, over "
                 f"{STEP_WARN_S:g} s (layout planner, as vitp-plan); to train faster change {FIX_KEYS}")
     return None
+
+
+def phase_costs_of(cfg: Any, pred: Any, model: dict, prof: Any) -> list:
+    """The sample grid's, held-out loss's and final samples' costs per rank (:func:`vitp.plan.phase_costs`)
+    of the layout of ``pred`` with ``pred``'s fullest training state resident."""
+    from vitp.plan import phase_costs
+
+    state = max(m.weights + m.grads + m.optimizer + m.ema for m in pred.memory)
+    return phase_costs(cfg, model, pred.layout, prof, state)
+
+
+def _check_phases(cfg: Any, preds: List[Tuple[str, dict, Any]], prof: Any, on: str) -> None:
+    """Refuse (``ValueError``) a run whose sampling or evaluation would not fit a rank, naming the key
+    that shrinks it; log their predicted time per rank."""
+    from vitp.plan import format_bytes
+
+    for label, shaped, pred in preds:
+        for c in phase_costs_of(cfg, pred, shaped, prof):
+            if c.memory_bytes > pred.limit_bytes:
+                fix = ("trainer.micro_batch_size (its forwards run one training micro-batch at a time)"
+                       if c.name == "held-out loss" else f"sampler.batch_size={cfg.sampler.batch_size} (smaller: "
+                       "fewer samples integrated at once on each replica)")
+                raise ValueError(f"{c.name}: predicted peak memory {format_bytes(c.memory_bytes)} per rank"
+                                 f"{' (' + label + ')' if label else ''} exceeds the {format_bytes(pred.limit_bytes)} "
+                                 f"a rank of {on} has (layout planner, as vitp-plan); lower {fix}")
+    (_, shaped, pred) = preds[0]
+    log.info("sampling and evaluation per rank (planner): %s", "; ".join(
+        f"{c.name} {c.seconds:.3g} s, {format_bytes(c.memory_bytes)}" for c in phase_costs_of(cfg, pred, shaped, prof)))
 
 
 def preflight(cfg: Any, device: torch.device) -> Optional[str]:

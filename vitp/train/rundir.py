@@ -41,7 +41,8 @@ LOCK_FILE = ".vitp.lock"
 # keys a relaunch may change without making it another run (how long, where to copy, how to load)
 RELAUNCH_KEYS = ("trainer.resume", "trainer.exit_at_step", "trainer.exit_after_minutes", "trainer.progress",
                  "trainer.max_steps", "trainer.export_dir", "trainer.output_data_dir", "trainer.tensorboard_dir",
-                 "trainer.checkpoint_async", "trainer.export_shard_size_mb", "data.num_workers")
+                 "trainer.checkpoint_async", "trainer.export_shard_size_mb", "trainer.dist_timeout_minutes",
+                 "data.num_workers")
 _SAMPLE = re.compile(r"^step_(\d{7})(\.png)?$")
 _held: List[tuple] = []  # (buffer, file handler) pairs of hold_log_files
 

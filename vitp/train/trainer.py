@@ -158,7 +158,7 @@ class Trainer:
                 self.text_store = open_text_embeddings(cfg)
                 log.info(f"caption embeddings: {cfg.data.text_embeddings} (encoder "
                          f"{self.text_store.index['encoder']['name']})")
-        dist.init_distributed(self.device)
+        dist.init_distributed(self.device, dist.timeout_of(cfg))
         check_same_config(cfg)  # every node's launcher was given the same overrides
         self.auto = None  # parallel=auto: the planner's choice, written into cfg (.autolayout)
         if cfg.parallel.auto:

@@ -1,0 +1,119 @@
+"""Memory and time per rank of the phases around the training step: the sample grid, the held-out
+loss and the final evaluation's samples, as :mod:`vitp.eval.inference` runs them (every rank, in
+the training layout, with the EMA swapped into the weights; samples and items split over the dp
+replicas; each forward of at most one training micro-batch, stages overlapping across
+micro-batches as in a forward-only GPipe schedule).
+
+Memory: the training state stays resident (weights, gradients, optimizer, EMA of the fullest
+stage), plus one layer's activations of one micro-batch (no graph is kept), one parameter's fp32
+EMA while it is swapped in, and the ODE state of ``sampler.batch_size`` samples on the device
+(the noisy sample, two velocities, Heun's Euler guess and the prediction, doubled by classifier-free
+guidance). Time: a micro-batch forward is a third of the step's compute per micro-batch plus half
+of its tp / cp / pp traffic (the forward's share), and ``m`` micro-batches take ``(m - 1) max_s
+t_s + sum_s t_s`` over the stages.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List
+
+from .layout import LayoutSpec
+from .memory import layer_saved_bytes
+from .shapes import ModelShape, stage_layer_ranges
+from .steptime import stage_times
+
+ODE_TENSORS = 5  # z, the two velocities of a Heun step, its Euler guess, the prediction (fp32)
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """One phase on the busiest rank: ``samples`` (or held-out items) this replica handles,
+    ``forwards`` micro-batch forwards it runs, ``memory_bytes`` its peak device memory (training
+    state included), ``seconds`` its predicted wall time."""
+
+    name: str
+    samples: int
+    forwards: int
+    memory_bytes: float
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "samples": self.samples, "forwards": self.forwards,
+                "memory_bytes": int(self.memory_bytes), "seconds": round(self.seconds, 3)}
+
+
+def nfe(sampler: Any) -> float:
+    """Network evaluations per sample of the ODE sampler: Heun ``2 steps - 1``, Euler ``steps``;
+    times two for the guided part of the interval when ``cfg_scale != 1``."""
+    steps = int(sampler["steps"])
+    calls = 2 * steps - 1 if str(sampler["method"]) == "heun" else steps
+    if float(sampler["cfg_scale"]) != 1.0:
+        lo, hi = (float(v) for v in sampler["cfg_interval"])
+        calls *= 1 + max(0.0, min(hi, 1.0) - max(lo, 0.0))
+    return calls
+
+
+def grid_samples(cfg: Any) -> int:
+    """Samples in the sample grid: rows (``sampler.prompts``, else ``sampler.grid_classes`` or
+    every class) times ``sampler.samples_per_class``."""
+    s, classes = cfg["sampler"], int(cfg["model"]["num_classes"])
+    rows = len(s["prompts"]) if s["prompts"] else (min(int(s["grid_classes"]), classes) or classes)
+    return rows * int(s["samples_per_class"])
+
+
+def _forward_s(model: Dict[str, Any], lay: LayoutSpec, prof: Any, m: int) -> float:
+    """Seconds for ``m`` micro-batch forwards through the stages (forward-only pipeline)."""
+    st = stage_times(model, replace(lay, ac=0), prof)
+    per = [t.compute_s / 3 + (t.tp_s + t.cp_s + t.pp_s) / 2 for t in st]
+    return (m - 1) * max(per) + sum(per)
+
+
+def _working_bytes(model: Dict[str, Any], lay: LayoutSpec, batch: int) -> float:
+    """Device bytes of a forward on top of the training state: one layer's activations of a
+    micro-batch (the largest of any stage), the largest parameter in fp32 (the EMA swap), and the
+    ODE state of ``batch`` samples."""
+    shape = ModelShape.from_config(model)
+    layer = max(layer_saved_bytes(shape, i, lay) for a, b in stage_layer_ranges(shape.depth, lay.pp)
+                for i in range(a, b))
+    mlp = int(shape.width * float(model.get("mlp_ratio", 4.0)))
+    param = 4.0 * shape.width * max(mlp, 3 * shape.width) / lay.tp
+    return lay.micro * layer + param + batch * ODE_TENSORS * shape.pixels * 4
+
+
+def phase_costs(cfg: Any, model: Dict[str, Any], lay: LayoutSpec, prof: Any, state_bytes: float,
+                heldout_items: int = 1000) -> List[PhaseCost]:
+    """``[grid, held-out loss, final samples]`` costs of the run config ``cfg`` (a mapping with
+    ``sampler``, ``eval``, ``model``) for ``model`` (resolved) in ``lay`` on ``prof``;
+    ``state_bytes``: the fullest rank's resident training state; ``heldout_items``: the held-out
+    set's size (the plan does not read the data: 1000 by default)."""
+    s, ev = cfg["sampler"], cfg["eval"]
+    per_call = max(1, int(s["batch_size"]))
+    guided = 2 if float(s["cfg_scale"]) != 1.0 else 1
+    work = state_bytes + _working_bytes(model, lay, per_call * guided)
+    out = []
+    for name, n, calls_per in (("sample grid", grid_samples(cfg), nfe(s)),
+                               ("held-out loss", heldout_items, float(ev["t_grid"])),
+                               ("final samples", int(ev["num_samples"]) or heldout_items, nfe(s))):
+        mine = math.ceil(n / lay.dp)
+        batch = per_call if name != "held-out loss" else lay.micro * lay.pp
+        calls = math.ceil(mine / batch)
+        m = math.ceil(min(batch, mine) * (guided if name != "held-out loss" else 1) / lay.micro)
+        forwards = int(math.ceil(calls * calls_per * m))
+        seconds = calls * calls_per * _forward_s(model, lay, prof, m)
+        out.append(PhaseCost(name, mine, forwards, work if name != "held-out loss" else
+                             state_bytes + _working_bytes(model, lay, 0), seconds))
+    return out
+
+
+def format_phases(costs: List[PhaseCost], limit_bytes: float) -> str:
+    """One line per phase: samples, forwards, memory and time per rank, and whether it fits."""
+    from .units import format_bytes
+
+    rows = []
+    for c in costs:
+        flags = [] if c.memory_bytes <= limit_bytes else ["does NOT fit"]
+        rows.append(f"  {c.name:14} {c.samples:>7} per replica {c.forwards:>9} forwards "
+                    f"{format_bytes(c.memory_bytes):>9} per rank {c.seconds:>10.4g} s {' '.join(flags)}".rstrip())
+    return "\n".join(rows)
+
