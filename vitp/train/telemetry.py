@@ -33,6 +33,7 @@ Nothing here draws random numbers or adds a device synchronisation: the step alr
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import time
@@ -162,10 +163,25 @@ class Telemetry:
         """Start counting TP and context-parallel collectives (until :meth:`stop`)."""
         self.counter.__enter__()
         self.cp_counter.__enter__()
+        self.counting = True
 
     def stop(self) -> None:
         self.cp_counter.__exit__(None, None, None)
         self.counter.__exit__(None, None, None)
+        self.counting = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Sampling and evaluation between steps: their collectives are not a step's, so they are
+        not counted in ``comm/*``."""
+        was = getattr(self, "counting", False)
+        if was:
+            self.stop()
+        try:
+            yield
+        finally:
+            if was:
+                self.start()
 
     def count_step(self, bucket: Optional[int] = None) -> None:
         """Count one optimizer step of bucket ``bucket`` (``None``: ``data.resolution`` and

@@ -363,7 +363,7 @@ class Trainer:
                                           m.tubelet_size)
         self.denoiser._train_grid = current_grid(self.engine.module)
         try:
-            with ema_weights(self.engine.module, self.ema):
+            with self.telemetry.paused(), ema_weights(self.engine.module, self.ema):
                 yield self.denoiser
         finally:
             self.denoiser.restore_grid()
