@@ -41,6 +41,10 @@ RUN_BY: Dict[Tuple[str, ...], str] = {
     ("deepspeed", "vitp.train"): "tests/distributed/test_checkpoint.py::test_kill_during_save_resumes_from_the_previous_checkpoint",
     ("mpirun", "vitp.train"): "tests/distributed/test_launchers.py::test_openmpi_launch_trains_as_data_parallel",
     ("vitp-sagemaker-job", "--dry-run"): "tests/unit/test_sagemaker_job.py::test_dry_run_prints_the_request_the_sdk_sends",
+    ("torchrun", "vitp.cli.sample"):
+        "tests/distributed/test_sample_cli.py::test_sample_under_torchrun_writes_the_one_process_grid",
+    ("torchrun", "vitp.cli.eval"):
+        "tests/distributed/test_sample_cli.py::test_eval_under_torchrun_gives_the_one_process_heldout_loss",
 }
 VITP_CLIS = {"vitp-train": "train", "vitp-sample": "sample", "vitp-eval": "eval", "vitp-export": "export",
              "vitp-plan": "plan", "vitp-sweep": "sweep", "vitp-sagemaker-job": "sagemaker_job",
@@ -177,6 +181,9 @@ def check_command(argv: List[str]) -> None:
         world, args, target = _launched(argv)
         if target in ("vitp.train",):
             check_overrides(args, world)
+        elif target.startswith("vitp.cli."):  # vitp-sample / vitp-eval under a launcher (the run's layout)
+            cli = {v: k for k, v in VITP_CLIS.items()}[target.removeprefix("vitp.cli.")]
+            _check_vitp_cli(cli, args)
         else:
             assert (REPO / target).is_file(), f"{target} does not exist"
         _covered((prog, target))
@@ -214,8 +221,12 @@ def check_command(argv: List[str]) -> None:
 
 
 def _check_vitp_cli(prog: str, args: List[str]) -> None:
+    from vitp.cli.overrides import flag_overrides
+
     ns = parse_cli(prog, args)
     overrides = list(getattr(ns, "overrides", None) or [])
+    flags = getattr(importlib.import_module(f"vitp.cli.{VITP_CLIS[prog]}"), "FLAGS", {})
+    _, overrides = flag_overrides(overrides, prog, flags)  # cli.num=8: a flag, checked by the CLI's rules
     if prog == "vitp-sagemaker-job":
         from vitp.cli.sagemaker_job import spec_from_args
 

@@ -3,13 +3,20 @@ sampler settings) and rewrite its ``eval.json``; see :mod:`vitp.eval.metrics`.
 
 The overrides are Hydra's ``key=value`` grammar, set on the run's saved config and checked by the
 schema as ``vitp-train`` checks them (:mod:`vitp.cli.overrides`): ``vitp-eval RUN sampler.steps=50
-sampler.cfg_interval=[0.1,1]``."""
+sampler.cfg_interval=[0.1,1]``.
+
+Under a launcher (``torchrun --nproc_per_node N -m vitp.cli.eval RUN_DIR``, or the ``deepspeed``
+launcher) the generator runs in the run's training layout (``parallel.*``, or as overridden), each
+rank holding its shard (:mod:`vitp.eval.launch`); the held-out items and samples are split over the
+data-parallel replicas and rank 0 alone writes ``eval.json`` and prints. ``--weights FILE`` is also
+written ``cli.weights=FILE`` (:func:`vitp.cli.overrides.flag_overrides`)."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
@@ -18,11 +25,14 @@ from omegaconf import DictConfig, OmegaConf
 from vitp.checkpoint import ARCH_KEYS, check_model_matches, generator_from_state, read_export, resolve_weights
 from vitp.checkpoint.export import file_model, file_partial_sync
 from vitp.cli import run_cli
-from vitp.cli.overrides import apply_overrides, typed_config
+from vitp.cli.overrides import apply_overrides, flag_overrides, typed_config
 from vitp.config import validate_config
 from vitp.data import build_datasets
 from vitp.eval import evaluate
-from vitp.parallel.distributed import resolve_device
+from vitp.parallel.distributed import is_main, resolve_device
+
+
+FLAGS = {"weights": str}  # the flags that have an override form, cli.<flag>=value (flag_overrides)
 
 
 def last_step(run_dir: Path) -> Optional[int]:
@@ -77,24 +87,37 @@ def load_generator_for(path: Path, cfg: DictConfig):
 
 
 def main(argv: Optional[list] = None) -> None:
-    """Console entry point ``vitp-eval RUN_DIR [--weights FILE] [key=value ...]``; bad input exits
+    """Console entry point ``vitp-eval RUN_DIR [--weights FILE] [key=value ...]`` (also under
+    torchrun or the ``deepspeed`` launcher, whose ``--local_rank=N`` is taken out); bad input exits
     with a one-line message (status 2)."""
+    from vitp.parallel.distributed import strip_launcher_args
+
+    argv = strip_launcher_args(["vitp-eval", *(sys.argv[1:] if argv is None else argv)])[1:]
     run_cli("vitp-eval", run, argv)
 
 
-def load_for_eval(run_dir: Path, weights: str, overrides: list
+def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = False
                   ) -> Tuple[DictConfig, Any, Any, Any, Optional[dict], Any]:
     """``(cfg, generator, train_ds, heldout_ds, heldout per bucket or None, conditioning)`` of a
     finished run (:func:`vitp.data.text.conditioning`: class labels or the caption embeddings):
     its config with ``overrides`` (validated), the weights file ``run_dir/weights`` (an
     interrupted run without ``model_ema.safetensors``: its latest checkpoint's EMA), and the
-    run's data split. Raises ``FileNotFoundError`` / ``ValueError`` on a missing or foreign file."""
+    run's data split. With ``sharded`` (under a launcher; collective) the generator is this
+    rank's :class:`vitp.eval.launch.ShardedGenerator` in the run's layout, else the whole
+    :class:`vitp.models.Generator` (a layout key among ``overrides`` must then fit one process).
+    Raises ``FileNotFoundError`` / ``ValueError`` on a missing or foreign file or an impossible layout."""
+    from vitp.eval.launch import build_sharded, check_layout_overrides
+
     cfg = load_run_config(run_dir, overrides)
     validate_config(cfg)
     if not os.access(run_dir, os.W_OK):  # found before minutes of evaluation, not after
         raise PermissionError(f"{run_dir} is not writable: vitp-eval writes eval.json (and the digits judge's "
                               f"cache) there; evaluate a copy of the run")
-    gen = load_generator_for(weights_path(run_dir, weights), cfg)
+    if sharded:
+        gen = build_sharded(cfg, weights_path(run_dir, weights), "vitp-eval")
+    else:
+        check_layout_overrides(cfg, overrides, "vitp-eval")
+        gen = load_generator_for(weights_path(run_dir, weights), cfg)
     from vitp.data.text import conditioned, conditioning
 
     cond = conditioning(cfg)  # class labels, or the run's caption embeddings
@@ -110,18 +133,32 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list
 
 def run(argv: Optional[list] = None) -> dict:
     """Re-evaluate a run's weights with its config (plus ``overrides``) and rewrite ``eval.json``."""
-    p = argparse.ArgumentParser(prog="vitp-eval", description="Evaluate a finished vitp run; rewrites eval.json.")
+    from vitp.eval.launch import finish, launched, quiet_unless_main
+
+    p = argparse.ArgumentParser(prog="vitp-eval", description="Evaluate a finished vitp run; rewrites eval.json.",
+                                allow_abbrev=False)
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--weights", default="model_ema.safetensors", help="weights file inside RUN_DIR")
+    p.add_argument("--weights", default=None, help="weights file inside RUN_DIR (default model_ema.safetensors; "
+                                                   "under a launcher also cli.weights=FILE)")
     p.add_argument("overrides", nargs="*", default=[], help="Hydra-style key=value overrides of the run's config, "
                                                             "e.g. sampler.cfg_scale=2.0 sampler.steps=50")
     a = p.parse_intermixed_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg, gen, train_ds, heldout_ds, per_bucket, cond = load_for_eval(a.run_dir, a.weights, a.overrides)
-    step = weights_step(a.run_dir, a.weights)  # the weights', not the run's last logged step
-    res = evaluate(gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=step, buckets=per_bucket,
-                   conditioning=cond)
-    print(json.dumps(res, indent=2))
+    flags, a.overrides = flag_overrides(a.overrides, "vitp-eval", FLAGS)
+    if a.weights is not None and flags:
+        raise ValueError("--weights and cli.weights= both given; give one of them")
+    weights = flags.get("weights", a.weights) or "model_ema.safetensors"
+    sharded = launched()
+    with quiet_unless_main():  # under a launcher: rank 0 alone logs, writes eval.json and prints
+        if is_main():
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
+        cfg, gen, train_ds, heldout_ds, per_bucket, cond = load_for_eval(a.run_dir, weights, a.overrides, sharded)
+        step = weights_step(a.run_dir, weights)  # the weights', not the run's last logged step
+        res = evaluate(gen.denoiser if sharded else gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=step,
+                       buckets=per_bucket, conditioning=cond, share=gen.share if sharded else None)
+        if sharded:
+            finish()
+        if is_main():
+            print(json.dumps(res, indent=2))
     return res
 
 

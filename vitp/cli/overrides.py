@@ -268,3 +268,62 @@ def hydra_override(key: str, value: Any, what: str = "value") -> str:
         raise ValueError(f"{what} {key}={value!r} cannot be passed to Hydra intact (read back as "
                          f"{override.value()!r})")
     return text
+
+
+# ------------------------------------------------------------------------------- flags written as overrides
+FLAG_PREFIX = "cli."  # cli.num=8 is --num 8: no config section is named cli, so it never clashes
+
+
+def is_flag_override(arg: str) -> bool:
+    """Whether a command-line word is a flag written as an override, ``cli.<flag>=value``."""
+    return arg.startswith(FLAG_PREFIX) and "=" in arg
+
+
+def _flag_value(kind: Any, value: Any) -> Any:
+    """``value`` as a flag of ``kind`` (``int``, ``bool``, ``str``, ``[int]``, ``[str]`` or a tuple
+    of choices), or raise ``TypeError``."""
+    if isinstance(kind, list):  # one value or a list of them
+        items = value if isinstance(value, list) else [value]
+        return [_flag_value(kind[0], v) for v in items]
+    if isinstance(kind, tuple):
+        if value not in kind:
+            raise TypeError(f"one of {', '.join(kind)}")
+        return value
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError("an integer")
+    if kind is bool and not isinstance(value, bool):
+        raise TypeError("true or false")
+    if kind is str:
+        if isinstance(value, (list, dict)) or value is None:
+            raise TypeError("a string (quote it if it holds , = or spaces)")
+        return str(value)
+    return value
+
+
+def flag_overrides(args: Sequence[str], prog: str, flags: dict) -> Tuple[dict, List[str]]:
+    """``({flag: value}, other words)``: the words of ``args`` that write a flag of ``prog`` as an
+    override, ``cli.<flag>=<value>`` (``cli.num=8`` for ``--num 8``, ``cli.classes=[3,7]``,
+    ``cli.force=true``, ``cli.prompt_file=p.txt``; dashes or underscores), read with Hydra's grammar,
+    taken out. Launchers parse their own flags by prefix (torchrun refuses ``--num``: "ambiguous
+    option ... --numa-binding"), but pass a ``key=value`` word on untouched.
+
+    ``flags``: ``{name: kind}`` (kinds as :func:`_flag_value`). Raises ``ValueError`` (one line)
+    for an unknown flag, a value of the wrong kind or a flag given twice."""
+    values: dict = {}
+    rest: List[str] = []
+    for arg in args:
+        if not is_flag_override(arg):
+            rest.append(arg)
+            continue
+        (o,) = parse_overrides([arg])
+        name = o.key_or_group[len(FLAG_PREFIX):].replace("-", "_")
+        if name not in flags:
+            known = ", ".join(f"{FLAG_PREFIX}{f}" for f in flags)
+            raise ValueError(f"{arg}: {prog} has no flag --{name.replace('_', '-')}; flags as overrides: {known}")
+        if name in values or o.is_sweep_override():
+            raise ValueError(f"{arg}: {prog} takes one value per flag")
+        try:
+            values[name] = _flag_value(flags[name], o.value())
+        except TypeError as e:
+            raise ValueError(f"{arg}: {FLAG_PREFIX}{name} takes {e}") from None
+    return values, rest

@@ -6,6 +6,13 @@ sampler, size and device (:data:`SAMPLE_KEYS`). Images: one PNG grid (a row per 
 GIF (or MP4) per class and seed plus a grid video. By default the output is named by what made it
 (:func:`output_name`), so two different calls never write the same file; an existing output is
 refused without ``--force`` (as ``vitp-export`` does) and every file is written atomically.
+
+Under a launcher (``torchrun --nproc_per_node N -m vitp.cli.sample SOURCE cli.num=8``, or the
+``deepspeed`` launcher) the generator runs in the run's training layout, each rank holding its shard
+(:mod:`vitp.eval.launch`), and rank 0 alone writes and prints. Every flag has an override form,
+``cli.<flag>=value`` (``cli.num=8``, ``cli.classes=[3,7]``, ``cli.out=grid.png``, ``cli.format=mp4``,
+``cli.force=true``, ``cli.prompt=['a dog','a cat']``, ``cli.prompt_file=p.txt``), which a launcher's
+own parser passes on untouched (torchrun refuses ``--num``: it could be its ``--numa-binding``).
 """
 from __future__ import annotations
 
@@ -23,28 +30,36 @@ from omegaconf import OmegaConf
 from vitp.checkpoint import generator_from_state, read_export, resolve_weights
 from vitp.checkpoint.export import file_partial_sync
 from vitp.cli import run_cli
-from vitp.cli.overrides import apply_overrides, override_key, typed_config
+from vitp.cli.overrides import apply_overrides, flag_overrides, override_key, typed_config
 from vitp.config import parse_resolution, validate_config
 from vitp.eval import class_grid_labels, generate
+from vitp.eval.launch import LAYOUT_KEYS, build_sharded, check_layout_overrides, finish, launched, quiet_unless_main
 from vitp.media import to_grid
-from vitp.parallel.distributed import resolve_device
+from vitp.parallel.distributed import is_main, resolve_device
 from vitp.utils import atomic_write, atomic_write_text
 
 
 # what vitp-sample may change: the sampler, the size it samples at, and where it runs
 SAMPLE_KEYS = ("sampler.", "model.image_size", "model.num_frames", "data.resolution", "data.num_frames",
-               "trainer.device", "data.text_encoder", "data.text_embeddings")
+               "trainer.device", "data.text_encoder", "data.text_embeddings", *LAYOUT_KEYS)
 # flags of earlier versions -> the override each stands for (still read, with a note)
 OLD_FLAGS = {"seed": "sampler.seed", "method": "sampler.method", "steps": "sampler.steps",
              "cfg_scale": "sampler.cfg_scale", "cfg_interval": "sampler.cfg_interval", "device": "trainer.device",
              "fps": "sampler.fps", "resolution": "model.image_size", "frames": "model.num_frames"}
 USAGE = ("vitp-sample SOURCE [--classes C ... | --prompt TEXT ... | --prompt-file F] [--num N] [--out FILE|DIR] "
-         "[--format gif|mp4] [--force] [key=value ...]")
+         "[--format gif|mp4] [--force] [key=value ...]  (under a launcher: cli.num=N, cli.classes=[C,...], ...)")
+# the flags that have an override form, cli.<flag>=value (vitp.cli.overrides.flag_overrides)
+FLAGS = {"classes": [int], "prompt": [str], "prompt_file": str, "num": int, "out": str, "format": ("gif", "mp4"),
+         "force": bool}
 _VIDEO_FILE = re.compile(r"^(class\d+(_[A-Za-z0-9.-]+)?_seed\d+|grid)\.(gif|mp4)$")  # what write_video_samples writes
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Console entry point; bad input exits with a one-line message (status 2)."""
+    """Console entry point (also under torchrun or the ``deepspeed`` launcher, whose
+    ``--local_rank=N`` is taken out); bad input exits with a one-line message (status 2)."""
+    from vitp.parallel.distributed import strip_launcher_args
+
+    argv = strip_launcher_args(["vitp-sample", *(sys.argv[1:] if argv is None else argv)])[1:]
     run_cli("vitp-sample", run, argv)
 
 
@@ -52,7 +67,8 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, Li
     """``(flags, overrides)`` of a ``vitp-sample`` command line: the flags of paths and counts, and
     the ``key=value`` overrides, those of the deprecated flags (``--steps 3`` ->
     ``sampler.steps=3``, noted on stderr) first. Raises ``ValueError`` on a bad ``--num`` or class."""
-    p = argparse.ArgumentParser(prog="vitp-sample", usage=USAGE, description=run.__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="vitp-sample", usage=USAGE, description=run.__doc__.splitlines()[0],
+                                allow_abbrev=False)
     p.add_argument("source", type=Path, help="run directory (its model_ema.safetensors, else its latest checkpoint), "
                                              "a checkpoint folder, or a .safetensors file")
     p.add_argument("--classes", nargs="*", default=None, help="class labels (default: all classes)")
@@ -78,7 +94,9 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, Li
     a = p.parse_intermixed_args(argv)
     words = [str(c) for c in a.classes or []]  # --classes 3 7 sampler.steps=2: the override is no class
     a.classes = [int(c) if c.lstrip("-").isdigit() else _bad_class(c) for c in words if "=" not in c] or None
-    overrides = [c for c in words if "=" in c]
+    flags, a.overrides = flag_overrides([c for c in words if "=" in c] + a.overrides, "vitp-sample", FLAGS)
+    _set_flags(a, flags)
+    overrides = []
     if a.num is not None and a.num < 1:
         raise ValueError(f"--num {a.num}: use a positive number of samples per class")
     for flag, key in OLD_FLAGS.items():
@@ -89,6 +107,15 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, Li
     return a, overrides + a.overrides
 
 
+def _set_flags(a: argparse.Namespace, flags: dict) -> None:
+    """Set the flags written as overrides (``cli.num=8``) on ``a``; raises ``ValueError`` for a
+    flag also given as ``--flag``."""
+    for name, value in flags.items():
+        if getattr(a, name) not in (None, False):
+            raise ValueError(f"--{name.replace('_', '-')} and cli.{name}= both given; give one of them")
+        setattr(a, name, Path(value) if name in ("out", "prompt_file") else value)
+
+
 def _bad_class(text: str) -> int:
     raise ValueError(f"--classes {text}: class labels are integers, e.g. --classes 0 3 7")
 
@@ -96,11 +123,23 @@ def _bad_class(text: str) -> int:
 def sample_config(path: Path, overrides: List[str], num: Optional[int] = None) -> Tuple[Any, Any, dict]:
     """``(generator, config, file metadata)`` of the weights file ``path``: its run config with the ``overrides``
     (keys :data:`SAMPLE_KEYS`; ``data.resolution`` / ``data.num_frames`` also set the model's size,
-    as in training; ``trainer.device`` defaults to ``auto``, not the run's), validated.
+    as in training; ``trainer.device`` defaults to ``auto``, not the run's), validated; the
+    whole generator on this process (:func:`sample_settings` alone reads no tensor).
 
     Raises ``ValueError`` (one line) for a key outside :data:`SAMPLE_KEYS`, a bad value or a size
     the model cannot sample at; ``FileNotFoundError`` for a missing file."""
-    state, meta = read_export(path)
+    cfg, meta = sample_settings(path, overrides, num)
+    check_layout_overrides(cfg, overrides, "vitp-sample")  # one process: the layout keys must fit it
+    state, _ = read_export(path)
+    saved = OmegaConf.create(json.loads(meta["vitp_config"]))
+    gen = generator_from_state(saved.model, state, resolve_device(cfg.trainer.device), file_partial_sync(meta))
+    return gen, cfg, meta
+
+
+def sample_settings(path: Path, overrides: List[str], num: Optional[int] = None) -> Tuple[Any, dict]:
+    """``(config, file metadata)`` of the weights file ``path`` as :func:`sample_config` makes
+    them, reading its metadata only. Raises as :func:`sample_config` does."""
+    _, meta = read_export(path, keys=[])
     saved = OmegaConf.create(json.loads(meta["vitp_config"]))
     cfg = typed_config(saved)
     cfg.trainer.device = "auto"  # vitp-sample runs where it is started, whatever the run trained on
@@ -117,8 +156,7 @@ def sample_config(path: Path, overrides: List[str], num: Optional[int] = None) -
     if frames < 1:
         raise ValueError(f"model.num_frames={frames}: use a positive number of frames")
     validate_config(cfg)
-    gen = generator_from_state(saved.model, state, resolve_device(cfg.trainer.device), file_partial_sync(meta))
-    return gen, cfg, meta
+    return cfg, meta
 
 
 def _classes_token(classes: List[int]) -> str:
@@ -241,17 +279,17 @@ def output_name(cfg: Any, meta: dict, classes: List[int], per: int, fmt: Optiona
     return "_".join(words)
 
 
-def _check_free(out: Path, folder: bool, force: bool) -> None:
+def _check_free(out: Path, folder: bool, force: bool, remove: bool = True) -> None:
     """Refuse (``ValueError``) to overwrite ``out`` (a file, or with ``folder`` the video files an
-    earlier call wrote into that folder) without ``force``; with it, remove those earlier video files
-    so the folder holds one call's samples."""
+    earlier call wrote into that folder) without ``force``; with it (and ``remove``: the rank that
+    writes) remove those earlier video files so the folder holds one call's samples."""
     old = sorted(p for p in out.iterdir() if _VIDEO_FILE.match(p.name)) if folder and out.is_dir() else []
     if folder and out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; a video model writes a folder there (or give a .gif / .mp4 name)")
     if not force and (old or (not folder and out.exists())):
         what = f"{out} holds {len(old)} sample videos" if folder else f"{out} exists"
         raise ValueError(f"{what}; choose another --out, or pass --force to replace {'them' if folder else 'it'}")
-    for p in old:
+    for p in old if remove else []:
         p.unlink()
 
 
@@ -270,32 +308,53 @@ def run(argv: Optional[List[str]] = None) -> None:
     :func:`output_name`. Raises ``ValueError`` before sampling for an output that exists (without
     ``--force``), a bad ``--out`` / ``--format`` or class, ``FileNotFoundError`` for a missing source.
     """
-    a, overrides = parse_args(argv)
-    path, step, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
-    gen, cfg, meta = sample_config(path, overrides, a.num)
-    conditioning, rows, prompts = _conditioning(a, cfg, meta)
+    with quiet_unless_main():  # under a launcher: rank 0 alone prints
+        a, overrides = parse_args(argv)
+        path, step, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
+        sharded = launched()
+        if sharded:  # each rank reads its shard of its stage below (build_sharded)
+            gen, (cfg, meta) = None, sample_settings(path, overrides, a.num)
+        else:
+            gen, cfg, meta = sample_config(path, overrides, a.num)
+        conditioning, rows, prompts = _conditioning(a, cfg, meta)
+        per = cfg.sampler.samples_per_class
+        video = cfg.model.num_frames > 1
+        _check_out(a.out, a.format, video)
+        name = output_name(cfg, meta, rows, per, a.format, path, step, prompts)
+        out = a.out or base / "samples" / (name if video else name + ".png")
+        grid_file = not video or (a.out is not None and bool(a.out.suffix))  # else a folder (names hold dots: cfg1.5)
+        _check_free(out, folder=not grid_file, force=a.force, remove=is_main())  # before sampling: refused at once
+        labels = torch.tensor(rows)[class_grid_labels(len(rows), per)]
+        if sharded:
+            part = build_sharded(cfg, path, "vitp-sample")
+            x = generate(part.denoiser, cfg, labels, cfg.sampler.seed, conditioning, part.share)  # rank 0's
+            finish()
+            if x is None:
+                return
+        else:
+            x = generate(gen, cfg, labels, cfg.sampler.seed, conditioning)
+        _write_samples(x, labels, cfg, out, grid_file, a.format, prompts)
+
+
+def _write_samples(x: torch.Tensor, labels: torch.Tensor, cfg: Any, out: Path, grid_file: bool,
+                   fmt: Optional[str], prompts: List[str]) -> None:
+    """Write the samples ``x`` (B, C, T, H, W) in [0, 1] of ``labels`` (B,): a PNG grid (a row per
+    class or prompt), or for video the grid as one GIF / MP4 (``grid_file``) or a folder of one file
+    per class and seed plus the grid; print what was written."""
     per = cfg.sampler.samples_per_class
-    video = cfg.model.num_frames > 1
-    _check_out(a.out, a.format, video)
-    name = output_name(cfg, meta, rows, per, a.format, path, step, prompts)
-    out = a.out or base / "samples" / (name if video else name + ".png")
-    grid_file = not video or (a.out is not None and bool(a.out.suffix))  # else a folder (names hold dots: cfg1.5)
-    _check_free(out, folder=not grid_file, force=a.force)  # before sampling: refused at once
-    labels = torch.tensor(rows)[class_grid_labels(len(rows), per)]
-    x = generate(gen, cfg, labels, cfg.sampler.seed, conditioning)
-    classes = rows
+    rows = len(labels) // per
     how = f"{cfg.sampler.method} {cfg.sampler.steps} steps, CFG {cfg.sampler.cfg_scale}"
-    if video:
+    if cfg.model.num_frames > 1:
         from vitp.media import video_grid, write_gif, write_mp4, write_video_samples
 
         fps = cfg.sampler.fps
         if grid_file:  # each writer replaces its file atomically
             grid = (video_grid(x, nrow=per) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
             (write_gif if out.suffix.lower() == ".gif" else write_mp4)(out, grid, fps=fps)
-            print(f"wrote {out} ({_grid_words(len(classes), per, bool(prompts))}, {x.shape[2]} frames, {how})")
+            print(f"wrote {out} ({_grid_words(rows, per, bool(prompts))}, {x.shape[2]} frames, {how})")
         else:
-            paths = write_video_samples(x, labels, out, fps=fps, fmt=a.format or "gif")
-            print(f"wrote {len(paths)} videos to {out} ({_grid_words(len(classes), per, bool(prompts))} + "
+            paths = write_video_samples(x, labels, out, fps=fps, fmt=fmt or "gif")
+            print(f"wrote {len(paths)} videos to {out} ({_grid_words(rows, per, bool(prompts))} + "
                   f"{paths[-1].name}, {x.shape[2]} frames, {how})")
         if prompts:  # class<i> in the file names is prompt i
             side = out / "prompts.txt" if not grid_file else out.with_suffix(".txt")
@@ -310,7 +369,7 @@ def run(argv: Optional[List[str]] = None) -> None:
         grid = caption_rows(grid, prompts)
     with atomic_write(out) as tmp:
         save_image(grid, str(tmp))
-    print(f"wrote {out} ({_grid_words(len(classes), per, bool(prompts))}, {how})")
+    print(f"wrote {out} ({_grid_words(rows, per, bool(prompts))}, {how})")
 
 
 def _check_out(out: Optional[Path], fmt: Optional[str], video: bool) -> None:

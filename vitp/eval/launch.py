@@ -1,0 +1,190 @@
+"""``vitp-sample`` and ``vitp-eval`` under a launcher (torchrun, ``deepspeed``, MPI, srun): the
+generator in its training layout, each rank holding only its stage's tensor-parallel shard.
+
+With ``WORLD_SIZE > 1`` (:func:`launched`) the CLIs build the pipeline module as ``vitp-train``
+does (:func:`build_sharded`), in the layout the run trained with (its config's ``parallel.tp``,
+``cp``, ``pp``, ``sequence_parallel``, ``cp_mode``) or as those keys are overridden, with
+``dp = world / (tp * cp * pp)`` replicas (:func:`inference_layout`). Each rank reads only the
+slices of its shard from the weights file (:func:`vitp.checkpoint.initialize.init_from_export`),
+samples run through :class:`vitp.eval.inference.StageDenoiser` in micro-batches of the run's
+``trainer.micro_batch_size`` and are split over the replicas (:class:`vitp.eval.inference.Share`);
+rank 0 alone gets the result, writes and prints (:func:`quiet_unless_main` silences the others).
+
+The parameters stay in fp32 whatever the run trained in, as the one-process path
+(:func:`vitp.checkpoint.generator_from_state`) holds them, so both give the same samples and
+losses (up to the order of floating-point sums in the sharded layers).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, List, Sequence, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from vitp.config import Layout, validate_layout
+from vitp.parallel import distributed as dist
+from vitp.utils import divisors
+
+# the run-config keys that choose the inference layout (dp is what is left of the world)
+LAYOUT_KEYS = ("parallel.tp", "parallel.cp", "parallel.pp", "parallel.sequence_parallel", "parallel.cp_mode")
+
+
+def launched() -> bool:
+    """Whether this process is one of several started by a launcher (``WORLD_SIZE > 1`` after
+    :func:`vitp.parallel.distributed.adopt_launcher_env` maps MPI / srun variables)."""
+    dist.adopt_launcher_env()
+    return dist.world_size() > 1
+
+
+def _layout_check(cfg: DictConfig, tp: int, cp: int, pp: int, world: int, device_type: str) -> Layout:
+    """:func:`vitp.config.validate_layout` of ``cfg`` at ``(tp, cp, pp)`` on ``world`` processes,
+    without the training-only rules: the batch split and the ZeRO stage mean nothing to inference."""
+    dp = max(1, world // (tp * cp * pp)) if tp * cp * pp else 1
+    micro = int(cfg.trainer.micro_batch_size)
+    buckets = OmegaConf.to_container(cfg.data.buckets, resolve=True) if cfg.data.buckets else []
+    for b in buckets:  # a bucket's batch must split over dp in training only
+        b["batch_size"] = micro * dp
+    probe = OmegaConf.merge(cfg, {"parallel": {"tp": tp, "cp": cp, "pp": pp, "zero_stage": 1},
+                                  "trainer": {"global_batch_size": micro * dp}})
+    if buckets:
+        probe.data.buckets = buckets
+    return validate_layout(probe, world, device_type)
+
+
+def valid_layouts(cfg: DictConfig, world: int, device_type: str = "cpu") -> List[Tuple[int, int, int]]:
+    """Every ``(tp, cp, pp)`` the model of ``cfg`` can run in on ``world`` processes (heads and
+    MLP units divide tp, each stage gets a block, the token grid splits over cp)."""
+    ok = []
+    for tp in divisors(world):
+        for cp in divisors(world // tp):
+            for pp in divisors(world // (tp * cp)):
+                try:
+                    _layout_check(cfg, tp, cp, pp, world, device_type)
+                    ok.append((tp, cp, pp))
+                except ValueError:
+                    pass
+    return ok
+
+
+def inference_layout(cfg: DictConfig, world: int, device_type: str = "cpu", prog: str = "vitp-sample") -> Layout:
+    """The :class:`vitp.config.Layout` ``prog`` runs ``cfg`` in on ``world`` processes:
+    ``parallel.tp`` x ``cp`` x ``pp`` of ``cfg`` and ``dp = world / (tp * cp * pp)`` replicas.
+
+    Raises ``ValueError`` (one line) when that layout cannot work there, with the reason and the
+    valid ``(tp, cp, pp)`` for ``world`` processes, written as overrides."""
+    par = cfg.parallel
+    try:
+        return _layout_check(cfg, par.tp, par.cp, par.pp, world, device_type)
+    except ValueError as e:
+        why = str(e).split("; valid")[0].split("; launch a multiple")[0]
+        ok = valid_layouts(cfg, world, device_type)
+        spell = " | ".join(f"parallel.tp={t} parallel.cp={c} parallel.pp={p}" for t, c, p in ok) or "none"
+        raise ValueError(f"{prog} on {world} process{'es' if world > 1 else ''} cannot run the layout parallel.tp="
+                         f"{par.tp} x parallel.cp={par.cp} x parallel.pp={par.pp} ({why}); give a layout valid for "
+                         f"{world} (dp = {world} / (tp x cp x pp)): {spell}") from None
+
+
+def check_layout_overrides(cfg: DictConfig, overrides: Sequence[str], prog: str) -> None:
+    """One process runs the whole generator whatever the run's layout; the layout keys given
+    explicitly among ``overrides`` (:data:`LAYOUT_KEYS`; the others at 1) must still be a layout
+    that one process can run.
+
+    Raises ``ValueError`` as :func:`inference_layout` does."""
+    from vitp.cli.overrides import override_key
+
+    given = {override_key(o) for o in overrides} & set(LAYOUT_KEYS)
+    if given:  # the run's own layout does not count here, only what was asked for
+        probe = OmegaConf.merge(cfg, {"parallel": {"tp": 1, "cp": 1, "pp": 1}})
+        for key in given:
+            OmegaConf.update(probe, key, OmegaConf.select(cfg, key))
+        inference_layout(probe, 1, "cpu", prog)
+
+
+@dataclass
+class ShardedGenerator:
+    """This rank's part of the generator: ``denoiser`` (:class:`vitp.eval.inference.StageDenoiser`,
+    ``(z_t (B, C, T, H, W), t (B,), *y) -> x_pred`` fp32 on every rank of a replica), ``share``
+    (:class:`vitp.eval.inference.Share`: which samples this replica draws, gathered on rank 0),
+    the :class:`vitp.parallel.ParallelState` and the :class:`vitp.config.Layout`."""
+
+    denoiser: Any
+    share: Any
+    state: Any
+    layout: Layout
+
+
+def build_sharded(cfg: DictConfig, weights: Path, prog: str = "vitp-sample") -> ShardedGenerator:
+    """Initialise the process group (gloo on CPU, NCCL on CUDA: ``trainer.device``) and build this
+    rank's stage of the generator of ``cfg`` in :func:`inference_layout`, its tensor-parallel shard
+    read from ``weights`` (a ``.safetensors`` file, a sharded export's index or a checkpoint:
+    only this rank's slices), in fp32 and eval mode. Collective: every rank calls it.
+
+    Raises ``ValueError`` for a layout the world cannot run (before any process group), a weights
+    file of another model or partial-sync layout; ``FileNotFoundError`` for a missing file."""
+    from vitp.checkpoint.initialize import init_from_export
+    from vitp.eval.inference import Share, StageDenoiser
+    from vitp.models import num_tokens, parallelize_generator, token_grid
+    from vitp.objectives import FlowMatchingLoss
+    from vitp.parallel import from_grid, model_parallel_seed
+    from vitp.pipeline import build_pipeline
+    import vitp.deepspeed_adapter as ds
+
+    device = dist.resolve_device(cfg.trainer.device)
+    lay = inference_layout(cfg, dist.world_size(), device.type, prog)  # refused before any process group
+    dist.init_distributed(device, dist.timeout_of(cfg))
+    par, m = cfg.parallel, cfg.model
+    # the CLI prints what one process prints: not DeepSpeed's layer table, vitp's plan or load notes
+    with contextlib.redirect_stdout(io.StringIO()), _log_level(("DeepSpeed", "vitp"), logging.WARNING):
+        module = build_pipeline(m, FlowMatchingLoss(cfg.objective.t_eps), seed=cfg.seed, tp=lay.tp, pp=lay.pp,
+                                dp=lay.engine_dp)
+        state = from_grid(ds.pipeline_grid(module), par.sequence_parallel, partial_sync=par.partial_sync,
+                          partial_sync_scale=par.partial_sync_scale, cp=lay.cp, cp_mode=par.cp_mode)
+        parallelize_generator(module, state, seq_len=num_tokens(**m),
+                              grid=token_grid(m.image_size, m.num_frames, m.patch_size, m.tubelet_size))
+        init_from_export(module, OmegaConf.merge(cfg, {"trainer": {"init_from": str(weights)}}), state)
+    model_parallel_seed(cfg.seed, state)
+    module.to(device).eval()
+    denoiser = StageDenoiser(module, cfg.trainer.micro_batch_size, m.patch_size, m.tubelet_size)
+    return ShardedGenerator(denoiser, Share.of(module, state), state, lay)
+
+
+@contextlib.contextmanager
+def _log_level(names: Sequence[str], level: int) -> Iterator[None]:
+    """The loggers ``names`` at ``level`` (at least) within the block."""
+    loggers = [logging.getLogger(n) for n in names]
+    old = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(level, lg.level))
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, old):
+            lg.setLevel(lv)
+
+
+@contextlib.contextmanager
+def quiet_unless_main() -> Iterator[None]:
+    """Within the block, ranks other than 0 print nothing (Python's stdout and stderr, and every
+    logger); an error still propagates, for :func:`vitp.cli.run_cli` to report."""
+    if dist.is_main():
+        yield
+        return
+    logging.disable(logging.CRITICAL)
+    try:
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def finish() -> None:
+    """Close the process group (no collective: a rank done with its share leaves)."""
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
