@@ -326,3 +326,20 @@ def test_bench_checkpoint(tmp_path):
     assert all(0 < r for r in lay["resume_read_bytes_per_rank"]) and len(lay["resume_share_bytes_per_rank"]) == 2
     assert stall["async"]["n"] == stall["sync"]["n"] == 3 and stall["async_over_sync"] > 0
     assert stall["run_wall"]["async"]["n"] == 1
+
+
+@pytest.mark.slow
+def test_bench_sampling(tmp_path):
+    """The sampling bench at its smallest: every layout (1, 2 and 4 processes over cp, tp, dp) gives
+    one process's samples, and the rates and efficiencies are consistent with each other."""
+    out_file = tmp_path / "sampling.json"
+    out = _json_object(_run(["scripts/bench_sampling.py", "--width", "32", "--depth", "2", "--num", "4", "--steps",
+                             "1", "--reps", "1", "--out", str(out_file)], tmp_path), "layouts")
+    assert json.loads(out_file.read_text()) == out
+    rows = {r["layout"]: r for r in out["layouts"]}
+    assert sorted(rows) == sorted(["1", "cp2", "tp2", "dp2", "cp2dp2", "tp2dp2", "dp4"])
+    assert rows["1"]["speedup"] == 1.0 and rows["1"]["max_abs_diff"] == 0.0
+    for r in rows.values():
+        assert r["max_abs_diff"] < 1e-5, r  # the same samples in every layout
+        assert r["efficiency"] == pytest.approx(r["speedup"] / r["processes"])
+        assert r["samples_per_s"]["min"] <= r["samples_per_s"]["median"] <= r["samples_per_s"]["max"]
