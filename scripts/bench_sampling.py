@@ -3,6 +3,13 @@ scaling efficiency, against one process running the whole generator.
 
     python scripts/bench_sampling.py --out sampling.json
     python scripts/bench_sampling.py --width 64 --depth 2 --num 4 --reps 1 --out f.json
+    python scripts/bench_sampling.py --cli --steps 30 --reps 3 --out cli.json   # whole commands
+
+With ``--cli`` it times whole commands instead, start-up and weight reads included: ``vitp-sample
+WEIGHTS`` in one process against ``torchrun --nproc_per_node 2 vitp-sample WEIGHTS
+parallel.cp=2``, interleaved ``--reps`` times, each process with ``OMP_NUM_THREADS=1``; it reports
+each command's wall seconds (median, min-max), their ratio, and the largest pixel difference of the
+two grids.
 
 A ``--width`` x ``--depth`` generator at ``--resolution`` px (patch 2, 3 channels) with random
 non-zero weights (adaLN gates included, so every path matters), ``--num`` class-conditional samples
@@ -93,6 +100,41 @@ def _summary(name: str, secs: list, base: float, a: argparse.Namespace, diff: fl
             "speedup": med / base, "efficiency": med / base / world, "max_abs_diff": diff}
 
 
+def _command(weights: Path, out: Path, a: argparse.Namespace, world: int) -> list:
+    sample = ["-m", "vitp.cli.sample", str(weights), f"cli.num={a.num // 4}", "cli.classes=[0,1,2,3]",
+              f"cli.out={out}", "cli.force=true"]
+    if world == 1:
+        return [sys.executable, *sample]
+    from vitp.utils import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
+            str(free_port()), *sample, "parallel.cp=2"]
+
+
+def _cli(a: argparse.Namespace, tmp: Path, weights: Path) -> dict:
+    """Whole ``vitp-sample`` commands: one process against torchrun with 2 processes at cp=2."""
+    import subprocess
+
+    import numpy as np
+    from PIL import Image
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    walls: dict = {1: [], 2: []}
+    for _ in range(a.reps):
+        for world in (1, 2):
+            out = tmp / f"grid{world}.png"
+            t0 = time.perf_counter()
+            p = subprocess.run(_command(weights, out, a, world), env=env, capture_output=True, text=True)
+            walls[world].append(time.perf_counter() - t0)
+            if p.returncode:
+                raise RuntimeError(f"exit {p.returncode}: {p.stderr[-3000:]}")
+    grids = [np.asarray(Image.open(tmp / f"grid{w}.png")).astype(int) for w in (1, 2)]
+    med = {w: statistics.median(v) for w, v in walls.items()}
+    return {"one_process_s": {"median": med[1], "min": min(walls[1]), "max": max(walls[1]), "n": a.reps},
+            "torchrun_cp2_s": {"median": med[2], "min": min(walls[2]), "max": max(walls[2]), "n": a.reps},
+            "ratio": med[2] / med[1], "max_pixel_diff": int(np.abs(grids[0] - grids[1]).max())}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--width", type=int, default=256)
@@ -101,6 +143,7 @@ def main(argv=None) -> dict:
     p.add_argument("--num", type=int, default=8, help="samples (divisible by 4)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--cli", action="store_true", help="time whole vitp-sample commands (1 process vs torchrun cp=2)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     from vitp.config import compose
@@ -109,6 +152,12 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / "weights.safetensors"
         _weights(compose(_overrides(a)), weights)
+        if a.cli:
+            out = {"model": {"width": a.width, "depth": a.depth, "resolution": a.resolution, "num": a.num,
+                             "steps": a.steps}, "cpu_count": os.cpu_count(), "cli": _cli(a, Path(tmp), weights)}
+            a.out.write_text(json.dumps(out, indent=1) + "\n")
+            print(json.dumps(out, indent=1))
+            return out
         for _ in range(a.reps):
             for name in LAYOUTS:
                 r = _run(name, a, weights)

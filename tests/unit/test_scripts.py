@@ -343,3 +343,7 @@ def test_bench_sampling(tmp_path):
         assert r["max_abs_diff"] < 1e-5, r  # the same samples in every layout
         assert r["efficiency"] == pytest.approx(r["speedup"] / r["processes"])
         assert r["samples_per_s"]["min"] <= r["samples_per_s"]["median"] <= r["samples_per_s"]["max"]
+    cli = _json_object(_run(["scripts/bench_sampling.py", "--cli", "--width", "32", "--depth", "2", "--num", "4",
+                             "--steps", "1", "--reps", "1", "--out", str(tmp_path / "cli.json")], tmp_path), "cli")["cli"]
+    assert cli["max_pixel_diff"] <= 1  # torchrun at cp=2 writes one process's grid
+    assert cli["ratio"] == pytest.approx(cli["torchrun_cp2_s"]["median"] / cli["one_process_s"]["median"])
