@@ -394,6 +394,7 @@ FIELD_RULES: Dict[str, Rule] = {
     "trainer.checkpoint_every": span(0, note="0 = only at the end and on SIGTERM/SIGINT"),
     "trainer.keep_checkpoints": span(0, note="0 = keep all"),
     "trainer.export_shard_size_mb": span(0, lo_open=True, real=True),
+    "trainer.dist_timeout_minutes": span(0, lo_open=True, real=True),
     "trainer.exit_at_step": span(1, null="off"),
     "trainer.exit_after_minutes": span(0, lo_open=True, real=True, null="off"),
     "trainer.profile_steps": Rule(_is_step_range, "[] (off) or [a, b], integers with 1 <= a <= b (optimizer "

@@ -22,11 +22,12 @@ def _metrics(run: Path):
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _same_steps(a, b):
-    """Per-step loss, grad norm and lr bit-identical."""
+def _same_steps(a, b, norm_rel=0.0):
+    """Per-step loss, grad norm and lr bit-identical (the grad norm within ``norm_rel`` relative)."""
     assert [x["step"] for x in a] == [x["step"] for x in b]
     for x, y in zip(a, b):
-        assert (x["loss"], x["grad_norm"], x["lr"]) == (y["loss"], y["grad_norm"], y["lr"]), (x, y)
+        assert (x["loss"], x["lr"]) == (y["loss"], y["lr"]), (x, y)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=norm_rel, abs=0), (x, y)
 
 
 def _runs(rank, tmp):
@@ -79,7 +80,9 @@ def test_resume_is_exact_single_process(tmp_path):
     keep_checkpoints after a resume from an older tag than the newest."""
     full, first, second, fork, (after_stop, last), (legacy, fmt) = run_ranks(1, _runs, str(tmp_path))[0]
     # a checkpoint of the earlier format resumes exactly (read path kept) and continues in the new one
-    _same_steps(legacy, _metrics(LEGACY))
+    # recorded on another machine: the grad norm's float32 reductions may be vectorized otherwise
+    # there (6e-8 relative seen on this one); the losses and the lr stay bit-identical
+    _same_steps(legacy, _metrics(LEGACY), norm_rel=1e-6)
     assert fmt == "vitp.sharded/1"
     assert fork["losses"] == full["losses"][6:]  # trainer.resume=<path> into another run dir
     # resumed from step 6 while step 8 existed: once step 7 is published, step 8 (the abandoned
