@@ -401,11 +401,42 @@ class ShardImages(_Shards, FileDataset):
         return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1))).unsqueeze(1)
 
 
+class _KeptNames(Sequence):
+    """``files`` of :class:`ShardVideos`: the name of the sample behind file ``f``, made on demand."""
+
+    def __init__(self, index: ShardIndex, sample_of_file: np.ndarray):
+        self.names, self.sample_of_file = _SampleNames(index), sample_of_file
+
+    def __len__(self) -> int:
+        return len(self.sample_of_file)
+
+    def __getitem__(self, f: int) -> str:
+        return self.names[int(self.sample_of_file[int(f)])]
+
+
+def _count_le(v: np.ndarray, n: np.ndarray, fps: np.ndarray) -> np.ndarray:
+    """int64: how many of the frame times ``np.arange(n) / fps`` are ``<= v``, per sample, exactly
+    as ``np.searchsorted(np.arange(n) / fps, v, side="right")`` counts them (the same float64
+    divisions), without making the times: an estimate from ``v * fps`` corrected by +-1 steps."""
+    j = np.clip(np.floor(v * fps).astype(np.int64) + 1, 0, n)
+    while True:
+        down = (j > 0) & ((j - 1) / fps > v)
+        up = ~down & (j < n) & (j / fps <= v)
+        if not (down.any() or up.any()):
+            return j
+        j = j - down + up
+
+
 class ShardVideos(_Shards, VideoFolderDataset):
     """The clips of a packed video data set: each sample is one video file; its items are the clip
     windows :class:`~vitp.data.video.VideoFolderDataset` cuts from it, laid out from the manifest's
     frame count and frame rate (frame ``k`` at ``k / fps``: exact for constant-frame-rate video) and
     decoded from the sample's bytes. ``sample_of_item[i]`` is the sample of item ``i``.
+
+    The layout is numpy arrays computed from the manifest's per-sample arrays (per usable sample:
+    frames, fps, window step, last clip start, longest clip span; per item: file and window), the
+    same items and windows the folder dataset makes from the per-frame times, which are computed
+    when an item is read (``k / fps``), never stored.
 
     Parameters: ``index`` and the clip settings of :class:`~vitp.data.video.VideoFolderDataset`.
 
@@ -419,23 +450,102 @@ class ShardVideos(_Shards, VideoFolderDataset):
                              "shot boundaries); unset it or train from the video folder")
         self.index, self.cache_dir, self.lru = index, cache_dir, lru
         super().__init__(**clip)
-        self.sample_of_file = np.asarray([self._sample_of_name[f] for f in self.files], dtype=np.int64)
         self.sample_of_item = self.sample_of_file[self.item_file]
 
-    def _find(self, files, class_per_file: bool) -> List[Tuple[str, str]]:
-        names = _SampleNames(self.index)
-        self._sample_of_name = {names[i]: i for i in range(len(self.index))}  # files the build keeps -> samples
-        return [(names[i], self.index.classes[int(self.index.label[i])]) for i in range(len(self.index))]
+    def _find(self, files, class_per_file: bool) -> None:
+        return None  # the samples are the manifest's (_build reads its arrays)
 
-    def _build(self, sources: List[Tuple[str, str]]) -> None:
+    def _layout(self, n: np.ndarray, fps: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int64 ``(last clip start, span of the clip at frame 0, longest span)`` per sample of ``n``
+        frames at ``fps`` (frames; last start < 0: too short), as ``_index_files`` finds them from the
+        times ``arange(n) / fps``."""
+        if self.fps is None:
+            span = np.full(len(n), (self.num_frames - 1) * self.frame_stride + 1, dtype=np.int64)
+            return n - span, span, span
+        reach = (self.num_frames - 1) / self.fps
+        last = _count_le((n - 1) / fps - reach + 1e-6, n, fps) - 1
+        span0 = _count_le(np.full(len(n), reach) + 1e-6, n, fps)  # the clip at frame 0 (time 0.0)
+        at_last = _count_le(np.maximum(last, 0) / fps + reach + 1e-6, n, fps) - np.maximum(last, 0)
+        # a span is the same at every start unless fps * reach sits within rounding of an integer
+        x = fps * (reach + 1e-6)
+        odd = (np.abs(x - np.round(x)) < 1e-7) | (at_last != span0)
+        longest = span0.copy()
+        for i in np.flatnonzero(odd & (last >= 0)):  # rare: every start's span, as the folder dataset does
+            times, starts = np.arange(int(n[i])) / fps[i], np.arange(int(last[i]) + 1)
+            spans = self._clip_offsets(times, starts)[:, -1] - starts + 1
+            span0[i], longest[i] = spans[0], spans.max()
+        return last, span0, longest
+
+    def _build(self, _sources: None) -> None:
         ix = self.index
-        entries = []
-        for i, (name, cls) in enumerate(sources):
-            n, fps = int(ix.frames[i]), float(ix.fps[i])
-            entries.append((name, cls, {"ok": True, "num_frames": n, "times": (np.arange(n) / fps).tolist(),
-                                        "pts": None, "fps": fps, "width": int(ix.width[i]),
-                                        "height": int(ix.height[i]), "orientation": ix.orientation_of(i)}))
-        self._index_files(entries)
+        n, fps = ix.frames.astype(np.int64), ix.fps.astype(np.float64)
+        last, span0, longest = self._layout(n, fps)
+        names = _SampleNames(ix)
+        for i in np.flatnonzero(last < 0):  # too short: said per sample, as for a folder
+            self._skip(names[i], self._too_short(np.arange(int(n[i])) / fps[i]), too_short=True)
+        kept = np.flatnonzero(last >= 0)
+        if not len(kept):
+            raise ValueError(self._no_usable_video())
+        self.sample_of_file = kept
+        self._n, self._fps, self._last, self._span = n[kept], fps[kept], last[kept], longest[kept]
+        self._step = np.full(len(kept), self.clip_step, np.int64) if self.clip_step else span0[kept]
+        windows = self._last // self._step + 1
+        self.item_file = np.repeat(np.arange(len(kept)), windows)
+        first = np.concatenate([[0], np.cumsum(windows)[:-1]])
+        self.item_window = np.arange(len(self.item_file), dtype=np.int64) - first[self.item_file]
+        self._labels_of(ix.label[kept].astype(np.int64), ix.label.astype(np.int64))
+        self.files = _KeptNames(ix, kept)
+
+    def _labels_of(self, kept_labels: np.ndarray, all_labels: np.ndarray) -> None:
+        """``labels``, ``classes`` and ``dropped_classes`` as the folder dataset numbers them: classes
+        in order of first appearance among the usable samples (a class left without one is dropped)."""
+        def by_first_appearance(labels: np.ndarray) -> np.ndarray:
+            uniq, first = np.unique(labels, return_index=True)
+            return uniq[np.argsort(first)]
+
+        order = by_first_appearance(kept_labels)
+        number = np.full(len(self.index.classes), -1, dtype=np.int64)
+        number[order] = np.arange(len(order))
+        per_file = number[kept_labels]
+        self.labels = per_file[self.item_file]
+        self.classes = [self.index.classes[int(c)] for c in order]
+        used = set(order.tolist())
+        self.dropped_classes = [self.index.classes[int(c)] for c in by_first_appearance(all_labels) if c not in used]
+        for c in self.dropped_classes:
+            log.warning(f"class {c} dropped: none of its videos is usable (their skips are listed above)")
+
+    def item_bounds(self) -> Tuple[np.ndarray, np.ndarray]:
+        """int64 ``(first frame of each item's eval clip, last frame any of its training clips can
+        touch)``: :meth:`clip_indices` ``(i, None)[1].min()`` and :meth:`item_frames` ``(i)[1][1]`` for
+        every item at once."""
+        f = self.item_file
+        start = self.item_window * self._step[f]
+        return start, np.minimum(start + self._step[f] - 1, self._last[f]) + self._span[f] - 1
+
+    def _window(self, f: int, w: int) -> Tuple[int, int, int, int]:
+        step = int(self._step[f])
+        return w * step, step, int(self._last[f]), int(self._span[f])
+
+    def _file_times(self, f: int) -> np.ndarray:
+        return np.arange(int(self._n[f])) / self._fps[f]  # constant frame rate: frame k at k / fps
+
+    def _file_pts(self, f: int) -> None:
+        return None  # no timestamps in the manifest: files are decoded from the start
+
+    def _orientation_of(self, f: int) -> Optional[str]:
+        return self.index.orientation_of(int(self.sample_of_file[f]))
+
+    def native_size(self, index: int) -> Tuple[int, int]:
+        """``(h, w)`` of the frames of item ``index`` as players show them, from the manifest."""
+        s = int(self.sample_of_item[index])
+        return int(self.index.height[s]), int(self.index.width[s])
+
+    def _decoded_bytes(self) -> int:
+        (H, W), s = self.size, self.sample_of_file
+        h, w = self.index.height[s].astype(np.float64), self.index.width[s].astype(np.float64)
+        scale = np.maximum(H / h, W / w)  # the cover resize's scale, as the folder dataset's sum
+        px = np.maximum(1, np.round(w * scale)).astype(np.int64) * np.maximum(1, np.round(h * scale)).astype(np.int64)
+        return int((self._n * px).sum()) * self.channels
 
     def _source(self, f: int) -> Any:
         return io.BytesIO(media_of(self._sample(int(self.sample_of_file[f])))[1])
@@ -449,8 +559,7 @@ def _split(index: ShardIndex, base: Any, sample: np.ndarray) -> Tuple[np.ndarray
         held = index.heldout[sample].astype(bool)
         return ~held, held
     start = index.heldout_from[sample]
-    last = np.asarray([base.item_frames(i)[1][1] for i in range(len(base))], dtype=np.int64)
-    first = np.asarray([int(base.clip_indices(i, None)[1].min()) for i in range(len(base))], dtype=np.int64)
+    first, last = base.item_bounds()
     return last < start, first >= start
 
 

@@ -325,3 +325,73 @@ def test_schedule_with_shards_is_the_same_at_any_dp():
     per = lambda s: buckets[b1.bucket(s)].batch_size  # noqa: E731
     assert {b1.bucket(s) for s in steps} == {0, 1}
     assert _global_batches(b1, steps, per) == _global_batches(b2, steps, per)
+
+
+# ------------------------------------------------------------------------------ packed video layout as arrays
+class _Manifest:
+    """The parts of a :class:`ShardIndex` that :class:`ShardVideos` reads at start-up (no files)."""
+
+    def __init__(self, frames, fps, labels, classes):
+        self.frames, self.fps = np.asarray(frames, np.int32), np.asarray(fps, np.float32)
+        self.label, self.classes = np.asarray(labels, np.int64), classes
+        self.height = self.width = np.full(len(frames), 48, np.int32)
+        self.shards, self.shard_of, self.url = [{"url": "mem"}], np.zeros(len(frames), np.int64), "mem"
+
+    def __len__(self):
+        return len(self.frames)
+
+    def orientation_of(self, i):
+        return None
+
+
+def _folder_of(index, **clip):
+    """The folder dataset's items for the probes ``index`` describes (times ``k / fps``)."""
+    from vitp.data.video import VideoFolderDataset
+
+    class Probed(VideoFolderDataset):
+        def _find(self, files, class_per_file):
+            return None
+
+        def _build(self, _):
+            self._index_files([(f"mem#{i:09d}", index.classes[int(index.label[i])],
+                                {"ok": True, "num_frames": int(n), "times": (np.arange(n) / float(index.fps[i])).tolist(),
+                                 "pts": None, "fps": float(index.fps[i]), "width": 48, "height": 48, "orientation": None})
+                               for i, n in enumerate(index.frames)])
+    return Probed(**clip)
+
+
+@pytest.mark.parametrize("clip", [
+    dict(num_frames=8, fps=8.0), dict(num_frames=16, fps=12.0, clip_step=3), dict(num_frames=5, fps=29.97),
+    dict(num_frames=8, fps=15.0), dict(num_frames=1, fps=24.0), dict(num_frames=4, frame_stride=3),
+    dict(num_frames=9, fps=7.5, clip_step=1)])
+def test_packed_video_layout_equals_the_folder_layout_from_frame_times(clip):
+    """Items, windows, labels, clip frames (eval and jittered), reach and skips computed from the
+    manifest's arrays equal the folder dataset's from per-frame times, at frame rates whose ratios
+    to the target fps are whole, near-whole and fractional (float32 as packed)."""
+    from vitp.data.shards import ShardVideos
+
+    rng = np.random.default_rng(7)
+    rates = [30, 29.97, 25, 24, 23.976, 60, 59.94, 15, 12, 8, 7.5, 1, 2.5, 50, 120, 10.000001]
+    frames = rng.integers(1, 300, 120)
+    fps = [rates[i % len(rates)] for i in range(120)]
+    labels = rng.integers(0, 3, 120)
+    labels[labels == 1] = 2 if clip.get("num_frames") == 16 else 1  # a class dropped in one case
+    index = _Manifest(frames, fps, labels, ["a", "b", "c"])
+    common = dict(resolution=16, channels=3, video_cache_mb=0, **clip)
+    packed, folder = ShardVideos(index, **common), _folder_of(index, **common)
+    assert len(packed) == len(folder) > 100
+    assert np.array_equal(packed.item_file, folder.item_file)
+    assert np.array_equal(packed.item_window, folder.item_window)
+    assert np.array_equal(packed.labels, folder.labels) and packed.classes == folder.classes
+    assert packed.dropped_classes == folder.dropped_classes
+    assert packed.skipped_files == folder.skipped_files and list(packed.files) == list(folder.files)
+    assert packed.skip_reasons == folder.skip_reasons
+    first, last = packed.item_bounds()
+    for i in range(len(packed)):
+        for seed in (None, 11, 2**40 + 3):
+            fp, ip = packed.clip_indices(i, seed)
+            ff, i_f = folder.clip_indices(i, seed)
+            assert fp == ff and np.array_equal(ip, i_f), (i, seed)
+        assert packed.item_frames(i) == folder.item_frames(i)
+        assert (first[i], last[i]) == (folder.clip_indices(i, None)[1].min(), folder.item_frames(i)[1][1])
+    assert packed._decoded_bytes() == folder._decoded_bytes()
