@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from vitp.data.shards import CAPTIONS, FORMAT, MANIFEST, SAMPLES, TEXT_STORE, VERSION
+from vitp.data.shards import CAPTIONS, FORMAT, MANIFEST, SAMPLES, TEXT_STORE, VERSION, write_caption_offsets
 from vitp.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -295,7 +295,8 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
 def _finish(out: Path, cfg_data: dict, seed: int, per_shard: int, kind: str, classes: List[str],
             samples: List[Sample], skipped: Dict[str, str], jobs: list, sizes: Dict[int, int],
             text_store: Optional[str]) -> Dict[str, Any]:
-    """Write ``samples.safetensors``, ``captions.jsonl``, the caption store and, last, the manifest."""
+    """Write ``samples.safetensors``, ``captions.jsonl`` and its line offsets, the caption store and,
+    last, the manifest."""
     from safetensors.numpy import save_file
 
     orientations = sorted({s.orientation for s in samples if s.orientation})
@@ -315,6 +316,7 @@ def _finish(out: Path, cfg_data: dict, seed: int, per_shard: int, kind: str, cla
     captioned = any(s.caption is not None for s in samples)
     if captioned:
         atomic_write_text(out / CAPTIONS, "".join(json.dumps(s.caption) + "\n" for s in samples))
+        write_caption_offsets(out / CAPTIONS)  # each line read on its own when training
     if text_store is not None:
         if (out / TEXT_STORE).exists():
             shutil.rmtree(out / TEXT_STORE)

@@ -14,7 +14,9 @@ Layout of a packed data set (a local folder or an object-store prefix, ``data.sh
   ``frames``/``fps`` (video: clip windows), ``heldout_from`` (video: the first held-out frame;
   0 = the whole file, ``frames`` = none), ``orientation`` (video: 0, or k for the manifest's
   ``orientations[k - 1]``);
-- ``captions.jsonl`` (one caption per sample) and ``text-embeddings/`` (the caption store of
+- ``captions.jsonl`` (one caption per sample: a JSON string or ``null``), ``captions.idx.npy``
+  (int64 byte offsets of its lines, memory-mapped: a caption is read and parsed when its item asks;
+  packs without it are scanned once per process) and ``text-embeddings/`` (the caption store of
   :mod:`vitp.text.store`) when the data set has captions.
 
 Samples are read with ``wids`` (``wids.ShardListDataset``, webdataset's random-access reader): it
@@ -34,20 +36,24 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlparse
 
 import numpy as np
 import torch
 
-from vitp.data.base import FileDataset, KeyedSubset, StorageError, wrapped
+from vitp.data.base import FileDataset, KeyedSubset, Picked, StorageError, wrapped
 from vitp.data.images import digits_tensor, load_image
 from vitp.data.video import VideoFolderDataset
+from vitp.utils import atomic_write
 
 log = logging.getLogger(__name__)
 
 FORMAT, VERSION = "vitp-shards", 1
 MANIFEST, SAMPLES, CAPTIONS, TEXT_STORE = "index.json", "samples.safetensors", "captions.jsonl", "text-embeddings"
+CAPTION_OFFSETS = "captions.idx.npy"  # int64 (n + 1,): where each line of captions.jsonl starts, then its size
+_ARRAYS = ("label", "heldout", "heldout_from", "height", "width", "frames", "fps", "orientation")  # samples.safetensors
+_SCAN = 1 << 24  # bytes per chunk when scanning captions.jsonl (bounds the scan's temporaries)
 META_EXTS = ("cls", "txt", "json")  # a sample's files other than its media
 REMOTE_SCHEMES = ("s3", "http", "https", "gs")
 _LOGGED: set = set()  # shard_datasets' summary lines already logged
@@ -126,15 +132,116 @@ def _use_handlers() -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _per_sample(url: str, captions: bool, manifest_sha1: str) -> Tuple[Dict[str, np.ndarray], Optional[list]]:
-    """``samples.safetensors`` and ``captions.jsonl`` of the pack at ``url``, read once per process
-    and manifest (the data sets of each shape bucket open the same pack; remote: one download)."""
+def _per_sample(url: str, captions: bool, manifest_sha1: str) -> Tuple[Dict[str, np.ndarray], Optional["CaptionLines"]]:
+    """``samples.safetensors`` and the :class:`CaptionLines` of ``captions.jsonl`` of the pack at
+    ``url``, read once per process and manifest (the data sets of each shape bucket open the same
+    pack; remote: one download)."""
     from safetensors.numpy import load
 
-    arrays = load(read_bytes(join_url(url, SAMPLES)))
-    if not captions:
-        return arrays, None
-    return arrays, [json.loads(line) for line in read_bytes(join_url(url, CAPTIONS)).decode().splitlines()]
+    where = join_url(url, SAMPLES)
+    try:
+        arrays = load(read_bytes(where))
+        missing = [k for k in _ARRAYS if k not in arrays]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where} is missing; re-run vitp-pack to write the pack again (or copy {SAMPLES} "
+                                f"from it again)") from None
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a damaged file
+        raise ValueError(f"{where} is damaged ({type(e).__name__}: {e}); re-run vitp-pack to write the pack again "
+                         f"(or copy {SAMPLES} from it again)") from None
+    if missing:
+        raise ValueError(f"{where} lacks the arrays {', '.join(missing)}; re-run vitp-pack to write the pack again")
+    return arrays, (CaptionLines(url) if captions else None)
+
+
+def caption_offsets(buf: np.ndarray) -> np.ndarray:
+    """int64 ``(lines + 1,)``: the byte where each line of the uint8 text ``buf`` starts, then
+    ``len(buf)`` (a last line without its newline counts as a line). Scanned in chunks: the
+    temporaries stay a few bytes per line plus :data:`_SCAN`."""
+    ends = [np.flatnonzero(buf[a:a + _SCAN] == ord("\n")) + (a + 1) for a in range(0, len(buf), _SCAN)]
+    ends = np.concatenate([np.zeros(1, np.int64), *ends]).astype(np.int64)
+    return ends if ends[-1] == len(buf) else np.append(ends, len(buf))
+
+
+def write_caption_offsets(jsonl: Union[str, Path]) -> Path:
+    """Write :data:`CAPTION_OFFSETS` next to the captions file ``jsonl`` (what ``vitp-pack`` does);
+    returns its path."""
+    jsonl = Path(jsonl)
+    out = jsonl.parent / CAPTION_OFFSETS
+    buf = np.memmap(jsonl, dtype=np.uint8, mode="r") if jsonl.stat().st_size else np.zeros(0, np.uint8)
+    with atomic_write(out) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, caption_offsets(buf))
+    os.chmod(out, 0o644)
+    return out
+
+
+class CaptionLines(Sequence):
+    """The captions of a pack, ``captions[i]`` (str or None) parsed from line ``i`` of its
+    ``captions.jsonl`` when asked: the file is memory-mapped (remote: held as bytes), the line
+    offsets memory-mapped from :data:`CAPTION_OFFSETS` or, for packs written without it, found by
+    one scan. ``present`` is a bool array: which samples have a caption (found without parsing).
+
+    Raises ``ValueError`` naming the file and the fix when it is cut short or does not parse
+    (at start-up: a missing final newline or another line count than samples; on access: a line
+    that is not a JSON string or null)."""
+
+    def __init__(self, url: str):
+        self.url, self.where = url, join_url(url, CAPTIONS)
+        self._buf = None
+        buf = self._bytes()
+        offsets = None
+        if not is_remote(url) and os.path.isfile(join_url(url, CAPTION_OFFSETS)):
+            offsets = np.load(join_url(url, CAPTION_OFFSETS), mmap_mode="r")
+            if len(offsets) < 1 or offsets[-1] != len(buf):
+                offsets = None  # written for another captions file: scan this one
+        self.offsets = caption_offsets(buf) if offsets is None else offsets
+        if len(buf) and buf[-1] != ord("\n"):
+            raise self._damaged(f"it ends inside line {len(self)} (cut short)")
+
+    def _bytes(self) -> np.ndarray:
+        if self._buf is None:
+            if is_remote(self.url):
+                self._buf = np.frombuffer(read_bytes(self.where), dtype=np.uint8)
+            elif os.path.getsize(self.where):
+                self._buf = np.memmap(self.where, dtype=np.uint8, mode="r")
+            else:
+                self._buf = np.zeros(0, np.uint8)
+        return self._buf
+
+    def _damaged(self, why: str) -> ValueError:
+        return ValueError(f"{self.where} is damaged: {why}; re-run vitp-pack to write the pack again "
+                          f"(or copy {CAPTIONS} from it again)")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> Optional[str]:
+        i = int(i)
+        line = bytes(self._bytes()[int(self.offsets[i]):int(self.offsets[i + 1])])
+        try:
+            caption = json.loads(line)
+        except ValueError as e:
+            raise self._damaged(f"line {i + 1} is not JSON ({e})") from None
+        if caption is not None and not isinstance(caption, str):
+            raise self._damaged(f"line {i + 1} holds a {type(caption).__name__}, not a caption")
+        return caption
+
+    @functools.cached_property
+    def present(self) -> np.ndarray:
+        """bool ``(len,)``: whether sample ``i`` has a caption (its line is not ``null``)."""
+        buf, out = self._bytes(), np.ones(len(self), dtype=bool)
+        for a in range(0, len(self), 1 << 20):  # chunks: a few bytes per line of temporaries
+            start = np.asarray(self.offsets[a:a + (1 << 20) + 1], dtype=np.int64)
+            short = np.flatnonzero(np.diff(start) == 5)  # "null\n"
+            head = buf[start[short][:, None] + np.arange(4)] if len(short) else np.zeros((0, 4), np.uint8)
+            out[a + short[(head == np.frombuffer(b"null", np.uint8)).all(axis=1)]] = False
+        return out
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__, _buf=None)  # DataLoader workers map the file again
+        if not isinstance(self.offsets, np.ndarray) or isinstance(self.offsets, np.memmap):
+            state["offsets"] = np.asarray(self.offsets)
+        return state
 
 
 class ShardIndex:
@@ -143,7 +250,8 @@ class ShardIndex:
     Attributes: ``url`` (the folder / prefix), ``shards`` (wids shard list with absolute URLs),
     ``meta`` (the manifest's ``vitp`` section), ``kind`` (``"image"``, ``"digits"``, ``"video"``),
     ``classes``, the arrays ``label``, ``heldout``, ``heldout_from``, ``height``, ``width``, ``frames``, ``fps``,
-    ``orientation`` (one entry per sample), ``shard_of`` (shard number of each sample), ``captions`` (list or None).
+    ``orientation`` (one entry per sample), ``shard_of`` (shard number of each sample), ``captions``
+    (:class:`CaptionLines` or None).
 
     Raises
     ------
@@ -151,7 +259,9 @@ class ShardIndex:
         No manifest at ``url`` (names the URL and ``vitp-pack``), or a shard missing or of another
         size than packed (local folders and ``s3://``: names the shard).
     ValueError
-        A manifest of another format or version, or arrays that disagree with the shard list.
+        A manifest of another format or version, or arrays that disagree with the shard list; a
+        damaged ``index.json``, ``samples.safetensors`` or ``captions.jsonl`` (one line naming the
+        file and the fix: re-run ``vitp-pack``).
     """
 
     def __init__(self, url: str, check: bool = True):
@@ -164,22 +274,29 @@ class ShardIndex:
             raise FileNotFoundError(f"no packed data set at data.shards={url} ({e}); write one with "
                                     f"vitp-pack OUT <data overrides> and set data.shards=OUT") from None
         except ValueError as e:
-            raise ValueError(f"{where} is not a JSON manifest ({e}); pack the data again with vitp-pack") from None
+            raise ValueError(f"{where} is not a JSON manifest ({e}): it is damaged; re-run vitp-pack to write the "
+                             f"pack again") from None
         except StorageError as e:
             raise StorageError(f"data.shards={url}: {e}") from None
-        meta = spec.get("vitp", {})
+        meta = spec.get("vitp", {}) if isinstance(spec, dict) else {}
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise ValueError(f"{where} is not a {FORMAT} v{VERSION} manifest (format={meta.get('format')!r}, "
                              f"version={meta.get('version')!r}); pack the data with this vitp's vitp-pack")
-        self.meta, self.kind, self.classes = meta, meta["kind"], list(meta["classes"])
-        self.shards = [dict(s, url=join_url(self.url, s["url"])) for s in spec["shardlist"]]
+        try:
+            self.meta, self.kind, self.classes = meta, meta["kind"], list(meta["classes"])
+            self.shards = [dict(s, url=join_url(self.url, s["url"])) for s in spec["shardlist"]]
+            n = sum(int(s["nsamples"]) for s in self.shards)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where} is damaged (no usable {e} entry); re-run vitp-pack to write the pack "
+                             f"again") from None
         arrays, self.captions = _per_sample(self.url, bool(meta.get("captions")), hashlib.sha1(raw).hexdigest())
-        n = sum(s["nsamples"] for s in self.shards)
-        for k in ("label", "heldout", "heldout_from", "height", "width", "frames", "fps", "orientation"):
+        for k in _ARRAYS:
             if len(arrays[k]) != n:
                 raise ValueError(f"{join_url(self.url, SAMPLES)}: {k} has {len(arrays[k])} entries but the shards "
                                  f"hold {n} samples; pack the data again")
             setattr(self, k, arrays[k])
+        if self.captions is not None and len(self.captions) != n:
+            raise self.captions._damaged(f"it has {len(self.captions)} lines but the shards hold {n} samples")
         self.shard_of = np.repeat(np.arange(len(self.shards)), [s["nsamples"] for s in self.shards])
         if check:
             self.check_shards()
@@ -593,12 +710,12 @@ def shard_datasets(cfg: Any) -> Tuple[KeyedSubset, KeyedSubset]:
         sample = np.arange(len(index))
         base.item_group = index.shard_of
     if index.captions is not None:
-        base.captions = [index.captions[int(s)] for s in sample]
+        base.captions = Picked(index.captions, sample)  # parsed when an item asks
     train, held = _split(index, base, sample)
     out = []
     for idx, eval_only in ((np.flatnonzero(train), False), (np.flatnonzero(held), True)):
         if index.captions is not None:
-            idx = idx[np.asarray([base.captions[i] is not None for i in idx], dtype=bool)] if len(idx) else idx
+            idx = idx[index.captions.present[sample[idx]]]
         out.append(KeyedSubset(base, idx, eval_only=eval_only))
     if not len(out[0]):
         raise ValueError(f"the packed data at {cfg.shards} has no training sample")

@@ -2,6 +2,7 @@
 manifest, pack resume and refusals, damaged shards, the shard-local epoch order, CLI bad input."""
 import json
 import os
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -395,3 +396,81 @@ def test_packed_video_layout_equals_the_folder_layout_from_frame_times(clip):
         assert packed.item_frames(i) == folder.item_frames(i)
         assert (first[i], last[i]) == (folder.clip_indices(i, None)[1].min(), folder.item_frames(i)[1][1])
     assert packed._decoded_bytes() == folder._decoded_bytes()
+
+
+# ------------------------------------------------------------------------------ captions and damaged pack files
+@pytest.fixture(scope="module")
+def captioned(tmp_path_factory):
+    """6 photos in 2 classes captioned by a CSV manifest that misses one file (a None caption),
+    packed 2 per shard; the folder config and the pack folder."""
+    root = tmp_path_factory.mktemp("captioned") / "photos"
+    for k, (cls, v) in enumerate([("cat", 0), ("cat", 40), ("cat", 80), ("dog", 100), ("dog", 140), ("dog", 180)]):
+        root.joinpath(cls).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((8, 8, 3), v, np.uint8)).save(root / cls / f"{k}.png")
+    (root / "captions.csv").write_text("path,text\ncat/0.png,\"a cat, sitting\"\ncat/1.png,a grey cat\n"
+                                       "dog/3.png,a dog\ndog/4.png,a dog again\ndog/5.png,a dog at last\n")
+    folder = ["data=image_folder", f"data.root={root}", "data.num_classes=2", "data.resolution=8",
+              "data.channels=3", "data.captions=captions.csv", "data.holdout_fraction=0.4"]
+    out = tmp_path_factory.mktemp("captioned_pack") / "pack"
+    _pack(out, *folder, per_shard=2)
+    return folder, out
+
+
+def test_packed_captions_are_read_per_item_through_offsets(captioned, tmp_path):
+    from vitp.data.base import Picked
+    from vitp.data.shards import CaptionLines
+
+    folder, out = captioned
+    packed = [*folder[2:], "data=shards", f"data.shards={out}"]
+    want = [(list(ds.captions), ds.indices.tolist()) for ds in _data(*folder)]
+    assert sorted(c for caps, _ in want for c in caps) == ["a cat, sitting", "a dog", "a dog again",
+                                                          "a dog at last", "a grey cat"]
+    offsets = np.load(out / "captions.idx.npy")
+    lines = (out / "captions.jsonl").read_bytes()
+    assert offsets[-1] == len(lines) and len(offsets) == 7 and lines[offsets[2]:offsets[3]] == b"null\n"
+    lines_of = CaptionLines(str(out))
+    assert lines_of.present.tolist() == [True, True, False, True, True, True]
+    assert [lines_of[i] for i in range(6)] == [json.loads(x) for x in lines.decode().splitlines()]
+    copy = tmp_path / "old_pack"  # a pack written before the offsets file: scanned once
+    shutil.copytree(out, copy)
+    (copy / "captions.idx.npy").unlink()
+    for where in (out, copy):
+        got = _data(*packed[:-1], f"data.shards={where}")
+        assert all(isinstance(ds.captions, Picked) for ds in got)  # nothing parsed up front
+        assert [list(ds.captions) for ds in got] == [caps for caps, _ in want]
+        assert [ds.indices.tolist() for ds in got] == [idx for _, idx in want]
+
+
+@pytest.mark.parametrize("name, damage, message", [
+    ("samples.safetensors", lambda b: b[:len(b) // 2], "samples.safetensors is damaged .*; re-run vitp-pack"),
+    ("samples.safetensors", lambda b: b"", "samples.safetensors is damaged .*; re-run vitp-pack"),
+    ("index.json", lambda b: b[:len(b) // 2], "index.json is not a JSON manifest .*damaged; re-run vitp-pack"),
+    ("index.json", lambda b: json.dumps({"vitp": json.loads(b)["vitp"]}).encode(),
+     "index.json is damaged \\(no usable 'shardlist' entry\\); re-run vitp-pack"),
+    ("captions.jsonl", lambda b: b[:-3], "captions.jsonl is damaged: it ends inside line 6 .*; re-run vitp-pack"),
+    ("captions.jsonl", lambda b: b[:b.index(b"\n") + 1], "captions.jsonl is damaged: it has 1 lines but the "
+                                                        "shards hold 6 samples; re-run vitp-pack"),
+])
+def test_a_damaged_pack_file_is_one_line_naming_it_and_the_fix(captioned, tmp_path, name, damage, message):
+    folder, src = captioned
+    out = tmp_path / "pack"
+    shutil.copytree(src, out)
+    (out / name).write_bytes(damage((out / name).read_bytes()))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(out))}/{message}") as e:
+        _data(*folder[2:], "data=shards", f"data.shards={out}")
+    assert "\n" not in str(e.value)
+
+
+def test_a_caption_line_that_is_not_json_is_named_when_read(captioned, tmp_path):
+    from vitp.data.shards import CaptionLines
+
+    _, src = captioned
+    out = tmp_path / "pack"
+    shutil.copytree(src, out)
+    lines = (out / "captions.jsonl").read_bytes().split(b"\n")
+    lines[3] = b'"a d' + b"x" * (len(lines[3]) - 4)  # same length: the offsets still fit
+    (out / "captions.jsonl").write_bytes(b"\n".join(lines))
+    caps = CaptionLines(str(out))
+    assert caps[0] == "a cat, sitting"
+    with pytest.raises(ValueError, match=f"{out / 'captions.jsonl'} is damaged: line 4 is not JSON .*re-run vitp-pack"):
+        caps[3]
