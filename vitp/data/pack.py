@@ -320,12 +320,14 @@ def write_metadata(out: Path, arrays: Dict[str, np.ndarray], captions: Optional[
                    classes: List[str], skipped: Dict[str, str], orientations: List[str],
                    text_store: Optional[str]) -> Dict[str, Any]:
     """Write a pack's files other than its shards into ``out``: ``samples.safetensors`` (``arrays``,
-    one entry per sample: the layout in :mod:`vitp.data.shards`), ``captions.jsonl`` and its line
-    offsets (``captions``: str or None per sample; None: no captions), the caption store (copied
-    from ``text_store``) and, last, the manifest (``shardlist``: ``{"url", "nsamples",
-    "filesize"}`` per shard). Returns the manifest."""
+    one entry per sample: the layout in :mod:`vitp.data.shards`; ``captioned`` is added when there
+    are captions), ``captions.jsonl`` and its line offsets (``captions``: str or None per sample;
+    None: no captions), the caption store (copied from ``text_store``) and, last, the manifest
+    (``shardlist``: ``{"url", "nsamples", "filesize"}`` per shard). Returns the manifest."""
     from safetensors.numpy import save_file
 
+    if captions is not None:  # which samples have one: read at start-up instead of the captions file
+        arrays = dict(arrays, captioned=np.asarray([c is not None for c in captions], dtype=np.uint8))
     save_file(arrays, str(out / SAMPLES))
     os.chmod(out / SAMPLES, 0o644)  # safetensors writes 0600: others on a shared file system read the pack too
     if captions is not None:

@@ -13,7 +13,8 @@ Layout of a packed data set (a local folder or an object-store prefix, ``data.sh
   ``heldout`` (the held-out split), ``height``/``width`` (pixels as displayed: bucket assignment),
   ``frames``/``fps`` (video: clip windows), ``heldout_from`` (video: the first held-out frame;
   0 = the whole file, ``frames`` = none), ``orientation`` (video: 0, or k for the manifest's
-  ``orientations[k - 1]``);
+  ``orientations[k - 1]``), ``captioned`` (with captions: 1 where the sample has one; packs
+  written before it are scanned for ``null`` lines instead);
 - ``captions.jsonl`` (one caption per sample: a JSON string or ``null``), ``captions.idx.npy``
   (int64 byte offsets of its lines, memory-mapped: a caption is read and parsed when its item asks;
   packs without it are scanned once per process) and ``text-embeddings/`` (the caption store of
@@ -53,7 +54,8 @@ FORMAT, VERSION = "vitp-shards", 1
 MANIFEST, SAMPLES, CAPTIONS, TEXT_STORE = "index.json", "samples.safetensors", "captions.jsonl", "text-embeddings"
 CAPTION_OFFSETS = "captions.idx.npy"  # int64 (n + 1,): where each line of captions.jsonl starts, then its size
 _ARRAYS = ("label", "heldout", "heldout_from", "height", "width", "frames", "fps", "orientation")  # samples.safetensors
-_SCAN = 1 << 24  # bytes per chunk when scanning captions.jsonl (bounds the scan's temporaries)
+_SCAN = 1 << 24
+_CHUNK = 1 << 16  # samples per chunk of the clip layout's float64 arithmetic  # bytes per chunk when scanning captions.jsonl (bounds the scan's temporaries)
 META_EXTS = ("cls", "txt", "json")  # a sample's files other than its media
 REMOTE_SCHEMES = ("s3", "http", "https", "gs")
 _LOGGED: set = set()  # shard_datasets' summary lines already logged
@@ -150,7 +152,7 @@ def _per_sample(url: str, captions: bool, manifest_sha1: str) -> Tuple[Dict[str,
                          f"(or copy {SAMPLES} from it again)") from None
     if missing:
         raise ValueError(f"{where} lacks the arrays {', '.join(missing)}; re-run vitp-pack to write the pack again")
-    return arrays, (CaptionLines(url) if captions else None)
+    return arrays, (CaptionLines(url, arrays.get("captioned")) if captions else None)
 
 
 def caption_offsets(buf: np.ndarray) -> np.ndarray:
@@ -179,15 +181,18 @@ class CaptionLines(Sequence):
     """The captions of a pack, ``captions[i]`` (str or None) parsed from line ``i`` of its
     ``captions.jsonl`` when asked: the file is memory-mapped (remote: held as bytes), the line
     offsets memory-mapped from :data:`CAPTION_OFFSETS` or, for packs written without it, found by
-    one scan. ``present`` is a bool array: which samples have a caption (found without parsing).
+    one scan. ``present`` is a bool array: which samples have a caption (``samples.safetensors``'s
+``captioned`` where the pack has it, else found in the file without parsing).
 
     Raises ``ValueError`` naming the file and the fix when it is cut short or does not parse
     (at start-up: a missing final newline or another line count than samples; on access: a line
     that is not a JSON string or null)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, captioned: Optional[np.ndarray] = None):
         self.url, self.where = url, join_url(url, CAPTIONS)
         self._buf = None
+        if captioned is not None:  # written by vitp-pack: the file's pages stay untouched at start-up
+            self.present = captioned.astype(bool)
         buf = self._bytes()
         offsets = None
         if not is_remote(url) and os.path.isfile(join_url(url, CAPTION_OFFSETS)):
@@ -295,9 +300,13 @@ class ShardIndex:
                 raise ValueError(f"{join_url(self.url, SAMPLES)}: {k} has {len(arrays[k])} entries but the shards "
                                  f"hold {n} samples; pack the data again")
             setattr(self, k, arrays[k])
+        if self.captions is not None and len(self.captions.present) != n:
+            raise ValueError(f"{join_url(self.url, SAMPLES)}: captioned has {len(self.captions.present)} entries but "
+                             f"the shards hold {n} samples; re-run vitp-pack to write the pack again")
         if self.captions is not None and len(self.captions) != n:
             raise self.captions._damaged(f"it has {len(self.captions)} lines but the shards hold {n} samples")
-        self.shard_of = np.repeat(np.arange(len(self.shards)), [s["nsamples"] for s in self.shards])
+        self.shard_of = np.repeat(np.arange(len(self.shards), dtype=_dtype(len(self.shards))),
+                                  [s["nsamples"] for s in self.shards])
         if check:
             self.check_shards()
 
@@ -531,6 +540,11 @@ class _KeptNames(Sequence):
         return self.names[int(self.sample_of_file[int(f)])]
 
 
+def _dtype(n: int) -> type:
+    """int32 for indices below ``n`` when they fit, else int64."""
+    return np.int32 if n < 2**31 else np.int64
+
+
 def _count_le(v: np.ndarray, n: np.ndarray, fps: np.ndarray) -> np.ndarray:
     """int64: how many of the frame times ``np.arange(n) / fps`` are ``<= v``, per sample, exactly
     as ``np.searchsorted(np.arange(n) / fps, v, side="right")`` counts them (the same float64
@@ -572,10 +586,18 @@ class ShardVideos(_Shards, VideoFolderDataset):
     def _find(self, files, class_per_file: bool) -> None:
         return None  # the samples are the manifest's (_build reads its arrays)
 
-    def _layout(self, n: np.ndarray, fps: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """int64 ``(last clip start, span of the clip at frame 0, longest span)`` per sample of ``n``
-        frames at ``fps`` (frames; last start < 0: too short), as ``_index_files`` finds them from the
-        times ``arange(n) / fps``."""
+    def _layout(self, frames: np.ndarray, fps: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int32 ``(last clip start, span of the clip at frame 0, longest span)`` per sample of
+        ``frames`` frames at ``fps`` (frames; last start < 0: too short), as ``_index_files`` finds
+        them from the times ``arange(frames) / fps``; in chunks, so temporaries stay a constant."""
+        out = np.zeros((3, len(frames)), dtype=np.int32)
+        for a in range(0, len(frames), _CHUNK):
+            got = self._layout_chunk(frames[a:a + _CHUNK].astype(np.int64), fps[a:a + _CHUNK].astype(np.float64))
+            out[:, a:a + _CHUNK] = got
+        return out[0], out[1], out[2]
+
+    def _layout_chunk(self, n: np.ndarray, fps: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_layout` of int64 frame counts ``n`` at float64 ``fps`` (int64 results)."""
         if self.fps is None:
             span = np.full(len(n), (self.num_frames - 1) * self.frame_stride + 1, dtype=np.int64)
             return n - span, span, span
@@ -595,48 +617,56 @@ class ShardVideos(_Shards, VideoFolderDataset):
 
     def _build(self, _sources: None) -> None:
         ix = self.index
-        n, fps = ix.frames.astype(np.int64), ix.fps.astype(np.float64)
-        last, span0, longest = self._layout(n, fps)
+        last, span0, longest = self._layout(ix.frames, ix.fps)
         names = _SampleNames(ix)
         for i in np.flatnonzero(last < 0):  # too short: said per sample, as for a folder
-            self._skip(names[i], self._too_short(np.arange(int(n[i])) / fps[i]), too_short=True)
+            self._skip(names[i], self._too_short(np.arange(int(ix.frames[i])) / float(ix.fps[i])), too_short=True)
         kept = np.flatnonzero(last >= 0)
         if not len(kept):
             raise ValueError(self._no_usable_video())
-        self.sample_of_file = kept
-        self._n, self._fps, self._last, self._span = n[kept], fps[kept], last[kept], longest[kept]
-        self._step = np.full(len(kept), self.clip_step, np.int64) if self.clip_step else span0[kept]
+        # int32 where values fit: a few bytes per sample and item at millions of them
+        self.sample_of_file = kept.astype(_dtype(len(ix)))
+        self._last, self._span = last[kept], longest[kept]
+        self._step = np.full(len(kept), self.clip_step, np.int32) if self.clip_step else span0[kept]
+        del last, span0, longest
         windows = self._last // self._step + 1
-        self.item_file = np.repeat(np.arange(len(kept)), windows)
-        first = np.concatenate([[0], np.cumsum(windows)[:-1]])
-        self.item_window = np.arange(len(self.item_file), dtype=np.int64) - first[self.item_file]
-        self._labels_of(ix.label[kept].astype(np.int64), ix.label.astype(np.int64))
+        total = int(windows.sum(dtype=np.int64))
+        self.item_file = np.repeat(np.arange(len(kept), dtype=_dtype(len(kept))), windows)
+        first = np.concatenate([[0], np.cumsum(windows, dtype=np.int64)[:-1]]).astype(_dtype(total))
+        self.item_window = np.arange(total, dtype=_dtype(total))
+        for a in range(0, total, _CHUNK):
+            self.item_window[a:a + _CHUNK] -= first[self.item_file[a:a + _CHUNK]]
+        self._labels_of(ix.label[kept], ix.label)
         self.files = _KeptNames(ix, kept)
 
     def _labels_of(self, kept_labels: np.ndarray, all_labels: np.ndarray) -> None:
         """``labels``, ``classes`` and ``dropped_classes`` as the folder dataset numbers them: classes
         in order of first appearance among the usable samples (a class left without one is dropped)."""
         def by_first_appearance(labels: np.ndarray) -> np.ndarray:
-            uniq, first = np.unique(labels, return_index=True)
-            return uniq[np.argsort(first)]
+            first = np.full(len(self.index.classes), len(labels), dtype=np.int64)
+            for a in range(0, len(labels), _CHUNK):  # chunks: np.unique's sort temporaries stay small
+                uniq, at = np.unique(labels[a:a + _CHUNK], return_index=True)
+                first[uniq] = np.minimum(first[uniq], at + a)
+            return np.argsort(first, kind="stable")[:int((first < len(labels)).sum())]
 
         order = by_first_appearance(kept_labels)
         number = np.full(len(self.index.classes), -1, dtype=np.int64)
         number[order] = np.arange(len(order))
-        per_file = number[kept_labels]
-        self.labels = per_file[self.item_file]
+        self.labels = np.empty(len(self.item_file), dtype=np.int64)
+        for a in range(0, len(self.labels), _CHUNK):
+            self.labels[a:a + _CHUNK] = number[kept_labels[self.item_file[a:a + _CHUNK]]]
         self.classes = [self.index.classes[int(c)] for c in order]
         used = set(order.tolist())
         self.dropped_classes = [self.index.classes[int(c)] for c in by_first_appearance(all_labels) if c not in used]
         for c in self.dropped_classes:
             log.warning(f"class {c} dropped: none of its videos is usable (their skips are listed above)")
 
-    def item_bounds(self) -> Tuple[np.ndarray, np.ndarray]:
-        """int64 ``(first frame of each item's eval clip, last frame any of its training clips can
-        touch)``: :meth:`clip_indices` ``(i, None)[1].min()`` and :meth:`item_frames` ``(i)[1][1]`` for
-        every item at once."""
-        f = self.item_file
-        start = self.item_window * self._step[f]
+    def item_bounds(self, items: slice = slice(None)) -> Tuple[np.ndarray, np.ndarray]:
+        """``(first frame of each item's eval clip, last frame any of its training clips can touch)``
+        of the ``items``: :meth:`clip_indices` ``(i, None)[1].min()`` and :meth:`item_frames`
+        ``(i)[1][1]`` for many items at once."""
+        f = self.item_file[items]
+        start = self.item_window[items] * self._step[f]
         return start, np.minimum(start + self._step[f] - 1, self._last[f]) + self._span[f] - 1
 
     def _window(self, f: int, w: int) -> Tuple[int, int, int, int]:
@@ -644,7 +674,8 @@ class ShardVideos(_Shards, VideoFolderDataset):
         return w * step, step, int(self._last[f]), int(self._span[f])
 
     def _file_times(self, f: int) -> np.ndarray:
-        return np.arange(int(self._n[f])) / self._fps[f]  # constant frame rate: frame k at k / fps
+        s = int(self.sample_of_file[f])  # constant frame rate: frame k at k / fps
+        return np.arange(int(self.index.frames[s])) / float(self.index.fps[s])
 
     def _file_pts(self, f: int) -> None:
         return None  # no timestamps in the manifest: files are decoded from the start
@@ -658,11 +689,14 @@ class ShardVideos(_Shards, VideoFolderDataset):
         return int(self.index.height[s]), int(self.index.width[s])
 
     def _decoded_bytes(self) -> int:
-        (H, W), s = self.size, self.sample_of_file
-        h, w = self.index.height[s].astype(np.float64), self.index.width[s].astype(np.float64)
-        scale = np.maximum(H / h, W / w)  # the cover resize's scale, as the folder dataset's sum
-        px = np.maximum(1, np.round(w * scale)).astype(np.int64) * np.maximum(1, np.round(h * scale)).astype(np.int64)
-        return int((self._n * px).sum()) * self.channels
+        (H, W), total = self.size, 0
+        for a in range(0, len(self.sample_of_file), _CHUNK):  # chunks: float64 temporaries stay small
+            s = self.sample_of_file[a:a + _CHUNK]
+            h, w = self.index.height[s].astype(np.float64), self.index.width[s].astype(np.float64)
+            scale = np.maximum(H / h, W / w)  # the cover resize's scale, as the folder dataset's sum
+            px = np.maximum(1, np.round(w * scale)).astype(np.int64) * np.maximum(1, np.round(h * scale)).astype(np.int64)
+            total += int((self.index.frames[s].astype(np.int64) * px).sum())
+        return total * self.channels
 
     def _source(self, f: int) -> Any:
         return io.BytesIO(media_of(self._sample(int(self.sample_of_file[f])))[1])
@@ -675,9 +709,13 @@ def _split(index: ShardIndex, base: Any, sample: np.ndarray) -> Tuple[np.ndarray
     if index.kind != "video":
         held = index.heldout[sample].astype(bool)
         return ~held, held
-    start = index.heldout_from[sample]
-    first, last = base.item_bounds()
-    return last < start, first >= start
+    train, held = np.zeros(len(sample), dtype=bool), np.zeros(len(sample), dtype=bool)
+    for a in range(0, len(sample), _CHUNK):  # chunks: the frame arithmetic's temporaries stay small
+        part = slice(a, a + _CHUNK)
+        start = index.heldout_from[sample[part]]
+        first, last = base.item_bounds(part)
+        train[part], held[part] = last < start, first >= start
+    return train, held
 
 
 def shard_datasets(cfg: Any) -> Tuple[KeyedSubset, KeyedSubset]:

@@ -417,6 +417,8 @@ def captioned(tmp_path_factory):
 
 
 def test_packed_captions_are_read_per_item_through_offsets(captioned, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
     from vitp.data.base import Picked
     from vitp.data.shards import CaptionLines
 
@@ -431,9 +433,12 @@ def test_packed_captions_are_read_per_item_through_offsets(captioned, tmp_path):
     lines_of = CaptionLines(str(out))
     assert lines_of.present.tolist() == [True, True, False, True, True, True]
     assert [lines_of[i] for i in range(6)] == [json.loads(x) for x in lines.decode().splitlines()]
-    copy = tmp_path / "old_pack"  # a pack written before the offsets file: scanned once
+    copy = tmp_path / "old_pack"  # a pack written before the offsets and flags: scanned once
     shutil.copytree(out, copy)
     (copy / "captions.idx.npy").unlink()
+    arrays = load_file(str(copy / "samples.safetensors"))
+    assert arrays.pop("captioned").tolist() == [1, 1, 0, 1, 1, 1]
+    save_file(arrays, str(copy / "samples.safetensors"))
     for where in (out, copy):
         got = _data(*packed[:-1], f"data.shards={where}")
         assert all(isinstance(ds.captions, Picked) for ds in got)  # nothing parsed up front
