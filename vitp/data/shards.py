@@ -243,10 +243,15 @@ class CaptionLines(Sequence):
         return out
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__, _buf=None)  # DataLoader workers map the file again
-        if not isinstance(self.offsets, np.ndarray) or isinstance(self.offsets, np.memmap):
-            state["offsets"] = np.asarray(self.offsets)
+        state = dict(self.__dict__, _buf=None)  # DataLoader workers map the files again
+        if isinstance(self.offsets, np.memmap):
+            state["offsets"] = None
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.offsets is None:
+            self.offsets = np.load(join_url(self.url, CAPTION_OFFSETS), mmap_mode="r")
 
 
 class ShardIndex:

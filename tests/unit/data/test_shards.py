@@ -2,6 +2,7 @@
 manifest, pack resume and refusals, damaged shards, the shard-local epoch order, CLI bad input."""
 import json
 import os
+import pickle
 import re
 import shutil
 import tarfile
@@ -433,6 +434,9 @@ def test_packed_captions_are_read_per_item_through_offsets(captioned, tmp_path):
     lines_of = CaptionLines(str(out))
     assert lines_of.present.tolist() == [True, True, False, True, True, True]
     assert [lines_of[i] for i in range(6)] == [json.loads(x) for x in lines.decode().splitlines()]
+    copied = pickle.loads(pickle.dumps(lines_of))  # as a DataLoader worker gets it: the files mapped again
+    assert isinstance(copied.offsets, np.memmap) and len(pickle.dumps(lines_of)) < 1000
+    assert [copied[i] for i in range(6)] == [lines_of[i] for i in range(6)]
     copy = tmp_path / "old_pack"  # a pack written before the offsets and flags: scanned once
     shutil.copytree(out, copy)
     (copy / "captions.idx.npy").unlink()
