@@ -512,6 +512,10 @@ class ShardImages(_Shards, FileDataset):
     def _file_of(self, index: int) -> int:
         return index
 
+    def native_sizes(self, items: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """int32 ``(h, w)`` of ``items`` as displayed (bucket assignment); None for the digits."""
+        return None if self.index.kind == "digits" else (self.index.height[items], self.index.width[items])
+
     def native_size(self, index: int) -> Optional[Tuple[int, int]]:
         """``(h, w)`` as displayed, from the manifest; None for the digits (rendered at any size)."""
         return None if self.index.kind == "digits" else (int(self.index.height[index]), int(self.index.width[index]))
@@ -687,6 +691,11 @@ class ShardVideos(_Shards, VideoFolderDataset):
 
     def _orientation_of(self, f: int) -> Optional[str]:
         return self.index.orientation_of(int(self.sample_of_file[f]))
+
+    def native_sizes(self, items: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """int32 ``(h, w)`` of the frames of ``items`` as players show them (bucket assignment)."""
+        s = self.sample_of_item[items]
+        return self.index.height[s], self.index.width[s]
 
     def native_size(self, index: int) -> Tuple[int, int]:
         """``(h, w)`` of the frames of item ``index`` as players show them, from the manifest."""
