@@ -567,6 +567,13 @@ def _count_le(v: np.ndarray, n: np.ndarray, fps: np.ndarray) -> np.ndarray:
         j = j - down + up
 
 
+# ShardVideos layouts by (manifest's frames array, clip settings): the data sets of each shape bucket
+# share one (the arrays are never written after the build); the frames array is held, so its id stays unique
+_LAYOUTS: Dict[tuple, tuple] = {}
+_LAYOUT_STATE = ("sample_of_file", "_last", "_span", "_step", "item_file", "item_window", "labels", "classes",
+                 "dropped_classes", "files", "sample_of_item", "skipped_files", "skip_reasons", "too_short_files")
+
+
 class ShardVideos(_Shards, VideoFolderDataset):
     """The clips of a packed video data set: each sample is one video file; its items are the clip
     windows :class:`~vitp.data.video.VideoFolderDataset` cuts from it, laid out from the manifest's
@@ -590,7 +597,6 @@ class ShardVideos(_Shards, VideoFolderDataset):
                              "shot boundaries); unset it or train from the video folder")
         self.index, self.cache_dir, self.lru = index, cache_dir, lru
         super().__init__(**clip)
-        self.sample_of_item = self.sample_of_file[self.item_file]
 
     def _find(self, files, class_per_file: bool) -> None:
         return None  # the samples are the manifest's (_build reads its arrays)
@@ -625,6 +631,19 @@ class ShardVideos(_Shards, VideoFolderDataset):
         return last, span0, longest
 
     def _build(self, _sources: None) -> None:
+        key = (id(self.index.frames), self.num_frames, self.frame_stride, self.fps, self.clip_step)
+        hit = _LAYOUTS.get(key)
+        if hit is not None and hit[0] is self.index.frames:  # another shape bucket of the same clips
+            self.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in hit[1].items()})
+            self.skip_reasons = dict(self.skip_reasons)
+            return
+        self._lay_out()
+        while len(_LAYOUTS) >= 4:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[key] = (self.index.frames, {k: getattr(self, k) for k in _LAYOUT_STATE})
+
+    def _lay_out(self) -> None:
+        """The items of the manifest's samples (:meth:`_build` without the memo)."""
         ix = self.index
         last, span0, longest = self._layout(ix.frames, ix.fps)
         names = _SampleNames(ix)
@@ -647,6 +666,7 @@ class ShardVideos(_Shards, VideoFolderDataset):
             self.item_window[a:a + _CHUNK] -= first[self.item_file[a:a + _CHUNK]]
         self._labels_of(ix.label[kept], ix.label)
         self.files = _KeptNames(ix, kept)
+        self.sample_of_item = self.sample_of_file[self.item_file]
 
     def _labels_of(self, kept_labels: np.ndarray, all_labels: np.ndarray) -> None:
         """``labels``, ``classes`` and ``dropped_classes`` as the folder dataset numbers them: classes

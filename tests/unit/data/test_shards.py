@@ -483,3 +483,18 @@ def test_a_caption_line_that_is_not_json_is_named_when_read(captioned, tmp_path)
     assert caps[0] == "a cat, sitting"
     with pytest.raises(ValueError, match=f"{out / 'captions.jsonl'} is damaged: line 4 is not JSON .*re-run vitp-pack"):
         caps[3]
+
+
+def test_shape_buckets_of_packed_videos_share_one_layout():
+    """The data sets of two buckets (same clip settings, other sizes) of one pack share the layout
+    arrays instead of each holding its own; another clip setting lays out anew."""
+    from vitp.data.shards import ShardVideos
+
+    index = _Manifest(np.arange(20, 80, 3), [24.0, 30.0] * 10, np.arange(20) % 2, ["a", "b"])
+    a, b = (ShardVideos(index, resolution=r, num_frames=8, fps=12.0, video_cache_mb=0) for r in (16, 32))
+    assert a.item_file is b.item_file and a.labels is b.labels and a.sample_of_item is b.sample_of_item
+    assert a.classes == b.classes and a.classes is not b.classes and len(a) == len(b) > 20
+    c = ShardVideos(index, resolution=16, num_frames=4, fps=12.0, video_cache_mb=0)
+    assert c.item_file is not a.item_file and len(c) > len(a)
+    fresh = _folder_of(index, resolution=32, num_frames=8, fps=12.0, video_cache_mb=0)
+    assert np.array_equal(b.item_window, fresh.item_window) and np.array_equal(b.labels, fresh.labels)
