@@ -54,8 +54,8 @@ FORMAT, VERSION = "vitp-shards", 1
 MANIFEST, SAMPLES, CAPTIONS, TEXT_STORE = "index.json", "samples.safetensors", "captions.jsonl", "text-embeddings"
 CAPTION_OFFSETS = "captions.idx.npy"  # int64 (n + 1,): where each line of captions.jsonl starts, then its size
 _ARRAYS = ("label", "heldout", "heldout_from", "height", "width", "frames", "fps", "orientation")  # samples.safetensors
-_SCAN = 1 << 24
-_CHUNK = 1 << 16  # samples per chunk of the clip layout's float64 arithmetic  # bytes per chunk when scanning captions.jsonl (bounds the scan's temporaries)
+_SCAN = 1 << 24  # bytes per chunk when scanning captions.jsonl (bounds the scan's temporaries)
+_CHUNK = 1 << 16  # samples / items per chunk of the start-up arithmetic (bounds its temporaries)
 META_EXTS = ("cls", "txt", "json")  # a sample's files other than its media
 REMOTE_SCHEMES = ("s3", "http", "https", "gs")
 _LOGGED: set = set()  # shard_datasets' summary lines already logged
@@ -182,7 +182,7 @@ class CaptionLines(Sequence):
     ``captions.jsonl`` when asked: the file is memory-mapped (remote: held as bytes), the line
     offsets memory-mapped from :data:`CAPTION_OFFSETS` or, for packs written without it, found by
     one scan. ``present`` is a bool array: which samples have a caption (``samples.safetensors``'s
-``captioned`` where the pack has it, else found in the file without parsing).
+    ``captioned`` where the pack has it, else found in the file without parsing).
 
     Raises ``ValueError`` naming the file and the fix when it is cut short or does not parse
     (at start-up: a missing final newline or another line count than samples; on access: a line
@@ -692,8 +692,8 @@ class ShardVideos(_Shards, VideoFolderDataset):
 
     def item_bounds(self, items: slice = slice(None)) -> Tuple[np.ndarray, np.ndarray]:
         """``(first frame of each item's eval clip, last frame any of its training clips can touch)``
-        of the ``items``: :meth:`clip_indices` ``(i, None)[1].min()`` and :meth:`item_frames`
-        ``(i)[1][1]`` for many items at once."""
+        of the ``items``: ``clip_indices(i, None)[1].min()`` and ``item_frames(i)[1][1]``
+        (:class:`~vitp.data.video.VideoFolderDataset`) for many items at once."""
         f = self.item_file[items]
         start = self.item_window[items] * self._step[f]
         return start, np.minimum(start + self._step[f] - 1, self._last[f]) + self._span[f] - 1
@@ -728,7 +728,8 @@ class ShardVideos(_Shards, VideoFolderDataset):
             s = self.sample_of_file[a:a + _CHUNK]
             h, w = self.index.height[s].astype(np.float64), self.index.width[s].astype(np.float64)
             scale = np.maximum(H / h, W / w)  # the cover resize's scale, as the folder dataset's sum
-            px = np.maximum(1, np.round(w * scale)).astype(np.int64) * np.maximum(1, np.round(h * scale)).astype(np.int64)
+            pw, ph = (np.maximum(1, np.round(side * scale)).astype(np.int64) for side in (w, h))
+            px = pw * ph
             total += int((self.index.frames[s].astype(np.int64) * px).sum())
         return total * self.channels
 

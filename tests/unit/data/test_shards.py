@@ -355,9 +355,12 @@ def _folder_of(index, **clip):
             return None
 
         def _build(self, _):
-            self._index_files([(f"mem#{i:09d}", index.classes[int(index.label[i])],
-                                {"ok": True, "num_frames": int(n), "times": (np.arange(n) / float(index.fps[i])).tolist(),
-                                 "pts": None, "fps": float(index.fps[i]), "width": 48, "height": 48, "orientation": None})
+            def probe(i, n):
+                rate = float(index.fps[i])
+                return {"ok": True, "num_frames": int(n), "times": (np.arange(n) / rate).tolist(), "pts": None,
+                        "fps": rate, "width": 48, "height": 48, "orientation": None}
+
+            self._index_files([(f"mem#{i:09d}", index.classes[int(index.label[i])], probe(i, n))
                                for i, n in enumerate(index.frames)])
     return Probed(**clip)
 
