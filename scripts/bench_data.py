@@ -37,6 +37,20 @@ not cold-disk numbers.
 
 Prints a table (median and min-max per metric, ratio shards / folder of the medians) and writes
 all runs and the summary as JSON with ``--out``.
+
+Start-up growth with the data set (issue 40)::
+
+    OMP_NUM_THREADS=1 python scripts/bench_data.py --startup 10000,100000,1000000 --kind video --captions --out F
+
+writes a synthetic pack of each size into ``--work`` (its metadata files with vitp-pack's own writer,
+:func:`vitp.data.pack.write_metadata`; the shards are sparse files of the listed sizes: start-up
+never opens them), then times ``build_datasets(cfg.data, seed)`` with ``data=shards`` (the training
+and held-out datasets, one process) in a fresh subprocess per size, and writes
+``{"startup": [{"samples", "build_s", "bytes_per_sample", ...}, ...]}``: ``bytes_per_sample`` is the
+peak RSS growth of the build (``VmHWM`` after it, reset with ``/proc/self/clear_refs`` just before,
+minus ``VmRSS`` before) over the samples, after one build of a 200-sample pack in the same process
+(imports and one-off set-up are not growth). Videos: 16-48 frames at 24, 25, 29.97 or 30 fps, clips of 8
+frames at stride 2, one file in ten held out; images: one in fifty held out.
 """
 from __future__ import annotations
 
@@ -334,6 +348,101 @@ def table(res: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+STARTUP_SHARD = 1000  # samples per synthetic shard
+STARTUP_RATES = (24.0, 25.0, 29.97, 30.0)
+
+
+def synthetic_pack(out: Path, n: int, kind: str, captions: bool) -> List[str]:
+    """Write a pack of ``n`` synthetic samples (``kind`` "image" or "video", 10 classes) into ``out``:
+    metadata with :func:`vitp.data.pack.write_metadata`, sparse shard files of the listed sizes.
+    Returns the overrides that train on it."""
+    import numpy as np
+
+    from vitp.data.pack import shard_name, write_metadata
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(n)
+    video = kind == "video"
+    label = rng.integers(0, IMAGE_CLASSES, n).astype(np.int64)
+    frames = rng.integers(16, 49, n).astype(np.int32) if video else np.ones(n, np.int32)
+    held = (np.arange(n) % (10 if video else 50)) == 0
+    arrays = {"label": label, "heldout": held.astype(np.uint8), "height": np.full(n, 32, np.int32),
+              "width": np.full(n, 48, np.int32), "frames": frames,
+              "fps": (np.asarray(STARTUP_RATES, np.float32)[np.arange(n) % 4] if video else np.zeros(n, np.float32)),
+              "heldout_from": np.where(held, 0, frames).astype(np.int32), "orientation": np.zeros(n, np.int8)}
+    shardlist = []
+    for k, a in enumerate(range(0, n, STARTUP_SHARD)):
+        size = 2048 * (min(n, a + STARTUP_SHARD) - a)  # what start-up stats: the pixels are never read
+        with open(out / shard_name(k), "wb") as f:
+            f.truncate(size)  # sparse
+        shardlist.append({"url": shard_name(k), "nsamples": min(n, a + STARTUP_SHARD) - a, "filesize": size})
+    caps = [f"a {'clip' if video else 'photo'} of class {c}, number {i}" if i % 97 else None
+            for i, c in enumerate(label.tolist())] if captions else None
+    classes = [f"class{c}" for c in range(IMAGE_CLASSES)]
+    write_metadata(out, arrays, caps, shardlist, cfg_data={"name": "synthetic"}, seed=0, per_shard=STARTUP_SHARD,
+                   kind=kind, classes=classes, skipped={}, orientations=[], text_store=None)
+    return _startup_overrides(out, kind)
+
+
+def _proc_kb(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def measure_startup(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """In this (fresh) process: ``build_datasets`` of the pack ``spec["overrides"]`` name; seconds and
+    the peak RSS growth it caused (bytes; ``VmHWM`` reset just before where the kernel allows)."""
+    from vitp.cli.overrides import compose_checked
+    from vitp.data import build_datasets
+
+    cfg = compose_checked(spec["overrides"])
+    build_datasets(compose_checked(spec["warmup"]).data, spec["seed"])  # imports and one-off set-up: not growth
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+    before = _proc_kb("VmRSS")
+    t0 = time.perf_counter()
+    train, held = build_datasets(cfg.data, spec["seed"])
+    build_s = time.perf_counter() - t0
+    growth = max(0, _proc_kb("VmHWM") - before) * 1024
+    return {"samples": spec["samples"], "build_s": build_s, "bytes_per_sample": growth / spec["samples"],
+            "peak_growth_mb": growth / 2**20, "train_items": len(train), "heldout_items": len(held)}
+
+
+def run_startup(a: argparse.Namespace, work: Path) -> Dict[str, Any]:
+    """``--startup``: a synthetic pack per size, each built in a fresh subprocess."""
+    rows, warm = [], work / f"startup_{a.kind}_warmup{'_captions' if a.captions else ''}"
+    if not (warm / "index.json").is_file():
+        synthetic_pack(warm, 200, a.kind, a.captions)
+    for n in a.startup:
+        out = work / f"startup_{a.kind}_{n}{'_captions' if a.captions else ''}"
+        if not (out / "index.json").is_file():
+            t0 = time.perf_counter()
+            synthetic_pack(out, n, a.kind, a.captions)
+            print(f"wrote a synthetic {a.kind} pack of {n} samples in {time.perf_counter() - t0:.1f} s", flush=True)
+        spec = {"overrides": _startup_overrides(out, a.kind), "warmup": _startup_overrides(warm, a.kind), "seed": 0,
+                "samples": n}
+        p = subprocess.run([sys.executable, __file__, "--startup-child", json.dumps(spec)], capture_output=True,
+                           text=True, timeout=a.timeout)
+        lines = [x for x in p.stdout.splitlines() if x.startswith(RESULT)]
+        if p.returncode or not lines:
+            raise RuntimeError(f"the start-up run of {n} samples failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+        rows.append(json.loads(lines[-1][len(RESULT):]))
+        r = rows[-1]
+        print(f"{n:>9} samples: build {r['build_s']:.2f} s, {r['bytes_per_sample']:.1f} bytes/sample "
+              f"({r['train_items']} training / {r['heldout_items']} held-out items)", flush=True)
+    return {"startup": rows, "kind": a.kind, "captions": a.captions,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count()}
+
+
+def _startup_overrides(out: Path, kind: str) -> List[str]:
+    """The overrides that build the synthetic pack at ``out``."""
+    over = ["data=shards", f"data.shards={out}", f"data.num_classes={IMAGE_CLASSES}", "data.resolution=32",
+            "data.channels=3"]
+    return over + (["data.num_frames=8", "data.frame_stride=2"] if kind == "video" else ["data.num_frames=1"])
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=Path("bench_data_work"), help="folder of the data sets (reused)")
@@ -354,7 +463,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-warm", action="store_true", help="skip video_folder_warm (probe index cached)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one case may run")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--startup", default=None, help="start-up mode: comma-separated pack sizes, e.g. 10000,100000")
+    p.add_argument("--kind", choices=("image", "video"), default="video", help="--startup: samples' kind")
+    p.add_argument("--captions", action="store_true", help="--startup: the packs have captions")
+    p.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.startup is not None:
+        try:
+            a.startup = [int(x) for x in a.startup.split(",")]
+        except ValueError:
+            p.error(f"--startup {a.startup}: use comma-separated sample counts, e.g. 10000,100000")
+        if min(a.startup) < 100:
+            p.error(f"--startup {a.startup}: use sizes of at least 100 samples")
     for k in ("images", "clips", "reps", "batches", "batch", "clip_batch", "gen_workers"):
         if getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')} {getattr(a, k)}: use a positive number")
@@ -369,8 +489,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if a.child is not None:
         print(RESULT + json.dumps(measure(json.loads(a.child))), flush=True)
         return {}
+    if a.startup_child is not None:
+        print(RESULT + json.dumps(measure_startup(json.loads(a.startup_child))), flush=True)
+        return {}
     work = a.work.expanduser().resolve()
     work.mkdir(parents=True, exist_ok=True)
+    if a.startup is not None:
+        res = run_startup(a, work)
+        if a.out is not None:
+            a.out.write_text(json.dumps(res, indent=1))
+        return res
     data = prepare(a, work)
     runs = []
     for rep in range(a.reps):

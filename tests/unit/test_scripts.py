@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -268,6 +269,29 @@ def test_bench_data_small(tmp_path):
         assert s[folder]["startup_s"]["min"] <= s[folder]["startup_s"]["median"] <= s[folder]["startup_s"]["max"]
         assert res["ratios_shards_over_folder"][kind]["samples_per_s"] == pytest.approx(
             s[shards]["samples_per_s"]["median"] / s[folder]["samples_per_s"]["median"])
+
+
+def test_bench_data_startup(tmp_path):
+    """``scripts/bench_data.py --startup``: synthetic captioned video packs of 1000 and 5000 samples
+    (sparse shards), the training and held-out items each build makes, its seconds and memory."""
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "startup.json"
+    _run(["scripts/bench_data.py", "--work", str(tmp_path / "work"), "--startup", "1000,5000", "--kind", "video",
+          "--captions", "--out", str(out)], tmp_path)
+    res = json.loads(out.read_text())
+    assert [r["samples"] for r in res["startup"]] == [1000, 5000] and res["captions"] is True
+    for r in res["startup"]:
+        pack = tmp_path / "work" / f"startup_video_{r['samples']}_captions"
+        a = load_file(str(pack / "samples.safetensors"))
+        windows = (a["frames"].astype(int) - 15) // 15 + 1  # 8 frames at stride 2 span 15; windows every 15
+        captioned = np.arange(r["samples"]) % 97 != 0
+        held = a["heldout_from"] == 0
+        assert (r["train_items"], r["heldout_items"]) == (windows[captioned & ~held].sum(),
+                                                          windows[captioned & held].sum())
+        assert sorted(p.stat().st_blocks for p in pack.glob("shard-*.tar"))[-1] == 0  # sparse: no pixels
+        assert 0 < r["build_s"] < 30 and 0 <= r["bytes_per_sample"] < 5000
+        assert r["peak_growth_mb"] == pytest.approx(r["bytes_per_sample"] * r["samples"] / 2**20)
 
 
 @pytest.mark.slow

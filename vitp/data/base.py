@@ -121,6 +121,20 @@ def runs(values: np.ndarray) -> np.ndarray:
     return np.diff(np.concatenate([[0], cuts, [len(values)]])).astype(np.int64)
 
 
+class Picked(Sequence):
+    """``values[indices[i]]`` on access: a view of a lazy sequence (e.g. a pack's captions,
+    :class:`vitp.data.shards.CaptionLines`) that makes nothing per item up front."""
+
+    def __init__(self, values: Sequence, indices: Sequence[int]):
+        self.values, self.indices = values, np.asarray(indices, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.values[int(self.indices[int(i)])]
+
+
 class KeyedSubset(KeyedDataset):
     """The items ``indices`` of ``base``; key ``(i, s)`` reads ``base[(indices[i], s)]``.
 
@@ -144,7 +158,10 @@ class KeyedSubset(KeyedDataset):
         self.labels = base.labels[self.indices]
         self.classes = base.classes
         captions = getattr(base, "captions", None)
-        self.captions = None if captions is None else [captions[i] for i in self.indices]
+        if captions is None or isinstance(captions, list):
+            self.captions = None if captions is None else [captions[i] for i in self.indices]
+        else:  # a lazy sequence (a pack's captions): stay lazy
+            self.captions = Picked(captions, self.indices)
         item_group = getattr(base, "item_group", None)
         self.groups = None if item_group is None else runs(np.asarray(item_group)[self.indices])
 

@@ -92,19 +92,33 @@ def bucket_datasets(cfg: Any, seed: int, build) -> List[Tuple[Any, Any]]:
         cfg_b = OmegaConf.merge(cfg, over) if isinstance(cfg, DictConfig) else replace(cfg, **over)
         pair = []
         for sub in build(cfg_b, seed):
-            native = getattr(sub.base, "native_size", lambda _i: None)
-            memo: dict = {}  # items share few sizes: assign each size once (a pack of millions starts fast)
-
-            def fits(j: int) -> bool:
-                size = native(j)
-                if size not in memo:
-                    memo[size] = i in assign(size, b.frames, buckets)
-                return memo[size]
-
-            keep = [k for k, j in enumerate(sub.indices) if fits(int(j))]
+            keep = _in_bucket(sub, i, b.frames, buckets)
             pair.append(KeyedSubset(sub.base, sub.indices[keep], eval_only=sub.eval_only))
         out.append(tuple(pair))
     return out
+
+
+def _in_bucket(sub: Any, i: int, frames: int, buckets: Sequence[Bucket]) -> np.ndarray:
+    """Positions in ``sub.indices`` of the items that :func:`assign` gives bucket ``i``. Items share
+    few sizes: each distinct size is assigned once; a base with ``native_sizes`` (packed data sets)
+    gives them as arrays, so no Python object is made per item."""
+    sizes = getattr(sub.base, "native_sizes", None)
+    hw = sizes(sub.indices) if sizes is not None else None
+    if hw is not None:  # one int64 key per (h, w): np.unique of rows (axis=0) is many times slower
+        distinct, which = np.unique(hw[0].astype(np.int64) << 32 | hw[1].astype(np.int64), return_inverse=True)
+        fits = np.asarray([i in assign((int(k >> 32), int(k & 0xFFFFFFFF)), frames, buckets) for k in distinct],
+                          dtype=bool)
+        return np.flatnonzero(fits[which.reshape(-1)]) if len(fits) else np.zeros(0, np.int64)
+    native = getattr(sub.base, "native_size", lambda _i: None)
+    memo: dict = {}
+
+    def fits_one(j: int) -> bool:
+        size = native(j)
+        if size not in memo:
+            memo[size] = i in assign(size, frames, buckets)
+        return memo[size]
+
+    return np.asarray([k for k, j in enumerate(sub.indices) if fits_one(int(j))], dtype=np.int64)
 
 
 class BucketSchedule:

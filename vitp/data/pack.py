@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from vitp.data.shards import CAPTIONS, FORMAT, MANIFEST, SAMPLES, TEXT_STORE, VERSION
+from vitp.data.shards import CAPTIONS, FORMAT, MANIFEST, SAMPLES, TEXT_STORE, VERSION, write_caption_offsets
 from vitp.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -295,9 +295,7 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
 def _finish(out: Path, cfg_data: dict, seed: int, per_shard: int, kind: str, classes: List[str],
             samples: List[Sample], skipped: Dict[str, str], jobs: list, sizes: Dict[int, int],
             text_store: Optional[str]) -> Dict[str, Any]:
-    """Write ``samples.safetensors``, ``captions.jsonl``, the caption store and, last, the manifest."""
-    from safetensors.numpy import save_file
-
+    """The per-sample arrays and captions of ``samples``, written by :func:`write_metadata`."""
     orientations = sorted({s.orientation for s in samples if s.orientation})
     arrays = {
         "label": np.asarray([s.label for s in samples], dtype=np.int64),
@@ -310,28 +308,47 @@ def _finish(out: Path, cfg_data: dict, seed: int, per_shard: int, kind: str, cla
         "orientation": np.asarray([orientations.index(s.orientation) + 1 if s.orientation else 0 for s in samples],
                                   dtype=np.int8),
     }
+    captions = [s.caption for s in samples] if any(s.caption is not None for s in samples) else None
+    shardlist = [{"url": shard_name(k), "nsamples": len(items), "filesize": sizes[k]} for _, k, items in jobs]
+    return write_metadata(out, arrays, captions, shardlist, cfg_data=cfg_data, seed=seed, per_shard=per_shard,
+                          kind=kind, classes=classes, skipped=skipped, orientations=orientations,
+                          text_store=text_store)
+
+
+def write_metadata(out: Path, arrays: Dict[str, np.ndarray], captions: Optional[Sequence[Optional[str]]],
+                   shardlist: List[Dict[str, Any]], *, cfg_data: dict, seed: int, per_shard: int, kind: str,
+                   classes: List[str], skipped: Dict[str, str], orientations: List[str],
+                   text_store: Optional[str]) -> Dict[str, Any]:
+    """Write a pack's files other than its shards into ``out``: ``samples.safetensors`` (``arrays``,
+    one entry per sample: the layout in :mod:`vitp.data.shards`; ``captioned`` is added when there
+    are captions), ``captions.jsonl`` and its line offsets (``captions``: str or None per sample;
+    None: no captions), the caption store (copied from ``text_store``) and, last, the manifest
+    (``shardlist``: ``{"url", "nsamples", "filesize"}`` per shard). Returns the manifest."""
+    from safetensors.numpy import save_file
+
+    if captions is not None:  # which samples have one: read at start-up instead of the captions file
+        arrays = dict(arrays, captioned=np.asarray([c is not None for c in captions], dtype=np.uint8))
     save_file(arrays, str(out / SAMPLES))
     os.chmod(out / SAMPLES, 0o644)  # safetensors writes 0600: others on a shared file system read the pack too
-    captioned = any(s.caption is not None for s in samples)
-    if captioned:
-        atomic_write_text(out / CAPTIONS, "".join(json.dumps(s.caption) + "\n" for s in samples))
+    if captions is not None:
+        atomic_write_text(out / CAPTIONS, "".join(json.dumps(c) + "\n" for c in captions))
+        write_caption_offsets(out / CAPTIONS)  # each line read on its own when training
     if text_store is not None:
         if (out / TEXT_STORE).exists():
             shutil.rmtree(out / TEXT_STORE)
         shutil.copytree(text_store, out / TEXT_STORE)
     manifest = {
-        "__kind__": "wids-shard-index-v1", "wids_version": 1, "name": out.name,
-        "shardlist": [{"url": shard_name(k), "nsamples": len(items), "filesize": sizes[k]} for _, k, items in jobs],
-        "vitp": _summary(cfg_data, seed, per_shard, kind, classes, samples, skipped, arrays, orientations,
-                         captioned, text_store is not None),
+        "__kind__": "wids-shard-index-v1", "wids_version": 1, "name": out.name, "shardlist": shardlist,
+        "vitp": _summary(cfg_data, seed, per_shard, kind, classes, range(len(arrays["label"])), skipped, arrays,
+                         orientations, captions is not None, text_store is not None),
     }
-    manifest["vitp"]["bytes"] = sum(sizes.values())
+    manifest["vitp"]["bytes"] = sum(s["filesize"] for s in shardlist)
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     (out / PROGRESS).unlink(missing_ok=True)
     return manifest
 
 
-def _summary(cfg_data: dict, seed: int, per_shard: int, kind: str, classes: List[str], samples: Sequence[Sample],
+def _summary(cfg_data: dict, seed: int, per_shard: int, kind: str, classes: List[str], samples: Sequence[Any],
              skipped: Dict[str, str], arrays: Dict[str, np.ndarray], orientations: List[str], captioned: bool,
              text: bool) -> Dict[str, Any]:
     """The manifest's ``vitp`` section: what was packed, counts, shapes, skips, the split."""

@@ -13,8 +13,11 @@ Layout of a packed data set (a local folder or an object-store prefix, ``data.sh
   ``heldout`` (the held-out split), ``height``/``width`` (pixels as displayed: bucket assignment),
   ``frames``/``fps`` (video: clip windows), ``heldout_from`` (video: the first held-out frame;
   0 = the whole file, ``frames`` = none), ``orientation`` (video: 0, or k for the manifest's
-  ``orientations[k - 1]``);
-- ``captions.jsonl`` (one caption per sample) and ``text-embeddings/`` (the caption store of
+  ``orientations[k - 1]``), ``captioned`` (with captions: 1 where the sample has one; packs
+  written before it are scanned for ``null`` lines instead);
+- ``captions.jsonl`` (one caption per sample: a JSON string or ``null``), ``captions.idx.npy``
+  (int64 byte offsets of its lines, memory-mapped: a caption is read and parsed when its item asks;
+  packs without it are scanned once per process) and ``text-embeddings/`` (the caption store of
   :mod:`vitp.text.store`) when the data set has captions.
 
 Samples are read with ``wids`` (``wids.ShardListDataset``, webdataset's random-access reader): it
@@ -34,20 +37,25 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlparse
 
 import numpy as np
 import torch
 
-from vitp.data.base import FileDataset, KeyedSubset, StorageError, wrapped
+from vitp.data.base import FileDataset, KeyedSubset, Picked, StorageError, wrapped
 from vitp.data.images import digits_tensor, load_image
 from vitp.data.video import VideoFolderDataset
+from vitp.utils import atomic_write
 
 log = logging.getLogger(__name__)
 
 FORMAT, VERSION = "vitp-shards", 1
 MANIFEST, SAMPLES, CAPTIONS, TEXT_STORE = "index.json", "samples.safetensors", "captions.jsonl", "text-embeddings"
+CAPTION_OFFSETS = "captions.idx.npy"  # int64 (n + 1,): where each line of captions.jsonl starts, then its size
+_ARRAYS = ("label", "heldout", "heldout_from", "height", "width", "frames", "fps", "orientation")  # samples.safetensors
+_SCAN = 1 << 24  # bytes per chunk when scanning captions.jsonl (bounds the scan's temporaries)
+_CHUNK = 1 << 16  # samples / items per chunk of the start-up arithmetic (bounds its temporaries)
 META_EXTS = ("cls", "txt", "json")  # a sample's files other than its media
 REMOTE_SCHEMES = ("s3", "http", "https", "gs")
 _LOGGED: set = set()  # shard_datasets' summary lines already logged
@@ -126,15 +134,124 @@ def _use_handlers() -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _per_sample(url: str, captions: bool, manifest_sha1: str) -> Tuple[Dict[str, np.ndarray], Optional[list]]:
-    """``samples.safetensors`` and ``captions.jsonl`` of the pack at ``url``, read once per process
-    and manifest (the data sets of each shape bucket open the same pack; remote: one download)."""
+def _per_sample(url: str, captions: bool, manifest_sha1: str) -> Tuple[Dict[str, np.ndarray], Optional["CaptionLines"]]:
+    """``samples.safetensors`` and the :class:`CaptionLines` of ``captions.jsonl`` of the pack at
+    ``url``, read once per process and manifest (the data sets of each shape bucket open the same
+    pack; remote: one download)."""
     from safetensors.numpy import load
 
-    arrays = load(read_bytes(join_url(url, SAMPLES)))
-    if not captions:
-        return arrays, None
-    return arrays, [json.loads(line) for line in read_bytes(join_url(url, CAPTIONS)).decode().splitlines()]
+    where = join_url(url, SAMPLES)
+    try:
+        arrays = load(read_bytes(where))
+        missing = [k for k in _ARRAYS if k not in arrays]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where} is missing; re-run vitp-pack to write the pack again (or copy {SAMPLES} "
+                                f"from it again)") from None
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a damaged file
+        raise ValueError(f"{where} is damaged ({type(e).__name__}: {e}); re-run vitp-pack to write the pack again "
+                         f"(or copy {SAMPLES} from it again)") from None
+    if missing:
+        raise ValueError(f"{where} lacks the arrays {', '.join(missing)}; re-run vitp-pack to write the pack again")
+    return arrays, (CaptionLines(url, arrays.get("captioned")) if captions else None)
+
+
+def caption_offsets(buf: np.ndarray) -> np.ndarray:
+    """int64 ``(lines + 1,)``: the byte where each line of the uint8 text ``buf`` starts, then
+    ``len(buf)`` (a last line without its newline counts as a line). Scanned in chunks: the
+    temporaries stay a few bytes per line plus :data:`_SCAN`."""
+    ends = [np.flatnonzero(buf[a:a + _SCAN] == ord("\n")) + (a + 1) for a in range(0, len(buf), _SCAN)]
+    ends = np.concatenate([np.zeros(1, np.int64), *ends]).astype(np.int64)
+    return ends if ends[-1] == len(buf) else np.append(ends, len(buf))
+
+
+def write_caption_offsets(jsonl: Union[str, Path]) -> Path:
+    """Write :data:`CAPTION_OFFSETS` next to the captions file ``jsonl`` (what ``vitp-pack`` does);
+    returns its path."""
+    jsonl = Path(jsonl)
+    out = jsonl.parent / CAPTION_OFFSETS
+    buf = np.memmap(jsonl, dtype=np.uint8, mode="r") if jsonl.stat().st_size else np.zeros(0, np.uint8)
+    with atomic_write(out) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, caption_offsets(buf))
+    os.chmod(out, 0o644)
+    return out
+
+
+class CaptionLines(Sequence):
+    """The captions of a pack, ``captions[i]`` (str or None) parsed from line ``i`` of its
+    ``captions.jsonl`` when asked: the file is memory-mapped (remote: held as bytes), the line
+    offsets memory-mapped from :data:`CAPTION_OFFSETS` or, for packs written without it, found by
+    one scan. ``present`` is a bool array: which samples have a caption (``samples.safetensors``'s
+    ``captioned`` where the pack has it, else found in the file without parsing).
+
+    Raises ``ValueError`` naming the file and the fix when it is cut short or does not parse
+    (at start-up: a missing final newline or another line count than samples; on access: a line
+    that is not a JSON string or null)."""
+
+    def __init__(self, url: str, captioned: Optional[np.ndarray] = None):
+        self.url, self.where = url, join_url(url, CAPTIONS)
+        self._buf = None
+        if captioned is not None:  # written by vitp-pack: the file's pages stay untouched at start-up
+            self.present = captioned.astype(bool)
+        buf = self._bytes()
+        offsets = None
+        if not is_remote(url) and os.path.isfile(join_url(url, CAPTION_OFFSETS)):
+            offsets = np.load(join_url(url, CAPTION_OFFSETS), mmap_mode="r")
+            if len(offsets) < 1 or offsets[-1] != len(buf):
+                offsets = None  # written for another captions file: scan this one
+        self.offsets = caption_offsets(buf) if offsets is None else offsets
+        if len(buf) and buf[-1] != ord("\n"):
+            raise self._damaged(f"it ends inside line {len(self)} (cut short)")
+
+    def _bytes(self) -> np.ndarray:
+        if self._buf is None:
+            if is_remote(self.url):
+                self._buf = np.frombuffer(read_bytes(self.where), dtype=np.uint8)
+            elif os.path.getsize(self.where):
+                self._buf = np.memmap(self.where, dtype=np.uint8, mode="r")
+            else:
+                self._buf = np.zeros(0, np.uint8)
+        return self._buf
+
+    def _damaged(self, why: str) -> ValueError:
+        return ValueError(f"{self.where} is damaged: {why}; re-run vitp-pack to write the pack again "
+                          f"(or copy {CAPTIONS} from it again)")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> Optional[str]:
+        i = int(i)
+        line = bytes(self._bytes()[int(self.offsets[i]):int(self.offsets[i + 1])])
+        try:
+            caption = json.loads(line)
+        except ValueError as e:
+            raise self._damaged(f"line {i + 1} is not JSON ({e})") from None
+        if caption is not None and not isinstance(caption, str):
+            raise self._damaged(f"line {i + 1} holds a {type(caption).__name__}, not a caption")
+        return caption
+
+    @functools.cached_property
+    def present(self) -> np.ndarray:
+        """bool ``(len,)``: whether sample ``i`` has a caption (its line is not ``null``)."""
+        buf, out = self._bytes(), np.ones(len(self), dtype=bool)
+        for a in range(0, len(self), 1 << 20):  # chunks: a few bytes per line of temporaries
+            start = np.asarray(self.offsets[a:a + (1 << 20) + 1], dtype=np.int64)
+            short = np.flatnonzero(np.diff(start) == 5)  # "null\n"
+            head = buf[start[short][:, None] + np.arange(4)] if len(short) else np.zeros((0, 4), np.uint8)
+            out[a + short[(head == np.frombuffer(b"null", np.uint8)).all(axis=1)]] = False
+        return out
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__, _buf=None)  # DataLoader workers map the files again
+        if isinstance(self.offsets, np.memmap):
+            state["offsets"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.offsets is None:
+            self.offsets = np.load(join_url(self.url, CAPTION_OFFSETS), mmap_mode="r")
 
 
 class ShardIndex:
@@ -143,7 +260,8 @@ class ShardIndex:
     Attributes: ``url`` (the folder / prefix), ``shards`` (wids shard list with absolute URLs),
     ``meta`` (the manifest's ``vitp`` section), ``kind`` (``"image"``, ``"digits"``, ``"video"``),
     ``classes``, the arrays ``label``, ``heldout``, ``heldout_from``, ``height``, ``width``, ``frames``, ``fps``,
-    ``orientation`` (one entry per sample), ``shard_of`` (shard number of each sample), ``captions`` (list or None).
+    ``orientation`` (one entry per sample), ``shard_of`` (shard number of each sample), ``captions``
+    (:class:`CaptionLines` or None).
 
     Raises
     ------
@@ -151,7 +269,9 @@ class ShardIndex:
         No manifest at ``url`` (names the URL and ``vitp-pack``), or a shard missing or of another
         size than packed (local folders and ``s3://``: names the shard).
     ValueError
-        A manifest of another format or version, or arrays that disagree with the shard list.
+        A manifest of another format or version, or arrays that disagree with the shard list; a
+        damaged ``index.json``, ``samples.safetensors`` or ``captions.jsonl`` (one line naming the
+        file and the fix: re-run ``vitp-pack``).
     """
 
     def __init__(self, url: str, check: bool = True):
@@ -164,23 +284,34 @@ class ShardIndex:
             raise FileNotFoundError(f"no packed data set at data.shards={url} ({e}); write one with "
                                     f"vitp-pack OUT <data overrides> and set data.shards=OUT") from None
         except ValueError as e:
-            raise ValueError(f"{where} is not a JSON manifest ({e}); pack the data again with vitp-pack") from None
+            raise ValueError(f"{where} is not a JSON manifest ({e}): it is damaged; re-run vitp-pack to write the "
+                             f"pack again") from None
         except StorageError as e:
             raise StorageError(f"data.shards={url}: {e}") from None
-        meta = spec.get("vitp", {})
+        meta = spec.get("vitp", {}) if isinstance(spec, dict) else {}
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise ValueError(f"{where} is not a {FORMAT} v{VERSION} manifest (format={meta.get('format')!r}, "
                              f"version={meta.get('version')!r}); pack the data with this vitp's vitp-pack")
-        self.meta, self.kind, self.classes = meta, meta["kind"], list(meta["classes"])
-        self.shards = [dict(s, url=join_url(self.url, s["url"])) for s in spec["shardlist"]]
+        try:
+            self.meta, self.kind, self.classes = meta, meta["kind"], list(meta["classes"])
+            self.shards = [dict(s, url=join_url(self.url, s["url"])) for s in spec["shardlist"]]
+            n = sum(int(s["nsamples"]) for s in self.shards)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where} is damaged (no usable {e} entry); re-run vitp-pack to write the pack "
+                             f"again") from None
         arrays, self.captions = _per_sample(self.url, bool(meta.get("captions")), hashlib.sha1(raw).hexdigest())
-        n = sum(s["nsamples"] for s in self.shards)
-        for k in ("label", "heldout", "heldout_from", "height", "width", "frames", "fps", "orientation"):
+        for k in _ARRAYS:
             if len(arrays[k]) != n:
                 raise ValueError(f"{join_url(self.url, SAMPLES)}: {k} has {len(arrays[k])} entries but the shards "
                                  f"hold {n} samples; pack the data again")
             setattr(self, k, arrays[k])
-        self.shard_of = np.repeat(np.arange(len(self.shards)), [s["nsamples"] for s in self.shards])
+        if self.captions is not None and len(self.captions.present) != n:
+            raise ValueError(f"{join_url(self.url, SAMPLES)}: captioned has {len(self.captions.present)} entries but "
+                             f"the shards hold {n} samples; re-run vitp-pack to write the pack again")
+        if self.captions is not None and len(self.captions) != n:
+            raise self.captions._damaged(f"it has {len(self.captions)} lines but the shards hold {n} samples")
+        self.shard_of = np.repeat(np.arange(len(self.shards), dtype=_dtype(len(self.shards))),
+                                  [s["nsamples"] for s in self.shards])
         if check:
             self.check_shards()
 
@@ -381,6 +512,10 @@ class ShardImages(_Shards, FileDataset):
     def _file_of(self, index: int) -> int:
         return index
 
+    def native_sizes(self, items: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """int32 ``(h, w)`` of ``items`` as displayed (bucket assignment); None for the digits."""
+        return None if self.index.kind == "digits" else (self.index.height[items], self.index.width[items])
+
     def native_size(self, index: int) -> Optional[Tuple[int, int]]:
         """``(h, w)`` as displayed, from the manifest; None for the digits (rendered at any size)."""
         return None if self.index.kind == "digits" else (int(self.index.height[index]), int(self.index.width[index]))
@@ -401,11 +536,54 @@ class ShardImages(_Shards, FileDataset):
         return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1))).unsqueeze(1)
 
 
+class _KeptNames(Sequence):
+    """``files`` of :class:`ShardVideos`: the name of the sample behind file ``f``, made on demand."""
+
+    def __init__(self, index: ShardIndex, sample_of_file: np.ndarray):
+        self.names, self.sample_of_file = _SampleNames(index), sample_of_file
+
+    def __len__(self) -> int:
+        return len(self.sample_of_file)
+
+    def __getitem__(self, f: int) -> str:
+        return self.names[int(self.sample_of_file[int(f)])]
+
+
+def _dtype(n: int) -> type:
+    """int32 for indices below ``n`` when they fit, else int64."""
+    return np.int32 if n < 2**31 else np.int64
+
+
+def _count_le(v: np.ndarray, n: np.ndarray, fps: np.ndarray) -> np.ndarray:
+    """int64: how many of the frame times ``np.arange(n) / fps`` are ``<= v``, per sample, exactly
+    as ``np.searchsorted(np.arange(n) / fps, v, side="right")`` counts them (the same float64
+    divisions), without making the times: an estimate from ``v * fps`` corrected by +-1 steps."""
+    j = np.clip(np.floor(v * fps).astype(np.int64) + 1, 0, n)
+    while True:
+        down = (j > 0) & ((j - 1) / fps > v)
+        up = ~down & (j < n) & (j / fps <= v)
+        if not (down.any() or up.any()):
+            return j
+        j = j - down + up
+
+
+# ShardVideos layouts by (manifest's frames array, clip settings): the data sets of each shape bucket
+# share one (the arrays are never written after the build); the frames array is held, so its id stays unique
+_LAYOUTS: Dict[tuple, tuple] = {}
+_LAYOUT_STATE = ("sample_of_file", "_last", "_span", "_step", "item_file", "item_window", "labels", "classes",
+                 "dropped_classes", "files", "sample_of_item", "skipped_files", "skip_reasons", "too_short_files")
+
+
 class ShardVideos(_Shards, VideoFolderDataset):
     """The clips of a packed video data set: each sample is one video file; its items are the clip
     windows :class:`~vitp.data.video.VideoFolderDataset` cuts from it, laid out from the manifest's
     frame count and frame rate (frame ``k`` at ``k / fps``: exact for constant-frame-rate video) and
     decoded from the sample's bytes. ``sample_of_item[i]`` is the sample of item ``i``.
+
+    The layout is numpy arrays computed from the manifest's per-sample arrays (per usable sample:
+    frames, fps, window step, last clip start, longest clip span; per item: file and window), the
+    same items and windows the folder dataset makes from the per-frame times, which are computed
+    when an item is read (``k / fps``), never stored.
 
     Parameters: ``index`` and the clip settings of :class:`~vitp.data.video.VideoFolderDataset`.
 
@@ -419,23 +597,141 @@ class ShardVideos(_Shards, VideoFolderDataset):
                              "shot boundaries); unset it or train from the video folder")
         self.index, self.cache_dir, self.lru = index, cache_dir, lru
         super().__init__(**clip)
-        self.sample_of_file = np.asarray([self._sample_of_name[f] for f in self.files], dtype=np.int64)
+
+    def _find(self, files, class_per_file: bool) -> None:
+        return None  # the samples are the manifest's (_build reads its arrays)
+
+    def _layout(self, frames: np.ndarray, fps: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int32 ``(last clip start, span of the clip at frame 0, longest span)`` per sample of
+        ``frames`` frames at ``fps`` (frames; last start < 0: too short), as ``_index_files`` finds
+        them from the times ``arange(frames) / fps``; in chunks, so temporaries stay a constant."""
+        out = np.zeros((3, len(frames)), dtype=np.int32)
+        for a in range(0, len(frames), _CHUNK):
+            got = self._layout_chunk(frames[a:a + _CHUNK].astype(np.int64), fps[a:a + _CHUNK].astype(np.float64))
+            out[:, a:a + _CHUNK] = got
+        return out[0], out[1], out[2]
+
+    def _layout_chunk(self, n: np.ndarray, fps: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_layout` of int64 frame counts ``n`` at float64 ``fps`` (int64 results)."""
+        if self.fps is None:
+            span = np.full(len(n), (self.num_frames - 1) * self.frame_stride + 1, dtype=np.int64)
+            return n - span, span, span
+        reach = (self.num_frames - 1) / self.fps
+        last = _count_le((n - 1) / fps - reach + 1e-6, n, fps) - 1
+        span0 = _count_le(np.full(len(n), reach) + 1e-6, n, fps)  # the clip at frame 0 (time 0.0)
+        at_last = _count_le(np.maximum(last, 0) / fps + reach + 1e-6, n, fps) - np.maximum(last, 0)
+        # a span is the same at every start unless fps * reach sits within rounding of an integer
+        x = fps * (reach + 1e-6)
+        odd = (np.abs(x - np.round(x)) < 1e-7) | (at_last != span0)
+        longest = span0.copy()
+        for i in np.flatnonzero(odd & (last >= 0)):  # rare: every start's span, as the folder dataset does
+            times, starts = np.arange(int(n[i])) / fps[i], np.arange(int(last[i]) + 1)
+            spans = self._clip_offsets(times, starts)[:, -1] - starts + 1
+            span0[i], longest[i] = spans[0], spans.max()
+        return last, span0, longest
+
+    def _build(self, _sources: None) -> None:
+        key = (id(self.index.frames), self.num_frames, self.frame_stride, self.fps, self.clip_step)
+        hit = _LAYOUTS.get(key)
+        if hit is not None and hit[0] is self.index.frames:  # another shape bucket of the same clips
+            self.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in hit[1].items()})
+            self.skip_reasons = dict(self.skip_reasons)
+            return
+        self._lay_out()
+        while len(_LAYOUTS) >= 4:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[key] = (self.index.frames, {k: getattr(self, k) for k in _LAYOUT_STATE})
+
+    def _lay_out(self) -> None:
+        """The items of the manifest's samples (:meth:`_build` without the memo)."""
+        ix = self.index
+        last, span0, longest = self._layout(ix.frames, ix.fps)
+        names = _SampleNames(ix)
+        for i in np.flatnonzero(last < 0):  # too short: said per sample, as for a folder
+            self._skip(names[i], self._too_short(np.arange(int(ix.frames[i])) / float(ix.fps[i])), too_short=True)
+        kept = np.flatnonzero(last >= 0)
+        if not len(kept):
+            raise ValueError(self._no_usable_video())
+        # int32 where values fit: a few bytes per sample and item at millions of them
+        self.sample_of_file = kept.astype(_dtype(len(ix)))
+        self._last, self._span = last[kept], longest[kept]
+        self._step = np.full(len(kept), self.clip_step, np.int32) if self.clip_step else span0[kept]
+        del last, span0, longest
+        windows = self._last // self._step + 1
+        total = int(windows.sum(dtype=np.int64))
+        self.item_file = np.repeat(np.arange(len(kept), dtype=_dtype(len(kept))), windows)
+        first = np.concatenate([[0], np.cumsum(windows, dtype=np.int64)[:-1]]).astype(_dtype(total))
+        self.item_window = np.arange(total, dtype=_dtype(total))
+        for a in range(0, total, _CHUNK):
+            self.item_window[a:a + _CHUNK] -= first[self.item_file[a:a + _CHUNK]]
+        self._labels_of(ix.label[kept], ix.label)
+        self.files = _KeptNames(ix, kept)
         self.sample_of_item = self.sample_of_file[self.item_file]
 
-    def _find(self, files, class_per_file: bool) -> List[Tuple[str, str]]:
-        names = _SampleNames(self.index)
-        self._sample_of_name = {names[i]: i for i in range(len(self.index))}  # files the build keeps -> samples
-        return [(names[i], self.index.classes[int(self.index.label[i])]) for i in range(len(self.index))]
+    def _labels_of(self, kept_labels: np.ndarray, all_labels: np.ndarray) -> None:
+        """``labels``, ``classes`` and ``dropped_classes`` as the folder dataset numbers them: classes
+        in order of first appearance among the usable samples (a class left without one is dropped)."""
+        def by_first_appearance(labels: np.ndarray) -> np.ndarray:
+            first = np.full(len(self.index.classes), len(labels), dtype=np.int64)
+            for a in range(0, len(labels), _CHUNK):  # chunks: np.unique's sort temporaries stay small
+                uniq, at = np.unique(labels[a:a + _CHUNK], return_index=True)
+                first[uniq] = np.minimum(first[uniq], at + a)
+            return np.argsort(first, kind="stable")[:int((first < len(labels)).sum())]
 
-    def _build(self, sources: List[Tuple[str, str]]) -> None:
-        ix = self.index
-        entries = []
-        for i, (name, cls) in enumerate(sources):
-            n, fps = int(ix.frames[i]), float(ix.fps[i])
-            entries.append((name, cls, {"ok": True, "num_frames": n, "times": (np.arange(n) / fps).tolist(),
-                                        "pts": None, "fps": fps, "width": int(ix.width[i]),
-                                        "height": int(ix.height[i]), "orientation": ix.orientation_of(i)}))
-        self._index_files(entries)
+        order = by_first_appearance(kept_labels)
+        number = np.full(len(self.index.classes), -1, dtype=np.int64)
+        number[order] = np.arange(len(order))
+        self.labels = np.empty(len(self.item_file), dtype=np.int64)
+        for a in range(0, len(self.labels), _CHUNK):
+            self.labels[a:a + _CHUNK] = number[kept_labels[self.item_file[a:a + _CHUNK]]]
+        self.classes = [self.index.classes[int(c)] for c in order]
+        used = set(order.tolist())
+        self.dropped_classes = [self.index.classes[int(c)] for c in by_first_appearance(all_labels) if c not in used]
+        for c in self.dropped_classes:
+            log.warning(f"class {c} dropped: none of its videos is usable (their skips are listed above)")
+
+    def item_bounds(self, items: slice = slice(None)) -> Tuple[np.ndarray, np.ndarray]:
+        """``(first frame of each item's eval clip, last frame any of its training clips can touch)``
+        of the ``items``: ``clip_indices(i, None)[1].min()`` and ``item_frames(i)[1][1]``
+        (:class:`~vitp.data.video.VideoFolderDataset`) for many items at once."""
+        f = self.item_file[items]
+        start = self.item_window[items] * self._step[f]
+        return start, np.minimum(start + self._step[f] - 1, self._last[f]) + self._span[f] - 1
+
+    def _window(self, f: int, w: int) -> Tuple[int, int, int, int]:
+        step = int(self._step[f])
+        return w * step, step, int(self._last[f]), int(self._span[f])
+
+    def _file_times(self, f: int) -> np.ndarray:
+        s = int(self.sample_of_file[f])  # constant frame rate: frame k at k / fps
+        return np.arange(int(self.index.frames[s])) / float(self.index.fps[s])
+
+    def _file_pts(self, f: int) -> None:
+        return None  # no timestamps in the manifest: files are decoded from the start
+
+    def _orientation_of(self, f: int) -> Optional[str]:
+        return self.index.orientation_of(int(self.sample_of_file[f]))
+
+    def native_sizes(self, items: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """int32 ``(h, w)`` of the frames of ``items`` as players show them (bucket assignment)."""
+        s = self.sample_of_item[items]
+        return self.index.height[s], self.index.width[s]
+
+    def native_size(self, index: int) -> Tuple[int, int]:
+        """``(h, w)`` of the frames of item ``index`` as players show them, from the manifest."""
+        s = int(self.sample_of_item[index])
+        return int(self.index.height[s]), int(self.index.width[s])
+
+    def _decoded_bytes(self) -> int:
+        (H, W), total = self.size, 0
+        for a in range(0, len(self.sample_of_file), _CHUNK):  # chunks: float64 temporaries stay small
+            s = self.sample_of_file[a:a + _CHUNK]
+            h, w = self.index.height[s].astype(np.float64), self.index.width[s].astype(np.float64)
+            scale = np.maximum(H / h, W / w)  # the cover resize's scale, as the folder dataset's sum
+            pw, ph = (np.maximum(1, np.round(side * scale)).astype(np.int64) for side in (w, h))
+            px = pw * ph
+            total += int((self.index.frames[s].astype(np.int64) * px).sum())
+        return total * self.channels
 
     def _source(self, f: int) -> Any:
         return io.BytesIO(media_of(self._sample(int(self.sample_of_file[f])))[1])
@@ -448,10 +744,13 @@ def _split(index: ShardIndex, base: Any, sample: np.ndarray) -> Tuple[np.ndarray
     if index.kind != "video":
         held = index.heldout[sample].astype(bool)
         return ~held, held
-    start = index.heldout_from[sample]
-    last = np.asarray([base.item_frames(i)[1][1] for i in range(len(base))], dtype=np.int64)
-    first = np.asarray([int(base.clip_indices(i, None)[1].min()) for i in range(len(base))], dtype=np.int64)
-    return last < start, first >= start
+    train, held = np.zeros(len(sample), dtype=bool), np.zeros(len(sample), dtype=bool)
+    for a in range(0, len(sample), _CHUNK):  # chunks: the frame arithmetic's temporaries stay small
+        part = slice(a, a + _CHUNK)
+        start = index.heldout_from[sample[part]]
+        first, last = base.item_bounds(part)
+        train[part], held[part] = last < start, first >= start
+    return train, held
 
 
 def shard_datasets(cfg: Any) -> Tuple[KeyedSubset, KeyedSubset]:
@@ -484,12 +783,12 @@ def shard_datasets(cfg: Any) -> Tuple[KeyedSubset, KeyedSubset]:
         sample = np.arange(len(index))
         base.item_group = index.shard_of
     if index.captions is not None:
-        base.captions = [index.captions[int(s)] for s in sample]
+        base.captions = Picked(index.captions, sample)  # parsed when an item asks
     train, held = _split(index, base, sample)
     out = []
     for idx, eval_only in ((np.flatnonzero(train), False), (np.flatnonzero(held), True)):
         if index.captions is not None:
-            idx = idx[np.asarray([base.captions[i] is not None for i in idx], dtype=bool)] if len(idx) else idx
+            idx = idx[index.captions.present[sample[idx]]]
         out.append(KeyedSubset(base, idx, eval_only=eval_only))
     if not len(out[0]):
         raise ValueError(f"the packed data at {cfg.shards} has no training sample")

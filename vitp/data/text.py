@@ -251,7 +251,9 @@ def grid_prompts(cfg: Any, datasets: Sequence[Any]) -> List[str]:
     seen: dict = {}
     for ds in datasets:
         for c in getattr(ds, "captions", None) or []:
-            if c and len(seen) < rows:
+            if len(seen) >= rows:
+                break  # a pack's captions are parsed when read: read no more than needed
+            if c:
                 seen.setdefault(c, None)
     return list(seen)
 

@@ -467,18 +467,34 @@ class VideoFolderDataset(FileDataset):
         ``train=False``) gives the window start; an int draws the start uniformly from
         ``[window start, window start + step)``, clipped to the last valid start."""
         f, w = int(self.item_file[index]), int(self.item_window[index])
-        starts, step, last_starts, _ = self._windows[f]
-        start = int(starts[w])
+        start, step, last_start, _ = self._window(f, w)
         if aug_seed is not None and self.train:
-            hi = min(start + step - 1, int(last_starts[w]))
+            hi = min(start + step - 1, last_start)
             start = int(np.random.default_rng([aug_seed % 2**64, 17]).integers(start, hi + 1))
-        return f, self._clip_offsets(self._times[f], np.asarray([start]))[0]
+        return f, self._clip_offsets(self._file_times(f), np.asarray([start]))[0]
 
     def item_frames(self, index: int) -> Tuple[int, int]:
         """``(file number, [first, last] source frame)`` any training clip of ``index`` can touch (inclusive)."""
         f, w = int(self.item_file[index]), int(self.item_window[index])
+        start, step, last_start, span = self._window(f, w)
+        return f, (start, min(start + step - 1, last_start) + span - 1)
+
+    def _window(self, f: int, w: int) -> Tuple[int, int, int, int]:
+        """``(start, step, last valid start, longest clip span)`` of window ``w`` of file ``f`` (frames)."""
         starts, step, last_starts, span = self._windows[f]
-        return f, (int(starts[w]), min(int(starts[w]) + step - 1, int(last_starts[w])) + span - 1)
+        return int(starts[w]), step, int(last_starts[w]), span
+
+    def _file_times(self, f: int) -> np.ndarray:
+        """float64 ``(n,)``: seconds from the first frame of each frame of file ``f``."""
+        return self._times[f]
+
+    def _file_pts(self, f: int) -> Optional[np.ndarray]:
+        """int64 ``(n,)``: the decoder's timestamp of each frame of file ``f`` (None: not usable for seeking)."""
+        return self._pts[f]
+
+    def _orientation_of(self, f: int) -> Optional[str]:
+        """How players turn the frames of file ``f`` (:func:`~vitp.media.video.display_orientation`)."""
+        return self._orientation[f]
 
     def disjoint_train(self, train_idx: np.ndarray, held_idx: np.ndarray) -> np.ndarray:
         """The items of ``train_idx`` whose training clips (any jitter) share no frame with the eval
@@ -516,9 +532,9 @@ class VideoFolderDataset(FileDataset):
         upright and resized. Seeks when the first wanted frame is not frame 0 and the file's frames
         can be identified by timestamp; decodes from the start otherwise, or when the seek does not
         land on a keyframe at or before that frame. Raises on a decode error or a missing frame."""
-        need = set(range(len(self._times[f]))) if wanted is None else {int(i) for i in wanted}
+        need = set(range(len(self._file_times(f)))) if wanted is None else {int(i) for i in wanted}
         out = None
-        if min(need) > 0 and self._pts[f] is not None:
+        if min(need) > 0 and self._file_pts(f) is not None:
             out = self._decode_from(f, need, seek=True)
         if out is None:
             out = self._decode_from(f, need, seek=False)
@@ -535,7 +551,7 @@ class VideoFolderDataset(FileDataset):
         with av.open(self._source(f)) as container:
             stream = container.streams.video[0]
             if seek:
-                pts = self._pts[f]
+                pts = self._file_pts(f)
                 index_of = {int(p): i for i, p in enumerate(pts)}
                 # timestamps may follow the decode order (AVI): aim below every frame from `first` on
                 container.seek(int(pts[first:].min()), stream=stream, backward=True)
@@ -558,7 +574,7 @@ class VideoFolderDataset(FileDataset):
 
     def _frame(self, frame, f: int) -> np.ndarray:
         """Frame of file ``f`` upright (as players show it), resized: uint8 ``(h, w, C)``."""
-        arr = displayed_frame(frame, self._orientation[f], "rgb24" if self.channels == 3 else "gray")
+        arr = displayed_frame(frame, self._orientation_of(f), "rgb24" if self.channels == 3 else "gray")
         return self._resize(image=arr if arr.ndim == 3 else arr[..., None])["image"]
 
     def _clip(self, f: int, idx: np.ndarray) -> np.ndarray:

@@ -56,3 +56,22 @@ def test_bucket_errors_name_the_valid_values(buckets, message):
                        f"data.buckets={buckets}"])
     with pytest.raises(ValueError, match=message):
         validate_config(cfg, 1)
+
+
+def test_packed_photos_go_to_the_same_buckets_through_arrays(mixed_photos, tmp_path):
+    """A pack's sizes come as arrays (``native_sizes``: one assignment per distinct size, no Python
+    object per item): the same buckets as the folder item by item."""
+    from vitp.cli import pack as pack_cli
+    from vitp.data.shards import ShardImages
+
+    folder = ["data=image_folder", f"data.root={mixed_photos}", "data.num_classes=1", "data.holdout_fraction=0"]
+    pack_cli.run([str(tmp_path / "pack"), "--quiet", "--samples-per-shard", "2", *folder])
+    cfg = compose_cfg(["data=shards", f"data.shards={tmp_path / 'pack'}", "data.num_classes=1", THREE]).data
+    pairs = bucket_datasets(cfg, 0, build_datasets)
+    base = pairs[0][0].base
+    assert isinstance(base, ShardImages)
+    h, w = base.native_sizes(np.arange(len(base)))
+    assert [(int(a), int(b)) for a, b in zip(h, w)] == [base.native_size(i) for i in range(len(base))]
+    assert [len(tr) for tr, _ in pairs] == [2, 1, 2]
+    folder_pairs = bucket_datasets(compose_cfg([*folder, THREE]).data, 0, build_datasets)
+    assert [tr.indices.tolist() for tr, _ in pairs] == [tr.indices.tolist() for tr, _ in folder_pairs]

@@ -2,6 +2,8 @@
 manifest, pack resume and refusals, damaged shards, the shard-local epoch order, CLI bad input."""
 import json
 import os
+import pickle
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -325,3 +327,177 @@ def test_schedule_with_shards_is_the_same_at_any_dp():
     per = lambda s: buckets[b1.bucket(s)].batch_size  # noqa: E731
     assert {b1.bucket(s) for s in steps} == {0, 1}
     assert _global_batches(b1, steps, per) == _global_batches(b2, steps, per)
+
+
+# ------------------------------------------------------------------------------ packed video layout as arrays
+class _Manifest:
+    """The parts of a :class:`ShardIndex` that :class:`ShardVideos` reads at start-up (no files)."""
+
+    def __init__(self, frames, fps, labels, classes):
+        self.frames, self.fps = np.asarray(frames, np.int32), np.asarray(fps, np.float32)
+        self.label, self.classes = np.asarray(labels, np.int64), classes
+        self.height = self.width = np.full(len(frames), 48, np.int32)
+        self.shards, self.shard_of, self.url = [{"url": "mem"}], np.zeros(len(frames), np.int64), "mem"
+
+    def __len__(self):
+        return len(self.frames)
+
+    def orientation_of(self, i):
+        return None
+
+
+def _folder_of(index, **clip):
+    """The folder dataset's items for the probes ``index`` describes (times ``k / fps``)."""
+    from vitp.data.video import VideoFolderDataset
+
+    class Probed(VideoFolderDataset):
+        def _find(self, files, class_per_file):
+            return None
+
+        def _build(self, _):
+            def probe(i, n):
+                rate = float(index.fps[i])
+                return {"ok": True, "num_frames": int(n), "times": (np.arange(n) / rate).tolist(), "pts": None,
+                        "fps": rate, "width": 48, "height": 48, "orientation": None}
+
+            self._index_files([(f"mem#{i:09d}", index.classes[int(index.label[i])], probe(i, n))
+                               for i, n in enumerate(index.frames)])
+    return Probed(**clip)
+
+
+@pytest.mark.parametrize("clip", [
+    dict(num_frames=8, fps=8.0), dict(num_frames=16, fps=12.0, clip_step=3), dict(num_frames=5, fps=29.97),
+    dict(num_frames=8, fps=15.0), dict(num_frames=1, fps=24.0), dict(num_frames=4, frame_stride=3),
+    dict(num_frames=9, fps=7.5, clip_step=1)])
+def test_packed_video_layout_equals_the_folder_layout_from_frame_times(clip):
+    """Items, windows, labels, clip frames (eval and jittered), reach and skips computed from the
+    manifest's arrays equal the folder dataset's from per-frame times, at frame rates whose ratios
+    to the target fps are whole, near-whole and fractional (float32 as packed)."""
+    from vitp.data.shards import ShardVideos
+
+    rng = np.random.default_rng(7)
+    rates = [30, 29.97, 25, 24, 23.976, 60, 59.94, 15, 12, 8, 7.5, 1, 2.5, 50, 120, 10.000001]
+    frames = rng.integers(1, 300, 120)
+    fps = [rates[i % len(rates)] for i in range(120)]
+    labels = rng.integers(0, 3, 120)
+    labels[labels == 1] = 2 if clip.get("num_frames") == 16 else 1  # a class dropped in one case
+    index = _Manifest(frames, fps, labels, ["a", "b", "c"])
+    common = dict(resolution=16, channels=3, video_cache_mb=0, **clip)
+    packed, folder = ShardVideos(index, **common), _folder_of(index, **common)
+    assert len(packed) == len(folder) > 100
+    assert np.array_equal(packed.item_file, folder.item_file)
+    assert np.array_equal(packed.item_window, folder.item_window)
+    assert np.array_equal(packed.labels, folder.labels) and packed.classes == folder.classes
+    assert packed.dropped_classes == folder.dropped_classes
+    assert packed.skipped_files == folder.skipped_files and list(packed.files) == list(folder.files)
+    assert packed.skip_reasons == folder.skip_reasons
+    first, last = packed.item_bounds()
+    for i in range(len(packed)):
+        for seed in (None, 11, 2**40 + 3):
+            fp, ip = packed.clip_indices(i, seed)
+            ff, i_f = folder.clip_indices(i, seed)
+            assert fp == ff and np.array_equal(ip, i_f), (i, seed)
+        assert packed.item_frames(i) == folder.item_frames(i)
+        assert (first[i], last[i]) == (folder.clip_indices(i, None)[1].min(), folder.item_frames(i)[1][1])
+    assert packed._decoded_bytes() == folder._decoded_bytes()
+
+
+# ------------------------------------------------------------------------------ captions and damaged pack files
+@pytest.fixture(scope="module")
+def captioned(tmp_path_factory):
+    """6 photos in 2 classes captioned by a CSV manifest that misses one file (a None caption),
+    packed 2 per shard; the folder config and the pack folder."""
+    root = tmp_path_factory.mktemp("captioned") / "photos"
+    for k, (cls, v) in enumerate([("cat", 0), ("cat", 40), ("cat", 80), ("dog", 100), ("dog", 140), ("dog", 180)]):
+        root.joinpath(cls).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((8, 8, 3), v, np.uint8)).save(root / cls / f"{k}.png")
+    (root / "captions.csv").write_text("path,text\ncat/0.png,\"a cat, sitting\"\ncat/1.png,a grey cat\n"
+                                       "dog/3.png,a dog\ndog/4.png,a dog again\ndog/5.png,a dog at last\n")
+    folder = ["data=image_folder", f"data.root={root}", "data.num_classes=2", "data.resolution=8",
+              "data.channels=3", "data.captions=captions.csv", "data.holdout_fraction=0.4"]
+    out = tmp_path_factory.mktemp("captioned_pack") / "pack"
+    _pack(out, *folder, per_shard=2)
+    return folder, out
+
+
+def test_packed_captions_are_read_per_item_through_offsets(captioned, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from vitp.data.base import Picked
+    from vitp.data.shards import CaptionLines
+
+    folder, out = captioned
+    packed = [*folder[2:], "data=shards", f"data.shards={out}"]
+    want = [(list(ds.captions), ds.indices.tolist()) for ds in _data(*folder)]
+    assert sorted(c for caps, _ in want for c in caps) == ["a cat, sitting", "a dog", "a dog again",
+                                                          "a dog at last", "a grey cat"]
+    offsets = np.load(out / "captions.idx.npy")
+    lines = (out / "captions.jsonl").read_bytes()
+    assert offsets[-1] == len(lines) and len(offsets) == 7 and lines[offsets[2]:offsets[3]] == b"null\n"
+    lines_of = CaptionLines(str(out))
+    assert lines_of.present.tolist() == [True, True, False, True, True, True]
+    assert [lines_of[i] for i in range(6)] == [json.loads(x) for x in lines.decode().splitlines()]
+    copied = pickle.loads(pickle.dumps(lines_of))  # as a DataLoader worker gets it: the files mapped again
+    assert isinstance(copied.offsets, np.memmap) and len(pickle.dumps(lines_of)) < 1000
+    assert [copied[i] for i in range(6)] == [lines_of[i] for i in range(6)]
+    copy = tmp_path / "old_pack"  # a pack written before the offsets and flags: scanned once
+    shutil.copytree(out, copy)
+    (copy / "captions.idx.npy").unlink()
+    arrays = load_file(str(copy / "samples.safetensors"))
+    assert arrays.pop("captioned").tolist() == [1, 1, 0, 1, 1, 1]
+    save_file(arrays, str(copy / "samples.safetensors"))
+    for where in (out, copy):
+        got = _data(*packed[:-1], f"data.shards={where}")
+        assert all(isinstance(ds.captions, Picked) for ds in got)  # nothing parsed up front
+        assert [list(ds.captions) for ds in got] == [caps for caps, _ in want]
+        assert [ds.indices.tolist() for ds in got] == [idx for _, idx in want]
+
+
+@pytest.mark.parametrize("name, damage, message", [
+    ("samples.safetensors", lambda b: b[:len(b) // 2], "samples.safetensors is damaged .*; re-run vitp-pack"),
+    ("samples.safetensors", lambda b: b"", "samples.safetensors is damaged .*; re-run vitp-pack"),
+    ("index.json", lambda b: b[:len(b) // 2], "index.json is not a JSON manifest .*damaged; re-run vitp-pack"),
+    ("index.json", lambda b: json.dumps({"vitp": json.loads(b)["vitp"]}).encode(),
+     "index.json is damaged \\(no usable 'shardlist' entry\\); re-run vitp-pack"),
+    ("captions.jsonl", lambda b: b[:-3], "captions.jsonl is damaged: it ends inside line 6 .*; re-run vitp-pack"),
+    ("captions.jsonl", lambda b: b[:b.index(b"\n") + 1], "captions.jsonl is damaged: it has 1 lines but the "
+                                                        "shards hold 6 samples; re-run vitp-pack"),
+])
+def test_a_damaged_pack_file_is_one_line_naming_it_and_the_fix(captioned, tmp_path, name, damage, message):
+    folder, src = captioned
+    out = tmp_path / "pack"
+    shutil.copytree(src, out)
+    (out / name).write_bytes(damage((out / name).read_bytes()))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(out))}/{message}") as e:
+        _data(*folder[2:], "data=shards", f"data.shards={out}")
+    assert "\n" not in str(e.value)
+
+
+def test_a_caption_line_that_is_not_json_is_named_when_read(captioned, tmp_path):
+    from vitp.data.shards import CaptionLines
+
+    _, src = captioned
+    out = tmp_path / "pack"
+    shutil.copytree(src, out)
+    lines = (out / "captions.jsonl").read_bytes().split(b"\n")
+    lines[3] = b'"a d' + b"x" * (len(lines[3]) - 4)  # same length: the offsets still fit
+    (out / "captions.jsonl").write_bytes(b"\n".join(lines))
+    caps = CaptionLines(str(out))
+    assert caps[0] == "a cat, sitting"
+    with pytest.raises(ValueError, match=f"{out / 'captions.jsonl'} is damaged: line 4 is not JSON .*re-run vitp-pack"):
+        caps[3]
+
+
+def test_shape_buckets_of_packed_videos_share_one_layout():
+    """The data sets of two buckets (same clip settings, other sizes) of one pack share the layout
+    arrays instead of each holding its own; another clip setting lays out anew."""
+    from vitp.data.shards import ShardVideos
+
+    index = _Manifest(np.arange(20, 80, 3), [24.0, 30.0] * 10, np.arange(20) % 2, ["a", "b"])
+    a, b = (ShardVideos(index, resolution=r, num_frames=8, fps=12.0, video_cache_mb=0) for r in (16, 32))
+    assert a.item_file is b.item_file and a.labels is b.labels and a.sample_of_item is b.sample_of_item
+    assert a.classes == b.classes and a.classes is not b.classes and len(a) == len(b) > 20
+    c = ShardVideos(index, resolution=16, num_frames=4, fps=12.0, video_cache_mb=0)
+    assert c.item_file is not a.item_file and len(c) > len(a)
+    fresh = _folder_of(index, resolution=32, num_frames=8, fps=12.0, video_cache_mb=0)
+    assert np.array_equal(b.item_window, fresh.item_window) and np.array_equal(b.labels, fresh.labels)
