@@ -124,20 +124,20 @@ def test_recipes_fit_every_phase_on_their_gpus(exp, gpus, extra):
     """vitp-plan's first row of each GPU recipe fits the training step and every phase around it
     (sample grid, held-out loss, final samples) in an 80 GiB H100, each phase's forwards split
     over the ranks."""
-    from vitp.plan import get_profile, plan
+    from vitp.plan import get_profile, phase_costs_of, plan
     from vitp.utils import to_dict
 
     cfg = compose_cfg([f"experiment={exp}", "data.num_classes=10", *extra])
     prof = get_profile("h100", 80)
     best = plan(cfg, gpus, prof)[0]
     assert best.fits
-    costs = pf.phase_costs_of(cfg, best, to_dict(cfg.model), prof)
+    costs = phase_costs_of(cfg, best, to_dict(cfg.model), prof)
     assert [c.name for c in costs] == ["sample grid", "held-out loss", "final samples"]
     state = max(m.weights + m.grads + m.optimizer + m.ema for m in best.memory)
     for c in costs:
         assert state < c.memory_bytes <= best.limit_bytes, (exp, c)
         assert c.forwards > 0 and c.seconds > 0
-    one = pf.phase_costs_of(cfg, replace_dp(best, 1), to_dict(cfg.model), prof)[0]
+    one = phase_costs_of(cfg, replace_dp(best, 1), to_dict(cfg.model), prof)[0]
     assert one.samples >= costs[0].samples * best.layout.dp - best.layout.dp  # dp replicas split the grid
 
 

@@ -114,7 +114,7 @@ def plan_text(cfg, lay) -> str:
 
 def _phases(cfg, pred, prof) -> list:
     """The sample grid, held-out loss and final samples of ``pred``'s layout (:mod:`vitp.plan.phases`)."""
-    from vitp.train.preflight import phase_costs_of
+    from vitp.plan import phase_costs_of
     from vitp.utils import to_dict
 
     return phase_costs_of(cfg, pred, to_dict(cfg.model), prof)

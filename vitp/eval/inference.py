@@ -86,8 +86,8 @@ class StageDenoiser:
 
     ``device`` and ``dtype`` (the stage's parameters) tell the samplers where and in what
     precision to put their inputs; ``forwards`` counts the micro-batch forwards this rank ran.
-    The token grid follows the input (:func:`vitp.models.set_grid` on every stage):
-    :meth:`restore_grid` puts back the grid of the training step.
+    The token grid follows the input (:func:`vitp.models.set_grid` on every stage); within
+    :meth:`grid_kept` it comes back afterwards.
     """
 
     def __init__(self, module: torch.nn.Module, micro_batch: int, patch_size: int, tubelet_size: int):
@@ -103,14 +103,19 @@ class StageDenoiser:
         self.device, self.dtype = p.device, p.dtype
         self.p2p = self.device if self.device.type == "cuda" else torch.device("cpu")
         self.forwards = 0
-        self._train_grid = current_grid(module)
 
-    def restore_grid(self) -> None:
-        """Set every layer back to the grid it had when this denoiser was made."""
+    @contextlib.contextmanager
+    def grid_kept(self) -> Iterator["StageDenoiser"]:
+        """Within the block the grid follows the inputs; afterwards every layer is back at the grid
+        it had on entry (the training step's)."""
         from vitp.models import set_grid
 
-        if self._train_grid is not None and current_grid(self.module) != self._train_grid:
-            set_grid(self.module, self._train_grid)
+        grid = current_grid(self.module)
+        try:
+            yield self
+        finally:
+            if grid is not None and current_grid(self.module) != grid:
+                set_grid(self.module, grid)
 
     @torch.no_grad()
     def __call__(self, z_t: torch.Tensor, t: torch.Tensor, *y: torch.Tensor) -> torch.Tensor:

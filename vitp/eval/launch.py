@@ -128,24 +128,17 @@ def build_sharded(cfg: DictConfig, weights: Path, prog: str = "vitp-sample") -> 
     file of another model or partial-sync layout; ``FileNotFoundError`` for a missing file."""
     from vitp.checkpoint.initialize import init_from_export
     from vitp.eval.inference import Share, StageDenoiser
-    from vitp.models import num_tokens, parallelize_generator, token_grid
     from vitp.objectives import FlowMatchingLoss
-    from vitp.parallel import from_grid, model_parallel_seed
-    from vitp.pipeline import build_pipeline
-    import vitp.deepspeed_adapter as ds
+    from vitp.parallel import model_parallel_seed
+    from vitp.pipeline import build_parallel_pipeline
 
     device = dist.resolve_device(cfg.trainer.device)
     lay = inference_layout(cfg, dist.world_size(), device.type, prog)  # refused before any process group
     dist.init_distributed(device, dist.timeout_of(cfg))
-    par, m = cfg.parallel, cfg.model
+    m = cfg.model
     # the CLI prints what one process prints: not DeepSpeed's layer table, vitp's plan or load notes
     with contextlib.redirect_stdout(io.StringIO()), _log_level(("DeepSpeed", "vitp"), logging.WARNING):
-        module = build_pipeline(m, FlowMatchingLoss(cfg.objective.t_eps), seed=cfg.seed, tp=lay.tp, pp=lay.pp,
-                                dp=lay.engine_dp)
-        state = from_grid(ds.pipeline_grid(module), par.sequence_parallel, partial_sync=par.partial_sync,
-                          partial_sync_scale=par.partial_sync_scale, cp=lay.cp, cp_mode=par.cp_mode)
-        parallelize_generator(module, state, seq_len=num_tokens(**m),
-                              grid=token_grid(m.image_size, m.num_frames, m.patch_size, m.tubelet_size))
+        module, state = build_parallel_pipeline(cfg, lay, FlowMatchingLoss(cfg.objective.t_eps))
         init_from_export(module, OmegaConf.merge(cfg, {"trainer": {"init_from": str(weights)}}), state)
     model_parallel_seed(cfg.seed, state)
     module.to(device).eval()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -133,9 +133,9 @@ def digits_metrics(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, ru
     """
     share = share or Share()
     ids, samples = heldout_label_samples(gen, cfg, item_ids(heldout_ds), conditioning, share)
-    extra = {}
+    prompts = []  # made on every replica before rank 0 trains the judge
     if getattr(conditioning, "text", False) and cfg.data.captions == "templates":
-        extra = prompt_accuracy(gen, cfg, None, conditioning.store, share)  # samples first, judged below
+        prompts = prompt_samples(gen, cfg, conditioning.store, share)
     if not share.main:
         return {}
     x_tr, _ = _stack(train_ds)
@@ -148,9 +148,8 @@ def digits_metrics(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, ru
     f_tr, f_ho, f_gen = (judge_features(judge, v) for v in (x_tr, x_ho, samples))
     fd_real = frechet_distance(f_tr, f_ho)
     fd_gen = frechet_distance(f_tr, f_gen)
-    extra = {k: v(judge) if callable(v) else v for k, v in extra.items()}
     return {
-        **extra,
+        **prompt_accuracy(judge, cfg, prompts),
         "judge_accuracy_real_heldout": judge_metrics(judge, x_ho, y_ho)["accuracy"],
         "sample_accuracy": judge_metrics(judge, samples, labels)["accuracy"],
         "fd_digits": fd_gen,
@@ -160,37 +159,42 @@ def digits_metrics(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, ru
     }
 
 
-def prompt_accuracy(gen: Any, cfg: DictConfig, judge: Any, store: Any, share: Optional[Share] = None
-                    ) -> Dict[str, Any]:
-    """Whether samples show the digit their prompt names: ``eval.prompt_samples`` samples of
-    every (template, digit) prompt, for the training phrasings (``data.caption_templates``,
-    ``prompt_accuracy_seen``) and phrasings never trained on (``eval.unseen_prompt_templates``,
-    ``prompt_accuracy_unseen``; encoded with ``data.text_encoder``), judged by the digits judge.
-    Also ``prompt_accuracy/<template>`` per template. With ``share`` the samples are split over
-    the replicas and judged on rank 0 (``{}`` elsewhere); ``judge=None`` returns each value as a
-    function of the judge (the samples are made before the judge exists)."""
+def prompt_samples(gen: Any, cfg: DictConfig, store: Any, share: Optional[Share] = None
+                   ) -> List[Tuple[str, List[str], torch.Tensor, torch.Tensor]]:
+    """Samples of every (template, digit) prompt, ``eval.prompt_samples`` each, for the training
+    phrasings (``data.caption_templates``, group ``"seen"``) and phrasings never trained on
+    (``eval.unseen_prompt_templates``, ``"unseen"``; encoded with ``data.text_encoder``):
+    ``[(group, templates, samples (n, C, T, H, W), digits (n,))]``, template-major. With ``share``
+    the samples are split over the replicas and gathered on rank 0 (``[]`` elsewhere; collective)."""
     from vitp.data.text import PromptConditioning, fill_template
 
-    res: Dict[str, Any] = {}
+    out = []
     k = cfg.eval.prompt_samples
     for group, templates in (("seen", cfg.data.caption_templates), ("unseen", cfg.eval.unseen_prompt_templates)):
         if not templates:
             continue
         prompts = [fill_template(t, str(d)) for t in templates for d in range(10)]
-        digits = torch.arange(10).repeat(len(templates)).repeat_interleave(k)
         cond = PromptConditioning(prompts, store, cfg.data.text_encoder)
         ids = torch.arange(1, len(prompts) + 1).repeat_interleave(k)
         samples = generate(gen, cfg, ids, seed=cfg.eval.noise_seed + 2, conditioning=cond, share=share)
-        if samples is None:
-            continue
+        if samples is not None:
+            out.append((group, list(templates), samples, torch.arange(10).repeat(len(templates)).repeat_interleave(k)))
+    return out
 
-        def acc(part: slice, samples=samples, digits=digits):
-            return lambda j: judge_metrics(j, samples[part], digits[part])["accuracy"]
 
-        res[f"prompt_accuracy_{group}"] = acc(slice(None))
+def prompt_accuracy(judge: Any, cfg: DictConfig, parts: List[Tuple[str, List[str], torch.Tensor, torch.Tensor]]
+                    ) -> Dict[str, float]:
+    """Whether the :func:`prompt_samples` ``parts`` show the digit their prompt names, by the digits
+    judge: ``prompt_accuracy_seen`` / ``prompt_accuracy_unseen``, and ``prompt_accuracy/<template>``
+    per template."""
+    res: Dict[str, float] = {}
+    n = 10 * cfg.eval.prompt_samples  # samples per template
+    for group, templates, samples, digits in parts:
+        res[f"prompt_accuracy_{group}"] = judge_metrics(judge, samples, digits)["accuracy"]
         for i, t in enumerate(templates):
-            res[f"prompt_accuracy/{t}"] = acc(slice(i * 10 * k, (i + 1) * 10 * k))
-    return res if judge is None else {key: f(judge) for key, f in res.items()}
+            part = slice(i * n, (i + 1) * n)
+            res[f"prompt_accuracy/{t}"] = judge_metrics(judge, samples[part], digits[part])["accuracy"]
+    return res
 
 
 def video_metrics(gen: Any, cfg: DictConfig, heldout_ds: Any, conditioning: Any = None,
@@ -205,9 +209,8 @@ def video_metrics(gen: Any, cfg: DictConfig, heldout_ds: Any, conditioning: Any 
     y_ho = item_ids(heldout_ds)
     n = cfg.eval.num_samples or len(y_ho)
     labels = y_ho.repeat(n // len(y_ho) + 1)[:n]
-    mine = Share(share.rank, share.size, main=True)  # this replica's samples, not gathered
     gen_sums = temporal_sums(generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1, conditioning=conditioning,
-                                      share=mine))
+                                      share=share, gather=False))
     real_sums = torch.zeros(2, dtype=torch.float64)
     for i in share.indices(len(heldout_ds)):
         real_sums += temporal_sums(heldout_ds[(i, None)][0][None])

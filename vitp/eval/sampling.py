@@ -34,7 +34,7 @@ def sample_noise(seed: int, indices: Sequence[int], shape: Sequence[int]) -> tor
 
 
 def generate(gen: Any, cfg: DictConfig, labels: torch.Tensor, seed: int, conditioning: Any = None,
-             share: Optional[Share] = None) -> Optional[torch.Tensor]:
+             share: Optional[Share] = None, gather: bool = True) -> Optional[torch.Tensor]:
     """Samples ``(B, C, T, H, W)`` for ``labels`` with the configured sampler, in batches of
     ``sampler.batch_size`` per replica, at the size ``model.image_size`` (an int, ``[H, W]`` or
     ``"HxW"``) and ``model.num_frames``; sample ``i`` starts from :func:`sample_noise` of ``(seed, i)``.
@@ -44,7 +44,8 @@ def generate(gen: Any, cfg: DictConfig, labels: torch.Tensor, seed: int, conditi
     or caption / prompt ids of a text-conditional model); guidance's unconditional input is
     ``conditioning``'s ``null_id``. With ``share`` (:class:`vitp.eval.inference.Share`) each
     data-parallel replica samples its range of the labels and the samples are gathered: the
-    result is on global rank 0, ``None`` elsewhere (collective)."""
+    result is on global rank 0, ``None`` elsewhere (collective); with ``gather=False`` each rank
+    returns its replica's samples (no collective)."""
     from vitp.data.text import ClassConditioning
 
     s, m = cfg.sampler, cfg.model
@@ -60,7 +61,7 @@ def generate(gen: Any, cfg: DictConfig, labels: torch.Tensor, seed: int, conditi
                           cfg_scale=s.cfg_scale, cfg_interval=tuple(s.cfg_interval),
                           noise_scale=cfg.objective.noise_scale, t_eps=cfg.objective.t_eps,
                           noise=sample_noise(seed, idx, shape)).cpu())
-    return share.gather(torch.cat(out), len(labels))
+    return share.gather(torch.cat(out), len(labels)) if gather else torch.cat(out)
 
 
 def heldout_label_samples(gen: Any, cfg: DictConfig, y_ho: torch.Tensor, conditioning: Any = None,

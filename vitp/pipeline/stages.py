@@ -99,3 +99,29 @@ def stage_blocks(depth: int, pp: int) -> List[int]:
     w = [0] + [1] * depth + [0]
     parts = ds.partition_balanced(weights=w, num_parts=pp)
     return [sum(w[parts[i]:parts[i + 1]]) for i in range(pp)]
+
+
+def build_parallel_pipeline(cfg: Any, lay: Any, loss_fn: FlowMatchingLoss, *, defer_grad_sync: bool = False,
+                            activation_checkpoint_interval: int = 0) -> Tuple[PipelineModule, Any]:
+    """``(module, state)``: this rank's stage of the run config ``cfg``'s generator in the layout
+    ``lay`` (:class:`vitp.config.Layout`) with the TP / SP / context-parallel plan applied
+    (:func:`vitp.models.parallelize_generator`) and its :class:`vitp.parallel.ParallelState`, as
+    :func:`build_pipeline` initialises the weights (load yours after). ``defer_grad_sync``:
+    training sums TP-partial gradients once per step (:class:`vitp.parallel.ParallelState`).
+    Collective: every rank calls it (process groups). Raises as :func:`build_pipeline`."""
+    import contextlib
+    import io
+
+    from vitp.models import num_tokens, parallelize_generator, token_grid
+    from vitp.parallel import from_grid
+
+    par, m = cfg.parallel, cfg.model
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its layer table on rank 0
+        module = build_pipeline(m, loss_fn, seed=cfg.seed, tp=lay.tp, pp=lay.pp, dp=lay.engine_dp,
+                                activation_checkpoint_interval=activation_checkpoint_interval)
+    state = from_grid(ds.pipeline_grid(module), par.sequence_parallel, defer_grad_sync=defer_grad_sync,
+                      partial_sync=par.partial_sync, partial_sync_scale=par.partial_sync_scale, cp=lay.cp,
+                      cp_mode=par.cp_mode)
+    parallelize_generator(module, state, seq_len=num_tokens(**m),
+                          grid=token_grid(m.image_size, m.num_frames, m.patch_size, m.tubelet_size))
+    return module, state

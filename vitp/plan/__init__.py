@@ -22,7 +22,7 @@ from .devices import (PRESETS, DeviceProfile, cached_cpu_profile, cpu_profile, c
 from .flops import forward_flops_per_sample, model_flops_per_step
 from .layout import LayoutSpec, candidate_layouts, layout_of
 from .memory import STATE_BYTES, MemoryOptions, StageMemory, StateBytes, block_saved, stage_memory
-from .phases import PhaseCost, format_phases, phase_costs
+from .phases import PhaseCost, format_phases, phase_costs, phase_costs_of
 from .planner import Prediction, format_table, plan, predict
 from .shapes import ModelShape, layer_params, layer_params_per_rank, plan_report, stage_layer_ranges
 from .steptime import step_time
@@ -30,7 +30,8 @@ from .units import GIB, format_bytes
 
 __all__ = [
     "AUTO_KEYS", "AutoChoice", "choose_layout", "fixed_keys", "CP_TAGS", "cp_collectives", "plan_collectives",
-    "Collective", "DeviceProfile", "PhaseCost", "format_phases", "phase_costs", "LayoutSpec", "MemoryOptions", "ModelShape", "PRESETS", "Prediction",
+    "Collective", "DeviceProfile", "PhaseCost", "format_phases", "phase_costs", "phase_costs_of", "LayoutSpec",
+    "MemoryOptions", "ModelShape", "PRESETS", "Prediction",
     "STATE_BYTES", "StageComm", "StageMemory", "StateBytes", "block_saved", "cached_cpu_profile", "candidate_layouts",
     "cpu_profile", "default_cpu_profile",
     "cuda_preset", "GIB", "format_bytes", "format_table", "forward_flops_per_sample", "get_profile", "layer_params",

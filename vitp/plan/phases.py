@@ -106,6 +106,13 @@ def phase_costs(cfg: Any, model: Dict[str, Any], lay: LayoutSpec, prof: Any, sta
     return out
 
 
+def phase_costs_of(cfg: Any, pred: Any, model: Dict[str, Any], prof: Any) -> List[PhaseCost]:
+    """:func:`phase_costs` in the layout of ``pred`` (a :class:`vitp.plan.Prediction`), with its
+    fullest stage's training state resident."""
+    state = max(m.weights + m.grads + m.optimizer + m.ema for m in pred.memory)
+    return phase_costs(cfg, model, pred.layout, prof, state)
+
+
 def format_phases(costs: List[PhaseCost], limit_bytes: float) -> str:
     """One line per phase: samples, forwards, memory and time per rank, and whether it fits."""
     from .units import format_bytes

@@ -49,16 +49,6 @@ class EMA:
         if ema:
             torch._foreach_lerp_(ema, live, 1 - d)
 
-    def state_dict(self, module: Optional[torch.nn.Module] = None) -> Dict[str, torch.Tensor]:
-        """``{parameter name: fp32 EMA tensor shaped like the parameter}`` (this stage's shard).
-        Sharded, the fragments are summed over each parameter's data-parallel group
-        (:func:`vitp.deepspeed_adapter.partition_group`, as DeepSpeed's ``get_full_hp_param``):
-        collective, pass ``module``."""
-        if not self.sharded:
-            return {n: t.view(p.shape) for (n, t), p in zip(self.params.items(), module.parameters())} \
-                if module is not None else dict(self.params)
-        return {n: self.full(n, p) for n, p in module.named_parameters()}
-
     def full(self, name: str, p: torch.Tensor) -> torch.Tensor:
         """The fp32 EMA of parameter ``name`` shaped like ``p``: sharded, this rank's fragment
         summed over the parameter's data-parallel partition group (collective over that group)."""

@@ -153,22 +153,14 @@ def check_predictions(cfg: Any, device: torch.device, world: int) -> Optional[st
     return None
 
 
-def phase_costs_of(cfg: Any, pred: Any, model: dict, prof: Any) -> list:
-    """The sample grid's, held-out loss's and final samples' costs per rank (:func:`vitp.plan.phase_costs`)
-    of the layout of ``pred`` with ``pred``'s fullest training state resident."""
-    from vitp.plan import phase_costs
-
-    state = max(m.weights + m.grads + m.optimizer + m.ema for m in pred.memory)
-    return phase_costs(cfg, model, pred.layout, prof, state)
-
-
 def _check_phases(cfg: Any, preds: List[Tuple[str, dict, Any]], prof: Any, on: str) -> None:
     """Refuse (``ValueError``) a run whose sampling or evaluation would not fit a rank, naming the key
     that shrinks it; log their predicted time per rank."""
-    from vitp.plan import format_bytes
+    from vitp.plan import format_bytes, phase_costs_of
 
-    for label, shaped, pred in preds:
-        for c in phase_costs_of(cfg, pred, shaped, prof):
+    costs = [phase_costs_of(cfg, pred, shaped, prof) for _, shaped, pred in preds]
+    for (label, _, pred), phases in zip(preds, costs):
+        for c in phases:
             if c.memory_bytes > pred.limit_bytes:
                 fix = ("trainer.micro_batch_size (its forwards run one training micro-batch at a time)"
                        if c.name == "held-out loss" else f"sampler.batch_size={cfg.sampler.batch_size} (smaller: "
@@ -176,9 +168,8 @@ def _check_phases(cfg: Any, preds: List[Tuple[str, dict, Any]], prof: Any, on: s
                 raise ValueError(f"{c.name}: predicted peak memory {format_bytes(c.memory_bytes)} per rank"
                                  f"{' (' + label + ')' if label else ''} exceeds the {format_bytes(pred.limit_bytes)} "
                                  f"a rank of {on} has (layout planner, as vitp-plan); lower {fix}")
-    (_, shaped, pred) = preds[0]
     log.info("sampling and evaluation per rank (planner): %s", "; ".join(
-        f"{c.name} {c.seconds:.3g} s, {format_bytes(c.memory_bytes)}" for c in phase_costs_of(cfg, pred, shaped, prof)))
+        f"{c.name} {c.seconds:.3g} s, {format_bytes(c.memory_bytes)}" for c in costs[0]))
 
 
 def preflight(cfg: Any, device: torch.device) -> Optional[str]:

@@ -11,7 +11,6 @@ The loop follows torchtitan's ``Trainer`` (its ``train_step`` / ``train``: here
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 import json
 import logging
@@ -254,24 +253,16 @@ class Trainer:
 
     def _build_model(self) -> None:
         from vitp.checkpoint.initialize import initialize_weights
-        from vitp.models import num_tokens, parallelize_generator, token_grid
         from vitp.objectives import FlowMatchingLoss
-        from vitp.parallel import from_grid, model_parallel_seed
-        from vitp.pipeline import build_pipeline
+        from vitp.parallel import model_parallel_seed
+        from vitp.pipeline import build_parallel_pipeline
 
-        cfg, lay = self.cfg, self.layout
+        cfg = self.cfg
         self.loss_fn = FlowMatchingLoss(cfg.objective.t_eps)
-        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its layer table on rank 0
-            self.module = build_pipeline(cfg.model, self.loss_fn, seed=cfg.seed, tp=lay.tp, pp=lay.pp, dp=lay.engine_dp,
-                                         activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
         # TP-partial gradients are summed once per step (engine.install_step_hook), not per micro-batch
-        par = cfg.parallel
-        self.state = from_grid(ds.pipeline_grid(self.module), par.sequence_parallel, defer_grad_sync=True,
-                               partial_sync=par.partial_sync, partial_sync_scale=par.partial_sync_scale, cp=lay.cp,
-                               cp_mode=par.cp_mode)
-        m = cfg.model
-        parallelize_generator(self.module, self.state, seq_len=num_tokens(**m),
-                              grid=token_grid(m.image_size, m.num_frames, m.patch_size, m.tubelet_size))
+        self.module, self.state = build_parallel_pipeline(
+            cfg, self.layout, self.loss_fn, defer_grad_sync=True,
+            activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
         if self.checkpointer.resume_tag is None:
             initialize_weights(self.module, cfg, self.state)
         model_parallel_seed(cfg.seed, self.state)
@@ -301,8 +292,13 @@ class Trainer:
         # the first optimizer step trains at lr / warmup_steps.
         self.engine.lr_scheduler.step()
         from vitp.checkpoint.train_state import fragments
+        from vitp.eval.inference import Share, StageDenoiser
 
         self.ema = EMA(self.engine.module, o.ema_decay, fragments(self.engine))  # sharded like ZeRO's partitions
+        m = self.cfg.model  # sampling and evaluation in this layout (ema_denoiser); share: their dp split
+        self.denoiser = StageDenoiser(self.engine.module, self.cfg.trainer.micro_batch_size, m.patch_size,
+                                      m.tubelet_size)
+        self.share = Share.of(self.engine.module, self.state)
         self.checkpointer.load(self.engine, self.ema, self.state)
 
     def _log_start(self) -> None:
@@ -355,27 +351,10 @@ class Trainer:
         evaluation in the training layout (:class:`vitp.eval.inference.StageDenoiser`, micro-batches
         of ``trainer.micro_batch_size``); the live weights and the training step's token grid come
         back when the block ends. Collective: every rank enters."""
-        from vitp.eval.inference import StageDenoiser, current_grid, ema_weights
+        from vitp.eval.inference import ema_weights
 
-        if getattr(self, "denoiser", None) is None:
-            m = self.cfg.model
-            self.denoiser = StageDenoiser(self.engine.module, self.cfg.trainer.micro_batch_size, m.patch_size,
-                                          m.tubelet_size)
-        self.denoiser._train_grid = current_grid(self.engine.module)
-        try:
-            with self.telemetry.paused(), ema_weights(self.engine.module, self.ema):
-                yield self.denoiser
-        finally:
-            self.denoiser.restore_grid()
-
-    @property
-    def share(self):
-        """How samples and held-out items split over the replicas (:class:`vitp.eval.inference.Share`)."""
-        from vitp.eval.inference import Share
-
-        if getattr(self, "_share", None) is None:
-            self._share = Share.of(self.engine.module, self.state)
-        return self._share
+        with self.telemetry.paused(), self.denoiser.grid_kept(), ema_weights(self.engine.module, self.ema):
+            yield self.denoiser
 
     def sample_grid(self, step: int) -> None:
         """Fixed-seed sample grid (and GIFs for video) of the EMA weights, to files and TensorBoard:
