@@ -50,7 +50,9 @@ and held-out datasets, one process) in a fresh subprocess per size, and writes
 peak RSS growth of the build (``VmHWM`` after it, reset with ``/proc/self/clear_refs`` just before,
 minus ``VmRSS`` before) over the samples, after one build of a 200-sample pack in the same process
 (imports and one-off set-up are not growth). Videos: 16-48 frames at 24, 25, 29.97 or 30 fps, clips of 8
-frames at stride 2, one file in ten held out; images: one in fifty held out.
+frames at stride 2, one file in ten held out; images: one in fifty held out. Half the samples are
+32x48, half 48x32: ``--buckets 1`` builds one bucket (32x48) holding them all, ``--buckets 2`` two
+buckets splitting them (the data set of each bucket, as a bucketed run builds them).
 """
 from __future__ import annotations
 
@@ -349,6 +351,8 @@ def table(res: Dict[str, Any]) -> str:
 
 
 STARTUP_SHARD = 1000  # samples per synthetic shard
+BUCKETS = {0: [], 1: ["data.buckets=[{resolution:32x48,batch_size:8}]"],  # --buckets: data.buckets of the build
+           2: ["data.buckets=[{resolution:32x48,batch_size:8},{resolution:48x32,batch_size:8}]"]}
 STARTUP_RATES = (24.0, 25.0, 29.97, 30.0)
 
 
@@ -366,8 +370,9 @@ def synthetic_pack(out: Path, n: int, kind: str, captions: bool) -> List[str]:
     label = rng.integers(0, IMAGE_CLASSES, n).astype(np.int64)
     frames = rng.integers(16, 49, n).astype(np.int32) if video else np.ones(n, np.int32)
     held = (np.arange(n) % (10 if video else 50)) == 0
-    arrays = {"label": label, "heldout": held.astype(np.uint8), "height": np.full(n, 32, np.int32),
-              "width": np.full(n, 48, np.int32), "frames": frames,
+    wide = np.arange(n) % 2 == 0  # two aspect ratios: --buckets 2 splits the items between them
+    arrays = {"label": label, "heldout": held.astype(np.uint8), "height": np.where(wide, 32, 48).astype(np.int32),
+              "width": np.where(wide, 48, 32).astype(np.int32), "frames": frames,
               "fps": (np.asarray(STARTUP_RATES, np.float32)[np.arange(n) % 4] if video else np.zeros(n, np.float32)),
               "heldout_from": np.where(held, 0, frames).astype(np.int32), "orientation": np.zeros(n, np.int8)}
     shardlist = []
@@ -395,7 +400,9 @@ def measure_startup(spec: Dict[str, Any]) -> Dict[str, Any]:
     from vitp.cli.overrides import compose_checked
     from vitp.data import build_datasets
 
-    cfg = compose_checked(spec["overrides"])
+    from vitp.data.buckets import bucket_datasets
+
+    cfg = compose_checked(spec["overrides"] + BUCKETS[spec.get("buckets", 0)])
     build_datasets(compose_checked(spec["warmup"]).data, spec["seed"])  # imports and one-off set-up: not growth
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
@@ -403,11 +410,14 @@ def measure_startup(spec: Dict[str, Any]) -> Dict[str, Any]:
         pass
     before = _proc_kb("VmRSS")
     t0 = time.perf_counter()
-    train, held = build_datasets(cfg.data, spec["seed"])
+    pairs = (bucket_datasets(cfg.data, spec["seed"], build_datasets) if cfg.data.buckets else
+             [build_datasets(cfg.data, spec["seed"])])
     build_s = time.perf_counter() - t0
     growth = max(0, _proc_kb("VmHWM") - before) * 1024
-    return {"samples": spec["samples"], "build_s": build_s, "bytes_per_sample": growth / spec["samples"],
-            "peak_growth_mb": growth / 2**20, "train_items": len(train), "heldout_items": len(held)}
+    return {"samples": spec["samples"], "buckets": spec.get("buckets", 0), "build_s": build_s,
+            "bytes_per_sample": growth / spec["samples"], "peak_growth_mb": growth / 2**20,
+            "train_items": sum(len(t) for t, _ in pairs), "heldout_items": sum(len(h) for _, h in pairs),
+            "train_items_per_bucket": [len(t) for t, _ in pairs]}
 
 
 def run_startup(a: argparse.Namespace, work: Path) -> Dict[str, Any]:
@@ -422,6 +432,7 @@ def run_startup(a: argparse.Namespace, work: Path) -> Dict[str, Any]:
             synthetic_pack(out, n, a.kind, a.captions)
             print(f"wrote a synthetic {a.kind} pack of {n} samples in {time.perf_counter() - t0:.1f} s", flush=True)
         spec = {"overrides": _startup_overrides(out, a.kind), "warmup": _startup_overrides(warm, a.kind), "seed": 0,
+                "buckets": a.buckets,
                 "samples": n}
         p = subprocess.run([sys.executable, __file__, "--startup-child", json.dumps(spec)], capture_output=True,
                            text=True, timeout=a.timeout)
@@ -432,7 +443,7 @@ def run_startup(a: argparse.Namespace, work: Path) -> Dict[str, Any]:
         r = rows[-1]
         print(f"{n:>9} samples: build {r['build_s']:.2f} s, {r['bytes_per_sample']:.1f} bytes/sample "
               f"({r['train_items']} training / {r['heldout_items']} held-out items)", flush=True)
-    return {"startup": rows, "kind": a.kind, "captions": a.captions,
+    return {"startup": rows, "kind": a.kind, "captions": a.captions, "buckets": a.buckets,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count()}
 
 
@@ -466,6 +477,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--startup", default=None, help="start-up mode: comma-separated pack sizes, e.g. 10000,100000")
     p.add_argument("--kind", choices=("image", "video"), default="video", help="--startup: samples' kind")
     p.add_argument("--captions", action="store_true", help="--startup: the packs have captions")
+    p.add_argument("--buckets", type=int, choices=(0, 1, 2), default=0,
+                   help="--startup: shape buckets of the build (0: none; 1: 32x48; 2: 32x48 and 48x32, which split "
+                        "the synthetic samples' two aspect ratios)")
     p.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.startup is not None:

@@ -278,9 +278,9 @@ def test_bench_data_startup(tmp_path):
 
     out = tmp_path / "startup.json"
     _run(["scripts/bench_data.py", "--work", str(tmp_path / "work"), "--startup", "1000,5000", "--kind", "video",
-          "--captions", "--out", str(out)], tmp_path)
+          "--captions", "--buckets", "2", "--out", str(out)], tmp_path)
     res = json.loads(out.read_text())
-    assert [r["samples"] for r in res["startup"]] == [1000, 5000] and res["captions"] is True
+    assert [r["samples"] for r in res["startup"]] == [1000, 5000] and res["captions"] is True and res["buckets"] == 2
     for r in res["startup"]:
         pack = tmp_path / "work" / f"startup_video_{r['samples']}_captions"
         a = load_file(str(pack / "samples.safetensors"))
@@ -289,6 +289,9 @@ def test_bench_data_startup(tmp_path):
         held = a["heldout_from"] == 0
         assert (r["train_items"], r["heldout_items"]) == (windows[captioned & ~held].sum(),
                                                           windows[captioned & held].sum())
+        wide = a["width"] > a["height"]  # the two buckets split the items by aspect ratio, each item once
+        assert r["train_items_per_bucket"] == [windows[captioned & ~held & wide].sum(),
+                                               windows[captioned & ~held & ~wide].sum()]
         assert sorted(p.stat().st_blocks for p in pack.glob("shard-*.tar"))[-1] == 0  # sparse: no pixels
         assert 0 < r["build_s"] < 30 and 0 <= r["bytes_per_sample"] < 5000
         assert r["peak_growth_mb"] == pytest.approx(r["bytes_per_sample"] * r["samples"] / 2**20)

@@ -7,11 +7,12 @@ any order; ``aug_seed=None`` selects the deterministic evaluation transform.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import albumentations as A
 import numpy as np
@@ -113,20 +114,89 @@ class KeyedDataset(Dataset):
         raise NotImplementedError
 
 
-def runs(values: np.ndarray) -> np.ndarray:
-    """Lengths of the runs of equal consecutive values, int64 (``[3, 3, 5, 3] -> [2, 1, 1]``)."""
+def runs(values: Any, chunk: int = 1 << 14) -> np.ndarray:
+    """Lengths of the runs of equal consecutive values, int64 (``[3, 3, 5, 3] -> [2, 1, 1]``).
+    ``values``: an array or anything sliced into arrays (an :class:`ItemArray` view), read in chunks."""
     if len(values) == 0:
         return np.zeros(0, dtype=np.int64)
-    cuts = np.flatnonzero(np.diff(values)) + 1
-    return np.diff(np.concatenate([[0], cuts, [len(values)]])).astype(np.int64)
+    cuts, prev = [np.zeros(1, np.int64)], None
+    for a in range(0, len(values), chunk):
+        part = np.asarray(values[a:a + chunk])
+        if prev is not None and part[0] != prev:
+            cuts.append(np.asarray([a], np.int64))
+        cuts.append(np.flatnonzero(np.diff(part)) + 1 + a)
+        prev = part[-1]
+    return np.diff(np.concatenate([*cuts, [len(values)]])).astype(np.int64)
+
+
+class _Gathered:
+    """``values[indices]`` sliced on demand (what :func:`runs` reads of a subset's groups)."""
+
+    def __init__(self, values: Any, indices: Any):
+        self.values, self.indices = values, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, part: slice) -> np.ndarray:
+        return np.asarray(self.values[self.indices[part]])
+
+
+class ItemArray:
+    """An integer array of one value per item, computed when indexed: ``values(items)`` maps an
+    int64 array of item numbers to their values. Data sets of millions of items (packed video:
+    :class:`vitp.data.shards.ShardVideos`) derive per-item facts (file, window, label, shard) from
+    per-file arrays instead of storing them. Indexing by an int gives an int; by an array, slice
+    or boolean mask an array of ``dtype`` (computed in chunks of ``chunk``); ``np.asarray`` makes
+    the whole array."""
+
+    def __init__(self, values: Callable[[np.ndarray], np.ndarray], n: int, dtype: Any = np.int64, chunk: int = 1 << 14):
+        self.values, self.n, self.dtype, self.chunk = values, int(n), np.dtype(dtype), chunk
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, (int, np.integer)):
+            k = int(key) + (self.n if int(key) < 0 else 0)
+            if not 0 <= k < self.n:
+                raise IndexError(f"item {int(key)} out of range for {self.n} items")
+            return int(self.values(np.asarray([k], dtype=np.int64))[0])
+        if isinstance(key, slice):
+            key = np.arange(*key.indices(self.n))
+        key = np.asarray(key)
+        if key.dtype == bool:
+            key = np.flatnonzero(key)
+        out = np.empty(len(key), dtype=self.dtype)
+        for a in range(0, len(key), self.chunk):
+            out[a:a + self.chunk] = self.values(key[a:a + self.chunk].astype(np.int64))
+        return out
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.empty(self.n, dtype=self.dtype)
+        for a in range(0, self.n, self.chunk):
+            out[a:a + self.chunk] = self.values(np.arange(a, min(self.n, a + self.chunk), dtype=np.int64))
+        return out if dtype is None else out.astype(dtype)
+
+    def tolist(self) -> list:
+        """The values as a Python list."""
+        return np.asarray(self).tolist()
+
+
+def _as_indices(indices: Any) -> Any:
+    """``indices`` as an integer array without a copy where it is one already (or an :class:`ItemArray`)."""
+    if isinstance(indices, ItemArray) or (isinstance(indices, np.ndarray) and indices.dtype.kind in "iu"):
+        return indices
+    return np.asarray(indices, dtype=np.int64)
 
 
 class Picked(Sequence):
     """``values[indices[i]]`` on access: a view of a lazy sequence (e.g. a pack's captions,
-    :class:`vitp.data.shards.CaptionLines`) that makes nothing per item up front."""
+    :class:`vitp.data.shards.CaptionLines`) that makes nothing per item up front (``indices`` is
+    kept as given when it is an integer array or an :class:`ItemArray`)."""
 
     def __init__(self, values: Sequence, indices: Sequence[int]):
-        self.values, self.indices = values, np.asarray(indices, dtype=np.int64)
+        self.values, self.indices = values, _as_indices(indices)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -153,9 +223,8 @@ class KeyedSubset(KeyedDataset):
 
     def __init__(self, base: KeyedDataset, indices: Sequence[int], eval_only: bool = False):
         self.base = base
-        self.indices = np.asarray(indices, dtype=np.int64)
+        self.indices = _as_indices(indices)  # int32 where the caller made it so: 4 bytes per item
         self.eval_only = eval_only
-        self.labels = base.labels[self.indices]
         self.classes = base.classes
         captions = getattr(base, "captions", None)
         if captions is None or isinstance(captions, list):
@@ -163,7 +232,15 @@ class KeyedSubset(KeyedDataset):
         else:  # a lazy sequence (a pack's captions): stay lazy
             self.captions = Picked(captions, self.indices)
         item_group = getattr(base, "item_group", None)
-        self.groups = None if item_group is None else runs(np.asarray(item_group)[self.indices])
+        self.groups = None if item_group is None else runs(_Gathered(item_group, self.indices))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @functools.cached_property
+    def labels(self) -> np.ndarray:
+        """int64 ``(len,)``: the class of each item (made when first asked: not at start-up)."""
+        return np.asarray(self.base.labels[self.indices], dtype=np.int64)
 
     def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
         index, aug_seed = parse_key(key, len(self))

@@ -25,6 +25,7 @@ Tokens per step stay roughly constant when ``B_b`` is chosen inversely to the bu
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Sequence, Tuple
@@ -79,46 +80,47 @@ def assign(native: Optional[Tuple[int, int]], frames: int, buckets: Sequence[Buc
 
 
 def bucket_datasets(cfg: Any, seed: int, build) -> List[Tuple[Any, Any]]:
-    """``[(train, held_out)]`` per bucket: ``build(cfg_b, seed)`` (e.g.
-    :func:`vitp.data.build_datasets`) at the bucket's size and frames, each cut to the items
-    :func:`assign` gives that bucket (``KeyedSubset`` of the same base items)."""
+    """``[(train, held_out)]`` per bucket: ``build(cfg_b, seed, keep=...)`` (e.g.
+    :func:`vitp.data.build_datasets`) at the bucket's size and frames, keeping the items
+    :func:`assign` gives that bucket (:func:`in_bucket`), so that the buckets' item lists together
+    hold each item once."""
     from omegaconf import DictConfig, OmegaConf
-
-    from vitp.data.base import KeyedSubset
 
     buckets, out = buckets_of(cfg), []
     for i, b in enumerate(buckets):
         over = {"resolution": list(b.size), "num_frames": b.frames, "buckets": []}
         cfg_b = OmegaConf.merge(cfg, over) if isinstance(cfg, DictConfig) else replace(cfg, **over)
-        pair = []
-        for sub in build(cfg_b, seed):
-            keep = _in_bucket(sub, i, b.frames, buckets)
-            pair.append(KeyedSubset(sub.base, sub.indices[keep], eval_only=sub.eval_only))
-        out.append(tuple(pair))
+        out.append(tuple(build(cfg_b, seed, keep=functools.partial(in_bucket, i=i, frames=b.frames,
+                                                                     buckets=buckets))))
     return out
 
 
-def _in_bucket(sub: Any, i: int, frames: int, buckets: Sequence[Bucket]) -> np.ndarray:
-    """Positions in ``sub.indices`` of the items that :func:`assign` gives bucket ``i``. Items share
-    few sizes: each distinct size is assigned once; a base with ``native_sizes`` (packed data sets)
-    gives them as arrays, so no Python object is made per item."""
-    sizes = getattr(sub.base, "native_sizes", None)
-    hw = sizes(sub.indices) if sizes is not None else None
-    if hw is not None:  # one int64 key per (h, w): np.unique of rows (axis=0) is many times slower
-        distinct, which = np.unique(hw[0].astype(np.int64) << 32 | hw[1].astype(np.int64), return_inverse=True)
-        fits = np.asarray([i in assign((int(k >> 32), int(k & 0xFFFFFFFF)), frames, buckets) for k in distinct],
-                          dtype=bool)
-        return np.flatnonzero(fits[which.reshape(-1)]) if len(fits) else np.zeros(0, np.int64)
-    native = getattr(sub.base, "native_size", lambda _i: None)
+def in_bucket(base: Any, items: np.ndarray, i: int, frames: int, buckets: Sequence[Bucket],
+              chunk: int = 1 << 14) -> np.ndarray:
+    """bool ``(len(items),)``: which ``items`` of the data set ``base`` :func:`assign` gives bucket
+    ``i``. Items share few sizes: each distinct size is assigned once; a base with
+    ``native_sizes`` (packed data sets) gives them as arrays, in chunks, so no Python object is
+    made per item and the temporaries stay a constant."""
     memo: dict = {}
 
-    def fits_one(j: int) -> bool:
-        size = native(j)
+    def fits(size: Optional[Tuple[int, int]]) -> bool:
         if size not in memo:
             memo[size] = i in assign(size, frames, buckets)
         return memo[size]
 
-    return np.asarray([k for k, j in enumerate(sub.indices) if fits_one(int(j))], dtype=np.int64)
+    keep = np.zeros(len(items), dtype=bool)
+    sizes = getattr(base, "native_sizes", None)
+    if sizes is not None and sizes(items[:1]) is not None:
+        for a in range(0, len(keep), chunk):  # one int64 key per (h, w): np.unique of rows is slower
+            h, w = sizes(items[a:a + chunk])
+            distinct, which = np.unique(h.astype(np.int64) << 32 | w.astype(np.int64), return_inverse=True)
+            ok = np.asarray([fits((int(k >> 32), int(k & 0xFFFFFFFF))) for k in distinct], dtype=bool)
+            keep[a:a + chunk] = ok[which.reshape(-1)]
+        return keep
+    native = getattr(base, "native_size", lambda _i: None)
+    for k, j in enumerate(items):
+        keep[k] = fits(native(int(j)))
+    return keep
 
 
 class BucketSchedule:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -78,7 +78,8 @@ def _base_dataset(cfg: DataConfig, seed: int) -> KeyedDataset:
     raise ValueError(f"unknown data.name={cfg.name!r}; valid names: {', '.join(DATASET_NAMES)}")
 
 
-def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset]:
+def build_datasets(cfg: DataConfig, seed: int, keep: Optional[Callable[[Any, np.ndarray], np.ndarray]] = None
+                   ) -> Tuple[KeyedSubset, KeyedSubset]:
     """Build the training and held-out datasets of ``cfg``.
 
     Parameters
@@ -90,6 +91,10 @@ def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset
         packed by ``vitp-pack``, split as its manifest says: :func:`vitp.data.shards.shard_datasets`).
     seed : int
         Fixes the held-out split (and the synthetic data).
+    keep : callable, optional
+        ``keep(base, items)`` -> bool mask: only these items of the base dataset (a shape bucket's,
+        :func:`vitp.data.buckets.in_bucket`); a packed data set applies it while it splits, so no
+        item list of the whole data set is made for a bucket.
 
     Returns
     -------
@@ -109,7 +114,15 @@ def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset
         If ``data.root`` (or ``data.heldout_root``) does not exist.
     """
     if cfg.name == "shards":  # the split is the manifest's (vitp-pack)
-        return shard_datasets(cfg)
+        return shard_datasets(cfg, keep)
+    train, held = _folder_datasets(cfg, seed)
+    if keep is None:
+        return train, held
+    return tuple(KeyedSubset(s.base, s.indices[keep(s.base, s.indices)], eval_only=s.eval_only) for s in (train, held))
+
+
+def _folder_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset]:
+    """:func:`build_datasets` of data that is not packed (folders, digits, synthetic)."""
     base = _base_dataset(cfg, seed)
     if cfg.name not in ("synthetic", "video_folder") and cfg.num_frames != 1:
         raise ValueError(f"data.name={cfg.name} holds still images: set data.num_frames=1 (got {cfg.num_frames})")

@@ -315,6 +315,19 @@ def _finish(out: Path, cfg_data: dict, seed: int, per_shard: int, kind: str, cla
                           text_store=text_store)
 
 
+_COMPACT = ("label", "frames", "heldout_from", "height", "width")  # read whole at start-up: stored small
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """The int array ``a`` in int16 when its values fit, else int32 when they fit (start-up
+    memory-maps these arrays: bytes per sample on every rank)."""
+    lo, hi = (int(a.min()), int(a.max())) if a.size else (0, 0)
+    for t in (np.int16, np.int32):
+        if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max:
+            return a.astype(t)
+    return a
+
+
 def write_metadata(out: Path, arrays: Dict[str, np.ndarray], captions: Optional[Sequence[Optional[str]]],
                    shardlist: List[Dict[str, Any]], *, cfg_data: dict, seed: int, per_shard: int, kind: str,
                    classes: List[str], skipped: Dict[str, str], orientations: List[str],
@@ -326,6 +339,7 @@ def write_metadata(out: Path, arrays: Dict[str, np.ndarray], captions: Optional[
     (``shardlist``: ``{"url", "nsamples", "filesize"}`` per shard). Returns the manifest."""
     from safetensors.numpy import save_file
 
+    arrays = {k: _compact(np.asarray(v)) if k in _COMPACT else v for k, v in arrays.items()}
     if captions is not None:  # which samples have one: read at start-up instead of the captions file
         arrays = dict(arrays, captioned=np.asarray([c is not None for c in captions], dtype=np.uint8))
     save_file(arrays, str(out / SAMPLES))

@@ -43,7 +43,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from vitp.data.base import FileDataset, KeyedSubset, Picked, StorageError, wrapped
+from vitp.data.base import FileDataset, ItemArray, KeyedSubset, Picked, StorageError, wrapped
 from vitp.data.images import digits_tensor, load_image
 from vitp.data.video import VideoFolderDataset
 from vitp.utils import atomic_write
@@ -55,7 +55,7 @@ MANIFEST, SAMPLES, CAPTIONS, TEXT_STORE = "index.json", "samples.safetensors", "
 CAPTION_OFFSETS = "captions.idx.npy"  # int64 (n + 1,): where each line of captions.jsonl starts, then its size
 _ARRAYS = ("label", "heldout", "heldout_from", "height", "width", "frames", "fps", "orientation")  # samples.safetensors
 _SCAN = 1 << 24  # bytes per chunk when scanning captions.jsonl (bounds the scan's temporaries)
-_CHUNK = 1 << 16  # samples / items per chunk of the start-up arithmetic (bounds its temporaries)
+_CHUNK = 1 << 14  # samples / items per chunk of the start-up arithmetic (bounds its temporaries)
 META_EXTS = ("cls", "txt", "json")  # a sample's files other than its media
 REMOTE_SCHEMES = ("s3", "http", "https", "gs")
 _LOGGED: set = set()  # shard_datasets' summary lines already logged
@@ -137,12 +137,11 @@ def _use_handlers() -> None:
 def _per_sample(url: str, captions: bool, manifest_sha1: str) -> Tuple[Dict[str, np.ndarray], Optional["CaptionLines"]]:
     """``samples.safetensors`` and the :class:`CaptionLines` of ``captions.jsonl`` of the pack at
     ``url``, read once per process and manifest (the data sets of each shape bucket open the same
-    pack; remote: one download)."""
-    from safetensors.numpy import load
-
+    pack; remote: one download). A local file is memory-mapped: start-up touches only the arrays it
+    uses, and the ranks of a node share their pages."""
     where = join_url(url, SAMPLES)
     try:
-        arrays = load(read_bytes(where))
+        arrays = _load_samples(where)
         missing = [k for k in _ARRAYS if k not in arrays]
     except FileNotFoundError:
         raise FileNotFoundError(f"{where} is missing; re-run vitp-pack to write the pack again (or copy {SAMPLES} "
@@ -153,6 +152,34 @@ def _per_sample(url: str, captions: bool, manifest_sha1: str) -> Tuple[Dict[str,
     if missing:
         raise ValueError(f"{where} lacks the arrays {', '.join(missing)}; re-run vitp-pack to write the pack again")
     return arrays, (CaptionLines(url, arrays.get("captioned")) if captions else None)
+
+
+_ST_DTYPES = {"U8": np.uint8, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "F32": np.float32,
+              "F64": np.float64, "BOOL": np.bool_}
+
+
+def _load_samples(where: str) -> Dict[str, np.ndarray]:
+    """The arrays of the safetensors file ``where``: a remote one downloaded and loaded
+    (``safetensors.numpy.load``); a local one memory-mapped read-only at the offsets of its header
+    (safetensors' numpy API copies every array), after ``safetensors.safe_open`` has checked it."""
+    from safetensors import safe_open
+    from safetensors.numpy import load
+
+    if is_remote(where):
+        return load(read_bytes(where))
+    with safe_open(where, framework="np") as f:  # parses and checks the header against the size
+        names = list(f.keys())
+    with open(where, "rb") as fh:
+        start = 8 + int.from_bytes(fh.read(8), "little")
+        fh.seek(8)
+        header = json.loads(fh.read(start - 8))
+    out = {}
+    for name in names:
+        spec = header[name]
+        dtype, (b, e), shape = np.dtype(_ST_DTYPES[spec["dtype"]]), spec["data_offsets"], tuple(spec["shape"])
+        out[name] = (np.memmap(where, dtype=dtype, mode="r", offset=start + b, shape=shape) if e > b
+                     else np.zeros(shape, dtype=dtype))
+    return out
 
 
 def caption_offsets(buf: np.ndarray) -> np.ndarray:
@@ -192,7 +219,7 @@ class CaptionLines(Sequence):
         self.url, self.where = url, join_url(url, CAPTIONS)
         self._buf = None
         if captioned is not None:  # written by vitp-pack: the file's pages stay untouched at start-up
-            self.present = captioned.astype(bool)
+            self.present = captioned.view(bool) if captioned.dtype == np.uint8 else captioned.astype(bool)
         buf = self._bytes()
         offsets = None
         if not is_remote(url) and os.path.isfile(join_url(url, CAPTION_OFFSETS)):
@@ -299,7 +326,8 @@ class ShardIndex:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where} is damaged (no usable {e} entry); re-run vitp-pack to write the pack "
                              f"again") from None
-        arrays, self.captions = _per_sample(self.url, bool(meta.get("captions")), hashlib.sha1(raw).hexdigest())
+        self.manifest_sha1 = hashlib.sha1(raw).hexdigest()
+        arrays, self.captions = _per_sample(self.url, bool(meta.get("captions")), self.manifest_sha1)
         for k in _ARRAYS:
             if len(arrays[k]) != n:
                 raise ValueError(f"{join_url(self.url, SAMPLES)}: {k} has {len(arrays[k])} entries but the shards "
@@ -310,13 +338,16 @@ class ShardIndex:
                              f"the shards hold {n} samples; re-run vitp-pack to write the pack again")
         if self.captions is not None and len(self.captions) != n:
             raise self.captions._damaged(f"it has {len(self.captions)} lines but the shards hold {n} samples")
-        self.shard_of = np.repeat(np.arange(len(self.shards), dtype=_dtype(len(self.shards))),
-                                  [s["nsamples"] for s in self.shards])
+        self._starts = np.cumsum([0] + [int(s["nsamples"]) for s in self.shards], dtype=np.int64)
+        self.shard_of = ItemArray(self._shards_at, n, np.int32)  # by search: nothing stored per sample
         if check:
             self.check_shards()
 
     def __len__(self) -> int:
         return len(self.label)
+
+    def _shards_at(self, samples: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self._starts, samples, side="right") - 1
 
     def orientation_of(self, i: int) -> Optional[str]:
         """How players turn sample ``i``'s frames upright (:func:`vitp.media.video.display_orientation`)."""
@@ -506,7 +537,7 @@ class ShardImages(_Shards, FileDataset):
         if self.channels not in (1, 3) or (index.kind == "digits" and self.channels != 1):
             raise ValueError(f"data.channels={channels} does not fit the packed {index.kind} data at {index.url} "
                              f"(use {'1' if index.kind == 'digits' else '3 (RGB) or 1 (grey)'})")
-        self.files, self.labels, self.classes = _SampleNames(index), index.label.astype(np.int64), index.classes
+        self.files, self.labels, self.classes = _SampleNames(index), index.label, index.classes
         self._make_transforms(random_crop, hflip, pre=[self.cover_resize()])
 
     def _file_of(self, index: int) -> int:
@@ -554,6 +585,20 @@ def _dtype(n: int) -> type:
     return np.int32 if n < 2**31 else np.int64
 
 
+def _constant_or(a: np.ndarray, n: Optional[int] = None) -> np.ndarray:
+    """``a`` (length ``n``, default ``len(a)``), or a read-only broadcast of its one value when all
+    its entries are equal (no memory per entry)."""
+    n = len(a) if n is None else n
+    if len(a) and (a == a[0]).all():
+        return np.broadcast_to(a[:1].copy(), (n,))
+    return a
+
+
+def _small(n: int) -> type:
+    """The smallest signed int type for values of magnitude below ``n`` (int16, int32, int64)."""
+    return np.int16 if n < 2**15 else _dtype(n)
+
+
 def _count_le(v: np.ndarray, n: np.ndarray, fps: np.ndarray) -> np.ndarray:
     """int64: how many of the frame times ``np.arange(n) / fps`` are ``<= v``, per sample, exactly
     as ``np.searchsorted(np.arange(n) / fps, v, side="right")`` counts them (the same float64
@@ -570,8 +615,8 @@ def _count_le(v: np.ndarray, n: np.ndarray, fps: np.ndarray) -> np.ndarray:
 # ShardVideos layouts by (manifest's frames array, clip settings): the data sets of each shape bucket
 # share one (the arrays are never written after the build); the frames array is held, so its id stays unique
 _LAYOUTS: Dict[tuple, tuple] = {}
-_LAYOUT_STATE = ("sample_of_file", "_last", "_span", "_step", "item_file", "item_window", "labels", "classes",
-                 "dropped_classes", "files", "sample_of_item", "skipped_files", "skip_reasons", "too_short_files")
+_LAYOUT_STATE = ("_kept", "_first", "_last", "_span", "_step", "_number", "classes", "dropped_classes", "files",
+                 "skipped_files", "skip_reasons", "too_short_files")
 
 
 class ShardVideos(_Shards, VideoFolderDataset):
@@ -602,10 +647,10 @@ class ShardVideos(_Shards, VideoFolderDataset):
         return None  # the samples are the manifest's (_build reads its arrays)
 
     def _layout(self, frames: np.ndarray, fps: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """int32 ``(last clip start, span of the clip at frame 0, longest span)`` per sample of
+        """``(last clip start, span of the clip at frame 0, longest span)`` per sample of
         ``frames`` frames at ``fps`` (frames; last start < 0: too short), as ``_index_files`` finds
         them from the times ``arange(frames) / fps``; in chunks, so temporaries stay a constant."""
-        out = np.zeros((3, len(frames)), dtype=np.int32)
+        out = np.zeros((3, len(frames)), dtype=_small(int(frames.max(initial=0)) + 1))
         for a in range(0, len(frames), _CHUNK):
             got = self._layout_chunk(frames[a:a + _CHUNK].astype(np.int64), fps[a:a + _CHUNK].astype(np.float64))
             out[:, a:a + _CHUNK] = got
@@ -636,96 +681,157 @@ class ShardVideos(_Shards, VideoFolderDataset):
         if hit is not None and hit[0] is self.index.frames:  # another shape bucket of the same clips
             self.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in hit[1].items()})
             self.skip_reasons = dict(self.skip_reasons)
-            return
-        self._lay_out()
-        while len(_LAYOUTS) >= 4:
-            _LAYOUTS.pop(next(iter(_LAYOUTS)))
-        _LAYOUTS[key] = (self.index.frames, {k: getattr(self, k) for k in _LAYOUT_STATE})
+        else:
+            self._lay_out()
+            while len(_LAYOUTS) >= 4:
+                _LAYOUTS.pop(next(iter(_LAYOUTS)))
+            _LAYOUTS[key] = (self.index.frames, {k: getattr(self, k) for k in _LAYOUT_STATE})
+        n = int(self._first[-1])
+        self.labels = ItemArray(self._labels_at, n)
+        self.item_group = ItemArray(self._groups_at, n, np.int32)
+
+    def _labels_at(self, items: np.ndarray) -> np.ndarray:
+        return self._number[self.index.label[self.samples_of(self.files_of(items))]]
+
+    def _groups_at(self, items: np.ndarray) -> np.ndarray:
+        return self.index.shard_of[self.samples_of(self.files_of(items))]
+
+    def _windows_at(self, items: np.ndarray) -> np.ndarray:
+        return items - self._first[self.files_of(items)]
+
+    def _samples_at(self, items: np.ndarray) -> np.ndarray:
+        return self.samples_of(self.files_of(items))
 
     def _lay_out(self) -> None:
-        """The items of the manifest's samples (:meth:`_build` without the memo)."""
+        """The per-file arrays of the manifest's samples (:meth:`_build` without the memo): per usable
+        sample its number (``_kept``; None when all are usable), first item (``_first``, then the
+        number of items), last clip start, longest span and window step, in the smallest int types."""
         ix = self.index
         last, span0, longest = self._layout(ix.frames, ix.fps)
         names = _SampleNames(ix)
-        for i in np.flatnonzero(last < 0):  # too short: said per sample, as for a folder
+        short = np.flatnonzero(last < 0)
+        for i in short:  # too short: said per sample, as for a folder
             self._skip(names[i], self._too_short(np.arange(int(ix.frames[i])) / float(ix.fps[i])), too_short=True)
-        kept = np.flatnonzero(last >= 0)
-        if not len(kept):
+        if len(short) == len(ix):
             raise ValueError(self._no_usable_video())
-        # int32 where values fit: a few bytes per sample and item at millions of them
-        self.sample_of_file = kept.astype(_dtype(len(ix)))
-        self._last, self._span = last[kept], longest[kept]
-        self._step = np.full(len(kept), self.clip_step, np.int32) if self.clip_step else span0[kept]
-        del last, span0, longest
-        windows = self._last // self._step + 1
-        total = int(windows.sum(dtype=np.int64))
-        self.item_file = np.repeat(np.arange(len(kept), dtype=_dtype(len(kept))), windows)
-        first = np.concatenate([[0], np.cumsum(windows, dtype=np.int64)[:-1]]).astype(_dtype(total))
-        self.item_window = np.arange(total, dtype=_dtype(total))
-        for a in range(0, total, _CHUNK):
-            self.item_window[a:a + _CHUNK] -= first[self.item_file[a:a + _CHUNK]]
-        self._labels_of(ix.label[kept], ix.label)
-        self.files = _KeptNames(ix, kept)
-        self.sample_of_item = self.sample_of_file[self.item_file]
+        self._kept = None
+        if len(short):
+            self._kept = np.flatnonzero(last >= 0).astype(_dtype(len(ix)))
+            last, span0, longest = last[self._kept], span0[self._kept], longest[self._kept]
+        # a span or step that is one number for all files (fps unset; clip_step set) is no array
+        self._last, self._span = last, _constant_or(longest)
+        self._step = _constant_or(np.full(1, self.clip_step, dtype=last.dtype) if self.clip_step else span0, len(last))
+        del span0, longest
+        # windows per file, summed in chunks (int32 when the frame count bounds the total)
+        self._first = np.zeros(len(last) + 1, dtype=_dtype(int(ix.frames.sum(dtype=np.int64)) + 1))
+        for a in range(0, len(last), _CHUNK):
+            part = slice(a, a + _CHUNK)
+            self._first[a + 1:a + 1 + len(last[part])] = self._first[a] + np.cumsum(last[part] // self._step[part] + 1)
+        self._labels_of()
+        self.files = _KeptNames(ix, self._kept) if self._kept is not None else names
 
-    def _labels_of(self, kept_labels: np.ndarray, all_labels: np.ndarray) -> None:
-        """``labels``, ``classes`` and ``dropped_classes`` as the folder dataset numbers them: classes
-        in order of first appearance among the usable samples (a class left without one is dropped)."""
-        def by_first_appearance(labels: np.ndarray) -> np.ndarray:
-            first = np.full(len(self.index.classes), len(labels), dtype=np.int64)
-            for a in range(0, len(labels), _CHUNK):  # chunks: np.unique's sort temporaries stay small
-                uniq, at = np.unique(labels[a:a + _CHUNK], return_index=True)
+    def samples_of(self, files: np.ndarray) -> np.ndarray:
+        """The sample numbers of the usable files ``files`` (an int array or an int)."""
+        return files if self._kept is None else self._kept[files]
+
+    def files_of(self, items: np.ndarray) -> np.ndarray:
+        """The file number of each item of the int array ``items``."""
+        # keys of _first's own type: numpy would otherwise convert all of _first for every call
+        return np.searchsorted(self._first, np.asarray(items).astype(self._first.dtype, copy=False), side="right") - 1
+
+    def _item_at(self, index: int) -> Tuple[int, int]:
+        n = int(self._first[-1])
+        i = int(index) + (n if int(index) < 0 else 0)
+        if not 0 <= i < n:
+            raise IndexError(f"item {int(index)} out of range for {n} items")
+        f = int(np.searchsorted(self._first, self._first.dtype.type(i), side="right")) - 1
+        return f, i - int(self._first[f])
+
+    @property
+    def item_file(self) -> ItemArray:
+        """The file number of each item (computed when indexed)."""
+        return ItemArray(self.files_of, int(self._first[-1]))
+
+    @property
+    def item_window(self) -> ItemArray:
+        """The window number of each item within its file (computed when indexed)."""
+        return ItemArray(self._windows_at, int(self._first[-1]))
+
+    @property
+    def sample_of_item(self) -> ItemArray:
+        """The sample number of each item (computed when indexed)."""
+        return ItemArray(self._samples_at, int(self._first[-1]))
+
+    def _labels_of(self) -> None:
+        """``_number`` (label of each manifest class; -1: dropped), ``classes`` and ``dropped_classes``
+        as the folder dataset numbers them: classes in order of first appearance among the usable
+        samples (a class left without one is dropped)."""
+        def by_first_appearance(samples: Optional[np.ndarray]) -> np.ndarray:
+            total = len(self.index) if samples is None else len(samples)
+            first = np.full(len(self.index.classes), total, dtype=np.int64)
+            for a in range(0, total, _CHUNK):  # chunks: np.unique's sort temporaries stay small
+                part = slice(a, a + _CHUNK)
+                labels = self.index.label[part] if samples is None else self.index.label[samples[part]]
+                uniq, at = np.unique(labels, return_index=True)
                 first[uniq] = np.minimum(first[uniq], at + a)
-            return np.argsort(first, kind="stable")[:int((first < len(labels)).sum())]
+            return np.argsort(first, kind="stable")[:int((first < total).sum())]
 
-        order = by_first_appearance(kept_labels)
-        number = np.full(len(self.index.classes), -1, dtype=np.int64)
-        number[order] = np.arange(len(order))
-        self.labels = np.empty(len(self.item_file), dtype=np.int64)
-        for a in range(0, len(self.labels), _CHUNK):
-            self.labels[a:a + _CHUNK] = number[kept_labels[self.item_file[a:a + _CHUNK]]]
+        order = by_first_appearance(self._kept)
+        self._number = np.full(len(self.index.classes), -1, dtype=np.int64)
+        self._number[order] = np.arange(len(order))
         self.classes = [self.index.classes[int(c)] for c in order]
         used = set(order.tolist())
-        self.dropped_classes = [self.index.classes[int(c)] for c in by_first_appearance(all_labels) if c not in used]
+        self.dropped_classes = [self.index.classes[int(c)] for c in by_first_appearance(None) if c not in used]
         for c in self.dropped_classes:
             log.warning(f"class {c} dropped: none of its videos is usable (their skips are listed above)")
 
-    def item_bounds(self, items: slice = slice(None)) -> Tuple[np.ndarray, np.ndarray]:
+    def item_bounds(self, items: Any = slice(None)) -> Tuple[np.ndarray, np.ndarray]:
         """``(first frame of each item's eval clip, last frame any of its training clips can touch)``
-        of the ``items``: ``clip_indices(i, None)[1].min()`` and ``item_frames(i)[1][1]``
-        (:class:`~vitp.data.video.VideoFolderDataset`) for many items at once."""
-        f = self.item_file[items]
-        start = self.item_window[items] * self._step[f]
-        return start, np.minimum(start + self._step[f] - 1, self._last[f]) + self._span[f] - 1
+        of the ``items`` (an int array or a slice): ``clip_indices(i, None)[1].min()`` and
+        ``item_frames(i)[1][1]`` (:class:`~vitp.data.video.VideoFolderDataset`) for many items at once."""
+        if isinstance(items, slice):
+            items = np.arange(*items.indices(int(self._first[-1])))
+        f = self.files_of(items)
+        step = self._step[f].astype(np.int64)
+        start = (items - self._first[f]) * step
+        return start, np.minimum(start + step - 1, self._last[f]) + self._span[f] - 1
 
     def _window(self, f: int, w: int) -> Tuple[int, int, int, int]:
         step = int(self._step[f])
         return w * step, step, int(self._last[f]), int(self._span[f])
 
     def _file_times(self, f: int) -> np.ndarray:
-        s = int(self.sample_of_file[f])  # constant frame rate: frame k at k / fps
+        s = int(self.samples_of(int(f)))  # constant frame rate: frame k at k / fps
         return np.arange(int(self.index.frames[s])) / float(self.index.fps[s])
 
     def _file_pts(self, f: int) -> None:
         return None  # no timestamps in the manifest: files are decoded from the start
 
     def _orientation_of(self, f: int) -> Optional[str]:
-        return self.index.orientation_of(int(self.sample_of_file[f]))
+        return self.index.orientation_of(int(self.samples_of(int(f))))
 
     def native_sizes(self, items: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """int32 ``(h, w)`` of the frames of ``items`` as players show them (bucket assignment)."""
-        s = self.sample_of_item[items]
+        s = self.samples_of(self.files_of(np.asarray(items)))
         return self.index.height[s], self.index.width[s]
 
     def native_size(self, index: int) -> Tuple[int, int]:
         """``(h, w)`` of the frames of item ``index`` as players show them, from the manifest."""
-        s = int(self.sample_of_item[index])
+        s = int(self.samples_of(self._item_at(index)[0]))
         return int(self.index.height[s]), int(self.index.width[s])
 
     def _decoded_bytes(self) -> int:
-        (H, W), total = self.size, 0
-        for a in range(0, len(self.sample_of_file), _CHUNK):  # chunks: float64 temporaries stay small
-            s = self.sample_of_file[a:a + _CHUNK]
+        """Bytes the whole-file cache would hold, or a lower bound of them (frames x H x W x C: the
+        cover resize never shrinks below the crop) when that already exceeds ``video_cache_mb``,
+        so that a large pack's sizes are not read at start-up."""
+        (H, W), frames = self.size, 0
+        for a in range(0, len(self._last), _CHUNK):
+            frames += int(self.index.frames[self.samples_of(np.arange(a, min(a + _CHUNK, len(self._last))))].sum())
+        if frames * H * W * self.channels > self.video_cache_mb * 2**20:
+            return frames * H * W * self.channels
+        total = 0
+        for a in range(0, len(self._last), _CHUNK):  # chunks: float64 temporaries stay small
+            s = self.samples_of(np.arange(a, min(a + _CHUNK, len(self._last))))
             h, w = self.index.height[s].astype(np.float64), self.index.width[s].astype(np.float64)
             scale = np.maximum(H / h, W / w)  # the cover resize's scale, as the folder dataset's sum
             pw, ph = (np.maximum(1, np.round(side * scale)).astype(np.int64) for side in (w, h))
@@ -734,35 +840,76 @@ class ShardVideos(_Shards, VideoFolderDataset):
         return total * self.channels
 
     def _source(self, f: int) -> Any:
-        return io.BytesIO(media_of(self._sample(int(self.sample_of_file[f])))[1])
+        return io.BytesIO(media_of(self._sample(int(self.samples_of(int(f)))))[1])
 
 
-def _split(index: ShardIndex, base: Any, sample: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Boolean ``(train, held out)`` per item: the manifest's flag for images; for clips, held out
-    when the eval clip starts at or after its file's ``heldout_from``, training when every jittered
-    clip ends before it (windows across the boundary are used by neither)."""
-    if index.kind != "video":
-        held = index.heldout[sample].astype(bool)
-        return ~held, held
-    train, held = np.zeros(len(sample), dtype=bool), np.zeros(len(sample), dtype=bool)
-    for a in range(0, len(sample), _CHUNK):  # chunks: the frame arithmetic's temporaries stay small
-        part = slice(a, a + _CHUNK)
-        start = index.heldout_from[sample[part]]
-        first, last = base.item_bounds(part)
-        train[part], held[part] = last < start, first >= start
-    return train, held
+_INDEXES: Dict[str, ShardIndex] = {}  # the last ShardIndex per URL: the shape buckets of a run share one
 
 
-def shard_datasets(cfg: Any) -> Tuple[KeyedSubset, KeyedSubset]:
+def _open_index(url: str) -> ShardIndex:
+    """The :class:`ShardIndex` at ``url``, the one already open when its manifest is unchanged
+    (same bytes); the shards are checked again either way."""
+    index = _INDEXES.get(str(url))
+    if index is not None:
+        try:
+            same = hashlib.sha1(read_bytes(join_url(index.url, MANIFEST))).hexdigest() == index.manifest_sha1
+        except OSError:
+            same = False
+        if same:
+            index.check_shards()
+            return index
+    _INDEXES.clear()
+    _INDEXES[str(url)] = index = ShardIndex(url)
+    return index
+
+
+def _split(index: ShardIndex, base: Any, n: int, keep: Any = None) -> Tuple[np.ndarray, np.ndarray]:
+    """``(training items, held-out items)`` of the ``n`` items of ``base``, int32 where they fit:
+    the manifest's flag for images; for clips, held out when the eval clip starts at or after its
+    file's ``heldout_from``, training when every jittered clip ends before it (windows across the
+    boundary are used by neither). Items without a caption are left out when the pack has
+    captions, and those ``keep(base, items)`` (a bool mask) rejects. In chunks: two bytes per item
+    while splitting, then the int indices alone."""
+    video, present = index.kind == "video", None if index.captions is None else index.captions.present
+    side = np.zeros(n, dtype=np.uint8)  # 1 training, 2 held out, 0 neither: one byte per item while split
+    for a in range(0, n, _CHUNK):  # chunks: the frame arithmetic's temporaries stay small
+        items = np.arange(a, min(n, a + _CHUNK), dtype=np.int64)
+        sample = base.samples_of(base.files_of(items)) if video else items
+        if video:
+            start = index.heldout_from[sample]
+            first, last = base.item_bounds(items)
+            got = np.where(last < start, 1, np.where(first >= start, 2, 0)).astype(np.uint8)
+        else:
+            got = np.where(index.heldout[sample] != 0, 2, 1).astype(np.uint8)
+        if present is not None:
+            got[~present[sample]] = 0
+        if keep is not None:
+            got[~keep(base, items)] = 0
+        side[a:a + len(items)] = got
+    out = []
+    for k in (1, 2):
+        idx = np.empty(int(np.count_nonzero(side == k)), dtype=_dtype(n))
+        at = 0
+        for a in range(0, n, _CHUNK):
+            got = np.flatnonzero(side[a:a + _CHUNK] == k) + a
+            idx[at:at + len(got)] = got
+            at += len(got)
+        out.append(idx)
+    return out[0], out[1]
+
+
+def shard_datasets(cfg: Any, keep: Any = None) -> Tuple[KeyedSubset, KeyedSubset]:
     """``(train, held_out)`` of the packed data set at ``cfg.shards`` (a ``data`` config section);
-    the split is the manifest's. The base dataset's ``item_group`` (shard of each item) gives the
-    subsets their ``groups`` (:class:`~vitp.data.base.KeyedSubset`).
+    the split is the manifest's; ``keep(base, items)`` (bool mask, optional) selects a shape
+    bucket's items while splitting. The base dataset's ``item_group`` (shard of each item) gives
+    the subsets their ``groups`` (:class:`~vitp.data.base.KeyedSubset`).
 
     Raises ``ValueError`` when ``data.shards`` is unset, the classes disagree with
-    ``data.num_classes`` or a split is empty; what :class:`ShardIndex` raises."""
+    ``data.num_classes`` or the training split is empty (without ``keep``); what
+    :class:`ShardIndex` raises."""
     if not cfg.shards:
         raise ValueError("data.name=shards needs data.shards=<folder or s3:// prefix written by vitp-pack>")
-    index = ShardIndex(cfg.shards)
+    index = _open_index(cfg.shards)
     if len(index.classes) != cfg.num_classes:
         raise ValueError(f"the packed data at {cfg.shards} has {len(index.classes)} classes but data.num_classes="
                          f"{cfg.num_classes}; set data.num_classes={len(index.classes)}")
@@ -773,24 +920,18 @@ def shard_datasets(cfg: Any) -> Tuple[KeyedSubset, KeyedSubset]:
                            channels=cfg.channels, train=True, random_crop=cfg.random_crop, hflip=cfg.hflip,
                            video_cache_mb=cfg.video_cache_mb, scene_cut_threshold=cfg.scene_cut_threshold,
                            **common)
-        sample = base.sample_of_item
-        base.item_group = index.shard_of[sample]
+        captions = None if index.captions is None else Picked(index.captions, base.sample_of_item)
     else:
         if cfg.num_frames != 1:
             raise ValueError(f"the packed data at {cfg.shards} holds still images: set data.num_frames=1")
         base = ShardImages(index, cfg.resolution, cfg.channels, train=True, random_crop=cfg.random_crop,
                            hflip=cfg.hflip, **common)
-        sample = np.arange(len(index))
-        base.item_group = index.shard_of
-    if index.captions is not None:
-        base.captions = Picked(index.captions, sample)  # parsed when an item asks
-    train, held = _split(index, base, sample)
-    out = []
-    for idx, eval_only in ((np.flatnonzero(train), False), (np.flatnonzero(held), True)):
-        if index.captions is not None:
-            idx = idx[index.captions.present[sample[idx]]]
-        out.append(KeyedSubset(base, idx, eval_only=eval_only))
-    if not len(out[0]):
+        base.item_group, captions = index.shard_of, index.captions  # item i is sample i
+    if captions is not None:
+        base.captions = captions  # parsed when an item asks
+    train, held = _split(index, base, len(base), keep)
+    out = [KeyedSubset(base, train), KeyedSubset(base, held, eval_only=True)]
+    if not len(out[0]) and keep is None:
         raise ValueError(f"the packed data at {cfg.shards} has no training sample")
     line = (f"data.shards={cfg.shards}: {len(index)} samples in {len(index.shards)} shards, {len(out[0])} "
             f"training / {len(out[1])} held-out items")

@@ -466,7 +466,7 @@ class VideoFolderDataset(FileDataset):
         """``(file number, source frame indices (T,))`` of item ``index``. ``aug_seed=None`` (or
         ``train=False``) gives the window start; an int draws the start uniformly from
         ``[window start, window start + step)``, clipped to the last valid start."""
-        f, w = int(self.item_file[index]), int(self.item_window[index])
+        f, w = self._item_at(index)
         start, step, last_start, _ = self._window(f, w)
         if aug_seed is not None and self.train:
             hi = min(start + step - 1, last_start)
@@ -475,9 +475,13 @@ class VideoFolderDataset(FileDataset):
 
     def item_frames(self, index: int) -> Tuple[int, int]:
         """``(file number, [first, last] source frame)`` any training clip of ``index`` can touch (inclusive)."""
-        f, w = int(self.item_file[index]), int(self.item_window[index])
+        f, w = self._item_at(index)
         start, step, last_start, span = self._window(f, w)
         return f, (start, min(start + step - 1, last_start) + span - 1)
+
+    def _item_at(self, index: int) -> Tuple[int, int]:
+        """``(file number, window number)`` of item ``index``."""
+        return int(self.item_file[index]), int(self.item_window[index])
 
     def _window(self, f: int, w: int) -> Tuple[int, int, int, int]:
         """``(start, step, last valid start, longest clip span)`` of window ``w`` of file ``f`` (frames)."""
@@ -588,11 +592,11 @@ class VideoFolderDataset(FileDataset):
         return np.stack([frames[int(i)] for i in idx])
 
     def _file_of(self, index: int) -> int:
-        return int(self.item_file[index])
+        return self._item_at(index)[0]
 
     def native_size(self, index: int) -> Tuple[int, int]:
         """``(h, w)`` of the frames of item ``index`` as players show them (for bucket assignment)."""
-        w, h = self._sizes[int(self.item_file[index])]
+        w, h = self._sizes[self._item_at(index)[0]]
         return h, w
 
     def _read(self, index: int, aug_seed: Optional[int]) -> np.ndarray:

@@ -495,9 +495,9 @@ def test_shape_buckets_of_packed_videos_share_one_layout():
 
     index = _Manifest(np.arange(20, 80, 3), [24.0, 30.0] * 10, np.arange(20) % 2, ["a", "b"])
     a, b = (ShardVideos(index, resolution=r, num_frames=8, fps=12.0, video_cache_mb=0) for r in (16, 32))
-    assert a.item_file is b.item_file and a.labels is b.labels and a.sample_of_item is b.sample_of_item
+    assert a._first is b._first and a._last is b._last and a._span is b._span and a._number is b._number
     assert a.classes == b.classes and a.classes is not b.classes and len(a) == len(b) > 20
     c = ShardVideos(index, resolution=16, num_frames=4, fps=12.0, video_cache_mb=0)
-    assert c.item_file is not a.item_file and len(c) > len(a)
+    assert c._first is not a._first and len(c) > len(a)
     fresh = _folder_of(index, resolution=32, num_frames=8, fps=12.0, video_cache_mb=0)
     assert np.array_equal(b.item_window, fresh.item_window) and np.array_equal(b.labels, fresh.labels)
