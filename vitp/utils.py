@@ -88,3 +88,31 @@ class RankZeroError(ValueError):
 # ``extra=`` of a log record that only this rank emits (a file its own batches failed to decode, its
 # node's folder): ranks other than 0 print it too (vitp.train.logger.OwnRecordsOnly)
 RANK_LOCAL = {"rank_local": True}
+
+
+_SCAN = 1 << 24  # bytes per chunk when scanning for newlines (bounds the scan's temporaries)
+
+
+def line_offsets(buf: "np.ndarray") -> "np.ndarray":
+    """int64 ``(lines + 1,)``: the byte where each line of the uint8 text ``buf`` starts, then
+    ``len(buf)`` (a last line without its newline counts as a line). Scanned in chunks: the
+    temporaries stay a few bytes per line plus 16 MiB."""
+    import numpy as np
+
+    ends = [np.flatnonzero(buf[a:a + _SCAN] == ord("\n")) + (a + 1) for a in range(0, len(buf), _SCAN)]
+    ends = np.concatenate([np.zeros(1, np.int64), *ends]).astype(np.int64)
+    return ends if ends[-1] == len(buf) else np.append(ends, len(buf))
+
+
+def write_line_offsets(text_file: PathLike, out: PathLike) -> Path:
+    """Write :func:`line_offsets` of the file ``text_file`` to ``out`` (a ``.npy``, atomically,
+    readable by all); returns ``out``. Readers memory-map it to read one line at a time."""
+    import numpy as np
+
+    text_file, out = Path(text_file), Path(out)
+    buf = np.memmap(text_file, dtype=np.uint8, mode="r") if text_file.stat().st_size else np.zeros(0, np.uint8)
+    with atomic_write(out) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, line_offsets(buf))
+    os.chmod(out, 0o644)
+    return out

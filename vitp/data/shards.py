@@ -46,7 +46,7 @@ import torch
 from vitp.data.base import FileDataset, ItemArray, KeyedSubset, Picked, StorageError, wrapped
 from vitp.data.images import digits_tensor, load_image
 from vitp.data.video import VideoFolderDataset
-from vitp.utils import atomic_write
+from vitp.utils import atomic_write, line_offsets, write_line_offsets
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,6 @@ FORMAT, VERSION = "vitp-shards", 1
 MANIFEST, SAMPLES, CAPTIONS, TEXT_STORE = "index.json", "samples.safetensors", "captions.jsonl", "text-embeddings"
 CAPTION_OFFSETS = "captions.idx.npy"  # int64 (n + 1,): where each line of captions.jsonl starts, then its size
 _ARRAYS = ("label", "heldout", "heldout_from", "height", "width", "frames", "fps", "orientation")  # samples.safetensors
-_SCAN = 1 << 24  # bytes per chunk when scanning captions.jsonl (bounds the scan's temporaries)
 _CHUNK = 1 << 14  # samples / items per chunk of the start-up arithmetic (bounds its temporaries)
 META_EXTS = ("cls", "txt", "json")  # a sample's files other than its media
 REMOTE_SCHEMES = ("s3", "http", "https", "gs")
@@ -182,26 +181,10 @@ def _load_samples(where: str) -> Dict[str, np.ndarray]:
     return out
 
 
-def caption_offsets(buf: np.ndarray) -> np.ndarray:
-    """int64 ``(lines + 1,)``: the byte where each line of the uint8 text ``buf`` starts, then
-    ``len(buf)`` (a last line without its newline counts as a line). Scanned in chunks: the
-    temporaries stay a few bytes per line plus :data:`_SCAN`."""
-    ends = [np.flatnonzero(buf[a:a + _SCAN] == ord("\n")) + (a + 1) for a in range(0, len(buf), _SCAN)]
-    ends = np.concatenate([np.zeros(1, np.int64), *ends]).astype(np.int64)
-    return ends if ends[-1] == len(buf) else np.append(ends, len(buf))
-
-
 def write_caption_offsets(jsonl: Union[str, Path]) -> Path:
     """Write :data:`CAPTION_OFFSETS` next to the captions file ``jsonl`` (what ``vitp-pack`` does);
     returns its path."""
-    jsonl = Path(jsonl)
-    out = jsonl.parent / CAPTION_OFFSETS
-    buf = np.memmap(jsonl, dtype=np.uint8, mode="r") if jsonl.stat().st_size else np.zeros(0, np.uint8)
-    with atomic_write(out) as tmp:
-        with open(tmp, "wb") as f:
-            np.save(f, caption_offsets(buf))
-    os.chmod(out, 0o644)
-    return out
+    return write_line_offsets(jsonl, Path(jsonl).parent / CAPTION_OFFSETS)
 
 
 class CaptionLines(Sequence):
@@ -226,7 +209,7 @@ class CaptionLines(Sequence):
             offsets = np.load(join_url(url, CAPTION_OFFSETS), mmap_mode="r")
             if len(offsets) < 1 or offsets[-1] != len(buf):
                 offsets = None  # written for another captions file: scan this one
-        self.offsets = caption_offsets(buf) if offsets is None else offsets
+        self.offsets = line_offsets(buf) if offsets is None else offsets
         if len(buf) and buf[-1] != ord("\n"):
             raise self._damaged(f"it ends inside line {len(self)} (cut short)")
 
@@ -939,6 +922,61 @@ def shard_datasets(cfg: Any, keep: Any = None) -> Tuple[KeyedSubset, KeyedSubset
         _LOGGED.add(line)
         log.info(line)
     return out[0], out[1]
+
+
+def item_samples(dataset: Any, items: np.ndarray) -> np.ndarray:
+    """The pack's sample numbers of ``items`` (int array) of ``dataset``: a packed data set or
+    :class:`~vitp.data.base.KeyedSubset` views of one."""
+    while isinstance(dataset, KeyedSubset):
+        items, dataset = np.asarray(dataset.indices[items]), dataset.base
+    return dataset.samples_of(dataset.files_of(items)) if isinstance(dataset, ShardVideos) else items
+
+
+def caption_ids(index: ShardIndex, store: Any, cache_dir: Optional[str] = None) -> np.ndarray:
+    """int32 ``(samples,)``: the id in the caption store ``store`` (:class:`vitp.text.store.TextEmbeddings`)
+    of each sample's caption (-1: no caption, or one the store lacks), memory-mapped from a cache
+    file (``<cache>/caption-ids/``, keyed by the pack's manifest and the store's captions), which
+    the first process to need it writes: with :func:`vitp.train.trainer.node_first`, one rank per
+    node reads the pack's captions, the others map the file.
+
+    The lookup hashes each caption (:func:`vitp.text.store.caption_hash`, 64 bits) and finds the
+    hash among the store's sorted ones; where the store holds two captions of one hash, their
+    lines are compared (a caption absent from the store that shares a 64-bit hash with one in it,
+    odds about ``n_pack * n_store / 2**64``, would take that id)."""
+    from vitp.text.store import caption_hash
+
+    key = hashlib.sha1(f"{index.url}|{index.manifest_sha1}|{store.index['captions_sha256']}".encode()).hexdigest()
+    path = Path(cache_dir or os.path.dirname(_default_cache())) / "caption-ids" / f"{key[:20]}.npy"
+    if path.is_file():
+        ids = np.load(path, mmap_mode="r")
+        if len(ids) == len(index):
+            return ids
+    ids = np.full(len(index), -1, dtype=np.int32)
+    for a in range(0, len(index), _CHUNK):
+        part = range(a, min(len(index), a + _CHUNK))
+        caps = [index.captions[i] for i in part]
+        hashes = np.fromiter((caption_hash(c or "") for c in caps), dtype=np.uint64, count=len(caps))
+        ids[a:a + len(caps)] = [-1 if c is None else _store_id(store, c, h) for c, h in zip(caps, hashes)]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_write(path) as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, ids)
+    except OSError as e:  # a read-only cache: every process keeps its own copy
+        log.warning(f"cannot write the caption-id cache {path} ({e}); set VITP_CACHE_DIR to a writable folder")
+    return ids
+
+
+def _store_id(store: Any, caption: str, h: np.uint64) -> int:
+    """:func:`caption_ids`' lookup of one caption of hash ``h``."""
+    found = store._indexed()
+    if found is None:  # a store written without its lookup files
+        return store._id_map().get(caption, -1)
+    _, hashes, ids, _ = found
+    lo, hi = int(np.searchsorted(hashes, h, "left")), int(np.searchsorted(hashes, h, "right"))
+    if hi - lo == 1:
+        return int(ids[lo])
+    return next((int(ids[k]) for k in range(lo, hi) if store.caption(int(ids[k])) == caption), -1)
 
 
 def packed_index(dataset: Any) -> Optional[ShardIndex]:

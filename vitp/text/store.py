@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 FORMAT = "vitp-text-embeddings"
 VERSION = 1
 INDEX, PARTIAL, CAPTIONS = "index.json", "index.partial.json", "captions.jsonl"
+# lookups without reading every caption (written with captions.jsonl; stores made without them are read whole):
+# byte offsets of its lines; the captions' 64-bit hashes, sorted, and the id of each
+OFFSETS, HASHES, HASH_IDS = "captions.idx.npy", "captions.hash.npy", "captions.hash_ids.npy"
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32"}
 # what must match to resume an encode or to reuse a finished store
@@ -201,13 +204,20 @@ def _existing(out: Path) -> Optional[Dict[str, Any]]:
 
 def _temporary_files(out: Path) -> List[Path]:
     """Temporary files of the store's writes (:func:`vitp.utils.atomic_write` names) in ``out``."""
-    return [*out.glob(".shard-*.tmp.safetensors"), *out.glob(".index*.tmp.json"), *out.glob(".captions.*.tmp.jsonl")]
+    return [*out.glob(".shard-*.tmp.safetensors"), *out.glob(".index*.tmp.json"), *out.glob(".captions.*.tmp.jsonl"),
+            *out.glob(".captions.*.tmp.npy")]
 
 
 def _remove_store(out: Path) -> None:
     """Delete the files a store consists of (and temporary files of an interrupted write), nothing else."""
-    for p in [*(out / n for n in (INDEX, PARTIAL, CAPTIONS)), *out.glob("shard-*.safetensors"), *_temporary_files(out)]:
+    for p in [*(out / n for n in (INDEX, PARTIAL, CAPTIONS, OFFSETS, HASHES, HASH_IDS)), *out.glob("shard-*.safetensors"),
+              *_temporary_files(out)]:
         p.unlink(missing_ok=True)
+
+
+def caption_hash(caption: str) -> int:
+    """The 64-bit hash of ``caption`` the store's lookup index sorts by (BLAKE2b of its UTF-8)."""
+    return int.from_bytes(hashlib.blake2b(caption.encode("utf-8"), digest_size=8).digest(), "little")
 
 
 def _write_captions(out: Path, unique: List[str]) -> None:
@@ -215,6 +225,21 @@ def _write_captions(out: Path, unique: List[str]) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             for i, c in enumerate(unique):
                 f.write(json.dumps({"id": i, "caption": c}, ensure_ascii=False) + "\n")
+    _write_lookup(out, unique)
+
+
+def _write_lookup(out: Path, unique: Sequence[str]) -> None:
+    """:data:`OFFSETS`, :data:`HASHES` and :data:`HASH_IDS` of the captions ``unique`` (in id order)
+    of the store ``out``: a reader finds a caption's id by binary search and reads one line."""
+    from vitp.utils import write_line_offsets
+
+    write_line_offsets(out / CAPTIONS, out / OFFSETS)
+    hashes = np.fromiter((caption_hash(c) for c in unique), dtype=np.uint64, count=len(unique))
+    order = np.argsort(hashes, kind="stable")
+    for name, arr in ((HASHES, hashes[order]), (HASH_IDS, order.astype(np.int64))):
+        with atomic_write(out / name) as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, arr)
 
 
 def _encode_shard(out: Path, s: int, first: int, captions: List[str], encoder: Any, head: Dict[str, Any],
@@ -324,6 +349,8 @@ def write_store(out: Any, captions: Sequence[str], encoder: Any, batch_size: int
         if _reusable(out, old):
             log.info(f"{out} is complete ({old['num_captions']} captions, the same captions and encoder): "
                      f"nothing to encode")
+            if not all((out / n).is_file() for n in (OFFSETS, HASHES, HASH_IDS)):  # made by an older vitp
+                _write_lookup(out, unique)
             return old
     out.mkdir(parents=True, exist_ok=True)
     for tmp in _temporary_files(out):  # left by a killed run (atomic_write removes its own otherwise)
@@ -379,6 +406,7 @@ class TextEmbeddings:
         self._pid = os.getpid()
         self._captions: Optional[List[str]] = None
         self._ids: Optional[Dict[str, int]] = None
+        self._lookup: Optional[Tuple[np.ndarray, ...]] = None
 
     def __len__(self) -> int:
         return int(self.index["num_captions"])
@@ -389,7 +417,7 @@ class TextEmbeddings:
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_handles={}, _captions=None, _ids=None)  # reopened / reread in the receiving process
+        state.update(_handles={}, _captions=None, _ids=None, _lookup=None)  # reopened / remapped where received
         return state
 
     def _load_captions(self) -> List[str]:
@@ -404,6 +432,42 @@ class TextEmbeddings:
             self._captions = captions
         return self._captions
 
+    def _indexed(self) -> Optional[Tuple[np.ndarray, ...]]:
+        """``(line offsets, sorted hashes, their ids, captions bytes)`` memory-mapped, or None for a
+        store written without them (or whose offsets do not fit its captions file: it is read whole)."""
+        if self._lookup is None:
+            files = [self.path / n for n in (OFFSETS, HASHES, HASH_IDS)]
+            size = (self.path / CAPTIONS).stat().st_size
+            if not all(f.is_file() for f in files) or not size:
+                return None
+            offsets, hashes, ids = (np.load(f, mmap_mode="r") for f in files)
+            if len(offsets) != len(self) + 1 or int(offsets[-1]) != size or len(hashes) != len(self):
+                log.warning(f"{self.path}: its caption lookup files do not match {CAPTIONS}; reading the captions "
+                            f"whole (re-run vitp-encode-captions on the same data to rewrite them)")
+                return None
+            self._lookup = (offsets, hashes, ids, np.memmap(self.path / CAPTIONS, dtype=np.uint8, mode="r"))
+        return self._lookup
+
+    def _line(self, i: int) -> str:
+        offsets, _, _, buf = self._lookup
+        try:
+            row = json.loads(bytes(buf[int(offsets[i]):int(offsets[i + 1])]))
+            if row["id"] != i:
+                raise ValueError(f"line {i + 1} holds id {row['id']}")
+            return row["caption"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{self.path / CAPTIONS} is damaged ({e}); re-run vitp-encode-captions with "
+                             f"--overwrite") from None
+
+    def _find(self, caption: str) -> Optional[int]:
+        """The id of ``caption``, or None: a binary search of the hashes, then the lines compared."""
+        if self._indexed() is None:
+            return self._id_map().get(caption)
+        _, hashes, ids, _ = self._lookup
+        h = np.uint64(caption_hash(caption))
+        lo, hi = int(np.searchsorted(hashes, h, "left")), int(np.searchsorted(hashes, h, "right"))
+        return next((int(ids[k]) for k in range(lo, hi) if self._line(int(ids[k])) == caption), None)
+
     def _id_map(self) -> Dict[str, int]:
         if self._ids is None:
             self._ids = {c: i for i, c in enumerate(self._load_captions())}
@@ -411,16 +475,15 @@ class TextEmbeddings:
 
     def __contains__(self, caption: str) -> bool:
         """Whether the store holds ``caption``."""
-        return caption in self._id_map()
+        return self._find(caption) is not None
 
     def id_of(self, caption: str) -> int:
         """The id of ``caption`` (0 for ``""``). Raises ``KeyError`` naming the caption and the store."""
-        self._id_map()
-        try:
-            return self._ids[caption]
-        except KeyError:
+        i = self._find(caption)
+        if i is None:
             raise KeyError(f"caption {caption!r} is not in the text embeddings at {self.path} ({len(self)} captions); "
-                           f"re-run vitp-encode-captions on this data to encode it") from None
+                           f"re-run vitp-encode-captions on this data to encode it")
+        return i
 
     def ids_of(self, captions: Sequence[str]) -> np.ndarray:
         """The ids ``(B,)`` int64 of ``captions`` (:meth:`id_of`, same errors)."""
@@ -430,6 +493,8 @@ class TextEmbeddings:
         """The caption of id ``i``. Raises ``IndexError`` outside ``[0, len)``."""
         if not 0 <= int(i) < len(self):
             raise IndexError(f"caption id {i} is outside [0, {len(self)}) of {self.path}")
+        if self._indexed() is not None:
+            return self._line(int(i))
         return self._load_captions()[int(i)]
 
     def _handle(self, s: int) -> Any:

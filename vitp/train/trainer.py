@@ -98,6 +98,28 @@ def _due(every: int, step: int) -> bool:
     return bool(every) and step % every == 0
 
 
+def node_first(fn: Any) -> Any:
+    """``fn()`` on every rank, on each node's first rank (``LOCAL_RANK`` 0) before the others: what
+    it writes to node-local caches (a video folder's probe index, a pack's caption ids) the
+    others then read instead of doing the work again. A failure on a first rank is raised on
+    every rank (the others' message names it). One process: ``fn()``."""
+    if dist.world_size() == 1:
+        return fn()
+    first, out, error = int(os.environ.get("LOCAL_RANK", "0")) == 0, None, None
+    if first:
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, with the other ranks told
+            error = e
+    told = [m for m in dist.gather_objects(None if error is None else f"rank {dist.rank()}: {type(error).__name__}: "
+                                                                      f"{error}") if m]
+    if error is not None:
+        raise error
+    if told:
+        raise RuntimeError(f"the data could not be built: {told[0]}")
+    return fn() if not first else out
+
+
 class Trainer:
     """Build everything a run needs (the constructor), then :meth:`fit`.
 
@@ -206,10 +228,12 @@ class Trainer:
         from vitp.data.text import conditioned, conditioning
 
         cfg = self.cfg
-        self.train_ds, self.heldout_ds = build_datasets(cfg.data, cfg.seed)
+        # node_first: one rank per node probes video folders and writes the per-node caches, the others map them
+        self.train_ds, self.heldout_ds = node_first(lambda: build_datasets(cfg.data, cfg.seed))
         self._on_main_first(lambda: ensure_text_embeddings(cfg))  # the demo's one-command caption encoding
         self.conditioning = conditioning(cfg, self.text_store)  # class labels, or caption embeddings (vitp.data.text)
-        self.train_ds, self.heldout_ds = conditioned(self.conditioning, self.train_ds, self.heldout_ds)
+        self.train_ds, self.heldout_ds = node_first(lambda: conditioned(self.conditioning, self.train_ds,
+                                                                        self.heldout_ds))
         self.schedule = BatchSchedule(len(self.train_ds), cfg.trainer.global_batch_size,
                                       cfg.trainer.micro_batch_size, self.layout.dp, cfg.seed,
                                       getattr(self.train_ds, "groups", None), cfg.data.shuffle_window)
@@ -218,8 +242,8 @@ class Trainer:
             from vitp.data.buckets import BucketSchedule, bucket_datasets, buckets_of
 
             self.buckets = buckets_of(cfg.data)
-            self.bucket_data = bucket_datasets(cfg.data, cfg.seed, build_datasets)
-            self.bucket_data = [tuple(conditioned(self.conditioning, tr, ho)) for tr, ho in self.bucket_data]
+            self.bucket_data = node_first(lambda: [tuple(conditioned(self.conditioning, tr, ho)) for tr, ho in
+                                                   bucket_datasets(cfg.data, cfg.seed, build_datasets)])
             self.schedule = BucketSchedule([len(tr) for tr, _ in self.bucket_data], self.buckets,
                                            self.schedule.accumulation, self.layout.dp, cfg.seed,
                                            [getattr(tr, "groups", None) for tr, _ in self.bucket_data],

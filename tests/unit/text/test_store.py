@@ -73,6 +73,26 @@ def test_bfloat16_store(tmp_path, tiny):
         write_store(tmp_path / "f16", CAPTIONS, tiny, progress=False, dtype="float16")
 
 
+def test_lookup_reads_lines_not_the_whole_captions_file(store, monkeypatch):
+    """A reader finds ids and captions through the offset and hash files (one line read per
+    lookup), never loading the captions file whole; a store without them (an older vitp's) is
+    read whole and gives the same answers, and a rerun of the encode adds them."""
+    from vitp.text.store import HASHES, HASH_IDS, OFFSETS
+
+    out, _ = store
+    emb = TextEmbeddings(out)
+    monkeypatch.setattr(TextEmbeddings, "_load_captions", lambda self: pytest.fail("read every caption"))
+    assert [emb.id_of(c) for c in UNIQUE] == list(range(len(UNIQUE))) and emb.caption(3) == UNIQUE[3]
+    assert "no such caption" not in emb and "" in emb and emb.ids_of(UNIQUE[::-1]).tolist() == list(range(7))[::-1]
+    with pytest.raises(KeyError, match="caption 'no such caption' is not in the text embeddings"):
+        emb.id_of("no such caption")
+    monkeypatch.undo()
+    for name in (OFFSETS, HASHES, HASH_IDS):
+        (out / name).unlink()
+    old = TextEmbeddings(out)
+    assert [old.id_of(c) for c in UNIQUE] == list(range(len(UNIQUE))) and old.caption(3) == UNIQUE[3]
+
+
 def test_resume_after_a_kill_keeps_finished_shards(tmp_path, tiny, monkeypatch, store):
     out, full = store
     part = tmp_path / "part"
@@ -88,7 +108,8 @@ def test_resume_after_a_kill_keeps_finished_shards(tmp_path, tiny, monkeypatch, 
     with pytest.raises(KeyboardInterrupt):
         write_store(part, CAPTIONS, tiny, batch_size=2, shard_size=3, progress=False)
     assert seen == UNIQUE[:3] and not (part / INDEX).exists() and (part / PARTIAL).exists()
-    assert sorted(p.name for p in part.iterdir()) == ["captions.jsonl", INDEX.replace(".json", ".partial.json"),
+    assert sorted(p.name for p in part.iterdir()) == ["captions.hash.npy", "captions.hash_ids.npy", "captions.idx.npy",
+                                                      "captions.jsonl", INDEX.replace(".json", ".partial.json"),
                                                       "shard-00000.safetensors"]
     with pytest.raises(FileNotFoundError, match=r"index.json not found: run vitp-encode-captions --encoder ENCODER "
                                                 r"--out .*part first; .*index.partial.json shows an interrupted encode"):
@@ -123,7 +144,8 @@ def test_rerun_is_a_no_op_and_other_settings_are_refused(store, tiny, tiny_path,
         write_store(out, CAPTIONS, other, shard_size=3, progress=False)
     index2 = write_store(out, ["a", "b"], other, progress=False, overwrite=True)
     assert index2["num_captions"] == 3 and TextEmbeddings(out).dim == 48
-    assert sorted(p.name for p in out.iterdir()) == ["captions.jsonl", "index.json", "shard-00000.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["captions.hash.npy", "captions.hash_ids.npy", "captions.idx.npy",
+                                                     "captions.jsonl", "index.json", "shard-00000.safetensors"]
 
 
 def test_a_damaged_shard_is_refused_at_open_and_re_encoded_by_a_rerun(store, tiny, tmp_path):
