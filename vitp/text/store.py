@@ -440,8 +440,11 @@ class TextEmbeddings:
             size = (self.path / CAPTIONS).stat().st_size
             if not all(f.is_file() for f in files) or not size:
                 return None
-            offsets, hashes, ids = (np.load(f, mmap_mode="r") for f in files)
-            if len(offsets) != len(self) + 1 or int(offsets[-1]) != size or len(hashes) != len(self):
+            try:
+                offsets, hashes, ids = (np.load(f, mmap_mode="r") for f in files)
+            except (ValueError, OSError):  # damaged: the lookup falls back to reading the captions
+                offsets = hashes = ids = np.zeros(0)
+            if len(offsets) != len(self) + 1 or int(offsets[-1]) != size or not len(hashes) == len(ids) == len(self):
                 log.warning(f"{self.path}: its caption lookup files do not match {CAPTIONS}; reading the captions "
                             f"whole (re-run vitp-encode-captions on the same data to rewrite them)")
                 return None
