@@ -423,10 +423,14 @@ class TextEmbeddings:
     def _load_captions(self) -> List[str]:
         if self._captions is None:
             file = self.path / CAPTIONS
-            rows = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line]
-            captions = [r["caption"] for r in rows]
-            if [r["id"] for r in rows] != list(range(len(self))) or captions_sha256(captions) != \
-                    self.index["captions_sha256"]:
+            try:
+                rows = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line]
+                captions = [r["caption"] for r in rows]
+                ids = [r["id"] for r in rows]
+            except (ValueError, KeyError, TypeError) as e:  # cut short or edited: one line naming the file
+                raise ValueError(f"{file} is damaged ({type(e).__name__}: {e}); re-run vitp-encode-captions with "
+                                 f"--overwrite") from None
+            if ids != list(range(len(self))) or captions_sha256(captions) != self.index["captions_sha256"]:
                 raise ValueError(f"{file} does not match {self.path / INDEX} (other captions or ids); re-run "
                                  f"vitp-encode-captions with --overwrite")
             self._captions = captions

@@ -93,6 +93,22 @@ def test_lookup_reads_lines_not_the_whole_captions_file(store, monkeypatch):
     assert [old.id_of(c) for c in UNIQUE] == list(range(len(UNIQUE))) and old.caption(3) == UNIQUE[3]
 
 
+def test_a_cut_short_captions_file_is_one_line_naming_it(store, tmp_path):
+    """A store whose captions.jsonl was cut short: the lookup files no longer fit it (read whole
+    instead, with a warning) and reading it whole stops with one line naming the file and the fix."""
+    import shutil
+
+    out, _ = store
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    data = (cut / "captions.jsonl").read_bytes()
+    (cut / "captions.jsonl").write_bytes(data[:len(data) - 10])
+    emb = TextEmbeddings(cut)
+    with pytest.raises(ValueError, match=r"cut/captions.jsonl is damaged \(JSONDecodeError: .*\); re-run "
+                                         r"vitp-encode-captions with --overwrite"):
+        emb.id_of("two cats")
+
+
 def test_resume_after_a_kill_keeps_finished_shards(tmp_path, tiny, monkeypatch, store):
     out, full = store
     part = tmp_path / "part"
