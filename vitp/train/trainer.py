@@ -59,8 +59,8 @@ def check_config(cfg: DictConfig, device: Optional[torch.device] = None, run_dir
     """The checks that need no process group, for a launch on ``device`` (default:
     ``trainer.device``) with the world size of the environment (``WORLD_SIZE``, 1 without a
     launcher): the whole config (:func:`vitp.config.validate_config`), a text model's captions
-    and embeddings options (:func:`vitp.config.validate_text_run`) and, unless
-    ``parallel.auto`` (whose layout the planner chooses later), the layout. Returns the
+    and embeddings options (:func:`vitp.config.validate_text_run`), the data folders
+    (:func:`vitp.data.build.check_data_paths`) and, unless ``parallel.auto`` (whose layout the planner chooses later), the layout. Returns the
     :class:`vitp.config.Layout` (``None`` with ``parallel.auto``).
 
     Raises ``ValueError`` naming the key and the valid values; when the layout does not fit this
@@ -81,6 +81,9 @@ def check_config(cfg: DictConfig, device: Optional[torch.device] = None, run_dir
                          f"product divides {dist.world_size()} (the whole training state is resharded to any layout)"
                          ) from None
     validate_text_run(cfg)
+    from vitp.data.build import check_data_paths
+
+    check_data_paths(cfg.data)  # a missing folder is named before the planner's memory check (preflight)
     return layout
 
 
