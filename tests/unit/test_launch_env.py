@@ -162,3 +162,36 @@ def test_vitp_train_exits_with_its_objects_frozen():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert int(p.stdout.split("frozen ")[1]) > 100_000, p.stdout  # the imported modules' objects
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_run_stopped_by_a_signal_exits_128_plus_the_signal_after_its_checkpoint(sig, status, tmp_path,
+                                                                                  monkeypatch):
+    """``vitp-train && vitp-sample RUN`` must not go on with an unfinished run: Ctrl-C (SIGINT) or
+    SIGTERM after step 1 saves the checkpoint, then vitp-train exits 130 / 143 (one process, in
+    this process); vitp-sagemaker's call exits 0 (SageMaker's stop contract)."""
+    import os
+
+    from vitp.cli import train as cli
+    from vitp.train.trainer import Trainer
+
+    step = Trainer.train_step
+
+    def step_then_signal(self, n):
+        out = step(self, n)
+        if n == 1:
+            os.kill(os.getpid(), sig)  # as Ctrl-C / a scheduler's stop during step 1
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    for signal_exit, code in ((True, status), (False, None)):
+        run = tmp_path / f"run{signal_exit}"
+        monkeypatch.setattr("sys.argv", ["vitp-train", "experiment=smoke", "trainer.max_steps=3",
+                                         f"hydra.run.dir={run}"])
+        if code is None:
+            cli.main(signal_exit=False)
+        else:
+            with pytest.raises(SystemExit) as e:
+                cli.main()
+            assert e.value.code == code
+        assert (run / "checkpoints" / "step_0000001").is_dir() and not (run / "model_ema.safetensors").exists()

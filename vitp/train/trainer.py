@@ -520,7 +520,9 @@ class Trainer:
         (resumed at ``trainer.exit_at_step``: stop at once, training nothing).
 
         Returns ``{"losses", "grad_norms"}`` per step (every rank), ``eval`` (rank 0's final
-        results), ``run_dir`` and ``stopped_at`` (the step of an early stop, else ``None``).
+        results), ``run_dir``, ``stopped_at`` (the step of an early stop, else ``None``) and
+        ``signal`` (the name of the signal that stopped the run on any rank, else ``None``:
+        :func:`.stop.exit_status` turns it into ``vitp-train``'s exit status).
         Gives the run directory up when it returns or raises.
         """
         try:
@@ -531,7 +533,8 @@ class Trainer:
                 stopped_at = self._train_loop(stopper)
                 # the handlers stay installed through the save: a launcher's forwarded copy of the
                 # signal, or one arriving after the last step, must not kill the checkpoint being written
-                return self._stop(stopped_at, stopper.flag) if stopped_at is not None else self._finish(stopper)
+                out = self._stop(stopped_at, stopper.flag) if stopped_at is not None else self._finish(stopper)
+                return {**out, "signal": stopper.agreed}
             finally:
                 stopper.restore()
         finally:
