@@ -101,8 +101,9 @@ def test_vitp_train_refuses_in_one_line_before_writing(tmp_path):
     p = subprocess.run([sys.executable, "-m", "vitp.train", "experiment=smoke", "parallel.auto_memory_gib=0.0001",
                         f"hydra.run.dir={run}"], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
-    last = (p.stdout + p.stderr).strip().splitlines()[-1]
+    last = p.stderr.strip().splitlines()[-1]  # refused after Hydra started: still on stderr, not stdout
     assert "vitp-train: error: predicted peak memory" in last and "model.patch_size" in last
+    assert "error" not in p.stdout.lower(), p.stdout
     assert not run.exists() or not any(run.iterdir())
 
 
