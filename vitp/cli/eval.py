@@ -134,6 +134,7 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
 def run(argv: Optional[list] = None) -> dict:
     """Re-evaluate a run's weights with its config (plus ``overrides``) and rewrite ``eval.json``."""
     from vitp.eval.launch import finish, launched, quiet_unless_main
+    from vitp.eval.progress import reporting
 
     p = argparse.ArgumentParser(prog="vitp-eval", description="Evaluate a finished vitp run; rewrites eval.json.",
                                 allow_abbrev=False)
@@ -153,8 +154,9 @@ def run(argv: Optional[list] = None) -> dict:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         cfg, gen, train_ds, heldout_ds, per_bucket, cond = load_for_eval(a.run_dir, weights, a.overrides, sharded)
         step = weights_step(a.run_dir, weights)  # the weights', not the run's last logged step
-        res = evaluate(gen.denoiser if sharded else gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=step,
-                       buckets=per_bucket, conditioning=cond, share=gen.share if sharded else None)
+        with reporting(bars=is_main(), prefix="vitp-eval"):  # each phase: a line saying what runs, a bar
+            res = evaluate(gen.denoiser if sharded else gen, cfg, train_ds, heldout_ds, a.run_dir, full=True,
+                           step=step, buckets=per_bucket, conditioning=cond, share=gen.share if sharded else None)
         if sharded:
             finish()
         if is_main():

@@ -625,9 +625,13 @@ class Trainer:
             if self.main:
                 log.warning("%s after the last step: final checkpoint and weights saved, samples and evaluation "
                             "skipped (run vitp-eval %s)", stopper.flag or "a signal on another rank", self.run_dir)
-        else:
-            self.sample_grid(tr.max_steps)
-            result = self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {}
+        else:  # minutes, after the training bar's 100 %: each phase says what runs and shows a bar (rank 0)
+            from vitp.eval.progress import reporting
+
+            with reporting(bars=self.main and tr.progress, prefix="final sample grid"):
+                self.sample_grid(tr.max_steps)
+            with reporting(bars=self.main and tr.progress):
+                result = self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {}
         self.logger.close()
         if self.main:  # what this launch wrote, not what a full finish would have
             ema = "model_ema.safetensors"
