@@ -209,7 +209,7 @@ def test_an_unwritable_place_is_one_line_not_a_traceback(tmp_path, capsys, monke
     with pytest.raises(SystemExit) as e:
         eval_main([str(run)])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith(f"vitp-eval: error: {run} is not writable: vitp-eval writes eval.json")
+    assert e.value.code == 2 and err.startswith(f"vitp-eval: error: {run} is not writable: vitp-eval writes its results")
 
 
 def test_vitp_train_refuses_a_key_without_a_value_in_one_line(capsys, monkeypatch):

@@ -7,7 +7,8 @@
   requested class, and FD-digits, the Frechet distance in its feature space (not FID).
 - Video: the temporal difference of samples against real held-out clips (:mod:`.temporal`).
 
-``vitp-eval RUN_DIR [overrides]`` re-runs this on a finished run and rewrites ``eval.json``.
+``vitp-eval RUN_DIR [overrides]`` re-runs this on a finished run into its own file, keeping the
+training's ``eval.json`` (:func:`vitp.cli.eval.eval_output`).
 """
 from __future__ import annotations
 

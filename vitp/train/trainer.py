@@ -528,6 +528,8 @@ class Trainer:
         try:
             if self.stopped_before:
                 return self._stop_again()
+            if self._finished_before():
+                return self._already_finished()
             stopper = StopSignal(self.device)
             try:
                 stopped_at = self._train_loop(stopper)
@@ -611,6 +613,25 @@ class Trainer:
                         "To continue: %s, or drop trainer.exit_at_step (or set it above %d)", self.start_step,
                         self.start_step, self.checkpointer.resume_tag, resume_command(self.run_dir), self.start_step)
         return self._result({}, self.start_step)
+
+    def _finished_before(self) -> bool:
+        """Resumed at ``trainer.max_steps`` of a run whose final weights were exported (rank 0's view,
+        on every rank): it already finished, and a relaunch must not rewrite its results."""
+        done = self.start_step >= self.cfg.trainer.max_steps and any(
+            (self.run_dir / n).is_file() for n in ("model_ema.safetensors", "model_ema.safetensors.index.json"))
+        return bool(dist.broadcast_object(done))
+
+    def _already_finished(self) -> Dict[str, Any]:
+        """End a launch that resumed a finished run (exit 0): nothing is trained, exported, sampled
+        or evaluated again, so its weights, ``eval.json`` and ``eval.jsonl`` stay as they were."""
+        self.logger.close()
+        if self.main:
+            tr = self.cfg.trainer
+            log.warning("already finished: this run trained its trainer.max_steps=%d steps; its weights and results "
+                        "in %s are kept, nothing was rewritten. To train longer: %s trainer.max_steps=N (N > %d); to "
+                        "evaluate other settings: vitp-eval %s key=value", tr.max_steps, self.run_dir,
+                        resume_command(self.run_dir), tr.max_steps, self.run_dir)
+        return self._result({}, None)
 
     def _finish(self, stopper: Optional[StopSignal] = None) -> Dict[str, Any]:
         """Final checkpoint, weights, samples, evaluation and the copy to ``trainer.export_dir``;
