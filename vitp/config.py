@@ -100,7 +100,7 @@ class DataConfig:
     video_cache_mb: float = 256.0  # video_folder: per-process MiB for decoded frames; if all resized videos fit, each is decoded once
     class_per_shot: bool = False  # video_folder with scene_cut_threshold: each shot of a file is its own class "<class>/shot<k>"
     scene_cut_threshold: Optional[float] = None  # video_folder: FFmpeg scdet percentage (e.g. 10): clips never straddle a shot change (null = ignore cuts)
-    num_workers: int = 0  # DataLoader worker processes
+    num_workers: int = 0  # DataLoader worker processes (at most one per CPU this process may use)
     shards: Optional[str] = None  # shards: folder or s3:// / http(s):// prefix written by vitp-pack (docs/sharded-data.md)
     shard_cache: Optional[str] = None  # shards: folder that remote shards are downloaded to (null = $VITP_CACHE_DIR/shards)
     shuffle_window: int = 16  # shards: shards whose items one epoch shuffles together (0 or >= the shard count: one uniform permutation)
