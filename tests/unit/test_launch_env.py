@@ -195,3 +195,22 @@ def test_a_run_stopped_by_a_signal_exits_128_plus_the_signal_after_its_checkpoin
                 cli.main()
             assert e.value.code == code
         assert (run / "checkpoints" / "step_0000001").is_dir() and not (run / "model_ema.safetensors").exists()
+
+
+def test_the_bar_shows_every_steps_loss_not_only_logged_steps(tmp_path, monkeypatch):
+    """With trainer.log_every=10 a 4-step run's bar showed step 1's loss until the last step: the
+    bar's loss and grad norm are each step's own."""
+    from tests.helpers import compose_cfg
+    from vitp.train.trainer import Trainer
+
+    shown, step = [], Trainer.train_step
+
+    def step_and_look(self, n):
+        out = step(self, n)
+        shown.append(self.bar.postfix)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", step_and_look)
+    over = ["experiment=smoke", "trainer.max_steps=3", "trainer.log_every=10", "trainer.progress=true"]
+    res = Trainer(compose_cfg(over), tmp_path / "run").fit()
+    assert [s.split("loss=")[1] for s in shown] == [f"{x:.4f}" for x in res["losses"]], (shown, res["losses"])

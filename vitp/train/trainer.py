@@ -461,6 +461,8 @@ class Trainer:
         self._n_log += 1
         if not math.isfinite(loss):
             raise self._nonfinite_loss(step, loss)
+        if self.bar is not None:  # every step's own loss (not only logged steps'); drawn at the bar's update
+            self.bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{self.grad_norms[-1]:.3f}", refresh=False)
         if self.logger.should_log(step):
             self._log_metrics(step, lr, profile)
         elif profile:  # a recorded step between logged ones: its own metrics.jsonl line
@@ -500,8 +502,6 @@ class Trainer:
         values.update(self.telemetry.metrics(n, elapsed))
         values.update(profile or {})  # the step's timeline fractions (trainer.profile_steps)
         self.logger.scalars(step, values)
-        if self.bar is not None:  # train_step called outside fit (benchmarks, scripts/gpu_check.py)
-            self.bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0
 
     def _after_step(self, step: int) -> None:
