@@ -919,6 +919,11 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     tp, pp, cp = par.tp, par.pp, par.cp
     if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
         ok = _passing_layouts(cfg, world_size, cp, device_type) if cp >= 1 and world_size % cp == 0 else "none"
+        if cp == 1 and world_size == 1 and tp >= 1 and pp >= 1:  # no launcher: one process runs tp=cp=pp=1
+            raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} needs {tp * pp} processes (or a multiple), and this "
+                             f"is one: start it with a launcher, e.g. torchrun --nproc_per_node {tp * pp} -m vitp.train "
+                             f"parallel.tp={tp} parallel.pp={pp} ... (docs/launching.md), or set parallel.tp=1 "
+                             f"parallel.pp=1 (one process trains at tp=1 cp=1 pp=1)")
         if cp == 1:
             raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide world_size={world_size}; "
                              f"valid (tp, pp) for {world_size} processes: {ok}")

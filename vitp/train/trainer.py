@@ -76,10 +76,10 @@ def check_config(cfg: DictConfig, device: Optional[torch.device] = None, run_dir
         moved = world_change(run_dir, dist.world_size()) if run_dir is not None else None
         if not moved:
             raise
-        raise ValueError(f"{e}. Resuming: {moved}; relaunch with the checkpoint's number of ranks, or set "
-                         f"parallel=auto to re-plan for {dist.world_size()}, or set parallel.tp/cp/pp to degrees whose "
-                         f"product divides {dist.world_size()} (the whole training state is resharded to any layout)"
-                         ) from None
+        raise ValueError(f"{e}. Resuming: {moved}; relaunch with the checkpoint's number of ranks, or continue "
+                         f"on {dist.world_size()} at another layout: add parallel.tp=1 parallel.cp=1 parallel.pp=1 (or "
+                         f"degrees whose product divides {dist.world_size()}) to the command, also after --resume "
+                         f"RUN (the whole training state is resharded to any layout)") from None
     validate_text_run(cfg)
     from vitp.data.build import check_data_paths
 
