@@ -353,6 +353,7 @@ def test_vitp_plan_shows_the_parallel_plan_of_a_row(capsys):
     assert re.search(r"\n +\d+ +2 +2r +1 +1 +- ", table) and re.search(rf"\n +{row} +1 +2 +1 +2 +- ", table)
     assert text.startswith("tp=1 cp=2 (ulysses) pp=1 dp=2 sp=off")
     assert re.search(r"blocks\.\* +-> ContextParallelAttention\(\): 2 module", text)
+    assert "(context parallelism at tp=1: no parameter sharded)" in text and "(mode tp)" not in text  # not "0 sharded"
     model = compose_cfg(["experiment=smoke", "model.qk_norm=true"]).model
     lay = layout_of(compose_cfg(["experiment=smoke", "model.qk_norm=true", "parallel.cp=2",
                                  "trainer.micro_batch_size=2"]), 4)
