@@ -214,3 +214,45 @@ def test_the_bar_shows_every_steps_loss_not_only_logged_steps(tmp_path, monkeypa
     over = ["experiment=smoke", "trainer.max_steps=3", "trainer.log_every=10", "trainer.progress=true"]
     res = Trainer(compose_cfg(over), tmp_path / "run").fit()
     assert [s.split("loss=")[1] for s in shown] == [f"{x:.4f}" for x in res["losses"]], (shown, res["losses"])
+
+
+def test_libraries_are_quiet_before_the_process_group_starts(monkeypatch):
+    """Under torchrun, DeepSpeed's op probe (its gcc ... -laio commands, logger compilers.C.base) ran
+    when the process group started, before the Trainer quieted it, and torch's deprecation of the
+    all_gather_into_tensor DeepSpeed's ZeRO calls reached the console: both are quiet by then."""
+    import logging
+    import warnings
+
+    from tests.helpers import compose_cfg
+    from vitp.cli import train as cli
+
+    class Started(Exception):
+        pass
+
+    def start(device, timeout):
+        logging.getLogger("compilers.C.base").info("gcc /tmp/test.o -laio -o /tmp/a.out")
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+                      "`torch.distributed.all_gather_single` instead.", FutureWarning)
+        raise Started
+
+    for name in ("compilers", "DeepSpeed"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    monkeypatch.setattr(cli.dist, "world_size", lambda: 2)
+    monkeypatch.setattr(cli, "_resume_dir", None)
+    monkeypatch.setattr(cli, "check_config", lambda cfg, run_dir=None: None)
+    monkeypatch.setattr(cli.dist, "init_distributed", start)
+    records = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logging.getLogger().addHandler(handler)
+    root_level = logging.getLogger().level
+    logging.getLogger().setLevel(logging.DEBUG)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pytest.raises(Started):
+                cli._train(compose_cfg(["experiment=smoke"]), "RUN", [])
+    finally:
+        logging.getLogger().removeHandler(handler)
+        logging.getLogger().setLevel(root_level)
+    assert not [r for r in records if r.name.startswith("compilers")] and not seen, (records, seen)

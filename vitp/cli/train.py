@@ -36,7 +36,7 @@ from vitp.cli.overrides import (  # noqa: E402
 from vitp.config import check_override_keys, register_configs  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.train import check_config, train  # noqa: E402
-from vitp.train.logger import quiet_other_ranks  # noqa: E402
+from vitp.train.logger import quiet_other_ranks, quiet_third_party  # noqa: E402
 from vitp.train.rundir import hold_log_files, release_log_files  # noqa: E402
 
 log = logging.getLogger("vitp")
@@ -169,6 +169,7 @@ def _train(cfg: DictConfig, run_dir: str, overrides: list, own_run_dir: bool = F
     then uses rank 0's run directory, unless ``own_run_dir`` (a plain ``hydra.run.dir``,
     :func:`literal_run_dir`: each node's launcher names its folder). With ``--resume RUN_DIR`` the
     config is the run's recorded one with ``overrides`` set (:func:`resume_config`)."""
+    quiet_third_party()  # before the process group starts (DeepSpeed probes its ops then)
     if _resume_dir is not None:
         cfg, overrides = resume_config(_resume_dir, overrides), _recorded_overrides(_resume_dir) + list(overrides)
     if dist.world_size() > 1:

@@ -38,7 +38,7 @@ from vitp.utils import atomic_write_text  # noqa: E402
 from .autolayout import apply_auto_layout  # noqa: E402
 from .checkpointer import Checkpointer  # noqa: E402
 from .ema import EMA  # noqa: E402
-from .logger import RunLogger, binned_loss, log_stages  # noqa: E402
+from .logger import RunLogger, binned_loss, log_stages, quiet_third_party  # noqa: E402
 from .preflight import preflight  # noqa: E402
 from .rundir import check_same_config, hold_log_files, lock_run_dir, release_log_files, resume_command  # noqa: E402
 from .stop import StopSignal  # noqa: E402
@@ -126,8 +126,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None):
-        for name in ("DeepSpeed", "compilers"):  # DeepSpeed's op probe logs compiler commands
-            logging.getLogger(name).setLevel(logging.WARNING)
+        quiet_third_party()  # DeepSpeed's compiler probe lines, torch's deprecation of a collective DeepSpeed calls
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0  # train_step works outside fit too
         self.lock = None
