@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, List, Tuple
 
 import numpy as np
@@ -87,6 +86,8 @@ def check_data_paths(cfg: Any) -> None:
 
     Raises ``ValueError`` for an unset ``data.root``; ``FileNotFoundError`` / ``NotADirectoryError``
     naming the key for a folder that does not exist or is a file."""
+    from pathlib import Path
+
     from vitp.data.photos import PHOTOS_ROOT
 
     what = {"image_folder": "one subfolder of images per class", "video_folder": "one subfolder of videos per class"}
