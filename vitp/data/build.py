@@ -52,32 +52,6 @@ def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> Tuple[np
     return np.setdiff1d(np.arange(len(labels)), heldout).astype(np.int64), heldout
 
 
-def _base_dataset(cfg: DataConfig, seed: int) -> KeyedDataset:
-    """The whole dataset ``cfg.name``, built from the fields of ``cfg`` as plain arguments."""
-    if cfg.name == "digits":
-        return DigitsDataset(cfg.resolution, cfg.channels)
-    if cfg.name == "image_folder":
-        if cfg.root is None:
-            raise ValueError("data.name=image_folder needs data.root=<folder with one subfolder of images per class>")
-        return ImageFolderDataset(resolve_photo_root(cfg.root), cfg.resolution, cfg.channels, train=True,
-                                  random_crop=cfg.random_crop, hflip=cfg.hflip)
-    if cfg.name == "synthetic":
-        return SyntheticDataset(cfg.synthetic_size, cfg.channels, cfg.num_frames, cfg.resolution,
-                                cfg.num_classes, seed)
-    if cfg.name == "video_folder":
-        if cfg.root is None and not cfg.files:
-            raise ValueError("data.name=video_folder needs data.root=<folder with one subfolder of videos per "
-                             "class> or data.files=[<video>, ...]")
-        return VideoFolderDataset(cfg.root, cfg.resolution, cfg.num_frames, frame_stride=cfg.frame_stride,
-                                  fps=cfg.fps, clip_step=cfg.clip_step, channels=cfg.channels, train=True,
-                                  random_crop=cfg.random_crop, hflip=cfg.hflip,
-                                  files=None if cfg.files is None else list(cfg.files),
-                                  class_per_file=cfg.class_per_file, cache_dir=cfg.cache_dir,
-                                  video_cache_mb=cfg.video_cache_mb, scene_cut_threshold=cfg.scene_cut_threshold,
-                                  class_per_shot=cfg.class_per_shot)
-    raise ValueError(f"unknown data.name={cfg.name!r}; valid names: {', '.join(DATASET_NAMES)}")
-
-
 def check_data_paths(cfg: Any) -> None:
     """The cheap part of :func:`build_datasets`' checks, for a ``data`` config section: the folders
     it reads are set and exist (``data.root`` of an image or video folder, ``data.heldout_root``, a
@@ -107,6 +81,32 @@ def check_data_paths(cfg: Any) -> None:
             raise NotADirectoryError(f"{key}={folder} is a file, not a folder; set {key}=<folder with {holds}>")
         if not path.is_dir():
             raise FileNotFoundError(f"{key}={folder} does not exist; set {key}=<folder with {holds}>")
+
+
+def _base_dataset(cfg: DataConfig, seed: int) -> KeyedDataset:
+    """The whole dataset ``cfg.name``, built from the fields of ``cfg`` as plain arguments."""
+    if cfg.name == "digits":
+        return DigitsDataset(cfg.resolution, cfg.channels)
+    if cfg.name == "image_folder":
+        if cfg.root is None:
+            raise ValueError("data.name=image_folder needs data.root=<folder with one subfolder of images per class>")
+        return ImageFolderDataset(resolve_photo_root(cfg.root), cfg.resolution, cfg.channels, train=True,
+                                  random_crop=cfg.random_crop, hflip=cfg.hflip)
+    if cfg.name == "synthetic":
+        return SyntheticDataset(cfg.synthetic_size, cfg.channels, cfg.num_frames, cfg.resolution,
+                                cfg.num_classes, seed)
+    if cfg.name == "video_folder":
+        if cfg.root is None and not cfg.files:
+            raise ValueError("data.name=video_folder needs data.root=<folder with one subfolder of videos per "
+                             "class> or data.files=[<video>, ...]")
+        return VideoFolderDataset(cfg.root, cfg.resolution, cfg.num_frames, frame_stride=cfg.frame_stride,
+                                  fps=cfg.fps, clip_step=cfg.clip_step, channels=cfg.channels, train=True,
+                                  random_crop=cfg.random_crop, hflip=cfg.hflip,
+                                  files=None if cfg.files is None else list(cfg.files),
+                                  class_per_file=cfg.class_per_file, cache_dir=cfg.cache_dir,
+                                  video_cache_mb=cfg.video_cache_mb, scene_cut_threshold=cfg.scene_cut_threshold,
+                                  class_per_shot=cfg.class_per_shot)
+    raise ValueError(f"unknown data.name={cfg.name!r}; valid names: {', '.join(DATASET_NAMES)}")
 
 
 def build_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset]:
