@@ -184,6 +184,13 @@ def test_a_run_stopped_by_a_signal_exits_128_plus_the_signal_after_its_checkpoin
         return out
 
     monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    import logging
+
+    for name in ("", "vitp"):  # Hydra's job logging (handlers, levels) is undone after the test
+        lg = logging.getLogger(name)
+        monkeypatch.setattr(lg, "handlers", list(lg.handlers))
+        monkeypatch.setattr(lg, "level", lg.level)
+        monkeypatch.setattr(lg, "propagate", lg.propagate)
     for signal_exit, code in ((True, status), (False, None)):
         run = tmp_path / f"run{signal_exit}"
         monkeypatch.setattr("sys.argv", ["vitp-train", "experiment=smoke", "trainer.max_steps=3",
