@@ -100,7 +100,7 @@ class DataConfig:
     video_cache_mb: float = 256.0  # video_folder: per-process MiB for decoded frames; if all resized videos fit, each is decoded once
     class_per_shot: bool = False  # video_folder with scene_cut_threshold: each shot of a file is its own class "<class>/shot<k>"
     scene_cut_threshold: Optional[float] = None  # video_folder: FFmpeg scdet percentage (e.g. 10): clips never straddle a shot change (null = ignore cuts)
-    num_workers: int = 0  # DataLoader worker processes
+    num_workers: int = 0  # DataLoader worker processes (at most one per CPU this process may use)
     shards: Optional[str] = None  # shards: folder or s3:// / http(s):// prefix written by vitp-pack (docs/sharded-data.md)
     shard_cache: Optional[str] = None  # shards: folder that remote shards are downloaded to (null = $VITP_CACHE_DIR/shards)
     shuffle_window: int = 16  # shards: shards whose items one epoch shuffles together (0 or >= the shard count: one uniform permutation)
@@ -919,6 +919,11 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     tp, pp, cp = par.tp, par.pp, par.cp
     if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
         ok = _passing_layouts(cfg, world_size, cp, device_type) if cp >= 1 and world_size % cp == 0 else "none"
+        if cp == 1 and world_size == 1 and tp >= 1 and pp >= 1:  # no launcher: one process runs tp=cp=pp=1
+            raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} needs {tp * pp} processes (or a multiple), and this "
+                             f"is one: start it with a launcher, e.g. torchrun --nproc_per_node {tp * pp} -m vitp.train "
+                             f"parallel.tp={tp} parallel.pp={pp} ... (docs/launching.md), or set parallel.tp=1 "
+                             f"parallel.pp=1 (one process trains at tp=1 cp=1 pp=1)")
         if cp == 1:
             raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide world_size={world_size}; "
                              f"valid (tp, pp) for {world_size} processes: {ok}")

@@ -163,8 +163,9 @@ def test_sample_and_eval_clis(tmp_path, capsys):
     from vitp.cli.eval import main as eval_main
     from vitp.cli.sample import main as sample_main
 
-    eval_main([str(run), "sampler.steps=2"])
-    assert json.loads((run / "eval.json").read_text())["sampler"]["steps"] == 2
+    eval_main([str(run), "sampler.steps=2"])  # its own file: the training's eval.json is kept
+    assert json.loads((run / "eval_sampler.steps=2.json").read_text())["sampler"]["steps"] == 2
+    assert json.loads((run / "eval.json").read_text()) == ev
     with pytest.raises(SystemExit) as e:
         sample_main([str(tmp_path / "missing")])
     assert e.value.code == 2 and "does not exist" in capsys.readouterr().err

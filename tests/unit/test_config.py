@@ -520,3 +520,29 @@ def test_an_impossible_layout_says_when_no_layout_passes():
                             "processes: none with this config (at tp=1 pp=1: parallel.zero_stage=0 in fp32: "
                             "DeepSpeed's pipeline engine does not report, and with pp > 1 miscomputes, the clipping "
                             "grad norm; use parallel.zero_stage=1 (the default))")
+
+
+def test_a_layout_for_more_processes_without_a_launcher_says_to_start_it_with_one(monkeypatch):
+    """``vitp-train parallel.tp=2`` listed "valid (tp, pp) for 1 processes: [(1, 1)]" without cp and
+    without the launcher; a resume with fewer ranks suggested parallel=auto, a group choice that
+    --resume refuses: the suggestions are now ones that work there too."""
+    from pathlib import Path
+
+    import vitp.train.autolayout as auto
+    from vitp.train import check_config
+
+    with pytest.raises(ValueError) as e:
+        validate_layout(compose_cfg(["experiment=smoke", "parallel.tp=2"]), world_size=1)
+    assert str(e.value) == ("parallel.tp=2 x parallel.pp=1 needs 2 processes (or a multiple), and this is one: start "
+                            "it with a launcher, e.g. torchrun --nproc_per_node 2 -m vitp.train parallel.tp=2 "
+                            "parallel.pp=1 ... (docs/launching.md), or set parallel.tp=1 parallel.pp=1 (one process "
+                            "trains at tp=1 cp=1 pp=1)")
+    monkeypatch.setattr(auto, "world_change", lambda run_dir, world: "the latest checkpoint (step 3) was written at "
+                        "tp=2 pp=2 dp=2 (8 ranks), this job has 1")
+    with pytest.raises(ValueError) as e:
+        check_config(compose_cfg(["experiment=smoke", "parallel.tp=2", "parallel.pp=2"]), run_dir=Path("RUN"))
+    msg = str(e.value)
+    assert "parallel=auto" not in msg and "\n" not in msg
+    assert msg.endswith("this job has 1; relaunch with the checkpoint's number of ranks, or continue on 1 at another "
+                        "layout: add parallel.tp=1 parallel.cp=1 parallel.pp=1 (or degrees whose product divides 1) to "
+                        "the command, also after --resume RUN (the whole training state is resharded to any layout)")

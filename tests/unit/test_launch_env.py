@@ -162,3 +162,104 @@ def test_vitp_train_exits_with_its_objects_frozen():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert int(p.stdout.split("frozen ")[1]) > 100_000, p.stdout  # the imported modules' objects
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_run_stopped_by_a_signal_exits_128_plus_the_signal_after_its_checkpoint(sig, status, tmp_path,
+                                                                                  monkeypatch):
+    """``vitp-train && vitp-sample RUN`` must not go on with an unfinished run: Ctrl-C (SIGINT) or
+    SIGTERM after step 1 saves the checkpoint, then vitp-train exits 130 / 143 (one process, in
+    this process); vitp-sagemaker's call exits 0 (SageMaker's stop contract)."""
+    import os
+
+    from vitp.cli import train as cli
+    from vitp.train.trainer import Trainer
+
+    step = Trainer.train_step
+
+    def step_then_signal(self, n):
+        out = step(self, n)
+        if n == 1:
+            os.kill(os.getpid(), sig)  # as Ctrl-C / a scheduler's stop during step 1
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    import logging
+
+    for name in ("", "vitp"):  # Hydra's job logging (handlers, levels) is undone after the test
+        lg = logging.getLogger(name)
+        monkeypatch.setattr(lg, "handlers", list(lg.handlers))
+        monkeypatch.setattr(lg, "level", lg.level)
+        monkeypatch.setattr(lg, "propagate", lg.propagate)
+    for signal_exit, code in ((True, status), (False, None)):
+        run = tmp_path / f"run{signal_exit}"
+        monkeypatch.setattr("sys.argv", ["vitp-train", "experiment=smoke", "trainer.max_steps=3",
+                                         f"hydra.run.dir={run}"])
+        if code is None:
+            cli.main(signal_exit=False)
+        else:
+            with pytest.raises(SystemExit) as e:
+                cli.main()
+            assert e.value.code == code
+        assert (run / "checkpoints" / "step_0000001").is_dir() and not (run / "model_ema.safetensors").exists()
+
+
+def test_the_bar_shows_every_steps_loss_not_only_logged_steps(tmp_path, monkeypatch):
+    """With trainer.log_every=10 a 4-step run's bar showed step 1's loss until the last step: the
+    bar's loss and grad norm are each step's own."""
+    from tests.helpers import compose_cfg
+    from vitp.train.trainer import Trainer
+
+    shown, step = [], Trainer.train_step
+
+    def step_and_look(self, n):
+        out = step(self, n)
+        shown.append(self.bar.postfix)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", step_and_look)
+    over = ["experiment=smoke", "trainer.max_steps=3", "trainer.log_every=10", "trainer.progress=true"]
+    res = Trainer(compose_cfg(over), tmp_path / "run").fit()
+    assert [s.split("loss=")[1] for s in shown] == [f"{x:.4f}" for x in res["losses"]], (shown, res["losses"])
+
+
+def test_libraries_are_quiet_before_the_process_group_starts(monkeypatch):
+    """Under torchrun, DeepSpeed's op probe (its gcc ... -laio commands, logger compilers.C.base) ran
+    when the process group started, before the Trainer quieted it, and torch's deprecation of the
+    all_gather_into_tensor DeepSpeed's ZeRO calls reached the console: both are quiet by then."""
+    import logging
+    import warnings
+
+    from tests.helpers import compose_cfg
+    from vitp.cli import train as cli
+
+    class Started(Exception):
+        pass
+
+    def start(device, timeout):
+        logging.getLogger("compilers.C.base").info("gcc /tmp/test.o -laio -o /tmp/a.out")
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+                      "`torch.distributed.all_gather_single` instead.", FutureWarning)
+        raise Started
+
+    for name in ("compilers", "DeepSpeed"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    monkeypatch.setattr(cli.dist, "world_size", lambda: 2)
+    monkeypatch.setattr(cli, "_resume_dir", None)
+    monkeypatch.setattr(cli, "check_config", lambda cfg, run_dir=None: None)
+    monkeypatch.setattr(cli.dist, "init_distributed", start)
+    records = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logging.getLogger().addHandler(handler)
+    root_level = logging.getLogger().level
+    logging.getLogger().setLevel(logging.DEBUG)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pytest.raises(Started):
+                cli._train(compose_cfg(["experiment=smoke"]), "RUN", [])
+    finally:
+        logging.getLogger().removeHandler(handler)
+        logging.getLogger().setLevel(root_level)
+    assert not [r for r in records if r.name.startswith("compilers")] and not seen, (records, seen)

@@ -66,3 +66,26 @@ def test_a_nonfinite_loss_has_its_own_exit_status(capsys, error, status):
         run_cli("vitp-train", _raise, error)
     assert e.value.code == status
     assert capsys.readouterr().err == f"vitp-train: error: {error}\n"
+
+
+def test_a_refusal_after_hydra_starts_is_one_line_on_stderr_and_in_the_log_file(capsys, tmp_path):
+    """vitp-train passes its logger (Hydra's console handler writes to stdout): the refusal still
+    goes to stderr, once, and to the run's train.log, not to stdout as a log record."""
+    import logging
+    import sys
+
+    log = logging.getLogger("vitp.test_refusal")
+    console, file = logging.StreamHandler(sys.stdout), logging.FileHandler(tmp_path / "train.log", delay=True)
+    for h in (console, file):
+        log.addHandler(h)
+    try:
+        with pytest.raises(SystemExit) as e:
+            run_cli("vitp-train", _raise, ValueError("run dir RUN is in use by another vitp-train"), log=log)
+    finally:
+        for h in (console, file):
+            log.removeHandler(h)
+            h.close()
+    out = capsys.readouterr()
+    line = "vitp-train: error: run dir RUN is in use by another vitp-train"
+    assert e.value.code == 2 and out.out == "" and out.err == line + "\n"
+    assert (tmp_path / "train.log").read_text() == line + "\n"

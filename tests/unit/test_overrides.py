@@ -45,6 +45,9 @@ def test_values_are_read_as_hydra_reads_them(saved):
     ("hydra.run.dir=x", "hydra.run.dir= picks a config file"),
     ("sampler.steps=[1,", "cannot parse 'sampler.steps=[1,'"),
     ("steps", "'steps' is not an override; write key=value"),
+    ("trainer.checkpoint_async=maybe", "Error merging override trainer.checkpoint_async=maybe; Value 'maybe' is not "
+                                       "a valid bool (type str); use trainer.checkpoint_async=true or "
+                                       "trainer.checkpoint_async=false"),
 ])
 def test_bad_overrides_are_one_line_errors(saved, arg, message):
     with pytest.raises(ValueError) as e:
@@ -209,7 +212,7 @@ def test_an_unwritable_place_is_one_line_not_a_traceback(tmp_path, capsys, monke
     with pytest.raises(SystemExit) as e:
         eval_main([str(run)])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith(f"vitp-eval: error: {run} is not writable: vitp-eval writes eval.json")
+    assert e.value.code == 2 and err.startswith(f"vitp-eval: error: {run} is not writable: vitp-eval writes its results")
 
 
 def test_vitp_train_refuses_a_key_without_a_value_in_one_line(capsys, monkeypatch):
@@ -221,3 +224,13 @@ def test_vitp_train_refuses_a_key_without_a_value_in_one_line(capsys, monkeypatc
         main()
     assert e.value.code == 2 and capsys.readouterr().err == (
         "vitp-train: error: 'trainer.max_steps' has no value: write trainer.max_steps=VALUE (Hydra's key=value)\n")
+
+
+def test_a_bad_boolean_at_launch_names_the_fix():
+    """vitp-train trainer.checkpoint_async=maybe said only that 'maybe' is not a valid bool."""
+    from vitp.cli.overrides import compose_checked
+
+    with pytest.raises(ValueError) as e:
+        compose_checked(["trainer.checkpoint_async=maybe"])
+    assert str(e.value).endswith("is not a valid bool (type str); use trainer.checkpoint_async=true or "
+                                 "trainer.checkpoint_async=false")

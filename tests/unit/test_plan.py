@@ -353,6 +353,7 @@ def test_vitp_plan_shows_the_parallel_plan_of_a_row(capsys):
     assert re.search(r"\n +\d+ +2 +2r +1 +1 +- ", table) and re.search(rf"\n +{row} +1 +2 +1 +2 +- ", table)
     assert text.startswith("tp=1 cp=2 (ulysses) pp=1 dp=2 sp=off")
     assert re.search(r"blocks\.\* +-> ContextParallelAttention\(\): 2 module", text)
+    assert "(context parallelism at tp=1: no parameter sharded)" in text and "(mode tp)" not in text  # not "0 sharded"
     model = compose_cfg(["experiment=smoke", "model.qk_norm=true"]).model
     lay = layout_of(compose_cfg(["experiment=smoke", "model.qk_norm=true", "parallel.cp=2",
                                  "trainer.micro_batch_size=2"]), 4)
@@ -401,3 +402,41 @@ def test_vitp_plan_refuses_bad_flag_values(flag, value, message, capsys):
         main(["--gpus", "2", flag, value, "experiment=smoke"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"vitp-plan: error: argument {flag}: " in err and message in err, err
+
+
+def test_mfu_is_never_above_1_the_peak_is_measured_again_and_flagged(monkeypatch, caplog):
+    """The demo logged perf/mfu 2.54 against a CPU peak cached while another job loaded the machine:
+    a step faster than the peak makes the CPU peak be measured again; the peak becomes the larger of
+    that and the achieved rate (MFU <= 1), with a warning, and the rows are flagged."""
+    import logging
+
+    import vitp.plan as plan
+    import vitp.train.telemetry as tel
+    from vitp.config import Layout
+
+    monkeypatch.setattr(tel, "_profile", lambda device, precision: (1e9, "cpu, measured here (busy)"))
+    measured = []
+
+    class Again:
+        def peak(self, precision):
+            return 1.5e9
+
+    def remeasure(**kw):
+        measured.append(kw)
+        return Again()
+
+    monkeypatch.setattr(plan, "cpu_profile", remeasure)
+    cfg = compose_cfg(plan_case("S", 1, 1, 1))
+    t = tel.Telemetry(cfg, Layout(1, 1, 1, "fp32"), torch.device("cpu"))
+    achieved = model_flops_per_step(cfg.model, 8) / 0.1  # one step in 0.1 s, world 1
+    assert achieved > 1.5e9
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        out = t.metrics(steps=1, elapsed_s=0.1)
+    assert measured and measured[0]["remeasure"] is True
+    assert out["perf/mfu"] == pytest.approx(1.0) and out["perf/mfu_peak_raised"] == 1.0
+    assert t.peak_flops == pytest.approx(achieved)
+    assert [r.getMessage().split(";")[0] for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"perf/mfu: the steps achieved {achieved / 1e12:.4g} TFLOP/s per device, above the peak MFU was taken "
+        "against (0.001 TFLOP/s: a profile measured while the machine was busy, or a wrong preset)"]
+    slower = t.metrics(steps=1, elapsed_s=0.2)  # half the rate: half the raised peak, still flagged
+    assert slower["perf/mfu"] == pytest.approx(0.5) and slower["perf/mfu_peak_raised"] == 1.0 and len(measured) == 1

@@ -101,8 +101,9 @@ def test_vitp_train_refuses_in_one_line_before_writing(tmp_path):
     p = subprocess.run([sys.executable, "-m", "vitp.train", "experiment=smoke", "parallel.auto_memory_gib=0.0001",
                         f"hydra.run.dir={run}"], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
-    last = (p.stdout + p.stderr).strip().splitlines()[-1]
+    last = p.stderr.strip().splitlines()[-1]  # refused after Hydra started: still on stderr, not stdout
     assert "vitp-train: error: predicted peak memory" in last and "model.patch_size" in last
+    assert "error" not in p.stdout.lower(), p.stdout
     assert not run.exists() or not any(run.iterdir())
 
 
@@ -146,3 +147,28 @@ def replace_dp(pred, dp):
     from dataclasses import replace
 
     return replace(pred, layout=replace(pred.layout, dp=dp))
+
+
+@pytest.mark.parametrize("root,num_classes,message", [
+    ("/missing", ["data.num_classes=2"], "data.root=/missing does not exist; set data.root=<folder with one subfolder"),
+    ("/missing", [], "data.root=/missing does not exist"),
+    ("FILE", ["data.num_classes=2"], "is a file, not a folder; set data.root=<folder"),
+])
+def test_a_missing_data_folder_is_named_before_the_memory_check(root, num_classes, message, tmp_path, capsys):
+    """The issue's command at 256 px would not fit (71.9 GiB predicted): the missing folder (or a
+    file as data.root) is what vitp-train names, in one line on stderr, before Hydra starts."""
+    from vitp.cli import run_cli
+    from vitp.cli.train import prepare_argv
+    from vitp.train import check_config
+
+    if root == "FILE":
+        root = str(tmp_path / "a_file")
+        (tmp_path / "a_file").write_text("")
+    over = ["data=image_folder", f"data.root={root}", *num_classes]
+    with pytest.raises(FileNotFoundError if root == "/missing" else NotADirectoryError, match="data.root="):
+        check_config(compose_cfg(over))  # the Trainer's first check, before preflight
+    with pytest.raises(SystemExit) as e:
+        run_cli("vitp-train", prepare_argv, ["vitp-train", *over, f"hydra.run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("vitp-train: error: data.root="), err
+    assert message in err and "predicted peak memory" not in err

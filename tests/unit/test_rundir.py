@@ -230,3 +230,33 @@ def test_other_ranks_print_errors_and_their_own_records_only():
     finally:
         log.removeHandler(handler)
     assert seen == ["skipping image x.png: truncated", "vitp-train: error: this rank's data folder is missing"]
+
+
+def test_a_finished_run_keeps_its_results_on_resume_and_vitp_eval(tmp_path, caplog, capsys):
+    """``vitp-train --resume RUN`` of a finished run re-exported the weights, rewrote eval.json and
+    appended a second final row to eval.jsonl; ``vitp-eval RUN sampler.steps=1`` replaced the
+    training's eval.json without naming a file. Now the resume says "already finished" and writes
+    nothing; vitp-eval writes eval_sampler.steps=1.json and names it."""
+    import logging
+
+    from vitp.cli import eval as eval_cli
+    from vitp.cli.train import resume_config
+    from vitp.train import train
+
+    run = tmp_path / "run"
+    over = ["experiment=smoke", "trainer.max_steps=2", "eval.enabled=true", "eval.classifier_epochs=1",
+            "eval.num_samples=8", "sampler.samples_per_class=1"]
+    train(compose_cfg(over), run, over)
+    kept = {n: ((run / n).read_bytes(), (run / n).stat().st_mtime_ns)
+            for n in ("eval.json", "eval.jsonl", "model_ema.safetensors", "metrics.jsonl")}
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        res = train(resume_config(run, []), run)
+    assert res["losses"] == [] and res["eval"] == {}
+    assert {n: ((run / n).read_bytes(), (run / n).stat().st_mtime_ns) for n in kept} == kept
+    assert any(r.getMessage().startswith("already finished: this run trained its trainer.max_steps=2 steps")
+               for r in caplog.records), caplog.text
+    capsys.readouterr()
+    eval_cli.run([str(run), "sampler.steps=1"])
+    out = run / "eval_sampler.steps=1.json"
+    assert json.loads(out.read_text())["sampler"]["steps"] == 1 and (run / "eval.json").read_bytes() == kept["eval.json"][0]
+    assert f"vitp-eval: wrote {out} (the training's eval.json is kept)" in capsys.readouterr().err

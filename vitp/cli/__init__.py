@@ -5,7 +5,7 @@
 ``vitp-sweep`` (:mod:`.sweep`). Every one takes config changes in one syntax, Hydra's
 ``key=value`` overrides checked by the schema (:mod:`.overrides`); flags are for paths and counts.
 Bad input (missing or corrupt files, impossible layouts, wrong config values) ends every one of
-them the same way: one line ``<prog>: error: <message>`` and exit status 2
+them the same way: one line ``<prog>: error: <message>`` on stderr and exit status 2
 (:data:`EXIT_BAD_INPUT`), no traceback. A training whose loss turned NaN or infinite ends the
 same way with exit status 3 (:data:`EXIT_NON_FINITE`), the message saying where the non-finite
 value first appeared (:mod:`vitp.train.nonfinite`). Any other error is a bug: a traceback and
@@ -67,10 +67,22 @@ def record_for_torchrun(line: str) -> bool:
     return True
 
 
+def log_files_only(log: logging.Logger, line: str) -> int:
+    """Write ``line`` as an ERROR record of ``log`` to the log files among its handlers and the
+    root logger's (a run's ``train.log``), not to the console; returns how many files got it."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, line, None, None)
+    files = [h for h in (*log.handlers, *logging.getLogger().handlers)
+             if isinstance(h, logging.FileHandler) and record.levelno >= h.level]
+    for h in files:
+        h.handle(record)
+    return len(files)
+
+
 def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.Logger] = None) -> T:
-    """``fn(*args)``; on bad input or a non-finite loss write ``<prog>: error: <message>`` (to
-    ``log`` if given, so it also lands in the run's log file, else to stderr) and exit with
-    :func:`exit_status` (2, or 3 for a non-finite loss). Under ``torchrun`` the line also goes to
+    """``fn(*args)``; on bad input or a non-finite loss write ``<prog>: error: <message>`` to
+    stderr, one line (and, with ``log``, to its log files: the run's ``train.log`` where one is
+    open, :func:`log_files_only`), and exit with :func:`exit_status` (2, or 3 for a non-finite
+    loss). Under ``torchrun`` the line also goes to
     the worker's error file (:func:`record_for_torchrun`), and only rank 0 writes it to stderr:
     torchrun's summary lists every failed rank's line. A :class:`vitp.utils.RankZeroError` (rank 0's
     refusal, raised on the other ranks) goes to the error file only: rank 0 prints it once."""
@@ -84,12 +96,10 @@ def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.L
             line += " (write elsewhere, or fix that folder's permissions)"
         recorded = record_for_torchrun(line)
         other_rank = recorded and os.environ.get("RANK", "0") != "0"
-        if isinstance(e, RankZeroError):
-            pass  # rank 0 printed it; the error file above still holds it
-        elif log is not None:
-            log.error("%s", line)
-        elif not other_rank:
-            print(line, file=sys.stderr)
+        if log is not None and not isinstance(e, RankZeroError):
+            log_files_only(log, line)
+        if not isinstance(e, RankZeroError) and not other_rank:  # rank 0 prints a RankZeroError
+            print(line, file=sys.stderr, flush=True)
         if other_rank:  # exiting first, this rank would have torchrun stop rank 0 before it prints its line
             time.sleep(RANK_ZERO_GRACE_S)
         raise SystemExit(exit_status(e)) from None

@@ -1,5 +1,6 @@
 """``vitp-eval RUN_DIR [--weights FILE] [key=value ...]``: re-evaluate a trained run (e.g. other
-sampler settings) and rewrite its ``eval.json``; see :mod:`vitp.eval.metrics`.
+sampler settings) into ``eval_<overrides>.json`` next to the training's ``eval.json``, which is
+kept (:func:`eval_output`); see :mod:`vitp.eval.metrics`.
 
 The overrides are Hydra's ``key=value`` grammar, set on the run's saved config and checked by the
 schema as ``vitp-train`` checks them (:mod:`vitp.cli.overrides`): ``vitp-eval RUN sampler.steps=50
@@ -8,7 +9,7 @@ sampler.cfg_interval=[0.1,1]``.
 Under a launcher (``torchrun --nproc_per_node N -m vitp.cli.eval RUN_DIR``, or the ``deepspeed``
 launcher) the generator runs in the run's training layout (``parallel.*``, or as overridden), each
 rank holding its shard (:mod:`vitp.eval.launch`); the held-out items and samples are split over the
-data-parallel replicas and rank 0 alone writes ``eval.json`` and prints. ``--weights FILE`` is also
+data-parallel replicas and rank 0 alone writes the results and prints. ``--weights FILE`` is also
 written ``cli.weights=FILE`` (:func:`vitp.cli.overrides.flag_overrides`)."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional, Tuple
@@ -65,6 +67,18 @@ def weights_step(run_dir: Path, weights: str) -> Optional[int]:
     return step if step >= 0 else last_step(run_dir)
 
 
+def eval_output(run_dir: Path, overrides: list, weights: str) -> Path:
+    """Where ``vitp-eval`` writes its results: ``run_dir/eval.json`` when the run has none (its
+    final evaluation was skipped), else ``run_dir/eval_<overrides>[_<weights>].json`` (``eval_again.json``
+    without any), so the training's ``eval.json`` is kept and each setting has its own file."""
+    if not (run_dir / "eval.json").exists():
+        return run_dir / "eval.json"
+    parts = list(overrides) + ([Path(weights).name.removesuffix(".safetensors")]
+                               if weights != "model_ema.safetensors" else [])
+    slug = re.sub(r"[^A-Za-z0-9._=+,-]", "_", "_".join(parts))[:150]
+    return run_dir / f"eval_{slug or 'again'}.json"
+
+
 def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
     """The run's composed config (``.hydra/config.yaml``) on the typed schema, with the Hydra-style
     ``key=value`` ``overrides`` set (:func:`vitp.cli.overrides.apply_overrides`).
@@ -111,8 +125,8 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
     cfg = load_run_config(run_dir, overrides)
     validate_config(cfg)
     if not os.access(run_dir, os.W_OK):  # found before minutes of evaluation, not after
-        raise PermissionError(f"{run_dir} is not writable: vitp-eval writes eval.json (and the digits judge's "
-                              f"cache) there; evaluate a copy of the run")
+        raise PermissionError(f"{run_dir} is not writable: vitp-eval writes its results (eval.json, or "
+                              f"eval_<overrides>.json next to it) and the digits judge's cache there; evaluate a copy of the run")
     if sharded:
         gen = build_sharded(cfg, weights_path(run_dir, weights), "vitp-eval")
     else:
@@ -132,10 +146,13 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
 
 
 def run(argv: Optional[list] = None) -> dict:
-    """Re-evaluate a run's weights with its config (plus ``overrides``) and rewrite ``eval.json``."""
+    """Re-evaluate a run's weights with its config (plus ``overrides``) into :func:`eval_output`
+    (``eval.json`` only when the run has none), and name the file written."""
     from vitp.eval.launch import finish, launched, quiet_unless_main
+    from vitp.eval.progress import reporting
 
-    p = argparse.ArgumentParser(prog="vitp-eval", description="Evaluate a finished vitp run; rewrites eval.json.",
+    p = argparse.ArgumentParser(prog="vitp-eval", description="Evaluate a finished vitp run into eval_<overrides>.json "
+                                "(eval.json when the run has none).",
                                 allow_abbrev=False)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--weights", default=None, help="weights file inside RUN_DIR (default model_ema.safetensors; "
@@ -153,12 +170,17 @@ def run(argv: Optional[list] = None) -> dict:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         cfg, gen, train_ds, heldout_ds, per_bucket, cond = load_for_eval(a.run_dir, weights, a.overrides, sharded)
         step = weights_step(a.run_dir, weights)  # the weights', not the run's last logged step
-        res = evaluate(gen.denoiser if sharded else gen, cfg, train_ds, heldout_ds, a.run_dir, full=True, step=step,
-                       buckets=per_bucket, conditioning=cond, share=gen.share if sharded else None)
+        out = eval_output(a.run_dir, a.overrides, weights)  # the training's eval.json is kept
+        with reporting(bars=is_main(), prefix="vitp-eval"):  # each phase: a line saying what runs, a bar
+            res = evaluate(gen.denoiser if sharded else gen, cfg, train_ds, heldout_ds, a.run_dir, full=True,
+                           step=step, buckets=per_bucket, conditioning=cond, share=gen.share if sharded else None,
+                           out=out)
         if sharded:
             finish()
         if is_main():
             print(json.dumps(res, indent=2))
+            kept = " (the training's eval.json is kept)" if out.name != "eval.json" else ""
+            print(f"vitp-eval: wrote {out}{kept}", file=sys.stderr)
     return res
 
 

@@ -74,6 +74,16 @@ def error_chain(error: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------- a new run config
+def with_fix(message: str) -> str:
+    """An override's composition error with its fix where OmegaConf gives none: a boolean key given
+    another word (``Value 'maybe' is not a valid bool``) gets ``; use KEY=true or KEY=false``."""
+    bad_bool = re.search(r"override ([\w.]+)=.*is not a valid bool", message)
+    if bad_bool:
+        key = bad_bool.group(1)
+        return f"{message}; use {key}=true or {key}=false"
+    return message
+
+
 def compose_checked(overrides: Sequence[str]) -> "DictConfig":
     """The run config ``vitp-train <overrides>`` would compose (:func:`vitp.config.compose`; ``hydra.*``
     overrides are skipped, they set Hydra, not the run), checked by :func:`vitp.config.validate_config`
@@ -88,7 +98,7 @@ def compose_checked(overrides: Sequence[str]) -> "DictConfig":
     try:
         cfg = compose([o for o in overrides if override_key(o).split(".")[0].split("/")[0] != "hydra"])
     except Exception as e:  # noqa: BLE001 - Hydra / OmegaConf composition errors of many types
-        raise ValueError(error_chain(e)) from None
+        raise ValueError(with_fix(error_chain(e))) from None
     validate_config(cfg)
     return cfg
 
@@ -184,7 +194,7 @@ def apply_overrides(cfg: "DictConfig", args: Sequence[str], prog: str,
         try:
             OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True)
         except OmegaConfBaseException as e:
-            raise ValueError(f"Error merging override {o.input_line}; {error_chain(e)}") from None
+            raise ValueError(with_fix(f"Error merging override {o.input_line}; {error_chain(e)}")) from None
     return cfg
 
 

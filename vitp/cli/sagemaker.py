@@ -321,7 +321,7 @@ def main() -> None:
 
     sys.argv = sys.argv[:1] + overrides
     try:
-        train_main()
+        train_main(signal_exit=False)  # a SIGTERM stop (job stop, spot interruption) saved: exit 0
     except SystemExit as e:
         if e.code not in (0, None):
             write_failure(output, failure_reason(e))

@@ -36,7 +36,7 @@ from vitp.cli.overrides import (  # noqa: E402
 from vitp.config import check_override_keys, register_configs  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.train import check_config, train  # noqa: E402
-from vitp.train.logger import quiet_other_ranks  # noqa: E402
+from vitp.train.logger import quiet_other_ranks, quiet_third_party  # noqa: E402
 from vitp.train.rundir import hold_log_files, release_log_files  # noqa: E402
 
 log = logging.getLogger("vitp")
@@ -85,6 +85,7 @@ def _shared_run_dir(mine: str) -> str:
 
 
 _resume_dir: Optional[Path] = None  # the RUN_DIR of vitp-train --resume RUN_DIR (set by prepare_argv)
+_stopped_by: Optional[str] = None  # the signal that stopped the run (set by _train), for main's exit status
 _own_run_dir = False  # a plain hydra.run.dir or --resume: each rank keeps its launcher's path (prepare_argv)
 
 
@@ -168,6 +169,7 @@ def _train(cfg: DictConfig, run_dir: str, overrides: list, own_run_dir: bool = F
     then uses rank 0's run directory, unless ``own_run_dir`` (a plain ``hydra.run.dir``,
     :func:`literal_run_dir`: each node's launcher names its folder). With ``--resume RUN_DIR`` the
     config is the run's recorded one with ``overrides`` set (:func:`resume_config`)."""
+    quiet_third_party()  # before the process group starts (DeepSpeed probes its ops then)
     if _resume_dir is not None:
         cfg, overrides = resume_config(_resume_dir, overrides), _recorded_overrides(_resume_dir) + list(overrides)
     if dist.world_size() > 1:
@@ -175,7 +177,10 @@ def _train(cfg: DictConfig, run_dir: str, overrides: list, own_run_dir: bool = F
         dist.init_distributed(dist.resolve_device(cfg.trainer.device), dist.timeout_of(cfg))
         if not own_run_dir:
             run_dir = _shared_run_dir(run_dir)
-    return train(cfg, run_dir, overrides)
+    global _stopped_by
+    result = train(cfg, run_dir, overrides)
+    _stopped_by = result.get("signal")
+    return result
 
 
 def _hydra_entry() -> None:
@@ -186,7 +191,7 @@ def _hydra_entry() -> None:
 
     @hydra.main(version_base="1.3", config_path=_config_path(), config_name="config")
     def _main(cfg: DictConfig) -> None:
-        hc = HydraConfig.get()  # returns normally after a SIGTERM save: exit 0
+        hc = HydraConfig.get()  # returns normally after a signal's save: main() sets the exit status
         quiet_other_ranks()  # a line every rank logs is printed once, by rank 0
         hold_log_files(hc.runtime.output_dir)  # train.log gets lines only once the launch's checks pass
         try:
@@ -260,14 +265,21 @@ def prepare_argv(argv: list) -> list:
     return argv[:1] + ours + argv[1:]
 
 
-def main() -> None:
-    """Console entry point ``vitp-train``."""
+def main(signal_exit: bool = True) -> None:
+    """Console entry point ``vitp-train``. A run a signal stopped exits, after its checkpoint, with
+    ``128 + signal`` (130 SIGINT, 143 SIGTERM: :func:`vitp.train.stop.exit_status`), unless not
+    ``signal_exit`` (``vitp-sagemaker``: SageMaker stops a job, spot interruptions included, with
+    SIGTERM and restarts it from its checkpoints, so the saved stop is no failure there: exit 0)."""
     # At exit the interpreter's garbage collections walk every object torch, DeepSpeed and the run
     # left: 2.2-2.9 s per process on a 2-core CPU, 0.4 s frozen (measured); under a launcher it
     # waits for the slowest rank. Nothing is written by then (logs and files are closed explicitly).
     atexit.register(gc.freeze)
     sys.argv = run_cli("vitp-train", prepare_argv, sys.argv)
     _hydra_entry()
+    if signal_exit and _stopped_by:
+        from vitp.train.stop import exit_status
+
+        raise SystemExit(exit_status(_stopped_by))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from vitp.data.shards import shard_datasets
 from vitp.data.text import CAPTION_SOURCES, item_captions, text_embeddings_pending
 from vitp.data.video import VideoFolderDataset
 
-__all__ = ["DATASET_NAMES", "build_datasets", "dataset_captions", "ensure_text_embeddings", "stratified_split"]
+__all__ = ["DATASET_NAMES", "build_datasets", "check_data_paths", "dataset_captions", "ensure_text_embeddings", "stratified_split"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,37 @@ def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> Tuple[np
         held.append(members[:n_hold])
     heldout = np.sort(np.concatenate(held)).astype(np.int64)
     return np.setdiff1d(np.arange(len(labels)), heldout).astype(np.int64), heldout
+
+
+def check_data_paths(cfg: Any) -> None:
+    """The cheap part of :func:`build_datasets`' checks, for a ``data`` config section: the folders
+    it reads are set and exist (``data.root`` of an image or video folder, ``data.heldout_root``, a
+    local ``data.shards``), so that a missing folder is named before the layout planner's memory
+    check (which would otherwise refuse the run for a size the data never had).
+
+    Raises ``ValueError`` for an unset ``data.root``; ``FileNotFoundError`` / ``NotADirectoryError``
+    naming the key for a folder that does not exist or is a file."""
+    from pathlib import Path
+
+    from vitp.data.photos import PHOTOS_ROOT
+
+    what = {"image_folder": "one subfolder of images per class", "video_folder": "one subfolder of videos per class"}
+    folders = []
+    if cfg.name in what:
+        if cfg.root is None and not (cfg.name == "video_folder" and cfg.files):
+            raise ValueError(f"data.name={cfg.name} needs data.root=<folder with {what[cfg.name]}>")
+        if cfg.root is not None and cfg.root != PHOTOS_ROOT:
+            folders.append(("data.root", cfg.root, what[cfg.name]))
+        if cfg.heldout_root is not None:
+            folders.append(("data.heldout_root", cfg.heldout_root, what[cfg.name]))
+    if cfg.name == "shards" and cfg.shards and "://" not in str(cfg.shards):
+        folders.append(("data.shards", cfg.shards, "the folder vitp-pack wrote"))
+    for key, folder, holds in folders:
+        path = Path(str(folder)).expanduser()
+        if path.is_file():
+            raise NotADirectoryError(f"{key}={folder} is a file, not a folder; set {key}=<folder with {holds}>")
+        if not path.is_dir():
+            raise FileNotFoundError(f"{key}={folder} does not exist; set {key}=<folder with {holds}>")
 
 
 def _base_dataset(cfg: DataConfig, seed: int) -> KeyedDataset:

@@ -20,6 +20,8 @@ caption, drawn from the sample's own seed (so every layout and a resumed run dro
 from __future__ import annotations
 
 import atexit
+import logging
+import os
 import signal
 import weakref
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
@@ -31,6 +33,8 @@ from torch.utils.data import DataLoader, Dataset
 from ..config import check_batch_split
 from ..objectives.flow import draw_sample_noise, make_pair, sample_seed
 from .text import ClassConditioning
+
+log = logging.getLogger("vitp")
 
 # Stream tags keep the seeds of order, augmentation and noise independent.
 _ORDER, _AUG, _NOISE = 1, 2, 3
@@ -236,13 +240,31 @@ class LoaderBatches:
             shutdown()
 
 
+def usable_workers(num_workers: int) -> int:
+    """``num_workers`` (``data.num_workers``), at most the CPUs this process may run on (torch
+    suggests no more and warns otherwise: ``data=image_folder``'s 4 workers on a 2-core machine);
+    a cut is logged once, naming the key."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if num_workers <= cpus:
+        return num_workers
+    if not _said_workers:
+        _said_workers.append(cpus)
+        log.info("data.num_workers=%d: %d DataLoader workers, the CPUs this process may use", num_workers, cpus)
+    return cpus
+
+
+_said_workers: List[int] = []
+
+
 def train_loader(
     dataset: Any, schedule: BatchSchedule, objective: Any, conditioning: Any, *,
     start_step: int, stop_step: int, dp_rank: int, num_workers: int = 0,
 ) -> DataLoader:
     """A DataLoader that yields the pipeline pairs of steps ``[start_step, stop_step)`` for one DP
     rank, ``schedule.accumulation`` micro-batches per step; its ``num_workers`` worker processes
-    ignore SIGINT/SIGTERM (:func:`ignore_stop_signals`). ``conditioning``: as :class:`FlowCollate`."""
+    ignore SIGINT/SIGTERM (:func:`ignore_stop_signals`), at most one per CPU (:func:`usable_workers`).
+    ``conditioning``: as :class:`FlowCollate`."""
+    num_workers = usable_workers(num_workers)
     return DataLoader(
         _KeyedItems(dataset),
         batch_sampler=_KeySampler(schedule, start_step, stop_step, dp_rank),

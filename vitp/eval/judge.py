@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 import scipy.linalg
@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vitp.utils import atomic_write
+
+from .progress import phase
 
 __all__ = [
     "DigitsJudge",
@@ -178,6 +180,21 @@ def _check_xy(x: Tensor, y: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
     return x, y
 
 
+def _judge_epoch(model: nn.Module, opt: Any, sched: Any, x: Tensor, y: Tensor, gen: torch.Generator,
+                 batch_size: int) -> None:
+    """One pass over ``(x, y)`` in a shuffled order, with random 1-pixel shifts (:func:`train_judge`)."""
+    n = x.shape[0]
+    perm = torch.randperm(n, generator=gen)
+    for i in range(0, n, batch_size):
+        idx = perm[i : i + batch_size]
+        xb = _random_shift(x[idx], gen)
+        loss = F.cross_entropy(model(xb), y[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+
+
 def train_judge(
     x: Tensor,
     y: Tensor,
@@ -245,16 +262,11 @@ def train_judge(
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for _ in range(epochs):
-            perm = torch.randperm(n, generator=gen)
-            for i in range(0, n, batch_size):
-                idx = perm[i : i + batch_size]
-                xb = _random_shift(x[idx], gen)
-                loss = F.cross_entropy(model(xb), y[idx])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
+        with phase(f"training the digits judge ({epochs} epochs on {n} real digits; cached for later evaluations)",
+                   epochs, "judge", "epoch") as bar:
+            for _ in range(epochs):
+                _judge_epoch(model, opt, sched, x, y, gen, batch_size)
+                bar.update(1)
     finally:
         torch.set_num_threads(prev_threads)
     return model.eval()

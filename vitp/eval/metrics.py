@@ -7,7 +7,8 @@
   requested class, and FD-digits, the Frechet distance in its feature space (not FID).
 - Video: the temporal difference of samples against real held-out clips (:mod:`.temporal`).
 
-``vitp-eval RUN_DIR [overrides]`` re-runs this on a finished run and rewrites ``eval.json``.
+``vitp-eval RUN_DIR [overrides]`` re-runs this on a finished run into its own file, keeping the
+training's ``eval.json`` (:func:`vitp.cli.eval.eval_output`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from vitp.utils import atomic_write_text
 
 from .judge import frechet_distance, judge_features, judge_metrics, load_or_train_judge
 from .inference import Share
+from .progress import phase
 from .sampling import generate, heldout_label_samples
 from .temporal import temporal_ratio, temporal_sums
 
@@ -46,7 +48,7 @@ def eval_batch_size(cfg: DictConfig) -> int:
 
 @torch.no_grad()
 def heldout_loss(gen: Any, cfg: DictConfig, dataset: Any, batch_size: Optional[int] = None,
-                 conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
+                 conditioning: Any = None, share: Optional[Share] = None, label: str = "") -> Dict[str, Any]:
     """Mean v-loss on the held-out set at ``t_k = (k + 0.5) / K`` for ``K = eval.t_grid``, with
     noise seeded by ``(eval.noise_seed, item, k)``; labels (captions) are not dropped.
     ``conditioning`` maps the items' ids to the model's inputs (:mod:`vitp.data.text`; default
@@ -54,7 +56,7 @@ def heldout_loss(gen: Any, cfg: DictConfig, dataset: Any, batch_size: Optional[i
     :class:`vitp.eval.inference.StageDenoiser`) ``batch_size`` at a time (default
     :func:`eval_batch_size`); with ``share`` each data-parallel replica takes its range of the
     items and the per-``t`` sums are added over the replicas (float64; collective, the result on
-    every rank)."""
+    every rank). ``label`` names the set in the progress line (:mod:`.progress`)."""
     from vitp.data.text import ClassConditioning
 
     share = share or Share()
@@ -64,18 +66,21 @@ def heldout_loss(gen: Any, cfg: DictConfig, dataset: Any, batch_size: Optional[i
     ts = [(k + 0.5) / K for k in range(K)]
     per_t = torch.zeros(K, dtype=torch.float64)
     n, mine = len(dataset), share.indices(len(dataset))
-    for start in range(mine.start, mine.stop, batch_size):
-        idx = range(start, min(mine.stop, start + batch_size))
-        items = [dataset[(i, None)] for i in idx]
-        x = torch.stack([it[0] for it in items])
-        y = tuple(v.to(device) for v in cond(torch.tensor([int(it[1]) for it in items])))
-        for k, t in enumerate(ts):
-            eps = torch.stack([torch.randn(x.shape[1:], generator=torch.Generator().manual_seed(
-                sample_seed(cfg.eval.noise_seed, i, k))) for i in idx])
-            tb = torch.full((len(x),), t)
-            z = t * x + (1 - t) * cfg.objective.noise_scale * eps
-            x_pred = gen(z.to(device), tb.to(device), *y).float().cpu()
-            per_t[k] += v_loss(x_pred, x, z, tb, cfg.objective.t_eps).double().sum()
+    what = f"held-out loss of {n} items at {K} noise levels{f' ({label})' if label else ''}"
+    with phase(what, -(-len(mine) // batch_size) * K, "held-out loss", "forward", share.main) as bar:
+        for start in range(mine.start, mine.stop, batch_size):
+            idx = range(start, min(mine.stop, start + batch_size))
+            items = [dataset[(i, None)] for i in idx]
+            x = torch.stack([it[0] for it in items])
+            y = tuple(v.to(device) for v in cond(torch.tensor([int(it[1]) for it in items])))
+            for k, t in enumerate(ts):
+                eps = torch.stack([torch.randn(x.shape[1:], generator=torch.Generator().manual_seed(
+                    sample_seed(cfg.eval.noise_seed, i, k))) for i in idx])
+                tb = torch.full((len(x),), t)
+                z = t * x + (1 - t) * cfg.objective.noise_scale * eps
+                x_pred = gen(z.to(device), tb.to(device), *y).float().cpu()
+                per_t[k] += v_loss(x_pred, x, z, tb, cfg.objective.t_eps).double().sum()
+                bar.update(1)
     per_t = share.sum(per_t) / n
     return {"heldout_loss": per_t.mean().item(), "heldout_loss_per_t": {f"{t:.2f}": v for t, v in zip(ts, per_t.tolist())}}
 
@@ -93,7 +98,7 @@ def bucket_heldout_loss(gen: Any, cfg: DictConfig, sets: Dict[str, Any], conditi
     for name, ds in sets.items():
         if not len(ds):
             continue
-        r, n = heldout_loss(gen, cfg, ds, conditioning=conditioning, share=share), len(ds)
+        r, n = heldout_loss(gen, cfg, ds, conditioning=conditioning, share=share, label=f"bucket {name}"), len(ds)
         res[f"heldout_loss/{name}"], res[f"heldout_items/{name}"] = r["heldout_loss"], n
         total, n_all = total + n * r["heldout_loss"], n_all + n
         for t, v in r["heldout_loss_per_t"].items():

@@ -12,6 +12,7 @@ from vitp.config import parse_resolution
 from vitp.media import frame_strip, to_grid, write_video_samples
 from vitp.objectives import sample
 from .inference import Share
+from .progress import phase
 from vitp.utils import atomic_write
 
 
@@ -55,12 +56,15 @@ def generate(gen: Any, cfg: DictConfig, labels: torch.Tensor, seed: int, conditi
     shape = (m.in_channels, m.num_frames, *parse_resolution(m.image_size, "model.image_size"))
     mine = share.indices(len(labels))
     out = [torch.empty((0, *shape))]
-    for i in range(mine.start, mine.stop, s.batch_size):
-        idx = range(i, min(mine.stop, i + s.batch_size))
-        out.append(sample(gen, cond(labels[idx.start:idx.stop]), shape, null=null, steps=s.steps, method=s.method,
-                          cfg_scale=s.cfg_scale, cfg_interval=tuple(s.cfg_interval),
-                          noise_scale=cfg.objective.noise_scale, t_eps=cfg.objective.t_eps,
-                          noise=sample_noise(seed, idx, shape)).cpu())
+    what = (f"sampling {len(labels)} samples ({s.method}, {s.steps} steps, cfg_scale {s.cfg_scale:g}"
+            f"{f', over {share.size} replicas' if share.size > 1 else ''})")
+    with phase(what, -(-len(mine) // s.batch_size) * s.steps, "sampling", "step", share.main) as bar:
+        for i in range(mine.start, mine.stop, s.batch_size):
+            idx = range(i, min(mine.stop, i + s.batch_size))
+            out.append(sample(gen, cond(labels[idx.start:idx.stop]), shape, null=null, steps=s.steps,
+                              method=s.method, cfg_scale=s.cfg_scale, cfg_interval=tuple(s.cfg_interval),
+                              noise_scale=cfg.objective.noise_scale, t_eps=cfg.objective.t_eps,
+                              noise=sample_noise(seed, idx, shape), on_step=bar.update).cpu())
     return share.gather(torch.cat(out), len(labels)) if gather else torch.cat(out)
 
 

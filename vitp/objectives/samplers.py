@@ -54,8 +54,10 @@ def sample(
     t_eps: float = 0.05,
     generator: Optional[torch.Generator] = None,
     noise: Optional[torch.Tensor] = None,
+    on_step: Optional[Callable[[], None]] = None,
 ) -> torch.Tensor:
-    """Integrate the flow ODE from noise (``t=0``) to data (``t=1``).
+    """Integrate the flow ODE from noise (``t=0``) to data (``t=1``): ``(B, C, T, H, W)`` samples,
+    clamped to [-1, 1]; ``on_step()`` is called after each of the ``steps`` intervals (a progress bar).
 
     Parameters
     ----------
@@ -71,10 +73,6 @@ def sample(
     cfg_scale, cfg_interval : classifier-free guidance ``v_u + w (v_c - v_u)`` applied only where
         :func:`guided` says (``lo < t < hi``, plus ``t = 0`` when ``lo = 0``; Kynkaanniemi et al.
         2024 guidance interval, JiT's boundaries); ``(0, 1)`` guides every step
-
-    Returns
-    -------
-    (B, C, T, H, W) samples, clamped to [-1, 1].
 
     Raises
     ------
@@ -116,4 +114,6 @@ def sample(
             z = z + (t1 - t0) * 0.5 * (v0 + v_at(z_e, i + 1))
         else:
             z = z + (t1 - t0) * v0
+        if on_step is not None:
+            on_step()
     return z.clamp(-1, 1)

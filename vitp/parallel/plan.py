@@ -108,6 +108,7 @@ class PlanReport:
     rows: List[Tuple[str, str, Tuple[str, ...], bool, List[str]]] = field(default_factory=list)
     params: Dict[str, str] = field(default_factory=dict)
     partial_grad_elements: int = 0
+    axes: Tuple[str, ...] = ("tp",)  # the active parallel axes ("tp", "cp"): the table's heading names them
     _sizes: List[Tuple[ParallelStyle, Dict[str, int]]] = field(default_factory=list, repr=False)
 
     def sharded(self) -> List[str]:
@@ -140,8 +141,12 @@ class PlanReport:
         """The plan as applied, one line per applied row (logged by :func:`apply_plan`);
         ``where`` (e.g. ``"stage 1"``) goes into the heading."""
         skipped = sum(not r[3] for r in self.rows)
-        lines = [f"parallel plan {self.plan!r}{' on ' + where if where else ''} (mode {self.mode}): "
-                 f"{len(self.sharded())} sharded, {len(self.partial_grad())} partial-gradient parameters; "
+        if "tp" in self.axes:
+            what = (f"(mode {self.mode}{', with cp' if 'cp' in self.axes else ''}): {len(self.sharded())} sharded, "
+                    f"{len(self.partial_grad())} partial-gradient parameters")
+        else:  # a context-parallel run at tp = 1: no tensor-parallel mode, nothing sharded
+            what = "(context parallelism at tp=1: no parameter sharded)"
+        lines = [f"parallel plan {self.plan!r}{' on ' + where if where else ''} {what}; "
                  f"{skipped} row(s) of other modes or degrees not applied"]
         for pattern, style, _modes, applied, matched in self.rows:
             if applied:
@@ -183,7 +188,7 @@ def _check_row(plan: ParallelPlan, row: PlanRow, layers, matches: List[_Match]) 
 def _run(layers, plan: ParallelPlan, mode: str, ctx: Optional[PlanContext], axes: Sequence[str]) -> PlanReport:
     """Match every row against ``layers`` (checked in every mode), apply those of ``mode`` and an
     active axis (``axes``) when ``ctx`` is given."""
-    report = PlanReport(plan.name, mode)
+    report = PlanReport(plan.name, mode, axes=tuple(axes))
     for row in plan.rows:
         matches = _matches(row, layers)
         _check_row(plan, row, layers, matches)

@@ -84,6 +84,23 @@ class OwnRecordsOnly(logging.Filter):
         return record.levelno >= logging.ERROR or bool(getattr(record, "rank_local", False))
 
 
+QUIET_LOGGERS = ("DeepSpeed", "compilers")  # DeepSpeed's INFO lines; its op probe's compiler commands (gcc ... -laio)
+QUIET_WARNINGS = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated",)  # DeepSpeed's ZeRO calls it
+
+
+def quiet_third_party() -> None:
+    """Keep what libraries print about themselves off the console (and ``train.log``): the
+    loggers :data:`QUIET_LOGGERS` below WARNING (DeepSpeed's op probe logs every compiler command it
+    tries, under ``compilers.C.base``), and the :data:`QUIET_WARNINGS` (torch deprecates a
+    collective DeepSpeed calls). Call it before the process group starts: that start probes."""
+    import warnings
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+
+
 def quiet_other_ranks() -> None:
     """On ranks other than 0, put :class:`OwnRecordsOnly` on every root-logger handler (the console
     that ``vitp-train`` gives those ranks) and route Python warnings (a library's deprecation

@@ -5,6 +5,7 @@ import logging
 import signal
 import threading
 import time
+from typing import Optional
 
 import torch
 
@@ -14,7 +15,8 @@ log = logging.getLogger("vitp")
 
 
 class StopSignal:
-    """SIGTERM / SIGINT -> finish the current step, save a checkpoint, exit 0.
+    """SIGTERM / SIGINT -> finish the current step, save a checkpoint, exit ``128 + signal``
+    (130 for SIGINT, 143 for SIGTERM: :func:`exit_status`; 0 under ``vitp-sagemaker``).
 
     Schedulers and SageMaker send SIGTERM before killing a job. A second signal, more than
     :attr:`REPEAT_S` seconds after the first, aborts at once (``KeyboardInterrupt``).
@@ -31,6 +33,7 @@ class StopSignal:
 
     def __init__(self, device: torch.device):
         self.device, self.flag, self.previous, self.t_flag = device, None, {}, 0.0
+        self.agreed: Optional[str] = None  # the signal any rank got, as :meth:`requested` last found it
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self.previous[s] = signal.signal(s, self._handle)
@@ -45,15 +48,25 @@ class StopSignal:
             raise KeyboardInterrupt(f"second signal ({name}): stopping without a checkpoint")
 
     def requested(self, local: bool = False) -> bool:
-        """True on every rank when any rank got a signal or passes ``local=True``."""
-        mine = self.flag is not None or local
-        if dist.world_size() == 1:
-            return mine
-        t = torch.tensor([1.0 if mine else 0.0], device=self.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return bool(t.item())
+        """True on every rank when any rank got a signal or passes ``local=True``; sets
+        :attr:`agreed` to the name of a signal any rank got (SIGTERM over SIGINT), else ``None``."""
+        mine = float(signal.Signals[self.flag]) if self.flag is not None else 0.5 if local else 0.0
+        if dist.world_size() > 1:
+            t = torch.tensor([mine], device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            mine = float(t.item())
+        self.agreed = signal.Signals(int(mine)).name if mine >= 1 else None
+        return mine > 0
 
     def restore(self) -> None:
         """Put back the signal handlers that were installed before."""
         for s, h in self.previous.items():
             signal.signal(s, h)
+
+
+def exit_status(signal_name: Optional[str]) -> int:
+    """The exit status of a run a signal stopped (after its checkpoint): ``128 + signal number`` by
+    the shell's convention (130 for SIGINT, 143 for SIGTERM), so ``vitp-train ... && next`` does not
+    go on with an unfinished run; 0 without a signal (finished, or ``trainer.exit_at_step`` /
+    ``trainer.exit_after_minutes``: stops on purpose)."""
+    return 128 + int(signal.Signals[signal_name]) if signal_name else 0

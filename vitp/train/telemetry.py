@@ -10,7 +10,10 @@ Per logged step, over the steps since the previous log:
 - ``perf/mfu``: ``perf/tflops`` over the device profile's peak for the run's precision (a CUDA
   device named like a preset, :data:`vitp.plan.PRESETS`; on CPU the matmul rate measured here
   with the rank's threads, :func:`vitp.plan.cpu_profile`, so CPU MFU is relative to that
-  measurement); absent when no profile matches;
+  measurement); absent when no profile matches. Never above 1: when a step achieves more than
+  that peak (a CPU profile measured, or cached, while another job loaded the machine), the CPU
+  peak is measured again and the peak becomes the larger of that and the achieved rate, with a
+  warning, and from then on ``perf/mfu_peak_raised`` = 1 flags the rows;
 - ``perf/peak_mem_gib``: the largest peak over ranks: ``torch.cuda.max_memory_allocated`` on
   CUDA, the process's maximum resident set size (``ru_maxrss``, everything the process holds) on CPU;
 - ``perf/data_wait_frac``: time spent waiting for the next batch / wall time (largest over ranks;
@@ -142,6 +145,7 @@ class Telemetry:
         self.dp_bytes = max(c.dp_bytes for c in step_comm(to_dict(cfg.model), lay))
         self._steps, self._tokens, self._flops, self._pp = 0, 0.0, 0.0, 0.0
         self.peak_flops, source = _profile(device, lay.precision)
+        self.precision, self.peak_raised = lay.precision, False
         self.counter, self.cp_counter = CommCounter(TP_TAGS), CommCounter(CP_TAGS)
         self.data: Optional[TimedIterator] = None
         self.skipped: Any = None  # shared counter of undecodable samples (vitp.data.base.attach_skip_counter)
@@ -153,6 +157,24 @@ class Telemetry:
             log.info("telemetry: %s; MFU against %s; peak memory = %s", per,
                      f"{self.peak_flops / 1e12:.4g} TFLOP/s ({source})" if self.peak_flops else f"nothing ({source})",
                      "CUDA max_memory_allocated" if device.type == "cuda" else "process max RSS")
+
+    def _raise_peak(self, achieved: float) -> None:
+        """A step achieved more FLOP/s than the peak MFU is taken against (a CPU profile measured
+        while another job loaded the machine, or cached from then): on CPU measure the peak again;
+        the new peak is the larger of that and ``achieved``, so MFU stays <= 1; says so once per raise."""
+        from vitp.plan import cpu_profile
+
+        old, again = self.peak_flops, None
+        if self.device.type == "cpu":
+            with torch.random.fork_rng(devices=[]):
+                again = cpu_profile(threads=torch.get_num_threads(), remeasure=True, links=False).peak(self.precision)
+        self.peak_flops, self.peak_raised = max(achieved, again or 0.0), True
+        if dist.is_main():
+            measured = f"measured again: {again / 1e12:.4g} TFLOP/s" if again else "not measurable here"
+            log.warning("perf/mfu: the steps achieved %.4g TFLOP/s per device, above the peak MFU was taken against "
+                        "(%.4g TFLOP/s: a profile measured while the machine was busy, or a wrong preset); %s; MFU "
+                        "is now relative to %.4g TFLOP/s, and metrics.jsonl flags it (perf/mfu_peak_raised=1)",
+                        achieved / 1e12, old / 1e12, measured, self.peak_flops / 1e12)
 
     def timed(self, it: Optional[Iterator]) -> Optional[TimedIterator]:
         """``it`` wrapped to time the waits for data (``None`` stays ``None``)."""
@@ -212,7 +234,11 @@ class Telemetry:
                "comm/pp_bytes": (self._pp + rest * base.pp_bytes) / max(steps, self._steps, 1),
                "comm/dp_bytes": self.dp_bytes, "data/skipped_samples": skipped}
         if self.peak_flops:
+            if tflops * 1e12 > self.peak_flops:  # the peak was measured too low: never log a utilisation above 1
+                self._raise_peak(tflops * 1e12)
             out["perf/mfu"] = tflops * 1e12 / self.peak_flops
+            if self.peak_raised:
+                out["perf/mfu_peak_raised"] = 1.0
         self.counter.reset()
         self.cp_counter.reset()
         self._steps, self._tokens, self._flops, self._pp = 0, 0.0, 0.0, 0.0

@@ -38,7 +38,7 @@ from vitp.utils import atomic_write_text  # noqa: E402
 from .autolayout import apply_auto_layout  # noqa: E402
 from .checkpointer import Checkpointer  # noqa: E402
 from .ema import EMA  # noqa: E402
-from .logger import RunLogger, binned_loss, log_stages  # noqa: E402
+from .logger import RunLogger, binned_loss, log_stages, quiet_third_party  # noqa: E402
 from .preflight import preflight  # noqa: E402
 from .rundir import check_same_config, hold_log_files, lock_run_dir, release_log_files, resume_command  # noqa: E402
 from .stop import StopSignal  # noqa: E402
@@ -59,8 +59,8 @@ def check_config(cfg: DictConfig, device: Optional[torch.device] = None, run_dir
     """The checks that need no process group, for a launch on ``device`` (default:
     ``trainer.device``) with the world size of the environment (``WORLD_SIZE``, 1 without a
     launcher): the whole config (:func:`vitp.config.validate_config`), a text model's captions
-    and embeddings options (:func:`vitp.config.validate_text_run`) and, unless
-    ``parallel.auto`` (whose layout the planner chooses later), the layout. Returns the
+    and embeddings options (:func:`vitp.config.validate_text_run`), the data folders
+    (:func:`vitp.data.build.check_data_paths`) and, unless ``parallel.auto`` (whose layout the planner chooses later), the layout. Returns the
     :class:`vitp.config.Layout` (``None`` with ``parallel.auto``).
 
     Raises ``ValueError`` naming the key and the valid values; when the layout does not fit this
@@ -76,11 +76,14 @@ def check_config(cfg: DictConfig, device: Optional[torch.device] = None, run_dir
         moved = world_change(run_dir, dist.world_size()) if run_dir is not None else None
         if not moved:
             raise
-        raise ValueError(f"{e}. Resuming: {moved}; relaunch with the checkpoint's number of ranks, or set "
-                         f"parallel=auto to re-plan for {dist.world_size()}, or set parallel.tp/cp/pp to degrees whose "
-                         f"product divides {dist.world_size()} (the whole training state is resharded to any layout)"
-                         ) from None
+        raise ValueError(f"{e}. Resuming: {moved}; relaunch with the checkpoint's number of ranks, or continue "
+                         f"on {dist.world_size()} at another layout: add parallel.tp=1 parallel.cp=1 parallel.pp=1 (or "
+                         f"degrees whose product divides {dist.world_size()}) to the command, also after --resume "
+                         f"RUN (the whole training state is resharded to any layout)") from None
     validate_text_run(cfg)
+    from vitp.data.build import check_data_paths
+
+    check_data_paths(cfg.data)  # a missing folder is named before the planner's memory check (preflight)
     return layout
 
 
@@ -145,8 +148,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None):
-        for name in ("DeepSpeed", "compilers"):  # DeepSpeed's op probe logs compiler commands
-            logging.getLogger(name).setLevel(logging.WARNING)
+        quiet_third_party()  # DeepSpeed's compiler probe lines, torch's deprecation of a collective DeepSpeed calls
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0  # train_step works outside fit too
         self.lock = None
@@ -482,6 +484,8 @@ class Trainer:
         self._n_log += 1
         if not math.isfinite(loss):
             raise self._nonfinite_loss(step, loss)
+        if self.bar is not None:  # every step's own loss (not only logged steps'); drawn at the bar's update
+            self.bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{self.grad_norms[-1]:.3f}", refresh=False)
         if self.logger.should_log(step):
             self._log_metrics(step, lr, profile)
         elif profile:  # a recorded step between logged ones: its own metrics.jsonl line
@@ -521,8 +525,6 @@ class Trainer:
         values.update(self.telemetry.metrics(n, elapsed))
         values.update(profile or {})  # the step's timeline fractions (trainer.profile_steps)
         self.logger.scalars(step, values)
-        if self.bar is not None:  # train_step called outside fit (benchmarks, scripts/gpu_check.py)
-            self.bar.set_postfix(loss=f"{values['loss']:.4f}", gnorm=f"{values['grad_norm']:.3f}")
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0
 
     def _after_step(self, step: int) -> None:
@@ -541,18 +543,23 @@ class Trainer:
         (resumed at ``trainer.exit_at_step``: stop at once, training nothing).
 
         Returns ``{"losses", "grad_norms"}`` per step (every rank), ``eval`` (rank 0's final
-        results), ``run_dir`` and ``stopped_at`` (the step of an early stop, else ``None``).
+        results), ``run_dir``, ``stopped_at`` (the step of an early stop, else ``None``) and
+        ``signal`` (the name of the signal that stopped the run on any rank, else ``None``:
+        :func:`.stop.exit_status` turns it into ``vitp-train``'s exit status).
         Gives the run directory up when it returns or raises.
         """
         try:
             if self.stopped_before:
                 return self._stop_again()
+            if self._finished_before():
+                return self._already_finished()
             stopper = StopSignal(self.device)
             try:
                 stopped_at = self._train_loop(stopper)
                 # the handlers stay installed through the save: a launcher's forwarded copy of the
                 # signal, or one arriving after the last step, must not kill the checkpoint being written
-                return self._stop(stopped_at, stopper.flag) if stopped_at is not None else self._finish(stopper)
+                out = self._stop(stopped_at, stopper.flag) if stopped_at is not None else self._finish(stopper)
+                return {**out, "signal": stopper.agreed}
             finally:
                 stopper.restore()
         finally:
@@ -630,6 +637,25 @@ class Trainer:
                         self.start_step, self.checkpointer.resume_tag, resume_command(self.run_dir), self.start_step)
         return self._result({}, self.start_step)
 
+    def _finished_before(self) -> bool:
+        """Resumed at ``trainer.max_steps`` of a run whose final weights were exported (rank 0's view,
+        on every rank): it already finished, and a relaunch must not rewrite its results."""
+        done = self.start_step >= self.cfg.trainer.max_steps and any(
+            (self.run_dir / n).is_file() for n in ("model_ema.safetensors", "model_ema.safetensors.index.json"))
+        return bool(dist.broadcast_object(done))
+
+    def _already_finished(self) -> Dict[str, Any]:
+        """End a launch that resumed a finished run (exit 0): nothing is trained, exported, sampled
+        or evaluated again, so its weights, ``eval.json`` and ``eval.jsonl`` stay as they were."""
+        self.logger.close()
+        if self.main:
+            tr = self.cfg.trainer
+            log.warning("already finished: this run trained its trainer.max_steps=%d steps; its weights and results "
+                        "in %s are kept, nothing was rewritten. To train longer: %s trainer.max_steps=N (N > %d); to "
+                        "evaluate other settings: vitp-eval %s key=value", tr.max_steps, self.run_dir,
+                        resume_command(self.run_dir), tr.max_steps, self.run_dir)
+        return self._result({}, None)
+
     def _finish(self, stopper: Optional[StopSignal] = None) -> Dict[str, Any]:
         """Final checkpoint, weights, samples, evaluation and the copy to ``trainer.export_dir``;
         the samples and evaluation are skipped when ``stopper`` got a signal after the last step
@@ -643,9 +669,13 @@ class Trainer:
             if self.main:
                 log.warning("%s after the last step: final checkpoint and weights saved, samples and evaluation "
                             "skipped (run vitp-eval %s)", stopper.flag or "a signal on another rank", self.run_dir)
-        else:
-            self.sample_grid(tr.max_steps)
-            result = self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {}
+        else:  # minutes, after the training bar's 100 %: each phase says what runs and shows a bar (rank 0)
+            from vitp.eval.progress import reporting
+
+            with reporting(bars=self.main and tr.progress, prefix="final sample grid"):
+                self.sample_grid(tr.max_steps)
+            with reporting(bars=self.main and tr.progress):
+                result = self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {}
         self.logger.close()
         if self.main:  # what this launch wrote, not what a full finish would have
             ema = "model_ema.safetensors"

@@ -67,3 +67,22 @@ def test_label_drop_rate_and_t_distribution(setup):
 def test_batch_divisibility_error():
     with pytest.raises(ValueError, match="multiple of trainer.micro_batch_size"):
         BatchSchedule(100, 10, 4, 1, 0)
+
+
+def test_more_workers_than_cpus_are_cut_to_the_cpus_without_torchs_warning(setup, monkeypatch):
+    """data=image_folder's 4 workers on a 2-core machine printed torch's "suggested max number of
+    worker" warning: the loader starts one worker per CPU at most (no worker is started here)."""
+    import os
+    import warnings
+
+    from vitp.data.loader import usable_workers
+
+    cfg, ds = setup
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert usable_workers(0) == 0 and usable_workers(2) == 2 and usable_workers(4) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's UserWarning would fail the test
+        loader = train_loader(ds, BatchSchedule(len(ds), 8, 4, 1, 0), cfg.objective, 10, start_step=0, stop_step=1,
+                              dp_rank=0, num_workers=4)
+        loader.check_worker_number_rationality()  # what torch runs when the workers start
+    assert loader.num_workers == 2

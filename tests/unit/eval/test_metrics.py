@@ -24,3 +24,32 @@ def test_heldout_loss_is_deterministic_and_uses_the_t_grid(smoke):
     x2 = torch.stack([heldout[(i, None)][0] for i in range(len(heldout))]).pow(2).mean().item()
     for t, v in a["heldout_loss_per_t"].items():
         assert v == pytest.approx(x2 / max(1 - float(t), cfg.objective.t_eps) ** 2, rel=1e-5)
+
+
+def test_the_final_evaluation_says_what_runs_and_shows_a_bar_per_phase(smoke, tmp_path, caplog, capsys):
+    """After the training bar's 100 % the final evaluation ran for minutes in silence: inside
+    ``reporting`` each phase (held-out loss, sampling, training the judge) logs what runs now and
+    draws its own tqdm bar (on stderr); outside it (evaluations during training) it stays silent."""
+    import logging
+
+    from tests.helpers import compose_cfg
+    from vitp.eval import evaluate
+    from vitp.eval.progress import reporting
+
+    cfg = compose_cfg(["experiment=smoke", "eval.num_samples=8", "eval.classifier_epochs=1", "sampler.steps=2"])
+    _, gen, (train, heldout) = smoke
+    with caplog.at_level(logging.INFO, logger="vitp"):
+        evaluate(gen, cfg, train, heldout, tmp_path, full=False)
+        assert not caplog.records and capsys.readouterr().err == ""
+        with reporting(bars=True):
+            evaluate(gen, cfg, train, heldout, tmp_path / "run", full=True)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("final evaluation: ")]
+    assert lines == [f"final evaluation: held-out loss of {len(heldout)} items at 10 noise levels",
+                     "final evaluation: sampling 8 samples (heun, 2 steps, cfg_scale 1.5)",
+                     f"final evaluation: training the digits judge (1 epochs on {len(train)} real digits; cached "
+                     "for later evaluations)"], lines
+    err = capsys.readouterr().err
+    forwards = -(-len(heldout) // cfg.trainer.micro_batch_size) * 10  # batches of a micro-batch, at 10 t each
+    bars = [f"held-out loss:   0%|          | 0/{forwards} ", "sampling:   0%|          | 0/2 ",
+            "judge:   0%|          | 0/1 "]  # tqdm's first draw: the phase's name and its total
+    assert all(b in err for b in bars), err
