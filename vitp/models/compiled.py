@@ -75,6 +75,9 @@ def compile_blocks(model: nn.Module, mode: str = "blocks", cache_dir: Optional[o
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 16 * RECOMPILE_LIMIT)
+    # DeepSpeed's pipeline runs backward with retain_graph=True over a stage's outputs (tokens, c),
+    # which AOTAutograd's donated buffers refuse (measured at tp2 x pp2)
+    torch._functorch.config.donated_buffer = False
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for b in blocks:
         b.compile(dynamic=False)
