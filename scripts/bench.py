@@ -11,7 +11,7 @@ median over repetitions of the per-repetition ratio of median step times, and th
 The 1-minute load average is sampled during every section and reported with it; ``--load N``
 adds ``N`` busy-loop processes for the whole run, a controlled load to time under.
 
-Sections (``--sections``, default all):
+Sections (``--sections``, default all; ``--quick`` leaves ``compile`` out unless named):
 
 - ``overhead`` (1 process): ``engine.train_batch`` of vitp against a plain PyTorch loop
   (the same :class:`vitp.models.Generator`, ``torch.optim.AdamW``, ``clip_grad_norm_``), at the
@@ -1049,7 +1049,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 7, --quick 2)")
     p.add_argument("--steps", type=int, default=None, help="steps per variant per repetition (default 3, --quick 1)")
     p.add_argument("--sizes", default=None, help="comma-separated of demo,large (default both; --quick: tiny)")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated of {','.join(SECTIONS)}")
+    p.add_argument("--sections", default=None, help=f"comma-separated of {','.join(SECTIONS)} (default all; "
+                   "--quick: all but compile, whose compiles take a minute even on the tiny model)")
     p.add_argument("--load", type=int, default=0,
                    help="busy-loop processes run alongside every section (a controlled load; default 0)")
     return p.parse_args(argv)
@@ -1126,6 +1127,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     args.reps = args.reps or (2 if args.quick else 7)
     args.steps = args.steps or (1 if args.quick else 3)
+    args.sections = args.sections or ",".join(s for s in SECTIONS if not (args.quick and s == "compile"))
     sizes = (args.sizes or ("tiny" if args.quick else "demo,large")).split(",")
     with tempfile.TemporaryDirectory(prefix="vitp-bench-") as tmp:
         res = run_sections(args, sizes, tmp)
