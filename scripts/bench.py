@@ -414,13 +414,14 @@ def compile_worker(size: str, tp: int, reps: int, steps: int, tmp: str) -> dict:
                                  f"{tmp}/compiled-{size}-{tp}")
     before = compile_stats()
     t0 = time.perf_counter()
-    comp.first_loss = comp.step()
+    first = comp.step()  # interleave's warm-up would record the second step's loss
     first_step_s, train = time.perf_counter() - t0, compile_stats()
     s_eager, s_comp = sampling_variant("eager_sample", tr_e, micro), sampling_variant("compiled_sample", tr_c, micro)
     s_comp.step()
     sample = compile_stats()
     times = interleave([eager, comp], reps, steps)
     sampled = interleave([s_eager, s_comp], reps, steps)
+    comp.first_loss = first
     if not dist.is_main():
         return {}
     return {"train": ratio(times, "compiled", "eager"), "sampling": ratio(sampled, "compiled_sample", "eager_sample"),
