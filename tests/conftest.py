@@ -8,9 +8,10 @@ import pytest
 
 from tests.helpers import TP2PP2, compiled_cases, compose_cfg, reference_cases, reference_rank, run_ranks, train_rank
 
-# trainer.compile=blocks runs of the session share one inductor cache (vitp.models.compiled.CACHE_ENV):
-# runs of equal block graphs compile once; set before the ranks' fork server starts
-os.environ.setdefault("VITP_COMPILE_CACHE", tempfile.mkdtemp(prefix="vitp_compile_"))
+# trainer.compile=blocks runs share one inductor cache (vitp.models.compiled.CACHE_ENV), kept across
+# sessions (inductor keys it by graph, inputs and torch version): equal block graphs compile once;
+# set before the ranks' fork server starts
+os.environ.setdefault("VITP_COMPILE_CACHE", os.path.join(tempfile.gettempdir(), f"vitp_compile_tests_{os.getuid()}"))
 
 
 def pytest_collection_modifyitems(config, items):
