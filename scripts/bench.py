@@ -11,7 +11,7 @@ median over repetitions of the per-repetition ratio of median step times, and th
 The 1-minute load average is sampled during every section and reported with it; ``--load N``
 adds ``N`` busy-loop processes for the whole run, a controlled load to time under.
 
-Sections (``--sections``, default all):
+Sections (``--sections``, default all; ``--quick`` leaves ``compile`` out unless named):
 
 - ``overhead`` (1 process): ``engine.train_batch`` of vitp against a plain PyTorch loop
   (the same :class:`vitp.models.Generator`, ``torch.optim.AdamW``, ``clip_grad_norm_``), at the
@@ -30,6 +30,11 @@ Sections (``--sections``, default all):
   time the pipeline timeline measures against 1F1B with the stages' measured compute; the CPU
   time per step over the cores (where ranks outnumber cores the step cannot be shorter).
 - ``tokens`` (1 process): vitp and the plain loop as the token count grows.
+- ``compile`` (1 then 2 processes): ``trainer.compile=blocks`` against eager (1 process, tp=2 +
+  SP), interleaved: the training step and the sampler's forward (no grad) at each size, the
+  compile time of the first training step and of the first sampler forward, graphs and graph
+  breaks; ``compile.ratio_1proc`` / ``compile.ratio_tp2`` are the training-step ratios at the
+  largest size.
 - ``cp`` (4 then 2 processes; context parallelism, :mod:`vitp.parallel.context`; ``--sections cp``
   alone takes ~1-3 minutes): on a video generator of 4096 tokens (``--quick``: 64), per rank at
   cp = 1, 2, 4 for full attention (Ulysses, ring) and factorized attention (a) the bytes saved
@@ -375,6 +380,67 @@ def tp_worker(size: str, reps: int, steps: int, tmp: str) -> dict:
         return {}
     return {"tp_vs_dtensor": ratio(times, "vitp_tp", "dtensor"), "sp_vs_tp": ratio(times, "vitp_sp", "vitp_tp"),
             "first_loss": {v.name: v.first_loss for v in (tp, sp, dt)}, "comm": comm}
+
+
+# ----------------------------------------------------------------------------- compiled blocks
+
+def sampling_variant(name, tr, micro):
+    """One sampler forward (no grad, eval mode) of the trainer's stage on the first micro-batch's
+    inputs: what each ODE step of sampling runs (:class:`vitp.eval.inference.StageDenoiser`)."""
+    import torch
+
+    module, inputs = tr.engine.module, micro[0][0]
+
+    def step():
+        module.eval()
+        with torch.no_grad():
+            out = module(inputs)
+        module.train()
+        return float(out[0].float().mean()) if isinstance(out, tuple) else float(out.float().mean())
+
+    return Variant(name, step)
+
+
+def compile_worker(size: str, tp: int, reps: int, steps: int, tmp: str) -> dict:
+    """Eager against ``trainer.compile=blocks`` (1 process or tp=2 + SP), interleaved: training
+    steps and sampler forwards; the compile time of the first training step and of the first
+    sampler forward (each a new shape / grad mode); graphs and graph breaks."""
+    from vitp.models.compiled import compile_stats
+    from vitp.parallel import distributed as dist
+
+    extra = ["parallel.tp=2", "parallel.sequence_parallel=true"] if tp == 2 else []
+    eager, tr_e, micro = vitp_variant("eager", compose(size, extra), f"{tmp}/eager-{size}-{tp}")
+    comp, tr_c, _ = vitp_variant("compiled", compose(size, [*extra, "trainer.compile=blocks"]),
+                                 f"{tmp}/compiled-{size}-{tp}")
+    before = compile_stats()
+    t0 = time.perf_counter()
+    first = comp.step()  # interleave's warm-up would record the second step's loss
+    first_step_s, train = time.perf_counter() - t0, compile_stats()
+    s_eager, s_comp = sampling_variant("eager_sample", tr_e, micro), sampling_variant("compiled_sample", tr_c, micro)
+    s_comp.step()
+    sample = compile_stats()
+    times = interleave([eager, comp], reps, steps)
+    sampled = interleave([s_eager, s_comp], reps, steps)
+    comp.first_loss = first
+    if not dist.is_main():
+        return {}
+    return {"train": ratio(times, "compiled", "eager"), "sampling": ratio(sampled, "compiled_sample", "eager_sample"),
+            "first_loss": {"eager": eager.first_loss, "compiled": comp.first_loss},
+            "compile_s": {"train_shape": round(train["compile_s"] - before["compile_s"], 2),
+                          "sampling_shape": round(sample["compile_s"] - train["compile_s"], 2),
+                          "first_step_s": round(first_step_s, 2)},
+            "graphs": sample["graphs"] - before["graphs"], "graph_breaks": sample["graph_breaks"] - before["graph_breaks"]}
+
+
+def run_compile(args, sizes, tmp: str) -> dict:
+    """The ``compile`` section: ``{"1proc": {size: ...}, "tp2": {size: ...}, "ratio_1proc",
+    "ratio_tp2"}`` (the ratios: compiled / eager training step at the largest size)."""
+    reps, steps = args.reps, args.steps
+    out = {"1proc": {s: run_group(1, compile_worker, s, 1, reps, steps, tmp) for s in sizes},
+           "tp2": {s: run_group(2, compile_worker, s, 2, reps, steps, tmp) for s in sizes}}
+    out["ratio_1proc"] = out["1proc"][sizes[-1]]["train"]["ratio"]
+    out["ratio_tp2"] = out["tp2"][sizes[-1]]["train"]["ratio"]
+    return out
 
 
 # ----------------------------------------------------------------------------- memory per rank
@@ -903,6 +969,8 @@ def markdown(res: dict) -> str:
         lines.append("")
     if "cp" in res:
         lines += _cp_markdown(res["cp"])
+    if "compile" in res:
+        lines += _compile_markdown(res["compile"])
     return "\n".join(lines)
 
 
@@ -927,6 +995,19 @@ def _pipeline_markdown(res: dict) -> list:
                          f"{row['cpu_bound_ms']} |")
         lines.append("")
     return lines
+
+
+def _compile_markdown(r: dict) -> list:
+    lines = ["| layout | size | compiled / eager train step | eager ms | compiled ms | compiled / eager sampling "
+             "forward | compile s (train shape, sampling shape) | graphs | graph breaks |", "|---|---|---|---|---|---|---|---|---|"]
+    for layout in ("1proc", "tp2"):
+        for size, x in r[layout].items():
+            c = x["compile_s"]
+            lines.append(f"| {layout} | {size} | {_fmt_ratio(x['train'])} | {x['train']['eager_ms']} | "
+                         f"{x['train']['compiled_ms']} | {_fmt_ratio(x['sampling'])} | {c['train_shape']}, "
+                         f"{c['sampling_shape']} | {x['graphs']} | {x['graph_breaks']} |")
+    return lines + ["", f"compile.ratio_1proc = {r['ratio_1proc']}, compile.ratio_tp2 = {r['ratio_tp2']} "
+                        "(largest size)", ""]
 
 
 def _cp_markdown(r: dict) -> list:
@@ -959,7 +1040,7 @@ def _cp_markdown(r: dict) -> list:
     return lines
 
 
-SECTIONS = ("overhead", "tp", "memory", "activations", "pipeline", "tokens", "cp")
+SECTIONS = ("overhead", "tp", "memory", "activations", "pipeline", "tokens", "cp", "compile")
 
 
 def parse_args(argv=None):
@@ -969,7 +1050,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 7, --quick 2)")
     p.add_argument("--steps", type=int, default=None, help="steps per variant per repetition (default 3, --quick 1)")
     p.add_argument("--sizes", default=None, help="comma-separated of demo,large (default both; --quick: tiny)")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated of {','.join(SECTIONS)}")
+    p.add_argument("--sections", default=None, help=f"comma-separated of {','.join(SECTIONS)} (default all; "
+                   "--quick: all but compile, whose compiles take a minute even on the tiny model)")
     p.add_argument("--load", type=int, default=0,
                    help="busy-loop processes run alongside every section (a controlled load; default 0)")
     return p.parse_args(argv)
@@ -1037,6 +1119,8 @@ def run_section(name: str, args, sizes, tmp: str):
                                   (8,) if args.quick else (8, 16, 32), reps, steps, tmp)
     if "cp" in sections:
         res["cp"] = run_cp(args)
+    if "compile" in sections:
+        res["compile"] = run_compile(args, sizes, tmp)
     return res[name]
 
 
@@ -1044,6 +1128,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     args.reps = args.reps or (2 if args.quick else 7)
     args.steps = args.steps or (1 if args.quick else 3)
+    args.sections = args.sections or ",".join(s for s in SECTIONS if not (args.quick and s == "compile"))
     sizes = (args.sizes or ("tiny" if args.quick else "demo,large")).split(",")
     with tempfile.TemporaryDirectory(prefix="vitp-bench-") as tmp:
         res = run_sections(args, sizes, tmp)

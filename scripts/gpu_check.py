@@ -20,6 +20,9 @@ result so far) is rewritten after each check, and one table is printed at the en
   generator (512 tokens, bf16, flash SDPA forced) at cp = 2 over NCCL with Ulysses and with
   ring attention, launched with torchrun, against cp = 1 on each rank alone: loss and every
   parameter gradient (summed over the cp group, divided by cp) within bf16 tolerance.
+- ``compile_<case>``: the first ``mfu`` case with ``trainer.compile=blocks`` (each block compiled
+  by ``torch.compile``, :mod:`vitp.models.compiled`): its MFU and step time against the eager
+  ``mfu_<case>`` of the same run, compile time, graphs and graph breaks.
 - ``mfu_<case>``: a JiT-B/L generator on synthetic data in bf16 (:data:`CASES`: 256 tokens at
   256 px with patch 16 and at 1024 px with patch 64); after warm-up, timed ``train_step`` calls
   and the trainer's own telemetry (:mod:`vitp.train.telemetry`: model FLOPs of
@@ -79,6 +82,7 @@ TEXT = ["data.captions=templates", 'data.caption_templates=["a {class_word}","cl
         "data.text_encoder=tiny", "model.text_dim=32", "model.text_len=16", "objective.label_drop=0.2"]
 TIMEOUT_S = {"bf16_nccl": 90, "sdpa": 75, "cp": 90, "text_bf16": 90}  # each mfu_<case>: MFU_TIMEOUT_S
 MFU_TIMEOUT_S = 100
+COMPILE_TIMEOUT_S = 150  # compile_<case>: the mfu check with trainer.compile=blocks (compile time included)
 WARMUP, STEPS = 3, 10
 
 
@@ -226,14 +230,15 @@ def _planner_prediction(trainer):
     return prof, predict(cfg.model, layout_of(cfg, world, trainer.device.type), prof)
 
 
-def check_mfu(smoke: bool, work: Path, case: str) -> Dict[str, Any]:
-    """MFU, step time and peak memory of ``case`` from the trainer's telemetry, against the planner."""
+def check_mfu(smoke: bool, work: Path, case: str, extra: tuple = ()) -> Dict[str, Any]:
+    """MFU, step time and peak memory of ``case`` (plus the overrides ``extra``) from the trainer's
+    telemetry, against the planner."""
     import torch
 
     cases = SMOKE_CASES if smoke else CASES
     warm, steps = (1, 2) if smoke else (WARMUP, STEPS)
     # max_steps one beyond the timed steps: the trainer logs (and resets telemetry) at the last step
-    trainer = _trainer([*cases[case], f"trainer.max_steps={warm + steps + 1}", "trainer.log_every=100000"],
+    trainer = _trainer([*cases[case], *extra, f"trainer.max_steps={warm + steps + 1}", "trainer.log_every=100000"],
                        work / f"mfu_{case}")
     for s in range(1, warm + 1):
         trainer.train_step(s)
@@ -263,6 +268,27 @@ def check_mfu(smoke: bool, work: Path, case: str) -> Dict[str, Any]:
                       f"{perf['perf/tflops']:.4g} TFLOP/s; peak {measured_gib:.3g} GiB vs predicted "
                       f"{predicted_gib:.3g} GiB ({res['memory_measured_over_predicted']:.2f}x, "
                       f"{res['memory_measure']}); data wait {perf['perf/data_wait_frac']:.0%}")
+    return res
+
+
+def check_compile(smoke: bool, work: Path, case: str) -> Dict[str, Any]:
+    """``trainer.compile=blocks`` on ``case``: :func:`check_mfu` compiled (compile time in the
+    warm-up steps, from :func:`vitp.models.compiled.compile_stats`), set against the eager
+    ``mfu_<case>`` result of the same run when it is there (``compiled / eager`` MFU and step time)."""
+    from vitp.models.compiled import compile_stats
+
+    res = check_mfu(smoke, work, case, extra=("trainer.compile=blocks",))
+    res["compile"] = compile_stats()
+    eager_file = Path(os.environ.get("VITP_GPU_CHECK_OUT", ".")) / f"mfu_{case}.json"
+    if eager_file.is_file():
+        eager = json.loads(eager_file.read_text())
+        if eager.get("ok"):
+            res["eager_mfu"], res["compiled_over_eager_mfu"] = eager["mfu"], res["mfu"] / eager["mfu"]
+            res["compiled_over_eager_step"] = res["median_step_s"] / eager["median_step_s"]
+    res["summary"] = (f"compiled blocks: {res['summary']}; compile {res['compile']['compile_s']:.1f} s, "
+                      f"{res['compile']['graphs']} graphs, {res['compile']['graph_breaks']} graph breaks"
+                      + (f"; compiled / eager MFU {res['compiled_over_eager_mfu']:.3f}, step "
+                         f"{res['compiled_over_eager_step']:.3f}" if "eager_mfu" in res else ""))
     return res
 
 
@@ -391,6 +417,9 @@ def checks(smoke: bool) -> Dict[str, tuple]:
                              "text_bf16": (check_text_bf16, {}, TIMEOUT_S["text_bf16"])}
     for case in SMOKE_CASES if smoke else CASES:
         out[f"mfu_{case}"] = (check_mfu, {"case": case}, MFU_TIMEOUT_S)
+    if not smoke:  # compiled against eager MFU on the first case (on a GPU only: a CPU compile takes minutes)
+        case = next(iter(CASES))
+        out[f"compile_{case}"] = (check_compile, {"case": case}, COMPILE_TIMEOUT_S)
     return out
 
 
@@ -400,6 +429,7 @@ def run_one(name: str, smoke: bool, out: Path) -> int:
     """In the child process: run check ``name`` (its run directories in a temporary folder), write
     ``out/<name>.json``; exit status 0 if ok."""
     fn, kwargs, _ = checks(smoke)[name]
+    os.environ["VITP_GPU_CHECK_OUT"] = str(out)  # compile_<case> reads the eager mfu_<case> result there
     try:
         with tempfile.TemporaryDirectory(prefix="vitp-gpu-check-") as work:  # run dirs: not sent back with out
             res = fn(smoke, Path(work), **kwargs)

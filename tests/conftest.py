@@ -1,10 +1,17 @@
 """pytest configuration: environment for CPU runs, markers, and fixtures shared by the test tree."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
-from tests.helpers import TP2PP2, compose_cfg, reference_cases, reference_rank, run_ranks, train_rank
+from tests.helpers import TP2PP2, compiled_cases, compose_cfg, reference_cases, reference_rank, run_ranks, train_rank
 
+# trainer.compile=blocks runs share one inductor cache (vitp.models.compiled.CACHE_ENV), kept across
+# sessions (inductor keys it by graph, inputs and torch version): equal block graphs compile once;
+# set before the ranks' fork server starts
+os.environ.setdefault("VITP_COMPILE_CACHE", os.path.join(tempfile.gettempdir(), f"vitp_compile_tests_{os.getuid()}"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,11 +40,12 @@ def tp2pp2_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory):
     """The recorded cases (``tests/fixtures/reference``) run again: ``{name: (run_dir, rank 0 result)}``,
-    from the default init and from the perturbed export, one process group per world size."""
+    from the default init and from the perturbed export, and the perturbed ones with
+    ``trainer.compile=blocks`` (``compiled_*``), one process group per world size."""
     base = tmp_path_factory.mktemp("reference")
     out = {}
     for world in (1, 2, 4):
-        cases = {**reference_cases("default")[world], **reference_cases("perturbed")[world]}
+        cases = {**reference_cases("default")[world], **reference_cases("perturbed")[world], **compiled_cases()[world]}
         res = run_ranks(world, reference_rank, cases, str(base))[0]
         out.update({name: (base / name, r) for name, r in res.items()})
     return out

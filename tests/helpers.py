@@ -144,6 +144,15 @@ def reference_cases(init: str) -> dict:
     }
 
 
+def compiled_cases() -> dict:
+    """``{world size: {case name: overrides}}``: the perturbed recorded cases with
+    ``trainer.compile=blocks``, named ``compiled_<layout>`` (``compiled_resume`` stops at step 2
+    and resumes)."""
+    return {world: {name.replace("perturbed_", "compiled_"): [*over, "trainer.compile=blocks"]
+                    for name, over in cases.items()}
+            for world, cases in reference_cases("perturbed").items()}
+
+
 # Two model sizes the planner is validated on (tests/unit/test_plan.py, tests/distributed/test_plan_validation.py):
 # "S" an image model (GELU MLP, full attention, 8x8 = 64 tokens of 16 px RGB); "V" a video model (SwiGLU,
 # qk-norm, factorized space/time attention, 2 x 3 x 3 = 18 tokens: padded under SP at tp=4).

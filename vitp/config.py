@@ -39,6 +39,7 @@ SamplerMethod = Choice("SamplerMethod", {"heun": "heun", "euler": "euler"})
 Schedule = Choice("Schedule", {"constant": "constant", "cosine": "cosine"})
 Precision = Choice("Precision", {"auto": "auto", "fp32": "fp32", "bf16": "bf16"})
 Device = Choice("Device", {"auto": "auto", "cpu": "cpu", "cuda": "cuda"})
+CompileMode = Choice("CompileMode", {"off": "off", "blocks": "blocks"})
 
 
 @dataclass
@@ -200,6 +201,7 @@ class TrainerConfig:
     export_dir: Optional[str] = None  # also copy final weights and eval.json here (e.g. SM_MODEL_DIR)
     output_data_dir: Optional[str] = None  # also copy final samples, eval.json(l), metrics.jsonl here
     dist_timeout_minutes: float = 30.0  # how long a rank waits in a collective before the job fails (torch.distributed timeout)
+    compile: CompileMode = CompileMode.off  # "off" (eager) | "blocks" (torch.compile each block, one graph per distinct shape; docs/performance.md)
     profile_steps: List[int] = field(default_factory=list)  # [a, b]: per-stage pipeline timeline of optimizer steps a..b into <run dir>/profile ([] = off)
 
 

@@ -26,6 +26,13 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _graph_break(fn):
+    """Run ``fn`` outside ``torch.compile``'s graphs (a graph break where a compiled block calls it;
+    dynamo does not trace process groups passed around as Python objects here, see
+    docs/performance.md); eager callers see ``fn`` unchanged."""
+    return torch._dynamo.disable(fn, recursive=True)
+
+
 @dataclass(frozen=True)
 class CommRecord:
     """One collective.
@@ -125,6 +132,7 @@ class CommCounter(CommRecorder):
         self.count, self.wire = 0, 0
 
 
+@_graph_break
 def record(kind: str, group, tensor_numel: int, shape, dtype: torch.dtype, direction: str, tag: str) -> None:
     """Tell the active recorders of one collective (for primitives issued outside this module,
     e.g. the point-to-point steps of ring attention)."""
@@ -138,6 +146,7 @@ def _record(kind: str, group, tensor_numel: int, shape, dtype: torch.dtype, dire
             r.add(rec)
 
 
+@_graph_break
 def group_size(group) -> int:
     """World size of ``group`` (1 when ``torch.distributed`` is not initialised)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -145,6 +154,7 @@ def group_size(group) -> int:
     return dist.get_world_size(group)
 
 
+@_graph_break
 def group_rank(group) -> int:
     """Rank inside ``group`` (0 when ``torch.distributed`` is not initialised)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -152,6 +162,7 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
+@_graph_break
 def all_reduce(x: torch.Tensor, group, *, direction: str = "none", tag: str = "tp") -> torch.Tensor:
     """Sum ``x`` over ``group`` in place and return it (``x`` made contiguous first if needed)."""
     x = x.contiguous()
@@ -180,6 +191,7 @@ class Pending:
         return self._finish()
 
 
+@_graph_break
 def all_gather(x: torch.Tensor, dim: int, group, *, direction: str = "none", tag: str = "tp",
                async_op: bool = False):
     """Concatenate every rank's ``x`` along ``dim`` in rank order.
@@ -203,6 +215,7 @@ def all_gather(x: torch.Tensor, dim: int, group, *, direction: str = "none", tag
     return Pending(work, finish) if async_op else finish()
 
 
+@_graph_break
 def reduce_scatter(x: torch.Tensor, dim: int, group, *, direction: str = "none", tag: str = "tp",
                    async_op: bool = False):
     """Sum ``x`` over ``group`` and keep this rank's ``1/world`` slice along ``dim``.
@@ -233,6 +246,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, *, direction: str = "none",
     return Pending(work, finish) if async_op else finish()
 
 
+@_graph_break
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, *, direction: str = "none",
                tag: str = "cp") -> torch.Tensor:
     """Split ``x`` into ``world`` chunks along ``scatter_dim``, send chunk ``j`` to rank ``j``, and

@@ -292,6 +292,18 @@ class Trainer:
         if self.checkpointer.resume_tag is None:
             initialize_weights(self.module, cfg, self.state)
         model_parallel_seed(cfg.seed, self.state)
+        self._compile_blocks()
+
+    def _compile_blocks(self) -> None:
+        """``trainer.compile=blocks``: each block compiled in place (:mod:`vitp.models.compiled`), with
+        inductor's cache under the run dir (written from the first step on, when the run dir is ours)."""
+        from vitp.models.compiled import CompileLog, compile_blocks, compile_cache_dir
+
+        mode = str(self.cfg.trainer.compile)
+        n = compile_blocks(self.module, mode, compile_cache_dir(self.run_dir))
+        self.compile_log = CompileLog(n > 0)
+        if n and self.main:
+            log.info("trainer.compile=%s: %d blocks compiled on first use (one graph per distinct shape)", mode, n)
 
     def _build_engine(self) -> None:
         import deepspeed
@@ -396,6 +408,7 @@ class Trainer:
             else:
                 outs = {f"/{k}": v for k, v in write_bucket_grids(gen, self.cfg, self.buckets, path.with_suffix(""),
                                                                   prompts, self.share).items()}
+        self.compile_log.after(f"sampling at step {step}")
         if not self.main:
             return
         if prompts is not None:
@@ -474,6 +487,7 @@ class Trainer:
         if self.timeline is not None:
             self.timeline.begin(step)
         loss = self.engine.train_batch(data_iter=self.data_iter).item()
+        self.compile_log.after(f"training step {step}")  # the compile time of a new shape, logged once
         profile = self.timeline.end(step) if self.timeline is not None else {}  # collective on recorded steps
         self.telemetry.count_step(self._bucket if self.buckets is not None else None)  # this step's shape
         self._samples_log += batch
