@@ -83,8 +83,8 @@ def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.L
     stderr, one line (and, with ``log``, to its log files: the run's ``train.log`` where one is
     open, :func:`log_files_only`), and exit with :func:`exit_status` (2, or 3 for a non-finite
     loss). Under ``torchrun`` the line also goes to
-    the worker's error file (:func:`record_for_torchrun`), and only rank 0 writes it to stderr:
-    torchrun's summary lists every failed rank's line. A :class:`vitp.utils.RankZeroError` (rank 0's
+    the worker's error file (:func:`record_for_torchrun`), and only each node's first rank
+    (``LOCAL_RANK`` 0) writes it to stderr: torchrun's summary lists every failed rank's line. A :class:`vitp.utils.RankZeroError` (rank 0's
     refusal, raised on the other ranks) goes to the error file only: rank 0 prints it once."""
     from vitp.utils import RankZeroError
 
@@ -98,7 +98,8 @@ def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.L
         other_rank = recorded and os.environ.get("RANK", "0") != "0"
         if log is not None and not isinstance(e, RankZeroError):
             log_files_only(log, line)
-        if not isinstance(e, RankZeroError) and not other_rank:  # rank 0 prints a RankZeroError
+        node_first = os.environ.get("LOCAL_RANK", "0") == "0"  # each node's console shows the line once
+        if not isinstance(e, RankZeroError) and (not other_rank or node_first):  # rank 0 prints a RankZeroError
             print(line, file=sys.stderr, flush=True)
         if other_rank:  # exiting first, this rank would have torchrun stop rank 0 before it prints its line
             time.sleep(RANK_ZERO_GRACE_S)
