@@ -338,7 +338,7 @@ def test_a_missing_manifest_ends_vitp_train_in_one_line(images, image_run, tmp_p
     root = images[0][1].split("=", 1)[1]
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Traceback" not in r.stdout + r.stderr
-    assert r.stdout.strip().splitlines()[-1].endswith(  # Hydra's console log
+    assert r.stderr.strip().splitlines()[-1] == (  # one line on stderr
         f"vitp-train: error: caption manifest {root}/captions.jsonl not found (data.captions=captions.jsonl; a "
         f"relative path is read from the data root {root}): write it, one {{\"file\": ..., \"caption\": ...}} per line "
         "(.jsonl) or a header with file and caption columns (.csv), or give its path")
