@@ -939,12 +939,8 @@ def caption_ids(index: ShardIndex, store: Any, cache_dir: Optional[str] = None) 
     the first process to need it writes: with :func:`vitp.train.trainer.node_first`, one rank per
     node reads the pack's captions, the others map the file.
 
-    The lookup hashes each caption (:func:`vitp.text.store.caption_hash`, 64 bits) and finds the
-    hash among the store's sorted ones; where the store holds two captions of one hash, their
-    lines are compared (a caption absent from the store that shares a 64-bit hash with one in it,
-    odds about ``n_pack * n_store / 2**64``, would take that id)."""
-    from vitp.text.store import caption_hash
-
+    Each caption is looked up with :meth:`vitp.text.store.TextEmbeddings.find` (a binary search
+    of the store's caption hashes, then the store's line compared)."""
     key = hashlib.sha1(f"{index.url}|{index.manifest_sha1}|{store.index['captions_sha256']}".encode()).hexdigest()
     path = Path(cache_dir or os.path.dirname(_default_cache())) / "caption-ids" / f"{key[:20]}.npy"
     if path.is_file():
@@ -955,8 +951,8 @@ def caption_ids(index: ShardIndex, store: Any, cache_dir: Optional[str] = None) 
     for a in range(0, len(index), _CHUNK):
         part = range(a, min(len(index), a + _CHUNK))
         caps = [index.captions[i] for i in part]
-        hashes = np.fromiter((caption_hash(c or "") for c in caps), dtype=np.uint64, count=len(caps))
-        ids[a:a + len(caps)] = [-1 if c is None else _store_id(store, c, h) for c, h in zip(caps, hashes)]
+        found = (None if c is None else store.find(c) for c in caps)
+        ids[a:a + len(caps)] = [-1 if i is None else i for i in found]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_write(path) as tmp:
@@ -965,18 +961,6 @@ def caption_ids(index: ShardIndex, store: Any, cache_dir: Optional[str] = None) 
     except OSError as e:  # a read-only cache: every process keeps its own copy
         log.warning(f"cannot write the caption-id cache {path} ({e}); set VITP_CACHE_DIR to a writable folder")
     return ids
-
-
-def _store_id(store: Any, caption: str, h: np.uint64) -> int:
-    """:func:`caption_ids`' lookup of one caption of hash ``h``."""
-    found = store._indexed()
-    if found is None:  # a store written without its lookup files
-        return store._id_map().get(caption, -1)
-    _, hashes, ids, _ = found
-    lo, hi = int(np.searchsorted(hashes, h, "left")), int(np.searchsorted(hashes, h, "right"))
-    if hi - lo == 1:
-        return int(ids[lo])
-    return next((int(ids[k]) for k in range(lo, hi) if store.caption(int(ids[k])) == caption), -1)
 
 
 def packed_index(dataset: Any) -> Optional[ShardIndex]:

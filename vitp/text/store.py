@@ -466,7 +466,7 @@ class TextEmbeddings:
             raise ValueError(f"{self.path / CAPTIONS} is damaged ({e}); re-run vitp-encode-captions with "
                              f"--overwrite") from None
 
-    def _find(self, caption: str) -> Optional[int]:
+    def find(self, caption: str) -> Optional[int]:
         """The id of ``caption``, or None: a binary search of the hashes, then the lines compared."""
         if self._indexed() is None:
             return self._id_map().get(caption)
@@ -482,11 +482,11 @@ class TextEmbeddings:
 
     def __contains__(self, caption: str) -> bool:
         """Whether the store holds ``caption``."""
-        return self._find(caption) is not None
+        return self.find(caption) is not None
 
     def id_of(self, caption: str) -> int:
         """The id of ``caption`` (0 for ``""``). Raises ``KeyError`` naming the caption and the store."""
-        i = self._find(caption)
+        i = self.find(caption)
         if i is None:
             raise KeyError(f"caption {caption!r} is not in the text embeddings at {self.path} ({len(self)} captions); "
                            f"re-run vitp-encode-captions on this data to encode it")
