@@ -46,9 +46,9 @@ CompileMode = Choice("CompileMode", {"off": "off", "blocks": "blocks"})
 class ModelConfig:
     """The class-conditional ViT generator (DiT-style adaLN-Zero blocks around timm layers)."""
 
-    in_channels: int = II("data.channels")  # pixel channels C (follows the data)
-    image_size: Any = II("data.resolution")  # (H, W) in pixels: an int (square), [H, W] or "HxW" (follows the data)
-    num_frames: int = II("data.num_frames")  # T (follows the data; 1 for images)
+    in_channels: int = "${vitp.latent_channels:${data.channels},${data.latent_channels}}"  # input channels C (follows the data: pixel channels, or data.latent_channels)
+    image_size: Any = "${vitp.latent_size:${data.resolution},${data.vae_compression}}"  # (H, W) of the model's input: an int (square), [H, W] or "HxW" (follows the data: pixels, or pixels / the VAE's spatial compression)
+    num_frames: int = "${vitp.latent_frames:${data.num_frames},${data.vae_compression}}"  # T of the model's input (follows the data; 1 for images; a causal video VAE's 1 + (T - 1) / temporal compression)
     num_classes: int = II("data.num_classes")  # real classes; index num_classes is the CFG null class
     patch_size: int = 2  # spatial patch p, in pixels
     tubelet_size: int = 1  # temporal patch pt, in frames
@@ -112,6 +112,9 @@ class DataConfig:
     missing_caption: str = "skip"  # an item whose file has no caption: "skip" (counted in the log) | "empty" (the empty caption)
     text_embeddings: Optional[str] = None  # folder of caption embeddings written by vitp-encode-captions (needed when model.text_dim > 0)
     text_encoder: Optional[str] = None  # local path of the text encoder (vitp-sample --prompt encodes with it; checked against the embeddings' encoder)
+    vae: Optional[str] = None  # local diffusers VAE folder (docs/latents.md): vitp-pack encodes latents with it, samples are decoded with it (a latent pack records it); null = pixel space
+    latent_channels: int = 0  # channels of the VAE's latents, the model's input (0 = pixel space; filled from data.vae or the latent pack)
+    vae_compression: List[int] = field(default_factory=lambda: [1, 1])  # [temporal, spatial] frames / pixels per latent cell (filled from data.vae or the latent pack)
 
 
 @dataclass
@@ -972,6 +975,45 @@ def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_
     validate_model(cfg.model)
     validate_buckets(cfg)
     return None if world_size is None else validate_layout(cfg, world_size, device_type)
+
+
+def _latent_channels(channels: int, latent: int) -> int:
+    return int(latent) if latent else int(channels)
+
+
+def _latent_size(resolution: Any, compression: Any) -> Any:
+    s = int(compression[1])
+    if s == 1:
+        return resolution
+    h, w = parse_resolution(resolution)
+    if h % s or w % s:
+        raise ValueError(f"data.resolution={format_resolution((h, w))}: the VAE compresses space by {s} "
+                         f"(data.vae_compression), so both sides must be multiples of {s}")
+    return [h // s, w // s]
+
+
+def _latent_frames(frames: int, compression: Any) -> int:
+    t = int(compression[0])
+    if t == 1:
+        return int(frames)
+    if (frames - 1) % t:
+        raise ValueError(f"data.num_frames={frames}: the video VAE compresses time by {t} after the first frame "
+                         f"(data.vae_compression), so frames must be 1 + a multiple of {t}, "
+                         f"e.g. data.num_frames={1 + t * max(1, (frames - 1) // t)}")
+    return 1 + (frames - 1) // t
+
+
+def register_resolvers() -> None:
+    """The ``vitp.*`` resolvers of the model's input shape (pixels, or a VAE's latents)."""
+    from omegaconf import OmegaConf
+
+    for name, fn in (("vitp.latent_channels", _latent_channels), ("vitp.latent_size", _latent_size),
+                     ("vitp.latent_frames", _latent_frames)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+register_resolvers()
 
 
 def register_configs() -> None:
