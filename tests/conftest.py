@@ -14,16 +14,16 @@ from tests.helpers import TP2PP2, compiled_cases, compose_cfg, reference_cases, 
 os.environ.setdefault("VITP_COMPILE_CACHE", os.path.join(tempfile.gettempdir(), f"vitp_compile_tests_{os.getuid()}"))
 
 
-# a test that starts torch.distributed in the pytest process sets these (init_distributed picks a
-# free MASTER_PORT and keeps its store listening there); a later subprocess inheriting them would
-# try to listen on that same port
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# a test that starts torch.distributed in the pytest process sets MASTER_PORT (init_distributed picks
+# a free one and its store keeps listening there); a later subprocess inheriting it would try to
+# listen on that same port. RANK / LOCAL_RANK stay: the group lives on in this process.
+_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT")
 _LAUNCH_ENV = {k: os.environ.get(k) for k in _LAUNCH_VARS}
 
 
 @pytest.fixture(autouse=True)
 def _launch_env_restored():
-    """After each test, the launcher variables are as they were when the session began."""
+    """After each test, the rendezvous variables are as they were when the session began."""
     yield
     for k, v in _LAUNCH_ENV.items():
         if v is None:

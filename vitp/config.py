@@ -779,6 +779,9 @@ def validate_buckets(cfg: "DictConfig") -> None:
     Raises ``ValueError`` naming the bucket and the valid values.
     """
     m, seen = cfg.model, set()
+    _fail(not cfg.data.buckets or not cfg.data.latent_channels,
+          "data.buckets with latents (data.vae / a latent pack): latent packs hold one shape; train without "
+          "data.buckets, one pack per shape")
     for i, b in enumerate(cfg.data.buckets):
         key = f"data.buckets[{i}]"
         hw = parse_resolution(b.resolution, f"{key}.resolution")
@@ -970,6 +973,9 @@ def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_
     """
     check_keys(cfg)
     check_fields(cfg)
+    from vitp.latents.config import adopt_latent_data
+
+    adopt_latent_data(cfg)  # a latent pack / VAE sets the model's input shape
     _check_run(cfg)
     validate_captions(cfg.data)
     validate_model(cfg.model)

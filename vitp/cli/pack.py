@@ -59,6 +59,8 @@ def train_overrides(meta: Dict[str, Any]) -> List[str]:
 
     src = meta.get("source", {})
     out = [f"data.num_classes={len(meta['classes'])}"]
+    if meta.get("kind") == "latent":  # the trainer reads the shapes and the VAE from the manifest
+        return out
     for k in CARRIED:
         if k in src and src[k] != schema_default(f"data.{k}"):
             out.append(hydra_override(f"data.{k}", src[k]))

@@ -232,7 +232,7 @@ def _prepare(out: Path, digest: str, create: bool) -> None:
 
 
 def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, workers: int = 1,
-         progress: bool = True, text_store: Optional[str] = None) -> Dict[str, Any]:
+         progress: bool = True, text_store: Optional[str] = None, encode_batch: int = 8) -> Dict[str, Any]:
     """Pack the data set of ``cfg`` (a ``data`` config section) into ``out``; returns the manifest.
 
     Parameters
@@ -240,6 +240,7 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
     samples_per_shard : samples per shard (the last shard holds the rest)
     workers : processes writing shards (1: this process)
     text_store : a caption store (:mod:`vitp.text.store`) to copy into ``out/text-embeddings``
+    encode_batch : with ``cfg.vae`` (a latent pack, :mod:`vitp.latents.pack`): items per VAE call
 
     Raises
     ------
@@ -250,7 +251,6 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
         building the data set raises (:func:`collect`).
     """
     from omegaconf import OmegaConf
-    from tqdm import tqdm
 
     if samples_per_shard < 1 or workers < 1:
         raise ValueError(f"samples per shard ({samples_per_shard}) and workers ({workers}) must be >= 1")
@@ -258,12 +258,31 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
     cfg_data = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg))
     digest = _config_hash(cfg_data, seed, samples_per_shard)
     _prepare(out, digest, create=False)
-    kind, classes, samples, skipped = collect(cfg, seed)
+    extra, writer = None, _write_shard
+    if cfg_data.get("vae"):  # latents: encoded by the workers (vitp.latents.pack)
+        from vitp.latents.pack import collect_latents, encode_shard, latent_meta
+
+        extra, writer = {"latent": latent_meta(cfg_data)}, encode_shard
+        classes, samples, items, skipped = collect_latents(cfg, seed)
+        kind, work = "latent", [(f"{i:09d}", *it) for i, it in enumerate(items)]
+    else:
+        kind, classes, samples, skipped = collect(cfg, seed)
+        work = [(f"{i:09d}", s) for i, s in enumerate(samples)]
     if not samples:
         raise ValueError("the data set holds no sample to pack")
     _prepare(out, digest, create=True)
-    keyed = [(f"{i:09d}", s) for i, s in enumerate(samples)]
-    jobs = [(str(out), k, keyed[a:a + samples_per_shard]) for k, a in enumerate(range(0, len(keyed), samples_per_shard))]
+    jobs = [(str(out), k, work[a:a + samples_per_shard]) + ((cfg_data, seed, encode_batch) if extra else ())
+            for k, a in enumerate(range(0, len(work), samples_per_shard))]
+    sizes = _run_jobs(out, jobs, writer, workers, progress, len(samples))
+    return _finish(out, cfg_data, seed, samples_per_shard, kind, classes, samples, skipped, jobs, sizes, text_store,
+                   extra)
+
+
+def _run_jobs(out: Path, jobs: list, writer: Any, workers: int, progress: bool, total: int) -> Dict[int, int]:
+    """Run ``writer`` on the jobs whose shard is not written yet (in ``workers`` processes), with a
+    progress bar of samples; returns ``{shard: bytes}`` of all shards."""
+    from tqdm import tqdm
+
     sizes: Dict[int, int] = {}
     todo = []
     for job in jobs:
@@ -274,13 +293,13 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
             todo.append(job)
     if sizes:
         log.info(f"resuming: {len(sizes)} of {len(jobs)} shards already written")
-    bar = tqdm(total=len(samples), initial=sum(len(jobs[k][2]) for k in sizes), unit="sample", disable=not progress,
+    bar = tqdm(total=total, initial=sum(len(jobs[k][2]) for k in sizes), unit="sample", disable=not progress,
                desc="vitp-pack")
     if workers == 1:
-        results = map(_write_shard, todo)
+        results = map(writer, todo)
     else:
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
-        results = pool.map(_write_shard, todo)
+        results = pool.map(writer, todo)
     try:
         for k, size in results:
             sizes[k] = size
@@ -289,12 +308,12 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
         bar.close()
         if workers > 1:
             pool.shutdown(cancel_futures=True)
-    return _finish(out, cfg_data, seed, samples_per_shard, kind, classes, samples, skipped, jobs, sizes, text_store)
+    return sizes
 
 
 def _finish(out: Path, cfg_data: dict, seed: int, per_shard: int, kind: str, classes: List[str],
             samples: List[Sample], skipped: Dict[str, str], jobs: list, sizes: Dict[int, int],
-            text_store: Optional[str]) -> Dict[str, Any]:
+            text_store: Optional[str], extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The per-sample arrays and captions of ``samples``, written by :func:`write_metadata`."""
     orientations = sorted({s.orientation for s in samples if s.orientation})
     arrays = {
@@ -309,10 +328,10 @@ def _finish(out: Path, cfg_data: dict, seed: int, per_shard: int, kind: str, cla
                                   dtype=np.int8),
     }
     captions = [s.caption for s in samples] if any(s.caption is not None for s in samples) else None
-    shardlist = [{"url": shard_name(k), "nsamples": len(items), "filesize": sizes[k]} for _, k, items in jobs]
+    shardlist = [{"url": shard_name(job[1]), "nsamples": len(job[2]), "filesize": sizes[job[1]]} for job in jobs]
     return write_metadata(out, arrays, captions, shardlist, cfg_data=cfg_data, seed=seed, per_shard=per_shard,
                           kind=kind, classes=classes, skipped=skipped, orientations=orientations,
-                          text_store=text_store)
+                          text_store=text_store, extra=extra)
 
 
 _COMPACT = ("label", "frames", "heldout_from", "height", "width")  # read whole at start-up: stored small
@@ -331,7 +350,7 @@ def _compact(a: np.ndarray) -> np.ndarray:
 def write_metadata(out: Path, arrays: Dict[str, np.ndarray], captions: Optional[Sequence[Optional[str]]],
                    shardlist: List[Dict[str, Any]], *, cfg_data: dict, seed: int, per_shard: int, kind: str,
                    classes: List[str], skipped: Dict[str, str], orientations: List[str],
-                   text_store: Optional[str]) -> Dict[str, Any]:
+                   text_store: Optional[str], extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Write a pack's files other than its shards into ``out``: ``samples.safetensors`` (``arrays``,
     one entry per sample: the layout in :mod:`vitp.data.shards`; ``captioned`` is added when there
     are captions), ``captions.jsonl`` and its line offsets (``captions``: str or None per sample;
@@ -356,6 +375,7 @@ def write_metadata(out: Path, arrays: Dict[str, np.ndarray], captions: Optional[
         "vitp": _summary(cfg_data, seed, per_shard, kind, classes, range(len(arrays["label"])), skipped, arrays,
                          orientations, captions is not None, text_store is not None),
     }
+    manifest["vitp"].update(extra or {})  # a latent pack: its VAE and shapes (vitp.latents.pack.latent_meta)
     manifest["vitp"]["bytes"] = sum(s["filesize"] for s in shardlist)
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     (out / PROGRESS).unlink(missing_ok=True)

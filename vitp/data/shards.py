@@ -897,7 +897,12 @@ def shard_datasets(cfg: Any, keep: Any = None) -> Tuple[KeyedSubset, KeyedSubset
         raise ValueError(f"the packed data at {cfg.shards} has {len(index.classes)} classes but data.num_classes="
                          f"{cfg.num_classes}; set data.num_classes={len(index.classes)}")
     common = dict(cache_dir=cfg.shard_cache, lru=max(4, int(cfg.shuffle_window) + 2))
-    if index.kind == "video":
+    if index.kind == "latent":
+        from vitp.latents.dataset import ShardLatents
+
+        base = ShardLatents(index, **common)
+        captions = index.captions
+    elif index.kind == "video":
         base = ShardVideos(index, resolution=cfg.resolution, num_frames=cfg.num_frames,
                            frame_stride=cfg.frame_stride, fps=cfg.fps, clip_step=cfg.clip_step,
                            channels=cfg.channels, train=True, random_crop=cfg.random_crop, hflip=cfg.hflip,

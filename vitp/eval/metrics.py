@@ -28,7 +28,7 @@ from vitp.utils import atomic_write_text
 from .judge import frechet_distance, judge_features, judge_metrics, load_or_train_judge
 from .inference import Share
 from .progress import phase
-from .sampling import generate, heldout_label_samples
+from .sampling import generate, heldout_label_samples, to_pixels
 from .temporal import temporal_ratio, temporal_sums
 
 log = logging.getLogger("vitp")
@@ -217,8 +217,8 @@ def video_metrics(gen: Any, cfg: DictConfig, heldout_ds: Any, conditioning: Any 
     gen_sums = temporal_sums(generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1, conditioning=conditioning,
                                       share=share, gather=False))
     real_sums = torch.zeros(2, dtype=torch.float64)
-    for i in share.indices(len(heldout_ds)):
-        real_sums += temporal_sums(heldout_ds[(i, None)][0][None])
+    for i in share.indices(len(heldout_ds)):  # latents: decoded as the samples are
+        real_sums += temporal_sums(to_pixels(cfg, heldout_ds[(i, None)][0][None], _device(gen)))
     sums = share.sum(torch.cat([gen_sums, real_sums]))
     return {**temporal_ratio(sums[:2], sums[2:]), "num_samples": n}
 
@@ -244,7 +244,7 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
         res.update(bucket_heldout_loss(gen, cfg, buckets, conditioning, share))
     elif len(heldout_ds):
         res.update(heldout_loss(gen, cfg, heldout_ds, conditioning=conditioning, share=share))
-    if full and cfg.data.name == "digits" and len(heldout_ds) > 1:
+    if full and cfg.data.name == "digits" and len(heldout_ds) > 1 and not cfg.data.get("latent_channels"):
         res.update(digits_metrics(gen, cfg, train_ds, heldout_ds, run_dir, conditioning, share))
         res["sampler"] = OmegaConf.to_container(cfg.sampler, resolve=True)
     if full and cfg.model.num_frames > 1 and len(heldout_ds):

@@ -65,7 +65,28 @@ def generate(gen: Any, cfg: DictConfig, labels: torch.Tensor, seed: int, conditi
                               method=s.method, cfg_scale=s.cfg_scale, cfg_interval=tuple(s.cfg_interval),
                               noise_scale=cfg.objective.noise_scale, t_eps=cfg.objective.t_eps,
                               noise=sample_noise(seed, idx, shape), on_step=bar.update).cpu())
-    return share.gather(torch.cat(out), len(labels)) if gather else torch.cat(out)
+    x = to_pixels(cfg, torch.cat(out), _device(gen))  # a latent run: each replica decodes its own samples
+    return share.gather(x, len(labels)) if gather else x
+
+
+def _device(gen: Any) -> torch.device:
+    p = next(iter(gen.parameters()), None) if hasattr(gen, "parameters") else None
+    return p.device if p is not None else getattr(gen, "device", torch.device("cpu"))
+
+
+def to_pixels(cfg: DictConfig, x: torch.Tensor, device: Any = "cpu") -> torch.Tensor:
+    """``x`` ``(B, C, T, H, W)`` as pixels: decoded through ``data.vae`` on ``device`` when the run
+    trains on latents (``data.latent_channels > 0``; :class:`vitp.latents.vae.LocalVAE`, one sample
+    at a time, tiled for video), else ``x`` itself."""
+    d = cfg.data
+    if not d.get("latent_channels") or not len(x):
+        return x
+    if not d.get("vae"):
+        raise ValueError("samples of a latent run are decoded with its VAE: set data.vae=<local VAE folder> "
+                         "(data.latent_channels is set without it)")
+    from vitp.latents.vae import decoder
+
+    return decoder(d.vae, device).decode(x)
 
 
 def heldout_label_samples(gen: Any, cfg: DictConfig, y_ho: torch.Tensor, conditioning: Any = None,

@@ -202,6 +202,18 @@ class LocalVAE:
         return torch.cat(out) if out else torch.empty(0)
 
 
+_DECODERS: Dict[Tuple[str, str], LocalVAE] = {}
+
+
+def decoder(folder: PathLike, device: Union[str, torch.device] = "cpu") -> LocalVAE:
+    """The :class:`LocalVAE` of ``folder`` on ``device``, loaded once per process (tiled decoding on)."""
+    key = (str(Path(folder).expanduser()), str(device))
+    if key not in _DECODERS:
+        _DECODERS.clear()  # one VAE held at a time
+        _DECODERS[key] = LocalVAE(folder, device, tiling=True)
+    return _DECODERS[key]
+
+
 def parameter_count(folder_or_config: Union[PathLike, Dict[str, Any]]) -> Tuple[int, int]:
     """``(encoder, decoder)`` parameter counts of the VAE (built on the meta device from its
     config, no weights read)."""
@@ -230,10 +242,11 @@ def build_random(folder: PathLike, cls: str, config: Dict[str, Any], seed: int =
     return Path(folder)
 
 
-def small_configs() -> Dict[str, Tuple[str, Dict[str, Any]]]:
-    """Small configs of three supported VAEs (random weights, CPU-fast): ``name -> (class, config)``."""
+def small_configs(image_channels: int = 3) -> Dict[str, Tuple[str, Dict[str, Any]]]:
+    """Small configs of three supported VAEs (random weights, CPU-fast): ``name -> (class, config)``;
+    the image VAE codes ``image_channels`` (1: the digits)."""
     return {
-        "kl": ("AutoencoderKL", dict(in_channels=3, out_channels=3, block_out_channels=(8, 16),
+        "kl": ("AutoencoderKL", dict(in_channels=image_channels, out_channels=image_channels, block_out_channels=(8, 16),
                                      down_block_types=("DownEncoderBlock2D",) * 2,
                                      up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4,
                                      norm_num_groups=4, layers_per_block=1, scaling_factor=0.5, shift_factor=0.1)),

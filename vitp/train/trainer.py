@@ -228,8 +228,10 @@ class Trainer:
         from vitp.data.loader import BatchSchedule
         from vitp.data.build import ensure_text_embeddings
         from vitp.data.text import conditioned, conditioning
+        from vitp.latents.config import check_trainable
 
         cfg = self.cfg
+        check_trainable(cfg.data)  # latents come from a latent pack
         # node_first: one rank per node probes video folders and writes the per-node caches, the others map them
         self.train_ds, self.heldout_ds = node_first(lambda: build_datasets(cfg.data, cfg.seed))
         self._on_main_first(lambda: ensure_text_embeddings(cfg))  # the demo's one-command caption encoding
