@@ -120,6 +120,7 @@ def test_sampling_that_would_not_fit_is_refused_naming_sampler_batch_size():
 
 
 @pytest.mark.parametrize("exp,gpus,extra", [("video_long", 8, []), ("img256", 8, []), ("img1024", 8, []),
+                                            ("latent_img1024", 8, []), ("latent_video_wan", 8, []),
                                             ("video512", 8, [])])
 def test_recipes_fit_every_phase_on_their_gpus(exp, gpus, extra):
     """vitp-plan's first row of each GPU recipe fits the training step and every phase around it

@@ -12,6 +12,10 @@ significant digits in B, KiB, MiB, GiB or TiB: :func:`vitp.plan.format_bytes`), 
 time, tokens/s and MFU, and whether it fits; fitting layouts first, fastest first
 (:mod:`vitp.plan`). Each row's ``vitp-train`` overrides are in the JSON output (``--json``).
 ``--show-plan ROW`` prints what the parallel plan does at a row's layout (:func:`plan_text`).
+A latent run (``data.vae`` or ``data.latent_channels``, docs/latents.md) also prints its latent and
+pixel shapes, tokens per sample and the VAE decoder's memory (JSON: ``latents``;
+:func:`vitp.plan.latent_plan`); ``data.latent_channels`` / ``data.vae_compression`` left at 0 / [1, 1]
+are read from a readable ``data.vae`` folder (:func:`vitp.plan.with_vae_geometry`).
 """
 from __future__ import annotations
 
@@ -124,11 +128,11 @@ def run(argv: Optional[List[str]] = None) -> list:
     """Plan and print; returns the predictions (JSON-able dicts). Raises ``ValueError`` on bad input."""
     args = parse_args(argv)
     from vitp.cli.overrides import compose_checked
-    from vitp.plan import MemoryOptions, format_phases, format_table, get_profile, plan
+    from vitp.plan import MemoryOptions, format_phases, format_table, get_profile, latent_plan, plan, with_vae_geometry
 
     if args.top < 0:
         raise ValueError(f"--top {args.top}: use a number of rows >= 0 (0 = all)")
-    cfg = compose_checked(args.overrides)
+    cfg = with_vae_geometry(compose_checked(args.overrides))
     prof = get_profile(args.device, args.mem_gib, procs=args.gpus)  # cpu: gloo measured with as many processes
     if args.gpus_per_node:
         prof = replace(prof, devices_per_node=args.gpus_per_node)
@@ -139,10 +143,14 @@ def run(argv: Optional[List[str]] = None) -> list:
     shown = preds[:args.top] if args.top else preds
     rows = [{**p.as_dict(), "overrides": p.layout.overrides(), "phases": [c.as_dict() for c in _phases(cfg, p, prof)]}
             for p in shown]
+    lat = latent_plan(cfg)
     if args.json:
-        print(json.dumps({"device": prof.as_dict(), "world": args.gpus, "layouts": rows}, indent=1))
+        print(json.dumps({"device": prof.as_dict(), "world": args.gpus, "latents": lat and lat.as_dict(),
+                          "layouts": rows}, indent=1))
     else:
         print(_header(cfg, args, prof, preds))
+        if lat is not None:
+            print(lat.describe())
         print(format_table(shown))
         print(f"sampling and evaluation of row 1 (per rank; held-out loss for 1000 held-out items):\n"
               f"{format_phases(_phases(cfg, shown[0], prof), shown[0].limit_bytes)}")

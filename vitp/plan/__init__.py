@@ -11,6 +11,7 @@ the training telemetry reports as TFLOP/s and MFU.
 - :mod:`.steptime`: step time from a profile; :mod:`.planner`: ranking and the table
 - :mod:`.units`: :func:`format_bytes`, how every printed size is written (three significant digits, B to TiB)
 - :mod:`.phases`: memory and time per rank of the sample grid, held-out loss and final samples
+- :mod:`.latents`: a latent run's shapes and tokens, and its VAE decoder's memory (:func:`latent_plan`)
 - :mod:`.auto`: the layout ``parallel=auto`` trains with (the first fitting row, fixed keys held)
 
 Pure functions of the config: nothing here starts a process group or imports the trainer.
@@ -20,6 +21,7 @@ from .comm import CP_TAGS, Collective, StageComm, cp_collectives, plan_collectiv
 from .devices import (PRESETS, DeviceProfile, cached_cpu_profile, cpu_profile, cuda_preset, default_cpu_profile,
                       get_profile, measure_cpu_profile)
 from .flops import forward_flops_per_sample, model_flops_per_step
+from .latents import LatentPlan, decode_memory_bytes, latent_plan, with_vae_geometry
 from .layout import LayoutSpec, candidate_layouts, layout_of
 from .memory import STATE_BYTES, MemoryOptions, StageMemory, StateBytes, block_saved, stage_memory
 from .phases import PhaseCost, format_phases, phase_costs, phase_costs_of
@@ -30,7 +32,8 @@ from .units import GIB, format_bytes
 
 __all__ = [
     "AUTO_KEYS", "AutoChoice", "choose_layout", "fixed_keys", "CP_TAGS", "cp_collectives", "plan_collectives",
-    "Collective", "DeviceProfile", "PhaseCost", "format_phases", "phase_costs", "phase_costs_of", "LayoutSpec",
+    "Collective", "DeviceProfile", "LatentPlan", "decode_memory_bytes", "latent_plan", "with_vae_geometry",
+    "PhaseCost", "format_phases", "phase_costs", "phase_costs_of", "LayoutSpec",
     "MemoryOptions", "ModelShape", "PRESETS", "Prediction",
     "STATE_BYTES", "StageComm", "StageMemory", "StateBytes", "block_saved", "cached_cpu_profile", "candidate_layouts",
     "cpu_profile", "default_cpu_profile",

@@ -8,7 +8,9 @@ Memory: the training state stays resident (weights, gradients, optimizer, EMA of
 stage), plus one layer's activations of one micro-batch (no graph is kept), one parameter's fp32
 EMA while it is swapped in, and the ODE state of ``sampler.batch_size`` samples on the device
 (the noisy sample, two velocities, Heun's Euler guess and the prediction, doubled by classifier-free
-guidance). Time: a micro-batch forward is a third of the step's compute per micro-batch plus half
+guidance). A latent run (:mod:`.latents`) adds, to the sample grid and the final samples, the VAE
+decoder's weights and one sample's decode activations, where the VAE is known.
+Time: a micro-batch forward is a third of the step's compute per micro-batch plus half
 of its tp / cp / pp traffic (the forward's share), and ``m`` micro-batches take ``(m - 1) max_s
 t_s + sum_s t_s`` over the stages.
 """
@@ -82,11 +84,13 @@ def _working_bytes(model: Dict[str, Any], lay: LayoutSpec, batch: int) -> float:
 
 
 def phase_costs(cfg: Any, model: Dict[str, Any], lay: LayoutSpec, prof: Any, state_bytes: float,
-                heldout_items: int = 1000) -> List[PhaseCost]:
+                heldout_items: int = 1000, decode_bytes: float = 0.0) -> List[PhaseCost]:
     """``[grid, held-out loss, final samples]`` costs of the run config ``cfg`` (a mapping with
     ``sampler``, ``eval``, ``model``) for ``model`` (resolved) in ``lay`` on ``prof``;
     ``state_bytes``: the fullest rank's resident training state; ``heldout_items``: the held-out
-    set's size (the plan does not read the data: 1000 by default)."""
+    set's size (the plan does not read the data: 1000 by default); ``decode_bytes``: what decoding
+    one sample to pixels adds to the grid and final samples (a latent run's VAE,
+    :func:`vitp.plan.latents.decode_memory_bytes`; 0 in pixel space)."""
     s, ev = cfg["sampler"], cfg["eval"]
     per_call = max(1, int(s["batch_size"]))
     guided = 2 if float(s["cfg_scale"]) != 1.0 else 1
@@ -101,16 +105,19 @@ def phase_costs(cfg: Any, model: Dict[str, Any], lay: LayoutSpec, prof: Any, sta
         m = math.ceil(min(batch, mine) * (guided if name != "held-out loss" else 1) / lay.micro)
         forwards = int(math.ceil(calls * calls_per * m))
         seconds = calls * calls_per * _forward_s(model, lay, prof, m)
-        out.append(PhaseCost(name, mine, forwards, work if name != "held-out loss" else
+        out.append(PhaseCost(name, mine, forwards, work + decode_bytes if name != "held-out loss" else
                              state_bytes + _working_bytes(model, lay, 0), seconds))
     return out
 
 
 def phase_costs_of(cfg: Any, pred: Any, model: Dict[str, Any], prof: Any) -> List[PhaseCost]:
     """:func:`phase_costs` in the layout of ``pred`` (a :class:`vitp.plan.Prediction`), with its
-    fullest stage's training state resident."""
+    fullest stage's training state resident (and, in a latent run, the VAE's decode:
+    :func:`vitp.plan.latents.decode_memory_bytes`)."""
+    from .latents import decode_memory_bytes
+
     state = max(m.weights + m.grads + m.optimizer + m.ema for m in pred.memory)
-    return phase_costs(cfg, model, pred.layout, prof, state)
+    return phase_costs(cfg, model, pred.layout, prof, state, decode_bytes=decode_memory_bytes(cfg))
 
 
 def format_phases(costs: List[PhaseCost], limit_bytes: float) -> str:
