@@ -58,9 +58,10 @@ def latent_runs(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("latents")
     img, vid = _make(base, IMAGE), _make(base, VIDEO)
-    txt = [*SMOKE4[:1], "experiment=digits_text", *SMOKE4[1:], *img[len(SMOKE4):-1],
-           f"data.text_embeddings={base / 'pack_kl' / 'text-embeddings'}", f"trainer.init_from={base / 'init_txt.safetensors'}"]
-    write_perturbed(base / "init_txt.safetensors", ["experiment=smoke", "experiment=digits_text", *IMAGE["latent"]])
+    text = ["model.text_dim=32", "model.text_len=32"]  # the demo encoder's (conf/experiment/digits_text.yaml)
+    txt = [*img[:-1], *text, f"data.text_embeddings={base / 'pack_kl' / 'text-embeddings'}",
+           f"trainer.init_from={base / 'init_txt.safetensors'}"]
+    write_perturbed(base / "init_txt.safetensors", ["experiment=smoke", *text, *IMAGE["latent"]])
     one = {"img_one": img, "img_resume": [*img, "trainer.exit_at_step=2"], "vid_one": vid, "txt_one": txt}
     two = {**{f"img_{k}": [*img, *v] for k, v in LAYOUTS.items()}, "vid_cp2": [*vid, "parallel.cp=2"],
            "txt_tp2sp": [*txt, *LAYOUTS["tp2sp"]]}

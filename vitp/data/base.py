@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vitp.config import parse_resolution
+from vitp.remote import StorageError  # noqa: F401 - re-exported: raised by the datasets
 from vitp.utils import RANK_LOCAL
 
 log = logging.getLogger(__name__)  # data warnings: one line each, in the run's log under vitp-train
@@ -252,10 +253,6 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-class StorageError(OSError):
-    """The storage holding a file failed (e.g. a shard's download from an object store), not the
-    file itself: :meth:`FileDataset.__getitem__` raises it instead of skipping the file, since a skip
-    would silently drop every item of a shard from training."""
 
 
 class FileDataset(KeyedDataset):

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from vitp.data.shards import CAPTIONS, FORMAT, MANIFEST, SAMPLES, TEXT_STORE, VERSION, write_caption_offsets
+from vitp.data.shards import CAPTIONS, FORMAT, MANIFEST, SAMPLES, TEXT_STORE, VERSION, shard_name, write_caption_offsets
 from vitp.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -196,11 +196,6 @@ def _write_shard(job: Tuple[str, int, List[Tuple[str, Sample]]]) -> Tuple[int, i
     return k, final.stat().st_size
 
 
-def shard_name(k: int) -> str:
-    """File name of shard ``k``."""
-    return f"shard-{k:06d}.tar"
-
-
 def _config_hash(cfg_data: dict, seed: int, per_shard: int) -> str:
     text = json.dumps({"data": cfg_data, "seed": seed, "samples_per_shard": per_shard}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -263,7 +258,8 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
         from vitp.latents.pack import collect_latents, encode_shard, latent_meta
 
         extra, writer = {"latent": latent_meta(cfg_data)}, encode_shard
-        classes, samples, items, skipped = collect_latents(cfg, seed)
+        classes, records, items, skipped = collect_latents(cfg, seed)
+        samples = [Sample(None, "npy", **r) for r in records]
         kind, work = "latent", [(f"{i:09d}", *it) for i, it in enumerate(items)]
     else:
         kind, classes, samples, skipped = collect(cfg, seed)

@@ -43,7 +43,8 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from vitp.data.base import FileDataset, ItemArray, KeyedSubset, Picked, StorageError, wrapped
+from vitp.data.base import FileDataset, ItemArray, KeyedDataset, KeyedSubset, Picked, StorageError, parse_key, wrapped
+from vitp.remote import REMOTE_SCHEMES, _s3_client, _split_s3, is_remote, join_url, read_bytes  # noqa: F401 - re-exported
 from vitp.data.images import digits_tensor, load_image
 from vitp.data.video import VideoFolderDataset
 from vitp.utils import atomic_write, line_offsets, write_line_offsets
@@ -56,59 +57,7 @@ CAPTION_OFFSETS = "captions.idx.npy"  # int64 (n + 1,): where each line of capti
 _ARRAYS = ("label", "heldout", "heldout_from", "height", "width", "frames", "fps", "orientation")  # samples.safetensors
 _CHUNK = 1 << 14  # samples / items per chunk of the start-up arithmetic (bounds its temporaries)
 META_EXTS = ("cls", "txt", "json")  # a sample's files other than its media
-REMOTE_SCHEMES = ("s3", "http", "https", "gs")
 _LOGGED: set = set()  # shard_datasets' summary lines already logged
-
-
-def is_remote(url: str) -> bool:
-    """Whether ``url`` names an object store / web location (``s3://``, ``http(s)://``, ``gs://``)."""
-    return urlparse(str(url)).scheme in REMOTE_SCHEMES
-
-
-def join_url(base: str, name: str) -> str:
-    """``name`` inside the folder or prefix ``base`` (a path or a URL)."""
-    return f"{str(base).rstrip('/')}/{name}" if is_remote(base) else str(Path(base) / name)
-
-
-def _s3_client():
-    try:
-        import boto3
-    except ImportError as e:  # pragma: no cover - boto3 is a dependency
-        raise ImportError("reading s3:// shards needs boto3: pip install boto3") from e
-    logging.getLogger("botocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every client
-    return boto3.client("s3")  # endpoint from AWS_ENDPOINT_URL (boto3 >= 1.28), credentials as the AWS CLI
-
-
-def _split_s3(url: str) -> Tuple[str, str]:
-    u = urlparse(url)
-    return u.netloc, u.path.lstrip("/")
-
-
-def read_bytes(url: str) -> bytes:
-    """The bytes at a local path, ``s3://bucket/key`` or ``http(s)://`` URL.
-
-    Raises ``FileNotFoundError`` naming ``url`` when nothing is there, and
-    :class:`~vitp.data.base.StorageError` when the store cannot be reached or refuses (credentials,
-    bucket, endpoint: the message says which to check)."""
-    scheme = urlparse(url).scheme
-    try:
-        if scheme == "s3":
-            bucket, key = _split_s3(url)
-            return _s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
-        if scheme in ("http", "https"):
-            import urllib.request
-
-            with urllib.request.urlopen(url, timeout=60) as r:
-                return r.read()
-        return Path(urlparse(url).path if scheme == "file" else url).read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{url} does not exist") from None
-    except Exception as e:  # noqa: BLE001 - botocore / urllib errors carry the reason
-        code = str(getattr(e, "response", {}).get("Error", {}).get("Code", getattr(e, "code", "")))
-        if code in ("NoSuchKey", "404"):
-            raise FileNotFoundError(f"{url} does not exist") from None
-        raise StorageError(f"cannot read {url}: {type(e).__name__}: {e}; check the credentials (AWS_ACCESS_KEY_ID / "
-                           f"AWS_PROFILE or the instance's role), the bucket name and AWS_ENDPOINT_URL") from None
 
 
 def s3_download(remote: str, local: str) -> None:
@@ -448,6 +397,11 @@ class ShardReader:
         return {key.lstrip("."): v.getvalue() for key, v in sample.items() if not key.startswith("_")}
 
 
+def shard_name(k: int) -> str:
+    """File name of shard ``k``."""
+    return f"shard-{k:06d}.tar"
+
+
 def _drop_stale(local: Path, size: Optional[int]) -> None:
     """Delete a cached shard of another size than the manifest's (left by an earlier pack at the
     same URL, or cut short outside vitp), so that wids downloads it again instead of reading it."""
@@ -548,6 +502,55 @@ class ShardImages(_Shards, FileDataset):
         if self.index.kind == "digits":
             return digits_tensor(out[None], self.size)[0]
         return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1))).unsqueeze(1)
+
+
+class ShardLatents(KeyedDataset):
+    """Sample ``i`` of the latent pack ``index`` (a :class:`vitp.data.shards.ShardIndex` of kind
+    ``latent``): ``x`` float32 ``(C', T', h, w)``, the normalised latent.
+
+    With a training key ``(i, aug_seed)`` the latent is drawn from the stored posterior,
+    ``mean + std * eps`` with ``eps`` from a generator seeded by ``aug_seed`` alone (the same item
+    and seed give the same latent in any process and layout, as an augmentation does); ``aug_seed
+    = None`` (held-out items) gives the mean. This is the reparameterised sample of latent
+    diffusion's training (Rombach et al. 2022, arXiv 2112.10752; diffusers' ``latent_dist.sample``).
+
+    Raises ``ValueError`` when a stored latent's shape differs from the manifest's (a damaged pack)."""
+
+    kind = "latent"
+
+    def __init__(self, index: Any, cache_dir: Optional[str] = None, lru: int = 16):
+        self.index, self.cache_dir, self.lru = index, cache_dir, lru
+        self.labels, self.classes = index.label, index.classes
+        self.files = _SampleNames(index)
+        self.item_group = index.shard_of  # item i is sample i
+        self.shape = tuple(int(v) for v in index.meta["latent"]["shape"])
+        self._reader = None
+
+    def _file_of(self, index: int) -> int:
+        return index
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _reader=None)  # each DataLoader worker opens its own shards
+
+    def _posterior(self, i: int) -> Tuple[np.ndarray, np.ndarray]:
+        if self._reader is None:
+            self._reader = ShardReader(self.index, self.cache_dir, self.lru)
+        sample = self._reader[i]
+        mean, std = (np.load(io.BytesIO(sample[k])) for k in ("mean.npy", "std.npy"))
+        if mean.shape != self.shape or std.shape != self.shape:
+            raise ValueError(f"{self.files[i]}: latent of shape {mean.shape}, the manifest says {self.shape}: the pack "
+                             f"is damaged; re-run vitp-pack")
+        return mean, std
+
+    def __getitem__(self, key: Any) -> Tuple[torch.Tensor, int]:
+        """``(x, label)``; see the class docstring and :meth:`KeyedDataset.__getitem__`."""
+        i, aug_seed = parse_key(key, len(self))
+        mean, std = self._posterior(i)
+        x = torch.from_numpy(mean)
+        if aug_seed is not None:
+            eps = torch.randn(self.shape, generator=torch.Generator().manual_seed(int(aug_seed)))
+            x = x + torch.from_numpy(std) * eps
+        return x, int(self.labels[i])
 
 
 class _KeptNames(Sequence):
@@ -898,8 +901,6 @@ def shard_datasets(cfg: Any, keep: Any = None) -> Tuple[KeyedSubset, KeyedSubset
                          f"{cfg.num_classes}; set data.num_classes={len(index.classes)}")
     common = dict(cache_dir=cfg.shard_cache, lru=max(4, int(cfg.shuffle_window) + 2))
     if index.kind == "latent":
-        from vitp.latents.dataset import ShardLatents
-
         base = ShardLatents(index, **common)
         captions = index.captions
     elif index.kind == "video":

@@ -12,9 +12,9 @@ def pack_latent_meta(url: str) -> Optional[Dict[str, Any]]:
     """The ``latent`` entry of the manifest of the pack at ``url`` (:func:`vitp.latents.pack.latent_meta`),
     or None for a pixel pack or one that cannot be read here (:class:`vitp.data.shards.ShardIndex`
     reports that when the data is built)."""
-    from vitp.data.shards import MANIFEST, is_remote, join_url, read_bytes
+    from vitp.remote import is_remote, join_url, read_bytes
 
-    where = join_url(str(url).rstrip("/"), MANIFEST) if is_remote(url) else str(Path(url).expanduser() / MANIFEST)
+    where = join_url(str(url).rstrip("/"), "index.json") if is_remote(url) else str(Path(url).expanduser() / "index.json")
     try:
         meta = json.loads(read_bytes(where)).get("vitp", {})
     except Exception:  # noqa: BLE001 - missing, damaged, unreachable: said when the data set is opened
@@ -52,6 +52,8 @@ def adopt_latent_data(cfg: Any) -> None:
         return
     if not d.vae:
         return
+    if not Path(d.vae).expanduser().exists():
+        return  # not on this machine (a recipe planned elsewhere): vitp-pack and training refuse it (check_trainable)
     g = geometry(d.vae)
     want = (g.channels, [g.temporal, g.spatial])
     have = (int(d.latent_channels), [int(v) for v in d.vae_compression])
@@ -64,8 +66,14 @@ def adopt_latent_data(cfg: Any) -> None:
 
 
 def check_trainable(data: Any) -> None:
-    """Refuse, naming the fix, a training run with ``data.vae`` on pixel data: vitp trains on
-    latents encoded once by ``vitp-pack`` (or on synthetic latents); raises ``ValueError``."""
+    """Refuse, naming the fix, a training run with ``data.vae`` on pixel data (vitp trains on
+    latents encoded once by ``vitp-pack``, or on synthetic latents) or with a ``data.vae`` folder
+    that cannot be read (raises ``ValueError`` / ``FileNotFoundError`` as
+    :func:`vitp.latents.vae.vae_config`)."""
+    if data.vae:  # samples are decoded with it: a missing folder fails now, not after training
+        from vitp.latents.vae import vae_config
+
+        vae_config(data.vae)
     if data.latent_channels and data.name not in ("shards", "synthetic"):
         raise ValueError(f"data.vae={data.vae} with data.name={data.name}: vitp trains on latents encoded once, not "
                          f"on the fly; run vitp-pack OUT data.vae={data.vae} <these data overrides>, then vitp-train "

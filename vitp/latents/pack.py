@@ -5,7 +5,7 @@ split reads it (center crop, no flip, at ``data.resolution`` and ``data.num_fram
 VAE of ``data.vae`` (:class:`vitp.latents.vae.LocalVAE`) and stored as its posterior: sample ``i``
 of the pack is the files ``{i:09d}.mean.npy`` and ``{i:09d}.std.npy`` (float32 ``(C', T', h, w)``,
 normalised), with ``cls``, ``json`` and ``txt`` (the caption) as in a pixel pack. Training draws
-``mean + std * eps`` with the item's own key (:class:`vitp.latents.dataset.ShardLatents`), so it
+``mean + std * eps`` with the item's own key (:class:`vitp.data.shards.ShardLatents`), so it
 needs no VAE; the manifest records the VAE (folder, class, config hash, geometry) and the pixel
 shape, which the trainer adopts (:func:`vitp.latents.config.adopt_latent_data`).
 
@@ -64,7 +64,7 @@ def encode_shard(job: Tuple[str, int, List[Tuple[str, int, int, bool]], dict, in
     the data config, seed, batch size) through a ``.part`` file; returns ``(shard, bytes)``."""
     import webdataset as wds
 
-    from vitp.data.pack import shard_name
+    from vitp.data.shards import shard_name
 
     out, k, items, cfg_data, seed, batch = job
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
@@ -123,13 +123,12 @@ def latent_meta(cfg_data: dict) -> Dict[str, Any]:
 
 
 def collect_latents(cfg: Any, seed: int) -> Tuple[List[str], List[Any], List[Tuple[int, int, bool]], Dict[str, str]]:
-    """``(classes, samples, items, skipped)`` of the latent pack of ``cfg`` (a ``data`` section):
-    :class:`vitp.data.pack.Sample` records (label, caption, held-out flag, pixel shape) for the
-    manifest and ``items`` (:func:`items_of`) for the encoders."""
+    """``(classes, records, items, skipped)`` of the latent pack of ``cfg`` (a ``data`` section):
+    per sample the fields of :class:`vitp.data.pack.Sample` (label, class, caption, held-out flag,
+    pixel shape) for the manifest, and ``items`` (:func:`items_of`) for the encoders."""
     from omegaconf import OmegaConf
 
     from vitp.config import parse_resolution
-    from vitp.data.pack import Sample
 
     cfg_data = OmegaConf.to_container(cfg, resolve=True)
     if cfg_data["name"] not in ("digits", "image_folder", "video_folder"):
@@ -147,6 +146,6 @@ def collect_latents(cfg: Any, seed: int) -> Tuple[List[str], List[Any], List[Tup
         base = bases[b]
         label = int(base.labels[idx])
         captions = getattr(base, "captions", None)
-        samples.append(Sample(None, "npy", label, base.classes[label], None if captions is None else captions[idx],
-                              is_held, h, w, int(cfg_data["num_frames"])))
+        samples.append(dict(label=label, cls=base.classes[label], caption=None if captions is None else captions[idx],
+                            heldout=is_held, height=h, width=w, frames=int(cfg_data["num_frames"])))
     return list(train.base.classes), samples, items, skipped

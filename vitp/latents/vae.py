@@ -37,7 +37,7 @@ PathLike = Union[str, Path]
 class LatentGeometry:
     """What a VAE does to shapes and values: ``channels`` C' of its latents, ``spatial`` and
     ``temporal`` compression (pixels / frames per latent cell; 1 for image VAEs), and the
-    per-channel ``shift`` / ``scale`` of :func:`normalize` (lists of C', or of 1 for all channels).
+    per-channel ``shift`` / ``scale`` of the normalisation (module docstring) (lists of C', or of 1 for all channels).
     ``cls`` is the diffusers class and ``config_sha256`` the hash of its config (weights not hashed)."""
 
     cls: str
