@@ -159,6 +159,29 @@ def test_image_vae_codes_frames_independently(vaes):
                                rtol=0, atol=1e-5)
 
 
+LTX_SMALL = dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 8, 8),
+                 decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+                 decoder_layers_per_block=(1, 1, 1, 1, 1), spatio_temporal_scaling=(True, True, False, False),
+                 decoder_spatio_temporal_scaling=(True, True, False, False), decoder_inject_noise=(False,) * 5,
+                 upsample_residual=(False,) * 4, upsample_factor=(1,) * 4, timestep_conditioning=False,
+                 patch_size=1, patch_size_t=1, encoder_causal=True, decoder_causal=False)
+
+
+def test_ltx_geometry_from_a_saved_config(tmp_path):
+    """AutoencoderKLLTXVideo saves null compression ratios (the model derives them from patch sizes
+    and its scaling blocks): the geometry derives them the same way, and they match the latents."""
+    folder = build_random(tmp_path / "ltx", "AutoencoderKLLTXVideo", LTX_SMALL)
+    assert json.loads((folder / "config.json").read_text())["spatial_compression_ratio"] is None
+    g = geometry(folder)
+    assert (g.channels, g.spatial, g.temporal) == (4, 4, 4)
+    mean, _ = LocalVAE(folder).encode(_pixels(1, 3, 9, 32, 32))
+    assert mean.shape == (1, 4, g.latent_frames(9), *g.latent_size((32, 32))) == (1, 4, 3, 8, 8)
+    with torch.device("meta"):  # the full-size default (LTX-Video: 32 x 32 x 8 pixels per latent cell)
+        full = diffusers.AutoencoderKLLTXVideo()
+    from vitp.latents.vae import _compression
+    assert _compression(dict(full.config, _class_name="AutoencoderKLLTXVideo")) == (32, 8)
+
+
 # 2. geometry and the config ---------------------------------------------------------------------
 
 def test_geometry_of_small_configs(vaes):

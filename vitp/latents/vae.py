@@ -103,7 +103,11 @@ def _compression(cfg: Dict[str, Any]) -> Tuple[int, int]:
     name = cfg["_class_name"]
     if name == "AutoencoderKLWan":
         return int(cfg.get("scale_factor_spatial", 8)), int(cfg.get("scale_factor_temporal", 4))
-    if name in ("AutoencoderKLHunyuanVideo", "AutoencoderKLLTXVideo", "AutoencoderKLCosmos"):
+    if name == "AutoencoderKLLTXVideo":  # saved configs hold null ratios: the model derives them from its blocks
+        down = 2 ** sum(bool(v) for v in cfg.get("spatio_temporal_scaling", (True, True, True, False)))
+        return (int(cfg.get("spatial_compression_ratio") or cfg.get("patch_size", 4) * down),
+                int(cfg.get("temporal_compression_ratio") or cfg.get("patch_size_t", 1) * down))
+    if name in ("AutoencoderKLHunyuanVideo", "AutoencoderKLCosmos"):
         return int(cfg.get("spatial_compression_ratio", 8)), int(cfg.get("temporal_compression_ratio", 4))
     if name == "AutoencoderKLCogVideoX":
         return 2 ** (len(cfg["block_out_channels"]) - 1), int(cfg.get("temporal_compression_ratio", 4))
