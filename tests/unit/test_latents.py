@@ -182,6 +182,30 @@ def test_ltx_geometry_from_a_saved_config(tmp_path):
     assert _compression(dict(full.config, _class_name="AutoencoderKLLTXVideo")) == (32, 8)
 
 
+def test_ltx_normalisation_uses_the_statistics_in_its_weights(tmp_path):
+    """LTX's pipeline normalises with the ``latents_mean`` / ``latents_std`` buffers of the weights
+    (not config.json): ``(mu - mean) * scaling_factor / std``, and back in decode."""
+    model = getattr(diffusers, "AutoencoderKLLTXVideo")(**LTX_SMALL, scaling_factor=0.5)
+    with torch.no_grad():
+        model.latents_mean.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
+        model.latents_std.copy_(torch.tensor([0.5, 2.0, 1.0, 4.0]))
+    model.save_pretrained(str(tmp_path / "ltx"), safe_serialization=True)
+    model = getattr(diffusers, "AutoencoderKLLTXVideo").from_pretrained(str(tmp_path / "ltx")).eval()
+    m, s = (getattr(model, k).view(1, -1, 1, 1, 1) for k in ("latents_mean", "latents_std"))
+    assert s[0, 1].item() == 2.0  # the statistics came back from the weights
+    vae = LocalVAE(tmp_path / "ltx")
+    assert vae.geometry.shift == pytest.approx((0.3, -0.2, 0.1, 0.0))
+    assert vae.geometry.scale == pytest.approx((1.0, 0.25, 0.5, 0.125))
+    x = _pixels(2, 3, 5, 16, 16, seed=3)
+    mean, std = vae.encode(x)
+    with torch.no_grad():
+        dist = model.encode(x).latent_dist
+        want_x = torch.cat([model.decode(z * s / 0.5 + m).sample for z in mean.split(1)]).clamp(-1, 1)
+    torch.testing.assert_close(mean, (dist.mean - m) * 0.5 / s, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(std, dist.std * 0.5 / s, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(vae.decode(mean), want_x, rtol=0, atol=1e-5)
+
+
 # 2. geometry and the config ---------------------------------------------------------------------
 
 def test_geometry_of_small_configs(vaes):

@@ -10,15 +10,16 @@ and the video VAEs ``AutoencoderKLWan``, ``AutoencoderKLHunyuanVideo``, ``Autoen
 ``AutoencoderKLCosmos`` and ``AutoencoderKLCogVideoX``.
 
 Normalisation follows each model's diffusers pipeline: ``z = (mu - shift) * scale`` per channel,
-with ``latents_mean`` / ``latents_std`` where the config has them (Wan, LTX, Cosmos:
-``scale = scaling_factor / latents_std``), else ``shift_factor`` / ``scaling_factor`` (SD: 0,
+with ``latents_mean`` / ``latents_std`` where the config has them (Wan, Cosmos:
+``scale = scaling_factor / latents_std``; LTX keeps them as buffers in its weights, read by
+:class:`LocalVAE`), else ``shift_factor`` / ``scaling_factor`` (SD: 0,
 0.18215; Flux: 0.1159, 0.3611). The posterior's std is scaled by the same ``scale``.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -157,6 +158,10 @@ class LocalVAE:
         self.model = model_cls.from_pretrained(self.folder, local_files_only=True, torch_dtype=dtype,
                                                 low_cpu_mem_usage=False)
         self.model.to(device).eval().requires_grad_(False)
+        if self.geometry.cls == "AutoencoderKLLTXVideo":  # LTX keeps its latent statistics in the weights
+            mean, std = (getattr(self.model, k).float().tolist() for k in ("latents_mean", "latents_std"))
+            self.geometry = replace(self.geometry, shift=tuple(mean),
+                                    scale=tuple(self.geometry.scale[0] / v for v in std))
         if tiling and hasattr(self.model, "enable_tiling"):
             self.model.enable_tiling()
         self.device, self.dtype = torch.device(device), dtype
