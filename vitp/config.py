@@ -309,6 +309,11 @@ def _is_step_range(v: Any) -> bool:
                                                               for x in v) and 1 <= v[0] <= v[1]))
 
 
+def _is_compression(v: Any) -> bool:
+    v = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig" else None
+    return v is not None and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v)
+
+
 def _is_resolution(v: Any) -> bool:
     try:
         parse_resolution(v)
@@ -347,6 +352,9 @@ FIELD_RULES: Dict[str, Rule] = {
     "data.resolution": _RESOLUTION,
     "data.channels": span(1),
     "data.num_frames": span(1),
+    "data.latent_channels": span(0, note="0 = pixel space"),
+    "data.vae_compression": Rule(_is_compression, "[temporal, spatial], integers >= 1 (e.g. [4, 8] for Wan)", [0, 8],
+                                 lambda v: [1, 1]),
     "data.num_classes": span(1),
     "data.holdout_fraction": _PROBABILITY,
     "data.frame_stride": span(1),
@@ -423,6 +431,7 @@ FREE_FORM: Dict[str, str] = {
     "data.caption_templates": "format strings with {class} / {class_word}, filled when the data is built",
     "data.text_embeddings": "a store folder, opened when training starts",
     "data.text_encoder": "'tiny' or a local encoder folder, read when training or sampling starts",
+    "data.vae": "a local diffusers VAE folder, read by vitp-pack, the planner and training (vitp.latents)",
     "sampler.prompts": "caption strings",
     "eval.unseen_prompt_templates": "format strings with {class} / {class_word}",
     "trainer.resume": "'auto' | 'never' | a checkpoint, found when training starts",
@@ -976,6 +985,7 @@ def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_
     from vitp.latents.config import adopt_latent_data
 
     adopt_latent_data(cfg)  # a latent pack / VAE sets the model's input shape
+    _resolve_input_shape(cfg)
     _check_run(cfg)
     validate_captions(cfg.data)
     validate_model(cfg.model)
@@ -1020,6 +1030,19 @@ def register_resolvers() -> None:
 
 
 register_resolvers()
+
+
+def _resolve_input_shape(cfg: "DictConfig") -> None:
+    """Resolve the model's input shape now, so that a size the VAE cannot code is refused in one
+    line (OmegaConf wraps a resolver's ``ValueError`` with the key's details)."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        for key in ("in_channels", "image_size", "num_frames"):
+            cfg.model[key]
+    except InterpolationResolutionError as e:
+        line = str(e).splitlines()[0]
+        raise ValueError(line.split("while resolving interpolation: ", 1)[-1]) from None
 
 
 def register_configs() -> None:

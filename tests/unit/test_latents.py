@@ -19,6 +19,7 @@ diffusers = pytest.importorskip("diffusers")
 from vitp.cli.overrides import compose_checked  # noqa: E402
 from vitp.data.pack import pack  # noqa: E402
 from vitp.latents.vae import LocalVAE, build_random, geometry, small_configs  # noqa: E402
+from vitp.latents.config import check_trainable  # noqa: E402
 
 DIGITS = ["data.resolution=16"]  # 1797 digits at 16x16: 8x8 latents of the 'kl' VAE
 PER_SHARD = 500  # 4 shards of digits
@@ -251,8 +252,12 @@ def test_config_refuses_frames_the_video_vae_cannot_code(vaes):
 
 
 def test_bad_vae_folders_name_the_fix(tmp_path):
+    cfg = compose_checked([f"data.vae={tmp_path / 'missing'}", *DIGITS])  # vitp-plan of a recipe made elsewhere
     with pytest.raises(FileNotFoundError, match="does not exist.*vitp never downloads"):
-        compose_checked([f"data.vae={tmp_path / 'missing'}", *DIGITS])
+        check_trainable(cfg.data)  # training refuses before its first step
+    with pytest.raises(FileNotFoundError, match="does not exist.*vitp never downloads"):
+        pack(cfg.data, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         geometry(tmp_path / "empty")
@@ -338,7 +343,7 @@ def _latent_sets(pack_folder, num_classes=10):
 
 
 def test_shard_latents_draw_mean_plus_std_eps(digits_pack):
-    from vitp.latents.dataset import ShardLatents
+    from vitp.data.shards import ShardLatents
 
     cfg, (train, held) = _latent_sets(digits_pack)
     assert isinstance(train.base, ShardLatents) and train.base is held.base

@@ -251,7 +251,9 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
         raise ValueError(f"samples per shard ({samples_per_shard}) and workers ({workers}) must be >= 1")
     out = Path(out).expanduser()
     cfg_data = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg))
-    digest = _config_hash(cfg_data, seed, samples_per_shard)
+    # a latent shard's bytes depend on the batches it was encoded in: resume only with the same
+    digest = _config_hash({**cfg_data, "encode_batch": encode_batch} if cfg_data.get("vae") else cfg_data, seed,
+                          samples_per_shard)
     _prepare(out, digest, create=False)
     extra, writer = None, _write_shard
     if cfg_data.get("vae"):  # latents: encoded by the workers (vitp.latents.pack)
