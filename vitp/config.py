@@ -993,11 +993,15 @@ def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_
     return None if world_size is None else validate_layout(cfg, world_size, device_type)
 
 
-def _latent_channels(channels: int, latent: int) -> int:
+def input_channels(channels: int, latent: int) -> int:
+    """The model's input channels: ``latent`` (a VAE's latent channels) when set, else the pixel ``channels``."""
     return int(latent) if latent else int(channels)
 
 
-def _latent_size(resolution: Any, compression: Any) -> Any:
+def input_size(resolution: Any, compression: Any) -> Any:
+    """The model's input ``(h, w)`` of pixels ``resolution`` (any :func:`parse_resolution` form) under
+    ``compression`` ``[temporal, spatial]``: the resolution itself when ``spatial`` is 1, else
+    ``[H / spatial, W / spatial]``. Raises ``ValueError`` when a side does not divide."""
     s = int(compression[1])
     if s == 1:
         return resolution
@@ -1008,7 +1012,10 @@ def _latent_size(resolution: Any, compression: Any) -> Any:
     return [h // s, w // s]
 
 
-def _latent_frames(frames: int, compression: Any) -> int:
+def input_frames(frames: int, compression: Any) -> int:
+    """The model's input frames of ``frames`` pixel frames under ``compression``: a causal video
+    VAE's ``1 + (T - 1) / temporal`` (Wan, HunyuanVideo, LTX). Raises ``ValueError`` unless
+    ``T - 1`` divides by ``temporal``."""
     t = int(compression[0])
     if t == 1:
         return int(frames)
@@ -1023,8 +1030,8 @@ def register_resolvers() -> None:
     """The ``vitp.*`` resolvers of the model's input shape (pixels, or a VAE's latents)."""
     from omegaconf import OmegaConf
 
-    for name, fn in (("vitp.latent_channels", _latent_channels), ("vitp.latent_size", _latent_size),
-                     ("vitp.latent_frames", _latent_frames)):
+    for name, fn in (("vitp.latent_channels", input_channels), ("vitp.latent_size", input_size),
+                     ("vitp.latent_frames", input_frames)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 

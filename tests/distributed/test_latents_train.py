@@ -105,6 +105,13 @@ def test_vitp_sample_decodes_latent_runs_to_the_pixel_size(latent_runs, tmp_path
     img = np.asarray(Image.open(tmp_path / "g.png"))
     assert img.shape[:2] == tuple(want[1:])
     assert img.std() > 0  # decoded, not blank
+    from vitp.cli.sample import sample_config
+    from vitp.eval import generate
+
+    gen, cfg, _ = sample_config(base / "runs" / "img_one" / "model_ema.safetensors", ["data.resolution=32"])
+    assert list(cfg.model.image_size) == [16, 16]  # pixels 32: the model samples 16 x 16 latents
+    x = generate(gen, cfg, torch.tensor([3, 7]), seed=0)
+    assert tuple(x.shape) == (2, 1, 1, 32, 32) and -1 <= float(x.min()) < float(x.max()) <= 1
     _sample([str(base / "runs" / "vid_one"), "--classes", "1", "--num", "1", "--out", str(tmp_path / "v")], tmp_path)
     gifs = sorted((tmp_path / "v").glob("class1_*.gif"))
     assert gifs, sorted(p.name for p in (tmp_path / "v").iterdir())

@@ -454,3 +454,14 @@ def _pixel_clip(cfg, sample):
     b, idx, is_held = items_of(train, held)[sample]
     assert is_held
     return (train.base, held.base)[b][idx][0]
+
+
+def test_encoding_device_choice():
+    from vitp.data.pack import _encode_devices
+
+    gpus = torch.cuda.device_count()
+    assert _encode_devices("cpu") == ["cpu"]
+    assert _encode_devices("auto") == ([f"cuda:{i}" for i in range(gpus)] or ["cpu"])
+    if not gpus:
+        with pytest.raises(ValueError, match="--device cuda: no GPU is visible here; use --device cpu"):
+            _encode_devices("cuda")

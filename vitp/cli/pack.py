@@ -18,7 +18,8 @@ from typing import Any, Dict, List, Optional
 
 from vitp.cli import log_to_stderr, run_cli
 
-USAGE = "vitp-pack OUT [--samples-per-shard N] [--workers N] [--quiet] [key=value ...]"
+USAGE = ("vitp-pack OUT [--samples-per-shard N] [--workers N] [--encode-batch N] [--device auto|cpu|cuda] [--quiet] "
+         "[key=value ...]")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -34,6 +35,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--samples-per-shard", type=int, default=1000,
                    help="samples per tar shard (default 1000; aim for shards of 100 MB to 1 GB)")
     p.add_argument("--workers", type=int, default=1, help="processes writing shards (default 1)")
+    p.add_argument("--encode-batch", type=int, default=8,
+                   help="with data.vae: items per VAE call when encoding latents (default 8)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="with data.vae: where the VAE encodes (auto: the GPUs if any; shard k on GPU k mod count)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("overrides", nargs="*", default=[],
                    help="Hydra-style key=value choosing the data set, e.g. data=image_folder data.root=DIR")
@@ -41,7 +46,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if "=" in str(a.out):
         raise ValueError(f"the first argument is the output folder, got the override {a.out}; "
                          f"usage: {USAGE}")
-    for flag in ("samples_per_shard", "workers"):
+    for flag in ("samples_per_shard", "workers", "encode_batch"):
         if getattr(a, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: use a positive number")
     return a
@@ -129,7 +134,8 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 raise FileNotFoundError(f"data.text_embeddings={store} holds no caption store; write it with "
                                         f"vitp-encode-captions first, or unset data.text_embeddings")
         manifest = pack(cfg.data, a.out, seed=int(cfg.seed), samples_per_shard=a.samples_per_shard,
-                        workers=a.workers, progress=not a.quiet, text_store=store)
+                        workers=a.workers, progress=not a.quiet, text_store=store, encode_batch=a.encode_batch,
+                        device=a.device)
     carried = [o for o in a.overrides if override_key(o).split(".")[0].split("/")[0].lstrip("+~") not in ("data", "hydra")]
     print("\n".join(summary(manifest, a.out, time.perf_counter() - start, carried)))
     return manifest

@@ -31,7 +31,7 @@ from vitp.checkpoint import generator_from_state, read_export, resolve_weights
 from vitp.checkpoint.export import file_partial_sync
 from vitp.cli import run_cli
 from vitp.cli.overrides import apply_overrides, flag_overrides, override_key, typed_config
-from vitp.config import parse_resolution, validate_config
+from vitp.config import input_frames, input_size, parse_resolution, validate_config
 from vitp.eval import class_grid_labels, generate
 from vitp.eval.launch import LAYOUT_KEYS, build_sharded, check_layout_overrides, finish, launched, quiet_unless_main
 from vitp.media import to_grid
@@ -147,9 +147,11 @@ def sample_settings(path: Path, overrides: List[str], num: Optional[int] = None)
         cfg.sampler.samples_per_class = num
     cfg = apply_overrides(cfg, overrides, "vitp-sample", allowed=SAMPLE_KEYS)
     given = {override_key(o) for o in overrides}
-    for data_key, model_key in (("data.resolution", "model.image_size"), ("data.num_frames", "model.num_frames")):
+    comp = list(cfg.data.get("vae_compression") or [1, 1])  # a latent run samples latents of the pixel size
+    for data_key, model_key, to_model in (("data.resolution", "model.image_size", lambda v: input_size(v, comp)),
+                                          ("data.num_frames", "model.num_frames", lambda v: input_frames(v, comp))):
         if data_key in given and model_key not in given:
-            OmegaConf.update(cfg, model_key, OmegaConf.select(cfg, data_key))
+            OmegaConf.update(cfg, model_key, to_model(OmegaConf.select(cfg, data_key)))
     frames = cfg.model.num_frames
     if frames != saved.model.num_frames and saved.model.num_frames == 1:
         raise ValueError(f"model.num_frames={frames}: this is an image model (1 frame); leave the frames out")

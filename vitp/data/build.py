@@ -93,11 +93,11 @@ def _base_dataset(cfg: DataConfig, seed: int) -> KeyedDataset:
         return ImageFolderDataset(resolve_photo_root(cfg.root), cfg.resolution, cfg.channels, train=True,
                                   random_crop=cfg.random_crop, hflip=cfg.hflip)
     if cfg.name == "synthetic":  # with data.latent_channels: random latents of the model's input shape
-        from vitp.config import _latent_channels, _latent_frames, _latent_size
+        from vitp.config import input_channels, input_frames, input_size
 
         comp = list(getattr(cfg, "vae_compression", None) or [1, 1])
-        return SyntheticDataset(cfg.synthetic_size, _latent_channels(cfg.channels, getattr(cfg, "latent_channels", 0)),
-                                _latent_frames(cfg.num_frames, comp), _latent_size(cfg.resolution, comp),
+        return SyntheticDataset(cfg.synthetic_size, input_channels(cfg.channels, getattr(cfg, "latent_channels", 0)),
+                                input_frames(cfg.num_frames, comp), input_size(cfg.resolution, comp),
                                 cfg.num_classes, seed)
     if cfg.name == "video_folder":
         if cfg.root is None and not cfg.files:

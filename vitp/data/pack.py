@@ -227,7 +227,8 @@ def _prepare(out: Path, digest: str, create: bool) -> None:
 
 
 def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, workers: int = 1,
-         progress: bool = True, text_store: Optional[str] = None, encode_batch: int = 8) -> Dict[str, Any]:
+         progress: bool = True, text_store: Optional[str] = None, encode_batch: int = 8,
+         device: str = "cpu") -> Dict[str, Any]:
     """Pack the data set of ``cfg`` (a ``data`` config section) into ``out``; returns the manifest.
 
     Parameters
@@ -236,6 +237,8 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
     workers : processes writing shards (1: this process)
     text_store : a caption store (:mod:`vitp.text.store`) to copy into ``out/text-embeddings``
     encode_batch : with ``cfg.vae`` (a latent pack, :mod:`vitp.latents.pack`): items per VAE call
+    device : with ``cfg.vae``: ``cpu``, ``cuda`` (shard ``k`` on GPU ``k`` mod the GPU count) or
+        ``auto`` (``cuda`` when there is a GPU)
 
     Raises
     ------
@@ -269,11 +272,24 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
     if not samples:
         raise ValueError("the data set holds no sample to pack")
     _prepare(out, digest, create=True)
-    jobs = [(str(out), k, work[a:a + samples_per_shard]) + ((cfg_data, seed, encode_batch) if extra else ())
+    devices = _encode_devices(device) if extra else []
+    jobs = [(str(out), k, work[a:a + samples_per_shard])
+            + ((cfg_data, seed, encode_batch, devices[k % len(devices)]) if extra else ())
             for k, a in enumerate(range(0, len(work), samples_per_shard))]
     sizes = _run_jobs(out, jobs, writer, workers, progress, len(samples))
     return _finish(out, cfg_data, seed, samples_per_shard, kind, classes, samples, skipped, jobs, sizes, text_store,
                    extra)
+
+
+def _encode_devices(device: str) -> List[str]:
+    """The devices latent shards are encoded on, in turn: ``["cpu"]`` or every GPU's ``cuda:i``.
+    Raises ``ValueError`` for ``cuda`` without a GPU."""
+    import torch
+
+    n = torch.cuda.device_count() if device in ("auto", "cuda") else 0
+    if device == "cuda" and not n:
+        raise ValueError("--device cuda: no GPU is visible here; use --device cpu (or auto)")
+    return [f"cuda:{i}" for i in range(n)] or ["cpu"]
 
 
 def _run_jobs(out: Path, jobs: list, writer: Any, workers: int, progress: bool, total: int) -> Dict[int, int]:

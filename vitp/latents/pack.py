@@ -9,7 +9,7 @@ normalised), with ``cls``, ``json`` and ``txt`` (the caption) as in a pixel pack
 needs no VAE; the manifest records the VAE (folder, class, config hash, geometry) and the pixel
 shape, which the trainer adopts (:func:`vitp.latents.config.adopt_latent_data`).
 
-Shards are encoded by ``workers`` processes, each in fixed batches of ``batch_size`` items of its
+Shards are encoded by ``workers`` processes (on the GPUs in turn, or the CPU), each in fixed batches of ``batch_size`` items of its
 shard, so the latents do not depend on the number of processes; as for pixel packs, a shard is
 written to ``.part`` and renamed when complete, so an interrupted encode run again keeps the
 finished shards (Open-Sora and Wan pre-extract latents the same way: hpcaitech/Open-Sora
@@ -42,11 +42,12 @@ def _pixel_sets(cfg_data: dict, seed: int) -> Tuple[Any, Any]:
     return _CACHE["sets"]
 
 
-def _vae(folder: str) -> Any:
-    if _CACHE.get("vae_folder") != folder:
+def _vae(folder: str, device: str) -> Any:
+    if _CACHE.get("vae_key") != (folder, device):
         from vitp.latents.vae import LocalVAE
 
-        _CACHE["vae"], _CACHE["vae_folder"] = LocalVAE(folder), folder
+        _CACHE.pop("vae", None)
+        _CACHE["vae"], _CACHE["vae_key"] = LocalVAE(folder, device), (folder, device)
     return _CACHE["vae"]
 
 
@@ -59,18 +60,18 @@ def items_of(train: Any, held: Any) -> List[Tuple[int, int, bool]]:
     return sorted(out)
 
 
-def encode_shard(job: Tuple[str, int, List[Tuple[str, int, int, bool]], dict, int, int]) -> Tuple[int, int]:
+def encode_shard(job: Tuple[str, int, List[Tuple[str, int, int, bool]], dict, int, int, str]) -> Tuple[int, int]:
     """Encode and write one shard (``job``: folder, shard number, ``[(key, base, index, held)]``,
-    the data config, seed, batch size) through a ``.part`` file; returns ``(shard, bytes)``."""
+    the data config, seed, batch size, device) through a ``.part`` file; returns ``(shard, bytes)``."""
     import webdataset as wds
 
     from vitp.data.shards import shard_name
 
-    out, k, items, cfg_data, seed, batch = job
+    out, k, items, cfg_data, seed, batch, device = job
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
     sets = _pixel_sets(cfg_data, seed)
     bases = (sets[0].base, sets[1].base)
-    vae = _vae(cfg_data["vae"])
+    vae = _vae(cfg_data["vae"], device)
     final = Path(out) / shard_name(k)
     part = final.with_name(final.name + ".part")
     with wds.TarWriter(str(part), mtime=0) as sink:
