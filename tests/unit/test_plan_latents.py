@@ -140,14 +140,14 @@ def test_latent_run_is_its_pixel_twin_to_the_planner():
 def test_latent_run_memory_matches_a_measured_step(tmp_path):
     """A latent run of model S (1 rank, 4 micro-batches of 2): the plan's parameters are exact and
     its weights, gradients, optimizer, EMA and activations within 10 % of a real training step of
-    the same generator (measured on its pixel twin: the data pipeline is not what is planned)."""
+    the latent run (synthetic data of the latent shape: ``data=synthetic`` with latent fields)."""
     from tests.distributed.plan_measure import measure_rank
     from tests.helpers import run_ranks
     from vitp.plan import layout_of, stage_memory
 
     lat = compose_cfg([*plan_case("S", 1, 1, 1), *LATENT_S])
     pred = stage_memory(lat.model, layout_of(lat, 1))[0]
-    (m,) = run_ranks(1, measure_rank, {"L": [*plan_case("S", 1, 1, 1), *TWIN_S]}, str(tmp_path), timeout=600)
+    (m,) = run_ranks(1, measure_rank, {"L": [*plan_case("S", 1, 1, 1), *LATENT_S]}, str(tmp_path), timeout=600)
     m = m["L"]
     assert m["params"] == pred.params
     for key, p in (("weights", pred.weights), ("grads", pred.grads), ("optimizer", pred.optimizer),
