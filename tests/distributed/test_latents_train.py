@@ -108,7 +108,12 @@ def test_vitp_sample_decodes_latent_runs_to_the_pixel_size(latent_runs, tmp_path
     from vitp.cli.sample import sample_config
     from vitp.eval import generate
 
-    gen, cfg, _ = sample_config(base / "runs" / "img_one" / "model_ema.safetensors", ["data.resolution=32"])
+    import shutil
+
+    moved = shutil.copytree(base / "kl", tmp_path / "kl_moved")  # a VAE folder moved: named on the command line
+    gen, cfg, _ = sample_config(base / "runs" / "img_one" / "model_ema.safetensors",
+                                ["data.resolution=32", f"data.vae={moved}"])
+    assert cfg.data.vae == str(moved)
     assert list(cfg.model.image_size) == [16, 16]  # pixels 32: the model samples 16 x 16 latents
     x = generate(gen, cfg, torch.tensor([3, 7]), seed=0)
     assert tuple(x.shape) == (2, 1, 1, 32, 32) and -1 <= float(x.min()) < float(x.max()) <= 1

@@ -233,11 +233,10 @@ def test_config_model_shape_follows_vae(digits_cfg, vaes):
     assert (video.model.in_channels, list(video.model.image_size), video.model.num_frames) == (4, [8, 8], 3)
 
 
-def test_config_refuses_mismatched_latent_fields(vaes):
-    with pytest.raises(ValueError) as e:
-        compose_checked([f"data.vae={vaes['kl1']}", *DIGITS, "data.latent_channels=8"])
-    assert "data.latent_channels=8" in str(e.value) and f"data.vae={vaes['kl1']}" in str(e.value)
-    assert "4 channels" in str(e.value)
+def test_config_takes_the_vaes_geometry_over_a_recipes(vaes, caplog):
+    cfg = compose_checked([f"data.vae={vaes['kl1']}", *DIGITS, "data.latent_channels=8"])  # e.g. a recipe's 8
+    assert cfg.data.latent_channels == 4 and cfg.model.in_channels == 4 and list(cfg.data.vae_compression) == [1, 2]
+    assert "data.latent_channels=8 data.vae_compression=[1, 1] replaced by" in caplog.text
 
 
 def test_config_refuses_frames_the_video_vae_cannot_code(vaes):
@@ -269,6 +268,32 @@ def test_bad_vae_folders_name_the_fix(tmp_path):
     (bad / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         geometry(bad)
+
+
+def test_vae_folders_are_checked_before_anything_is_written(vaes, tmp_path):
+    import shutil
+
+    from vitp.latents.vae import check_vae_folder
+
+    pipe = tmp_path / "pipe"
+    shutil.copytree(vaes["kl1"], pipe / "vae")
+    (pipe / "model_index.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=f"a pipeline folder: its VAE is the subfolder, data.vae={pipe / 'vae'}"):
+        check_vae_folder(pipe)
+    weights = pipe / "vae" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    with pytest.raises(ValueError, match="diffusion_pytorch_model.safetensors is damaged .*copy the VAE folder again"):
+        check_vae_folder(pipe / "vae")
+    weights.unlink()
+    cfg = compose_checked([f"data.vae={pipe / 'vae'}", *DIGITS])
+    with pytest.raises(FileNotFoundError, match="has config.json but no weights"):
+        pack(cfg.data, tmp_path / "out", progress=False)
+    with pytest.raises(FileNotFoundError, match="has config.json but no weights"):
+        check_trainable(cfg.data)
+    cfg = compose_checked([f"data.vae={vaes['wan']}", *DIGITS])  # an RGB VAE for the grayscale digits
+    with pytest.raises(ValueError, match="codes 3-channel pixels but the data has 1 \\(data.channels=1\\)"):
+        pack(cfg.data, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 # 3. worker processes ------------------------------------------------------------------------------

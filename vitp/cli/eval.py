@@ -124,6 +124,9 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
 
     cfg = load_run_config(run_dir, overrides)
     validate_config(cfg)
+    from vitp.latents.config import check_decoder
+
+    check_decoder(cfg.data)  # samples of a latent run are decoded: its VAE is checked before minutes of work
     if not os.access(run_dir, os.W_OK):  # found before minutes of evaluation, not after
         raise PermissionError(f"{run_dir} is not writable: vitp-eval writes its results (eval.json, or "
                               f"eval_<overrides>.json next to it) and the digits judge's cache there; evaluate a copy of the run")

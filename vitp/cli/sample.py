@@ -33,6 +33,7 @@ from vitp.cli import run_cli
 from vitp.cli.overrides import apply_overrides, flag_overrides, override_key, typed_config
 from vitp.config import input_frames, input_size, parse_resolution, validate_config
 from vitp.eval import class_grid_labels, generate
+from vitp.latents.config import check_decoder
 from vitp.eval.launch import LAYOUT_KEYS, build_sharded, check_layout_overrides, finish, launched, quiet_unless_main
 from vitp.media import to_grid
 from vitp.parallel.distributed import is_main, resolve_device
@@ -41,7 +42,7 @@ from vitp.utils import atomic_write, atomic_write_text
 
 # what vitp-sample may change: the sampler, the size it samples at, and where it runs
 SAMPLE_KEYS = ("sampler.", "model.image_size", "model.num_frames", "data.resolution", "data.num_frames",
-               "trainer.device", "data.text_encoder", "data.text_embeddings", *LAYOUT_KEYS)
+               "trainer.device", "data.text_encoder", "data.text_embeddings", "data.vae", *LAYOUT_KEYS)
 # flags of earlier versions -> the override each stands for (still read, with a note)
 OLD_FLAGS = {"seed": "sampler.seed", "method": "sampler.method", "steps": "sampler.steps",
              "cfg_scale": "sampler.cfg_scale", "cfg_interval": "sampler.cfg_interval", "device": "trainer.device",
@@ -158,6 +159,7 @@ def sample_settings(path: Path, overrides: List[str], num: Optional[int] = None)
     if frames < 1:
         raise ValueError(f"model.num_frames={frames}: use a positive number of frames")
     validate_config(cfg)
+    check_decoder(cfg.data)  # a latent run decodes with its VAE: found before sampling, not after
     return cfg, meta
 
 

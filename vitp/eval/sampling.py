@@ -77,13 +77,11 @@ def _device(gen: Any) -> torch.device:
 def to_pixels(cfg: DictConfig, x: torch.Tensor, device: Any = "cpu") -> torch.Tensor:
     """``x`` ``(B, C, T, H, W)`` as pixels: decoded through ``data.vae`` on ``device`` when the run
     trains on latents (``data.latent_channels > 0``; :class:`vitp.latents.vae.LocalVAE`, one sample
-    at a time, tiled for video), else ``x`` itself."""
+    at a time, tiled for video), else ``x`` itself (also synthetic latents without ``data.vae``:
+    training refuses every other latent run without one, :func:`vitp.latents.config.check_decoder`)."""
     d = cfg.data
-    if not d.get("latent_channels") or not len(x):
+    if not d.get("latent_channels") or not d.get("vae") or not len(x):  # synthetic latents without a VAE: as they are
         return x
-    if not d.get("vae"):
-        raise ValueError("samples of a latent run are decoded with its VAE: set data.vae=<local VAE folder> "
-                         "(data.latent_channels is set without it)")
     from vitp.latents.vae import decoder
 
     return decoder(d.vae, device).decode(x)

@@ -109,9 +109,9 @@ def latent_meta(cfg_data: dict) -> Dict[str, Any]:
     the VAE's folder and :class:`~vitp.latents.vae.LatentGeometry`, the pixel shape coded and the
     latent shape ``[C', T', h, w]``. Raises ``ValueError`` for a size the VAE cannot code."""
     from vitp.config import parse_resolution
-    from vitp.latents.vae import geometry
+    from vitp.latents.vae import check_vae_folder
 
-    g = geometry(cfg_data["vae"])
+    g = check_vae_folder(cfg_data["vae"], int(cfg_data["channels"]))  # before any folder or shard is made
     hw = parse_resolution(cfg_data["resolution"])
     frames = int(cfg_data["num_frames"])
     if frames > 1 and not g.video:

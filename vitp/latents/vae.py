@@ -84,8 +84,11 @@ def vae_config(folder: PathLike) -> Dict[str, Any]:
     and ``ValueError`` (damaged JSON, or a ``_class_name`` vitp does not support), each naming the fix."""
     path = Path(folder).expanduser()
     cfg_file = path / "config.json"
+    if (path / "model_index.json").is_file() and (path / "vae" / "config.json").is_file():
+        raise FileNotFoundError(f"data.vae={folder} is a pipeline folder: its VAE is the subfolder, data.vae={path / 'vae'}")
     if not cfg_file.is_file():
-        what = "does not exist" if not path.exists() else "has no config.json"
+        what = ("does not exist" if not path.exists() else "is a file, not a folder" if path.is_file()
+                else "has no config.json")
         raise FileNotFoundError(f"data.vae={folder} {what}: give a local diffusers VAE folder (config.json and "
                                 f"diffusion_pytorch_model.safetensors), {HINT}")
     try:
@@ -97,6 +100,36 @@ def vae_config(folder: PathLike) -> Dict[str, Any]:
         raise ValueError(f"data.vae={folder}: _class_name {name!r} is not a supported VAE; supported: "
                          f"{', '.join(IMAGE_VAES + VIDEO_VAES)} (a pipeline folder's VAE is in its vae/ subfolder)")
     return cfg
+
+
+WEIGHTS = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json",
+           "diffusion_pytorch_model.bin")
+
+
+def check_vae_folder(folder: PathLike, channels: Optional[int] = None) -> LatentGeometry:
+    """:func:`geometry` of ``folder`` after checking what loading it needs, without loading it:
+    the weights file (a safetensors file's header is read), and with ``channels`` that the VAE
+    codes that many pixel channels. Raises ``FileNotFoundError`` / ``ValueError`` naming the fix."""
+    g, cfg, path = geometry(folder), vae_config(folder), Path(folder).expanduser()
+    found = [path / w for w in WEIGHTS if (path / w).is_file()]
+    if not found:
+        raise FileNotFoundError(f"data.vae={folder} has config.json but no weights ({WEIGHTS[0]}); copy the whole "
+                                f"VAE folder again")
+    if found[0].name == WEIGHTS[0]:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(found[0]), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a damaged header
+            raise ValueError(f"data.vae={folder}: {found[0].name} is damaged ({e}); copy the VAE folder again") from None
+    want = int(cfg.get("in_channels", 3))
+    if channels is not None and channels != want:
+        raise ValueError(f"data.vae={folder} codes {want}-channel pixels but the data has {channels} "
+                         f"(data.channels={channels}); use a VAE of {channels} channel(s) or data of {want}"
+                         + (" (the digits are grayscale: data=image_folder of RGB images fits an RGB VAE)"
+                            if channels == 1 else ""))
+    return g
 
 
 def _compression(cfg: Dict[str, Any]) -> Tuple[int, int]:
