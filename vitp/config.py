@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
@@ -472,7 +473,8 @@ def field_error(key: str, value: Any) -> Optional[str]:
         return None
     fix = rule.fix(value) if rule.fix else schema_default(key)
     if isinstance(fix, str) and fix.startswith("${") and fix.endswith("}"):  # a field that follows another
-        return f"{key}={_show(value)}: must be {rule.text}; it follows {fix[2:-1]} by default (leave it unset)"
+        inner = re.findall(r"\$\{([a-z_.]+)\}", fix[2:-1]) or [fix[2:-1]]  # a resolver's: the first key it reads
+        return f"{key}={_show(value)}: must be {rule.text}; it follows {inner[0]} by default (leave it unset)"
     return f"{key}={_show(value)}: must be {rule.text}; e.g. {key}={_show(fix)}"
 
 
