@@ -28,15 +28,11 @@ from vitp.utils import atomic_write_text
 from .judge import frechet_distance, judge_features, judge_metrics, load_or_train_judge
 from .inference import Share
 from .progress import phase
-from .sampling import generate, heldout_label_samples, to_pixels
+from .sampling import _device, generate, heldout_label_samples, to_pixels
 from .temporal import temporal_ratio, temporal_sums
 
 log = logging.getLogger("vitp")
 
-
-def _device(gen: Any) -> torch.device:
-    p = next(iter(gen.parameters()), None) if hasattr(gen, "parameters") else None
-    return p.device if p is not None else getattr(gen, "device", torch.device("cpu"))
 
 
 def eval_batch_size(cfg: DictConfig) -> int:
