@@ -5,7 +5,8 @@ choose the data set as for ``vitp-train`` (``data=image_folder data.root=DIR``, 
 ...``, the digits by default; ``data.captions=...`` packs captions; ``data.text_embeddings=DIR``
 copies the caption store, encoding it first when ``data.text_encoder`` is set and it is missing).
 Layout and reader: :mod:`vitp.data.shards`; writer: :mod:`vitp.data.pack`. Run it again with the
-same arguments after an interruption: complete shards are kept.
+same arguments after an interruption (complete shards are kept) or on a damaged pack (it is
+repaired: intact shards are kept, the damaged files written again).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """``OUT``, the flags and the ``key=value`` overrides; raises ``ValueError`` for a
     non-positive shard size or worker count."""
     p = argparse.ArgumentParser(prog="vitp-pack", usage=USAGE, description=__doc__.splitlines()[0])
-    p.add_argument("out", type=Path, help="output folder (new or empty, or an interrupted pack of the same data)")
+    p.add_argument("out", type=Path,
+                   help="output folder (new or empty, or an interrupted or damaged pack of the same data)")
     p.add_argument("--samples-per-shard", type=int, default=1000,
                    help="samples per tar shard (default 1000; aim for shards of 100 MB to 1 GB)")
     p.add_argument("--workers", type=int, default=1, help="processes writing shards (default 1)")
@@ -117,8 +119,9 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     """Pack the data set of the overrides into ``OUT`` (see the module docstring); returns the manifest.
 
     Raises ``ValueError`` for bad flags or overrides and data without anything to pack,
-    ``FileExistsError`` for an output folder that is not new, empty or the same pack in progress,
-    and what building the data set raises (``FileNotFoundError`` for a missing folder)."""
+    ``FileExistsError`` for an output folder that is not new, empty, the same pack in progress or
+    a damaged pack of the same config (repaired), and what building the data set raises
+    (``FileNotFoundError`` for a missing folder)."""
     from vitp.cli.overrides import compose_checked, override_key
     from vitp.data.build import ensure_text_embeddings
     from vitp.data.pack import pack

@@ -5,14 +5,15 @@ an image folder, a video folder, with their classes, captions and held-out split
 datasets' scan skips unreadable files and says why), then writes shard ``k`` with webdataset's
 ``TarWriter`` into ``shard-k.tar.part`` and renames it when complete, in worker processes. An
 interrupted pack run again with the same config and output folder keeps the complete shards and
-writes the rest; the manifest ``index.json`` is written last, so its presence means complete.
+writes the rest; the manifest ``index.json`` is written last, so its presence means complete. A
+damaged pack (:mod:`vitp.data.pack_check`) run again with the same config is repaired: its intact
+shards are kept, the rest is written again, the manifest last.
 
 Sources stay as they were: image and video files are stored byte for byte (a packed data set
 trains on the same pixels as its folder), the digits' 8x8 pixels as ``.npy``.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -26,6 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from vitp.data.pack_check import DIGEST_KEY, config_hash, damage, drop_damaged_shards, recorded_digest
 from vitp.data.shards import CAPTIONS, FORMAT, MANIFEST, SAMPLES, TEXT_STORE, VERSION, shard_name, write_caption_offsets
 from vitp.utils import atomic_write_text
 
@@ -196,34 +198,50 @@ def _write_shard(job: Tuple[str, int, List[Tuple[str, Sample]]]) -> Tuple[int, i
     return k, final.stat().st_size
 
 
-def _config_hash(cfg_data: dict, seed: int, per_shard: int) -> str:
-    text = json.dumps({"data": cfg_data, "seed": seed, "samples_per_shard": per_shard}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+def _prepare(out: Path, digest: str) -> Optional[Dict[str, Any]]:
+    """Check that ``out`` is new, empty, a pack of the same config in progress, or a damaged pack
+    of the same config (to repair: says so in one line); returns None, or for a repair
+    ``{"manifest": its manifest or None}``.
 
-
-def _prepare(out: Path, digest: str, create: bool) -> None:
-    """Check that ``out`` is new, empty, or a pack of the same config in progress; ``create``: then
-    make it and record the config (after the data set was read, so that bad data settings leave no
-    folder behind that a corrected command would be refused).
-
-    Raises ``FileExistsError`` for a complete pack, another pack in progress, or a folder of other
-    files; ``NotADirectoryError`` when ``out`` is a file."""
+    Raises ``FileExistsError`` for a complete intact pack, another pack in progress, a damaged pack
+    of another (or unknown) config, or a folder of other files; ``NotADirectoryError`` when ``out``
+    is a file."""
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out} is a file: vitp-pack writes a folder; give a new or empty folder's path")
-    if (out / MANIFEST).exists():
-        raise FileExistsError(f"{out} already holds a packed data set ({MANIFEST}); train on it with "
-                              f"data=shards data.shards={out}, or choose another output folder")
     progress = out / PROGRESS
+    if (out / MANIFEST).exists():
+        manifest, problems = damage(out)
+        if not problems:
+            raise FileExistsError(f"{out} already holds a packed data set ({MANIFEST}); train on it with "
+                                  f"data=shards data.shards={out}, or choose another output folder")
+        what, recorded = "; ".join(problems), recorded_digest(out, manifest, progress)
+        if recorded is None:
+            raise FileExistsError(f"{out} holds a damaged pack ({what}) and no readable record of the config it was "
+                                  f"packed with; delete the folder or pack into another one")
+        if recorded != digest:
+            raise FileExistsError(f"{out} holds a damaged pack ({what}) of another data config or shard size; run "
+                                  f"the command that packed it to repair it, or delete the folder or pack into "
+                                  f"another one")
+        log.warning(f"{out} is damaged ({what}): repairing it (same config; intact shards are kept)")
+        return {"manifest": manifest}
     if progress.exists():
-        if json.loads(progress.read_text()).get("config_sha256") != digest:
+        if json.loads(progress.read_text()).get(DIGEST_KEY) != digest:
             raise FileExistsError(f"{out} holds an interrupted pack of another data config or shard size; delete the "
                                   f"folder or pack into another one")
-        return
+        return None
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty and holds no pack in progress; choose a new or empty folder")
-    if create:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(progress, json.dumps({"config_sha256": digest}) + "\n")
+    return None
+
+
+def _start(out: Path, digest: str, repair: Optional[Dict[str, Any]]) -> None:
+    """Make ``out`` and record the config (after the data set was read, so that bad data settings
+    leave no folder behind that a corrected command would be refused); a repair also removes the
+    manifest, so that the folder is a pack in progress until the repaired one is written."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / PROGRESS, json.dumps({DIGEST_KEY: digest}) + "\n")
+    if repair is not None:
+        (out / MANIFEST).unlink()
 
 
 def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, workers: int = 1,
@@ -243,7 +261,9 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
     Raises
     ------
     FileExistsError
-        ``out`` holds a complete pack, another pack in progress, or other files.
+        ``out`` holds a complete intact pack, another pack in progress, a damaged pack of another
+        (or unknown) config, or other files. A damaged pack of the same config is repaired: its
+        intact shards are kept, the rest is written again.
     ValueError
         ``samples_per_shard`` or ``workers`` below 1, data without anything to pack, and what
         building the data set raises (:func:`collect`).
@@ -255,9 +275,9 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
     out = Path(out).expanduser()
     cfg_data = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg))
     # a latent shard's bytes depend on the batches it was encoded in: resume only with the same
-    digest = _config_hash({**cfg_data, "encode_batch": encode_batch} if cfg_data.get("vae") else cfg_data, seed,
+    digest = config_hash({**cfg_data, "encode_batch": encode_batch} if cfg_data.get("vae") else cfg_data, seed,
                           samples_per_shard)
-    _prepare(out, digest, create=False)
+    repair = _prepare(out, digest)
     extra, writer = None, _write_shard
     if cfg_data.get("vae"):  # latents: encoded by the workers (vitp.latents.pack)
         from vitp.latents.pack import collect_latents, encode_shard, latent_meta
@@ -271,14 +291,16 @@ def pack(cfg: Any, out: Any, *, seed: int = 0, samples_per_shard: int = 1000, wo
         work = [(f"{i:09d}", s) for i, s in enumerate(samples)]
     if not samples:
         raise ValueError("the data set holds no sample to pack")
-    _prepare(out, digest, create=True)
+    _start(out, digest, repair)
     devices = _encode_devices(device) if extra else []
     jobs = [(str(out), k, work[a:a + samples_per_shard])
             + ((cfg_data, seed, encode_batch, devices[k % len(devices)]) if extra else ())
             for k, a in enumerate(range(0, len(work), samples_per_shard))]
+    if repair is not None:
+        drop_damaged_shards(out, jobs, repair["manifest"])
     sizes = _run_jobs(out, jobs, writer, workers, progress, len(samples))
     return _finish(out, cfg_data, seed, samples_per_shard, kind, classes, samples, skipped, jobs, sizes, text_store,
-                   extra)
+                   extra, digest)
 
 
 def _encode_devices(device: str) -> List[str]:
@@ -327,7 +349,8 @@ def _run_jobs(out: Path, jobs: list, writer: Any, workers: int, progress: bool, 
 
 def _finish(out: Path, cfg_data: dict, seed: int, per_shard: int, kind: str, classes: List[str],
             samples: List[Sample], skipped: Dict[str, str], jobs: list, sizes: Dict[int, int],
-            text_store: Optional[str], extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+            text_store: Optional[str], extra: Optional[Dict[str, Any]] = None,
+            digest: Optional[str] = None) -> Dict[str, Any]:
     """The per-sample arrays and captions of ``samples``, written by :func:`write_metadata`."""
     orientations = sorted({s.orientation for s in samples if s.orientation})
     arrays = {
@@ -345,7 +368,7 @@ def _finish(out: Path, cfg_data: dict, seed: int, per_shard: int, kind: str, cla
     shardlist = [{"url": shard_name(job[1]), "nsamples": len(job[2]), "filesize": sizes[job[1]]} for job in jobs]
     return write_metadata(out, arrays, captions, shardlist, cfg_data=cfg_data, seed=seed, per_shard=per_shard,
                           kind=kind, classes=classes, skipped=skipped, orientations=orientations,
-                          text_store=text_store, extra=extra)
+                          text_store=text_store, extra=extra, config_sha256=digest)
 
 
 _COMPACT = ("label", "frames", "heldout_from", "height", "width")  # read whole at start-up: stored small
@@ -364,18 +387,22 @@ def _compact(a: np.ndarray) -> np.ndarray:
 def write_metadata(out: Path, arrays: Dict[str, np.ndarray], captions: Optional[Sequence[Optional[str]]],
                    shardlist: List[Dict[str, Any]], *, cfg_data: dict, seed: int, per_shard: int, kind: str,
                    classes: List[str], skipped: Dict[str, str], orientations: List[str],
-                   text_store: Optional[str], extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                   text_store: Optional[str], extra: Optional[Dict[str, Any]] = None,
+                   config_sha256: Optional[str] = None) -> Dict[str, Any]:
     """Write a pack's files other than its shards into ``out``: ``samples.safetensors`` (``arrays``,
     one entry per sample: the layout in :mod:`vitp.data.shards`; ``captioned`` is added when there
     are captions), ``captions.jsonl`` and its line offsets (``captions``: str or None per sample;
     None: no captions), the caption store (copied from ``text_store``) and, last, the manifest
-    (``shardlist``: ``{"url", "nsamples", "filesize"}`` per shard). Returns the manifest."""
+    (``shardlist``: ``{"url", "nsamples", "filesize"}`` per shard). ``config_sha256``: the digest
+    of the config packed (the resume check's), recorded in the manifest and in ``samples.safetensors``'s
+    metadata, so that a damaged pack is repaired only by the same config. Returns the manifest."""
     from safetensors.numpy import save_file
 
     arrays = {k: _compact(np.asarray(v)) if k in _COMPACT else v for k, v in arrays.items()}
     if captions is not None:  # which samples have one: read at start-up instead of the captions file
         arrays = dict(arrays, captioned=np.asarray([c is not None for c in captions], dtype=np.uint8))
-    save_file(arrays, str(out / SAMPLES))
+    save_file(arrays, str(out / SAMPLES), 
+              metadata=None if config_sha256 is None else {DIGEST_KEY: config_sha256})
     os.chmod(out / SAMPLES, 0o644)  # safetensors writes 0600: others on a shared file system read the pack too
     if captions is not None:
         atomic_write_text(out / CAPTIONS, "".join(json.dumps(c) + "\n" for c in captions))
@@ -391,6 +418,8 @@ def write_metadata(out: Path, arrays: Dict[str, np.ndarray], captions: Optional[
     }
     manifest["vitp"].update(extra or {})  # a latent pack: its VAE and shapes (vitp.latents.pack.latent_meta)
     manifest["vitp"]["bytes"] = sum(s["filesize"] for s in shardlist)
+    if config_sha256 is not None:
+        manifest["vitp"][DIGEST_KEY] = config_sha256
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     (out / PROGRESS).unlink(missing_ok=True)
     return manifest

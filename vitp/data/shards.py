@@ -35,6 +35,7 @@ import hashlib
 import io
 import json
 import logging
+import mmap
 import os
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -55,9 +56,14 @@ FORMAT, VERSION = "vitp-shards", 1
 MANIFEST, SAMPLES, CAPTIONS, TEXT_STORE = "index.json", "samples.safetensors", "captions.jsonl", "text-embeddings"
 CAPTION_OFFSETS = "captions.idx.npy"  # int64 (n + 1,): where each line of captions.jsonl starts, then its size
 _ARRAYS = ("label", "heldout", "heldout_from", "height", "width", "frames", "fps", "orientation")  # samples.safetensors
-_CHUNK = 1 << 14  # samples / items per chunk of the start-up arithmetic (bounds its temporaries)
+_CHUNK = 1 << 13  # samples / items per chunk of the start-up arithmetic: its int64 temporaries stay under
+# glibc's 128 KiB mmap threshold, so freeing them never raises it (heap pages reused)
 META_EXTS = ("cls", "txt", "json")  # a sample's files other than its media
 _LOGGED: set = set()  # shard_datasets' summary lines already logged
+# the fix a damaged pack file's message names: vitp-pack repairs a damaged pack of the same config (vitp.data.pack)
+REPACK = "re-run the same vitp-pack command (it repairs the pack)"
+# a shard of the right size whose content is damaged is not found by vitp-pack's check: deleted, it is written again
+REPACK_SHARD = "delete it and re-run the same vitp-pack command (it writes missing shards again)"
 
 
 def s3_download(remote: str, local: str) -> None:
@@ -92,13 +98,13 @@ def _per_sample(url: str, captions: bool, manifest_sha1: str) -> Tuple[Dict[str,
         arrays = _load_samples(where)
         missing = [k for k in _ARRAYS if k not in arrays]
     except FileNotFoundError:
-        raise FileNotFoundError(f"{where} is missing; re-run vitp-pack to write the pack again (or copy {SAMPLES} "
-                                f"from it again)") from None
+        raise FileNotFoundError(f"{where} is missing; {REPACK}, or copy {SAMPLES} again "
+                                f"from where the pack was copied") from None
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a damaged file
-        raise ValueError(f"{where} is damaged ({type(e).__name__}: {e}); re-run vitp-pack to write the pack again "
-                         f"(or copy {SAMPLES} from it again)") from None
+        raise ValueError(f"{where} is damaged ({type(e).__name__}: {e}); {REPACK}, "
+                         f"or copy {SAMPLES} again from where the pack was copied") from None
     if missing:
-        raise ValueError(f"{where} lacks the arrays {', '.join(missing)}; re-run vitp-pack to write the pack again")
+        raise ValueError(f"{where} lacks the arrays {', '.join(missing)}; {REPACK}")
     return arrays, (CaptionLines(url, arrays.get("captioned")) if captions else None)
 
 
@@ -173,8 +179,8 @@ class CaptionLines(Sequence):
         return self._buf
 
     def _damaged(self, why: str) -> ValueError:
-        return ValueError(f"{self.where} is damaged: {why}; re-run vitp-pack to write the pack again "
-                          f"(or copy {CAPTIONS} from it again)")
+        return ValueError(f"{self.where} is damaged: {why}; {REPACK}, or copy {CAPTIONS} "
+                          f"again from where the pack was copied")
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -230,7 +236,7 @@ class ShardIndex:
     ValueError
         A manifest of another format or version, or arrays that disagree with the shard list; a
         damaged ``index.json``, ``samples.safetensors`` or ``captions.jsonl`` (one line naming the
-        file and the fix: re-run ``vitp-pack``).
+        file and the fix: re-run the same ``vitp-pack`` command, which repairs the pack).
     """
 
     def __init__(self, url: str, check: bool = True):
@@ -243,8 +249,7 @@ class ShardIndex:
             raise FileNotFoundError(f"no packed data set at data.shards={url} ({e}); write one with "
                                     f"vitp-pack OUT <data overrides> and set data.shards=OUT") from None
         except ValueError as e:
-            raise ValueError(f"{where} is not a JSON manifest ({e}): it is damaged; re-run vitp-pack to write the "
-                             f"pack again") from None
+            raise ValueError(f"{where} is not a JSON manifest ({e}): it is damaged; {REPACK}") from None
         except StorageError as e:
             raise StorageError(f"data.shards={url}: {e}") from None
         meta = spec.get("vitp", {}) if isinstance(spec, dict) else {}
@@ -256,18 +261,17 @@ class ShardIndex:
             self.shards = [dict(s, url=join_url(self.url, s["url"])) for s in spec["shardlist"]]
             n = sum(int(s["nsamples"]) for s in self.shards)
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{where} is damaged (no usable {e} entry); re-run vitp-pack to write the pack "
-                             f"again") from None
+            raise ValueError(f"{where} is damaged (no usable {e} entry); {REPACK}") from None
         self.manifest_sha1 = hashlib.sha1(raw).hexdigest()
         arrays, self.captions = _per_sample(self.url, bool(meta.get("captions")), self.manifest_sha1)
         for k in _ARRAYS:
             if len(arrays[k]) != n:
                 raise ValueError(f"{join_url(self.url, SAMPLES)}: {k} has {len(arrays[k])} entries but the shards "
-                                 f"hold {n} samples; pack the data again")
+                                 f"hold {n} samples; {REPACK}")
             setattr(self, k, arrays[k])
         if self.captions is not None and len(self.captions.present) != n:
             raise ValueError(f"{join_url(self.url, SAMPLES)}: captioned has {len(self.captions.present)} entries but "
-                             f"the shards hold {n} samples; re-run vitp-pack to write the pack again")
+                             f"the shards hold {n} samples; {REPACK}")
         if self.captions is not None and len(self.captions) != n:
             raise self.captions._damaged(f"it has {len(self.captions)} lines but the shards hold {n} samples")
         self._starts = np.cumsum([0] + [int(s["nsamples"]) for s in self.shards], dtype=np.int64)
@@ -308,7 +312,7 @@ class ShardIndex:
                 bad.append(f"{s['url']} has {got} bytes, packed with {s['filesize']} (truncated or replaced)")
         if bad:
             raise FileNotFoundError(f"{len(bad)} of the {len(self.shards)} shards of data.shards={self.url} are "
-                                    f"unusable: {'; '.join(bad[:5])}; copy the shards again or re-run vitp-pack")
+                                    f"unusable: {'; '.join(bad[:5])}; copy the shards again or {REPACK}")
 
     def _listed_sizes(self) -> Optional[Dict[str, int]]:
         scheme = urlparse(self.url).scheme
@@ -383,11 +387,11 @@ class ShardReader:
                 tar = IndexedTarSamples(path=path)
             except Exception as e:  # noqa: BLE001 - a damaged header fails the whole shard's index
                 raise StorageError(f"shard {url} is damaged: its tar headers cannot be read ({type(e).__name__}: "
-                                   f"{e}); copy it again or re-run vitp-pack, then resume the run") from None
+                                   f"{e}); copy it again or {REPACK_SHARD}, then resume the run") from None
             if len(tar) != want:
                 tar.close()
                 raise StorageError(f"shard {url} holds {len(tar)} samples, the manifest says {want}: it is damaged "
-                                   f"or from another pack; copy it again or re-run vitp-pack, then resume the run")
+                                   f"or from another pack; copy it again or {REPACK_SHARD}, then resume the run")
             self.open[k] = tar
         return tar
 
@@ -538,8 +542,8 @@ class ShardLatents(KeyedDataset):
         sample = self._reader[i]
         mean, std = (np.load(io.BytesIO(sample[k])) for k in ("mean.npy", "std.npy"))
         if mean.shape != self.shape or std.shape != self.shape:
-            raise ValueError(f"{self.files[i]}: latent of shape {mean.shape}, the manifest says {self.shape}: the pack "
-                             f"is damaged; re-run vitp-pack")
+            raise ValueError(f"{self.files[i]}: latent of shape {mean.shape}, the manifest says {self.shape}: its "
+                             f"shard is damaged; {REPACK_SHARD}")
         return mean, std
 
     def __getitem__(self, key: Any) -> Tuple[torch.Tensor, int]:
@@ -854,10 +858,13 @@ def _split(index: ShardIndex, base: Any, n: int, keep: Any = None) -> Tuple[np.n
     the manifest's flag for images; for clips, held out when the eval clip starts at or after its
     file's ``heldout_from``, training when every jittered clip ends before it (windows across the
     boundary are used by neither). Items without a caption are left out when the pack has
-    captions, and those ``keep(base, items)`` (a bool mask) rejects. In chunks: two bytes per item
-    while splitting, then the int indices alone."""
+    captions, and those ``keep(base, items)`` (a bool mask) rejects. In chunks: one byte per item
+    while splitting next to the int indices, no other temporary of all items."""
     video, present = index.kind == "video", None if index.captions is None else index.captions.present
-    side = np.zeros(n, dtype=np.uint8)  # 1 training, 2 held out, 0 neither: one byte per item while split
+    # 1 training, 2 held out, 0 neither: one byte per item while split, in pages of its own (an
+    # anonymous mmap) so that freeing it does not raise glibc's mmap threshold for what follows
+    side = np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=np.uint8)[:n]
+    counts = np.zeros(3, dtype=np.int64)
     for a in range(0, n, _CHUNK):  # chunks: the frame arithmetic's temporaries stay small
         items = np.arange(a, min(n, a + _CHUNK), dtype=np.int64)
         sample = base.samples_of(base.files_of(items)) if video else items
@@ -872,15 +879,15 @@ def _split(index: ShardIndex, base: Any, n: int, keep: Any = None) -> Tuple[np.n
         if keep is not None:
             got[~keep(base, items)] = 0
         side[a:a + len(items)] = got
-    out = []
-    for k in (1, 2):
-        idx = np.empty(int(np.count_nonzero(side == k)), dtype=_dtype(n))
-        at = 0
-        for a in range(0, n, _CHUNK):
+        counts += np.bincount(got, minlength=3)
+    # filled chunk by chunk: no temporary of all items (a bucket's split then peaks at the same
+    # bytes per item as an unbucketed one, whatever the buckets already hold)
+    out, at = [np.empty(int(counts[k]), dtype=_dtype(n)) for k in (1, 2)], [0, 0]
+    for a in range(0, n, _CHUNK):
+        for j, k in enumerate((1, 2)):
             got = np.flatnonzero(side[a:a + _CHUNK] == k) + a
-            idx[at:at + len(got)] = got
-            at += len(got)
-        out.append(idx)
+            out[j][at[j]:at[j] + len(got)] = got
+            at[j] += len(got)
     return out[0], out[1]
 
 

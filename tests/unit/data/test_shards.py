@@ -29,6 +29,9 @@ PHOTO = ["data.resolution=16", "data.channels=3", "data.num_classes=2", "data.ho
 VIDEO = ["data.resolution=32", "data.channels=3", "data.num_frames=8", "data.frame_stride=2", "data.num_classes=2"]
 
 
+FIX = re.escape("re-run the same vitp-pack command (it repairs the pack)")
+
+
 def _pack(out, *over, per_shard=5):
     return pack_cli.run([str(out), "--quiet", "--samples-per-shard", str(per_shard), *over])
 
@@ -454,14 +457,14 @@ def test_packed_captions_are_read_per_item_through_offsets(captioned, tmp_path):
 
 
 @pytest.mark.parametrize("name, damage, message", [
-    ("samples.safetensors", lambda b: b[:len(b) // 2], "samples.safetensors is damaged .*; re-run vitp-pack"),
-    ("samples.safetensors", lambda b: b"", "samples.safetensors is damaged .*; re-run vitp-pack"),
-    ("index.json", lambda b: b[:len(b) // 2], "index.json is not a JSON manifest .*damaged; re-run vitp-pack"),
+    ("samples.safetensors", lambda b: b[:len(b) // 2], "samples.safetensors is damaged .*; " + FIX),
+    ("samples.safetensors", lambda b: b"", "samples.safetensors is damaged .*; " + FIX),
+    ("index.json", lambda b: b[:len(b) // 2], "index.json is not a JSON manifest .*damaged; " + FIX),
     ("index.json", lambda b: json.dumps({"vitp": json.loads(b)["vitp"]}).encode(),
-     "index.json is damaged \\(no usable 'shardlist' entry\\); re-run vitp-pack"),
-    ("captions.jsonl", lambda b: b[:-3], "captions.jsonl is damaged: it ends inside line 6 .*; re-run vitp-pack"),
+     "index.json is damaged \\(no usable 'shardlist' entry\\); " + FIX),
+    ("captions.jsonl", lambda b: b[:-3], "captions.jsonl is damaged: it ends inside line 6 .*; " + FIX),
     ("captions.jsonl", lambda b: b[:b.index(b"\n") + 1], "captions.jsonl is damaged: it has 1 lines but the "
-                                                        "shards hold 6 samples; re-run vitp-pack"),
+                                                        "shards hold 6 samples; " + FIX),
 ])
 def test_a_damaged_pack_file_is_one_line_naming_it_and_the_fix(captioned, tmp_path, name, damage, message):
     folder, src = captioned
@@ -484,7 +487,7 @@ def test_a_caption_line_that_is_not_json_is_named_when_read(captioned, tmp_path)
     (out / "captions.jsonl").write_bytes(b"\n".join(lines))
     caps = CaptionLines(str(out))
     assert caps[0] == "a cat, sitting"
-    with pytest.raises(ValueError, match=f"{out / 'captions.jsonl'} is damaged: line 4 is not JSON .*re-run vitp-pack"):
+    with pytest.raises(ValueError, match=f"{out / 'captions.jsonl'} is damaged: line 4 is not JSON .*" + FIX):
         caps[3]
 
 
@@ -501,3 +504,86 @@ def test_shape_buckets_of_packed_videos_share_one_layout():
     assert c._first is not a._first and len(c) > len(a)
     fresh = _folder_of(index, resolution=32, num_frames=8, fps=12.0, video_cache_mb=0)
     assert np.array_equal(b.item_window, fresh.item_window) and np.array_equal(b.labels, fresh.labels)
+
+
+# ------------------------------------------------------------------------------ repairing a damaged pack
+def _shard_stamps(out):
+    """``{shard: (mtime_ns, bytes)}`` of the pack ``out``, the mtimes first set far back (a shard
+    written again gets a new one)."""
+    for p in out.glob("shard-*.tar"):
+        os.utime(p, (1e9, 1e9))
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(out.glob("shard-*.tar"))}
+
+
+@pytest.mark.parametrize("name, damage", [
+    ("samples.safetensors", lambda b: b[:len(b) // 2]),
+    ("index.json", lambda b: b[:len(b) // 2]),
+    ("captions.jsonl", lambda b: b[:-3]),
+    ("captions.idx.npy", None),  # missing (the reader scans the captions instead: nothing refused)
+    ("shard-000001.tar", lambda b: b[:-1024]),
+])
+def test_a_damaged_pack_is_repaired_by_the_same_pack_command(captioned, tmp_path, capsys, name, damage):
+    """What training refuses names the fix (the same vitp-pack command), and that command repairs
+    the pack: the files equal the original's, the intact shards are kept, not rewritten."""
+    folder, src = captioned
+    out = tmp_path / "pack"
+    shutil.copytree(src, out)
+    stamps = _shard_stamps(out)
+    if damage is None:
+        (out / name).unlink()
+    else:
+        (out / name).write_bytes(damage((out / name).read_bytes()))
+        with pytest.raises((ValueError, FileNotFoundError), match=r"re-run the same vitp-pack command \(it repairs"):
+            _data(*folder[2:], "data=shards", f"data.shards={out}")
+    capsys.readouterr()
+    manifest = _pack(out, *folder, per_shard=2)
+    err = [line for line in capsys.readouterr().err.splitlines() if "damaged" in line]
+    assert len(err) == 1 and err[0].startswith(f"vitp-pack: {out} is damaged ({name} "), err
+    assert "repairing it" in err[0]
+    assert manifest == json.loads((src / "index.json").read_text())
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir())
+    for p in src.iterdir():
+        assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+    for shard, (mtime, data) in stamps.items():
+        assert (out / shard).read_bytes() == data
+        assert ((out / shard).stat().st_mtime_ns == mtime) == (shard != name), shard  # only the damaged one rewritten
+    packed = [ds.indices.tolist() for ds in _data(*folder[2:], "data=shards", f"data.shards={out}")]
+    assert packed == [ds.indices.tolist() for ds in _data(*folder[2:], "data=shards", f"data.shards={src}")]
+    with pytest.raises(FileExistsError, match=f"{out} already holds a packed data set"):  # intact: refused again
+        _pack(out, *folder, per_shard=2)
+
+
+def test_a_damaged_pack_of_another_or_unknown_config_is_refused_in_one_line(captioned, tmp_path, capsys):
+    folder, src = captioned
+    out = tmp_path / "pack"
+    shutil.copytree(src, out)
+    (out / "samples.safetensors").write_bytes(b"cut")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, err = _main([str(out), "--quiet", "--samples-per-shard", "3", *folder], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"vitp-pack: error: {out} holds a damaged pack (samples.safetensors is damaged")
+    assert "of another data config or shard size" in err[0] and "delete the folder or pack into another one" in err[0]
+    (out / "index.json").write_bytes(b"{not json")  # the config is recorded nowhere readable now
+    before["index.json"] = b"{not json"
+    code, err = _main([str(out), "--quiet", "--samples-per-shard", "2", *folder], capsys)
+    assert code == 2 and len(err) == 1 and "index.json is not JSON" in err[0], err
+    assert "no readable record of the config it was packed with; delete the folder" in err[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing touched
+
+
+def test_a_damaged_pack_written_before_the_config_was_recorded_is_repaired(captioned, tmp_path):
+    """A pack without the recorded config digest (older vitp): the manifest's source config,
+    seed and shard size give it."""
+    from safetensors.numpy import load_file, save_file
+
+    folder, src = captioned
+    out = tmp_path / "pack"
+    shutil.copytree(src, out)
+    manifest = json.loads((out / "index.json").read_text())
+    del manifest["vitp"]["config_sha256"]
+    (out / "index.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    save_file(load_file(str(out / "samples.safetensors")), str(out / "samples.safetensors"))  # no metadata
+    (out / "captions.jsonl").write_bytes((out / "captions.jsonl").read_bytes()[:-3])
+    with pytest.raises(FileExistsError, match="of another data config"):
+        _pack(out, *folder, per_shard=3)
+    assert _pack(out, *folder, per_shard=2) == json.loads((src / "index.json").read_text())

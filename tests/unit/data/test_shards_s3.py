@@ -151,7 +151,7 @@ def test_s3_missing_or_truncated_shard_fails_at_start_up(s3, tmp_path):
     assert "s3://vitp-data/damaged/digits/shard-000001.tar is missing" in msg
     assert "s3://vitp-data/damaged/digits/shard-000002.tar has 100000 bytes, packed with 1546240 " \
            "(truncated or replaced)" in msg
-    assert msg.endswith("copy the shards again or re-run vitp-pack")
+    assert msg.endswith("copy the shards again or re-run the same vitp-pack command (it repairs the pack)")
     assert not cache.exists() or _cache_files(cache) == []
 
 
