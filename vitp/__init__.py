@@ -8,3 +8,12 @@ Packages, in import order: :mod:`vitp.config` / :mod:`vitp.utils` -> :mod:`vitp.
 """
 
 __version__ = "0.1.0"
+
+import sys as _sys
+
+if "-m" in _sys.orig_argv and _sys.orig_argv[_sys.orig_argv.index("-m") + 1:][:1] == ["vitp.train"]:
+    # ``python -m vitp.train`` (torchrun, deepspeed): handle Ctrl-C before the package's heavy
+    # imports, as the vitp-train script does (vitp.cli.entry)
+    from vitp import interrupt as _interrupt
+
+    _interrupt.install()

@@ -946,9 +946,10 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
         if cp == 1:
             raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide world_size={world_size}; "
                              f"valid (tp, pp) for {world_size} processes: {ok}")
+        at_cp = f" (at cp={cp} the valid (tp, pp) are {ok})" if ok != "none" else ""
         raise ValueError(f"parallel.tp={tp} x parallel.cp={cp} x parallel.pp={pp} does not divide world_size="
                          f"{world_size}; launch a multiple of {tp * cp * pp} processes, or use parallel.cp in "
-                         f"{divisors(world_size)} (at cp={cp} the valid (tp, pp) are {ok})")
+                         f"{divisors(world_size)}{at_cp}")
     sizes = [("model.num_heads", m.num_heads),
              (f"MLP hidden units (model.mlp={m.mlp}, model.width, model.mlp_ratio)",
               mlp_hidden_units(m.width, m.mlp_ratio, m.mlp))]

@@ -546,3 +546,11 @@ def test_a_layout_for_more_processes_without_a_launcher_says_to_start_it_with_on
     assert msg.endswith("this job has 1; relaunch with the checkpoint's number of ranks, or continue on 1 at another "
                         "layout: add parallel.tp=1 parallel.cp=1 parallel.pp=1 (or degrees whose product divides 1) to "
                         "the command, also after --resume RUN (the whole training state is resharded to any layout)")
+
+
+def test_cp_that_does_not_divide_the_processes_names_the_valid_cp_without_an_empty_layout_list():
+    """``parallel.cp=2`` in one process said "(at cp=2 the valid (tp, pp) are none)"."""
+    with pytest.raises(ValueError) as e:
+        validate_layout(compose_cfg(["experiment=smoke", "parallel.cp=2"]), world_size=1)
+    assert str(e.value) == ("parallel.tp=1 x parallel.cp=2 x parallel.pp=1 does not divide world_size=1; launch a "
+                            "multiple of 2 processes, or use parallel.cp in [1]"), str(e.value)

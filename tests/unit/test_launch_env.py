@@ -204,6 +204,35 @@ def test_a_run_stopped_by_a_signal_exits_128_plus_the_signal_after_its_checkpoin
         assert (run / "checkpoints" / "step_0000001").is_dir() and not (run / "model_ema.safetensors").exists()
 
 
+def test_ctrl_c_during_start_up_stops_in_one_line_even_when_a_library_swallows_it(tmp_path):
+    """A Ctrl-C in vitp-train's first seconds was ignored (a bare ``except:`` in start-up code
+    caught its KeyboardInterrupt) and the run trained on; another time it ended in a traceback.
+    Here start-up swallows the SIGINT as such code does: the command still stops before step 1,
+    exit 130, one line on stderr, nothing trained."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    code = ("import os, signal, sys, time\n"
+            "import vitp.train.trainer as tr\n"
+            "init = tr.Trainer.__init__\n"
+            "def swallowing_init(self, *a, **k):\n"
+            "    try:\n"
+            "        os.kill(os.getpid(), signal.SIGINT); time.sleep(1)\n"
+            "    except BaseException:\n"  # what a library's bare except does
+            "        pass\n"
+            "    init(self, *a, **k)\n"
+            "tr.Trainer.__init__ = swallowing_init\n"
+            f"sys.argv = ['vitp-train', 'experiment=smoke', 'trainer.max_steps=3', 'hydra.run.dir={run}']\n"
+            "from vitp.cli.entry import train\n"
+            "train()\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 130, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == ("vitp-train: stopped by SIGINT during start-up, before the first "
+                                                 "step: nothing was trained; run the command again"), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and not (run / "checkpoints" / "step_0000001").exists()
+
+
 def test_the_bar_shows_every_steps_loss_not_only_logged_steps(tmp_path, monkeypatch):
     """With trainer.log_every=10 a 4-step run's bar showed step 1's loss until the last step: the
     bar's loss and grad norm are each step's own."""

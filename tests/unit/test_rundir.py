@@ -260,3 +260,44 @@ def test_a_finished_run_keeps_its_results_on_resume_and_vitp_eval(tmp_path, capl
     out = run / "eval_sampler.steps=1.json"
     assert json.loads(out.read_text())["sampler"]["steps"] == 1 and (run / "eval.json").read_bytes() == kept["eval.json"][0]
     assert f"vitp-eval: wrote {out} (the training's eval.json is kept)" in capsys.readouterr().err
+
+
+def test_a_finished_run_resumed_from_an_earlier_checkpoint_moves_its_results_aside(tmp_path, caplog):
+    """A new user's report: the refusal of a truncated last checkpoint suggested
+    ``trainer.resume=RUN/checkpoints/step_N``; following it (``vitp-train --resume RUN
+    trainer.resume=... trainer.max_steps=M``) replaced the intact final weights and eval.json with
+    those of step M, saying nothing. Now the refusal says the later results will be moved, and the
+    resume moves them (bytes unchanged) into checkpoints/abandoned/ with one warning naming them."""
+    import hashlib
+    import logging
+
+    from vitp.cli.train import resume_config
+    from vitp.train import train
+
+    run = tmp_path / "run"
+    over = ["experiment=smoke", "trainer.max_steps=4", "trainer.checkpoint_every=2", "eval.enabled=true",
+            "eval.classifier_epochs=1", "eval.num_samples=8", "sampler.samples_per_class=1"]
+    train(compose_cfg(over), run, over)
+    names = ("model_ema.safetensors", "model.safetensors", "eval.json", "samples/step_0000004.png")
+    before = {n: hashlib.sha256((run / n).read_bytes()).hexdigest() for n in names}
+    with open(run / "checkpoints" / "step_0000004" / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    earlier = f"trainer.resume={run / 'checkpoints' / 'step_0000002'}"
+    with pytest.raises(ValueError, match=rf"is truncated or was rewritten .*{earlier}.*that moves the run's results of "
+                                         r"a later step \(eval.json, .*model.safetensors, model_ema.json, "
+                                         r"model_ema.safetensors, later sample grids\) and its later checkpoints into "
+                                         rf"{run / 'checkpoints' / 'abandoned'}/, deleting nothing"):
+        train(resume_config(run, []), run)
+    assert {n: hashlib.sha256((run / n).read_bytes()).hexdigest() for n in names} == before  # refused: untouched
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        train(resume_config(run, [earlier, "trainer.max_steps=3"]), run)
+    (aside,) = (run / "checkpoints" / "abandoned").glob("*-results-step_0000004-*")
+    assert {n: hashlib.sha256((aside / n).read_bytes()).hexdigest() for n in names} == before
+    assert (f"moved eval.json, model.json, model.safetensors, model_ema.json, model_ema.safetensors, "
+            f"samples/step_0000004.png to {aside}: results of step 4, later than step 2") in caplog.text
+    assert [json.loads(x)["step"] for x in (aside / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [json.loads(x)["step"] for x in (run / "eval.jsonl").read_text().splitlines()] == [3]
+    assert json.loads((run / "eval.json").read_text())["step"] == 3  # the run's new results
+    assert json.loads((run / "model_ema.json").read_text())["step"] == 3 and (run / "model.safetensors").is_file()
+    assert (run / "samples" / "step_0000003.png").is_file() and not (run / "samples" / "step_0000004.png").exists()

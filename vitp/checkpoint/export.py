@@ -362,7 +362,8 @@ def _read_file(path: Path, keys: Optional[Iterable[str]]) -> Tuple[Dict[str, tor
                 return {k: f.get_tensor(name(k)) for k in keys}, meta
         tensors = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-        raise ValueError(f"weights file {path} is corrupt, truncated or not a safetensors file: {e}") from e
+        raise ValueError(f"weights file {path} is corrupt, truncated or not a safetensors file: {e}; copy it again, "
+                         f"or write it again from the run's checkpoint (vitp-export RUN_DIR)") from e
     if "vitp_config" not in meta:
         raise ValueError(f"weights file {path} has no vitp_config metadata: it was not written by vitp "
                          f"(a timm ViT state dict loads with trainer.init_from_timm)")
@@ -408,7 +409,7 @@ def _read_shard(path: Path, keys: List[str], index: Path) -> Dict[str, torch.Ten
             return {k: f.get_tensor(k) for k in keys}
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
         raise ValueError(f"weights shard {path} (of {index}) is corrupt, truncated or not a safetensors file: "
-                         f"{e}") from e
+                         f"{e}; copy it again, or write it again from the run's checkpoint (vitp-export RUN_DIR)") from e
 
 
 def checkpoint_record(tag_dir: Path) -> Dict[str, Any]:

@@ -42,13 +42,13 @@ from vitp.parallel import distributed as dist
 from vitp.utils import atomic_write_text
 
 from .export import RESUME_KEYS, model_differences
+from .results import ABANDONED, later_results
 from .rng import set_rng_state
 from .sharded import save_planner
 from .storage import StorageGroups
 
 META = "vitp_meta.json"
 LATEST = "latest"
-ABANDONED = "abandoned"  # checkpoints of an attempt a resume from an older tag left behind
 TAG_RE = re.compile(r"^step_(\d{7,})$")
 log = logging.getLogger("vitp")
 KILL_HOOK = "VITP_TEST_KILL_DURING_SAVE"  # "<rank>:<step>": that rank truncates a file and SIGKILLs itself
@@ -230,8 +230,18 @@ def _fix_hint(tag_dir: Path, rank: Optional[int] = None, layout: Optional[Layout
     if others:
         return (f"; resume from an earlier complete checkpoint with trainer.resume={tag_dir.parent / others[-1]} "
                 f"(after vitp-train --resume {tag_dir.parent.parent}, or in the run's own command; complete: "
-                f"{', '.join(others)})")
+                f"{', '.join(others)}){_aside_note(tag_dir.parent, _tag_step(others[-1]))}")
     return "; no other complete checkpoint is in that folder: start a new run dir (or trainer.init_from=<export>)"
+
+
+def _aside_note(ckpt_dir: Path, step: int) -> str:
+    """What continuing the run of ``ckpt_dir`` from ``step`` moves aside: its later results
+    (:func:`.results.set_aside_results`) and checkpoints, for :func:`_fix_hint`."""
+    results = later_results(ckpt_dir.parent, step)
+    if not results:
+        return ""
+    return (f"; that moves the run's results of a later step ({', '.join(results)}, later sample grids) and its "
+            f"later checkpoints into {ckpt_dir / ABANDONED}/, deleting nothing")
 
 
 def _holds_part(tag_dir: Path, rank: int, layout: Optional[Layout]) -> bool:

@@ -118,7 +118,8 @@ def resume_config(run_dir: Path, overrides: List[str]) -> DictConfig:
     keeps its recorded path), no ``trainer.exit_at_step`` when the run already stopped there (one
     still ahead stays), and the ``key=value`` ``overrides`` set on it, e.g.
     ``trainer.max_steps=2000`` to train longer, or ``trainer.resume=RUN_DIR/checkpoints/step_N`` to
-    continue from an earlier checkpoint of the run (its latest is broken).
+    continue from an earlier checkpoint of the run (its latest is broken; its results of a later
+    step are then moved aside, :func:`vitp.checkpoint.results.set_aside_results`).
 
     Raises ``FileNotFoundError`` when ``run_dir`` holds no recorded config; ``ValueError`` (one
     line) for a group choice (``experiment=...``: the run's config is already composed), a

@@ -466,7 +466,11 @@ def frechet_distance(feats_a: ArrayLike, feats_b: ArrayLike, *, eps: float = 1e-
     cov_b = np.atleast_2d(np.cov(b, rowvar=False))
 
     def _sqrtm(m: np.ndarray) -> np.ndarray:
-        r = scipy.linalg.sqrtm(m)
+        # a singular product (fewer samples than features, or collapsed samples) is handled below
+        # as pytorch-fid does (non-finite: offset); scipy's LinAlgWarning would only reach the console
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", scipy.linalg.LinAlgWarning)
+            r = scipy.linalg.sqrtm(m)
         return r[0] if isinstance(r, tuple) else r
 
     covmean = _sqrtm(cov_a @ cov_b)

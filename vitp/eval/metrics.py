@@ -177,7 +177,8 @@ def prompt_samples(gen: Any, cfg: DictConfig, store: Any, share: Optional[Share]
         prompts = [fill_template(t, str(d)) for t in templates for d in range(10)]
         cond = PromptConditioning(prompts, store, cfg.data.text_encoder)
         ids = torch.arange(1, len(prompts) + 1).repeat_interleave(k)
-        samples = generate(gen, cfg, ids, seed=cfg.eval.noise_seed + 2, conditioning=cond, share=share)
+        samples = generate(gen, cfg, ids, seed=cfg.eval.noise_seed + 2, conditioning=cond, share=share,
+                           purpose=f"the prompt accuracy ({group} phrasings)")
         if samples is not None:
             out.append((group, list(templates), samples, torch.arange(10).repeat(len(templates)).repeat_interleave(k)))
     return out
@@ -211,7 +212,7 @@ def video_metrics(gen: Any, cfg: DictConfig, heldout_ds: Any, conditioning: Any 
     n = cfg.eval.num_samples or len(y_ho)
     labels = y_ho.repeat(n // len(y_ho) + 1)[:n]
     gen_sums = temporal_sums(generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1, conditioning=conditioning,
-                                      share=share, gather=False))
+                                      share=share, gather=False, purpose="the temporal statistics"))
     real_sums = torch.zeros(2, dtype=torch.float64)
     for i in share.indices(len(heldout_ds)):  # latents: decoded as the samples are
         real_sums += temporal_sums(to_pixels(cfg, heldout_ds[(i, None)][0][None], _device(gen)))

@@ -35,7 +35,7 @@ def sample_noise(seed: int, indices: Sequence[int], shape: Sequence[int]) -> tor
 
 
 def generate(gen: Any, cfg: DictConfig, labels: torch.Tensor, seed: int, conditioning: Any = None,
-             share: Optional[Share] = None, gather: bool = True) -> Optional[torch.Tensor]:
+             share: Optional[Share] = None, gather: bool = True, purpose: str = "") -> Optional[torch.Tensor]:
     """Samples ``(B, C, T, H, W)`` for ``labels`` with the configured sampler, in batches of
     ``sampler.batch_size`` per replica, at the size ``model.image_size`` (an int, ``[H, W]`` or
     ``"HxW"``) and ``model.num_frames``; sample ``i`` starts from :func:`sample_noise` of ``(seed, i)``.
@@ -46,7 +46,8 @@ def generate(gen: Any, cfg: DictConfig, labels: torch.Tensor, seed: int, conditi
     ``conditioning``'s ``null_id``. With ``share`` (:class:`vitp.eval.inference.Share`) each
     data-parallel replica samples its range of the labels and the samples are gathered: the
     result is on global rank 0, ``None`` elsewhere (collective); with ``gather=False`` each rank
-    returns its replica's samples (no collective)."""
+    returns its replica's samples (no collective). ``purpose`` (e.g. ``"the sample grid"``) names
+    what the samples are for in the phase line of the final evaluation (:mod:`vitp.eval.progress`)."""
     from vitp.data.text import ClassConditioning
 
     s, m = cfg.sampler, cfg.model
@@ -56,7 +57,7 @@ def generate(gen: Any, cfg: DictConfig, labels: torch.Tensor, seed: int, conditi
     shape = (m.in_channels, m.num_frames, *parse_resolution(m.image_size, "model.image_size"))
     mine = share.indices(len(labels))
     out = [torch.empty((0, *shape))]
-    what = (f"sampling {len(labels)} samples ({s.method}, {s.steps} steps, cfg_scale {s.cfg_scale:g}"
+    what = (f"sampling {len(labels)} samples{f' for {purpose}' if purpose else ''} ({s.method}, {s.steps} steps, cfg_scale {s.cfg_scale:g}"
             f"{f', over {share.size} replicas' if share.size > 1 else ''})")
     with phase(what, -(-len(mine) // s.batch_size) * s.steps, "sampling", "step", share.main) as bar:
         for i in range(mine.start, mine.stop, s.batch_size):
@@ -94,7 +95,8 @@ def heldout_label_samples(gen: Any, cfg: DictConfig, y_ho: torch.Tensor, conditi
     ``eval.noise_seed + 1`` (:func:`generate`: ``None`` samples off rank 0 with ``share``)."""
     n = cfg.eval.num_samples or len(y_ho)
     labels = y_ho.repeat(n // len(y_ho) + 1)[:n]
-    return labels, generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1, conditioning=conditioning, share=share)
+    return labels, generate(gen, cfg, labels, seed=cfg.eval.noise_seed + 1, conditioning=conditioning, share=share,
+                            purpose="the held-out labels (FD, accuracy)")
 
 
 def grid_ids(cfg: DictConfig, conditioning: Any = None) -> torch.Tensor:
@@ -124,7 +126,7 @@ def write_sample_grid(gen: Any, cfg: DictConfig, path: Path, conditioning: Any =
     from vitp.media import caption_rows
 
     labels = grid_ids(cfg, conditioning)
-    x = generate(gen, cfg, labels, cfg.sampler.seed, conditioning, share)
+    x = generate(gen, cfg, labels, cfg.sampler.seed, conditioning, share, purpose="the sample grid")
     if x is None:
         return None
     grid = to_grid(x, nrow=cfg.sampler.samples_per_class)

@@ -1,5 +1,5 @@
 """``python -m vitp.train`` (what ``torchrun -m`` and ``deepspeed --module`` run): ``vitp-train``."""
-from vitp.cli.train import main
+from vitp.cli.entry import train
 
 if __name__ == "__main__":
-    main()
+    train()  # vitp.interrupt is installed by vitp/__init__.py for -m vitp.train

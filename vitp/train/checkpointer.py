@@ -177,7 +177,8 @@ class Checkpointer:
         """Each storage group's leader (rank 0 for a shared folder), after every check of the
         launch (config, layout, data, resume, init files) has passed: create the run dir, remove
         half-written checkpoints and (rank 0) drop the log lines and sample grids an interrupted
-        attempt wrote after the step we start from."""
+        attempt wrote after the step we start from, having moved aside the results of a later step
+        (:func:`vitp.checkpoint.results.set_aside_results`)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob("*.partial") if self.dir.is_dir() else []:
             # rank-local: with node-local run dirs each node's first rank cleans its own folder

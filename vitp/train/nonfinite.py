@@ -12,7 +12,10 @@ in the order the places arise:
 
 :func:`nonfinite_loss_error` builds the ``FloatingPointError`` that stops the run (``vitp-train``
 exits with status 3, :data:`vitp.cli.EXIT_NON_FINITE`); :class:`StepBatches` keeps what the
-step read, so nothing is checked while the loss is finite.
+step read, so nothing is checked while the loss is finite. A step whose loss is finite but whose
+global grad norm is not stops the run at that step (:func:`nonfinite_grad_error`): a diverging
+run's loss can stay finite (1e28) for many steps while clipping by an infinite norm zeroes or
+poisons every update (Megatron-LM checks the grad norm the same way, ``check_for_nan_in_grad``).
 """
 from __future__ import annotations
 
@@ -91,3 +94,14 @@ def nonfinite_loss_error(loss: float, step: int, *, batches: Any, prev_grad_norm
              "trainer.init_from_timm or the resumed checkpoint)") if first_step else ""
     return FloatingPointError(f"{head}: the forward pass made it from a finite input batch{start}: lower optim.lr or "
                               f"{clip}{fp32}")
+
+
+def nonfinite_grad_error(grad_norm: float, loss: float, step: int, *, grad_clip: float,
+                         precision: str) -> FloatingPointError:
+    """The error for a non-finite global grad norm ``grad_norm`` at ``step`` whose ``loss`` is
+    finite: the backward pass overflowed (a learning rate too high for the model, or a diverging
+    run). Every rank sees the same global norm, so every rank raises it."""
+    fp32 = "" if precision == "fp32" else ", or use trainer.precision=fp32"
+    clip = "keep optim.grad_clip > 0" if grad_clip > 0 else "set optim.grad_clip > 0 (it is 0: no clipping)"
+    return FloatingPointError(f"grad norm is {grad_norm} at step {step} though its loss ({loss:.4g}) is finite: the "
+                              f"backward pass overflowed (the run diverges): lower optim.lr and {clip}{fp32}")

@@ -7,7 +7,8 @@
   has no checkpoint to resume) is refused, naming the differing keys; so is a folder that holds
   files but no vitp run.
 - :func:`drop_failed_attempt`: log lines, sample grids and TensorBoard events that an interrupted
-  attempt wrote after the step we restart from are removed, so the outputs show one history.
+  attempt wrote after the step we restart from are removed, so the outputs show one history; the
+  results of a finished run resumed from an earlier checkpoint are moved aside first.
 - :func:`hold_log_files`: records bound for log files inside the run directory (Hydra's
   ``train.log``) are held back until the launch has passed its checks
   (:func:`release_log_files`), so a refused launch writes no line into the folder, nor into the
@@ -21,7 +22,6 @@ import datetime
 import json
 import logging
 import os
-import re
 import shlex
 import shutil
 import socket
@@ -32,6 +32,7 @@ from typing import Any, List, Mapping, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from vitp.checkpoint import truncate_log
+from vitp.checkpoint.results import later_grids, set_aside_results
 from vitp.checkpoint.storage import PROBE_PREFIX
 from vitp.parallel import distributed as dist
 
@@ -43,7 +44,6 @@ RELAUNCH_KEYS = ("trainer.resume", "trainer.exit_at_step", "trainer.exit_after_m
                  "trainer.max_steps", "trainer.export_dir", "trainer.output_data_dir", "trainer.tensorboard_dir",
                  "trainer.checkpoint_async", "trainer.export_shard_size_mb", "trainer.dist_timeout_minutes",
                  "data.num_workers")
-_SAMPLE = re.compile(r"^step_(\d{7})(\.png)?$")
 _held: List[tuple] = []  # (buffer, file handler) pairs of hold_log_files
 
 
@@ -195,18 +195,20 @@ def check_history(run_dir: Path, cfg: DictConfig) -> None:
 def drop_failed_attempt(run_dir: Path, start_step: int) -> None:
     """Remove what an interrupted attempt wrote after ``start_step`` (everything when starting from
     scratch): ``metrics.jsonl`` / ``eval.jsonl`` lines and ``samples/step_*`` grids. TensorBoard
-    events are hidden by the run logger's ``purge_step``."""
+    events are hidden by the run logger's ``purge_step``. Results of a later step (a finished run
+    resumed from an earlier checkpoint: its weights, ``eval.json``, final sample grid) are first
+    moved aside with copies of both logs (:func:`vitp.checkpoint.results.set_aside_results`), so
+    the rows dropped here are kept there and the logs never hold a step twice."""
+    aside = set_aside_results(run_dir, start_step)
     keep_upto = start_step if start_step else -1  # a fresh start redoes the step-0 evaluation too
     for name in ("metrics.jsonl", "eval.jsonl"):
         dropped = truncate_log(run_dir / name, keep_upto)
         if dropped:
-            log.warning("%s: dropped %d lines of an interrupted attempt logged after step %d", name, dropped,
-                        max(keep_upto, 0))
-    samples = run_dir / "samples"
-    for p in sorted(samples.iterdir()) if samples.is_dir() else []:
-        m = _SAMPLE.match(p.name)
-        if m and int(m.group(1)) > keep_upto:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            log.warning("%s: dropped %d lines %slogged after step %d%s", name, dropped,
+                        "" if aside else "of an interrupted attempt ", max(keep_upto, 0),
+                        f" (the whole file is kept in {aside})" if aside else "")
+    for p in later_grids(run_dir, start_step):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def resume_command(run_dir: Path, env: Optional[Mapping[str, str]] = None) -> str:

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from vitp import interrupt
 from vitp.parallel import distributed as dist
 
 log = logging.getLogger("vitp")
@@ -19,7 +20,9 @@ class StopSignal:
     (130 for SIGINT, 143 for SIGTERM: :func:`exit_status`; 0 under ``vitp-sagemaker``).
 
     Schedulers and SageMaker send SIGTERM before killing a job. A second signal, more than
-    :attr:`REPEAT_S` seconds after the first, aborts at once (``KeyboardInterrupt``).
+    :attr:`REPEAT_S` seconds after the first, aborts at once (``KeyboardInterrupt``). A SIGINT
+    during start-up stops the command before this is made (:mod:`vitp.interrupt`; raised here if
+    a library swallowed its ``KeyboardInterrupt``).
     :meth:`requested` is collective (one all-reduce), so every rank stops at the same step even
     when only some of them got the signal. DataLoader workers ignore both signals
     (:func:`vitp.data.loader.ignore_stop_signals`), so a signal to the whole process group
@@ -34,6 +37,8 @@ class StopSignal:
     def __init__(self, device: torch.device):
         self.device, self.flag, self.previous, self.t_flag = device, None, {}, 0.0
         self.agreed: Optional[str] = None  # the signal any rank got, as :meth:`requested` last found it
+        interrupt.raise_if_swallowed()  # a Ctrl-C during start-up that a library's bare except caught
+        interrupt.training_started()
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self.previous[s] = signal.signal(s, self._handle)

@@ -478,7 +478,8 @@ class Trainer:
         the EMA update, and the metrics of ``step`` when they are due. Returns the loss.
 
         Raises ``FloatingPointError`` if the loss is NaN or infinite, saying where the non-finite
-        value first appeared and what to change (:func:`.nonfinite.nonfinite_loss_error`).
+        value first appeared and what to change (:func:`.nonfinite.nonfinite_loss_error`), or if
+        the global grad norm is (:func:`.nonfinite.nonfinite_grad_error`).
         """
         lr = self.engine.get_lr()[0]  # the lr this step uses
         batch = self.cfg.trainer.global_batch_size
@@ -500,6 +501,11 @@ class Trainer:
         self._n_log += 1
         if not math.isfinite(loss):
             raise self._nonfinite_loss(step, loss)
+        if norm is not None and not math.isfinite(self.grad_norms[-1]):
+            from .nonfinite import nonfinite_grad_error
+
+            raise nonfinite_grad_error(self.grad_norms[-1], loss, step, grad_clip=self.cfg.optim.grad_clip,
+                                       precision=self.layout.precision)
         if self.bar is not None:  # every step's own loss (not only logged steps'); drawn at the bar's update
             self.bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{self.grad_norms[-1]:.3f}", refresh=False)
         if self.logger.should_log(step):

@@ -45,7 +45,8 @@ def test_the_final_evaluation_says_what_runs_and_shows_a_bar_per_phase(smoke, tm
             evaluate(gen, cfg, train, heldout, tmp_path / "run", full=True)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("final evaluation: ")]
     assert lines == [f"final evaluation: held-out loss of {len(heldout)} items at 10 noise levels",
-                     "final evaluation: sampling 8 samples (heun, 2 steps, cfg_scale 1.5)",
+                     "final evaluation: sampling 8 samples for the held-out labels (FD, accuracy) (heun, 2 steps, "
+                     "cfg_scale 1.5)",
                      f"final evaluation: training the digits judge (1 epochs on {len(train)} real digits; cached "
                      "for later evaluations)"], lines
     err = capsys.readouterr().err

@@ -1,0 +1,33 @@
+"""Console entry points that stop on Ctrl-C during start-up in one line (:mod:`vitp.interrupt`).
+
+The command's module (torch, DeepSpeed, Hydra: seconds of imports) is imported after SIGINT is
+handled, so a Ctrl-C at any moment before the first training step ends the command with
+``<prog>: stopped by SIGINT during start-up, before the first step: nothing was trained`` on
+stderr and exit status 130 (the shell's 128 + SIGINT), no traceback. From the first step on,
+``vitp-train`` stops at the end of the step with a checkpoint (:mod:`vitp.train.stop`).
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from vitp import interrupt
+
+EXIT_SIGINT = 130
+
+
+def run(prog: str, module: str) -> None:
+    """Install the start-up SIGINT handler, then run ``module.main()``; a ``KeyboardInterrupt``
+    that reaches here is reported in one line and exits 130."""
+    interrupt.install(prog)
+    try:
+        importlib.import_module(module).main()
+    except KeyboardInterrupt as e:
+        interrupt.clear()
+        print(interrupt.line(prog, e), file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_SIGINT) from None
+
+
+def train() -> None:
+    """``vitp-train`` (:mod:`vitp.cli.train`)."""
+    run("vitp-train", "vitp.cli.train")
