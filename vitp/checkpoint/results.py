@@ -79,7 +79,7 @@ def later_grids(run_dir: Path, step: int) -> List[Path]:
     """The sample grids of steps after ``step`` (all of them from scratch: step 0 is redone too)."""
     step, samples = step if step else -1, run_dir / "samples"
     return sorted(p for p in (samples.iterdir() if samples.is_dir() else [])
-                  if SAMPLE_GRID.match(p.name) and int(SAMPLE_GRID.match(p.name).group(1)) > step)
+                  if (m := SAMPLE_GRID.match(p.name)) and int(m.group(1)) > step)
 
 
 def set_aside_results(run_dir: Path, start_step: int) -> Optional[Path]:

@@ -9,11 +9,12 @@ stderr and exit status 130 (the shell's 128 + SIGINT), no traceback. From the fi
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 from vitp import interrupt
 
-EXIT_SIGINT = 130
+EXIT_SIGINT = 128 + signal.SIGINT  # the shell's status for a command Ctrl-C stopped
 
 
 def run(prog: str, module: str) -> None:

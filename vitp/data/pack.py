@@ -401,7 +401,7 @@ def write_metadata(out: Path, arrays: Dict[str, np.ndarray], captions: Optional[
     arrays = {k: _compact(np.asarray(v)) if k in _COMPACT else v for k, v in arrays.items()}
     if captions is not None:  # which samples have one: read at start-up instead of the captions file
         arrays = dict(arrays, captioned=np.asarray([c is not None for c in captions], dtype=np.uint8))
-    save_file(arrays, str(out / SAMPLES), 
+    save_file(arrays, str(out / SAMPLES),
               metadata=None if config_sha256 is None else {DIGEST_KEY: config_sha256})
     os.chmod(out / SAMPLES, 0o644)  # safetensors writes 0600: others on a shared file system read the pack too
     if captions is not None:
