@@ -32,6 +32,39 @@ def _launch_env_restored():
             os.environ[k] = v
 
 
+# Work units of pytest-xdist (``--dist loadgroup``): a file's tests run on one worker, so its
+# module fixtures (the spawned process groups) are built once; files sharing session fixtures
+# (the reference runs, a folder's conftest groups) form one unit.
+_SHARED = {
+    "tests/distributed/test_pipeline.py": "reference_runs", "tests/distributed/test_checkpoint.py": "reference_runs",
+    "tests/distributed/test_reference.py": "reference_runs",
+    "tests/distributed/parallel": "parallel_groups", "tests/unit/text": "text_encoder",
+}
+# Seconds each unit took in a one-worker run (tests/README.md); units start longest first so that
+# no long one is left for the end. Units not listed count by folder.
+_COST = {
+    "reference_runs": 290, "tests/unit/test_scripts.py": 230, "tests/distributed/test_multinode.py": 115,
+    "tests/distributed/test_sagemaker_toolkit.py": 110, "tests/distributed/test_context_parallel.py": 100,
+    "tests/distributed/test_sample_cli.py": 95, "parallel_groups": 95, "tests/distributed/test_plan_validation.py": 75,
+    "tests/distributed/test_reshard.py": 70, "tests/distributed/test_rundir.py": 45,
+    "tests/distributed/test_train.py": 45, "tests/unit/test_preflight.py": 43,
+    "tests/distributed/test_partial_sync_run.py": 43, "tests/distributed/test_launchers.py": 40,
+    "tests/distributed/test_shards_train.py": 40, "tests/distributed/test_sampling_parity.py": 40,
+    "tests/distributed/test_auto_layout.py": 36, "tests/unit/test_config.py": 34,
+    "tests/distributed/test_latents_train.py": 34, "tests/distributed/test_text_train.py": 34,
+    "tests/distributed/test_sweep.py": 32, "tests/distributed/test_text_data.py": 31,
+}
+
+
+def _unit(item) -> str:
+    path = item.path.relative_to(item.config.rootpath).as_posix()
+    for prefix, name in _SHARED.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return name
+    return path
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -41,6 +74,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        item.add_marker(pytest.mark.xdist_group(_unit(item)))
+    order = {id(item): i for i, item in enumerate(items)}
+
+    def cost(item):
+        unit = _unit(item)
+        return _COST.get(unit, 10 if "distributed" in item.path.parts else 1)
+
+    items.sort(key=lambda item: (-cost(item), _unit(item), order[id(item)]))
+
+
+def pytest_configure(config):
+    """An xdist worker computes on one thread (and so do its subprocesses): two workers on a
+    2-core machine, each spinning up threads for both cores, run many times slower."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture

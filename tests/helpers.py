@@ -13,9 +13,13 @@ from vitp.config import compose as compose_cfg  # noqa: E402,F401
 from vitp.parallel.local_group import run_local_group  # noqa: E402
 from vitp.utils import free_port  # noqa: E402
 
-# Forked from one server that imported these once (the suite starts ~100 ranks).
+# Forked from one server that imported these once (the suite starts ~100 ranks); the second line
+# is what a training run imports on first use (the digits, the judge, checkpoints, TensorBoard,
+# text encoders): 1.9 s -> 0.9 s for a rank's first smoke run
 _PRELOAD = ["torch", "deepspeed", "timm", "albumentations", "hydra", "vitp.train", "vitp.data", "vitp.eval",
-            "vitp.pipeline", "tests.helpers"]
+            "vitp.pipeline", "tests.helpers",
+            "sklearn.datasets", "sklearn.linear_model", "scipy.stats", "torch.distributed.checkpoint",
+            "torch.utils.tensorboard", "transformers"]
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 300):

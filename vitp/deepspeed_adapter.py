@@ -269,8 +269,11 @@ def disable_shm_comm_op() -> None:
 
     Why: the first build takes about 50 s with g++ and training does not use it; DeepSpeed builds
     it only if ``deepspeed.ops.__compatible_ops__`` (a module-level table it fills on first
-    access) marks it compatible, and has no switch for it.
+    access) marks it compatible, and has no switch for it. The table is set in the module's
+    namespace, not read: reading it first runs DeepSpeed's probe of every op builder (compiler
+    and linker subprocesses on each start, ``cannot find -laio``) for a table only this op reads.
     """
     import deepspeed.ops
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    table = vars(deepspeed.ops).setdefault("__compatible_ops__", {})
+    table["deepspeed_shm_comm"] = False

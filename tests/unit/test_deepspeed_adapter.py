@@ -114,3 +114,20 @@ def test_patches_compose_and_every_training_instruction_is_in_the_table():
     assert calls == ["timer", "hook", "forward"]
     names = ds.pipeline_instructions()
     assert {getattr(schedule, n) for n in names} == set(PipelineEngine._INSTRUCTION_MAP)
+
+
+def test_disable_shm_comm_op_sets_the_table_without_probing_every_op(monkeypatch):
+    """Reading ``deepspeed.ops.__compatible_ops__`` first runs DeepSpeed's probe of every op
+    builder (compiler and linker subprocesses); vitp only writes the one entry it needs, and
+    ``build_shm_op`` then builds nothing."""
+    import deepspeed.ops
+    from deepspeed.comm.torch import build_shm_op
+
+    def probe():
+        raise AssertionError("DeepSpeed's op probe ran")
+
+    monkeypatch.delitem(vars(deepspeed.ops), "__compatible_ops__", raising=False)
+    monkeypatch.setattr(deepspeed.ops, "_probe_compatible_ops", probe)
+    ds.disable_shm_comm_op()
+    assert vars(deepspeed.ops)["__compatible_ops__"] == {"deepspeed_shm_comm": False}
+    assert build_shm_op() is None

@@ -133,7 +133,8 @@ def test_wan_normalisation_matches_diffusers(vaes):
     torch.testing.assert_close(std, want_std, rtol=1e-5, atol=1e-6)
     got_x = vae.decode(mean)
     assert got_x.shape == (2, 3, 5, 16, 16)
-    torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-6)
+    # fp32 conv decoders on the CPU: 1.5e-6 apart seen between two decodes of the same latents in a full suite run
+    torch.testing.assert_close(got_x, want_x, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["wan", "hunyuan"])
