@@ -23,6 +23,7 @@ BIN = Path(sys.executable).parent
 # from the perturbed export (non-zero adaLN gates): samples that differ from tile to tile
 RUN = ["experiment=smoke", "trainer.max_steps=2", "parallel.cp=2", f"trainer.init_from={PERTURBED}"]
 SAMPLING = ["sampler.steps=3"]
+EVAL = ["eval.classifier_epochs=1", "eval.num_samples=20"]
 
 
 def _cli(args, cwd, timeout=600):
@@ -48,32 +49,50 @@ def _pixels(path):
     return np.asarray(Image.open(path)).astype(int)
 
 
+@pytest.fixture(scope="module")
+def one_process(cp_run, tmp_path_factory):
+    """``vitp-sample`` of the cp=2 run by one process (the reference of every layout):
+    ``(stdout, pixels)``."""
+    tmp = tmp_path_factory.mktemp("one")
+    one = _cli(["vitp-sample", str(cp_run), "--classes", "3", "7", "--num", "3", "--out", str(tmp / "one.png"),
+                *SAMPLING], tmp)
+    assert one.returncode == 0, one.stderr[-3000:]
+    return one.stdout.replace(str(tmp), "TMP"), _pixels(tmp / "one.png")
+
+
+@pytest.fixture(scope="module")
+def one_process_eval(cp_run, tmp_path_factory):
+    """``vitp-eval`` of the cp=2 run by one process: its ``eval.json``."""
+    tmp = tmp_path_factory.mktemp("one_eval")
+    one = _cli(["vitp-eval", str(cp_run), *EVAL], tmp)
+    assert one.returncode == 0, one.stderr[-3000:]
+    ref = json.loads((cp_run / "eval.json").read_text())
+    (cp_run / "eval.json").unlink()
+    return ref
+
+
 @pytest.mark.parametrize("layout", [[], ["parallel.cp=1"], ["parallel.cp=1", "parallel.tp=2",
                                                             "parallel.sequence_parallel=true"]],
                          ids=["trained-cp2", "dp2", "tp2sp"])
-def test_sample_under_torchrun_writes_the_one_process_grid(cp_run, tmp_path, layout):
-    one = _cli(["vitp-sample", str(cp_run), "--classes", "3", "7", "--num", "3", "--out", str(tmp_path / "one.png"),
-                *SAMPLING], tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
+def test_sample_under_torchrun_writes_the_one_process_grid(cp_run, one_process, tmp_path, layout):
+    one_stdout, a = one_process
     two = _torchrun(["-m", "vitp.cli.sample", str(cp_run), "cli.classes=[3,7]", "cli.num=3",
                      f"cli.out={tmp_path / 'two.png'}", *SAMPLING, *layout], tmp_path)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    a, b = _pixels(tmp_path / "one.png"), _pixels(tmp_path / "two.png")
+    b = _pixels(tmp_path / "two.png")
     assert a.shape == b.shape == (2 * 64 + 3 * 2, 3 * 64 + 4 * 2, 3)  # 2 rows x 3 columns of 64 px tiles
     assert np.abs(a - b).max() <= 1
     tiles = [a[2 + 66 * r:66 * (r + 1), 2 + 66 * c:66 * (c + 1)] for r in range(2) for c in range(3)]
     assert min(np.abs(tiles[i] - tiles[j]).max() for i in range(6) for j in range(i)) > 4  # six different samples
-    assert two.stdout.count("wrote ") == 1 and one.stdout.replace("one.png", "two.png") == two.stdout  # rank 0 alone
+    # rank 0 alone prints, the line one process prints
+    assert two.stdout.count("wrote ") == 1 and one_stdout.replace("TMP/one.png", str(tmp_path / "two.png")) == two.stdout
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.cp=1"]], ids=["trained-cp2", "dp2"])
-def test_eval_under_torchrun_gives_the_one_process_heldout_loss(cp_run, tmp_path, layout):
-    over = ["eval.classifier_epochs=1", "eval.num_samples=20"]
-    one = _cli(["vitp-eval", str(cp_run), *over], tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
-    ref = json.loads((cp_run / "eval.json").read_text())
-    (cp_run / "eval.json").unlink()
-    two = _torchrun(["--no-python", str(BIN / "vitp-eval"), str(cp_run), *over, *layout], tmp_path)  # console script
+def test_eval_under_torchrun_gives_the_one_process_heldout_loss(cp_run, one_process_eval, tmp_path, layout):
+    ref = one_process_eval
+    (cp_run / "eval.json").unlink(missing_ok=True)  # the file read below is this launch's
+    two = _torchrun(["--no-python", str(BIN / "vitp-eval"), str(cp_run), *EVAL, *layout], tmp_path)  # console script
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     got = json.loads((cp_run / "eval.json").read_text())
     assert json.loads(two.stdout) == got  # one JSON document: rank 0 alone prints
