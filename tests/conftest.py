@@ -40,7 +40,7 @@ _SHARED = {
     "tests/distributed/test_reference.py": "reference_runs",
     "tests/distributed/parallel": "parallel_groups", "tests/unit/text": "text_encoder",
 }
-# Seconds each unit took in a one-worker run (tests/README.md); units start longest first so that
+# Seconds each unit took in a one-worker run (docs/testing.md); units start longest first so that
 # no long one is left for the end. Units not listed count by folder.
 _COST = {
     "reference_runs": 290, "tests/unit/test_scripts.py": 230, "tests/distributed/test_multinode.py": 115,
