@@ -74,14 +74,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-        item.add_marker(pytest.mark.xdist_group(_unit(item)))
+    units = {id(item): _unit(item) for item in items}
     order = {id(item): i for i, item in enumerate(items)}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(units[id(item)]))
 
-    def cost(item):
-        unit = _unit(item)
-        return _COST.get(unit, 10 if "distributed" in item.path.parts else 1)
+    def key(item):
+        unit = units[id(item)]
+        return -_COST.get(unit, 10 if "distributed" in item.path.parts else 1), unit, order[id(item)]
 
-    items.sort(key=lambda item: (-cost(item), _unit(item), order[id(item)]))
+    items.sort(key=key)
 
 
 def pytest_configure(config):

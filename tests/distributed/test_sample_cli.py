@@ -52,12 +52,12 @@ def _pixels(path):
 @pytest.fixture(scope="module")
 def one_process(cp_run, tmp_path_factory):
     """``vitp-sample`` of the cp=2 run by one process (the reference of every layout):
-    ``(stdout, pixels)``."""
+    ``(stdout, grid file, pixels)``."""
     tmp = tmp_path_factory.mktemp("one")
     one = _cli(["vitp-sample", str(cp_run), "--classes", "3", "7", "--num", "3", "--out", str(tmp / "one.png"),
                 *SAMPLING], tmp)
     assert one.returncode == 0, one.stderr[-3000:]
-    return one.stdout.replace(str(tmp), "TMP"), _pixels(tmp / "one.png")
+    return one.stdout, tmp / "one.png", _pixels(tmp / "one.png")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def one_process_eval(cp_run, tmp_path_factory):
                                                             "parallel.sequence_parallel=true"]],
                          ids=["trained-cp2", "dp2", "tp2sp"])
 def test_sample_under_torchrun_writes_the_one_process_grid(cp_run, one_process, tmp_path, layout):
-    one_stdout, a = one_process
+    one_stdout, one_png, a = one_process
     two = _torchrun(["-m", "vitp.cli.sample", str(cp_run), "cli.classes=[3,7]", "cli.num=3",
                      f"cli.out={tmp_path / 'two.png'}", *SAMPLING, *layout], tmp_path)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
@@ -85,7 +85,7 @@ def test_sample_under_torchrun_writes_the_one_process_grid(cp_run, one_process, 
     tiles = [a[2 + 66 * r:66 * (r + 1), 2 + 66 * c:66 * (c + 1)] for r in range(2) for c in range(3)]
     assert min(np.abs(tiles[i] - tiles[j]).max() for i in range(6) for j in range(i)) > 4  # six different samples
     # rank 0 alone prints, the line one process prints
-    assert two.stdout.count("wrote ") == 1 and one_stdout.replace("TMP/one.png", str(tmp_path / "two.png")) == two.stdout
+    assert two.stdout.count("wrote ") == 1 and one_stdout.replace(str(one_png), str(tmp_path / "two.png")) == two.stdout
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.cp=1"]], ids=["trained-cp2", "dp2"])
