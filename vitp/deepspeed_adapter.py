@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -27,6 +28,29 @@ if not torch.cuda.is_available():
     # `vitp-plan --json`) and probes for accelerators; a user's own setting wins
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+
+
+def import_deepspeed() -> Any:
+    """Import DeepSpeed, once per process, without the optional ``mlflow`` import of its autotuner.
+
+    Why: ``import deepspeed`` imports ``deepspeed.autotuning.autotuner``, which imports ``mlflow``
+    when it is installed (SageMaker's SDK installs it): about 1 s of every rank's start-up, for
+    DeepSpeed's autotuner, which vitp never runs. ``mlflow`` is hidden during that import only, so
+    DeepSpeed records it as absent and a later ``import mlflow`` of the user's still works. A
+    process that imported ``mlflow`` already keeps it. Every vitp module calls this before its
+    first DeepSpeed import. Returns the ``deepspeed`` module.
+    """
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # an import of it raises ImportError, which DeepSpeed expects
+    try:
+        import deepspeed
+    finally:
+        if hide and sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]
+    return deepspeed
 
 @dataclass(frozen=True)
 class Internal:
@@ -128,7 +152,7 @@ def missing(required: Optional[List[Internal]] = None) -> List[str]:
 def check(required: Optional[List[Internal]] = None) -> None:
     """Raise ``RuntimeError`` naming every DeepSpeed internal of ``required`` (default
     :data:`REQUIRED`) that the installed DeepSpeed lacks, and the adapter function that needs it."""
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     problems = missing(required)
     if problems:
@@ -273,6 +297,7 @@ def disable_shm_comm_op() -> None:
     namespace, not read: reading it first runs DeepSpeed's probe of every op builder (compiler
     and linker subprocesses on each start, ``cannot find -laio``) for a table only this op reads.
     """
+    import_deepspeed()
     import deepspeed.ops
 
     table = vars(deepspeed.ops).setdefault("__compatible_ops__", {})

@@ -2,6 +2,10 @@
 with a message naming it (so an upgrade fails here, not silently in a run)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 import vitp.deepspeed_adapter as ds
@@ -131,3 +135,15 @@ def test_disable_shm_comm_op_sets_the_table_without_probing_every_op(monkeypatch
     ds.disable_shm_comm_op()
     assert vars(deepspeed.ops)["__compatible_ops__"] == {"deepspeed_shm_comm": False}
     assert build_shm_op() is None
+
+
+def test_deepspeed_imports_without_mlflow_and_mlflow_still_imports_after():
+    """A rank's DeepSpeed import (through vitp's pipeline module) leaves out the autotuner's
+    ``mlflow`` import (about 1 s of start-up); ``import mlflow`` afterwards still works."""
+    pytest.importorskip("mlflow")  # installed with the sagemaker extra
+    code = ("import sys, vitp.pipeline.stages, deepspeed.autotuning.autotuner as a; "
+            "print('mlflow' in sys.modules, a.has_mlflow); import mlflow; print(mlflow.__name__)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["False", "False", "mlflow"]

@@ -100,6 +100,7 @@ def load_resharded(engine: Any, tag_dir: Path, meta: Dict[str, Any], state: Para
 
     Raises ``FileNotFoundError`` / ``ValueError`` naming the file when it is missing, damaged or
     lacks a tensor of this model."""
+    ds.import_deepspeed()
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     from .export import read_export

@@ -207,9 +207,9 @@ def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 180
     Idempotent. Works without a launcher (a 1-rank group on a free local port) and under MPI or
     srun (:func:`adopt_launcher_env`). Raises ``ValueError`` as :func:`launcher_env` does.
     """
-    import deepspeed
-
     import vitp.deepspeed_adapter as ds
+
+    deepspeed = ds.import_deepspeed()
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return

@@ -66,6 +66,9 @@ def context_group(grid: Any, cp: int) -> Any:
     ranks (module docstring); ``None`` at ``cp = 1``. Collective: every rank creates every group,
     in the same order (``torch.distributed.new_group``)."""
     import torch.distributed as dist
+    import vitp.deepspeed_adapter as ds
+
+    ds.import_deepspeed()
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
     if cp == 1:
@@ -130,6 +133,9 @@ def make_state(tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = 
         If ``tp * pp * dp`` differs from the world size (the message lists the valid layouts).
     """
     import torch.distributed as dist
+    import vitp.deepspeed_adapter as ds
+
+    ds.import_deepspeed()
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
 
     if not (dist.is_available() and dist.is_initialized()):

@@ -26,6 +26,8 @@ import torch
 
 import vitp.deepspeed_adapter as ds  # first: it quiets DeepSpeed's accelerator probe on CPU
 
+ds.import_deepspeed()
+
 from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
 

@@ -308,7 +308,7 @@ class Trainer:
             log.info("trainer.compile=%s: %d blocks compiled on first use (one graph per distinct shape)", mode, n)
 
     def _build_engine(self) -> None:
-        import deepspeed
+        deepspeed = ds.import_deepspeed()
 
         from .engine import build_optimizer, deepspeed_config, install_step_hook
 
