@@ -43,6 +43,7 @@ from .layers import CrossAttention, TubeletEmbed, input_grid
 
 Grid = Tuple[int, int, int]
 QK_NORM = "rms_norm_across_heads"
+FP32_KEEP = ("t_embedder", "scale_shift_table", "norm1", "norm2", "norm3")  # diffusers' _keep_in_fp32_modules
 
 
 @dataclass
@@ -104,8 +105,8 @@ class WanConfig:
         (``image_dim``, ``added_kv_proj_dim`` not null), another ``qk_norm``, a non-square or
         non-3-D ``patch_size``, an odd ``attention_head_dim`` (rotary pairs), or a size below 1."""
         if self.image_dim is not None:
-            raise ValueError(f"{source}: image_dim={self.image_dim} is an image-to-video Wan (CLIP image tokens), which "
-                             "vitp does not implement; use a text-to-video checkpoint (image_dim null)")
+            raise ValueError(f"{source}: image_dim={self.image_dim} is an image-to-video Wan (CLIP image tokens), "
+                             "which vitp does not implement; use a text-to-video checkpoint (image_dim null)")
         if self.added_kv_proj_dim is not None:
             raise ValueError(f"{source}: added_kv_proj_dim={self.added_kv_proj_dim} (image key/value projections of "
                              "image-to-video Wan) is not implemented in vitp; use a text-to-video checkpoint "
@@ -325,7 +326,8 @@ class WanEmbed(nn.Module):
         if text.dim() != 3 or text.shape[0] != B or text.shape[-1] != self.text_dim:
             raise ValueError(f"encoder_hidden_states {tuple(text.shape)}: expected ({B}, L, {self.text_dim})")
         tokens = self.x_embedder(x.to(self.x_embedder.proj.weight.dtype))
-        temb = self.t_embedder(timestep).type_as(text)  # diffusers casts temb to the text's dtype
+        text = text.to(self.y_embedder.fc1.weight.dtype)
+        temb = self.t_embedder(timestep).type_as(text)  # fp32 embedder (WanModel.cast), temb in the text's dtype
         mod = self.time_proj(temb).unflatten(1, (6, -1))
         ctx = self.y_embedder(text)
         return (tokens, temb, mod, ctx, *self.rotary(x.device))
@@ -422,6 +424,15 @@ class WanModel(nn.Module):
         self.blocks = nn.ModuleList(WanBlock(c.width, c.ffn_dim, c.num_attention_heads, c.eps, c.cross_attn_norm)
                                     for _ in range(c.num_layers))
         self.final = WanFinal(c.width, c.patch_size, c.out_channels, c.eps)
+
+    def cast(self, dtype: torch.dtype) -> "WanModel":
+        """Parameters to ``dtype`` except those diffusers keeps in fp32 under bf16/fp16 weights
+        (``WanTransformer3DModel._keep_in_fp32_modules``: the timestep embedder, every
+        ``scale_shift_table``, ``norm1``/``norm2``/``norm3``), so a bf16 model computes as
+        diffusers' bf16 model. Returns the model."""
+        for name, p in self.named_parameters():
+            p.data = p.data.to(torch.float32 if any(k in name for k in FP32_KEEP) else dtype)
+        return self
 
     def set_grid(self, grid: Grid) -> None:
         """Set the token grid ``(gt, gh, gw)`` of the input stage and the output head."""

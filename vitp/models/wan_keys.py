@@ -61,13 +61,13 @@ def key_map(config: WanConfig) -> Dict[str, Tuple[str, ...]]:
     for v, d in _TOP:
         out.update({f"{v}.{p}": (f"{d}.{p}",) for p in ("weight", "bias")})
     for i in range(config.num_layers):
-        b, db = f"blocks.{i}.", f"blocks.{i}."
+        b = f"blocks.{i}."  # the same prefix in both layouts
         for v, ds in _LINEARS:
-            out.update({f"{b}{v}.{p}": tuple(f"{db}{d}.{p}" for d in ds) for p in ("weight", "bias")})
-        out.update({f"{b}{v}.weight": (f"{db}{d}.weight",) for v, d in _WEIGHTS_ONLY})
+            out.update({f"{b}{v}.{p}": tuple(f"{b}{d}.{p}" for d in ds) for p in ("weight", "bias")})
+        out.update({f"{b}{v}.weight": (f"{b}{d}.weight",) for v, d in _WEIGHTS_ONLY})
         if config.cross_attn_norm:
-            out.update({f"{b}norm2.{p}": (f"{db}norm2.{p}",) for p in ("weight", "bias")})
-        out[f"{b}scale_shift_table"] = (f"{db}scale_shift_table",)
+            out.update({f"{b}norm2.{p}": (f"{b}norm2.{p}",) for p in ("weight", "bias")})
+        out[f"{b}scale_shift_table"] = (f"{b}scale_shift_table",)
     return out
 
 
@@ -157,6 +157,10 @@ def read_tensors(where: Dict[str, Path], keys: Iterable[str]) -> Dict[str, torch
     return out
 
 
+def _few(keys: List[str]) -> str:
+    return f"{keys[:6]}{' ...' if len(keys) > 6 else ''}"
+
+
 def load_state(folder: Path, config: WanConfig) -> Dict[str, torch.Tensor]:
     """vitp state dict (fp32) of the transformer folder's weights, fused projections stacked.
 
@@ -168,9 +172,8 @@ def load_state(folder: Path, config: WanConfig) -> Dict[str, torch.Tensor]:
     missing = [k for k in needed if k not in where]
     extra = sorted(set(where) - set(needed) - {k for k in where if any(i in k for i in IGNORED)})
     if missing or extra:
-        raise ValueError(f"{folder}: the weights do not match config.json: missing {missing[:6]}"
-                         f"{' ...' if len(missing) > 6 else ''}, unexpected {extra[:6]}{' ...' if len(extra) > 6 else ''}"
-                         f" ({len(missing)} and {len(extra)} keys); copy the folder again")
+        raise ValueError(f"{folder}: the weights do not match config.json: missing {_few(missing)}, unexpected "
+                         f"{_few(extra)} ({len(missing)} and {len(extra)} keys); copy the folder again")
     raw = read_tensors(where, needed)
     return {v: torch.cat([raw[d] for d in ds]).float() if len(ds) > 1 else raw[ds[0]].float()
             for v, ds in kmap.items()}
@@ -192,15 +195,18 @@ def to_diffusers_state(state: Dict[str, torch.Tensor], config: WanConfig) -> Dic
     return out
 
 
-def save_pretrained(model: WanModel, folder: PathLike, diffusers_version: str = "0.42.0") -> Path:
+def save_pretrained(model: WanModel, folder: PathLike) -> Path:
     """Write ``model`` as a diffusers transformer folder (``config.json`` +
-    ``diffusion_pytorch_model.safetensors``) that ``WanTransformer3DModel.from_pretrained`` loads
-    with no missing or unexpected keys. Returns the folder."""
+    ``diffusion_pytorch_model.safetensors``, tensors in the model's dtypes) that
+    ``WanTransformer3DModel.from_pretrained`` loads with no missing or unexpected keys. Returns
+    the folder."""
+    from importlib.metadata import version
+
     from safetensors.torch import save_file
 
     path = Path(folder).expanduser()
     path.mkdir(parents=True, exist_ok=True)
-    cfg = {"_class_name": CLASS_NAME, "_diffusers_version": diffusers_version, **model.config.to_dict()}
+    cfg = {"_class_name": CLASS_NAME, "_diffusers_version": version("diffusers"), **model.config.to_dict()}
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(to_diffusers_state(model.state_dict(), model.config), str(path / WEIGHTS), metadata={"format": "pt"})
     return path
