@@ -10,7 +10,8 @@ weight matter to the output), saved with ``save_pretrained`` (``--sharded``: sha
 ``UniPCMultistepScheduler`` (flow prediction, ``flow_shift=3``); ``OUT/vae/``: a tiny random
 ``AutoencoderKLWan`` coding 4 latent channels (skip with ``--no-vae``); ``OUT/model_index.json``.
 The umT5 text encoder and its tokenizer are left out (a tokenizer cannot be built without its
-vocabulary files): both are null in ``model_index.json``, so prompts must come as embeddings.
+vocabulary files): both are null in ``model_index.json``, so prompts must come as embeddings
+(``WanPipeline.from_pretrained(OUT, text_encoder=None, tokenizer=None)`` loads the folder).
 """
 from __future__ import annotations
 
@@ -48,18 +49,20 @@ def write_transformer(model, folder: Path, sharded: bool = False) -> Path:
     return folder
 
 
-def write_pipeline(out: Path, sharded: bool = False, vae: bool = True, seed: int = 0) -> Path:
-    """The folder of the module docstring at ``out``; returns it."""
+def write_pipeline(out: Path, sharded: bool = False, vae: bool = True, seed: int = 0, transformer=None) -> Path:
+    """The folder of the module docstring at ``out`` (with ``transformer`` instead of
+    :func:`tiny_transformer`'s if given); returns it."""
     import diffusers
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
 
     out = Path(out)
-    write_transformer(tiny_transformer(seed), out / "transformer", sharded)
+    write_transformer(transformer if transformer is not None else tiny_transformer(seed), out / "transformer", sharded)
     UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
                             flow_shift=3.0).save_pretrained(str(out / "scheduler"))
     index: Dict[str, Any] = {"_class_name": "WanPipeline", "_diffusers_version": diffusers.__version__,
                              "scheduler": ["diffusers", "UniPCMultistepScheduler"],
                              "transformer": ["diffusers", "WanTransformer3DModel"],
+                             "transformer_2": [None, None], "boundary_ratio": None, "expand_timesteps": False,
                              "text_encoder": [None, None], "tokenizer": [None, None], "vae": [None, None]}
     if vae:
         torch.manual_seed(seed + 1)
