@@ -1,9 +1,12 @@
-"""The ViT generator (no parallel code in its layers) and its tensor-parallel plan."""
+"""The ViT generator (no parallel code in its layers) and its tensor-parallel plan; Wan's text-to-video
+transformer as vitp layers (:mod:`vitp.models.wan`) and its diffusers weights (:mod:`vitp.models.wan_keys`)."""
 from .generator import Block, Embed, FinalLayer, Generator, layer_specs, seed_layer, set_grid
 from .layers import CrossAttention, GridAttention, TokenGroups, TubeletEmbed, input_grid, num_tokens, sincos_3d_pos_embed, token_grid
 from .keys import export_key, from_export_state, generator_key, pipeline_to_generator, to_export_state
 from .parallelize import GENERATOR_PLAN, generator_layers, parallelize_generator
 from .partial_sync_streams import PartialSyncGenerator
+from .wan import WanConfig, WanModel
+from .wan_keys import from_pretrained
 
 __all__ = [
     "Block",
@@ -16,8 +19,11 @@ __all__ = [
     "PartialSyncGenerator",
     "TokenGroups",
     "TubeletEmbed",
+    "WanConfig",
+    "WanModel",
     "export_key",
     "from_export_state",
+    "from_pretrained",
     "generator_key",
     "generator_layers",
     "input_grid",

@@ -1,0 +1,221 @@
+"""vitp's Wan transformer against diffusers' ``WanTransformer3DModel``: the same output from the
+same weights (read from a sharded pipeline folder), faults that this comparison catches, the
+exact round trip of the weights back to a folder diffusers loads, and the options and folders
+that are refused. Tiny random models (scripts/make_tiny_wan.py), CPU, a few seconds in all."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vitp.models import WanModel, from_pretrained
+from vitp.models import wan as wan_module
+from vitp.models.wan_keys import INDEX, save_pretrained, to_diffusers_state
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPES = [(2, 8, 8), (3, 8, 12)]  # latent (T, H, W): square, and non-square with an odd frame count
+RTOL = 1e-5
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("make_tiny_wan", REPO / "scripts" / "make_tiny_wan.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The diffusers reference and a sharded pipeline folder holding its weights."""
+    script = _script()
+    ref = script.tiny_transformer(seed=0)
+    pipe = script.write_pipeline(tmp_path_factory.mktemp("wan") / "pipe", sharded=True, vae=False, transformer=ref)
+    return SimpleNamespace(script=script, ref=ref, pipe=pipe, model=from_pretrained(pipe))
+
+
+def _inputs(shape, seed=0, batch=2, channels=4, text_dim=32, text_len=7):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, channels, *shape, generator=g)
+    t = torch.rand(batch, generator=g) * 1000  # diffusers' scale
+    return x, t, torch.randn(batch, text_len, text_dim, generator=g)
+
+
+@torch.no_grad()
+def _rel_err(model, ref, shape):
+    """``|vitp - diffusers| / |diffusers|`` (Frobenius norms) of one forward, and both outputs."""
+    args = _inputs(shape)
+    out, want = model(*args), ref(*args, return_dict=False)[0]
+    return ((out - want).norm() / want.norm()).item(), out, want
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_matches_diffusers(tiny, shape):
+    assert (tiny.pipe / "transformer" / INDEX).is_file()
+    assert len(list((tiny.pipe / "transformer").glob("diffusion_pytorch_model-*.safetensors"))) > 1
+    model = tiny.model
+    assert not model.training
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in model.parameters())
+    err, out, want = _rel_err(model, tiny.ref, shape)
+    assert out.shape == want.shape == (2, 4, *shape)
+    torch.testing.assert_close(out, want, rtol=RTOL, atol=1e-6)
+    assert err <= RTOL
+
+
+def test_forward_without_cross_attn_norm_matches_diffusers(tiny, tmp_path):
+    ref = tiny.script.tiny_transformer(seed=1, cross_attn_norm=False)
+    model = from_pretrained(tiny.script.write_transformer(ref, tmp_path / "t"))  # a transformer folder, one file
+    assert isinstance(model.blocks[0].norm2, nn.Identity)
+    err, out, want = _rel_err(model, ref, SHAPES[1])
+    torch.testing.assert_close(out, want, rtol=RTOL, atol=1e-6)
+    assert err <= RTOL
+
+
+def test_bf16_cast_computes_as_diffusers_bf16(tiny):
+    """``WanModel.cast(bf16)`` keeps diffusers' fp32 modules in fp32; the reference is cast the way
+    diffusers' ``from_pretrained(torch_dtype=bf16)`` casts (``_keep_in_fp32_modules``)."""
+    ref = tiny.script.tiny_transformer(seed=0)
+    for name, p in ref.named_parameters():
+        p.data = p.data.to(torch.float32 if any(k in name for k in ref._keep_in_fp32_modules) else torch.bfloat16)
+    model = from_pretrained(tiny.pipe).cast(torch.bfloat16)
+    assert sum(p.dtype == torch.float32 for p in model.parameters()) == \
+        sum(p.dtype == torch.float32 for p in ref.parameters())
+    x, t, text = _inputs(SHAPES[1])
+    with torch.no_grad():
+        out, want = model(x.bfloat16(), t, text.bfloat16()), ref(x.bfloat16(), t, text.bfloat16(), return_dict=False)[0]
+    assert out.dtype == want.dtype == torch.bfloat16
+    # bf16 itself is ~5e-3 from fp32 here; the two bf16 models agree far closer (bit-exact on CPU)
+    assert ((out.float() - want.float()).norm() / want.float().norm()).item() <= 1e-3
+
+
+class _PerHeadRMSNorm(nn.Module):
+    """Fault: RMSNorm of each head on its own (a ``qk_norm="rms_norm"`` misreading) with the
+    across-heads norm's weight."""
+
+    def __init__(self, norm: nn.RMSNorm, heads: int):
+        super().__init__()
+        self.norm, self.heads = norm, heads
+
+    def forward(self, x):
+        hd = x.shape[-1] // self.heads
+        y = F.rms_norm(x.unflatten(-1, (self.heads, hd)), (hd,), eps=self.norm.eps).flatten(-2)
+        return y * self.norm.weight
+
+
+def _per_head_norms(monkeypatch, model):
+    for blk in model.blocks:
+        for name in ("q_norm", "k_norm"):
+            monkeypatch.setattr(blk.attn, name, _PerHeadRMSNorm(getattr(blk.attn, name), blk.attn.num_heads))
+
+
+def _rotate_half(x, cos, sin):  # fault: rotary over (j, j + hd/2) pairs (GPT-NeoX layout), not (2j, 2j + 1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+_ROPE_DIMS, _SINUSOID = wan_module.rope_dims, wan_module.timestep_sinusoid
+FAULTS = {
+    "per_head_qk_norm": _per_head_norms,
+    "rope_split_t_w_swapped": lambda mp, m: mp.setattr(wan_module, "rope_dims",
+                                                       lambda hd: tuple(reversed(_ROPE_DIMS(hd)))),
+    "rope_rotate_half": lambda mp, m: mp.setattr(wan_module, "apply_rotary", _rotate_half),
+    "timestep_sin_cos_unflipped": lambda mp, m: mp.setattr(
+        wan_module, "timestep_sinusoid", lambda t, d: _SINUSOID(t, d).roll(d // 2, -1)),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_parity_check_catches_a_fault(tiny, monkeypatch, fault):
+    """Each fault moves the output by far more than the parity tolerance, so the parity test would fail."""
+    model = from_pretrained(tiny.pipe)  # fresh: no rotary tables cached
+    FAULTS[fault](monkeypatch, model)
+    err, out, want = _rel_err(model, tiny.ref, SHAPES[1])
+    assert err > 100 * RTOL, f"{fault}: relative error {err:.2e}"
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(out, want, rtol=RTOL, atol=1e-6)
+
+
+def _diffusers_load(folder, monkeypatch):
+    from diffusers import WanTransformer3DModel
+    from diffusers.utils import is_accelerate_available
+
+    if not is_accelerate_available():
+        # without accelerate diffusers loads with low_cpu_mem_usage=False, which it refuses for a
+        # class that keeps modules in fp32; in fp32 that list changes nothing
+        monkeypatch.setattr(WanTransformer3DModel, "_keep_in_fp32_modules", None)
+    return WanTransformer3DModel.from_pretrained(str(folder), output_loading_info=True)
+
+
+def test_export_loads_in_diffusers_bit_identical(tiny, tmp_path, monkeypatch):
+    model, source = tiny.model, tiny.ref.state_dict()
+    exported = to_diffusers_state(model.state_dict(), model.config)
+    assert sorted(exported) == sorted(source)
+    assert all(torch.equal(exported[k], source[k]) for k in source)
+    loaded, info = _diffusers_load(save_pretrained(model, tmp_path / "export"), monkeypatch)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert all(torch.equal(v, source[k]) for k, v in loaded.state_dict().items())
+    back = from_pretrained(tmp_path / "export").state_dict()
+    assert all(torch.equal(v, back[k]) for k, v in model.state_dict().items())
+
+
+def _edited_copy(tiny, tmp_path, **changes):
+    folder = shutil.copytree(tiny.pipe / "transformer", tmp_path / "t")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return folder
+
+
+@pytest.mark.parametrize("key,value", [("image_dim", 1280), ("added_kv_proj_dim", 5120), ("qk_norm", "rms_norm"),
+                                       ("expand_timesteps", True), ("window_sizes", [1, 1])])
+def test_unsupported_options_are_refused_naming_the_key(tiny, tmp_path, key, value):
+    with pytest.raises(ValueError, match=key):
+        from_pretrained(_edited_copy(tiny, tmp_path, **{key: value}))
+    with pytest.raises(ValueError, match=key):
+        WanModel(dict(tiny.script.TINY, **{key: value}))
+
+
+def test_folders_that_cannot_be_loaded_are_refused_naming_the_path(tiny, tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        from_pretrained(missing)
+    pipe = shutil.copytree(tiny.pipe, tmp_path / "pipe")
+    shutil.rmtree(pipe / "transformer")
+    with pytest.raises(FileNotFoundError, match=re.escape(str(pipe / "transformer"))):
+        from_pretrained(pipe)
+    index = json.loads((pipe / "model_index.json").read_text())
+    (pipe / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
+    with pytest.raises(ValueError, match="expand_timesteps"):
+        from_pretrained(pipe)
+    with pytest.raises(ValueError, match="FluxTransformer2DModel"):
+        from_pretrained(_edited_copy(tiny, tmp_path, _class_name="FluxTransformer2DModel"))
+
+
+def test_weights_that_do_not_match_the_config_are_refused(tiny, tmp_path):
+    folder = _edited_copy(tiny, tmp_path, num_layers=3)
+    with pytest.raises(ValueError, match=r"missing \['blocks\.2\."):
+        from_pretrained(folder)
+    (folder / INDEX).unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        from_pretrained(folder)
+
+
+def test_per_token_timesteps_are_refused(tiny):
+    x, t, text = _inputs(SHAPES[0])
+    with pytest.raises(ValueError, match="per-token"):
+        tiny.model(x, t[:, None].expand(2, 32), text)
+
+
+def test_make_tiny_wan_writes_a_pipeline_folder_vitp_loads(tiny, tmp_path, capsys):
+    tiny.script.main([str(tmp_path / "pipe"), "--no-vae", "--seed", "3"])
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert {"model_index.json", "scheduler/scheduler_config.json", "transformer/config.json",
+            "transformer/diffusion_pytorch_model.safetensors"} <= set(files)
+    model = from_pretrained(tmp_path / "pipe")
+    assert model.config.num_layers == 2 and model.config.width == 32

@@ -1,0 +1,230 @@
+"""Wan weights between diffusers folders and :class:`vitp.models.wan.WanModel`.
+
+A diffusers ``WanTransformer3DModel`` folder holds ``config.json`` and
+``diffusion_pytorch_model.safetensors``, or shards listed by
+``diffusion_pytorch_model.safetensors.index.json``; a pipeline folder (``model_index.json``)
+holds it as ``transformer/`` (Wan 2.2 A14B's second expert as ``transformer_2/``). Only local
+folders are read; nothing is downloaded.
+
+The key map (:func:`key_map`) sends each vitp key to the diffusers keys it is made of: most are
+one-to-one renames; the fused projections stack diffusers' separate ones along the output rows,
+``attn.qkv = [attn1.to_q; attn1.to_k; attn1.to_v]`` and ``cross_attn.kv = [attn2.to_k;
+attn2.to_v]`` (the layouts of timm's ``Attention`` and of diffusers' own ``fuse_projections``).
+Export (:func:`to_diffusers_state`) splits them back, so the round trip is exact.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Tuple, Union
+
+import torch
+
+from .wan import WanConfig, WanModel
+
+PathLike = Union[str, Path]
+CLASS_NAME = "WanTransformer3DModel"
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+INDEX = WEIGHTS + ".index.json"
+IGNORED = ("norm_added_q",)  # diffusers' _keys_to_ignore_on_load_unexpected for Wan
+HINT = ("give a local diffusers Wan folder: a transformer folder (config.json + diffusion_pytorch_model*.safetensors) "
+        "or a pipeline folder with model_index.json and transformer/, e.g. "
+        "hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir /models/wan2.1; vitp never downloads")
+
+_LINEARS = (  # (vitp module, diffusers modules stacked along the output rows), per block
+    ("attn.qkv", ("attn1.to_q", "attn1.to_k", "attn1.to_v")),
+    ("attn.proj", ("attn1.to_out.0",)),
+    ("cross_attn.q", ("attn2.to_q",)),
+    ("cross_attn.kv", ("attn2.to_k", "attn2.to_v")),
+    ("cross_attn.proj", ("attn2.to_out.0",)),
+    ("mlp.fc1", ("ffn.net.0.proj",)),
+    ("mlp.fc2", ("ffn.net.2",)),
+)
+_WEIGHTS_ONLY = (("attn.q_norm", "attn1.norm_q"), ("attn.k_norm", "attn1.norm_k"),
+                 ("cross_attn.q_norm", "attn2.norm_q"), ("cross_attn.k_norm", "attn2.norm_k"))
+_TOP = (
+    ("embed.x_embedder.proj", "patch_embedding"),
+    ("embed.t_embedder.mlp.fc1", "condition_embedder.time_embedder.linear_1"),
+    ("embed.t_embedder.mlp.fc2", "condition_embedder.time_embedder.linear_2"),
+    ("embed.time_proj.1", "condition_embedder.time_proj"),
+    ("embed.y_embedder.fc1", "condition_embedder.text_embedder.linear_1"),
+    ("embed.y_embedder.fc2", "condition_embedder.text_embedder.linear_2"),
+    ("final.linear", "proj_out"),
+)
+
+
+def key_map(config: WanConfig) -> Dict[str, Tuple[str, ...]]:
+    """``{vitp key: (diffusers keys, stacked along dim 0 in this order)}`` for every parameter
+    of a :class:`~vitp.models.wan.WanModel` of ``config``."""
+    out: Dict[str, Tuple[str, ...]] = {"final.scale_shift_table": ("scale_shift_table",)}
+    for v, d in _TOP:
+        out.update({f"{v}.{p}": (f"{d}.{p}",) for p in ("weight", "bias")})
+    for i in range(config.num_layers):
+        b = f"blocks.{i}."  # the same prefix in both layouts
+        for v, ds in _LINEARS:
+            out.update({f"{b}{v}.{p}": tuple(f"{b}{d}.{p}" for d in ds) for p in ("weight", "bias")})
+        out.update({f"{b}{v}.weight": (f"{b}{d}.weight",) for v, d in _WEIGHTS_ONLY})
+        if config.cross_attn_norm:
+            out.update({f"{b}norm2.{p}": (f"{b}norm2.{p}",) for p in ("weight", "bias")})
+        out[f"{b}scale_shift_table"] = (f"{b}scale_shift_table",)
+    return out
+
+
+def transformer_folder(folder: PathLike, subfolder: str = "transformer") -> Path:
+    """The transformer folder of ``folder``: ``folder`` itself when it holds ``config.json``, or
+    ``folder/<subfolder>`` of a pipeline folder (``model_index.json``).
+
+    Raises ``FileNotFoundError`` naming the path (no folder, no config) and ``ValueError`` for a
+    pipeline with ``expand_timesteps`` true (Wan 2.2 TI2V, not implemented).
+    """
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"Wan folder {path} {what}: {HINT}")
+    index = path / "model_index.json"
+    if index.is_file():
+        pipe = _read_json(index)
+        if pipe.get("expand_timesteps"):
+            raise ValueError(f"{index}: expand_timesteps=true (Wan 2.2 TI2V per-token timesteps) is not implemented "
+                             "in vitp's Wan; use a text-to-video pipeline (Wan2.1-T2V, Wan2.2-T2V)")
+        sub = path / subfolder
+        if not (sub / "config.json").is_file():
+            raise FileNotFoundError(f"{sub / 'config.json'} does not exist: the pipeline folder {path} has no "
+                                    f"{subfolder}/ transformer; copy the whole pipeline folder again")
+        return sub
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} holds neither config.json nor model_index.json: {HINT}")
+    return path
+
+
+def _read_json(path: Path) -> Dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); copy the folder again") from None
+
+
+def read_config(folder: Path) -> WanConfig:
+    """The checked :class:`~vitp.models.wan.WanConfig` of a transformer folder's ``config.json``.
+    Raises ``ValueError`` naming the file for another ``_class_name`` or an option vitp lacks."""
+    path = folder / "config.json"
+    cfg = _read_json(path)
+    name = cfg.get("_class_name")
+    if name != CLASS_NAME:
+        raise ValueError(f"{path}: _class_name {name!r} is not a Wan text-to-video transformer ({CLASS_NAME}); give a "
+                         "Wan pipeline folder or its transformer/ subfolder")
+    return WanConfig.from_dict(cfg, source=str(path))
+
+
+def weight_locations(folder: Path) -> Dict[str, Path]:
+    """``{diffusers key: safetensors file holding it}`` of a transformer folder, read from the
+    shard index or the single file's header (no tensor is read).
+
+    Raises ``FileNotFoundError`` naming the missing file (no weights, a shard the index lists,
+    or only a ``.bin`` file, which vitp does not read).
+    """
+    from safetensors import safe_open
+
+    index, single = folder / INDEX, folder / WEIGHTS
+    if index.is_file():
+        where = {k: folder / f for k, f in _read_json(index).get("weight_map", {}).items()}
+        for f in sorted(set(where.values())):
+            if not f.is_file():
+                raise FileNotFoundError(f"{f} is listed in {index} but does not exist; copy the folder again")
+        return where
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {k: single for k in f.keys()}
+    bins = sorted(p.name for p in folder.glob("diffusion_pytorch_model*.bin"))
+    fix = (f"only {bins} found: vitp reads safetensors; re-save with save_pretrained(safe_serialization=True)"
+           if bins else HINT)
+    raise FileNotFoundError(f"{folder} has no {WEIGHTS} nor {INDEX}; {fix}")
+
+
+def read_tensors(where: Dict[str, Path], keys: Iterable[str]) -> Dict[str, torch.Tensor]:
+    """The tensors ``keys`` (each in the file ``where[key]``), every file opened once with
+    ``safetensors.safe_open`` and only these tensors read."""
+    from safetensors import safe_open
+
+    by_file: Dict[Path, List[str]] = defaultdict(list)
+    for k in keys:
+        by_file[where[k]].append(k)
+    out = {}
+    for path, ks in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in ks})
+    return out
+
+
+def _few(keys: List[str]) -> str:
+    return f"{keys[:6]}{' ...' if len(keys) > 6 else ''}"
+
+
+def load_state(folder: Path, config: WanConfig) -> Dict[str, torch.Tensor]:
+    """vitp state dict (fp32) of the transformer folder's weights, fused projections stacked.
+
+    Raises ``ValueError`` naming the folder when the files lack a key the config needs or hold
+    one it does not explain (e.g. image-to-video weights under a text-to-video config).
+    """
+    kmap, where = key_map(config), weight_locations(folder)
+    needed = [d for ds in kmap.values() for d in ds]
+    missing = [k for k in needed if k not in where]
+    extra = sorted(set(where) - set(needed) - {k for k in where if any(i in k for i in IGNORED)})
+    if missing or extra:
+        raise ValueError(f"{folder}: the weights do not match config.json: missing {_few(missing)}, unexpected "
+                         f"{_few(extra)} ({len(missing)} and {len(extra)} keys); copy the folder again")
+    raw = read_tensors(where, needed)
+    return {v: torch.cat([raw[d] for d in ds]).float() if len(ds) > 1 else raw[ds[0]].float()
+            for v, ds in kmap.items()}
+
+
+def to_diffusers_state(state: Dict[str, torch.Tensor], config: WanConfig) -> Dict[str, torch.Tensor]:
+    """diffusers ``WanTransformer3DModel`` state dict of a vitp state dict: keys renamed, ``qkv``
+    and ``kv`` split into ``to_q``/``to_k``/``to_v`` and ``to_k``/``to_v``; contiguous CPU tensors
+    of their own storage (safetensors files refuse shared storage), dtypes kept.
+
+    Raises ``KeyError`` naming a vitp key the state lacks.
+    """
+    out = {}
+    for v, ds in key_map(config).items():
+        if v not in state:
+            raise KeyError(f"vitp Wan state has no {v!r}; export a WanModel's state_dict()")
+        parts = state[v].detach().cpu().chunk(len(ds), dim=0)
+        out.update({d: p.contiguous().clone() for d, p in zip(ds, parts)})
+    return out
+
+
+def save_pretrained(model: WanModel, folder: PathLike) -> Path:
+    """Write ``model`` as a diffusers transformer folder (``config.json`` +
+    ``diffusion_pytorch_model.safetensors``, tensors in the model's dtypes) that
+    ``WanTransformer3DModel.from_pretrained`` loads with no missing or unexpected keys. Returns
+    the folder."""
+    from importlib.metadata import version
+
+    from safetensors.torch import save_file
+
+    path = Path(folder).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {"_class_name": CLASS_NAME, "_diffusers_version": version("diffusers"), **model.config.to_dict()}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(to_diffusers_state(model.state_dict(), model.config), str(path / WEIGHTS), metadata={"format": "pt"})
+    return path
+
+
+def from_pretrained(folder: PathLike, subfolder: str = "transformer") -> WanModel:
+    """The one-process :class:`~vitp.models.wan.WanModel` of a local diffusers Wan folder (a
+    transformer folder, or a pipeline folder's ``subfolder``: ``transformer``, or
+    ``transformer_2`` for Wan 2.2 A14B's low-noise expert), in eval mode, fp32.
+
+    Built on the meta device and filled with the folder's tensors (no random init, one copy in
+    memory). Raises ``FileNotFoundError`` / ``ValueError`` naming the path and the fix
+    (:func:`transformer_folder`, :func:`read_config`, :func:`load_state`).
+    """
+    path = transformer_folder(folder, subfolder)
+    config = read_config(path)
+    state = load_state(path, config)
+    with torch.device("meta"):
+        model = WanModel(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.float().eval()
