@@ -1,0 +1,66 @@
+"""Wan's published transformer configs and their exact parameter counts (planner side).
+
+:data:`WAN_PRESETS` are the ``config.json`` options of the released diffusers Wan text-to-video
+transformers (the ``Wan-AI/*-Diffusers`` folders; diffusers' ``scripts/convert_wan_to_diffusers.py``
+for Wan 2.1): Wan 2.1 T2V 1.3B and 14B, Wan 2.2 TI2V 5B (48-channel latents of the Wan 2.2 VAE),
+and Wan 2.2 T2V A14B, whose two experts (``transformer``, ``transformer_2``) each have the 14B
+shape. :func:`wan_params` counts a config's parameters per layer from vitp's own layers
+(:class:`vitp.models.wan.WanModel`'s embed / block / final) built on the ``meta`` device, as
+:mod:`vitp.plan.shapes` counts the generator; ``tests/unit/test_plan_wan.py`` holds them equal to
+diffusers' ``WanTransformer3DModel`` built on the meta device.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Dict, Mapping
+
+import torch
+
+_COMMON = {"patch_size": [1, 2, 2], "attention_head_dim": 128, "text_dim": 4096, "freq_dim": 256,
+           "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": None,
+           "added_kv_proj_dim": None, "rope_max_seq_len": 1024}
+WAN_PRESETS: Dict[str, Dict[str, Any]] = {
+    "wan2.1-t2v-1.3b": {**_COMMON, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30, "in_channels": 16,
+                        "out_channels": 16},
+    "wan2.1-t2v-14b": {**_COMMON, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40, "in_channels": 16,
+                       "out_channels": 16},
+    "wan2.2-ti2v-5b": {**_COMMON, "num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30, "in_channels": 48,
+                       "out_channels": 48},
+    "wan2.2-t2v-a14b": {**_COMMON, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40, "in_channels": 16,
+                        "out_channels": 16},  # per expert; the pipeline holds two
+}
+
+
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@lru_cache(maxsize=32)
+def _counts(frozen: tuple) -> Dict[str, int]:
+    from vitp.models.wan import WanBlock, WanConfig, WanEmbed, WanFinal
+
+    c = WanConfig.from_dict(dict(frozen), "wan_params")
+    with torch.device("meta"):  # shapes only: a 14B model costs nothing
+        embed = WanEmbed(c.in_channels, c.width, c.patch_size, c.text_dim, c.freq_dim, c.attention_head_dim,
+                         c.rope_max_seq_len)
+        block = WanBlock(c.width, c.ffn_dim, c.num_attention_heads, c.eps, c.cross_attn_norm)
+        final = WanFinal(c.width, c.patch_size, c.out_channels, c.eps)
+    e, b, f = _numel(embed), _numel(block), _numel(final)
+    return {"embed": e, "block": b, "final": f, "blocks": b * c.num_layers, "total": e + b * c.num_layers + f}
+
+
+def wan_params(config: Mapping[str, Any] | str) -> Dict[str, int]:
+    """Exact parameter counts of a Wan transformer: ``{"embed", "block" (one), "blocks" (all),
+    "final", "total"}``.
+
+    ``config``: a name of :data:`WAN_PRESETS` or a diffusers ``config.json`` dict. Raises
+    ``KeyError`` naming the presets for an unknown name, ``ValueError`` as
+    :meth:`vitp.models.wan.WanConfig.from_dict` for options vitp's Wan does not implement.
+    """
+    if isinstance(config, str):
+        if config not in WAN_PRESETS:
+            raise KeyError(f"unknown Wan preset {config!r}; known: {sorted(WAN_PRESETS)}")
+        config = WAN_PRESETS[config]
+    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.items()
+                          if not k.startswith("_")))
+    return dict(_counts(frozen))
