@@ -1,7 +1,7 @@
 """Wan's published transformer configs and their exact parameter counts (planner side).
 
 :data:`WAN_PRESETS` are the ``config.json`` options of the released diffusers Wan text-to-video
-transformers (the ``Wan-AI/*-Diffusers`` folders; diffusers' ``scripts/convert_wan_to_diffusers.py``
+transformers (the ``Wan-AI/*-Diffusers`` folders; the conversion script of github.com/huggingface/diffusers
 for Wan 2.1): Wan 2.1 T2V 1.3B and 14B, Wan 2.2 TI2V 5B (48-channel latents of the Wan 2.2 VAE),
 and Wan 2.2 T2V A14B, whose two experts (``transformer``, ``transformer_2``) each have the 14B
 shape. :func:`wan_params` counts a config's parameters per layer from vitp's own layers
