@@ -37,6 +37,7 @@ RUN_BY: Dict[Tuple[str, ...], str] = {
     ("python", "scripts/bench_data.py"): "tests/unit/test_scripts.py::test_bench_data_small",
     ("python", "scripts/make_photo_folder.py"): "tests/distributed/test_own_data.py::test_the_documented_cpu_command_trains",
     ("bash", "scripts/gpu_check.sh"): "tests/unit/test_scripts.py::test_gpu_check_cpu_smoke",
+    ("python", "scripts/make_tiny_wan.py"): "tests/unit/test_wan_objective.py::test_finetuning_doc_example_runs",
     ("torchrun", "vitp.train"): "tests/distributed/test_train.py::test_torchrun_with_tensor_and_sequence_parallelism",
     ("deepspeed", "vitp.train"): "tests/distributed/test_checkpoint.py::test_kill_during_save_resumes_from_the_previous_checkpoint",
     ("mpirun", "vitp.train"): "tests/distributed/test_launchers.py::test_openmpi_launch_trains_as_data_parallel",
@@ -281,7 +282,7 @@ def test_relative_links_point_to_existing_files(doc):
 def test_every_documented_command_is_checked():
     cmds = commands()
     assert len(cmds) >= 20 and any(a[0] == "vitp-train" for _, a in cmds)
-    assert len({shlex.join(a) for _, a in cmds}) <= 80, "keep the number of distinct commands in the docs modest"
+    assert len({shlex.join(a) for _, a in cmds}) <= 90, "keep the number of distinct commands in the docs modest"
     for where, argv in cmds:
         try:
             check_command(argv)
