@@ -4,8 +4,8 @@ A norm whose statistic spans every head (Wan's q/k ``RMSNorm`` over the whole in
 ``qk_norm="rms_norm_across_heads"`` in diffusers) cannot run on one rank's heads alone: each rank
 holds the ``D / tp`` channels of its heads. :class:`TPRMSNorm` sums the per-token sum of squares
 over the TP group (one all-reduce of ``(..., 1)``, forward and backward) and normalises its own
-channels with the total, which is exactly the unsplit norm. NeMo DFM's Wan bridge (Megatron-Core,
-q/k/v fused into the tensor-parallel ``linear_qkv``) normalises the same way.
+channels with the total, which is exactly the unsplit norm (the column-parallel split of
+Megatron-LM, Shoeybi et al. 2019, leaves each rank whole heads, i.e. contiguous channels).
 """
 from __future__ import annotations
 
