@@ -220,7 +220,8 @@ class WanSelfAttention(Attention):
 
     ``forward(x (B, N, D), cos, sin (N, hd / 2)) -> (B, N, D)`` (:func:`rotary_freqs`).
     Because the norms span all heads, a head-parallel version needs the sum of squares over
-    the tensor-parallel group; vitp's generic ``TPAttention`` does not apply.
+    the tensor-parallel group; vitp's generic ``TPAttention`` does not apply
+    (:class:`vitp.models.parallelize_wan.TPWanSelfAttention` does it).
     """
 
     def __init__(self, dim: int, num_heads: int, eps: float = 1e-6):
@@ -260,7 +261,8 @@ class WanCrossAttention(CrossAttention):
     def attend(self, q: torch.Tensor, kv: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of ``q (B, N, h hd)`` over ``kv (B, L, 2 h hd)`` (``[K | V]``), ``mask (B, L)``
         or None: ``(B, N, h hd)`` before ``proj``. The norms take all ``D`` channels, so ``h`` must
-        be every head."""
+        be every head, or a tensor-parallel rank's heads with norms that sum their statistic over
+        the TP group (:mod:`vitp.models.parallelize_wan`)."""
         B, N, hd = q.shape[0], q.shape[1], self.head_dim
         k, v = kv.chunk(2, dim=-1)
         q, k = self.q_norm(q), self.k_norm(k)
@@ -435,9 +437,13 @@ class WanModel(nn.Module):
         return self
 
     def set_grid(self, grid: Grid) -> None:
-        """Set the token grid ``(gt, gh, gw)`` of the input stage and the output head."""
-        self.embed.set_grid(grid)
-        self.final.set_grid(grid)
+        """Set the token grid ``(gt, gh, gw)`` of the input stage, the output head and every other
+        submodule with a ``set_grid`` of its own (a tensor/context-parallel attention's token
+        count and grid, :mod:`vitp.models.parallelize_wan`)."""
+        grid = tuple(int(g) for g in grid)
+        for m in self.modules():
+            if m is not self and callable(getattr(m, "set_grid", None)):
+                m.set_grid(grid)
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
                 encoder_hidden_states: torch.Tensor) -> torch.Tensor:

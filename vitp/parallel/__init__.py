@@ -6,6 +6,7 @@
 - :mod:`.mappings`: autograd collectives between replicated / TP / sequence regions
 - :mod:`.layers`: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`, sharding helpers
 - :mod:`.timm_tp`: :class:`TPAttention`, :class:`TPMlp`, the sequence-parallel region's edges
+- :mod:`.norms`: :class:`TPRMSNorm`, an RMSNorm over a width split by heads (statistic summed over the TP group)
 - :mod:`.styles`: parallel styles (column/row-parallel attention and MLP, gathered column, partial
   gradients, sequence enter/exit, partial sync), each declaring its parameters and collectives
 - :mod:`.plan`: :class:`ParallelPlan` (pattern -> style table), :func:`apply_plan`, :func:`describe_plan`,
@@ -29,7 +30,9 @@ from .mappings import (
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
     scatter_to_sequence_region,
+    sum_over_tp_region,
 )
+from .norms import TPRMSNorm
 from .ring import ring_attention
 from .random import RNGStatesTracker, checkpoint_activations, get_rng_tracker, model_parallel_seed
 from .state import ParallelState, from_grid, make_state, validate_tp
@@ -65,6 +68,7 @@ __all__ = [
     "TPAttention",
     "TPCrossAttention",
     "TPMlp",
+    "TPRMSNorm",
     "checkpoint_activations",
     "copy_to_tp_region",
     "from_grid",
@@ -78,6 +82,7 @@ __all__ = [
     "make_state",
     "model_parallel_seed",
     "reduce_from_tp_region",
+    "sum_over_tp_region",
     "reduce_scatter_to_sequence_region",
     "register_grad_allreduce",
     "ring_attention",

@@ -11,6 +11,7 @@ function                                forward                         backward
 ======================================  ==============================  =========================
 ``copy_to_tp_region``                   identity                        all-reduce
 ``reduce_from_tp_region``               all-reduce                      identity
+``sum_over_tp_region``                  all-reduce                      all-reduce
 ``scatter_to_sequence_region``          split dim 1                     all-gather dim 1
 ``reduce_scatter_to_sequence_region``   reduce-scatter dim 1            all-gather dim 1
 ``gather_from_sequence_region_to_       all-gather dim 1                split dim 1
@@ -27,6 +28,10 @@ replicated``
 The context-parallel pair (:mod:`vitp.parallel.context`) differs from the sequence-parallel one
 because parameter gradients are summed over the cp group afterwards: a rank's share of a sample's
 gradient flows back through its own tokens only.
+
+``sum_over_tp_region`` is a sum that every rank consumes differently (a norm's statistic over a
+width split by heads, each rank normalising its own channels with it): the total's gradient is the
+sum of the ranks' partial ones, which every rank's summand receives.
 
 ``gather_from_sequence_region_to_replicated`` feeds replicated computation (every rank computes
 the same gradient, so each keeps its slice). With a group of size 1 every function is the
@@ -67,6 +72,17 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g, None, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return comm.all_reduce(x.clone(), group, direction="fwd", tag=tag)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_reduce(g.clone(), ctx.group, direction="bwd", tag=ctx.tag), None, None
 
 
 class _Scatter(torch.autograd.Function):
@@ -191,6 +207,13 @@ def copy_to_tp_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
 def reduce_from_tp_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
     """All-reduce forward, identity backward (Megatron ``g``). Any shape."""
     return x if comm.group_size(group) == 1 else _ReduceFromTP.apply(x, group, tag)
+
+
+def sum_over_tp_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """All-reduce forward and backward: the sum of every rank's ``x`` when each rank uses the sum
+    in its own (different) computation, e.g. the sum of squares of an RMSNorm whose width is
+    split over the TP group (:class:`vitp.parallel.norms.TPRMSNorm`). Any shape."""
+    return x if comm.group_size(group) == 1 else _SumOverTP.apply(x, group, tag)
 
 
 def scatter_to_sequence_region(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:

@@ -77,6 +77,15 @@ def _check_divisible(what: str, value: int, tp: int) -> None:
         raise ValueError(f"parallel.tp={tp} does not divide {what}={value}; valid tp degrees: {divisors(value)}")
 
 
+def replicated_qk_norms(attn: nn.Module, state: ParallelState) -> tuple:
+    """``(attn.q_norm, attn.k_norm)`` kept whole on every TP rank: per-head norms (timm's
+    ``qk_norm``), of which each rank applies the weights to its own heads only, so their gradients
+    are per-rank partial sums, summed over the TP group (``tp_partial_grad``)."""
+    for p in list(attn.q_norm.parameters()) + list(attn.k_norm.parameters()):
+        register_grad_allreduce(p, state, "tp_partial_grad")
+    return attn.q_norm, attn.k_norm
+
+
 class TPAttention(nn.Module):
     """timm ``Attention`` over this rank's ``H / tp`` heads: ``qkv`` column-parallel with a
     per-head stride of 3 (``[Q | K | V]``), ``proj`` row-parallel, q/k-norm weights replicated
@@ -119,9 +128,7 @@ class TPAttention(nn.Module):
         self.local_heads = attn.num_heads // state.tp_size
         self.head_dim, self.scale = attn.head_dim, attn.scale
         self.qkv = ColumnParallelLinear.from_linear(attn.qkv, layer_state, stride_chunks=3, input_comm=not partial)
-        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
-        for p in list(self.q_norm.parameters()) + list(self.k_norm.parameters()):
-            register_grad_allreduce(p, state, "tp_partial_grad")  # each rank normalises only its heads
+        self.q_norm, self.k_norm = self._qk_norms(attn, state)
         self.attn_drop = attn.attn_drop
         self.norm = nn.Identity()
         self.proj = RowParallelLinear.from_linear(attn.proj, layer_state,
@@ -129,6 +136,11 @@ class TPAttention(nn.Module):
                                                   if partial else None)
         self.proj_drop = attn.proj_drop
         self.context = None  # a vitp.parallel.context.ContextAttention under context parallelism
+
+    def _qk_norms(self, attn: nn.Module, state: ParallelState) -> tuple:
+        """``(q_norm, k_norm)`` of the sharded module (:func:`replicated_qk_norms`); a subclass
+        whose norms span all heads returns tensor-parallel ones instead."""
+        return replicated_qk_norms(attn, state)
 
     def set_context(self, context) -> None:
         """Attend with the other token shards of a context-parallel group
@@ -338,7 +350,7 @@ class TPCrossAttention(nn.Module):
     ``nemo/collections/diffusion/models/dit/dit_layer_spec.py``): ``q`` and ``kv`` column-parallel
     (``kv`` with a per-head stride of 2), ``proj`` row-parallel.
 
-    ``forward(x, ctx (B, L, D), mask (B, L))``: ``x`` ``(B, N, D)`` -> ``(B, N, D)``, or with
+    ``forward(x, ctx (B, L, D), mask (B, L) or None)``: ``x`` ``(B, N, D)`` -> ``(B, N, D)``, or with
     sequence parallelism ``(B, N_pad / tp, D)`` -> ``(B, N_pad / tp, D)`` (``q`` all-gathers
     the token shards, ``proj`` reduce-scatters; pad rows only ever query). ``ctx`` is the same on
     every TP rank and already inside the TP region: ``kv``'s input gradient stays a per-rank
@@ -361,16 +373,18 @@ class TPCrossAttention(nn.Module):
         self.q = ColumnParallelLinear.from_linear(cross.q, layer_state, input_comm=not partial)
         self.kv = ColumnParallelLinear.from_linear(cross.kv, layer_state, stride_chunks=2, sequence_parallel=False,
                                                    input_comm=False)
-        self.q_norm, self.k_norm = cross.q_norm, cross.k_norm
-        for p in list(self.q_norm.parameters()) + list(self.k_norm.parameters()):
-            register_grad_allreduce(p, state, "tp_partial_grad")  # each rank normalises only its heads
+        self.q_norm, self.k_norm = self._qk_norms(cross, state)
         self.attn_drop = cross.attn_drop
         self.proj = RowParallelLinear.from_linear(cross.proj, layer_state,
                                                   partial_sync=partial_sync_of(cross.proj.out_features, state)
                                                   if partial else None)
         self.proj_drop = cross.proj_drop
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _qk_norms(self, cross: nn.Module, state: ParallelState) -> tuple:
+        """As :meth:`TPAttention._qk_norms`."""
+        return replicated_qk_norms(cross, state)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         q, kv = self.q(x), self.kv(ctx)  # (B, N_pad, H/tp hd), (B, L, 2 H/tp hd)
         with sharded_fork(self.attn_drop.p, self.training, q.device, self.tp_size):
             o = self.proj(self._attend(self, q, kv, mask))

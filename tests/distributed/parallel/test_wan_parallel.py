@@ -1,0 +1,120 @@
+"""Wan (:mod:`vitp.models.wan`) under tensor (TP), sequence (SP) and context (CP, Ulysses and
+ring) parallelism (:mod:`vitp.models.parallelize_wan`) equals the one-process ``WanModel`` in
+output, MSE loss, every gradient and the grad norm (float64, CPU gloo), and the comparison fails
+when the q/k RMSNorm across heads is normalised per rank or its all-reduced statistic gets Megatron's
+identity backward.
+
+All layouts of one world size run in one spawned group (``wan_workers.worker``, module fixtures);
+the plan's declared roles and collectives are checked on a ``meta`` model without ranks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import run_ranks
+
+from .wan_workers import CONFIG, FAULTS, LAYOUTS, SHAPES, worker
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def wan2():
+    return run_ranks(2, worker, 2)
+
+
+@pytest.fixture(scope="module")
+def wan4():
+    return run_ranks(4, worker, 4)
+
+
+def _check(r: dict, key: str) -> None:
+    msg = f"{key}: {r}"
+    assert not r["missing"] and not r["extra"], msg
+    assert r["out"] < TOL and r["loss"] < TOL and r["grad"] < TOL and r["grad_norm"] < TOL, msg
+
+
+def _layout_check(results, name, shape):
+    tp, cp, sp, _ = LAYOUTS[len(results)][name]
+    for r in results:
+        res = r[name][shape]
+        _check(res, f"{name}/{shape}")
+        # tp > 1: every attention's q/k norms are TP norms with sharded weights; SP adds the
+        # blocks' scale_shift_table and norm2 weight/bias and the row-parallel biases as partial
+        assert res["tp_norms"] == (8 if tp > 1 else 0)
+        assert res["partial"] == (12 if sp else 0), res
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("name", list(LAYOUTS[2]))
+def test_two_ranks_match_reference(wan2, name, shape):
+    _layout_check(wan2, name, shape)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("name", list(LAYOUTS[4]))
+def test_four_ranks_match_reference(wan4, name, shape):
+    _layout_check(wan4, name, shape)
+
+
+@pytest.mark.parametrize("name", list(FAULTS[2]))
+def test_injected_norm_faults_fail_the_comparison(wan2, name):
+    """Per-rank q/k normalisation changes the output; an identity backward of the summed squares
+    leaves the forward exact but the gradients wrong: both far above the tolerance."""
+    for r in wan2:
+        for res in r[name].values():
+            assert res["grad"] > 1e3 * TOL, res
+            if name == "tp2_local_qk_norm":
+                assert res["out"] > 1e3 * TOL and res["loss"] > 1e2 * TOL, res
+            else:
+                assert res["out"] < TOL, res
+
+
+# ----------------------------------------------------------------------------- single process
+
+def _meta_model():
+    from vitp.models import WanModel
+
+    with torch.device("meta"):
+        return WanModel(CONFIG)
+
+
+def test_plan_roles_and_collectives():
+    from vitp.models.parallelize_wan import WAN_PLAN
+    from vitp.parallel import StepShape, describe_plan
+
+    model = _meta_model()
+    tp = describe_plan(model, WAN_PLAN, "tp", tp=2)
+    assert tp.params["blocks.0.attn.qkv.weight"] == "sharded(dim=0, stride=3)"
+    assert tp.params["blocks.1.cross_attn.kv.bias"] == "sharded(dim=0, stride=2)"
+    for norm in ("attn.q_norm", "attn.k_norm", "cross_attn.q_norm", "cross_attn.k_norm"):
+        assert tp.params[f"blocks.0.{norm}.weight"] == "sharded(dim=0, stride=1)"
+    assert tp.partial_grad() == []
+    sp = describe_plan(model, WAN_PLAN, "sp", tp=2)
+    assert set(sp.partial_grad()) == {f"blocks.{i}.{n}" for i in range(2) for n in (
+        "scale_shift_table", "norm2.weight", "norm2.bias", "attn.proj.bias", "cross_attn.proj.bias", "mlp.fc2.bias")}
+    N, D, L, B = 24, 48, 5, 2
+    colls = tp.collectives(StepShape(B, N, D, 8, tp=2, text_tokens=L))
+    norm = [c for c in colls if c.kind == "all_reduce" and c.tag == "tp" and c.nbytes in (B * N * 8, B * L * 8)]
+    # per block and direction: q and k of self-attention (N tokens), q (N) and k (L) of cross-attention
+    assert sum(c.count for c in norm) == 2 * 2 * 4
+    assert [c for c in colls if c.tag == "text"] and not [c for c in colls if c.tag == "cond"]
+    sp_colls = sp.collectives(StepShape(B, N, D, 8, tp=2, sequence_parallel=True, text_tokens=L))
+    assert [c.nbytes for c in sp_colls if c.tag == "cond"] == [B * 6 * D * 8]
+    cp = describe_plan(model, WAN_PLAN, "tp", tp=1, cp=2)
+    assert cp.params == {} and [c for c in cp.collectives(StepShape(B, N, D, 8, tp=1, cp=2)) if c.tag == "cp"]
+
+
+def test_tp1_is_a_no_op_and_partial_sync_is_refused():
+    from vitp.models import WanModel
+    from vitp.models.parallelize_wan import parallelize_wan
+    from vitp.parallel import ParallelState
+
+    model = WanModel(CONFIG)
+    attn = model.blocks[0].attn
+    assert parallelize_wan(model, ParallelState()).params == {} and model.blocks[0].attn is attn
+    with pytest.raises(ValueError, match="partial_sync"):
+        parallelize_wan(model, ParallelState(tp_size=2, partial_sync=0.5))
+    with pytest.raises(ValueError, match="no WanBlock"):
+        parallelize_wan(torch.nn.Linear(2, 2), ParallelState(tp_size=2))

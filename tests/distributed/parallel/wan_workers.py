@@ -1,0 +1,146 @@
+"""Rank-side checks of Wan under tensor, sequence and context parallelism
+(:mod:`vitp.models.parallelize_wan`), float64 on CPU gloo.
+
+:func:`worker` runs every layout of one world size in one spawned group: a tiny perturbed
+:class:`~vitp.models.WanModel` (same seed on every rank), the unsharded model as reference on the
+same inputs, and per layout the sharded copy's output, MSE loss, every gradient (sharded ones
+gathered back to full shape; under context parallelism summed over cp and divided by cp, the
+``dp x cp`` reduction at dp = 1) and the grad norm, as relative errors. A fault case normalises
+q and k per rank (over the local heads' channels only) to show the comparison catches it.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+# 4 heads x 12 channels (rotary parts t, h, w = 4, 4, 4), ffn 32, text 16, patches (1, 2, 2)
+CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=12, in_channels=4, out_channels=4,
+              text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2)
+# latents (B, C, T, H, W) fed in turn through one sharded model: grid (3, 2, 4), N = 24; then grid
+# (1, 2, 3), N = 6 (3 tokens per cp rank, padded to 4 under SP at tp = 2, 6 -> 8 at tp = 4)
+SHAPES = {"3x4x8": (2, 4, 3, 4, 8), "1x4x6": (2, 4, 1, 4, 6)}
+TEXT_LEN = 5
+
+# name -> (tp, cp, sequence_parallel, cp_mode)
+LAYOUTS = {
+    2: {"tp2": (2, 1, False, "ulysses"), "tp2_sp": (2, 1, True, "ulysses"),
+        "cp2_ulysses": (1, 2, False, "ulysses"), "cp2_ring": (1, 2, False, "ring")},
+    4: {"tp2_cp2_ulysses": (2, 2, False, "ulysses"), "tp2_cp2_ring": (2, 2, False, "ring"),
+        "tp2_sp_cp2_ulysses": (2, 2, True, "ulysses"), "tp2_sp_cp2_ring": (2, 2, True, "ring"),
+        "tp4": (4, 1, False, "ulysses"), "tp4_sp": (4, 1, True, "ulysses")},
+}
+# injected faults (each must fail the comparison): "local" normalises q and k over each rank's
+# heads alone (TPRMSNorm._local); "sum_backward" sums the squares with Megatron's g
+# (reduce_from_tp_region: all-reduce forward, identity backward), so the statistic's gradient
+# misses the other ranks' parts
+FAULTS = {2: {"tp2_local_qk_norm": ((2, 1, False, "ulysses"), "local"),
+              "tp2_norm_sum_identity_backward": ((2, 1, False, "ulysses"), "sum_backward")}, 4: {}}
+
+
+def build():
+    """(perturbed float64 reference model, ``{shape: (inputs, MSE target)}``), identical on every rank."""
+    from vitp.models import WanModel
+
+    torch.manual_seed(0)
+    model = WanModel(CONFIG).double()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():  # norms start at one, biases near zero: noise makes all matter
+            p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    assert all(bool((p != 0).all()) for p in model.parameters())
+    data = {}
+    for name, (B, C, *thw) in SHAPES.items():
+        x = torch.randn(B, C, *thw, generator=g, dtype=torch.float64)
+        t = torch.rand(B, generator=g, dtype=torch.float64) * 1000
+        text = torch.randn(B, TEXT_LEN, CONFIG["text_dim"], generator=g, dtype=torch.float64)
+        target = torch.randn(B, CONFIG["out_channels"], *thw, generator=g, dtype=torch.float64)
+        data[name] = ((x, t, text), target)
+    return model, data
+
+
+def fwd_bwd(model, inputs, target):
+    model.zero_grad(set_to_none=True)
+    out = model(*inputs)
+    loss = F.mse_loss(out, target)
+    loss.backward()
+    return out.detach(), loss.detach()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def full_grads(model, state) -> dict:
+    """``{name: full gradient}``: summed over cp (divided by cp), sharded ones gathered over TP."""
+    from vitp.parallel import full_weight
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None and state.cp_size > 1:
+            g = g.clone()
+            torch.distributed.all_reduce(g, group=state.cp_group)
+            g /= state.cp_size
+        out[name] = None if g is None else full_weight(p, state, g)  # collective: every rank, same order
+    return out
+
+
+def compare(ref_run, model, state, inputs, target) -> dict:
+    """Relative errors of ``model`` against the reference run ``(out, loss, {name: grad})``."""
+    out_r, loss_r, grads_r = ref_run
+    out, loss = fwd_bwd(model, inputs, target)
+    grads = full_grads(model, state)
+    scale = max(float(g.abs().max()) for g in grads_r.values())
+    errs = {n: float((grads[n] - r).abs().max()) / max(float(r.abs().max()), 1e-3 * scale)
+            for n, r in grads_r.items() if grads.get(n) is not None}
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values() if g is not None))
+    norm_r = torch.sqrt(sum((g ** 2).sum() for g in grads_r.values()))
+    worst = max(errs, key=errs.get)
+    return {"out": rel(out, out_r), "loss": rel(loss, loss_r), "grad": errs[worst], "worst": worst,
+            "grad_norm": rel(norm, norm_r), "missing": sorted(set(grads_r) - set(errs)),
+            "extra": sorted(set(grads) - set(grads_r))}
+
+
+def layout_parity(layout, ref, runs, fault=None) -> dict:
+    """Shard a copy of ``ref`` in ``layout`` and compare it on every shape of ``runs``
+    (``{shape: (inputs, target, reference run)}``, in turn), with ``fault`` (:data:`FAULTS`)
+    injected: ``{shape: compare(...)}``."""
+    from vitp.models.parallelize_wan import parallelize_wan
+    from vitp.parallel import TPRMSNorm, make_state, norms, reduce_from_tp_region
+
+    tp, cp, sp, mode = layout
+    world = torch.distributed.get_world_size()
+    state = make_state(tp=tp, cp=cp, dp=world // (tp * cp), sequence_parallel=sp, cp_mode=mode)
+    model = copy.deepcopy(ref)
+    report = parallelize_wan(model, state)
+    tp_norms = [m for m in model.modules() if isinstance(m, TPRMSNorm)]
+    for m in tp_norms:
+        m._local = fault == "local"
+    summed = norms.sum_over_tp_region
+    if fault == "sum_backward":
+        norms.sum_over_tp_region = reduce_from_tp_region
+    try:
+        res = {shape: compare(run, model, state, inputs, target) for shape, (inputs, target, run) in runs.items()}
+    finally:
+        norms.sum_over_tp_region = summed
+    for r in res.values():
+        r.update(sharded=len(report.sharded()), partial=len(report.partial_grad()), tp_norms=len(tp_norms))
+    return res
+
+
+def worker(rank: int, world: int) -> dict:
+    """Every layout (and fault) of ``world`` ranks: ``{name: compare(...)}``."""
+    from .tp_workers import init
+
+    init(rank)
+    ref, data = build()
+    runs = {}
+    for shape, (inputs, target) in data.items():
+        out_r, loss_r = fwd_bwd(ref, inputs, target)
+        runs[shape] = (inputs, target, (out_r, loss_r, {n: p.grad.detach().clone() for n, p in ref.named_parameters()}))
+    res = {name: layout_parity(lay, ref, runs) for name, lay in LAYOUTS[world].items()}
+    res.update({name: layout_parity(lay, ref, runs, fault) for name, (lay, fault) in FAULTS[world].items()})
+    return res
