@@ -30,13 +30,14 @@ LAYOUTS = {
     4: {"tp2_cp2_ulysses": (2, 2, False, "ulysses"), "tp2_cp2_ring": (2, 2, False, "ring"),
         "tp2_sp_cp2_ulysses": (2, 2, True, "ulysses"), "tp2_sp_cp2_ring": (2, 2, True, "ring"),
         "tp4": (4, 1, False, "ulysses"), "tp4_sp": (4, 1, True, "ulysses")},
+    8: {},  # the 8-rank group runs pipeline layouts only (PIPE_LAYOUTS)
 }
 # injected faults (each must fail the comparison): "local" normalises q and k over each rank's
 # heads alone (TPRMSNorm._local); "sum_backward" sums the squares with Megatron's g
 # (reduce_from_tp_region: all-reduce forward, identity backward), so the statistic's gradient
 # misses the other ranks' parts
 FAULTS = {2: {"tp2_local_qk_norm": ((2, 1, False, "ulysses"), "local"),
-              "tp2_norm_sum_identity_backward": ((2, 1, False, "ulysses"), "sum_backward")}, 4: {}}
+              "tp2_norm_sum_identity_backward": ((2, 1, False, "ulysses"), "sum_backward")}, 4: {}, 8: {}}
 
 
 def build():
@@ -100,6 +101,7 @@ def compare(ref_run, model, state, inputs, target) -> dict:
     norm_r = torch.sqrt(sum((g ** 2).sum() for g in grads_r.values()))
     worst = max(errs, key=errs.get)
     return {"out": rel(out, out_r), "loss": rel(loss, loss_r), "grad": errs[worst], "worst": worst,
+            "all_keys": sorted(grads_r),
             "grad_norm": rel(norm, norm_r), "missing": sorted(set(grads_r) - set(errs)),
             "extra": sorted(set(grads) - set(grads_r))}
 
@@ -143,4 +145,78 @@ def worker(rank: int, world: int) -> dict:
         runs[shape] = (inputs, target, (out_r, loss_r, {n: p.grad.detach().clone() for n, p in ref.named_parameters()}))
     res = {name: layout_parity(lay, ref, runs) for name, lay in LAYOUTS[world].items()}
     res.update({name: layout_parity(lay, ref, runs, fault) for name, (lay, fault) in FAULTS[world].items()})
+    res.update({name: pipeline_parity(lay, ref, runs) for name, lay in PIPE_LAYOUTS[world].items()})
+    return res
+
+
+# pipeline layouts, DeepSpeed's 1F1B engine: name -> (tp, cp, pp, sequence_parallel, cp_mode)
+PIPE_LAYOUTS = {
+    2: {"pp2": (1, 1, 2, False, "ulysses")},
+    4: {"tp2_pp2": (2, 1, 2, False, "ulysses"), "tp2_sp_pp2": (2, 1, 2, True, "ulysses"),
+        "cp2_pp2_ring": (1, 2, 2, False, "ring"), "pp2_dp2": (1, 1, 2, False, "ulysses")},
+    8: {"tp2_sp_cp2_pp2_ulysses": (2, 2, 2, True, "ulysses"), "tp2_cp2_pp2_ring": (2, 2, 2, False, "ring")},
+}
+
+
+class _CaptureGrads(torch.optim.Optimizer):
+    """Keeps the gradients DeepSpeed hands its optimizer (after its data-parallel reduction) and
+    changes nothing."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self.grads = {}
+
+    def step(self, closure=None):
+        self.grads = {id(p): p.grad.detach().clone() for g in self.param_groups for p in g["params"]
+                      if p.grad is not None}
+
+
+def _mse(out, target):
+    return F.mse_loss(out, target)
+
+
+def pipeline_parity(layout, ref, runs) -> dict:
+    """Wan as DeepSpeed pipeline stages (:func:`vitp.pipeline.wan_stages.build_parallel_wan_pipeline`)
+    loaded with ``ref``'s weights, one ``train_batch`` per shape of ``runs`` (the token grid set on
+    every stage and the engine's activation shapes reset between them): ``{shape: {"loss", "grad",
+    "worst", "keys"}}`` relative errors of this rank's stage (float32) against the one-process
+    float64 reference."""
+    import deepspeed
+
+    from vitp.models import generator_key, set_grid, token_grid
+    from vitp.models.wan import WanConfig
+    from vitp.parallel import full_weight
+    from vitp.pipeline import load_full_state
+    from vitp.pipeline.wan_stages import build_parallel_wan_pipeline
+
+    tp, cp, pp, sp, mode = layout
+    world = torch.distributed.get_world_size()
+    dp = world // (tp * cp * pp)
+    config = WanConfig.from_dict(CONFIG)
+    grid0 = token_grid(list(SHAPES["3x4x8"][3:]), SHAPES["3x4x8"][2], 2, 1)
+    module, state = build_parallel_wan_pipeline(config, grid0, _mse, tp=tp, cp=cp, pp=pp, dp=dp,
+                                                sequence_parallel=sp, cp_mode=mode)
+    # float32: DeepSpeed's gradient reduction refuses float64 (the reference stays float64)
+    load_full_state(module, {k: v.detach().float() for k, v in ref.state_dict().items()}, state,
+                    config.num_layers, source="reference")
+    opt = _CaptureGrads(module.parameters())
+    B = SHAPES["3x4x8"][0]
+    engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config={
+        "train_batch_size": B * dp * cp, "train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 0}, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}, "steps_per_print": 10**9})
+    res = {}
+    for shape, (inputs, target, (_, loss_r, grads_r)) in runs.items():
+        set_grid(engine.module, token_grid(list(inputs[0].shape[-2:]), inputs[0].shape[2], 2, 1))
+        engine.reset_activation_shape()
+        batch = (tuple(t.float() for t in inputs), target.float())
+        loss = engine.train_batch(data_iter=iter([batch]))
+        errs = {}
+        for name, p in engine.module.named_parameters():
+            key = generator_key(name, config.num_layers)
+            g = full_weight(p, state, opt.grads[id(p)]).double()  # collective over tp, same order on every rank
+            errs[key] = float((g - grads_r[key]).abs().max()) / max(float(grads_r[key].abs().max()), 1e-12)
+        worst = max(errs, key=errs.get)
+        res[shape] = {"loss": rel(loss.double(), loss_r), "grad": errs[worst], "worst": worst, "keys": sorted(errs),
+                      "all_keys": sorted(grads_r)}
     return res
