@@ -228,3 +228,60 @@ def from_pretrained(folder: PathLike, subfolder: str = "transformer") -> WanMode
         model = WanModel(config)
     model.load_state_dict(state, strict=True, assign=True)
     return model.float().eval()
+
+
+def _slice_rows(view: Any, piece_shape: Tuple[int, ...], dim: int, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank`` of ``size`` equal parts of a safetensors slice ``view`` along ``dim`` (0 or 1),
+    reading only that part."""
+    n = piece_shape[dim]
+    if n % size:
+        raise ValueError(f"dimension {dim} of size {n} does not split over {size} tensor-parallel ranks")
+    a, b = rank * n // size, (rank + 1) * n // size
+    return view[a:b] if dim == 0 else view[:, a:b]
+
+
+def load_shard(folder: PathLike, params: Dict[str, torch.nn.Parameter], config: WanConfig, tp_rank: int = 0,
+               tp_size: int = 1, subfolder: str = "transformer") -> Dict[str, Any]:
+    """Fill this rank's parameters ``{vitp key: parameter}`` (a pipeline stage's, possibly
+    tensor-parallel shards marked ``tensor_model_parallel`` / ``partition_dim`` /
+    ``partition_stride`` as :mod:`vitp.parallel.layers` marks them) from a diffusers Wan folder,
+    reading only this rank's slices of the stage's tensors (``safe_open(...).get_slice``).
+
+    A fused projection sharded with a per-head stride (``qkv``: 3, ``kv``: 2) is the rank's rows of
+    each diffusers piece, stacked; a row-parallel weight its columns. Returns ``{"bytes": bytes
+    read, "share": bytes of the filled parameters, "keys": number filled}``.
+
+    Raises ``ValueError`` naming the folder for a key the folder lacks or a shape that differs
+    from the parameter's full shape, ``FileNotFoundError`` as :func:`weight_locations`.
+    """
+    from safetensors import safe_open
+
+    path = transformer_folder(folder, subfolder)
+    kmap, where = key_map(config), weight_locations(path)
+    missing = [d for k in params for d in kmap.get(k, (k,)) if d not in where]
+    if missing or any(k not in kmap for k in params):
+        raise ValueError(f"{path}: no weights for {_few(missing or [k for k in params if k not in kmap])}; "
+                         "is it the folder this model was built from?")
+    files: Dict[Path, Any] = {}
+    read = share = 0
+    try:
+        with torch.no_grad():
+            for key, p in params.items():
+                pieces = []
+                for d in kmap[key]:
+                    f = files.get(where[d]) or files.setdefault(where[d], safe_open(str(where[d]), framework="pt"))
+                    view = f.get_slice(d)
+                    shape = tuple(view.get_shape())
+                    sharded = getattr(p, "tensor_model_parallel", False) and tp_size > 1
+                    t = _slice_rows(view, shape, p.partition_dim, tp_rank, tp_size) if sharded else view[:]
+                    pieces.append(t)
+                    read += t.numel() * t.element_size()
+                full = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+                if tuple(full.shape) != tuple(p.shape):
+                    raise ValueError(f"{path}: {key} read as {tuple(full.shape)} for a parameter of {tuple(p.shape)}; "
+                                     "the folder's config.json does not match the model")
+                p.copy_(full.to(p.dtype))
+                share += p.numel() * p.element_size()
+    finally:
+        files.clear()
+    return {"bytes": read, "share": share, "keys": len(params)}

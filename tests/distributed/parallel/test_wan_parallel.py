@@ -75,6 +75,8 @@ def _pipeline_check(results, name):
         for r in results:
             res = r[name][shape]
             assert res["loss"] < TOL and res["grad"] < TOL, f"{name}/{shape}: {res}"
+            # the stage read from the diffusers folder exactly its own slices, equal to slicing in memory
+            assert res["same"] and res["bytes"] == res["share"], res
             keys |= set(res["keys"])
         assert keys == set(results[0][name][shape]["all_keys"]), name
 

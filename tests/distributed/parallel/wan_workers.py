@@ -175,6 +175,33 @@ def _mse(out, target):
     return F.mse_loss(out, target)
 
 
+def _load_from_folder(module, state, ref, config) -> dict:
+    """Write ``ref`` (float32) as a diffusers folder in a temporary directory of this rank, fill the
+    stage from it with :func:`vitp.models.wan_keys.load_shard` (this rank's slices only) and check
+    every tensor against :func:`vitp.pipeline.load_full_state` of the full state: ``{"bytes",
+    "share", "same", "folder_bytes"}``."""
+    import tempfile
+    from pathlib import Path
+
+    from vitp.models import generator_key
+    from vitp.models.wan import WanModel
+    from vitp.models.wan_keys import load_shard, save_pretrained
+    from vitp.pipeline import load_full_state
+
+    full = {k: v.detach().float() for k, v in ref.state_dict().items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        one = WanModel(config)
+        one.load_state_dict(full)
+        folder = save_pretrained(one, Path(tmp) / "transformer")
+        folder_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        params = {generator_key(n, config.num_layers): p for n, p in module.named_parameters()}
+        read = load_shard(folder, params, config, state.tp_rank, state.tp_size)
+    from_folder = {n: p.detach().clone() for n, p in module.named_parameters()}
+    load_full_state(module, full, state, config.num_layers, source="reference")
+    same = all(torch.equal(from_folder[n], p) for n, p in module.named_parameters())
+    return {"bytes": read["bytes"], "share": read["share"], "same": same, "folder_bytes": folder_bytes}
+
+
 def pipeline_parity(layout, ref, runs) -> dict:
     """Wan as DeepSpeed pipeline stages (:func:`vitp.pipeline.wan_stages.build_parallel_wan_pipeline`)
     loaded with ``ref``'s weights, one ``train_batch`` per shape of ``runs`` (the token grid set on
@@ -196,9 +223,10 @@ def pipeline_parity(layout, ref, runs) -> dict:
     grid0 = token_grid(list(SHAPES["3x4x8"][3:]), SHAPES["3x4x8"][2], 2, 1)
     module, state = build_parallel_wan_pipeline(config, grid0, _mse, tp=tp, cp=cp, pp=pp, dp=dp,
                                                 sequence_parallel=sp, cp_mode=mode)
-    # float32: DeepSpeed's gradient reduction refuses float64 (the reference stays float64)
-    load_full_state(module, {k: v.detach().float() for k, v in ref.state_dict().items()}, state,
-                    config.num_layers, source="reference")
+    # float32: DeepSpeed's gradient reduction refuses float64 (the reference stays float64). The
+    # stage reads its slices of the reference written as a diffusers folder, equal to slicing the
+    # full state in memory
+    loaded = _load_from_folder(module, state, ref, config)
     opt = _CaptureGrads(module.parameters())
     B = SHAPES["3x4x8"][0]
     engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config={
@@ -218,5 +246,5 @@ def pipeline_parity(layout, ref, runs) -> dict:
             errs[key] = float((g - grads_r[key]).abs().max()) / max(float(grads_r[key].abs().max()), 1e-12)
         worst = max(errs, key=errs.get)
         res[shape] = {"loss": rel(loss.double(), loss_r), "grad": errs[worst], "worst": worst, "keys": sorted(errs),
-                      "all_keys": sorted(grads_r)}
+                      "all_keys": sorted(grads_r), **loaded}
     return res
