@@ -45,7 +45,7 @@ _SHARED = {
 _COST = {
     "reference_runs": 290, "tests/unit/test_scripts.py": 230, "tests/distributed/test_multinode.py": 115,
     "tests/distributed/test_sagemaker_toolkit.py": 110, "tests/distributed/test_context_parallel.py": 100,
-    "tests/distributed/test_sample_cli.py": 95, "parallel_groups": 95, "tests/distributed/test_plan_validation.py": 75,
+    "tests/distributed/test_sample_cli.py": 95, "parallel_groups": 110, "tests/distributed/test_plan_validation.py": 75,
     "tests/distributed/test_reshard.py": 70, "tests/distributed/test_rundir.py": 45,
     "tests/distributed/test_train.py": 45, "tests/unit/test_preflight.py": 43,
     "tests/distributed/test_partial_sync_run.py": 43, "tests/distributed/test_launchers.py": 40,
