@@ -179,19 +179,23 @@ def load_state(folder: Path, config: WanConfig) -> Dict[str, torch.Tensor]:
             for v, ds in kmap.items()}
 
 
-def to_diffusers_state(state: Dict[str, torch.Tensor], config: WanConfig) -> Dict[str, torch.Tensor]:
+def to_diffusers_state(state: Dict[str, torch.Tensor], config: WanConfig, partial: bool = False
+                       ) -> Dict[str, torch.Tensor]:
     """diffusers ``WanTransformer3DModel`` state dict of a vitp state dict: keys renamed, ``qkv``
     and ``kv`` split into ``to_q``/``to_k``/``to_v`` and ``to_k``/``to_v``; contiguous CPU tensors
     of their own storage (safetensors files refuse shared storage), dtypes kept.
 
-    Raises ``KeyError`` naming a vitp key the state lacks.
+    ``partial``: ``state`` holds some of the model's keys (a pipeline stage's), converted alone.
+    Raises ``KeyError`` naming a vitp key the state lacks (not ``partial``) or one Wan does not have.
     """
     out = {}
-    for v, ds in key_map(config).items():
-        if v not in state:
-            raise KeyError(f"vitp Wan state has no {v!r}; export a WanModel's state_dict()")
-        parts = state[v].detach().cpu().chunk(len(ds), dim=0)
-        out.update({d: p.contiguous().clone() for d, p in zip(ds, parts)})
+    kmap = key_map(config)
+    for v in kmap if not partial else state:
+        if v not in state or v not in kmap:
+            raise KeyError(f"vitp Wan state has no {v!r}; export a WanModel's state_dict()" if v not in state else
+                           f"{v!r} is not a parameter of a Wan model of this config")
+        parts = state[v].detach().cpu().chunk(len(kmap[v]), dim=0)
+        out.update({d: p.contiguous().clone() for d, p in zip(kmap[v], parts)})
     return out
 
 

@@ -115,3 +115,47 @@ def build_parallel_wan_pipeline(config: WanConfig, grid: Grid, loss_fn: Any, *, 
                       cp_mode=cp_mode)
     parallelize_wan(module, state, grid=grid)
     return module, state
+
+
+def save_wan_stages(folder: Any, module: PipelineModule, config: WanConfig, state: Any) -> Any:
+    """Write the pipeline's weights as a diffusers ``WanTransformer3DModel`` folder: stage ``s``'s
+    tensors (gathered over its tensor-parallel group) in ``diffusion_pytorch_model-<s+1>-of-<pp>
+    .safetensors``, written by that stage's first rank (tp, cp and dp rank 0), then
+    ``diffusion_pytorch_model.safetensors.index.json`` and ``config.json`` by global rank 0, so
+    ``WanTransformer3DModel.from_pretrained(folder)`` loads it with no missing or unexpected keys.
+
+    Collective: every rank calls it (the gathers and the index's key lists). No rank holds more
+    than its stage's full tensors. Returns the folder as a ``Path``.
+    """
+    import json
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from vitp.models import generator_key
+    from vitp.models.wan_keys import CLASS_NAME, INDEX, to_diffusers_state
+    from vitp.parallel import full_weight
+
+    path = Path(folder).expanduser()
+    stage = {generator_key(n, config.num_layers): full_weight(p, state) for n, p in module.named_parameters()}
+    writer = state.tp_rank == 0 and state.cp_rank == 0 and state.dp_rank == 0
+    name = f"diffusion_pytorch_model-{state.pp_rank + 1:05d}-of-{state.pp_size:05d}.safetensors"
+    tensors = to_diffusers_state(stage, config, partial=True) if writer else {}
+    if writer:
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+    entries = ({k: name for k in tensors}, sum(t.numel() * t.element_size() for t in tensors.values()))
+    table = [None] * torch.distributed.get_world_size() if torch.distributed.is_initialized() else [entries]
+    if torch.distributed.is_initialized():
+        torch.distributed.all_gather_object(table, entries)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        weight_map = {k: f for m, _ in table for k, f in m.items()}
+        index = {"metadata": {"total_size": sum(n for _, n in table)}, "weight_map": dict(sorted(weight_map.items()))}
+        path.mkdir(parents=True, exist_ok=True)
+        (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        cfg = {"_class_name": CLASS_NAME, "_diffusers_version": version("diffusers"), **config.to_dict()}
+        (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # the folder is whole when any rank returns
+    return path

@@ -79,6 +79,10 @@ def _pipeline_check(results, name):
             assert res["same"] and res["bytes"] == res["share"], res
             keys |= set(res["keys"])
         assert keys == set(results[0][name][shape]["all_keys"]), name
+        # written back by the stages (one file each), diffusers loads it with no key warnings, bit-identical
+        r0 = results[0][name][shape]
+        assert r0["export_warnings"] == 0 and r0["export_identical"], r0
+        assert r0["export_files"] == PIPE_LAYOUTS[len(results)][name][2], r0
 
 
 @pytest.mark.parametrize("name", list(PIPE_LAYOUTS[2]))

@@ -196,10 +196,46 @@ def _load_from_folder(module, state, ref, config) -> dict:
         folder_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         params = {generator_key(n, config.num_layers): p for n, p in module.named_parameters()}
         read = load_shard(folder, params, config, state.tp_rank, state.tp_size)
+        exported = _export_round_trip(module, config, state, folder)
     from_folder = {n: p.detach().clone() for n, p in module.named_parameters()}
     load_full_state(module, full, state, config.num_layers, source="reference")
     same = all(torch.equal(from_folder[n], p) for n, p in module.named_parameters())
-    return {"bytes": read["bytes"], "share": read["share"], "same": same, "folder_bytes": folder_bytes}
+    return {"bytes": read["bytes"], "share": read["share"], "same": same, "folder_bytes": folder_bytes, **exported}
+
+
+def _export_round_trip(module, config, state, source) -> dict:
+    """The stages written back as one diffusers folder (:func:`vitp.pipeline.wan_stages.save_wan_stages`,
+    a folder rank 0 picks) and, on rank 0, loaded by diffusers' ``WanTransformer3DModel``:
+    ``{"export_warnings": missing + unexpected + mismatched keys, "export_identical": every tensor
+    bit-identical to the source folder's, "export_files": shard count}`` (rank 0's; empty elsewhere)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from vitp.models.wan_keys import WEIGHTS
+    from vitp.pipeline.wan_stages import save_wan_stages
+
+    where = [tempfile.mkdtemp() if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(where, src=0)
+    out = Path(where[0]) / "export"
+    try:
+        save_wan_stages(out, module, config, state)
+        if torch.distributed.get_rank() != 0:
+            return {}
+        from diffusers import WanTransformer3DModel
+
+        model, info = WanTransformer3DModel.from_pretrained(str(out), output_loading_info=True)
+        src = load_file(str(source / WEIGHTS))
+        got = model.state_dict()
+        return {"export_warnings": sum(len(v) for v in info.values()),
+                "export_identical": got.keys() == src.keys() and all(torch.equal(got[k], src[k]) for k in src),
+                "export_files": len(list(out.glob("*.safetensors")))}
+    finally:
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
 
 
 def pipeline_parity(layout, ref, runs) -> dict:
