@@ -24,6 +24,11 @@ def token_grid(image_size: Any, num_frames: int, patch_size: int, tubelet_size: 
     return num_frames // tubelet_size, H // patch_size, W // patch_size
 
 
+def _either(a: str, b: str) -> str:
+    """``"a or b"``, or ``a`` alone when both are the same."""
+    return a if a == b else f"{a} or {b}"
+
+
 def input_grid(x_shape: Tuple[int, ...], patch_size: int, tubelet_size: int) -> Tuple[int, int, int]:
     """Token grid of an input of shape ``(B, C, T, H, W)``.
 
@@ -33,9 +38,10 @@ def input_grid(x_shape: Tuple[int, ...], patch_size: int, tubelet_size: int) -> 
     T, H, W = (int(v) for v in x_shape[-3:])
     if T % tubelet_size or H % patch_size or W % patch_size:
         p, pt = patch_size, tubelet_size
+        frames = _either(f"{max(pt, T // pt * pt)}", f"{-(-T // pt) * pt}")
+        pixels = _either(f"{max(p, H // p * p)}x{max(p, W // p * p)}", f"{-(-H // p) * p}x{-(-W // p) * p}")
         raise ValueError(f"input of {T} frames x {H}x{W} pixels does not tile into ({pt}, {p}, {p}) tubelets; "
-                         f"valid sizes near it: frames {max(pt, T // pt * pt)} or {-(-T // pt) * pt}, "
-                         f"{max(p, H // p * p)}x{max(p, W // p * p)} or {-(-H // p) * p}x{-(-W // p) * p} pixels")
+                         f"valid sizes near it: frames {frames}, {pixels} pixels")
     return T // tubelet_size, H // patch_size, W // patch_size
 
 
