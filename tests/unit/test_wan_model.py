@@ -214,3 +214,99 @@ def test_make_tiny_wan_writes_a_pipeline_folder_vitp_loads(tiny, tmp_path, capsy
             "transformer/diffusion_pytorch_model.safetensors"} <= set(files)
     model = from_pretrained(tmp_path / "pipe")
     assert model.config.num_layers == 2 and model.config.width == 32
+
+
+# ---------------------------------------------------------------------------------- user mistakes
+def test_transformer_folder_with_another_subfolder_is_refused(tiny):
+    """Asking a transformer folder for transformer_2 would silently load the given folder."""
+    with pytest.raises(ValueError, match=r"transformer folder .*subfolder='transformer_2'.*pass the pipeline folder"):
+        from_pretrained(tiny.pipe / "transformer", subfolder="transformer_2")
+    assert from_pretrained(tiny.pipe / "transformer", subfolder=None).config.num_layers == 2  # None: the folder
+    with pytest.raises(FileNotFoundError, match="subfolder=None takes a transformer folder"):
+        from_pretrained(tiny.pipe, subfolder=None)
+    with pytest.raises(TypeError, match="subfolder=2 must be a folder name"):
+        from_pretrained(tiny.pipe, subfolder=2)
+
+
+def test_transformer_folder_of_an_expand_timesteps_pipeline_is_refused(tiny, tmp_path):
+    pipe = shutil.copytree(tiny.pipe, tmp_path / "pipe")
+    index = json.loads((pipe / "model_index.json").read_text())
+    (pipe / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
+    with pytest.raises(ValueError, match=re.escape(str(pipe / "model_index.json")) + ": expand_timesteps"):
+        from_pretrained(pipe / "transformer")
+
+
+@pytest.mark.parametrize("key", ["num_layers", "text_dim", "patch_size", "ffn_dim"])
+def test_config_missing_a_size_key_is_refused_naming_key_and_file(tiny, tmp_path, key):
+    folder = _edited_copy(tiny, tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg[key]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=re.escape(str(folder / "config.json")) + rf": missing \['{key}'\]"):
+        from_pretrained(folder)
+
+
+@pytest.mark.parametrize("key,value,want", [("num_layers", "two", "an integer"), ("num_attention_heads", 2.5, "an integer"),
+                                            ("patch_size", 2, "a list of three integers"),
+                                            ("cross_attn_norm", "yes", "true or false")])
+def test_config_values_of_the_wrong_type_are_refused(tiny, tmp_path, key, value, want):
+    folder = _edited_copy(tiny, tmp_path, **{key: value})
+    with pytest.raises(ValueError, match=re.escape(f"config.json: {key}={value!r} must be {want}")):
+        from_pretrained(folder)
+    with pytest.raises(ValueError, match=re.escape(f"{key}={value!r} must be {want}")):
+        WanModel(dict(tiny.script.TINY, **{key: value}))
+
+
+def test_config_that_is_not_an_object_is_refused(tiny, tmp_path):
+    folder = _edited_copy(tiny, tmp_path)
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=re.escape(str(folder / "config.json")) + " holds a JSON list, not an object"):
+        from_pretrained(folder)
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "random"])
+def test_damaged_safetensors_are_refused_naming_the_file(tiny, tmp_path, damage):
+    folder = _edited_copy(tiny, tmp_path)
+    shard = sorted(folder.glob("diffusion_pytorch_model-*.safetensors"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes({"empty": b"", "truncated": data[: len(data) // 2], "random": bytes(range(256)) * 8}[damage])
+    with pytest.raises(ValueError, match=re.escape(str(shard)) + " is not a readable safetensors file.*copy it again"):
+        from_pretrained(folder)
+
+
+def test_weights_of_another_shape_than_the_config_are_refused(tiny, tmp_path):
+    folder = _edited_copy(tiny, tmp_path, text_dim=64)
+    with pytest.raises(ValueError, match=re.escape(f"{folder}: weight condition_embedder.text_embedder.linear_1.weight "
+                                                   "has shape (32, 32) but") + r".* implies \(32, 64\)"):
+        from_pretrained(folder)
+
+
+def test_save_pretrained_refuses_a_diffusers_model_and_a_file(tiny, tmp_path):
+    with pytest.raises(TypeError, match="takes a vitp WanModel.*WanTransformer3DModel.*model.save_pretrained"):
+        save_pretrained(tiny.ref, tmp_path / "out")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match=re.escape(str(tmp_path / "file")) + " is an existing file"):
+        save_pretrained(tiny.model, tmp_path / "file")
+
+
+def test_cast_takes_floating_dtypes_and_their_names(tiny):
+    model = from_pretrained(tiny.pipe).cast("bfloat16")
+    assert model.embed.x_embedder.proj.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"torch.int8 is not a floating dtype"):
+        model.cast(torch.int8)
+    with pytest.raises(ValueError, match=r"'bfloat' is not a floating dtype name"):
+        model.cast("bfloat")
+
+
+def test_latents_of_another_shape_are_refused_before_the_conv(tiny):
+    x, t, text = _inputs(SHAPES[0])
+    with pytest.raises(ValueError, match=re.escape("hidden_states (2, 4, 8, 8) must be latents (B, 4, T, H, W)")):
+        tiny.model(x[:, :, 0], t, text)
+    with pytest.raises(ValueError, match=re.escape("hidden_states (2, 16, 2, 8, 8) must be latents (B, 4, T, H, W)")):
+        tiny.model(x.repeat(1, 4, 1, 1, 1), t, text)
+
+
+def test_tiling_error_names_one_value_when_both_are_equal(tiny):
+    x, t, text = _inputs((3, 8, 9))
+    with pytest.raises(ValueError, match=r"valid sizes near it: frames 3, 8x8 or 8x10 pixels"):
+        tiny.model(x, t, text)

@@ -73,8 +73,10 @@ class WanConfig:
     pos_embed_seq_len: Optional[int] = None
 
     def __post_init__(self):
-        self.patch_size = tuple(int(p) for p in self.patch_size)
-        self.out_channels = self.out_channels or self.in_channels
+        if isinstance(self.patch_size, (list, tuple)):
+            self.patch_size = tuple(self.patch_size)
+        if self.out_channels is None:
+            self.out_channels = self.in_channels
 
     @property
     def width(self) -> int:
@@ -86,8 +88,12 @@ class WanConfig:
         """A :class:`WanConfig` of a diffusers config dict (keys starting with ``_`` ignored), checked.
 
         Raises ``ValueError`` naming ``source`` and the key for a key diffusers' Wan does not
-        have, ``expand_timesteps`` true (Wan 2.2 TI2V), or an option :meth:`check` refuses.
+        have, ``expand_timesteps`` true (Wan 2.2 TI2V), a value of the wrong type
+        (:func:`check_types`), or an option :meth:`check` refuses; ``TypeError`` when ``cfg`` is
+        not a mapping.
         """
+        if not isinstance(cfg, Mapping):
+            raise TypeError(f"{source}: a Wan config must be a dict of config.json keys, got {type(cfg).__name__}")
         known = {f.name for f in fields(cls)}
         if cfg.get("expand_timesteps"):
             raise ValueError(f"{source}: expand_timesteps=true (Wan 2.2 TI2V per-token timesteps) is not implemented "
@@ -96,6 +102,7 @@ class WanConfig:
         if unknown:
             raise ValueError(f"{source}: config keys {unknown} are not options of diffusers' WanTransformer3DModel "
                              f"known to vitp ({sorted(known)}); remove them or use a Wan text-to-video config")
+        check_types({k: v for k, v in cfg.items() if k in known}, source)
         out = cls(**{k: v for k, v in cfg.items() if k in known})
         out.check(source)
         return out
@@ -103,7 +110,9 @@ class WanConfig:
     def check(self, source: str = "config") -> None:
         """Raises ``ValueError`` naming the key for what vitp does not implement: image-to-video
         (``image_dim``, ``added_kv_proj_dim`` not null), another ``qk_norm``, a non-square or
-        non-3-D ``patch_size``, an odd ``attention_head_dim`` (rotary pairs), or a size below 1."""
+        non-3-D ``patch_size``, an odd ``attention_head_dim`` (rotary pairs), a size below 1, or a
+        value of the wrong type (:func:`check_types`)."""
+        check_types(asdict(self), source)
         if self.image_dim is not None:
             raise ValueError(f"{source}: image_dim={self.image_dim} is an image-to-video Wan (CLIP image tokens), "
                              "which vitp does not implement; use a text-to-video checkpoint (image_dim null)")
@@ -122,13 +131,77 @@ class WanConfig:
                              "pairs of channels, so it must be even")
         sizes = ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim", "freq_dim",
                  "ffn_dim", "num_layers", "rope_max_seq_len")
-        bad = [k for k in sizes if int(getattr(self, k)) < 1] + (["patch_size"] if min(self.patch_size) < 1 else [])
+        bad = [k for k in sizes if getattr(self, k) < 1] + (["patch_size"] if min(self.patch_size) < 1 else [])
         if bad:
             raise ValueError(f"{source}: {bad} must be at least 1")
 
     def to_dict(self) -> Dict[str, Any]:
         """The options as ``config.json`` writes them (``patch_size`` a list)."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+INT_KEYS = ("num_attention_heads", "attention_head_dim", "in_channels", "text_dim", "freq_dim", "ffn_dim",
+            "num_layers", "rope_max_seq_len")
+OPTIONAL_INT_KEYS = ("out_channels", "image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_types(values: Mapping[str, Any], source: str = "config") -> None:
+    """Raises ``ValueError`` naming ``source``, the key and the value for a config value of the
+    wrong type: the sizes (:data:`INT_KEYS`) must be integers, :data:`OPTIONAL_INT_KEYS` integers
+    or null, ``patch_size`` a list of three integers, ``eps`` a number, ``cross_attn_norm`` a
+    boolean, ``qk_norm`` a string or null. Keys absent from ``values`` are not checked."""
+    def bad(key: str, want: str) -> ValueError:
+        return ValueError(f"{source}: {key}={values[key]!r} must be {want}; fix it in the config "
+                          "(diffusers' Wan configs hold plain JSON numbers, e.g. \"num_layers\": 30)")
+
+    for k in INT_KEYS:
+        if k in values and not _is_int(values[k]):
+            raise bad(k, "an integer")
+    for k in OPTIONAL_INT_KEYS:
+        if k in values and values[k] is not None and not _is_int(values[k]):
+            raise bad(k, "an integer or null")
+    ps = values.get("patch_size", (1, 2, 2))
+    if not isinstance(ps, (list, tuple)) or len(ps) != 3 or not all(_is_int(v) for v in ps):
+        raise bad("patch_size", "a list of three integers [pt, p, p] (Wan: [1, 2, 2])")
+    if "eps" in values and (not isinstance(values["eps"], (int, float)) or isinstance(values["eps"], bool)):
+        raise bad("eps", "a number")
+    if "cross_attn_norm" in values and not isinstance(values["cross_attn_norm"], bool):
+        raise bad("cross_attn_norm", "true or false")
+    if "qk_norm" in values and values["qk_norm"] is not None and not isinstance(values["qk_norm"], str):
+        raise bad("qk_norm", f"the string {QK_NORM!r}")
+
+
+def check_latents(x: torch.Tensor, in_channels: int, name: str = "hidden_states") -> None:
+    """Raises ``ValueError`` naming the shape when ``x`` is not latents ``(B, in_channels, T, H, W)``
+    (a 4-D image batch, or the channels of another VAE)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 5 or x.shape[1] != in_channels:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} {shape} must be latents (B, {in_channels}, T, H, W): {in_channels} channels "
+                         "(the model's in_channels, the VAE's z_dim) and a frame axis (an image is T=1: "
+                         "x.unsqueeze(2))")
+
+
+FLOAT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}
+
+
+def float_dtype(dtype: Any) -> torch.dtype:
+    """A floating ``torch.dtype`` of a dtype or its name (``"bfloat16"``, ``"bf16"``, ``"torch.float16"``,
+    ...). Raises ``ValueError`` naming the value for a non-floating dtype or an unknown name."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name not in FLOAT_DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not a floating dtype name; use one of {sorted(FLOAT_DTYPES)} "
+                             "or torch.bfloat16 / torch.float16 / torch.float32")
+        return FLOAT_DTYPES[name]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating dtype; Wan's weights are torch.float32, "
+                         "torch.bfloat16 or torch.float16")
+    return dtype
 
 
 class FP32LayerNorm(nn.LayerNorm):
@@ -288,7 +361,8 @@ class WanEmbed(nn.Module):
     ``condition_embedder.text_embedder``) projects the text to ``ctx``; ``cos``/``sin`` are the
     rotary tables of the grid (:func:`rotary_freqs`, cached for the last grid and device).
 
-    Raises ``ValueError`` when ``x`` does not tile into patches or its grid is not the set grid
+    Raises ``ValueError`` when ``x`` is not ``(B, in_channels, T, H, W)`` (:func:`check_latents`),
+    does not tile into patches or its grid is not the set grid
     (:meth:`set_grid`), for a timestep that is not ``(B,)`` (Wan 2.2 TI2V's per-token
     ``(B, N)`` is not implemented), or text that is not ``(B, L, text_dim)``.
     """
@@ -317,6 +391,7 @@ class WanEmbed(nn.Module):
         return self._rope[key]
 
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        check_latents(x, self.x_embedder.proj.in_channels)
         grid = input_grid(x.shape, self.p, self.pt)
         if grid != self.grid:
             raise ValueError(f"input token grid {grid} (of x {tuple(x.shape)}) differs from the set grid {self.grid}; "
@@ -411,7 +486,8 @@ class WanModel(nn.Module):
     ``config``: a :class:`WanConfig` or a diffusers ``config.json`` dict; keyword arguments
     override its keys. Weights are initialised at random (diffusers' ``scale_shift_table``
     init); :func:`vitp.models.wan_keys.from_pretrained` loads a diffusers folder. Raises
-    ``ValueError`` for options vitp does not implement (:meth:`WanConfig.check`).
+    ``ValueError`` for options vitp does not implement (:meth:`WanConfig.check`); ``forward``
+    raises ``ValueError`` for inputs of another shape (:class:`WanEmbed`).
     """
 
     def __init__(self, config: Any = None, **options: Any):
@@ -431,7 +507,10 @@ class WanModel(nn.Module):
         """Parameters to ``dtype`` except those diffusers keeps in fp32 under bf16/fp16 weights
         (``WanTransformer3DModel._keep_in_fp32_modules``: the timestep embedder, every
         ``scale_shift_table``, ``norm1``/``norm2``/``norm3``), so a bf16 model computes as
-        diffusers' bf16 model. Returns the model."""
+        diffusers' bf16 model. ``dtype``: a floating ``torch.dtype`` or its name (``"bfloat16"``,
+        ``"bf16"``, ...). Returns the model. Raises ``ValueError`` for another dtype (e.g.
+        ``torch.int8``: quantisation is not a cast) or an unknown name (:func:`float_dtype`)."""
+        dtype = float_dtype(dtype)
         for name, p in self.named_parameters():
             p.data = p.data.to(torch.float32 if any(k in name for k in FP32_KEEP) else dtype)
         return self
@@ -447,6 +526,7 @@ class WanModel(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
                 encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        check_latents(hidden_states, self.config.in_channels)
         grid = input_grid(hidden_states.shape, self.embed.p, self.embed.pt)
         if grid != self.embed.grid:  # another size than the last call: follow the input
             self.set_grid(grid)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Tuple, Union
+from contextlib import contextmanager
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -27,6 +28,8 @@ PathLike = Union[str, Path]
 CLASS_NAME = "WanTransformer3DModel"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"
+REQUIRED = ("patch_size", "num_attention_heads", "attention_head_dim", "in_channels", "text_dim", "freq_dim",
+            "ffn_dim", "num_layers")  # config.json keys that size the weights
 IGNORED = ("norm_added_q",)  # diffusers' _keys_to_ignore_on_load_unexpected for Wan
 HINT = ("give a local diffusers Wan folder: a transformer folder (config.json + diffusion_pytorch_model*.safetensors) "
         "or a pipeline folder with model_index.json and transformer/, e.g. "
@@ -71,50 +74,118 @@ def key_map(config: WanConfig) -> Dict[str, Tuple[str, ...]]:
     return out
 
 
-def transformer_folder(folder: PathLike, subfolder: str = "transformer") -> Path:
+def transformer_folder(folder: PathLike, subfolder: Optional[str] = "transformer") -> Path:
     """The transformer folder of ``folder``: ``folder`` itself when it holds ``config.json``, or
-    ``folder/<subfolder>`` of a pipeline folder (``model_index.json``).
+    ``folder/<subfolder>`` of a pipeline folder (``model_index.json``). ``subfolder=None``: the
+    folder itself, which must be a transformer folder.
 
-    Raises ``FileNotFoundError`` naming the path (no folder, no config) and ``ValueError`` for a
-    pipeline with ``expand_timesteps`` true (Wan 2.2 TI2V, not implemented).
+    Raises ``FileNotFoundError`` naming the path (no folder, no config); ``ValueError`` for a
+    transformer folder given with a ``subfolder`` other than ``"transformer"`` (the subfolder
+    would be ignored: pass the pipeline folder), and for a pipeline with ``expand_timesteps``
+    true (Wan 2.2 TI2V, not implemented), read from ``folder``'s ``model_index.json`` or, for a
+    transformer folder, its parent's; ``TypeError`` for a ``subfolder`` that is not a string.
     """
+    if subfolder is not None and not isinstance(subfolder, str):
+        raise TypeError(f"subfolder={subfolder!r} must be a folder name such as 'transformer' or 'transformer_2', "
+                        "or None for the folder itself")
     path = Path(folder).expanduser()
     if not path.is_dir():
         what = "is a file, not a folder" if path.exists() else "does not exist"
         raise FileNotFoundError(f"Wan folder {path} {what}: {HINT}")
     index = path / "model_index.json"
+    if (path / "config.json").is_file():
+        if subfolder not in (None, "transformer"):
+            raise ValueError(f"{path} is a transformer folder (it holds config.json), so subfolder={subfolder!r} "
+                             f"cannot apply; pass the pipeline folder (the one with model_index.json, e.g. "
+                             f"{path.parent}) with subfolder={subfolder!r}, or the {subfolder}/ folder itself")
+        _refuse_expand_timesteps(path.parent / "model_index.json", strict=False)
+        return path
+    if subfolder is None:
+        raise FileNotFoundError(f"{path} holds no config.json: subfolder=None takes a transformer folder; for a "
+                                "pipeline folder give subfolder='transformer' (or 'transformer_2')")
     if index.is_file():
-        pipe = _read_json(index)
-        if pipe.get("expand_timesteps"):
-            raise ValueError(f"{index}: expand_timesteps=true (Wan 2.2 TI2V per-token timesteps) is not implemented "
-                             "in vitp's Wan; use a text-to-video pipeline (Wan2.1-T2V, Wan2.2-T2V)")
+        _refuse_expand_timesteps(index)
         sub = path / subfolder
         if not (sub / "config.json").is_file():
             raise FileNotFoundError(f"{sub / 'config.json'} does not exist: the pipeline folder {path} has no "
                                     f"{subfolder}/ transformer; copy the whole pipeline folder again")
         return sub
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} holds neither config.json nor model_index.json: {HINT}")
-    return path
+    raise FileNotFoundError(f"{path} holds neither config.json nor model_index.json: {HINT}")
+
+
+def _refuse_expand_timesteps(index: Path, strict: bool = True) -> None:
+    """Raises ``ValueError`` when the pipeline's ``model_index.json`` has ``expand_timesteps`` true.
+    ``strict=False`` (a transformer folder's parent): a missing or unreadable file is no pipeline."""
+    if not index.is_file():
+        return
+    try:
+        pipe = _read_json(index)
+    except ValueError:
+        if strict:
+            raise
+        return
+    if pipe.get("expand_timesteps"):
+        raise ValueError(f"{index}: expand_timesteps=true (Wan 2.2 TI2V per-token timesteps) is not implemented "
+                         "in vitp's Wan; use a text-to-video pipeline (Wan2.1-T2V, Wan2.2-T2V)")
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
+    """The JSON object of ``path``. Raises ``ValueError`` naming the file when it is not valid JSON
+    or not a JSON object (``{...}``)."""
     try:
-        return json.loads(path.read_text())
+        out = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}); copy the folder again") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{path} holds a JSON {type(out).__name__}, not an object {{...}} of keys; copy the "
+                         "folder again")
+    return out
 
 
 def read_config(folder: Path) -> WanConfig:
     """The checked :class:`~vitp.models.wan.WanConfig` of a transformer folder's ``config.json``.
-    Raises ``ValueError`` naming the file for another ``_class_name`` or an option vitp lacks."""
+    Raises ``ValueError`` naming the file for invalid JSON or not an object, another
+    ``_class_name``, a missing key that sizes the model (:data:`REQUIRED`: no default is
+    guessed), a value of the wrong type or an option vitp lacks."""
     path = folder / "config.json"
     cfg = _read_json(path)
     name = cfg.get("_class_name")
     if name != CLASS_NAME:
         raise ValueError(f"{path}: _class_name {name!r} is not a Wan text-to-video transformer ({CLASS_NAME}); give a "
                          "Wan pipeline folder or its transformer/ subfolder")
+    missing = [k for k in REQUIRED if k not in cfg]
+    if missing:
+        raise ValueError(f"{path}: missing {missing}, which size the model (diffusers writes every one); copy the "
+                         "folder again or add them from the checkpoint's published config.json")
     return WanConfig.from_dict(cfg, source=str(path))
+
+
+def _damaged(path: Path, err: Exception) -> ValueError:
+    return ValueError(f"{path} is not a readable safetensors file ({err}): it is empty, truncated or damaged (an "
+                      "interrupted download or copy); copy it again")
+
+
+def open_safetensors(path: Path) -> Any:
+    """``safetensors.safe_open(path, framework="pt")``. Raises ``ValueError`` naming the file and
+    the fix when its header cannot be read (empty, truncated, not safetensors)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as e:
+        raise _damaged(path, e) from None
+
+
+@contextmanager
+def _reading(path: Path) -> Iterator[Any]:
+    """:func:`open_safetensors` as a context; errors while reading tensors also name the file."""
+    from safetensors import SafetensorError
+
+    with open_safetensors(path) as f:
+        try:
+            yield f
+        except SafetensorError as e:
+            raise _damaged(path, e) from None
 
 
 def weight_locations(folder: Path) -> Dict[str, Path]:
@@ -122,10 +193,9 @@ def weight_locations(folder: Path) -> Dict[str, Path]:
     shard index or the single file's header (no tensor is read).
 
     Raises ``FileNotFoundError`` naming the missing file (no weights, a shard the index lists,
-    or only a ``.bin`` file, which vitp does not read).
+    or only a ``.bin`` file, which vitp does not read), ``ValueError`` naming a damaged file
+    (:func:`open_safetensors`) or an index that is not JSON.
     """
-    from safetensors import safe_open
-
     index, single = folder / INDEX, folder / WEIGHTS
     if index.is_file():
         where = {k: folder / f for k, f in _read_json(index).get("weight_map", {}).items()}
@@ -134,7 +204,7 @@ def weight_locations(folder: Path) -> Dict[str, Path]:
                 raise FileNotFoundError(f"{f} is listed in {index} but does not exist; copy the folder again")
         return where
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with _reading(single) as f:
             return {k: single for k in f.keys()}
     bins = sorted(p.name for p in folder.glob("diffusion_pytorch_model*.bin"))
     fix = (f"only {bins} found: vitp reads safetensors; re-save with save_pretrained(safe_serialization=True)"
@@ -144,15 +214,14 @@ def weight_locations(folder: Path) -> Dict[str, Path]:
 
 def read_tensors(where: Dict[str, Path], keys: Iterable[str]) -> Dict[str, torch.Tensor]:
     """The tensors ``keys`` (each in the file ``where[key]``), every file opened once with
-    ``safetensors.safe_open`` and only these tensors read."""
-    from safetensors import safe_open
-
+    ``safetensors.safe_open`` and only these tensors read. Raises ``ValueError`` naming a damaged
+    file (:func:`open_safetensors`)."""
     by_file: Dict[Path, List[str]] = defaultdict(list)
     for k in keys:
         by_file[where[k]].append(k)
     out = {}
     for path, ks in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with _reading(path) as f:
             out.update({k: f.get_tensor(k) for k in ks})
     return out
 
@@ -164,8 +233,9 @@ def _few(keys: List[str]) -> str:
 def load_state(folder: Path, config: WanConfig) -> Dict[str, torch.Tensor]:
     """vitp state dict (fp32) of the transformer folder's weights, fused projections stacked.
 
-    Raises ``ValueError`` naming the folder when the files lack a key the config needs or hold
-    one it does not explain (e.g. image-to-video weights under a text-to-video config).
+    Raises ``ValueError`` naming the folder when the files lack a key the config needs, hold
+    one it does not explain (e.g. image-to-video weights under a text-to-video config) or hold a
+    tensor of another shape than the config implies (:func:`check_shapes`).
     """
     kmap, where = key_map(config), weight_locations(folder)
     needed = [d for ds in kmap.values() for d in ds]
@@ -175,8 +245,24 @@ def load_state(folder: Path, config: WanConfig) -> Dict[str, torch.Tensor]:
         raise ValueError(f"{folder}: the weights do not match config.json: missing {_few(missing)}, unexpected "
                          f"{_few(extra)} ({len(missing)} and {len(extra)} keys); copy the folder again")
     raw = read_tensors(where, needed)
+    check_shapes(raw, config, folder)
     return {v: torch.cat([raw[d] for d in ds]).float() if len(ds) > 1 else raw[ds[0]].float()
             for v, ds in kmap.items()}
+
+
+def check_shapes(raw: Dict[str, torch.Tensor], config: WanConfig, folder: Path) -> None:
+    """Raises ``ValueError`` naming the folder, the diffusers key and both shapes for the first
+    tensor of ``raw`` ``{diffusers key: tensor}`` whose shape is not the one ``config`` implies."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in WanModel(config).state_dict().items()}
+    for v, ds in key_map(config).items():
+        want = (shapes[v][0] // len(ds), *shapes[v][1:])
+        for d in ds:
+            if d in raw and tuple(raw[d].shape) != want:
+                raise ValueError(f"{folder}: weight {d} has shape {tuple(raw[d].shape)} but {folder / 'config.json'} "
+                                 f"implies {want}; config.json does not belong to these weights (check text_dim, "
+                                 "ffn_dim, num_attention_heads, attention_head_dim, in_channels, patch_size); copy "
+                                 "the folder again")
 
 
 def to_diffusers_state(state: Dict[str, torch.Tensor], config: WanConfig, partial: bool = False
@@ -203,12 +289,23 @@ def save_pretrained(model: WanModel, folder: PathLike) -> Path:
     """Write ``model`` as a diffusers transformer folder (``config.json`` +
     ``diffusion_pytorch_model.safetensors``, tensors in the model's dtypes) that
     ``WanTransformer3DModel.from_pretrained`` loads with no missing or unexpected keys. Returns
-    the folder."""
+    the folder.
+
+    Raises ``TypeError`` when ``model`` is not a vitp :class:`~vitp.models.wan.WanModel` (a
+    diffusers model saves itself: ``model.save_pretrained(folder)``), ``FileExistsError`` when
+    ``folder`` is an existing file.
+    """
     from importlib.metadata import version
 
     from safetensors.torch import save_file
 
+    if not isinstance(model, WanModel):
+        raise TypeError(f"save_pretrained takes a vitp WanModel (vitp.models.from_pretrained), got "
+                        f"{type(model).__name__}; a diffusers model writes itself with model.save_pretrained(folder)")
     path = Path(folder).expanduser()
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} is an existing file; save_pretrained writes a folder (config.json + {WEIGHTS}): "
+                              "give a folder path")
     path.mkdir(parents=True, exist_ok=True)
     cfg = {"_class_name": CLASS_NAME, "_diffusers_version": version("diffusers"), **model.config.to_dict()}
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -216,14 +313,16 @@ def save_pretrained(model: WanModel, folder: PathLike) -> Path:
     return path
 
 
-def from_pretrained(folder: PathLike, subfolder: str = "transformer") -> WanModel:
+def from_pretrained(folder: PathLike, subfolder: Optional[str] = "transformer") -> WanModel:
     """The one-process :class:`~vitp.models.wan.WanModel` of a local diffusers Wan folder (a
     transformer folder, or a pipeline folder's ``subfolder``: ``transformer``, or
-    ``transformer_2`` for Wan 2.2 A14B's low-noise expert), in eval mode, fp32.
+    ``transformer_2`` for Wan 2.2 A14B's low-noise expert; None: ``folder`` is the transformer
+    folder), in eval mode, always fp32 whatever the files hold (bf16: load, then
+    ``model.cast(torch.bfloat16)``).
 
     Built on the meta device and filled with the folder's tensors (no random init, one copy in
-    memory). Raises ``FileNotFoundError`` / ``ValueError`` naming the path and the fix
-    (:func:`transformer_folder`, :func:`read_config`, :func:`load_state`).
+    memory). Raises ``FileNotFoundError`` / ``ValueError`` / ``TypeError`` naming the path and the
+    fix (:func:`transformer_folder`, :func:`read_config`, :func:`load_state`).
     """
     path = transformer_folder(folder, subfolder)
     config = read_config(path)
@@ -245,7 +344,7 @@ def _slice_rows(view: Any, piece_shape: Tuple[int, ...], dim: int, rank: int, si
 
 
 def load_shard(folder: PathLike, params: Dict[str, torch.nn.Parameter], config: WanConfig, tp_rank: int = 0,
-               tp_size: int = 1, subfolder: str = "transformer") -> Dict[str, Any]:
+               tp_size: int = 1, subfolder: Optional[str] = "transformer") -> Dict[str, Any]:
     """Fill this rank's parameters ``{vitp key: parameter}`` (a pipeline stage's, possibly
     tensor-parallel shards marked ``tensor_model_parallel`` / ``partition_dim`` /
     ``partition_stride`` as :mod:`vitp.parallel.layers` marks them) from a diffusers Wan folder,
@@ -258,8 +357,6 @@ def load_shard(folder: PathLike, params: Dict[str, torch.nn.Parameter], config: 
     Raises ``ValueError`` naming the folder for a key the folder lacks or a shape that differs
     from the parameter's full shape, ``FileNotFoundError`` as :func:`weight_locations`.
     """
-    from safetensors import safe_open
-
     path = transformer_folder(folder, subfolder)
     kmap, where = key_map(config), weight_locations(path)
     missing = [d for k in params for d in kmap.get(k, (k,)) if d not in where]
@@ -273,7 +370,7 @@ def load_shard(folder: PathLike, params: Dict[str, torch.nn.Parameter], config: 
             for key, p in params.items():
                 pieces = []
                 for d in kmap[key]:
-                    f = files.get(where[d]) or files.setdefault(where[d], safe_open(str(where[d]), framework="pt"))
+                    f = files.get(where[d]) or files.setdefault(where[d], open_safetensors(where[d]))
                     view = f.get_slice(d)
                     shape = tuple(view.get_shape())
                     sharded = getattr(p, "tensor_model_parallel", False) and tp_size > 1
@@ -282,8 +379,8 @@ def load_shard(folder: PathLike, params: Dict[str, torch.nn.Parameter], config: 
                     read += t.numel() * t.element_size()
                 full = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
                 if tuple(full.shape) != tuple(p.shape):
-                    raise ValueError(f"{path}: {key} read as {tuple(full.shape)} for a parameter of {tuple(p.shape)}; "
-                                     "the folder's config.json does not match the model")
+                    raise ValueError(f"{path}: {' + '.join(kmap[key])} read as {tuple(full.shape)} for {key} of "
+                                     f"{tuple(p.shape)}; the folder's config.json does not match the model")
                 p.copy_(full.to(p.dtype))
                 share += p.numel() * p.element_size()
     finally:
