@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -283,6 +284,53 @@ def test_sampler_refusals(tiny):
     counting = _Counting(tiny.model)
     sample_wan(counting, sched, _noise(), pos, None, num_inference_steps=3, guidance_scale=1.0)
     assert len(counting.timesteps) == 3
+
+
+def test_sampler_refuses_bad_options_and_latents(tiny):
+    pos, neg = _embeds(2)
+    sched = load_scheduler(tiny.folder)
+    for ratio in (0.0, 1.5, -0.2):
+        with pytest.raises(ValueError, match=re.escape(f"boundary_ratio={ratio} must lie in (0, 1)")):
+            sample_wan(tiny.model, sched, _noise(), pos, neg, denoiser_2=tiny.model_2, boundary_ratio=ratio)
+    for steps in (0, -3, 2.5):
+        with pytest.raises(ValueError, match=re.escape(f"num_inference_steps={steps!r} must be an integer >= 1")):
+            sample_wan(tiny.model, sched, _noise(), pos, neg, num_inference_steps=steps)
+    with pytest.raises(TypeError, match=r"scheduler str is not a diffusers scheduler.*load_scheduler\(folder\)"):
+        sample_wan(tiny.model, "unipc", _noise(), pos, neg)
+    with pytest.raises(ValueError, match=re.escape("latents (2, 16, 3, 8, 8) have 16 channels, the denoiser takes 4")):
+        sample_wan(tiny.model, sched, _noise().repeat(1, 4, 1, 1, 1), pos, neg)
+    with pytest.raises(ValueError, match=re.escape("negative_prompt_embeds (2, 512, 16) must have the shape of "
+                                                   "prompt_embeds (2, 512, 32)")):
+        sample_wan(tiny.model, sched, _noise(), pos, neg[..., :16])
+
+
+def test_noise_levels_outside_zero_one_are_refused():
+    x, eps = torch.zeros(2, 4, 1, 2, 2), torch.ones(2, 4, 1, 2, 2)
+    for bad in ([1500.0, 0.5], [0.5, -200.0], [float("nan"), 0.5]):
+        with pytest.raises(ValueError, match=r"noise levels s \[.*\] lie outside \[0, 1\].*timestep / 1000"):
+            make_wan_pair(x, eps, torch.tensor(bad))
+    (x_t, timestep), _ = make_wan_pair(x, eps, torch.tensor([0.0, 1.0]))
+    assert timestep.tolist() == [0.0, 1000.0]
+
+
+def test_scheduler_config_that_is_not_json_or_lacks_the_shift(tmp_path, caplog):
+    import logging
+
+    path = tmp_path / "scheduler" / "scheduler_config.json"
+    path.parent.mkdir()
+    path.write_text('{"_class_name": "UniPCMultistepScheduler", ')
+    for call in (lambda: load_scheduler(tmp_path), lambda: WanFlowLoss.from_pipeline(tmp_path)):
+        with pytest.raises(ValueError, match=re.escape(str(path)) + " is not valid JSON.*copy"):
+            call()
+    path.write_text('"UniPCMultistepScheduler"')
+    with pytest.raises(ValueError, match=re.escape(str(path)) + " holds a JSON str, not an object"):
+        WanFlowLoss.from_pipeline(tmp_path)
+    path.write_text('{"_class_name": "UniPCMultistepScheduler", "use_flow_sigmas": true, '
+                    '"prediction_type": "flow_prediction"}')
+    with caplog.at_level(logging.WARNING, logger="vitp.objectives.wan_flow"):
+        assert WanFlowLoss.from_pipeline(tmp_path).shift == 1.0
+        assert load_scheduler(tmp_path).config.flow_shift == 1.0
+    assert "has no flow_shift: using shift 1.0" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------- schedulers

@@ -33,6 +33,7 @@ over those levels. The loss is the MSE in fp32 of each sample, weighted, average
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple, Union
 
@@ -43,6 +44,7 @@ SAMPLINGS = ("uniform", "logit_normal")
 WEIGHTINGS = ("none", "bell")
 NUM_TRAIN_TIMESTEPS = 1000  # diffusers' Wan schedulers: model timestep = 1000 * sigma
 Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+log = logging.getLogger(__name__)
 
 
 def shift_sigma(u: torch.Tensor, shift: float) -> torch.Tensor:
@@ -64,10 +66,16 @@ def noisy_input(x: torch.Tensor, eps: torch.Tensor, s: torch.Tensor) -> Tuple[to
     ``timestep = 1000 s`` (fp32, diffusers' scale).
 
     ``x``, ``eps``: ``(B, ...)`` of one shape (latents ``(B, C, T, H, W)``); ``s``: ``(B,)`` in [0, 1].
-    Raises ``ValueError`` on mismatched shapes.
+    Raises ``ValueError`` on mismatched shapes, or noise levels ``s`` outside [0, 1] (NaN included):
+    ``s`` is the noise fraction, not a timestep in [0, 1000].
     """
     if x.shape != eps.shape or s.shape != x.shape[:1]:
         raise ValueError(f"x {tuple(x.shape)} and eps {tuple(eps.shape)} must match and s {tuple(s.shape)} be (B,)")
+    outside = ~((s >= 0) & (s <= 1))
+    if outside.any():
+        raise ValueError(f"noise levels s {s[outside].tolist()[:4]} lie outside [0, 1]: s is the noise fraction "
+                         "(0 data, 1 noise), not a timestep in [0, 1000]; give timestep / 1000, or draw it with "
+                         "WanFlowLoss.draw_sigmas")
     ss = s.float().view(-1, *([1] * (x.ndim - 1)))
     x_t = (1 - ss) * x.float() + ss * eps.float()
     return x_t.to(x.dtype), s.float() * NUM_TRAIN_TIMESTEPS
@@ -175,33 +183,52 @@ def draw_sigmas(n: int, generator: Optional[torch.Generator] = None, *, sampling
 
 def scheduler_config(folder: Union[str, Path]) -> dict:
     """The ``scheduler_config.json`` dict of a pipeline folder's ``scheduler/`` (or of a scheduler
-    folder). Raises ``FileNotFoundError`` naming the paths tried."""
+    folder). Raises ``FileNotFoundError`` naming the paths tried, ``ValueError`` naming the file
+    when it is not valid JSON or not a JSON object."""
     folder = Path(folder)
     for path in (folder / "scheduler" / "scheduler_config.json", folder / "scheduler_config.json"):
         if path.is_file():
-            return json.loads(path.read_text())
+            try:
+                config = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path} is not valid JSON ({e}); copy the pipeline's scheduler/ folder again") from None
+            if not isinstance(config, dict):
+                raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object {{...}} of scheduler "
+                                 "options; copy the pipeline's scheduler/ folder again")
+            return config
     raise FileNotFoundError(f"no scheduler/scheduler_config.json or scheduler_config.json in {folder}; give a local "
                             "diffusers Wan pipeline folder (model_index.json, scheduler/, transformer/)")
 
 
 def config_shift(config: dict) -> float:
     """The flow shift of a scheduler config, by its ``_class_name``: ``shift`` of a
-    ``FlowMatchEulerDiscreteScheduler`` (1.0 when absent), else ``flow_shift`` (``UniPCMultistepScheduler``
-    with ``use_flow_sigmas``). Raises ``ValueError`` for a config without flow sigmas (not a
-    flow-matching schedule)."""
-    if config.get("_class_name") == "FlowMatchEulerDiscreteScheduler":
-        return float(config.get("shift", 1.0))
-    if not config.get("use_flow_sigmas", False):
+    ``FlowMatchEulerDiscreteScheduler``, else ``flow_shift`` (``UniPCMultistepScheduler`` with
+    ``use_flow_sigmas``). When the key is absent the shift is 1.0 (no shift), the default
+    diffusers' schedulers and so ``WanPipeline`` use, and a warning is logged, since Wan's
+    published folders set it (3.0 at 480p, 5.0 at 720p in Wan's examples; 12.0 for Wan 2.2 A14B).
+    Raises ``ValueError`` for a config without flow sigmas (not a flow-matching schedule) or a
+    shift that is not a number."""
+    euler = config.get("_class_name") == "FlowMatchEulerDiscreteScheduler"
+    if not euler and not config.get("use_flow_sigmas", False):
         raise ValueError(f"{config.get('_class_name')} with use_flow_sigmas=false is not a flow-matching "
                          "schedule; Wan's scheduler has use_flow_sigmas=true and prediction_type='flow_prediction'")
-    return float(config.get("flow_shift", 1.0))
+    key = "shift" if euler else "flow_shift"
+    if key not in config:
+        log.warning("scheduler config (%s) has no %s: using shift 1.0 (no shift), as diffusers does; pass "
+                    "flow_shift= / shift= to set it", config.get("_class_name"), key)
+        return 1.0
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"scheduler config {key}={value!r} must be a number (Wan: 3.0 or 5.0)")
+    return float(value)
 
 
 def make_wan_pair(x: torch.Tensor, eps: torch.Tensor, s: torch.Tensor, *cond: torch.Tensor
                   ) -> Tuple[Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...]]:
     """The pipeline pair: inputs ``(x_t, 1000 s, *cond)`` of the first stage (:func:`noisy_input`;
     ``cond`` the caption embeddings ``(B, 512, text_dim)``) and targets ``(x, eps, s)`` of
-    :class:`WanFlowLoss` (``s`` third, where the trainer's records read the level)."""
+    :class:`WanFlowLoss` (``s`` third, where the trainer's records read the level). Raises
+    ``ValueError`` as :func:`noisy_input` (mismatched shapes, ``s`` outside [0, 1])."""
     x_t, timestep = noisy_input(x, eps, s)
     return (x_t, timestep, *cond), (x, eps, s)
 

@@ -68,10 +68,12 @@ def load_scheduler(folder: Union[str, Path], kind: Optional[str] = None, flow_sh
     class; a different class is built ``from_config`` of the saved one's options it shares (so
     no option of the other class lingers in its config). ``flow_shift``: the
     schedule's shift (UniPC ``flow_shift``, Euler ``shift``), default the saved one
-    (:func:`vitp.objectives.wan_flow.config_shift`).
+    (:func:`vitp.objectives.wan_flow.config_shift`: 1.0, with a logged warning, when the saved
+    config has none).
 
-    Raises ``FileNotFoundError`` without a scheduler config, ``ValueError`` for another ``kind``, a
-    saved class that is neither, or a UniPC config without flow sigmas.
+    Raises ``FileNotFoundError`` without a scheduler config, ``ValueError`` for a config file that
+    is not a JSON object (naming it), another ``kind``, a saved class that is neither, or a UniPC
+    config without flow sigmas.
     """
     import diffusers
 
@@ -101,14 +103,34 @@ def _check(latents, prompt_embeds, negative_prompt_embeds, guidance_scale, denoi
     if latents.dim() != 5 or prompt_embeds.dim() != 3 or prompt_embeds.shape[0] != latents.shape[0]:
         raise ValueError(f"latents {tuple(latents.shape)} must be (B, C, T, H, W) and prompt_embeds "
                          f"{tuple(prompt_embeds.shape)} (B, L, text_dim) with the same B")
-    negative_ok = negative_prompt_embeds is not None and negative_prompt_embeds.shape == prompt_embeds.shape
-    if guidance_scale > 1.0 and not negative_ok:
+    if guidance_scale > 1.0 and negative_prompt_embeds is None:
         raise ValueError("guidance_scale > 1 needs negative_prompt_embeds of the prompt_embeds' shape (the encoded "
-                         "negative prompt, WanPipeline's default is the empty prompt '')")
+                         "negative prompt, WanPipeline's default is the empty prompt ''); or guidance_scale=1.0")
+    if guidance_scale > 1.0 and negative_prompt_embeds.shape != prompt_embeds.shape:
+        raise ValueError(f"negative_prompt_embeds {tuple(negative_prompt_embeds.shape)} must have the shape of "
+                         f"prompt_embeds {tuple(prompt_embeds.shape)}: encode the negative prompt with the same "
+                         "encoder and pad_prompt_embeds to the same length")
     if (boundary_ratio is None) != (denoiser_2 is None):
         raise ValueError("boundary_ratio and denoiser_2 (the low-noise expert) go together (Wan 2.2 A14B)")
+    if boundary_ratio is not None and not 0.0 < boundary_ratio < 1.0:
+        raise ValueError(f"boundary_ratio={boundary_ratio} must lie in (0, 1): the fraction of num_train_timesteps "
+                         "where the low-noise expert takes over (Wan 2.2 A14B T2V: 0.875)")
     if boundary_ratio is None and guidance_scale_2 is not None:
         raise ValueError("guidance_scale_2 is only supported with boundary_ratio (as WanPipeline)")
+
+
+def _check_run(scheduler, num_inference_steps, latents, denoisers) -> None:
+    missing = [m for m in ("set_timesteps", "set_begin_index", "step") if not callable(getattr(scheduler, m, None))]
+    if missing or not hasattr(scheduler, "config"):
+        raise TypeError(f"scheduler {type(scheduler).__name__} is not a diffusers scheduler (no "
+                        f"{missing or ['config']}); build one with load_scheduler(folder)")
+    if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int) or num_inference_steps < 1:
+        raise ValueError(f"num_inference_steps={num_inference_steps!r} must be an integer >= 1")
+    for model in denoisers:
+        channels = getattr(getattr(model, "config", None), "in_channels", None)
+        if isinstance(channels, int) and latents.shape[1] != channels:
+            raise ValueError(f"latents {tuple(latents.shape)} have {latents.shape[1]} channels, the denoiser takes "
+                             f"{channels}: give (B, {channels}, T, H, W) noise (the VAE's z_dim)")
 
 
 @torch.no_grad()
@@ -137,11 +159,15 @@ def sample_wan(denoiser: Denoiser, scheduler: Any, latents: torch.Tensor, prompt
         boundary_ratio * num_train_timesteps``, with ``guidance_scale_2`` (default ``guidance_scale``)
     on_step : called as ``on_step(i, t)`` after each step
 
-    Raises ``ValueError`` on mismatched shapes, guidance without negative embeddings, or expert
-    options given without each other.
+    Raises ``ValueError`` on mismatched shapes (latents not ``(B, C, T, H, W)`` of the denoiser's
+    ``config.in_channels`` channels, negative embeddings of another shape), guidance without
+    negative embeddings, expert options given without each other, ``boundary_ratio`` outside
+    (0, 1) or ``num_inference_steps`` below 1; ``TypeError`` for a ``scheduler`` that is not a
+    diffusers scheduler (``set_timesteps``, ``set_begin_index``, ``step``, ``config``).
     """
     _check(latents, prompt_embeds, negative_prompt_embeds, guidance_scale, denoiser_2, boundary_ratio,
            guidance_scale_2)
+    _check_run(scheduler, num_inference_steps, latents, [m for m in (denoiser, denoiser_2) if m is not None])
     device, dtype = _placement(denoiser)
     if boundary_ratio is not None and guidance_scale_2 is None:
         guidance_scale_2 = guidance_scale
