@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import PERTURBED
+from tests.helpers import PERTURBED, run_ranks
 from vitp.checkpoint.training import find_checkpoint, verify_checkpoint
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -154,3 +154,28 @@ def test_signal_after_the_last_step_still_saves(tmp_path):
     assert verify_checkpoint(find_checkpoint("auto", run / "checkpoints"))["step"] == 2
     assert (run / "model_ema.safetensors").is_file() and not (run / "samples" / "step_0000002.png").exists()
     assert not (run / "eval.json").exists() and not (run / "samples").exists()
+
+
+def _init_on_busy_port(rank):
+    import socket
+
+    import torch
+
+    from vitp.parallel import distributed as dist
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()  # a port in use, as the previous job's store (or its TIME_WAIT) leaves 7777
+    busy = s.getsockname()[1]
+    os.environ["MASTER_PORT"] = str(busy)
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    dist.init_distributed(torch.device("cpu"))
+    return busy, int(os.environ["MASTER_PORT"]), torch.distributed.get_world_size()
+
+
+def test_one_process_run_does_not_use_a_busy_inherited_master_port():
+    """SageMaker's PyTorch container sets ``MASTER_PORT=7777`` for every job, a one-process one and a
+    restarted one too: a one-process run hosts its 1-rank store on a free port of its own, so an
+    inherited port that is busy does not fail it (with the inherited port kept: EADDRINUSE)."""
+    busy, used, world = run_ranks(1, _init_on_busy_port)[0]
+    assert world == 1 and used != busy

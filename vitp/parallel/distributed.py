@@ -204,8 +204,9 @@ def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 180
     """Initialise ``torch.distributed`` through DeepSpeed (gloo on CPU, NCCL on CUDA), a rank
     waiting at most ``timeout_s`` in a collective (:func:`timeout_of` of a run config).
 
-    Idempotent. Works without a launcher (a 1-rank group on a free local port) and under MPI or
-    srun (:func:`adopt_launcher_env`). Raises ``ValueError`` as :func:`launcher_env` does.
+    Idempotent. Works without a launcher (a 1-rank group on a free local port, also when the
+    environment holds a ``MASTER_PORT`` that may be busy, unless torchrun's agent hosts the store)
+    and under MPI or srun (:func:`adopt_launcher_env`). Raises ``ValueError`` as :func:`launcher_env` does.
     """
     import vitp.deepspeed_adapter as ds
 
@@ -219,7 +220,11 @@ def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 180
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if os.environ["WORLD_SIZE"] == "1":
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))  # nobody else needs to know it
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent hosts the store on its MASTER_PORT
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        else:  # this process hosts its own 1-rank store: any free port. An inherited MASTER_PORT may be
+            # busy (SageMaker's PyTorch container sets 7777 for every job, a restarted one included)
+            os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("LOCAL_RANK", "0")
     if device.type == "cpu":
         ds.disable_shm_comm_op()  # training does not use it; its first build takes ~50 s
