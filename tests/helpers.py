@@ -184,3 +184,13 @@ def plan_case(model: str, tp: int, pp: int, dp: int, sp: bool = False, ac: int =
             f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.activation_checkpoint_interval={ac}",
             "trainer.micro_batch_size=2", f"trainer.global_batch_size={8 * dp}", *extra] + (
         [f"parallel.cp={cp}"] if cp > 1 else [])
+
+
+def make_tiny_wan():
+    """``scripts/make_tiny_wan.py`` as a module (its tiny diffusers Wan builders and ``main``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_wan", Path(__file__).parents[1] / "scripts" / "make_tiny_wan.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -4,11 +4,9 @@ exact round trip of the weights back to a folder diffusers loads, and the option
 that are refused. Tiny random models (scripts/make_tiny_wan.py), CPU, a few seconds in all."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,20 +14,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.helpers import make_tiny_wan
 from vitp.models import WanModel, from_pretrained
 from vitp.models import wan as wan_module
 from vitp.models.wan_keys import INDEX, save_pretrained, to_diffusers_state
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPES = [(2, 8, 8), (3, 8, 12)]  # latent (T, H, W): square, and non-square with an odd frame count
 RTOL = 1e-5
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("make_tiny_wan", REPO / "scripts" / "make_tiny_wan.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return make_tiny_wan()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ pipeline's; the training noise draw has the distribution it claims. Tiny random 
 (scripts/make_tiny_wan.py), CPU, a few seconds each."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.helpers import make_tiny_wan
 from vitp.models import from_pretrained
 from vitp.objectives import wan_flow, wan_sampling
 from vitp.objectives.wan_flow import (WanFlowLoss, bell_weights, draw_sigmas, make_wan_pair, shift_sigma, sigma_cdf,
@@ -33,10 +33,7 @@ MEASURED = {}  # max errors, printed at the end of the module (pytest -s)
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("make_tiny_wan", REPO / "scripts" / "make_tiny_wan.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return make_tiny_wan()
 
 
 @pytest.fixture(scope="module")

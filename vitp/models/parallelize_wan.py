@@ -49,7 +49,6 @@ generator.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -142,16 +141,7 @@ class TPWanSelfAttention(TPAttention):
                 q, k, v = packed.unflatten(-1, (3, -1, hd)).permute(2, 0, 3, 1, 4).unbind(0)
             with sharded_fork(p, self.training, q.device, self.tp_size):
                 o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=self.scale)
-        o = o.transpose(1, 2).flatten(2)  # (B, n', h' hd)
-        if back is not None:
-            o = back(o)  # (B, n, h hd)
-        if n != n_pad:
-            o = F.pad(o, (0, 0, 0, n_pad - n))  # pad rows: proj gives just the bias there
-        o = self.proj(o)  # all-reduce, or reduce-scatter under SP
-        drop = sharded_fork(self.proj_drop.p, self.training, o.device, self.tp_size) if self.sequence_parallel \
-            else contextlib.nullcontext()
-        with drop:
-            return self.proj_drop(o)
+        return self._project(o.transpose(1, 2).flatten(2), back, n, n_pad)  # (B, n', h' hd)
 
 
 class TPWanCrossAttention(TPCrossAttention):

@@ -119,7 +119,7 @@ def _refuse_expand_timesteps(index: Path, strict: bool = True) -> None:
     if not index.is_file():
         return
     try:
-        pipe = _read_json(index)
+        pipe = read_json_object(index)
     except ValueError:
         if strict:
             raise
@@ -129,16 +129,16 @@ def _refuse_expand_timesteps(index: Path, strict: bool = True) -> None:
                          "in vitp's Wan; use a text-to-video pipeline (Wan2.1-T2V, Wan2.2-T2V)")
 
 
-def _read_json(path: Path) -> Dict[str, Any]:
-    """The JSON object of ``path``. Raises ``ValueError`` naming the file when it is not valid JSON
-    or not a JSON object (``{...}``)."""
+def read_json_object(path: Path, what: str = "keys", fix: str = "copy the folder again") -> Dict[str, Any]:
+    """The JSON object of ``path`` (a diffusers folder's ``config.json``, index, scheduler config).
+    Raises ``ValueError`` naming the file, ``what`` it should hold and ``fix`` when it is not valid
+    JSON or not a JSON object (``{...}``)."""
     try:
         out = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); copy the folder again") from None
+        raise ValueError(f"{path} is not valid JSON ({e}); {fix}") from None
     if not isinstance(out, dict):
-        raise ValueError(f"{path} holds a JSON {type(out).__name__}, not an object {{...}} of keys; copy the "
-                         "folder again")
+        raise ValueError(f"{path} holds a JSON {type(out).__name__}, not an object {{...}} of {what}; {fix}")
     return out
 
 
@@ -148,7 +148,7 @@ def read_config(folder: Path) -> WanConfig:
     ``_class_name``, a missing key that sizes the model (:data:`REQUIRED`: no default is
     guessed), a value of the wrong type or an option vitp lacks."""
     path = folder / "config.json"
-    cfg = _read_json(path)
+    cfg = read_json_object(path)
     name = cfg.get("_class_name")
     if name != CLASS_NAME:
         raise ValueError(f"{path}: _class_name {name!r} is not a Wan text-to-video transformer ({CLASS_NAME}); give a "
@@ -198,7 +198,7 @@ def weight_locations(folder: Path) -> Dict[str, Path]:
     """
     index, single = folder / INDEX, folder / WEIGHTS
     if index.is_file():
-        where = {k: folder / f for k, f in _read_json(index).get("weight_map", {}).items()}
+        where = {k: folder / f for k, f in read_json_object(index).get("weight_map", {}).items()}
         for f in sorted(set(where.values())):
             if not f.is_file():
                 raise FileNotFoundError(f"{f} is listed in {index} but does not exist; copy the folder again")

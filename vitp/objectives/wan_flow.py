@@ -32,7 +32,6 @@ over those levels. The loss is the MSE in fp32 of each sample, weighted, average
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple, Union
@@ -188,14 +187,9 @@ def scheduler_config(folder: Union[str, Path]) -> dict:
     folder = Path(folder)
     for path in (folder / "scheduler" / "scheduler_config.json", folder / "scheduler_config.json"):
         if path.is_file():
-            try:
-                config = json.loads(path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path} is not valid JSON ({e}); copy the pipeline's scheduler/ folder again") from None
-            if not isinstance(config, dict):
-                raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object {{...}} of scheduler "
-                                 "options; copy the pipeline's scheduler/ folder again")
-            return config
+            from vitp.models.wan_keys import read_json_object
+
+            return read_json_object(path, "scheduler options", "copy the pipeline's scheduler/ folder again")
     raise FileNotFoundError(f"no scheduler/scheduler_config.json or scheduler_config.json in {folder}; give a local "
                             "diffusers Wan pipeline folder (model_index.json, scheduler/, transformer/)")
 

@@ -199,7 +199,11 @@ class TPAttention(nn.Module):
             with sharded_fork(p, self.training, q.device, self.tp_size):
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal,
                                                    scale=self.scale)
-        o = o.transpose(1, 2).reshape(bg, ng, heads * self.head_dim)
+        return self._project(o.transpose(1, 2).reshape(bg, ng, heads * self.head_dim), back, n, n_pad)
+
+    def _project(self, o: torch.Tensor, back, n: int, n_pad: int) -> torch.Tensor:
+        """Attention output ``o`` (grouped or context-parallel layout; ``back`` undoes it) through the
+        row-parallel ``proj`` and dropout, padded back from ``n`` to the ``n_pad`` gathered rows."""
         if back is not None:
             o = back(o)  # (B, N, H/tp * hd)
         if n != n_pad:

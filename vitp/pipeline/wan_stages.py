@@ -122,7 +122,7 @@ def save_wan_stages(folder: Any, module: PipelineModule, config: WanConfig, stat
     tensors (gathered over its tensor-parallel group) in ``diffusion_pytorch_model-<s+1>-of-<pp>
     .safetensors``, written by that stage's first rank (tp, cp and dp rank 0), then
     ``diffusion_pytorch_model.safetensors.index.json`` and ``config.json`` by global rank 0, so
-    ``WanTransformer3DModel.from_pretrained(folder)`` loads it with no missing or unexpected keys.
+    diffusers' ``WanTransformer3DModel.from_pretrained`` loads it with no missing or unexpected keys.
 
     Collective: every rank calls it (the gathers and the index's key lists). No rank holds more
     than its stage's full tensors. Returns the folder as a ``Path``.
