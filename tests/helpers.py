@@ -14,12 +14,14 @@ from vitp.parallel.local_group import run_local_group  # noqa: E402
 from vitp.utils import free_port  # noqa: E402
 
 # Forked from one server that imported these once (the suite starts ~100 ranks); the second line
-# is what a training run imports on first use (the digits, the judge, checkpoints, TensorBoard,
-# text encoders): 1.9 s -> 0.9 s for a rank's first smoke run
+# is what a training run imports on first use (checkpoints, TensorBoard, text encoders, image
+# transforms): 1.9 s -> 0.9 s for a rank's first smoke run. The last entry is what DeepSpeed's ZeRO
+# optimizer imports at its first gradient reduction (DeepSpeedZeroOptimizer.average_tensor imports
+# its Muon optimizer, whose kernels compile at import: inductor, 0.9 CPU-s of every ZeRO rank).
 _PRELOAD = ["torch", "deepspeed", "timm", "albumentations", "hydra", "vitp.train", "vitp.data", "vitp.eval",
             "vitp.pipeline", "tests.helpers",
-            "sklearn.datasets", "sklearn.linear_model", "scipy.stats", "torch.distributed.checkpoint",
-            "torch.utils.tensorboard", "transformers"]
+            "scipy.stats", "torch.distributed.checkpoint", "torch.utils.tensorboard", "transformers",
+            "deepspeed.runtime.zero.muon.muon_optimizer"]
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 300):

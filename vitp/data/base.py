@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
-import albumentations as A
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -255,6 +254,17 @@ def error_text(error: BaseException) -> str:
 
 
 
+def albumentations() -> Any:
+    """The ``albumentations`` module, imported on first use (0.4 s that runs on latents, digits or
+    synthetic data do not need), without its PyPI update check (``NO_ALBUMENTATIONS_UPDATE``)."""
+    import os
+
+    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+    import albumentations as A
+
+    return A
+
+
 class FileDataset(KeyedDataset):
     """Base of datasets decoded from files (:class:`~vitp.data.images.ImageFolderDataset`,
     :class:`~vitp.data.video.VideoFolderDataset`): the skip list, the seeded augmentation, the
@@ -327,12 +337,14 @@ class FileDataset(KeyedDataset):
         """Aspect-preserving resize to the smallest size that covers ``(H, W)`` (scale
         ``max(H / h, W / w)``; area interpolation when shrinking), which the crop then cuts to
         ``(H, W)``: no squashing. A square output keeps ``SmallestMaxSize(R)`` (the same scale)."""
+        A = albumentations()
         H, W = self.size
         if H == W:
             return A.SmallestMaxSize(max_size=H, area_for_downscale="image")
         return A.SmallestMaxSize(max_size_hw=(H, W), area_for_downscale="image")
 
     def _make_transforms(self, random_crop: bool, hflip: bool, pre: Sequence[Any] = ()) -> None:
+        A = albumentations()
         (H, W), train = self.size, self.train
         crop = (A.RandomCrop if train and random_crop else A.CenterCrop)(H, W)
         to_unit = A.Normalize(mean=0.5, std=0.5, max_pixel_value=255.0)  # [0, 255] -> [-1, 1]

@@ -71,15 +71,14 @@ class Sample:
 
 
 def _digits(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str, str]]:
-    from sklearn.datasets import load_digits
-
     from vitp.data.build import build_datasets
+    from vitp.data.images import load_digits
 
     train, held = build_datasets(cfg, seed)  # the folder version's split and captions
     heldout = np.zeros(len(train.base), dtype=bool)
     heldout[held.indices] = True
     captions = getattr(train.base, "captions", None)
-    pixels = load_digits().images.astype(np.uint8)  # 0..16
+    pixels = load_digits()[0].astype(np.uint8)  # 0..16
     samples = [Sample(pixels[i], "npy", int(train.base.labels[i]), train.base.classes[int(train.base.labels[i])],
                       None if captions is None else captions[i], bool(heldout[i]), 8, 8)
                for i in range(len(train.base))]

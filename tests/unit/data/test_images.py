@@ -347,3 +347,24 @@ def test_synthetic_is_deterministic():
                                       resolution=4, num_classes=4, holdout_fraction=0.2), seed=0)
     assert len(train) == 80 and len(held) == 20 and np.bincount(held.labels).tolist() == [5, 5, 5, 5]
     _check_item(train[(0, 0)], (3, 2, 4, 4))
+
+
+def test_digits_read_without_scikit_learn_equal_load_digits(monkeypatch):
+    """The digits read from scikit-learn's file (no ``sklearn`` import, its 1 s off a rank's
+    start-up) equal ``sklearn.datasets.load_digits``; without the file, ``load_digits`` itself."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    from vitp.data import images
+
+    want = sk_load_digits()
+    got = images.load_digits()
+    assert got[0].dtype == want.images.dtype and np.array_equal(got[0], want.images)
+    assert np.array_equal(got[1], want.target)
+    code = "import sys; from vitp.data.images import DigitsDataset; DigitsDataset(); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    monkeypatch.setattr(images.Path, "is_file", lambda self: False)  # another layout of scikit-learn
+    fallback = images.load_digits()
+    assert np.array_equal(fallback[0], want.images) and np.array_equal(fallback[1], want.target)
