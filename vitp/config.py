@@ -177,7 +177,7 @@ class ParallelConfig:
 class OptimConfig:
     """AdamW + warmup/cosine or warmup/constant LR (DeepSpeed schedulers)."""
 
-    lr: float = 1e-3  # peak learning rate
+    lr: float = 1e-3  # peak learning rate (0: the weights stay as loaded)
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.0  # AdamW decoupled weight decay
@@ -412,7 +412,7 @@ FIELD_RULES: Dict[str, Rule] = {
     "parallel.auto_memory_gib": span(0, lo_open=True, real=True, null="the device's"),
     "parallel.partial_sync": span(0, 1, real=True, note="1 = exact TP"),
     "parallel.partial_sync_scale": one_of("sqrt_tp", "none"),
-    "optim.lr": span(0, lo_open=True, real=True),
+    "optim.lr": span(0, real=True, note="0 = the weights stay as loaded: a check of the load and export path"),
     "optim.betas": _pair(0, 1, False, "[beta1, beta2], each in [0, 1)", [0.9, 1.0]),
     "optim.eps": span(0, lo_open=True, real=True),
     "optim.weight_decay": span(0, real=True),

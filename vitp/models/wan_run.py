@@ -174,3 +174,18 @@ def wan_divisors(cfg: Any) -> str:
     g = math.gcd(c.num_attention_heads, c.ffn_dim)
     return f"num_attention_heads={c.num_attention_heads}, ffn_dim={c.ffn_dim} (valid tp: " \
            f"{[d for d in range(1, g + 1) if g % d == 0]})"
+
+
+def refuse_wan_run(run_dir: Any, tool: str) -> None:
+    """Raises ``ValueError`` when the run at ``run_dir`` (its ``.hydra/config.yaml``) trained a Wan
+    model: ``tool`` (``vitp-sample``, ``vitp-eval``) does not sample or evaluate Wan yet; the
+    message names what does. Nothing when the folder holds no run config."""
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / ".hydra" / "config.yaml"
+    if not path.is_file() or str(OmegaConf.load(path).get("model", {}).get("family", "vit")) != "wan":
+        return
+    raise ValueError(f"{tool} does not sample or evaluate a Wan run yet (model.family=wan in {path}); its weights "
+                     f"are a diffusers folder: {Path(run_dir) / 'diffusers'} (or vitp-export {run_dir} --format "
+                     "diffusers -o OUT), which diffusers' WanPipeline loads; or sample in Python with "
+                     "vitp.objectives.wan_sampling.sample_wan (docs/finetuning.md)")
