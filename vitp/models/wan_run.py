@@ -27,7 +27,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
-from .wan import WanConfig
+from .wan_config import WanConfig
 
 TEXT_TOKENS = 512  # WanPipeline's max_sequence_length: the caption tokens the transformer is given
 NEEDS_FOLDER = ("model.family=wan needs trainer.init_from=FOLDER: a local diffusers Wan transformer folder "
@@ -44,7 +44,7 @@ def is_wan(cfg: Any) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _read(folder: str, stamp: float) -> Tuple[Path, WanConfig]:
-    from .wan_keys import read_config, transformer_folder
+    from .wan_config import read_config, transformer_folder
 
     path = transformer_folder(folder)
     return path, read_config(path)
@@ -55,7 +55,7 @@ def wan_source(cfg: Any) -> Tuple[Path, WanConfig]:
     per folder and ``config.json`` change). Raises ``ValueError`` without ``trainer.init_from``;
     ``FileNotFoundError`` / ``ValueError`` prefixed with ``trainer.init_from=...`` for a missing
     folder, a damaged ``config.json`` or an option vitp's Wan lacks
-    (:func:`vitp.models.wan_keys.transformer_folder`, :func:`vitp.models.wan_keys.read_config`)."""
+    (:func:`vitp.models.wan_config.transformer_folder`, :func:`vitp.models.wan_config.read_config`)."""
     folder = cfg.trainer.init_from
     if not folder:
         raise ValueError(NEEDS_FOLDER)
