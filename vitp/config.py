@@ -207,7 +207,7 @@ class TrainerConfig:
     resume: str = "auto"  # "auto" (latest checkpoint of the run dir, if any) | "never" | path to a checkpoint
     exit_at_step: Optional[int] = None  # save a checkpoint and exit 0 after this step (resume continues)
     exit_after_minutes: Optional[float] = None  # same, once this much wall time has passed (time-limited jobs)
-    init_from: Optional[str] = None  # exported vitp .safetensors to start from at any (tp, pp) (weights only)
+    init_from: Optional[str] = None  # exported vitp .safetensors to start from at any (tp, pp) (weights only); model.family=wan: the diffusers Wan transformer or pipeline folder (read when the config is checked)
     init_from_timm: Optional[str] = None  # timm ViT state dict (.safetensors/.pth) to initialise the blocks from
     progress: bool = True  # tqdm progress bar on rank 0
     tensorboard_dir: Optional[str] = None  # TensorBoard event folder (null = <run dir>/tb)
@@ -457,7 +457,7 @@ FREE_FORM: Dict[str, str] = {
     "sampler.prompts": "caption strings",
     "eval.unseen_prompt_templates": "format strings with {class} / {class_word}",
     "trainer.resume": "'auto' | 'never' | a checkpoint, found when training starts",
-    "trainer.init_from": "a weights file, read when training starts",
+    "trainer.init_from": "a weights file, read when training starts (a Wan folder: vitp.models.wan_run)",
     "trainer.init_from_timm": "a weights file, read when training starts",
     "trainer.tensorboard_dir": "a folder, created",
     "trainer.export_dir": "a folder, created",

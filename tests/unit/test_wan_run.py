@@ -160,3 +160,12 @@ def test_wan_collate_gives_wan_pairs_padded_to_512_tokens():
     for i in range(6):
         want = Cond.emb[1, :3] if i in kept else torch.cat([Cond.emb[0, :1], torch.zeros(2, 8)])
         torch.testing.assert_close(text[i, :3], want)
+
+
+def test_wan_objective_keys_are_named_when_they_have_no_effect(tiny):
+    from vitp.models.wan_run import unused_wan_keys
+
+    assert unused_wan_keys(compose(["experiment=smoke", "objective.shift=3", "objective.sigma_range=[0,0.5]"])) == [
+        "objective.shift", "objective.sigma_range"]
+    assert unused_wan_keys(compose(["experiment=smoke"])) == []
+    assert unused_wan_keys(_cfg(tiny, "objective.shift=3")) == []

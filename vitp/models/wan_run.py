@@ -23,7 +23,6 @@ Wan 2.2 TI2V's ``expand_timesteps``). The objective's flow shift defaults to the
 from __future__ import annotations
 
 import functools
-import math
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
@@ -168,12 +167,18 @@ def wan_mlp_units(cfg: Any) -> int:
     return wan_source(cfg)[1].ffn_dim
 
 
-def wan_divisors(cfg: Any) -> str:
-    """A short ``"heads H, ffn_dim F"`` of the folder, for messages; the valid tp degrees follow."""
-    c = wan_source(cfg)[1]
-    g = math.gcd(c.num_attention_heads, c.ffn_dim)
-    return f"num_attention_heads={c.num_attention_heads}, ffn_dim={c.ffn_dim} (valid tp: " \
-           f"{[d for d in range(1, g + 1) if g % d == 0]})"
+WAN_OBJECTIVE = {"shift": None, "sampling": "uniform", "logit_mean": 0.0, "logit_std": 1.0, "weighting": "none",
+                 "sigma_range": [0.0, 1.0]}  # objective keys read by Wan runs alone, at their defaults
+
+
+def unused_wan_keys(cfg: Any) -> list:
+    """The ``objective.*`` keys of :data:`WAN_OBJECTIVE` set away from their defaults in a run that
+    is not Wan's (they have no effect there)."""
+    if is_wan(cfg):
+        return []
+    o = cfg.objective
+    return [f"objective.{k}" for k, v in WAN_OBJECTIVE.items()
+            if (list(o[k]) if k == "sigma_range" else o[k]) != v]
 
 
 def refuse_wan_run(run_dir: Any, tool: str) -> None:

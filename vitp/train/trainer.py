@@ -93,6 +93,11 @@ def _warn_without_effect(cfg: DictConfig) -> None:
         log.warning("parallel.sequence_parallel=true has no effect with parallel.tp=1")
     if cfg.parallel.partial_sync < 1 and cfg.parallel.tp == 1:
         log.warning("parallel.partial_sync < 1 has no effect with parallel.tp=1 (nothing to synchronize)")
+    from vitp.models.wan_run import unused_wan_keys
+
+    if unused_wan_keys(cfg):
+        log.warning(f"{', '.join(unused_wan_keys(cfg))} set: these objective keys are Wan's (model.family=wan) and have "
+                    "no effect on vitp's generator")
     if cfg.data.captions is not None and not cfg.model.text_dim:
         log.warning(f"data.captions={cfg.data.captions} has no effect with model.text_dim=0: the model trains on "
                     "class labels (set model.text_dim to the encoder's channels to train on captions)")

@@ -103,6 +103,10 @@ def write_diffusers(run_dir: Path, cfg: Any, module: Any, ema: Any, state: Any) 
 
     path, config = wan_source(cfg)
     out = Path(run_dir) / DIFFUSERS_DIR
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        remove_weights(diffusers_weights(out, path))  # an earlier finish's files (another pp: other shard names)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
     with ema_weights(module, ema):
         save_wan_stages(diffusers_weights(out, path), module, config, state)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -110,6 +114,12 @@ def write_diffusers(run_dir: Path, cfg: Any, module: Any, ema: Any, state: Any) 
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return out
+
+
+def remove_weights(folder: Path) -> None:
+    """Delete a diffusers transformer folder's weight files and index (before it is written again)."""
+    for f in Path(folder).glob("diffusion_pytorch_model*.safetensors*"):
+        f.unlink()
 
 
 def final_weights_written(run_dir: Path, cfg: Any) -> bool:
@@ -165,6 +175,7 @@ def export_checkpoint_diffusers(tag_dir: Path, out: Path, cfg: Any, kind: str = 
                          f"{len(set(kmap) - set(shapes))} keys missing, {len(set(shapes) - set(kmap))} unexpected")
     target = diffusers_weights(out, path)
     target.mkdir(parents=True, exist_ok=True)
+    remove_weights(target)  # --force over an earlier export: no stale shard stays next to the new files
     groups = _shard_groups({k: shapes[k] for k in kmap}, max_shard_bytes)
     names = [WEIGHTS] if len(groups) == 1 else [
         f"diffusion_pytorch_model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
@@ -194,4 +205,4 @@ def copy_diffusers(run_dir: Path, export: Path) -> Optional[Path]:
 
 
 __all__ = ["DIFFUSERS_DIR", "build_wan_model", "copy_diffusers", "diffusers_weights", "export_checkpoint_diffusers",
-           "final_weights_written", "link_pipeline", "trained_name", "write_diffusers"]
+           "final_weights_written", "link_pipeline", "remove_weights", "trained_name", "write_diffusers"]
