@@ -41,12 +41,15 @@ Schedule = Choice("Schedule", {"constant": "constant", "cosine": "cosine"})
 Precision = Choice("Precision", {"auto": "auto", "fp32": "fp32", "bf16": "bf16"})
 Device = Choice("Device", {"auto": "auto", "cpu": "cpu", "cuda": "cuda"})
 CompileMode = Choice("CompileMode", {"off": "off", "blocks": "blocks"})
+ModelFamily = Choice("ModelFamily", {"vit": "vit", "wan": "wan"})
 
 
 @dataclass
 class ModelConfig:
-    """The class-conditional ViT generator (DiT-style adaLN-Zero blocks around timm layers)."""
+    """The class-conditional ViT generator (DiT-style adaLN-Zero blocks around timm layers), or a
+    pretrained Wan transformer (``family: wan``) whose sizes come from its folder's ``config.json``."""
 
+    family: ModelFamily = ModelFamily.vit  # "vit" (vitp's generator) | "wan" (a diffusers Wan 2.1/2.2 transformer read from trainer.init_from; every size below is then filled from its config.json, docs/finetuning.md)
     in_channels: int = "${vitp.latent_channels:${data.channels},${data.latent_channels}}"  # input channels C (follows the data: pixel channels, or data.latent_channels)
     image_size: Any = "${vitp.latent_size:${data.resolution},${data.vae_compression}}"  # (H, W) of the model's input: an int (square), [H, W] or "HxW" (follows the data: pixels, or pixels / the VAE's spatial compression)
     num_frames: int = "${vitp.latent_frames:${data.num_frames},${data.vae_compression}}"  # T of the model's input (follows the data; 1 for images; a causal video VAE's 1 + (T - 1) / temporal compression)
@@ -128,6 +131,12 @@ class ObjectiveConfig:
     noise_scale: float = 1.0  # std of the noise at t=0
     t_eps: float = 0.05  # clip of (1 - t) when converting x-prediction to velocity
     label_drop: float = 0.1  # probability of replacing the label by the null class (CFG)
+    shift: Optional[float] = None  # model.family=wan: flow shift of the noise-level draw and of the bell weight (null = the pipeline's scheduler/scheduler_config.json flow_shift)
+    sampling: str = "uniform"  # model.family=wan: noise-level draw before the shift, "uniform" | "logit_normal"
+    logit_mean: float = 0.0  # model.family=wan, sampling=logit_normal: mean of the logit of the unshifted level
+    logit_std: float = 1.0  # model.family=wan, sampling=logit_normal: std of the logit of the unshifted level
+    weighting: str = "none"  # model.family=wan: loss weight per noise level, "none" | "bell" (DiffSynth-Studio's)
+    sigma_range: List[float] = field(default_factory=lambda: [0.0, 1.0])  # model.family=wan: [lo, hi] noise levels drawn (a Wan 2.2 expert's range: [0.875, 1] high-noise, [0, 0.875] low-noise)
 
 
 @dataclass
@@ -168,7 +177,7 @@ class ParallelConfig:
 class OptimConfig:
     """AdamW + warmup/cosine or warmup/constant LR (DeepSpeed schedulers)."""
 
-    lr: float = 1e-3  # peak learning rate
+    lr: float = 1e-3  # peak learning rate (0: the weights stay as loaded)
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.0  # AdamW decoupled weight decay
@@ -198,7 +207,7 @@ class TrainerConfig:
     resume: str = "auto"  # "auto" (latest checkpoint of the run dir, if any) | "never" | path to a checkpoint
     exit_at_step: Optional[int] = None  # save a checkpoint and exit 0 after this step (resume continues)
     exit_after_minutes: Optional[float] = None  # same, once this much wall time has passed (time-limited jobs)
-    init_from: Optional[str] = None  # exported vitp .safetensors to start from at any (tp, pp) (weights only)
+    init_from: Optional[str] = None  # exported vitp .safetensors to start from at any (tp, pp) (weights only); model.family=wan: the diffusers Wan transformer or pipeline folder (read when the config is checked)
     init_from_timm: Optional[str] = None  # timm ViT state dict (.safetensors/.pth) to initialise the blocks from
     progress: bool = True  # tqdm progress bar on rank 0
     tensorboard_dir: Optional[str] = None  # TensorBoard event folder (null = <run dir>/tb)
@@ -310,6 +319,11 @@ def _is_step_range(v: Any) -> bool:
                                                               for x in v) and 1 <= v[0] <= v[1]))
 
 
+def _is_sigma_range(v: Any) -> bool:
+    v = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig" else None
+    return v is not None and len(v) == 2 and all(_number(x) for x in v) and 0 <= v[0] < v[1] <= 1
+
+
 def _is_compression(v: Any) -> bool:
     v = list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig" else None
     return v is not None and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v)
@@ -373,6 +387,13 @@ FIELD_RULES: Dict[str, Rule] = {
     "objective.noise_scale": span(0, lo_open=True, real=True),
     "objective.t_eps": span(0, 1, lo_open=True, hi_open=True, real=True),
     "objective.label_drop": _PROBABILITY,
+    "objective.shift": span(0, lo_open=True, real=True, null="the pipeline's scheduler flow_shift"),
+    "objective.sampling": one_of("uniform", "logit_normal"),
+    "objective.logit_mean": span(real=True),
+    "objective.logit_std": span(0, lo_open=True, real=True),
+    "objective.weighting": one_of("none", "bell"),
+    "objective.sigma_range": Rule(_is_sigma_range, "[lo, hi], numbers with 0 <= lo < hi <= 1", [0.5, 0.5],
+                                  lambda v: [0.0, 1.0]),
     "sampler.steps": span(1),
     "sampler.cfg_scale": span(0, real=True, note="1 = no guidance, 0 = unconditional"),
     "sampler.cfg_interval": _pair(0, 1, True, "[lo, hi] with 0 <= lo <= hi <= 1", [0.5, 0.2]),
@@ -391,7 +412,7 @@ FIELD_RULES: Dict[str, Rule] = {
     "parallel.auto_memory_gib": span(0, lo_open=True, real=True, null="the device's"),
     "parallel.partial_sync": span(0, 1, real=True, note="1 = exact TP"),
     "parallel.partial_sync_scale": one_of("sqrt_tp", "none"),
-    "optim.lr": span(0, lo_open=True, real=True),
+    "optim.lr": span(0, real=True, note="0 = the weights stay as loaded: a check of the load and export path"),
     "optim.betas": _pair(0, 1, False, "[beta1, beta2], each in [0, 1)", [0.9, 1.0]),
     "optim.eps": span(0, lo_open=True, real=True),
     "optim.weight_decay": span(0, real=True),
@@ -436,7 +457,7 @@ FREE_FORM: Dict[str, str] = {
     "sampler.prompts": "caption strings",
     "eval.unseen_prompt_templates": "format strings with {class} / {class_word}",
     "trainer.resume": "'auto' | 'never' | a checkpoint, found when training starts",
-    "trainer.init_from": "a weights file, read when training starts",
+    "trainer.init_from": "a weights file, read when training starts (a Wan folder: vitp.models.wan_run)",
     "trainer.init_from_timm": "a weights file, read when training starts",
     "trainer.tensorboard_dir": "a folder, created",
     "trainer.export_dir": "a folder, created",
@@ -953,6 +974,11 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     sizes = [("model.num_heads", m.num_heads),
              (f"MLP hidden units (model.mlp={m.mlp}, model.width, model.mlp_ratio)",
               mlp_hidden_units(m.width, m.mlp_ratio, m.mlp))]
+    if str(getattr(m, "family", "vit")) == "wan":
+        from vitp.models.wan_run import wan_mlp_units
+
+        where = f"of the Wan folder trainer.init_from={tr.init_from}"
+        sizes = [(f"num_attention_heads {where}", m.num_heads), (f"ffn_dim {where}", wan_mlp_units(cfg))]
     for option, value in sizes:
         if value % tp:
             g = math.gcd(*(v for _, v in sizes))
@@ -986,9 +1012,12 @@ def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_
     check_keys(cfg)
     check_fields(cfg)
     from vitp.latents.config import adopt_latent_data
+    from vitp.models.wan_run import adopt_wan_model, check_wan_input
 
+    adopt_wan_model(cfg)  # model.family=wan: the sizes of trainer.init_from's config.json
     adopt_latent_data(cfg)  # a latent pack / VAE sets the model's input shape
     _resolve_input_shape(cfg)
+    check_wan_input(cfg)
     _check_run(cfg)
     validate_captions(cfg.data)
     validate_model(cfg.model)

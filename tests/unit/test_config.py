@@ -168,7 +168,7 @@ def test_group_files_hold_only_what_differs_from_the_schema():
     ("+new.key=1", r"unknown config key new.key; valid keys at the top level: data, eval"),
     ("optim.grad_clip=-1", r"optim.grad_clip=-1.0: must be a number >= 0 \(0 = no clipping\); e.g. optim.grad_clip=1.0"),
     ("optim.ema_decay=1.5", r"optim.ema_decay=1.5: must be a number in \[0, 1\)"),
-    ("optim.lr=-1", r"optim.lr=-1.0: must be a number > 0"),
+    ("optim.lr=-1", r"optim.lr=-1.0: must be a number >= 0 \(0 = the weights stay as loaded"),
     ("trainer.exit_after_minutes=-1", r"trainer.exit_after_minutes=-1.0: must be a number > 0, or null"),
     ("eval.num_samples=-5", r"eval.num_samples=-5: must be an integer >= 0"),
     ("sampler.cfg_scale=nan", r"sampler.cfg_scale=nan: must be a number >= 0"),

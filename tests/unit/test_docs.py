@@ -138,10 +138,32 @@ def check_overrides(overrides: List[str], world: Optional[int] = None, sweep: bo
     from vitp.config import check_override_keys, compose, validate_config
 
     _, overrides = split_resume(list(overrides))
+    overrides = [_tiny_wan_folder(o) for o in overrides]
     for combo in sweep_combos(overrides) if sweep else [overrides]:
         check_override_keys(combo)
         cfg = compose(combo)
         validate_config(cfg, None if cfg.parallel.auto else world)
+
+
+TINY_WAN = "/tmp/wan_tiny"  # docs/finetuning.md: the folder `python scripts/make_tiny_wan.py /tmp/wan_tiny` writes
+_TINY_WAN: List[str] = []
+
+
+def _tiny_wan_folder(override: str) -> str:
+    """``trainer.init_from=/tmp/wan_tiny[/...]`` pointed at a tiny Wan pipeline folder written once
+    here as the documented ``scripts/make_tiny_wan.py /tmp/wan_tiny --sharded`` writes it (a Wan
+    run's config check reads the folder's config.json); other overrides unchanged."""
+    import tempfile
+
+    key, _, value = override.partition("=")
+    if key != "trainer.init_from" or not value.startswith(TINY_WAN):
+        return override
+    if not _TINY_WAN:
+        from tests.helpers import make_tiny_wan
+
+        folder = Path(tempfile.mkdtemp(prefix="docs_wan_")) / "wan_tiny"
+        _TINY_WAN.append(str(make_tiny_wan().write_pipeline(folder, sharded=True)))
+    return f"{key}={_TINY_WAN[0]}{value[len(TINY_WAN):]}"
 
 
 def _launched(argv: List[str]) -> Tuple[Optional[int], List[str], str]:

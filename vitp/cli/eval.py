@@ -88,6 +88,9 @@ def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
     path = run_dir / ".hydra" / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a vitp run directory")
+    from vitp.models.wan_run import refuse_wan_run
+
+    refuse_wan_run(run_dir, "vitp-eval")
     return apply_overrides(typed_config(OmegaConf.load(path)), overrides, "vitp-eval")
 
 

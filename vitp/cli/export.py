@@ -1,4 +1,5 @@
-"""``vitp-export``: consolidated safetensors weights from a vitp run or checkpoint.
+"""``vitp-export``: consolidated safetensors weights from a vitp run or checkpoint (a Wan run's
+as a diffusers folder: ``--format diffusers``, :func:`run_diffusers`).
 
 The file holds full (unsharded) fp32 tensors, the ViT blocks under timm's names and layouts and
 the model config (metadata + ``.json`` sidecar); see :mod:`vitp.checkpoint.export`. It loads into
@@ -50,14 +51,48 @@ def _parser() -> argparse.ArgumentParser:
                    help="from a checkpoint: larger weights are written as shards of at most SIZE (5GB = 5*10^9 "
                         "bytes, 5GiB = 5*2^30, or bytes; default 5GB) plus OUT.index.json")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--format", choices=["vitp", "diffusers"], default="vitp",
+                   help="vitp: the export file above; diffusers: a Wan run's (model.family=wan) checkpoint as a "
+                        "diffusers folder OUT (a transformer folder, or a whole pipeline when the run started from "
+                        "one: OUT/transformer and the source's other components linked)")
     return p
 
 
+def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
+    """``--format diffusers``: the checkpoint of a Wan run as a diffusers folder
+    (:func:`vitp.train.wan.export_checkpoint_diffusers`); returns the transformer folder written."""
+    from vitp.models.wan_run import is_wan
+    from vitp.train.wan import export_checkpoint_diffusers
+
+    src, step, run_dir = ckpt.resolve_weights(a.source, a.weights)
+    tag = src.parent
+    if not (tag / ex.DCP_METADATA).is_file():
+        p.error(f"{a.source}: --format diffusers reads a training checkpoint of a model.family=wan run (a run "
+                "directory, its checkpoints folder or a checkpoint tag folder)")
+    record = ex.checkpoint_record(tag)
+    cfg = OmegaConf.create(record["config"])
+    if not is_wan(cfg):
+        p.error(f"{a.source} is a run of vitp's generator (model.family={cfg.model.get('family', 'vit')}); "
+                "--format diffusers exports Wan runs; leave --format out for the vitp export")
+    step = record.get("step", -1) if step is None else step
+    out = a.out or run_dir / "export" / f"{ckpt.tag_name(max(step, 0))}_{a.weights}_diffusers"
+    if out.exists() and any(out.iterdir()) and not a.force:
+        p.error(f"{out} exists and is not empty; choose another --out or pass --force to write into it")
+    kind = ex.CHECKPOINT_KINDS[src.name]
+    written = export_checkpoint_diffusers(tag, out, cfg, kind=kind, max_shard_bytes=a.max_shard_size)
+    print(f"wrote {written} (diffusers WanTransformer3DModel, step {step}, {a.weights} weights)"
+          + (f" in the pipeline {out}" if written != out else ""))
+    return written
+
+
 def run(argv: Optional[List[str]] = None) -> Path:
-    """``vitp-export SOURCE [-o OUT.safetensors] [--weights ema|raw] [--max-shard-size SIZE]``;
-    returns the written path (the index file when sharded)."""
+    """``vitp-export SOURCE [-o OUT.safetensors] [--weights ema|raw] [--max-shard-size SIZE]
+    [--format vitp|diffusers]``; returns the written path (the index file when sharded; with
+    ``--format diffusers`` the transformer folder)."""
     p = _parser()
     a = p.parse_args(argv)
+    if a.format == "diffusers":
+        return run_diffusers(p, a)
     src, step, run_dir = ckpt.resolve_weights(a.source, a.weights)
     dcp_tag = src.parent if not src.is_file() and not Path(f"{src}{ex.INDEX_SUFFIX}").is_file() else None
     if dcp_tag is not None:  # a torch distributed checkpoint: written shard by shard, without the full state
@@ -82,6 +117,8 @@ def run(argv: Optional[List[str]] = None) -> Path:
     if (out.exists() or index.exists()) and not a.force:
         p.error(f"{out if out.exists() else index} exists; choose another --out or pass --force to replace it")
     cfg = OmegaConf.create(cfg_dict)
+    if str(cfg.get("model", {}).get("family", "vit")) == "wan":
+        p.error(f"{a.source} is a Wan run (model.family=wan): export it with --format diffusers -o OUT")
     if dcp_tag is not None:
         written = ex.export_checkpoint(dcp_tag, out, cfg, kind=kind, step=step,
                                        max_shard_bytes=a.max_shard_size)

@@ -315,6 +315,9 @@ def run(argv: Optional[List[str]] = None) -> None:
     with quiet_unless_main():  # under a launcher: rank 0 alone prints
         a, overrides = parse_args(argv)
         path, step, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
+        from vitp.models.wan_run import refuse_wan_run
+
+        refuse_wan_run(base, "vitp-sample")
         sharded = launched()
         if sharded:  # each rank reads its shard of its stage below (build_sharded)
             gen, (cfg, meta) = None, sample_settings(path, overrides, a.num)

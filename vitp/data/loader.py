@@ -170,6 +170,48 @@ class FlowCollate:
         return (*inputs[:2], *self.conditioning(inputs[2])), targets
 
 
+class WanCollate:
+    """Collate ``[(x (C,T,H,W), caption id, noise_seed)]`` into Wan's pipeline pair
+    (:func:`vitp.objectives.wan_flow.make_wan_pair`): inputs ``(x_t, timestep (B,) = 1000 s,
+    text (B, 512, text_dim))`` with ``x_t = (1 - s) x + s eps``, targets ``(x, eps, s)`` of
+    :class:`vitp.objectives.wan_flow.WanFlowLoss` (velocity target ``eps - x``).
+
+    Each sample draws from its own generator seeded with its noise seed, in this order: its noise
+    level ``s`` (``loss.draw_sigmas``: the shifted draw in ``objective.sigma_range``), the CFG drop
+    (probability ``objective.label_drop``: the caption becomes the encoded empty caption, as
+    ``WanPipeline``'s default negative prompt), then ``eps``; so every layout and a resumed run
+    draw the same. The caption embeddings are given as ``WanPipeline`` gives them: each caption's
+    tokens (its mask), then zeros up to 512 (:func:`vitp.objectives.wan_sampling.pad_prompt_embeds`).
+
+    Parameters
+    ----------
+    loss : :class:`vitp.objectives.wan_flow.WanFlowLoss` (its ``draw_sigmas``)
+    conditioning : :class:`vitp.data.text.TextConditioning` (ids -> ``(embeddings, mask)``)
+    label_drop : probability of the empty caption
+    text_tokens : caption tokens of the model's input (512, Wan's ``max_sequence_length``)
+    """
+
+    def __init__(self, loss: Any, conditioning: Any, label_drop: float, text_tokens: int = 512):
+        self.loss, self.conditioning = loss, conditioning
+        self.label_drop, self.text_tokens = float(label_drop), int(text_tokens)
+
+    def __call__(self, items):
+        from ..objectives.wan_flow import make_wan_pair
+        from ..objectives.wan_sampling import pad_prompt_embeds
+
+        xs, eps, ss, ids = [], [], [], []
+        for x, y, noise_seed in items:
+            g = torch.Generator().manual_seed(noise_seed)
+            ss.append(self.loss.draw_sigmas(1, g)[0])
+            drop = torch.rand((), generator=g).item() < self.label_drop
+            eps.append(torch.randn(tuple(x.shape), generator=g))
+            xs.append(x), ids.append(self.conditioning.null_id if drop else int(y))
+        x = torch.stack(xs).float()
+        emb, mask = self.conditioning(torch.tensor(ids, dtype=torch.long))
+        text = pad_prompt_embeds(emb.float(), mask, self.text_tokens)
+        return make_wan_pair(x, torch.stack(eps), torch.stack(ss), text)
+
+
 class _KeySampler:
     """Lazy batch sampler over :meth:`BatchSchedule.iter_keys`."""
 
@@ -258,17 +300,18 @@ _said_workers: List[int] = []
 
 def train_loader(
     dataset: Any, schedule: BatchSchedule, objective: Any, conditioning: Any, *,
-    start_step: int, stop_step: int, dp_rank: int, num_workers: int = 0,
+    start_step: int, stop_step: int, dp_rank: int, num_workers: int = 0, collate: Any = None,
 ) -> DataLoader:
     """A DataLoader that yields the pipeline pairs of steps ``[start_step, stop_step)`` for one DP
     rank, ``schedule.accumulation`` micro-batches per step; its ``num_workers`` worker processes
     ignore SIGINT/SIGTERM (:func:`ignore_stop_signals`), at most one per CPU (:func:`usable_workers`).
-    ``conditioning``: as :class:`FlowCollate`."""
+    ``conditioning``: as :class:`FlowCollate`; ``collate`` replaces ``FlowCollate(objective,
+    conditioning)`` (a Wan run's :class:`WanCollate`)."""
     num_workers = usable_workers(num_workers)
     return DataLoader(
         _KeyedItems(dataset),
         batch_sampler=_KeySampler(schedule, start_step, stop_step, dp_rank),
-        collate_fn=FlowCollate(objective, conditioning),
+        collate_fn=collate if collate is not None else FlowCollate(objective, conditioning),
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
         worker_init_fn=ignore_stop_signals,  # the main process handles a stop (see there)

@@ -31,8 +31,7 @@ read by :mod:`vitp.models.wan_keys`.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -40,139 +39,10 @@ import torch.nn.functional as F
 from timm.layers import Attention, Mlp
 
 from .layers import CrossAttention, TubeletEmbed, input_grid
+from .wan_config import INT_KEYS, OPTIONAL_INT_KEYS, QK_NORM, WanConfig, check_types  # noqa: F401 - re-exported
 
 Grid = Tuple[int, int, int]
-QK_NORM = "rms_norm_across_heads"
 FP32_KEEP = ("t_embedder", "scale_shift_table", "norm1", "norm2", "norm3")  # diffusers' _keep_in_fp32_modules
-
-
-@dataclass
-class WanConfig:
-    """The options of a diffusers ``WanTransformer3DModel`` ``config.json`` (same names and
-    defaults), checked against what vitp implements.
-
-    ``D = num_attention_heads * attention_head_dim``; ``out_channels`` null means
-    ``in_channels`` (as diffusers). :meth:`from_dict` reads a ``config.json`` dict.
-    """
-
-    patch_size: Tuple[int, int, int] = (1, 2, 2)
-    num_attention_heads: int = 40
-    attention_head_dim: int = 128
-    in_channels: int = 16
-    out_channels: Optional[int] = 16
-    text_dim: int = 4096
-    freq_dim: int = 256
-    ffn_dim: int = 13824
-    num_layers: int = 40
-    cross_attn_norm: bool = True
-    qk_norm: Optional[str] = QK_NORM
-    eps: float = 1e-6
-    image_dim: Optional[int] = None
-    added_kv_proj_dim: Optional[int] = None
-    rope_max_seq_len: int = 1024
-    pos_embed_seq_len: Optional[int] = None
-
-    def __post_init__(self):
-        if isinstance(self.patch_size, (list, tuple)):
-            self.patch_size = tuple(self.patch_size)
-        if self.out_channels is None:
-            self.out_channels = self.in_channels
-
-    @property
-    def width(self) -> int:
-        """The inner width ``D = num_attention_heads * attention_head_dim``."""
-        return self.num_attention_heads * self.attention_head_dim
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any], source: str = "config") -> "WanConfig":
-        """A :class:`WanConfig` of a diffusers config dict (keys starting with ``_`` ignored), checked.
-
-        Raises ``ValueError`` naming ``source`` and the key for a key diffusers' Wan does not
-        have, ``expand_timesteps`` true (Wan 2.2 TI2V), a value of the wrong type
-        (:func:`check_types`), or an option :meth:`check` refuses; ``TypeError`` when ``cfg`` is
-        not a mapping.
-        """
-        if not isinstance(cfg, Mapping):
-            raise TypeError(f"{source}: a Wan config must be a dict of config.json keys, got {type(cfg).__name__}")
-        known = {f.name for f in fields(cls)}
-        if cfg.get("expand_timesteps"):
-            raise ValueError(f"{source}: expand_timesteps=true (Wan 2.2 TI2V per-token timesteps) is not implemented "
-                             "in vitp's Wan; use a text-to-video checkpoint (Wan2.1-T2V or Wan2.2-T2V)")
-        unknown = sorted(k for k in cfg if not k.startswith("_") and k not in known)
-        if unknown:
-            raise ValueError(f"{source}: config keys {unknown} are not options of diffusers' WanTransformer3DModel "
-                             f"known to vitp ({sorted(known)}); remove them or use a Wan text-to-video config")
-        check_types({k: v for k, v in cfg.items() if k in known}, source)
-        out = cls(**{k: v for k, v in cfg.items() if k in known})
-        out.check(source)
-        return out
-
-    def check(self, source: str = "config") -> None:
-        """Raises ``ValueError`` naming the key for what vitp does not implement: image-to-video
-        (``image_dim``, ``added_kv_proj_dim`` not null), another ``qk_norm``, a non-square or
-        non-3-D ``patch_size``, an odd ``attention_head_dim`` (rotary pairs), a size below 1, or a
-        value of the wrong type (:func:`check_types`)."""
-        check_types(asdict(self), source)
-        if self.image_dim is not None:
-            raise ValueError(f"{source}: image_dim={self.image_dim} is an image-to-video Wan (CLIP image tokens), "
-                             "which vitp does not implement; use a text-to-video checkpoint (image_dim null)")
-        if self.added_kv_proj_dim is not None:
-            raise ValueError(f"{source}: added_kv_proj_dim={self.added_kv_proj_dim} (image key/value projections of "
-                             "image-to-video Wan) is not implemented in vitp; use a text-to-video checkpoint "
-                             "(added_kv_proj_dim null)")
-        if self.qk_norm != QK_NORM:
-            raise ValueError(f"{source}: qk_norm={self.qk_norm!r}; vitp's Wan implements only {QK_NORM!r} (every "
-                             f"Wan 2.1/2.2 checkpoint), set qk_norm to {QK_NORM!r}")
-        if len(self.patch_size) != 3 or self.patch_size[1] != self.patch_size[2]:
-            raise ValueError(f"{source}: patch_size={list(self.patch_size)}; vitp's Wan takes (pt, p, p) patches "
-                             "(Wan uses [1, 2, 2])")
-        if self.attention_head_dim % 2:
-            raise ValueError(f"{source}: attention_head_dim={self.attention_head_dim} is odd; rotary positions rotate "
-                             "pairs of channels, so it must be even")
-        sizes = ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim", "freq_dim",
-                 "ffn_dim", "num_layers", "rope_max_seq_len")
-        bad = [k for k in sizes if getattr(self, k) < 1] + (["patch_size"] if min(self.patch_size) < 1 else [])
-        if bad:
-            raise ValueError(f"{source}: {bad} must be at least 1")
-
-    def to_dict(self) -> Dict[str, Any]:
-        """The options as ``config.json`` writes them (``patch_size`` a list)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-
-
-INT_KEYS = ("num_attention_heads", "attention_head_dim", "in_channels", "text_dim", "freq_dim", "ffn_dim",
-            "num_layers", "rope_max_seq_len")
-OPTIONAL_INT_KEYS = ("out_channels", "image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def check_types(values: Mapping[str, Any], source: str = "config") -> None:
-    """Raises ``ValueError`` naming ``source``, the key and the value for a config value of the
-    wrong type: the sizes (:data:`INT_KEYS`) must be integers, :data:`OPTIONAL_INT_KEYS` integers
-    or null, ``patch_size`` a list of three integers, ``eps`` a number, ``cross_attn_norm`` a
-    boolean, ``qk_norm`` a string or null. Keys absent from ``values`` are not checked."""
-    def bad(key: str, want: str) -> ValueError:
-        return ValueError(f"{source}: {key}={values[key]!r} must be {want}; fix it in the config "
-                          "(diffusers' Wan configs hold plain JSON numbers, e.g. \"num_layers\": 30)")
-
-    for k in INT_KEYS:
-        if k in values and not _is_int(values[k]):
-            raise bad(k, "an integer")
-    for k in OPTIONAL_INT_KEYS:
-        if k in values and values[k] is not None and not _is_int(values[k]):
-            raise bad(k, "an integer or null")
-    ps = values.get("patch_size", (1, 2, 2))
-    if not isinstance(ps, (list, tuple)) or len(ps) != 3 or not all(_is_int(v) for v in ps):
-        raise bad("patch_size", "a list of three integers [pt, p, p] (Wan: [1, 2, 2])")
-    if "eps" in values and (not isinstance(values["eps"], (int, float)) or isinstance(values["eps"], bool)):
-        raise bad("eps", "a number")
-    if "cross_attn_norm" in values and not isinstance(values["cross_attn_norm"], bool):
-        raise bad("cross_attn_norm", "true or false")
-    if "qk_norm" in values and values["qk_norm"] is not None and not isinstance(values["qk_norm"], str):
-        raise bad("qk_norm", f"the string {QK_NORM!r}")
 
 
 def check_latents(x: torch.Tensor, in_channels: int, name: str = "hidden_states") -> None:

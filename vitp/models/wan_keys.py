@@ -23,18 +23,12 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import torch
 
 from .wan import WanConfig, WanModel
+from .wan_config import (CLASS_NAME, HINT, IGNORED, REQUIRED, _refuse_expand_timesteps,  # noqa: F401 - re-exported
+                         read_config, read_json_object, transformer_folder)
 
 PathLike = Union[str, Path]
-CLASS_NAME = "WanTransformer3DModel"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"
-REQUIRED = ("patch_size", "num_attention_heads", "attention_head_dim", "in_channels", "text_dim", "freq_dim",
-            "ffn_dim", "num_layers")  # config.json keys that size the weights
-IGNORED = ("norm_added_q",)  # diffusers' _keys_to_ignore_on_load_unexpected for Wan
-HINT = ("give a local diffusers Wan folder: a transformer folder (config.json + diffusion_pytorch_model*.safetensors) "
-        "or a pipeline folder with model_index.json and transformer/, e.g. "
-        "hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir /models/wan2.1; vitp never downloads")
-
 _LINEARS = (  # (vitp module, diffusers modules stacked along the output rows), per block
     ("attn.qkv", ("attn1.to_q", "attn1.to_k", "attn1.to_v")),
     ("attn.proj", ("attn1.to_out.0",)),
@@ -72,92 +66,6 @@ def key_map(config: WanConfig) -> Dict[str, Tuple[str, ...]]:
             out.update({f"{b}norm2.{p}": (f"{b}norm2.{p}",) for p in ("weight", "bias")})
         out[f"{b}scale_shift_table"] = (f"{b}scale_shift_table",)
     return out
-
-
-def transformer_folder(folder: PathLike, subfolder: Optional[str] = "transformer") -> Path:
-    """The transformer folder of ``folder``: ``folder`` itself when it holds ``config.json``, or
-    ``folder/<subfolder>`` of a pipeline folder (``model_index.json``). ``subfolder=None``: the
-    folder itself, which must be a transformer folder.
-
-    Raises ``FileNotFoundError`` naming the path (no folder, no config); ``ValueError`` for a
-    transformer folder given with a ``subfolder`` other than ``"transformer"`` (the subfolder
-    would be ignored: pass the pipeline folder), and for a pipeline with ``expand_timesteps``
-    true (Wan 2.2 TI2V, not implemented), read from ``folder``'s ``model_index.json`` or, for a
-    transformer folder, its parent's; ``TypeError`` for a ``subfolder`` that is not a string.
-    """
-    if subfolder is not None and not isinstance(subfolder, str):
-        raise TypeError(f"subfolder={subfolder!r} must be a folder name such as 'transformer' or 'transformer_2', "
-                        "or None for the folder itself")
-    path = Path(folder).expanduser()
-    if not path.is_dir():
-        what = "is a file, not a folder" if path.exists() else "does not exist"
-        raise FileNotFoundError(f"Wan folder {path} {what}: {HINT}")
-    index = path / "model_index.json"
-    if (path / "config.json").is_file():
-        if subfolder not in (None, "transformer"):
-            raise ValueError(f"{path} is a transformer folder (it holds config.json), so subfolder={subfolder!r} "
-                             f"cannot apply; pass the pipeline folder (the one with model_index.json, e.g. "
-                             f"{path.parent}) with subfolder={subfolder!r}, or the {subfolder}/ folder itself")
-        _refuse_expand_timesteps(path.parent / "model_index.json", strict=False)
-        return path
-    if subfolder is None:
-        raise FileNotFoundError(f"{path} holds no config.json: subfolder=None takes a transformer folder; for a "
-                                "pipeline folder give subfolder='transformer' (or 'transformer_2')")
-    if index.is_file():
-        _refuse_expand_timesteps(index)
-        sub = path / subfolder
-        if not (sub / "config.json").is_file():
-            raise FileNotFoundError(f"{sub / 'config.json'} does not exist: the pipeline folder {path} has no "
-                                    f"{subfolder}/ transformer; copy the whole pipeline folder again")
-        return sub
-    raise FileNotFoundError(f"{path} holds neither config.json nor model_index.json: {HINT}")
-
-
-def _refuse_expand_timesteps(index: Path, strict: bool = True) -> None:
-    """Raises ``ValueError`` when the pipeline's ``model_index.json`` has ``expand_timesteps`` true.
-    ``strict=False`` (a transformer folder's parent): a missing or unreadable file is no pipeline."""
-    if not index.is_file():
-        return
-    try:
-        pipe = read_json_object(index)
-    except ValueError:
-        if strict:
-            raise
-        return
-    if pipe.get("expand_timesteps"):
-        raise ValueError(f"{index}: expand_timesteps=true (Wan 2.2 TI2V per-token timesteps) is not implemented "
-                         "in vitp's Wan; use a text-to-video pipeline (Wan2.1-T2V, Wan2.2-T2V)")
-
-
-def read_json_object(path: Path, what: str = "keys", fix: str = "copy the folder again") -> Dict[str, Any]:
-    """The JSON object of ``path`` (a diffusers folder's ``config.json``, index, scheduler config).
-    Raises ``ValueError`` naming the file, ``what`` it should hold and ``fix`` when it is not valid
-    JSON or not a JSON object (``{...}``)."""
-    try:
-        out = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); {fix}") from None
-    if not isinstance(out, dict):
-        raise ValueError(f"{path} holds a JSON {type(out).__name__}, not an object {{...}} of {what}; {fix}")
-    return out
-
-
-def read_config(folder: Path) -> WanConfig:
-    """The checked :class:`~vitp.models.wan.WanConfig` of a transformer folder's ``config.json``.
-    Raises ``ValueError`` naming the file for invalid JSON or not an object, another
-    ``_class_name``, a missing key that sizes the model (:data:`REQUIRED`: no default is
-    guessed), a value of the wrong type or an option vitp lacks."""
-    path = folder / "config.json"
-    cfg = read_json_object(path)
-    name = cfg.get("_class_name")
-    if name != CLASS_NAME:
-        raise ValueError(f"{path}: _class_name {name!r} is not a Wan text-to-video transformer ({CLASS_NAME}); give a "
-                         "Wan pipeline folder or its transformer/ subfolder")
-    missing = [k for k in REQUIRED if k not in cfg]
-    if missing:
-        raise ValueError(f"{path}: missing {missing}, which size the model (diffusers writes every one); copy the "
-                         "folder again or add them from the checkpoint's published config.json")
-    return WanConfig.from_dict(cfg, source=str(path))
 
 
 def _damaged(path: Path, err: Exception) -> ValueError:

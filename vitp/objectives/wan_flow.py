@@ -187,7 +187,7 @@ def scheduler_config(folder: Union[str, Path]) -> dict:
     folder = Path(folder)
     for path in (folder / "scheduler" / "scheduler_config.json", folder / "scheduler_config.json"):
         if path.is_file():
-            from vitp.models.wan_keys import read_json_object
+            from vitp.models.wan_config import read_json_object
 
             return read_json_object(path, "scheduler options", "copy the pipeline's scheduler/ folder again")
     raise FileNotFoundError(f"no scheduler/scheduler_config.json or scheduler_config.json in {folder}; give a local "

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 import vitp.deepspeed_adapter as ds  # noqa: E402
 from vitp.checkpoint.storage import detect_storage_groups  # noqa: E402
 from vitp.config import validate_config, validate_text_run  # noqa: E402
+from vitp.models.wan_run import is_wan  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.utils import atomic_write_text  # noqa: E402
 
@@ -92,6 +93,11 @@ def _warn_without_effect(cfg: DictConfig) -> None:
         log.warning("parallel.sequence_parallel=true has no effect with parallel.tp=1")
     if cfg.parallel.partial_sync < 1 and cfg.parallel.tp == 1:
         log.warning("parallel.partial_sync < 1 has no effect with parallel.tp=1 (nothing to synchronize)")
+    from vitp.models.wan_run import unused_wan_keys
+
+    if unused_wan_keys(cfg):
+        log.warning(f"{', '.join(unused_wan_keys(cfg))} set: these objective keys are Wan's (model.family=wan) and have "
+                    "no effect on vitp's generator")
     if cfg.data.captions is not None and not cfg.model.text_dim:
         log.warning(f"data.captions={cfg.data.captions} has no effect with model.text_dim=0: the model trains on "
                     "class labels (set model.text_dim to the encoder's channels to train on captions)")
@@ -286,6 +292,15 @@ class Trainer:
         from vitp.pipeline import build_parallel_pipeline
 
         cfg = self.cfg
+        self.wan = is_wan(cfg)
+        if self.wan:  # a diffusers Wan folder, each rank reading its slices (vitp.train.wan)
+            from .wan import build_wan_model
+
+            self.module, self.state, self.loss_fn, _ = build_wan_model(cfg, self.layout,
+                                                                       load=self.checkpointer.resume_tag is None)
+            model_parallel_seed(cfg.seed, self.state)
+            self._compile_blocks()
+            return
         self.loss_fn = FlowMatchingLoss(cfg.objective.t_eps)
         # TP-partial gradients are summed once per step (engine.install_step_hook), not per micro-batch
         self.module, self.state = build_parallel_pipeline(
@@ -336,8 +351,8 @@ class Trainer:
 
         self.ema = EMA(self.engine.module, o.ema_decay, fragments(self.engine))  # sharded like ZeRO's partitions
         m = self.cfg.model  # sampling and evaluation in this layout (ema_denoiser); share: their dp split
-        self.denoiser = StageDenoiser(self.engine.module, self.cfg.trainer.micro_batch_size, m.patch_size,
-                                      m.tubelet_size)
+        self.denoiser = None if self.wan else StageDenoiser(self.engine.module, self.cfg.trainer.micro_batch_size,
+                                                            m.patch_size, m.tubelet_size)
         self.share = Share.of(self.engine.module, self.state)
         self.checkpointer.load(self.engine, self.ema, self.state)
 
@@ -372,9 +387,14 @@ class Trainer:
             return None
         data = self.train_ds if self.buckets is None else [tr for tr, _ in self.bucket_data]
         self.telemetry.skipped = attach_skip_counter(data)  # data/skipped_samples, also from the workers
+        collate = None
+        if self.wan:  # Wan's pairs: x_t, 1000 s, captions zero-padded to 512 tokens (vitp.data.loader.WanCollate)
+            from vitp.data.loader import WanCollate
+
+            collate = WanCollate(self.loss_fn, self.conditioning, cfg.objective.label_drop, cfg.model.text_len)
         self.batches = LoaderBatches(train_loader(
             data, self.schedule, cfg.objective, self.conditioning, start_step=self.start_step,
-            stop_step=tr.max_steps, dp_rank=self.state.dp_rank, num_workers=cfg.data.num_workers))
+            stop_step=tr.max_steps, dp_rank=self.state.dp_rank, num_workers=cfg.data.num_workers, collate=collate))
         try:
             first = next(self.batches)
             check_batch_consistency(first, self.state)
@@ -462,6 +482,13 @@ class Trainer:
         one rank reading only its tensors (collective; :func:`vitp.checkpoint.export.export_checkpoint`)."""
         from vitp.checkpoint.export import export_checkpoint
 
+        if self.wan:  # a diffusers folder of the EMA weights, each stage's file by its first rank
+            from .wan import write_diffusers
+
+            out = write_diffusers(self.run_dir, self.cfg, self.engine.module, self.ema, self.state)
+            if self.main:
+                log.info("diffusers folder of the EMA weights: %s", out)
+            return
         tag, cfg = self.checkpointer.path(step), self.cfg
         limit = int(cfg.trainer.export_shard_size_mb * 2**20)
         shared = self.checkpointer.storage.shared
@@ -662,8 +689,14 @@ class Trainer:
     def _finished_before(self) -> bool:
         """Resumed at ``trainer.max_steps`` of a run whose final weights were exported (rank 0's view,
         on every rank): it already finished, and a relaunch must not rewrite its results."""
-        done = self.start_step >= self.cfg.trainer.max_steps and any(
-            (self.run_dir / n).is_file() for n in ("model_ema.safetensors", "model_ema.safetensors.index.json"))
+        if self.wan:
+            from .wan import final_weights_written
+
+            written = final_weights_written(self.run_dir, self.cfg)
+        else:
+            written = any((self.run_dir / n).is_file() for n in ("model_ema.safetensors",
+                                                                 "model_ema.safetensors.index.json"))
+        done = self.start_step >= self.cfg.trainer.max_steps and written
         return bool(dist.broadcast_object(done))
 
     def _already_finished(self) -> Dict[str, Any]:
@@ -694,8 +727,9 @@ class Trainer:
         else:  # minutes, after the training bar's 100 %: each phase says what runs and shows a bar (rank 0)
             from vitp.eval.progress import reporting
 
-            with reporting(bars=self.main and tr.progress, prefix="final sample grid"):
-                self.sample_grid(tr.max_steps)
+            if not self.wan:  # Wan: no sample grids in vitp-train yet (refused at the config check)
+                with reporting(bars=self.main and tr.progress, prefix="final sample grid"):
+                    self.sample_grid(tr.max_steps)
             with reporting(bars=self.main and tr.progress):
                 result = self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {}
         self.logger.close()
@@ -703,7 +737,9 @@ class Trainer:
             ema = "model_ema.safetensors"
             if not (self.run_dir / ema).is_file():  # sharded: its index names the shards
                 ema = f"{ema}.index.json"
-            held = [ema, *([] if skipped else ["samples/"]), "metrics.jsonl",
+            if self.wan:
+                ema = "diffusers/"  # the EMA weights as a diffusers folder, and no sample grid
+            held = [ema, *([] if skipped or self.wan else ["samples/"]), "metrics.jsonl",
                     *(["eval.json"] if cfg.eval.enabled and not skipped else []),
                     *([] if tr.tensorboard_dir else ["tb/"])]
             log.info("done: %s holds %s", self.run_dir, ", ".join(held))
@@ -717,6 +753,10 @@ class Trainer:
 
     def _copy_to_export_dir(self, export: Path) -> None:
         export.mkdir(parents=True, exist_ok=True)
+        if self.wan:
+            from .wan import copy_diffusers
+
+            copy_diffusers(self.run_dir, export)
         for pattern in ("model_ema*.safetensors", "model_ema.safetensors.index.json", "model_ema.json",
                         "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "model.json",
                         "eval.json"):

@@ -10,22 +10,40 @@ relative at pp2).
 
 All layouts of one world size run in one spawned group (``wan_workers.worker``, module fixtures);
 the plan's declared roles and collectives are checked on a ``meta`` model without ranks.
+
+``vitp-train`` on Wan (``experiment=wan_smoke`` from the tiny perturbed pipeline folder of
+``scripts/make_tiny_wan.py``) rides on the same groups: 4 steps at tp2 + SP, cp2 Ulysses, cp2 ring
+and pp2 (2 ranks) and tp2 + SP x cp2 ring x pp2 (8 ranks) equal one process (loss and grad norm
+per step); the one-process runs (the reference, a stop at step 2 and its resume, a zero learning
+rate) train in the pytest process itself, so no group is started for them. The first step's loss
+is diffusers' ``WanTransformer3DModel``'s on the same batch; the zero-lr run's diffusers folder and
+``vitp-export --format diffusers`` hold the source's tensors bit for bit; the 8-rank run's folder
+loads in diffusers with no key warnings.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
 from tests.helpers import run_ranks
 
-from .wan_workers import CONFIG, FAULTS, LAYOUTS, PIPE_LAYOUTS, SHAPES, worker
+from .wan_workers import CONFIG, FAULTS, LAYOUTS, PIPE_LAYOUTS, SHAPES, TRAIN_LAYOUTS, train_setup, wan_smoke, worker
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def wan2():
-    return run_ranks(2, worker, 2)
+def wan_train(tmp_path_factory):
+    """The tiny folder and caption store the Wan training runs share (``wan_workers.train_setup``)."""
+    return train_setup(tmp_path_factory.mktemp("wan_train"))
+
+
+@pytest.fixture(scope="module")
+def wan2(wan_train):
+    return run_ranks(2, worker, 2, wan_train)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +52,8 @@ def wan4():
 
 
 @pytest.fixture(scope="module")
-def wan8():
-    return run_ranks(8, worker, 8)
+def wan8(wan_train):
+    return run_ranks(8, worker, 8, wan_train)
 
 
 def _check(r: dict, key: str) -> None:
@@ -161,3 +179,115 @@ def test_tp1_is_a_no_op_and_partial_sync_is_refused():
         parallelize_wan(model, ParallelState(tp_size=2, partial_sync=0.5))
     with pytest.raises(ValueError, match="no WanBlock"):
         parallelize_wan(torch.nn.Linear(2, 2), ParallelState(tp_size=2))
+
+
+# ----------------------------------------------------------------------------- vitp-train on Wan
+
+@pytest.fixture(scope="module")
+def wan_one(wan_train):
+    """One-process Wan runs in this (pytest's) process, as ``tests/unit/test_launch_env.py`` trains:
+    ``{"one", "resume" (stopped after step 2, then resumed), "lr0" (optim.lr=0)}`` of ``train()``."""
+    from vitp.config import compose
+    from vitp.train import train
+
+    runs = Path(wan_train["runs"])
+    out = {"one": train(compose(wan_smoke(wan_train)), runs / "one")}
+    out["stopped"] = train(compose(wan_smoke(wan_train, "trainer.exit_at_step=2")), runs / "resume")
+    out["resume"] = train(compose(wan_smoke(wan_train)), runs / "resume")
+    out["lr0"] = train(compose(wan_smoke(wan_train, "optim.lr=0")), runs / "lr0")
+    return out
+
+
+def _same_run(got: dict, ref: dict) -> None:
+    assert len(got["losses"]) == len(ref["losses"]) == 4, (got, ref)
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=TOL)
+    np.testing.assert_allclose(got["grad_norms"], ref["grad_norms"], rtol=TOL)
+    assert len(set(np.round(ref["losses"], 6))) == 4  # the steps move the model: a frozen run cannot pass
+
+
+@pytest.mark.parametrize("name", list(TRAIN_LAYOUTS[2]))
+def test_wan_training_two_ranks_match_one_process(wan2, wan_one, name):
+    for r in wan2:
+        _same_run(r["train"][name], wan_one["one"])
+
+
+@pytest.mark.parametrize("name", list(TRAIN_LAYOUTS[8]))
+def test_wan_training_eight_ranks_match_one_process_and_export_to_diffusers(wan8, wan_one, wan_train, name, tmp_path):
+    """tp2 + SP x cp2 ring x pp2; its diffusers folder (written by the stages) loads in diffusers with
+    no key warnings and equals ``vitp-export --format diffusers`` of its last checkpoint."""
+    from diffusers import WanTransformer3DModel
+
+    from vitp.cli.export import run as export
+
+    for r in wan8:
+        _same_run(r["train"][name], wan_one["one"])
+    run = Path(wan_train["runs"]) / name
+    model, info = WanTransformer3DModel.from_pretrained(str(run / "diffusers"), subfolder="transformer",
+                                                        output_loading_info=True)
+    assert sum(len(v) for v in info.values()) == 0, info
+    assert (run / "diffusers" / "model_index.json").is_file() and (run / "diffusers" / "scheduler").is_dir()
+    written = export([str(run), "--format", "diffusers", "-o", str(tmp_path / "out")])
+    again = WanTransformer3DModel.from_pretrained(str(written)).state_dict()
+    assert again.keys() == model.state_dict().keys()
+    assert all(torch.equal(again[k], v) for k, v in model.state_dict().items())
+
+
+def _first_step_with_diffusers(train: dict) -> float:
+    """Step 1's loss computed with diffusers' ``WanTransformer3DModel`` of the folder on the batches
+    the trainer's loader gives step 1 (mean over its micro-batches, as DeepSpeed's ``train_batch``),
+    the velocity MSE written out here; the pairs are checked against Wan's conventions."""
+    from diffusers import WanTransformer3DModel
+
+    from vitp.config import compose, validate_config
+    from vitp.data import build_datasets
+    from vitp.data.loader import BatchSchedule, WanCollate, train_loader
+    from vitp.data.text import conditioned, conditioning
+    from vitp.models.wan_run import wan_loss, wan_source
+
+    cfg = compose(wan_smoke(train))
+    validate_config(cfg, 1)
+    cond = conditioning(cfg)
+    data, _ = conditioned(cond, *build_datasets(cfg.data, cfg.seed))
+    tr = cfg.trainer
+    schedule = BatchSchedule(len(data), tr.global_batch_size, tr.micro_batch_size, 1, cfg.seed)
+    path, _ = wan_source(cfg)
+    collate = WanCollate(wan_loss(cfg, path), cond, cfg.objective.label_drop, 512)
+    model = WanTransformer3DModel.from_pretrained(str(path)).float().eval()
+    losses = []
+    for (x_t, timestep, text), (x, eps, s) in train_loader(data, schedule, cfg.objective, cond, start_step=0,
+                                                            stop_step=1, dp_rank=0, collate=collate):
+        ss = s.view(-1, 1, 1, 1, 1)
+        torch.testing.assert_close(x_t, (1 - ss) * x + ss * eps, rtol=0, atol=1e-6)
+        torch.testing.assert_close(timestep, 1000 * s)
+        assert text.shape[1:] == (512, 32) and (text[:, 100:] == 0).all()  # zero-padded as WanPipeline
+        with torch.no_grad():
+            out = model(x_t, timestep, text, return_dict=False)[0]
+        losses.append(((out - (eps - x)) ** 2).mean())
+    return float(torch.stack(losses).mean())
+
+
+def test_wan_training_first_step_loss_is_diffusers(wan_one, wan_train):
+    assert wan_one["one"]["losses"][0] == pytest.approx(_first_step_with_diffusers(wan_train), rel=TOL)
+
+
+def test_wan_training_resumes_exactly(wan_one):
+    assert wan_one["stopped"]["stopped_at"] == 2 and len(wan_one["stopped"]["losses"]) == 2
+    np.testing.assert_allclose(wan_one["stopped"]["losses"], wan_one["one"]["losses"][:2], rtol=1e-6)
+    np.testing.assert_allclose(wan_one["resume"]["losses"], wan_one["one"]["losses"][2:], rtol=1e-6)
+    np.testing.assert_allclose(wan_one["resume"]["grad_norms"], wan_one["one"]["grad_norms"][2:], rtol=1e-6)
+
+
+def test_zero_lr_run_exports_the_source_tensors_bit_identical(wan_one, wan_train, tmp_path):
+    from safetensors.torch import load_file
+
+    from vitp.cli.export import run as export
+    from vitp.models.wan_keys import weight_locations
+
+    source = Path(wan_train["folder"]) / "transformer"
+    src = {k: load_file(str(f))[k] for k, f in weight_locations(source).items()}
+    run = Path(wan_train["runs"]) / "lr0"
+    for folder in (run / "diffusers" / "transformer",
+                   export([str(run), "--format", "diffusers", "-o", str(tmp_path / "out")])):
+        got = {k: load_file(str(f))[k] for k, f in weight_locations(Path(folder)).items()}
+        assert got.keys() == src.keys()
+        assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in src.items()), folder

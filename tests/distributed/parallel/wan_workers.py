@@ -133,8 +133,9 @@ def layout_parity(layout, ref, runs, fault=None) -> dict:
     return res
 
 
-def worker(rank: int, world: int) -> dict:
-    """Every layout (and fault) of ``world`` ranks: ``{name: compare(...)}``."""
+def worker(rank: int, world: int, train: dict = None) -> dict:
+    """Every layout (and fault) of ``world`` ranks: ``{name: compare(...)}``; with ``train``
+    (:func:`train_setup`'s paths) also ``"train"``: the runs of :data:`TRAIN_LAYOUTS`."""
     from .tp_workers import init
 
     init(rank)
@@ -146,7 +147,56 @@ def worker(rank: int, world: int) -> dict:
     res = {name: layout_parity(lay, ref, runs) for name, lay in LAYOUTS[world].items()}
     res.update({name: layout_parity(lay, ref, runs, fault) for name, (lay, fault) in FAULTS[world].items()})
     res.update({name: pipeline_parity(lay, ref, runs) for name, lay in PIPE_LAYOUTS[world].items()})
+    if train:  # after the checks above: the trainer's process groups and seeds come last
+        res["train"] = train_cases(rank, world, train)
     return res
+
+
+# ----------------------------------------------------------------------------- vitp-train on Wan
+# 4 steps of experiment=wan_smoke from the tiny perturbed pipeline folder (scripts/make_tiny_wan.py:
+# 2 heads, 2 layers, text_dim 32), per world size: name -> layout overrides. tp2 x cp2 needs
+# ring attention: Ulysses splits the 2 heads over tp x cp = 4 ranks.
+TRAIN_LAYOUTS = {
+    2: {"tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "cp2_ulysses": ["parallel.cp=2"],
+        "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"], "pp2": ["parallel.pp=2"]},
+    4: {},
+    8: {"tp2_sp_cp2_pp2_ring": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
+                                "parallel.cp_mode=ring", "parallel.pp=2"]},
+}
+
+
+def wan_smoke(train: dict, *extra: str) -> list:
+    """The overrides of a ``wan_smoke`` run from :func:`train_setup`'s folder and caption store."""
+    return ["experiment=wan_smoke", f"trainer.init_from={train['folder']}",
+            f"data.text_embeddings={train['store']}", *extra]
+
+
+def train_setup(base) -> dict:
+    """The tiny perturbed Wan pipeline folder (transformer in shards) and the wan_smoke captions
+    encoded once by the demo encoder, under ``base`` (in the calling process, no process group):
+    ``{"folder", "store", "runs"}`` paths as strings."""
+    from pathlib import Path
+
+    from tests.helpers import make_tiny_wan
+    from vitp.config import compose, validate_config
+    from vitp.data.build import ensure_text_embeddings
+
+    base = Path(base)
+    folder = make_tiny_wan().write_pipeline(base / "tiny", sharded=True, vae=False)
+    train = {"folder": str(folder), "store": str(base / "captions"), "runs": str(base / "runs")}
+    cfg = compose(wan_smoke(train))
+    validate_config(cfg)
+    ensure_text_embeddings(cfg)
+    return train
+
+
+def train_cases(rank: int, world: int, train: dict) -> dict:
+    """:data:`TRAIN_LAYOUTS` of ``world`` trained in turn (run dirs ``<runs>/<name>``):
+    ``{name: {"losses", "grad_norms", "stopped_at"}}``."""
+    from tests.helpers import train_rank
+
+    return {name: train_rank(rank, wan_smoke(train, *over), f"{train['runs']}/{name}")
+            for name, over in TRAIN_LAYOUTS[world].items()}
 
 
 # pipeline layouts, DeepSpeed's 1F1B engine: name -> (tp, cp, pp, sequence_parallel, cp_mode)

@@ -1,0 +1,171 @@
+"""A ``model.family=wan`` run config (:mod:`vitp.models.wan_run`) before any process group: its
+sizes come from the folder's ``config.json``; a missing or damaged folder, an option vitp's Wan
+lacks (image-to-video), an impossible layout and what vitp-train does not do for Wan yet (sample
+grids, the held-out evaluation, vitp-sample / vitp-eval) are refused, each message naming the key
+and the fix. Wan's collate gives the pairs of Wan's objective. Tiny folders from
+``scripts/make_tiny_wan.py``; no training here (tests/distributed/parallel/test_wan_parallel.py)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import make_tiny_wan
+from vitp.config import compose, validate_config
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny pipeline folder (no VAE)."""
+    return make_tiny_wan().write_pipeline(tmp_path_factory.mktemp("wan_run") / "tiny", vae=False)
+
+
+def _cfg(folder, *extra):
+    return compose(["experiment=wan_smoke", f"trainer.init_from={folder}", *extra])
+
+
+def _config_variant(tiny: Path, tmp: Path, **changes) -> Path:
+    """A copy of the tiny pipeline whose transformer config.json has ``changes``."""
+    out = shutil.copytree(tiny, tmp / "variant")
+    conf = out / "transformer" / "config.json"
+    conf.write_text(json.dumps({**json.loads(conf.read_text()), **changes}))
+    return out
+
+
+def test_sizes_come_from_the_folder(tiny):
+    cfg = _cfg(tiny, "model.width=96", "model.depth=9")  # given sizes are replaced by the folder's
+    layout = validate_config(cfg, 1)
+    m = cfg.model
+    assert (m.width, m.depth, m.num_heads, m.mlp_ratio, m.patch_size, m.tubelet_size) == (32, 2, 2, 2.0, 2, 1)
+    assert (m.in_channels, m.text_dim, m.text_len, m.image_size, m.num_frames) == (4, 32, 512, 8, 3)
+    assert layout.tp == 1 and cfg.data.latent_channels == 4
+
+
+def test_transformer_subfolder_and_shift_from_the_pipeline(tiny, tmp_path):
+    from vitp.models.wan_run import wan_loss, wan_source
+
+    cfg = _cfg(tiny / "transformer")
+    validate_config(cfg, 1)
+    path, _ = wan_source(cfg)
+    assert path == (tiny / "transformer").resolve() and wan_loss(cfg, path).shift == 3.0  # the scheduler's flow_shift
+    assert wan_loss(_cfg(tiny, "objective.shift=5"), path).shift == 5.0
+    alone = shutil.copytree(tiny / "transformer", tmp_path / "alone")  # no pipeline, no scheduler
+    with pytest.raises(ValueError, match=r"no pipeline scheduler/scheduler_config.json .*set objective.shift"):
+        validate_config(_cfg(alone), 1)
+    validate_config(_cfg(alone, "objective.shift=3"), 1)
+
+
+@pytest.mark.parametrize("init, error, match", [
+    (None, ValueError, r"model.family=wan needs trainer.init_from=FOLDER.*make_tiny_wan"),
+    ("/nonexistent/wan", FileNotFoundError, r"trainer.init_from=/nonexistent/wan: Wan folder .* does not exist.*"
+                                            r"vitp never downloads"),
+])
+def test_missing_folder_is_refused(init, error, match):
+    over = [] if init is None else [f"trainer.init_from={init}"]
+    with pytest.raises(error, match=match):
+        validate_config(compose(["experiment=wan_smoke", *over]), 1)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"added_kv_proj_dim": 64}, r"added_kv_proj_dim=64 \(image key/value projections of image-to-video Wan\) is not "
+                                r"implemented"),
+    ({"image_dim": 1280}, r"image_dim=1280 is an image-to-video Wan"),
+    ({"qk_norm": "rms_norm"}, r"qk_norm='rms_norm'"),
+])
+def test_unsupported_options_are_refused(tiny, tmp_path, changes, match):
+    with pytest.raises(ValueError, match=r"trainer.init_from=.*" + match):
+        validate_config(_cfg(_config_variant(tiny, tmp_path, **changes)), 1)
+
+
+def test_corrupt_config_is_refused(tiny, tmp_path):
+    folder = shutil.copytree(tiny, tmp_path / "bad")
+    (folder / "transformer" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"trainer.init_from=.*config.json is not valid JSON .*copy the folder again"):
+        validate_config(_cfg(folder), 1)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["trainer.sample_every=2"], r"trainer.sample_every=2: sampling and the held-out loss of Wan are not in "
+                                 r"vitp-train yet .*set trainer.sample_every=0"),
+    (["eval.enabled=true"], r"eval.enabled=true: .*not in vitp-train yet .*set eval.enabled=false"),
+    (["trainer.eval_every=2"], r"trainer.eval_every=2: .*set trainer.eval_every=0"),
+    (["trainer.compile=blocks"], r"trainer.compile=blocks .*set trainer.compile=off"),
+    (["model.attn_drop=0.1"], r"model.attn_drop=0.1: Wan has no dropout"),
+    (["parallel.partial_sync=0.5"], r"parallel.partial_sync=0.5: .*set parallel.partial_sync=1"),
+])
+def test_what_vitp_train_does_not_do_for_wan_is_refused(tiny, extra, match):
+    with pytest.raises(ValueError, match=match):
+        validate_config(_cfg(tiny, *extra), 1)
+
+
+def test_impossible_layouts_name_the_folder_sizes(tiny):
+    with pytest.raises(ValueError, match=r"parallel.tp=4 does not divide num_attention_heads of the Wan folder "
+                                         r"trainer.init_from=.*=2; valid tp degrees for this model: \[1, 2\]"):
+        validate_config(_cfg(tiny, "parallel.tp=4"), 4)
+    with pytest.raises(ValueError, match=r"cp_mode=ulysses splits model.num_heads=2 over tp x cp = 4 ranks.*"
+                                         r"parallel.cp_mode=ring"):
+        validate_config(_cfg(tiny, "parallel.tp=2", "parallel.cp=2"), 4)
+    with pytest.raises(ValueError, match=r"model.depth=2 < parallel.pp=4"):
+        validate_config(_cfg(tiny, "parallel.pp=4"), 4)
+    assert validate_config(_cfg(tiny, "parallel.tp=2", "parallel.cp=2", "parallel.cp_mode=ring",
+                                "parallel.pp=2"), 8).dp == 1
+
+
+def test_channels_of_other_data_are_refused(tiny):
+    with pytest.raises(ValueError, match=r"the data give 16 input channels .* takes in_channels=4"):
+        validate_config(_cfg(tiny, "data=shards", "data.shards=/x", "data.latent_channels=16"), 1)
+
+
+def test_vitp_sample_and_vitp_eval_refuse_a_wan_run(tiny, tmp_path):
+    from omegaconf import OmegaConf
+
+    from vitp.cli.eval import load_run_config
+    from vitp.models.wan_run import refuse_wan_run
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(_cfg(tiny)))
+    with pytest.raises(ValueError, match=r"vitp-sample does not sample or evaluate a Wan run yet .*diffusers' "
+                                         r"WanPipeline loads.*sample_wan"):
+        refuse_wan_run(run, "vitp-sample")
+    with pytest.raises(ValueError, match=r"vitp-eval does not sample or evaluate a Wan run yet"):
+        load_run_config(run, [])
+
+
+def test_wan_collate_gives_wan_pairs_padded_to_512_tokens():
+    from vitp.data.loader import WanCollate
+    from vitp.objectives.wan_flow import WanFlowLoss
+
+    class Cond:  # two captions: id 0 the empty caption (1 token), id 1 three tokens
+        null_id = 0
+        emb = torch.randn(2, 6, 8)
+
+        def __call__(self, ids):
+            return self.emb[ids], torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]])[ids]
+
+    loss = WanFlowLoss(3.0)
+    items = [(torch.rand(4, 3, 8, 8), 1, seed) for seed in range(6)]
+    (x_t, timestep, text), (x, eps, s) = WanCollate(loss, Cond(), label_drop=0.5)(items)
+    again = WanCollate(loss, Cond(), label_drop=0.5)(items[2:3])  # each sample's draw is its own
+    torch.testing.assert_close(again[1][1][0], eps[2], rtol=0, atol=0)
+    ss = s.view(-1, 1, 1, 1, 1)
+    torch.testing.assert_close(x_t, (1 - ss) * x + ss * eps)
+    torch.testing.assert_close(timestep, 1000 * s)
+    assert text.shape == (6, 512, 8) and (text[:, 3:] == 0).all()
+    kept = [i for i in range(6) if (text[i, 1:3] != 0).any()]  # caption kept: 3 tokens; dropped: the empty one
+    assert 0 < len(kept) < 6  # label_drop=0.5 drops some of six
+    for i in range(6):
+        want = Cond.emb[1, :3] if i in kept else torch.cat([Cond.emb[0, :1], torch.zeros(2, 8)])
+        torch.testing.assert_close(text[i, :3], want)
+
+
+def test_wan_objective_keys_are_named_when_they_have_no_effect(tiny):
+    from vitp.models.wan_run import unused_wan_keys
+
+    assert unused_wan_keys(compose(["experiment=smoke", "objective.shift=3", "objective.sigma_range=[0,0.5]"])) == [
+        "objective.shift", "objective.sigma_range"]
+    assert unused_wan_keys(compose(["experiment=smoke"])) == []
+    assert unused_wan_keys(_cfg(tiny, "objective.shift=3")) == []

@@ -1,0 +1,242 @@
+"""The options of a diffusers Wan transformer folder, read and checked without building a model.
+
+:class:`WanConfig` holds a ``WanTransformer3DModel`` ``config.json`` (diffusers'
+``diffusers/models/transformers/transformer_wan.py``; Wan, arXiv 2503.20314) and refuses what
+vitp's Wan (:mod:`vitp.models.wan`) does not implement; :func:`transformer_folder` finds the
+transformer folder of a transformer or pipeline folder and :func:`read_config` reads its
+``config.json``. Apart from the layers, so that a run config's check (:mod:`vitp.models.wan_run`,
+called by :func:`vitp.config.validate_config`) reads a folder's sizes without importing the model.
+:mod:`vitp.models.wan` and :mod:`vitp.models.wan_keys` re-export these names.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+PathLike = Union[str, Path]
+QK_NORM = "rms_norm_across_heads"
+CLASS_NAME = "WanTransformer3DModel"
+REQUIRED = ("patch_size", "num_attention_heads", "attention_head_dim", "in_channels", "text_dim", "freq_dim",
+            "ffn_dim", "num_layers")  # config.json keys that size the weights
+IGNORED = ("norm_added_q",)  # diffusers' _keys_to_ignore_on_load_unexpected for Wan
+HINT = ("give a local diffusers Wan folder: a transformer folder (config.json + diffusion_pytorch_model*.safetensors) "
+        "or a pipeline folder with model_index.json and transformer/, e.g. "
+        "hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir /models/wan2.1; vitp never downloads")
+
+
+
+@dataclass
+class WanConfig:
+    """The options of a diffusers ``WanTransformer3DModel`` ``config.json`` (same names and
+    defaults), checked against what vitp implements.
+
+    ``D = num_attention_heads * attention_head_dim``; ``out_channels`` null means
+    ``in_channels`` (as diffusers). :meth:`from_dict` reads a ``config.json`` dict.
+    """
+
+    patch_size: Tuple[int, int, int] = (1, 2, 2)
+    num_attention_heads: int = 40
+    attention_head_dim: int = 128
+    in_channels: int = 16
+    out_channels: Optional[int] = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    ffn_dim: int = 13824
+    num_layers: int = 40
+    cross_attn_norm: bool = True
+    qk_norm: Optional[str] = QK_NORM
+    eps: float = 1e-6
+    image_dim: Optional[int] = None
+    added_kv_proj_dim: Optional[int] = None
+    rope_max_seq_len: int = 1024
+    pos_embed_seq_len: Optional[int] = None
+
+    def __post_init__(self):
+        if isinstance(self.patch_size, (list, tuple)):
+            self.patch_size = tuple(self.patch_size)
+        if self.out_channels is None:
+            self.out_channels = self.in_channels
+
+    @property
+    def width(self) -> int:
+        """The inner width ``D = num_attention_heads * attention_head_dim``."""
+        return self.num_attention_heads * self.attention_head_dim
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any], source: str = "config") -> "WanConfig":
+        """A :class:`WanConfig` of a diffusers config dict (keys starting with ``_`` ignored), checked.
+
+        Raises ``ValueError`` naming ``source`` and the key for a key diffusers' Wan does not
+        have, ``expand_timesteps`` true (Wan 2.2 TI2V), a value of the wrong type
+        (:func:`check_types`), or an option :meth:`check` refuses; ``TypeError`` when ``cfg`` is
+        not a mapping.
+        """
+        if not isinstance(cfg, Mapping):
+            raise TypeError(f"{source}: a Wan config must be a dict of config.json keys, got {type(cfg).__name__}")
+        known = {f.name for f in fields(cls)}
+        if cfg.get("expand_timesteps"):
+            raise ValueError(f"{source}: expand_timesteps=true (Wan 2.2 TI2V per-token timesteps) is not implemented "
+                             "in vitp's Wan; use a text-to-video checkpoint (Wan2.1-T2V or Wan2.2-T2V)")
+        unknown = sorted(k for k in cfg if not k.startswith("_") and k not in known)
+        if unknown:
+            raise ValueError(f"{source}: config keys {unknown} are not options of diffusers' WanTransformer3DModel "
+                             f"known to vitp ({sorted(known)}); remove them or use a Wan text-to-video config")
+        check_types({k: v for k, v in cfg.items() if k in known}, source)
+        out = cls(**{k: v for k, v in cfg.items() if k in known})
+        out.check(source)
+        return out
+
+    def check(self, source: str = "config") -> None:
+        """Raises ``ValueError`` naming the key for what vitp does not implement: image-to-video
+        (``image_dim``, ``added_kv_proj_dim`` not null), another ``qk_norm``, a non-square or
+        non-3-D ``patch_size``, an odd ``attention_head_dim`` (rotary pairs), a size below 1, or a
+        value of the wrong type (:func:`check_types`)."""
+        check_types(asdict(self), source)
+        if self.image_dim is not None:
+            raise ValueError(f"{source}: image_dim={self.image_dim} is an image-to-video Wan (CLIP image tokens), "
+                             "which vitp does not implement; use a text-to-video checkpoint (image_dim null)")
+        if self.added_kv_proj_dim is not None:
+            raise ValueError(f"{source}: added_kv_proj_dim={self.added_kv_proj_dim} (image key/value projections of "
+                             "image-to-video Wan) is not implemented in vitp; use a text-to-video checkpoint "
+                             "(added_kv_proj_dim null)")
+        if self.qk_norm != QK_NORM:
+            raise ValueError(f"{source}: qk_norm={self.qk_norm!r}; vitp's Wan implements only {QK_NORM!r} (every "
+                             f"Wan 2.1/2.2 checkpoint), set qk_norm to {QK_NORM!r}")
+        if len(self.patch_size) != 3 or self.patch_size[1] != self.patch_size[2]:
+            raise ValueError(f"{source}: patch_size={list(self.patch_size)}; vitp's Wan takes (pt, p, p) patches "
+                             "(Wan uses [1, 2, 2])")
+        if self.attention_head_dim % 2:
+            raise ValueError(f"{source}: attention_head_dim={self.attention_head_dim} is odd; rotary positions rotate "
+                             "pairs of channels, so it must be even")
+        sizes = ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim", "freq_dim",
+                 "ffn_dim", "num_layers", "rope_max_seq_len")
+        bad = [k for k in sizes if getattr(self, k) < 1] + (["patch_size"] if min(self.patch_size) < 1 else [])
+        if bad:
+            raise ValueError(f"{source}: {bad} must be at least 1")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The options as ``config.json`` writes them (``patch_size`` a list)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+INT_KEYS = ("num_attention_heads", "attention_head_dim", "in_channels", "text_dim", "freq_dim", "ffn_dim",
+            "num_layers", "rope_max_seq_len")
+OPTIONAL_INT_KEYS = ("out_channels", "image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_types(values: Mapping[str, Any], source: str = "config") -> None:
+    """Raises ``ValueError`` naming ``source``, the key and the value for a config value of the
+    wrong type: the sizes (:data:`INT_KEYS`) must be integers, :data:`OPTIONAL_INT_KEYS` integers
+    or null, ``patch_size`` a list of three integers, ``eps`` a number, ``cross_attn_norm`` a
+    boolean, ``qk_norm`` a string or null. Keys absent from ``values`` are not checked."""
+    def bad(key: str, want: str) -> ValueError:
+        return ValueError(f"{source}: {key}={values[key]!r} must be {want}; fix it in the config "
+                          "(diffusers' Wan configs hold plain JSON numbers, e.g. \"num_layers\": 30)")
+
+    for k in INT_KEYS:
+        if k in values and not _is_int(values[k]):
+            raise bad(k, "an integer")
+    for k in OPTIONAL_INT_KEYS:
+        if k in values and values[k] is not None and not _is_int(values[k]):
+            raise bad(k, "an integer or null")
+    ps = values.get("patch_size", (1, 2, 2))
+    if not isinstance(ps, (list, tuple)) or len(ps) != 3 or not all(_is_int(v) for v in ps):
+        raise bad("patch_size", "a list of three integers [pt, p, p] (Wan: [1, 2, 2])")
+    if "eps" in values and (not isinstance(values["eps"], (int, float)) or isinstance(values["eps"], bool)):
+        raise bad("eps", "a number")
+    if "cross_attn_norm" in values and not isinstance(values["cross_attn_norm"], bool):
+        raise bad("cross_attn_norm", "true or false")
+    if "qk_norm" in values and values["qk_norm"] is not None and not isinstance(values["qk_norm"], str):
+        raise bad("qk_norm", f"the string {QK_NORM!r}")
+
+
+def transformer_folder(folder: PathLike, subfolder: Optional[str] = "transformer") -> Path:
+    """The transformer folder of ``folder``: ``folder`` itself when it holds ``config.json``, or
+    ``folder/<subfolder>`` of a pipeline folder (``model_index.json``). ``subfolder=None``: the
+    folder itself, which must be a transformer folder.
+
+    Raises ``FileNotFoundError`` naming the path (no folder, no config); ``ValueError`` for a
+    transformer folder given with a ``subfolder`` other than ``"transformer"`` (the subfolder
+    would be ignored: pass the pipeline folder), and for a pipeline with ``expand_timesteps``
+    true (Wan 2.2 TI2V, not implemented), read from ``folder``'s ``model_index.json`` or, for a
+    transformer folder, its parent's; ``TypeError`` for a ``subfolder`` that is not a string.
+    """
+    if subfolder is not None and not isinstance(subfolder, str):
+        raise TypeError(f"subfolder={subfolder!r} must be a folder name such as 'transformer' or 'transformer_2', "
+                        "or None for the folder itself")
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"Wan folder {path} {what}: {HINT}")
+    index = path / "model_index.json"
+    if (path / "config.json").is_file():
+        if subfolder not in (None, "transformer"):
+            raise ValueError(f"{path} is a transformer folder (it holds config.json), so subfolder={subfolder!r} "
+                             f"cannot apply; pass the pipeline folder (the one with model_index.json, e.g. "
+                             f"{path.parent}) with subfolder={subfolder!r}, or the {subfolder}/ folder itself")
+        _refuse_expand_timesteps(path.parent / "model_index.json", strict=False)
+        return path
+    if subfolder is None:
+        raise FileNotFoundError(f"{path} holds no config.json: subfolder=None takes a transformer folder; for a "
+                                "pipeline folder give subfolder='transformer' (or 'transformer_2')")
+    if index.is_file():
+        _refuse_expand_timesteps(index)
+        sub = path / subfolder
+        if not (sub / "config.json").is_file():
+            raise FileNotFoundError(f"{sub / 'config.json'} does not exist: the pipeline folder {path} has no "
+                                    f"{subfolder}/ transformer; copy the whole pipeline folder again")
+        return sub
+    raise FileNotFoundError(f"{path} holds neither config.json nor model_index.json: {HINT}")
+
+
+def _refuse_expand_timesteps(index: Path, strict: bool = True) -> None:
+    """Raises ``ValueError`` when the pipeline's ``model_index.json`` has ``expand_timesteps`` true.
+    ``strict=False`` (a transformer folder's parent): a missing or unreadable file is no pipeline."""
+    if not index.is_file():
+        return
+    try:
+        pipe = read_json_object(index)
+    except ValueError:
+        if strict:
+            raise
+        return
+    if pipe.get("expand_timesteps"):
+        raise ValueError(f"{index}: expand_timesteps=true (Wan 2.2 TI2V per-token timesteps) is not implemented "
+                         "in vitp's Wan; use a text-to-video pipeline (Wan2.1-T2V, Wan2.2-T2V)")
+
+
+def read_json_object(path: Path, what: str = "keys", fix: str = "copy the folder again") -> Dict[str, Any]:
+    """The JSON object of ``path`` (a diffusers folder's ``config.json``, index, scheduler config).
+    Raises ``ValueError`` naming the file, ``what`` it should hold and ``fix`` when it is not valid
+    JSON or not a JSON object (``{...}``)."""
+    try:
+        out = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{path} holds a JSON {type(out).__name__}, not an object {{...}} of {what}; {fix}")
+    return out
+
+
+def read_config(folder: Path) -> WanConfig:
+    """The checked :class:`~vitp.models.wan.WanConfig` of a transformer folder's ``config.json``.
+    Raises ``ValueError`` naming the file for invalid JSON or not an object, another
+    ``_class_name``, a missing key that sizes the model (:data:`REQUIRED`: no default is
+    guessed), a value of the wrong type or an option vitp lacks."""
+    path = folder / "config.json"
+    cfg = read_json_object(path)
+    name = cfg.get("_class_name")
+    if name != CLASS_NAME:
+        raise ValueError(f"{path}: _class_name {name!r} is not a Wan text-to-video transformer ({CLASS_NAME}); give a "
+                         "Wan pipeline folder or its transformer/ subfolder")
+    missing = [k for k in REQUIRED if k not in cfg]
+    if missing:
+        raise ValueError(f"{path}: missing {missing}, which size the model (diffusers writes every one); copy the "
+                         "folder again or add them from the checkpoint's published config.json")
+    return WanConfig.from_dict(cfg, source=str(path))

@@ -1,0 +1,196 @@
+"""A run config of ``model.family=wan``: the Wan transformer of ``trainer.init_from`` as the model
+of ``vitp-train``, checked and sized before any process group exists.
+
+:func:`adopt_wan_model` reads the folder's ``config.json`` (diffusers' ``WanTransformer3DModel``,
+:func:`vitp.models.wan_keys.read_config`) when the config is checked
+(:func:`vitp.config.validate_config`) and writes the sizes into ``cfg.model`` under the
+generator's names, so the layout checks, the planner's start-up check and the telemetry count
+the real model: ``width = num_attention_heads x attention_head_dim``, ``depth = num_layers``,
+``num_heads``, ``mlp_ratio = ffn_dim / width``, ``patch_size``/``tubelet_size`` from
+``patch_size = (pt, p, p)``, ``text_dim``, and ``text_len = 512``, the caption tokens
+``WanPipeline`` gives the transformer (umT5 embeddings zero-padded to 512). On synthetic data the
+latent channels follow the folder's ``in_channels``.
+
+What vitp's Wan run does not do is refused here, naming the key and what to set: sample grids
+and the held-out evaluation (``trainer.sample_every``, ``trainer.eval_every``,
+``eval.enabled``; Wan samples with :func:`vitp.objectives.wan_sampling.sample_wan`, not yet in
+the trainer), ``trainer.compile=blocks``, shape buckets, partial synchronisation, the
+generator-only options (dropout, layer scale, factorized attention) and the options
+:class:`vitp.models.wan.WanConfig` refuses (image-to-video ``image_dim`` / ``added_kv_proj_dim``,
+Wan 2.2 TI2V's ``expand_timesteps``). The objective's flow shift defaults to the pipeline's
+``scheduler/scheduler_config.json`` (:func:`vitp.objectives.wan_flow.config_shift`).
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Optional, Tuple
+
+from .wan_config import WanConfig
+
+TEXT_TOKENS = 512  # WanPipeline's max_sequence_length: the caption tokens the transformer is given
+NEEDS_FOLDER = ("model.family=wan needs trainer.init_from=FOLDER: a local diffusers Wan transformer folder "
+                "(config.json + diffusion_pytorch_model*.safetensors) or a whole pipeline folder (model_index.json, "
+                "transformer/), e.g. hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir /models/wan2.1 then "
+                "trainer.init_from=/models/wan2.1; or scripts/make_tiny_wan.py OUT for a tiny random one")
+
+
+def is_wan(cfg: Any) -> bool:
+    """Whether the run config (or its ``model`` section) trains a Wan transformer."""
+    m = getattr(cfg, "model", cfg)
+    return str(getattr(m, "family", "vit")) == "wan"
+
+
+@functools.lru_cache(maxsize=16)
+def _read(folder: str, stamp: float) -> Tuple[Path, WanConfig]:
+    from .wan_config import read_config, transformer_folder
+
+    path = transformer_folder(folder)
+    return path, read_config(path)
+
+
+def wan_source(cfg: Any) -> Tuple[Path, WanConfig]:
+    """``(transformer folder, its checked WanConfig)`` of the run's ``trainer.init_from`` (read once
+    per folder and ``config.json`` change). Raises ``ValueError`` without ``trainer.init_from``;
+    ``FileNotFoundError`` / ``ValueError`` prefixed with ``trainer.init_from=...`` for a missing
+    folder, a damaged ``config.json`` or an option vitp's Wan lacks
+    (:func:`vitp.models.wan_config.transformer_folder`, :func:`vitp.models.wan_config.read_config`)."""
+    folder = cfg.trainer.init_from
+    if not folder:
+        raise ValueError(NEEDS_FOLDER)
+    path = Path(str(folder)).expanduser()
+    conf = path / "config.json" if (path / "config.json").is_file() else path / "transformer" / "config.json"
+    try:
+        return _read(str(path.resolve()), conf.stat().st_mtime if conf.is_file() else 0.0)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"trainer.init_from={folder}: {e}") from None
+
+
+def pipeline_folder(transformer: Path) -> Optional[Path]:
+    """The pipeline folder (``model_index.json``) holding the transformer folder, else ``None``."""
+    parent = transformer.parent
+    return parent if (parent / "model_index.json").is_file() else None
+
+
+def wan_shift(cfg: Any, transformer: Path) -> float:
+    """The objective's flow shift: ``objective.shift``, else the ``flow_shift`` (Euler: ``shift``)
+    of the pipeline's ``scheduler/scheduler_config.json`` (:func:`vitp.objectives.wan_flow.config_shift`).
+    Raises ``ValueError`` when neither is there (a transformer folder alone), naming both keys."""
+    from vitp.objectives.wan_flow import config_shift, scheduler_config
+
+    if cfg.objective.shift is not None:
+        return float(cfg.objective.shift)
+    pipe = pipeline_folder(transformer)
+    if pipe is None or not (pipe / "scheduler" / "scheduler_config.json").is_file():
+        raise ValueError(f"trainer.init_from={cfg.trainer.init_from} has no pipeline scheduler/scheduler_config.json "
+                         f"to take the flow shift from; set objective.shift (Wan's folders use 3.0 at 480p, 5.0 at "
+                         f"720p, 12.0 for Wan 2.2 A14B), or give the whole pipeline folder")
+    return config_shift(scheduler_config(pipe))
+
+
+def wan_loss(cfg: Any, transformer: Path) -> Any:
+    """The run's :class:`vitp.objectives.wan_flow.WanFlowLoss` from ``cfg.objective`` (shift:
+    :func:`wan_shift`)."""
+    from vitp.objectives.wan_flow import WanFlowLoss
+
+    o = cfg.objective
+    return WanFlowLoss(wan_shift(cfg, transformer), sampling=o.sampling, weighting=o.weighting,
+                       logit_mean=o.logit_mean, logit_std=o.logit_std, sigma_range=list(o.sigma_range))
+
+
+def _refuse_unsupported(cfg: Any) -> None:
+    """Raises ``ValueError`` naming the first option a Wan run does not support and what to set."""
+    tr, m, par = cfg.trainer, cfg.model, cfg.parallel
+    later = "sampling and the held-out loss of Wan are not in vitp-train yet (docs/finetuning.md)"
+    rules = [
+        (tr.sample_every == 0, f"trainer.sample_every={tr.sample_every}: {later}; set trainer.sample_every=0 "
+                               "(no sample grid is drawn for Wan, not even at the end)"),
+        (tr.eval_every == 0, f"trainer.eval_every={tr.eval_every}: {later}; set trainer.eval_every=0"),
+        (not cfg.eval.enabled, f"eval.enabled=true: {later}; set eval.enabled=false"),
+        (not tr.init_from_timm, "trainer.init_from_timm is for vitp's generator; a Wan run starts from "
+                                "trainer.init_from=FOLDER alone"),
+        (str(tr.compile) == "off", f"trainer.compile={tr.compile} compiles vitp's generator blocks only; set "
+                                   "trainer.compile=off for model.family=wan"),
+        (not cfg.data.buckets, "data.buckets with model.family=wan: Wan trains one latent shape per run here; "
+                               "leave data.buckets empty"),
+        (par.partial_sync == 1, f"parallel.partial_sync={par.partial_sync}: Wan trains with exact tensor "
+                                "parallelism; set parallel.partial_sync=1"),
+        (str(m.attention) == "full", "model.attention=factorized: Wan attends over all tokens; set "
+                                     "model.attention=full"),
+    ]
+    for name in ("attn_drop", "proj_drop", "drop_path"):
+        rules.append((m[name] == 0, f"model.{name}={m[name]}: Wan has no dropout; set model.{name}=0"))
+    rules.append((m.layer_scale_init is None, "model.layer_scale_init is a generator option; set it to null"))
+    for ok, msg in rules:
+        if not ok:
+            raise ValueError(msg)
+
+
+def adopt_wan_model(cfg: Any) -> Optional[WanConfig]:
+    """For ``model.family=wan``: refuse what a Wan run does not support (module doc), read the
+    folder's config and write its sizes into ``cfg.model`` (and the latent channels of synthetic
+    data into ``data.latent_channels``); check the flow shift can be found. Returns the
+    :class:`WanConfig` (``None`` for another family). Raises ``ValueError`` /
+    ``FileNotFoundError`` naming the key, the folder and the fix."""
+    if not is_wan(cfg):
+        return None
+    _refuse_unsupported(cfg)
+    path, c = wan_source(cfg)
+    pt, p, _ = c.patch_size
+    if cfg.data.name == "synthetic":
+        cfg.data.latent_channels = c.in_channels
+    if c.out_channels != c.in_channels:
+        raise ValueError(f"trainer.init_from={cfg.trainer.init_from}: out_channels={c.out_channels} differs from "
+                         f"in_channels={c.in_channels}; vitp trains Wan on velocity targets of the input's shape")
+    m = cfg.model
+    m.width, m.depth, m.num_heads = c.width, c.num_layers, c.num_attention_heads
+    m.mlp_ratio, m.mlp, m.qkv_bias, m.qk_norm = c.ffn_dim / c.width, "gelu", True, True
+    m.patch_size, m.tubelet_size, m.text_dim, m.text_len = p, pt, c.text_dim, TEXT_TOKENS
+    wan_shift(cfg, path)  # a folder without a scheduler needs objective.shift: said now, not at the first step
+    return c
+
+
+def check_wan_input(cfg: Any) -> None:
+    """After the input shape is resolved: the model's input channels are the folder's
+    ``in_channels``. Raises ``ValueError`` naming both and the data keys."""
+    if not is_wan(cfg):
+        return
+    _, c = wan_source(cfg)
+    if int(cfg.model.in_channels) != c.in_channels:
+        raise ValueError(f"the data give {cfg.model.in_channels} input channels (data.latent_channels / the latent "
+                         f"pack) but the Wan folder trainer.init_from={cfg.trainer.init_from} takes in_channels="
+                         f"{c.in_channels}; encode the data with this model's VAE (vitp-pack data.vae=FOLDER/vae)")
+
+
+def wan_mlp_units(cfg: Any) -> int:
+    """The Wan folder's ``ffn_dim`` (the MLP hidden units tensor parallelism splits)."""
+    return wan_source(cfg)[1].ffn_dim
+
+
+WAN_OBJECTIVE = {"shift": None, "sampling": "uniform", "logit_mean": 0.0, "logit_std": 1.0, "weighting": "none",
+                 "sigma_range": [0.0, 1.0]}  # objective keys read by Wan runs alone, at their defaults
+
+
+def unused_wan_keys(cfg: Any) -> list:
+    """The ``objective.*`` keys of :data:`WAN_OBJECTIVE` set away from their defaults in a run that
+    is not Wan's (they have no effect there)."""
+    if is_wan(cfg):
+        return []
+    o = cfg.objective
+    return [f"objective.{k}" for k, v in WAN_OBJECTIVE.items()
+            if (list(o[k]) if k == "sigma_range" else o[k]) != v]
+
+
+def refuse_wan_run(run_dir: Any, tool: str) -> None:
+    """Raises ``ValueError`` when the run at ``run_dir`` (its ``.hydra/config.yaml``) trained a Wan
+    model: ``tool`` (``vitp-sample``, ``vitp-eval``) does not sample or evaluate Wan yet; the
+    message names what does. Nothing when the folder holds no run config."""
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / ".hydra" / "config.yaml"
+    if not path.is_file() or str(OmegaConf.load(path).get("model", {}).get("family", "vit")) != "wan":
+        return
+    raise ValueError(f"{tool} does not sample or evaluate a Wan run yet (model.family=wan in {path}); its weights "
+                     f"are a diffusers folder: {Path(run_dir) / 'diffusers'} (or vitp-export {run_dir} --format "
+                     "diffusers -o OUT), which diffusers' WanPipeline loads; or sample in Python with "
+                     "vitp.objectives.wan_sampling.sample_wan (docs/finetuning.md)")
