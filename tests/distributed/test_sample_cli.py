@@ -214,7 +214,8 @@ def test_wan_sample_one_process_is_wan_pipeline(wan_run):
     assert (got["latents"][0] - got["latents"][1]).abs().max() > 0.1  # per-index seeds: samples differ
     with safe_open(str(one / "latents.safetensors"), "pt") as f:
         assert json.loads(f.metadata()["prompts"]) == WAN_PROMPTS
-    assert (one / "grid.gif").is_file() and (one / "prompts.txt").read_text().startswith("1 a synthetic clip of class 2")
+    assert (one / "grid.gif").is_file()
+    assert (one / "prompts.txt").read_text().startswith("1 a synthetic clip of class 2")
 
 
 @pytest.mark.parametrize("layout", [["parallel.cp=1"], ["parallel.cp=2"]], ids=["dp2", "cp2_ulysses"])

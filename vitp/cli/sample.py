@@ -323,7 +323,7 @@ def run(argv: Optional[List[str]] = None) -> None:
         from vitp.eval.wan_sample import is_wan_source, run_wan
 
         if is_wan_source(a.source):  # a Wan run or diffusers folder: WanPipeline's sampling (vitp.eval.wan_sample)
-            return run_wan(a, overrides)
+            return run_wan(a, overrides, _conditioning, SAMPLE_KEYS)
         if a.scheduler is not None or a.flow_shift is not None:
             raise ValueError("--scheduler and --flow-shift are for Wan runs and folders; this run samples with "
                              "sampler.method=heun|euler")

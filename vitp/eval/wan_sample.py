@@ -29,7 +29,7 @@ import io
 import json
 import logging
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
@@ -54,17 +54,17 @@ def is_wan_source(source: Path) -> bool:
     return False
 
 
-def wan_sample_config(source: Path, overrides: List[str], num: Optional[int]) -> Tuple[Any, Path, Path]:
+def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
+                      allowed: Tuple[str, ...]) -> Tuple[Any, Path, Path]:
     """``(config, weights folder, output base)`` to sample ``source`` with: a run's
     ``.hydra/config.yaml`` and its final ``RUN/diffusers`` folder, or for a diffusers folder the
     ``experiment=wan_smoke`` config of that folder; with ``num`` samples per prompt and the
-    ``overrides`` (keys :data:`vitp.cli.sample.SAMPLE_KEYS`), checked as ``vitp-train`` checks a Wan
-    run (sizes from the folder's ``config.json``).
+    ``overrides`` (keys starting with one of ``allowed``: :data:`vitp.cli.sample.SAMPLE_KEYS`),
+    checked as ``vitp-train`` checks a Wan run (sizes from the folder's ``config.json``).
 
     Raises ``FileNotFoundError`` for a run without its diffusers folder (naming ``vitp-export``),
     ``ValueError`` for a bad override or a folder whose pipeline has no ``scheduler/``."""
     from vitp.cli.overrides import apply_overrides, typed_config
-    from vitp.cli.sample import SAMPLE_KEYS
     from vitp.config import compose, validate_config
     from vitp.train.wan import DIFFUSERS_DIR
 
@@ -83,7 +83,7 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int]) ->
     cfg.trainer.device = "auto"  # sampled where it is started, whatever the run trained on
     if num is not None:
         cfg.sampler.samples_per_class = num
-    cfg = apply_overrides(cfg, overrides, "vitp-sample", allowed=SAMPLE_KEYS)
+    cfg = apply_overrides(cfg, overrides, "vitp-sample", allowed=allowed)
     cfg.trainer.init_from = str(weights)
     validate_config(cfg)
     return cfg, weights, base
@@ -225,14 +225,15 @@ def write_outputs(out: Path, latents: torch.Tensor, noise: torch.Tensor, frames:
     return files + [out / "prompts.txt"]
 
 
-def run_wan(a: Any, overrides: List[str]) -> None:
+def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple[str, ...]) -> None:
     """``vitp-sample`` of the Wan run or folder ``a.source`` (the parsed flags ``a`` of
     :func:`vitp.cli.sample.parse_args`: prompts, ``--num``, ``--out`` (a folder), ``--force``,
     ``--scheduler``, ``--flow-shift``): samples as the module doc says, in one process or split over
     the launched ranks; rank 0 writes the output folder (default ``SOURCE/samples/<output_name>``) and
-    prints one line. Raises ``ValueError`` before sampling for class labels, no prompt, ``--format
-    mp4``, an ``--out`` that is a file or holds an earlier output (without ``--force``)."""
-    from vitp.cli.sample import _conditioning
+    prints one line. ``conditioning``: ``(a, cfg, meta) -> (PromptConditioning, row ids, prompts)``
+    (:func:`vitp.cli.sample._conditioning`), ``allowed``: the override keys. Raises ``ValueError``
+    before sampling for class labels, no prompt, ``--format mp4``, an ``--out`` that is a file or
+    holds an earlier output (without ``--force``); as :func:`wan_sample_config` and :func:`pipeline_of`."""
     from vitp.eval.launch import finish, launched
     from vitp.eval.sampling import class_grid_labels
     from vitp.objectives.wan_sampling import load_scheduler
@@ -241,10 +242,10 @@ def run_wan(a: Any, overrides: List[str]) -> None:
     if a.format == "mp4":
         raise ValueError("--format mp4: a Wan sample folder holds a GIF grid (and the frames in latents.safetensors); "
                          "leave --format out")
-    cfg, weights, base = wan_sample_config(a.source, overrides, a.num)
+    cfg, weights, base = wan_sample_config(a.source, overrides, a.num, allowed)
     pipe = pipeline_of(cfg)
     scheduler = load_scheduler(pipe, a.scheduler, a.flow_shift)
-    cond, rows, prompts = _conditioning(a, cfg, {})
+    cond, rows, prompts = conditioning(a, cfg, {})
     embeds = prompt_embeds(cond, int(cfg.model.text_dim))
     out = a.out or base / "samples" / output_name(cfg, prompts, scheduler)
     if out.exists() and not out.is_dir():
