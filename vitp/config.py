@@ -70,6 +70,7 @@ class ModelConfig:
     attention: AttentionMode = AttentionMode.full  # "full" (joint over T*H*W tokens) | "factorized" (Latte: even blocks spatial, odd temporal)
     text_dim: int = 0  # caption embedding channels of the text encoder (e.g. 4096 for T5-XXL); 0 = class-conditional, >0 = cross-attention to captions in every block
     text_len: int = 0  # caption tokens L per sample (the encoder's max length; follows the embeddings); used by the planner
+    preset: Optional[str] = None  # model.family=wan without trainer.init_from: a published Wan config by name (vitp.plan.wan.WAN_PRESETS, e.g. wan2.1-t2v-14b) that sizes the model for vitp-plan; training still needs trainer.init_from
 
 
 @dataclass

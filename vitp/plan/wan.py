@@ -12,7 +12,7 @@ diffusers' ``WanTransformer3DModel`` built on the meta device.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Tuple
 
 import torch
 
@@ -64,3 +64,35 @@ def wan_params(config: Mapping[str, Any] | str) -> Dict[str, int]:
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.items()
                           if not k.startswith("_")))
     return dict(_counts(frozen))
+
+
+def wan_config_of_model(model: Mapping[str, Any]) -> Dict[str, Any]:
+    """The diffusers ``config.json`` keys that size a Wan model, from a resolved ``model`` config
+    section of ``model.family=wan`` (sizes written by :func:`vitp.models.wan_run.adopt_wan_model`):
+    ``num_attention_heads = num_heads``, ``attention_head_dim = width / num_heads``, ``ffn_dim =
+    round(mlp_ratio x width)``, ``num_layers = depth``, ``patch_size = [tubelet, p, p]``,
+    ``in_channels = out_channels``, ``text_dim``; ``freq_dim`` 256, ``cross_attn_norm`` true, as
+    every published Wan (:data:`WAN_PRESETS`)."""
+    D, H, p = int(model["width"]), int(model["num_heads"]), int(model["patch_size"])
+    return {**_COMMON, "patch_size": [int(model["tubelet_size"]), p, p], "num_attention_heads": H,
+            "attention_head_dim": D // H, "ffn_dim": int(round(D * float(model["mlp_ratio"]))),
+            "num_layers": int(model["depth"]), "in_channels": int(model["in_channels"]),
+            "out_channels": int(model["in_channels"]), "text_dim": int(model["text_dim"])}
+
+
+def wan_layer_kwargs(model: Mapping[str, Any]) -> Tuple[dict, dict, dict]:
+    """``(embed, block, final)`` keyword arguments of :class:`vitp.models.wan.WanEmbed`,
+    ``WanBlock`` and ``WanFinal`` for a resolved Wan ``model`` section at its token grid (as
+    :func:`vitp.pipeline.wan_stages.wan_layer_specs` builds the pipeline's layers)."""
+    from vitp.models import token_grid
+
+    c = wan_config_of_model(model)
+    D, (pt, p, _) = c["num_attention_heads"] * c["attention_head_dim"], c["patch_size"]
+    grid = token_grid(model["image_size"], model["num_frames"], p, pt)
+    embed = dict(in_channels=c["in_channels"], width=D, patch_size=c["patch_size"], text_dim=c["text_dim"],
+                 freq_dim=c["freq_dim"], head_dim=c["attention_head_dim"], rope_max_seq_len=c["rope_max_seq_len"],
+                 grid=grid)
+    block = dict(dim=D, ffn_dim=c["ffn_dim"], num_heads=c["num_attention_heads"], eps=c["eps"],
+                 cross_attn_norm=c["cross_attn_norm"])
+    final = dict(width=D, patch_size=c["patch_size"], out_channels=c["out_channels"], eps=c["eps"], grid=grid)
+    return embed, block, final
