@@ -443,6 +443,7 @@ FIELD_RULES: Dict[str, Rule] = {
 
 # Fields any value of their type may hold, and who checks them instead
 FREE_FORM: Dict[str, str] = {
+    "model.preset": "a Wan preset name, checked against vitp.plan.wan.WAN_PRESETS when the config is checked (vitp.models.wan_run)",
     "data.root": "a folder, read when the data is built",
     "data.heldout_root": "a folder, read when the data is built",
     "data.files": "file names, read when the data is built",

@@ -72,9 +72,9 @@ def wan_source(cfg: Any) -> Tuple[Path, WanConfig]:
 
 def preset_config(name: str) -> WanConfig:
     """The checked :class:`WanConfig` of a published Wan config named in
-    :data:`vitp.plan.wan.WAN_PRESETS`. Raises ``ValueError`` naming ``model.preset`` and the known
+    :data:`vitp.models.wan_config.WAN_PRESETS` (re-exported by :mod:`vitp.plan.wan`). Raises ``ValueError`` naming ``model.preset`` and the known
     names for an unknown one."""
-    from vitp.plan.wan import WAN_PRESETS
+    from .wan_config import WAN_PRESETS
 
     if name not in WAN_PRESETS:
         raise ValueError(f"model.preset={name}: unknown Wan preset; known: {', '.join(sorted(WAN_PRESETS))} "
