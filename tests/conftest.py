@@ -32,7 +32,7 @@ def _launch_env_restored():
             os.environ[k] = v
 
 
-# Work units of pytest-xdist (``--dist loadgroup``): a file's tests run on one worker, so its
+# Work units of pytest-xdist (pytest_xdist_make_scheduler below): a file's tests run on one worker, so its
 # module fixtures (the spawned process groups) are built once; files sharing session fixtures
 # (the reference runs, a folder's conftest groups) form one unit.
 _SHARED = {
@@ -56,15 +56,35 @@ _COST = {
 }
 
 
-def _unit(item) -> str:
-    path = item.path.relative_to(item.config.rootpath).as_posix()
+def unit_of(nodeid: str) -> str:
+    """The work unit of a test: its file, or the ``_SHARED`` name of the folder or file it is in."""
+    path = nodeid.split("::", 1)[0]
     for prefix, name in _SHARED.items():
         if path == prefix or path.startswith(prefix + "/"):
             return name
     return path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def _unit(item) -> str:
+    return unit_of(item.path.relative_to(item.config.rootpath).as_posix())
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with our work units as the scopes: each unit's tests go to one
+    worker, in one batch, units in the collection order (longest first). Not ``--dist loadgroup``
+    with ``xdist_group`` marks: pytest-xdist 3.8 groups by a suffix it writes into
+    ``item._nodeid``, which pytest 9.2 no longer reads (nodeids come from ``item._id``), so every
+    test became its own scope and a file's module fixtures were built on both workers."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return UnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -76,8 +96,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
     units = {id(item): _unit(item) for item in items}
     order = {id(item): i for i, item in enumerate(items)}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(units[id(item)]))
 
     def key(item):
         unit = units[id(item)]

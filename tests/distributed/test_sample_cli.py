@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 from PIL import Image
 
@@ -138,3 +139,95 @@ def test_a_layout_impossible_for_the_world_is_refused(cp_run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "vitp-sample on 1 process cannot run the layout" in err
     assert "parallel.tp=1 parallel.cp=1 parallel.pp=1" in err
+
+
+# ----------------------------------------------------------------------------- Wan (vitp.eval.wan_sample)
+# A 4-step wan_smoke run from the tiny pipeline folder (VAE included), trained and sampled in
+# pytest's own process; two torchrun launches (dp2, cp2 Ulysses) sample it again.
+WAN_PROMPTS = ["a synthetic clip of class 2", "class 1, moving slowly"]  # captions of the run's store
+WAN_SAMPLING = ["sampler.steps=4", "sampler.cfg_scale=5"]
+
+
+@pytest.fixture(scope="module")
+def wan_run(tmp_path_factory):
+    """``(run dir, one-process sample folder)``: the run trained and ``vitp-sample RUN`` run in this process."""
+    from tests.helpers import make_tiny_wan
+    from vitp.cli.sample import run as sample
+    from vitp.config import compose
+    from vitp.train import train
+
+    base = tmp_path_factory.mktemp("wan_sample")
+    folder = make_tiny_wan().write_pipeline(base / "tiny", sharded=True)
+    train(compose(["experiment=wan_smoke", f"trainer.init_from={folder}", f"data.text_embeddings={base / 'captions'}"]),
+          base / "run")
+    sample([str(base / "run"), *sum([["--prompt", p] for p in WAN_PROMPTS], []), "--num", "2",
+            "--out", str(base / "one"), *WAN_SAMPLING])
+    return base / "run", base / "one"
+
+
+def _wan_reference(run):
+    """diffusers' ``WanPipeline`` of the run's ``RUN/diffusers`` on the same inputs, built here: the
+    store's embeddings of the prompts and of the empty prompt zero-padded to 512, each sample's noise
+    from its own seed ``sample_seed(0, i)``. ``(latents, frames uint8)``."""
+    from diffusers import WanPipeline
+    from omegaconf import OmegaConf
+
+    from vitp.objectives import sample_seed
+    from vitp.objectives.wan_sampling import pad_prompt_embeds
+    from vitp.text import TextEmbeddings
+
+    store = TextEmbeddings(OmegaConf.load(run / ".hydra" / "config.yaml").data.text_embeddings)
+    emb, mask = store.get(store.ids_of(["", *WAN_PROMPTS]))
+    emb = pad_prompt_embeds(emb.float(), mask)
+    rows = emb[1:].repeat_interleave(2, dim=0)  # two samples per prompt, a grid row each
+    noise = torch.stack([torch.randn((4, 3, 8, 8), generator=torch.Generator().manual_seed(sample_seed(0, i)))
+                         for i in range(4)])
+    pipe = WanPipeline.from_pretrained(str(run / "diffusers"), text_encoder=None, tokenizer=None)
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(prompt_embeds=rows, negative_prompt_embeds=emb[:1].expand_as(rows), latents=noise, height=64,
+                width=64, num_frames=9, num_inference_steps=4, guidance_scale=5.0)
+    latents = pipe(**call, output_type="latent").frames
+    frames = torch.as_tensor(pipe(**call, output_type="np").frames)
+    return latents, (frames * 255).round().to(torch.uint8)
+
+
+def _rel_max(a, b) -> float:
+    """max |a - b| / max |b|."""
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _levels(a, b) -> int:
+    """The largest difference of two uint8 frame arrays, in 8-bit levels."""
+    return int((a.int() - b.int()).abs().max())
+
+
+def test_wan_sample_one_process_is_wan_pipeline(wan_run):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    run, one = wan_run
+    got = load_file(str(one / "latents.safetensors"))
+    latents, frames = _wan_reference(run)
+    assert got["latents"].shape == (4, 4, 3, 8, 8) and got["frames"].shape == (4, 9, 64, 64, 3)
+    assert _rel_max(got["latents"], latents) <= 1e-4
+    assert _levels(got["frames"], frames) <= 1
+    assert (got["latents"][0] - got["latents"][1]).abs().max() > 0.1  # per-index seeds: samples differ
+    with safe_open(str(one / "latents.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["prompts"]) == WAN_PROMPTS
+    assert (one / "grid.gif").is_file()
+    assert (one / "prompts.txt").read_text().startswith("1 a synthetic clip of class 2")
+
+
+@pytest.mark.parametrize("layout", [["parallel.cp=1"], ["parallel.cp=2"]], ids=["dp2", "cp2_ulysses"])
+def test_wan_sample_under_torchrun_is_the_one_process_sample(wan_run, tmp_path, layout):
+    from safetensors.torch import load_file
+
+    run, one = wan_run
+    two = _torchrun(["-m", "vitp.cli.sample", str(run), f"cli.prompt={json.dumps(WAN_PROMPTS)}", "cli.num=2",
+                     f"cli.out={tmp_path / 'two'}", *WAN_SAMPLING, *layout], tmp_path)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert two.stdout.count("wrote ") == 1  # rank 0 alone prints
+    a, b = load_file(str(one / "latents.safetensors")), load_file(str(tmp_path / "two" / "latents.safetensors"))
+    assert torch.equal(a["noise"], b["noise"])
+    assert _rel_max(b["latents"], a["latents"]) <= 1e-4
+    assert _levels(b["frames"], a["frames"]) <= 1

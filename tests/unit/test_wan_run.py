@@ -1,7 +1,7 @@
 """A ``model.family=wan`` run config (:mod:`vitp.models.wan_run`) before any process group: its
 sizes come from the folder's ``config.json``; a missing or damaged folder, an option vitp's Wan
 lacks (image-to-video), an impossible layout and what vitp-train does not do for Wan yet (sample
-grids, the held-out evaluation, vitp-sample / vitp-eval) are refused, each message naming the key
+grids, the held-out evaluation, vitp-eval) are refused, each message naming the key
 and the fix. Wan's collate gives the pairs of Wan's objective. Tiny folders from
 ``scripts/make_tiny_wan.py``; no training here (tests/distributed/parallel/test_wan_parallel.py)."""
 from __future__ import annotations
@@ -119,7 +119,7 @@ def test_channels_of_other_data_are_refused(tiny):
         validate_config(_cfg(tiny, "data=shards", "data.shards=/x", "data.latent_channels=16"), 1)
 
 
-def test_vitp_sample_and_vitp_eval_refuse_a_wan_run(tiny, tmp_path):
+def test_vitp_eval_refuses_a_wan_run(tiny, tmp_path):
     from omegaconf import OmegaConf
 
     from vitp.cli.eval import load_run_config
@@ -128,11 +128,35 @@ def test_vitp_sample_and_vitp_eval_refuse_a_wan_run(tiny, tmp_path):
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(_cfg(tiny)))
-    with pytest.raises(ValueError, match=r"vitp-sample does not sample or evaluate a Wan run yet .*diffusers' "
-                                         r"WanPipeline loads.*sample_wan"):
-        refuse_wan_run(run, "vitp-sample")
-    with pytest.raises(ValueError, match=r"vitp-eval does not sample or evaluate a Wan run yet"):
+    with pytest.raises(ValueError, match=r"vitp-eval does not evaluate a Wan run yet .*sample it with vitp-sample "
+                                         r".*WanPipeline"):
+        refuse_wan_run(run, "vitp-eval")
+    with pytest.raises(ValueError, match=r"vitp-eval does not evaluate a Wan run yet"):
         load_run_config(run, [])
+
+
+def test_vitp_sample_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys):
+    """``vitp-sample`` of a Wan run (vitp.eval.wan_sample): an unfinished run (no RUN/diffusers),
+    class labels, a transformer folder without its pipeline, --scheduler on another run."""
+    from omegaconf import OmegaConf
+
+    from vitp.cli.sample import main
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(_cfg(tiny)))
+    for argv, message in [
+            ([str(run), "--prompt", "x"], f"has no final diffusers folder {run / 'diffusers'} (the run has not "
+                                          f"finished): write one with vitp-export {run} --format diffusers -o OUT"),
+            ([str(tiny), "--classes", "1"], "this model is text-conditional: give --prompt"),
+            ([str(shutil.copytree(tiny / "transformer", tmp_path / "alone")), "--prompt", "x"],
+             "has no pipeline scheduler/scheduler_config.json to take the flow shift from"),
+            ([str(tiny), "--prompt", "x", "--flow-shift", "0"], "--flow-shift 0.0: use a positive shift"),
+            ([str(tmp_path), "--scheduler", "euler"], "--scheduler and --flow-shift are for Wan runs")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, err
 
 
 def test_wan_collate_gives_wan_pairs_padded_to_512_tokens():

@@ -51,7 +51,7 @@ USAGE = ("vitp-sample SOURCE [--classes C ... | --prompt TEXT ... | --prompt-fil
          "[--format gif|mp4] [--force] [key=value ...]  (under a launcher: cli.num=N, cli.classes=[C,...], ...)")
 # the flags that have an override form, cli.<flag>=value (vitp.cli.overrides.flag_overrides)
 FLAGS = {"classes": [int], "prompt": [str], "prompt_file": str, "num": int, "out": str, "format": ("gif", "mp4"),
-         "force": bool}
+         "force": bool, "scheduler": ("unipc", "euler"), "flow_shift": float}
 _VIDEO_FILE = re.compile(r"^(class\d+(_[A-Za-z0-9.-]+)?_seed\d+|grid)\.(gif|mp4)$")  # what write_video_samples writes
 
 
@@ -86,6 +86,10 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, Li
     p.add_argument("--format", choices=["gif", "mp4"], default=None, help="video file format (default gif)")
     p.add_argument("--force", action="store_true", help="replace an existing output (a video folder: the files an "
                                                         "earlier vitp-sample wrote there)")
+    p.add_argument("--scheduler", choices=["unipc", "euler"], default=None,
+                   help="Wan: diffusers' UniPCMultistepScheduler or FlowMatchEulerDiscreteScheduler (default: the "
+                        "pipeline's scheduler/)")
+    p.add_argument("--flow-shift", type=float, default=None, help="Wan: the schedule's shift (default: the pipeline's)")
     p.add_argument("overrides", nargs="*", default=[],
                    help="Hydra-style key=value: sampler.* (steps, method, cfg_scale, cfg_interval, seed, fps), "
                         "model.image_size=HxW, model.num_frames=T, trainer.device=auto|cpu|cuda")
@@ -98,6 +102,8 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, Li
     flags, a.overrides = flag_overrides([c for c in words if "=" in c] + a.overrides, "vitp-sample", FLAGS)
     _set_flags(a, flags)
     overrides = []
+    if a.flow_shift is not None and not a.flow_shift > 0:
+        raise ValueError(f"--flow-shift {a.flow_shift}: use a positive shift (Wan's folders: 3.0 at 480p, 5.0 at 720p)")
     if a.num is not None and a.num < 1:
         raise ValueError(f"--num {a.num}: use a positive number of samples per class")
     for flag, key in OLD_FLAGS.items():
@@ -314,10 +320,14 @@ def run(argv: Optional[List[str]] = None) -> None:
     """
     with quiet_unless_main():  # under a launcher: rank 0 alone prints
         a, overrides = parse_args(argv)
-        path, step, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
-        from vitp.models.wan_run import refuse_wan_run
+        from vitp.eval.wan_sample import is_wan_source, run_wan
 
-        refuse_wan_run(base, "vitp-sample")
+        if is_wan_source(a.source):  # a Wan run or diffusers folder: WanPipeline's sampling (vitp.eval.wan_sample)
+            return run_wan(a, overrides, _conditioning, SAMPLE_KEYS)
+        if a.scheduler is not None or a.flow_shift is not None:
+            raise ValueError("--scheduler and --flow-shift are for Wan runs and folders; this run samples with "
+                             "sampler.method=heun|euler")
+        path, step, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
         sharded = launched()
         if sharded:  # each rank reads its shard of its stage below (build_sharded)
             gen, (cfg, meta) = None, sample_settings(path, overrides, a.num)

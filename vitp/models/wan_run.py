@@ -15,8 +15,8 @@ published config (:data:`vitp.plan.wan.WAN_PRESETS`) that sizes the model the sa
 
 What vitp's Wan run does not do is refused here, naming the key and what to set: sample grids
 and the held-out evaluation (``trainer.sample_every``, ``trainer.eval_every``,
-``eval.enabled``; Wan samples with :func:`vitp.objectives.wan_sampling.sample_wan`, not yet in
-the trainer), ``trainer.compile=blocks``, shape buckets, partial synchronisation, the
+``eval.enabled``; a finished Wan run samples with ``vitp-sample RUN``, :mod:`vitp.eval.wan_sample`,
+not yet in the trainer), ``trainer.compile=blocks``, shape buckets, partial synchronisation, the
 generator-only options (dropout, layer scale, factorized attention) and the options
 :class:`vitp.models.wan.WanConfig` refuses (image-to-video ``image_dim`` / ``added_kv_proj_dim``,
 Wan 2.2 TI2V's ``expand_timesteps``). The objective's flow shift defaults to the pipeline's
@@ -228,14 +228,13 @@ def unused_wan_keys(cfg: Any) -> list:
 
 def refuse_wan_run(run_dir: Any, tool: str) -> None:
     """Raises ``ValueError`` when the run at ``run_dir`` (its ``.hydra/config.yaml``) trained a Wan
-    model: ``tool`` (``vitp-sample``, ``vitp-eval``) does not sample or evaluate Wan yet; the
-    message names what does. Nothing when the folder holds no run config."""
+    model: ``tool`` (``vitp-eval``) does not evaluate Wan yet; the message names what samples it
+    (``vitp-sample``). Nothing when the folder holds no run config."""
     from omegaconf import OmegaConf
 
     path = Path(run_dir) / ".hydra" / "config.yaml"
     if not path.is_file() or str(OmegaConf.load(path).get("model", {}).get("family", "vit")) != "wan":
         return
-    raise ValueError(f"{tool} does not sample or evaluate a Wan run yet (model.family=wan in {path}); its weights "
-                     f"are a diffusers folder: {Path(run_dir) / 'diffusers'} (or vitp-export {run_dir} --format "
-                     "diffusers -o OUT), which diffusers' WanPipeline loads; or sample in Python with "
-                     "vitp.objectives.wan_sampling.sample_wan (docs/finetuning.md)")
+    raise ValueError(f"{tool} does not evaluate a Wan run yet (model.family=wan in {path}); sample it with "
+                     f"vitp-sample {run_dir} --prompt \"...\" (docs/finetuning.md), or load its diffusers folder "
+                     f"{Path(run_dir) / 'diffusers'} with diffusers' WanPipeline")

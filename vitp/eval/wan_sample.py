@@ -1,0 +1,277 @@
+"""``vitp-sample`` for Wan: a Wan run directory (``model.family=wan``) or a diffusers Wan pipeline
+folder sampled as diffusers' ``WanPipeline`` samples it, in one process or split over ranks.
+
+What goes in is what ``WanPipeline.__call__`` (diffusers 0.42, ``pipelines/wan/pipeline_wan.py``;
+Wan Team 2025, arXiv 2503.20314) gives its transformer: the prompts' caption embeddings (the
+run's caption store where it holds them, else encoded with the run's local text encoder, as
+``vitp-sample --prompt`` finds them for every text run: :class:`vitp.data.text.PromptConditioning`),
+each prompt's tokens then zeros up to 512 (:func:`vitp.objectives.wan_sampling.pad_prompt_embeds`),
+the encoded empty prompt as the negative prompt (the pipeline's default), classifier-free guidance
+with ``sampler.cfg_scale`` (the pipeline's ``guidance_scale``) over ``sampler.steps`` steps of
+diffusers' own scheduler from the folder's ``scheduler/`` (:func:`vitp.objectives.wan_sampling.load_scheduler`:
+UniPC or flow-match Euler, its ``flow_shift``). Sample ``i`` starts from
+:func:`vitp.eval.sampling.sample_noise` of ``(sampler.seed, i)``, so the set is the same in every layout.
+
+Under a launcher each rank builds its stage of the transformer in the layout ``parallel.*`` says
+(tp, sequence parallel, cp Ulysses or ring, pp; ``dp = world / (tp x cp x pp)``), reading only its
+slices of the folder (:func:`vitp.train.wan.build_wan_model`); the replicas split the samples
+(:class:`vitp.eval.inference.Share`) and rank 0 gathers the latents, decodes them through the
+pipeline's VAE (:func:`vitp.objectives.wan_sampling.decode_latents`) and writes the output folder:
+``latents.safetensors`` (``latents`` (B, C, T, H, W) fp32, ``noise`` of the same shape,
+``frames`` (B, F, H', W', 3) uint8 when decoded; the prompts and settings in its metadata), a
+``grid.gif`` (``grid.png`` for one frame) with a row per prompt, and ``prompts.txt``.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+from omegaconf import OmegaConf
+
+SMOKE = "experiment=wan_smoke"  # the config a plain pipeline folder is sampled with (its sizes, the demo encoder)
+
+
+def is_wan_source(source: Path) -> bool:
+    """Whether ``source`` is a Wan run directory (``.hydra/config.yaml`` with ``model.family=wan``) or a
+    diffusers Wan folder (``model_index.json`` of a ``WanPipeline``, or a transformer ``config.json``
+    of ``WanTransformer3DModel``)."""
+    source = Path(source)
+    run = source / ".hydra" / "config.yaml"
+    if run.is_file():
+        return str(OmegaConf.load(run).get("model", {}).get("family", "vit")) == "wan"
+    for name, cls in (("model_index.json", "WanPipeline"), ("config.json", "WanTransformer3DModel")):
+        if (source / name).is_file():
+            try:
+                return json.loads((source / name).read_text()).get("_class_name") == cls
+            except (ValueError, AttributeError):
+                return False
+    return False
+
+
+def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
+                      allowed: Tuple[str, ...]) -> Tuple[Any, Path, Path]:
+    """``(config, weights folder, output base)`` to sample ``source`` with: a run's
+    ``.hydra/config.yaml`` and its final ``RUN/diffusers`` folder, or for a diffusers folder the
+    ``experiment=wan_smoke`` config of that folder; with ``num`` samples per prompt and the
+    ``overrides`` (keys starting with one of ``allowed``: :data:`vitp.cli.sample.SAMPLE_KEYS`),
+    checked as ``vitp-train`` checks a Wan run (sizes from the folder's ``config.json``).
+
+    Raises ``FileNotFoundError`` for a run without its diffusers folder (naming ``vitp-export``),
+    ``ValueError`` for a bad override or a folder whose pipeline has no ``scheduler/``."""
+    from vitp.cli.overrides import apply_overrides, typed_config
+    from vitp.config import compose, validate_config
+    from vitp.train.wan import DIFFUSERS_DIR
+
+    source = Path(source)
+    run = source / ".hydra" / "config.yaml"
+    if run.is_file():
+        weights = source / DIFFUSERS_DIR
+        if not any((weights / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
+            raise FileNotFoundError(f"{source} has no final diffusers folder {weights} (the run has not finished): "
+                                    f"write one with vitp-export {source} --format diffusers -o OUT, then "
+                                    "vitp-sample OUT --prompt ...")
+        cfg, base = typed_config(OmegaConf.load(run)), source
+    else:
+        weights, base = source, source
+        cfg = typed_config(compose([SMOKE, f"trainer.init_from={source}"]))
+    cfg.trainer.device = "auto"  # sampled where it is started, whatever the run trained on
+    if num is not None:
+        cfg.sampler.samples_per_class = num
+    cfg = apply_overrides(cfg, overrides, "vitp-sample", allowed=allowed)
+    cfg.trainer.init_from = str(weights)
+    validate_config(cfg)
+    return cfg, weights, base
+
+
+def pipeline_of(cfg: Any) -> Path:
+    """The pipeline folder of the run's weights (its ``scheduler/``, ``vae/``). Raises
+    ``ValueError`` for a transformer folder alone, naming the fix."""
+    from vitp.models.wan_run import pipeline_folder, wan_source
+
+    transformer, _ = wan_source(cfg)
+    pipe = pipeline_folder(transformer)
+    if pipe is None or not (pipe / "scheduler").is_dir():
+        raise ValueError(f"{cfg.trainer.init_from} is a Wan transformer without its pipeline (no model_index.json "
+                         "and scheduler/ around it): vitp-sample takes its scheduler and VAE from the pipeline; "
+                         "give a whole pipeline folder (Wan-AI/Wan2.1-T2V-1.3B-Diffusers's layout)")
+    return pipe
+
+
+def prompt_embeds(cond: Any, text_dim: int) -> torch.Tensor:
+    """``(n + 1, 512, text_dim)`` fp32: the empty prompt (row 0, the negative prompt) and the
+    ``n`` prompts of :class:`vitp.data.text.PromptConditioning` ``cond``, each prompt's tokens
+    (its mask) then zeros up to 512 as ``WanPipeline`` gives them. Raises ``ValueError`` when the
+    encoder's channels are not the model's ``text_dim``, naming ``data.text_encoder``."""
+    from vitp.objectives.wan_sampling import pad_prompt_embeds
+
+    emb, mask = cond.emb, cond.mask
+    if emb.shape[-1] != text_dim:
+        raise ValueError(f"the caption embeddings have {emb.shape[-1]} channels but the Wan transformer takes "
+                         f"text_dim={text_dim}: set data.text_encoder=<the local umT5 encoder of this model> "
+                         "(and data.text_embeddings to a store of its embeddings)")
+    return pad_prompt_embeds(emb.float(), mask)
+
+
+def wan_generate(denoiser: Any, scheduler: Any, cfg: Any, ids: torch.Tensor, embeds: torch.Tensor,
+                 share: Any = None) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(latents, noise)``, each ``(B, C, T, H, W)`` fp32 at the run's latent size
+    (``model.in_channels``, ``model.num_frames``, ``model.image_size``): sample ``i`` (prompt row
+    ``ids[i]`` of ``embeds``, :func:`prompt_embeds`) denoised from :func:`vitp.eval.sampling.sample_noise`
+    of ``(sampler.seed, i)`` by :func:`vitp.objectives.wan_sampling.sample_wan` (``sampler.steps``,
+    ``guidance_scale = sampler.cfg_scale`` against row 0), in batches of ``sampler.batch_size``. With
+    ``share`` each replica samples its range and rank 0 gets them all (``None`` elsewhere; collective)."""
+    from vitp.config import parse_resolution
+    from vitp.eval.inference import Share
+    from vitp.eval.sampling import sample_noise
+    from vitp.objectives.wan_sampling import sample_wan
+
+    s, m, share = cfg.sampler, cfg.model, share or Share()
+    shape = (int(m.in_channels), int(m.num_frames), *parse_resolution(m.image_size, "model.image_size"))
+    mine = share.indices(len(ids))
+    lat, noise = [torch.empty((0, *shape))], [torch.empty((0, *shape))]
+    for i in range(mine.start, mine.stop, s.batch_size):
+        idx = range(i, min(mine.stop, i + s.batch_size))
+        z = sample_noise(s.seed, idx, shape)
+        cond = embeds[ids[idx.start:idx.stop]]
+        neg = embeds[:1].expand_as(cond)
+        lat.append(sample_wan(denoiser, scheduler, z, cond, neg, num_inference_steps=int(s.steps),
+                              guidance_scale=float(s.cfg_scale)).float().cpu())
+        noise.append(z)
+    both = torch.stack([torch.cat(lat), torch.cat(noise)], dim=1)  # one gather for both
+    both = share.gather(both, len(ids))
+    return None if both is None else (both[:, 0], both[:, 1])
+
+
+def build_wan_sharded(cfg: Any, prog: str = "vitp-sample") -> Tuple[Any, Any]:
+    """``(denoiser, share)`` of this rank: its stage of the Wan transformer of ``trainer.init_from``
+    in the layout of ``cfg`` (:func:`vitp.eval.launch.inference_layout`), its slices read from the
+    folder, fp32, as a :class:`vitp.eval.inference.StageDenoiser` with its
+    :class:`vitp.eval.inference.Share`. Collective. Raises ``ValueError`` for a layout the world
+    cannot run (before any process group)."""
+    from vitp.eval.inference import Share, StageDenoiser
+    from vitp.eval.launch import _log_level, inference_layout
+    from vitp.parallel import distributed as dist
+    from vitp.train.wan import build_wan_model
+
+    device = dist.resolve_device(cfg.trainer.device)
+    lay = inference_layout(cfg, dist.world_size(), device.type, prog)
+    dist.init_distributed(device, dist.timeout_of(cfg))
+    with contextlib.redirect_stdout(io.StringIO()), _log_level(("DeepSpeed", "vitp"), logging.WARNING):
+        module, state, _, _ = build_wan_model(cfg, lay, load=True)
+    module.to(device).eval()
+    m = cfg.model
+    return StageDenoiser(module, cfg.trainer.micro_batch_size, m.patch_size, m.tubelet_size), Share.of(module, state)
+
+
+def decode_frames(pipe: Path, latents: torch.Tensor) -> Optional[torch.Tensor]:
+    """``(B, F, H', W', 3)`` uint8 frames of ``latents`` through the pipeline's ``vae/``
+    (:func:`vitp.objectives.wan_sampling.decode_latents`, rounded as ``numpy_to_pil``), or ``None``
+    when the pipeline has no VAE."""
+    if not (pipe / "vae" / "config.json").is_file():
+        return None
+    from diffusers import AutoencoderKLWan
+
+    from vitp.objectives.wan_sampling import decode_latents
+
+    vae = AutoencoderKLWan.from_pretrained(str(pipe / "vae")).float().eval()
+    frames = torch.as_tensor(decode_latents(vae, latents, output_type="np"))
+    return (frames * 255).round().clamp(0, 255).to(torch.uint8)
+
+
+def output_name(cfg: Any, prompts: List[str], scheduler: Any) -> str:
+    """``sample_wan_p2-<hash>_n3_unipc4_shift3_cfg5_seed0``: everything that decides the samples."""
+    s, sc = cfg.sampler, scheduler.config
+    kind = "unipc" if type(scheduler).__name__.startswith("UniPC") else "euler"
+    shift = sc.get("flow_shift", sc.get("shift", 1.0))
+    rows = f"p{len(prompts)}-{hashlib.sha1(chr(10).join(prompts).encode()).hexdigest()[:8]}"
+    return f"sample_wan_{rows}_n{s.samples_per_class}_{kind}{s.steps}_shift{shift:g}_cfg{s.cfg_scale:g}_seed{s.seed}"
+
+
+def write_outputs(out: Path, latents: torch.Tensor, noise: torch.Tensor, frames: Optional[torch.Tensor],
+                  prompts: List[str], cfg: Any, settings: dict) -> List[Path]:
+    """Write the output folder of the module doc into ``out``; returns the files written."""
+    from safetensors.torch import save_file
+
+    from vitp.media import to_grid, video_grid, write_gif
+    from vitp.utils import atomic_write, atomic_write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {"latents": latents.contiguous(), "noise": noise.contiguous()}
+    if frames is not None:
+        tensors["frames"] = frames.contiguous()
+    meta = {"prompts": json.dumps(prompts), "settings": json.dumps(settings)}
+    with atomic_write(out / "latents.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
+    files = [out / "latents.safetensors"]
+    if frames is not None:
+        per = cfg.sampler.samples_per_class
+        x = frames.permute(0, 4, 1, 2, 3).float() / 127.5 - 1  # (B, 3, F, H, W) in [-1, 1]
+        if x.shape[2] == 1:
+            from torchvision.utils import save_image
+
+            with atomic_write(out / "grid.png") as tmp:
+                save_image(to_grid(x, nrow=per), str(tmp))
+            files.append(out / "grid.png")
+        else:
+            grid = (video_grid(x, nrow=per) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+            files.append(write_gif(out / "grid.gif", grid, fps=cfg.sampler.fps))
+    atomic_write_text(out / "prompts.txt", "".join(f"{i} {p}\n" for i, p in enumerate(prompts, 1)))
+    return files + [out / "prompts.txt"]
+
+
+def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple[str, ...]) -> None:
+    """``vitp-sample`` of the Wan run or folder ``a.source`` (the parsed flags ``a`` of
+    :func:`vitp.cli.sample.parse_args`: prompts, ``--num``, ``--out`` (a folder), ``--force``,
+    ``--scheduler``, ``--flow-shift``): samples as the module doc says, in one process or split over
+    the launched ranks; rank 0 writes the output folder (default ``SOURCE/samples/<output_name>``) and
+    prints one line. ``conditioning``: ``(a, cfg, meta) -> (PromptConditioning, row ids, prompts)``
+    (:func:`vitp.cli.sample._conditioning`), ``allowed``: the override keys. Raises ``ValueError``
+    before sampling for class labels, no prompt, ``--format mp4``, an ``--out`` that is a file or
+    holds an earlier output (without ``--force``); as :func:`wan_sample_config` and :func:`pipeline_of`."""
+    from vitp.eval.launch import finish, launched
+    from vitp.eval.sampling import class_grid_labels
+    from vitp.objectives.wan_sampling import load_scheduler
+    from vitp.parallel.distributed import is_main, resolve_device
+
+    if a.format == "mp4":
+        raise ValueError("--format mp4: a Wan sample folder holds a GIF grid (and the frames in latents.safetensors); "
+                         "leave --format out")
+    cfg, weights, base = wan_sample_config(a.source, overrides, a.num, allowed)
+    pipe = pipeline_of(cfg)
+    scheduler = load_scheduler(pipe, a.scheduler, a.flow_shift)
+    cond, rows, prompts = conditioning(a, cfg, {})
+    embeds = prompt_embeds(cond, int(cfg.model.text_dim))
+    out = a.out or base / "samples" / output_name(cfg, prompts, scheduler)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; a Wan sample is a folder (latents.safetensors, grid.gif)")
+    if (out / "latents.safetensors").exists() and not a.force:
+        raise ValueError(f"{out} holds an earlier sample; choose another --out, or pass --force to replace it")
+    ids = torch.tensor(rows)[class_grid_labels(len(rows), cfg.sampler.samples_per_class)]
+    if launched():
+        denoiser, share = build_wan_sharded(cfg)
+    else:
+        from vitp.models import from_pretrained
+
+        denoiser, share = from_pretrained(str(weights)).to(resolve_device(cfg.trainer.device)).eval(), None
+    got = wan_generate(denoiser, scheduler, cfg, ids, embeds, share)
+    finish()
+    if got is None or not is_main():
+        return
+    latents, noise = got
+    frames = decode_frames(pipe, latents)
+    s = cfg.sampler
+    settings = {"scheduler": type(scheduler).__name__, "flow_shift": dict(scheduler.config).get(
+        "flow_shift", dict(scheduler.config).get("shift")), "steps": s.steps, "guidance_scale": s.cfg_scale,
+        "seed": s.seed, "samples_per_prompt": s.samples_per_class, "weights": str(weights)}
+    files = write_outputs(out, latents, noise, frames, prompts, cfg, settings)
+    what = f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''} x {s.samples_per_class} sample" \
+           f"{'s' if s.samples_per_class != 1 else ''}"
+    how = f"{settings['scheduler']} {s.steps} steps, shift {settings['flow_shift']:g}, CFG {s.cfg_scale:g}"
+    decoded = f"{frames.shape[1]} frames" if frames is not None else "no vae/ in the pipeline: latents only"
+    print(f"wrote {out} ({what}, {decoded}, {how}: {', '.join(f.name for f in files)})")
