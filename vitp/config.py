@@ -979,12 +979,14 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     if str(getattr(m, "family", "vit")) == "wan":
         from vitp.models.wan_run import wan_mlp_units
 
-        where = f"of the Wan folder trainer.init_from={tr.init_from}"
-        sizes = [(f"num_attention_heads {where}", m.num_heads), (f"ffn_dim {where}", wan_mlp_units(cfg))]
+        where = f" of the Wan folder trainer.init_from={tr.init_from}"
+        sizes = [("num_attention_heads", m.num_heads), ("ffn_dim", wan_mlp_units(cfg))]
+    else:
+        where = ""
     for option, value in sizes:
         if value % tp:
             g = math.gcd(*(v for _, v in sizes))
-            raise ValueError(f"parallel.tp={tp} does not divide {option}={value}; valid tp degrees for this "
+            raise ValueError(f"parallel.tp={tp} does not divide {option}={value}{where}; valid tp degrees for this "
                              f"model: {divisors(g)}")
     _fail(m.depth >= pp, f"model.depth={m.depth} < parallel.pp={pp}: every pipeline stage needs at least one "
                          f"block; use parallel.pp <= {m.depth}")

@@ -117,6 +117,7 @@ def test_wan_flops_by_hand():
     assert model_flops_per_step(TINY, 4) == pytest.approx(3 * 4 * (2 * block + embed + final), rel=1e-12)
 
 
+@pytest.mark.slow  # the planner's whole table at 8 GPUs: the full suite's, not the fast tier's
 @pytest.mark.parametrize("exp,gpus,fewer", [("wan21_1p3b_480p", 1, None), ("wan21_14b_720p", 8, 4)])
 def test_recipes_fit_every_phase_on_their_gpus_and_not_on_fewer(exp, gpus, fewer):
     """The recipe's own layout is the fastest that fits the step and every phase on its GPU count;
