@@ -70,6 +70,7 @@ class ModelConfig:
     attention: AttentionMode = AttentionMode.full  # "full" (joint over T*H*W tokens) | "factorized" (Latte: even blocks spatial, odd temporal)
     text_dim: int = 0  # caption embedding channels of the text encoder (e.g. 4096 for T5-XXL); 0 = class-conditional, >0 = cross-attention to captions in every block
     text_len: int = 0  # caption tokens L per sample (the encoder's max length; follows the embeddings); used by the planner
+    preset: Optional[str] = None  # model.family=wan without trainer.init_from: a published Wan config by name (vitp.plan.wan.WAN_PRESETS, e.g. wan2.1-t2v-14b) that sizes the model for vitp-plan; training still needs trainer.init_from
 
 
 @dataclass
@@ -442,6 +443,7 @@ FIELD_RULES: Dict[str, Rule] = {
 
 # Fields any value of their type may hold, and who checks them instead
 FREE_FORM: Dict[str, str] = {
+    "model.preset": "a Wan preset name, checked against vitp.plan.wan.WAN_PRESETS when the config is checked (vitp.models.wan_run)",
     "data.root": "a folder, read when the data is built",
     "data.heldout_root": "a folder, read when the data is built",
     "data.files": "file names, read when the data is built",
@@ -977,12 +979,14 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     if str(getattr(m, "family", "vit")) == "wan":
         from vitp.models.wan_run import wan_mlp_units
 
-        where = f"of the Wan folder trainer.init_from={tr.init_from}"
-        sizes = [(f"num_attention_heads {where}", m.num_heads), (f"ffn_dim {where}", wan_mlp_units(cfg))]
+        where = f" of the Wan folder trainer.init_from={tr.init_from}"
+        sizes = [("num_attention_heads", m.num_heads), ("ffn_dim", wan_mlp_units(cfg))]
+    else:
+        where = ""
     for option, value in sizes:
         if value % tp:
             g = math.gcd(*(v for _, v in sizes))
-            raise ValueError(f"parallel.tp={tp} does not divide {option}={value}; valid tp degrees for this "
+            raise ValueError(f"parallel.tp={tp} does not divide {option}={value}{where}; valid tp degrees for this "
                              f"model: {divisors(g)}")
     _fail(m.depth >= pp, f"model.depth={m.depth} < parallel.pp={pp}: every pipeline stage needs at least one "
                          f"block; use parallel.pp <= {m.depth}")

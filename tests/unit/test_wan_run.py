@@ -102,8 +102,8 @@ def test_what_vitp_train_does_not_do_for_wan_is_refused(tiny, extra, match):
 
 
 def test_impossible_layouts_name_the_folder_sizes(tiny):
-    with pytest.raises(ValueError, match=r"parallel.tp=4 does not divide num_attention_heads of the Wan folder "
-                                         r"trainer.init_from=.*=2; valid tp degrees for this model: \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"parallel.tp=4 does not divide num_attention_heads=2 of the Wan folder "
+                                         r"trainer.init_from=.*; valid tp degrees for this model: \[1, 2\]"):
         validate_config(_cfg(tiny, "parallel.tp=4"), 4)
     with pytest.raises(ValueError, match=r"cp_mode=ulysses splits model.num_heads=2 over tp x cp = 4 ranks.*"
                                          r"parallel.cp_mode=ring"):
@@ -193,3 +193,23 @@ def test_wan_objective_keys_are_named_when_they_have_no_effect(tiny):
         "objective.shift", "objective.sigma_range"]
     assert unused_wan_keys(compose(["experiment=smoke"])) == []
     assert unused_wan_keys(_cfg(tiny, "objective.shift=3")) == []
+
+
+def test_the_pipeline_around_a_trained_transformer_links_only_its_components(tiny, tmp_path):
+    """``RUN/diffusers`` and ``vitp-export --format diffusers`` link the components
+    ``model_index.json`` names (vae, scheduler, ...), not other folders of the source: a
+    ``samples/`` folder linked there would let a later ``vitp-sample`` of the export write into
+    the source model's folder."""
+    from vitp.train.wan import link_pipeline
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny, src, symlinks=True)
+    (src / "samples" / "old").mkdir(parents=True)
+    out = tmp_path / "out"
+    link_pipeline(out, src / "transformer")
+    index = json.loads((src / "model_index.json").read_text())
+    named = {k for k, v in index.items() if not k.startswith("_") and isinstance(v, list)}
+    linked = {p.name for p in out.iterdir() if p.is_symlink()}
+    assert linked == {p.name for p in src.iterdir() if p.is_dir() and p.name in named} - {"transformer"}
+    assert "scheduler" in linked and not (out / "samples").exists()
+    assert (out / "scheduler").resolve() == (src / "scheduler").resolve()

@@ -472,8 +472,8 @@ def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[
         return (folder / name).is_file() or (folder / f"{name}.index.json").is_file()
 
     if not source.exists():
-        raise FileNotFoundError(f"{source} does not exist (expected a run directory, a checkpoint folder or a "
-                                f".safetensors file)")
+        raise FileNotFoundError(f"{source} does not exist (expected a run directory, a checkpoint folder, a "
+                                f".safetensors file or, for a Wan model, a diffusers folder)")
     if has_weights(source) and (source / "metrics.jsonl").is_file():  # a finished run: its final weights
         return source / name, None, source
     if (source / META).is_file() or source.name.endswith(".partial"):

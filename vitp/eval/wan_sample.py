@@ -77,8 +77,8 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
                                     f"write one with vitp-export {source} --format diffusers -o OUT, then "
                                     "vitp-sample OUT --prompt ...")
         cfg, base = typed_config(OmegaConf.load(run)), source
-    else:
-        weights, base = source, source
+    else:  # a model folder: samples go to ./outputs/<folder name>/samples, never into the model's folder
+        weights, base = source, Path("outputs") / source.resolve().name
         cfg = typed_config(compose([SMOKE, f"trainer.init_from={source}"]))
     cfg.trainer.device = "auto"  # sampled where it is started, whatever the run trained on
     if num is not None:
@@ -229,7 +229,8 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
     """``vitp-sample`` of the Wan run or folder ``a.source`` (the parsed flags ``a`` of
     :func:`vitp.cli.sample.parse_args`: prompts, ``--num``, ``--out`` (a folder), ``--force``,
     ``--scheduler``, ``--flow-shift``): samples as the module doc says, in one process or split over
-    the launched ranks; rank 0 writes the output folder (default ``SOURCE/samples/<output_name>``) and
+    the launched ranks; rank 0 writes the output folder (default ``RUN/samples/<output_name>``, for a
+    model folder ``./outputs/<folder name>/samples/<output_name>``) and
     prints one line. ``conditioning``: ``(a, cfg, meta) -> (PromptConditioning, row ids, prompts)``
     (:func:`vitp.cli.sample._conditioning`), ``allowed``: the override keys. Raises ``ValueError``
     before sampling for class labels, no prompt, ``--format mp4``, an ``--out`` that is a file or
@@ -247,7 +248,7 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
     scheduler = load_scheduler(pipe, a.scheduler, a.flow_shift)
     cond, rows, prompts = conditioning(a, cfg, {})
     embeds = prompt_embeds(cond, int(cfg.model.text_dim))
-    out = a.out or base / "samples" / output_name(cfg, prompts, scheduler)
+    out = a.out or base / "samples" / output_name(cfg, prompts, scheduler)  # base: wan_sample_config
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; a Wan sample is a folder (latents.safetensors, grid.gif)")
     if (out / "latents.safetensors").exists() and not a.force:

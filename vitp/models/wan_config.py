@@ -26,6 +26,21 @@ HINT = ("give a local diffusers Wan folder: a transformer folder (config.json + 
         "hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir /models/wan2.1; vitp never downloads")
 
 
+# The published Wan text-to-video transformer configs (vitp.plan.wan's docstring; the planner's model.preset)
+_COMMON = {"patch_size": [1, 2, 2], "attention_head_dim": 128, "text_dim": 4096, "freq_dim": 256,
+           "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": None,
+           "added_kv_proj_dim": None, "rope_max_seq_len": 1024}
+WAN_PRESETS: Dict[str, Dict[str, Any]] = {
+    "wan2.1-t2v-1.3b": {**_COMMON, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30, "in_channels": 16,
+                        "out_channels": 16},
+    "wan2.1-t2v-14b": {**_COMMON, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40, "in_channels": 16,
+                       "out_channels": 16},
+    "wan2.2-ti2v-5b": {**_COMMON, "num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30, "in_channels": 48,
+                       "out_channels": 48},
+    "wan2.2-t2v-a14b": {**_COMMON, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40, "in_channels": 16,
+                        "out_channels": 16},  # per expert; the pipeline holds two
+}
+
 
 @dataclass
 class WanConfig:

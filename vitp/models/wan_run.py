@@ -9,7 +9,9 @@ the real model: ``width = num_attention_heads x attention_head_dim``, ``depth = 
 ``num_heads``, ``mlp_ratio = ffn_dim / width``, ``patch_size``/``tubelet_size`` from
 ``patch_size = (pt, p, p)``, ``text_dim``, and ``text_len = 512``, the caption tokens
 ``WanPipeline`` gives the transformer (umT5 embeddings zero-padded to 512). On synthetic data the
-latent channels follow the folder's ``in_channels``.
+latent channels follow the folder's ``in_channels``. Without a folder, ``model.preset`` names a
+published config (:data:`vitp.plan.wan.WAN_PRESETS`) that sizes the model the same way, so
+``vitp-plan`` plans a real Wan with no weights on disk; ``vitp-train`` still needs the folder.
 
 What vitp's Wan run does not do is refused here, naming the key and what to set: sample grids
 and the held-out evaluation (``trainer.sample_every``, ``trainer.eval_every``,
@@ -57,13 +59,51 @@ def wan_source(cfg: Any) -> Tuple[Path, WanConfig]:
     (:func:`vitp.models.wan_config.transformer_folder`, :func:`vitp.models.wan_config.read_config`)."""
     folder = cfg.trainer.init_from
     if not folder:
-        raise ValueError(NEEDS_FOLDER)
+        preset = cfg.model.get("preset")
+        raise ValueError(f"model.preset={preset} sizes a Wan model for vitp-plan, but training reads its weights: "
+                         + NEEDS_FOLDER.split(": ", 1)[1] if preset else NEEDS_FOLDER)
     path = Path(str(folder)).expanduser()
     conf = path / "config.json" if (path / "config.json").is_file() else path / "transformer" / "config.json"
     try:
         return _read(str(path.resolve()), conf.stat().st_mtime if conf.is_file() else 0.0)
     except (FileNotFoundError, ValueError) as e:
         raise type(e)(f"trainer.init_from={folder}: {e}") from None
+
+
+def preset_config(name: str) -> WanConfig:
+    """The checked :class:`WanConfig` of a published Wan config named in
+    :data:`vitp.models.wan_config.WAN_PRESETS` (re-exported by :mod:`vitp.plan.wan`). Raises ``ValueError`` naming ``model.preset`` and the known
+    names for an unknown one."""
+    from .wan_config import WAN_PRESETS
+
+    if name not in WAN_PRESETS:
+        raise ValueError(f"model.preset={name}: unknown Wan preset; known: {', '.join(sorted(WAN_PRESETS))} "
+                         "(or give trainer.init_from=FOLDER, a diffusers Wan folder or one with its config.json alone)")
+    return WanConfig.from_dict(WAN_PRESETS[name], f"model.preset={name}")
+
+
+def wan_config_of(cfg: Any) -> Tuple[Optional[Path], WanConfig]:
+    """``(transformer folder or None, WanConfig)`` of a Wan run: ``trainer.init_from``'s
+    ``config.json`` (:func:`wan_source`), else ``model.preset``'s published config (no folder: a
+    plan without the weights). Both given: the folder's sizes must be the preset's. Raises
+    ``ValueError`` with neither (:data:`NEEDS_FOLDER`), an unknown preset, or a folder of other
+    sizes than its preset (naming both)."""
+    preset = cfg.model.get("preset")
+    if not cfg.trainer.init_from and preset:
+        return None, preset_config(str(preset))
+    path, c = wan_source(cfg)
+    if preset:
+        want = preset_config(str(preset))
+        diff = [k for k in SIZE_KEYS if getattr(c, k) != getattr(want, k)]
+        if diff:
+            raise ValueError(f"trainer.init_from={cfg.trainer.init_from} is not model.preset={preset}: "
+                             + ", ".join(f"{k} {getattr(c, k)} vs {getattr(want, k)}" for k in diff)
+                             + "; drop model.preset (the folder sizes the model) or give the preset's folder")
+    return path, c
+
+
+SIZE_KEYS = ("patch_size", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
+             "ffn_dim", "num_layers", "cross_attn_norm")
 
 
 def pipeline_folder(transformer: Path) -> Optional[Path]:
@@ -128,14 +168,18 @@ def _refuse_unsupported(cfg: Any) -> None:
 
 def adopt_wan_model(cfg: Any) -> Optional[WanConfig]:
     """For ``model.family=wan``: refuse what a Wan run does not support (module doc), read the
-    folder's config and write its sizes into ``cfg.model`` (and the latent channels of synthetic
-    data into ``data.latent_channels``); check the flow shift can be found. Returns the
-    :class:`WanConfig` (``None`` for another family). Raises ``ValueError`` /
-    ``FileNotFoundError`` naming the key, the folder and the fix."""
+    folder's config (or ``model.preset``'s, :func:`wan_config_of`) and write its sizes into
+    ``cfg.model`` (and the latent channels of synthetic data into ``data.latent_channels``); check
+    the flow shift can be found (with a folder). Returns the :class:`WanConfig` (``None`` for
+    another family). Raises ``ValueError`` / ``FileNotFoundError`` naming the key, the folder and
+    the fix; ``ValueError`` for ``model.preset`` with another family."""
     if not is_wan(cfg):
+        if cfg.model.get("preset"):
+            raise ValueError(f"model.preset={cfg.model.preset} names a Wan config: set model=wan (model.family=wan) "
+                             "or drop model.preset")
         return None
     _refuse_unsupported(cfg)
-    path, c = wan_source(cfg)
+    path, c = wan_config_of(cfg)
     pt, p, _ = c.patch_size
     if cfg.data.name == "synthetic":
         cfg.data.latent_channels = c.in_channels
@@ -146,7 +190,8 @@ def adopt_wan_model(cfg: Any) -> Optional[WanConfig]:
     m.width, m.depth, m.num_heads = c.width, c.num_layers, c.num_attention_heads
     m.mlp_ratio, m.mlp, m.qkv_bias, m.qk_norm = c.ffn_dim / c.width, "gelu", True, True
     m.patch_size, m.tubelet_size, m.text_dim, m.text_len = p, pt, c.text_dim, TEXT_TOKENS
-    wan_shift(cfg, path)  # a folder without a scheduler needs objective.shift: said now, not at the first step
+    if path is not None:  # a folder without a scheduler needs objective.shift: said now, not at the first step
+        wan_shift(cfg, path)
     return c
 
 
@@ -155,7 +200,7 @@ def check_wan_input(cfg: Any) -> None:
     ``in_channels``. Raises ``ValueError`` naming both and the data keys."""
     if not is_wan(cfg):
         return
-    _, c = wan_source(cfg)
+    _, c = wan_config_of(cfg)
     if int(cfg.model.in_channels) != c.in_channels:
         raise ValueError(f"the data give {cfg.model.in_channels} input channels (data.latent_channels / the latent "
                          f"pack) but the Wan folder trainer.init_from={cfg.trainer.init_from} takes in_channels="
@@ -164,7 +209,7 @@ def check_wan_input(cfg: Any) -> None:
 
 def wan_mlp_units(cfg: Any) -> int:
     """The Wan folder's ``ffn_dim`` (the MLP hidden units tensor parallelism splits)."""
-    return wan_source(cfg)[1].ffn_dim
+    return wan_config_of(cfg)[1].ffn_dim
 
 
 WAN_OBJECTIVE = {"shift": None, "sampling": "uniform", "logit_mean": 0.0, "logit_std": 1.0, "weighting": "none",

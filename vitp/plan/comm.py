@@ -32,7 +32,7 @@ from typing import Any, List, Tuple
 
 from vitp.parallel.styles import Collective, StepShape, mode_of
 
-from .layout import LayoutSpec, local_tokens
+from .layout import LayoutSpec
 from .memory import ACT_BYTES
 from .shapes import ModelShape, layer_params_per_rank, plan_report, stage_layer_ranges
 
@@ -97,9 +97,11 @@ class StageComm:
 
 def pp_send_bytes(model: Any, lay: LayoutSpec) -> float:
     """Bytes of one pipeline send per micro-batch: ``(tokens, c)`` forward, or their gradients
-    (this rank's ``N / cp`` tokens, ``ceil(N / cp / tp)`` under SP)."""
-    shape = ModelShape.from_config(model)
-    return lay.micro * (local_tokens(shape.tokens, lay.tp, lay.sp, lay.cp) + 1) * shape.width * ACT_BYTES[lay.precision]
+    (this rank's ``N / cp`` tokens, ``ceil(N / cp / tp)`` under SP); Wan's stages send
+    ``(tokens, temb, mod, ctx, cos, sin)`` (:func:`vitp.plan.memory.stage_output_bytes`)."""
+    from .memory import stage_output_bytes
+
+    return stage_output_bytes(ModelShape.from_config(model), lay)
 
 
 def _per_step(colls: List[Collective], accum: int, group: int) -> Tuple[float, int]:
@@ -122,6 +124,6 @@ def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = True) -> List[S
         sends = (s < lay.pp - 1) + (s > 0)  # forward to the next stage, gradients to the previous one
         dp = 2 * (e - 1) / e * sum(per_layer[first:end]) * ACT_BYTES[lay.precision]
         out.append(StageComm(stage=s, tp_bytes=tp_b, tp_count=tp_n, pp_bytes=lay.accum * sends * send,
-                             pp_sends=lay.accum * sends * 2, dp_bytes=dp,  # tokens and c: two tensor sends
+                             pp_sends=lay.accum * sends * (6 if shape.is_wan else 2), dp_bytes=dp,  # tokens and c: two tensor sends
                              cp_bytes=cp_b, cp_count=cp_n))
     return out

@@ -18,6 +18,13 @@ FLOPs), nor are norms, activations and other element-wise work. Per sample:
 - text conditioning (PixArt-alpha's cross-attention, ``L`` caption tokens of ``Dc`` channels):
   per block ``2 N (2 D^2)`` (q, proj), ``2 L (2 D^2)`` (kv), ``4 N L D`` (scores, values); the
   caption projection ``2 L (Dc D + D^2)`` and pooling ``2 D^2`` once per sample.
+
+Wan (diffusers' ``WanTransformer3DModel``; Wan, arXiv 2503.20314; ``shape.is_wan``): the same
+block linears (self-attention ``qkv`` + ``proj``, cross-attention ``q`` + ``proj`` per token and
+``kv`` per caption token, FFN ``2 D F`` with ``F = ffn_dim``) and attention terms, with ``L = 512``
+caption tokens; its modulation is adaLN-single: one ``time_proj`` ``2 D 6D`` per sample in the
+embedding and none per block (each block adds its ``scale_shift_table``) nor in the output head;
+the caption projection ``2 L (Dc D + D^2)`` has no pooling.
 """
 from __future__ import annotations
 
@@ -35,20 +42,22 @@ def block_forward_flops(shape: ModelShape, kind: str) -> Dict[str, float]:
     L = shape.text_tokens
     return {"linear": 2.0 * N * (4 * D * D + mlp) + (2.0 * N * 2 * D * D + 2.0 * L * 2 * D * D if L else 0.0),
             "attention": 4.0 * N * shape.attention_span(kind) * D + 4.0 * N * L * D,
-            "per_sample": 2.0 * D * 6 * D}
+            "per_sample": 0.0 if shape.is_wan else 2.0 * D * 6 * D}
 
 
 def embed_forward_flops(shape: ModelShape) -> float:
-    """Forward FLOPs of the input layer for one sample (tubelet Conv3d + timestep MLP)."""
+    """Forward FLOPs of the input layer for one sample (tubelet Conv3d + timestep MLP, caption
+    projection; Wan: plus the shared modulation ``time_proj``, no caption pooling)."""
     D, L = shape.width, shape.text_tokens
-    text = 2.0 * L * (shape.text_dim * D + D * D) + 2.0 * D * D if L else 0.0
+    text = 2.0 * L * (shape.text_dim * D + D * D) + (2.0 * D * 6 * D if shape.is_wan else 2.0 * D * D if L else 0.0)
     return 2.0 * shape.tokens * D * shape.patch_values + 2.0 * (FREQ_DIM * D + D * D) + text
 
 
 def final_forward_flops(shape: ModelShape) -> float:
-    """Forward FLOPs of the output layer for one sample (adaLN + linear to pixels)."""
+    """Forward FLOPs of the output layer for one sample (adaLN + linear to pixels; Wan: no adaLN
+    linear, its ``scale_shift_table`` is added to ``temb``)."""
     D = shape.width
-    return 2.0 * shape.tokens * D * shape.patch_values + 2.0 * D * 2 * D
+    return 2.0 * shape.tokens * D * shape.patch_values + (0.0 if shape.is_wan else 2.0 * D * 2 * D)
 
 
 def forward_flops_per_sample(model: Any) -> float:

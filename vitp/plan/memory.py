@@ -19,6 +19,13 @@ matrix). Context parallelism divides every token-proportional tensor by cp; the 
 input, the pixel tensors of the loss and the gathered prediction stay whole on every cp rank. Pipeline (Narayanan et al. 2021, §2.2.1; DeepSpeed ``TrainSchedule``): with 1F1B, stage
 ``s`` of ``p`` holds the activations of ``min(p - s, m)`` micro-batches at once.
 
+A Wan block (:func:`wan_block_saved`: fp32 LayerNorms, q/k RMSNorm across heads in self- and
+cross-attention, rotary positions, cross-attention over ``L = 512`` caption tokens, FFN of
+``ffn_dim``, adaLN-single modulation in fp32) is listed the same way; its stage-level tensors are
+``temb``, ``mod (6D)``, ``ctx (L D)`` per sample and the rotary tables (:func:`stage_tensor_bytes`).
+Its block was measured at tp = 1 on CPU in fp32 and bf16 (``tests/unit/test_plan_wan.py``); its
+tp / sp / cp divisions follow the generator's rules, not measured.
+
 Measured on CPU (gloo, fp32 and bf16; ``tests/distributed/test_plan_validation.py``); on CUDA the
 same tensors are assumed, with fp32 norm statistics (:data:`NORM_STATS_BYTES`). Not modelled:
 dropout and drop-path masks (the recipes use none) and SDPA's math fallback, which stores the
@@ -147,9 +154,86 @@ def block_saved(shape: ModelShape, kind: str, tp: int, sp: bool, cp: int = 1, cp
     return rows
 
 
+def wan_block_saved(shape: ModelShape, tp: int, sp: bool, cp: int = 1, cp_mode: str = "ulysses") -> List[Saved]:
+    """Tensors one Wan block (:class:`vitp.models.wan.WanBlock`, diffusers' ``WanTransformerBlock``)
+    saves for backward, per sample on one rank; ``mod``, ``ctx`` and the rotary tables are stage
+    tensors (:func:`stage_tensor_bytes`). Sizes as :func:`block_saved` (``n`` sequence-region
+    tokens, ``g`` gathered, attention / FFN internals over ``1/tp``); ``L`` caption tokens,
+    ``F = ffn_dim``. fp32 rows are the norms' fp32 copies and statistics (diffusers'
+    ``FP32LayerNorm``, RMSNorm's upcast) and the fp32 modulation; in fp32 training the upcasts of q
+    and k are views of their linear outputs (rows dropped). Measured at tp = 1 on CPU (both
+    precisions): ``tests/unit/test_plan_wan.py``."""
+    N, D, H, F, L = shape.tokens, shape.width, shape.heads, shape.hidden, shape.text_tokens
+    n, g, local = local_tokens(N, tp, sp, cp), gathered_tokens(N, tp, sp, cp), N // cp
+    qkv_rows = g if cp == 1 or cp_mode == "ring" else local
+    rows = [Saved("norm1/norm2/norm3 fp32 inputs", 3 * n * D, 4), Saved("norm1/norm2/norm3 mean and rstd", 6 * n, 4),
+            Saved("norm1/norm3 fp32 outputs (times 1 + scale)", 2 * n * D, 4),
+            Saved("modulation: scale_shift_table + mod (fp32, 6D), 1 + scale, 1 + c_scale", 8 * D, 4),
+            Saved("qkv input (modulated; local, re-gathered in backward)", n * D),
+            Saved("qkv output (q, k, v)", qkv_rows * 3 * D / tp),
+            Saved("q, k RMSNorm: normalised (fp32) and rstd", 2 * local * D / tp + 2 * local, 4),
+            Saved("q, k after rotary (SDPA inputs)", 2 * local * D / tp),
+            Saved("SDPA output, proj input copy", 2 * local * D / tp), Saved("SDPA logsumexp (self, cross)", 2 * local * H / tp, 4),
+            Saved("attn output (gate input)", n * D), Saved("cross q input (norm2 output)", n * D),
+            Saved("cross q RMSNorm: fp32 input, normalised, rstd", 2 * g * D / tp + g, 4),
+            Saved("cross q normed, SDPA output (= proj input)", 2 * g * D / tp),
+            Saved("cross k RMSNorm: normalised (fp32), rstd", L * D / tp + L, 4),
+            Saved("cross k normed, kv output", 3 * L * D / tp), Saved("fc1 input (modulated)", n * D),
+            Saved("FFN hidden (fc1 out, GELU-tanh out)", 2 * g * F / tp), Saved("fc2 output in fp32 (c_gate input)", n * D, 4)]
+    return rows
+
+
+def wan_upcast_saved(shape: ModelShape, tp: int, sp: bool, cp: int = 1) -> List[Saved]:
+    """The fp32 copies of q, k (self-attention) and k (cross-attention) that RMSNorm makes of
+    16-bit activations (in fp32 training they are views of the linear outputs: not new)."""
+    local = shape.tokens // cp
+    return [Saved("q, k RMSNorm fp32 inputs", 2 * local * shape.width / tp, 4),
+            Saved("cross k RMSNorm fp32 input", shape.text_tokens * shape.width / tp, 4)]
+
+
+def stage_tensor_bytes(shape: ModelShape, lay: LayoutSpec) -> float:
+    """Bytes per micro-batch of the tensors a stage's layers share (counted once per stage): the
+    generator's conditioning ``c (B, D)``; Wan's ``temb (B, D)``, ``mod (B, 6, D)``, ``ctx (B, L, D)``
+    and the fp32 rotary tables ``cos, sin (N / cp, hd / 2)`` of this rank's tokens."""
+    a = ACT_BYTES[lay.precision]
+    if not shape.is_wan:
+        return lay.micro * shape.width * a
+    rope = 2 * (shape.tokens // lay.cp) * (shape.width // shape.heads // 2) * 4
+    return lay.micro * (7 + shape.text_tokens) * shape.width * a + rope
+
+
+def stage_output_bytes(shape: ModelShape, lay: LayoutSpec) -> float:
+    """Bytes per micro-batch a non-last pipeline stage sends forward (and receives as gradients):
+    the generator's ``(tokens, c)``; Wan's ``(tokens, temb, mod, ctx, cos, sin)``
+    (:mod:`vitp.pipeline.wan_stages`); tokens of this rank (``N / cp``, ``ceil(N / cp / tp)`` under SP)."""
+    n = local_tokens(shape.tokens, lay.tp, lay.sp, lay.cp)
+    return lay.micro * n * shape.width * ACT_BYTES[lay.precision] + stage_tensor_bytes(shape, lay)
+
+
+def wan_embed_saved(shape: ModelShape) -> List[Saved]:
+    """Tensors Wan's input layer saves per sample (an estimate from :class:`vitp.models.wan.WanEmbed`,
+    not measured): the latents for the Conv3d, the fp32 timestep embedder, ``time_proj``'s SiLU,
+    the caption projection (Linear, GELU-tanh, Linear) over ``L`` tokens of ``Dc`` channels."""
+    D, L = shape.width, shape.text_tokens
+    return [Saved("z_t (conv input)", shape.pixels), Saved("timestep sinusoid, embedder hidden (fp32)", FREQ_DIM + 2 * D, 4),
+            Saved("time_proj: SiLU input and output (estimate)", 2 * D),
+            Saved("caption projection: input, fc1 out, GELU out (estimate)", L * (shape.text_dim + 2 * D))]
+
+
+def wan_final_saved(shape: ModelShape, tp: int, sp: bool, cp: int = 1) -> List[Saved]:
+    """Tensors Wan's output head saves per sample (an estimate from :class:`vitp.models.wan.WanFinal`):
+    the fp32 norm's input (gathered under SP), statistics and output, ``1 + scale``, the linear's input."""
+    N, D = shape.tokens // cp, shape.width
+    g = gathered_tokens(shape.tokens, tp, sp, cp)
+    return [Saved("final norm fp32 input (estimate)", g * D, 4), Saved("final norm mean, rstd, fp32 output", 2 * N + N * D, 4),
+            Saved("final 1 + scale (fp32)", D, 4), Saved("final linear input (modulated)", N * D)]
+
+
 def embed_saved(shape: ModelShape) -> List[Saved]:
     """Tensors the input layer saves per sample (stage 0): the noisy input for the tubelet conv
-    (in the model dtype), the timestep MLP's inputs, the class indices."""
+    (in the model dtype), the timestep MLP's inputs, the class indices (Wan: :func:`wan_embed_saved`)."""
+    if shape.is_wan:
+        return wan_embed_saved(shape)
     D, L = shape.width, shape.text_tokens
     text = [Saved("caption embeddings, projection hidden, ctx (estimate)", L * (shape.text_dim + 3 * D))] if L else []
     return [Saved("z_t (conv input)", shape.pixels), Saved("timestep sinusoid", FREQ_DIM),
@@ -159,7 +243,9 @@ def embed_saved(shape: ModelShape) -> List[Saved]:
 def final_saved(shape: ModelShape, tp: int, sp: bool, cp: int = 1) -> List[Saved]:
     """Tensors the output layer saves per sample (last stage): over this rank's ``N / cp`` tokens
     (its output is all-gathered over cp afterwards, saving nothing); under SP the final norm
-    saves the gathered (padded) tokens."""
+    saves the gathered (padded) tokens (Wan: :func:`wan_final_saved`)."""
+    if shape.is_wan:
+        return wan_final_saved(shape, tp, sp, cp)
     N, D = shape.tokens // cp, shape.width
     g = gathered_tokens(shape.tokens, tp, sp, cp)
     return [Saved("final norm input (gathered under SP)", g * D), Saved("final norm output", N * D),
@@ -189,6 +275,9 @@ def layer_saved_bytes(shape: ModelShape, layer: int, lay: LayoutSpec) -> float:
         return _sum(embed_saved(shape), lay)
     if layer == shape.depth + 1:
         return _sum(final_saved(shape, lay.tp, lay.sp, lay.cp), lay)
+    if shape.is_wan:
+        up = _sum(wan_upcast_saved(shape, lay.tp, lay.sp, lay.cp), lay) if lay.precision != "fp32" else 0.0
+        return _sum(wan_block_saved(shape, lay.tp, lay.sp, lay.cp, lay.cp_mode), lay) + up
     return _sum(block_saved(shape, shape.block_kind(layer - 1), lay.tp, lay.sp, lay.cp, lay.cp_mode), lay)
 
 
@@ -196,7 +285,7 @@ def chunk_input_bytes(shape: ModelShape, first_layer: int, lay: LayoutSpec) -> f
     """Bytes per sample a checkpoint keeps of its chunk's input (besides ``c``): the data batch
     (fp32 pixels, t, int64 y; whole on every cp rank) for the input layer, else the tokens of this rank."""
     if first_layer == 0:
-        return shape.pixels * 4 + 4 + 8
+        return shape.pixels * 4 + 4 + (shape.text_tokens * shape.text_dim * 4 if shape.is_wan else 8)
     return local_tokens(shape.tokens, lay.tp, lay.sp, lay.cp) * shape.width * ACT_BYTES[lay.precision]
 
 
@@ -318,12 +407,12 @@ def _activations(shape: ModelShape, lay: LayoutSpec, first: int, end: int, last:
     """``(stored, recompute)`` bytes per micro-batch of the stage's layers ``[first, end)``: what
     one micro-batch holds between its forward and backward, and (activation checkpointing) how
     much more its backward needs at the recomputation peak (:func:`recompute_peak`)."""
-    c = shape.width * ACT_BYTES[lay.precision]  # the conditioning, one tensor shared by the stage's layers
+    c = stage_tensor_bytes(shape, lay)  # the conditioning (Wan: mod, ctx, rotary), shared by the stage's layers
     loss = _sum(loss_saved(shape), lay) if last else 0.0
     if not lay.ac:
-        return lay.micro * (sum(layer_saved_bytes(shape, i, lay) for i in range(first, end)) + c + loss), 0.0
-    stored = lay.micro * (sum(chunk_input_bytes(shape, a, lay) for a, _ in chunks(first, end, lay.ac)) + c + loss)
-    return stored, max(0.0, recompute_peak(shape, lay, first, end) + lay.micro * c - stored)
+        return lay.micro * (sum(layer_saved_bytes(shape, i, lay) for i in range(first, end)) + loss) + c, 0.0
+    stored = lay.micro * (sum(chunk_input_bytes(shape, a, lay) for a, _ in chunks(first, end, lay.ac)) + loss) + c
+    return stored, max(0.0, recompute_peak(shape, lay, first, end) + c - stored)
 
 
 def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = None) -> List[StageMemory]:
@@ -345,7 +434,9 @@ def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = No
         # stage outputs: tokens until their backward; the last stage's predictions stay in its
         # output buffers (DeepSpeed returns before clearing them there), the newest LAST_OUTPUT_BUFFERS
         # (the prediction gathered over cp, every cp rank holds it whole)
-        out_bytes = (shape.pixels if last else local_tokens(shape.tokens, lay.tp, lay.sp, lay.cp) * shape.width) * act_b
+        tokens_bytes = lay.micro * local_tokens(shape.tokens, lay.tp, lay.sp, lay.cp) * shape.width * act_b
+        out_bytes = (lay.micro * shape.pixels * act_b if last else  # the generator's buffers measured without c
+                     stage_output_bytes(shape, lay) if shape.is_wan else tokens_bytes)
         held = min(LAST_OUTPUT_BUFFERS, lay.accum) if last else in_flight
         layer_max = max(layer_saved_bytes(shape, i, lay) for i in range(first, end))
         bucket = ZERO_BUCKET_BUFFERS * opts.zero_bucket_elements * act_b if lay.zero_stage == 1 else 0
@@ -355,6 +446,6 @@ def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = No
             stage=s, params=P, weights=weights, grads=grads, optimizer=optimizer, ema=P * opts.ema_bytes / ema_split,
             ckpt_host=host, ckpt_write=write,
             activations=in_flight * stored, recompute=rebuilt,
-            pipe_buffers=held * lay.micro * out_bytes, zero_buckets=bucket, workspace=step + lay.micro * layer_max,
+            pipe_buffers=held * out_bytes, zero_buckets=bucket, workspace=step + lay.micro * layer_max,
             in_flight=in_flight))
     return out

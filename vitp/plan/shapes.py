@@ -7,6 +7,11 @@ issues is read from the generator's plan itself (:data:`vitp.models.GENERATOR_PL
 the meta layers by :func:`vitp.parallel.describe_plan`: :func:`plan_report`), so the planner and
 training cannot disagree. ``adaln_sharded=False`` asks what replicating the adaLN modulation
 (which the plan shards) would cost.
+
+A Wan model (``model.family=wan``, :mod:`vitp.models.wan`) is counted the same way from its own
+layers (``WanEmbed``, ``WanBlock``, ``WanFinal`` on the meta device, :func:`vitp.plan.wan.wan_layer_kwargs`)
+and its own plan (:data:`vitp.models.parallelize_wan.WAN_PLAN`), so its counts equal diffusers'
+``WanTransformer3DModel`` (``tests/unit/test_plan_wan.py``).
 """
 from __future__ import annotations
 
@@ -42,6 +47,11 @@ class ModelShape:
     layer_scale: bool
     text_tokens: int = 0  # caption tokens L of a text-conditional model (model.text_len; 0: class labels)
     text_dim: int = 0  # caption embedding channels Dc (model.text_dim)
+    family: str = "vit"  # "vit" (vitp's generator) or "wan" (diffusers' WanTransformer3DModel, vitp.models.wan)
+
+    @property
+    def is_wan(self) -> bool:
+        return self.family == "wan"
 
     @property
     def tokens(self) -> int:
@@ -56,6 +66,14 @@ class ModelShape:
         """Shape of a ``model`` config section (DictConfig, dataclass or mapping)."""
         m = to_dict(model)
         grid = token_grid(m["image_size"], m["num_frames"], m["patch_size"], m["tubelet_size"])  # any (H, W)
+        if str(m.get("family", "vit")) == "wan":  # Wan: FFN of ffn_dim, q/k RMSNorm, 512 caption tokens
+            from .wan import wan_config_of_model
+
+            w = wan_config_of_model(m)
+            return cls(grid=grid, width=m["width"], depth=m["depth"], heads=m["num_heads"], hidden=w["ffn_dim"],
+                       mlp="gelu", qk_norm=True, attention="full", layer_scale=False,
+                       patch_values=m["tubelet_size"] * m["patch_size"] ** 2 * m["in_channels"],
+                       text_tokens=int(m["text_len"]), text_dim=int(m["text_dim"]), family="wan")
         return cls(grid=grid, width=m["width"], depth=m["depth"], heads=m["num_heads"],
                    hidden=mlp_hidden_units(m["width"], m["mlp_ratio"], str(m["mlp"])), mlp=str(m["mlp"]),
                    qk_norm=bool(m["qk_norm"]), attention=str(m["attention"]),
@@ -93,6 +111,8 @@ def _meta_layers(frozen: Tuple, first: int = 0, end: Optional[int] = None):
     from vitp.models import layer_specs
 
     kw = dict(frozen)
+    if str(kw.get("family", "vit")) == "wan":
+        return _wan_meta_layers(kw, first, end)
     for key in ("mlp", "attention"):
         kw[key] = str(kw[key])
     specs = layer_specs(**kw)
@@ -101,6 +121,25 @@ def _meta_layers(frozen: Tuple, first: int = 0, end: Optional[int] = None):
         for i in range(first, len(specs) if end is None else end):
             cls, spec = specs[i]
             stage.add_module(str(i), cls(**spec))
+    return stage
+
+
+def _wan_meta_layers(model: Dict[str, Any], first: int = 0, end: Optional[int] = None):
+    """Layers ``first..end`` of a Wan model config (embed, blocks, final; :func:`_meta_layers`)."""
+    import torch
+    import torch.nn as nn
+
+    from vitp.models.wan import WanBlock, WanEmbed, WanFinal
+
+    from .wan import wan_layer_kwargs
+
+    embed, block, final = wan_layer_kwargs(model)
+    depth = int(model["depth"])
+    stage = nn.Module()
+    with torch.device("meta"):
+        for i in range(first, depth + 2 if end is None else end):
+            cls, kw = (WanEmbed, embed) if i == 0 else (WanFinal, final) if i == depth + 1 else (WanBlock, block)
+            stage.add_module(str(i), cls(**kw))
     return stage
 
 
@@ -120,11 +159,15 @@ def _plan_report(frozen: Tuple, first: int, end: Optional[int], mode: str, tp: i
     from vitp.models import GENERATOR_PLAN
     from vitp.parallel import describe_plan
 
-    return describe_plan(_meta_layers(frozen, first, end), GENERATOR_PLAN, mode, tp, cp)
+    plan = GENERATOR_PLAN
+    if str(dict(frozen).get("family", "vit")) == "wan":
+        from vitp.models.parallelize_wan import WAN_PLAN as plan
+    return describe_plan(_meta_layers(frozen, first, end), plan, mode, tp, cp)
 
 
 def plan_report(model: Any, mode: str = "tp", first: int = 0, end: Optional[int] = None, tp: int = 2, cp: int = 1):
-    """The :class:`vitp.parallel.PlanReport` of :data:`vitp.models.GENERATOR_PLAN` in ``mode``
+    """The :class:`vitp.parallel.PlanReport` of :data:`vitp.models.GENERATOR_PLAN` (a Wan model:
+    :data:`vitp.models.parallelize_wan.WAN_PLAN`) in ``mode``
     (``tp`` | ``sp`` | ``partial``) at tensor- and context-parallel degrees ``tp`` and ``cp`` (the
     rows of an axis apply when its degree is above 1; the default ``tp=2`` lists the TP roles)
     for layers ``first..end`` (a pipeline stage; all by default) of the ``model`` config, from its

@@ -12,23 +12,11 @@ diffusers' ``WanTransformer3DModel`` built on the meta device.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Tuple
 
 import torch
 
-_COMMON = {"patch_size": [1, 2, 2], "attention_head_dim": 128, "text_dim": 4096, "freq_dim": 256,
-           "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": None,
-           "added_kv_proj_dim": None, "rope_max_seq_len": 1024}
-WAN_PRESETS: Dict[str, Dict[str, Any]] = {
-    "wan2.1-t2v-1.3b": {**_COMMON, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30, "in_channels": 16,
-                        "out_channels": 16},
-    "wan2.1-t2v-14b": {**_COMMON, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40, "in_channels": 16,
-                       "out_channels": 16},
-    "wan2.2-ti2v-5b": {**_COMMON, "num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30, "in_channels": 48,
-                       "out_channels": 48},
-    "wan2.2-t2v-a14b": {**_COMMON, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40, "in_channels": 16,
-                        "out_channels": 16},  # per expert; the pipeline holds two
-}
+from vitp.models.wan_config import WAN_PRESETS, _COMMON  # noqa: F401 (the data live beside WanConfig)
 
 
 def _numel(module: torch.nn.Module) -> int:
@@ -64,3 +52,35 @@ def wan_params(config: Mapping[str, Any] | str) -> Dict[str, int]:
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.items()
                           if not k.startswith("_")))
     return dict(_counts(frozen))
+
+
+def wan_config_of_model(model: Mapping[str, Any]) -> Dict[str, Any]:
+    """The diffusers ``config.json`` keys that size a Wan model, from a resolved ``model`` config
+    section of ``model.family=wan`` (sizes written by :func:`vitp.models.wan_run.adopt_wan_model`):
+    ``num_attention_heads = num_heads``, ``attention_head_dim = width / num_heads``, ``ffn_dim =
+    round(mlp_ratio x width)``, ``num_layers = depth``, ``patch_size = [tubelet, p, p]``,
+    ``in_channels = out_channels``, ``text_dim``; ``freq_dim`` 256, ``cross_attn_norm`` true, as
+    every published Wan (:data:`WAN_PRESETS`)."""
+    D, H, p = int(model["width"]), int(model["num_heads"]), int(model["patch_size"])
+    return {**_COMMON, "patch_size": [int(model["tubelet_size"]), p, p], "num_attention_heads": H,
+            "attention_head_dim": D // H, "ffn_dim": int(round(D * float(model["mlp_ratio"]))),
+            "num_layers": int(model["depth"]), "in_channels": int(model["in_channels"]),
+            "out_channels": int(model["in_channels"]), "text_dim": int(model["text_dim"])}
+
+
+def wan_layer_kwargs(model: Mapping[str, Any]) -> Tuple[dict, dict, dict]:
+    """``(embed, block, final)`` keyword arguments of :class:`vitp.models.wan.WanEmbed`,
+    ``WanBlock`` and ``WanFinal`` for a resolved Wan ``model`` section at its token grid (as
+    :func:`vitp.pipeline.wan_stages.wan_layer_specs` builds the pipeline's layers)."""
+    from vitp.models import token_grid
+
+    c = wan_config_of_model(model)
+    D, (pt, p, _) = c["num_attention_heads"] * c["attention_head_dim"], c["patch_size"]
+    grid = token_grid(model["image_size"], model["num_frames"], p, pt)
+    embed = dict(in_channels=c["in_channels"], width=D, patch_size=c["patch_size"], text_dim=c["text_dim"],
+                 freq_dim=c["freq_dim"], head_dim=c["attention_head_dim"], rope_max_seq_len=c["rope_max_seq_len"],
+                 grid=grid)
+    block = dict(dim=D, ffn_dim=c["ffn_dim"], num_heads=c["num_attention_heads"], eps=c["eps"],
+                 cross_attn_norm=c["cross_attn_norm"])
+    final = dict(width=D, patch_size=c["patch_size"], out_channels=c["out_channels"], eps=c["eps"], grid=grid)
+    return embed, block, final

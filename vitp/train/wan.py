@@ -74,8 +74,11 @@ def diffusers_weights(out: Path, transformer: Path) -> Path:
 
 def link_pipeline(out: Path, transformer: Path) -> None:
     """Make ``out`` a whole pipeline around its trained transformer: the source pipeline's
-    ``model_index.json`` copied, every other component folder linked (absolute symlinks; copied
-    where links are refused). Nothing for a transformer folder without a pipeline."""
+    ``model_index.json`` copied, every other component it names linked (absolute symlinks; copied
+    where links are refused). Other folders of the source (a ``samples/`` folder, a user's notes)
+    are not linked: writing into them through the link would write into the source model. Nothing
+    for a transformer folder without a pipeline."""
+    from vitp.models.wan_config import read_json_object
     from vitp.models.wan_run import pipeline_folder
 
     pipe = pipeline_folder(transformer)
@@ -83,7 +86,10 @@ def link_pipeline(out: Path, transformer: Path) -> None:
         return
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(pipe / "model_index.json", out / "model_index.json")
-    for part in sorted(p for p in pipe.iterdir() if p.is_dir() and p.name != transformer.name):
+    components = {k for k, v in read_json_object(pipe / "model_index.json").items()
+                  if not k.startswith("_") and isinstance(v, list)}  # {"vae": ["diffusers", "AutoencoderKLWan"]}
+    for part in sorted(p for p in pipe.iterdir() if p.is_dir() and p.name != transformer.name
+                       and p.name in components):
         dest = out / part.name
         if dest.is_symlink() or dest.exists():
             continue
