@@ -40,19 +40,20 @@ _SHARED = {
     "tests/distributed/test_reference.py": "reference_runs",
     "tests/distributed/parallel": "parallel_groups", "tests/unit/text": "text_encoder",
 }
-# Seconds each unit took in a one-worker run (docs/testing.md); units start longest first so that
-# no long one is left for the end. Units not listed count by folder.
+# CPU seconds each unit took in a run of the suite (``pytest -p tests.cpu_time``, 2026-12-05;
+# docs/testing.md); units start longest first so that no long one is left for the end. Units not
+# listed count by folder.
 _COST = {
-    "reference_runs": 290, "tests/unit/test_scripts.py": 230, "tests/distributed/test_multinode.py": 115,
-    "tests/distributed/test_sagemaker_toolkit.py": 110, "tests/distributed/test_context_parallel.py": 100,
-    "tests/distributed/test_sample_cli.py": 95, "parallel_groups": 110, "tests/distributed/test_plan_validation.py": 75,
-    "tests/distributed/test_reshard.py": 70, "tests/distributed/test_rundir.py": 45,
-    "tests/distributed/test_train.py": 45, "tests/unit/test_preflight.py": 43,
-    "tests/distributed/test_partial_sync_run.py": 43, "tests/distributed/test_launchers.py": 40,
-    "tests/distributed/test_shards_train.py": 40, "tests/distributed/test_sampling_parity.py": 40,
-    "tests/distributed/test_auto_layout.py": 36, "tests/unit/test_config.py": 34,
-    "tests/distributed/test_latents_train.py": 34, "tests/distributed/test_text_train.py": 34,
-    "tests/distributed/test_sweep.py": 32, "tests/distributed/test_text_data.py": 31,
+    "tests/unit/test_scripts.py": 230, "reference_runs": 228, "tests/distributed/test_sample_cli.py": 159,
+    "tests/distributed/test_sagemaker_toolkit.py": 150, "tests/distributed/test_multinode.py": 147,
+    "tests/distributed/test_context_parallel.py": 105, "parallel_groups": 86,
+    "tests/distributed/test_plan_validation.py": 80, "tests/unit/test_preflight.py": 55,
+    "tests/distributed/test_sampling_parity.py": 53, "tests/distributed/test_launchers.py": 52,
+    "tests/distributed/test_reshard.py": 51, "tests/distributed/test_partial_sync_run.py": 48,
+    "tests/unit/test_config.py": 42, "tests/distributed/test_train.py": 39, "tests/distributed/test_rundir.py": 37,
+    "tests/distributed/test_latents_train.py": 34, "tests/distributed/test_shards_train.py": 34,
+    "tests/distributed/test_text_train.py": 34, "tests/distributed/test_text_data.py": 31,
+    "tests/distributed/test_sweep.py": 27, "tests/distributed/test_auto_layout.py": 25,
 }
 
 
