@@ -148,20 +148,31 @@ WAN_PROMPTS = ["a synthetic clip of class 2", "class 1, moving slowly"]  # capti
 WAN_SAMPLING = ["sampler.steps=4", "sampler.cfg_scale=5"]
 
 
-@pytest.fixture(scope="module")
-def wan_run(tmp_path_factory):
-    """``(run dir, one-process sample folder)``: the run trained and ``vitp-sample RUN`` run in this process."""
-    from tests.helpers import make_tiny_wan
+def _wan_train_and_sample(rank, base, folder):
+    """A ``wan_smoke`` run of ``folder`` and ``vitp-sample RUN`` of it, in a forked 1-rank group
+    (no process group left in pytest's process)."""
+    from pathlib import Path
+
     from vitp.cli.sample import run as sample
     from vitp.config import compose
     from vitp.train import train
 
-    base = tmp_path_factory.mktemp("wan_sample")
-    folder = make_tiny_wan().write_pipeline(base / "tiny", sharded=True)
+    base = Path(base)
     train(compose(["experiment=wan_smoke", f"trainer.init_from={folder}", f"data.text_embeddings={base / 'captions'}"]),
           base / "run")
     sample([str(base / "run"), *sum([["--prompt", p] for p in WAN_PROMPTS], []), "--num", "2",
             "--out", str(base / "one"), *WAN_SAMPLING])
+
+
+@pytest.fixture(scope="module")
+def wan_run(tmp_path_factory):
+    """``(run dir, one-process sample folder)``: the run trained and ``vitp-sample RUN`` run in one
+    forked process."""
+    from tests.helpers import make_tiny_wan, run_ranks
+
+    base = tmp_path_factory.mktemp("wan_sample")
+    folder = make_tiny_wan().write_pipeline(base / "tiny", sharded=True)
+    run_ranks(1, _wan_train_and_sample, str(base), str(folder))
     return base / "run", base / "one"
 
 

@@ -206,15 +206,22 @@ def test_launcher_arguments_go_before_the_users_so_hydra_flags_stay_last():
 
 
 def test_prepare_argv_starts_no_process_group(monkeypatch):
+    """Rank 1 of 2 before any process group (a fresh process: other tests of this worker may have
+    left one here, so its absence is simulated): stdout logging, and no group is started."""
     import torch.distributed
 
+    from vitp.cli import train as cli
     from vitp.cli.train import prepare_argv
 
+    started = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: started.append("torch"))
+    monkeypatch.setattr(cli.dist, "init_distributed", lambda *a, **k: started.append("vitp"))
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     argv = prepare_argv(["vitp-train", "experiment=smoke"])
     assert argv == ["vitp-train", "hydra.output_subdir=null", "hydra/job_logging=stdout", "experiment=smoke"]
-    assert not torch.distributed.is_initialized()
+    assert started == []
 
 
 def test_list_resolution_is_accepted_by_the_planner_and_vitp_plan(capsys):

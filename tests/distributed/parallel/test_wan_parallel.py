@@ -30,7 +30,8 @@ import torch
 
 from tests.helpers import run_ranks
 
-from .wan_workers import CONFIG, FAULTS, LAYOUTS, PIPE_LAYOUTS, SHAPES, TRAIN_LAYOUTS, train_setup, wan_smoke, worker
+from .wan_workers import (CONFIG, FAULTS, LAYOUTS, PIPE_LAYOUTS, SHAPES, TRAIN_LAYOUTS, one_process_runs, train_setup,
+                          wan_smoke, worker)
 
 TOL = 1e-5
 
@@ -185,17 +186,9 @@ def test_tp1_is_a_no_op_and_partial_sync_is_refused():
 
 @pytest.fixture(scope="module")
 def wan_one(wan_train):
-    """One-process Wan runs in this (pytest's) process, as ``tests/unit/test_launch_env.py`` trains:
-    ``{"one", "resume" (stopped after step 2, then resumed), "lr0" (optim.lr=0)}`` of ``train()``."""
-    from vitp.config import compose
-    from vitp.train import train
-
-    runs = Path(wan_train["runs"])
-    out = {"one": train(compose(wan_smoke(wan_train)), runs / "one")}
-    out["stopped"] = train(compose(wan_smoke(wan_train, "trainer.exit_at_step=2")), runs / "resume")
-    out["resume"] = train(compose(wan_smoke(wan_train)), runs / "resume")
-    out["lr0"] = train(compose(wan_smoke(wan_train, "optim.lr=0")), runs / "lr0")
-    return out
+    """One-process Wan runs (:func:`.wan_workers.one_process_runs`, in a forked 1-rank group):
+    ``{"one", "stopped" (after step 2), "resume" (then resumed), "lr0" (optim.lr=0)}``."""
+    return run_ranks(1, one_process_runs, wan_train)[0]
 
 
 def _same_run(got: dict, ref: dict) -> None:

@@ -334,3 +334,22 @@ def pipeline_parity(layout, ref, runs) -> dict:
         res[shape] = {"loss": rel(loss.double(), loss_r), "grad": errs[worst], "worst": worst, "keys": sorted(errs),
                       "all_keys": sorted(grads_r), **loaded}
     return res
+
+
+def one_process_runs(rank: int, train: dict) -> dict:
+    """One-process ``wan_smoke`` runs of :func:`train_setup`'s folder (a forked 1-rank group, so no
+    process group is left in pytest's process): ``{"one", "stopped" (``exit_at_step=2``), "resume"
+    (the same folder resumed), "lr0" (``optim.lr=0``)}``, each ``{"losses", "grad_norms", "stopped_at"}``."""
+    from pathlib import Path
+
+    from vitp.config import compose
+    from vitp.train import train as fit
+
+    runs, keys = Path(train["runs"]), ("losses", "grad_norms", "stopped_at")
+    cases = [("one", "one", ()), ("stopped", "resume", ("trainer.exit_at_step=2",)), ("resume", "resume", ()),
+             ("lr0", "lr0", ("optim.lr=0",))]
+    out = {}
+    for name, folder, extra in cases:
+        res = fit(compose(wan_smoke(train, *extra)), runs / folder)
+        out[name] = {k: res[k] for k in keys}
+    return out
