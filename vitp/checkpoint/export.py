@@ -172,7 +172,7 @@ def export_checkpoint(tag_dir: str | os.PathLike, out: str | os.PathLike, cfg: A
     if not shapes:
         raise ValueError(f"checkpoint {tag_dir} holds no {kind} tensors (kinds: ema, model)")
     plan = _export_plan(shapes, cfg_dict["model"]["width"], cfg_dict["model"]["depth"])
-    shards = _shard_groups(plan, max_shard_bytes)
+    shards = shard_groups({k: nbytes for k, (_, _, nbytes) in plan.items()}, max_shard_bytes)
     names = [out.name] if len(shards) == 1 else shard_names(out, len(shards))
     for k in range(rank, len(shards), world):
         _write_shard(tag_dir, kind, out.with_name(names[k]), shards[k], plan, meta)
@@ -212,11 +212,12 @@ def _export_plan(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], width: 
     return {k: (*plan[k], 4 * math.prod(plan[k][1])) for k in sorted(plan, key=_export_order)}
 
 
-def _shard_groups(plan: Dict[str, Tuple[Optional[str], Tuple[int, ...], int]], max_bytes: int) -> List[List[str]]:
-    """``plan``'s keys cut, in order, into groups of at most ``max_bytes`` (one larger tensor alone)."""
+def shard_groups(sizes: Dict[str, int], max_bytes: int) -> List[List[str]]:
+    """The keys of ``sizes`` (key -> bytes) cut, in order, into groups of at most ``max_bytes``
+    (one larger tensor alone): the shards of a Hugging Face-style sharded export."""
     groups: List[List[str]] = [[]]
     size = 0
-    for key, (_, _, nbytes) in plan.items():
+    for key, nbytes in sizes.items():
         if groups[-1] and size + nbytes > max_bytes:
             groups.append([])
             size = 0

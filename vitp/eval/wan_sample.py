@@ -179,7 +179,7 @@ def decode_frames(pipe: Path, latents: torch.Tensor) -> Optional[torch.Tensor]:
 
     from vitp.objectives.wan_sampling import decode_latents
 
-    vae = AutoencoderKLWan.from_pretrained(str(pipe / "vae")).float().eval()
+    vae = AutoencoderKLWan.from_pretrained(str(pipe / "vae"), local_files_only=True).float().eval()
     frames = torch.as_tensor(decode_latents(vae, latents, output_type="np"))
     return (frames * 255).round().clamp(0, 255).to(torch.uint8)
 
@@ -257,9 +257,9 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
     if launched():
         denoiser, share = build_wan_sharded(cfg)
     else:
-        from vitp.models import from_pretrained
+        from vitp.models import from_pretrained as read_wan_folder  # vitp's reader: local safetensors only
 
-        denoiser, share = from_pretrained(str(weights)).to(resolve_device(cfg.trainer.device)).eval(), None
+        denoiser, share = read_wan_folder(str(weights)).to(resolve_device(cfg.trainer.device)).eval(), None
     got = wan_generate(denoiser, scheduler, cfg, ids, embeds, share)
     finish()
     if got is None or not is_main():

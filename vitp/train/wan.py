@@ -139,20 +139,6 @@ def final_weights_written(run_dir: Path, cfg: Any) -> bool:
     return (diffusers_weights(Path(run_dir) / DIFFUSERS_DIR, path) / "config.json").is_file()
 
 
-def _shard_groups(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], limit: int) -> List[List[str]]:
-    """Keys in order, cut into groups of at most ``limit`` bytes (a larger tensor alone)."""
-    groups: List[List[str]] = [[]]
-    size = 0
-    for k, (shape, dtype) in shapes.items():
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if groups[-1] and size + n > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(k)
-        size += n
-    return groups
-
-
 def export_checkpoint_diffusers(tag_dir: Path, out: Path, cfg: Any, kind: str = "ema",
                                 max_shard_bytes: int = 5 * 10**9) -> Path:
     """Write a training checkpoint's ``kind`` weights (``ema`` / ``model``) of a Wan run as a
@@ -169,6 +155,7 @@ def export_checkpoint_diffusers(tag_dir: Path, out: Path, cfg: Any, kind: str = 
 
     from safetensors.torch import save_file
 
+    from vitp.checkpoint.export import shard_groups
     from vitp.checkpoint.sharded import read_full, tensor_shapes
     from vitp.models.wan_keys import CLASS_NAME, INDEX, WEIGHTS, key_map, to_diffusers_state
     from vitp.models.wan_run import wan_source
@@ -182,7 +169,8 @@ def export_checkpoint_diffusers(tag_dir: Path, out: Path, cfg: Any, kind: str = 
     target = diffusers_weights(out, path)
     target.mkdir(parents=True, exist_ok=True)
     remove_weights(target)  # --force over an earlier export: no stale shard stays next to the new files
-    groups = _shard_groups({k: shapes[k] for k in kmap}, max_shard_bytes)
+    groups = shard_groups({k: math.prod(shapes[k][0]) * torch.empty((), dtype=shapes[k][1]).element_size()
+                           for k in kmap}, max_shard_bytes)
     names = [WEIGHTS] if len(groups) == 1 else [
         f"diffusion_pytorch_model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map, total = {}, 0

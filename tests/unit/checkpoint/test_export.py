@@ -177,7 +177,7 @@ def test_reexport_removes_stale_files_and_shards_are_cut_in_block_order(smoke, t
     generator's order with block numbers compared as numbers (blocks.2 before blocks.10)."""
     import json
 
-    from vitp.checkpoint.export import _export_plan, _shard_groups, export_checkpoint
+    from vitp.checkpoint.export import _export_plan, export_checkpoint, shard_groups
 
     cfg, gen, _ = smoke
     tag = tmp_path / "step_0000007"
@@ -197,9 +197,10 @@ def test_reexport_removes_stale_files_and_shards_are_cut_in_block_order(smoke, t
     plan = _export_plan(shapes, 32, 0)
     assert list(plan) == ["blocks.1.attn.qkv.weight", "blocks.2.attn.qkv.weight", "blocks.10.attn.qkv.weight",
                           "gen.embed.x_embedder.proj.weight"]
-    assert _shard_groups(plan, 96 * 32 * 4 + 1) == [[k] for k in plan]  # one tensor each, none merged
-    assert _shard_groups(plan, 10) == [[k] for k in plan]  # larger than the limit: alone in its shard
-    assert _shard_groups(plan, 10**6) == [list(plan)]
+    sizes = {k: nbytes for k, (_, _, nbytes) in plan.items()}
+    assert shard_groups(sizes, 96 * 32 * 4 + 1) == [[k] for k in plan]  # one tensor each, none merged
+    assert shard_groups(sizes, 10) == [[k] for k in plan]  # larger than the limit: alone in its shard
+    assert shard_groups(sizes, 10**6) == [list(plan)]
 
 
 def test_read_export_of_a_checkpoint_tag_and_vitp_export_shards_it(smoke, tmp_path, capsys):
