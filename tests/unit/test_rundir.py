@@ -235,8 +235,9 @@ def test_other_ranks_print_errors_and_their_own_records_only():
 def test_a_finished_run_keeps_its_results_on_resume_and_vitp_eval(tmp_path, caplog, capsys):
     """``vitp-train --resume RUN`` of a finished run re-exported the weights, rewrote eval.json and
     appended a second final row to eval.jsonl; ``vitp-eval RUN sampler.steps=1`` replaced the
-    training's eval.json without naming a file. Now the resume says "already finished" and writes
-    nothing; vitp-eval writes eval_sampler.steps=1.json and names it."""
+    training's eval.json without naming a file; later it still wrote a TensorBoard events file, the
+    config and the lock's record. Now the resume says "already finished" and leaves every file of
+    the run as it was (bytes and time stamps); vitp-eval writes eval_sampler.steps=1.json and names it."""
     import logging
 
     from vitp.cli import eval as eval_cli
@@ -247,12 +248,19 @@ def test_a_finished_run_keeps_its_results_on_resume_and_vitp_eval(tmp_path, capl
     over = ["experiment=smoke", "trainer.max_steps=2", "eval.enabled=true", "eval.classifier_epochs=1",
             "eval.num_samples=8", "sampler.samples_per_class=1"]
     train(compose_cfg(over), run, over)
-    kept = {n: ((run / n).read_bytes(), (run / n).stat().st_mtime_ns)
-            for n in ("eval.json", "eval.jsonl", "model_ema.safetensors", "metrics.jsonl")}
+    def files():  # every file of the run: its bytes, and its time stamp but for the lock's (rewritten)
+        return {p.relative_to(run).as_posix(): (p.read_bytes(), None if p.name == ".vitp.lock" else p.stat().st_mtime_ns)
+                for p in sorted(run.rglob("*")) if p.is_file()}
+
+    kept = files()
+    assert {"eval.json", "eval.jsonl", "model_ema.safetensors", "metrics.jsonl", ".hydra/config.yaml", ".vitp.lock"} <= set(kept)
+    assert any(n.startswith("tb/events.") for n in kept)
     with caplog.at_level(logging.WARNING, logger="vitp"):
-        res = train(resume_config(run, []), run)
+        res = train(resume_config(run, []), run, ["experiment=smoke"])
     assert res["losses"] == [] and res["eval"] == {}
-    assert {n: ((run / n).read_bytes(), (run / n).stat().st_mtime_ns) for n in kept} == kept
+    now = files()  # no TensorBoard events file, config, overrides or lock record of the no-op launch
+    assert set(now) == set(kept) and all(now[n] == kept[n] for n in kept), sorted(n for n in now if now[n] != kept.get(n))
+    kept = {n: kept[n] for n in ("eval.json",)}
     assert any(r.getMessage().startswith("already finished: this run trained its trainer.max_steps=2 steps")
                for r in caplog.records), caplog.text
     capsys.readouterr()

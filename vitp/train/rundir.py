@@ -98,6 +98,7 @@ class RunDirLock:
             os.close(fd)
             raise RunDirBusy(f"run dir {self.path.parent} is in use by another vitp-train ({owner}); wait for it to "
                              f"finish or stop it, or choose another hydra.run.dir") from None
+        self.previous = os.pread(fd, 4096, 0)  # the last owner's record, put back by release(restore=True)
         info = {"host": socket.gethostname(), "pid": os.getpid(),
                 "since": datetime.datetime.now().isoformat(timespec="seconds")}
         os.ftruncate(fd, 0)
@@ -105,9 +106,13 @@ class RunDirLock:
         self.fd = fd
         _LOCKS.add(self)
 
-    def release(self) -> None:
-        """Give the folder up (idempotent)."""
+    def release(self, restore: bool = False) -> None:
+        """Give the folder up (idempotent); ``restore``: write the previous owner's record back
+        first, so a launch that wrote nothing else (a finished run resumed) leaves the file as it was."""
         if self.fd is not None:
+            if restore and getattr(self, "previous", None) is not None:
+                os.ftruncate(self.fd, 0)
+                os.pwrite(self.fd, self.previous, 0)
             os.close(self.fd)  # closing drops the lock
             self.fd = None
 

@@ -163,8 +163,13 @@ class Trainer:
         try:
             self._check_and_build(overrides)
             checked = True
-            release_log_files(write=True)  # every check has passed: the run dir is ours to write
-            self._write_run_dir(overrides)
+            self.finished = self._finished_before()  # collective
+            if self.finished:  # a no-op resume: train.log, the config, events and the lock stay as they were
+                release_log_files(write=False)
+                self.logger, self.losses, self.grad_norms = None, [], []
+            else:
+                release_log_files(write=True)  # every check has passed: the run dir is ours to write
+                self._write_run_dir(overrides)
         except BaseException:
             if not checked:
                 release_log_files(write=False)
@@ -600,7 +605,7 @@ class Trainer:
         try:
             if self.stopped_before:
                 return self._stop_again()
-            if self._finished_before():
+            if self.finished:
                 return self._already_finished()
             stopper = StopSignal(self.device)
             try:
@@ -613,7 +618,7 @@ class Trainer:
                 stopper.restore()
         finally:
             self.checkpointer.writer.close()
-            self.lock.release()
+            self.lock.release(restore=self.finished)
 
     def _train_loop(self, stopper: StopSignal) -> Optional[int]:
         """The optimizer steps; returns the step of an early stop (every rank the same), else ``None``."""
@@ -701,8 +706,8 @@ class Trainer:
 
     def _already_finished(self) -> Dict[str, Any]:
         """End a launch that resumed a finished run (exit 0): nothing is trained, exported, sampled
-        or evaluated again, so its weights, ``eval.json`` and ``eval.jsonl`` stay as they were."""
-        self.logger.close()
+        or evaluated again: no file of the run is written (the constructor skipped the run dir's
+        config, ``train.log`` and TensorBoard events; the lock file gets its owner's record back)."""
         if self.main:
             tr = self.cfg.trainer
             log.warning("already finished: this run trained its trainer.max_steps=%d steps; its weights and results "
