@@ -491,8 +491,32 @@ def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[
     else:
         raise FileNotFoundError(f"{source} holds no vitp checkpoint (expected a run directory, its checkpoints/ "
                                 f"folder, a checkpoints/step_NNNNNNN folder, or a .safetensors file)")
-    if (tag / ".metadata").is_file() and not (tag / name).is_file():  # weights inside the DCP checkpoint
-        meta = verify_checkpoint(tag)
-    else:
-        meta = verify_checkpoint(tag, names=[name])  # a node-local folder holds rank 0's weights too
+    try:
+        if _in_dcp(tag, name):  # weights inside the torch distributed checkpoint
+            meta = verify_checkpoint(tag, hint=False)
+        else:
+            meta = verify_checkpoint(tag, names=[name], hint=False)  # a node-local folder holds rank 0's weights too
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"{e}{_read_hint(tag)}") from e
     return tag / name, meta["step"], tag.parent.parent
+
+
+def _in_dcp(tag: Path, name: str) -> bool:
+    """Whether checkpoint ``tag`` keeps its weights in a torch distributed checkpoint (its record
+    names the sharded format, or ``.metadata`` is there) rather than in the file ``name``."""
+    if (tag / name).is_file():
+        return False
+    try:
+        return "format" in json.loads((tag / META).read_text()) or (tag / ".metadata").is_file()
+    except (OSError, ValueError):
+        return (tag / ".metadata").is_file()
+
+
+def _read_hint(tag: Path) -> str:
+    """What to read instead of the broken checkpoint ``tag`` (vitp-export, vitp-sample, vitp-eval):
+    the newest complete one beside it, by its path."""
+    others = [t for t in published_tags(tag.parent) if t != tag.name and _holds_part(tag.parent / t, 0, None)]
+    if not others:
+        return "; no other complete checkpoint is in that folder"
+    return (f"; read an earlier complete checkpoint instead: pass {tag.parent / others[-1]} as the source "
+            f"(complete: {', '.join(others)})")

@@ -296,3 +296,37 @@ def test_a_rank_reads_only_its_tp_shards_of_an_export(smoke, tmp_path):
             assert torch.equal(got[k].view(want[k].shape), want[k]), (source, k)
     with pytest.raises(ValueError, match=r"blocks.0.attn.proj.weight has shape \(32, 32\) but the model expects"):
         read_export_shards(tmp_path / "model_ema.safetensors", {proj: Place((32, 64), 1, 1, 2, 1)})
+
+
+def test_a_checkpoint_missing_its_dcp_metadata_names_that_file_and_the_earlier_checkpoint(smoke, tmp_path, capsys):
+    """A checkpoint whose torch distributed checkpoint lost its ``.metadata`` was reported by
+    vitp-export and vitp-sample as "model_ema.safetensors is missing" (a file no sharded checkpoint
+    has), with a training-resume fix. Now both name ``.metadata`` and the earlier complete
+    checkpoint to read instead."""
+    import json
+
+    from vitp.checkpoint import resolve_weights
+    from vitp.cli.export import main as export_main
+    from vitp.cli.sample import main as sample_main
+
+    cfg, gen, _ = smoke
+    ckpts = tmp_path / "run" / "checkpoints"
+    good, broken = ckpts / "step_0000006", ckpts / "step_0000007"
+    _dcp_checkpoint(good, cfg, gen, step=6)
+    _dcp_checkpoint(broken, cfg, gen, step=7)
+    (ckpts / "latest").write_text(broken.name)
+    for tag in (good, broken):  # the record of a sharded checkpoint names its format (vitp.checkpoint.sharded)
+        meta = json.loads((tag / "vitp_meta.json").read_text())
+        (tag / "vitp_meta.json").write_text(json.dumps({**meta, "format": "vitp.sharded/1"}))
+    (broken / ".metadata").unlink()
+    want = (f"checkpoint file {broken / '.metadata'} is missing; read an earlier complete checkpoint instead: pass "
+            f"{good} as the source (complete: {good.name})")
+    for source in (broken, tmp_path / "run"):
+        with pytest.raises(FileNotFoundError) as e:
+            resolve_weights(source)
+        assert str(e.value) == want
+    for main, args in ((export_main, ["-o", str(tmp_path / "w.safetensors")]), (sample_main, ["--out", str(tmp_path / "s.png")])):
+        with pytest.raises(SystemExit) as e:
+            main([str(broken), *args])
+        assert e.value.code == 2 and want in capsys.readouterr().err
+    assert resolve_weights(good) == (good / "model_ema.safetensors", 6, tmp_path / "run")
