@@ -309,3 +309,32 @@ def test_a_finished_run_resumed_from_an_earlier_checkpoint_moves_its_results_asi
     assert json.loads((run / "eval.json").read_text())["step"] == 3  # the run's new results
     assert json.loads((run / "model_ema.json").read_text())["step"] == 3 and (run / "model.safetensors").is_file()
     assert (run / "samples" / "step_0000003.png").is_file() and not (run / "samples" / "step_0000004.png").exists()
+
+
+def test_resuming_before_a_damaged_last_checkpoint_moves_it_aside_and_writes_that_step_again(tmp_path, caplog):
+    """A new user's report: with the last checkpoint damaged (``.metadata`` lost), resuming from the
+    earlier one the refusal names reused the damaged ``step_<max_steps>`` as the final checkpoint (the
+    run then failed reading it), and a save of that step would have deleted it in place. Now the run
+    trains the step again, writes its own checkpoint, and the damaged one moves whole (bytes
+    unchanged) into checkpoints/abandoned/, as docs/checkpoints.md says: nothing is deleted."""
+    import hashlib
+    import logging
+
+    from vitp.checkpoint import verify_checkpoint
+    from vitp.cli.train import resume_config
+    from vitp.train import train
+
+    run = tmp_path / "run"
+    over = ["experiment=smoke", "trainer.max_steps=2", "trainer.checkpoint_every=1"]
+    train(compose_cfg(over), run, over)
+    damaged = run / "checkpoints" / "step_0000002"
+    (damaged / ".metadata").unlink()
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in damaged.iterdir()}
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        res = train(resume_config(run, [f"trainer.resume={run / 'checkpoints' / 'step_0000001'}"]), run)
+    assert len(res["losses"]) == 1 and res["stopped_at"] is None
+    (aside,) = (run / "checkpoints" / "abandoned").glob("*/step_0000002")
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in aside.iterdir()} == before
+    assert f"moved step_0000002 to {aside.parent}: an earlier attempt wrote it" in caplog.text
+    assert verify_checkpoint(damaged)["step"] == 2 and (damaged / ".metadata").is_file()
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000002" and (run / "model_ema.safetensors").is_file()

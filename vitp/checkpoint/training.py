@@ -132,8 +132,7 @@ def _rotate(ckpt_dir: Path, step: int, keep: int) -> None:
     stale = [t for t in tags if _tag_step(t) > step]
     ours = [t for t in tags if _tag_step(t) <= step]
     if stale:
-        (ckpt_dir / ABANDONED).mkdir(exist_ok=True)
-        dest = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=ckpt_dir / ABANDONED))
+        dest = _aside_folder(ckpt_dir)
         for tag in stale:
             os.replace(ckpt_dir / tag, dest / tag)
         log.warning("moved %s to %s: an earlier attempt wrote them after step %d, the older checkpoint this run "
@@ -141,6 +140,12 @@ def _rotate(ckpt_dir: Path, step: int, keep: int) -> None:
                     "the space)", ", ".join(stale), dest, step, dest)
     for old in ours[:-keep] if keep > 0 else []:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+
+
+def _aside_folder(ckpt_dir: Path) -> Path:
+    """A new ``ckpt_dir/abandoned/<time>-<id>/`` for checkpoints a run leaves behind."""
+    (ckpt_dir / ABANDONED).mkdir(exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=ckpt_dir / ABANDONED))
 
 
 def _tag_step(tag: str) -> int:
@@ -208,8 +213,11 @@ def _publish(partial: Path, record: Dict[str, Any], ckpt_dir: Path, tag: str) ->
     """Write the completion record, rename ``<tag>.partial`` to ``<tag>`` and point ``latest`` at it."""
     atomic_write_text(partial / META, json.dumps(record, indent=1) + "\n", fsync=True)
     final = ckpt_dir / tag
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # an earlier attempt's (maybe damaged) checkpoint of this step: kept, not deleted
+        dest = _aside_folder(ckpt_dir)
+        os.replace(final, dest / tag)
+        log.warning("moved %s to %s: an earlier attempt wrote it; this run wrote its own %s (load the earlier one "
+                    "with trainer.resume=%s; delete the folder to free the space)", tag, dest, tag, dest / tag)
     os.replace(partial, final)
     atomic_write_text(ckpt_dir / LATEST, tag, fsync=True)
 

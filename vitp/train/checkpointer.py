@@ -247,10 +247,12 @@ class Checkpointer:
         self.writer.wait()
 
     def save_final(self, step: int, engine: Any, ema: EMA, state: ParallelState) -> None:
-        """The last checkpoint of a finished run, published when this returns (none if a resumed,
-        finished run already has it)."""
+        """The last checkpoint of a finished run, published when this returns (none if the run
+        resumed from it: a finished run relaunched). A ``step_<step>`` an earlier attempt wrote
+        after the checkpoint this run resumed from is replaced, and moved into ``abandoned/``."""
         self.writer.wait()
-        if not all(dist.gather_objects(ckpt.tag_name(step) in ckpt.published_tags(self.dir))):  # in every folder
+        have = step == self.start_step and ckpt.tag_name(step) in ckpt.published_tags(self.dir)
+        if not all(dist.gather_objects(have)):  # in every folder
             self.save(step, engine, ema, state, final=True)
 
     def path(self, step: int) -> Path:
