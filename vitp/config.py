@@ -847,12 +847,23 @@ def check_batch_split(global_batch: int, micro_batch: int, dp: int) -> None:
     """Check that ``global_batch`` (samples per optimizer step) splits into micro-batches of
     ``micro_batch`` samples on each of ``dp`` data-parallel ranks.
 
-    Raises ``ValueError`` naming ``trainer.global_batch_size`` and the nearest valid value.
+    Raises ``ValueError`` naming the fix that keeps the training (a smaller
+    ``trainer.micro_batch_size``: more micro-batches, same samples per step) when ``dp`` divides
+    ``global_batch``, else the nearest valid ``trainer.global_batch_size`` (which changes the training).
     """
-    _fail(global_batch % (micro_batch * dp) == 0,
-          f"trainer.global_batch_size={global_batch} must be a multiple of trainer.micro_batch_size "
-          f"({micro_batch}) x dp ({dp}); e.g. set "
-          f"trainer.global_batch_size={micro_batch * dp * max(1, global_batch // (micro_batch * dp))}")
+    if global_batch % (micro_batch * dp) == 0:
+        return
+    why = (f"trainer.global_batch_size={global_batch} must be a multiple of trainer.micro_batch_size "
+           f"({micro_batch}) x dp ({dp})")
+    per_rank, rest = divmod(global_batch, dp)
+    if rest == 0:
+        m = max(k for k in range(1, min(micro_batch, per_rank) + 1) if per_rank % k == 0)
+        _fail(False, f"{why}; to keep the training as it is ({global_batch} samples per step), set "
+                     f"trainer.micro_batch_size={m} ({per_rank // m} micro-batches per rank and step)")
+    nearest = micro_batch * dp * max(1, round(global_batch / (micro_batch * dp)))
+    _fail(False, f"{why}; {global_batch} samples do not split over dp={dp} data-parallel ranks: set "
+                 f"trainer.global_batch_size={nearest} (another batch size changes the training), or choose a "
+                 f"layout whose dp divides {global_batch}")
 
 
 def _layouts(world: int) -> List[tuple]:

@@ -561,3 +561,19 @@ def test_cp_that_does_not_divide_the_processes_names_the_valid_cp_without_an_emp
         validate_layout(compose_cfg(["experiment=smoke", "parallel.cp=2"]), world_size=1)
     assert str(e.value) == ("parallel.tp=1 x parallel.cp=2 x parallel.pp=1 does not divide world_size=1; launch a "
                             "multiple of 2 processes, or use parallel.cp in [1]"), str(e.value)
+
+
+def test_a_batch_that_does_not_split_names_the_fix_that_keeps_the_training():
+    """The refusal at 2 processes suggested raising trainer.global_batch_size, which changes the
+    training; when dp divides the global batch, a smaller micro-batch keeps it (docs/launching.md)."""
+    from vitp.config import check_batch_split
+
+    with pytest.raises(ValueError, match=r"global_batch_size=40 must be a multiple of trainer.micro_batch_size \(16\) "
+                                         r"x dp \(2\); to keep the training as it is \(40 samples per step\), set "
+                                         r"trainer.micro_batch_size=10 \(2 micro-batches per rank and step\)$"):
+        check_batch_split(40, 16, 2)
+    check_batch_split(40, 10, 2)  # the suggested value passes
+    with pytest.raises(ValueError, match=r"8 samples do not split over dp=3 data-parallel ranks: set "
+                                         r"trainer.global_batch_size=12 \(another batch size changes the training\)"):
+        check_batch_split(8, 4, 3)
+    check_batch_split(12, 4, 3)

@@ -367,7 +367,9 @@ def nothing_built(monkeypatch):
                         "[(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)] (the job runs 8 "
                         "processes: --instance-count 1 x 8 per instance, one per GPU of ml.p4d.24xlarge)"),
     (["--instance-count", "3"], "trainer.global_batch_size=1024 must be a multiple of trainer.micro_batch_size (32) x "
-                                "dp (24); e.g. set trainer.global_batch_size=768 (the job runs 24 processes"),
+                                "dp (24); 1024 samples do not split over dp=24 data-parallel ranks: set trainer.global_batch_size=768 "
+                                "(another batch size changes the training), or choose a layout whose dp divides 1024 "
+                                "(the job runs 24 processes"),
     (["--processes-per-host", "3"], "trainer.global_batch_size=1024 must be a multiple of trainer.micro_batch_size "
                                     "(32) x dp (3)"),
 ])
