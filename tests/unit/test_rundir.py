@@ -338,3 +338,22 @@ def test_resuming_before_a_damaged_last_checkpoint_moves_it_aside_and_writes_tha
     assert f"moved step_0000002 to {aside.parent}: an earlier attempt wrote it" in caplog.text
     assert verify_checkpoint(damaged)["step"] == 2 and (damaged / ".metadata").is_file()
     assert (run / "checkpoints" / "latest").read_text() == "step_0000002" and (run / "model_ema.safetensors").is_file()
+
+
+def test_a_refused_launch_into_a_new_folder_leaves_no_run_dir(tmp_path):
+    """A new user's report: refusals after the lock was taken (a missing trainer.init_from file, a
+    resume of another config) left a run folder holding only ``.vitp.lock``. Now a refused launch into
+    a folder that was empty removes it; a folder that held anything keeps its files and lock."""
+    from vitp.train import train
+
+    run = tmp_path / "new" / "run"
+    over = ["experiment=smoke", "trainer.max_steps=1", f"trainer.init_from={tmp_path / 'missing.safetensors'}"]
+    with pytest.raises(FileNotFoundError, match="missing.safetensors does not exist"):
+        train(compose_cfg(over), run, over)
+    assert not run.exists() and not any((tmp_path / "new").iterdir())
+    lock = RunDirLock(tmp_path / "kept")
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    lock.acquire()
+    lock.release(refused=True)
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [".vitp.lock", "notes.txt"]

@@ -86,6 +86,7 @@ class RunDirLock:
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.was_empty = not any(self.path.parent.iterdir())  # a new run dir: a refused launch leaves none
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -106,10 +107,16 @@ class RunDirLock:
         self.fd = fd
         _LOCKS.add(self)
 
-    def release(self, restore: bool = False) -> None:
+    def release(self, restore: bool = False, refused: bool = False) -> None:
         """Give the folder up (idempotent); ``restore``: write the previous owner's record back
-        first, so a launch that wrote nothing else (a finished run resumed) leaves the file as it was."""
+        first, so a launch that wrote nothing else (a finished run resumed) leaves the file as it was;
+        ``refused``: a refused launch into a folder that was empty removes the lock file and the
+        folder, leaving no run dir behind (deleted while still held, so no other launch owns it)."""
         if self.fd is not None:
+            if refused and getattr(self, "was_empty", False) and [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]:
+                self.path.unlink()
+                with contextlib.suppress(OSError):
+                    self.path.parent.rmdir()
             if restore and getattr(self, "previous", None) is not None:
                 os.ftruncate(self.fd, 0)
                 os.pwrite(self.fd, self.previous, 0)

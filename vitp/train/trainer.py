@@ -174,7 +174,7 @@ class Trainer:
             if not checked:
                 release_log_files(write=False)
             if self.lock is not None:
-                self.lock.release()
+                self.lock.release(refused=not checked)
             raise
 
     def _check_and_build(self, overrides: Optional[list]) -> None:
