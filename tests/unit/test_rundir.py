@@ -268,6 +268,13 @@ def test_a_finished_run_keeps_its_results_on_resume_and_vitp_eval(tmp_path, capl
     out = run / "eval_sampler.steps=1.json"
     assert json.loads(out.read_text())["sampler"]["steps"] == 1 and (run / "eval.json").read_bytes() == kept["eval.json"][0]
     assert f"vitp-eval: wrote {out} (the training's eval.json is kept)" in capsys.readouterr().err
+    written = out.read_bytes()
+    with pytest.raises(ValueError, match=r"eval_sampler.steps=1.json exists \(an earlier vitp-eval with these "
+                                         r"overrides\); pass --force to replace it"):  # it replaced it silently
+        eval_cli.run([str(run), "sampler.steps=1"])
+    assert out.read_bytes() == written
+    eval_cli.run([str(run), "sampler.steps=1", "--force"])
+    assert json.loads(out.read_text())["sampler"]["steps"] == 1
 
 
 def test_a_finished_run_resumed_from_an_earlier_checkpoint_moves_its_results_aside(tmp_path, caplog):

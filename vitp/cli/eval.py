@@ -34,7 +34,7 @@ from vitp.eval import evaluate
 from vitp.parallel.distributed import is_main, resolve_device
 
 
-FLAGS = {"weights": str}  # the flags that have an override form, cli.<flag>=value (flag_overrides)
+FLAGS = {"weights": str, "force": bool}  # the flags that have an override form, cli.<flag>=value (flag_overrides)
 
 
 def last_step(run_dir: Path) -> Optional[int]:
@@ -163,20 +163,25 @@ def run(argv: Optional[list] = None) -> dict:
     p.add_argument("run_dir", type=Path)
     p.add_argument("--weights", default=None, help="weights file inside RUN_DIR (default model_ema.safetensors; "
                                                    "under a launcher also cli.weights=FILE)")
+    p.add_argument("--force", action="store_true", help="replace an earlier vitp-eval's file of the same overrides "
+                                                        "(under a launcher also cli.force=true)")
     p.add_argument("overrides", nargs="*", default=[], help="Hydra-style key=value overrides of the run's config, "
                                                             "e.g. sampler.cfg_scale=2.0 sampler.steps=50")
     a = p.parse_intermixed_args(argv)
     flags, a.overrides = flag_overrides(a.overrides, "vitp-eval", FLAGS)
-    if a.weights is not None and flags:
+    if a.weights is not None and "weights" in flags:
         raise ValueError("--weights and cli.weights= both given; give one of them")
     weights = flags.get("weights", a.weights) or "model_ema.safetensors"
     sharded = launched()
     with quiet_unless_main():  # under a launcher: rank 0 alone logs, writes eval.json and prints
         if is_main():
             logging.basicConfig(level=logging.INFO, format="%(message)s")
+        out = eval_output(a.run_dir, a.overrides, weights)  # the training's eval.json is kept
+        if out.name != "eval.json" and out.exists() and not (a.force or flags.get("force")):
+            raise ValueError(f"{out} exists (an earlier vitp-eval with these overrides); pass --force to replace it, "
+                             f"or other overrides")
         cfg, gen, train_ds, heldout_ds, per_bucket, cond = load_for_eval(a.run_dir, weights, a.overrides, sharded)
         step = weights_step(a.run_dir, weights)  # the weights', not the run's last logged step
-        out = eval_output(a.run_dir, a.overrides, weights)  # the training's eval.json is kept
         with reporting(bars=is_main(), prefix="vitp-eval"):  # each phase: a line saying what runs, a bar
             res = evaluate(gen.denoiser if sharded else gen, cfg, train_ds, heldout_ds, a.run_dir, full=True,
                            step=step, buckets=per_bucket, conditioning=cond, share=gen.share if sharded else None,
