@@ -63,6 +63,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing import get_context
 from pathlib import Path
@@ -456,7 +457,8 @@ def _startup_overrides(out: Path, kind: str) -> List[str]:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, default=Path("bench_data_work"), help="folder of the data sets (reused)")
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "vitp-bench-data",
+                   help="folder of the data sets, reused by later runs (default: in the system's temp folder, not here)")
     p.add_argument("--out", type=Path, default=None, help="write the runs and the summary here as JSON")
     p.add_argument("--images", type=int, default=100_000, help="32x32 JPEG images (10 classes)")
     p.add_argument("--clips", type=int, default=1000, help="16-24 frame 32x32 mp4 clips (3 classes)")

@@ -374,3 +374,18 @@ def test_bench_sampling(tmp_path):
                              "--steps", "1", "--reps", "1", "--out", str(tmp_path / "cli.json")], tmp_path), "cli")["cli"]
     assert cli["max_pixel_diff"] <= 1  # torchrun at cp=2 writes one process's grid
     assert cli["ratio"] == pytest.approx(cli["torchrun_cp2_s"]["median"] / cli["one_process_s"]["median"])
+
+
+def test_bench_data_keeps_its_data_sets_out_of_the_current_folder(tmp_path, monkeypatch):
+    """A new user's report: ``scripts/bench_data.py`` left ``bench_data_work/`` in the folder it
+    ran in. Its data sets now go to the system's temp folder unless ``--work`` says otherwise."""
+    import importlib.util
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location("bench_data", Path(__file__).parents[2] / "scripts" / "bench_data.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.chdir(tmp_path)
+    work = bench.parse_args([]).work
+    assert work.is_absolute() and work.parent == Path(tempfile.gettempdir()) and tmp_path not in work.parents
+    assert bench.parse_args(["--work", "mine"]).work == Path("mine")
