@@ -179,3 +179,54 @@ def test_one_process_run_does_not_use_a_busy_inherited_master_port():
     inherited port that is busy does not fail it (with the inherited port kept: EADDRINUSE)."""
     busy, used, world = run_ranks(1, _init_on_busy_port)[0]
     assert world == 1 and used != busy
+
+
+def _signal_during_heldout_loss(rank, over, run_dir, signal_rank, signal_at):
+    """Train with ``over``; rank ``signal_rank`` sends itself SIGINT after its held-out loss
+    forward number ``signal_at`` (counted over the run). Returns ``(stopped_at, signal, forwards
+    run, the rank's last log line)``."""
+    import logging
+
+    import vitp.eval.metrics as metrics
+    from vitp.config import compose
+    from vitp.train.trainer import Trainer
+
+    forwards, v_loss = [0], metrics.v_loss
+
+    def counted(*a, **k):
+        forwards[0] += 1
+        if rank == signal_rank and forwards[0] == signal_at:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, here on one rank alone
+        return v_loss(*a, **k)
+
+    metrics.v_loss = counted
+    lines, handler = [], logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("vitp").addHandler(handler)
+    logging.getLogger("vitp").setLevel(logging.INFO)
+    res = Trainer(compose(over), run_dir).fit()
+    return res["stopped_at"], res["signal"], forwards[0], lines[-1] if rank == 0 else None
+
+
+def test_ctrl_c_during_the_heldout_loss_stops_within_one_forward(tmp_path):
+    """A new user's report: Ctrl-C during the step-0 held-out loss (minutes on a large model) said
+    "finishing this step, then saving a checkpoint" though no step runs, and the run went on until
+    a second Ctrl-C. Now every rank stops after the same forward even when one rank alone got the
+    signal (the request is agreed after each forward every replica runs): before step 1 nothing is
+    saved; during the held-out loss after step 2 the checkpoint of step 2 is."""
+    base = ["experiment=smoke", "trainer.checkpoint_every=0", "eval.t_grid=4", "trainer.micro_batch_size=8",
+            "trainer.global_batch_size=16"]
+    first = tmp_path / "first"
+    got = run_ranks(2, _signal_during_heldout_loss, [*base, "trainer.max_steps=4", "trainer.eval_every=2"], str(first),
+                    1, 2, timeout=120)
+    assert [g[:3] for g in got] == [(0, "SIGINT", 2)] * 2, got  # 359 held-out items: 23 batches x 4 levels each
+    assert got[0][3] == ("stopped by a signal on another rank before step 1: nothing trained in this launch, no "
+                         "checkpoint written. To start again: this run's launcher (2 processes) with -m vitp.train "
+                         f"--resume {first}")
+    assert not (first / "checkpoints").exists() or not any((first / "checkpoints").iterdir())
+    later = tmp_path / "later"
+    got = run_ranks(2, _signal_during_heldout_loss, [*base, "trainer.max_steps=4", "trainer.eval_every=2"], str(later),
+                    0, 23 * 4 + 5, timeout=120)
+    assert [g[:3] for g in got] == [(2, "SIGINT", 23 * 4 + 5)] * 2, got  # step 0's 92 forwards, then 5 of step 2's
+    assert verify_checkpoint(find_checkpoint("auto", later / "checkpoints"))["step"] == 2
+    assert got[0][3].startswith("stopped by SIGINT after step 2; checkpoint")

@@ -27,7 +27,7 @@ from vitp.utils import atomic_write_text
 
 from .judge import frechet_distance, judge_features, judge_metrics, load_or_train_judge
 from .inference import Share
-from .progress import phase
+from .progress import check_stop, common_batches, phase
 from .sampling import _device, generate, heldout_label_samples, to_pixels
 from .temporal import temporal_ratio, temporal_sums
 
@@ -63,8 +63,9 @@ def heldout_loss(gen: Any, cfg: DictConfig, dataset: Any, batch_size: Optional[i
     per_t = torch.zeros(K, dtype=torch.float64)
     n, mine = len(dataset), share.indices(len(dataset))
     what = f"held-out loss of {n} items at {K} noise levels{f' ({label})' if label else ''}"
+    common = common_batches(n, share.size, batch_size)  # a stop request is asked after each of their forwards
     with phase(what, -(-len(mine) // batch_size) * K, "held-out loss", "forward", share.main) as bar:
-        for start in range(mine.start, mine.stop, batch_size):
+        for b, start in enumerate(range(mine.start, mine.stop, batch_size)):
             idx = range(start, min(mine.stop, start + batch_size))
             items = [dataset[(i, None)] for i in idx]
             x = torch.stack([it[0] for it in items])
@@ -77,6 +78,7 @@ def heldout_loss(gen: Any, cfg: DictConfig, dataset: Any, batch_size: Optional[i
                 x_pred = gen(z.to(device), tb.to(device), *y).float().cpu()
                 per_t[k] += v_loss(x_pred, x, z, tb, cfg.objective.t_eps).double().sum()
                 bar.update(1)
+                check_stop(b < common)
     per_t = share.sum(per_t) / n
     return {"heldout_loss": per_t.mean().item(), "heldout_loss_per_t": {f"{t:.2f}": v for t, v in zip(ts, per_t.tolist())}}
 

@@ -12,7 +12,7 @@ from vitp.config import parse_resolution
 from vitp.media import frame_strip, to_grid, write_video_samples
 from vitp.objectives import sample
 from .inference import Share
-from .progress import phase
+from .progress import check_stop, common_batches, phase
 from vitp.utils import atomic_write
 
 
@@ -59,13 +59,19 @@ def generate(gen: Any, cfg: DictConfig, labels: torch.Tensor, seed: int, conditi
     out = [torch.empty((0, *shape))]
     what = (f"sampling {len(labels)} samples{f' for {purpose}' if purpose else ''} ({s.method}, {s.steps} steps, cfg_scale {s.cfg_scale:g}"
             f"{f', over {share.size} replicas' if share.size > 1 else ''})")
+    common = common_batches(len(labels), share.size, s.batch_size)  # a stop request is asked after their steps
     with phase(what, -(-len(mine) // s.batch_size) * s.steps, "sampling", "step", share.main) as bar:
-        for i in range(mine.start, mine.stop, s.batch_size):
+        for b, i in enumerate(range(mine.start, mine.stop, s.batch_size)):
             idx = range(i, min(mine.stop, i + s.batch_size))
+
+            def on_step(n: int = 1, _asked: bool = b < common) -> None:
+                bar.update(n)
+                check_stop(_asked)
+
             out.append(sample(gen, cond(labels[idx.start:idx.stop]), shape, null=null, steps=s.steps,
                               method=s.method, cfg_scale=s.cfg_scale, cfg_interval=tuple(s.cfg_interval),
                               noise_scale=cfg.objective.noise_scale, t_eps=cfg.objective.t_eps,
-                              noise=sample_noise(seed, idx, shape), on_step=bar.update).cpu())
+                              noise=sample_noise(seed, idx, shape), on_step=on_step).cpu())
     x = to_pixels(cfg, torch.cat(out), _device(gen))  # a latent run: each replica decodes its own samples
     return share.gather(x, len(labels)) if gather else x
 

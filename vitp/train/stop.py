@@ -37,6 +37,7 @@ class StopSignal:
     def __init__(self, device: torch.device):
         self.device, self.flag, self.previous, self.t_flag = device, None, {}, 0.0
         self.agreed: Optional[str] = None  # the signal any rank got, as :meth:`requested` last found it
+        self.doing = "finishing this step, then saving a checkpoint"  # what a signal does now (the trainer sets it)
         interrupt.raise_if_swallowed()  # a Ctrl-C during start-up that a library's bare except caught
         interrupt.training_started()
         if threading.current_thread() is threading.main_thread():
@@ -47,8 +48,8 @@ class StopSignal:
         name = signal.Signals(signum).name
         if self.flag is None:
             self.flag, self.t_flag = name, time.monotonic()
-            log.warning("%s received: finishing this step, then saving a checkpoint (a second signal, %.0f s or more "
-                        "later, aborts without one)", name, self.REPEAT_S)
+            log.warning("%s received: %s (a second signal, %.0f s or more later, aborts without one)", name,
+                        self.doing, self.REPEAT_S)
         elif time.monotonic() - self.t_flag >= self.REPEAT_S:
             raise KeyboardInterrupt(f"second signal ({name}): stopping without a checkpoint")
 

@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -627,8 +627,9 @@ class Trainer:
         tr = self.cfg.trainer
         self.bar = tqdm(total=tr.max_steps, initial=self.start_step, disable=not (self.main and tr.progress),
                         desc="train", dynamic_ncols=True)
-        if tr.eval_every and self.start_step == 0:
-            self.heldout_eval(0, final=False)  # the untrained model's held-out loss, for reference
+        if tr.eval_every and self.start_step == 0:  # the untrained model's held-out loss, for reference
+            if self._stopped_during(stopper, 0, lambda: self.heldout_eval(0, final=False)):
+                return 0
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0
         t_start = time.perf_counter()
         self.telemetry.start()
@@ -641,14 +642,34 @@ class Trainer:
                 last = step == tr.max_steps
                 if stopper.requested(local=self._exit_due(step, t_start)) and not last:
                     return step
-                if not last:
-                    self._after_step(step)
+                if not last and self._stopped_during(stopper, step, lambda: self._after_step(step)):
+                    return step
         finally:
             self.telemetry.stop()
             self.bar.close()
             if self.batches is not None:
                 self.batches.close()  # the DataLoader workers: no batch is needed after the loop
         return None
+
+    def _stopped_during(self, stopper: StopSignal, step: int, evaluation: Callable[[], Any],
+                        doing: Optional[str] = None) -> bool:
+        """Run ``evaluation`` (held-out loss, sample grids) after ``step`` so that a signal ends it
+        within one forward (:func:`vitp.eval.progress.stoppable`, every rank at the same forward);
+        True when one did. ``doing``: what the signal's log line says happens next."""
+        from vitp.eval.progress import EvaluationStopped, stoppable
+
+        before = stopper.doing
+        stopper.doing = doing or ("stopping the evaluation after this forward, then saving a checkpoint"
+                                  if step > self.start_step else "stopping the evaluation after this forward (no step "
+                                  "has run in this launch: nothing to save)")
+        try:
+            with stoppable(stopper.requested):
+                evaluation()
+            return False
+        except EvaluationStopped:
+            return True
+        finally:
+            stopper.doing = before
 
     def _exit_due(self, step: int, t_start: float) -> bool:
         """``trainer.exit_at_step`` reached or ``trainer.exit_after_minutes`` passed (this rank's view)."""
@@ -671,6 +692,13 @@ class Trainer:
 
     def _stop(self, step: int, signal_name: Optional[str]) -> Dict[str, Any]:
         tr = self.cfg.trainer
+        if step == self.start_step:  # a signal during the evaluation before the first step: nothing new to save
+            self.logger.close()
+            if self.main:
+                log.warning("stopped by %s before step %d: nothing trained in this launch, no checkpoint written. "
+                            "To start again: %s", signal_name or "a signal on another rank", step + 1,
+                            resume_command(self.run_dir))
+            return self._result({}, step)
         self.save_checkpoint(step)
         self.checkpointer.wait()  # a stop (SIGTERM too) waits for its checkpoint to be published
         self.logger.close()
@@ -725,18 +753,11 @@ class Trainer:
         self.export_final(tr.max_steps)
         result: Dict[str, Any] = {}
         skipped = stopper is not None and stopper.requested()  # collective: every rank skips alike
-        if skipped:
-            if self.main:
-                log.warning("%s after the last step: final checkpoint and weights saved, samples and evaluation "
-                            "skipped (run vitp-eval %s)", stopper.flag or "a signal on another rank", self.run_dir)
-        else:  # minutes, after the training bar's 100 %: each phase says what runs and shows a bar (rank 0)
-            from vitp.eval.progress import reporting
-
-            if not self.wan:  # Wan: no sample grids in vitp-train yet (refused at the config check)
-                with reporting(bars=self.main and tr.progress, prefix="final sample grid"):
-                    self.sample_grid(tr.max_steps)
-            with reporting(bars=self.main and tr.progress):
-                result = self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {}
+        if not skipped:  # minutes, after the training bar's 100 %: each phase says what runs and shows a bar (rank 0)
+            skipped = self._final_evaluation(stopper, result)
+        if skipped and self.main:
+            log.warning("%s after the last step: final checkpoint and weights saved, samples and evaluation "
+                        "skipped (run vitp-eval %s)", stopper.flag or "a signal on another rank", self.run_dir)
         self.logger.close()
         if self.main:  # what this launch wrote, not what a full finish would have
             ema = "model_ema.safetensors"
@@ -755,6 +776,26 @@ class Trainer:
         if dist.world_size() > 1:
             torch.distributed.barrier()
         return self._result(result, None)
+
+    def _final_evaluation(self, stopper: Optional[StopSignal], result: Dict[str, Any]) -> bool:
+        """The final sample grid and evaluation (into ``result``); True when a signal stopped them
+        (within one forward: :meth:`_stopped_during`)."""
+        from vitp.eval.progress import reporting
+
+        cfg, tr = self.cfg, self.cfg.trainer
+
+        def run() -> None:
+            if not self.wan:  # Wan: no sample grids in vitp-train yet (refused at the config check)
+                with reporting(bars=self.main and tr.progress, prefix="final sample grid"):
+                    self.sample_grid(tr.max_steps)
+            with reporting(bars=self.main and tr.progress):
+                result.update(self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {})
+
+        if stopper is None:
+            run()
+            return False
+        return self._stopped_during(stopper, tr.max_steps, run, "stopping the final samples and evaluation after "
+                                    "this forward (the final checkpoint and weights are saved)")
 
     def _copy_to_export_dir(self, export: Path) -> None:
         export.mkdir(parents=True, exist_ok=True)
