@@ -96,6 +96,18 @@ def _targeted(config: Mapping[str, Any], module: str, A: torch.Tensor) -> int:
     return len(pieces[module]) if module in pieces else max(1, A.shape[0] // config["rank"])
 
 
+def target_pieces(linear: str, pieces: Sequence[str], targets: Sequence[str]) -> List[int]:
+    """Indices of the pieces of ``linear`` (full name; ``pieces``: the names of its stacked pieces,
+    ``(linear,)`` for a plain one) that ``targets`` select, with peft's rule (a target matches a
+    name equal to it or ending in ``.<target>``): all of them when a target names the linear
+    (``attn.qkv``), else those a target names (diffusers' ``to_q`` selects ``attn1.to_q`` and
+    ``attn2.to_q``). ``[]``: not targeted."""
+    def hit(name: str) -> bool:
+        return any(name == t or name.endswith(f".{t}") for t in targets)
+
+    return list(range(len(pieces))) if hit(linear) else [j for j, d in enumerate(pieces) if hit(d)]
+
+
 def split_pieces(adapters: Mapping[str, torch.Tensor], config: Mapping[str, Any],
                  n_pieces: Mapping[str, int]) -> Pieces:
     """``{(linear, piece j): (A_j (r, in), B_j (out_piece, r))}`` of a convention state.
