@@ -251,3 +251,37 @@ def test_generator_file_and_merge_match_per_piece_lora():
         path = lf.save_lora_file(Path(d) / "g.safetensors", *lf.to_vitp_lora(adapters, config))
         got, got_config = lf.read_lora_file(path, {k: tuple(v.shape) for k, v in base.items()})
     assert got_config == config and all(torch.equal(got[k], adapters[k]) for k in adapters)
+
+
+def test_vitp_export_lora_and_merge_through_the_hook(tiny, tmp_path, monkeypatch):
+    """``vitp-export RUN --format lora [--lora-format comfyui]`` and ``--format diffusers --merge`` on
+    a LoRA run's checkpoint, the adapters from the hook (``_full_lora_state``, stubbed here until
+    the LoRA training provides it; the checkpoint a stub folder): the files equal the pure functions', and the merged folder
+    loads in diffusers with the merged weights' output."""
+    from diffusers import WanTransformer3DModel
+    from omegaconf import OmegaConf
+
+    from tests.helpers import compose_cfg
+    from vitp.cli import export as cli
+
+    pipe = tiny.script.write_pipeline(tmp_path / "pipe", sharded=True, vae=False, transformer=tiny.ref)
+    cfg = compose_cfg(["experiment=wan_smoke", f"trainer.init_from={pipe}", "trainer.lora.rank=4",
+                       "trainer.lora.alpha=6"])
+    tag = tmp_path / "run" / "checkpoints" / "step_0000004"
+    tag.mkdir(parents=True)
+    (tag / ".metadata").write_bytes(b"")
+    (tag / "vitp_meta.json").write_text(json.dumps({"step": 4, "config": OmegaConf.to_container(cfg, resolve=True)}))
+    adapters, config = make_adapters(tiny.state, TARGETS["partial"])
+    monkeypatch.setattr(cli, "_full_lora_state", lambda t, c, kind: (adapters, config))
+    monkeypatch.setattr(cli.ckpt, "resolve_weights", lambda s, w: (tag / "model_ema.safetensors", None, tag.parents[1]))
+    out = cli.run([str(tag), "--format", "lora", "-o", str(tmp_path / "d")])
+    assert out == tmp_path / "d" / "pytorch_lora_weights.safetensors"
+    got, _ = lf.read_lora_file(out, lf.wan_state_shapes(tiny.cfg), tiny.cfg)
+    assert all(torch.equal(got[k], adapters[k]) for k in adapters)
+    out = cli.run([str(tag), "--format", "lora", "--lora-format", "comfyui", "-o", str(tmp_path / "c")])
+    assert out.name == "c.safetensors"
+    merged = cli.run([str(tag), "--format", "diffusers", "--merge", "-o", str(tmp_path / "m")])
+    with no_key_warnings():
+        model = WanTransformer3DModel.from_pretrained(str(merged)).eval()
+    want = run(diffusers_model(tiny, lf.merge_lora(tiny.state, adapters, config)), tiny.inputs)
+    assert rel(run(model, tiny.inputs), want) < 1e-6

@@ -475,3 +475,42 @@ def read_lora_file(path: PathLike, base_shapes: Mapping[str, Sequence[int]], wan
                             or m in (config.get("pieces") or {})}
     _check_base(path, adapters, config, base_shapes, base_hash)
     return adapters, config
+
+
+def merge_into_folder(base_folder: PathLike, adapters: Mapping[str, torch.Tensor], config: Mapping[str, Any],
+                      out: PathLike, max_shard_bytes: int = 5 * 10**9) -> Path:
+    """Write the Wan transformer of ``base_folder`` (a diffusers transformer or pipeline folder)
+    with the adapters merged (:func:`merge_lora`) as a diffusers transformer folder ``out``
+    (``config.json``, shards of at most ``max_shard_bytes`` and their index), one shard's tensors
+    at a time, in the base's dtypes. Returns ``out``. Raises as :func:`merge_lora` and
+    :func:`vitp.models.wan_keys.load_state`."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from vitp.checkpoint.export import shard_groups
+    from .wan_keys import INDEX, key_map, read_config, read_tensors, to_diffusers_state, transformer_folder, \
+        weight_locations
+
+    src, out = transformer_folder(base_folder, "transformer"), Path(out)
+    wan = read_config(src)
+    kmap, where = key_map(wan), weight_locations(src)
+    pairs = _module_pairs(adapters)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src / "config.json", out / "config.json")
+    with torch.device("meta"):
+        from .wan import WanModel
+
+        sizes = {k: v.numel() * 4 for k, v in WanModel(wan).state_dict().items()}
+    groups = shard_groups(sizes, max_shard_bytes)
+    index: Dict[str, str] = {}
+    for i, keys in enumerate(groups):
+        raw = read_tensors(where, [d for k in keys for d in kmap[k]])
+        state = {k: torch.cat([raw[d] for d in kmap[k]]) for k in keys}
+        mods = {f"{m}.lora_{x}": t for m, ab in pairs.items() if f"{m}.weight" in state for x, t in zip("AB", ab)}
+        part = to_diffusers_state(merge_lora(state, mods, config), wan, partial=True)
+        name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(part, str(out / name), metadata={"format": "pt"})
+        index.update({k: name for k in part})
+    (out / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(index.items()))}, indent=2) + "\n")
+    return out
