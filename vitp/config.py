@@ -190,6 +190,20 @@ class OptimConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA fine-tuning (issue 52): adapters on the base's linears, the base frozen (no grads,
+    optimizer state or EMA). The planner reads it (vitp.plan.lora); files: vitp.models.lora_files."""
+
+    rank: int = 0  # adapter rank r (0 = off: full fine-tuning)
+    alpha: Optional[float] = None  # scaling alpha / r (rslora: alpha / sqrt(r)); null = rank
+    rslora: bool = False  # rank-stabilised scaling alpha / sqrt(r) (arXiv:2312.03732)
+    dropout: float = 0.0  # dropout on the adapters' input
+    targets: List[str] = field(default_factory=lambda: ["attn.qkv", "attn.proj", "cross_attn.q", "cross_attn.kv",
+                                                        "cross_attn.proj", "mlp.fc1", "mlp.fc2"])  # vitp linears (all their pieces) or, for Wan, diffusers modules (to_q, attn1.to_v, ffn.net.0.proj, ...)
+    base_dtype: str = "auto"  # dtype of the frozen base weights: auto (the training precision) | fp32 | bf16
+
+
+@dataclass
 class TrainerConfig:
     """The training loop."""
 
@@ -217,6 +231,7 @@ class TrainerConfig:
     dist_timeout_minutes: float = 30.0  # how long a rank waits in a collective before the job fails (torch.distributed timeout)
     compile: CompileMode = CompileMode.off  # "off" (eager) | "blocks" (torch.compile each block, one graph per distinct shape; docs/performance.md)
     profile_steps: List[int] = field(default_factory=list)  # [a, b]: per-stage pipeline timeline of optimizer steps a..b into <run dir>/profile ([] = off)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA instead of full fine-tuning (rank > 0)
 
 
 @dataclass
@@ -435,6 +450,10 @@ FIELD_RULES: Dict[str, Rule] = {
     "trainer.exit_after_minutes": span(0, lo_open=True, real=True, null="off"),
     "trainer.profile_steps": Rule(_is_step_range, "[] (off) or [a, b], integers with 1 <= a <= b (optimizer "
                                   "steps, inclusive)", [3, 2], lambda v: [2, 3]),
+    "trainer.lora.rank": span(0, note="0 = off: full fine-tuning"),
+    "trainer.lora.alpha": span(0, lo_open=True, real=True, null="alpha = rank"),
+    "trainer.lora.dropout": _PROBABILITY,
+    "trainer.lora.base_dtype": one_of("auto", "fp32", "bf16"),
     "eval.t_grid": span(1),
     "eval.noise_seed": _SEED,
     "eval.classifier_epochs": span(0, note="digits runs only"),
@@ -464,6 +483,7 @@ FREE_FORM: Dict[str, str] = {
     "trainer.tensorboard_dir": "a folder, created",
     "trainer.export_dir": "a folder, created",
     "trainer.output_data_dir": "a folder, created",
+    "trainer.lora.targets": "linear names, resolved against the model's linears by vitp.models.lora_files.target_pieces",
     "paths.output_root": "a folder, created",
 }
 
@@ -473,13 +493,14 @@ def schema_fields() -> Dict[str, Any]:
     items not) -> its ``dataclasses.Field``."""
     from dataclasses import fields, is_dataclass
 
-    out: Dict[str, Any] = {}
-    for f in fields(Config):
-        if is_dataclass(f.default_factory):
-            out.update({f"{f.name}.{g.name}": g for g in fields(f.default_factory)})
-        else:
-            out[f.name] = f
-    return out
+    def expand(cls: Any, prefix: str) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for f in fields(cls):
+            sub = f.default_factory if is_dataclass(f.default_factory) else None
+            out.update(expand(sub, f"{prefix}{f.name}.") if sub else {f"{prefix}{f.name}": f})
+        return out
+
+    return expand(Config, "")
 
 
 def closed_by_type(f: Any) -> bool:

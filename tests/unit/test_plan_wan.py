@@ -137,3 +137,77 @@ def test_recipes_fit_every_phase_on_their_gpus_and_not_on_fewer(exp, gpus, fewer
     if fewer:
         assert not any(p.fits for p in plan(cfg, fewer, prof))
         assert best.layout.ac and plan(cfg, gpus, prof)[0].layout.cp > 1  # the step-only first row takes cp
+
+
+# --- LoRA (trainer.lora): adapter counts equal peft's on diffusers' model, the state arithmetic ---
+
+LORA_TARGETS = [["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"],
+                ["attn1.to_q", "attn2.to_v", "proj_out"], ["attn.qkv", "cross_attn.kv", "mlp.fc2"]]
+
+
+@pytest.mark.parametrize("targets", LORA_TARGETS, ids=["diffusers-names", "partial-pieces", "vitp-names"])
+def test_lora_adapter_count_equals_peft_on_diffusers(targets):
+    """The planner's adapter parameters equal the ``lora_`` parameters peft injects into diffusers'
+    ``WanTransformer3DModel`` (meta device) with the same targets and rank; vitp names select
+    every piece of a fused linear (``attn.qkv`` = to_q, to_k, to_v of attn1); peft's suffix rule
+    makes ``mlp.fc2`` also match the timestep embedder's ``t_embedder.mlp.fc2`` (diffusers'
+    ``time_embedder.linear_2``)."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from diffusers import WanTransformer3DModel
+    from vitp.plan.lora import lora_params
+    from vitp.plan.wan import wan_config_of_model
+
+    peft_targets = {"attn.qkv": ["attn1.to_q", "attn1.to_k", "attn1.to_v"], "cross_attn.kv": ["attn2.to_k", "attn2.to_v"],
+                    "mlp.fc2": ["ffn.net.2", "time_embedder.linear_2"]}
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**wan_config_of_model(TINY))
+    names = [d for t in targets for d in peft_targets.get(t, [t])]
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=names), model)
+    want = sum(p.numel() for k, p in model.named_parameters() if "lora_" in k)
+    assert want > 0 and lora_params(TINY, targets, 4) == want
+
+
+def test_lora_plan_state_arithmetic():
+    """LoRA against full fine-tuning in one layout (bf16, ZeRO-1 over dp 2): the base keeps only
+    its bf16 weights; the adapters get bf16 weights and grads, fp32 master + AdamW moments and fp32
+    EMA split over dp; activations gain the r-dim intermediates of every targeted linear."""
+    from vitp.plan import LayoutSpec, MemoryOptions, stage_memory
+    from vitp.plan.lora import LoraPlan
+
+    lay = LayoutSpec(tp=1, cp=1, pp=1, dp=2, sp=False, ac=0, micro=2, accum=1, precision="bf16", device="cuda")
+    full = stage_memory(TINY, lay)[0]
+    lora = stage_memory(TINY, lay, MemoryOptions(lora=LoraPlan(4, ("attn.qkv", "blocks.0.mlp.fc2", "blocks.1.mlp.fc2"))))[0]
+    D, F, N, r = 64, 160, 24, 4
+    Pa = 2 * (3 * r * D + 3 * D * r + r * F + D * r)  # 2 blocks: qkv's 3 pieces, fc2
+    P = full.params
+    assert lora.adapter_params == Pa == 4864 and lora.params == P
+    assert lora.weights == 2 * P + 2 * Pa and lora.grads == 2 * Pa and full.grads == 2 * P
+    assert lora.optimizer == 12 * Pa / 2 and full.optimizer == 12 * P / 2
+    assert lora.ema == 4 * Pa / 2 and full.ema == 4 * P / 2
+    assert lora.activations - full.activations == 2 * 2 * N * (3 * r + r) * 2  # micro 2, 2 blocks, bf16
+    assert lora.ckpt_write == Pa * (2 / 2 + (4 + 8 + 4) / 2)  # bf16 weights over dp, fp32 EMA + moments + master fragments
+
+
+def test_lora_recipe_fits_on_2_and_8_gpus_not_on_1():
+    """``experiment=wan21_14b_720p_lora``: its layout (tp 1 x cp 2) fits the step and every phase
+    on 8 and on 2 x H100 80 GB, where it is the fastest that fits; on 1 nothing fits; it needs
+    less memory than full fine-tuning in the same layout by the state the frozen base drops."""
+    from vitp.plan import MemoryOptions, get_profile, layout_of, phase_costs_of, plan, predict
+    from vitp.plan.lora import lora_plan_of
+
+    cfg, model = _planned_model(["experiment=wan21_14b_720p_lora"])
+    prof, opts = get_profile("h100", 80), MemoryOptions(lora=lora_plan_of(cfg))
+    for gpus in (8, 2):
+        p = predict(model, layout_of(cfg, gpus, "cuda"), prof, opts)
+        assert (p.layout.tp, p.layout.cp, p.layout.dp) == (1, 2, gpus // 2) and p.fits
+        assert all(c.memory_bytes <= p.limit_bytes for c in phase_costs_of(cfg, p, model, prof))
+    best = plan(cfg, 2, prof, opts)[0]
+    assert (best.layout.tp, best.layout.cp, best.fits) == (1, 2, True)
+    assert not any(p.fits for p in plan(cfg, 1, prof, opts))
+    full = predict(model, p.layout, prof, MemoryOptions())  # the 2-GPU layout, full fine-tuning
+    Pa, P = p.peak.adapter_params, p.peak.params
+    assert 150e6 < Pa < 160e6
+    dropped = (P - Pa) * (2 + 12 / 2 + 4 / 2) - 2 * Pa  # grads, master + moments and EMA over dp x cp = 2
+    assert full.peak.total - p.peak.total == pytest.approx(dropped - (p.peak.activations - full.peak.activations)
+                                                           - (p.peak.recompute - full.peak.recompute)
+                                                           - (p.peak.workspace - full.peak.workspace), rel=1e-9)

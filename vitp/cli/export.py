@@ -51,10 +51,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="from a checkpoint: larger weights are written as shards of at most SIZE (5GB = 5*10^9 "
                         "bytes, 5GiB = 5*2^30, or bytes; default 5GB) plus OUT.index.json")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--format", choices=["vitp", "diffusers"], default="vitp",
+    p.add_argument("--format", choices=["vitp", "diffusers", "lora"], default="vitp",
                    help="vitp: the export file above; diffusers: a Wan run's (model.family=wan) checkpoint as a "
                         "diffusers folder OUT (a transformer folder, or a whole pipeline when the run started from "
-                        "one: OUT/transformer and the source's other components linked)")
+                        "one: OUT/transformer and the source's other components linked); lora: a LoRA run's "
+                        "adapters as one LoRA file (docs/finetuning.md#lora-files)")
+    p.add_argument("--lora-format", choices=["diffusers", "comfyui"], default="diffusers",
+                   help="--format lora of a Wan run: diffusers (OUT/pytorch_lora_weights.safetensors, "
+                        "WanPipeline.load_lora_weights) or comfyui (OUT.safetensors, diffusion_model.* keys)")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA run with --format diffusers: the base (trainer.init_from) with the adapters merged, "
+                        "as a diffusers transformer folder OUT")
     return p
 
 
@@ -85,12 +92,78 @@ def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
     return written
 
 
+def _full_lora_state(tag: Path, cfg, kind: str):
+    """``(adapters, config)`` of a LoRA run's checkpoint ``tag``: the tp=1 adapter state in vitp's
+    convention (:mod:`vitp.models.lora_files`) and its LoRA config. The hook the LoRA training
+    provides (``vitp.train.lora.full_lora_state(tag, cfg, kind=kind)``); until it does, a clear refusal."""
+    try:
+        from vitp.train.lora import full_lora_state
+    except ImportError:
+        raise NotImplementedError(f"{tag}: reading a LoRA run's adapters from its checkpoint needs "
+                                  "vitp.train.lora.full_lora_state, which this vitp does not have yet") from None
+    return full_lora_state(tag, cfg, kind=kind)
+
+
+def write_lora_export(out: Path, adapters, config, cfg, lora_format: str = "diffusers", merge: bool = False) -> Path:
+    """Write a LoRA run's adapters (vitp's convention) to ``out``: with ``merge``, the base
+    ``cfg.trainer.init_from`` with them merged as a diffusers transformer folder (Wan only); else a
+    Wan run's diffusers file (``out/pytorch_lora_weights.safetensors``) or ComfyUI file
+    (``out``, ``.safetensors``), or the generator's vitp LoRA file. Returns the path written.
+    Raises ``ValueError`` for ``merge`` or ``lora_format=comfyui`` on a generator run."""
+    from vitp.models import lora_files as lf
+    from vitp.models.wan_run import is_wan
+
+    if not is_wan(cfg):
+        if merge or lora_format != "diffusers":
+            raise ValueError("a generator run's LoRA exports as vitp's own file (--format lora, no --lora-format "
+                             "or --merge); merge it in Python: vitp.models.lora_files.merge_lora")
+        return lf.save_lora_file(out, *lf.to_vitp_lora(adapters, config))
+    if merge:
+        return lf.merge_into_folder(cfg.trainer.init_from, adapters, config, out)
+    from vitp.models.wan_keys import read_config, transformer_folder
+
+    wan = read_config(transformer_folder(cfg.trainer.init_from, "transformer"))
+    writer = lf.to_comfyui_lora if lora_format == "comfyui" else lf.to_diffusers_lora
+    return lf.save_lora_file(out if lora_format == "comfyui" else Path(out) / lf.WEIGHT_NAME,
+                             *writer(adapters, config, wan))
+
+
+def run_lora(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
+    """``--format lora`` / ``--merge``: a LoRA run's checkpoint through :func:`_full_lora_state`
+    and :func:`write_lora_export`; returns the path written."""
+    src, step, run_dir = ckpt.resolve_weights(a.source, a.weights)
+    tag = src.parent
+    if not (tag / ex.DCP_METADATA).is_file():
+        p.error(f"{a.source}: --format lora / --merge read a LoRA run's training checkpoint (a run directory, its "
+                "checkpoints folder or a checkpoint tag folder)")
+    record = ex.checkpoint_record(tag)
+    cfg = OmegaConf.create(record["config"])
+    if not int(OmegaConf.select(cfg, "trainer.lora.rank", default=0) or 0):
+        p.error(f"{a.source} is not a LoRA run (trainer.lora.rank is 0): export it with --format vitp or diffusers")
+    if a.merge and a.format != "diffusers":
+        p.error("--merge writes a diffusers folder: pass --format diffusers")
+    step = record.get("step", -1) if step is None else step
+    suffix = "merged_diffusers" if a.merge else f"lora_{a.lora_format}"
+    out = a.out or run_dir / "export" / f"{ckpt.tag_name(max(step, 0))}_{a.weights}_{suffix}"
+    if a.lora_format == "comfyui" and not a.merge and out.suffix != ".safetensors":
+        out = out.with_name(out.name + ".safetensors")
+    if out.exists() and not a.force:
+        p.error(f"{out} exists; choose another --out or pass --force to replace it")
+    adapters, config = _full_lora_state(tag, cfg, ex.CHECKPOINT_KINDS[src.name])
+    written = write_lora_export(out, adapters, config, cfg, a.lora_format, a.merge)
+    print(f"wrote {written} (LoRA rank {config['rank']}, step {step}, {a.weights} weights"
+          + (", merged into the base)" if a.merge else f", {a.lora_format} keys)"))
+    return written
+
+
 def run(argv: Optional[List[str]] = None) -> Path:
     """``vitp-export SOURCE [-o OUT.safetensors] [--weights ema|raw] [--max-shard-size SIZE]
     [--format vitp|diffusers]``; returns the written path (the index file when sharded; with
     ``--format diffusers`` the transformer folder)."""
     p = _parser()
     a = p.parse_args(argv)
+    if a.format == "lora" or a.merge:
+        return run_lora(p, a)
     if a.format == "diffusers":
         return run_diffusers(p, a)
     src, step, run_dir = ckpt.resolve_weights(a.source, a.weights)

@@ -82,14 +82,19 @@ def _count(n: float) -> str:
 
 def _header(cfg, args, prof, preds) -> str:
     from vitp.plan import GIB, ModelShape, format_bytes, layer_params
+    from vitp.plan.lora import lora_params
 
     shape = ModelShape.from_config(cfg.model)
     params = sum(sum(layer.values()) for layer in layer_params(cfg.model))
     fits = sum(p.fits for p in preds)
+    lora = cfg.trainer.lora
+    tuned = (f"; LoRA rank {lora.rank} on {list(lora.targets)}, base frozen ({lora.base_dtype}), "
+             f"{_count(lora_params(cfg.model, lora.targets, int(lora.rank)))} adapter parameters"
+             if int(lora.rank) else "")
     return (f"model: {_count(params)} parameters, {shape.tokens} tokens/sample, depth {shape.depth}, width "
             f"{shape.width}; global batch {cfg.trainer.global_batch_size}; {args.gpus} x {prof.name} "
-            f"({format_bytes(prof.memory_gib * GIB)}, {prof.devices_per_node}/node); {len(preds)} valid layouts, "
-            f"{fits} fit")
+            f"({format_bytes(prof.memory_gib * GIB)}, {prof.devices_per_node}/node){tuned}; {len(preds)} valid "
+            f"layouts, {fits} fit")
 
 
 def plan_text(cfg, lay) -> str:
@@ -129,6 +134,7 @@ def run(argv: Optional[List[str]] = None) -> list:
     args = parse_args(argv)
     from vitp.cli.overrides import compose_checked
     from vitp.plan import MemoryOptions, format_phases, format_table, get_profile, latent_plan, plan, with_vae_geometry
+    from vitp.plan.lora import lora_plan_of
 
     if args.top < 0:
         raise ValueError(f"--top {args.top}: use a number of rows >= 0 (0 = all)")
@@ -136,7 +142,8 @@ def run(argv: Optional[List[str]] = None) -> list:
     prof = get_profile(args.device, args.mem_gib, procs=args.gpus)  # cpu: gloo measured with as many processes
     if args.gpus_per_node:
         prof = replace(prof, devices_per_node=args.gpus_per_node)
-    preds = plan(cfg, args.gpus, prof, MemoryOptions(adaln_sharded=not args.adaln_replicated), args.ac, args.micro)
+    opts = MemoryOptions(adaln_sharded=not args.adaln_replicated, lora=lora_plan_of(cfg))
+    preds = plan(cfg, args.gpus, prof, opts, args.ac, args.micro)
     if not preds:
         raise ValueError(f"no valid layout of this config on {args.gpus} devices (check heads, MLP hidden units, "
                          "depth and trainer.global_batch_size against the device count)")

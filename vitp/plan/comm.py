@@ -110,10 +110,13 @@ def _per_step(colls: List[Collective], accum: int, group: int) -> Tuple[float, i
     return sum(k * c.wire_bytes(group) for k, c in zip(per, colls)), sum(k * c.count for k, c in zip(per, colls))
 
 
-def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = True) -> List[StageComm]:
-    """Per-stage communication of one optimizer step (``lay.accum`` micro-batches) per rank."""
+def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = True, lora: Any = None) -> List[StageComm]:
+    """Per-stage communication of one optimizer step (``lay.accum`` micro-batches) per rank; with
+    ``lora`` (a :class:`vitp.plan.lora.LoraPlan`) the gradients reduced are the adapters' only."""
+    from .lora import lora_layer_costs
+
     shape = ModelShape.from_config(model)
-    per_layer = layer_params_per_rank(model, lay.tp, adaln_sharded)
+    per_layer = lora_layer_costs(model, lora, lay)[0] if lora else layer_params_per_rank(model, lay.tp, adaln_sharded)
     send = pp_send_bytes(model, lay)
     e = lay.engine_dp  # the gradient reduction spans dp x cp ranks
     out = []

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .layout import LayoutSpec, gathered_tokens, local_tokens
+from .lora import LoraPlan, lora_layer_costs
 from .shapes import ModelShape, layer_params_per_rank, stage_layer_ranges
 
 ACT_BYTES = {"fp32": 4, "bf16": 2}
@@ -269,8 +270,11 @@ def chunks(first: int, end: int, interval: int) -> List[Tuple[int, int]]:
     return [(i, min(i + interval, end)) for i in range(first, end, interval)]
 
 
-def layer_saved_bytes(shape: ModelShape, layer: int, lay: LayoutSpec) -> float:
-    """Saved bytes per sample of layer ``layer`` (0 = Embed, 1..depth = blocks, depth+1 = Final)."""
+def layer_saved_bytes(shape: ModelShape, layer: int, lay: LayoutSpec, extra: Optional[List[float]] = None) -> float:
+    """Saved bytes per sample of layer ``layer`` (0 = Embed, 1..depth = blocks, depth+1 = Final),
+    plus ``extra[layer]`` (LoRA's, :func:`vitp.plan.lora.lora_layer_costs`)."""
+    if extra is not None:
+        return layer_saved_bytes(shape, layer, lay) + extra[layer]
     if layer == 0:
         return _sum(embed_saved(shape), lay)
     if layer == shape.depth + 1:
@@ -314,7 +318,8 @@ def _rebuilt_only_bytes(shape: ModelShape, first: int, end: int, lay: LayoutSpec
     return lay.micro * (c + FREQ_DIM // 2 * 8) + FREQ_DIM // 2 * 8
 
 
-def recompute_peak(shape: ModelShape, lay: LayoutSpec, first: int, end: int) -> float:
+def recompute_peak(shape: ModelShape, lay: LayoutSpec, first: int, end: int,
+                   extra: Optional[List[float]] = None) -> float:
     """Peak bytes of one micro-batch during its backward with activation checkpointing:
     chunks are rebuilt last to first; while chunk ``j`` is rebuilt the inputs of chunks ``<= j``
     are still stored (later ones were freed with their chunk's backward, the loss's saved tensors
@@ -322,7 +327,8 @@ def recompute_peak(shape: ModelShape, lay: LayoutSpec, first: int, end: int) -> 
     peak, prefix = 0.0, 0.0
     for a, e in chunks(first, end, lay.ac):
         prefix += chunk_input_bytes(shape, a, lay)
-        rebuilt = sum(layer_saved_bytes(shape, i, lay) for i in range(a, e)) - _resaved_input_bytes(shape, a, lay)
+        rebuilt = (sum(layer_saved_bytes(shape, i, lay, extra) for i in range(a, e))
+                   - _resaved_input_bytes(shape, a, lay))
         peak = max(peak, lay.micro * (prefix + rebuilt) + _rebuilt_only_bytes(shape, a, e, lay))
     return peak
 
@@ -335,13 +341,15 @@ class MemoryOptions:
     bucket (0 = none); ``adaln_sharded``: the blocks' adaLN modulation is split over TP;
     ``ema_bytes``: bytes per parameter of the trainer's EMA copy (fp32, on the training device,
     split over the ``dp * cp`` ranks as ZeRO-1 splits the optimizer: :class:`vitp.train.ema.EMA`;
-    0 = none).
+    0 = none). ``lora``: a LoRA run (:mod:`vitp.plan.lora`): the state above is the adapters',
+    the frozen base only its weights.
     """
 
     state_bytes: Dict[Tuple[int, str], StateBytes] = field(default_factory=lambda: dict(STATE_BYTES))
     zero_bucket_elements: int = ZERO_BUCKET_ELEMENTS
     adaln_sharded: bool = True
     ema_bytes: float = 4.0
+    lora: Optional[LoraPlan] = None
 
 
 @dataclass(frozen=True)
@@ -373,6 +381,7 @@ class StageMemory:
     in_flight: int
     ckpt_host: float = 0.0
     ckpt_write: float = 0.0
+    adapter_params: int = 0
 
     @property
     def total(self) -> float:
@@ -403,34 +412,50 @@ def _state(P: int, lay: LayoutSpec, opts: MemoryOptions) -> Tuple[float, float, 
             P * other + P * sum(sb.split.values()) / lay.engine_dp, P * sum(sb.step_split.values()) / lay.engine_dp)
 
 
-def _activations(shape: ModelShape, lay: LayoutSpec, first: int, end: int, last: bool) -> Tuple[float, float]:
+def _activations(shape: ModelShape, lay: LayoutSpec, first: int, end: int, last: bool,
+                 extra: Optional[List[float]] = None) -> Tuple[float, float]:
     """``(stored, recompute)`` bytes per micro-batch of the stage's layers ``[first, end)``: what
     one micro-batch holds between its forward and backward, and (activation checkpointing) how
     much more its backward needs at the recomputation peak (:func:`recompute_peak`)."""
     c = stage_tensor_bytes(shape, lay)  # the conditioning (Wan: mod, ctx, rotary), shared by the stage's layers
     loss = _sum(loss_saved(shape), lay) if last else 0.0
     if not lay.ac:
-        return lay.micro * (sum(layer_saved_bytes(shape, i, lay) for i in range(first, end)) + loss) + c, 0.0
+        return lay.micro * (sum(layer_saved_bytes(shape, i, lay, extra) for i in range(first, end)) + loss) + c, 0.0
     stored = lay.micro * (sum(chunk_input_bytes(shape, a, lay) for a, _ in chunks(first, end, lay.ac)) + loss) + c
-    return stored, max(0.0, recompute_peak(shape, lay, first, end) + c - stored)
+    return stored, max(0.0, recompute_peak(shape, lay, first, end, extra) + c - stored)
+
+
+def _stage_state(P: int, Pa: int, lay: LayoutSpec, opts: MemoryOptions) -> Dict[str, float]:
+    """Model state bytes of one rank holding ``P`` base parameters (and ``Pa`` LoRA adapter
+    parameters with ``opts.lora``: the state is theirs, the frozen base only weights in its dtype)."""
+    trained = Pa if opts.lora else P
+    weights, grads, optimizer, step = _state(trained, lay, opts)
+    if opts.lora:
+        weights += P * opts.lora.base_bytes(lay.precision)
+    host, write = checkpoint_bytes(trained, lay)
+    ema_split = lay.engine_dp if lay.zero_stage >= 1 else 1  # sharded like ZeRO's partitions
+    return dict(weights=weights, grads=grads, optimizer=optimizer, step=step, ckpt_host=host, ckpt_write=write,
+                ema=trained * opts.ema_bytes / ema_split)
 
 
 def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = None) -> List[StageMemory]:
-    """Predicted per-rank memory of every pipeline stage of ``model`` (a config section) in ``lay``.
+    """Predicted per-rank memory of every pipeline stage of ``model`` (a config section) in ``lay``
+    (with ``opts.lora``, of a LoRA run: :mod:`vitp.plan.lora`).
 
     Raises ``ValueError`` for a (ZeRO stage, precision) pair the table lacks, or ``depth < pp``.
     """
     opts = opts or MemoryOptions()
     shape = ModelShape.from_config(model)
     per_layer = layer_params_per_rank(model, lay.tp, opts.adaln_sharded)
+    adapters, extra = lora_layer_costs(model, opts.lora, lay) if opts.lora else ([0] * len(per_layer), None)
     act_b = ACT_BYTES[lay.precision]
     out = []
     for s, (first, end) in enumerate(stage_layer_ranges(shape.depth, lay.pp)):
         last = s == lay.pp - 1
-        P = sum(per_layer[first:end])
-        weights, grads, optimizer, step = _state(P, lay, opts)
+        P, Pa = sum(per_layer[first:end]), sum(adapters[first:end])
+        state = _stage_state(P, Pa, lay, opts)
         in_flight = min(lay.pp - s, lay.accum)
-        stored, rebuilt = _activations(shape, lay, first, end, last)
+        stored, rebuilt = _activations(shape, lay, first, end, last, extra)
         # stage outputs: tokens until their backward; the last stage's predictions stay in its
         # output buffers (DeepSpeed returns before clearing them there), the newest LAST_OUTPUT_BUFFERS
         # (the prediction gathered over cp, every cp rank holds it whole)
@@ -438,14 +463,12 @@ def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = No
         out_bytes = (lay.micro * shape.pixels * act_b if last else  # the generator's buffers measured without c
                      stage_output_bytes(shape, lay) if shape.is_wan else tokens_bytes)
         held = min(LAST_OUTPUT_BUFFERS, lay.accum) if last else in_flight
-        layer_max = max(layer_saved_bytes(shape, i, lay) for i in range(first, end))
+        layer_max = max(layer_saved_bytes(shape, i, lay, extra) for i in range(first, end))
         bucket = ZERO_BUCKET_BUFFERS * opts.zero_bucket_elements * act_b if lay.zero_stage == 1 else 0
-        host, write = checkpoint_bytes(P, lay)
-        ema_split = lay.engine_dp if lay.zero_stage >= 1 else 1  # sharded like ZeRO's partitions
         out.append(StageMemory(
-            stage=s, params=P, weights=weights, grads=grads, optimizer=optimizer, ema=P * opts.ema_bytes / ema_split,
-            ckpt_host=host, ckpt_write=write,
+            stage=s, params=P, weights=state["weights"], grads=state["grads"], optimizer=state["optimizer"],
+            ema=state["ema"], ckpt_host=state["ckpt_host"], ckpt_write=state["ckpt_write"],
             activations=in_flight * stored, recompute=rebuilt,
-            pipe_buffers=held * out_bytes, zero_buckets=bucket, workspace=step + lay.micro * layer_max,
-            in_flight=in_flight))
+            pipe_buffers=held * out_bytes, zero_buckets=bucket, workspace=state["step"] + lay.micro * layer_max,
+            in_flight=in_flight, adapter_params=Pa))
     return out

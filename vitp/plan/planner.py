@@ -82,9 +82,9 @@ def predict(model: Any, lay: LayoutSpec, prof: DeviceProfile, opts: Optional[Mem
 
     opts = opts or MemoryOptions()
     model = {k: str(v) if k in ("mlp", "attention") else v for k, v in to_dict(model).items()}  # resolve once
-    t = step_time(model, lay, prof, opts.adaln_sharded)
+    t = step_time(model, lay, prof, opts.adaln_sharded, opts.lora)
     tokens = lay.global_batch * ModelShape.from_config(model).tokens
-    return Prediction(lay, stage_memory(model, lay, opts), step_comm(model, lay, opts.adaln_sharded), t,
+    return Prediction(lay, stage_memory(model, lay, opts), step_comm(model, lay, opts.adaln_sharded, opts.lora), t,
                       tokens / t["step_s"], predicted_mfu(model, lay, prof, t["step_s"]),
                       rank_limit_bytes(prof, lay.world), prof.mem_bw)
 

@@ -71,19 +71,26 @@ def _bw(prof: DeviceProfile, group_span: int) -> float:
     return prof.intra_bw if group_span <= prof.devices_per_node else prof.inter_bw
 
 
-def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: bool = True) -> List[StageTime]:
+def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: bool = True,
+                lora: Any = None) -> List[StageTime]:
     """:class:`StageTime` of every pipeline stage. Ranks are ordered tp, cp, dp, pp
     (:mod:`vitp.parallel.state`): TP groups are consecutive ranks, cp groups stride tp (spanning
     ``tp cp`` ranks: NVLink when they fit a node, like TP), DP groups stride ``tp cp``, stages
-    stride ``tp cp dp``. The gradient reduction and ZeRO's partitions span ``dp cp`` ranks."""
+    stride ``tp cp dp``. The gradient reduction and ZeRO's partitions span ``dp cp`` ranks. With
+    ``lora`` (:class:`vitp.plan.lora.LoraPlan`) the reduction and the optimizer step cover the
+    adapters only; the compute is still counted as full fine-tuning's (the frozen base's weight
+    gradients are not subtracted)."""
+    from .lora import lora_layer_costs
+
     shape = ModelShape.from_config(model)
-    per_layer = layer_params_per_rank(model, lay.tp, adaln_sharded)
+    per_layer = lora_layer_costs(model, lora, lay)[0] if lora else layer_params_per_rank(model, lay.tp, adaln_sharded)
     rate = prof.peak(lay.precision) * prof.efficiency
     passes = 4.0 if lay.ac else 3.0  # forward + backward (2x), plus the recomputed forward
     saved = [(m.activations / m.in_flight) for m in stage_memory(model, replace(lay, ac=0))]  # per micro-batch
     b, e, m = ACT_BYTES[lay.precision], lay.engine_dp, lay.accum
     out = []
-    for s, ((first, end), comm) in enumerate(zip(stage_layer_ranges(shape.depth, lay.pp), step_comm(model, lay))):
+    comms = step_comm(model, lay, lora=lora)
+    for s, ((first, end), comm) in enumerate(zip(stage_layer_ranges(shape.depth, lay.pp), comms)):
         flops = passes * lay.micro * stage_forward_flops(model, lay, first, end, adaln_sharded)
         compute = (flops / rate + passes * saved[s] / prof.mem_bw
                    + (end - first) * prof.layer_overhead_s * passes / 3.0)
@@ -97,11 +104,12 @@ def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded:
     return out
 
 
-def step_time(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: bool = True) -> Dict[str, float]:
+def step_time(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: bool = True,
+              lora: Any = None) -> Dict[str, float]:
     """Predicted seconds per optimizer step and its parts: ``{"step_s", "pipeline_s", "dp_s",
     "optimizer_s", "compute_s", "tp_s", "cp_s", "pp_s", "bubble"}`` (per-step totals of the slowest
     stage; ``bubble`` = idle fraction of the pipeline)."""
-    st = stage_times(model, lay, prof, adaln_sharded)
+    st = stage_times(model, lay, prof, adaln_sharded, lora)
     m = lay.accum
     slow = max(st, key=lambda t: t.micro_s)
     pipeline = (m - 1) * slow.micro_s + sum(t.micro_s for t in st)
