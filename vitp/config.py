@@ -190,6 +190,21 @@ class OptimConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA fine-tuning of a Wan model (Hu et al. 2021; peft's ``LoraConfig`` semantics): the base
+    weights frozen, adapters on the targeted linears trained, checkpointed and exported
+    (docs/finetuning.md, LoRA)."""
+
+    enabled: bool = False  # train LoRA adapters on the frozen base of trainer.init_from instead of every weight
+    rank: int = 16  # adapter rank r of every targeted module (peft's r)
+    alpha: float = 16.0  # scaling numerator: updates are scaled by alpha / rank (peft's lora_alpha)
+    rslora: bool = False  # scale by alpha / sqrt(rank) (rsLoRA, peft's use_rslora)
+    dropout: float = 0.0  # dropout on the adapters' input (peft's lora_dropout)
+    targets: List[str] = field(default_factory=list)  # modules to adapt, matched by name suffix as peft's target_modules: diffusers' to_q, to_k, to_v, to_out.0, ffn.net.0.proj, ffn.net.2 (optionally attn1. / attn2.) or vitp's (attn.qkv, mlp.fc1, ...); [] = to_q, to_k, to_v, to_out.0
+    b_init_std: float = 0.0  # std of the adapters' initial B (0 = zero, as peft: training starts from the base; > 0 only for tests that need every path to matter)
+
+
+@dataclass
 class TrainerConfig:
     """The training loop."""
 
@@ -217,6 +232,7 @@ class TrainerConfig:
     dist_timeout_minutes: float = 30.0  # how long a rank waits in a collective before the job fails (torch.distributed timeout)
     compile: CompileMode = CompileMode.off  # "off" (eager) | "blocks" (torch.compile each block, one graph per distinct shape; docs/performance.md)
     profile_steps: List[int] = field(default_factory=list)  # [a, b]: per-stage pipeline timeline of optimizer steps a..b into <run dir>/profile ([] = off)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA fine-tuning (below)
 
 
 @dataclass
@@ -435,6 +451,10 @@ FIELD_RULES: Dict[str, Rule] = {
     "trainer.exit_after_minutes": span(0, lo_open=True, real=True, null="off"),
     "trainer.profile_steps": Rule(_is_step_range, "[] (off) or [a, b], integers with 1 <= a <= b (optimizer "
                                   "steps, inclusive)", [3, 2], lambda v: [2, 3]),
+    "trainer.lora.rank": span(1),
+    "trainer.lora.alpha": span(0, lo_open=True, real=True),
+    "trainer.lora.dropout": span(0, 1, hi_open=True, real=True),
+    "trainer.lora.b_init_std": span(0, real=True, note="0 = zero, as peft"),
     "eval.t_grid": span(1),
     "eval.noise_seed": _SEED,
     "eval.classifier_epochs": span(0, note="digits runs only"),
@@ -464,6 +484,7 @@ FREE_FORM: Dict[str, str] = {
     "trainer.tensorboard_dir": "a folder, created",
     "trainer.export_dir": "a folder, created",
     "trainer.output_data_dir": "a folder, created",
+    "trainer.lora.targets": "module names, checked against the model's linears (vitp.models.lora.check_targets)",
     "paths.output_root": "a folder, created",
 }
 
@@ -473,13 +494,16 @@ def schema_fields() -> Dict[str, Any]:
     items not) -> its ``dataclasses.Field``."""
     from dataclasses import fields, is_dataclass
 
-    out: Dict[str, Any] = {}
-    for f in fields(Config):
-        if is_dataclass(f.default_factory):
-            out.update({f"{f.name}.{g.name}": g for g in fields(f.default_factory)})
-        else:
-            out[f.name] = f
-    return out
+    def walk(node: Any, prefix: str) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for f in fields(node):
+            if is_dataclass(f.default_factory):
+                out.update(walk(f.default_factory, f"{prefix}{f.name}."))
+            else:
+                out[prefix + f.name] = f
+        return out
+
+    return walk(Config, "")
 
 
 def closed_by_type(f: Any) -> bool:

@@ -51,10 +51,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="from a checkpoint: larger weights are written as shards of at most SIZE (5GB = 5*10^9 "
                         "bytes, 5GiB = 5*2^30, or bytes; default 5GB) plus OUT.index.json")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--format", choices=["vitp", "diffusers"], default="vitp",
+    p.add_argument("--format", choices=["vitp", "diffusers", "lora"], default="vitp",
                    help="vitp: the export file above; diffusers: a Wan run's (model.family=wan) checkpoint as a "
                         "diffusers folder OUT (a transformer folder, or a whole pipeline when the run started from "
-                        "one: OUT/transformer and the source's other components linked)")
+                        "one: OUT/transformer and the source's other components linked); lora: a LoRA run's "
+                        "adapters as a folder OUT (lora.safetensors, lora.json; vitp.train.lora)")
     return p
 
 
@@ -71,6 +72,9 @@ def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
                 "directory, its checkpoints folder or a checkpoint tag folder)")
     record = ex.checkpoint_record(tag)
     cfg = OmegaConf.create(record["config"])
+    if record.get("lora"):
+        p.error(f"{a.source} is a LoRA run (trainer.lora.enabled=true): its checkpoints hold the adapters, not the "
+                "base; export them with --format lora")
     if not is_wan(cfg):
         p.error(f"{a.source} is a run of vitp's generator (model.family={cfg.model.get('family', 'vit')}); "
                 "--format diffusers exports Wan runs; leave --format out for the vitp export")
@@ -85,6 +89,29 @@ def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
     return written
 
 
+def run_lora(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
+    """``--format lora``: a LoRA run's adapters (:func:`vitp.train.lora.write_lora`) as a folder;
+    returns it."""
+    from vitp.train.lora import write_lora
+
+    src, step, run_dir = ckpt.resolve_weights(a.source, a.weights)
+    tag = src.parent
+    if not (tag / ex.DCP_METADATA).is_file():
+        p.error(f"{a.source}: --format lora reads a training checkpoint of a LoRA run (a run directory, its "
+                "checkpoints folder or a checkpoint tag folder)")
+    record = ex.checkpoint_record(tag)
+    if not record.get("lora"):
+        p.error(f"{a.source} is not a LoRA run (trainer.lora.enabled=false): export it with --format diffusers (Wan) "
+                "or leave --format out")
+    step = record.get("step", -1) if step is None else step
+    out = a.out or run_dir / "export" / f"{ckpt.tag_name(max(step, 0))}_{a.weights}_lora"
+    if out.exists() and any(out.iterdir()) and not a.force:
+        p.error(f"{out} exists and is not empty; choose another --out or pass --force to write into it")
+    written = write_lora(tag, out, kind=ex.CHECKPOINT_KINDS[src.name])
+    print(f"wrote {written} (LoRA adapters of {record['lora']['base']['folder']}, step {step}, {a.weights} weights)")
+    return written
+
+
 def run(argv: Optional[List[str]] = None) -> Path:
     """``vitp-export SOURCE [-o OUT.safetensors] [--weights ema|raw] [--max-shard-size SIZE]
     [--format vitp|diffusers]``; returns the written path (the index file when sharded; with
@@ -93,6 +120,8 @@ def run(argv: Optional[List[str]] = None) -> Path:
     a = p.parse_args(argv)
     if a.format == "diffusers":
         return run_diffusers(p, a)
+    if a.format == "lora":
+        return run_lora(p, a)
     src, step, run_dir = ckpt.resolve_weights(a.source, a.weights)
     dcp_tag = src.parent if not src.is_file() and not Path(f"{src}{ex.INDEX_SUFFIX}").is_file() else None
     if dcp_tag is not None:  # a torch distributed checkpoint: written shard by shard, without the full state

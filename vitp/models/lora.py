@@ -97,6 +97,101 @@ def check_targets(family: str, depth: int, targets: Sequence[str]) -> None:
                          "target_modules)")
 
 
+def spec_of(cfg) -> Optional[LoraSpec]:
+    """The :class:`LoraSpec` of a run config's ``trainer.lora`` (``None`` when not enabled)."""
+    lo = cfg.trainer.lora
+    if not lo.enabled:
+        return None
+    family = str(cfg.model.family)
+    return LoraSpec(rank=int(lo.rank), alpha=float(lo.alpha), targets=tuple(lo.targets) or DEFAULT_TARGETS[family],
+                    dropout=float(lo.dropout), rslora=bool(lo.rslora), b_std=float(lo.b_init_std), family=family)
+
+
+def check_lora_config(cfg) -> None:
+    """The cross-field checks of ``trainer.lora`` (after the Wan folder's sizes were adopted).
+
+    Raises ``ValueError`` naming the problem and the fix: LoRA training of another family than Wan,
+    a rank <= 0, targets that name no linear of the model (listing those it has)."""
+    spec = spec_of(cfg)
+    if spec is None:
+        return
+    if spec.family != "wan":
+        raise ValueError(f"trainer.lora.enabled=true with model.family={spec.family}: vitp-train fine-tunes LoRA "
+                         "adapters on a Wan folder (model.family=wan trainer.init_from=FOLDER); the generator takes "
+                         "adapters in code (vitp.models.lora.apply_lora), not in vitp-train yet")
+    lora_scaling(spec.rank, spec.alpha, spec.rslora)
+    check_targets(spec.family, int(cfg.model.depth), spec.targets)
+
+
+SAMPLE = 1 << 20  # bytes of tensor data hashed at each end of every weight file
+
+
+def base_hash(folder) -> str:
+    """A fingerprint of the base weights of a Wan transformer folder: sha256 over each safetensors
+    file (sorted by name) of its name, size, whole header (every tensor's name, dtype, shape and
+    offsets) and the first and last :data:`SAMPLE` bytes of its tensor data. Cheap (about 2 MiB
+    read per file, whatever the model's size) and independent of where the folder lies or when it
+    was copied; another architecture changes the headers, another fine-tune of the same one its
+    data. Raises as :func:`vitp.models.wan_keys.weight_locations`."""
+    import struct
+    from pathlib import Path
+
+    from .wan_keys import weight_locations
+
+    h = hashlib.sha256()
+    for f in sorted(set(weight_locations(Path(folder)).values()), key=lambda q: q.name):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = fh.read(n)
+            head = fh.read(SAMPLE)
+            fh.seek(max(8 + n, size - SAMPLE))
+            tail = fh.read(SAMPLE)
+        for part in (f.name.encode(), str(size).encode(), header, head, tail):
+            h.update(len(part).to_bytes(8, "little") + part)
+    return h.hexdigest()
+
+
+def run_record(cfg) -> Optional[Dict[str, object]]:
+    """The adapters' record of a LoRA run (``None`` without LoRA): :meth:`LoraSpec.meta`, the
+    targeted ``pieces`` of every adapted linear of the whole model and the ``base`` it trains on
+    (``{"folder": trainer.init_from's transformer folder, "hash": base_hash(...)}``)."""
+    from .wan_run import wan_source
+
+    spec = spec_of(cfg)
+    if spec is None:
+        return None
+    folder, _ = wan_source(cfg)
+    pieces = {m: list(targeted_pieces(m, ps, spec.targets)) for m, ps in block_linears(spec.family, cfg.model.depth)}
+    return {**spec.meta(), "pieces": {m: p for m, p in pieces.items() if p},
+            "base": {"folder": str(folder), "hash": base_hash(folder)}}
+
+
+def check_same_base(record: Optional[Dict[str, object]], saved: Optional[Dict[str, object]], tag) -> None:
+    """Raises ``ValueError`` naming both when a checkpoint's LoRA record ``saved`` and this run's
+    ``record`` (:func:`run_record`) disagree: one is a LoRA run and the other not, or the adapters
+    were trained on another base (its hash), which they would not fit."""
+    if record is None and saved is None:
+        return
+    if record is None or saved is None:
+        what = "LoRA adapters" if saved is not None else "every weight (no LoRA)"
+        fix = "trainer.lora.enabled=true with its trainer.lora settings" if saved is not None else \
+            "trainer.lora.enabled=false"
+        raise ValueError(f"checkpoint {tag} trained {what}, this run does not: resume it with {fix}, or start a new "
+                         "run (another hydra.run.dir)")
+    old, new = saved["base"], record["base"]
+    if old["hash"] != new["hash"]:
+        raise ValueError(f"checkpoint {tag} holds LoRA adapters trained on the base {old['folder']} (weights hash "
+                         f"{old['hash'][:16]}), but trainer.init_from gives {new['folder']} (hash {new['hash'][:16]}): "
+                         f"adapters fit only their own base; resume with trainer.init_from={old['folder']}, or start "
+                         "a new run (another hydra.run.dir)")
+    diffs = [f"{k}: {saved.get(k)!r} in the checkpoint vs {record[k]!r} now" for k in ("rank", "pieces")
+             if saved.get(k) != record[k]]
+    if diffs:
+        raise ValueError(f"checkpoint {tag} holds other LoRA adapters ({'; '.join(diffs)}): resume with its "
+                         "trainer.lora settings, or start a new run (another hydra.run.dir)")
+
+
 def seed_of(seed: int, key: str) -> int:
     """A 63-bit seed of ``(seed, key)``, the same on every rank and layout."""
     return int(hashlib.sha256(f"lora/{seed}/{key}".encode()).hexdigest()[:15], 16)
@@ -147,5 +242,5 @@ def lora_factors(model: nn.Module, key_of: Callable[[str], str] = lambda n: n
     return {key_of(n): (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for n, m in lora_linears(model)}
 
 
-__all__ = ["DEFAULT_TARGETS", "GENERATOR_LINEARS", "LINEARS", "LoraSpec", "apply_lora", "block_linears",
+__all__ = ["base_hash", "check_same_base", "run_record", "check_lora_config", "spec_of", "DEFAULT_TARGETS", "GENERATOR_LINEARS", "LINEARS", "LoraSpec", "apply_lora", "block_linears",
            "check_targets", "lora_factors", "seed_of", "targeted_pieces"]

@@ -212,12 +212,19 @@ def lora_parity(ref, data, world: int) -> dict:
 # 4 steps of experiment=wan_smoke from the tiny perturbed pipeline folder (scripts/make_tiny_wan.py:
 # 2 heads, 2 layers, text_dim 32), per world size: name -> layout overrides. tp2 x cp2 needs
 # ring attention: Ulysses splits the 2 heads over tp x cp = 4 ranks.
+# LoRA runs (base frozen, B drawn non-zero so every path matters from step 1): fused qkv's q and v
+# pieces, both kv pieces, both output projections, the MLP's fc2
+LORA_TRAIN = ["trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=6",
+              "trainer.lora.targets=[attn1.to_q,to_v,attn2.to_k,to_out.0,ffn.net.2]", "trainer.lora.b_init_std=0.05"]
+_TP_SP, _RING8 = ["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.cp=2", "parallel.cp_mode=ring",
+                                                                         "parallel.pp=2"]
 TRAIN_LAYOUTS = {
-    2: {"tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "cp2_ulysses": ["parallel.cp=2"],
-        "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"], "pp2": ["parallel.pp=2"]},
+    2: {"tp2_sp": _TP_SP, "cp2_ulysses": ["parallel.cp=2"],
+        "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"], "pp2": ["parallel.pp=2"],
+        "lora_tp2_sp": [*_TP_SP, *LORA_TRAIN], "lora_cp2": ["parallel.cp=2", *LORA_TRAIN],
+        "lora_pp2": ["parallel.pp=2", *LORA_TRAIN]},
     4: {},
-    8: {"tp2_sp_cp2_pp2_ring": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
-                                "parallel.cp_mode=ring", "parallel.pp=2"]},
+    8: {"tp2_sp_cp2_pp2_ring": [*_TP_SP, *_RING8], "lora_tp2_sp_cp2_pp2_ring": [*_TP_SP, *_RING8, *LORA_TRAIN]},
 }
 
 
@@ -230,7 +237,8 @@ def wan_smoke(train: dict, *extra: str) -> list:
 def train_setup(base) -> dict:
     """The tiny perturbed Wan pipeline folder (transformer in shards) and the wan_smoke captions
     encoded once by the demo encoder, under ``base`` (in the calling process, no process group):
-    ``{"folder", "store", "runs"}`` paths as strings."""
+    ``{"folder", "store", "runs", "other"}`` paths as strings (``other``: a second tiny folder of
+    another seed, a base LoRA adapters do not fit)."""
     from pathlib import Path
 
     from tests.helpers import make_tiny_wan
@@ -239,7 +247,8 @@ def train_setup(base) -> dict:
 
     base = Path(base)
     folder = make_tiny_wan().write_pipeline(base / "tiny", sharded=True, vae=False)
-    train = {"folder": str(folder), "store": str(base / "captions"), "runs": str(base / "runs")}
+    other = make_tiny_wan().write_pipeline(base / "other", sharded=True, vae=False, seed=1)  # another base
+    train = {"folder": str(folder), "store": str(base / "captions"), "runs": str(base / "runs"), "other": str(other)}
     cfg = compose(wan_smoke(train))
     validate_config(cfg)
     ensure_text_embeddings(cfg)
@@ -403,9 +412,25 @@ def one_process_runs(rank: int, train: dict) -> dict:
 
     runs, keys = Path(train["runs"]), ("losses", "grad_norms", "stopped_at")
     cases = [("one", "one", ()), ("stopped", "resume", ("trainer.exit_at_step=2",)), ("resume", "resume", ()),
-             ("lr0", "lr0", ("optim.lr=0",))]
+             ("lr0", "lr0", ("optim.lr=0",)), ("lora_one", "lora_one", LORA_TRAIN),
+             ("lora_stopped", "lora_resume", (*LORA_TRAIN, "trainer.exit_at_step=2")),
+             ("lora_resume", "lora_resume", LORA_TRAIN)]
     out = {}
     for name, folder, extra in cases:
         res = fit(compose(wan_smoke(train, *extra)), runs / folder)
         out[name] = {k: res[k] for k in keys}
+        if name == "lora_stopped":  # the same run dir against another base is refused before any step
+            out["lora_other_base"] = _refused(compose(wan_smoke({**train, "folder": train["other"]}, *LORA_TRAIN)),
+                                                runs / folder)
     return out
+
+
+def _refused(cfg, run_dir) -> str:
+    """The message of the ``ValueError`` that training ``cfg`` in ``run_dir`` raises ("" if none)."""
+    from vitp.train import train as fit
+
+    try:
+        fit(cfg, run_dir)
+    except ValueError as e:
+        return str(e)
+    return ""
