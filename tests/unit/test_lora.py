@@ -122,3 +122,12 @@ def test_bad_input_is_refused_naming_the_fix():
         check_targets("wan", 2, [])
     with pytest.raises(ValueError, match="rank -1"):
         apply_lora(_wan(), LoraSpec(rank=-1, alpha=1.0, targets=("to_q",)))
+
+
+def test_vitp_train_refuses_lora_on_the_generator():
+    from vitp.config import compose
+    from vitp.models.lora import check_lora_config
+
+    with pytest.raises(ValueError, match="model.family=vit: vitp-train fine-tunes LoRA adapters on a Wan folder"):
+        check_lora_config(compose(["experiment=smoke", "trainer.lora.enabled=true"]))
+    check_lora_config(compose(["experiment=smoke"]))  # off: nothing to check
