@@ -225,6 +225,9 @@ def render(source: Optional[str] = None) -> str:
         lines += [f"## `{r['name']}`", "", docs.get(r["section"], ""), ""]
         lines += _table(f"{r['name']}.", classes[r["section"]], setters) + [""]
         for sub in classes[r["section"]]:
+            if sub["section"] is not None:  # a section inside a section (trainer.lora)
+                lines += [f"### `{r['name']}.{sub['name']}`", "", docs.get(sub["section"], ""), ""]
+                lines += _table(f"{r['name']}.{sub['name']}.", classes[sub["section"]], setters) + [""]
             if "bucket (below)" in sub["type"]:
                 lines += [f"### Entries of `{r['name']}.{sub['name']}`", "", docs.get("BucketConfig", ""), ""]
                 lines += _table(f"{r['name']}.{sub['name']}[i].", classes["BucketConfig"], setters) + [""]

@@ -191,16 +191,17 @@ class OptimConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA fine-tuning (issue 52): adapters on the base's linears, the base frozen (no grads,
-    optimizer state or EMA). The planner reads it (vitp.plan.lora); files: vitp.models.lora_files."""
+    """LoRA fine-tuning of a Wan model (Hu et al. 2021; peft's ``LoraConfig`` semantics): the base
+    weights frozen, adapters on the targeted linears trained, checkpointed and exported
+    (docs/finetuning.md, LoRA)."""
 
-    rank: int = 0  # adapter rank r (0 = off: full fine-tuning)
-    alpha: Optional[float] = None  # scaling alpha / r (rslora: alpha / sqrt(r)); null = rank
-    rslora: bool = False  # rank-stabilised scaling alpha / sqrt(r) (arXiv:2312.03732)
-    dropout: float = 0.0  # dropout on the adapters' input
-    targets: List[str] = field(default_factory=lambda: ["attn.qkv", "attn.proj", "cross_attn.q", "cross_attn.kv",
-                                                        "cross_attn.proj", "mlp.fc1", "mlp.fc2"])  # vitp linears (all their pieces) or, for Wan, diffusers modules (to_q, attn1.to_v, ffn.net.0.proj, ...)
-    base_dtype: str = "auto"  # dtype of the frozen base weights: auto (the training precision) | fp32 | bf16
+    enabled: bool = False  # train LoRA adapters on the frozen base of trainer.init_from instead of every weight
+    rank: int = 16  # adapter rank r of every targeted module (peft's r)
+    alpha: float = 16.0  # scaling numerator: updates are scaled by alpha / rank (peft's lora_alpha)
+    rslora: bool = False  # scale by alpha / sqrt(rank) (rsLoRA, peft's use_rslora)
+    dropout: float = 0.0  # dropout on the adapters' input (peft's lora_dropout)
+    targets: List[str] = field(default_factory=list)  # modules to adapt, matched by name suffix as peft's target_modules: diffusers' to_q, to_k, to_v, to_out.0, ffn.net.0.proj, ffn.net.2 (optionally attn1. / attn2.) or vitp's (attn.qkv, mlp.fc1, ...); [] = to_q, to_k, to_v, to_out.0
+    b_init_std: float = 0.0  # std of the adapters' initial B (0 = zero, as peft: training starts from the base; > 0 only for tests that need every path to matter)
 
 
 @dataclass
@@ -231,7 +232,7 @@ class TrainerConfig:
     dist_timeout_minutes: float = 30.0  # how long a rank waits in a collective before the job fails (torch.distributed timeout)
     compile: CompileMode = CompileMode.off  # "off" (eager) | "blocks" (torch.compile each block, one graph per distinct shape; docs/performance.md)
     profile_steps: List[int] = field(default_factory=list)  # [a, b]: per-stage pipeline timeline of optimizer steps a..b into <run dir>/profile ([] = off)
-    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA instead of full fine-tuning (rank > 0)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA fine-tuning (below)
 
 
 @dataclass
@@ -450,10 +451,10 @@ FIELD_RULES: Dict[str, Rule] = {
     "trainer.exit_after_minutes": span(0, lo_open=True, real=True, null="off"),
     "trainer.profile_steps": Rule(_is_step_range, "[] (off) or [a, b], integers with 1 <= a <= b (optimizer "
                                   "steps, inclusive)", [3, 2], lambda v: [2, 3]),
-    "trainer.lora.rank": span(0, note="0 = off: full fine-tuning"),
-    "trainer.lora.alpha": span(0, lo_open=True, real=True, null="alpha = rank"),
-    "trainer.lora.dropout": _PROBABILITY,
-    "trainer.lora.base_dtype": one_of("auto", "fp32", "bf16"),
+    "trainer.lora.rank": span(1),
+    "trainer.lora.alpha": span(0, lo_open=True, real=True),
+    "trainer.lora.dropout": span(0, 1, hi_open=True, real=True),
+    "trainer.lora.b_init_std": span(0, real=True, note="0 = zero, as peft"),
     "eval.t_grid": span(1),
     "eval.noise_seed": _SEED,
     "eval.classifier_epochs": span(0, note="digits runs only"),
@@ -483,7 +484,7 @@ FREE_FORM: Dict[str, str] = {
     "trainer.tensorboard_dir": "a folder, created",
     "trainer.export_dir": "a folder, created",
     "trainer.output_data_dir": "a folder, created",
-    "trainer.lora.targets": "linear names, resolved against the model's linears by vitp.models.lora_files.target_pieces",
+    "trainer.lora.targets": "module names, checked against the model's linears (vitp.models.lora.check_targets)",
     "paths.output_root": "a folder, created",
 }
 

@@ -304,7 +304,7 @@ def test_relative_links_point_to_existing_files(doc):
 def test_every_documented_command_is_checked():
     cmds = commands()
     assert len(cmds) >= 20 and any(a[0] == "vitp-train" for _, a in cmds)
-    assert len({shlex.join(a) for _, a in cmds}) <= 90, "keep the number of distinct commands in the docs modest"
+    assert len({shlex.join(a) for _, a in cmds}) <= 100, "keep the number of distinct commands in the docs modest"
     for where, argv in cmds:
         try:
             check_command(argv)

@@ -114,21 +114,22 @@ def test_diffusers_file_loads_as_merged_weights(tiny, tmp_path, case):
     tensors, meta = lf.to_diffusers_lora(adapters, config, tiny.cfg)
     path = lf.save_lora_file(tmp_path, tensors, meta)
     assert path.name == "pytorch_lora_weights.safetensors"
-    peft = json.loads(meta["lora_adapter_metadata"])
-    assert peft["transformer.r"] == RANK and peft["transformer.lora_alpha"] == ALPHA
-    assert peft["transformer.use_rslora"] is (case == "rslora")
+    peft = json.loads(meta["lora_adapter_metadata"])  # the scaling is in B: alpha = r for every loader
+    assert peft["transformer.r"] == RANK and peft["transformer.lora_alpha"] == RANK
+    assert peft["transformer.use_rslora"] is False and meta[lf.FOLDED_KEY] == "1"
     if case == "partial":
         assert sorted(k for k in tensors if "blocks.0" in k and "lora_A" in k) == [
             f"transformer.blocks.0.{m}.lora_A.weight" for m in ("attn1.to_q", "attn1.to_v", "attn2.to_v", "ffn.net.2")]
     merged = lf.merge_lora(tiny.state, adapters, config)
     want = run(diffusers_model(tiny, merged), tiny.inputs)
     assert rel(run(diffusers_model(tiny), tiny.inputs), want) > 1e-2  # the LoRA changes the output
-    model = diffusers_model(tiny)
-    with no_key_warnings():
-        model.load_lora_adapter(str(tmp_path), weight_name=path.name, prefix="transformer")
-    scale = ALPHA / RANK ** 0.5 if case == "rslora" else ALPHA / RANK
-    assert model.blocks[0].attn1.to_v.scaling["default_0"] == pytest.approx(scale)
-    assert rel(run(model, tiny.inputs), want) < 1e-5
+    for where in ({"pretrained_model_name_or_path_or_dict": str(tmp_path), "weight_name": path.name},
+                  {"pretrained_model_name_or_path_or_dict": str(path)}):  # a path: diffusers reads no metadata
+        model = diffusers_model(tiny)
+        with no_key_warnings():
+            model.load_lora_adapter(**where, prefix="transformer")
+        assert model.blocks[0].attn1.to_v.scaling["default_0"] == 1.0
+        assert rel(run(model, tiny.inputs), want) < 1e-5, where
     vitp = WanModel(tiny.cfg).eval()
     vitp.load_state_dict(merged)
     assert rel(run(vitp, tiny.inputs, vitp=True), want) < 1e-5
@@ -166,10 +167,9 @@ def test_comfyui_file_converts_back_to_the_diffusers_file(tiny, alpha):
     assert comfy["diffusion_model.blocks.0.ffn.2.alpha"].item() == alpha
     back = _convert_non_diffusers_wan_lora_to_diffusers(dict(comfy))
     assert sorted(back) == sorted(ours)
-    s = alpha / RANK
-    for k in (k for k in ours if ".lora_A." in k):
+    for k in (k for k in ours if ".lora_A." in k):  # ours holds the scaling in B, the converter folds .alpha in
         kb = k.replace(".lora_A.", ".lora_B.")
-        assert torch.allclose(back[kb] @ back[k], s * ours[kb] @ ours[k], rtol=1e-6, atol=1e-6)
+        assert torch.allclose(back[kb] @ back[k], ours[kb] @ ours[k], rtol=1e-6, atol=1e-6)
         if alpha == RANK:  # scale 1: diffusers' converter leaves the tensors as they are
             assert torch.equal(back[k], ours[k]) and torch.equal(back[kb], ours[kb])
 
@@ -183,8 +183,8 @@ def test_read_lora_file_round_trip(tiny, tmp_path, kind, targets):
     shapes = lf.wan_state_shapes(tiny.cfg)
     got, got_config = lf.read_lora_file(path, shapes, tiny.cfg, base_hash="abc123")
     assert sorted(got) == sorted(adapters)
-    for k in adapters:  # ComfyUI: B of a linear outside the blocks holds the scaling (divided out on reading)
-        exact = kind == "diffusers" or k.startswith("blocks.") or k.endswith("lora_A")
+    for k in adapters:  # B holding the scaling (diffusers; ComfyUI outside the blocks) is divided on reading
+        exact = k.endswith("lora_A") or kind == "comfyui" and k.startswith("blocks.")
         assert torch.equal(got[k], adapters[k]) if exact else torch.allclose(got[k], adapters[k], rtol=1e-6, atol=0)
     assert got_config == config
 
@@ -198,7 +198,8 @@ def test_read_lora_file_without_vitp_metadata(tiny, tmp_path):
         meta.pop(lf.CONFIG_KEY)
         path = lf.save_lora_file(tmp_path / f"{writer.__name__}.safetensors", tensors, meta)
         got, got_config = lf.read_lora_file(path, lf.wan_state_shapes(tiny.cfg), tiny.cfg)
-        assert got_config["rank"] == RANK and got_config["alpha"] == ALPHA and not got_config["rslora"]
+        alpha = ALPHA if writer is lf.to_comfyui_lora else RANK  # vitp's diffusers file: the scaling is in B
+        assert got_config["rank"] == RANK and got_config["alpha"] == alpha and not got_config["rslora"]
         assert got_config["pieces"] == {f"blocks.{i}.{m}": js for i in range(2)
                                         for m, js in (("attn.qkv", [0, 2]), ("cross_attn.kv", [1]))}
         merged, want = lf.merge_lora(tiny.state, got, got_config), lf.merge_lora(tiny.state, adapters, config)
@@ -255,8 +256,8 @@ def test_generator_file_and_merge_match_per_piece_lora():
 
 def test_vitp_export_lora_and_merge_through_the_hook(tiny, tmp_path, monkeypatch):
     """``vitp-export RUN --format lora [--lora-format comfyui]`` and ``--format diffusers --merge`` on
-    a LoRA run's checkpoint, the adapters from the hook (``_full_lora_state``, stubbed here until
-    the LoRA training provides it; the checkpoint a stub folder): the files equal the pure functions', and the merged folder
+    a LoRA run's checkpoint, the adapters from the hook (``_full_lora_state``, stubbed here: the
+    checkpoint is a stub folder; tests/distributed/parallel/test_wan_parallel.py reads a real one): the files equal the pure functions', and the merged folder
     loads in diffusers with the merged weights' output."""
     from diffusers import WanTransformer3DModel
     from omegaconf import OmegaConf
@@ -265,19 +266,20 @@ def test_vitp_export_lora_and_merge_through_the_hook(tiny, tmp_path, monkeypatch
     from vitp.cli import export as cli
 
     pipe = tiny.script.write_pipeline(tmp_path / "pipe", sharded=True, vae=False, transformer=tiny.ref)
-    cfg = compose_cfg(["experiment=wan_smoke", f"trainer.init_from={pipe}", "trainer.lora.rank=4",
-                       "trainer.lora.alpha=6"])
+    cfg = compose_cfg(["experiment=wan_smoke", f"trainer.init_from={pipe}", "trainer.lora.enabled=true",
+                       "trainer.lora.rank=4", "trainer.lora.alpha=6"])
     tag = tmp_path / "run" / "checkpoints" / "step_0000004"
     tag.mkdir(parents=True)
     (tag / ".metadata").write_bytes(b"")
-    (tag / "vitp_meta.json").write_text(json.dumps({"step": 4, "config": OmegaConf.to_container(cfg, resolve=True)}))
     adapters, config = make_adapters(tiny.state, TARGETS["partial"])
+    (tag / "vitp_meta.json").write_text(json.dumps({"step": 4, "config": OmegaConf.to_container(cfg, resolve=True),
+                                                    "lora": config}))
     monkeypatch.setattr(cli, "_full_lora_state", lambda t, c, kind: (adapters, config))
     monkeypatch.setattr(cli.ckpt, "resolve_weights", lambda s, w: (tag / "model_ema.safetensors", None, tag.parents[1]))
     out = cli.run([str(tag), "--format", "lora", "-o", str(tmp_path / "d")])
     assert out == tmp_path / "d" / "pytorch_lora_weights.safetensors"
     got, _ = lf.read_lora_file(out, lf.wan_state_shapes(tiny.cfg), tiny.cfg)
-    assert all(torch.equal(got[k], adapters[k]) for k in adapters)
+    assert all(torch.allclose(got[k], adapters[k], rtol=1e-6, atol=0) for k in adapters)
     out = cli.run([str(tag), "--format", "lora", "--lora-format", "comfyui", "-o", str(tmp_path / "c")])
     assert out.name == "c.safetensors"
     merged = cli.run([str(tag), "--format", "diffusers", "--merge", "-o", str(tmp_path / "m")])

@@ -25,6 +25,13 @@ from .sharded import MOMENTS, load_pieces, piece_tensor, place_of
 Fragment = Tuple[int, int]  # (first element, elements) of a parameter's flattened TP shard
 
 
+def trained(module: torch.nn.Module):
+    """``[(name, parameter)]`` of the parameters a run trains and keeps: every one, or with LoRA
+    only the adapters (a frozen base gets no optimizer state, EMA or checkpoint piece: the run
+    records its folder and hash instead)."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
 def fragments(engine: Any) -> Optional[Dict[str, Fragment]]:
     """``{pipeline parameter name: (start, numel)}``: the flat range of each parameter's TP shard
     whose optimizer state this rank holds (its ZeRO partition; ``(0, 0)`` where it holds none), or
@@ -67,7 +74,7 @@ def stage(engine: Any, ema: Any, state: Any, depth: int) -> Dict[str, torch.Tens
     zero = reshard._zero_optimizer(engine) is not None
     frags = ema.fragments
     out: Dict[str, torch.Tensor] = {}
-    for name, p in engine.module.named_parameters():
+    for name, p in trained(engine.module):
         key, place = generator_key(name, depth), place_of(p, state)
         out[f"model/{key}"] = piece_tensor(p.detach().reshape(-1).to("cpu", copy=True), place)
         start, n = frags[name]
@@ -92,7 +99,7 @@ def load(engine: Any, ema: Any, state: Any, depth: int, folder: Path, meta: Dict
     bf16 = _bf16(engine)
     dest: Dict[str, torch.Tensor] = {}
     bufs: Dict[Tuple[str, str], torch.Tensor] = {}
-    named = list(engine.module.named_parameters())
+    named = trained(engine.module)
     for name, p in named:
         key, place = generator_key(name, depth), place_of(p, state)
         bufs["model", name] = torch.empty(p.numel(), dtype=p.dtype)
@@ -128,7 +135,7 @@ def load(engine: Any, ema: Any, state: Any, depth: int, folder: Path, meta: Dict
 
 def state_bytes(engine: Any, ema: Any) -> Dict[str, int]:
     """Bytes of this rank's share by kind (what :func:`stage` copies to host memory)."""
-    out = {"model": sum(p.numel() * p.element_size() for p in engine.module.parameters())}
+    out = {"model": sum(p.numel() * p.element_size() for _, p in trained(engine.module))}
     frag = sum(n for _, n in ema.fragments.values()) * 4
     for kind in kinds(engine):
         out[kind] = frag

@@ -78,6 +78,9 @@ def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
                 "directory, its checkpoints folder or a checkpoint tag folder)")
     record = ex.checkpoint_record(tag)
     cfg = OmegaConf.create(record["config"])
+    if record.get("lora"):
+        p.error(f"{a.source} is a LoRA run (trainer.lora.enabled=true): its checkpoints hold the adapters, not the "
+                "base; export them with --format lora")
     if not is_wan(cfg):
         p.error(f"{a.source} is a run of vitp's generator (model.family={cfg.model.get('family', 'vit')}); "
                 "--format diffusers exports Wan runs; leave --format out for the vitp export")
@@ -94,14 +97,10 @@ def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
 
 def _full_lora_state(tag: Path, cfg, kind: str):
     """``(adapters, config)`` of a LoRA run's checkpoint ``tag``: the tp=1 adapter state in vitp's
-    convention (:mod:`vitp.models.lora_files`) and its LoRA config. The hook the LoRA training
-    provides (``vitp.train.lora.full_lora_state(tag, cfg, kind=kind)``); until it does, a clear refusal."""
-    try:
-        from vitp.train.lora import full_lora_state
-    except ImportError:
-        raise NotImplementedError(f"{tag}: reading a LoRA run's adapters from its checkpoint needs "
-                                  "vitp.train.lora.full_lora_state, which this vitp does not have yet") from None
-    return full_lora_state(tag, cfg, kind=kind)
+    convention (:mod:`vitp.models.lora_files`) and its LoRA record (:func:`vitp.train.lora.full_lora_state`)."""
+    from vitp.train.lora import full_lora_state
+
+    return full_lora_state(tag, kind=kind)
 
 
 def write_lora_export(out: Path, adapters, config, cfg, lora_format: str = "diffusers", merge: bool = False) -> Path:
@@ -138,8 +137,8 @@ def run_lora(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
                 "checkpoints folder or a checkpoint tag folder)")
     record = ex.checkpoint_record(tag)
     cfg = OmegaConf.create(record["config"])
-    if not int(OmegaConf.select(cfg, "trainer.lora.rank", default=0) or 0):
-        p.error(f"{a.source} is not a LoRA run (trainer.lora.rank is 0): export it with --format vitp or diffusers")
+    if not record.get("lora"):
+        p.error(f"{a.source} is not a LoRA run (trainer.lora.enabled=false): export it with --format vitp or diffusers")
     if a.merge and a.format != "diffusers":
         p.error("--merge writes a diffusers folder: pass --format diffusers")
     step = record.get("step", -1) if step is None else step

@@ -82,15 +82,14 @@ def _count(n: float) -> str:
 
 def _header(cfg, args, prof, preds) -> str:
     from vitp.plan import GIB, ModelShape, format_bytes, layer_params
-    from vitp.plan.lora import lora_params
+    from vitp.plan.lora import lora_params, lora_plan_of
 
     shape = ModelShape.from_config(cfg.model)
     params = sum(sum(layer.values()) for layer in layer_params(cfg.model))
     fits = sum(p.fits for p in preds)
-    lora = cfg.trainer.lora
-    tuned = (f"; LoRA rank {lora.rank} on {list(lora.targets)}, base frozen ({lora.base_dtype}), "
-             f"{_count(lora_params(cfg.model, lora.targets, int(lora.rank)))} adapter parameters"
-             if int(lora.rank) else "")
+    lora = lora_plan_of(cfg)
+    tuned = (f"; LoRA rank {lora.rank} on {list(lora.targets)}, base frozen ({cfg.trainer.precision}), "
+             f"{_count(lora_params(cfg.model, lora.targets, lora.rank))} adapter parameters" if lora else "")
     return (f"model: {_count(params)} parameters, {shape.tokens} tokens/sample, depth {shape.depth}, width "
             f"{shape.width}; global batch {cfg.trainer.global_batch_size}; {args.gpus} x {prof.name} "
             f"({format_bytes(prof.memory_gib * GIB)}, {prof.devices_per_node}/node){tuned}; {len(preds)} valid "

@@ -165,6 +165,8 @@ def ema_weights(module: torch.nn.Module, ema: Any) -> Iterator[None]:
     try:
         with torch.no_grad():
             for n, p in module.named_parameters():
+                if n not in ema.params:  # frozen (a LoRA run's base): its weights are its EMA
+                    continue
                 saved[n] = p.detach().to("cpu", copy=True)
                 p.copy_(ema.full(n, p))
         yield

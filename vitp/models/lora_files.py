@@ -47,6 +47,7 @@ import torch
 PathLike = Union[str, Path]
 FORMAT = "vitp.lora/1"
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+FOLDED_KEY = "vitp_scaling_in_b"  # metadata: "1" when lora_B holds alpha / r (vitp's diffusers files)
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 CONFIG_KEY = "vitp_lora"
 PREFIX = "transformer."  # diffusers' WanLoraLoaderMixin.transformer_name
@@ -214,15 +215,24 @@ def to_diffusers_lora(adapters: Mapping[str, torch.Tensor], config: Mapping[str,
     and ``.lora_B.weight (out, r)`` per targeted diffusers module, and the metadata
     ``WanPipeline.save_lora_weights(..., transformer_lora_adapter_metadata=...)`` writes:
     :data:`ADAPTER_METADATA_KEY` = JSON of ``{"transformer.<LoraConfig key>": value}``
-    (:func:`peft_config`), which ``load_lora_adapter`` turns into the ``LoraConfig``.
+    (:func:`peft_config`), which ``load_lora_adapter`` turns into the ``LoraConfig``. The scaling
+    (``alpha / r``) is folded into ``lora_B`` and the metadata says ``lora_alpha = r``: diffusers
+    0.42 reads that metadata only when it finds the file in a folder itself (``load_lora_weights(
+    FOLDER)``), not from a file path, where it would scale by 1; folded, every call gives the
+    trained model. vitp's own config (:data:`CONFIG_KEY`, with the true alpha) and
+    :data:`FOLDED_KEY` let :func:`read_lora_file` unfold it.
 
     Raises ``KeyError`` / ``ValueError`` as :func:`split_pieces` (an adapter on no Wan linear,
     shapes off the convention).
     """
     mods = _wan_pieces(adapters, config, wan_config)
-    tensors = {f"{PREFIX}{d}.lora_{x}.weight": t for d, ab in mods.items() for x, t in zip("AB", ab)}
-    kwargs = {f"{PREFIX}{k}": v for k, v in peft_config(config, list(mods)).items()}
-    return tensors, _metadata(config, **{ADAPTER_METADATA_KEY: json.dumps(kwargs, indent=2, sort_keys=True)})
+    sc = lora_scaling(config)  # folded into B: diffusers reads lora_alpha only when it resolves the file itself
+    tensors = {f"{PREFIX}{d}.lora_{x}.weight": (t if x == "A" else (t.float() * sc).to(t.dtype))
+               for d, ab in mods.items() for x, t in zip("AB", ab)}
+    unit = {**config, "alpha": float(config["rank"]), "rslora": False}  # scaling 1 for every loader
+    kwargs = {f"{PREFIX}{k}": v for k, v in peft_config(unit, list(mods)).items()}
+    return tensors, _metadata(config, **{ADAPTER_METADATA_KEY: json.dumps(kwargs, indent=2, sort_keys=True),
+                                         FOLDED_KEY: "1"})
 
 
 def to_comfyui_lora(adapters: Mapping[str, torch.Tensor], config: Mapping[str, Any],
@@ -466,6 +476,9 @@ def read_lora_file(path: PathLike, base_shapes: Mapping[str, Sequence[int]], wan
     if kind == "comfyui" and alphas:  # modules outside the blocks carry the scaling in B
         s = lora_scaling(config)
         pairs = {d: (a, b if d in alphas else b.float() / s) for d, (a, b) in pairs.items()}
+    if meta.get(FOLDED_KEY) == "1" and CONFIG_KEY in meta:  # vitp's diffusers file: B holds the scaling
+        s = lora_scaling(config)
+        pairs = {d: (a, b.float() / s) for d, (a, b) in pairs.items()}
     if kind == "vitp":
         adapters = {f"{m}.lora_{x}": t.float() for m, ab in pairs.items() for x, t in zip("AB", ab)}
     else:

@@ -33,6 +33,7 @@ from .mappings import (
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
 )
+from .random import sharded_fork
 from .state import ParallelState
 
 
@@ -159,6 +160,67 @@ def gather_linears(x: torch.Tensor, linears, group, tag: str = "tp") -> tuple:
     return _GatherLinears.apply(x, group, tag, *params)
 
 
+def has_lora(linear: nn.Module) -> bool:
+    """Whether ``linear`` carries a LoRA adapter (:func:`vitp.parallel.lora.attach_lora`)."""
+    return getattr(linear, "lora_A", None) is not None
+
+
+def lora_input(linear: nn.Module, x: torch.Tensor, tp_local: bool) -> torch.Tensor:
+    """``x`` through the adapter's dropout (peft: ``lora_B(lora_A(dropout(x)))``); ``tp_local``: ``x``
+    differs per TP rank (a row-parallel input, a token shard), so the mask is drawn from the
+    TP-rank stream (:func:`vitp.parallel.random.sharded_fork`), else from the stream every TP rank shares."""
+    drop = linear.lora_dropout
+    if drop.p == 0 or not linear.training:
+        return x
+    with sharded_fork(drop.p, True, x.device, comm.group_size(linear.group) if tp_local else 1):
+        return drop(x)
+
+
+def lora_up(linear: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The adapter's output ``scaling * B h`` of ``h = A x`` ``(..., n_t r)`` laid out like the
+    linear's local output ``(..., out_local)``: piece ``j`` of the ``n_t`` targeted pieces
+    (``linear.lora_pieces``, of ``linear.lora_num_pieces`` fused ones) reads its own ``r`` columns
+    of ``h`` and writes only its own piece's rows; the other pieces get zeros (block-diagonal)."""
+    r, pieces, n = linear.lora_rank, linear.lora_pieces, linear.lora_num_pieces
+    B = linear.lora_B  # (n_t out_piece_local, r)
+    if len(pieces) == 1 and n == 1:
+        return F.linear(h, B) * linear.lora_scaling
+    out_piece = B.shape[0] // len(pieces)
+    per = torch.einsum("...jr,jor->...jo", h.unflatten(-1, (len(pieces), r)), B.view(len(pieces), out_piece, r))
+    per = per * linear.lora_scaling
+    if len(pieces) == n:
+        return per.flatten(-2)
+    zero = per.new_zeros(*per.shape[:-2], out_piece)
+    parts = {p: per[..., j, :] for j, p in enumerate(pieces)}
+    return torch.cat([parts.get(i, zero) for i in range(n)], dim=-1)
+
+
+def gather_columns(x: torch.Tensor, columns, group) -> tuple:
+    """``(y_k)`` of column-parallel linears ``columns`` reading one token-sharded input ``x``
+    ``(B, N / tp, in)`` under sequence parallelism, each with its LoRA adapter: the adapter's ``A``
+    rides along as one more linear of the same gathered input (:func:`gather_linears`: one
+    all-gather, the input gradients of base and adapter summed before one reduce-scatter). With
+    LoRA dropout active, the adapters read their own gather of the dropped-out shard."""
+    dropout = any(has_lora(c) and c.lora_dropout.p > 0 and c.training for c in columns)
+    pairs = []
+    for c in columns:
+        pairs.append((c.weight, c.bias))
+        if has_lora(c) and not dropout:
+            pairs.append((c.lora_A, None))
+    outs, i, res = gather_linears(x, pairs, group), 0, []
+    for c in columns:
+        y = outs[i]
+        i += 1
+        if has_lora(c):
+            if dropout:
+                h = gather_linears(lora_input(c, x, True), [(c.lora_A, None)], group)[0]
+            else:
+                h, i = outs[i], i + 1
+            y = y + lora_up(c, h)
+        res.append(y)
+    return tuple(res)
+
+
 def _new_param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(data.detach().clone(), requires_grad=like.requires_grad)
 
@@ -233,14 +295,14 @@ class ColumnParallelLinear(NoDeepcopy, nn.Module):
                    gather_output, partial_output_grad, tag)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_comm:
-            pass
-        elif self.sequence_parallel:
-            y = gather_linears(x, [(self.weight, self.bias)], self.group)[0]  # re-gathers in backward
-            return gather_from_tp_region(y, self.group, self.partial_output_grad, self.tag) if self.gather_output else y
+        if self.input_comm and self.sequence_parallel:
+            y = gather_columns(x, [self], self.group)[0]  # re-gathers in backward
         else:
-            x = copy_to_tp_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+            if self.input_comm:
+                x = copy_to_tp_region(x, self.group)
+            y = F.linear(x, self.weight, self.bias)
+            if has_lora(self):  # A whole: h = A x is the same on every rank; B's rows are this rank's
+                y = y + lora_up(self, F.linear(lora_input(self, x, False), self.lora_A))
         return gather_from_tp_region(y, self.group, self.partial_output_grad, self.tag) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -295,6 +357,8 @@ class RowParallelLinear(NoDeepcopy, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
+        if has_lora(self):  # A's columns are this rank's: a partial B A x, summed by the base's own reduction
+            y = y + lora_up(self, F.linear(lora_input(self, x, True), self.lora_A))
         if self.partial_sync is not None:
             y = self.partial_sync(y)
         elif self.sequence_parallel:

@@ -58,7 +58,7 @@ from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     full_weight,
-    gather_linears,
+    gather_columns,
     register_grad_allreduce,
     shard_like,
 )
@@ -277,7 +277,7 @@ class TPMlp(nn.Module):
         else entering the TP region once (one all-reduce of the input gradient)."""
         fcs = (self.fc1_g, self.fc1_x) if self.kind == "swiglu" else (self.fc1,)
         if self.sequence_parallel:
-            return gather_linears(x, [(fc.weight, fc.bias) for fc in fcs], self.group)
+            return gather_columns(x, fcs, self.group)  # with their LoRA adapters, if any
         if self.input_comm:
             x = copy_to_tp_region(x, self.group)
         return tuple(fc(x) for fc in fcs)

@@ -39,10 +39,13 @@ Grid = Tuple[int, int, int]
 
 class WanEmbedPipe(WanEmbed):
     """Pipeline adapter: ``(x, timestep, text) -> (tokens, temb, mod, ctx, cos, sin)`` (module doc:
-    the rotary tables leave as tensors that require a gradient)."""
+    the rotary tables leave as tensors that require a gradient, and so do the other outputs of a
+    frozen embed, a LoRA run's)."""
 
     def forward(self, inputs: Tuple[torch.Tensor, ...]):  # type: ignore[override]
         tokens, temb, mod, ctx, cos, sin = super().forward(*inputs)
+        # a frozen embed (LoRA) gives outputs without a graph: sent as leaves that take a gradient
+        tokens, temb, mod, ctx = (t if t.requires_grad else t.detach().requires_grad_() for t in (tokens, temb, mod, ctx))
         return tokens, temb, mod, ctx, cos.detach().requires_grad_(), sin.detach().requires_grad_()
 
 

@@ -1,7 +1,7 @@
-"""What LoRA (``trainer.lora.rank > 0``) changes in a plan: adapter parameters per rank and layer,
+"""What LoRA (``trainer.lora.enabled``) changes in a plan: adapter parameters per rank and layer,
 and the activations they add (planner side; files: :mod:`vitp.models.lora_files`).
 
-The base is frozen: its weights stay (in ``trainer.lora.base_dtype``) without gradients, optimizer
+The base is frozen: its weights stay (in the training precision) without gradients, optimizer
 state, EMA or checkpoint bytes; the adapters get the trainer's state (:data:`vitp.plan.memory.STATE_BYTES`:
 model-dtype weights and gradients, fp32 master and AdamW moments split over ``dp x cp`` by ZeRO-1).
 
@@ -46,11 +46,17 @@ class LoraPlan:
 
 
 def lora_plan_of(cfg: Any) -> Optional[LoraPlan]:
-    """:class:`LoraPlan` of a run config's ``trainer.lora`` (``None`` when rank is 0: full fine-tuning)."""
+    """:class:`LoraPlan` of a run config's ``trainer.lora`` (``None`` without
+    ``trainer.lora.enabled``: full fine-tuning); no targets = the family's defaults
+    (:data:`vitp.models.lora.DEFAULT_TARGETS`); the frozen base is held in the training precision."""
+    from vitp.models.lora import DEFAULT_TARGETS
+
     lo = getattr(cfg.trainer, "lora", None)
-    if lo is None or not int(lo.rank):
+    if lo is None or not bool(lo.get("enabled", False)):
         return None
-    return LoraPlan(int(lo.rank), tuple(str(t) for t in lo.targets), str(lo.base_dtype), float(lo.dropout))
+    family = "wan" if str(cfg.model.get("family", "vit")) == "wan" else "vit"
+    targets = tuple(str(t) for t in lo.targets) or DEFAULT_TARGETS[family]
+    return LoraPlan(int(lo.rank), targets, "auto", float(lo.dropout))
 
 
 def _pieces_of(name: str, wan: bool, stride: int) -> Tuple[str, ...]:

@@ -89,6 +89,11 @@ class Checkpointer:
         self.every, self.keep = tr.checkpoint_every, tr.keep_checkpoints
         self.writer = CheckpointWriter(self.dir, self.storage, self.keep, asynchronous=tr.checkpoint_async)
         self.bytes_read = 0  # by this rank's resume
+        self.lora = None  # a LoRA run's record: adapters, pieces, base folder and hash (vitp.models.lora)
+        if tr.lora.enabled:
+            from vitp.models.lora import run_record
+
+            self.lora = run_record(cfg)
         self.resume_tag = self._agree(self._launch_resume(str(tr.resume)))
         self.reshard = False  # resuming at another layout (vitp.checkpoint.reshard)
         self.meta: Optional[Dict[str, Any]] = _together(self._check)
@@ -161,6 +166,9 @@ class Checkpointer:
             return None
         meta = ckpt.verify_checkpoint(self.resume_tag, dist.rank(), layout=self.layout)
         self.reshard = ckpt.check_resumable(meta, self.resume_tag, self.cfg, self.layout)
+        from vitp.models.lora import check_same_base
+
+        check_same_base(self.lora, meta.get("lora"), self.resume_tag)  # adapters fit only their own base
         if meta["step"] > tr.max_steps:  # its outputs would be labelled max_steps, with weights of start_step
             raise ValueError(f"checkpoint {self.resume_tag} is at step {meta['step']}, past trainer.max_steps="
                              f"{tr.max_steps}: set trainer.max_steps={meta['step']} or more to continue it, or "
@@ -238,7 +246,7 @@ class Checkpointer:
                   "seed": self.cfg.seed, "global_batch_size": tr.global_batch_size, "max_steps": tr.max_steps,
                   "world_size": dist.world_size(), "rank_coords": self.coords,
                   "engine": reshard.engine_counters(engine), "adam_step": reshard.adam_step(engine),
-                  "config": OmegaConf.to_container(self.cfg, resolve=True)}
+                  "config": OmegaConf.to_container(self.cfg, resolve=True), "lora": self.lora}
         depth = self.cfg.model.depth
         self.writer.save(step, lambda: train_state.stage(engine, ema, state, depth), rng_state(), record, t0, final)
 

@@ -15,7 +15,8 @@ class EMA:
 
     The decay warms up as ``d_n = min(decay, (1 + n) / (10 + n))`` after ``n`` updates (as timm's
     ``ModelEmaV3(use_warmup=True)``), so early samples do not show the zero-initialised model.
-    Keys are the module's ``named_parameters`` names (a pipeline stage's own shard). Sharded like
+    Keys are the module's ``named_parameters`` names (a pipeline stage's own shard) of the
+    parameters that require a gradient (a LoRA run's adapters: the frozen base has no EMA). Sharded like
     the optimizer (ZeRO-1): ``fragments`` gives, per parameter, the flat range ``(start, numel)``
     of its shard this rank keeps (:func:`vitp.checkpoint.train_state.fragments`; default the
     whole parameter), so the EMA costs ``4 / (dp cp)`` bytes per parameter of the shard; each
@@ -24,7 +25,7 @@ class EMA:
 
     def __init__(self, module: torch.nn.Module, decay: float, fragments: Optional[Dict[str, Tuple[int, int]]] = None):
         self.decay, self.updates = decay, 0
-        named = dict(module.named_parameters())
+        named = {n: p for n, p in module.named_parameters() if p.requires_grad}  # LoRA: the adapters
         self.sharded = fragments is not None
         self.fragments = fragments if self.sharded else {n: (0, p.numel()) for n, p in named.items()}
         self.params = {n: self._live(p, n).float().clone() for n, p in named.items()}
@@ -40,6 +41,8 @@ class EMA:
         self.updates += 1
         ema, live, size = [], [], 0
         for n, p in module.named_parameters():
+            if n not in self.params:  # frozen (a LoRA run's base)
+                continue
             ema.append(self.params[n])
             live.append(self._live(p, n).float())
             size += ema[-1].numel()

@@ -82,6 +82,9 @@ def check_config(cfg: DictConfig, device: Optional[torch.device] = None, run_dir
                          f"degrees whose product divides {dist.world_size()}) to the command, also after --resume "
                          f"RUN (the whole training state is resharded to any layout)") from None
     validate_text_run(cfg)
+    from vitp.models.lora import check_lora_config
+
+    check_lora_config(cfg)  # trainer.lora against the model (its depth known from the Wan folder by now)
     from vitp.data.build import check_data_paths
 
     check_data_paths(cfg.data)  # a missing folder is named before the planner's memory check (preflight)
@@ -487,6 +490,15 @@ class Trainer:
         one rank reading only its tensors (collective; :func:`vitp.checkpoint.export.export_checkpoint`)."""
         from vitp.checkpoint.export import export_checkpoint
 
+        if self.cfg.trainer.lora.enabled:  # the adapters alone (the base is the folder's): rank 0, small
+            from .lora import LORA_DIR, write_lora
+
+            self.checkpointer.wait()
+            if self.main:
+                out = write_lora(self.checkpointer.path(step), self.run_dir / LORA_DIR)
+                log.info("LoRA adapters (EMA weights) of the base %s: %s", self.cfg.trainer.init_from, out)
+            dist.barrier()
+            return
         if self.wan:  # a diffusers folder of the EMA weights, each stage's file by its first rank
             from .wan import write_diffusers
 
@@ -722,7 +734,11 @@ class Trainer:
     def _finished_before(self) -> bool:
         """Resumed at ``trainer.max_steps`` of a run whose final weights were exported (rank 0's view,
         on every rank): it already finished, and a relaunch must not rewrite its results."""
-        if self.wan:
+        if self.cfg.trainer.lora.enabled:
+            from .lora import LORA_DIR, STATE
+
+            written = (self.run_dir / LORA_DIR / STATE).is_file()
+        elif self.wan:
             from .wan import final_weights_written
 
             written = final_weights_written(self.run_dir, self.cfg)
@@ -764,7 +780,7 @@ class Trainer:
             if not (self.run_dir / ema).is_file():  # sharded: its index names the shards
                 ema = f"{ema}.index.json"
             if self.wan:
-                ema = "diffusers/"  # the EMA weights as a diffusers folder, and no sample grid
+                ema = "lora/" if tr.lora.enabled else "diffusers/"  # EMA weights (adapters), no sample grid
             held = [ema, *([] if skipped or self.wan else ["samples/"]), "metrics.jsonl",
                     *(["eval.json"] if cfg.eval.enabled and not skipped else []),
                     *([] if tr.tensorboard_dir else ["tb/"])]
@@ -803,6 +819,8 @@ class Trainer:
             from .wan import copy_diffusers
 
             copy_diffusers(self.run_dir, export)
+            if (self.run_dir / "lora").is_dir():  # a LoRA run's adapters (vitp.train.lora)
+                shutil.copytree(self.run_dir / "lora", export / "lora", dirs_exist_ok=True)
         for pattern in ("model_ema*.safetensors", "model_ema.safetensors.index.json", "model_ema.json",
                         "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "model.json",
                         "eval.json"):

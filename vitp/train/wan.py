@@ -35,10 +35,13 @@ def build_wan_model(cfg: Any, layout: Any, load: bool) -> Tuple[Any, Any, Any, D
     """``(module, state, loss_fn, read)``: this rank's Wan stage in ``layout`` (tp, SP, cp, pp,
     dp of the run config ``cfg``), filled from ``trainer.init_from`` when ``load`` (a run that
     does not resume a checkpoint), ``read`` the bytes it read (:func:`vitp.models.wan_keys.load_shard`;
-    empty when not loading). Collective. Raises as :func:`vitp.models.wan_run.wan_source` and
+    empty when not loading). With ``trainer.lora.enabled`` the stage gets its adapters
+    (:func:`vitp.models.lora.apply_lora`, base frozen) and the base is read even when resuming. Collective. Raises as :func:`vitp.models.wan_run.wan_source` and
     :func:`vitp.models.wan_keys.load_shard`."""
     from vitp.models import generator_key, token_grid
+    from vitp.models.lora import apply_lora, spec_of
     from vitp.models.wan_keys import load_shard
+    from vitp.parallel.lora import is_lora_key
     from vitp.models.wan_run import wan_loss, wan_source
     from vitp.pipeline.wan_stages import build_parallel_wan_pipeline
 
@@ -51,10 +54,21 @@ def build_wan_model(cfg: Any, layout: Any, load: bool) -> Tuple[Any, Any, Any, D
         sequence_parallel=par.sequence_parallel, cp_mode=str(par.cp_mode), seed=cfg.seed, defer_grad_sync=True,
         activation_checkpoint_interval=par.activation_checkpoint_interval)
     read: Dict[str, Any] = {}
-    if load:
-        params = {generator_key(n, config.num_layers): p for n, p in module.named_parameters()}
+    spec = spec_of(cfg)
+    if spec is not None:  # after the plan: each rank keeps its share of every adapter's full factors
+        apply_lora(module, spec, state, key_of=lambda n: module_key(n, config.num_layers), seed=cfg.seed)
+    if load or spec is not None:  # a LoRA checkpoint holds no base weight: the base is always read
+        params = {generator_key(n, config.num_layers): p for n, p in module.named_parameters() if not is_lora_key(n)}
         read = load_shard(path, params, config, state.tp_rank, state.tp_size, subfolder=None)
     return module, state, loss_fn, read
+
+
+def module_key(name: str, depth: int) -> str:
+    """The canonical name (``blocks.<i>.attn.qkv``) of a pipeline module name (``1.attn.qkv``)."""
+    from vitp.models import generator_key
+
+    head = name.split(".", 1)[0]
+    return generator_key(name, depth) if head.isdigit() and "." in name else name
 
 
 def trained_name(transformer: Path) -> str:

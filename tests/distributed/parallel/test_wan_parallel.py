@@ -22,6 +22,7 @@ loads in diffusers with no key warnings.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +31,8 @@ import torch
 
 from tests.helpers import run_ranks
 
-from .wan_workers import (CONFIG, FAULTS, LAYOUTS, PIPE_LAYOUTS, SHAPES, TRAIN_LAYOUTS, one_process_runs, train_setup,
-                          wan_smoke, worker)
+from .wan_workers import (CONFIG, FAULTS, LAYOUTS, LORA_FAULTS, LORA_LAYOUTS, PIPE_LAYOUTS, SHAPES, TRAIN_LAYOUTS,
+                          one_process_runs, train_setup, wan_smoke, worker)
 
 TOL = 1e-5
 
@@ -133,6 +134,26 @@ def test_injected_norm_faults_fail_the_comparison(wan2, name):
                 assert res["out"] < TOL, res
 
 
+@pytest.mark.parametrize("name", list(LORA_LAYOUTS[2]))
+def test_lora_two_ranks_match_reference(wan2, name):
+    """LoRA adapters (B non-zero; pieces of the fused qkv and kv targeted apart) on the frozen
+    perturbed base: output, loss, every adapter gradient and their norm equal one process at tp2,
+    tp2 + SP and cp2 ring; the base gets no gradient (``extra`` would list it)."""
+    for r in wan2:
+        for shape, res in r[name].items():
+            _check(res, f"{name}/{shape}")
+            assert res["lora_keys"] == 28, res  # 7 adapted linears x 2 blocks x (A, B), nothing else
+
+
+@pytest.mark.parametrize("name", list(LORA_FAULTS[2]))
+def test_lora_b_split_contiguously_fails_the_comparison(wan2, name):
+    """A column-parallel adapter's B split as an unfused linear's rows instead of per fused piece:
+    output, loss and gradients far off (seen: output 0.17 / 0.35, gradients 1.4 / 2.7 relative)."""
+    for r in wan2:
+        for res in r[name].values():
+            assert res["out"] > 1e3 * TOL and res["loss"] > 1e3 * TOL and res["grad"] > 1e3 * TOL, res
+
+
 # ----------------------------------------------------------------------------- single process
 
 def _meta_model():
@@ -198,13 +219,21 @@ def _same_run(got: dict, ref: dict) -> None:
     assert len(set(np.round(ref["losses"], 6))) == 4  # the steps move the model: a frozen run cannot pass
 
 
-@pytest.mark.parametrize("name", list(TRAIN_LAYOUTS[2]))
+def _full(names):
+    return [n for n in names if not n.startswith("lora_")]
+
+
+def _lora(names):
+    return [n for n in names if n.startswith("lora_")]
+
+
+@pytest.mark.parametrize("name", _full(TRAIN_LAYOUTS[2]))
 def test_wan_training_two_ranks_match_one_process(wan2, wan_one, name):
     for r in wan2:
         _same_run(r["train"][name], wan_one["one"])
 
 
-@pytest.mark.parametrize("name", list(TRAIN_LAYOUTS[8]))
+@pytest.mark.parametrize("name", _full(TRAIN_LAYOUTS[8]))
 def test_wan_training_eight_ranks_match_one_process_and_export_to_diffusers(wan8, wan_one, wan_train, name, tmp_path):
     """tp2 + SP x cp2 ring x pp2; its diffusers folder (written by the stages) loads in diffusers with
     no key warnings and equals ``vitp-export --format diffusers`` of its last checkpoint."""
@@ -284,3 +313,118 @@ def test_zero_lr_run_exports_the_source_tensors_bit_identical(wan_one, wan_train
         got = {k: load_file(str(f))[k] for k, f in weight_locations(Path(folder)).items()}
         assert got.keys() == src.keys()
         assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in src.items()), folder
+
+
+# ----------------------------------------------------------------------------- vitp-train with LoRA
+
+def _adapters(run: Path) -> dict:
+    """The run's final EMA adapters (``<run>/lora/lora.safetensors``) and, from its last checkpoint,
+    the live ones (:func:`vitp.train.lora.full_lora_state`)."""
+    from safetensors.torch import load_file
+
+    from vitp.train.lora import full_lora_state
+
+    tag = sorted((run / "checkpoints").glob("step_*"))[-1]
+    return {"ema": load_file(str(run / "lora" / "lora.safetensors")), "model": full_lora_state(tag, "model")[0]}
+
+
+def _same_adapters(got: dict, ref: dict) -> None:
+    for kind in ("ema", "model"):
+        assert got[kind].keys() == ref[kind].keys() and len(ref[kind]) == 2 * 5 * 2, kind  # blocks x linears x (A, B)
+        for k, v in ref[kind].items():
+            torch.testing.assert_close(got[kind][k], v, rtol=1e-5, atol=1e-6 * float(v.abs().max()), msg=k)
+
+
+@pytest.mark.parametrize("world,name", [(2, n) for n in _lora(TRAIN_LAYOUTS[2])] +
+                         [(8, n) for n in _lora(TRAIN_LAYOUTS[8])])
+def test_lora_training_matches_one_process(request, wan_one, wan_train, world, name):
+    """4 LoRA steps (frozen perturbed base, B non-zero) at tp2 + SP, cp2, pp2 and tp2 + SP x cp2 ring
+    x pp2 (8 ranks) equal one process: loss and grad norm per step, and the adapters (live and EMA)."""
+    results = request.getfixturevalue(f"wan{world}")
+    for r in results:
+        _same_run(r["train"][name], wan_one["lora_one"])
+    runs = Path(wan_train["runs"])
+    _same_adapters(_adapters(runs / name), _adapters(runs / "lora_one"))
+
+
+def test_lora_checkpoint_holds_adapters_and_their_optimizer_state_only(wan_one, wan_train):
+    """The checkpoint holds adapter tensors alone (no base tensor) in four kinds (weights, EMA, two
+    AdamW moments): its tensor bytes are exactly the adapters' fp32 state times 4 (the files add
+    DCP's per-tensor framing, the RNG streams and the record); the run records its base's folder
+    and hash."""
+    import json
+
+    from vitp.checkpoint.sharded import tensor_shapes
+    from vitp.models.lora import base_hash
+
+    run = Path(wan_train["runs"]) / "lora_one"
+    tag = sorted((run / "checkpoints").glob("step_*"))[-1]
+    kinds = {k: tensor_shapes(tag, k) for k in ("model", "ema", "exp_avg", "exp_avg_sq")}
+    assert all(key.endswith((".lora_A", ".lora_B")) for shapes in kinds.values() for key in shapes), kinds
+    n = sum(math.prod(s) for s, _ in kinds["model"].values())
+    stored = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for sh in kinds.values() for s, d in sh.values())
+    assert n > 0 and stored == 4 * 4 * n  # fp32 weights, EMA, exp_avg, exp_avg_sq of the adapters, nothing else
+    record = json.loads((tag / "vitp_meta.json").read_text())["lora"]
+    source = Path(wan_train["folder"]) / "transformer"
+    assert record["base"] == {"folder": str(source), "hash": base_hash(source)}
+    assert record["pieces"]["blocks.1.attn.qkv"] == [0, 2] and record["pieces"]["blocks.0.cross_attn.kv"] == [0, 1]
+
+
+def test_lora_training_resumes_exactly_and_refuses_another_base(wan_one, wan_train):
+    one, stopped, resumed = wan_one["lora_one"], wan_one["lora_stopped"], wan_one["lora_resume"]
+    assert stopped["stopped_at"] == 2
+    np.testing.assert_allclose(stopped["losses"] + resumed["losses"], one["losses"], rtol=1e-6)
+    np.testing.assert_allclose(resumed["grad_norms"], one["grad_norms"][2:], rtol=1e-6)
+    runs = Path(wan_train["runs"])
+    _same_adapters(_adapters(runs / "lora_resume"), _adapters(runs / "lora_one"))
+    msg = wan_one["lora_other_base"]
+    assert "adapters fit only their own base" in msg, msg
+    assert str(Path(wan_train["folder"]) / "transformer") in msg and str(Path(wan_train["other"]) / "transformer") in msg
+
+
+def test_lora_run_files_load_in_diffusers_with_the_trained_models_output(wan_one, wan_train, tmp_path):
+    """The one-process LoRA run's ``RUN/lora/pytorch_lora_weights.safetensors``: diffusers'
+    ``WanTransformer3DModel`` of the base + ``load_lora_adapter`` (no key warning) gives vitp's
+    trained model's output (the base with the run's EMA adapters), and so does the merged
+    ``vitp-export --format diffusers --merge`` folder (1e-5 relative); the ComfyUI export holds
+    ``diffusion_model.*`` keys alone."""
+    import json
+
+    from diffusers import WanTransformer3DModel
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from tests.unit.test_lora_files import no_key_warnings
+    from vitp.cli.export import run as export
+    from vitp.models import from_pretrained
+    from vitp.models.lora import LoraSpec, apply_lora
+
+    run, base = Path(wan_train["runs"]) / "lora_one", Path(wan_train["folder"]) / "transformer"
+    ema, record = load_file(str(run / "lora" / "lora.safetensors")), json.loads((run / "lora" / "lora.json").read_text())
+    model = from_pretrained(base, None)
+    g = torch.Generator().manual_seed(3)
+    c = model.config
+    x = torch.randn(2, c.in_channels, 2, 4, 6, generator=g)
+    t, text = torch.tensor([100.0, 700.0]), torch.randn(2, 7, c.text_dim, generator=g)
+    with torch.no_grad():
+        base_out = model(x, t, text)
+        spec = LoraSpec(rank=record["rank"], alpha=record["alpha"], rslora=record["rslora"],
+                        targets=tuple(record["targets"]))
+        apply_lora(model, spec, init={k[:-len(".lora_A")]: (v, ema[k[:-1] + "B"]) for k, v in ema.items()
+                                      if k.endswith(".lora_A")})
+        want = model(x, t, text)
+        assert float((want - base_out).norm() / want.norm()) > 1e-4  # the adapters matter
+        with no_key_warnings():
+            ref = WanTransformer3DModel.from_pretrained(str(base)).eval()
+            ref.load_lora_adapter(str(run / "lora" / "pytorch_lora_weights.safetensors"), prefix="transformer")
+        got = ref(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+        assert float((got - want).norm() / want.norm()) < 1e-5
+        merged = export([str(run), "--format", "diffusers", "--merge", "-o", str(tmp_path / "merged")])
+        with no_key_warnings():
+            m = WanTransformer3DModel.from_pretrained(str(merged)).eval()
+        got = m(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+        assert float((got - want).norm() / want.norm()) < 1e-5
+    comfy = export([str(run), "--format", "lora", "--lora-format", "comfyui", "-o", str(tmp_path / "c.safetensors")])
+    with safe_open(str(comfy), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith("diffusion_model.") for k in keys)

@@ -38,6 +38,21 @@ LAYOUTS = {
 # misses the other ranks' parts
 FAULTS = {2: {"tp2_local_qk_norm": ((2, 1, False, "ulysses"), "local"),
               "tp2_norm_sum_identity_backward": ((2, 1, False, "ulysses"), "sum_backward")}, 4: {}, 8: {}}
+# LoRA on the frozen perturbed base, B drawn non-zero (vitp.models.lora): self-attention's q and v
+# pieces of the fused qkv (not k), cross-attention's q and both pieces of its fused kv ("to_v"
+# names both attentions' v), both output projections and the MLP; rank 2, alpha 3 (scaling 1.5)
+LORA_TARGETS = ("attn1.to_q", "to_v", "to_out.0", "attn2.to_q", "attn2.to_k", "ffn.net.0.proj", "ffn.net.2")
+LORA_LAYOUTS = {2: {"tp2_lora": (2, 1, False, "ulysses"), "tp2_sp_lora": (2, 1, True, "ulysses"),
+                    "cp2_ring_lora": (1, 2, False, "ring")}, 4: {}, 8: {}}
+# the fault: a column-parallel adapter's B split contiguously like an unfused linear's rows (not per
+# piece, as the fused qkv / kv weight is), so updates land on the wrong pieces' rows
+LORA_FAULTS = {2: {"tp2_lora_b_contiguous": (2, 1, False, "ulysses")}, 4: {}, 8: {}}
+
+
+def lora_spec(b_std: float = 0.0):
+    from vitp.models.lora import LoraSpec
+
+    return LoraSpec(rank=2, alpha=3.0, targets=LORA_TARGETS, b_std=b_std)
 
 
 def build():
@@ -103,13 +118,25 @@ def compare(ref_run, model, state, inputs, target) -> dict:
     return {"out": rel(out, out_r), "loss": rel(loss, loss_r), "grad": errs[worst], "worst": worst,
             "all_keys": sorted(grads_r),
             "grad_norm": rel(norm, norm_r), "missing": sorted(set(grads_r) - set(errs)),
-            "extra": sorted(set(grads) - set(grads_r))}
+            "extra": sorted(n for n, g in grads.items() if g is not None and n not in grads_r)}
 
 
-def layout_parity(layout, ref, runs, fault=None) -> dict:
+def _lora_fault(model, factors, state) -> None:
+    """Re-slice every column-parallel adapter's B contiguously (:data:`LORA_FAULTS`)."""
+    from vitp.parallel import ColumnParallelLinear, shard_tensor
+
+    for name, m in model.named_modules():
+        if isinstance(m, ColumnParallelLinear) and getattr(m, "lora_A", None) is not None:
+            with torch.no_grad():
+                m.lora_B.copy_(shard_tensor(factors[name][1], 0, 1, state.tp_size, state.tp_rank))
+
+
+def layout_parity(layout, ref, runs, fault=None, lora=None) -> dict:
     """Shard a copy of ``ref`` in ``layout`` and compare it on every shape of ``runs``
-    (``{shape: (inputs, target, reference run)}``, in turn), with ``fault`` (:data:`FAULTS`)
-    injected: ``{shape: compare(...)}``."""
+    (``{shape: (inputs, target, reference run)}``, in turn), with ``fault`` (:data:`FAULTS`,
+    ``"lora_contiguous"``) injected; ``lora``: the reference's adapters ``{module: (A, B)}``, given
+    to the sharded copy after its plan (base frozen): ``{shape: compare(...)}``."""
+    from vitp.models.lora import apply_lora
     from vitp.models.parallelize_wan import parallelize_wan
     from vitp.parallel import TPRMSNorm, make_state, norms, reduce_from_tp_region
 
@@ -118,6 +145,10 @@ def layout_parity(layout, ref, runs, fault=None) -> dict:
     state = make_state(tp=tp, cp=cp, dp=world // (tp * cp), sequence_parallel=sp, cp_mode=mode)
     model = copy.deepcopy(ref)
     report = parallelize_wan(model, state)
+    if lora is not None:
+        apply_lora(model, lora_spec(), state, init=lora)
+        if fault == "lora_contiguous":
+            _lora_fault(model, lora, state)
     tp_norms = [m for m in model.modules() if isinstance(m, TPRMSNorm)]
     for m in tp_norms:
         m._local = fault == "local"
@@ -146,9 +177,34 @@ def worker(rank: int, world: int, train: dict = None) -> dict:
         runs[shape] = (inputs, target, (out_r, loss_r, {n: p.grad.detach().clone() for n, p in ref.named_parameters()}))
     res = {name: layout_parity(lay, ref, runs) for name, lay in LAYOUTS[world].items()}
     res.update({name: layout_parity(lay, ref, runs, fault) for name, (lay, fault) in FAULTS[world].items()})
+    if LORA_LAYOUTS[world] or LORA_FAULTS[world]:
+        res.update(lora_parity(ref, data, world))
     res.update({name: pipeline_parity(lay, ref, runs) for name, lay in PIPE_LAYOUTS[world].items()})
     if train:  # after the checks above: the trainer's process groups and seeds come last
         res["train"] = train_cases(rank, world, train)
+    return res
+
+
+def lora_parity(ref, data, world: int) -> dict:
+    """:data:`LORA_LAYOUTS` and :data:`LORA_FAULTS` of ``world``: a copy of ``ref`` with adapters
+    (B non-zero, base frozen) is the reference; every layout shards ``ref`` and gets the same
+    adapters. Each result also says how many base parameters got a gradient (none must)."""
+    from vitp.models.lora import apply_lora, lora_factors
+
+    model = copy.deepcopy(ref)
+    apply_lora(model, lora_spec(b_std=0.3))
+    factors = lora_factors(model)
+    runs = {}
+    for shape, (inputs, target) in data.items():
+        out_r, loss_r = fwd_bwd(model, inputs, target)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        runs[shape] = (inputs, target, (out_r, loss_r, grads))
+    res = {name: layout_parity(lay, ref, runs, lora=factors) for name, lay in LORA_LAYOUTS[world].items()}
+    res.update({name: layout_parity(lay, ref, runs, "lora_contiguous", factors)
+                for name, lay in LORA_FAULTS[world].items()})
+    for r in res.values():
+        for shape_res in r.values():
+            shape_res["lora_keys"] = len(shape_res["all_keys"])
     return res
 
 
@@ -156,12 +212,19 @@ def worker(rank: int, world: int, train: dict = None) -> dict:
 # 4 steps of experiment=wan_smoke from the tiny perturbed pipeline folder (scripts/make_tiny_wan.py:
 # 2 heads, 2 layers, text_dim 32), per world size: name -> layout overrides. tp2 x cp2 needs
 # ring attention: Ulysses splits the 2 heads over tp x cp = 4 ranks.
+# LoRA runs (base frozen, B drawn non-zero so every path matters from step 1): fused qkv's q and v
+# pieces, both kv pieces, both output projections, the MLP's fc2
+LORA_TRAIN = ["trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lora.alpha=6",
+              "trainer.lora.targets=[attn1.to_q,to_v,attn2.to_k,to_out.0,ffn.net.2]", "trainer.lora.b_init_std=0.05"]
+_TP_SP, _RING8 = ["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.cp=2", "parallel.cp_mode=ring",
+                                                                         "parallel.pp=2"]
 TRAIN_LAYOUTS = {
-    2: {"tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "cp2_ulysses": ["parallel.cp=2"],
-        "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"], "pp2": ["parallel.pp=2"]},
+    2: {"tp2_sp": _TP_SP, "cp2_ulysses": ["parallel.cp=2"],
+        "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"], "pp2": ["parallel.pp=2"],
+        "lora_tp2_sp": [*_TP_SP, *LORA_TRAIN], "lora_cp2": ["parallel.cp=2", *LORA_TRAIN],
+        "lora_pp2": ["parallel.pp=2", *LORA_TRAIN]},
     4: {},
-    8: {"tp2_sp_cp2_pp2_ring": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
-                                "parallel.cp_mode=ring", "parallel.pp=2"]},
+    8: {"tp2_sp_cp2_pp2_ring": [*_TP_SP, *_RING8], "lora_tp2_sp_cp2_pp2_ring": [*_TP_SP, *_RING8, *LORA_TRAIN]},
 }
 
 
@@ -174,7 +237,8 @@ def wan_smoke(train: dict, *extra: str) -> list:
 def train_setup(base) -> dict:
     """The tiny perturbed Wan pipeline folder (transformer in shards) and the wan_smoke captions
     encoded once by the demo encoder, under ``base`` (in the calling process, no process group):
-    ``{"folder", "store", "runs"}`` paths as strings."""
+    ``{"folder", "store", "runs", "other"}`` paths as strings (``other``: a second tiny folder of
+    another seed, a base LoRA adapters do not fit)."""
     from pathlib import Path
 
     from tests.helpers import make_tiny_wan
@@ -183,7 +247,8 @@ def train_setup(base) -> dict:
 
     base = Path(base)
     folder = make_tiny_wan().write_pipeline(base / "tiny", sharded=True, vae=False)
-    train = {"folder": str(folder), "store": str(base / "captions"), "runs": str(base / "runs")}
+    other = make_tiny_wan().write_pipeline(base / "other", sharded=True, vae=False, seed=1)  # another base
+    train = {"folder": str(folder), "store": str(base / "captions"), "runs": str(base / "runs"), "other": str(other)}
     cfg = compose(wan_smoke(train))
     validate_config(cfg)
     ensure_text_embeddings(cfg)
@@ -347,9 +412,25 @@ def one_process_runs(rank: int, train: dict) -> dict:
 
     runs, keys = Path(train["runs"]), ("losses", "grad_norms", "stopped_at")
     cases = [("one", "one", ()), ("stopped", "resume", ("trainer.exit_at_step=2",)), ("resume", "resume", ()),
-             ("lr0", "lr0", ("optim.lr=0",))]
+             ("lr0", "lr0", ("optim.lr=0",)), ("lora_one", "lora_one", LORA_TRAIN),
+             ("lora_stopped", "lora_resume", (*LORA_TRAIN, "trainer.exit_at_step=2")),
+             ("lora_resume", "lora_resume", LORA_TRAIN)]
     out = {}
     for name, folder, extra in cases:
         res = fit(compose(wan_smoke(train, *extra)), runs / folder)
         out[name] = {k: res[k] for k in keys}
+        if name == "lora_stopped":  # the same run dir against another base is refused before any step
+            out["lora_other_base"] = _refused(compose(wan_smoke({**train, "folder": train["other"]}, *LORA_TRAIN)),
+                                                runs / folder)
     return out
+
+
+def _refused(cfg, run_dir) -> str:
+    """The message of the ``ValueError`` that training ``cfg`` in ``run_dir`` raises ("" if none)."""
+    from vitp.train import train as fit
+
+    try:
+        fit(cfg, run_dir)
+    except ValueError as e:
+        return str(e)
+    return ""

@@ -1,0 +1,133 @@
+"""LoRA on vitp's models at one process (:mod:`vitp.models.lora`, :mod:`vitp.parallel.lora`): the
+adapters follow peft's ``LoraConfig`` on diffusers' own Wan model (same factors, same output), the
+targets are matched by the names users know, and bad input is refused naming the fix. The layouts
+(tp, SP, cp, pp) are checked against one process in ``tests/distributed/parallel/test_wan_parallel.py``."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.distributed.parallel.wan_workers import CONFIG, LORA_TARGETS, lora_spec
+
+
+def _wan():
+    from vitp.models import WanModel
+
+    torch.manual_seed(0)
+    model = WanModel(CONFIG)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _inputs(B=2):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, 4, 3, 4, 8, generator=g)
+    return x, torch.rand(B, generator=g) * 1000, torch.randn(B, 5, CONFIG["text_dim"], generator=g)
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_adapters_equal_peft_on_diffusers_wan(tmp_path, rslora):
+    """vitp's adapters (one per targeted piece of the fused qkv / kv) give diffusers'
+    ``WanTransformer3DModel`` with peft's LoRA of the same factors the same output; rsLoRA too."""
+    from dataclasses import replace
+
+    from diffusers import WanTransformer3DModel
+    from peft import LoraConfig
+
+    from vitp.models.lora import apply_lora
+    from vitp.models.wan_keys import _LINEARS, save_pretrained
+
+    model = _wan()
+    ref = WanTransformer3DModel.from_pretrained(str(save_pretrained(model, tmp_path / "t"))).eval()
+    spec = replace(lora_spec(b_std=0.2), rslora=rslora)
+    pieces = apply_lora(model, spec)
+    ref.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(LORA_TARGETS),
+                               use_rslora=rslora))
+    peft_keys = {k for k in ref.state_dict() if ".lora_" in k}
+    table, copied = dict(_LINEARS), set()
+    with torch.no_grad():
+        for key, idx in pieces.items():
+            m = model.get_submodule(key)
+            block, local = key.split(".", 2)[1], key.split(".", 2)[2]
+            r, out_piece = spec.rank, m.lora_B.shape[0] // len(idx)
+            for j, p in enumerate(idx):
+                name = f"blocks.{block}.{table[local][p]}"
+                ref.get_submodule(f"{name}.lora_A.default").weight.copy_(m.lora_A[j * r:(j + 1) * r])
+                ref.get_submodule(f"{name}.lora_B.default").weight.copy_(m.lora_B[j * out_piece:(j + 1) * out_piece])
+                copied |= {f"{name}.lora_A.default.weight", f"{name}.lora_B.default.weight"}
+    assert copied == peft_keys  # the same modules adapted, piece by piece
+    x, t, text = _inputs()
+    with torch.no_grad():
+        got, want = model(x, t, text), ref(x, t, text, return_dict=False)[0]
+        base = WanTransformer3DModel.from_pretrained(str(tmp_path / "t")).eval()(x, t, text, return_dict=False)[0]
+    assert (want - base).abs().max() > 1e-2  # the adapters change the output
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert model.blocks[0].attn.qkv.lora_scaling == pytest.approx(3.0 / (math.sqrt(2) if rslora else 2))
+
+
+def test_keys_init_and_frozen_base():
+    """Adapters are parameters ``lora_A`` / ``lora_B`` of the linear itself (base keys unchanged),
+    A kaiming-uniform within 1 / sqrt(in) and B zero by default (the output is the base's), and
+    only adapters require a gradient."""
+    from vitp.models.lora import apply_lora
+
+    model = _wan()
+    before = set(model.state_dict())
+    x, t, text = _inputs()
+    with torch.no_grad():
+        base = model(x, t, text)
+    pieces = apply_lora(model, lora_spec())
+    added = set(model.state_dict()) - before
+    assert before <= set(model.state_dict()) and added == {f"{k}.lora_{f}" for k in pieces for f in "AB"}
+    qkv = model.blocks[1].attn.qkv
+    assert pieces["blocks.1.attn.qkv"] == (0, 2) and qkv.lora_pieces == (0, 2) and qkv.lora_num_pieces == 3
+    assert qkv.lora_A.shape == (2 * 2, 48) and qkv.lora_B.shape == (2 * 48, 2)
+    assert pieces["blocks.0.cross_attn.kv"] == (0, 1) and pieces["blocks.0.mlp.fc2"] == (0,)
+    assert "blocks.0.cross_attn.kv" in pieces and 0 < qkv.lora_A.abs().max() <= 1 / math.sqrt(48)
+    assert all(bool((m.lora_B == 0).all()) for m in model.modules() if hasattr(m, "lora_B"))
+    with torch.no_grad():
+        assert torch.equal(model(x, t, text), base)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == added
+
+
+def test_generator_takes_timm_names():
+    """The generator's timm ``qkv`` pieces by q / k / v, and ``proj`` / ``fc1`` / ``fc2``."""
+    from vitp.config import compose, parse_resolution
+    from vitp.models import Generator
+    from vitp.models.lora import LoraSpec, apply_lora
+
+    cfg = compose(["experiment=smoke"])
+    gen = Generator.from_config(cfg.model, seed=0)
+    pieces = apply_lora(gen, LoraSpec(rank=4, alpha=4.0, targets=("attn.q", "v", "fc2"), family="vit"))
+    assert pieces == {f"blocks.{i}.{k}": p for i in range(2) for k, p in (("attn.qkv", (0, 2)), ("mlp.fc2", (0,)))}
+    h, w = parse_resolution(cfg.model.image_size)
+    out = gen(torch.randn(2, cfg.model.in_channels, 1, h, w), torch.rand(2), torch.tensor([0, 1]))
+    out.float().pow(2).mean().backward()
+    assert all(p.grad is not None for n, p in gen.named_parameters() if ".lora_" in n)
+
+
+def test_bad_input_is_refused_naming_the_fix():
+    from vitp.models.lora import LoraSpec, apply_lora, check_targets
+    from vitp.parallel.lora import lora_scaling
+
+    with pytest.raises(ValueError, match=r"rank 0: must be a positive integer \(trainer.lora.rank=16"):
+        lora_scaling(0, 8.0)
+    with pytest.raises(ValueError, match=r"\['to_x'\] match\(es\) no linear.*attn1.to_q.*ffn.net.2"):
+        check_targets("wan", 2, ["to_q", "to_x"])
+    with pytest.raises(ValueError, match="empty"):
+        check_targets("wan", 2, [])
+    with pytest.raises(ValueError, match="rank -1"):
+        apply_lora(_wan(), LoraSpec(rank=-1, alpha=1.0, targets=("to_q",)))
+
+
+def test_vitp_train_refuses_lora_on_the_generator():
+    from vitp.config import compose
+    from vitp.models.lora import check_lora_config
+
+    with pytest.raises(ValueError, match="model.family=vit: vitp-train fine-tunes LoRA adapters on a Wan folder"):
+        check_lora_config(compose(["experiment=smoke", "trainer.lora.enabled=true"]))
+    check_lora_config(compose(["experiment=smoke"]))  # off: nothing to check
