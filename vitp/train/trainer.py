@@ -351,8 +351,8 @@ class Trainer:
 
         self.ema = EMA(self.engine.module, o.ema_decay, fragments(self.engine))  # sharded like ZeRO's partitions
         m = self.cfg.model  # sampling and evaluation in this layout (ema_denoiser); share: their dp split
-        self.denoiser = None if self.wan else StageDenoiser(self.engine.module, self.cfg.trainer.micro_batch_size,
-                                                            m.patch_size, m.tubelet_size)
+        self.denoiser = StageDenoiser(self.engine.module, self.cfg.trainer.micro_batch_size, m.patch_size,
+                                      m.tubelet_size)
         self.share = Share.of(self.engine.module, self.state)
         self.checkpointer.load(self.engine, self.ema, self.state)
 
@@ -425,7 +425,11 @@ class Trainer:
         path = self.run_dir / "samples" / f"step_{step:07d}.png"
         prompts = self._grid_prompts()
         with self.ema_denoiser() as gen:
-            if self.buckets is None:
+            if self.wan:  # WanPipeline's loop with the folder's scheduler, decoded by its VAE (vitp.eval.wan_eval)
+                from vitp.eval.wan_eval import write_wan_grid
+
+                outs = {"": write_wan_grid(gen, self.cfg, path, prompts, self.share)}
+            elif self.buckets is None:
                 outs = {"": write_sample_grid(gen, self.cfg, path, prompts, self.share)}
             else:
                 outs = {f"/{k}": v for k, v in write_bucket_grids(gen, self.cfg, self.buckets, path.with_suffix(""),
@@ -437,6 +441,8 @@ class Trainer:
             self.logger.text("samples/prompts", "\n".join(f"{i}. {p}" for i, p in enumerate(prompts.prompts[1:], 1)),
                              step)
         for suffix, out in outs.items():
+            if out is None:  # Wan from a transformer folder without its pipeline's scheduler/: no grid
+                continue
             self.logger.image("samples" + suffix, out["grid"], step)
             if out["strips"] is not None:
                 self.logger.images(f"samples{suffix}/frames", out["strips"], step)
@@ -458,6 +464,8 @@ class Trainer:
         at the end the full evaluation) of the EMA weights; rank 0's results."""
         from vitp.eval import evaluate
 
+        if self.wan:  # Wan's flow-matching loss; video statistics at the end (vitp.eval.wan_eval)
+            from vitp.eval.wan_eval import wan_evaluate as evaluate
         per_bucket = None if self.buckets is None else {b.name: ho for b, (_, ho) in zip(self.buckets, self.bucket_data)}
         with self.ema_denoiser() as gen:
             res = evaluate(gen, self.cfg, self.train_ds, self.heldout_ds, self.run_dir, full=final, step=step,
@@ -727,9 +735,8 @@ class Trainer:
         else:  # minutes, after the training bar's 100 %: each phase says what runs and shows a bar (rank 0)
             from vitp.eval.progress import reporting
 
-            if not self.wan:  # Wan: no sample grids in vitp-train yet (refused at the config check)
-                with reporting(bars=self.main and tr.progress, prefix="final sample grid"):
-                    self.sample_grid(tr.max_steps)
+            with reporting(bars=self.main and tr.progress, prefix="final sample grid"):
+                self.sample_grid(tr.max_steps)
             with reporting(bars=self.main and tr.progress):
                 result = self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {}
         self.logger.close()
@@ -738,8 +745,8 @@ class Trainer:
             if not (self.run_dir / ema).is_file():  # sharded: its index names the shards
                 ema = f"{ema}.index.json"
             if self.wan:
-                ema = "diffusers/"  # the EMA weights as a diffusers folder, and no sample grid
-            held = [ema, *([] if skipped or self.wan else ["samples/"]), "metrics.jsonl",
+                ema = "diffusers/"  # the EMA weights as a diffusers folder
+            held = [ema, *([] if skipped else ["samples/"]), "metrics.jsonl",
                     *(["eval.json"] if cfg.eval.enabled and not skipped else []),
                     *([] if tr.tensorboard_dir else ["tb/"])]
             log.info("done: %s holds %s", self.run_dir, ", ".join(held))
