@@ -296,8 +296,8 @@ class Trainer:
         if self.wan:  # a diffusers Wan folder, each rank reading its slices (vitp.train.wan)
             from .wan import build_wan_model
 
-            self.module, self.state, self.loss_fn, _ = build_wan_model(cfg, self.layout,
-                                                                       load=self.checkpointer.resume_tag is None)
+            self.module, self.state, self.loss_fn, self.folder_read = build_wan_model(
+                cfg, self.layout, load=self.checkpointer.resume_tag is None)  # folder_read: {"bytes", "share"}
             model_parallel_seed(cfg.seed, self.state)
             self._compile_blocks()
             return
@@ -602,7 +602,9 @@ class Trainer:
         Returns ``{"losses", "grad_norms"}`` per step (every rank), ``eval`` (rank 0's final
         results), ``run_dir``, ``stopped_at`` (the step of an early stop, else ``None``) and
         ``signal`` (the name of the signal that stopped the run on any rank, else ``None``:
-        :func:`.stop.exit_status` turns it into ``vitp-train``'s exit status).
+        :func:`.stop.exit_status` turns it into ``vitp-train``'s exit status), ``checkpoint`` (this
+        rank's checkpoint bytes) and ``folder_read`` (a Wan run: ``{"bytes", "share"}`` this rank read
+        of the ``trainer.init_from`` folder and the bytes of the tensors it filled; ``{}`` otherwise).
         Gives the run directory up when it returns or raises.
         """
         try:
@@ -664,7 +666,8 @@ class Trainer:
         return {"losses": self.losses, "grad_norms": self.grad_norms, "eval": evaluation,
                 "run_dir": str(self.run_dir), "stopped_at": stopped_at,
                 "checkpoint": {"bytes_read": ck.bytes_read, "saves": list(ck.writer.stats),
-                               "share_bytes": self.share_bytes()}}
+                               "share_bytes": self.share_bytes()},
+                "folder_read": dict(getattr(self, "folder_read", {}))}  # Wan: bytes read of trainer.init_from
 
     def share_bytes(self) -> int:
         """Bytes of this rank's share of the training state (weights, EMA and optimizer fragments)."""
