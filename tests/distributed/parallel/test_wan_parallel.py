@@ -353,22 +353,25 @@ def test_wan_grids_and_heldout_loss_eight_ranks_match_one_process(wan8, wan_one,
     assert [e.step for e in acc.Images("samples")] == [2, 4]
 
 
-def _one_process_eval(run: Path, out: Path) -> dict:
-    """``vitp-eval RUN`` in pytest's process (the one-process path starts no process group)."""
-    from vitp.eval.wan_eval import run_wan_eval
+def _one_process_eval(run: Path) -> dict:
+    """``vitp-eval RUN sampler.fps=4`` in pytest's process (the one-process path starts no process
+    group; the override, which changes no number, gives it its own eval_sampler.fps=4.json)."""
+    from vitp.cli.eval import run as vitp_eval
 
-    return run_wan_eval(run, None, [], False, out, 4)
+    res = vitp_eval([str(run), "sampler.fps=4"])
+    assert json.loads((run / "eval_sampler.fps=4.json").read_text()) == res
+    return res
 
 
 @pytest.mark.parametrize("world", [2, 8])
-def test_vitp_eval_in_a_group_is_one_process_vitp_eval(request, wan_train, world, tmp_path):
+def test_vitp_eval_in_a_group_is_one_process_vitp_eval(request, wan_train, world):
     """``vitp-eval RUN`` of a trained run at dp2 (2 ranks) and at tp2 + SP x cp2 ring x pp2 (8 ranks)
     gives what one process gives from the same ``RUN/diffusers`` folder; the training's final
     evaluation of the EMA weights in the training layout gives it too."""
     name, over = EVAL_IN_GROUP[world]
     group = request.getfixturevalue(f"wan{world}")[0]["vitp_eval"]
     run = Path(wan_train["runs"]) / name
-    one = _one_process_eval(run, tmp_path / "eval.json")
+    one = _one_process_eval(run)
     trained = json.loads((run / "eval.json").read_text())
     for got in (group, trained):
         assert got["heldout_loss"] == pytest.approx(one["heldout_loss"], rel=TOL)
