@@ -1,8 +1,7 @@
 """A ``model.family=wan`` run config (:mod:`vitp.models.wan_run`) before any process group: its
 sizes come from the folder's ``config.json``; a missing or damaged folder, an option vitp's Wan
-lacks (image-to-video), an impossible layout and what vitp-train does not do for Wan yet (sample
-grids, the held-out evaluation, vitp-eval) are refused, each message naming the key
-and the fix. Wan's collate gives the pairs of Wan's objective. Tiny folders from
+lacks (image-to-video), an impossible layout, what vitp-train does not do for Wan and bad input
+to vitp-sample / vitp-eval are refused, each message naming the key and the fix. Wan's collate gives the pairs of Wan's objective. Tiny folders from
 ``scripts/make_tiny_wan.py``; no training here (tests/distributed/parallel/test_wan_parallel.py)."""
 from __future__ import annotations
 
@@ -88,10 +87,6 @@ def test_corrupt_config_is_refused(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["trainer.sample_every=2"], r"trainer.sample_every=2: sampling and the held-out loss of Wan are not in "
-                                 r"vitp-train yet .*set trainer.sample_every=0"),
-    (["eval.enabled=true"], r"eval.enabled=true: .*not in vitp-train yet .*set eval.enabled=false"),
-    (["trainer.eval_every=2"], r"trainer.eval_every=2: .*set trainer.eval_every=0"),
     (["trainer.compile=blocks"], r"trainer.compile=blocks .*set trainer.compile=off"),
     (["model.attn_drop=0.1"], r"model.attn_drop=0.1: Wan has no dropout"),
     (["parallel.partial_sync=0.5"], r"parallel.partial_sync=0.5: .*set parallel.partial_sync=1"),
@@ -119,20 +114,39 @@ def test_channels_of_other_data_are_refused(tiny):
         validate_config(_cfg(tiny, "data=shards", "data.shards=/x", "data.latent_channels=16"), 1)
 
 
-def test_vitp_eval_refuses_a_wan_run(tiny, tmp_path):
+def test_grids_and_evaluation_are_accepted_and_a_lone_transformer_warns(tiny, tmp_path, caplog):
+    """Sample grids and the held-out evaluation run for Wan (vitp.eval.wan_eval); a transformer
+    folder without its pipeline trains without grids, saying so once at the check."""
+    import logging
+
+    validate_config(_cfg(tiny, "trainer.sample_every=2", "trainer.eval_every=2", "eval.enabled=true"), 1)
+    alone = shutil.copytree(tiny / "transformer", tmp_path / "alone")
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        validate_config(_cfg(alone, "objective.shift=3"), 1)
+    assert "has no pipeline scheduler/: no sample grids and no sampled video statistics" in caplog.text
+
+
+def test_vitp_eval_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys):
+    """``vitp-eval`` of a Wan run without its final diffusers folder names ``vitp-export``; a weights
+    file instead of a folder names the folder to give."""
     from omegaconf import OmegaConf
 
-    from vitp.cli.eval import load_run_config
-    from vitp.models.wan_run import refuse_wan_run
+    from vitp.cli.eval import main
 
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(_cfg(tiny)))
-    with pytest.raises(ValueError, match=r"vitp-eval does not evaluate a Wan run yet .*sample it with vitp-sample "
-                                         r".*WanPipeline"):
-        refuse_wan_run(run, "vitp-eval")
-    with pytest.raises(ValueError, match=r"vitp-eval does not evaluate a Wan run yet"):
-        load_run_config(run, [])
+    (run / "ema.safetensors").write_bytes(b"x")
+    for argv, message in [
+            ([str(run)], f"{run / 'diffusers'} holds no diffusers Wan weights (config.json): a run that has not "
+                         f"finished has none; write one from its latest checkpoint with vitp-export {run} --format "
+                         f"diffusers -o OUT, then vitp-eval {run} --weights OUT"),
+            ([str(run), "--weights", "ema.safetensors"], "--weights ema.safetensors: a Wan run is "
+                                                               "evaluated from a diffusers folder, not a file")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, err
 
 
 def test_vitp_sample_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys):

@@ -88,9 +88,6 @@ def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
     path = run_dir / ".hydra" / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a vitp run directory")
-    from vitp.models.wan_run import refuse_wan_run
-
-    refuse_wan_run(run_dir, "vitp-eval")
     return apply_overrides(typed_config(OmegaConf.load(path)), overrides, "vitp-eval")
 
 
@@ -173,6 +170,9 @@ def run(argv: Optional[list] = None) -> dict:
         raise ValueError("--weights and cli.weights= both given; give one of them")
     weights = flags.get("weights", a.weights) or "model_ema.safetensors"
     sharded = launched()
+    from vitp.eval.wan_sample import is_wan_source
+
+    wan = is_wan_source(a.run_dir)  # its RUN/diffusers folder (vitp.eval.wan_eval)
     with quiet_unless_main():  # under a launcher: rank 0 alone logs, writes eval.json and prints
         if is_main():
             logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -180,18 +180,33 @@ def run(argv: Optional[list] = None) -> dict:
         if out.name != "eval.json" and out.exists() and not (a.force or flags.get("force")):
             raise ValueError(f"{out} exists (an earlier vitp-eval with these overrides); pass --force to replace it, "
                              f"or other overrides")
-        cfg, gen, train_ds, heldout_ds, per_bucket, cond = load_for_eval(a.run_dir, weights, a.overrides, sharded)
-        step = weights_step(a.run_dir, weights)  # the weights', not the run's last logged step
-        with reporting(bars=is_main(), prefix="vitp-eval"):  # each phase: a line saying what runs, a bar
-            res = evaluate(gen.denoiser if sharded else gen, cfg, train_ds, heldout_ds, a.run_dir, full=True,
-                           step=step, buckets=per_bucket, conditioning=cond, share=gen.share if sharded else None,
-                           out=out)
+        if wan:
+            from vitp.eval.wan_eval import run_wan_eval
+
+            given = None if weights == "model_ema.safetensors" else weights
+            with reporting(bars=is_main(), prefix="vitp-eval"):
+                res = run_wan_eval(a.run_dir, given, a.overrides, sharded, out, last_step(a.run_dir))
+        else:
+            res = _evaluate_run(a, weights, sharded, out)
         if sharded:
             finish()
         if is_main():
             print(json.dumps(res, indent=2))
             kept = " (the training's eval.json is kept)" if out.name != "eval.json" else ""
             print(f"vitp-eval: wrote {out}{kept}", file=sys.stderr)
+    return res
+
+
+def _evaluate_run(a: Any, weights: str, sharded: bool, out: Path) -> dict:
+    """The generator's evaluation of ``vitp-eval`` (:func:`load_for_eval`, :func:`vitp.eval.evaluate`)."""
+    from vitp.eval.progress import reporting
+
+    cfg, gen, train_ds, heldout_ds, per_bucket, cond = load_for_eval(a.run_dir, weights, a.overrides, sharded)
+    step = weights_step(a.run_dir, weights)  # the weights', not the run's last logged step
+    with reporting(bars=is_main(), prefix="vitp-eval"):  # each phase: a line saying what runs, a bar
+        res = evaluate(gen.denoiser if sharded else gen, cfg, train_ds, heldout_ds, a.run_dir, full=True,
+                       step=step, buckets=per_bucket, conditioning=cond, share=gen.share if sharded else None,
+                       out=out)
     return res
 
 

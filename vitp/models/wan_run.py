@@ -13,10 +13,10 @@ latent channels follow the folder's ``in_channels``. Without a folder, ``model.p
 published config (:data:`vitp.plan.wan.WAN_PRESETS`) that sizes the model the same way, so
 ``vitp-plan`` plans a real Wan with no weights on disk; ``vitp-train`` still needs the folder.
 
-What vitp's Wan run does not do is refused here, naming the key and what to set: sample grids
-and the held-out evaluation (``trainer.sample_every``, ``trainer.eval_every``,
-``eval.enabled``; a finished Wan run samples with ``vitp-sample RUN``, :mod:`vitp.eval.wan_sample`,
-not yet in the trainer), ``trainer.compile=blocks``, shape buckets, partial synchronisation, the
+Sample grids and the held-out evaluation of a Wan run are :mod:`vitp.eval.wan_eval`'s (they sample
+with the pipeline's ``scheduler/``: a transformer folder without its pipeline trains without grids,
+with a warning). What vitp's Wan run does not do is refused here, naming the key and what to set:
+``trainer.compile=blocks``, shape buckets, partial synchronisation, the
 generator-only options (dropout, layer scale, factorized attention) and the options
 :class:`vitp.models.wan.WanConfig` refuses (image-to-video ``image_dim`` / ``added_kv_proj_dim``,
 Wan 2.2 TI2V's ``expand_timesteps``). The objective's flow shift defaults to the pipeline's
@@ -25,10 +25,13 @@ Wan 2.2 TI2V's ``expand_timesteps``). The objective's flow shift defaults to the
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
 from .wan_config import WanConfig
+
+log = logging.getLogger("vitp")
 
 TEXT_TOKENS = 512  # WanPipeline's max_sequence_length: the caption tokens the transformer is given
 NEEDS_FOLDER = ("model.family=wan needs trainer.init_from=FOLDER: a local diffusers Wan transformer folder "
@@ -141,12 +144,7 @@ def wan_loss(cfg: Any, transformer: Path) -> Any:
 def _refuse_unsupported(cfg: Any) -> None:
     """Raises ``ValueError`` naming the first option a Wan run does not support and what to set."""
     tr, m, par = cfg.trainer, cfg.model, cfg.parallel
-    later = "sampling and the held-out loss of Wan are not in vitp-train yet (docs/finetuning.md)"
     rules = [
-        (tr.sample_every == 0, f"trainer.sample_every={tr.sample_every}: {later}; set trainer.sample_every=0 "
-                               "(no sample grid is drawn for Wan, not even at the end)"),
-        (tr.eval_every == 0, f"trainer.eval_every={tr.eval_every}: {later}; set trainer.eval_every=0"),
-        (not cfg.eval.enabled, f"eval.enabled=true: {later}; set eval.enabled=false"),
         (not tr.init_from_timm, "trainer.init_from_timm is for vitp's generator; a Wan run starts from "
                                 "trainer.init_from=FOLDER alone"),
         (str(tr.compile) == "off", f"trainer.compile={tr.compile} compiles vitp's generator blocks only; set "
@@ -192,6 +190,11 @@ def adopt_wan_model(cfg: Any) -> Optional[WanConfig]:
     m.patch_size, m.tubelet_size, m.text_dim, m.text_len = p, pt, c.text_dim, TEXT_TOKENS
     if path is not None:  # a folder without a scheduler needs objective.shift: said now, not at the first step
         wan_shift(cfg, path)
+        pipe = pipeline_folder(path)
+        if pipe is None or not (pipe / "scheduler").is_dir():
+            log.warning("trainer.init_from=%s has no pipeline scheduler/: no sample grids and no sampled video "
+                        "statistics (the held-out loss is computed); give the whole pipeline folder for them",
+                        cfg.trainer.init_from)
     return c
 
 
@@ -224,17 +227,3 @@ def unused_wan_keys(cfg: Any) -> list:
     o = cfg.objective
     return [f"objective.{k}" for k, v in WAN_OBJECTIVE.items()
             if (list(o[k]) if k == "sigma_range" else o[k]) != v]
-
-
-def refuse_wan_run(run_dir: Any, tool: str) -> None:
-    """Raises ``ValueError`` when the run at ``run_dir`` (its ``.hydra/config.yaml``) trained a Wan
-    model: ``tool`` (``vitp-eval``) does not evaluate Wan yet; the message names what samples it
-    (``vitp-sample``). Nothing when the folder holds no run config."""
-    from omegaconf import OmegaConf
-
-    path = Path(run_dir) / ".hydra" / "config.yaml"
-    if not path.is_file() or str(OmegaConf.load(path).get("model", {}).get("family", "vit")) != "wan":
-        return
-    raise ValueError(f"{tool} does not evaluate a Wan run yet (model.family=wan in {path}); sample it with "
-                     f"vitp-sample {run_dir} --prompt \"...\" (docs/finetuning.md), or load its diffusers folder "
-                     f"{Path(run_dir) / 'diffusers'} with diffusers' WanPipeline")

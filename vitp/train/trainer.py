@@ -304,8 +304,8 @@ class Trainer:
         if self.wan:  # a diffusers Wan folder, each rank reading its slices (vitp.train.wan)
             from .wan import build_wan_model
 
-            self.module, self.state, self.loss_fn, _ = build_wan_model(cfg, self.layout,
-                                                                       load=self.checkpointer.resume_tag is None)
+            self.module, self.state, self.loss_fn, self.folder_read = build_wan_model(
+                cfg, self.layout, load=self.checkpointer.resume_tag is None)  # folder_read: {"bytes", "share"}
             model_parallel_seed(cfg.seed, self.state)
             self._compile_blocks()
             return
@@ -359,8 +359,8 @@ class Trainer:
 
         self.ema = EMA(self.engine.module, o.ema_decay, fragments(self.engine))  # sharded like ZeRO's partitions
         m = self.cfg.model  # sampling and evaluation in this layout (ema_denoiser); share: their dp split
-        self.denoiser = None if self.wan else StageDenoiser(self.engine.module, self.cfg.trainer.micro_batch_size,
-                                                            m.patch_size, m.tubelet_size)
+        self.denoiser = StageDenoiser(self.engine.module, self.cfg.trainer.micro_batch_size, m.patch_size,
+                                      m.tubelet_size)
         self.share = Share.of(self.engine.module, self.state)
         self.checkpointer.load(self.engine, self.ema, self.state)
 
@@ -433,7 +433,11 @@ class Trainer:
         path = self.run_dir / "samples" / f"step_{step:07d}.png"
         prompts = self._grid_prompts()
         with self.ema_denoiser() as gen:
-            if self.buckets is None:
+            if self.wan:  # WanPipeline's loop with the folder's scheduler, decoded by its VAE (vitp.eval.wan_eval)
+                from vitp.eval.wan_eval import write_wan_grid
+
+                outs = {"": write_wan_grid(gen, self.cfg, path, prompts, self.share)}
+            elif self.buckets is None:
                 outs = {"": write_sample_grid(gen, self.cfg, path, prompts, self.share)}
             else:
                 outs = {f"/{k}": v for k, v in write_bucket_grids(gen, self.cfg, self.buckets, path.with_suffix(""),
@@ -445,6 +449,8 @@ class Trainer:
             self.logger.text("samples/prompts", "\n".join(f"{i}. {p}" for i, p in enumerate(prompts.prompts[1:], 1)),
                              step)
         for suffix, out in outs.items():
+            if out is None:  # Wan from a transformer folder without its pipeline's scheduler/: no grid
+                continue
             self.logger.image("samples" + suffix, out["grid"], step)
             if out["strips"] is not None:
                 self.logger.images(f"samples{suffix}/frames", out["strips"], step)
@@ -466,6 +472,8 @@ class Trainer:
         at the end the full evaluation) of the EMA weights; rank 0's results."""
         from vitp.eval import evaluate
 
+        if self.wan:  # Wan's flow-matching loss; video statistics at the end (vitp.eval.wan_eval)
+            from vitp.eval.wan_eval import wan_evaluate as evaluate
         per_bucket = None if self.buckets is None else {b.name: ho for b, (_, ho) in zip(self.buckets, self.bucket_data)}
         with self.ema_denoiser() as gen:
             res = evaluate(gen, self.cfg, self.train_ds, self.heldout_ds, self.run_dir, full=final, step=step,
@@ -611,7 +619,9 @@ class Trainer:
         Returns ``{"losses", "grad_norms"}`` per step (every rank), ``eval`` (rank 0's final
         results), ``run_dir``, ``stopped_at`` (the step of an early stop, else ``None``) and
         ``signal`` (the name of the signal that stopped the run on any rank, else ``None``:
-        :func:`.stop.exit_status` turns it into ``vitp-train``'s exit status).
+        :func:`.stop.exit_status` turns it into ``vitp-train``'s exit status), ``checkpoint`` (this
+        rank's checkpoint bytes) and ``folder_read`` (a Wan run: ``{"bytes", "share"}`` this rank read
+        of the ``trainer.init_from`` folder and the bytes of the tensors it filled; ``{}`` otherwise).
         Gives the run directory up when it returns or raises.
         """
         try:
@@ -694,7 +704,8 @@ class Trainer:
         return {"losses": self.losses, "grad_norms": self.grad_norms, "eval": evaluation,
                 "run_dir": str(self.run_dir), "stopped_at": stopped_at,
                 "checkpoint": {"bytes_read": ck.bytes_read, "saves": list(ck.writer.stats),
-                               "share_bytes": self.share_bytes()}}
+                               "share_bytes": self.share_bytes()},
+                "folder_read": dict(getattr(self, "folder_read", {}))}  # Wan: bytes read of trainer.init_from
 
     def share_bytes(self) -> int:
         """Bytes of this rank's share of the training state (weights, EMA and optimizer fragments)."""
@@ -780,8 +791,8 @@ class Trainer:
             if not (self.run_dir / ema).is_file():  # sharded: its index names the shards
                 ema = f"{ema}.index.json"
             if self.wan:
-                ema = "lora/" if tr.lora.enabled else "diffusers/"  # EMA weights (adapters), no sample grid
-            held = [ema, *([] if skipped or self.wan else ["samples/"]), "metrics.jsonl",
+                ema = "lora/" if tr.lora.enabled else "diffusers/"  # the EMA weights (adapters)
+            held = [ema, *([] if skipped else ["samples/"]), "metrics.jsonl",
                     *(["eval.json"] if cfg.eval.enabled and not skipped else []),
                     *([] if tr.tensorboard_dir else ["tb/"])]
             log.info("done: %s holds %s", self.run_dir, ", ".join(held))
@@ -801,9 +812,8 @@ class Trainer:
         cfg, tr = self.cfg, self.cfg.trainer
 
         def run() -> None:
-            if not self.wan:  # Wan: no sample grids in vitp-train yet (refused at the config check)
-                with reporting(bars=self.main and tr.progress, prefix="final sample grid"):
-                    self.sample_grid(tr.max_steps)
+            with reporting(bars=self.main and tr.progress, prefix="final sample grid"):
+                self.sample_grid(tr.max_steps)
             with reporting(bars=self.main and tr.progress):
                 result.update(self.heldout_eval(tr.max_steps, final=True) if cfg.eval.enabled else {})
 

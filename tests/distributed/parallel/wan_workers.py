@@ -182,6 +182,9 @@ def worker(rank: int, world: int, train: dict = None) -> dict:
     res.update({name: pipeline_parity(lay, ref, runs) for name, lay in PIPE_LAYOUTS[world].items()})
     if train:  # after the checks above: the trainer's process groups and seeds come last
         res["train"] = train_cases(rank, world, train)
+        if world == 8:
+            res["plan"] = plan_measure_wan(rank, train)
+        res["vitp_eval"] = eval_in_group(train, world)  # last: vitp-eval closes the process group
     return res
 
 
@@ -228,6 +231,16 @@ TRAIN_LAYOUTS = {
 }
 
 
+# the training runs (and the one-process reference) also draw sample grids and evaluate the held-out
+# loss at steps 0, 2 and 4 (vitp.eval.wan_eval), with guidance, and the video statistics at the end
+EVAL = ["trainer.eval_every=2", "trainer.sample_every=2", "sampler.cfg_scale=5"]
+# vitp-eval of a run inside the spawned group (world: run name, layout overrides): the 2-rank group
+# evaluates the tp2 + SP run at dp2 (the held-out items and samples split over two replicas), the
+# 8-rank group its run in its own layout (tp2 + SP x cp2 ring x pp2)
+EVAL_IN_GROUP = {2: ("tp2_sp", ["parallel.tp=1", "parallel.sequence_parallel=false"]),
+                 8: ("tp2_sp_cp2_pp2_ring", [])}
+
+
 def wan_smoke(train: dict, *extra: str) -> list:
     """The overrides of a ``wan_smoke`` run from :func:`train_setup`'s folder and caption store."""
     return ["experiment=wan_smoke", f"trainer.init_from={train['folder']}",
@@ -255,13 +268,53 @@ def train_setup(base) -> dict:
     return train
 
 
-def train_cases(rank: int, world: int, train: dict) -> dict:
-    """:data:`TRAIN_LAYOUTS` of ``world`` trained in turn (run dirs ``<runs>/<name>``):
-    ``{name: {"losses", "grad_norms", "stopped_at"}}``."""
-    from tests.helpers import train_rank
+def _status_bytes(key: str) -> int:
+    """A ``/proc/self/status`` entry (``VmHWM``, ``VmRSS``) of this process, bytes."""
+    line = next(x for x in open("/proc/self/status") if x.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
 
-    return {name: train_rank(rank, wan_smoke(train, *over), f"{train['runs']}/{name}")
+
+def train_measured(rank: int, overrides: list, run_dir: str) -> dict:
+    """``vitp.train.train`` of ``overrides`` on this rank, its peak resident memory counted from its
+    start (VmHWM reset to the current RSS through ``/proc/self/clear_refs``, as
+    tests/distributed/test_reshard.py measures): ``{"losses", "grad_norms", "stopped_at", "peak" (VmHWM
+    bytes), "start" (RSS at the start), "folder_read" ({"bytes", "share"} of the Wan folder)}``."""
+    from vitp.config import compose
+    from vitp.train import train
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = _status_bytes("VmRSS")
+    res = train(compose(overrides), run_dir)
+    return {**{k: res[k] for k in ("losses", "grad_norms", "stopped_at", "folder_read")},
+            "peak": _status_bytes("VmHWM"), "start": start}
+
+
+def train_cases(rank: int, world: int, train: dict) -> dict:
+    """:data:`TRAIN_LAYOUTS` of ``world`` trained in turn, the full fine-tunings with :data:`EVAL` (run dirs
+    ``<runs>/<name>``): ``{name: train_measured(...)}``."""
+    return {name: train_measured(rank, wan_smoke(train, *over, *(() if name.startswith("lora_") else EVAL)),
+                                 f"{train['runs']}/{name}")
             for name, over in TRAIN_LAYOUTS[world].items()}
+
+
+def plan_measure_wan(rank: int, train: dict) -> dict:
+    """One training step of the 8-rank layout measured as tests/distributed/test_plan_validation.py
+    measures the generator's (:func:`tests.distributed.plan_measure.measure_rank`): weights, gradients,
+    optimizer, EMA and activation bytes of this rank, its stage and the step's TP / cp collectives."""
+    from tests.distributed.plan_measure import measure_rank
+
+    (name, over), = [(n, o) for n, o in TRAIN_LAYOUTS[8].items() if not n.startswith("lora_")]
+    return measure_rank(rank, {name: wan_smoke(train, *over)}, f"{train['runs']}/plan")[name]
+
+
+def eval_in_group(train: dict, world: int) -> dict:
+    """``vitp-eval RUN`` of :data:`EVAL_IN_GROUP` in this group (``vitp.cli.eval.run`` under the
+    group's launcher environment: each rank reads its slices of ``RUN/diffusers``); rank 0's results."""
+    from vitp.cli.eval import run
+
+    name, over = EVAL_IN_GROUP[world]
+    return run([f"{train['runs']}/{name}", *over])
 
 
 # pipeline layouts, DeepSpeed's 1F1B engine: name -> (tp, cp, pp, sequence_parallel, cp_mode)
@@ -411,7 +464,7 @@ def one_process_runs(rank: int, train: dict) -> dict:
     from vitp.train import train as fit
 
     runs, keys = Path(train["runs"]), ("losses", "grad_norms", "stopped_at")
-    cases = [("one", "one", ()), ("stopped", "resume", ("trainer.exit_at_step=2",)), ("resume", "resume", ()),
+    cases = [("one", "one", tuple(EVAL)), ("stopped", "resume", ("trainer.exit_at_step=2",)), ("resume", "resume", ()),
              ("lr0", "lr0", ("optim.lr=0",)), ("lora_one", "lora_one", LORA_TRAIN),
              ("lora_stopped", "lora_resume", (*LORA_TRAIN, "trainer.exit_at_step=2")),
              ("lora_resume", "lora_resume", LORA_TRAIN)]

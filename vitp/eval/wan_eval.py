@@ -1,0 +1,351 @@
+"""Sample grids, the held-out loss and the evaluation of a Wan run (``model.family=wan``): in
+``vitp-train`` at ``trainer.sample_every`` / ``trainer.eval_every`` and at the end (the EMA weights in
+the training layout, :meth:`vitp.train.Trainer.ema_denoiser`), and in ``vitp-eval RUN``
+(:func:`run_wan_eval`: the run's final ``RUN/diffusers`` folder, in one process or split over ranks).
+
+Samples are drawn as ``WanPipeline.__call__`` draws them (diffusers' ``pipelines/wan/pipeline_wan.py``;
+Wan Team 2025, arXiv 2503.20314): :func:`vitp.objectives.wan_sampling.sample_wan` with diffusers' own
+scheduler of the pipeline's ``scheduler/`` folder (:func:`vitp.objectives.wan_sampling.load_scheduler`:
+the saved class and ``flow_shift``), the prompts' embeddings zero-padded to 512 tokens, the empty
+prompt as the negative prompt, ``guidance_scale = sampler.cfg_scale``. Sample ``i`` starts from
+:func:`vitp.eval.sampling.sample_noise` of ``(seed, i)``, so a grid is the same in every layout, and
+the end-of-run grid is what ``vitp-sample`` draws of the same prompts (both use ``sampler.seed``).
+Latents are decoded through the pipeline's ``vae/`` (:func:`vitp.eval.wan_sample.decode_frames`)
+when it has one; otherwise the grid previews latent channels 0-2 as RGB.
+
+The held-out loss (:func:`wan_heldout_loss`) is Wan's flow-matching loss
+(:func:`vitp.objectives.wan_flow.flow_loss`, the run's weighting and shift) at ``K = eval.t_grid``
+fixed noise levels, the quantiles ``(k + 0.5) / K`` of the run's training draw (so their mean
+estimates the expected training loss), with noise seeded by ``(eval.noise_seed, item, k)``: the
+same in every layout and batch split. Captions are not dropped.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from omegaconf import OmegaConf
+
+from .inference import Share
+from .progress import check_stop, common_batches, phase
+
+log = logging.getLogger("vitp")
+LATENT_PREVIEW = "no vae/ in the pipeline: the grid shows latent channels 0-2 as RGB"
+
+
+def sampling_pipeline(cfg: Any) -> Optional[Path]:
+    """The pipeline folder of ``trainer.init_from`` whose ``scheduler/`` the samples use, or ``None``
+    for a transformer folder without its pipeline (no sample grid then: :func:`vitp.models.wan_run.adopt_wan_model`
+    warns at the config check)."""
+    from vitp.models.wan_run import pipeline_folder, wan_source
+
+    pipe = pipeline_folder(wan_source(cfg)[0])
+    return pipe if pipe is not None and (pipe / "scheduler").is_dir() else None
+
+
+@functools.lru_cache(maxsize=2)
+def _vae(path: str) -> Any:
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan.from_pretrained(path, local_files_only=True).float().eval()
+
+
+def to_frames(pipe: Optional[Path], latents: torch.Tensor) -> torch.Tensor:
+    """``(B, 3, F, H', W')`` in [-1, 1]: ``latents`` ``(B, C, T, H, W)`` decoded through ``pipe``'s
+    ``vae/`` as ``WanPipeline`` decodes them (:func:`vitp.objectives.wan_sampling.decode_latents`,
+    rounded to 8-bit levels as its ``numpy_to_pil``), or without a VAE latent channels 0-2 (channel 0
+    repeated when there are fewer than 3), clamped to [-1, 1]."""
+    if pipe is not None and (pipe / "vae" / "config.json").is_file() and len(latents):
+        from vitp.objectives.wan_sampling import decode_latents
+
+        frames = torch.as_tensor(decode_latents(_vae(str(pipe / "vae")), latents, output_type="np"))
+        return (frames * 255).round().clamp(0, 255).permute(0, 4, 1, 2, 3).float() / 127.5 - 1
+    x = latents.float()
+    x = x[:, :3] if x.shape[1] >= 3 else x[:, :1].expand(-1, 3, -1, -1, -1)
+    return x.clamp(-1, 1)
+
+
+def padded_text(conditioning: Any, ids: torch.Tensor, text_len: int) -> torch.Tensor:
+    """``(B, text_len, Dc)`` fp32 caption embeddings of ``ids`` as ``WanPipeline`` gives them: each
+    caption's tokens, then zeros (:func:`vitp.objectives.wan_sampling.pad_prompt_embeds`)."""
+    from vitp.objectives.wan_sampling import pad_prompt_embeds
+
+    emb, mask = conditioning(ids.long())
+    return pad_prompt_embeds(emb.float(), mask, int(text_len))
+
+
+def wan_samples(gen: Any, scheduler: Any, cfg: Any, n: int, text_of: Callable[[range], torch.Tensor],
+                negative: torch.Tensor, seed: int, share: Optional[Share] = None, gather: bool = True,
+                purpose: str = "") -> Optional[torch.Tensor]:
+    """``(n, C, T, H, W)`` fp32 latents at the run's latent size: sample ``i`` denoised from
+    :func:`vitp.eval.sampling.sample_noise` of ``(seed, i)`` with the caption embeddings
+    ``text_of(range)`` ``(B, 512, Dc)`` against ``negative`` ``(1, 512, Dc)``, ``sampler.steps`` steps of
+    ``scheduler``, CFG ``sampler.cfg_scale``, ``sampler.batch_size`` at a time. With ``share`` each
+    replica samples its range; gathered on rank 0 (``None`` elsewhere; collective), or with
+    ``gather=False`` each rank's own range."""
+    from vitp.config import parse_resolution
+    from vitp.objectives.wan_sampling import sample_wan
+
+    from .sampling import sample_noise
+
+    s, m, share = cfg.sampler, cfg.model, share or Share()
+    shape = (int(m.in_channels), int(m.num_frames), *parse_resolution(m.image_size, "model.image_size"))
+    mine = share.indices(n)
+    out = [torch.empty((0, *shape))]
+    what = f"sampling {n} Wan samples{f' for {purpose}' if purpose else ''} ({s.steps} steps, CFG {s.cfg_scale:g})"
+    common = common_batches(n, share.size, s.batch_size)  # a stop request is asked after each of these batches
+    with phase(what, -(-len(mine) // s.batch_size), "sampling", "batch", share.main) as bar:
+        for b, i in enumerate(range(mine.start, mine.stop, s.batch_size)):
+            idx = range(i, min(mine.stop, i + s.batch_size))
+            cond = text_of(idx)
+            out.append(sample_wan(gen, scheduler, sample_noise(seed, idx, shape), cond, negative.expand_as(cond),
+                                  num_inference_steps=int(s.steps), guidance_scale=float(s.cfg_scale)).float().cpu())
+            bar.update(1)
+            check_stop(b < common)
+    x = torch.cat(out)
+    return share.gather(x, n) if gather else x
+
+
+def write_wan_grid(gen: Any, cfg: Any, path: Path, prompts: Any, share: Optional[Share] = None
+                   ) -> Optional[Dict[str, Any]]:
+    """The fixed-seed sample grid of a Wan run: one row per prompt of ``prompts``
+    (:class:`vitp.data.text.PromptConditioning`), ``sampler.samples_per_class`` columns, seed
+    ``sampler.seed``; written as :func:`vitp.eval.sampling.write_sample_grid` writes the generator's
+    (``path`` PNG of first frames captioned with the prompts; video: GIFs and ``grid.gif`` in
+    ``path`` without its suffix) plus ``latents.safetensors`` there (``latents`` (B, C, T, H, W)).
+    Returns ``{"grid", "strips"}`` on rank 0 (``None`` elsewhere, and everywhere for a transformer
+    folder without its pipeline's ``scheduler/``). Collective with ``share``."""
+    from safetensors.torch import save_file
+    from torchvision.utils import save_image
+
+    from vitp.media import caption_rows, frame_strip, to_grid, write_video_samples
+    from vitp.objectives.wan_sampling import load_scheduler
+    from vitp.utils import atomic_write
+
+    from .sampling import grid_ids
+
+    pipe = sampling_pipeline(cfg)
+    if pipe is None:
+        return None
+    ids = grid_ids(cfg, prompts)
+    embeds = padded_text(prompts, torch.arange(len(prompts.prompts)), cfg.model.text_len)  # row 0: ""
+    lat = wan_samples(gen, load_scheduler(pipe), cfg, len(ids), lambda idx: embeds[ids[idx.start:idx.stop]],
+                      embeds[:1], int(cfg.sampler.seed), share, purpose="the sample grid")
+    if lat is None:
+        return None
+    x = to_frames(pipe, lat)
+    per = cfg.sampler.samples_per_class
+    grid = caption_rows(to_grid(x, nrow=per), prompts.prompts[1:])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as tmp:
+        save_image(grid, str(tmp))
+    folder = path.with_suffix("")
+    strips = None
+    if x.shape[2] > 1:
+        write_video_samples(x, ids, path.parent, name=path.stem, fps=cfg.sampler.fps)
+        strips = frame_strip(x[::per], padding=1, min_tile=32)
+    folder.mkdir(exist_ok=True)
+    with atomic_write(folder / "latents.safetensors") as tmp:
+        save_file({"latents": lat.contiguous()}, str(tmp), metadata={"prompts": json.dumps(prompts.prompts[1:])})
+    return {"grid": grid, "strips": strips}
+
+
+def heldout_sigmas(loss: Any, K: int) -> torch.Tensor:
+    """``(K,)`` float64 noise levels: the quantiles ``(k + 0.5) / K`` of ``loss``'s training draw
+    (:func:`vitp.objectives.wan_flow.sigma_icdf`: sampling, shift, logit parameters, within
+    ``sigma_range``)."""
+    from vitp.objectives.wan_flow import sigma_cdf, sigma_icdf
+
+    opts = dict(sampling=loss.sampling, shift=loss.shift, logit_mean=loss.logit_mean, logit_std=loss.logit_std)
+    lo, hi = sigma_cdf(torch.tensor(loss.sigma_range, dtype=torch.float64), **opts)
+    q = lo + (hi - lo) * (torch.arange(K, dtype=torch.float64) + 0.5) / K
+    return sigma_icdf(q, **opts)
+
+
+def heldout_noise(seed: int, indices: range, k: int, shape: Tuple[int, ...]) -> torch.Tensor:
+    """``(len(indices), *shape)`` noise of held-out items ``indices`` at level ``k``, item ``i``'s
+    from its own generator seeded by ``(seed, i, k)`` (:func:`vitp.objectives.sample_seed`)."""
+    from vitp.objectives import sample_seed
+
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(sample_seed(seed, i, k)))
+                        for i in indices])
+
+
+@torch.no_grad()
+def wan_heldout_loss(gen: Any, cfg: Any, dataset: Any, conditioning: Any, loss: Any,
+                     share: Optional[Share] = None, batch_size: Optional[int] = None) -> Dict[str, Any]:
+    """Wan's flow-matching loss of ``gen`` on the held-out items (module doc): ``{"heldout_loss": the
+    mean over items and levels, "heldout_loss_per_sigma": {"<s>": mean at level s}}`` (``s`` the
+    noise fraction, 1 = noise). ``gen``: ``(x_t (B, C, T, H, W), timestep (B,) in [0, 1000], text
+    (B, 512, Dc)) -> velocity`` (a :class:`vitp.models.wan.WanModel` or a
+    :class:`vitp.eval.inference.StageDenoiser`); ``conditioning`` maps caption ids to embeddings;
+    ``loss``: the run's :class:`vitp.objectives.wan_flow.WanFlowLoss`. Items go ``batch_size`` at a
+    time (default :func:`vitp.eval.metrics.eval_batch_size`); with ``share`` each replica takes its
+    range and the per-level sums (float64) are added over the replicas (collective, the result on
+    every rank)."""
+    from vitp.objectives.samplers import _placement
+    from vitp.objectives.wan_flow import flow_loss, noisy_input
+
+    from .metrics import eval_batch_size
+
+    share = share or Share()
+    sigmas = heldout_sigmas(loss, int(cfg.eval.t_grid))
+    device, dtype = _placement(gen)
+    batch_size = batch_size or eval_batch_size(cfg)
+    per = torch.zeros(len(sigmas), dtype=torch.float64)
+    n, mine = len(dataset), share.indices(len(dataset))
+    what = f"Wan held-out loss of {n} items at {len(sigmas)} noise levels"
+    common = common_batches(n, share.size, batch_size)  # a stop request is asked after each of their forwards
+    with phase(what, -(-len(mine) // batch_size) * len(sigmas), "held-out loss", "forward", share.main) as bar:
+        for b, start in enumerate(range(mine.start, mine.stop, batch_size)):
+            idx = range(start, min(mine.stop, start + batch_size))
+            items = [dataset[(i, None)] for i in idx]
+            x = torch.stack([it[0] for it in items]).float()
+            text = padded_text(conditioning, torch.tensor([int(it[1]) for it in items]), cfg.model.text_len)
+            for k, s in enumerate(sigmas.tolist()):
+                eps = heldout_noise(int(cfg.eval.noise_seed), idx, k, tuple(x.shape[1:]))
+                sb = torch.full((len(idx),), s, dtype=torch.float32)
+                x_t, timestep = noisy_input(x, eps, sb)
+                pred = gen(x_t.to(device, dtype), timestep.to(device), text.to(device, dtype)).float().cpu()
+                per[k] += flow_loss(pred, x, eps, sb, loss.weighting, loss.shift).double().sum()
+                bar.update(1)
+                check_stop(b < common)
+    per = share.sum(per) / max(n, 1)
+    return {"heldout_loss": per.mean().item(),
+            "heldout_loss_per_sigma": {f"{s:.3f}": v for s, v in zip(sigmas.tolist(), per.tolist())}}
+
+
+def wan_video_metrics(gen: Any, cfg: Any, heldout_ds: Any, conditioning: Any,
+                      share: Optional[Share] = None) -> Dict[str, Any]:
+    """:func:`vitp.eval.temporal.temporal_ratio` of ``eval.num_samples`` samples (0: one per
+    held-out clip; the held-out captions, cycled; seed ``eval.noise_seed + 1``) against the real
+    held-out clips, both decoded through the pipeline's VAE (:func:`to_frames`; without one both
+    in latent space, channels 0-2), with ``"temporal_space"`` saying which and ``"sampler"`` the
+    scheduler, steps, CFG and seed. Each replica samples, decodes and sums its own range; only
+    the sums are added (collective, the result on every rank). ``{}`` without the pipeline's
+    ``scheduler/``."""
+    from vitp.objectives.wan_sampling import load_scheduler
+
+    from .metrics import item_ids
+    from .temporal import temporal_ratio, temporal_sums
+
+    pipe = sampling_pipeline(cfg)
+    if pipe is None:
+        return {}
+    share = share or Share()
+    ids = item_ids(heldout_ds)
+    n = int(cfg.eval.num_samples) or len(ids)
+    labels = ids.repeat(n // len(ids) + 1)[:n]
+    negative = padded_text(conditioning, torch.tensor([conditioning.null_id]), cfg.model.text_len)
+    scheduler = load_scheduler(pipe)
+    lat = wan_samples(gen, scheduler, cfg, n,
+                      lambda idx: padded_text(conditioning, labels[idx.start:idx.stop], cfg.model.text_len),
+                      negative, int(cfg.eval.noise_seed) + 1, share, gather=False, purpose="the temporal statistics")
+    gen_sums = temporal_sums(to_frames(pipe, lat))
+    real_sums = torch.zeros(2, dtype=torch.float64)
+    for i in share.indices(len(heldout_ds)):
+        real_sums += temporal_sums(to_frames(pipe, heldout_ds[(i, None)][0][None].float()))
+    sums = share.sum(torch.cat([gen_sums, real_sums]))
+    sc, s = dict(scheduler.config), cfg.sampler
+    return {**temporal_ratio(sums[:2], sums[2:]), "num_samples": n,
+            "temporal_space": "pixels (vae/)" if (pipe / "vae" / "config.json").is_file() else "latents",
+            "sampler": {"scheduler": type(scheduler).__name__, "flow_shift": sc.get("flow_shift", sc.get("shift")),
+                        "steps": int(s.steps), "cfg_scale": float(s.cfg_scale), "seed": int(cfg.eval.noise_seed) + 1}}
+
+
+def wan_evaluate(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Path, *, full: bool = True,
+                 step: Optional[int] = None, logger: Any = None, buckets: Any = None, out: Optional[Path] = None,
+                 conditioning: Any = None, share: Optional[Share] = None, loss: Any = None) -> Dict[str, Any]:
+    """:func:`vitp.eval.metrics.evaluate` for a Wan run: the held-out loss (:func:`wan_heldout_loss`,
+    ``loss`` default the run's :func:`vitp.models.wan_run.wan_loss`) and, when ``full`` and the
+    run is video (``model.num_frames > 1`` latent frames), :func:`wan_video_metrics`. With ``full``
+    the results go to ``out`` (default ``run_dir/eval.json``); with ``logger`` and ``step`` the
+    floats go to TensorBoard as ``eval/<key>``. Rank 0 returns (and writes) everything, the other
+    ranks the held-out loss. ``buckets`` must be empty (Wan trains one shape)."""
+    from vitp.models.wan_run import wan_loss, wan_source
+    from vitp.utils import atomic_write_text
+
+    if buckets:
+        raise ValueError("data.buckets with model.family=wan: Wan is evaluated at one latent shape")
+    share = share or Share()
+    loss = loss if loss is not None else wan_loss(cfg, wan_source(cfg)[0])
+    res: Dict[str, Any] = {"step": step} if step is not None else {}
+    if len(heldout_ds):
+        res.update(wan_heldout_loss(gen, cfg, heldout_ds, conditioning, loss, share))
+    if full and int(cfg.model.num_frames) > 1 and len(heldout_ds):
+        res.update(wan_video_metrics(gen, cfg, heldout_ds, conditioning, share))
+    if not share.main:
+        return res
+    if logger is not None and step is not None:
+        logger.scalars(step, {f"eval/{k}": v for k, v in res.items() if isinstance(v, float)}, jsonl=False)
+    if full:
+        atomic_write_text(out if out is not None else Path(run_dir) / "eval.json", json.dumps(res, indent=2) + "\n")
+        log.info("eval: %s", {k: v for k, v in res.items() if isinstance(v, (int, float))})
+    return res
+
+
+# ----------------------------------------------------------------------------- vitp-eval RUN
+def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str], sharded: bool
+                      ) -> Tuple[Any, Any, Optional[Share], Any, Any, Any]:
+    """``(cfg, denoiser, share, train_ds, heldout_ds, conditioning)`` of a finished Wan run for
+    ``vitp-eval``: its config with ``overrides`` (schema-checked, then checked as ``vitp-train``
+    checks a Wan run), the weights of the diffusers folder ``weights`` (default ``RUN/diffusers``,
+    the run's final EMA weights; a relative path is taken inside the run), its caption store and
+    data split. With ``sharded`` (under a launcher; collective) this rank's stage in the run's
+    layout, reading only its slices (:func:`vitp.eval.wan_sample.build_wan_sharded`), else the
+    whole model in one process.
+
+    Raises ``FileNotFoundError`` when the folder is missing (an unfinished run: naming
+    ``vitp-export --format diffusers``), ``ValueError`` when ``weights`` is a file, for bad
+    overrides and layouts the world cannot run."""
+    from vitp.cli.overrides import apply_overrides, typed_config
+    from vitp.config import validate_config
+    from vitp.data import build_datasets
+    from vitp.data.text import conditioned, conditioning
+    from vitp.parallel.distributed import resolve_device
+    from vitp.train.wan import DIFFUSERS_DIR
+
+    folder = Path(run_dir) / (weights or DIFFUSERS_DIR)
+    if folder.is_file():
+        raise ValueError(f"--weights {weights}: a Wan run is evaluated from a diffusers folder, not a file; give "
+                         f"{DIFFUSERS_DIR} (the run's final EMA weights) or a folder written by vitp-export {run_dir} "
+                         "--format diffusers -o OUT")
+    if not any((folder / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
+        raise FileNotFoundError(f"{folder} holds no diffusers Wan weights (config.json): a run that has not finished "
+                                f"has none; write one from its latest checkpoint with vitp-export {run_dir} --format "
+                                f"diffusers -o OUT, then vitp-eval {run_dir} --weights OUT")
+    cfg = apply_overrides(typed_config(OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")), overrides,
+                          "vitp-eval")
+    cfg.trainer.init_from = str(folder.resolve())
+    validate_config(cfg)
+    if sharded:
+        from .wan_sample import build_wan_sharded
+
+        gen, share = build_wan_sharded(cfg, "vitp-eval")
+    else:
+        from vitp.eval.launch import check_layout_overrides
+        from vitp.models import from_pretrained as read_wan_folder  # local safetensors only
+
+        check_layout_overrides(cfg, overrides, "vitp-eval")
+        gen, share = read_wan_folder(str(folder)).to(resolve_device(cfg.trainer.device)).eval(), None
+    cond = conditioning(cfg)
+    train_ds, heldout_ds = conditioned(cond, *build_datasets(cfg.data, cfg.seed))
+    return cfg, gen, share, train_ds, heldout_ds, cond
+
+
+def run_wan_eval(run_dir: Path, weights: Optional[str], overrides: List[str], sharded: bool, out: Path,
+                 step: Optional[int]) -> Dict[str, Any]:
+    """``vitp-eval`` of a Wan run into ``out``: :func:`load_wan_for_eval` then :func:`wan_evaluate`
+    (full). Returns rank 0's results (the held-out loss elsewhere)."""
+    cfg, gen, share, train_ds, heldout_ds, cond = load_wan_for_eval(run_dir, weights, overrides, sharded)
+    return wan_evaluate(gen, cfg, train_ds, heldout_ds, run_dir, full=True, step=step, out=out, conditioning=cond,
+                        share=share)
+
+
+__all__ = ["LATENT_PREVIEW", "heldout_noise", "heldout_sigmas", "load_wan_for_eval", "run_wan_eval",
+           "sampling_pipeline", "to_frames", "wan_evaluate", "wan_heldout_loss", "wan_samples", "wan_video_metrics",
+           "write_wan_grid"]
