@@ -196,10 +196,33 @@ def test_weights_that_do_not_match_the_config_are_refused(tiny, tmp_path):
         from_pretrained(folder)
 
 
-def test_per_token_timesteps_are_refused(tiny):
+def _per_token(t, tokens, first_frame=0):
+    """Per-token timesteps ``(B, N)`` as WanPipeline's expand_timesteps builds them: ``t`` on every
+    token, the first ``first_frame`` tokens at 0 (TI2V's image-conditioned first frame)."""
+    ts = t[:, None].expand(t.shape[0], tokens).clone()
+    ts[:, :first_frame] = 0
+    return ts
+
+
+@pytest.mark.parametrize("first_frame", [0, 16], ids=["text_to_video", "first_frame_at_0"])
+def test_per_token_timesteps_match_diffusers(tiny, monkeypatch, first_frame):
+    """Wan 2.2 TI2V's (B, N) timesteps: all equal (text-to-video) and with the first latent frame's 16
+    tokens at 0; equal to diffusers' per-token path. Ignoring the per-token timesteps (the first
+    token's for all) fails the second."""
     x, t, text = _inputs(SHAPES[0])
-    with pytest.raises(ValueError, match="per-token"):
-        tiny.model(x, t[:, None].expand(2, 32), text)
+    ts = _per_token(t, 2 * 4 * 4, first_frame)
+    with pytest.raises(ValueError, match=r"timestep \(2, 31\): give one timestep per sample \(2,\) or one per "
+                                         r"token \(2, 32\)"):
+        tiny.model(x, ts[:, :31], text)
+    with torch.no_grad():
+        want = tiny.ref(x, ts, text, return_dict=False)[0]
+        out = tiny.model(x, ts, text)
+        torch.testing.assert_close(out, want, rtol=RTOL, atol=1e-6)
+        if first_frame:
+            assert ((out - tiny.model(x, t, text)).norm() / want.norm()).item() > 1e-2  # they matter
+            monkeypatch.setattr(wan_module, "per_sample_timestep", lambda ts, b, n: ts[:, 0])  # fault: ignored
+            err = ((tiny.model(x, ts, text) - want).norm() / want.norm()).item()
+            assert err > 100 * RTOL, err
 
 
 def test_make_tiny_wan_writes_a_pipeline_folder_vitp_loads(tiny, tmp_path, capsys):
