@@ -180,8 +180,8 @@ def test_folders_that_cannot_be_loaded_are_refused_naming_the_path(tiny, tmp_pat
     with pytest.raises(FileNotFoundError, match=re.escape(str(pipe / "transformer"))):
         from_pretrained(pipe)
     index = json.loads((pipe / "model_index.json").read_text())
-    (pipe / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
-    with pytest.raises(ValueError, match="expand_timesteps"):
+    (pipe / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanImageToVideoPipeline"}))
+    with pytest.raises(ValueError, match="WanImageToVideoPipeline conditions on an image"):
         from_pretrained(pipe)
     with pytest.raises(ValueError, match="FluxTransformer2DModel"):
         from_pretrained(_edited_copy(tiny, tmp_path, _class_name="FluxTransformer2DModel"))
@@ -246,11 +246,29 @@ def test_transformer_folder_with_another_subfolder_is_refused(tiny):
         from_pretrained(tiny.pipe, subfolder=2)
 
 
-def test_transformer_folder_of_an_expand_timesteps_pipeline_is_refused(tiny, tmp_path):
+def test_pipelines_vitp_cannot_sample_are_refused_naming_the_fix(tiny, tmp_path):
+    """An image-to-video pipeline (also through its transformer/ folder), a transformer_2 without
+    boundary_ratio, a boundary_ratio without transformer_2, a listed transformer_2 that is missing."""
+    from vitp.models.wan_config import read_pipeline
+
     pipe = shutil.copytree(tiny.pipe, tmp_path / "pipe")
     index = json.loads((pipe / "model_index.json").read_text())
-    (pipe / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
-    with pytest.raises(ValueError, match=re.escape(str(pipe / "model_index.json")) + ": expand_timesteps"):
+    assert read_pipeline(pipe).experts == ("transformer",) and not read_pipeline(pipe).expand_timesteps
+    two = {"transformer_2": ["diffusers", "WanTransformer3DModel"]}
+    for changes, error, message in [
+            ({"_class_name": "WanImageToVideoPipeline"}, ValueError,
+             "WanImageToVideoPipeline conditions on an image or video (the image-conditioned first frame"),
+            ({**two, "boundary_ratio": None}, ValueError,
+             "lists transformer_2 (Wan 2.2 A14B's low-noise expert) but boundary_ratio=None; the pipeline switches "
+             "experts at boundary_ratio * num_train_timesteps: set \"boundary_ratio\": 0.875"),
+            ({"boundary_ratio": 0.9}, ValueError, "has boundary_ratio=0.9 but no transformer_2"),
+            ({**two, "boundary_ratio": 0.9}, FileNotFoundError,
+             f"{pipe / 'transformer_2' / 'config.json'} does not exist, but {pipe / 'model_index.json'} lists")]:
+        (pipe / "model_index.json").write_text(json.dumps({**index, **changes}))
+        with pytest.raises(error, match=re.escape(message)):
+            from_pretrained(pipe)
+    (pipe / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanImageToVideoPipeline"}))
+    with pytest.raises(ValueError, match="WanImageToVideoPipeline conditions on an image"):
         from_pretrained(pipe / "transformer")
 
 
