@@ -232,6 +232,14 @@ def test_make_tiny_wan_writes_a_pipeline_folder_vitp_loads(tiny, tmp_path, capsy
             "transformer/diffusion_pytorch_model.safetensors"} <= set(files)
     model = from_pretrained(tmp_path / "pipe")
     assert model.config.num_layers == 2 and model.config.width == 32
+    tiny.script.main([str(tmp_path / "a14b"), "--no-vae", "--two-experts"])  # Wan 2.2 A14B's layout
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert "transformer_2/config.json" in files
+    assert json.loads((tmp_path / "a14b" / "model_index.json").read_text())["boundary_ratio"] == 0.8
+    low = from_pretrained(tmp_path / "a14b", subfolder="transformer_2")
+    assert not torch.equal(low.blocks[0].mlp.fc1.weight, from_pretrained(tmp_path / "a14b").blocks[0].mlp.fc1.weight)
+    with pytest.raises(SystemExit):  # one layout or the other
+        tiny.script.main([str(tmp_path / "x"), "--two-experts", "--ti2v"])
 
 
 # ---------------------------------------------------------------------------------- user mistakes
