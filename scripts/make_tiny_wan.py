@@ -100,7 +100,8 @@ def write_pipeline(out: Path, sharded: bool = False, vae: bool = True, seed: int
         write_transformer(tiny_transformer(seed + 7), out / "transformer_2", sharded)
         index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=BOUNDARY)
     if vae:
-        _tiny_vae(seed + 1, TINY_VAE_22 if ti2v else TINY_VAE).save_pretrained(str(out / "vae"), safe_serialization=True)
+        vae_model = _tiny_vae(seed + 1, TINY_VAE_22 if ti2v else TINY_VAE)
+        vae_model.save_pretrained(str(out / "vae"), safe_serialization=True)
         index["vae"] = ["diffusers", "AutoencoderKLWan"]
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out

@@ -279,8 +279,9 @@ def test_vitp_sample_refuses_wan22_mistakes_naming_the_fix(a14b, tiny, tmp_path,
     for argv, message in [
             ([str(tiny), "--prompt", "x", "sampler.cfg_scale_2=2"],
              "sampler.cfg_scale_2=2.0 is the guidance of Wan 2.2 A14B's low-noise expert, but"),
-            ([str(i2v), "--prompt", "x"], "WanImageToVideoPipeline conditions on an image or video (the image-"
-                                          "conditioned first frame of Wan 2.2 TI2V / I2V), which vitp does not support"),
+            ([str(i2v), "--prompt", "x"], "WanImageToVideoPipeline conditions on an image or video (the "
+                                          "image-conditioned first frame of Wan 2.2 TI2V / I2V), which vitp does not "
+                                          "support"),
             ([str(run), "--prompt", "x"], f"{run / 'diffusers' / 'transformer_2'} is a link to the source's "
                                           "transformer_2/, not the run's fine-tuned expert")]:
         with pytest.raises(SystemExit) as e:

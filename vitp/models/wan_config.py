@@ -250,8 +250,8 @@ def read_pipeline(folder: PathLike) -> PipelineInfo:
     ratio = pipe.get("boundary_ratio")
     if two and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1):
         raise ValueError(f"{index} lists transformer_2 (Wan 2.2 A14B's low-noise expert) but boundary_ratio={ratio!r}; "
-                         "the pipeline switches experts at boundary_ratio * num_train_timesteps: set \"boundary_ratio\": "
-                         "0.875 (Wan2.2-T2V-A14B's) in it, or copy the folder again")
+                         "the pipeline switches experts at boundary_ratio * num_train_timesteps: set "
+                         "\"boundary_ratio\": 0.875 (Wan2.2-T2V-A14B's) in it, or copy the folder again")
     if not two and ratio is not None:
         raise ValueError(f"{index} has boundary_ratio={ratio!r} but no transformer_2 (the low-noise expert below the "
                          "boundary); copy the whole Wan 2.2 A14B folder (transformer_2/ and its model_index.json "

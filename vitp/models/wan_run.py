@@ -19,14 +19,16 @@ and the held-out evaluation (``trainer.sample_every``, ``trainer.eval_every``,
 not yet in the trainer), ``trainer.compile=blocks``, shape buckets, partial synchronisation, the
 generator-only options (dropout, layer scale, factorized attention) and the options
 :class:`vitp.models.wan.WanConfig` refuses (image-to-video ``image_dim`` / ``added_kv_proj_dim``;
-an image-conditioned pipeline, :func:`vitp.models.wan_config.read_pipeline`). The objective's flow shift defaults to the pipeline's
-``scheduler/scheduler_config.json`` (:func:`vitp.objectives.wan_flow.config_shift`).
+an image-conditioned pipeline, :func:`vitp.models.wan_config.read_pipeline`). The objective's flow
+shift defaults to the pipeline's ``scheduler/scheduler_config.json``
+(:func:`vitp.objectives.wan_flow.config_shift`).
 
 Wan 2.2 A14B's two experts (the Wan-AI/Wan2.2 repository; diffusers' ``WanPipeline``
-``boundary_ratio`` in ``pipelines/wan/pipeline_wan.py`` as the reference): a run fine-tunes one expert, ``model.expert=high``
-(``transformer/``, used by the pipeline for timesteps ``t >= boundary_ratio * 1000``) or ``low``
-(``transformer_2/``, below), or the one ``trainer.init_from`` names; its noise levels are drawn
-only in that expert's range (:func:`expert_sigma_range`, ``objective.sigma_range``).
+``boundary_ratio`` in ``pipelines/wan/pipeline_wan.py`` as the reference): a run fine-tunes one
+expert, ``model.expert=high`` (``transformer/``, used by the pipeline for timesteps ``t >=
+boundary_ratio * 1000``) or ``low`` (``transformer_2/``, below), or the one ``trainer.init_from``
+names; its noise levels are drawn only in that expert's range (:func:`expert_sigma_range`,
+``objective.sigma_range``).
 """
 from __future__ import annotations
 
