@@ -70,6 +70,7 @@ class ModelConfig:
     attention: AttentionMode = AttentionMode.full  # "full" (joint over T*H*W tokens) | "factorized" (Latte: even blocks spatial, odd temporal)
     text_dim: int = 0  # caption embedding channels of the text encoder (e.g. 4096 for T5-XXL); 0 = class-conditional, >0 = cross-attention to captions in every block
     text_len: int = 0  # caption tokens L per sample (the encoder's max length; follows the embeddings); used by the planner
+    expert: Optional[str] = None  # model.family=wan, a Wan 2.2 A14B pipeline: the expert to fine-tune, "high" (transformer/, noise levels >= boundary_ratio) | "low" (transformer_2/, below); null = the one trainer.init_from names (a pipeline folder: high). Its noise range is objective.sigma_range's default
     preset: Optional[str] = None  # model.family=wan without trainer.init_from: a published Wan config by name (vitp.plan.wan.WAN_PRESETS, e.g. wan2.1-t2v-14b) that sizes the model for vitp-plan; training still needs trainer.init_from
 
 
@@ -137,7 +138,7 @@ class ObjectiveConfig:
     logit_mean: float = 0.0  # model.family=wan, sampling=logit_normal: mean of the logit of the unshifted level
     logit_std: float = 1.0  # model.family=wan, sampling=logit_normal: std of the logit of the unshifted level
     weighting: str = "none"  # model.family=wan: loss weight per noise level, "none" | "bell" (DiffSynth-Studio's)
-    sigma_range: List[float] = field(default_factory=lambda: [0.0, 1.0])  # model.family=wan: [lo, hi] noise levels drawn (a Wan 2.2 expert's range: [0.875, 1] high-noise, [0, 0.875] low-noise)
+    sigma_range: List[float] = field(default_factory=lambda: [0.0, 1.0])  # model.family=wan: [lo, hi] noise levels drawn (a Wan 2.2 A14B expert, model.expert: [0, 1] means its own range, [boundary_ratio, 1] high-noise, [0, boundary_ratio] low-noise; a range inside it is kept)
 
 
 @dataclass
@@ -147,6 +148,7 @@ class SamplerConfig:
     method: SamplerMethod = SamplerMethod.heun  # "heun" | "euler"
     steps: int = 20  # number of ODE steps from t=0 to t=1
     cfg_scale: float = 1.0  # classifier-free guidance scale (1 = no guidance; the CPU demos' best, docs/results.md)
+    cfg_scale_2: Optional[float] = None  # Wan 2.2 A14B two-expert pipelines: guidance scale of the low-noise expert (WanPipeline's guidance_scale_2; null = sampler.cfg_scale)
     cfg_interval: List[float] = field(default_factory=lambda: [0.0, 1.0])  # CFG where lo < t < hi (and t=0 if lo=0)
     samples_per_class: int = 10  # columns of the sample grid
     grid_classes: int = 10  # rows (classes, evenly spaced) of the sample grid; 0 = all classes
@@ -413,6 +415,8 @@ FIELD_RULES: Dict[str, Rule] = {
                                   lambda v: [0.0, 1.0]),
     "sampler.steps": span(1),
     "sampler.cfg_scale": span(0, real=True, note="1 = no guidance, 0 = unconditional"),
+    "sampler.cfg_scale_2": span(0, real=True, null="sampler.cfg_scale"),
+    "model.expert": one_of("high", "low", null="the expert trainer.init_from names"),
     "sampler.cfg_interval": _pair(0, 1, True, "[lo, hi] with 0 <= lo <= hi <= 1", [0.5, 0.2]),
     "sampler.samples_per_class": span(1),
     "sampler.grid_classes": span(0, note="0 = all classes"),

@@ -3,6 +3,13 @@ an overridden one), each rank reading its shard, gives the one-process grid and 
 flags' override form (``cli.num=8``) survives torchrun's parser; an impossible layout is refused.
 
 One tiny context-parallel run (``parallel.cp=2`` on 2 ranks) is trained once for the module.
+Wan: three tiny runs (Wan 2.1's layout, Wan 2.2 A14B's low-noise expert, Wan 2.2 TI2V-5B) trained
+and sampled in one forked process equal diffusers' ``WanPipeline`` (latents 1e-4, frames within one
+level; TI2V's first loss diffusers' model's with per-token timesteps), and one torchrun launch per
+layout (dp2, cp2) samples all three as one process does. Faults seen to fail them: switching
+experts after the first step (latents 6e-2 apart), the first latent frame's tokens at timestep 0 in
+TI2V's per-token timesteps (0.16), the same expert built twice under torchrun (0.76), the
+timestep embedded one step off (TI2V first loss 1.7955 vs 1.7988).
 """
 from __future__ import annotations
 
@@ -151,44 +158,54 @@ def test_a_layout_impossible_for_the_world_is_refused(cp_run, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- Wan (vitp.eval.wan_sample)
-# A 4-step wan_smoke run from the tiny pipeline folder (VAE included), trained and sampled in
-# pytest's own process; two torchrun launches (dp2, cp2 Ulysses) sample it again.
+# 4-step wan_smoke runs trained and sampled in one forked process: from the tiny pipeline folder
+# (Wan 2.1 layout, VAE included), from the tiny Wan 2.2 A14B folder's low-noise expert
+# (model.expert=low, 2 steps: the run's RUN/diffusers holds the trained transformer_2/ and links the
+# source's transformer/) and from the tiny TI2V-5B folder (48 channels, expand_timesteps, 2 steps).
+# One torchrun launch per layout (dp2, cp2 Ulysses) samples all three again (wan_sample_many).
 WAN_PROMPTS = ["a synthetic clip of class 2", "class 1, moving slowly"]  # captions of the run's store
 WAN_SAMPLING = ["sampler.steps=4", "sampler.cfg_scale=5"]
+WAN_RUNS = {  # run name -> (make_tiny_wan options, extra training overrides, extra sampling overrides)
+    "run": ({}, [], []),
+    "a14b_low": ({"two_experts": True}, ["model.expert=low", "trainer.max_steps=2"], ["sampler.cfg_scale_2=2"]),
+    "ti2v": ({"ti2v": True}, ["trainer.max_steps=2"], []),
+}
 
 
-def _wan_train_and_sample(rank, base, folder):
-    """A ``wan_smoke`` run of ``folder`` and ``vitp-sample RUN`` of it, in a forked 1-rank group
-    (no process group left in pytest's process)."""
+def _wan_train_and_sample(rank, base):
+    """The :data:`WAN_RUNS` (``wan_smoke`` of each tiny folder) and ``vitp-sample RUN`` of each, in a
+    forked 1-rank group (no process group left in pytest's process)."""
     from pathlib import Path
 
+    from tests.helpers import make_tiny_wan
     from vitp.cli.sample import run as sample
     from vitp.config import compose
     from vitp.train import train
 
-    base = Path(base)
-    train(compose(["experiment=wan_smoke", f"trainer.init_from={folder}", f"data.text_embeddings={base / 'captions'}"]),
-          base / "run")
-    sample([str(base / "run"), *sum([["--prompt", p] for p in WAN_PROMPTS], []), "--num", "2",
-            "--out", str(base / "one"), *WAN_SAMPLING])
+    base, script = Path(base), make_tiny_wan()
+    for name, (options, extra, sampling) in WAN_RUNS.items():
+        folder = script.write_pipeline(base / f"tiny_{name}", sharded=True, **options)
+        train(compose(["experiment=wan_smoke", f"trainer.init_from={folder}",
+                       f"data.text_embeddings={base / 'captions'}", *extra]), base / name)
+        sample([str(base / name), *sum([["--prompt", p] for p in WAN_PROMPTS], []), "--num", "2",
+                "--out", str(base / f"one_{name}"), *WAN_SAMPLING, *sampling])
 
 
 @pytest.fixture(scope="module")
-def wan_run(tmp_path_factory):
-    """``(run dir, one-process sample folder)``: the run trained and ``vitp-sample RUN`` run in one
-    forked process."""
-    from tests.helpers import make_tiny_wan, run_ranks
+def wan_runs(tmp_path_factory):
+    """The folder holding each :data:`WAN_RUNS` run ``<name>`` and its one-process sample ``one_<name>``."""
+    from tests.helpers import run_ranks
 
     base = tmp_path_factory.mktemp("wan_sample")
-    folder = make_tiny_wan().write_pipeline(base / "tiny", sharded=True)
-    run_ranks(1, _wan_train_and_sample, str(base), str(folder))
-    return base / "run", base / "one"
+    run_ranks(1, _wan_train_and_sample, str(base))
+    return base
 
 
-def _wan_reference(run):
+def _wan_reference(run, **call):
     """diffusers' ``WanPipeline`` of the run's ``RUN/diffusers`` on the same inputs, built here: the
     store's embeddings of the prompts and of the empty prompt zero-padded to 512, each sample's noise
-    from its own seed ``sample_seed(0, i)``. ``(latents, frames uint8)``."""
+    from its own seed ``sample_seed(0, i)`` (the latent size of the run's VAE: 8 x 8 latents, 9
+    frames). ``call``: more pipeline arguments (``guidance_scale_2``). ``(latents, frames uint8)``."""
     from diffusers import WanPipeline
     from omegaconf import OmegaConf
 
@@ -200,12 +217,13 @@ def _wan_reference(run):
     emb, mask = store.get(store.ids_of(["", *WAN_PROMPTS]))
     emb = pad_prompt_embeds(emb.float(), mask)
     rows = emb[1:].repeat_interleave(2, dim=0)  # two samples per prompt, a grid row each
-    noise = torch.stack([torch.randn((4, 3, 8, 8), generator=torch.Generator().manual_seed(sample_seed(0, i)))
-                         for i in range(4)])
     pipe = WanPipeline.from_pretrained(str(run / "diffusers"), text_encoder=None, tokenizer=None)
     pipe.set_progress_bar_config(disable=True)
-    call = dict(prompt_embeds=rows, negative_prompt_embeds=emb[:1].expand_as(rows), latents=noise, height=64,
-                width=64, num_frames=9, num_inference_steps=4, guidance_scale=5.0)
+    channels, size = pipe.vae.config.z_dim, 8 * pipe.vae_scale_factor_spatial
+    noise = torch.stack([torch.randn((channels, 3, 8, 8), generator=torch.Generator().manual_seed(sample_seed(0, i)))
+                         for i in range(4)])
+    call = dict(prompt_embeds=rows, negative_prompt_embeds=emb[:1].expand_as(rows), latents=noise, height=size,
+                width=size, num_frames=9, num_inference_steps=4, guidance_scale=5.0, **call)
     latents = pipe(**call, output_type="latent").frames
     frames = torch.as_tensor(pipe(**call, output_type="np").frames)
     return latents, (frames * 255).round().to(torch.uint8)
@@ -221,11 +239,14 @@ def _levels(a, b) -> int:
     return int((a.int() - b.int()).abs().max())
 
 
-def test_wan_sample_one_process_is_wan_pipeline(wan_run):
+WAN_MEASURED = {}  # printed with pytest -s at the end of the module
+
+
+def test_wan_sample_one_process_is_wan_pipeline(wan_runs):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    run, one = wan_run
+    run, one = wan_runs / "run", wan_runs / "one_run"
     got = load_file(str(one / "latents.safetensors"))
     latents, frames = _wan_reference(run)
     assert got["latents"].shape == (4, 4, 3, 8, 8) and got["frames"].shape == (4, 9, 64, 64, 3)
@@ -238,16 +259,107 @@ def test_wan_sample_one_process_is_wan_pipeline(wan_run):
     assert (one / "prompts.txt").read_text().startswith("1 a synthetic clip of class 2")
 
 
-@pytest.mark.parametrize("layout", [["parallel.cp=1"], ["parallel.cp=2"]], ids=["dp2", "cp2_ulysses"])
-def test_wan_sample_under_torchrun_is_the_one_process_sample(wan_run, tmp_path, layout):
+def test_wan22_a14b_run_samples_with_both_experts_as_wan_pipeline(wan_runs):
+    """The run fine-tuned transformer_2 (the low-noise expert) on noise levels [0, 0.8] only; its
+    RUN/diffusers holds it and links the source's transformer/; vitp-sample of the run gives the
+    latents of WanPipeline loaded from that folder (both experts, boundary 0.8, guidance 5 then 2)."""
+    from omegaconf import OmegaConf
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    run, one = wan_run
-    two = _torchrun(["-m", "vitp.cli.sample", str(run), f"cli.prompt={json.dumps(WAN_PROMPTS)}", "cli.num=2",
-                     f"cli.out={tmp_path / 'two'}", *WAN_SAMPLING, *layout], tmp_path)
+    run, one = wan_runs / "a14b_low", wan_runs / "one_a14b_low"
+    cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+    assert cfg.model.expert == "low" and list(cfg.objective.sigma_range) == [0.0, 0.8]
+    folder = run / "diffusers"
+    assert (folder / "transformer").is_symlink() and not (folder / "transformer_2").is_symlink()
+    assert (folder / "transformer").resolve() == (wan_runs / "tiny_a14b_low" / "transformer").resolve()
+    got = load_file(str(one / "latents.safetensors"))
+    latents, frames = _wan_reference(run, guidance_scale_2=2.0)
+    WAN_MEASURED["a14b latents rel max"] = _rel_max(got["latents"], latents)
+    WAN_MEASURED["a14b frame levels"] = _levels(got["frames"], frames)
+    assert _rel_max(got["latents"], latents) <= 1e-4 and _levels(got["frames"], frames) <= 1
+    same_scale, _ = _wan_reference(run)  # guidance_scale_2 = guidance_scale
+    assert _rel_max(same_scale, latents) > 1e-2  # the low-noise expert's guidance matters
+    with safe_open(str(one / "latents.safetensors"), "pt") as f:
+        settings = json.loads(f.metadata()["settings"])
+    assert settings["experts"] == ["transformer", "transformer_2"] and settings["boundary_ratio"] == 0.8
+    assert settings["guidance_scale_2"] == 2.0
+
+
+def _first_loss_with_diffusers(run) -> float:
+    """Step 1's loss of the run computed with diffusers' ``WanTransformer3DModel`` of its folder on
+    the batches the trainer's loader gives step 1, the timestep per token ``(B, N)`` as
+    ``WanPipeline`` gives it with ``expand_timesteps`` (text-to-video: each sample's on every token)."""
+    from diffusers import WanTransformer3DModel
+    from omegaconf import OmegaConf
+
+    from vitp.cli.overrides import typed_config
+    from vitp.config import validate_config
+    from vitp.data import build_datasets
+    from vitp.data.loader import BatchSchedule, WanCollate, train_loader
+    from vitp.data.text import conditioned, conditioning
+    from vitp.models.wan_run import wan_loss, wan_source
+
+    cfg = typed_config(OmegaConf.load(run / ".hydra" / "config.yaml"))
+    validate_config(cfg, 1)
+    cond = conditioning(cfg)
+    data, _ = conditioned(cond, *build_datasets(cfg.data, cfg.seed))
+    tr = cfg.trainer
+    schedule = BatchSchedule(len(data), tr.global_batch_size, tr.micro_batch_size, 1, cfg.seed)
+    path, _ = wan_source(cfg)
+    collate = WanCollate(wan_loss(cfg, path), cond, cfg.objective.label_drop, 512)
+    model = WanTransformer3DModel.from_pretrained(str(path)).float().eval()
+    losses = []
+    for (x_t, timestep, text), (x, eps, s) in train_loader(data, schedule, cfg.objective, cond, start_step=0,
+                                                            stop_step=1, dp_rank=0, collate=collate):
+        assert x_t.shape[1:] == (48, 3, 8, 8)
+        torch.testing.assert_close(timestep, 1000 * s)  # diffusers' timestep scale
+        per_token = timestep[:, None] * torch.ones(3 * 4 * 4)  # (B, N): N = T (H / 2) (W / 2) tokens
+        with torch.no_grad():
+            out = model(x_t, per_token, text, return_dict=False)[0]
+        losses.append(((out - (eps - x)) ** 2).mean())
+    return float(torch.stack(losses).mean())
+
+
+def test_wan22_ti2v_text_to_video_trains_and_samples_as_diffusers(wan_runs):
+    """TI2V-5B's layout: the first step's loss is diffusers' model's with per-token timesteps on the
+    same batch; vitp-sample of the run gives WanPipeline's latents (expand_timesteps, the 48-channel
+    Wan 2.2 VAE decoding 16x)."""
+    from safetensors.torch import load_file
+
+    run, one = wan_runs / "ti2v", wan_runs / "one_ti2v"
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    want = _first_loss_with_diffusers(run)
+    WAN_MEASURED["ti2v first loss rel"] = abs(losses[0] - want) / want
+    assert len(losses) == 2 and losses[0] == pytest.approx(want, rel=1e-5)
+    got = load_file(str(one / "latents.safetensors"))
+    latents, frames = _wan_reference(run)
+    assert got["latents"].shape == (4, 48, 3, 8, 8) and got["frames"].shape == (4, 9, 128, 128, 3)
+    WAN_MEASURED["ti2v latents rel max"] = _rel_max(got["latents"], latents)
+    WAN_MEASURED["ti2v frame levels"] = _levels(got["frames"], frames)
+    assert _rel_max(got["latents"], latents) <= 1e-4 and _levels(got["frames"], frames) <= 1
+
+
+@pytest.mark.parametrize("layout", [["parallel.cp=1"], ["parallel.cp=2"]], ids=["dp2", "cp2_ulysses"])
+def test_wan_sample_under_torchrun_is_the_one_process_sample(wan_runs, tmp_path, layout):
+    """One launch samples the three runs (Wan 2.1, A14B's two experts, TI2V) in the layout."""
+    from safetensors.torch import load_file
+
+    argvs = [[str(wan_runs / name), f"cli.prompt={json.dumps(WAN_PROMPTS)}", "cli.num=2",
+              f"cli.out={tmp_path / name}", *WAN_SAMPLING, *sampling, *layout]
+             for name, (_, _, sampling) in WAN_RUNS.items()]
+    two = _torchrun(["-m", "tests.distributed.wan_sample_many", json.dumps(argvs)], Path(__file__).parents[2])
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    assert two.stdout.count("wrote ") == 1  # rank 0 alone prints
-    a, b = load_file(str(one / "latents.safetensors")), load_file(str(tmp_path / "two" / "latents.safetensors"))
-    assert torch.equal(a["noise"], b["noise"])
-    assert _rel_max(b["latents"], a["latents"]) <= 1e-4
-    assert _levels(b["frames"], a["frames"]) <= 1
+    assert two.stdout.count("wrote ") == len(WAN_RUNS)  # rank 0 alone prints
+    for name in WAN_RUNS:
+        a = load_file(str(wan_runs / f"one_{name}" / "latents.safetensors"))
+        b = load_file(str(tmp_path / name / "latents.safetensors"))
+        assert torch.equal(a["noise"], b["noise"]), name
+        WAN_MEASURED[f"{name} {layout[0]} latents rel max"] = _rel_max(b["latents"], a["latents"])
+        assert _rel_max(b["latents"], a["latents"]) <= 1e-4, name
+        assert _levels(b["frames"], a["frames"]) <= 1, name
+
+
+def test_report_wan_measured():
+    print("\n" + "\n".join(f"{k}: {v:.3g}" for k, v in WAN_MEASURED.items()))

@@ -146,24 +146,27 @@ def check_overrides(overrides: List[str], world: Optional[int] = None, sweep: bo
 
 
 TINY_WAN = "/tmp/wan_tiny"  # docs/finetuning.md: the folder `python scripts/make_tiny_wan.py /tmp/wan_tiny` writes
-_TINY_WAN: List[str] = []
+TINY_WANS = {TINY_WAN: {}, "/tmp/wan_a14b": {"two_experts": True, "vae": False}}  # and --two-experts
+_TINY_WAN: Dict[str, str] = {}
 
 
 def _tiny_wan_folder(override: str) -> str:
-    """``trainer.init_from=/tmp/wan_tiny[/...]`` pointed at a tiny Wan pipeline folder written once
-    here as the documented ``scripts/make_tiny_wan.py /tmp/wan_tiny --sharded`` writes it (a Wan
-    run's config check reads the folder's config.json); other overrides unchanged."""
+    """``trainer.init_from=/tmp/wan_tiny[/...]`` (``/tmp/wan_a14b``) pointed at a tiny Wan pipeline
+    folder written once here as the documented ``scripts/make_tiny_wan.py /tmp/wan_tiny --sharded``
+    (``--two-experts``) writes it (a Wan run's config check
+    reads the folder's config.json); other overrides unchanged."""
     import tempfile
 
     key, _, value = override.partition("=")
-    if key != "trainer.init_from" or not value.startswith(TINY_WAN):
+    doc = next((d for d in TINY_WANS if value == d or value.startswith(d + "/")), None)
+    if key != "trainer.init_from" or doc is None:
         return override
-    if not _TINY_WAN:
+    if doc not in _TINY_WAN:
         from tests.helpers import make_tiny_wan
 
-        folder = Path(tempfile.mkdtemp(prefix="docs_wan_")) / "wan_tiny"
-        _TINY_WAN.append(str(make_tiny_wan().write_pipeline(folder, sharded=True)))
-    return f"{key}={_TINY_WAN[0]}{value[len(TINY_WAN):]}"
+        folder = Path(tempfile.mkdtemp(prefix="docs_wan_")) / Path(doc).name
+        _TINY_WAN[doc] = str(make_tiny_wan().write_pipeline(folder, sharded=True, **TINY_WANS[doc]))
+    return f"{key}={_TINY_WAN[doc]}{value[len(doc):]}"
 
 
 def _launched(argv: List[str]) -> Tuple[Optional[int], List[str], str]:

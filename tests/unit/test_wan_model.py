@@ -180,8 +180,8 @@ def test_folders_that_cannot_be_loaded_are_refused_naming_the_path(tiny, tmp_pat
     with pytest.raises(FileNotFoundError, match=re.escape(str(pipe / "transformer"))):
         from_pretrained(pipe)
     index = json.loads((pipe / "model_index.json").read_text())
-    (pipe / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
-    with pytest.raises(ValueError, match="expand_timesteps"):
+    (pipe / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanImageToVideoPipeline"}))
+    with pytest.raises(ValueError, match="WanImageToVideoPipeline conditions on an image"):
         from_pretrained(pipe)
     with pytest.raises(ValueError, match="FluxTransformer2DModel"):
         from_pretrained(_edited_copy(tiny, tmp_path, _class_name="FluxTransformer2DModel"))
@@ -196,10 +196,33 @@ def test_weights_that_do_not_match_the_config_are_refused(tiny, tmp_path):
         from_pretrained(folder)
 
 
-def test_per_token_timesteps_are_refused(tiny):
+def _per_token(t, tokens, first_frame=0):
+    """Per-token timesteps ``(B, N)`` as WanPipeline's expand_timesteps builds them: ``t`` on every
+    token, the first ``first_frame`` tokens at 0 (TI2V's image-conditioned first frame)."""
+    ts = t[:, None].expand(t.shape[0], tokens).clone()
+    ts[:, :first_frame] = 0
+    return ts
+
+
+@pytest.mark.parametrize("first_frame", [0, 16], ids=["text_to_video", "first_frame_at_0"])
+def test_per_token_timesteps_match_diffusers(tiny, monkeypatch, first_frame):
+    """Wan 2.2 TI2V's (B, N) timesteps: all equal (text-to-video) and with the first latent frame's 16
+    tokens at 0; equal to diffusers' per-token path. Ignoring the per-token timesteps (the first
+    token's for all) fails the second."""
     x, t, text = _inputs(SHAPES[0])
-    with pytest.raises(ValueError, match="per-token"):
-        tiny.model(x, t[:, None].expand(2, 32), text)
+    ts = _per_token(t, 2 * 4 * 4, first_frame)
+    with pytest.raises(ValueError, match=r"timestep \(2, 31\): give one timestep per sample \(2,\) or one per "
+                                         r"token \(2, 32\)"):
+        tiny.model(x, ts[:, :31], text)
+    with torch.no_grad():
+        want = tiny.ref(x, ts, text, return_dict=False)[0]
+        out = tiny.model(x, ts, text)
+        torch.testing.assert_close(out, want, rtol=RTOL, atol=1e-6)
+        if first_frame:
+            assert ((out - tiny.model(x, t, text)).norm() / want.norm()).item() > 1e-2  # they matter
+            monkeypatch.setattr(wan_module, "per_sample_timestep", lambda ts, b, n: ts[:, 0])  # fault: ignored
+            err = ((tiny.model(x, ts, text) - want).norm() / want.norm()).item()
+            assert err > 100 * RTOL, err
 
 
 def test_make_tiny_wan_writes_a_pipeline_folder_vitp_loads(tiny, tmp_path, capsys):
@@ -209,6 +232,14 @@ def test_make_tiny_wan_writes_a_pipeline_folder_vitp_loads(tiny, tmp_path, capsy
             "transformer/diffusion_pytorch_model.safetensors"} <= set(files)
     model = from_pretrained(tmp_path / "pipe")
     assert model.config.num_layers == 2 and model.config.width == 32
+    tiny.script.main([str(tmp_path / "a14b"), "--no-vae", "--two-experts"])  # Wan 2.2 A14B's layout
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert "transformer_2/config.json" in files
+    assert json.loads((tmp_path / "a14b" / "model_index.json").read_text())["boundary_ratio"] == 0.8
+    low = from_pretrained(tmp_path / "a14b", subfolder="transformer_2")
+    assert not torch.equal(low.blocks[0].mlp.fc1.weight, from_pretrained(tmp_path / "a14b").blocks[0].mlp.fc1.weight)
+    with pytest.raises(SystemExit):  # one layout or the other
+        tiny.script.main([str(tmp_path / "x"), "--two-experts", "--ti2v"])
 
 
 # ---------------------------------------------------------------------------------- user mistakes
@@ -223,11 +254,29 @@ def test_transformer_folder_with_another_subfolder_is_refused(tiny):
         from_pretrained(tiny.pipe, subfolder=2)
 
 
-def test_transformer_folder_of_an_expand_timesteps_pipeline_is_refused(tiny, tmp_path):
+def test_pipelines_vitp_cannot_sample_are_refused_naming_the_fix(tiny, tmp_path):
+    """An image-to-video pipeline (also through its transformer/ folder), a transformer_2 without
+    boundary_ratio, a boundary_ratio without transformer_2, a listed transformer_2 that is missing."""
+    from vitp.models.wan_config import read_pipeline
+
     pipe = shutil.copytree(tiny.pipe, tmp_path / "pipe")
     index = json.loads((pipe / "model_index.json").read_text())
-    (pipe / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
-    with pytest.raises(ValueError, match=re.escape(str(pipe / "model_index.json")) + ": expand_timesteps"):
+    assert read_pipeline(pipe).experts == ("transformer",) and not read_pipeline(pipe).expand_timesteps
+    two = {"transformer_2": ["diffusers", "WanTransformer3DModel"]}
+    for changes, error, message in [
+            ({"_class_name": "WanImageToVideoPipeline"}, ValueError,
+             "WanImageToVideoPipeline conditions on an image or video (the image-conditioned first frame"),
+            ({**two, "boundary_ratio": None}, ValueError,
+             "lists transformer_2 (Wan 2.2 A14B's low-noise expert) but boundary_ratio=None; the pipeline switches "
+             "experts at boundary_ratio * num_train_timesteps: set \"boundary_ratio\": 0.875"),
+            ({"boundary_ratio": 0.9}, ValueError, "has boundary_ratio=0.9 but no transformer_2"),
+            ({**two, "boundary_ratio": 0.9}, FileNotFoundError,
+             f"{pipe / 'transformer_2' / 'config.json'} does not exist, but {pipe / 'model_index.json'} lists")]:
+        (pipe / "model_index.json").write_text(json.dumps({**index, **changes}))
+        with pytest.raises(error, match=re.escape(message)):
+            from_pretrained(pipe)
+    (pipe / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanImageToVideoPipeline"}))
+    with pytest.raises(ValueError, match="WanImageToVideoPipeline conditions on an image"):
         from_pretrained(pipe / "transformer")
 
 

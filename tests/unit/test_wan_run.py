@@ -227,3 +227,78 @@ def test_the_pipeline_around_a_trained_transformer_links_only_its_components(tin
     assert linked == {p.name for p in src.iterdir() if p.is_dir() and p.name in named} - {"transformer"}
     assert "scheduler" in linked and not (out / "samples").exists()
     assert (out / "scheduler").resolve() == (src / "scheduler").resolve()
+
+
+# ------------------------------------------------------------------------------ Wan 2.2 A14B's experts
+@pytest.fixture(scope="module")
+def a14b(tmp_path_factory):
+    """The tiny two-expert pipeline folder (Wan 2.2 A14B's layout, boundary_ratio 0.8, no VAE)."""
+    return make_tiny_wan().write_pipeline(tmp_path_factory.mktemp("wan_a14b") / "a14b", vae=False, two_experts=True)
+
+
+@pytest.mark.parametrize("init, extra, path, sigma_range", [
+    ("", [], "transformer", [0.8, 1.0]),  # a pipeline folder: its transformer/, the high-noise expert
+    ("", ["model.expert=low"], "transformer_2", [0.0, 0.8]),
+    ("/transformer_2", [], "transformer_2", [0.0, 0.8]),  # the folder names the expert
+    ("/transformer", ["model.expert=high", "objective.sigma_range=[0.9,0.95]"], "transformer", [0.9, 0.95]),
+])
+def test_an_expert_trains_on_its_own_noise_range(a14b, init, extra, path, sigma_range):
+    from vitp.models.wan_run import wan_expert, wan_loss, wan_source
+
+    cfg = _cfg(f"{a14b}{init}", *extra)
+    validate_config(cfg, 1)
+    source, _ = wan_source(cfg)
+    assert source == (a14b / path).resolve() and list(cfg.objective.sigma_range) == sigma_range
+    assert wan_expert(cfg, source) == ("low" if path == "transformer_2" else "high", 0.8)
+    s = wan_loss(cfg, source).draw_sigmas(4096, torch.Generator().manual_seed(0))
+    assert sigma_range[0] <= s.min() and s.max() <= sigma_range[1]  # t = 1000 s on the expert's side of 800
+    assert s.max() - s.min() > 0.9 * (sigma_range[1] - sigma_range[0])
+
+
+def test_expert_mistakes_are_refused_naming_the_fix(a14b, tiny):
+    for init, extra, message in [
+            (f"{a14b}/transformer", ["model.expert=low"],
+             f"model.expert=low (transformer_2/) but trainer.init_from={a14b}/transformer is the high-noise expert "
+             f"transformer/: give trainer.init_from={a14b} (the pipeline folder) with model.expert=low"),
+            (str(a14b), ["model.expert=low", "objective.sigma_range=[0.5,0.9]"],
+             "objective.sigma_range=[0.5, 0.9] reaches outside the low-noise expert's noise levels [0.0, 0.8] "
+             "(boundary_ratio 0.8: WanPipeline runs transformer_2/ only there)"),
+            (str(tiny), ["model.expert=high"],
+             "model.expert=high: the folder is not one of Wan 2.2 A14B's two experts"),
+            (f"{tiny}/transformer", ["model.expert=low"],
+             "model.expert=low: the folder is not one of Wan 2.2 A14B's two experts")]:
+        with pytest.raises(ValueError) as e:
+            validate_config(_cfg(init, *extra), 1)
+        assert message in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="model.expert=low names a Wan config: set model=wan"):
+        validate_config(compose(["experiment=smoke", "model.expert=low"]), 1)
+
+
+def test_vitp_sample_refuses_wan22_mistakes_naming_the_fix(a14b, tiny, tmp_path, capsys):
+    """Guidance for a second expert the folder lacks, an image-to-video pipeline, a run whose
+    fine-tuned expert is missing from (or only linked into) its RUN/diffusers."""
+    from omegaconf import OmegaConf
+
+    from vitp.cli.sample import main
+
+    i2v = shutil.copytree(tiny, tmp_path / "i2v")
+    index = json.loads((i2v / "model_index.json").read_text())
+    (i2v / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanImageToVideoPipeline"}))
+    run = tmp_path / "run"  # a "finished" run of the low-noise expert whose RUN/diffusers links it from the source
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(_cfg(a14b, "model.expert=low")))
+    (run / "diffusers").mkdir()
+    for part in ("model_index.json", "scheduler", "transformer", "transformer_2"):
+        (run / "diffusers" / part).symlink_to(a14b / part)
+    for argv, message in [
+            ([str(tiny), "--prompt", "x", "sampler.cfg_scale_2=2"],
+             "sampler.cfg_scale_2=2.0 is the guidance of Wan 2.2 A14B's low-noise expert, but"),
+            ([str(i2v), "--prompt", "x"], "WanImageToVideoPipeline conditions on an image or video (the "
+                                          "image-conditioned first frame of Wan 2.2 TI2V / I2V), which vitp does not "
+                                          "support"),
+            ([str(run), "--prompt", "x"], f"{run / 'diffusers' / 'transformer_2'} is a link to the source's "
+                                          "transformer_2/, not the run's fine-tuned expert")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, err

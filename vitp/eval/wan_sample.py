@@ -12,6 +12,14 @@ diffusers' own scheduler from the folder's ``scheduler/`` (:func:`vitp.objective
 UniPC or flow-match Euler, its ``flow_shift``). Sample ``i`` starts from
 :func:`vitp.eval.sampling.sample_noise` of ``(sampler.seed, i)``, so the set is the same in every layout.
 
+Wan 2.2 as the pipeline's ``model_index.json`` says (:func:`vitp.models.wan_config.read_pipeline`):
+A14B's two experts, ``transformer`` for timesteps ``t >= boundary_ratio * num_train_timesteps``
+with ``sampler.cfg_scale`` and ``transformer_2`` below with ``sampler.cfg_scale_2`` (the pipeline's
+``guidance_scale_2``; default ``sampler.cfg_scale``); a run that fine-tuned one expert samples its
+``RUN/diffusers`` pipeline, where the trained expert replaced its source and the other is linked
+to the source folder's (:func:`vitp.train.wan.link_pipeline`). TI2V-5B's ``expand_timesteps``:
+per-token timesteps, text-to-video (an image-conditioned pipeline is refused).
+
 Under a launcher each rank builds its stage of the transformer in the layout ``parallel.*`` says
 (tp, sequence parallel, cp Ulysses or ring, pp; ``dp = world / (tp x cp x pp)``), reading only its
 slices of the folder (:func:`vitp.train.wan.build_wan_model`); the replicas split the samples
@@ -24,6 +32,7 @@ pipeline's VAE (:func:`vitp.objectives.wan_sampling.decode_latents`) and writes 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import json
@@ -45,10 +54,13 @@ def is_wan_source(source: Path) -> bool:
     run = source / ".hydra" / "config.yaml"
     if run.is_file():
         return str(OmegaConf.load(run).get("model", {}).get("family", "vit")) == "wan"
-    for name, cls in (("model_index.json", "WanPipeline"), ("config.json", "WanTransformer3DModel")):
-        if (source / name).is_file():
+    from vitp.models.wan_config import I2V_PIPELINES
+
+    for name, cls in (("model_index.json", ("WanPipeline", *I2V_PIPELINES)),
+                      ("config.json", ("WanTransformer3DModel",))):
+        if (source / name).is_file():  # an image-conditioned Wan pipeline is Wan's, to be refused by name
             try:
-                return json.loads((source / name).read_text()).get("_class_name") == cls
+                return json.loads((source / name).read_text()).get("_class_name") in cls
             except (ValueError, AttributeError):
                 return False
     return False
@@ -77,6 +89,8 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
                                     f"write one with vitp-export {source} --format diffusers -o OUT, then "
                                     "vitp-sample OUT --prompt ...")
         cfg, base = typed_config(OmegaConf.load(run)), source
+        if run_expert(cfg) == "transformer_2" and not cfg.model.get("expert"):  # named by its folder, not the key
+            cfg.model.expert = "low"
     else:  # a model folder: samples go to ./outputs/<folder name>/samples, never into the model's folder
         weights, base = source, Path("outputs") / source.resolve().name
         cfg = typed_config(compose([SMOKE, f"trainer.init_from={source}"]))
@@ -103,6 +117,42 @@ def pipeline_of(cfg: Any) -> Path:
     return pipe
 
 
+def run_expert(cfg: Any) -> Optional[str]:
+    """The transformer subfolder a Wan run fine-tuned when its source was one of a pipeline's experts
+    (``model.expert``, or a ``trainer.init_from`` naming ``transformer_2``), from the run's config
+    alone (the source may be gone); None for a run that names no expert."""
+    from vitp.models.wan_run import EXPERTS
+
+    if cfg.model.get("expert"):
+        return EXPERTS[str(cfg.model.expert)]
+    name = Path(str(cfg.trainer.init_from or "")).name
+    return name if name == "transformer_2" else None
+
+
+def sampling_pipeline(cfg: Any, pipe: Path, trained: Optional[str] = None) -> Any:
+    """The :class:`vitp.models.wan_config.PipelineInfo` of the pipeline ``pipe`` to sample, checked
+    against the sampler keys and the run: ``trained`` the expert subfolder the run fine-tuned
+    (:func:`run_expert`), which must be one of the pipeline's transformers and hold the run's own
+    weights (not a link to the source). Raises ``ValueError`` naming the key or the folder and the
+    fix (``sampler.cfg_scale_2`` on one transformer; a run's expert the pipeline lacks or links),
+    and as :func:`vitp.models.wan_config.read_pipeline`."""
+    from vitp.models.wan_config import read_pipeline
+
+    info = read_pipeline(pipe)
+    if cfg.sampler.get("cfg_scale_2") is not None and not info.two_experts:
+        raise ValueError(f"sampler.cfg_scale_2={cfg.sampler.cfg_scale_2} is the guidance of Wan 2.2 A14B's low-noise "
+                         f"expert, but {pipe} has one transformer (no transformer_2 and boundary_ratio in its "
+                         "model_index.json); drop sampler.cfg_scale_2")
+    if trained is not None and trained not in info.experts:
+        raise ValueError(f"the run fine-tuned {trained}/ (a Wan 2.2 A14B expert) but its pipeline {pipe} lists "
+                         f"{list(info.experts)} in model_index.json; write the run's folder again with vitp-export RUN "
+                         "--format diffusers -o OUT from a run whose trainer.init_from is the two-expert pipeline")
+    if trained is not None and (pipe / trained).is_symlink():
+        raise ValueError(f"{pipe / trained} is a link to the source's {trained}/, not the run's fine-tuned expert; "
+                         f"write the run's folder again with vitp-export RUN --format diffusers -o OUT")
+    return info
+
+
 def prompt_embeds(cond: Any, text_dim: int) -> torch.Tensor:
     """``(n + 1, 512, text_dim)`` fp32: the empty prompt (row 0, the negative prompt) and the
     ``n`` prompts of :class:`vitp.data.text.PromptConditioning` ``cond``, each prompt's tokens
@@ -118,20 +168,29 @@ def prompt_embeds(cond: Any, text_dim: int) -> torch.Tensor:
     return pad_prompt_embeds(emb.float(), mask)
 
 
-def wan_generate(denoiser: Any, scheduler: Any, cfg: Any, ids: torch.Tensor, embeds: torch.Tensor,
-                 share: Any = None) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+def wan_generate(denoisers: Any, scheduler: Any, cfg: Any, ids: torch.Tensor, embeds: torch.Tensor,
+                 share: Any = None, info: Any = None) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """``(latents, noise)``, each ``(B, C, T, H, W)`` fp32 at the run's latent size
     (``model.in_channels``, ``model.num_frames``, ``model.image_size``): sample ``i`` (prompt row
     ``ids[i]`` of ``embeds``, :func:`prompt_embeds`) denoised from :func:`vitp.eval.sampling.sample_noise`
     of ``(sampler.seed, i)`` by :func:`vitp.objectives.wan_sampling.sample_wan` (``sampler.steps``,
-    ``guidance_scale = sampler.cfg_scale`` against row 0), in batches of ``sampler.batch_size``. With
-    ``share`` each replica samples its range and rank 0 gets them all (``None`` elsewhere; collective)."""
+    ``guidance_scale = sampler.cfg_scale`` against row 0), in batches of ``sampler.batch_size``.
+    ``denoisers``: one denoiser, or a list of the pipeline's experts in the order of ``info`` (a
+    :class:`vitp.models.wan_config.PipelineInfo`: the second expert below its ``boundary_ratio``
+    with ``sampler.cfg_scale_2``; ``expand_timesteps``). With ``share`` each replica samples its
+    range and rank 0 gets them all (``None`` elsewhere; collective)."""
     from vitp.config import parse_resolution
     from vitp.eval.inference import Share
     from vitp.eval.sampling import sample_noise
     from vitp.objectives.wan_sampling import sample_wan
 
     s, m, share = cfg.sampler, cfg.model, share or Share()
+    denoisers = list(denoisers) if isinstance(denoisers, (list, tuple)) else [denoisers]
+    experts = {} if info is None else dict(expand_timesteps=info.expand_timesteps)
+    if len(denoisers) == 2:
+        g2 = s.get("cfg_scale_2")
+        experts.update(denoiser_2=denoisers[1], boundary_ratio=info.boundary_ratio,
+                       guidance_scale_2=None if g2 is None else float(g2))
     shape = (int(m.in_channels), int(m.num_frames), *parse_resolution(m.image_size, "model.image_size"))
     mine = share.indices(len(ids))
     lat, noise = [torch.empty((0, *shape))], [torch.empty((0, *shape))]
@@ -140,20 +199,21 @@ def wan_generate(denoiser: Any, scheduler: Any, cfg: Any, ids: torch.Tensor, emb
         z = sample_noise(s.seed, idx, shape)
         cond = embeds[ids[idx.start:idx.stop]]
         neg = embeds[:1].expand_as(cond)
-        lat.append(sample_wan(denoiser, scheduler, z, cond, neg, num_inference_steps=int(s.steps),
-                              guidance_scale=float(s.cfg_scale)).float().cpu())
+        lat.append(sample_wan(denoisers[0], scheduler, z, cond, neg, num_inference_steps=int(s.steps),
+                              guidance_scale=float(s.cfg_scale), **experts).float().cpu())
         noise.append(z)
     both = torch.stack([torch.cat(lat), torch.cat(noise)], dim=1)  # one gather for both
     both = share.gather(both, len(ids))
     return None if both is None else (both[:, 0], both[:, 1])
 
 
-def build_wan_sharded(cfg: Any, prog: str = "vitp-sample") -> Tuple[Any, Any]:
+def build_wan_sharded(cfg: Any, prog: str = "vitp-sample", experts: Tuple[Path, ...] = ()) -> Tuple[Any, Any]:
     """``(denoiser, share)`` of this rank: its stage of the Wan transformer of ``trainer.init_from``
     in the layout of ``cfg`` (:func:`vitp.eval.launch.inference_layout`), its slices read from the
     folder, fp32, as a :class:`vitp.eval.inference.StageDenoiser` with its
-    :class:`vitp.eval.inference.Share`. Collective. Raises ``ValueError`` for a layout the world
-    cannot run (before any process group)."""
+    :class:`vitp.eval.inference.Share`. ``experts``: transformer folders (Wan 2.2 A14B's two), each
+    built in the same layout instead: the denoiser is then a list of theirs. Collective. Raises
+    ``ValueError`` for a layout the world cannot run (before any process group)."""
     from vitp.eval.inference import Share, StageDenoiser
     from vitp.eval.launch import _log_level, inference_layout
     from vitp.parallel import distributed as dist
@@ -162,11 +222,23 @@ def build_wan_sharded(cfg: Any, prog: str = "vitp-sample") -> Tuple[Any, Any]:
     device = dist.resolve_device(cfg.trainer.device)
     lay = inference_layout(cfg, dist.world_size(), device.type, prog)
     dist.init_distributed(device, dist.timeout_of(cfg))
-    with contextlib.redirect_stdout(io.StringIO()), _log_level(("DeepSpeed", "vitp"), logging.WARNING):
-        module, state, _, _ = build_wan_model(cfg, lay, load=True)
-    module.to(device).eval()
-    m = cfg.model
-    return StageDenoiser(module, cfg.trainer.micro_batch_size, m.patch_size, m.tubelet_size), Share.of(module, state)
+    m, out = cfg.model, []
+    for name in experts or (None,):
+        one = cfg if name is None else _expert_config(cfg, name)
+        with contextlib.redirect_stdout(io.StringIO()), _log_level(("DeepSpeed", "vitp"), logging.WARNING):
+            module, state, _, _ = build_wan_model(one, lay, load=True)
+        module.to(device).eval()
+        out.append(StageDenoiser(module, cfg.trainer.micro_batch_size, m.patch_size, m.tubelet_size))
+    return (out if experts else out[0]), Share.of(module, state)
+
+
+def _expert_config(cfg: Any, folder: Path) -> Any:
+    """A copy of ``cfg`` whose ``trainer.init_from`` is the transformer ``folder`` (no
+    ``model.expert``: the folder names it)."""
+    one = copy.deepcopy(cfg)
+    one.trainer.init_from = str(folder)
+    one.model.expert = None
+    return one
 
 
 def decode_frames(pipe: Path, latents: torch.Tensor) -> Optional[torch.Tensor]:
@@ -184,13 +256,17 @@ def decode_frames(pipe: Path, latents: torch.Tensor) -> Optional[torch.Tensor]:
     return (frames * 255).round().clamp(0, 255).to(torch.uint8)
 
 
-def output_name(cfg: Any, prompts: List[str], scheduler: Any) -> str:
-    """``sample_wan_p2-<hash>_n3_unipc4_shift3_cfg5_seed0``: everything that decides the samples."""
+def output_name(cfg: Any, prompts: List[str], scheduler: Any, two_experts: bool = False) -> str:
+    """``sample_wan_p2-<hash>_n3_unipc4_shift3_cfg5_seed0``: everything that decides the samples
+    (two experts: ``cfg5-2``, the low-noise expert's guidance after the dash)."""
     s, sc = cfg.sampler, scheduler.config
     kind = "unipc" if type(scheduler).__name__.startswith("UniPC") else "euler"
     shift = sc.get("flow_shift", sc.get("shift", 1.0))
     rows = f"p{len(prompts)}-{hashlib.sha1(chr(10).join(prompts).encode()).hexdigest()[:8]}"
-    return f"sample_wan_{rows}_n{s.samples_per_class}_{kind}{s.steps}_shift{shift:g}_cfg{s.cfg_scale:g}_seed{s.seed}"
+    g2 = s.get("cfg_scale_2")
+    cfg2 = f"-{s.cfg_scale if g2 is None else g2:g}" if two_experts else ""
+    return (f"sample_wan_{rows}_n{s.samples_per_class}_{kind}{s.steps}_shift{shift:g}_cfg{s.cfg_scale:g}{cfg2}"
+            f"_seed{s.seed}")
 
 
 def write_outputs(out: Path, latents: torch.Tensor, noise: torch.Tensor, frames: Optional[torch.Tensor],
@@ -245,34 +321,50 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
                          "leave --format out")
     cfg, weights, base = wan_sample_config(a.source, overrides, a.num, allowed)
     pipe = pipeline_of(cfg)
+    info = sampling_pipeline(cfg, pipe, run_expert(cfg) if (Path(a.source) / ".hydra").is_dir() else None)
     scheduler = load_scheduler(pipe, a.scheduler, a.flow_shift)
     cond, rows, prompts = conditioning(a, cfg, {})
     embeds = prompt_embeds(cond, int(cfg.model.text_dim))
-    out = a.out or base / "samples" / output_name(cfg, prompts, scheduler)  # base: wan_sample_config
+    out = a.out or base / "samples" / output_name(cfg, prompts, scheduler, info.two_experts)  # base: wan_sample_config
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; a Wan sample is a folder (latents.safetensors, grid.gif)")
     if (out / "latents.safetensors").exists() and not a.force:
         raise ValueError(f"{out} holds an earlier sample; choose another --out, or pass --force to replace it")
     ids = torch.tensor(rows)[class_grid_labels(len(rows), cfg.sampler.samples_per_class)]
+    experts = tuple(pipe / name for name in info.experts) if info.two_experts else ()
     if launched():
-        denoiser, share = build_wan_sharded(cfg)
+        denoiser, share = build_wan_sharded(cfg, experts=experts)
     else:
         from vitp.models import from_pretrained as read_wan_folder  # vitp's reader: local safetensors only
 
-        denoiser, share = read_wan_folder(str(weights)).to(resolve_device(cfg.trainer.device)).eval(), None
-    got = wan_generate(denoiser, scheduler, cfg, ids, embeds, share)
+        device = resolve_device(cfg.trainer.device)
+        denoiser = [read_wan_folder(str(f)).to(device).eval() for f in experts or (weights,)]
+        share = None
+    got = wan_generate(denoiser, scheduler, cfg, ids, embeds, share, info)
     finish()
     if got is None or not is_main():
         return
+    _write(out, got, pipe, prompts, cfg, scheduler, info, weights)
+
+
+def _write(out: Path, got: Tuple[torch.Tensor, torch.Tensor], pipe: Path, prompts: List[str], cfg: Any,
+           scheduler: Any, info: Any, weights: Path) -> None:
+    """Rank 0's end of :func:`run_wan`: decode, write the output folder, print its line."""
     latents, noise = got
     frames = decode_frames(pipe, latents)
     s = cfg.sampler
     settings = {"scheduler": type(scheduler).__name__, "flow_shift": dict(scheduler.config).get(
         "flow_shift", dict(scheduler.config).get("shift")), "steps": s.steps, "guidance_scale": s.cfg_scale,
-        "seed": s.seed, "samples_per_prompt": s.samples_per_class, "weights": str(weights)}
+        "seed": s.seed, "samples_per_prompt": s.samples_per_class, "weights": str(weights),
+        "expand_timesteps": info.expand_timesteps}
+    g2 = s.cfg_scale if s.get("cfg_scale_2") is None else s.cfg_scale_2
+    if info.two_experts:
+        settings.update(experts=list(info.experts), boundary_ratio=info.boundary_ratio, guidance_scale_2=g2)
     files = write_outputs(out, latents, noise, frames, prompts, cfg, settings)
     what = f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''} x {s.samples_per_class} sample" \
            f"{'s' if s.samples_per_class != 1 else ''}"
     how = f"{settings['scheduler']} {s.steps} steps, shift {settings['flow_shift']:g}, CFG {s.cfg_scale:g}"
+    if info.two_experts:
+        how += f" (two experts, boundary {info.boundary_ratio:g}, low-noise CFG {g2:g})"
     decoded = f"{frames.shape[1]} frames" if frames is not None else "no vae/ in the pipeline: latents only"
     print(f"wrote {out} ({what}, {decoded}, {how}: {', '.join(f.name for f in files)})")

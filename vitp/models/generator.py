@@ -251,8 +251,8 @@ def layer_specs(in_channels: int, image_size: Any, num_frames: int, num_classes:
                 mlp: str = "gelu", qkv_bias: bool = True, qk_norm: bool = False,
                 layer_scale_init: Optional[float] = None, attn_drop: float = 0.0, proj_drop: float = 0.0,
                 drop_path: float = 0.0, attention: str = "full", text_dim: int = 0,
-                text_len: int = 0, family: str = "vit", preset: Optional[str] = None
-                ) -> List[Tuple[type, Dict[str, Any]]]:
+                text_len: int = 0, family: str = "vit", preset: Optional[str] = None,
+                expert: Optional[str] = None) -> List[Tuple[type, Dict[str, Any]]]:
     """The generator as an ordered list of ``(class, kwargs)``: Embed, depth x Block, FinalLayer
     (the fields of ``ModelConfig`` as arguments: ``layer_specs(**model_cfg)``). ``image_size`` is
     an int (square), ``(H, W)`` or ``"HxW"``; it sets the initial grid only (:func:`set_grid`).
@@ -263,7 +263,7 @@ def layer_specs(in_channels: int, image_size: Any, num_frames: int, num_classes:
     ``i``) / ``"temporal"`` (odd ``i``); its drop-path rate grows linearly to ``drop_path``.
     ``text_dim > 0`` makes the generator text-conditional (caption embeddings of that many
     channels; every block gets cross-attention); ``text_len`` (caption tokens L) sizes nothing
-    here (the planner's estimates use it). ``family`` and ``preset`` are read by nothing here: a
+    here (the planner's estimates use it). ``family``, ``preset`` and ``expert`` are read by nothing here: a
     Wan model (``model.family=wan``, :mod:`vitp.models.wan_run`) is built and planned from its own
     layers (:mod:`vitp.models.wan`, :mod:`vitp.plan.shapes`).
     """

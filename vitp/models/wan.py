@@ -24,9 +24,14 @@ ordered ``(t, h, w)`` row-major (``D = num_attention_heads * attention_head_dim`
 ``(B, L, text_dim)``. Precision follows diffusers: norms and the modulation in fp32, rotary
 tables computed in float64 and applied in float32.
 
-Image-to-video (``image_dim``, ``added_kv_proj_dim``) and Wan 2.2 TI2V's per-token timesteps
-are not implemented: :class:`WanConfig` refuses them. The weights of a diffusers folder are
-read by :mod:`vitp.models.wan_keys`.
+Wan 2.2 TI2V-5B's per-token timesteps (``expand_timesteps``: ``timestep (B, N)``, one per token,
+as ``WanPipeline`` passes them) are taken as diffusers takes them: the modulation becomes
+``(B, N, 6, D)`` and the output head's ``temb`` ``(B, N, D)``. A timestep equal over a sample's
+tokens (text-to-video: the pipeline's ``(B, N)`` without an image is ``t`` everywhere) is the
+same computation as the scalar ``(B,)``, so it is taken as ``(B,)`` (6 N times less modulation
+to hold and pass between stages; equal to diffusers' per-token path, tests/unit/test_wan_model.py).
+Image-to-video (``image_dim``, ``added_kv_proj_dim``) is not implemented: :class:`WanConfig`
+refuses it. The weights of a diffusers folder are read by :mod:`vitp.models.wan_keys`.
 """
 from __future__ import annotations
 
@@ -99,8 +104,9 @@ def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class WanTimestepEmbedder(nn.Module):
-    """Timestep ``t (B,)`` in [0, 1000] -> ``temb (B, D)``: :func:`timestep_sinusoid` then a timm
-    ``Mlp`` (``fc1``, SiLU, ``fc2``), diffusers' ``TimestepEmbedding`` (``linear_1``, ``linear_2``)."""
+    """Timesteps ``t (B,)`` (or per token ``(B, N)``) in [0, 1000] -> ``temb (B, D)`` (``(B, N, D)``):
+    :func:`timestep_sinusoid` of the flattened timesteps then a timm ``Mlp`` (``fc1``, SiLU, ``fc2``),
+    diffusers' ``TimestepEmbedding`` (``linear_1``, ``linear_2``) after ``Timesteps``, in its order."""
 
     def __init__(self, width: int, freq_dim: int = 256):
         super().__init__()
@@ -108,7 +114,8 @@ class WanTimestepEmbedder(nn.Module):
         self.mlp = Mlp(freq_dim, width, width, act_layer=nn.SiLU)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return self.mlp(timestep_sinusoid(t, self.freq_dim).to(self.mlp.fc1.weight.dtype))
+        emb = timestep_sinusoid(t.flatten(), self.freq_dim).unflatten(0, t.shape)
+        return self.mlp(emb.to(self.mlp.fc1.weight.dtype))
 
 
 def rope_dims(head_dim: int) -> Tuple[int, int, int]:
@@ -216,6 +223,19 @@ class WanCrossAttention(CrossAttention):
         return o.transpose(1, 2).reshape(B, N, -1)
 
 
+def per_sample_timestep(timestep: torch.Tensor, batch: int, tokens: int) -> torch.Tensor:
+    """``timestep`` as the embedding takes it: ``(B,)`` as given; a per-token ``(B, N)`` (Wan 2.2
+    TI2V's ``expand_timesteps``, ``N`` the tokens) as its first column ``(B,)`` when every token of
+    a sample has the same timestep (text-to-video: the same computation, since diffusers' per-token
+    rows are then all equal), else unchanged. Raises ``ValueError`` naming the shapes otherwise."""
+    if timestep.dim() == 1 and timestep.shape[0] == batch:
+        return timestep
+    if timestep.dim() == 2 and tuple(timestep.shape) == (batch, tokens):
+        return timestep[:, 0] if bool((timestep == timestep[:, :1]).all()) else timestep
+    raise ValueError(f"timestep {tuple(timestep.shape)}: give one timestep per sample ({batch},) or one per token "
+                     f"({batch}, {tokens}) (Wan 2.2 TI2V's expand_timesteps, N = the input's tokens)")
+
+
 def _gelu_tanh() -> nn.Module:
     return nn.GELU(approximate="tanh")
 
@@ -223,6 +243,10 @@ def _gelu_tanh() -> nn.Module:
 class WanEmbed(nn.Module):
     """Input stage: ``(x (B, C, T, H, W), timestep (B,) in [0, 1000], text (B, L, text_dim))`` ->
     ``(tokens (B, N, D), temb (B, D), mod (B, 6, D), ctx (B, L, D), cos, sin (N, hd / 2))``.
+    A per-token ``timestep (B, N)`` (Wan 2.2 TI2V, ``expand_timesteps``) gives ``temb (B, N, D)``
+    and ``mod (B, N, 6, D)`` as diffusers' ``WanTimeTextImageEmbedding`` (``timestep_seq_len``),
+    unless it is equal over each sample's tokens: then it is the ``(B,)`` of its first column
+    (:func:`per_sample_timestep`).
 
     ``x_embedder``: the Conv3d patch embedding (diffusers' ``patch_embedding``); ``t_embedder``
     (:class:`WanTimestepEmbedder`, ``condition_embedder.time_embedder``) gives ``temb``, which
@@ -233,8 +257,8 @@ class WanEmbed(nn.Module):
 
     Raises ``ValueError`` when ``x`` is not ``(B, in_channels, T, H, W)`` (:func:`check_latents`),
     does not tile into patches or its grid is not the set grid
-    (:meth:`set_grid`), for a timestep that is not ``(B,)`` (Wan 2.2 TI2V's per-token
-    ``(B, N)`` is not implemented), or text that is not ``(B, L, text_dim)``.
+    (:meth:`set_grid`), for a timestep that is neither ``(B,)`` nor ``(B, N)`` (``N`` the grid's
+    tokens), or text that is not ``(B, L, text_dim)``.
     """
 
     def __init__(self, in_channels: int, width: int, patch_size: Tuple[int, int, int], text_dim: int,
@@ -267,15 +291,13 @@ class WanEmbed(nn.Module):
             raise ValueError(f"input token grid {grid} (of x {tuple(x.shape)}) differs from the set grid {self.grid}; "
                              "call vitp.models.set_grid(model, grid) first")
         B = x.shape[0]
-        if timestep.dim() != 1 or timestep.shape[0] != B:
-            raise ValueError(f"timestep {tuple(timestep.shape)}: give one timestep per sample, ({B},); per-token "
-                             "timesteps (Wan 2.2 TI2V expand_timesteps) are not implemented")
+        timestep = per_sample_timestep(timestep, B, math.prod(grid))
         if text.dim() != 3 or text.shape[0] != B or text.shape[-1] != self.text_dim:
             raise ValueError(f"encoder_hidden_states {tuple(text.shape)}: expected ({B}, L, {self.text_dim})")
         tokens = self.x_embedder(x.to(self.x_embedder.proj.weight.dtype))
         text = text.to(self.y_embedder.fc1.weight.dtype)
         temb = self.t_embedder(timestep).type_as(text)  # fp32 embedder (WanModel.cast), temb in the text's dtype
-        mod = self.time_proj(temb).unflatten(1, (6, -1))
+        mod = self.time_proj(temb).unflatten(-1, (6, -1))  # (B, 6, D), per token (B, N, 6, D)
         ctx = self.y_embedder(text)
         return (tokens, temb, mod, ctx, *self.rotary(x.device))
 
@@ -294,7 +316,9 @@ class WanBlock(nn.Module):
     ``norm1``/``norm3`` affine-free, ``norm2`` affine (``cross_attn_norm``; the identity without
     it), all :class:`FP32LayerNorm`; ``attn`` :class:`WanSelfAttention`, ``cross_attn``
     :class:`WanCrossAttention`, ``mlp`` a timm ``Mlp`` (GELU-tanh; diffusers' ``ffn.net.0.proj``,
-    ``ffn.net.2``). Residual sums are taken in fp32 as diffusers does.
+    ``ffn.net.2``). Residual sums are taken in fp32 as diffusers does. A per-token ``mod (B, N, 6,
+    D)`` (Wan 2.2 TI2V) gives each token its own six ``(B, N, D)`` terms, as diffusers'
+    ``WanTransformerBlock`` for ``temb.ndim == 4``.
     """
 
     def __init__(self, dim: int, ffn_dim: int, num_heads: int, eps: float = 1e-6, cross_attn_norm: bool = True):
@@ -309,7 +333,7 @@ class WanBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
-        shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + mod.float()).chunk(6, dim=1)
+        shift, scale, gate, c_shift, c_scale, c_gate = modulation(self.scale_shift_table, mod)
         h = (self.norm1(x.float()) * (1 + scale) + shift).type_as(x)
         x = (x.float() + self.attn(h, cos, sin) * gate).type_as(x)
         x = x + self.cross_attn(self.norm2(x.float()).type_as(x), ctx)
@@ -317,11 +341,20 @@ class WanBlock(nn.Module):
         return (x.float() + self.mlp(h).float() * c_gate).type_as(x)
 
 
+def modulation(table: torch.Tensor, mod: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """The ``k`` modulation terms of ``table (1, k, D) + mod`` in fp32: each ``(B, 1, D)`` for
+    ``mod (B, k, D)``, ``(B, N, D)`` for a per-token ``mod (B, N, k, D)`` (diffusers'
+    ``unsqueeze(0)``, ``chunk(k, dim=2)``, ``squeeze(2)``)."""
+    if mod.dim() == 3:
+        return (table + mod.float()).chunk(table.shape[1], dim=1)
+    return tuple(c.squeeze(2) for c in (table.unsqueeze(0) + mod.float()).chunk(table.shape[1], dim=2))
+
+
 class WanFinal(nn.Module):
     """Output head: ``(x (B, N, D), temb (B, D)) -> (B, C, T, H, W)``: affine-free
     :class:`FP32LayerNorm` modulated by ``scale_shift_table (1, 2, D) + temb`` (shift, scale),
     ``linear`` (diffusers' ``proj_out``) to ``pt p p C`` values per token, unpatchify over the
-    set grid."""
+    set grid. A per-token ``temb (B, N, D)`` (Wan 2.2 TI2V) modulates each token with its own."""
 
     def __init__(self, width: int, patch_size: Tuple[int, int, int], out_channels: int, eps: float = 1e-6,
                  grid: Grid = (1, 1, 1)):
@@ -337,7 +370,7 @@ class WanFinal(nn.Module):
         self.grid = tuple(int(g) for g in grid)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        shift, scale = modulation(self.scale_shift_table, temb.unsqueeze(-2))
         x = self.linear((self.norm_final(x.float()) * (1 + scale) + shift).type_as(x))
         B, (gt, gh, gw) = x.shape[0], self.grid
         x = x.view(B, gt, gh, gw, self.pt, self.p, self.p, self.C)
@@ -349,8 +382,8 @@ class WanModel(nn.Module):
     """Single-process Wan text-to-video transformer: ``embed`` (:class:`WanEmbed`), ``blocks``
     (:class:`WanBlock`), ``final`` (:class:`WanFinal`).
 
-    ``forward(hidden_states (B, C, T, H, W), timestep (B,) in [0, 1000], encoder_hidden_states
-    (B, L, text_dim)) -> (B, out_channels, T, H, W)``: the call of diffusers'
+    ``forward(hidden_states (B, C, T, H, W), timestep (B,) or per token (B, N) in [0, 1000],
+    encoder_hidden_states (B, L, text_dim)) -> (B, out_channels, T, H, W)``: the call of diffusers'
     ``WanTransformer3DModel`` (returning the tensor). The grid follows the input.
 
     ``config``: a :class:`WanConfig` or a diffusers ``config.json`` dict; keyword arguments

@@ -84,16 +84,13 @@ class WanConfig:
         """A :class:`WanConfig` of a diffusers config dict (keys starting with ``_`` ignored), checked.
 
         Raises ``ValueError`` naming ``source`` and the key for a key diffusers' Wan does not
-        have, ``expand_timesteps`` true (Wan 2.2 TI2V), a value of the wrong type
-        (:func:`check_types`), or an option :meth:`check` refuses; ``TypeError`` when ``cfg`` is
-        not a mapping.
+        have (``expand_timesteps`` is a pipeline option, of ``model_index.json``), a value of the
+        wrong type (:func:`check_types`), or an option :meth:`check` refuses; ``TypeError`` when
+        ``cfg`` is not a mapping.
         """
         if not isinstance(cfg, Mapping):
             raise TypeError(f"{source}: a Wan config must be a dict of config.json keys, got {type(cfg).__name__}")
         known = {f.name for f in fields(cls)}
-        if cfg.get("expand_timesteps"):
-            raise ValueError(f"{source}: expand_timesteps=true (Wan 2.2 TI2V per-token timesteps) is not implemented "
-                             "in vitp's Wan; use a text-to-video checkpoint (Wan2.1-T2V or Wan2.2-T2V)")
         unknown = sorted(k for k in cfg if not k.startswith("_") and k not in known)
         if unknown:
             raise ValueError(f"{source}: config keys {unknown} are not options of diffusers' WanTransformer3DModel "
@@ -178,9 +175,10 @@ def transformer_folder(folder: PathLike, subfolder: Optional[str] = "transformer
 
     Raises ``FileNotFoundError`` naming the path (no folder, no config); ``ValueError`` for a
     transformer folder given with a ``subfolder`` other than ``"transformer"`` (the subfolder
-    would be ignored: pass the pipeline folder), and for a pipeline with ``expand_timesteps``
-    true (Wan 2.2 TI2V, not implemented), read from ``folder``'s ``model_index.json`` or, for a
-    transformer folder, its parent's; ``TypeError`` for a ``subfolder`` that is not a string.
+    would be ignored: pass the pipeline folder), and for a pipeline :func:`read_pipeline` refuses
+    (image-to-video, an expert without its ``boundary_ratio``), read from ``folder``'s
+    ``model_index.json`` or, for a transformer folder, its parent's; ``TypeError`` for a
+    ``subfolder`` that is not a string.
     """
     if subfolder is not None and not isinstance(subfolder, str):
         raise TypeError(f"subfolder={subfolder!r} must be a folder name such as 'transformer' or 'transformer_2', "
@@ -195,13 +193,14 @@ def transformer_folder(folder: PathLike, subfolder: Optional[str] = "transformer
             raise ValueError(f"{path} is a transformer folder (it holds config.json), so subfolder={subfolder!r} "
                              f"cannot apply; pass the pipeline folder (the one with model_index.json, e.g. "
                              f"{path.parent}) with subfolder={subfolder!r}, or the {subfolder}/ folder itself")
-        _refuse_expand_timesteps(path.parent / "model_index.json", strict=False)
+        if (path.parent / "model_index.json").is_file():
+            _check_index(path.parent / "model_index.json", strict=False)
         return path
     if subfolder is None:
         raise FileNotFoundError(f"{path} holds no config.json: subfolder=None takes a transformer folder; for a "
                                 "pipeline folder give subfolder='transformer' (or 'transformer_2')")
     if index.is_file():
-        _refuse_expand_timesteps(index)
+        _check_index(index)
         sub = path / subfolder
         if not (sub / "config.json").is_file():
             raise FileNotFoundError(f"{sub / 'config.json'} does not exist: the pipeline folder {path} has no "
@@ -210,20 +209,69 @@ def transformer_folder(folder: PathLike, subfolder: Optional[str] = "transformer
     raise FileNotFoundError(f"{path} holds neither config.json nor model_index.json: {HINT}")
 
 
-def _refuse_expand_timesteps(index: Path, strict: bool = True) -> None:
-    """Raises ``ValueError`` when the pipeline's ``model_index.json`` has ``expand_timesteps`` true.
-    ``strict=False`` (a transformer folder's parent): a missing or unreadable file is no pipeline."""
-    if not index.is_file():
-        return
+@dataclass(frozen=True)
+class PipelineInfo:
+    """What ``model_index.json`` of a Wan pipeline folder says about its transformers (diffusers'
+    ``WanPipeline.__init__``, ``pipelines/wan/pipeline_wan.py``): ``experts`` the transformer
+    subfolders (``("transformer",)``, or Wan 2.2 A14B's ``("transformer", "transformer_2")``: high
+    noise, low noise), ``boundary_ratio`` (A14B: ``transformer`` for timesteps ``t >= boundary_ratio
+    * num_train_timesteps``, ``transformer_2`` below; None with one expert), ``expand_timesteps``
+    (Wan 2.2 TI2V-5B: per-token timesteps ``(B, N)``)."""
+
+    folder: Path
+    experts: Tuple[str, ...] = ("transformer",)
+    boundary_ratio: Optional[float] = None
+    expand_timesteps: bool = False
+
+    @property
+    def two_experts(self) -> bool:
+        """Whether the pipeline holds Wan 2.2 A14B's pair of experts."""
+        return len(self.experts) == 2
+
+
+I2V_PIPELINES = ("WanImageToVideoPipeline", "WanVACEPipeline", "WanAnimatePipeline", "WanVideoToVideoPipeline")
+
+
+def read_pipeline(folder: PathLike) -> PipelineInfo:
+    """The :class:`PipelineInfo` of a pipeline folder's ``model_index.json``. Raises ``ValueError``
+    naming the file and the fix for an image- or video-conditioned pipeline (the TI2V/I2V
+    image-conditioned first frame, VACE: vitp samples and trains text-to-video), ``transformer_2``
+    without a ``boundary_ratio`` in (0, 1) or the other way round, and a listed ``transformer_2``
+    whose folder is missing; as :func:`read_json_object` for a damaged file."""
+    folder = Path(folder)
+    index = folder / "model_index.json"
+    pipe = read_json_object(index, fix="copy the pipeline folder again")
+    name = pipe.get("_class_name")
+    if name in I2V_PIPELINES:
+        raise ValueError(f"{index}: {name} conditions on an image or video (the image-conditioned first frame of Wan "
+                         "2.2 TI2V / I2V), which vitp does not support; vitp trains and samples text-to-video: give a "
+                         "WanPipeline folder (Wan2.1-T2V, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B for text-to-video)")
+    two = isinstance(pipe.get("transformer_2"), list) and pipe["transformer_2"][:1] not in ([None], [])
+    ratio = pipe.get("boundary_ratio")
+    if two and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1):
+        raise ValueError(f"{index} lists transformer_2 (Wan 2.2 A14B's low-noise expert) but boundary_ratio={ratio!r}; "
+                         "the pipeline switches experts at boundary_ratio * num_train_timesteps: set "
+                         "\"boundary_ratio\": 0.875 (Wan2.2-T2V-A14B's) in it, or copy the folder again")
+    if not two and ratio is not None:
+        raise ValueError(f"{index} has boundary_ratio={ratio!r} but no transformer_2 (the low-noise expert below the "
+                         "boundary); copy the whole Wan 2.2 A14B folder (transformer_2/ and its model_index.json "
+                         "entry), or set \"boundary_ratio\": null for one transformer")
+    if two and not (folder / "transformer_2" / "config.json").is_file():
+        raise FileNotFoundError(f"{folder / 'transformer_2' / 'config.json'} does not exist, but {index} lists "
+                                "transformer_2 (Wan 2.2 A14B's low-noise expert); copy the whole pipeline folder again")
+    return PipelineInfo(folder, ("transformer", "transformer_2") if two else ("transformer",),
+                        float(ratio) if two else None, bool(pipe.get("expand_timesteps", False)))
+
+
+def _check_index(index: Path, strict: bool = True) -> None:
+    """:func:`read_pipeline` of the pipeline of ``index``. ``strict=False`` (a transformer folder
+    given, in the pipeline ``index`` belongs to): only an image-conditioned pipeline is refused; an
+    unreadable index is no pipeline, and the other expert's folder is not needed."""
     try:
-        pipe = read_json_object(index)
-    except ValueError:
-        if strict:
+        read_pipeline(index.parent)
+    except (ValueError, FileNotFoundError) as e:
+        if strict or any(name in str(e) for name in I2V_PIPELINES):
             raise
-        return
-    if pipe.get("expand_timesteps"):
-        raise ValueError(f"{index}: expand_timesteps=true (Wan 2.2 TI2V per-token timesteps) is not implemented "
-                         "in vitp's Wan; use a text-to-video pipeline (Wan2.1-T2V, Wan2.2-T2V)")
 
 
 def read_json_object(path: Path, what: str = "keys", fix: str = "copy the folder again") -> Dict[str, Any]:

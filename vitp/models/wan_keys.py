@@ -23,8 +23,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import torch
 
 from .wan import WanConfig, WanModel
-from .wan_config import (CLASS_NAME, HINT, IGNORED, REQUIRED, _refuse_expand_timesteps,  # noqa: F401 - re-exported
-                         read_config, read_json_object, transformer_folder)
+from .wan_config import (CLASS_NAME, HINT, IGNORED, REQUIRED, read_config, read_json_object,  # noqa: F401
+                         transformer_folder)
 
 PathLike = Union[str, Path]
 WEIGHTS = "diffusion_pytorch_model.safetensors"

@@ -18,9 +18,17 @@ with the pipeline's ``scheduler/``: a transformer folder without its pipeline tr
 with a warning). What vitp's Wan run does not do is refused here, naming the key and what to set:
 ``trainer.compile=blocks``, shape buckets, partial synchronisation, the
 generator-only options (dropout, layer scale, factorized attention) and the options
-:class:`vitp.models.wan.WanConfig` refuses (image-to-video ``image_dim`` / ``added_kv_proj_dim``,
-Wan 2.2 TI2V's ``expand_timesteps``). The objective's flow shift defaults to the pipeline's
-``scheduler/scheduler_config.json`` (:func:`vitp.objectives.wan_flow.config_shift`).
+:class:`vitp.models.wan.WanConfig` refuses (image-to-video ``image_dim`` / ``added_kv_proj_dim``;
+an image-conditioned pipeline, :func:`vitp.models.wan_config.read_pipeline`). The objective's flow
+shift defaults to the pipeline's ``scheduler/scheduler_config.json``
+(:func:`vitp.objectives.wan_flow.config_shift`).
+
+Wan 2.2 A14B's two experts (the Wan-AI/Wan2.2 repository; diffusers' ``WanPipeline``
+``boundary_ratio`` in ``pipelines/wan/pipeline_wan.py`` as the reference): a run fine-tunes one
+expert, ``model.expert=high`` (``transformer/``, used by the pipeline for timesteps ``t >=
+boundary_ratio * 1000``) or ``low`` (``transformer_2/``, below), or the one ``trainer.init_from``
+names; its noise levels are drawn only in that expert's range (:func:`expert_sigma_range`,
+``objective.sigma_range``).
 """
 from __future__ import annotations
 
@@ -46,17 +54,21 @@ def is_wan(cfg: Any) -> bool:
     return str(getattr(m, "family", "vit")) == "wan"
 
 
+EXPERTS = {"high": "transformer", "low": "transformer_2"}  # model.expert -> its subfolder of a Wan 2.2 A14B pipeline
+
+
 @functools.lru_cache(maxsize=16)
-def _read(folder: str, stamp: float) -> Tuple[Path, WanConfig]:
+def _read(folder: str, subfolder: str, stamp: float) -> Tuple[Path, WanConfig]:
     from .wan_config import read_config, transformer_folder
 
-    path = transformer_folder(folder)
+    path = transformer_folder(folder, subfolder)
     return path, read_config(path)
 
 
 def wan_source(cfg: Any) -> Tuple[Path, WanConfig]:
     """``(transformer folder, its checked WanConfig)`` of the run's ``trainer.init_from`` (read once
-    per folder and ``config.json`` change). Raises ``ValueError`` without ``trainer.init_from``;
+    per folder and ``config.json`` change): for a pipeline folder its ``transformer/``, or
+    ``transformer_2/`` with ``model.expert=low``. Raises ``ValueError`` without ``trainer.init_from``;
     ``FileNotFoundError`` / ``ValueError`` prefixed with ``trainer.init_from=...`` for a missing
     folder, a damaged ``config.json`` or an option vitp's Wan lacks
     (:func:`vitp.models.wan_config.transformer_folder`, :func:`vitp.models.wan_config.read_config`)."""
@@ -66,11 +78,70 @@ def wan_source(cfg: Any) -> Tuple[Path, WanConfig]:
         raise ValueError(f"model.preset={preset} sizes a Wan model for vitp-plan, but training reads its weights: "
                          + NEEDS_FOLDER.split(": ", 1)[1] if preset else NEEDS_FOLDER)
     path = Path(str(folder)).expanduser()
-    conf = path / "config.json" if (path / "config.json").is_file() else path / "transformer" / "config.json"
+    alone = (path / "config.json").is_file()  # a transformer folder names its expert (wan_expert checks the key)
     try:
-        return _read(str(path.resolve()), conf.stat().st_mtime if conf.is_file() else 0.0)
+        sub = "transformer" if alone else _expert_subfolder(cfg, path)
+        conf = path / "config.json" if alone else path / sub / "config.json"
+        return _read(str(path.resolve()), sub, conf.stat().st_mtime if conf.is_file() else 0.0)
     except (FileNotFoundError, ValueError) as e:
         raise type(e)(f"trainer.init_from={folder}: {e}") from None
+
+
+def _expert_subfolder(cfg: Any, pipe: Path) -> str:
+    """The transformer subfolder of the pipeline folder ``pipe`` a run trains: ``transformer``, or
+    ``transformer_2`` for ``model.expert=low`` (refused, naming the key, on a pipeline without it)."""
+    from .wan_config import read_pipeline
+
+    expert = cfg.model.get("expert")
+    if expert is None or not (pipe / "model_index.json").is_file():
+        return "transformer"
+    if not read_pipeline(pipe).two_experts:
+        raise ValueError(_NOT_TWO.format(expert=expert))
+    return EXPERTS[str(expert)]
+
+
+_NOT_TWO = ("model.expert={expert}: the folder is not one of Wan 2.2 A14B's two experts (a pipeline whose "
+            "model_index.json lists transformer and transformer_2 with a boundary_ratio); drop model.expert, or give "
+            "the two-expert pipeline folder")
+
+
+def wan_expert(cfg: Any, transformer: Path) -> Optional[Tuple[str, float]]:
+    """``(expert, boundary_ratio)`` of a run that fine-tunes one of Wan 2.2 A14B's experts
+    (``"high"``: ``transformer/``, ``"low"``: ``transformer_2/`` of a pipeline whose
+    ``model_index.json`` has both and ``boundary_ratio``), else ``None``. ``transformer``: the run's
+    transformer folder (:func:`wan_source`). Raises ``ValueError`` naming the keys for
+    ``model.expert`` on a folder without two experts, or naming another expert than the folder
+    given (``trainer.init_from=PIPE/transformer`` with ``model.expert=low``)."""
+    from .wan_config import read_pipeline
+
+    expert, pipe = cfg.model.get("expert"), pipeline_folder(transformer)
+    info = read_pipeline(pipe) if pipe is not None else None
+    if info is None or not info.two_experts or transformer.name not in EXPERTS.values():
+        if expert:
+            raise ValueError(f"trainer.init_from={cfg.trainer.init_from}: " + _NOT_TWO.format(expert=expert))
+        return None
+    own = "low" if transformer.name == "transformer_2" else "high"
+    if expert and expert != own:
+        raise ValueError(f"model.expert={expert} ({EXPERTS[expert]}/) but trainer.init_from={cfg.trainer.init_from} is "
+                         f"the {own}-noise expert {transformer.name}/: give trainer.init_from={pipe} (the pipeline "
+                         f"folder) with model.expert={expert}, or drop model.expert to train {transformer.name}/")
+    return own, float(info.boundary_ratio)
+
+
+def expert_sigma_range(given: Any, expert: str, ratio: float) -> list:
+    """The noise levels ``[lo, hi]`` an A14B expert trains on: ``[ratio, 1]`` (high: timesteps ``t >=
+    boundary_ratio * 1000``, where ``WanPipeline`` uses ``transformer``) or ``[0, ratio]`` (low),
+    for ``given`` the default ``[0, 1]``; ``given`` itself when it lies inside. Raises
+    ``ValueError`` naming ``objective.sigma_range`` for a range reaching past the boundary."""
+    lo, hi = (ratio, 1.0) if expert == "high" else (0.0, ratio)
+    g = [float(v) for v in given]
+    if g == [0.0, 1.0]:
+        return [lo, hi]
+    if not lo <= g[0] < g[1] <= hi:
+        raise ValueError(f"objective.sigma_range={g} reaches outside the {expert}-noise expert's noise levels [{lo}, "
+                         f"{hi}] (boundary_ratio {ratio}: WanPipeline runs {EXPERTS[expert]}/ only there); leave "
+                         "objective.sigma_range at [0, 1] (the expert's range) or give a range inside it")
+    return g
 
 
 def preset_config(name: str) -> WanConfig:
@@ -172,9 +243,10 @@ def adopt_wan_model(cfg: Any) -> Optional[WanConfig]:
     another family). Raises ``ValueError`` / ``FileNotFoundError`` naming the key, the folder and
     the fix; ``ValueError`` for ``model.preset`` with another family."""
     if not is_wan(cfg):
-        if cfg.model.get("preset"):
-            raise ValueError(f"model.preset={cfg.model.preset} names a Wan config: set model=wan (model.family=wan) "
-                             "or drop model.preset")
+        for key in ("preset", "expert"):
+            if cfg.model.get(key):
+                raise ValueError(f"model.{key}={cfg.model[key]} names a Wan config: set model=wan (model.family=wan) "
+                                 f"or drop model.{key}")
         return None
     _refuse_unsupported(cfg)
     path, c = wan_config_of(cfg)
@@ -195,6 +267,11 @@ def adopt_wan_model(cfg: Any) -> Optional[WanConfig]:
             log.warning("trainer.init_from=%s has no pipeline scheduler/: no sample grids and no sampled video "
                         "statistics (the held-out loss is computed); give the whole pipeline folder for them",
                         cfg.trainer.init_from)
+        expert = wan_expert(cfg, path)
+        if expert is not None:  # written into the config: the run's .hydra/config.yaml says what was drawn
+            cfg.objective.sigma_range = expert_sigma_range(cfg.objective.sigma_range, *expert)
+    elif cfg.model.get("expert"):
+        raise ValueError(f"model.expert={cfg.model.expert} needs trainer.init_from=<a Wan 2.2 A14B pipeline folder>")
     return c
 
 

@@ -8,7 +8,9 @@ denoiser's dtype, timestep ``t.expand(B)``, classifier-free guidance ``uncond + 
 uncond)`` (Ho & Salimans 2022, arXiv 2207.12598) and ``scheduler.step`` on fp32 latents. Wan 2.2
 A14B's two experts (Wan Team 2025, arXiv 2503.20314; diffusers' ``boundary_ratio``): the
 high-noise ``denoiser`` for ``t >= boundary_ratio * num_train_timesteps`` with ``guidance_scale``,
-the low-noise ``denoiser_2`` below with ``guidance_scale_2``. No scheduler math is copied: the
+the low-noise ``denoiser_2`` below with ``guidance_scale_2``. Wan 2.2 TI2V-5B
+(``expand_timesteps``): the timestep is given per token, ``(B, N)``, built as the pipeline builds it
+(:func:`token_timesteps`; text-to-video: ``t`` on every token). No scheduler math is copied: the
 step is the diffusers object's (``UniPCMultistepScheduler`` with flow sigmas, Wan's default, or
 ``FlowMatchEulerDiscreteScheduler``), built from a pipeline folder by :func:`load_scheduler`.
 
@@ -98,6 +100,15 @@ def cfg_combine(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch
     return uncond + scale * (cond - uncond)
 
 
+def token_timesteps(t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+    """The per-token timesteps ``(B, N)`` fp32 that ``WanPipeline`` gives the transformer with
+    ``expand_timesteps`` (Wan 2.2 TI2V-5B, text-to-video): ``t`` at every token of the ``(T, H / 2,
+    W / 2)`` grid of ``latents (B, C, T, H, W)`` (the pipeline's ``mask[0][0][:, ::2, ::2] * t``
+    with a mask of ones: no image-conditioned first frame), flattened as the tokens."""
+    mask = torch.ones(latents.shape[2:], dtype=torch.float32, device=latents.device)
+    return (mask[:, ::2, ::2] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
+
+
 def _check(latents, prompt_embeds, negative_prompt_embeds, guidance_scale, denoiser_2, boundary_ratio,
            guidance_scale_2) -> None:
     if latents.dim() != 5 or prompt_embeds.dim() != 3 or prompt_embeds.shape[0] != latents.shape[0]:
@@ -138,6 +149,7 @@ def sample_wan(denoiser: Denoiser, scheduler: Any, latents: torch.Tensor, prompt
                negative_prompt_embeds: Optional[torch.Tensor] = None, *, num_inference_steps: int = 50,
                guidance_scale: float = 5.0, denoiser_2: Optional[Denoiser] = None,
                boundary_ratio: Optional[float] = None, guidance_scale_2: Optional[float] = None,
+               expand_timesteps: bool = False,
                on_step: Optional[Callable[[int, torch.Tensor], None]] = None) -> torch.Tensor:
     """Denoise ``latents`` from pure noise with ``WanPipeline``'s loop (module doc): returns the final
     latents ``(B, C, T, H, W)``, what ``WanPipeline(..., output_type="latent")`` returns (fp32; in
@@ -157,6 +169,8 @@ def sample_wan(denoiser: Denoiser, scheduler: Any, latents: torch.Tensor, prompt
         in the low-noise stage)
     denoiser_2, boundary_ratio, guidance_scale_2 : Wan 2.2's low-noise expert, used for ``t <
         boundary_ratio * num_train_timesteps``, with ``guidance_scale_2`` (default ``guidance_scale``)
+    expand_timesteps : the pipeline's option of Wan 2.2 TI2V-5B: the denoiser gets per-token
+        timesteps ``(B, N)`` (:func:`token_timesteps`) instead of ``(B,)``
     on_step : called as ``on_step(i, t)`` after each step
 
     Raises ``ValueError`` on mismatched shapes (latents not ``(B, C, T, H, W)`` of the denoiser's
@@ -180,7 +194,8 @@ def sample_wan(denoiser: Denoiser, scheduler: Any, latents: torch.Tensor, prompt
     for i, t in enumerate(scheduler.timesteps):
         high = boundary is None or t >= boundary
         model, scale = (denoiser, guidance_scale) if high else (denoiser_2, guidance_scale_2)
-        x_in, timestep = latents.to(dtype), t.expand(latents.shape[0])
+        x_in = latents.to(dtype)
+        timestep = token_timesteps(t, latents) if expand_timesteps else t.expand(latents.shape[0])
         pred = model(x_in, timestep, cond)
         if uncond is not None:
             pred = cfg_combine(pred, model(x_in, timestep, uncond), scale)

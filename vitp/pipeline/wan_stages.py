@@ -40,10 +40,21 @@ Grid = Tuple[int, int, int]
 class WanEmbedPipe(WanEmbed):
     """Pipeline adapter: ``(x, timestep, text) -> (tokens, temb, mod, ctx, cos, sin)`` (module doc:
     the rotary tables leave as tensors that require a gradient, and so do the other outputs of a
-    frozen embed, a LoRA run's)."""
+    frozen embed, a LoRA run's).
+
+    A per-token ``timestep (B, N)`` (Wan 2.2 TI2V) is taken when it is equal over each sample's
+    tokens, as text-to-video gives it (the stages then pass the ``(B, 6, D)`` modulation). Raises
+    ``ValueError`` for timesteps that differ across a sample's tokens (TI2V's image-conditioned
+    first frame at timestep 0): the stages' tensor / sequence / context split of a per-token
+    modulation is not implemented."""
 
     def forward(self, inputs: Tuple[torch.Tensor, ...]):  # type: ignore[override]
         tokens, temb, mod, ctx, cos, sin = super().forward(*inputs)
+        if mod.dim() == 4:
+            raise ValueError("per-token timesteps that differ across a sample's tokens (Wan 2.2 TI2V's image-"
+                             "conditioned first frame) are not supported in vitp's pipeline stages (vitp-train, "
+                             "vitp-sample under a launcher); text-to-video gives every token the same timestep. "
+                             "Use one process (vitp.models.WanModel takes them) or diffusers' WanImageToVideoPipeline")
         # a frozen embed (LoRA) gives outputs without a graph: sent as leaves that take a gradient
         tokens, temb, mod, ctx = (t if t.requires_grad else t.detach().requires_grad_() for t in (tokens, temb, mod, ctx))
         return tokens, temb, mod, ctx, cos.detach().requires_grad_(), sin.detach().requires_grad_()
