@@ -25,7 +25,10 @@ def _script():
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    return _script().random_inception(tmp_path_factory.mktemp("fidw") / "inception.pth")
+    """``python scripts/make_random_eval_weights.py OUT`` (docs/evaluation.md): ``OUT/inception.pth``."""
+    out = tmp_path_factory.mktemp("fidw")
+    _script().main([str(out)])
+    return out / "inception.pth"
 
 
 def _images(n, seed):

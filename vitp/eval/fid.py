@@ -315,13 +315,14 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
 
 
 def fid_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path,
-                conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
+                conditioning: Any = None, share: Optional[Share] = None,
+                heldout_ids: Optional[torch.Tensor] = None) -> Dict[str, Any]:
     """FID of ``eval.fid.num`` samples against the real ``eval.fid.real`` items (the first
-    ``eval.fid.real_num``; their statistics cached, :func:`real_statistics`), the samples written
+    ``eval.fid.real_num``; their statistics cached, :func:`real_statistics`), the samples (a caption
+    run: the held-out items' caption ids ``heldout_ids``, :func:`fid_labels`) written
     to ``npz`` (:func:`write_fid_samples`) and their features read back from it. Returns ``fid``,
     ``fid_num_samples``, ``fid_real_items`` and ``fid_npz`` on rank 0 (``{}`` elsewhere). Raises ``ValueError`` /
     ``FileNotFoundError`` for a missing or wrong weights file before any sample is drawn. Collective."""
-    from .metrics import item_ids
     from .sampling import _device
 
     share, f = share or Share(), cfg.eval.fid
@@ -331,7 +332,7 @@ def fid_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pat
     count = min(len(real_ds), f.real_num or len(real_ds))
     cache = Path(f.real_stats) if f.real_stats else Path(run_dir) / f"fid_real_{f.real}{f.real_num or 'all'}.safetensors"
     real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(weights))
-    labels = fid_labels(cfg, conditioning, item_ids(heldout_ds) if len(heldout_ds) else torch.zeros(1, dtype=torch.long))
+    labels = fid_labels(cfg, conditioning, heldout_ids if heldout_ids is not None else torch.zeros(1, dtype=torch.long))
     write_fid_samples(gen, cfg, labels, share, npz, conditioning)
     images = npz_images(npz)
     mine = share.indices(len(images))

@@ -254,7 +254,8 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
         from .fid import fid_metrics
 
         npz = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".npz")
-        res.update(fid_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share))
+        ids = item_ids(heldout_ds) if len(heldout_ds) else None
+        res.update(fid_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share, ids))
     if not share.main:
         return res
     if logger is not None and step is not None:
