@@ -238,6 +238,21 @@ class TrainerConfig:
 
 
 @dataclass
+class FidConfig:
+    """The field's quality numbers (docs/evaluation.md): FID (Heusel et al. 2017) on a local
+    Inception-V3 file; written with ``eval.fid.num`` samples to an ``.npz`` in the ADM protocol."""
+
+    num: int = 0  # samples for FID (0 = off; 50000 = FID-50K), class-balanced or with the held-out captions
+    weights: Optional[str] = None  # local Inception-V3 file of torch-fidelity / torchmetrics (pt_inception-2015-12-05-6726825d.pth); never downloaded
+    real: str = "train"  # the real side: "train" | "heldout" items
+    real_num: int = 0  # real items counted (the first ones; 0 = all)
+    real_stats: Optional[str] = None  # cache file of the real side's feature sums (null = RUN/fid_real_<real><real_num>.safetensors)
+    block: int = 1000  # samples per resumable block (RUN/<eval file>.parts/): a stopped evaluation resumes at the first missing block
+    batch_size: int = 50  # images per Inception forward (per replica)
+    seed: int = 4321  # sample i starts from the noise of (seed, i): the same set in any layout
+
+
+@dataclass
 class EvalConfig:
     """End-of-run evaluation written to eval.json (also run by vitp-eval)."""
 
@@ -248,6 +263,7 @@ class EvalConfig:
     num_samples: int = 0  # generated samples for accuracy/FD (0 = as many as held-out items)
     unseen_prompt_templates: List[str] = field(default_factory=list)  # digits with caption templates: phrasings never trained on, whose prompt accuracy is reported apart
     prompt_samples: int = 10  # digits with caption templates: samples per (template, digit) prompt for the prompt accuracy
+    fid: FidConfig = field(default_factory=FidConfig)  # FID / FID-50K (below)
 
 
 @dataclass
@@ -463,6 +479,12 @@ FIELD_RULES: Dict[str, Rule] = {
     "eval.noise_seed": _SEED,
     "eval.classifier_epochs": span(0, note="digits runs only"),
     "eval.num_samples": span(0, note="0 = as many as held-out items"),
+    "eval.fid.num": span(0, note="0 = off"),
+    "eval.fid.real": one_of("train", "heldout"),
+    "eval.fid.real_num": span(0, note="0 = all"),
+    "eval.fid.block": span(1),
+    "eval.fid.batch_size": span(1),
+    "eval.fid.seed": _SEED,
 }
 
 # Fields any value of their type may hold, and who checks them instead
@@ -482,6 +504,8 @@ FREE_FORM: Dict[str, str] = {
     "data.vae": "a local diffusers VAE folder, read by vitp-pack, the planner and training (vitp.latents)",
     "sampler.prompts": "caption strings",
     "eval.unseen_prompt_templates": "format strings with {class} / {class_word}",
+    "eval.fid.weights": "a local Inception-V3 weights file, checked when the evaluation starts (vitp.eval.fid)",
+    "eval.fid.real_stats": "a cache file, written once and checked against the weights and data (vitp.eval.fid)",
     "trainer.resume": "'auto' | 'never' | a checkpoint, found when training starts",
     "trainer.init_from": "a weights file, read when training starts (a Wan folder: vitp.models.wan_run)",
     "trainer.init_from_timm": "a weights file, read when training starts",

@@ -32,6 +32,20 @@ BIN = Path(sys.executable).parent
 RUN = ["experiment=smoke", "trainer.max_steps=2", "parallel.cp=2", f"trainer.init_from={PERTURBED}"]
 SAMPLING = ["sampler.steps=3"]
 EVAL = ["eval.classifier_epochs=1", "eval.num_samples=20"]
+# FID (vitp.eval.fid) of 16 samples in 2 blocks against 8 training digits, random-weight Inception
+FID = ["eval.fid.num=16", "eval.fid.block=8", "eval.fid.real_num=8", "eval.fid.batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def fid_weights(tmp_path_factory):
+    """A random-weight Inception-V3 file (scripts/make_random_eval_weights.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mrew", Path(__file__).parents[2] / "scripts" /
+                                                  "make_random_eval_weights.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.random_inception(tmp_path_factory.mktemp("fidw") / "inception.pth")
 
 
 def _cli(args, cwd, timeout=600):
@@ -77,13 +91,17 @@ def one_process(cp_run, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_process_eval(cp_run, tmp_path_factory):
-    """``vitp-eval`` of the cp=2 run by one process: its ``eval.json``."""
+def one_process_eval(cp_run, fid_weights, tmp_path_factory):
+    """``vitp-eval`` of the cp=2 run by one process, with FID: its ``eval.json`` and the ``.npz`` of
+    its FID samples (moved out of the run)."""
     tmp = tmp_path_factory.mktemp("one_eval")
-    one = _cli(["vitp-eval", str(cp_run), *EVAL], tmp)
+    one = _cli(["vitp-eval", str(cp_run), *EVAL, *FID, f"eval.fid.weights={fid_weights}",
+                f"eval.fid.real_stats={tmp / 'real.safetensors'}"], tmp)
     assert one.returncode == 0, one.stderr[-3000:]
     ref = json.loads((cp_run / "eval.json").read_text())
     (cp_run / "eval.json").unlink()
+    (cp_run / "eval.npz").rename(tmp / "one.npz")
+    ref["fid_npz"] = tmp / "one.npz"
     return ref
 
 
@@ -106,10 +124,13 @@ def test_sample_under_torchrun_writes_the_one_process_grid(cp_run, one_process, 
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.cp=1"]], ids=["trained-cp2", "dp2"])
-def test_eval_under_torchrun_gives_the_one_process_heldout_loss(cp_run, one_process_eval, tmp_path, layout):
-    ref = one_process_eval
+def test_eval_under_torchrun_gives_the_one_process_heldout_loss(cp_run, one_process_eval, fid_weights, tmp_path,
+                                                                layout):
+    """Also FID at dp2: each replica samples and extracts its share; the ``.npz`` is one process's."""
+    ref, fid = one_process_eval, ["parallel.cp=1"] == layout
     (cp_run / "eval.json").unlink(missing_ok=True)  # the file read below is this launch's
-    two = _torchrun(["--no-python", str(BIN / "vitp-eval"), str(cp_run), *EVAL, *layout], tmp_path)  # console script
+    extra = [*FID, f"eval.fid.weights={fid_weights}", f"eval.fid.real_stats={tmp_path / 'real.safetensors'}"] if fid else []
+    two = _torchrun(["--no-python", str(BIN / "vitp-eval"), str(cp_run), *EVAL, *layout, *extra], tmp_path)  # console script
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     got = json.loads((cp_run / "eval.json").read_text())
     assert json.loads(two.stdout) == got  # one JSON document: rank 0 alone prints
@@ -117,6 +138,12 @@ def test_eval_under_torchrun_gives_the_one_process_heldout_loss(cp_run, one_proc
     assert list(got["heldout_loss_per_t"].values()) == pytest.approx(list(ref["heldout_loss_per_t"].values()),
                                                                      rel=1e-6)
     assert got["sample_accuracy"] == ref["sample_accuracy"] and got["step"] == ref["step"] == 2
+    if fid:
+        npz = cp_run / "eval.npz"
+        assert npz.read_bytes() == ref["fid_npz"].read_bytes()  # the same samples, byte for byte
+        assert got["fid"] == pytest.approx(ref["fid"], rel=1e-6) and got["fid"] > 0
+        assert got["fid_num_samples"] == 16 and got["fid_real_items"] == 8
+        npz.unlink()
 
 
 def test_flags_under_a_launcher(cp_run, tmp_path, capsys):

@@ -37,6 +37,8 @@ RUN_BY: Dict[Tuple[str, ...], str] = {
     ("python", "scripts/bench_data.py"): "tests/unit/test_scripts.py::test_bench_data_small",
     ("python", "scripts/make_photo_folder.py"): "tests/distributed/test_own_data.py::test_the_documented_cpu_command_trains",
     ("bash", "scripts/gpu_check.sh"): "tests/unit/test_scripts.py::test_gpu_check_cpu_smoke",
+    ("python", "scripts/make_random_eval_weights.py"):
+        "tests/unit/test_fid.py::test_split_sums_equal_one_process_and_torchmetrics",
     ("python", "scripts/make_tiny_wan.py"): "tests/unit/test_wan_objective.py::test_finetuning_doc_example_runs",
     ("torchrun", "vitp.train"): "tests/distributed/test_train.py::test_torchrun_with_tensor_and_sequence_parallelism",
     ("deepspeed", "vitp.train"): "tests/distributed/test_checkpoint.py::test_kill_during_save_resumes_from_the_previous_checkpoint",

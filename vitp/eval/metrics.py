@@ -227,7 +227,8 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
              out: Optional[Path] = None, conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
     """Held-out loss (always; with ``buckets``, ``{name: held-out items}``, per bucket and overall,
     :func:`bucket_heldout_loss`) and, when ``full`` and the data are digits, the judge metrics
-    (video: temporal statistics) at ``data.resolution``. With ``full`` the results are written
+    (video: temporal statistics) at ``data.resolution``; with ``full`` and ``eval.fid.num``, FID
+    (:func:`vitp.eval.fid.fid_metrics`, its samples in ``out`` with the suffix ``.npz``). With ``full`` the results are written
     to ``out`` (default ``run_dir/eval.json``; the judge is cached in ``run_dir`` either way);
     with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``. ``conditioning``:
     how item ids become model inputs (:mod:`vitp.data.text`; default class labels).
@@ -249,6 +250,12 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
     if full and cfg.model.num_frames > 1 and len(heldout_ds):
         res.update(video_metrics(gen, cfg, heldout_ds, conditioning, share))
         res["sampler"] = OmegaConf.to_container(cfg.sampler, resolve=True)
+    if full and cfg.eval.fid.num:
+        from .fid import fid_metrics
+
+        npz = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".npz")
+        ids = item_ids(heldout_ds) if len(heldout_ds) else None
+        res.update(fid_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share, ids))
     if not share.main:
         return res
     if logger is not None and step is not None:

@@ -35,10 +35,12 @@ def sample_noise(seed: int, indices: Sequence[int], shape: Sequence[int]) -> tor
 
 
 def generate(gen: Any, cfg: DictConfig, labels: torch.Tensor, seed: int, conditioning: Any = None,
-             share: Optional[Share] = None, gather: bool = True, purpose: str = "") -> Optional[torch.Tensor]:
+             share: Optional[Share] = None, gather: bool = True, purpose: str = "", first: int = 0
+             ) -> Optional[torch.Tensor]:
     """Samples ``(B, C, T, H, W)`` for ``labels`` with the configured sampler, in batches of
     ``sampler.batch_size`` per replica, at the size ``model.image_size`` (an int, ``[H, W]`` or
-    ``"HxW"``) and ``model.num_frames``; sample ``i`` starts from :func:`sample_noise` of ``(seed, i)``.
+    ``"HxW"``) and ``model.num_frames``; sample ``i`` starts from :func:`sample_noise` of
+    ``(seed, first + i)`` (``first``: the index of ``labels[0]`` in a longer set drawn in parts).
 
     ``gen``: a :class:`vitp.models.Generator` or a :class:`vitp.eval.inference.StageDenoiser`.
     ``labels``: ``(B,)`` ids of ``conditioning`` (:mod:`vitp.data.text`: class labels by default,
@@ -71,7 +73,7 @@ def generate(gen: Any, cfg: DictConfig, labels: torch.Tensor, seed: int, conditi
             out.append(sample(gen, cond(labels[idx.start:idx.stop]), shape, null=null, steps=s.steps,
                               method=s.method, cfg_scale=s.cfg_scale, cfg_interval=tuple(s.cfg_interval),
                               noise_scale=cfg.objective.noise_scale, t_eps=cfg.objective.t_eps,
-                              noise=sample_noise(seed, idx, shape), on_step=on_step).cpu())
+                              noise=sample_noise(seed, range(first + idx.start, first + idx.stop), shape), on_step=on_step).cpu())
     x = to_pixels(cfg, torch.cat(out), _device(gen))  # a latent run: each replica decodes its own samples
     return share.gather(x, len(labels)) if gather else x
 

@@ -1,0 +1,343 @@
+"""FID from a local Inception-V3 file, split over the data-parallel replicas, and FID-50K in the
+ADM protocol.
+
+FID (Heusel et al. 2017, arXiv:1706.08500) is the Frechet distance between Gaussians fitted to the
+2048-d pool features of Inception-V3 on real and generated images. The network and the distance
+are torchmetrics' (``FrechetInceptionDistance``: torch-fidelity's port of the TF Inception graph
+that guided-diffusion's ``evaluations/evaluator.py`` runs, loaded from ``eval.fid.weights``, never
+downloaded): torchmetrics keeps exactly the statistics a split needs (count, feature sum, sum of
+outer products, float64), so each replica (:class:`vitp.eval.inference.Share`) extracts the
+features of its own images and only those sums are added over the replicas
+(:class:`FeatureSums`); the distance of the summed statistics equals one process's.
+Images are resized to 299 as torch-fidelity and the ADM evaluator do (TF1 bilinear,
+``antialias=False``), not with torchmetrics' default antialiased resize.
+
+``eval.fid.num`` samples (class-balanced, or the held-out captions cycled; sample ``i`` from the
+noise of ``(eval.fid.seed, i)``, :func:`vitp.eval.sampling.sample_noise`) are written in blocks of
+``eval.fid.block`` (``<out>.parts/``, resumable) and then as one ``.npz`` (``arr_0``: uint8 NHWC,
+``arr_1``: labels) that guided-diffusion's evaluator reads; the FID is computed from that file.
+The real side's sums are cached (:func:`real_statistics`).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .inference import Share
+from .progress import phase
+
+log = logging.getLogger("vitp")
+
+FID_DIM = 2048  # Inception-V3 pool features
+WEIGHTS_HELP = ("the Inception-V3 file torch-fidelity and torchmetrics load (pt_inception-2015-12-05-6726825d.pth from "
+                "torch-fidelity's GitHub releases; docs/evaluation.md), or a random-weight one from "
+                "scripts/make_random_eval_weights.py OUT")
+
+
+@dataclass
+class FeatureSums:
+    """Sufficient statistics of a feature set, float64: ``n`` items, ``s`` (D,) their sum, ``ss``
+    (D, D) the sum of their outer products (torchmetrics' ``*_features_sum`` / ``*_cov_sum``)."""
+
+    n: float
+    s: torch.Tensor
+    ss: torch.Tensor
+
+    @classmethod
+    def zeros(cls, dim: int = FID_DIM) -> "FeatureSums":
+        return cls(0.0, torch.zeros(dim, dtype=torch.float64), torch.zeros(dim, dim, dtype=torch.float64))
+
+    def add(self, f: torch.Tensor) -> None:
+        """Count the features ``f`` (B, D)."""
+        f = f.double().cpu()
+        self.n, self.s, self.ss = self.n + len(f), self.s + f.sum(0), self.ss + f.T @ f
+
+    def summed(self, share: Share) -> "FeatureSums":
+        """The sums over the replicas (collective over ``share``; every rank gets them)."""
+        d = len(self.s)
+        flat = share.sum(torch.cat([torch.tensor([self.n], dtype=torch.float64), self.s, self.ss.reshape(-1)]))
+        return FeatureSums(float(flat[0]), flat[1:1 + d].clone(), flat[1 + d:].reshape(d, d).clone())
+
+    def mean_cov(self):
+        """``(mean (D,), covariance (D, D))``, unbiased, as torchmetrics computes them."""
+        if self.n < 2:
+            raise ValueError(f"FID needs at least 2 images on each side, got {int(self.n)}; raise eval.fid.num / "
+                             f"eval.fid.real_num")
+        mean = self.s / self.n
+        return mean, (self.ss - self.n * torch.outer(mean, mean)) / (self.n - 1)
+
+
+def frechet(real: FeatureSums, fake: FeatureSums) -> float:
+    """The Frechet distance ``|mu_r - mu_f|^2 + Tr(S_r + S_f - 2 (S_r S_f)^(1/2))`` of the two sums'
+    Gaussians, by torchmetrics' own function (the trace of the root from the eigenvalues of
+    ``S_r S_f``, float64)."""
+    from torchmetrics.image.fid import _compute_fid
+
+    (mr, cr), (mf, cf) = real.mean_cov(), fake.mean_cov()
+    return float(_compute_fid(mr, cr, mf, cf))
+
+
+def check_weights(path: Optional[str]) -> Path:
+    """``path`` as a checked Inception-V3 weights file. Raises ``ValueError`` when none is given or
+    it is not an Inception-V3 state dict, ``FileNotFoundError`` when it is missing; each names the
+    file and how to get the right one."""
+    if not path:
+        raise ValueError(f"eval.fid.num > 0 needs eval.fid.weights=FILE: {WEIGHTS_HELP}")
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"eval.fid.weights={path}: no such file; give {WEIGHTS_HELP}")
+    try:
+        sd = torch.load(p, map_location="cpu", weights_only=True)  # refuses pickled code
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice
+        raise ValueError(f"eval.fid.weights={path} is not a PyTorch state dict ({type(e).__name__}); give "
+                         f"{WEIGHTS_HELP}") from None
+    shape = tuple(sd["fc.weight"].shape) if isinstance(sd, dict) and "fc.weight" in sd else None
+    if shape != (1008, FID_DIM) or "Mixed_7c.branch_pool.conv.weight" not in sd:
+        raise ValueError(f"eval.fid.weights={path} is not torch-fidelity's Inception-V3 (fc.weight {shape}, expected "
+                         f"(1008, 2048)); give {WEIGHTS_HELP}")
+    return p
+
+
+def inception(path: Optional[str], device: Any = "cpu") -> torch.nn.Module:
+    """torchmetrics' ``NoTrainInceptionV3`` (2048-d pool features, TF1 bilinear resize) from the
+    checked file ``path`` (:func:`check_weights`), on ``device``: uint8 ``(B, 3, H, W)`` -> ``(B, 2048)``."""
+    from torchmetrics.image.fid import NoTrainInceptionV3
+
+    return NoTrainInceptionV3("inception-v3-compat", [str(FID_DIM)], str(check_weights(path)),
+                              antialias=False).to(device)
+
+
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """Samples ``(B, C, T, H, W)`` in [-1, 1] as images ``(B, H, W, 3)`` uint8 (first frame; one
+    channel repeated), as guided-diffusion's ``image_sample.py`` makes them: ``((x + 1) * 127.5)``
+    clamped to [0, 255] and truncated. Raises ``ValueError`` for channels other than 1 or 3."""
+    if x.shape[1] not in (1, 3):
+        raise ValueError(f"FID needs 1- or 3-channel images, got {x.shape[1]} channels (a latent run's samples are "
+                         f"decoded through data.vae first)")
+    img = ((x[:, :, 0].float() + 1) * 127.5).clamp(0, 255).to(torch.uint8)
+    return img.expand(-1, 3, -1, -1).permute(0, 2, 3, 1).contiguous()
+
+
+def image_sums(net: torch.nn.Module, images: Any, rows: range, batch: int, bar: Any = None) -> FeatureSums:
+    """:class:`FeatureSums` of the Inception features of ``images[rows]`` (``(N, H, W, 3)`` uint8, a
+    tensor or an array such as a memory map), ``batch`` images per forward."""
+    device = next(net.parameters()).device
+    sums = FeatureSums.zeros()
+    for i in range(rows.start, rows.stop, batch):
+        x = torch.as_tensor(np.ascontiguousarray(images[i:min(rows.stop, i + batch)]))
+        with torch.no_grad():
+            sums.add(net(x.permute(0, 3, 1, 2).to(device)))
+        if bar is not None:
+            bar.update(len(x))
+    return sums
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes (hex)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def data_key(cfg: Any, split: str, count: int) -> Dict[str, Any]:
+    """What the real side's statistics depend on besides the weights: the data config, the seed
+    (the held-out split), the split and item count, and for local folders / packs each file's
+    name, size and modification time (so a changed data set is noticed without reading an item)."""
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    files = []
+    for key in ("root", "heldout_root", "shards"):
+        root = data.get(key)
+        if root and Path(str(root)).is_dir():
+            files += [(str(p.relative_to(root)), p.stat().st_size, int(p.stat().st_mtime))
+                      for p in sorted(Path(str(root)).rglob("*")) if p.is_file()]
+    digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
+    return {"data": data, "seed": int(cfg.seed), "split": split, "items": int(count), "files": digest}
+
+
+def _real_images(cfg: Any, dataset: Any, idx: range, device: Any) -> torch.Tensor:
+    from .sampling import to_pixels
+
+    x = torch.stack([dataset[(i, None)][0] for i in idx])
+    return to_uint8(to_pixels(cfg, x, device).cpu())  # latents: decoded as the samples are
+
+
+def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, share: Share, cache: Path,
+                    weights_digest: str) -> FeatureSums:
+    """The :class:`FeatureSums` of the first ``count`` items of ``dataset`` (decoded through
+    ``data.vae`` for a latent run), each replica extracting its range; cached in ``cache``
+    (safetensors, written by rank 0) with the weights' digest and :func:`data_key` of the data, so a
+    second evaluation reads no item. Raises ``ValueError`` naming ``cache`` when it holds another
+    weights file's or data set's statistics. Collective over ``share``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from vitp.utils import atomic_write
+
+    key = {"weights_sha256": weights_digest, "data": data_key(cfg, cfg.eval.fid.real, count)}
+    if cache.is_file():
+        with safe_open(str(cache), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("vitp_fid_real", "{}"))
+            for part, what in (("weights_sha256", "Inception weights (eval.fid.weights)"), ("data", "data or split")):
+                if meta.get(part) != key[part]:
+                    raise ValueError(f"{cache} holds the FID real statistics of other {what} than this evaluation's; "
+                                     f"delete it to recompute them, or give eval.fid.real_stats=ANOTHER_FILE")
+            return FeatureSums(float(f.get_tensor("n")[0]), f.get_tensor("s"), f.get_tensor("ss"))
+    mine, batch, sums = share.indices(count), cfg.eval.fid.batch_size, FeatureSums.zeros()
+    with phase(f"FID real statistics of {count} {cfg.eval.fid.real} items", len(mine), "FID real", "img",
+               share.main) as bar:
+        for i in range(mine.start, mine.stop, batch):
+            idx = range(i, min(mine.stop, i + batch))
+            images = _real_images(cfg, dataset, idx, next(net.parameters()).device)
+            sums.add(net(images.permute(0, 3, 1, 2).to(next(net.parameters()).device)).detach())
+            bar.update(len(idx))
+    sums = sums.summed(share)
+    if share.main:
+        with atomic_write(cache) as tmp:
+            save_file({"n": torch.tensor([sums.n], dtype=torch.float64), "s": sums.s, "ss": sums.ss}, str(tmp),
+                      metadata={"vitp_fid_real": json.dumps(key)})
+    return sums
+
+
+def write_npz(path: Path, shape: Sequence[int], blocks: Sequence[Path], labels: np.ndarray) -> None:
+    """Write ``path``, an uncompressed ``.npz`` as guided-diffusion's ``image_sample.py`` writes it:
+    ``arr_0`` uint8 ``shape`` (N, H, W, 3) from the ``.npy`` ``blocks`` in order (one block in
+    memory at a time) and ``arr_1`` the labels. Byte-identical for the same arrays (fixed zip
+    timestamps, unlike ``np.savez``)."""
+    from vitp.utils import atomic_write
+
+    fmt = np.lib.format
+    with atomic_write(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        with zf.open(zipfile.ZipInfo("arr_0.npy", date_time=(1980, 1, 1, 0, 0, 0)), "w", force_zip64=True) as f:
+            fmt.write_array_header_1_0(f, {"descr": fmt.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False,
+                                           "shape": tuple(int(v) for v in shape)})
+            for b in blocks:
+                f.write(np.ascontiguousarray(np.load(b, mmap_mode="r")).tobytes())
+        buf = io.BytesIO()
+        fmt.write_array(buf, np.ascontiguousarray(labels), allow_pickle=False)
+        zf.writestr(zipfile.ZipInfo("arr_1.npy", date_time=(1980, 1, 1, 0, 0, 0)), buf.getvalue())
+
+
+def npz_images(path: Path) -> np.ndarray:
+    """``arr_0`` of an ``.npz`` (N, H, W, 3) uint8: a read-only memory map when it is stored
+    uncompressed (each replica then reads only its rows), else loaded. Raises ``ValueError`` for
+    another layout than guided-diffusion's evaluator reads."""
+    import struct
+
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("arr_0.npy")
+        stored = info.compress_type == zipfile.ZIP_STORED
+    if stored:
+        with open(path, "rb") as f:
+            f.seek(info.header_offset)
+            name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
+            f.seek(info.header_offset + 30 + name_len + extra_len)
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(f)
+            images = np.memmap(path, dtype, "r", f.tell(), shape) if not fortran else None
+    if not stored or images is None:
+        images = np.load(path)["arr_0"]
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+        raise ValueError(f"{path}: arr_0 is {images.dtype} {images.shape}; FID reads uint8 (N, H, W, 3) images")
+    return images
+
+
+def fid_labels(cfg: Any, conditioning: Any, heldout_ids: torch.Tensor) -> torch.Tensor:
+    """``(eval.fid.num,)`` conditioning ids: sample ``i`` of a class-conditional run gets class
+    ``i mod num_classes`` (class-balanced, as ADM's 50K); a caption run the held-out captions cycled."""
+    n = cfg.eval.fid.num
+    if getattr(conditioning, "text", False):
+        return heldout_ids.repeat(n // max(1, len(heldout_ids)) + 1)[:n]
+    return torch.arange(n) % max(1, int(cfg.model.num_classes))
+
+
+def _barrier(share: Share) -> None:
+    if share.size * share.cp > 1 and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, npz: Path,
+                      conditioning: Any = None) -> None:
+    """Sample ``labels`` (sample ``i`` from the noise of ``(eval.fid.seed, i)``) into ``npz``
+    (:func:`write_npz`), ``eval.fid.block`` at a time: each block is split over the replicas
+    (:func:`vitp.eval.sampling.generate`), gathered as uint8 on rank 0 and saved in
+    ``<npz>.parts/`` (atomically), so a stopped evaluation resumes at the first missing block. The
+    parts are removed once ``npz`` is written; an existing ``npz`` of ``len(labels)`` images is kept.
+    Raises ``ValueError`` when the parts folder was written with other settings. Collective."""
+    from vitp.utils import atomic_write, atomic_write_text
+    from .sampling import generate
+
+    f, n = cfg.eval.fid, len(labels)
+    if npz.is_file() and len(npz_images(npz)) == n:
+        return
+    parts = npz.with_name(npz.name + ".parts")
+    from omegaconf import OmegaConf
+
+    meta = json.dumps({"num": n, "block": f.block, "seed": f.seed, "labels": hashlib.sha256(labels.numpy().tobytes())
+                       .hexdigest(), "sampler": OmegaConf.to_container(cfg.sampler, resolve=True)}, sort_keys=True)
+    if (parts / "meta.json").is_file() and (parts / "meta.json").read_text() != meta:
+        raise ValueError(f"{parts} holds FID samples of other settings (eval.fid.num/block/seed, sampler); delete it "
+                         f"to sample again")
+    if share.main:
+        atomic_write_text(parts / "meta.json", meta)
+    blocks = [parts / f"block_{k:06d}.npy" for k in range(-(-n // f.block))]
+    for k, path in enumerate(blocks):
+        lo, hi = k * f.block, min(n, (k + 1) * f.block)
+        if path.is_file():  # written by an earlier, stopped evaluation
+            continue
+        x = generate(gen, cfg, labels[lo:hi], f.seed, conditioning, share, gather=False, first=lo,
+                     purpose=f"FID (block {k + 1} of {len(blocks)})")
+        images = share.gather(to_uint8(x), hi - lo)
+        if share.main:
+            with atomic_write(path) as tmp:
+                np.save(tmp, images.numpy())
+    _barrier(share)
+    if share.main:
+        h, w = np.load(blocks[0], mmap_mode="r").shape[1:3]
+        write_npz(npz, (n, h, w, 3), blocks, labels.numpy().astype(np.int64))
+        for p in blocks + [parts / "meta.json"]:
+            p.unlink()
+        parts.rmdir()
+    _barrier(share)
+
+
+def fid_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path,
+                conditioning: Any = None, share: Optional[Share] = None,
+                heldout_ids: Optional[torch.Tensor] = None) -> Dict[str, Any]:
+    """FID of ``eval.fid.num`` samples against the real ``eval.fid.real`` items (the first
+    ``eval.fid.real_num``; their statistics cached, :func:`real_statistics`), the samples (a caption
+    run: the held-out items' caption ids ``heldout_ids``, :func:`fid_labels`) written
+    to ``npz`` (:func:`write_fid_samples`) and their features read back from it. Returns ``fid``,
+    ``fid_num_samples``, ``fid_real_items`` and ``fid_npz`` on rank 0 (``{}`` elsewhere). Raises ``ValueError`` /
+    ``FileNotFoundError`` for a missing or wrong weights file before any sample is drawn. Collective."""
+    from .sampling import _device
+
+    share, f = share or Share(), cfg.eval.fid
+    weights = check_weights(f.weights)
+    net = inception(str(weights), _device(gen))
+    real_ds = train_ds if f.real == "train" else heldout_ds
+    count = min(len(real_ds), f.real_num or len(real_ds))
+    cache = Path(f.real_stats) if f.real_stats else Path(run_dir) / f"fid_real_{f.real}{f.real_num or 'all'}.safetensors"
+    real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(weights))
+    labels = fid_labels(cfg, conditioning, heldout_ids if heldout_ids is not None else torch.zeros(1, dtype=torch.long))
+    write_fid_samples(gen, cfg, labels, share, npz, conditioning)
+    images = npz_images(npz)
+    mine = share.indices(len(images))
+    with phase(f"FID features of the {len(images)} samples in {npz.name}", len(mine), "FID", "img", share.main) as bar:
+        fake = image_sums(net, images, mine, f.batch_size, bar).summed(share)
+    if not share.main:  # the distance (an eigen-decomposition of 2048 x 2048) on rank 0 alone
+        return {}
+    return {"fid": frechet(real, fake), "fid_num_samples": len(images), "fid_real_items": count, "fid_npz": str(npz)}
