@@ -458,8 +458,6 @@ FIELD_RULES: Dict[str, Rule] = {
                                   "steps, inclusive)", [3, 2], lambda v: [2, 3]),
     "trainer.lora.rank": span(1, null="16, or trainer.lora.init_from's"),
     "trainer.lora.alpha": span(0, lo_open=True, real=True, null="16, or trainer.lora.init_from's"),
-    "trainer.lora.rslora": Rule(lambda v: v is None or isinstance(v, bool), "true | false, or null (false, or "
-                                "trainer.lora.init_from's)", "nope"),
     "trainer.lora.dropout": span(0, 1, hi_open=True, real=True),
     "trainer.lora.b_init_std": span(0, real=True, note="0 = zero, as peft"),
     "eval.t_grid": span(1),
@@ -513,9 +511,9 @@ def schema_fields() -> Dict[str, Any]:
 
 
 def closed_by_type(f: Any) -> bool:
-    """Whether the schema type of the field ``f`` admits only valid values (a bool or a choice)."""
+    """Whether the schema type of the field ``f`` admits only valid values (a bool, null or a bool, or a choice)."""
     kind = globals().get(f.type, f.type) if isinstance(f.type, str) else f.type
-    return kind in (bool, "bool") or (isinstance(kind, type) and issubclass(kind, Choice))
+    return kind in (bool, "bool", Optional[bool], "Optional[bool]") or (isinstance(kind, type) and issubclass(kind, Choice))
 
 
 def field_error(key: str, value: Any) -> Optional[str]:
