@@ -1065,9 +1065,6 @@ def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_
     validate_captions(cfg.data)
     validate_model(cfg.model)
     validate_buckets(cfg)
-    from vitp.models.lora import adopt_lora_file
-
-    adopt_lora_file(cfg)  # trainer.lora's nulls: the defaults, or trainer.lora.init_from's values
     return None if world_size is None else validate_layout(cfg, world_size, device_type)
 
 

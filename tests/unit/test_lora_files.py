@@ -229,7 +229,11 @@ def test_continued_lora_takes_the_files_settings_and_refuses_conflicts_and_anoth
     both, and the same file on another base folder is refused by its base hash, naming the file."""
     from tests.helpers import compose_cfg
     from vitp.config import validate_config
-    from vitp.models.lora import base_hash, initial_factors, run_record
+    from vitp.models.lora import base_hash, check_lora_config, initial_factors, run_record
+
+    def check(cfg):
+        validate_config(cfg)  # the Wan folder's sizes
+        check_lora_config(cfg)
 
     pipe = tiny.script.write_pipeline(tmp_path / "pipe", sharded=True, vae=False, transformer=tiny.ref)
     other = tiny.script.write_pipeline(tmp_path / "other", sharded=True, vae=False,
@@ -239,7 +243,7 @@ def test_continued_lora_takes_the_files_settings_and_refuses_conflicts_and_anoth
     path = lf.save_lora_file(tmp_path / "lora", *lf.to_diffusers_lora(adapters, config, tiny.cfg))
     over = ["experiment=wan_smoke", "trainer.lora.enabled=true", f"trainer.lora.init_from={path}"]
     cfg = compose_cfg([*over, f"trainer.init_from={pipe}"])
-    validate_config(cfg)
+    check(cfg)
     lo = cfg.trainer.lora
     assert (lo.rank, lo.alpha, lo.rslora) == (RANK, ALPHA, False)
     assert run_record(cfg)["pieces"] == config["pieces"]
@@ -250,13 +254,12 @@ def test_continued_lora_takes_the_files_settings_and_refuses_conflicts_and_anoth
         torch.testing.assert_close(B, adapters[f"{m}.lora_B"], rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match=r"trainer.lora.rank=8 but the file's is 4; trainer.lora.targets=\['to_q'\] "
                                          r"adapt 4 module\(s\).*the file 8 module\(s\).*leave those keys unset"):
-        validate_config(compose_cfg([*over, f"trainer.init_from={pipe}", "trainer.lora.rank=8",
-                                     "trainer.lora.targets=[to_q]"]))
+        check(compose_cfg([*over, f"trainer.init_from={pipe}", "trainer.lora.rank=8", "trainer.lora.targets=[to_q]"]))
     with pytest.raises(ValueError, match=rf"trainer.lora.init_from: {path}: a LoRA of another base: its base hash is "
                                          rf"{config['base']['hash']}, this model's is {base_hash(other / 'transformer')}"
                                          rf"; load it on the base it was trained for \({pipe / 'transformer'}\).*"
                                          rf"the base here: trainer.init_from={other}"):
-        validate_config(compose_cfg([*over, f"trainer.init_from={other}"]))
+        check(compose_cfg([*over, f"trainer.init_from={other}"]))
 
 
 def test_generator_file_and_merge_match_per_piece_lora():

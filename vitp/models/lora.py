@@ -122,12 +122,14 @@ def _or(value, default):
 
 
 def check_lora_config(cfg) -> None:
-    """The cross-field checks of ``trainer.lora`` (after the Wan folder's sizes were adopted).
+    """The cross-field checks of ``trainer.lora`` (after the Wan folder's sizes were adopted), once
+    its nulls are resolved (:func:`adopt_lora_file`: the defaults, or ``trainer.lora.init_from``'s).
 
     Raises ``ValueError`` naming the problem and the fix: LoRA without a base (``trainer.init_from``),
     the generator's base given as a timm file (``trainer.init_from_timm``) or with
     ``parallel.partial_sync < 1``, a rank <= 0, targets that name no linear of the model (listing
     those it has)."""
+    adopt_lora_file(cfg)
     spec = spec_of(cfg)
     if spec is None:
         return
@@ -174,9 +176,7 @@ def lora_file(path) -> Path:
     ``RUN/lora``, a ``vitp-export --format lora`` folder) its ``lora.safetensors`` (vitp's exact
     fp32 adapters) or else ``pytorch_lora_weights.safetensors``. Raises ``FileNotFoundError``
     naming the path and what it should hold."""
-    from vitp.train.lora import STATE
-
-    from .lora_files import WEIGHT_NAME
+    from .lora_files import STATE, WEIGHT_NAME
 
     p = Path(path)
     for f in ((p / STATE, p / WEIGHT_NAME) if p.is_dir() else (p,)):

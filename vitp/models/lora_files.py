@@ -48,6 +48,7 @@ import torch
 PathLike = Union[str, Path]
 FORMAT = "vitp.lora/1"
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+STATE = "lora.safetensors"  # a run's RUN/lora adapters in vitp's keys (vitp.train.lora)
 FOLDED_KEY = "vitp_scaling_in_b"  # metadata: "1" when lora_B holds alpha / r (vitp's diffusers files)
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 CONFIG_KEY = "vitp_lora"
