@@ -6,7 +6,8 @@ import tempfile
 
 import pytest
 
-from tests.helpers import TP2PP2, compiled_cases, compose_cfg, reference_cases, reference_rank, run_ranks, train_rank
+from tests.helpers import (TP2PP2, compiled_cases, compose_cfg, lora_cases, reference_cases, reference_rank, run_ranks,
+                           train_rank)
 
 # trainer.compile=blocks runs share one inductor cache (vitp.models.compiled.CACHE_ENV), kept across
 # sessions (inductor keys it by graph, inputs and torch version): equal block graphs compile once;
@@ -37,7 +38,7 @@ def _launch_env_restored():
 # (the reference runs, a folder's conftest groups) form one unit.
 _SHARED = {
     "tests/distributed/test_pipeline.py": "reference_runs", "tests/distributed/test_checkpoint.py": "reference_runs",
-    "tests/distributed/test_reference.py": "reference_runs",
+    "tests/distributed/test_reference.py": "reference_runs", "tests/distributed/test_lora_generator.py": "reference_runs",
     "tests/distributed/parallel": "parallel_groups", "tests/unit/text": "text_encoder",
 }
 # CPU seconds each unit took in a run of the suite (``pytest -p tests.cpu_time``, 2026-12-05;
@@ -130,12 +131,14 @@ def tp2pp2_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory):
     """The recorded cases (``tests/fixtures/reference``) run again: ``{name: (run_dir, rank 0 result)}``,
-    from the default init and from the perturbed export, and the perturbed ones with
-    ``trainer.compile=blocks`` (``compiled_*``), one process group per world size."""
+    from the default init and from the perturbed export, the perturbed ones with
+    ``trainer.compile=blocks`` (``compiled_*``) and the generator's LoRA runs (``lora_*``,
+    :func:`tests.helpers.lora_cases`), one process group per world size."""
     base = tmp_path_factory.mktemp("reference")
     out = {}
     for world in (1, 2, 4):
-        cases = {**reference_cases("default")[world], **reference_cases("perturbed")[world], **compiled_cases()[world]}
+        cases = {**reference_cases("default")[world], **reference_cases("perturbed")[world], **compiled_cases()[world],
+                 **lora_cases(str(base))[world]}
         res = run_ranks(world, reference_rank, cases, str(base))[0]
         out.update({name: (base / name, r) for name, r in res.items()})
     return out

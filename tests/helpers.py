@@ -159,6 +159,23 @@ def compiled_cases() -> dict:
             for world, cases in reference_cases("perturbed").items()}
 
 
+# LoRA on the generator from the perturbed export (B drawn non-zero so every path matters from step 1):
+# the fused qkv's q and v pieces, the attention's proj and the MLP's fc2
+GEN_LORA = [*SMOKE4, f"trainer.init_from={PERTURBED}", "trainer.lora.enabled=true", "trainer.lora.rank=4",
+            "trainer.lora.alpha=6", "trainer.lora.targets=[q,v,attn.proj,fc2]", "trainer.lora.b_init_std=0.05"]
+
+
+def lora_cases(base: str) -> dict:
+    """``{world size: {case name: overrides}}`` of the generator's LoRA runs that ride on the reference
+    groups (:func:`reference_rank`, run dirs under ``base``): ``lora_tp1pp1`` and ``lora_tp2sp`` (4
+    steps of :data:`GEN_LORA`), and ``lora_cont`` (one step at lr 0 continuing ``lora_tp1pp1``'s
+    ``RUN/lora``, its rank, alpha and targets taken from the file)."""
+    cont = [*SMOKE4, f"trainer.init_from={PERTURBED}", "trainer.lora.enabled=true", "optim.lr=0",
+            "trainer.max_steps=1", f"trainer.lora.init_from={base}/lora_tp1pp1/lora"]
+    return {1: {"lora_tp1pp1": GEN_LORA, "lora_cont": cont},
+            2: {"lora_tp2sp": [*GEN_LORA, "parallel.tp=2", "parallel.sequence_parallel=true"]}, 4: {}}
+
+
 # Two model sizes the planner is validated on (tests/unit/test_plan.py, tests/distributed/test_plan_validation.py):
 # "S" an image model (GELU MLP, full attention, 8x8 = 64 tokens of 16 px RGB); "V" a video model (SwiGLU,
 # qk-norm, factorized space/time attention, 2 x 3 x 3 = 18 tokens: padded under SP at tp=4).

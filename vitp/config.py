@@ -193,16 +193,17 @@ class OptimConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA fine-tuning of a Wan model (Hu et al. 2021; peft's ``LoraConfig`` semantics): the base
-    weights frozen, adapters on the targeted linears trained, checkpointed and exported
-    (docs/finetuning.md, LoRA)."""
+    """LoRA fine-tuning of a Wan model or vitp's generator (Hu et al. 2021; peft's ``LoraConfig``
+    semantics): the base weights frozen, adapters on the targeted linears trained, checkpointed and
+    exported (docs/finetuning.md, LoRA)."""
 
     enabled: bool = False  # train LoRA adapters on the frozen base of trainer.init_from instead of every weight
-    rank: int = 16  # adapter rank r of every targeted module (peft's r)
-    alpha: float = 16.0  # scaling numerator: updates are scaled by alpha / rank (peft's lora_alpha)
-    rslora: bool = False  # scale by alpha / sqrt(rank) (rsLoRA, peft's use_rslora)
+    init_from: Optional[str] = None  # a LoRA file (vitp's, diffusers', ComfyUI's) or a RUN/lora folder to continue: the adapters start from it (on the base trainer.init_from, which it must fit); null rank / alpha / rslora / targets are taken from it
+    rank: Optional[int] = None  # adapter rank r of every targeted module (peft's r); null = 16, or trainer.lora.init_from's
+    alpha: Optional[float] = None  # scaling numerator: updates are scaled by alpha / rank (peft's lora_alpha); null = 16, or trainer.lora.init_from's
+    rslora: Optional[bool] = None  # scale by alpha / sqrt(rank) (rsLoRA, peft's use_rslora); null = false, or trainer.lora.init_from's
     dropout: float = 0.0  # dropout on the adapters' input (peft's lora_dropout)
-    targets: List[str] = field(default_factory=list)  # modules to adapt, matched by name suffix as peft's target_modules: diffusers' to_q, to_k, to_v, to_out.0, ffn.net.0.proj, ffn.net.2 (optionally attn1. / attn2.) or vitp's (attn.qkv, mlp.fc1, ...); [] = to_q, to_k, to_v, to_out.0
+    targets: List[str] = field(default_factory=list)  # modules to adapt, matched by name suffix as peft's target_modules: diffusers' to_q, to_k, to_v, to_out.0, ffn.net.0.proj, ffn.net.2 (optionally attn1. / attn2.) or vitp's (attn.qkv, mlp.fc1, ...; the generator: qkv, q, k, v, proj, fc1, fc2); [] = Wan: to_q, to_k, to_v, to_out.0, the generator: qkv, proj, or trainer.lora.init_from's
     b_init_std: float = 0.0  # std of the adapters' initial B (0 = zero, as peft: training starts from the base; > 0 only for tests that need every path to matter)
 
 
@@ -471,8 +472,8 @@ FIELD_RULES: Dict[str, Rule] = {
     "trainer.exit_after_minutes": span(0, lo_open=True, real=True, null="off"),
     "trainer.profile_steps": Rule(_is_step_range, "[] (off) or [a, b], integers with 1 <= a <= b (optimizer "
                                   "steps, inclusive)", [3, 2], lambda v: [2, 3]),
-    "trainer.lora.rank": span(1),
-    "trainer.lora.alpha": span(0, lo_open=True, real=True),
+    "trainer.lora.rank": span(1, null="16, or trainer.lora.init_from's"),
+    "trainer.lora.alpha": span(0, lo_open=True, real=True, null="16, or trainer.lora.init_from's"),
     "trainer.lora.dropout": span(0, 1, hi_open=True, real=True),
     "trainer.lora.b_init_std": span(0, real=True, note="0 = zero, as peft"),
     "eval.t_grid": span(1),
@@ -512,6 +513,7 @@ FREE_FORM: Dict[str, str] = {
     "trainer.tensorboard_dir": "a folder, created",
     "trainer.export_dir": "a folder, created",
     "trainer.output_data_dir": "a folder, created",
+    "trainer.lora.init_from": "a LoRA file or folder, read when the config is checked (vitp.models.lora.adopt_lora_file)",
     "trainer.lora.targets": "module names, checked against the model's linears (vitp.models.lora.check_targets)",
     "paths.output_root": "a folder, created",
 }
@@ -533,9 +535,9 @@ def schema_fields() -> Dict[str, Any]:
 
 
 def closed_by_type(f: Any) -> bool:
-    """Whether the schema type of the field ``f`` admits only valid values (a bool or a choice)."""
+    """Whether the schema type of the field ``f`` admits only valid values (a bool, null or a bool, or a choice)."""
     kind = globals().get(f.type, f.type) if isinstance(f.type, str) else f.type
-    return kind in (bool, "bool") or (isinstance(kind, type) and issubclass(kind, Choice))
+    return kind in (bool, "bool", Optional[bool], "Optional[bool]") or (isinstance(kind, type) and issubclass(kind, Choice))
 
 
 def field_error(key: str, value: Any) -> Optional[str]:

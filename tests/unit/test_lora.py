@@ -124,10 +124,21 @@ def test_bad_input_is_refused_naming_the_fix():
         apply_lora(_wan(), LoraSpec(rank=-1, alpha=1.0, targets=("to_q",)))
 
 
-def test_vitp_train_refuses_lora_on_the_generator():
+def test_vitp_train_refuses_lora_without_a_base_or_a_continued_file_without_lora():
+    from tests.helpers import PERTURBED
     from vitp.config import compose
     from vitp.models.lora import check_lora_config
 
-    with pytest.raises(ValueError, match="model.family=vit: vitp-train fine-tunes LoRA adapters on a Wan folder"):
+    with pytest.raises(ValueError, match="trains adapters on a frozen base: set trainer.init_from to a vitp export"):
         check_lora_config(compose(["experiment=smoke", "trainer.lora.enabled=true"]))
+    with pytest.raises(ValueError, match=r"trainer.init_from_timm cannot be a LoRA base"):
+        check_lora_config(compose(["experiment=smoke", "trainer.lora.enabled=true", "trainer.init_from_timm=x.pth"]))
     check_lora_config(compose(["experiment=smoke"]))  # off: nothing to check
+    with pytest.raises(ValueError, match=r"trainer.lora.init_from=x continues a LoRA: add trainer.lora.enabled=true"):
+        check_lora_config(compose(["experiment=smoke", f"trainer.init_from={PERTURBED}", "trainer.lora.init_from=x"]))
+    with pytest.raises(ValueError, match=r"trainer.lora.init_from=x needs the base it was trained on: set "
+                                         r"trainer.init_from"):
+        check_lora_config(compose(["experiment=smoke", "trainer.lora.enabled=true", "trainer.lora.init_from=x"]))
+    cfg = compose(["experiment=smoke", "trainer.lora.enabled=true", f"trainer.init_from={PERTURBED}"])
+    check_lora_config(cfg)  # nulls resolved to the defaults
+    assert (cfg.trainer.lora.rank, cfg.trainer.lora.alpha, cfg.trainer.lora.rslora) == (16, 16.0, False)

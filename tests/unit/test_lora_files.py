@@ -222,6 +222,46 @@ def test_read_lora_file_refuses_another_base(tiny, tmp_path):
         lf.read_lora_file(path, lf.wan_state_shapes(tiny.cfg), tiny.cfg, base_hash="ffff")
 
 
+def test_continued_lora_takes_the_files_settings_and_refuses_conflicts_and_another_base(tiny, tmp_path):
+    """``trainer.lora.init_from`` = vitp's diffusers file of adapters on the base folder: the config
+    check takes rank, alpha and targets from the file (the targets adapt exactly its pieces), the
+    initial factors equal the adapters (B unfolded: 1e-6), a rank set otherwise is refused naming
+    both, and the same file on another base folder is refused by its base hash, naming the file."""
+    from tests.helpers import compose_cfg
+    from vitp.config import validate_config
+    from vitp.models.lora import base_hash, check_lora_config, initial_factors, run_record
+
+    def check(cfg):
+        validate_config(cfg)  # the Wan folder's sizes
+        check_lora_config(cfg)
+
+    pipe = tiny.script.write_pipeline(tmp_path / "pipe", sharded=True, vae=False, transformer=tiny.ref)
+    other = tiny.script.write_pipeline(tmp_path / "other", sharded=True, vae=False,
+                                       transformer=tiny.script.tiny_transformer(seed=1, noise=0.2, **CONFIG))
+    adapters, config = make_adapters(tiny.state, TARGETS["partial"])
+    config["base"] = {"folder": str(pipe / "transformer"), "hash": base_hash(pipe / "transformer")}
+    path = lf.save_lora_file(tmp_path / "lora", *lf.to_diffusers_lora(adapters, config, tiny.cfg))
+    over = ["experiment=wan_smoke", "trainer.lora.enabled=true", f"trainer.lora.init_from={path}"]
+    cfg = compose_cfg([*over, f"trainer.init_from={pipe}"])
+    check(cfg)
+    lo = cfg.trainer.lora
+    assert (lo.rank, lo.alpha, lo.rslora) == (RANK, ALPHA, False)
+    assert run_record(cfg)["pieces"] == config["pieces"]
+    init = initial_factors(cfg)
+    assert sorted(init) == sorted(k[:-len(".lora_A")] for k in adapters if k.endswith(".lora_A"))
+    for m, (A, B) in init.items():
+        assert torch.equal(A, adapters[f"{m}.lora_A"])
+        torch.testing.assert_close(B, adapters[f"{m}.lora_B"], rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match=r"trainer.lora.rank=8 but the file's is 4; trainer.lora.targets=\['to_q'\] "
+                                         r"adapt 4 module\(s\).*the file 8 module\(s\).*leave those keys unset"):
+        check(compose_cfg([*over, f"trainer.init_from={pipe}", "trainer.lora.rank=8", "trainer.lora.targets=[to_q]"]))
+    with pytest.raises(ValueError, match=rf"trainer.lora.init_from: {path}: a LoRA of another base: its base hash is "
+                                         rf"{config['base']['hash']}, this model's is {base_hash(other / 'transformer')}"
+                                         rf"; load it on the base it was trained for \({pipe / 'transformer'}\).*"
+                                         rf"the base here: trainer.init_from={other}"):
+        check(compose_cfg([*over, f"trainer.init_from={other}"]))
+
+
 def test_generator_file_and_merge_match_per_piece_lora():
     """vitp's own file (the generator's keys) reads back; merging a fused qkv's q and v adapters
     equals a timm Attention whose q and v outputs get ``scaling * x A^T B^T`` added."""

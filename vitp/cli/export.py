@@ -60,8 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="--format lora of a Wan run: diffusers (OUT/pytorch_lora_weights.safetensors, "
                         "WanPipeline.load_lora_weights) or comfyui (OUT.safetensors, diffusion_model.* keys)")
     p.add_argument("--merge", action="store_true",
-                   help="a LoRA run with --format diffusers: the base (trainer.init_from) with the adapters merged, "
-                        "as a diffusers transformer folder OUT")
+                   help="a LoRA run: the base (trainer.init_from) with the adapters merged; a Wan run's with --format "
+                        "diffusers as a diffusers transformer folder OUT, a generator run's as a vitp export OUT "
+                        "(.safetensors)")
     return p
 
 
@@ -103,20 +104,28 @@ def _full_lora_state(tag: Path, cfg, kind: str):
     return full_lora_state(tag, kind=kind)
 
 
-def write_lora_export(out: Path, adapters, config, cfg, lora_format: str = "diffusers", merge: bool = False) -> Path:
+def write_lora_export(out: Path, adapters, config, cfg, lora_format: str = "diffusers", merge: bool = False,
+                      step: Optional[int] = None, weights: str = "ema") -> Path:
     """Write a LoRA run's adapters (vitp's convention) to ``out``: with ``merge``, the base
-    ``cfg.trainer.init_from`` with them merged as a diffusers transformer folder (Wan only); else a
-    Wan run's diffusers file (``out/pytorch_lora_weights.safetensors``) or ComfyUI file
-    (``out``, ``.safetensors``), or the generator's vitp LoRA file. Returns the path written.
-    Raises ``ValueError`` for ``merge`` or ``lora_format=comfyui`` on a generator run."""
+    ``cfg.trainer.init_from`` with them merged (:func:`vitp.models.lora_files.merge_lora`): a Wan
+    run's as a diffusers transformer folder, the generator's as a vitp export file (``out``,
+    ``.safetensors``, ``step`` and ``weights`` in its metadata; ``vitp-sample`` and
+    ``trainer.init_from`` read it); else a Wan run's diffusers file
+    (``out/pytorch_lora_weights.safetensors``) or ComfyUI file (``out``, ``.safetensors``), or the
+    generator's vitp LoRA file. Returns the path written. Raises ``ValueError`` for
+    ``lora_format=comfyui`` on a generator run, ``FileNotFoundError`` / ``ValueError`` when the
+    base is gone or does not fit the adapters."""
     from vitp.models import lora_files as lf
     from vitp.models.wan_run import is_wan
 
     if not is_wan(cfg):
-        if merge or lora_format != "diffusers":
-            raise ValueError("a generator run's LoRA exports as vitp's own file (--format lora, no --lora-format "
-                             "or --merge); merge it in Python: vitp.models.lora_files.merge_lora")
-        return lf.save_lora_file(out, *lf.to_vitp_lora(adapters, config))
+        if lora_format != "diffusers":
+            raise ValueError("a generator run's LoRA exports as vitp's own file (--format lora, no --lora-format)")
+        if not merge:
+            return lf.save_lora_file(out, *lf.to_vitp_lora(adapters, config))
+        base, _ = ex.read_export(cfg.trainer.init_from)
+        merged_cfg = OmegaConf.merge(cfg, {"trainer": {"lora": {"enabled": False, "init_from": None}}})
+        return ckpt.save_export(out, lf.merge_lora(base, adapters, config), merged_cfg, step=step, weights=weights)
     if merge:
         return lf.merge_into_folder(cfg.trainer.init_from, adapters, config, out)
     from vitp.models.wan_keys import read_config, transformer_folder
@@ -139,19 +148,24 @@ def run_lora(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
     cfg = OmegaConf.create(record["config"])
     if not record.get("lora"):
         p.error(f"{a.source} is not a LoRA run (trainer.lora.enabled=false): export it with --format vitp or diffusers")
-    if a.merge and a.format != "diffusers":
-        p.error("--merge writes a diffusers folder: pass --format diffusers")
+    wan = str(cfg.model.get("family", "vit")) == "wan"
+    if a.merge and a.format != ("diffusers" if wan else "vitp"):
+        p.error("--merge writes a Wan run's base as a diffusers folder (pass --format diffusers) and a generator "
+                "run's as a vitp export file (leave --format out)")
     step = record.get("step", -1) if step is None else step
-    suffix = "merged_diffusers" if a.merge else f"lora_{a.lora_format}"
+    suffix = ("merged_diffusers" if wan else "merged.safetensors") if a.merge else \
+        f"lora_{a.lora_format}" if wan else "lora_vitp.safetensors"
     out = a.out or run_dir / "export" / f"{ckpt.tag_name(max(step, 0))}_{a.weights}_{suffix}"
+    if a.merge and not wan and out.suffix != ".safetensors":
+        p.error(f"--out {out}: the merged generator is a vitp export; use a .safetensors file name")
     if a.lora_format == "comfyui" and not a.merge and out.suffix != ".safetensors":
         out = out.with_name(out.name + ".safetensors")
     if out.exists() and not a.force:
         p.error(f"{out} exists; choose another --out or pass --force to replace it")
     adapters, config = _full_lora_state(tag, cfg, ex.CHECKPOINT_KINDS[src.name])
-    written = write_lora_export(out, adapters, config, cfg, a.lora_format, a.merge)
+    written = write_lora_export(out, adapters, config, cfg, a.lora_format, a.merge, step, a.weights)
     print(f"wrote {written} (LoRA rank {config['rank']}, step {step}, {a.weights} weights"
-          + (", merged into the base)" if a.merge else f", {a.lora_format} keys)"))
+          + (", merged into the base)" if a.merge else f", {a.lora_format if wan else 'vitp'} keys)"))
     return written
 
 

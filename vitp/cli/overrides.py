@@ -100,6 +100,9 @@ def compose_checked(overrides: Sequence[str]) -> "DictConfig":
     except Exception as e:  # noqa: BLE001 - Hydra / OmegaConf composition errors of many types
         raise ValueError(with_fix(error_chain(e))) from None
     validate_config(cfg)
+    from vitp.models.lora import adopt_lora_file
+
+    adopt_lora_file(cfg)  # trainer.lora's nulls: the defaults, or trainer.lora.init_from's (vitp-plan sizes it)
     return cfg
 
 

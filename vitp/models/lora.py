@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -42,6 +43,7 @@ GENERATOR_LINEARS = (
 )
 LINEARS = {"wan": _WAN_LINEARS, "vit": GENERATOR_LINEARS}
 DEFAULT_TARGETS = {"wan": ("to_q", "to_k", "to_v", "to_out.0"), "vit": ("qkv", "proj")}
+DEFAULT_RANK, DEFAULT_ALPHA = 16, 16.0  # trainer.lora.rank / alpha when null and no trainer.lora.init_from
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,19 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def block_linears(family: str, depth: int) -> List[Tuple[str, Tuple[str, ...]]]:
+def block_linears(family: str, depth: int, text: bool = True) -> List[Tuple[str, Tuple[str, ...]]]:
     """``[(vitp module name, full piece names)]`` of every adaptable linear of a model of ``depth``
-    blocks (a generator without text lists its cross-attention too: a target naming only those
-    matches nothing when applied)."""
+    blocks (with ``text``, a generator's cross-attention too; a target naming only those matches
+    nothing when applied to a model without)."""
     return [(f"blocks.{i}.{v}", tuple(f"blocks.{i}.{p}" for p in ps)) for i in range(depth)
-            for v, ps in LINEARS[family]]
+            for v, ps in LINEARS[family] if text or not v.startswith("cross_attn.")]
+
+
+def model_linears(cfg) -> List[Tuple[str, Tuple[str, ...]]]:
+    """:func:`block_linears` of the model of a run config (the generator's cross-attention only
+    with ``model.text_dim``)."""
+    family = str(cfg.model.family)
+    return block_linears(family, int(cfg.model.depth), family == "wan" or bool(cfg.model.get("text_dim")))
 
 
 def targeted_pieces(module: str, pieces: Sequence[str], targets: Sequence[str]) -> Tuple[int, ...]:
@@ -103,43 +112,207 @@ def spec_of(cfg) -> Optional[LoraSpec]:
     if not lo.enabled:
         return None
     family = str(cfg.model.family)
-    return LoraSpec(rank=int(lo.rank), alpha=float(lo.alpha), targets=tuple(lo.targets) or DEFAULT_TARGETS[family],
-                    dropout=float(lo.dropout), rslora=bool(lo.rslora), b_std=float(lo.b_init_std), family=family)
+    return LoraSpec(rank=int(_or(lo.rank, DEFAULT_RANK)), alpha=float(_or(lo.alpha, DEFAULT_ALPHA)),
+                    targets=tuple(lo.targets) or DEFAULT_TARGETS[family], dropout=float(lo.dropout),
+                    rslora=bool(lo.rslora), b_std=float(lo.b_init_std), family=family)
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def check_lora_config(cfg) -> None:
-    """The cross-field checks of ``trainer.lora`` (after the Wan folder's sizes were adopted).
+    """The cross-field checks of ``trainer.lora`` (after the Wan folder's sizes were adopted), once
+    its nulls are resolved (:func:`adopt_lora_file`: the defaults, or ``trainer.lora.init_from``'s).
 
-    Raises ``ValueError`` naming the problem and the fix: LoRA training of another family than Wan,
-    a rank <= 0, targets that name no linear of the model (listing those it has)."""
+    Raises ``ValueError`` naming the problem and the fix: LoRA without a base (``trainer.init_from``),
+    the generator's base given as a timm file (``trainer.init_from_timm``) or with
+    ``parallel.partial_sync < 1``, a rank <= 0, targets that name no linear of the model (listing
+    those it has)."""
+    adopt_lora_file(cfg)
     spec = spec_of(cfg)
     if spec is None:
         return
-    if spec.family != "wan":
-        raise ValueError(f"trainer.lora.enabled=true with model.family={spec.family}: vitp-train fine-tunes LoRA "
-                         "adapters on a Wan folder (model.family=wan trainer.init_from=FOLDER); the generator takes "
-                         "adapters in code (vitp.models.lora.apply_lora), not in vitp-train yet")
+    tr = cfg.trainer
+    if not tr.init_from:
+        what = "a Wan folder" if spec.family == "wan" else "a vitp export (.safetensors, from vitp-export or a run's model_ema.safetensors)"
+        raise ValueError(f"trainer.lora.enabled=true trains adapters on a frozen base: set trainer.init_from to {what}"
+                         + (" (trainer.init_from_timm cannot be a LoRA base)" if tr.get("init_from_timm") else ""))
+    if spec.family == "vit" and float(cfg.parallel.partial_sync) < 1:
+        raise ValueError(f"trainer.lora.enabled=true with parallel.partial_sync={cfg.parallel.partial_sync}: LoRA "
+                         "trains on fully synchronized linears; set parallel.partial_sync=1")
     lora_scaling(spec.rank, spec.alpha, spec.rslora)
     check_targets(spec.family, int(cfg.model.depth), spec.targets)
+
+
+def base_path(cfg) -> Path:
+    """The base weights a LoRA run adapts: a Wan run's transformer folder
+    (:func:`vitp.models.wan_run.wan_source`), the generator's vitp export ``trainer.init_from``."""
+    if str(cfg.model.family) == "wan":
+        from .wan_run import wan_source
+
+        return Path(wan_source(cfg)[0])
+    return Path(cfg.trainer.init_from)
+
+
+def base_shapes(cfg) -> Dict[str, Tuple[int, ...]]:
+    """``{vitp key: shape}`` of the model of a (checked) run config, built on the meta device: the
+    ``base_shapes`` :func:`vitp.models.lora_files.read_lora_file` checks a LoRA against."""
+    import torch
+
+    if str(cfg.model.family) == "wan":
+        from .lora_files import wan_state_shapes
+        from .wan_run import wan_source
+
+        return wan_state_shapes(wan_source(cfg)[1])
+    from . import Generator
+
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in Generator.from_config(cfg.model).state_dict().items()}
+
+
+def lora_file(path) -> Path:
+    """The LoRA file ``trainer.lora.init_from`` names: the file itself, or in a folder (a run's
+    ``RUN/lora``, a ``vitp-export --format lora`` folder) its ``lora.safetensors`` (vitp's exact
+    fp32 adapters) or else ``pytorch_lora_weights.safetensors``. Raises ``FileNotFoundError``
+    naming the path and what it should hold."""
+    from .lora_files import STATE, WEIGHT_NAME
+
+    p = Path(path)
+    for f in ((p / STATE, p / WEIGHT_NAME) if p.is_dir() else (p,)):
+        if f.is_file():
+            return f
+    raise FileNotFoundError(f"trainer.lora.init_from={path}: {'the folder holds neither ' + STATE + ' nor ' + WEIGHT_NAME if p.is_dir() else 'no such file'}; give a LoRA file (vitp's, diffusers' or ComfyUI's .safetensors) or a LoRA run's RUN/lora folder")
+
+
+def read_init_lora(cfg) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``(adapters, config)`` of ``trainer.lora.init_from`` in vitp's convention (fp32, full tp = 1
+    tensors: :func:`vitp.models.lora_files.read_lora_file`), checked against the base
+    ``trainer.init_from``: its shapes and its :func:`base_hash`. Raises ``ValueError`` naming the
+    file, both bases and the fix for a LoRA of another base; ``FileNotFoundError`` as :func:`lora_file`."""
+    from .lora_files import read_lora_file
+
+    path, base = lora_file(cfg.trainer.lora.init_from), base_path(cfg)
+    wan = None
+    if str(cfg.model.family) == "wan":
+        from .wan_run import wan_source
+
+        wan = wan_source(cfg)[1]
+    try:
+        return read_lora_file(path, base_shapes(cfg), wan, base_hash(base))
+    except ValueError as e:
+        here = f"trainer.init_from={cfg.trainer.init_from}" + (f" ({base})" if Path(cfg.trainer.init_from) != base else "")
+        raise ValueError(f"trainer.lora.init_from: {e}; the base here: {here}") from None
+
+
+def file_pieces(linears, adapters, config) -> Dict[str, List[int]]:
+    """``{vitp linear: targeted piece indices}`` of a LoRA file's adapters (``pieces`` absent: all),
+    ``linears`` the model's (:func:`model_linears`). Raises ``ValueError`` for an adapter on a
+    linear vitp's LoRA training does not adapt."""
+    table = {m: len(ps) for m, ps in linears}
+    mods = sorted({k.rsplit(".", 1)[0] for k in adapters})
+    extra = [m for m in mods if m not in table]
+    if extra:
+        raise ValueError(f"trainer.lora.init_from adapts {extra[:3]}: vitp trains adapters on the blocks' linears "
+                         f"only ({sorted({n.split('.', 2)[2] for n in table})}); give a LoRA of those")
+    given = config.get("pieces") or {}
+    return {m: [int(j) for j in given.get(m, range(table[m]))] for m in mods}
+
+
+def _targets_pieces(linears, targets: Sequence[str]) -> Dict[str, List[int]]:
+    out = {m: list(targeted_pieces(m, ps, targets)) for m, ps in linears}
+    return {m: p for m, p in out.items() if p}
+
+
+def _show_pieces(linears, pieces: Dict[str, List[int]]) -> str:
+    names = [ps[j] for m, ps in linears for j in pieces.get(m, [])]
+    return f"{len(names)} module(s) {names[:4]}{' ...' if len(names) > 4 else ''}"
+
+
+def adopt_lora_file(cfg) -> None:
+    """Resolve ``trainer.lora``'s null ``rank`` / ``alpha`` / ``rslora`` and empty ``targets``: from
+    ``trainer.lora.init_from`` when set (its config; targets: the file's, or the full names of
+    the modules it adapts), else the defaults (:data:`DEFAULT_RANK`, :data:`DEFAULT_ALPHA`, no
+    rsLoRA; targets stay ``[]`` = :data:`DEFAULT_TARGETS`). Writes them into ``cfg``.
+
+    Raises ``ValueError`` naming the key and the fix: ``trainer.lora.init_from`` without
+    ``trainer.lora.enabled`` or without a base ``trainer.init_from``; a value set here that differs
+    from the file's (rank, alpha, rslora, the modules the targets adapt; both named); a LoRA of
+    another base (:func:`read_init_lora`)."""
+    lo = cfg.trainer.lora
+    if not lo.init_from:
+        lo.rank, lo.alpha, lo.rslora = _or(lo.rank, DEFAULT_RANK), _or(lo.alpha, DEFAULT_ALPHA), bool(lo.rslora)
+        return
+    if not lo.enabled:
+        raise ValueError(f"trainer.lora.init_from={lo.init_from} continues a LoRA: add trainer.lora.enabled=true "
+                         "(or drop trainer.lora.init_from)")
+    if not cfg.trainer.init_from:
+        raise ValueError(f"trainer.lora.init_from={lo.init_from} needs the base it was trained on: set "
+                         "trainer.init_from (a Wan folder, or the generator's vitp export)")
+    adapters, conf = read_init_lora(cfg)
+    linears = model_linears(cfg)
+    have = file_pieces(linears, adapters, conf)
+    clash = [f"trainer.{k}={v} but the file's is {conf_v}" for k, v, conf_v, same in (
+        ("lora.rank", lo.rank, conf["rank"], lo.rank is None or int(lo.rank) == int(conf["rank"])),
+        ("lora.alpha", lo.alpha, float(conf.get("alpha", conf["rank"])),
+         lo.alpha is None or abs(float(lo.alpha) - float(conf.get("alpha", conf["rank"]))) <= 1e-9 * float(lo.alpha)),
+        ("lora.rslora", lo.rslora, bool(conf.get("rslora", False)),
+         lo.rslora is None or bool(lo.rslora) == bool(conf.get("rslora", False)))) if not same]
+    if lo.targets and _targets_pieces(linears, lo.targets) != have:
+        clash.append(f"trainer.lora.targets={list(lo.targets)} adapt "
+                     f"{_show_pieces(linears, _targets_pieces(linears, lo.targets))}, the file "
+                     f"{_show_pieces(linears, have)}")
+    if clash:
+        raise ValueError(f"trainer.lora.init_from={lo.init_from}: {'; '.join(clash)}: leave those keys unset (null; "
+                         "targets []) to continue the file's adapters as they are, or train new ones without "
+                         "trainer.lora.init_from")
+    lo.rank, lo.alpha, lo.rslora = int(conf["rank"]), float(conf.get("alpha", conf["rank"])), bool(conf.get("rslora"))
+    if not lo.targets:
+        theirs = [str(t) for t in conf.get("targets") or []]
+        names = [ps[j] for m, ps in linears for j in have.get(m, [])]
+        lo.targets = theirs if theirs and _targets_pieces(linears, theirs) == have else names
+
+
+def initial_factors(cfg) -> Dict[str, Tuple[Any, Any]]:
+    """``{canonical linear: (A, B)}`` of ``trainer.lora.init_from`` (:func:`read_init_lora`): the
+    ``init`` of :func:`apply_lora`, full tensors each rank slices its share of."""
+    adapters, _ = read_init_lora(cfg)
+    return {k[:-len(".lora_A")]: (v, adapters[k[:-1] + "B"]) for k, v in adapters.items() if k.endswith(".lora_A")}
 
 
 SAMPLE = 1 << 20  # bytes of tensor data hashed at each end of every weight file
 
 
-def base_hash(folder) -> str:
-    """A fingerprint of the base weights of a Wan transformer folder: sha256 over each safetensors
-    file (sorted by name) of its name, size, whole header (every tensor's name, dtype, shape and
-    offsets) and the first and last :data:`SAMPLE` bytes of its tensor data. Cheap (about 2 MiB
-    read per file, whatever the model's size) and independent of where the folder lies or when it
-    was copied; another architecture changes the headers, another fine-tune of the same one its
-    data. Raises as :func:`vitp.models.wan_keys.weight_locations`."""
+def base_hash(path) -> str:
+    """A fingerprint of base weights: a Wan transformer folder, or the generator's vitp export (a
+    ``.safetensors`` file, or a sharded export's file / ``.index.json``). sha256 over each
+    safetensors file (sorted by name) of its name (a folder's files only: a renamed export is the
+    same base), size, whole header (every tensor's name, dtype, shape and offsets) and the first
+    and last :data:`SAMPLE` bytes of its tensor data. Cheap (about 2 MiB read per file, whatever
+    the model's size) and independent of where the weights lie or when they were copied; another
+    architecture changes the headers, another fine-tune of the same one its data. Raises as
+    :func:`vitp.models.wan_keys.weight_locations`, ``FileNotFoundError`` for an export that is
+    not there."""
+    import json
     import struct
-    from pathlib import Path
 
     from .wan_keys import weight_locations
 
+    path = Path(path)
+    if path.is_dir():
+        files, named = sorted(set(weight_locations(path).values()), key=lambda q: q.name), True
+    else:
+        index = path if path.name.endswith(".index.json") else path.with_name(path.name + ".index.json")
+        if path.is_file() and path != index:
+            files = [path]
+        elif index.is_file():
+            files = [index.parent / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        else:
+            raise FileNotFoundError(f"base weights {path} do not exist (a LoRA base is a Wan folder or a vitp export "
+                                    "file written by vitp-export)")
+        named = False
     h = hashlib.sha256()
-    for f in sorted(set(weight_locations(Path(folder)).values()), key=lambda q: q.name):
+    for f in files:
         size = f.stat().st_size
         with open(f, "rb") as fh:
             n = struct.unpack("<Q", fh.read(8))[0]
@@ -147,24 +320,25 @@ def base_hash(folder) -> str:
             head = fh.read(SAMPLE)
             fh.seek(max(8 + n, size - SAMPLE))
             tail = fh.read(SAMPLE)
-        for part in (f.name.encode(), str(size).encode(), header, head, tail):
+        for part in ((f.name.encode(),) if named else ()) + (str(size).encode(), header, head, tail):
             h.update(len(part).to_bytes(8, "little") + part)
     return h.hexdigest()
 
 
 def run_record(cfg) -> Optional[Dict[str, object]]:
     """The adapters' record of a LoRA run (``None`` without LoRA): :meth:`LoraSpec.meta`, the
-    targeted ``pieces`` of every adapted linear of the whole model and the ``base`` it trains on
-    (``{"folder": trainer.init_from's transformer folder, "hash": base_hash(...)}``)."""
-    from .wan_run import wan_source
-
+    ``family``, the targeted ``pieces`` of every adapted linear of the whole model, the ``base``
+    it trains on (``{"folder": the Wan transformer folder or the generator's export file
+    (:func:`base_path`), "hash": base_hash(...)}``) and the LoRA file it continued
+    (``init_from``, ``None`` for new adapters)."""
     spec = spec_of(cfg)
     if spec is None:
         return None
-    folder, _ = wan_source(cfg)
-    pieces = {m: list(targeted_pieces(m, ps, spec.targets)) for m, ps in block_linears(spec.family, cfg.model.depth)}
-    return {**spec.meta(), "pieces": {m: p for m, p in pieces.items() if p},
-            "base": {"folder": str(folder), "hash": base_hash(folder)}}
+    folder = base_path(cfg)
+    pieces = {m: list(targeted_pieces(m, ps, spec.targets)) for m, ps in model_linears(cfg)}
+    return {**spec.meta(), "family": spec.family, "pieces": {m: p for m, p in pieces.items() if p},
+            "base": {"folder": str(folder), "hash": base_hash(folder)},
+            "init_from": str(lora_file(cfg.trainer.lora.init_from)) if cfg.trainer.lora.get("init_from") else None}
 
 
 def check_same_base(record: Optional[Dict[str, object]], saved: Optional[Dict[str, object]], tag) -> None:
@@ -242,5 +416,7 @@ def lora_factors(model: nn.Module, key_of: Callable[[str], str] = lambda n: n
     return {key_of(n): (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for n, m in lora_linears(model)}
 
 
-__all__ = ["base_hash", "check_same_base", "run_record", "check_lora_config", "spec_of", "DEFAULT_TARGETS", "GENERATOR_LINEARS", "LINEARS", "LoraSpec", "apply_lora", "block_linears",
+__all__ = ["adopt_lora_file", "base_hash", "base_path", "base_shapes", "check_same_base", "file_pieces",
+           "initial_factors", "lora_file", "model_linears", "read_init_lora", "run_record", "check_lora_config", "spec_of",
+           "DEFAULT_ALPHA", "DEFAULT_RANK", "DEFAULT_TARGETS", "GENERATOR_LINEARS", "LINEARS", "LoraSpec", "apply_lora", "block_linears",
            "check_targets", "lora_factors", "seed_of", "targeted_pieces"]

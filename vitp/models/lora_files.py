@@ -28,7 +28,8 @@ Files (one safetensors file each, vitp's ``config`` as JSON under :data:`CONFIG_
   ``diffusion_model.<key>`` entries, ``lora_B``/``lora_A`` pairs and ``.alpha``) and that
   diffusers' ``_convert_non_diffusers_wan_lora_to_diffusers`` converts back;
 - vitp (:func:`to_vitp_lora`, the generator): ``<vitp linear>.lora_A.weight`` / ``.lora_B.weight``,
-  whole fused tensors, the config in the metadata.
+  whole fused tensors, the config in the metadata (a run's ``RUN/lora/lora.safetensors``, keys
+  ``<vitp linear>.lora_A`` / ``.lora_B``, reads the same).
 
 :func:`merge_lora` adds the adapters to a base state; :func:`read_lora_file` reads any of the
 three back into the convention, refusing a LoRA of another base.
@@ -47,6 +48,7 @@ import torch
 PathLike = Union[str, Path]
 FORMAT = "vitp.lora/1"
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+STATE = "lora.safetensors"  # a run's RUN/lora adapters in vitp's keys (vitp.train.lora)
 FOLDED_KEY = "vitp_scaling_in_b"  # metadata: "1" when lora_B holds alpha / r (vitp's diffusers files)
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 CONFIG_KEY = "vitp_lora"
@@ -344,8 +346,8 @@ def _pairs_of_file(tensors: Dict[str, torch.Tensor], kind: str, path: Path
     parts: Dict[str, Dict[str, torch.Tensor]] = {}
     alphas: Dict[str, float] = {}
     for k, v in tensors.items():
-        m = re.match(rf"^{re.escape(pre)}(.+?)\.(lora_A\.weight|lora_B\.weight|lora_down\.weight|lora_up\.weight|alpha)$",
-                     k)
+        m = re.match(rf"^{re.escape(pre)}(.+?)\.(lora_A\.weight|lora_B\.weight|lora_down\.weight|lora_up\.weight|alpha"
+                     rf"{'|lora_A|lora_B' if kind == 'vitp' else ''})$", k)  # vitp: also a run's lora.safetensors
         if not m:
             raise ValueError(f"{path}: {k!r} is not a LoRA key of a {kind} file (<module>.lora_A.weight, "
                              ".lora_B.weight, .alpha); vitp reads plain LoRA files (no DoRA, LoKr, biases)")

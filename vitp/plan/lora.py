@@ -49,14 +49,14 @@ def lora_plan_of(cfg: Any) -> Optional[LoraPlan]:
     """:class:`LoraPlan` of a run config's ``trainer.lora`` (``None`` without
     ``trainer.lora.enabled``: full fine-tuning); no targets = the family's defaults
     (:data:`vitp.models.lora.DEFAULT_TARGETS`); the frozen base is held in the training precision."""
-    from vitp.models.lora import DEFAULT_TARGETS
+    from vitp.models.lora import DEFAULT_RANK, DEFAULT_TARGETS
 
     lo = getattr(cfg.trainer, "lora", None)
     if lo is None or not bool(lo.get("enabled", False)):
         return None
     family = "wan" if str(cfg.model.get("family", "vit")) == "wan" else "vit"
     targets = tuple(str(t) for t in lo.targets) or DEFAULT_TARGETS[family]
-    return LoraPlan(int(lo.rank), targets, "auto", float(lo.dropout))
+    return LoraPlan(int(DEFAULT_RANK if lo.rank is None else lo.rank), targets, "auto", float(lo.dropout))
 
 
 def _pieces_of(name: str, wan: bool, stride: int) -> Tuple[str, ...]:

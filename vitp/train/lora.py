@@ -17,8 +17,9 @@ from typing import Any, Dict, Tuple
 
 import torch
 
+from vitp.models.lora_files import STATE  # "lora.safetensors"
+
 LORA_DIR = "lora"  # <run dir>/lora: the final EMA adapters
-STATE = "lora.safetensors"
 RECORD = "lora.json"
 
 

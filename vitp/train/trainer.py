@@ -314,8 +314,17 @@ class Trainer:
         self.module, self.state = build_parallel_pipeline(
             cfg, self.layout, self.loss_fn, defer_grad_sync=True,
             activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval)
-        if self.checkpointer.resume_tag is None:
+        lora = cfg.trainer.lora.enabled
+        if self.checkpointer.resume_tag is None or lora:  # a LoRA checkpoint holds no base weight
             initialize_weights(self.module, cfg, self.state)
+        if lora:  # the generator's adapters (vitp.models.lora), as Wan's: after the plan, base frozen
+            from vitp.models.lora import apply_lora, initial_factors, spec_of
+
+            from .wan import module_key
+
+            init = initial_factors(cfg) if self.checkpointer.resume_tag is None and cfg.trainer.lora.init_from else None
+            apply_lora(self.module, spec_of(cfg), self.state, key_of=lambda n: module_key(n, cfg.model.depth),
+                       seed=cfg.seed, init=init)
         model_parallel_seed(cfg.seed, self.state)
         self._compile_blocks()
 

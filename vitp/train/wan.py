@@ -36,10 +36,11 @@ def build_wan_model(cfg: Any, layout: Any, load: bool) -> Tuple[Any, Any, Any, D
     dp of the run config ``cfg``), filled from ``trainer.init_from`` when ``load`` (a run that
     does not resume a checkpoint), ``read`` the bytes it read (:func:`vitp.models.wan_keys.load_shard`;
     empty when not loading). With ``trainer.lora.enabled`` the stage gets its adapters
-    (:func:`vitp.models.lora.apply_lora`, base frozen) and the base is read even when resuming. Collective. Raises as :func:`vitp.models.wan_run.wan_source` and
+    (:func:`vitp.models.lora.apply_lora`, base frozen; drawn, or from ``trainer.lora.init_from``:
+    :func:`vitp.models.lora.initial_factors`) and the base is read even when resuming. Collective. Raises as :func:`vitp.models.wan_run.wan_source` and
     :func:`vitp.models.wan_keys.load_shard`."""
     from vitp.models import generator_key, token_grid
-    from vitp.models.lora import apply_lora, spec_of
+    from vitp.models.lora import apply_lora, initial_factors, spec_of
     from vitp.models.wan_keys import load_shard
     from vitp.parallel.lora import is_lora_key
     from vitp.models.wan_run import wan_loss, wan_source
@@ -56,7 +57,8 @@ def build_wan_model(cfg: Any, layout: Any, load: bool) -> Tuple[Any, Any, Any, D
     read: Dict[str, Any] = {}
     spec = spec_of(cfg)
     if spec is not None:  # after the plan: each rank keeps its share of every adapter's full factors
-        apply_lora(module, spec, state, key_of=lambda n: module_key(n, config.num_layers), seed=cfg.seed)
+        init = initial_factors(cfg) if load and cfg.trainer.lora.init_from else None  # resuming: the checkpoint's
+        apply_lora(module, spec, state, key_of=lambda n: module_key(n, config.num_layers), seed=cfg.seed, init=init)
     if load or spec is not None:  # a LoRA checkpoint holds no base weight: the base is always read
         params = {generator_key(n, config.num_layers): p for n, p in module.named_parameters() if not is_lora_key(n)}
         read = load_shard(path, params, config, state.tp_rank, state.tp_size, subfolder=None)

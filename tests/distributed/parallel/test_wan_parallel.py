@@ -383,6 +383,27 @@ def test_lora_training_resumes_exactly_and_refuses_another_base(wan_one, wan_tra
     assert str(Path(wan_train["folder"]) / "transformer") in msg and str(Path(wan_train["other"]) / "transformer") in msg
 
 
+def test_continued_lora_starts_from_the_files_adapters(wan_one, wan_train):
+    """``trainer.lora.init_from=RUN/lora/pytorch_lora_weights.safetensors`` of the LoRA run (rank,
+    alpha and targets taken from the file), one step at lr 0: its final adapters are the file's,
+    A bit for bit and B within the rounding of the file's folded scaling (``alpha / r`` in B, divided
+    out on reading)."""
+    from safetensors.torch import load_file
+
+    runs = Path(wan_train["runs"])
+    got, want = (load_file(str(runs / n / "lora" / "lora.safetensors")) for n in ("lora_cont", "lora_one"))
+    assert got.keys() == want.keys() and len(want) == 2 * 5 * 2
+    for k, v in want.items():
+        if k.endswith(".lora_A"):
+            assert torch.equal(got[k], v), k
+        else:
+            torch.testing.assert_close(got[k], v, rtol=1e-6, atol=0, msg=k)
+    record = json.loads((runs / "lora_cont" / "lora" / "lora.json").read_text())
+    assert (record["rank"], record["alpha"]) == (4, 6.0) and record["init_from"].endswith("pytorch_lora_weights.safetensors")
+    assert record["pieces"] == json.loads((runs / "lora_one" / "lora" / "lora.json").read_text())["pieces"]
+    assert len(wan_one["lora_cont"]["losses"]) == 1
+
+
 def test_lora_run_files_load_in_diffusers_with_the_trained_models_output(wan_one, wan_train, tmp_path):
     """The one-process LoRA run's ``RUN/lora/pytorch_lora_weights.safetensors``: diffusers'
     ``WanTransformer3DModel`` of the base + ``load_lora_adapter`` (no key warning) gives vitp's

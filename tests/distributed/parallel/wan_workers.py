@@ -457,7 +457,8 @@ def pipeline_parity(layout, ref, runs) -> dict:
 def one_process_runs(rank: int, train: dict) -> dict:
     """One-process ``wan_smoke`` runs of :func:`train_setup`'s folder (a forked 1-rank group, so no
     process group is left in pytest's process): ``{"one", "stopped" (``exit_at_step=2``), "resume"
-    (the same folder resumed), "lr0" (``optim.lr=0``)}``, each ``{"losses", "grad_norms", "stopped_at"}``."""
+    (the same folder resumed), "lr0" (``optim.lr=0``), the LoRA runs ``lora_*`` and ``lora_cont`` (one step
+    at lr 0 continuing ``lora_one``'s diffusers file)}``, each ``{"losses", "grad_norms", "stopped_at"}``."""
     from pathlib import Path
 
     from vitp.config import compose
@@ -467,7 +468,10 @@ def one_process_runs(rank: int, train: dict) -> dict:
     cases = [("one", "one", tuple(EVAL)), ("stopped", "resume", ("trainer.exit_at_step=2",)), ("resume", "resume", ()),
              ("lr0", "lr0", ("optim.lr=0",)), ("lora_one", "lora_one", LORA_TRAIN),
              ("lora_stopped", "lora_resume", (*LORA_TRAIN, "trainer.exit_at_step=2")),
-             ("lora_resume", "lora_resume", LORA_TRAIN)]
+             ("lora_resume", "lora_resume", LORA_TRAIN),
+             # continues lora_one's diffusers file (rank, alpha, targets from it) at lr 0: its adapters stay the file's
+             ("lora_cont", "lora_cont", ("trainer.lora.enabled=true", "optim.lr=0", "trainer.max_steps=1",
+                                         f"trainer.lora.init_from={runs}/lora_one/lora/pytorch_lora_weights.safetensors"))]
     out = {}
     for name, folder, extra in cases:
         res = fit(compose(wan_smoke(train, *extra)), runs / folder)
