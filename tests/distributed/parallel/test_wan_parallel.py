@@ -32,8 +32,8 @@ import torch
 
 from tests.helpers import run_ranks
 
-from .wan_workers import (CONFIG, EVAL_IN_GROUP, FAULTS, LAYOUTS, LORA_FAULTS, LORA_LAYOUTS, PIPE_LAYOUTS, SHAPES,
-                          TRAIN_LAYOUTS, one_process_runs, train_setup, wan_smoke, worker)
+from .wan_workers import (CONFIG, EVAL_IN_GROUP, FAULTS, LAYOUTS, LORA_DROPOUT_LAYOUTS, LORA_FAULTS, LORA_LAYOUTS,
+                          PIPE_LAYOUTS, SHAPES, TRAIN_LAYOUTS, one_process_runs, train_setup, wan_smoke, worker)
 
 TOL = 1e-5
 
@@ -144,6 +144,28 @@ def test_lora_two_ranks_match_reference(wan2, name):
         for shape, res in r[name].items():
             _check(res, f"{name}/{shape}")
             assert res["lora_keys"] == 28, res  # 7 adapted linears x 2 blocks x (A, B), nothing else
+
+
+@pytest.mark.parametrize("name", list(LORA_DROPOUT_LAYOUTS[2]))
+def test_lora_dropout_two_ranks_match_one_process_with_their_masks(wan2, name):
+    """LoRA dropout 0.3 at tp2 and tp2 + SP (the sequence-parallel re-gather of the dropped-out
+    shard, the row-parallel path): given the masks the ranks drew, the one-process model's output,
+    loss and every adapter gradient are the sharded model's; the masks are drawn as invariant 6
+    says (an input every TP rank holds whole: one mask on both ranks; a token shard or a
+    row-parallel linear's input columns: each rank its own); in eval mode the output is the
+    dropout-free one, in training mode it is not."""
+    sp = LORA_DROPOUT_LAYOUTS[2][name][2]
+    rows = ("attn.proj", "cross_attn.proj", "mlp.fc2")
+    token_sharded = ("attn.qkv", "cross_attn.q", "mlp.fc1") if sp else ()
+    for r in wan2:
+        res = r[name]
+        assert res["out"] < TOL and res["loss"] < TOL and res["grad"] < TOL and not res["extra"], res
+        assert res["keys"] == 28, res  # 7 adapted linears x 2 blocks x (A, B)
+        assert res["eval_out"] < TOL and res["vs_no_dropout"] > 1e-2 and 0.6 < res["kept"] < 0.8, res
+        expect = {f"blocks.{i}.{n}": "sharded" if n in rows or n in token_sharded else "replicated" for i in range(2)
+                  for n in ("attn.qkv", "attn.proj", "cross_attn.q", "cross_attn.kv", "cross_attn.proj", "mlp.fc1",
+                            "mlp.fc2")}
+        assert res["masks"] == expect, res["masks"]
 
 
 @pytest.mark.parametrize("name", list(LORA_FAULTS[2]))
