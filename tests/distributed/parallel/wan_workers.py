@@ -46,8 +46,8 @@ LORA_LAYOUTS = {2: {"tp2_lora": (2, 1, False, "ulysses"), "tp2_sp_lora": (2, 1, 
                     "cp2_ring_lora": (1, 2, False, "ring")}, 4: {}, 8: {}}
 # LoRA dropout on every adapter's input (lora_dropout_parity), latents of shape 3x4x8 (no SP padding)
 LORA_DROPOUT = 0.3
-LORA_DROPOUT_LAYOUTS = {2: {"tp2_lora_dropout": (2, 1, False, "ulysses"), "tp2_sp_lora_dropout": (2, 1, True, "ulysses")},
-                        4: {}, 8: {}}
+LORA_DROPOUT_LAYOUTS = {2: {"tp2_lora_dropout": (2, 1, False, "ulysses"),
+                            "tp2_sp_lora_dropout": (2, 1, True, "ulysses")}, 4: {}, 8: {}}
 # the fault: a column-parallel adapter's B split contiguously like an unfused linear's rows (not per
 # piece, as the fused qkv / kv weight is), so updates land on the wrong pieces' rows
 LORA_FAULTS = {2: {"tp2_lora_b_contiguous": (2, 1, False, "ulysses")}, 4: {}, 8: {}}
@@ -287,7 +287,8 @@ def lora_dropout_parity(ref, data, layout) -> dict:
     out_r, loss_r = fwd_bwd(one.train(), inputs, target)
     grads_r = {n: p.grad.detach().clone() for n, p in one.named_parameters() if p.grad is not None}
     torch.set_rng_state(rng)
-    return {"out": rel(out, out_r), "loss": rel(loss, loss_r), "grad": max(rel(grads[n], g) for n, g in grads_r.items()),
+    return {"out": rel(out, out_r), "loss": rel(loss, loss_r),
+            "grad": max(rel(grads[n], g) for n, g in grads_r.items()),
             "keys": len(grads_r), "extra": sorted(n for n, g in grads.items() if g is not None and n not in grads_r),
             "eval_out": rel(out_eval, out_plain), "vs_no_dropout": rel(out, out_plain),
             "kept": float(sum(kept) / len(kept)), "masks": {n: f.kind for n, f in fixed.items()}}
