@@ -393,6 +393,30 @@ def test_lora_checkpoint_holds_adapters_and_their_optimizer_state_only(wan_one, 
     assert record["pieces"]["blocks.1.attn.qkv"] == [0, 2] and record["pieces"]["blocks.0.cross_attn.kv"] == [0, 1]
 
 
+def test_lora_eight_ranks_optimizer_state_and_checkpoint_hold_the_adapters_only(wan8, wan_train):
+    """The 8-rank LoRA run (tp2 + SP x cp2 ring x pp2, ZeRO-1 over cp): each rank's optimizer state
+    (fp32 master partition and two AdamW moments) is 12-16 bytes per parameter of its share of the
+    adapters (adapters held / partitions), and its checkpoint holds adapter tensors alone, 16 bytes
+    per adapter parameter (issue 52; the ~30M-parameter measurement: scripts/bench_lora_memory.py)."""
+    from vitp.checkpoint.sharded import tensor_shapes
+
+    name = "lora_tp2_sp_cp2_pp2_ring"
+    opts = [r["train"][name]["optimizer"] for r in wan8]
+    print(f"\n{name}: optimizer bytes per adapter share per rank "
+          f"{[round(o['bytes'] / (o['adapters'] / o['partitions']), 2) for o in opts]}")
+    for r in wan8:
+        o = r["train"][name]["optimizer"]
+        assert o["adapters"] > 0 and o["partitions"] == 2, o
+        assert 12 <= o["bytes"] / (o["adapters"] / o["partitions"]) <= 16, o
+    tag = sorted((Path(wan_train["runs"]) / name / "checkpoints").glob("step_*"))[-1]
+    kinds = {k: tensor_shapes(tag, k) for k in ("model", "ema", "exp_avg", "exp_avg_sq")}
+    assert all(key.endswith((".lora_A", ".lora_B")) for shapes in kinds.values() for key in shapes), kinds
+    n = sum(math.prod(s) for s, _ in kinds["model"].values())
+    stored = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for sh in kinds.values()
+                 for s, d in sh.values())
+    assert n > 0 and stored == 16 * n
+
+
 def test_lora_training_resumes_exactly_and_refuses_another_base(wan_one, wan_train):
     one, stopped, resumed = wan_one["lora_one"], wan_one["lora_stopped"], wan_one["lora_resume"]
     assert stopped["stopped_at"] == 2

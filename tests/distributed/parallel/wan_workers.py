@@ -361,16 +361,35 @@ def train_measured(rank: int, overrides: list, run_dir: str) -> dict:
     """``vitp.train.train`` of ``overrides`` on this rank, its peak resident memory counted from its
     start (VmHWM reset to the current RSS through ``/proc/self/clear_refs``, as
     tests/distributed/test_reshard.py measures): ``{"losses", "grad_norms", "stopped_at", "peak" (VmHWM
-    bytes), "start" (RSS at the start), "folder_read" ({"bytes", "share"} of the Wan folder)}``."""
+    bytes), "start" (RSS at the start), "folder_read" ({"bytes", "share"} of the Wan folder),
+    "optimizer"}`` (:func:`optimizer_state`)."""
     from vitp.config import compose
-    from vitp.train import train
+    from vitp.train import Trainer
 
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     start = _status_bytes("VmRSS")
-    res = train(compose(overrides), run_dir)
+    tr = Trainer(compose(overrides), run_dir)
+    res = tr.fit()
     return {**{k: res[k] for k in ("losses", "grad_norms", "stopped_at", "folder_read")},
-            "peak": _status_bytes("VmHWM"), "start": start}
+            "peak": _status_bytes("VmHWM"), "start": start, "optimizer": optimizer_state(tr)}
+
+
+def optimizer_state(tr) -> dict:
+    """The optimizer state of a finished :class:`vitp.train.Trainer` on this rank, read from the
+    DeepSpeed optimizer: ``{"bytes"`` (ZeRO-1's fp32 master partitions and the AdamW state they
+    carry: ``exp_avg``, ``exp_avg_sq``, step; under ZeRO stage 0 AdamW's state alone), ``"adapters"``
+    (LoRA parameters this rank holds), ``"partitions"`` (ranks the optimizer state is split over: the
+    engine's ``dp x cp`` under ZeRO, else 1)``}``."""
+    from vitp.parallel.lora import is_lora_key
+
+    opt = tr.engine.optimizer
+    masters = list(getattr(opt, "single_partition_of_fp32_groups", []))
+    inner = getattr(opt, "optimizer", opt)
+    state = [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t)]
+    return {"bytes": sum(t.numel() * t.element_size() for t in masters + state),
+            "adapters": sum(p.numel() for n, p in tr.engine.module.named_parameters() if is_lora_key(n)),
+            "partitions": tr.layout.engine_dp if masters else 1}
 
 
 def train_cases(rank: int, world: int, train: dict) -> dict:
