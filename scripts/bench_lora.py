@@ -8,11 +8,11 @@ Default model: ``scripts/make_tiny_wan.py``'s Wan (built in memory) widened to `
 heads of 128), ``--ffn`` 1536, ``--layers`` 8: 31.6M parameters, the base of
 ``scripts/bench_lora_memory.py``. Why not the tiny folder itself (width 32, 2 layers, 38.8k
 parameters): there rank-32 adapters on its linears (45.1k parameters) outnumber the base's, and a
-step is mostly per-operation overhead, so LoRA cannot be cheaper (seen: 0.96 and 1.01 x a full
-step). At width 512 the adapters (3.1M) are 11 % of the weights they adapt and the matmuls
-dominate, as in a real fine-tuning. Refuses (``AssertionError``) a LoRA step that leaves a
-gradient on a frozen base weight. Inputs shaped as ``experiment=wan_smoke``'s (2 samples of 3 latent frames
-of 8 x 8, 512 caption tokens). Adapters (rank ``--rank``, alpha = rank) on both attentions' q, k, v,
+step is mostly per-operation overhead, so LoRA is not cheaper (one round: 0.96x wall). At width
+512 the adapters (3.1M) are 11 % of the weights they adapt and the matmuls dominate, as in a real
+fine-tuning. Refuses (``AssertionError``) a LoRA step that leaves a gradient on a frozen base
+weight. Inputs shaped as ``experiment=wan_smoke``'s (2 samples of 3 latent frames of 8 x 8, 512
+caption tokens). Adapters (rank ``--rank``, alpha = rank) on both attentions' q, k, v,
 out and the MLP's two linears. Prints one JSON line: ``{"lora_s": [median, min, max], "full_s":
 [...], "ratio": median ratio, "ratio_spread": [min, max] of the per-round ratios, "trainable"}``,
 and the same of this process's CPU time (``lora_cpu_s``, ``cpu_ratio``, ...: a loaded machine
