@@ -32,8 +32,8 @@ import torch
 
 from tests.helpers import run_ranks
 
-from .wan_workers import (CONFIG, EVAL_IN_GROUP, FAULTS, LAYOUTS, LORA_FAULTS, LORA_LAYOUTS, PIPE_LAYOUTS, SHAPES,
-                          TRAIN_LAYOUTS, one_process_runs, train_setup, wan_smoke, worker)
+from .wan_workers import (CONFIG, EVAL_IN_GROUP, FAULTS, LAYOUTS, LORA_DROPOUT_LAYOUTS, LORA_FAULTS, LORA_LAYOUTS,
+                          PIPE_LAYOUTS, SHAPES, TRAIN_LAYOUTS, one_process_runs, train_setup, wan_smoke, worker)
 
 TOL = 1e-5
 
@@ -144,6 +144,28 @@ def test_lora_two_ranks_match_reference(wan2, name):
         for shape, res in r[name].items():
             _check(res, f"{name}/{shape}")
             assert res["lora_keys"] == 28, res  # 7 adapted linears x 2 blocks x (A, B), nothing else
+
+
+@pytest.mark.parametrize("name", list(LORA_DROPOUT_LAYOUTS[2]))
+def test_lora_dropout_two_ranks_match_one_process_with_their_masks(wan2, name):
+    """LoRA dropout 0.3 at tp2 and tp2 + SP (the sequence-parallel re-gather of the dropped-out
+    shard, the row-parallel path): given the masks the ranks drew, the one-process model's output,
+    loss and every adapter gradient are the sharded model's; the masks are drawn as invariant 6
+    says (an input every TP rank holds whole: one mask on both ranks; a token shard or a
+    row-parallel linear's input columns: each rank its own); in eval mode the output is the
+    dropout-free one, in training mode it is not."""
+    sp = LORA_DROPOUT_LAYOUTS[2][name][2]
+    rows = ("attn.proj", "cross_attn.proj", "mlp.fc2")
+    token_sharded = ("attn.qkv", "cross_attn.q", "mlp.fc1") if sp else ()
+    for r in wan2:
+        res = r[name]
+        assert res["out"] < TOL and res["loss"] < TOL and res["grad"] < TOL and not res["extra"], res
+        assert res["keys"] == 28, res  # 7 adapted linears x 2 blocks x (A, B)
+        assert res["eval_out"] < TOL and res["vs_no_dropout"] > 1e-2 and 0.6 < res["kept"] < 0.8, res
+        expect = {f"blocks.{i}.{n}": "sharded" if n in rows or n in token_sharded else "replicated" for i in range(2)
+                  for n in ("attn.qkv", "attn.proj", "cross_attn.q", "cross_attn.kv", "cross_attn.proj", "mlp.fc1",
+                            "mlp.fc2")}
+        assert res["masks"] == expect, res["masks"]
 
 
 @pytest.mark.parametrize("name", list(LORA_FAULTS[2]))
@@ -369,6 +391,30 @@ def test_lora_checkpoint_holds_adapters_and_their_optimizer_state_only(wan_one, 
     source = Path(wan_train["folder"]) / "transformer"
     assert record["base"] == {"folder": str(source), "hash": base_hash(source)}
     assert record["pieces"]["blocks.1.attn.qkv"] == [0, 2] and record["pieces"]["blocks.0.cross_attn.kv"] == [0, 1]
+
+
+def test_lora_eight_ranks_optimizer_state_and_checkpoint_hold_the_adapters_only(wan8, wan_train):
+    """The 8-rank LoRA run (tp2 + SP x cp2 ring x pp2, ZeRO-1 over cp): each rank's optimizer state
+    (fp32 master partition and two AdamW moments) is 12-16 bytes per parameter of its share of the
+    adapters (adapters held / partitions), and its checkpoint holds adapter tensors alone, 16 bytes
+    per adapter parameter (issue 52; the ~30M-parameter measurement: scripts/bench_lora_memory.py)."""
+    from vitp.checkpoint.sharded import tensor_shapes
+
+    name = "lora_tp2_sp_cp2_pp2_ring"
+    opts = [r["train"][name]["optimizer"] for r in wan8]
+    print(f"\n{name}: optimizer bytes per adapter share per rank "
+          f"{[round(o['bytes'] / (o['adapters'] / o['partitions']), 2) for o in opts]}")
+    for r in wan8:
+        o = r["train"][name]["optimizer"]
+        assert o["adapters"] > 0 and o["partitions"] == 2, o
+        assert 12 <= o["bytes"] / (o["adapters"] / o["partitions"]) <= 16, o
+    tag = sorted((Path(wan_train["runs"]) / name / "checkpoints").glob("step_*"))[-1]
+    kinds = {k: tensor_shapes(tag, k) for k in ("model", "ema", "exp_avg", "exp_avg_sq")}
+    assert all(key.endswith((".lora_A", ".lora_B")) for shapes in kinds.values() for key in shapes), kinds
+    n = sum(math.prod(s) for s, _ in kinds["model"].values())
+    stored = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for sh in kinds.values()
+                 for s, d in sh.values())
+    assert n > 0 and stored == 16 * n
 
 
 def test_lora_training_resumes_exactly_and_refuses_another_base(wan_one, wan_train):

@@ -44,6 +44,10 @@ FAULTS = {2: {"tp2_local_qk_norm": ((2, 1, False, "ulysses"), "local"),
 LORA_TARGETS = ("attn1.to_q", "to_v", "to_out.0", "attn2.to_q", "attn2.to_k", "ffn.net.0.proj", "ffn.net.2")
 LORA_LAYOUTS = {2: {"tp2_lora": (2, 1, False, "ulysses"), "tp2_sp_lora": (2, 1, True, "ulysses"),
                     "cp2_ring_lora": (1, 2, False, "ring")}, 4: {}, 8: {}}
+# LoRA dropout on every adapter's input (lora_dropout_parity), latents of shape 3x4x8 (no SP padding)
+LORA_DROPOUT = 0.3
+LORA_DROPOUT_LAYOUTS = {2: {"tp2_lora_dropout": (2, 1, False, "ulysses"),
+                            "tp2_sp_lora_dropout": (2, 1, True, "ulysses")}, 4: {}, 8: {}}
 # the fault: a column-parallel adapter's B split contiguously like an unfused linear's rows (not per
 # piece, as the fused qkv / kv weight is), so updates land on the wrong pieces' rows
 LORA_FAULTS = {2: {"tp2_lora_b_contiguous": (2, 1, False, "ulysses")}, 4: {}, 8: {}}
@@ -208,7 +212,86 @@ def lora_parity(ref, data, world: int) -> dict:
     for r in res.values():
         for shape_res in r.values():
             shape_res["lora_keys"] = len(shape_res["all_keys"])
+    res.update({name: lora_dropout_parity(ref, data, lay) for name, lay in LORA_DROPOUT_LAYOUTS[world].items()})
     return res
+
+
+class _FixedMask(torch.nn.Module):
+    """Dropout with the TP ranks' recorded masks ``masks`` (one per rank, bool): ``x * mask / (1 - p)``
+    with the rank masks joined along the one dimension where a rank's piece is smaller than ``x``
+    (tokens under SP, a row-parallel linear's input columns), or, where every rank saw all of
+    ``x``, rank 0's. ``kind`` says which it was and whether the ranks' masks were equal:
+    ``"replicated"`` (equal), ``"replicated_differ"``, ``"sharded"`` (differ), ``"sharded_same"``."""
+
+    def __init__(self, p: float, masks: list):
+        super().__init__()
+        self.p, self.masks, self.kind = p, masks, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        same = all(torch.equal(m, self.masks[0]) for m in self.masks)
+        if self.masks[0].shape == x.shape:
+            self.kind, mask = ("replicated" if same else "replicated_differ"), self.masks[0]
+        else:
+            d = next(i for i, (a, b) in enumerate(zip(self.masks[0].shape, x.shape)) if a != b)
+            self.kind, mask = ("sharded_same" if same else "sharded"), torch.cat(self.masks, d)
+        return x * mask / (1 - self.p)
+
+
+def lora_dropout_parity(ref, data, layout) -> dict:
+    """LoRA with dropout :data:`LORA_DROPOUT` on every adapter's input (B non-zero, base frozen) in
+    ``layout`` (tp > 1, one forward and backward of shape ``3x4x8`` in training mode, the TP
+    streams seeded by :func:`vitp.parallel.model_parallel_seed`): every adapter's dropout mask is
+    recorded on each rank, gathered over tp and given to the one-process model with the same
+    adapters (:class:`_FixedMask`). Returns relative errors of the sharded output, loss and every
+    adapter gradient against that reference (``"out"``, ``"loss"``, ``"grad"``, ``"keys"``: adapter
+    gradients compared, ``"extra"``: other parameters with a gradient), ``"eval_out"``: the sharded
+    model in eval mode against the one-process model (dropout off), ``"vs_no_dropout"``: the
+    training-mode output against that same dropout-free output, ``"kept"``: the fraction of inputs
+    kept, ``"masks"``: ``{linear: _FixedMask.kind}``. Restores the default RNG state."""
+    import dataclasses
+
+    from vitp.models.lora import apply_lora, lora_factors
+    from vitp.models.parallelize_wan import parallelize_wan
+    from vitp.parallel import make_state, model_parallel_seed
+    from vitp.parallel.lora import lora_linears
+
+    rng = torch.get_rng_state()
+    spec = dataclasses.replace(lora_spec(b_std=0.3), dropout=LORA_DROPOUT)
+    one = copy.deepcopy(ref)
+    apply_lora(one, spec)
+    factors = lora_factors(one)
+    inputs, target = data["3x4x8"]
+    out_plain, _ = fwd_bwd(one.eval(), inputs, target)  # no dropout
+    tp, cp, sp, mode = layout
+    state = make_state(tp=tp, cp=cp, dp=torch.distributed.get_world_size() // (tp * cp), sequence_parallel=sp,
+                       cp_mode=mode)
+    model = copy.deepcopy(ref)
+    parallelize_wan(model, state)
+    apply_lora(model, spec, state, init=factors)
+    model_parallel_seed(0, state)
+    masks = {}
+    hooks = [m.lora_dropout.register_forward_hook(lambda _m, _i, out, n=n: masks.setdefault(n, []).append(out != 0))
+             for n, m in lora_linears(model)]
+    out, loss = fwd_bwd(model.train(), inputs, target)
+    for h in hooks:
+        h.remove()
+    grads = full_grads(model, state)
+    out_eval, _ = fwd_bwd(model.eval(), inputs, target)
+    fixed, kept = {}, []
+    for n, m in lora_linears(one):
+        (local,) = masks[n]  # one call per forward
+        parts = [torch.empty(local.shape, dtype=torch.float64) for _ in range(state.tp_size)]
+        torch.distributed.all_gather(parts, local.double(), group=state.tp_group)
+        m.lora_dropout = fixed[n] = _FixedMask(LORA_DROPOUT, [t.bool() for t in parts])
+        kept.append(local.double().mean())
+    out_r, loss_r = fwd_bwd(one.train(), inputs, target)
+    grads_r = {n: p.grad.detach().clone() for n, p in one.named_parameters() if p.grad is not None}
+    torch.set_rng_state(rng)
+    return {"out": rel(out, out_r), "loss": rel(loss, loss_r),
+            "grad": max(rel(grads[n], g) for n, g in grads_r.items()),
+            "keys": len(grads_r), "extra": sorted(n for n, g in grads.items() if g is not None and n not in grads_r),
+            "eval_out": rel(out_eval, out_plain), "vs_no_dropout": rel(out, out_plain),
+            "kept": float(sum(kept) / len(kept)), "masks": {n: f.kind for n, f in fixed.items()}}
 
 
 # ----------------------------------------------------------------------------- vitp-train on Wan
@@ -278,16 +361,35 @@ def train_measured(rank: int, overrides: list, run_dir: str) -> dict:
     """``vitp.train.train`` of ``overrides`` on this rank, its peak resident memory counted from its
     start (VmHWM reset to the current RSS through ``/proc/self/clear_refs``, as
     tests/distributed/test_reshard.py measures): ``{"losses", "grad_norms", "stopped_at", "peak" (VmHWM
-    bytes), "start" (RSS at the start), "folder_read" ({"bytes", "share"} of the Wan folder)}``."""
+    bytes), "start" (RSS at the start), "folder_read" ({"bytes", "share"} of the Wan folder),
+    "optimizer"}`` (:func:`optimizer_state`)."""
     from vitp.config import compose
-    from vitp.train import train
+    from vitp.train import Trainer
 
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     start = _status_bytes("VmRSS")
-    res = train(compose(overrides), run_dir)
+    tr = Trainer(compose(overrides), run_dir)
+    res = tr.fit()
     return {**{k: res[k] for k in ("losses", "grad_norms", "stopped_at", "folder_read")},
-            "peak": _status_bytes("VmHWM"), "start": start}
+            "peak": _status_bytes("VmHWM"), "start": start, "optimizer": optimizer_state(tr)}
+
+
+def optimizer_state(tr) -> dict:
+    """The optimizer state of a finished :class:`vitp.train.Trainer` on this rank, read from the
+    DeepSpeed optimizer: ``{"bytes"`` (ZeRO-1's fp32 master partitions and the AdamW state they
+    carry: ``exp_avg``, ``exp_avg_sq``, step; under ZeRO stage 0 AdamW's state alone), ``"adapters"``
+    (LoRA parameters this rank holds), ``"partitions"`` (ranks the optimizer state is split over: the
+    engine's ``dp x cp`` under ZeRO, else 1)``}``."""
+    from vitp.parallel.lora import is_lora_key
+
+    opt = tr.engine.optimizer
+    masters = list(getattr(opt, "single_partition_of_fp32_groups", []))
+    inner = getattr(opt, "optimizer", opt)
+    state = [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t)]
+    return {"bytes": sum(t.numel() * t.element_size() for t in masters + state),
+            "adapters": sum(p.numel() for n, p in tr.engine.module.named_parameters() if is_lora_key(n)),
+            "partitions": tr.layout.engine_dp if masters else 1}
 
 
 def train_cases(rank: int, world: int, train: dict) -> dict:
