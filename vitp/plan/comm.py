@@ -34,7 +34,7 @@ from vitp.parallel.styles import Collective, StepShape, mode_of
 
 from .layout import LayoutSpec
 from .memory import ACT_BYTES
-from .shapes import ModelShape, layer_params_per_rank, plan_report, stage_layer_ranges
+from .shapes import ModelShape, layer_params_per_rank, model_cache, plan_report, stage_layer_ranges
 
 CP_TAGS = ("cp", "cp_boundary")  # collectives over the context-parallel group (vitp.parallel.styles)
 
@@ -61,8 +61,16 @@ def plan_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective
     if lay.tp == 1 and lay.cp == 1:
         return []
     first, end = stage_layer_ranges(ModelShape.from_config(model).depth, lay.pp)[stage]
-    report = plan_report(model, plan_mode_of(lay), first, end, lay.tp, lay.cp)
-    return report.collectives(step_shape(model, lay))
+    return _stage_collectives(model, plan_mode_of(lay), first, end, min(lay.tp, 2), min(lay.cp, 2),
+                              step_shape(model, lay))
+
+
+@model_cache(16384)
+def _stage_collectives(model: Any, mode: str, first: int, end: int, tp: int, cp: int, shape: StepShape
+                       ) -> List[Collective]:
+    """:func:`plan_collectives` of the layers ``[first, end)``, remembered (the plan report
+    depends on the degrees only through which are above 1: :func:`plan_report`)."""
+    return plan_report(model, mode, first, end, tp, cp).collectives(shape)
 
 
 def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
@@ -110,6 +118,7 @@ def _per_step(colls: List[Collective], accum: int, group: int) -> Tuple[float, i
     return sum(k * c.wire_bytes(group) for k, c in zip(per, colls)), sum(k * c.count for k, c in zip(per, colls))
 
 
+@model_cache(16384)
 def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = True, lora: Any = None) -> List[StageComm]:
     """Per-stage communication of one optimizer step (``lay.accum`` micro-batches) per rank; with
     ``lora`` (a :class:`vitp.plan.lora.LoraPlan`) the gradients reduced are the adapters' only."""

@@ -33,6 +33,7 @@ dropout and drop-path masks (the recipes use none) and SDPA's math fallback, whi
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -275,6 +276,15 @@ def layer_saved_bytes(shape: ModelShape, layer: int, lay: LayoutSpec, extra: Opt
     plus ``extra[layer]`` (LoRA's, :func:`vitp.plan.lora.lora_layer_costs`)."""
     if extra is not None:
         return layer_saved_bytes(shape, layer, lay) + extra[layer]
+    return _layer_saved(shape, layer, lay.tp, lay.sp, lay.cp, lay.cp_mode, lay.precision, lay.device)
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_saved(shape: ModelShape, layer: int, tp: int, sp: bool, cp: int, cp_mode: str, precision: str,
+                 device: str) -> float:
+    """:func:`layer_saved_bytes` without ``extra``, remembered: it reads only these fields of the layout."""
+    lay = LayoutSpec(tp=tp, pp=1, dp=1, sp=sp, ac=0, micro=1, accum=1, precision=precision, device=device, cp=cp,
+                     cp_mode=cp_mode)
     if layer == 0:
         return _sum(embed_saved(shape), lay)
     if layer == shape.depth + 1:
