@@ -39,17 +39,15 @@ TEXT_CASES = {
 }
 
 
-def _prediction(p, cfg, prof, full: bool) -> dict:
+def _prediction(p, cfg, model: dict, prof, full: bool) -> dict:
     """Every number of a :class:`vitp.plan.Prediction` (``full``), or its key and rank numbers."""
     from vitp.plan import phase_costs_of
-    from vitp.utils import to_dict
 
     row = {"layout": p.layout.as_dict(), "fits": p.fits, "step_s": p.time["step_s"], "peak": p.peak.total}
     if full:
         row.update(memory=[asdict(m) for m in p.memory], comm=[asdict(c) for c in p.comm], time=dict(p.time),
                    tokens_per_s=p.tokens_per_s, mfu=p.mfu, limit_bytes=p.limit_bytes, mem_bw=p.mem_bw,
-                   checkpoint=p.checkpoint,
-                   phases=[asdict(c) for c in phase_costs_of(cfg, p, to_dict(cfg.model), prof)])
+                   checkpoint=p.checkpoint, phases=[asdict(c) for c in phase_costs_of(cfg, p, model, prof)])
     return row
 
 
@@ -58,12 +56,14 @@ def record_case(name: str) -> list:
     from vitp.cli.overrides import compose_checked
     from vitp.plan import MemoryOptions, get_profile, plan, with_vae_geometry
     from vitp.plan.lora import lora_plan_of
+    from vitp.utils import to_dict
 
     over, world, device, micro, ac, sharded, full = CASES[name]
     cfg = with_vae_geometry(compose_checked(over))
     prof = get_profile(device, None, procs=world)
     opts = MemoryOptions(adaln_sharded=sharded, lora=lora_plan_of(cfg))
-    return [_prediction(p, cfg, prof, full) for p in plan(cfg, world, prof, opts, ac, micro)]
+    model = to_dict(cfg.model)
+    return [_prediction(p, cfg, model, prof, full) for p in plan(cfg, world, prof, opts, ac, micro)]
 
 
 def record_text(name: str) -> str:

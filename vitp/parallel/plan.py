@@ -110,6 +110,7 @@ class PlanReport:
     partial_grad_elements: int = 0
     axes: Tuple[str, ...] = ("tp",)  # the active parallel axes ("tp", "cp"): the table's heading names them
     _sizes: List[Tuple[ParallelStyle, Dict[str, int]]] = field(default_factory=list, repr=False)
+    _grouped: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def sharded(self) -> List[str]:
         """Canonical names of the parameters each TP rank holds a slice of."""
@@ -127,15 +128,29 @@ class PlanReport:
         if shape.tp == 1 and shape.cp == 1:
             return []
         counts: Dict[tuple, int] = defaultdict(int)
-        for style, sizes in self._sizes:
+        for style, sizes, n in self._groups():  # equal entries at once: the same keys, in the same order
             for c in style.collectives(sizes, shape):
-                counts[(c.kind, c.direction, c.tag, c.nbytes)] += c.count * (shape.redo if c.direction == "fwd"
-                                                                             and c.redo else 1)
+                counts[(c.kind, c.direction, c.tag, c.nbytes)] += n * c.count * (shape.redo if c.direction == "fwd"
+                                                                                 and c.redo else 1)
         out = [Collective(k, d, t, nb, n) for (k, d, t, nb), n in counts.items()]
         if self.partial_grad_elements:
             out.append(Collective("all_reduce", "bwd", "param_grad", self.partial_grad_elements * shape.act_bytes,
                                   per_step=True))
         return out
+
+    def _groups(self) -> List[Tuple[ParallelStyle, Dict[str, int], int]]:
+        """``[(style, sizes, n)]``: the ``n`` equal ``(style, sizes)`` entries of the matched modules
+        (e.g. the same row on every block of a stage) once each, in order of first occurrence."""
+        if self._grouped is None or self._grouped[0] != len(self._sizes):
+            groups: Dict[tuple, list] = {}
+            for style, sizes in self._sizes:
+                key = (id(style), tuple(sizes.items()))
+                if key in groups:
+                    groups[key][2] += 1
+                else:
+                    groups[key] = [style, sizes, 1]
+            self._grouped = (len(self._sizes), [tuple(g) for g in groups.values()])
+        return self._grouped[1]
 
     def table(self, where: str = "") -> str:
         """The plan as applied, one line per applied row (logged by :func:`apply_plan`);

@@ -118,10 +118,15 @@ def _per_step(colls: List[Collective], accum: int, group: int) -> Tuple[float, i
     return sum(k * c.wire_bytes(group) for k, c in zip(per, colls)), sum(k * c.count for k, c in zip(per, colls))
 
 
-@model_cache(16384)
 def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = True, lora: Any = None) -> List[StageComm]:
     """Per-stage communication of one optimizer step (``lay.accum`` micro-batches) per rank; with
-    ``lora`` (a :class:`vitp.plan.lora.LoraPlan`) the gradients reduced are the adapters' only."""
+    ``lora`` (a :class:`vitp.plan.lora.LoraPlan`) the gradients reduced are the adapters' only.
+    Remembered per model and arguments."""
+    return _step_comm(model, lay, adaln_sharded, lora)
+
+
+@model_cache(16384)
+def _step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool, lora: Any) -> List[StageComm]:
     from .lora import lora_layer_costs
 
     shape = ModelShape.from_config(model)

@@ -25,7 +25,7 @@ from .devices import DeviceProfile
 from .flops import block_forward_flops, embed_forward_flops, final_forward_flops, model_flops_per_step
 from .layout import LayoutSpec
 from .memory import ACT_BYTES, stage_memory
-from .shapes import ModelShape, layer_params_per_rank, stage_layer_ranges
+from .shapes import ModelShape, layer_params_per_rank, model_cache, stage_layer_ranges
 
 
 def stage_forward_flops(model: Any, lay: LayoutSpec, first: int, end: int, adaln_sharded: bool = True) -> float:
@@ -86,7 +86,7 @@ def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded:
     per_layer = lora_layer_costs(model, lora, lay)[0] if lora else layer_params_per_rank(model, lay.tp, adaln_sharded)
     rate = prof.peak(lay.precision) * prof.efficiency
     passes = 4.0 if lay.ac else 3.0  # forward + backward (2x), plus the recomputed forward
-    saved = [(m.activations / m.in_flight) for m in stage_memory(model, replace(lay, ac=0))]  # per micro-batch
+    saved = _saved_per_micro(model, replace(lay, ac=0))
     b, e, m = ACT_BYTES[lay.precision], lay.engine_dp, lay.accum
     out = []
     comms = step_comm(model, lay, lora=lora)
@@ -102,6 +102,12 @@ def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded:
         opt = P * (28.0 / e + 2 * b + (12 if b == 4 else 20)) / prof.mem_bw
         out.append(StageTime(s, compute, tp, pp, dp, opt, cp))
     return out
+
+
+@model_cache(16384)
+def _saved_per_micro(model: Any, lay: LayoutSpec) -> List[float]:
+    """Bytes each stage saves per micro-batch without checkpointing (default memory options), remembered."""
+    return [(m.activations / m.in_flight) for m in stage_memory(model, lay)]
 
 
 def step_time(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: bool = True,
