@@ -20,7 +20,10 @@ are read from a readable ``data.vae`` folder (:func:`vitp.plan.with_vae_geometry
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
+import threading
 from dataclasses import replace
 from typing import List, Optional
 
@@ -129,9 +132,27 @@ def _phases(cfg, pred, prof, model=None) -> list:
     return phase_costs_of(cfg, pred, model or ResolvedModel.of(cfg.model), prof)
 
 
+@contextlib.contextmanager
+def _progress(what: str, after_s: float = 1.0):
+    """Print ``vitp-plan: <what> ...`` on stderr once if the block is still running after
+    ``after_s`` seconds (the process start alone, torch and DeepSpeed imports, can take that long)."""
+    timer = threading.Timer(after_s, lambda: print(f"vitp-plan: {what} ...", file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def run(argv: Optional[List[str]] = None) -> list:
     """Plan and print; returns the predictions (JSON-able dicts). Raises ``ValueError`` on bad input."""
     args = parse_args(argv)
+    with _progress(f"planning the layouts of {args.gpus} device(s) (config, model shapes, every valid layout)"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> list:
     from vitp.cli.overrides import compose_checked
     from vitp.plan import MemoryOptions, format_phases, format_table, get_profile, latent_plan, plan, with_vae_geometry
     from vitp.plan.lora import lora_plan_of

@@ -32,10 +32,16 @@ def stage_forward_flops(model: Any, lay: LayoutSpec, first: int, end: int, adaln
     """Forward FLOPs one rank computes per sample for the layers ``[first, end)``: block linears
     and attention over ``1 / (tp cp)`` (heads over tp; tokens, or Ulysses' heads, over cp), the
     adaLN modulation over tp (every cp rank computes it for the sample), the embedding whole (it
-    runs before the cp split) and the output linear over ``N / cp`` tokens."""
+    runs before the cp split) and the output linear over ``N / cp`` tokens. Remembered per model,
+    degrees and layers."""
+    return _stage_forward_flops(model, lay.tp, lay.cp, first, end, adaln_sharded)
+
+
+@model_cache(16384)
+def _stage_forward_flops(model: Any, tp: int, cp: int, first: int, end: int, adaln_sharded: bool) -> float:
     shape = ModelShape.from_config(model)
     total = 0.0
-    D, cp = shape.width, lay.cp
+    D = shape.width
     for i in range(first, end):
         if i == 0:
             total += embed_forward_flops(shape)
@@ -44,7 +50,7 @@ def stage_forward_flops(model: Any, lay: LayoutSpec, first: int, end: int, adaln
             total += final_forward_flops(shape) - head + head / cp
         else:
             f = block_forward_flops(shape, shape.block_kind(i - 1))
-            total += (f["linear"] + f["attention"]) / (lay.tp * cp) + f["per_sample"] / (lay.tp if adaln_sharded else 1)
+            total += (f["linear"] + f["attention"]) / (tp * cp) + f["per_sample"] / (tp if adaln_sharded else 1)
     return total
 
 
