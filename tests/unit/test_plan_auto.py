@@ -150,3 +150,41 @@ def test_auto_leaves_sequence_parallelism_off_unless_memory_needs_it(profile):
         budget = replace(roomy, memory_gib=(least[True] + least[False]) / 2 / per_gib)
         tight = choose_layout(cfg, 2, budget, fixed=fixed)
         assert tight.best.layout.sp and tight.best.fits, size
+
+
+def test_a_job_plans_once_rank_0_decides_for_every_rank(tmp_path, monkeypatch):
+    """``parallel=auto`` in a 4-rank job (a fake world, ranks run in turn): the planner and the
+    device detection run on rank 0 only, and every rank gets rank 0's layout (issue 54 item 2)."""
+    import vitp.plan
+    from vitp.train import autolayout
+
+    calls, box, rank = {"plan": 0, "profile": 0}, [], [0]
+    real_choose = vitp.plan.choose_layout
+
+    def choose(*a, **k):
+        calls["plan"] += 1
+        return real_choose(*a, **k)
+
+    def profile(cfg, device, world):
+        calls["profile"] += 1
+        return CPU
+
+    def broadcast(obj, group=None):  # rank 0 sends, the others receive what it sent
+        if rank[0] == 0:
+            box.append(obj)
+        return box[0]
+
+    monkeypatch.setattr(vitp.plan, "choose_layout", choose)
+    monkeypatch.setattr(autolayout, "detect_profile", profile)
+    monkeypatch.setattr(autolayout.dist, "init_distributed", lambda *a, **k: None)
+    monkeypatch.setattr(autolayout.dist, "world_size", lambda: 4)
+    monkeypatch.setattr(autolayout.dist, "is_main", lambda: rank[0] == 0)
+    monkeypatch.setattr(autolayout.dist, "broadcast_object", broadcast)
+    decisions = []
+    for r in range(4):
+        rank[0] = r
+        cfg = compose_cfg(S8)
+        decisions.append(autolayout.apply_auto_layout(cfg, tmp_path, torch.device("cpu"), []))
+        assert {k: OmegaConf.select(cfg, k) for k in AUTO_KEYS} == decisions[0]["values"]
+    assert calls == {"plan": 1, "profile": 1} and all(d == decisions[0] for d in decisions)
+    assert decisions[0]["source"] == "planned"

@@ -20,7 +20,10 @@ are read from a readable ``data.vae`` folder (:func:`vitp.plan.with_vae_geometry
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
+import threading
 from dataclasses import replace
 from typing import List, Optional
 
@@ -120,20 +123,40 @@ def plan_text(cfg, lay) -> str:
     return "\n".join(out)
 
 
-def _phases(cfg, pred, prof) -> list:
-    """The sample grid, held-out loss and final samples of ``pred``'s layout (:mod:`vitp.plan.phases`)."""
+def _phases(cfg, pred, prof, model=None) -> list:
+    """The sample grid, held-out loss and final samples of ``pred``'s layout (:mod:`vitp.plan.phases`);
+    ``model``: ``cfg.model`` resolved (:class:`vitp.plan.shapes.ResolvedModel`), once for many rows."""
     from vitp.plan import phase_costs_of
-    from vitp.utils import to_dict
+    from vitp.plan.shapes import ResolvedModel
 
-    return phase_costs_of(cfg, pred, to_dict(cfg.model), prof)
+    return phase_costs_of(cfg, pred, model or ResolvedModel.of(cfg.model), prof)
+
+
+@contextlib.contextmanager
+def _progress(what: str, after_s: float = 1.0):
+    """Print ``vitp-plan: <what> ...`` on stderr once if the block is still running after
+    ``after_s`` seconds (the process start alone, torch and DeepSpeed imports, can take that long)."""
+    timer = threading.Timer(after_s, lambda: print(f"vitp-plan: {what} ...", file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def run(argv: Optional[List[str]] = None) -> list:
     """Plan and print; returns the predictions (JSON-able dicts). Raises ``ValueError`` on bad input."""
     args = parse_args(argv)
+    with _progress(f"planning the layouts of {args.gpus} device(s) (config, model shapes, every valid layout)"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> list:
     from vitp.cli.overrides import compose_checked
     from vitp.plan import MemoryOptions, format_phases, format_table, get_profile, latent_plan, plan, with_vae_geometry
     from vitp.plan.lora import lora_plan_of
+    from vitp.plan.shapes import ResolvedModel
 
     if args.top < 0:
         raise ValueError(f"--top {args.top}: use a number of rows >= 0 (0 = all)")
@@ -147,8 +170,9 @@ def run(argv: Optional[List[str]] = None) -> list:
         raise ValueError(f"no valid layout of this config on {args.gpus} devices (check heads, MLP hidden units, "
                          "depth and trainer.global_batch_size against the device count)")
     shown = preds[:args.top] if args.top else preds
-    rows = [{**p.as_dict(), "overrides": p.layout.overrides(), "phases": [c.as_dict() for c in _phases(cfg, p, prof)]}
-            for p in shown]
+    model = ResolvedModel.of(cfg.model)
+    rows = [{**p.as_dict(), "overrides": p.layout.overrides(),
+             "phases": [c.as_dict() for c in _phases(cfg, p, prof, model)]} for p in shown]
     lat = latent_plan(cfg)
     if args.json:
         print(json.dumps({"device": prof.as_dict(), "world": args.gpus, "latents": lat and lat.as_dict(),
@@ -159,7 +183,7 @@ def run(argv: Optional[List[str]] = None) -> list:
             print(lat.describe())
         print(format_table(shown))
         print(f"sampling and evaluation of row 1 (per rank; held-out loss for 1000 held-out items):\n"
-              f"{format_phases(_phases(cfg, shown[0], prof), shown[0].limit_bytes)}")
+              f"{format_phases(_phases(cfg, shown[0], prof, model), shown[0].limit_bytes)}")
     if args.show_plan is not None:
         if not 1 <= args.show_plan <= len(shown):
             raise ValueError(f"--show-plan {args.show_plan}: the table has rows 1 to {len(shown)}")

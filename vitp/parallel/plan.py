@@ -110,6 +110,7 @@ class PlanReport:
     partial_grad_elements: int = 0
     axes: Tuple[str, ...] = ("tp",)  # the active parallel axes ("tp", "cp"): the table's heading names them
     _sizes: List[Tuple[ParallelStyle, Dict[str, int]]] = field(default_factory=list, repr=False)
+    _grouped: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def sharded(self) -> List[str]:
         """Canonical names of the parameters each TP rank holds a slice of."""
@@ -127,15 +128,29 @@ class PlanReport:
         if shape.tp == 1 and shape.cp == 1:
             return []
         counts: Dict[tuple, int] = defaultdict(int)
-        for style, sizes in self._sizes:
+        for style, sizes, n in self._groups():  # equal entries at once: the same keys, in the same order
             for c in style.collectives(sizes, shape):
-                counts[(c.kind, c.direction, c.tag, c.nbytes)] += c.count * (shape.redo if c.direction == "fwd"
-                                                                             and c.redo else 1)
+                counts[(c.kind, c.direction, c.tag, c.nbytes)] += n * c.count * (shape.redo if c.direction == "fwd"
+                                                                                 and c.redo else 1)
         out = [Collective(k, d, t, nb, n) for (k, d, t, nb), n in counts.items()]
         if self.partial_grad_elements:
             out.append(Collective("all_reduce", "bwd", "param_grad", self.partial_grad_elements * shape.act_bytes,
                                   per_step=True))
         return out
+
+    def _groups(self) -> List[Tuple[ParallelStyle, Dict[str, int], int]]:
+        """``[(style, sizes, n)]``: the ``n`` equal ``(style, sizes)`` entries of the matched modules
+        (e.g. the same row on every block of a stage) once each, in order of first occurrence."""
+        if self._grouped is None or self._grouped[0] != len(self._sizes):
+            groups: Dict[tuple, list] = {}
+            for style, sizes in self._sizes:
+                key = (id(style), tuple(sizes.items()))
+                if key in groups:
+                    groups[key][2] += 1
+                else:
+                    groups[key] = [style, sizes, 1]
+            self._grouped = (len(self._sizes), [tuple(g) for g in groups.values()])
+        return self._grouped[1]
 
     def table(self, where: str = "") -> str:
         """The plan as applied, one line per applied row (logged by :func:`apply_plan`);
@@ -185,30 +200,46 @@ def _check_row(plan: ParallelPlan, row: PlanRow, layers, matches: List[_Match]) 
                          f"model; module paths look like {', '.join(names[:12])} ...: fix the pattern")
 
 
-def _run(layers, plan: ParallelPlan, mode: str, ctx: Optional[PlanContext], axes: Sequence[str]) -> PlanReport:
+def _memo(memo: Optional[dict], key: tuple, fn: Callable):
+    """``fn()``, remembered in ``memo`` under ``key`` (computed each time without a memo)."""
+    if memo is None:
+        return fn()
+    if key not in memo:
+        memo[key] = fn()
+    return memo[key]
+
+
+def _run(layers, plan: ParallelPlan, mode: str, ctx: Optional[PlanContext], axes: Sequence[str],
+         memo: Optional[dict] = None) -> PlanReport:
     """Match every row against ``layers`` (checked in every mode), apply those of ``mode`` and an
-    active axis (``axes``) when ``ctx`` is given."""
+    active axis (``axes``) when ``ctx`` is given. ``memo`` (describing only): a dict remembering
+    each row's matches per layer and each matched module's roles and sizes, keyed by object ids,
+    so it must live as long as the layers (the planner's cached meta layers)."""
     report = PlanReport(plan.name, mode, axes=tuple(axes))
     for row in plan.rows:
-        matches = _matches(row, layers)
+        matches = (_matches(row, layers) if memo is None else  # per layer: _matches concatenates them
+                   [m for lname, layer in layers for m in
+                    _memo(memo, ("match", id(row), lname, id(layer)), lambda: _matches(row, [(lname, layer)]))])
         _check_row(plan, row, layers, matches)
         applied = mode in row.modes and row.axis in axes
         report.rows.append((row.pattern, repr(row.style), row.modes, applied, [m.name for m in matches]))
         if not applied:
             continue
         for m in matches:
-            roles = row.style.roles(m.module, mode)
+            roles = _memo(memo, ("roles", id(row.style), id(m.module), mode), lambda: row.style.roles(m.module, mode))
             for n, role in roles.items():
                 report.params[f"{m.name}.{n}"] = role
                 if role.startswith("partial_grad"):
-                    report.partial_grad_elements += m.module.get_parameter(n).numel()
+                    report.partial_grad_elements += _memo(memo, ("numel", id(m.module), n),
+                                                          lambda: m.module.get_parameter(n).numel())
             new = row.style.apply(m.module, ctx) if ctx is not None else None
             if new is not None:
                 if m.parent is None:
                     raise ValueError(f"parallel plan {plan.name!r}: row {row.pattern!r} would replace a whole "
                                      f"layer ({m.name}); plan its submodules instead")
                 setattr(m.parent, m.attr, new)
-            report._sizes.append((row.style, row.style.sizes(m.module)))
+            report._sizes.append((row.style, _memo(memo, ("sizes", id(row.style), id(m.module)),
+                                                   lambda: row.style.sizes(m.module))))
     return report
 
 
@@ -269,11 +300,13 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, state: ParallelState, seq_l
     return report
 
 
-def describe_plan(model: nn.Module, plan: ParallelPlan, mode: str, tp: int = 2, cp: int = 1) -> PlanReport:
+def describe_plan(model: nn.Module, plan: ParallelPlan, mode: str, tp: int = 2, cp: int = 1,
+                  memo: Optional[dict] = None) -> PlanReport:
     """The :class:`PlanReport` that :func:`apply_plan` would return in ``mode`` at tensor- and
     context-parallel degrees ``tp`` and ``cp``, without changing ``model`` (which may live on the
-    ``meta`` device). Raises ``ValueError`` as ``apply_plan``."""
-    return _run(plan.layers(model), plan, mode, None, _axes(tp, cp))
+    ``meta`` device). ``memo``: see :func:`_run` (the planner describes many stages of one model).
+    Raises ``ValueError`` as ``apply_plan``."""
+    return _run(plan.layers(model), plan, mode, None, _axes(tp, cp), memo)
 
 
 # --- stock timm VisionTransformer (or any module holding timm blocks) --------------------------

@@ -28,13 +28,13 @@ et al. 2020, §7: ZeRO stage 1 communicates as much as plain data parallelism).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from vitp.parallel.styles import Collective, StepShape, mode_of
 
 from .layout import LayoutSpec
 from .memory import ACT_BYTES
-from .shapes import ModelShape, layer_params_per_rank, plan_report, stage_layer_ranges
+from .shapes import ModelShape, layer_params_per_rank, model_cache, plan_report, stage_layer_ranges
 
 CP_TAGS = ("cp", "cp_boundary")  # collectives over the context-parallel group (vitp.parallel.styles)
 
@@ -61,8 +61,36 @@ def plan_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective
     if lay.tp == 1 and lay.cp == 1:
         return []
     first, end = stage_layer_ranges(ModelShape.from_config(model).depth, lay.pp)[stage]
-    report = plan_report(model, plan_mode_of(lay), first, end, lay.tp, lay.cp)
-    return report.collectives(step_shape(model, lay))
+    return _stage_collectives(model, plan_mode_of(lay), first, end, min(lay.tp, 2), min(lay.cp, 2),
+                              step_shape(model, lay))
+
+
+_COLLECTIVES: Dict[tuple, List[Collective]] = {}  # (report signature, StepShape) -> collectives
+
+
+def _stage_collectives(model: Any, mode: str, first: int, end: int, tp: int, cp: int, shape: StepShape
+                       ) -> List[Collective]:
+    """:func:`plan_collectives` of the layers ``[first, end)`` (the plan report depends on the
+    degrees only through which are above 1: :func:`plan_report`), remembered by what
+    :meth:`vitp.parallel.PlanReport.collectives` reads (:func:`_signature`): stages holding equal
+    layers (the middle stages of a pipeline) share one computation."""
+    key = (_signature(model, mode, first, end, tp, cp), shape)
+    out = _COLLECTIVES.get(key)
+    if out is None:
+        if len(_COLLECTIVES) >= 65536:
+            _COLLECTIVES.clear()
+        out = _COLLECTIVES[key] = plan_report(model, mode, first, end, tp, cp).collectives(shape)
+    return list(out)
+
+
+@model_cache(16384)
+def _signature(model: Any, mode: str, first: int, end: int, tp: int, cp: int) -> tuple:
+    """Everything :meth:`vitp.parallel.PlanReport.collectives` reads of a stage's report besides
+    the step shape: its equal ``(style, sizes)`` groups with their counts and the partial-gradient
+    elements (styles by identity: the plan's rows live as long as the process)."""
+    report = plan_report(model, mode, first, end, tp, cp)
+    return (report.plan, report.partial_grad_elements,
+            tuple((id(style), tuple(sizes.items()), n) for style, sizes, n in report._groups()))
 
 
 def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
@@ -110,9 +138,36 @@ def _per_step(colls: List[Collective], accum: int, group: int) -> Tuple[float, i
     return sum(k * c.wire_bytes(group) for k, c in zip(per, colls)), sum(k * c.count for k, c in zip(per, colls))
 
 
+_TRAFFIC: Dict[tuple, Tuple[float, int, float, int]] = {}
+
+
+def _stage_traffic(model: Any, lay: LayoutSpec, stage: int) -> Tuple[float, int, float, int]:
+    """``(TP wire bytes, TP count, cp wire bytes, cp count)`` per step of a rank of ``stage``
+    (:func:`_per_step` of :func:`plan_collectives`), remembered like :func:`_stage_collectives`."""
+    if lay.tp == 1 and lay.cp == 1:
+        return 0, 0, 0, 0
+    first, end = stage_layer_ranges(ModelShape.from_config(model).depth, lay.pp)[stage]
+    mode, tp, cp = plan_mode_of(lay), min(lay.tp, 2), min(lay.cp, 2)
+    key = (_signature(model, mode, first, end, tp, cp), step_shape(model, lay), lay.accum)
+    out = _TRAFFIC.get(key)
+    if out is None:
+        if len(_TRAFFIC) >= 65536:
+            _TRAFFIC.clear()
+        colls = _stage_collectives(model, mode, first, end, tp, cp, key[1])
+        out = _TRAFFIC[key] = (*_per_step([c for c in colls if c.tag not in CP_TAGS], lay.accum, lay.tp),
+                               *_per_step([c for c in colls if c.tag in CP_TAGS], lay.accum, lay.cp))
+    return out
+
+
 def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = True, lora: Any = None) -> List[StageComm]:
     """Per-stage communication of one optimizer step (``lay.accum`` micro-batches) per rank; with
-    ``lora`` (a :class:`vitp.plan.lora.LoraPlan`) the gradients reduced are the adapters' only."""
+    ``lora`` (a :class:`vitp.plan.lora.LoraPlan`) the gradients reduced are the adapters' only.
+    Remembered per model and arguments."""
+    return _step_comm(model, lay, adaln_sharded, lora)
+
+
+@model_cache(16384)
+def _step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool, lora: Any) -> List[StageComm]:
     from .lora import lora_layer_costs
 
     shape = ModelShape.from_config(model)
@@ -121,9 +176,7 @@ def step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool = True, lora: Any
     e = lay.engine_dp  # the gradient reduction spans dp x cp ranks
     out = []
     for s, (first, end) in enumerate(stage_layer_ranges(shape.depth, lay.pp)):
-        colls = plan_collectives(model, lay, s)
-        tp_b, tp_n = _per_step([c for c in colls if c.tag not in CP_TAGS], lay.accum, lay.tp)
-        cp_b, cp_n = _per_step([c for c in colls if c.tag in CP_TAGS], lay.accum, lay.cp)
+        tp_b, tp_n, cp_b, cp_n = _stage_traffic(model, lay, s)
         sends = (s < lay.pp - 1) + (s > 0)  # forward to the next stage, gradients to the previous one
         dp = 2 * (e - 1) / e * sum(per_layer[first:end]) * ACT_BYTES[lay.precision]
         out.append(StageComm(stage=s, tp_bytes=tp_b, tp_count=tp_n, pp_bytes=lay.accum * sends * send,

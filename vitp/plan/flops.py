@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .shapes import ModelShape
+from .shapes import ModelShape, model_cache
 
 FREQ_DIM = 256  # sinusoid size of the timestep embedder (vitp.models.layers.TimestepEmbedder)
 
@@ -60,8 +60,9 @@ def final_forward_flops(shape: ModelShape) -> float:
     return 2.0 * shape.tokens * D * shape.patch_values + (0.0 if shape.is_wan else 2.0 * D * 2 * D)
 
 
+@model_cache(256)
 def forward_flops_per_sample(model: Any) -> float:
-    """Forward model FLOPs of one sample of the ``model`` config section."""
+    """Forward model FLOPs of one sample of the ``model`` config section (remembered per model)."""
     shape = ModelShape.from_config(model)
     blocks = sum(sum(block_forward_flops(shape, shape.block_kind(i)).values()) for i in range(shape.depth))
     return blocks + embed_forward_flops(shape) + final_forward_flops(shape)

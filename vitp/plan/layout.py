@@ -96,6 +96,67 @@ def _cp_modes(cfg: Any, cp: int, cp_modes: Optional[Sequence[str]]) -> Sequence[
     return ["ulysses", "ring"] if str(cfg.model.attention) == "full" else ["ulysses"]
 
 
+class PlainConfig(dict):
+    """A resolved config as nested dicts read like a ``DictConfig`` (``cfg.parallel.tp``,
+    ``cfg.model.get("preset")``, ``getattr(m, "family", "vit")``): :func:`vitp.config.validate_layout`
+    reads it in microseconds where a ``DictConfig`` takes milliseconds (issue 54 item 2).
+    Values are what the ``DictConfig`` returns (enum choices included); missing keys raise
+    ``AttributeError`` on attribute access, ``KeyError`` on indexing."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    @classmethod
+    def of(cls, value: Any) -> Any:
+        """``value`` (plain containers) with every dict a :class:`PlainConfig`, lists kept lists."""
+        if isinstance(value, dict):
+            return cls({k: cls.of(v) for k, v in value.items()})
+        if isinstance(value, (list, tuple)):
+            return [cls.of(v) for v in value]
+        return value
+
+
+LAYOUT_KEYS = ("parallel.", "trainer.micro_batch_size")  # what candidate_layouts sets per candidate
+
+
+def _interpolations(value: Any) -> List[str]:
+    """Every string of the unresolved containers ``value`` that holds an interpolation (``${...}``)."""
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _interpolations(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _interpolations(v)]
+    return [value] if isinstance(value, str) and "${" in value else []
+
+
+def _plain_base(cfg: Any) -> Optional[PlainConfig]:
+    """``cfg`` resolved once as a :class:`PlainConfig`, or ``None`` (read ``cfg`` itself) when a
+    value interpolates a key the candidates change (it would have to be resolved per candidate)
+    or does not resolve."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(cfg, DictConfig):
+        return None
+    if any(k in s for s in _interpolations(OmegaConf.to_container(cfg, resolve=False)) for k in LAYOUT_KEYS):
+        return None
+    try:
+        return PlainConfig.of(OmegaConf.to_container(cfg, resolve=True))
+    except Exception:  # noqa: BLE001 - an interpolation that does not resolve: validate on cfg as before
+        return None
+
+
+def _with_layout(cfg: Any, base: Optional[PlainConfig], parallel: dict, micro: int) -> Any:
+    """``cfg`` with ``parallel`` keys and ``trainer.micro_batch_size`` set (a copy: cheap on ``base``)."""
+    if base is None:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.merge(cfg, {"parallel": parallel, "trainer": {"micro_batch_size": micro}})
+    return PlainConfig({**base, "parallel": PlainConfig({**base["parallel"], **parallel}),
+                        "trainer": PlainConfig({**base["trainer"], "micro_batch_size": micro})})
+
+
 def candidate_layouts(cfg: Any, world_size: int, device_type: str = "cpu", ac_options: Sequence[int] = (0, 1),
                       micro_options: Optional[Iterable[int]] = None, cp_modes: Optional[Sequence[str]] = None
                       ) -> List[LayoutSpec]:
@@ -104,10 +165,10 @@ def candidate_layouts(cfg: Any, world_size: int, device_type: str = "cpu", ac_op
     (tp > 1), each ``ac_options`` interval, and each micro-batch size in ``micro_options``
     (default: every divisor of ``global_batch / dp``), keeping ``trainer.global_batch_size``. At
     cp > 1 with full attention ``cp_mode=ring`` is offered only where ``ulysses`` is invalid
-    (heads not divisible by ``tp * cp``), unless ``cp_modes`` names the modes to try."""
-    from omegaconf import OmegaConf
-
+    (heads not divisible by ``tp * cp``), unless ``cp_modes`` names the modes to try. Each
+    candidate is checked on a plain copy of the resolved config (:class:`PlainConfig`)."""
     out = []
+    base = _plain_base(cfg)
     glob = cfg.trainer.global_batch_size
     for cp in divisors(world_size):
         for tp in divisors(world_size // cp):
@@ -118,11 +179,10 @@ def candidate_layouts(cfg: Any, world_size: int, device_type: str = "cpu", ac_op
                     for ac in ac_options:
                         for micro in micros:
                             out += _first_valid(cfg, world_size, device_type, [
-                                OmegaConf.merge(cfg, {"parallel": {"tp": tp, "pp": pp, "cp": cp, "cp_mode": mode,
-                                                                   "sequence_parallel": sp,
-                                                                   "activation_checkpoint_interval": ac},
-                                                      "trainer": {"micro_batch_size": micro}})
-                                for mode in _cp_modes(cfg, cp, cp_modes)], cp_modes is None)
+                                _with_layout(cfg, base, {"tp": tp, "pp": pp, "cp": cp, "cp_mode": mode,
+                                                         "sequence_parallel": sp,
+                                                         "activation_checkpoint_interval": ac}, micro)
+                                for mode in _cp_modes(base or cfg, cp, cp_modes)], cp_modes is None)
     return out
 
 

@@ -33,6 +33,7 @@ dropout and drop-path masks (the recipes use none) and SDPA's math fallback, whi
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -275,6 +276,29 @@ def layer_saved_bytes(shape: ModelShape, layer: int, lay: LayoutSpec, extra: Opt
     plus ``extra[layer]`` (LoRA's, :func:`vitp.plan.lora.lora_layer_costs`)."""
     if extra is not None:
         return layer_saved_bytes(shape, layer, lay) + extra[layer]
+    return _layer_saved(shape, layer, lay.tp, lay.sp, lay.cp, lay.cp_mode, lay.precision, lay.device)
+
+
+def layers_saved_bytes(shape: ModelShape, first: int, end: int, lay: LayoutSpec,
+                       extra: Optional[List[float]] = None) -> List[float]:
+    """:func:`layer_saved_bytes` of the layers ``[first, end)``, in order (without ``extra`` a slice
+    of one list remembered per shape and the layout fields it reads)."""
+    if extra is not None:
+        return [layer_saved_bytes(shape, i, lay, extra) for i in range(first, end)]
+    return list(_all_layers_saved(shape, lay.tp, lay.sp, lay.cp, lay.cp_mode, lay.precision, lay.device)[first:end])
+
+
+@functools.lru_cache(maxsize=4096)
+def _all_layers_saved(shape: ModelShape, *key: Any) -> Tuple[float, ...]:
+    return tuple(_layer_saved(shape, i, *key) for i in range(shape.depth + 2))
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_saved(shape: ModelShape, layer: int, tp: int, sp: bool, cp: int, cp_mode: str, precision: str,
+                 device: str) -> float:
+    """:func:`layer_saved_bytes` without ``extra``, remembered: it reads only these fields of the layout."""
+    lay = LayoutSpec(tp=tp, pp=1, dp=1, sp=sp, ac=0, micro=1, accum=1, precision=precision, device=device, cp=cp,
+                     cp_mode=cp_mode)
     if layer == 0:
         return _sum(embed_saved(shape), lay)
     if layer == shape.depth + 1:
@@ -420,9 +444,18 @@ def _activations(shape: ModelShape, lay: LayoutSpec, first: int, end: int, last:
     c = stage_tensor_bytes(shape, lay)  # the conditioning (Wan: mod, ctx, rotary), shared by the stage's layers
     loss = _sum(loss_saved(shape), lay) if last else 0.0
     if not lay.ac:
-        return lay.micro * (sum(layer_saved_bytes(shape, i, lay, extra) for i in range(first, end)) + loss) + c, 0.0
-    stored = lay.micro * (sum(chunk_input_bytes(shape, a, lay) for a, _ in chunks(first, end, lay.ac)) + loss) + c
+        return lay.micro * (sum(layers_saved_bytes(shape, first, end, lay, extra)) + loss) + c, 0.0
+    stored = lay.micro * (_chunk_inputs(shape, first, end, lay.ac, lay.tp, lay.sp, lay.cp, lay.precision) + loss) + c
     return stored, max(0.0, recompute_peak(shape, lay, first, end, extra) + c - stored)
+
+
+@functools.lru_cache(maxsize=65536)
+def _chunk_inputs(shape: ModelShape, first: int, end: int, ac: int, tp: int, sp: bool, cp: int, precision: str
+                  ) -> float:
+    """Bytes per sample of the stored inputs of the checkpoint chunks of ``[first, end)``
+    (:func:`chunk_input_bytes` summed in chunk order), remembered: it reads only these fields."""
+    lay = LayoutSpec(tp=tp, pp=1, dp=1, sp=sp, ac=ac, micro=1, accum=1, precision=precision, cp=cp)
+    return sum(chunk_input_bytes(shape, a, lay) for a, _ in chunks(first, end, ac))
 
 
 def _stage_state(P: int, Pa: int, lay: LayoutSpec, opts: MemoryOptions) -> Dict[str, float]:
@@ -463,7 +496,7 @@ def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = No
         out_bytes = (lay.micro * shape.pixels * act_b if last else  # the generator's buffers measured without c
                      stage_output_bytes(shape, lay) if shape.is_wan else tokens_bytes)
         held = min(LAST_OUTPUT_BUFFERS, lay.accum) if last else in_flight
-        layer_max = max(layer_saved_bytes(shape, i, lay, extra) for i in range(first, end))
+        layer_max = max(layers_saved_bytes(shape, first, end, lay, extra))
         bucket = ZERO_BUCKET_BUFFERS * opts.zero_bucket_elements * act_b if lay.zero_stage == 1 else 0
         out.append(StageMemory(
             stage=s, params=P, weights=state["weights"], grads=state["grads"], optimizer=state["optimizer"],

@@ -91,6 +91,9 @@ def phase_costs(cfg: Any, model: Dict[str, Any], lay: LayoutSpec, prof: Any, sta
     set's size (the plan does not read the data: 1000 by default); ``decode_bytes``: what decoding
     one sample to pixels adds to the grid and final samples (a latent run's VAE,
     :func:`vitp.plan.latents.decode_memory_bytes`; 0 in pixel space)."""
+    from .shapes import ResolvedModel
+
+    model = ResolvedModel.of(model)  # its key once: the formulas below take it per stage and layer
     s, ev = cfg["sampler"], cfg["eval"]
     per_call = max(1, int(s["batch_size"]))
     guided = 2 if float(s["cfg_scale"]) != 1.0 else 1

@@ -10,7 +10,7 @@ from .comm import StageComm, step_comm
 from .devices import DeviceProfile
 from .layout import LayoutSpec, candidate_layouts
 from .memory import MemoryOptions, StageMemory, stage_memory
-from .shapes import ModelShape
+from .shapes import ModelShape, ResolvedModel
 from .steptime import predicted_mfu, step_time
 from .units import GIB, format_bytes
 
@@ -78,10 +78,8 @@ def rank_limit_bytes(prof: DeviceProfile, world: int) -> float:
 
 def predict(model: Any, lay: LayoutSpec, prof: DeviceProfile, opts: Optional[MemoryOptions] = None) -> Prediction:
     """:class:`Prediction` of ``model`` (a config section) in layout ``lay`` on ``prof`` devices."""
-    from vitp.utils import to_dict
-
     opts = opts or MemoryOptions()
-    model = {k: str(v) if k in ("mlp", "attention") else v for k, v in to_dict(model).items()}  # resolve once
+    model = ResolvedModel.of(model)  # resolve once (plan() resolves once for every layout)
     t = step_time(model, lay, prof, opts.adaln_sharded, opts.lora)
     tokens = lay.global_batch * ModelShape.from_config(model).tokens
     return Prediction(lay, stage_memory(model, lay, opts), step_comm(model, lay, opts.adaln_sharded, opts.lora), t,
@@ -100,10 +98,8 @@ def plan(cfg: Any, world_size: int, prof: DeviceProfile, opts: Optional[MemoryOp
     """
     from vitp.config import validate_config
 
-    from vitp.utils import to_dict
-
     validate_config(cfg)
-    model = to_dict(cfg.model)  # resolved once: OmegaConf interpolations are slow to read
+    model = ResolvedModel.of(cfg.model)  # resolved once: OmegaConf interpolations are slow to read
     preds = [predict(model, lay, prof, opts)
              for lay in candidate_layouts(cfg, world_size, prof.kind, ac_options, micro_options, cp_modes)]
     return sorted(preds, key=lambda p: (not p.fits, p.time["step_s"] if p.fits else p.peak.total))

@@ -63,7 +63,12 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, model: Any) -> "ModelShape":
-        """Shape of a ``model`` config section (DictConfig, dataclass or mapping)."""
+        """Shape of a ``model`` config section (DictConfig, dataclass or mapping); remembered per
+        model (:func:`model_cache`)."""
+        return _shape_of(model)
+
+    @classmethod
+    def _from_config(cls, model: Any) -> "ModelShape":
         m = to_dict(model)
         grid = token_grid(m["image_size"], m["num_frames"], m["patch_size"], m["tubelet_size"])  # any (H, W)
         if str(m.get("family", "vit")) == "wan":  # Wan: FFN of ffn_dim, q/k RMSNorm, 512 caption tokens
@@ -93,7 +98,49 @@ class ModelShape:
         return {"full": self.tokens, "spatial": gh * gw, "temporal": gt}[kind]
 
 
+class ResolvedModel(dict):
+    """A ``model`` config section resolved once into a plain dict (``mlp`` and ``attention`` as
+    strings) that remembers its :func:`_frozen` key: the planner's formulas take it many times per
+    layout (issue 54 item 2). Read-only by convention: the key is not recomputed."""
+
+    key: Tuple = ()
+
+    @classmethod
+    def of(cls, model: Any) -> "ResolvedModel":
+        """``model`` itself when already resolved, else its resolved copy."""
+        if isinstance(model, cls):
+            return model
+        out = cls({k: str(v) if k in ("mlp", "attention") else v for k, v in to_dict(model).items()})
+        out.key = _frozen(dict(out))
+        return out
+
+
+def model_cache(maxsize: int = 4096):
+    """Decorator: remember ``fn(model, *args, **kwargs)`` by the model's :func:`_frozen` key and the
+    other arguments (hashable), as :func:`functools.lru_cache` would (cleared when full). A list
+    result is returned as a new list of the same items (frozen dataclasses: shared, never changed)."""
+    def decorate(fn):
+        cache: Dict[Tuple, Any] = {}
+
+        @functools.wraps(fn)
+        def wrapper(model: Any, *args: Any, **kwargs: Any) -> Any:
+            key = (_frozen(model), args, tuple(sorted(kwargs.items())))
+            out = cache.get(key)
+            if out is None:
+                if len(cache) >= maxsize:
+                    cache.clear()
+                out = cache[key] = fn(model, *args, **kwargs)
+            return list(out) if isinstance(out, list) else out
+
+        wrapper.cache_clear = cache.clear
+        return wrapper
+    return decorate
+
+
 def _frozen(model: Any) -> Tuple:
+    if isinstance(model, ResolvedModel) and model.key:
+        return model.key
+
     def leaf(v: Any) -> Any:  # hashable; a list (image_size [H, W]) stays a sequence, not its str
         if isinstance(v, (list, tuple)):
             return tuple(v)
@@ -103,8 +150,27 @@ def _frozen(model: Any) -> Tuple:
 
 
 def _meta_layers(frozen: Tuple, first: int = 0, end: Optional[int] = None):
-    """Layers ``first..end`` of the model, built on the meta device, in a container named like a
-    pipeline stage (``"<layer index>"``)."""
+    """Layers ``first..end`` of the model on the meta device, in a container named like a
+    pipeline stage (``"<layer index>"``). The layers are built once per model (:func:`_meta_model`)
+    and shared by every container: read them, never change them."""
+    import torch.nn as nn
+
+    full = _meta_model(frozen)[0]
+    stage = nn.Module()
+    for i in range(first, len(full) if end is None else end):
+        stage.add_module(str(i), full[i])
+    return stage
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_model(frozen: Tuple) -> Tuple[List[Any], Dict]:
+    """``(layers, memo)``: every layer of the model built once on the meta device, and the memo
+    :func:`vitp.parallel.describe_plan` keeps for them (keyed by their ids: it lives as long as they do)."""
+    return list(_build_meta_layers(frozen).children()), {}
+
+
+def _build_meta_layers(frozen: Tuple):
+    """Every layer of the model, built on the meta device, in a container (:func:`_meta_layers`)."""
     import torch
     import torch.nn as nn
 
@@ -112,14 +178,12 @@ def _meta_layers(frozen: Tuple, first: int = 0, end: Optional[int] = None):
 
     kw = dict(frozen)
     if str(kw.get("family", "vit")) == "wan":
-        return _wan_meta_layers(kw, first, end)
+        return _wan_meta_layers(kw)
     for key in ("mlp", "attention"):
         kw[key] = str(kw[key])
-    specs = layer_specs(**kw)
     stage = nn.Module()
     with torch.device("meta"):  # shapes only: a 1B-parameter model costs nothing
-        for i in range(first, len(specs) if end is None else end):
-            cls, spec = specs[i]
+        for i, (cls, spec) in enumerate(layer_specs(**kw)):
             stage.add_module(str(i), cls(**spec))
     return stage
 
@@ -145,8 +209,7 @@ def _wan_meta_layers(model: Dict[str, Any], first: int = 0, end: Optional[int] =
 
 @functools.lru_cache(maxsize=64)
 def _layer_params(frozen: Tuple) -> Tuple[Tuple[Tuple[str, int], ...], ...]:
-    stage = _meta_layers(frozen)
-    return tuple(tuple((n, p.numel()) for n, p in layer.named_parameters()) for layer in stage.children())
+    return tuple(tuple((n, p.numel()) for n, p in layer.named_parameters()) for layer in _meta_model(frozen)[0])
 
 
 def layer_params(model: Any) -> List[Dict[str, int]]:
@@ -154,7 +217,7 @@ def layer_params(model: Any) -> List[Dict[str, int]]:
     return [dict(layer) for layer in _layer_params(_frozen(model))]
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def _plan_report(frozen: Tuple, first: int, end: Optional[int], mode: str, tp: int, cp: int):
     from vitp.models import GENERATOR_PLAN
     from vitp.parallel import describe_plan
@@ -162,7 +225,7 @@ def _plan_report(frozen: Tuple, first: int, end: Optional[int], mode: str, tp: i
     plan = GENERATOR_PLAN
     if str(dict(frozen).get("family", "vit")) == "wan":
         from vitp.models.parallelize_wan import WAN_PLAN as plan
-    return describe_plan(_meta_layers(frozen, first, end), plan, mode, tp, cp)
+    return describe_plan(_meta_layers(frozen, first, end), plan, mode, tp, cp, memo=_meta_model(frozen)[1])
 
 
 def plan_report(model: Any, mode: str = "tp", first: int = 0, end: Optional[int] = None, tp: int = 2, cp: int = 1):
@@ -171,10 +234,12 @@ def plan_report(model: Any, mode: str = "tp", first: int = 0, end: Optional[int]
     (``tp`` | ``sp`` | ``partial``) at tensor- and context-parallel degrees ``tp`` and ``cp`` (the
     rows of an axis apply when its degree is above 1; the default ``tp=2`` lists the TP roles)
     for layers ``first..end`` (a pipeline stage; all by default) of the ``model`` config, from its
-    meta-device layers. Cached: do not modify it."""
-    return _plan_report(_frozen(model), first, end, mode, tp, cp)
+    meta-device layers. Cached: do not modify it. It depends on the degrees only through which
+    of them are above 1 (:func:`vitp.parallel.describe_plan`), and is cached by that."""
+    return _plan_report(_frozen(model), first, end, mode, min(tp, 2), min(cp, 2))
 
 
+@model_cache()
 def layer_params_per_rank(model: Any, tp: int, adaln_sharded: bool = True) -> List[int]:
     """Parameters a TP rank holds per layer (Embed, blocks, FinalLayer): the plan's sharded
     tensors divided by ``tp`` (the adaLN modulation counted whole when not ``adaln_sharded``)."""
@@ -204,3 +269,8 @@ def stage_layer_ranges(depth: int, pp: int) -> List[Tuple[int, int]]:
         ranges.append((start, end))
         start = end
     return ranges
+
+
+@model_cache(256)
+def _shape_of(model: Any) -> ModelShape:
+    return ModelShape._from_config(model)

@@ -25,17 +25,23 @@ from .devices import DeviceProfile
 from .flops import block_forward_flops, embed_forward_flops, final_forward_flops, model_flops_per_step
 from .layout import LayoutSpec
 from .memory import ACT_BYTES, stage_memory
-from .shapes import ModelShape, layer_params_per_rank, stage_layer_ranges
+from .shapes import ModelShape, layer_params_per_rank, model_cache, stage_layer_ranges
 
 
 def stage_forward_flops(model: Any, lay: LayoutSpec, first: int, end: int, adaln_sharded: bool = True) -> float:
     """Forward FLOPs one rank computes per sample for the layers ``[first, end)``: block linears
     and attention over ``1 / (tp cp)`` (heads over tp; tokens, or Ulysses' heads, over cp), the
     adaLN modulation over tp (every cp rank computes it for the sample), the embedding whole (it
-    runs before the cp split) and the output linear over ``N / cp`` tokens."""
+    runs before the cp split) and the output linear over ``N / cp`` tokens. Remembered per model,
+    degrees and layers."""
+    return _stage_forward_flops(model, lay.tp, lay.cp, first, end, adaln_sharded)
+
+
+@model_cache(16384)
+def _stage_forward_flops(model: Any, tp: int, cp: int, first: int, end: int, adaln_sharded: bool) -> float:
     shape = ModelShape.from_config(model)
     total = 0.0
-    D, cp = shape.width, lay.cp
+    D = shape.width
     for i in range(first, end):
         if i == 0:
             total += embed_forward_flops(shape)
@@ -44,7 +50,7 @@ def stage_forward_flops(model: Any, lay: LayoutSpec, first: int, end: int, adaln
             total += final_forward_flops(shape) - head + head / cp
         else:
             f = block_forward_flops(shape, shape.block_kind(i - 1))
-            total += (f["linear"] + f["attention"]) / (lay.tp * cp) + f["per_sample"] / (lay.tp if adaln_sharded else 1)
+            total += (f["linear"] + f["attention"]) / (tp * cp) + f["per_sample"] / (tp if adaln_sharded else 1)
     return total
 
 
@@ -86,7 +92,7 @@ def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded:
     per_layer = lora_layer_costs(model, lora, lay)[0] if lora else layer_params_per_rank(model, lay.tp, adaln_sharded)
     rate = prof.peak(lay.precision) * prof.efficiency
     passes = 4.0 if lay.ac else 3.0  # forward + backward (2x), plus the recomputed forward
-    saved = [(m.activations / m.in_flight) for m in stage_memory(model, replace(lay, ac=0))]  # per micro-batch
+    saved = _saved_per_micro(model, replace(lay, ac=0))
     b, e, m = ACT_BYTES[lay.precision], lay.engine_dp, lay.accum
     out = []
     comms = step_comm(model, lay, lora=lora)
@@ -102,6 +108,12 @@ def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded:
         opt = P * (28.0 / e + 2 * b + (12 if b == 4 else 20)) / prof.mem_bw
         out.append(StageTime(s, compute, tp, pp, dp, opt, cp))
     return out
+
+
+@model_cache(16384)
+def _saved_per_micro(model: Any, lay: LayoutSpec) -> List[float]:
+    """Bytes each stage saves per micro-batch without checkpointing (default memory options), remembered."""
+    return [(m.activations / m.in_flight) for m in stage_memory(model, lay)]
 
 
 def step_time(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded: bool = True,
