@@ -102,7 +102,8 @@ def test_sample_under_torchrun_writes_the_one_process_grid(cp_run, one_process, 
     said = [x for x in two.stderr.splitlines() if "layout for sampling" in x]
     assert len(said) == (0 if layout else 1)  # rank 0 alone says it, and only when vitp chose
     if not layout:
-        assert said[0].startswith("vitp-sample: layout for sampling: dp=2 (a replica of the whole model fits one device")
+        assert said[0].startswith("vitp-sample: layout for sampling: dp=2 (a replica of the whole model fits one "
+                                  "device")
     b = _pixels(tmp_path / "two.png")
     assert a.shape == b.shape == (2 * 64 + 3 * 2, 3 * 64 + 4 * 2, 3)  # 2 rows x 3 columns of 64 px tiles
     assert np.abs(a - b).max() <= 1
