@@ -1,5 +1,6 @@
-"""``vitp-sample`` and ``vitp-eval`` under torchrun: the generator in the run's training layout (or
-an overridden one), each rank reading its shard, gives the one-process grid and held-out loss; the
+"""``vitp-sample`` and ``vitp-eval`` under torchrun: two replicas of the whole generator by default
+(it fits one device), or the run's training layout (or another) given as overrides, each rank
+reading its shard, give the one-process grid and held-out loss; the
 flags' override form (``cli.num=8``) survives torchrun's parser; an impossible layout is refused.
 
 One tiny context-parallel run (``parallel.cp=2`` on 2 ranks) is trained once for the module.
@@ -105,15 +106,22 @@ def one_process_eval(cp_run, fid_weights, tmp_path_factory):
     return ref
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.cp=1"], ["parallel.cp=1", "parallel.tp=2",
+@pytest.mark.parametrize("layout", [[], ["parallel.cp=2"], ["parallel.cp=1", "parallel.tp=2",
                                                             "parallel.sequence_parallel=true"]],
-                         ids=["trained-cp2", "dp2", "tp2sp"])
+                         ids=["default-dp2", "trained-cp2", "tp2sp"])
 def test_sample_under_torchrun_writes_the_one_process_grid(cp_run, one_process, tmp_path, layout):
+    """No layout given: two replicas of the whole generator (it fits one device), said in one line;
+    a given layout (the run's cp=2, tp=2 with sp) shards the generator. Every one writes one process's grid."""
     one_stdout, one_png, a = one_process
     two = _torchrun(["--no-python", str(BIN / "vitp-sample"), str(cp_run), "cli.classes=[3,7]", "cli.num=3",
                      f"cli.out={tmp_path / 'two.png'}", *SAMPLING, *layout], tmp_path)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     _quiet(two)
+    said = [x for x in two.stderr.splitlines() if "layout for sampling" in x]
+    assert len(said) == (0 if layout else 1)  # rank 0 alone says it, and only when vitp chose
+    if not layout:
+        assert said[0].startswith("vitp-sample: layout for sampling: dp=2 (a replica of the whole model fits one "
+                                  "device")
     b = _pixels(tmp_path / "two.png")
     assert a.shape == b.shape == (2 * 64 + 3 * 2, 3 * 64 + 4 * 2, 3)  # 2 rows x 3 columns of 64 px tiles
     assert np.abs(a - b).max() <= 1
@@ -123,11 +131,12 @@ def test_sample_under_torchrun_writes_the_one_process_grid(cp_run, one_process, 
     assert two.stdout.count("wrote ") == 1 and one_stdout.replace(str(one_png), str(tmp_path / "two.png")) == two.stdout
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.cp=1"]], ids=["trained-cp2", "dp2"])
+@pytest.mark.parametrize("layout", [[], ["parallel.cp=2"]], ids=["default-dp2", "trained-cp2"])
 def test_eval_under_torchrun_gives_the_one_process_heldout_loss(cp_run, one_process_eval, fid_weights, tmp_path,
                                                                 layout):
-    """Also FID at dp2: each replica samples and extracts its share; the ``.npz`` is one process's."""
-    ref, fid = one_process_eval, ["parallel.cp=1"] == layout
+    """Also FID in the default layout (dp2): each replica samples and extracts its share; the ``.npz``
+    is one process's."""
+    ref, fid = one_process_eval, not layout
     (cp_run / "eval.json").unlink(missing_ok=True)  # the file read below is this launch's
     extra = [*FID, f"eval.fid.weights={fid_weights}", f"eval.fid.real_stats={tmp_path / 'real.safetensors'}"] if fid else []
     two = _torchrun(["--no-python", str(BIN / "vitp-eval"), str(cp_run), *EVAL, *layout, *extra], tmp_path)  # console script
@@ -138,6 +147,7 @@ def test_eval_under_torchrun_gives_the_one_process_heldout_loss(cp_run, one_proc
     assert list(got["heldout_loss_per_t"].values()) == pytest.approx(list(ref["heldout_loss_per_t"].values()),
                                                                      rel=1e-6)
     assert got["sample_accuracy"] == ref["sample_accuracy"] and got["step"] == ref["step"] == 2
+    assert ("vitp-eval: layout for evaluation: dp=2 " in two.stderr) == (not layout)
     if fid:
         npz = cp_run / "eval.npz"
         assert npz.read_bytes() == ref["fid_npz"].read_bytes()  # the same samples, byte for byte

@@ -7,8 +7,9 @@ schema as ``vitp-train`` checks them (:mod:`vitp.cli.overrides`): ``vitp-eval RU
 sampler.cfg_interval=[0.1,1]``.
 
 Under a launcher (``torchrun --nproc_per_node N -m vitp.cli.eval RUN_DIR``, or the ``deepspeed``
-launcher) the generator runs in the run's training layout (``parallel.*``, or as overridden), each
-rank holding its shard (:mod:`vitp.eval.launch`); the held-out items and samples are split over the
+launcher) ``N`` replicas of the whole generator evaluate when one fits a device, else (or with
+``parallel.tp/cp/pp`` given) the generator runs in that layout, each rank holding its shard
+(:func:`vitp.eval.launch.choose_layout`); the held-out items and samples are split over the
 data-parallel replicas and rank 0 alone writes the results and prints. ``--weights FILE`` is also
 written ``cli.weights=FILE`` (:func:`vitp.cli.overrides.flag_overrides`)."""
 from __future__ import annotations
@@ -117,10 +118,10 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
     its config with ``overrides`` (validated), the weights file ``run_dir/weights`` (an
     interrupted run without ``model_ema.safetensors``: its latest checkpoint's EMA), and the
     run's data split. With ``sharded`` (under a launcher; collective) the generator is this
-    rank's :class:`vitp.eval.launch.ShardedGenerator` in the run's layout, else the whole
+    rank's :class:`vitp.eval.launch.ShardedGenerator` in :func:`vitp.eval.launch.choose_layout`'s layout, else the whole
     :class:`vitp.models.Generator` (a layout key among ``overrides`` must then fit one process).
     Raises ``FileNotFoundError`` / ``ValueError`` on a missing or foreign file or an impossible layout."""
-    from vitp.eval.launch import build_sharded, check_layout_overrides
+    from vitp.eval.launch import build_sharded, check_layout_overrides, choose_layout
 
     cfg = load_run_config(run_dir, overrides)
     validate_config(cfg)
@@ -135,6 +136,9 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
         raise PermissionError(f"{run_dir} is not writable: vitp-eval writes its results (eval.json, or "
                               f"eval_<overrides>.json next to it) and the digits judge's cache there; evaluate a copy of the run")
     if sharded:
+        from vitp.parallel.distributed import world_size
+
+        cfg = choose_layout(cfg, overrides, world_size(), resolve_device(cfg.trainer.device), "vitp-eval")
         gen = build_sharded(cfg, weights_path(run_dir, weights), "vitp-eval")
     else:
         check_layout_overrides(cfg, overrides, "vitp-eval")

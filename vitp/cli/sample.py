@@ -8,8 +8,9 @@ GIF (or MP4) per class and seed plus a grid video. By default the output is name
 refused without ``--force`` (as ``vitp-export`` does) and every file is written atomically.
 
 Under a launcher (``torchrun --nproc_per_node N -m vitp.cli.sample SOURCE cli.num=8``, or the
-``deepspeed`` launcher) the generator runs in the run's training layout, each rank holding its shard
-(:mod:`vitp.eval.launch`), and rank 0 alone writes and prints. Every flag has an override form,
+``deepspeed`` launcher) the samples are split over ``N`` replicas of the whole generator when one
+fits a device, else (or with ``parallel.tp/cp/pp`` given) the generator runs in that layout, each
+rank holding its shard (:mod:`vitp.eval.launch`); rank 0 alone writes and prints. Every flag has an override form,
 ``cli.<flag>=value`` (``cli.num=8``, ``cli.classes=[3,7]``, ``cli.out=grid.png``, ``cli.format=mp4``,
 ``cli.force=true``, ``cli.prompt=['a dog','a cat']``, ``cli.prompt_file=p.txt``), which a launcher's
 own parser passes on untouched (torchrun refuses ``--num``: it could be its ``--numa-binding``).
@@ -34,9 +35,10 @@ from vitp.cli.overrides import apply_overrides, flag_overrides, override_key, ty
 from vitp.config import input_frames, input_size, parse_resolution, validate_config
 from vitp.eval import class_grid_labels, generate
 from vitp.latents.config import check_decoder
-from vitp.eval.launch import LAYOUT_KEYS, build_sharded, check_layout_overrides, finish, launched, quiet_unless_main
+from vitp.eval.launch import (LAYOUT_KEYS, build_sharded, check_layout_overrides, choose_layout, finish, launched,
+                              quiet_unless_main)
 from vitp.media import to_grid
-from vitp.parallel.distributed import is_main, resolve_device
+from vitp.parallel.distributed import is_main, resolve_device, world_size
 from vitp.utils import atomic_write, atomic_write_text
 
 
@@ -329,8 +331,9 @@ def run(argv: Optional[List[str]] = None) -> None:
                              "sampler.method=heun|euler")
         path, step, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
         sharded = launched()
-        if sharded:  # each rank reads its shard of its stage below (build_sharded)
+        if sharded:  # each rank builds its replica or its stage's shard below (build_sharded)
             gen, (cfg, meta) = None, sample_settings(path, overrides, a.num)
+            cfg = choose_layout(cfg, overrides, world_size(), resolve_device(cfg.trainer.device), "vitp-sample")
         else:
             gen, cfg, meta = sample_config(path, overrides, a.num)
         conditioning, rows, prompts = _conditioning(a, cfg, meta)

@@ -1,14 +1,21 @@
 """``vitp-sample`` and ``vitp-eval`` under a launcher (torchrun, ``deepspeed``, MPI, srun): the
-generator in its training layout, each rank holding only its stage's tensor-parallel shard.
+samples split over data-parallel replicas, the generator split over tp / cp / pp only where one
+device cannot hold a replica.
 
-With ``WORLD_SIZE > 1`` (:func:`launched`) the CLIs build the pipeline module as ``vitp-train``
-does (:func:`build_sharded`), in the layout the run trained with (its config's ``parallel.tp``,
-``cp``, ``pp``, ``sequence_parallel``, ``cp_mode``) or as those keys are overridden, with
-``dp = world / (tp * cp * pp)`` replicas (:func:`inference_layout`). Each rank reads only the
-slices of its shard from the weights file (:func:`vitp.checkpoint.initialize.init_from_export`),
-samples run through :class:`vitp.eval.inference.StageDenoiser` in micro-batches of the run's
-``trainer.micro_batch_size`` and are split over the replicas (:class:`vitp.eval.inference.Share`);
-rank 0 alone gets the result, writes and prints (:func:`quiet_unless_main` silences the others).
+With ``WORLD_SIZE > 1`` (:func:`launched`) the CLIs pick the layout (:func:`choose_layout`): unless
+a layout key (:data:`LAYOUT_KEYS`) is given, ``dp = world`` replicas of the whole generator when
+one replica fits a device (the planner's :func:`vitp.plan.replica_bytes`), else the run's training
+layout; given keys are the run's layout with those overrides, ``dp = world / (tp * cp * pp)``
+(:func:`inference_layout`). The choice is printed in one line (stderr, rank 0).
+
+A replica (``tp = cp = pp = 1``) runs the plain :class:`vitp.models.Generator` as one process does,
+read whole from the weights file, on a bare ``torch.distributed`` group (no DeepSpeed, no
+collective per forward: one gather of the samples at the end). Otherwise the CLIs build the
+pipeline module as ``vitp-train`` does (:func:`build_sharded`): each rank reads only the slices of
+its shard (:func:`vitp.checkpoint.initialize.init_from_export`) and samples run through
+:class:`vitp.eval.inference.StageDenoiser` in micro-batches of ``trainer.micro_batch_size``. Either
+way the samples are split over the replicas (:class:`vitp.eval.inference.Share`); rank 0 alone gets
+the result, writes and prints (:func:`quiet_unless_main` silences the others).
 
 The parameters stay in fp32 whatever the run trained in, as the one-process path
 (:func:`vitp.checkpoint.generator_from_state`) holds them, so both give the same samples and
@@ -20,6 +27,7 @@ import contextlib
 import io
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, List, Sequence, Tuple
@@ -89,6 +97,57 @@ def inference_layout(cfg: DictConfig, world: int, device_type: str = "cpu", prog
                          f"{world} (dp = {world} / (tp x cp x pp)): {spell}") from None
 
 
+def replica_fits(cfg: DictConfig, world: int, device: Any) -> Tuple[bool, float, float]:
+    """``(fits, need, limit)``: whether one whole-generator replica of ``cfg`` (fp32 weights and the
+    largest forward, :func:`vitp.plan.replica_bytes`) fits the memory a rank has: ``need`` and
+    ``limit`` in bytes. The limit is ``parallel.auto_memory_gib`` when set, else 90% of the CUDA
+    device's memory, or on CPU the machine's RAM shared by the ``LOCAL_WORLD_SIZE`` (else ``world``)
+    processes."""
+    import torch
+
+    from vitp.plan import replica_bytes
+    from vitp.utils import to_dict
+
+    need = replica_bytes(cfg, to_dict(cfg.model), device.type)
+    gib = cfg.parallel.get("auto_memory_gib")
+    if gib:
+        limit = float(gib) * 2 ** 30
+    elif device.type == "cuda":
+        limit = 0.9 * torch.cuda.get_device_properties(device).total_memory
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, local)
+    return need <= limit, need, limit
+
+
+def choose_layout(cfg: DictConfig, overrides: Sequence[str], world: int, device: Any,
+                  prog: str = "vitp-sample") -> DictConfig:
+    """``cfg`` with the inference layout of ``world`` launched processes in its ``parallel`` keys:
+    with a layout key (:data:`LAYOUT_KEYS`) among ``overrides``, ``cfg`` as it is (the run's layout
+    with those keys); else ``tp = cp = pp = 1`` (``dp = world`` replicas) when a replica fits a
+    device (:func:`replica_fits`), else the run's own layout. Prints the choice and how to change it
+    in one line on stderr. ``device``: the ``torch.device`` the ranks run on."""
+    from vitp.cli.overrides import override_key
+    from vitp.plan import format_bytes
+
+    what = "sampling" if prog == "vitp-sample" else "evaluation"
+    par = cfg.parallel
+    if {override_key(o) for o in overrides} & set(LAYOUT_KEYS):
+        return cfg
+    fits, need, limit = replica_fits(cfg, world, device)
+    sizes = f"{format_bytes(need)} of the {format_bytes(limit)} a rank has, planner"
+    how = "set parallel.tp/cp/pp=N to choose another"
+    if fits:
+        cfg = OmegaConf.merge(cfg, {"parallel": {"tp": 1, "cp": 1, "pp": 1, "sequence_parallel": False}})
+        line = f"dp={world} (a replica of the whole model fits one device: {sizes}; {how})"
+    else:
+        dp = max(1, world // (par.tp * par.cp * par.pp))
+        line = (f"tp={par.tp} cp={par.cp} pp={par.pp} dp={dp}, the run's (a replica of the whole model does not fit "
+                f"one device: {sizes}; {how})")
+    print(f"{prog}: layout for {what}: {line}", file=sys.stderr)
+    return cfg
+
+
 def check_layout_overrides(cfg: DictConfig, overrides: Sequence[str], prog: str) -> None:
     """One process runs the whole generator whatever the run's layout; the layout keys given
     explicitly among ``overrides`` (:data:`LAYOUT_KEYS`; the others at 1) must still be a layout
@@ -108,9 +167,10 @@ def check_layout_overrides(cfg: DictConfig, overrides: Sequence[str], prog: str)
 @dataclass
 class ShardedGenerator:
     """This rank's part of the generator: ``denoiser`` (:class:`vitp.eval.inference.StageDenoiser`,
-    ``(z_t (B, C, T, H, W), t (B,), *y) -> x_pred`` fp32 on every rank of a replica), ``share``
-    (:class:`vitp.eval.inference.Share`: which samples this replica draws, gathered on rank 0),
-    the :class:`vitp.parallel.ParallelState` and the :class:`vitp.config.Layout`."""
+    ``(z_t (B, C, T, H, W), t (B,), *y) -> x_pred`` fp32 on every rank of a replica; at ``tp = cp =
+    pp = 1`` the whole :class:`vitp.models.Generator`), ``share`` (:class:`vitp.eval.inference.Share`:
+    which samples this replica draws, gathered on rank 0), the :class:`vitp.parallel.ParallelState`
+    (``None`` for a whole-generator replica) and the :class:`vitp.config.Layout`."""
 
     denoiser: Any
     share: Any
@@ -134,6 +194,8 @@ def build_sharded(cfg: DictConfig, weights: Path, prog: str = "vitp-sample") -> 
 
     device = dist.resolve_device(cfg.trainer.device)
     lay = inference_layout(cfg, dist.world_size(), device.type, prog)  # refused before any process group
+    if lay.tp * lay.cp * lay.pp == 1:
+        return build_replica(cfg, weights, lay, device)
     dist.init_distributed(device, dist.timeout_of(cfg))
     m = cfg.model
     # the CLI prints what one process prints: not DeepSpeed's layer table, vitp's plan or load notes
@@ -144,6 +206,31 @@ def build_sharded(cfg: DictConfig, weights: Path, prog: str = "vitp-sample") -> 
     module.to(device).eval()
     denoiser = StageDenoiser(module, cfg.trainer.micro_batch_size, m.patch_size, m.tubelet_size)
     return ShardedGenerator(denoiser, Share.of(module, state), state, lay)
+
+
+def build_replica(cfg: DictConfig, weights: Path, lay: Layout, device: Any) -> ShardedGenerator:
+    """This rank's data-parallel replica (``lay`` at ``tp = cp = pp = 1``): the whole
+    :class:`vitp.models.Generator` of ``weights`` (read as the one-process CLIs read it,
+    :func:`vitp.checkpoint.generator_from_state`) on ``device``, with the :class:`Share` of rank
+    ``r`` of the ``world`` replicas over a plain ``torch.distributed`` group
+    (:func:`vitp.parallel.distributed.init_process_group`; no DeepSpeed). Collective.
+
+    Raises ``ValueError`` for a weights file of another model than ``cfg.model`` (its
+    :data:`vitp.checkpoint.ARCH_KEYS`), ``FileNotFoundError`` for a missing one."""
+    import torch
+
+    from vitp.checkpoint import ARCH_KEYS, check_model_matches, generator_from_state, read_export
+    from vitp.checkpoint.export import file_model, file_partial_sync
+    from vitp.eval.inference import Share
+
+    dist.init_process_group(device, dist.timeout_of(cfg))
+    state, meta = read_export(weights)
+    check_model_matches(file_model(meta), cfg.model, ARCH_KEYS, str(weights),
+                        "pass the weights of this run, or use that file's own run directory")
+    gen = generator_from_state(file_model(meta), state, device, file_partial_sync(meta))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    share = Share(rank, world, 1, torch.distributed.group.WORLD, gathers=True, main=rank == 0)
+    return ShardedGenerator(gen, share, None, lay)
 
 
 @contextlib.contextmanager

@@ -200,6 +200,22 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+def _group_env() -> None:
+    """The environment ``env://`` initialisation reads: the launcher's (mpirun / srun mapped by
+    :func:`adopt_launcher_env`), else a 1-rank group on a free local port."""
+    adopt_launcher_env()  # mpirun / srun ranks, if called without prepare_argv
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if os.environ["WORLD_SIZE"] == "1":
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent hosts the store on its MASTER_PORT
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        else:  # this process hosts its own 1-rank store: any free port. An inherited MASTER_PORT may be
+            # busy (SageMaker's PyTorch container sets 7777 for every job, a restarted one included)
+            os.environ["MASTER_PORT"] = str(free_port())
+    os.environ.setdefault("LOCAL_RANK", "0")
+
+
 def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 1800) -> None:
     """Initialise ``torch.distributed`` through DeepSpeed (gloo on CPU, NCCL on CUDA), a rank
     waiting at most ``timeout_s`` in a collective (:func:`timeout_of` of a run config).
@@ -215,17 +231,7 @@ def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 180
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
     device = device or resolve_device("auto")
-    adopt_launcher_env()  # mpirun / srun ranks, if init_distributed is called without prepare_argv
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    if os.environ["WORLD_SIZE"] == "1":
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent hosts the store on its MASTER_PORT
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        else:  # this process hosts its own 1-rank store: any free port. An inherited MASTER_PORT may be
-            # busy (SageMaker's PyTorch container sets 7777 for every job, a restarted one included)
-            os.environ["MASTER_PORT"] = str(free_port())
-    os.environ.setdefault("LOCAL_RANK", "0")
+    _group_env()
     if device.type == "cpu":
         ds.disable_shm_comm_op()  # training does not use it; its first build takes ~50 s
         if "OMP_NUM_THREADS" not in os.environ:
@@ -240,6 +246,27 @@ def init_distributed(device: Optional[torch.device] = None, timeout_s: int = 180
         verbose=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def init_process_group(device: torch.device, timeout_s: int = 1800) -> None:
+    """A bare ``torch.distributed`` group of the launched ranks (gloo on CPU, NCCL on CUDA; the
+    launcher's ``MASTER_ADDR`` / ``MASTER_PORT``, :func:`adopt_launcher_env`), without DeepSpeed's
+    import or its communication layer: for ranks whose only collectives are plain torch ones (the
+    data-parallel replicas of :func:`vitp.eval.launch.build_replica`); a 1-rank group without a
+    launcher, as :func:`init_distributed` makes it. On CPU without
+    ``OMP_NUM_THREADS`` each rank takes its share of the cores, as :func:`init_distributed` does.
+    Idempotent."""
+    if torch.distributed.is_initialized():
+        return
+    _group_env()
+    if device.type == "cpu":
+        if "OMP_NUM_THREADS" not in os.environ:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    else:
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def timeout_of(cfg) -> int:

@@ -24,7 +24,7 @@ from .flops import forward_flops_per_sample, model_flops_per_step
 from .latents import LatentPlan, decode_memory_bytes, latent_plan, with_vae_geometry
 from .layout import LayoutSpec, candidate_layouts, layout_of
 from .memory import STATE_BYTES, MemoryOptions, StageMemory, StateBytes, block_saved, stage_memory
-from .phases import PhaseCost, format_phases, phase_costs, phase_costs_of
+from .phases import PhaseCost, format_phases, phase_costs, phase_costs_of, replica_bytes
 from .planner import Prediction, format_table, plan, predict
 from .shapes import ModelShape, layer_params, layer_params_per_rank, plan_report, stage_layer_ranges
 from .steptime import step_time
@@ -33,7 +33,7 @@ from .units import GIB, format_bytes
 __all__ = [
     "AUTO_KEYS", "AutoChoice", "choose_layout", "fixed_keys", "CP_TAGS", "cp_collectives", "plan_collectives",
     "Collective", "DeviceProfile", "LatentPlan", "decode_memory_bytes", "latent_plan", "with_vae_geometry",
-    "PhaseCost", "format_phases", "phase_costs", "phase_costs_of", "LayoutSpec",
+    "PhaseCost", "format_phases", "phase_costs", "phase_costs_of", "replica_bytes", "LayoutSpec",
     "MemoryOptions", "ModelShape", "PRESETS", "Prediction",
     "STATE_BYTES", "StageComm", "StageMemory", "StateBytes", "block_saved", "cached_cpu_profile", "candidate_layouts",
     "cpu_profile", "default_cpu_profile",

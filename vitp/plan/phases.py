@@ -76,8 +76,9 @@ def _working_bytes(model: Dict[str, Any], lay: LayoutSpec, batch: int) -> float:
     micro-batch (the largest of any stage), the largest parameter in fp32 (the EMA swap), and the
     ODE state of ``batch`` samples."""
     shape = ModelShape.from_config(model)
-    layer = max(layer_saved_bytes(shape, i, lay) for a, b in stage_layer_ranges(shape.depth, lay.pp)
-                for i in range(a, b))
+    layers = range(shape.depth + 2) if lay.pp == 1 else \
+        [i for a, b in stage_layer_ranges(shape.depth, lay.pp) for i in range(a, b)]  # imports DeepSpeed
+    layer = max(layer_saved_bytes(shape, i, lay) for i in layers)
     mlp = int(shape.width * float(model.get("mlp_ratio", 4.0)))
     param = 4.0 * shape.width * max(mlp, 3 * shape.width) / lay.tp
     return lay.micro * layer + param + batch * ODE_TENSORS * shape.pixels * 4
@@ -121,6 +122,24 @@ def phase_costs_of(cfg: Any, pred: Any, model: Dict[str, Any], prof: Any) -> Lis
 
     state = max(m.weights + m.grads + m.optimizer + m.ema for m in pred.memory)
     return phase_costs(cfg, model, pred.layout, prof, state, decode_bytes=decode_memory_bytes(cfg))
+
+
+def replica_bytes(cfg: Any, model: Dict[str, Any], device: str = "cpu") -> float:
+    """Peak device bytes of one rank that samples and evaluates with the whole generator (``tp = cp =
+    pp = 1``, a data-parallel replica of ``vitp-sample`` / ``vitp-eval``): the fp32 weights (no
+    optimizer, gradients or EMA), one layer's activations and the ODE state of the largest forward
+    (``sampler.batch_size`` samples, doubled by classifier-free guidance, or one held-out batch of
+    ``trainer.micro_batch_size``), and a latent run's decode (:func:`vitp.plan.latents.decode_memory_bytes`).
+    ``cfg``: a run config (mapping with ``sampler``, ``trainer``, ``model``); ``model``: its resolved ``model``."""
+    from .latents import decode_memory_bytes
+    from .shapes import layer_params
+
+    s = cfg["sampler"]
+    batch = max(1, int(s["batch_size"])) * (2 if float(s["cfg_scale"]) != 1.0 else 1)
+    batch = max(batch, int(cfg["trainer"]["micro_batch_size"]))
+    lay = LayoutSpec(tp=1, pp=1, dp=1, sp=False, ac=0, micro=batch, accum=1, device=device)
+    weights = 4.0 * sum(sum(layer.values()) for layer in layer_params(model))
+    return weights + _working_bytes(model, lay, batch) + decode_memory_bytes(cfg)
 
 
 def format_phases(costs: List[PhaseCost], limit_bytes: float) -> str:
