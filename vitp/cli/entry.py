@@ -27,6 +27,21 @@ def run(prog: str, module: str) -> None:
         interrupt.clear()
         print(interrupt.line(prog, e), file=sys.stderr, flush=True)
         raise SystemExit(EXIT_SIGINT) from None
+    except SystemExit:
+        _close_process_group()
+        raise
+
+
+def _close_process_group() -> None:
+    """Take down a process group a refused launch leaves before the interpreter exits: torn down
+    by the interpreter's own exit, rank 0's store could abort the process ("terminate called without
+    an active exception", exit -6 instead of 2) while another rank still held a connection."""
+    torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
+        try:
+            torch_dist.destroy_process_group()
+        except Exception:  # exiting anyway: the exit status says what happened
+            pass
 
 
 def train() -> None:
