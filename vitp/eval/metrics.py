@@ -256,6 +256,13 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
         npz = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".npz")
         ids = item_ids(heldout_ds) if len(heldout_ds) else None
         res.update(fid_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share, ids))
+    return report(res, share, logger, step, full, run_dir, out)
+
+
+def report(res: Dict[str, Any], share: Any, logger: Any, step: Optional[int], full: bool, run_dir: Any,
+           out: Optional[Path]) -> Dict[str, Any]:
+    """Rank 0's part of an evaluation: its float results to TensorBoard (``eval/<key>``) and, for a
+    full one, ``eval.json`` (or ``out``) and a log line; returns ``res``."""
     if not share.main:
         return res
     if logger is not None and step is not None:

@@ -267,7 +267,6 @@ def wan_evaluate(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pa
     floats go to TensorBoard as ``eval/<key>``. Rank 0 returns (and writes) everything, the other
     ranks the held-out loss. ``buckets`` must be empty (Wan trains one shape)."""
     from vitp.models.wan_run import wan_loss, wan_source
-    from vitp.utils import atomic_write_text
 
     if buckets:
         raise ValueError("data.buckets with model.family=wan: Wan is evaluated at one latent shape")
@@ -278,14 +277,9 @@ def wan_evaluate(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pa
         res.update(wan_heldout_loss(gen, cfg, heldout_ds, conditioning, loss, share))
     if full and int(cfg.model.num_frames) > 1 and len(heldout_ds):
         res.update(wan_video_metrics(gen, cfg, heldout_ds, conditioning, share))
-    if not share.main:
-        return res
-    if logger is not None and step is not None:
-        logger.scalars(step, {f"eval/{k}": v for k, v in res.items() if isinstance(v, float)}, jsonl=False)
-    if full:
-        atomic_write_text(out if out is not None else Path(run_dir) / "eval.json", json.dumps(res, indent=2) + "\n")
-        log.info("eval: %s", {k: v for k, v in res.items() if isinstance(v, (int, float))})
-    return res
+    from .metrics import report
+
+    return report(res, share, logger, step, full, run_dir, out)
 
 
 # ----------------------------------------------------------------------------- vitp-eval RUN
