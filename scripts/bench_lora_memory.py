@@ -1,7 +1,7 @@
 """Per-rank memory and bytes of a LoRA run on a ~30M-parameter Wan base (issue 52's memory criterion).
 
     python scripts/bench_lora_memory.py [--out lora_memory.json] [--world 8 --tp 2 --pp 2] [--rank 8]
-        [--steps 3] [--width 512 --heads 4 --ffn 1536 --layers 8]
+        [--steps 3] [--compress auto|none] [--width 512 --heads 4 --ffn 1536 --layers 8]
 
 Writes a random Wan text-to-video folder with ``scripts/make_tiny_wan.py`` (its tiny config with
 ``--width`` = heads x head channels, ``--ffn``, ``--layers`` replaced: the defaults give 31.6M
@@ -144,7 +144,7 @@ def run(a, tmp: Path) -> dict:
     folder = write_base(tmp / "base", a.width, a.heads, a.ffn, a.layers)
     over = ["experiment=wan_smoke", f"trainer.init_from={folder}", f"data.text_embeddings={tmp / 'captions'}",
             f"parallel.tp={a.tp}", f"parallel.pp={a.pp}", "trainer.lora.enabled=true", f"trainer.lora.rank={a.rank}",
-            f"trainer.max_steps={a.steps}", "eval.enabled=false"]
+            f"trainer.max_steps={a.steps}", "eval.enabled=false", f"trainer.checkpoint_compress={a.compress}"]
     cfg = compose(over)
     validate_config(cfg)
     ensure_text_embeddings(cfg)
@@ -189,6 +189,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--compress", default="auto", choices=["auto", "zstd", "none"],
+                    help="trainer.checkpoint_compress (auto: zstd, a LoRA run)")
     for k, v in SIZES.items():
         ap.add_argument(f"--{k}", type=int, default=v)
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")

@@ -39,6 +39,7 @@ DatasetName = Choice("DatasetName", {n: n for n in ("digits", "image_folder", "s
 SamplerMethod = Choice("SamplerMethod", {"heun": "heun", "euler": "euler"})
 Schedule = Choice("Schedule", {"constant": "constant", "cosine": "cosine"})
 Precision = Choice("Precision", {"auto": "auto", "fp32": "fp32", "bf16": "bf16"})
+Compression = Choice("Compression", {"auto": "auto", "zstd": "zstd", "none": "none"})
 Device = Choice("Device", {"auto": "auto", "cpu": "cpu", "cuda": "cuda"})
 CompileMode = Choice("CompileMode", {"off": "off", "blocks": "blocks"})
 ModelFamily = Choice("ModelFamily", {"vit": "vit", "wan": "wan"})
@@ -222,6 +223,7 @@ class TrainerConfig:
     checkpoint_every: int = 500  # steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT)
     keep_checkpoints: int = 3  # newest complete checkpoints kept (0 = keep all)
     checkpoint_async: bool = True  # write checkpoints in the background once staged in host memory (false: training waits)
+    checkpoint_compress: Compression = Compression.auto  # "auto" (zstd for LoRA runs: many small pieces) | "zstd" (each piece through DCP's ZStandard stream) | "none"
     export_shard_size_mb: float = 5120.0  # final weights: one safetensors file up to this size, else Hugging Face-style shards of at most this many MiB
     resume: str = "auto"  # "auto" (latest checkpoint of the run dir, if any) | "never" | path to a checkpoint
     exit_at_step: Optional[int] = None  # save a checkpoint and exit 0 after this step (resume continues)

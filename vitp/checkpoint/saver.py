@@ -35,8 +35,10 @@ class CheckpointWriter:
     ``stats`` holds, per save, ``blocked_s`` (the training stall: waiting for the previous save,
     staging, submitting) and ``write_s`` (the background phase, until published)."""
 
-    def __init__(self, ckpt_dir: Path, storage: StorageGroups, keep: int, asynchronous: bool = True):
+    def __init__(self, ckpt_dir: Path, storage: StorageGroups, keep: int, asynchronous: bool = True,
+                 compress: bool = False):
         self.dir, self.storage, self.keep, self.asynchronous = ckpt_dir, storage, keep, asynchronous
+        self.compress = compress
         self.group = None
         self._pending: Optional[Future] = None
         self.stats: List[Dict[str, float]] = []
@@ -60,7 +62,8 @@ class CheckpointWriter:
         self._ensure_group()
         staged = stage()
         args = dict(ckpt_dir=self.dir, step=step, staged=staged, rng=rng, record=record, storage=self.storage,
-                    group=self.group, keep=self.keep, to_first=final and not self.storage.shared)
+                    group=self.group, keep=self.keep, to_first=final and not self.storage.shared,
+                    compress=self.compress)
         stat = {"step": step}
         if final or not self.asynchronous:
             write_checkpoint(**args)

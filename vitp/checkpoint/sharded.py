@@ -250,8 +250,7 @@ def _reader_class():
             this rank's boxes it overlaps (DCP reads it once per box), tensors only."""
             from torch.distributed.checkpoint.planner import LoadItemType
 
-            if any(r.type != LoadItemType.TENSOR or self.storage_data[r.storage_index].transform_descriptors
-                   for r in plan.items):
+            if any(r.type != LoadItemType.TENSOR for r in plan.items):
                 return super().read_data(plan, planner)
             by_piece: Dict[Any, List[Any]] = {}
             for req in plan.items:
@@ -262,7 +261,10 @@ def _reader_class():
                     f.seek(offset)
                     data = f.read(length)
                 self.bytes_read += length
-                try:
+                try:  # a compressed piece (trainer.checkpoint_compress) through its stream extensions
+                    descriptors = self.storage_data[reqs[0].storage_index].transform_descriptors or ()
+                    if descriptors:
+                        data = self.transforms.transform_load_stream(reqs[0], descriptors, io.BytesIO(data)).read(-1)
                     stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
                 except Exception as e:  # torch's own advice (weights_only=False) must not reach the user
                     raise ValueError(f"checkpoint file {Path(self.path) / rel} is corrupt: its piece of "

@@ -87,7 +87,9 @@ class Checkpointer:
         self.storage = storage or StorageGroups.single(dist.world_size(), dist.rank())
         self.dir = run_dir / "checkpoints"
         self.every, self.keep = tr.checkpoint_every, tr.keep_checkpoints
-        self.writer = CheckpointWriter(self.dir, self.storage, self.keep, asynchronous=tr.checkpoint_async)
+        compress = tr.checkpoint_compress == "zstd" or (tr.checkpoint_compress == "auto" and tr.lora.enabled)
+        self.writer = CheckpointWriter(self.dir, self.storage, self.keep, asynchronous=tr.checkpoint_async,
+                                       compress=compress)
         self.bytes_read = 0  # by this rank's resume
         self.lora = None  # a LoRA run's record: adapters, pieces, base folder and hash (vitp.models.lora)
         if tr.lora.enabled:

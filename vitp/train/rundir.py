@@ -42,7 +42,7 @@ LOCK_FILE = ".vitp.lock"
 # keys a relaunch may change without making it another run (how long, where to copy, how to load)
 RELAUNCH_KEYS = ("trainer.resume", "trainer.exit_at_step", "trainer.exit_after_minutes", "trainer.progress",
                  "trainer.max_steps", "trainer.export_dir", "trainer.output_data_dir", "trainer.tensorboard_dir",
-                 "trainer.checkpoint_async", "trainer.export_shard_size_mb", "trainer.dist_timeout_minutes",
+                 "trainer.checkpoint_async", "trainer.checkpoint_compress", "trainer.export_shard_size_mb", "trainer.dist_timeout_minutes",
                  "data.num_workers")
 _held: List[tuple] = []  # (buffer, file handler) pairs of hold_log_files
 

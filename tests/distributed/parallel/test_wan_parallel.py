@@ -373,11 +373,11 @@ def test_lora_training_matches_one_process(request, wan_one, wan_train, world, n
 def test_lora_checkpoint_holds_adapters_and_their_optimizer_state_only(wan_one, wan_train):
     """The checkpoint holds adapter tensors alone (no base tensor) in four kinds (weights, EMA, two
     AdamW moments): its tensor bytes are exactly the adapters' fp32 state times 4 (the files add
-    DCP's per-tensor framing, the RNG streams and the record); the run records its base's folder
-    and hash."""
+    DCP's per-tensor framing, the RNG streams and the record), each piece zstd-compressed (the
+    resume test reads them back); the run records its base's folder and hash."""
     import json
 
-    from vitp.checkpoint.sharded import tensor_shapes
+    from vitp.checkpoint.sharded import read_metadata, tensor_shapes
     from vitp.models.lora import base_hash
 
     run = Path(wan_train["runs"]) / "lora_one"
@@ -387,6 +387,8 @@ def test_lora_checkpoint_holds_adapters_and_their_optimizer_state_only(wan_one, 
     n = sum(math.prod(s) for s, _ in kinds["model"].values())
     stored = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for sh in kinds.values() for s, d in sh.values())
     assert n > 0 and stored == 4 * 4 * n  # fp32 weights, EMA, exp_avg, exp_avg_sq of the adapters, nothing else
+    pieces = read_metadata(tag).storage_data.values()  # trainer.checkpoint_compress=auto: zstd for LoRA
+    assert pieces and all(list(p.transform_descriptors or ()) == ["stream.zstd/1"] for p in pieces)
     record = json.loads((tag / "vitp_meta.json").read_text())["lora"]
     source = Path(wan_train["folder"]) / "transformer"
     assert record["base"] == {"folder": str(source), "hash": base_hash(source)}
@@ -415,6 +417,25 @@ def test_lora_eight_ranks_optimizer_state_and_checkpoint_hold_the_adapters_only(
     stored = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for sh in kinds.values()
                  for s, d in sh.values())
     assert n > 0 and stored == 16 * n
+
+
+def test_lora_resumed_and_continued_at_another_layout(wan2, wan_one, wan_train):
+    """A LoRA run stopped after step 2 at tp2 + SP and resumed from that checkpoint (zstd pieces) at
+    cp2 in a new run dir equals one process's 4 steps (loss, grad norm, live and EMA adapters); the
+    tp2 + SP run's diffusers file continued at cp2 (one step at lr 0) keeps the file's adapters."""
+    from safetensors.torch import load_file
+
+    runs, one = Path(wan_train["runs"]), wan_one["lora_one"]
+    for r in wan2:
+        stopped, resumed = r["train"]["lora_stop_tp2_sp"], r["train"]["lora_resumed_cp2"]
+        assert stopped["stopped_at"] == 2 and len(resumed["losses"]) == 2
+        np.testing.assert_allclose(stopped["losses"] + resumed["losses"], one["losses"], rtol=TOL)
+        np.testing.assert_allclose(stopped["grad_norms"] + resumed["grad_norms"], one["grad_norms"], rtol=TOL)
+    _same_adapters(_adapters(runs / "lora_resumed_cp2"), _adapters(runs / "lora_one"))
+    got, want = (load_file(str(runs / n / "lora" / "lora.safetensors")) for n in ("lora_cont_cp2", "lora_tp2_sp"))
+    assert got.keys() == want.keys() and len(want) == 2 * 5 * 2
+    for k, v in want.items():  # B within the rounding of the file's folded alpha / r
+        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=0, msg=k)
 
 
 def test_lora_training_resumes_exactly_and_refuses_another_base(wan_one, wan_train):

@@ -394,10 +394,32 @@ def optimizer_state(tr) -> dict:
 
 def train_cases(rank: int, world: int, train: dict) -> dict:
     """:data:`TRAIN_LAYOUTS` of ``world`` trained in turn, the full fine-tunings with :data:`EVAL` (run dirs
-    ``<runs>/<name>``): ``{name: train_measured(...)}``."""
-    return {name: train_measured(rank, wan_smoke(train, *over, *(() if name.startswith("lora_") else EVAL)),
-                                 f"{train['runs']}/{name}")
-            for name, over in TRAIN_LAYOUTS[world].items()}
+    ``<runs>/<name>``): ``{name: train_measured(...)}``; at 2 ranks also :func:`lora_relaunches`."""
+    out = {name: train_measured(rank, wan_smoke(train, *over, *(() if name.startswith("lora_") else EVAL)),
+                                f"{train['runs']}/{name}")
+           for name, over in TRAIN_LAYOUTS[world].items()}
+    return {**out, **(lora_relaunches(train) if world == 2 else {})}
+
+
+def lora_relaunches(train: dict) -> dict:
+    """A LoRA run relaunched at another layout, in the 2-rank group: ``lora_stop_tp2_sp`` stops after
+    step 2 at tp2 + SP, ``lora_resumed_cp2`` resumes its checkpoint (zstd pieces) at cp2 in a new run
+    dir; ``lora_cont_cp2`` continues ``lora_tp2_sp``'s diffusers file for one step at lr 0 at cp2
+    (rank, alpha and targets from the file). ``{name: {"losses", "grad_norms", "stopped_at"}}``."""
+    from vitp.config import compose
+    from vitp.train import train as fit
+
+    runs, keys = train["runs"], ("losses", "grad_norms", "stopped_at")
+    cases = {"lora_stop_tp2_sp": [*_TP_SP, *LORA_TRAIN, "trainer.exit_at_step=2"],
+             "lora_resumed_cp2": ["parallel.cp=2", *LORA_TRAIN,
+                                  f"trainer.resume={runs}/lora_stop_tp2_sp/checkpoints/step_0000002"],
+             "lora_cont_cp2": ["parallel.cp=2", "trainer.lora.enabled=true", "optim.lr=0", "trainer.max_steps=1",
+                               f"trainer.lora.init_from={runs}/lora_tp2_sp/lora/pytorch_lora_weights.safetensors"]}
+    out = {}
+    for name, over in cases.items():
+        res = fit(compose(wan_smoke(train, *over)), f"{runs}/{name}")
+        out[name] = {k: res[k] for k in keys}
+    return out
 
 
 def plan_measure_wan(rank: int, train: dict) -> dict:
