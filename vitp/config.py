@@ -253,6 +253,7 @@ class FidConfig:
     block: int = 1000  # samples per resumable block (RUN/<eval file>.parts/): a stopped evaluation resumes at the first missing block
     batch_size: int = 50  # images per Inception forward (per replica)
     seed: int = 4321  # sample i starts from the noise of (seed, i): the same set in any layout
+    every: int = 0  # training: steps between FID evaluations (RUN/fid/step_N.npz, eval/fid in TensorBoard); 0 = at the end only
 
 
 @dataclass
@@ -488,6 +489,7 @@ FIELD_RULES: Dict[str, Rule] = {
     "eval.fid.block": span(1),
     "eval.fid.batch_size": span(1),
     "eval.fid.seed": _SEED,
+    "eval.fid.every": span(0, note="0 = at the end only"),
 }
 
 # Fields any value of their type may hold, and who checks them instead
@@ -761,6 +763,9 @@ def _check_run(cfg: "DictConfig") -> None:
     _fail(not (tr.init_from and tr.init_from_timm), "set trainer.init_from or trainer.init_from_timm, not both")
     _fail(not cfg.data.class_per_shot or cfg.data.scene_cut_threshold is not None,
           "data.class_per_shot=true needs shots: set data.scene_cut_threshold (e.g. 10)")
+    _fail(not (cfg.model.family == "wan" and cfg.eval.fid.num),
+          f"eval.fid.num={cfg.eval.fid.num}: FID of a Wan run is not built yet (a Wan run's evaluation: held-out "
+          "loss, sample grids, video statistics, docs/finetuning.md); set eval.fid.num=0")
     if len(tr.profile_steps) == 2:
         a, b, n = *tr.profile_steps, tr.max_steps
         fix = f"trainer.profile_steps=[{max(1, min(a, n))},{n}]" if n >= 1 else "trainer.profile_steps=[]"

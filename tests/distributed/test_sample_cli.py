@@ -33,8 +33,8 @@ BIN = Path(sys.executable).parent
 RUN = ["experiment=smoke", "trainer.max_steps=2", "parallel.cp=2", f"trainer.init_from={PERTURBED}"]
 SAMPLING = ["sampler.steps=3"]
 EVAL = ["eval.classifier_epochs=1", "eval.num_samples=20"]
-# FID (vitp.eval.fid) of 16 samples in 2 blocks against 8 training digits, random-weight Inception
-FID = ["eval.fid.num=16", "eval.fid.block=8", "eval.fid.real_num=8", "eval.fid.batch_size=8"]
+# FID (vitp.eval.fid) of 64 samples in 2 blocks against 8 training digits, random-weight Inception
+FID = ["eval.fid.num=64", "eval.fid.block=32", "eval.fid.real_num=8", "eval.fid.batch_size=16"]
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +67,17 @@ def _quiet(p) -> None:
 
 
 @pytest.fixture(scope="module")
-def cp_run(tmp_path_factory):
-    """A 2-step smoke run trained at cp=2 on 2 ranks (its config says parallel.cp=2)."""
+def cp_run(tmp_path_factory, fid_weights):
+    """A 2-step smoke run trained at cp=2 on 2 ranks (its config says parallel.cp=2), with FID after
+    step 1 (``eval.fid.every=1``) and in the final evaluation; the end's ``eval.json`` / ``eval.npz`` are moved to
+    ``<base>/train_eval.*``, so every evaluation below is its own."""
     base = tmp_path_factory.mktemp("cp_run")
-    p = _torchrun(["-m", "vitp.train", *RUN, f"hydra.run.dir={base / 'run'}"], base)
+    p = _torchrun(["-m", "vitp.train", *RUN, "eval.enabled=true", *EVAL, *FID, "eval.fid.every=1",
+                   f"eval.fid.weights={fid_weights}", f"hydra.run.dir={base / 'run'}"], base)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     _quiet(p)
+    for suffix in (".json", ".npz"):
+        (base / "run" / f"eval{suffix}").rename(base / f"train_eval{suffix}")
     return base / "run"
 
 
@@ -135,10 +140,11 @@ def test_sample_under_torchrun_writes_the_one_process_grid(cp_run, one_process, 
 def test_eval_under_torchrun_gives_the_one_process_heldout_loss(cp_run, one_process_eval, fid_weights, tmp_path,
                                                                 layout):
     """Also FID in the default layout (dp2): each replica samples and extracts its share; the ``.npz``
-    is one process's."""
+    is one process's. No rank's resident-memory peak exceeds 1.15x the median rank's."""
     ref, fid = one_process_eval, not layout
     (cp_run / "eval.json").unlink(missing_ok=True)  # the file read below is this launch's
-    extra = [*FID, f"eval.fid.weights={fid_weights}", f"eval.fid.real_stats={tmp_path / 'real.safetensors'}"] if fid else []
+    extra = [*FID, f"eval.fid.weights={fid_weights}", f"eval.fid.real_stats={tmp_path / 'real.safetensors'}"] if fid \
+        else ["eval.fid.num=0"]  # the run's own config asks for FID
     two = _torchrun(["--no-python", str(BIN / "vitp-eval"), str(cp_run), *EVAL, *layout, *extra], tmp_path)  # console script
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     got = json.loads((cp_run / "eval.json").read_text())
@@ -152,8 +158,32 @@ def test_eval_under_torchrun_gives_the_one_process_heldout_loss(cp_run, one_proc
         npz = cp_run / "eval.npz"
         assert npz.read_bytes() == ref["fid_npz"].read_bytes()  # the same samples, byte for byte
         assert got["fid"] == pytest.approx(ref["fid"], rel=1e-6) and got["fid"] > 0
-        assert got["fid_num_samples"] == 16 and got["fid_real_items"] == 8
+        assert got["fid_num_samples"] == 64 and got["fid_real_items"] == 8
         npz.unlink()
+    peaks = got["peak_rss_mib"]  # every rank's VmHWM: rank 0 alone writes files and takes the distance
+    print(f"\nvitp-eval {layout or 'dp2 + FID'}: peak RSS per rank {peaks} MiB")
+    assert len(peaks) == 2 and min(peaks) > 100 and max(peaks) <= 1.15 * float(np.median(peaks)), peaks
+
+
+def test_fid_during_training_in_the_cp2_layout_equals_one_process_eval(cp_run, one_process_eval):
+    """``eval.fid.every=1`` in the 2-step cp=2 training: FID after step 1 and at the end in
+    ``eval.jsonl`` and TensorBoard (``eval/fid``), step 1's samples removed once scored; the end's
+    samples (drawn in the cp=2 training layout) are one-process ``vitp-eval``'s byte for byte, and
+    its FID the same (1e-6)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    base = cp_run.parent
+    rows = [json.loads(x) for x in (cp_run / "eval.jsonl").read_text().splitlines()]
+    fids = {r["step"]: r["fid"] for r in rows if "fid" in r}
+    final = json.loads((base / "train_eval.json").read_text())
+    assert sorted(fids) == [1, 2] and fids[2] == final["fid"] and fids[1] > 0 and fids[1] != fids[2]
+    assert not list((cp_run / "fid").glob("*.npz*"))
+    acc = EventAccumulator(str(cp_run / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("eval/fid")] == [(1, pytest.approx(fids[1])),
+                                                                    (2, pytest.approx(fids[2]))]
+    assert (base / "train_eval.npz").read_bytes() == one_process_eval["fid_npz"].read_bytes()
+    assert final["fid"] == pytest.approx(one_process_eval["fid"], rel=1e-6)
 
 
 def test_flags_under_a_launcher(cp_run, tmp_path, capsys):

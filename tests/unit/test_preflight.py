@@ -173,3 +173,29 @@ def test_a_missing_data_folder_is_named_before_the_memory_check(root, num_classe
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("vitp-train: error: data.root="), err
     assert message in err and "predicted peak memory" not in err
+
+
+def test_the_fid_phase_is_planned_per_replica_with_inception_on_top_of_sampling():
+    """``eval.fid.num``: a ``FID`` phase after the final samples (none without it). On each replica:
+    ``num / dp`` samples at the final samples' forwards per sample, their time plus one Inception-V3
+    forward (11.4 GFLOP) per sample at the device's fp32 efficiency, and the final samples' memory
+    plus Inception's weights, a batch's largest activations and the feature sums."""
+    from vitp.plan import get_profile, phase_costs_of, plan
+    from vitp.plan.phases import FID_SUMS_BYTES, INCEPTION_ACT_BYTES, INCEPTION_BYTES, INCEPTION_FLOPS
+    from vitp.utils import to_dict
+
+    prof = get_profile("h100", 80)
+    base = compose_cfg(["experiment=img256", "eval.num_samples=1000"])
+    cfg = compose_cfg(["experiment=img256", "eval.num_samples=1000", "eval.fid.num=50000", "eval.fid.batch_size=25"])
+    best = plan(base, 8, prof)[0]
+    plain = phase_costs_of(base, best, to_dict(base.model), prof)
+    costs = phase_costs_of(cfg, best, to_dict(cfg.model), prof)
+    assert [c.name for c in plain] == ["sample grid", "held-out loss", "final samples"]
+    assert [c.name for c in costs] == [c.name for c in plain] + ["FID"]
+    final, fid, dp = costs[2], costs[3], best.layout.dp
+    assert fid.samples == -(-50000 // dp) and final.samples == -(-1000 // dp)
+    assert fid.forwards == pytest.approx(final.forwards * fid.samples / final.samples, rel=0.01)
+    inception_s = fid.samples * INCEPTION_FLOPS / (prof.peak_flops["fp32"] * prof.efficiency)
+    assert fid.seconds - inception_s == pytest.approx(final.seconds * fid.samples / final.samples, rel=0.01)
+    assert fid.memory_bytes - final.memory_bytes == INCEPTION_BYTES + 25 * INCEPTION_ACT_BYTES + FID_SUMS_BYTES
+    assert fid.memory_bytes <= best.limit_bytes

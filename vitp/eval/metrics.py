@@ -251,18 +251,43 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
         res.update(video_metrics(gen, cfg, heldout_ds, conditioning, share))
         res["sampler"] = OmegaConf.to_container(cfg.sampler, resolve=True)
     if full and cfg.eval.fid.num:
-        from .fid import fid_metrics
-
         npz = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".npz")
-        ids = item_ids(heldout_ds) if len(heldout_ds) else None
-        res.update(fid_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share, ids))
+        res.update(quality_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share))
     return report(res, share, logger, step, full, run_dir, out)
+
+
+def quality_metrics(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path,
+                    conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
+    """The field's quality numbers of ``eval.fid.num`` samples written to ``npz``: FID
+    (:func:`vitp.eval.fid.fid_metrics`); at the end of a run (:func:`evaluate`) and every
+    ``eval.fid.every`` steps of training. Rank 0's results (``{}`` elsewhere). Collective."""
+    from .fid import fid_metrics
+
+    ids = item_ids(heldout_ds) if len(heldout_ds) else None
+    return fid_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share or Share(), ids)
+
+
+def rank_peaks() -> list:
+    """Every rank's resident-memory peak (``VmHWM`` of ``/proc/self/status``, MiB, 0 where the
+    system has none), in rank order; collective over the world when a process group is up."""
+    try:
+        mine = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        mine = 0.0
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return [round(mine, 1)]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, round(mine, 1))
+    return out
 
 
 def report(res: Dict[str, Any], share: Any, logger: Any, step: Optional[int], full: bool, run_dir: Any,
            out: Optional[Path]) -> Dict[str, Any]:
     """Rank 0's part of an evaluation: its float results to TensorBoard (``eval/<key>``) and, for a
-    full one, ``eval.json`` (or ``out``) and a log line; returns ``res``."""
+    full one, ``peak_rss_mib`` (every rank's resident-memory peak so far, :func:`rank_peaks`),
+    ``eval.json`` (or ``out``) and a log line; returns ``res``. Collective when ``full``."""
+    if full:
+        res = {**res, "peak_rss_mib": rank_peaks()}
     if not share.main:
         return res
     if logger is not None and step is not None:

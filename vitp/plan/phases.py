@@ -1,5 +1,5 @@
 """Memory and time per rank of the phases around the training step: the sample grid, the held-out
-loss and the final evaluation's samples, as :mod:`vitp.eval.inference` runs them (every rank, in
+loss, the final evaluation's samples and (``eval.fid.num``) FID, as :mod:`vitp.eval.inference` runs them (every rank, in
 the training layout, with the EMA swapped into the weights; samples and items split over the dp
 replicas; each forward of at most one training micro-batch, stages overlapping across
 micro-batches as in a forward-only GPipe schedule).
@@ -26,6 +26,14 @@ from .shapes import ModelShape, stage_layer_ranges
 from .steptime import stage_times
 
 ODE_TENSORS = 5  # z, the two velocities of a Heun step, its Euler guess, the prediction (fp32)
+# FID's Inception-V3 (torch-fidelity's port, fp32, 299 x 299 input): 5.7 G multiply-adds per image
+# (Szegedy et al. 2016, arXiv:1512.00567, Table 3), 23.9M parameters; the largest activations are
+# the 147 x 147 x 64 maps, two of which are alive at once; the feature sums and the distance's
+# eigen-decomposition hold about five 2048 x 2048 float64 / complex matrices
+INCEPTION_FLOPS = 2 * 5.7e9
+INCEPTION_BYTES = 4 * 23.9e6
+INCEPTION_ACT_BYTES = 2 * 147 * 147 * 64 * 4
+FID_SUMS_BYTES = 5 * 2048 * 2048 * 16
 
 
 @dataclass(frozen=True)
@@ -111,7 +119,27 @@ def phase_costs(cfg: Any, model: Dict[str, Any], lay: LayoutSpec, prof: Any, sta
         seconds = calls * calls_per * _forward_s(model, lay, prof, m)
         out.append(PhaseCost(name, mine, forwards, work + decode_bytes if name != "held-out loss" else
                              state_bytes + _working_bytes(model, lay, 0), seconds))
+    fid = ev.get("fid") or {}
+    if int(fid.get("num", 0) or 0):
+        out.append(_fid_phase(fid, lay, prof, per_call, nfe(s), guided, work + decode_bytes,
+                              lambda m: _forward_s(model, lay, prof, m)))
     return out
+
+
+def _fid_phase(fid: Any, lay: LayoutSpec, prof: Any, per_call: int, calls_per: float,
+               guided: int, work: float, forward_s: Any) -> PhaseCost:
+    """The ``FID`` phase (``eval.fid.num`` samples, :mod:`vitp.eval.fid`) on the busiest replica:
+    sampling as the final samples are, then one Inception-V3 forward per sample (fp32, at the
+    device's efficiency) with the Inception weights, a batch's largest activations and the feature
+    sums on top of the sampling memory. The real side's statistics are not counted (cached after
+    the first evaluation)."""
+    mine = math.ceil(int(fid["num"]) / lay.dp)
+    calls = math.ceil(mine / per_call)
+    m = math.ceil(min(per_call, mine) * guided / lay.micro)
+    flops = float(prof.peak_flops.get("fp32", max(prof.peak_flops.values()))) * prof.efficiency
+    seconds = calls * calls_per * forward_s(m) + mine * INCEPTION_FLOPS / flops
+    memory = work + INCEPTION_BYTES + int(fid.get("batch_size", 50)) * INCEPTION_ACT_BYTES + FID_SUMS_BYTES
+    return PhaseCost("FID", mine, int(math.ceil(calls * calls_per * m)), memory, seconds)
 
 
 def phase_costs_of(cfg: Any, pred: Any, model: Dict[str, Any], prof: Any) -> List[PhaseCost]:

@@ -165,7 +165,9 @@ def _check_phases(cfg: Any, preds: List[Tuple[str, dict, Any]], prof: Any, on: s
             if c.memory_bytes > pred.limit_bytes:
                 fix = ("trainer.micro_batch_size (its forwards run one training micro-batch at a time)"
                        if c.name == "held-out loss" else f"sampler.batch_size={cfg.sampler.batch_size} (smaller: "
-                       "fewer samples integrated at once on each replica)")
+                       "fewer samples integrated at once on each replica)" +
+                       (f" or eval.fid.batch_size={cfg.eval.fid.batch_size} (images per Inception forward)"
+                        if c.name == "FID" else ""))
                 raise ValueError(f"{c.name}: predicted peak memory {format_bytes(c.memory_bytes)} per rank"
                                  f"{' (' + label + ')' if label else ''} exceeds the {format_bytes(pred.limit_bytes)} "
                                  f"a rank of {on} has (layout planner, as vitp-plan); lower {fix}")

@@ -246,6 +246,13 @@ class Trainer:
 
         cfg = self.cfg
         check_trainable(cfg.data)  # latents come from a latent pack
+        if cfg.eval.fid.every and not cfg.eval.fid.num:
+            raise ValueError(f"eval.fid.every={cfg.eval.fid.every} needs samples: set eval.fid.num (e.g. 5000 during "
+                             "training, 50000 at the end with vitp-eval) and eval.fid.weights=FILE")
+        if cfg.eval.fid.num and (cfg.eval.enabled or cfg.eval.fid.every):  # found now, not after training
+            from vitp.eval.fid import check_weights
+
+            check_weights(cfg.eval.fid.weights)
         # node_first: one rank per node probes video folders and writes the per-node caches, the others map them
         self.train_ds, self.heldout_ds = node_first(lambda: build_datasets(cfg.data, cfg.seed))
         self._on_main_first(lambda: ensure_text_embeddings(cfg))  # the demo's one-command caption encoding
@@ -495,6 +502,28 @@ class Trainer:
             f.write(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float))}) + "\n")
         return res
 
+    def quality_eval(self, step: int) -> Dict[str, Any]:
+        """FID of the EMA weights after ``step`` (``eval.fid.every``; :func:`vitp.eval.metrics.quality_metrics`):
+        the samples go to ``RUN/fid/step_NNNNNNN.npz`` (resumable: a relaunch that reaches the step
+        again reuses its finished blocks) and are removed once scored, the end's ``eval.npz`` being
+        the one kept; the numbers go to TensorBoard (``eval/fid``), ``eval.jsonl`` and the progress
+        bar. Rank 0's results. Collective."""
+        from vitp.eval.metrics import quality_metrics, report
+
+        npz = self.run_dir / "fid" / f"step_{step:07d}.npz"
+        with self.ema_denoiser() as gen:
+            res = quality_metrics(gen, self.cfg, self.train_ds, self.heldout_ds, self.run_dir, npz,
+                                  self.conditioning, self.share)
+        res = report({"step": step, **res}, self.share, self.logger, step, False, self.run_dir, None)
+        if not self.main:
+            return {}
+        npz.unlink(missing_ok=True)
+        res.pop("fid_npz", None)
+        self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in res.items() if isinstance(v, float)))
+        with open(self.run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float))}) + "\n")
+        return res
+
     def save_checkpoint(self, step: int, final: bool = False) -> None:
         """Checkpoint after ``step`` (collective): written in the background unless ``final``
         (published when this returns)."""
@@ -617,6 +646,8 @@ class Trainer:
             self.sample_grid(step)
         if _due(tr.eval_every, step):
             self.heldout_eval(step, final=False)
+        if self.cfg.eval.fid.num and _due(self.cfg.eval.fid.every, step):
+            self.quality_eval(step)
         if self.checkpointer.due(step):
             self.save_checkpoint(step)
 
