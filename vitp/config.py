@@ -254,6 +254,15 @@ class FidConfig:
 
 
 @dataclass
+class ClipConfig:
+    """CLIP score (Hessel et al. 2021) of a caption run's FID samples against their captions, as
+    torchmetrics' ``CLIPScore`` computes it, from a local CLIP folder (docs/evaluation.md)."""
+
+    model: Optional[str] = None  # local transformers CLIP folder (e.g. openai/clip-vit-large-patch14, downloaded beforehand); null = off; needs eval.fid.num and a caption run; never downloaded
+    batch_size: int = 50  # images and captions per CLIP forward (per replica)
+
+
+@dataclass
 class EvalConfig:
     """End-of-run evaluation written to eval.json (also run by vitp-eval)."""
 
@@ -265,6 +274,7 @@ class EvalConfig:
     unseen_prompt_templates: List[str] = field(default_factory=list)  # digits with caption templates: phrasings never trained on, whose prompt accuracy is reported apart
     prompt_samples: int = 10  # digits with caption templates: samples per (template, digit) prompt for the prompt accuracy
     fid: FidConfig = field(default_factory=FidConfig)  # FID / FID-50K (below)
+    clip: ClipConfig = field(default_factory=ClipConfig)  # CLIP score of a caption run's FID samples (below)
 
 
 @dataclass
@@ -486,6 +496,7 @@ FIELD_RULES: Dict[str, Rule] = {
     "eval.fid.block": span(1),
     "eval.fid.batch_size": span(1),
     "eval.fid.seed": _SEED,
+    "eval.clip.batch_size": span(1),
 }
 
 # Fields any value of their type may hold, and who checks them instead
@@ -507,6 +518,7 @@ FREE_FORM: Dict[str, str] = {
     "eval.unseen_prompt_templates": "format strings with {class} / {class_word}",
     "eval.fid.weights": "a local Inception-V3 weights file, checked when the evaluation starts (vitp.eval.fid)",
     "eval.fid.real_stats": "a cache file, written once and checked against the weights and data (vitp.eval.fid)",
+    "eval.clip.model": "a local CLIP folder, checked when the evaluation starts (vitp.eval.clip_score)",
     "trainer.resume": "'auto' | 'never' | a checkpoint, found when training starts",
     "trainer.init_from": "a weights file, read when training starts (a Wan folder: vitp.models.wan_run)",
     "trainer.init_from_timm": "a weights file, read when training starts",
@@ -759,6 +771,12 @@ def _check_run(cfg: "DictConfig") -> None:
     _fail(not (tr.init_from and tr.init_from_timm), "set trainer.init_from or trainer.init_from_timm, not both")
     _fail(not cfg.data.class_per_shot or cfg.data.scene_cut_threshold is not None,
           "data.class_per_shot=true needs shots: set data.scene_cut_threshold (e.g. 10)")
+    if cfg.eval.clip.model:  # CLIP score reads the FID samples and their captions
+        _fail(cfg.eval.fid.num > 0, f"eval.clip.model={cfg.eval.clip.model} scores the FID samples: set eval.fid.num "
+                                    "(and eval.fid.weights), e.g. eval.fid.num=1000")
+        _fail(cfg.model.text_dim > 0, f"eval.clip.model={cfg.eval.clip.model} is set, but this run is class-conditional "
+                                      "(model.text_dim=0): CLIP score compares each sample with its caption; unset "
+                                      "eval.clip.model (eval.clip.model=null)")
     if len(tr.profile_steps) == 2:
         a, b, n = *tr.profile_steps, tr.max_steps
         fix = f"trainer.profile_steps=[{max(1, min(a, n))},{n}]" if n >= 1 else "trainer.profile_steps=[]"

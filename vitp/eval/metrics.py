@@ -228,7 +228,9 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
     """Held-out loss (always; with ``buckets``, ``{name: held-out items}``, per bucket and overall,
     :func:`bucket_heldout_loss`) and, when ``full`` and the data are digits, the judge metrics
     (video: temporal statistics) at ``data.resolution``; with ``full`` and ``eval.fid.num``, FID
-    (:func:`vitp.eval.fid.fid_metrics`, its samples in ``out`` with the suffix ``.npz``). With ``full`` the results are written
+    (:func:`vitp.eval.fid.fid_metrics`, its samples in ``out`` with the suffix ``.npz``) and, with
+    ``eval.clip.model``, the CLIP score of those samples (:func:`vitp.eval.clip_score.clip_metrics`;
+    its folder checked before they are drawn). With ``full`` the results are written
     to ``out`` (default ``run_dir/eval.json``; the judge is cached in ``run_dir`` either way);
     with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``. ``conditioning``:
     how item ids become model inputs (:mod:`vitp.data.text`; default class labels).
@@ -251,11 +253,15 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
         res.update(video_metrics(gen, cfg, heldout_ds, conditioning, share))
         res["sampler"] = OmegaConf.to_container(cfg.sampler, resolve=True)
     if full and cfg.eval.fid.num:
+        from .clip_score import check_clip, clip_metrics
         from .fid import fid_metrics
 
+        clip = check_clip(cfg, conditioning)  # before the FID samples are drawn
         npz = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".npz")
         ids = item_ids(heldout_ds) if len(heldout_ds) else None
         res.update(fid_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share, ids))
+        if clip is not None:  # a caption run: the same samples against their captions
+            res.update(clip_metrics(cfg, npz, conditioning, share, _device(gen)))
     return report(res, share, logger, step, full, run_dir, out)
 
 
