@@ -771,12 +771,9 @@ def _check_run(cfg: "DictConfig") -> None:
     _fail(not (tr.init_from and tr.init_from_timm), "set trainer.init_from or trainer.init_from_timm, not both")
     _fail(not cfg.data.class_per_shot or cfg.data.scene_cut_threshold is not None,
           "data.class_per_shot=true needs shots: set data.scene_cut_threshold (e.g. 10)")
-    if cfg.eval.clip.model:  # CLIP score reads the FID samples and their captions
-        _fail(cfg.eval.fid.num > 0, f"eval.clip.model={cfg.eval.clip.model} scores the FID samples: set eval.fid.num "
-                                    "(and eval.fid.weights), e.g. eval.fid.num=1000")
-        _fail(cfg.model.text_dim > 0, f"eval.clip.model={cfg.eval.clip.model} is set, but this run is class-conditional "
-                                      "(model.text_dim=0): CLIP score compares each sample with its caption; unset "
-                                      "eval.clip.model (eval.clip.model=null)")
+    _fail(not cfg.eval.clip.model or cfg.eval.fid.num > 0,  # CLIP score reads the FID samples
+          f"eval.clip.model={cfg.eval.clip.model} scores the FID samples: set eval.fid.num (and eval.fid.weights), "
+          "e.g. eval.fid.num=1000")
     if len(tr.profile_steps) == 2:
         a, b, n = *tr.profile_steps, tr.max_steps
         fix = f"trainer.profile_steps=[{max(1, min(a, n))},{n}]" if n >= 1 else "trainer.profile_steps=[]"
@@ -817,7 +814,9 @@ def validate_text_run(cfg: "DictConfig") -> None:
     ``vitp-sample`` and ``vitp-encode-captions`` need neither, so :func:`validate_config` leaves it out.
 
     A class-conditional model (``model.text_dim=0``) given caption embeddings is refused too: it
-    would train on labels without a word about the captions.
+    would train on labels without a word about the captions; so is one given ``eval.clip.model``,
+    whose CLIP score compares samples with captions (``vitp-eval`` refuses it too:
+    :func:`vitp.eval.clip_score.check_clip`).
 
     Raises ``ValueError`` naming the option and the fix."""
     m, d = cfg.model, cfg.data
@@ -826,6 +825,9 @@ def validate_text_run(cfg: "DictConfig") -> None:
               f"data.text_embeddings={d.text_embeddings} is set but model.text_dim=0 trains on class labels: set "
               "model.text_dim to the embeddings' channels (e.g. 4096 for T5-XXL, 32 for the demo encoder), or unset "
               "data.text_embeddings")
+        _fail(not cfg.eval.clip.model,
+              f"eval.clip.model={cfg.eval.clip.model} is set, but this run is class-conditional (model.text_dim=0): "
+              "CLIP score compares each sample with its caption; unset eval.clip.model (eval.clip.model=null)")
         return
     _fail(d.captions is not None or d.name == "shards",
           f"model.text_dim={m.text_dim} trains on captions, but data.captions is unset: set data.captions=sidecar "

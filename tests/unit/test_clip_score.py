@@ -159,10 +159,10 @@ def test_missing_or_wrong_folders_are_refused(folder, tmp_path):
 
 
 def test_a_class_label_run_or_no_fid_samples_is_refused(folder):
-    """CLIP score needs captions and the FID samples: the config check refuses a class-label run
-    and ``eval.fid.num=0`` before anything runs (vitp-train and vitp-eval both check), and so does
-    the evaluation given class labels."""
-    from vitp.config import compose, validate_config
+    """CLIP score needs the FID samples and captions: the config check refuses ``eval.fid.num=0``,
+    vitp-train's checks a class-label run (before any process group), and so do vitp-eval's
+    (:func:`check_clip`, before the generator is loaded) and the evaluation given class labels."""
+    from vitp.config import compose, validate_config, validate_text_run
     from vitp.data.text import ClassConditioning
     from vitp.eval.clip_score import check_clip
 
@@ -170,10 +170,10 @@ def test_a_class_label_run_or_no_fid_samples_is_refused(folder):
     with pytest.raises(ValueError, match=f"{clip} scores the FID samples: set eval.fid.num"):
         validate_config(compose(["experiment=smoke", clip]))
     cfg = compose(["experiment=smoke", clip, "eval.fid.num=4"])
+    validate_config(cfg)  # the config alone: vitp-eval applies it to a run, which may be a caption run
     with pytest.raises(ValueError, match=f"{clip} is set, but this run is class-conditional .* unset eval.clip.model"):
-        validate_config(cfg)
-    with pytest.raises(ValueError, match="this run is class-conditional"):
-        check_clip(cfg, ClassConditioning(10))
-    with pytest.raises(ValueError, match="this run is class-conditional"):
-        check_clip(cfg)
+        validate_text_run(cfg)
+    for cond in (ClassConditioning(10), None):  # the evaluation's conditioning; vitp-eval's check (the config's)
+        with pytest.raises(ValueError, match="this run is class-conditional .* unset eval.clip.model"):
+            check_clip(cfg, cond)
     assert check_clip(compose(["experiment=smoke"])) is None  # off by default

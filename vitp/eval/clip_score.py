@@ -119,6 +119,9 @@ def load_clip(path: Any, device: Any = "cpu") -> Tuple[Any, Any]:
     return model, CLIPProcessor.from_pretrained(str(p), local_files_only=True)
 
 
+_warned: List[bool] = []  # whether this process said that captions are cut
+
+
 def _features(out: Any) -> torch.Tensor:
     # transformers >= 5 returns a ModelOutput whose pooler_output is the projected embedding
     return out if isinstance(out, torch.Tensor) else out.pooler_output
@@ -129,8 +132,8 @@ def pair_scores(model: Any, processor: Any, images: Any, captions: Sequence[str]
     """``(B,)`` float32 on the model's device: ``100 cos(E_I, E_C)`` of each image of ``images``
     (``(B, H, W, 3)`` uint8, a tensor or array) with its caption, as torchmetrics'
     ``_clip_score_update`` computes it (unclamped). Captions longer than the text model's
-    ``max_position_embeddings`` tokens are cut there, as the library cuts them (a warning says how
-    many). Raises ``ValueError`` when the counts differ."""
+    ``max_position_embeddings`` tokens are cut there, as the library cuts them (a warning, once per
+    process). Raises ``ValueError`` when the counts differ."""
     if len(images) != len(captions):
         raise ValueError(f"CLIP score pairs images with captions: {len(images)} images, {len(captions)} captions")
     device = next(model.parameters()).device
@@ -142,8 +145,10 @@ def pair_scores(model: Any, processor: Any, images: Any, captions: Sequence[str]
     ids, mask = tok["input_ids"], tok["attention_mask"]
     limit = int(model.config.text_config.max_position_embeddings)
     if ids.shape[-1] > limit:
-        log.warning("CLIP score: %d caption(s) longer than %d tokens are cut there (as torchmetrics' CLIPScore cuts "
-                    "them)", int((mask.sum(-1) > limit).sum()), limit)
+        if not _warned:  # once per process: every batch of a long-captioned data set would say it
+            _warned.append(True)
+            log.warning("CLIP score: captions longer than %d tokens are cut there, as torchmetrics' CLIPScore cuts "
+                        "them (%d in this batch)", limit, int((mask.sum(-1) > limit).sum()))
         ids, mask = ids[..., :limit], mask[..., :limit]
     txt = _features(model.get_text_features(ids.to(device), mask.to(device)))
     img, txt = img / img.norm(p=2, dim=-1, keepdim=True), txt / txt.norm(p=2, dim=-1, keepdim=True)
