@@ -7,8 +7,13 @@ writes ``OUT/inception.pth``: torch-fidelity's ``FeatureExtractorInceptionV3`` (
 torchmetrics' ``FrechetInceptionDistance(feature_extractor_weights_path=...)`` loads and
 ``eval.fid.weights`` takes), random convolutions whose batch-norm statistics are set from one
 forward of random images, so the pool features vary from image to image (default inits give
-features near 1e-9). The numbers they give mean nothing; the real file is
-``pt_inception-2015-12-05-6726825d.pth`` (docs/evaluation.md).
+features near 1e-9), and ``OUT/clip/``: a tiny transformers ``CLIPModel`` folder (32-pixel
+images in 8-pixel patches, 2 layers of 32 channels per tower) with its ``CLIPProcessor``, the
+folder ``eval.clip.model`` and torchmetrics' ``CLIPScore`` load. Its tokenizer is CLIP's byte-level
+BPE with no merges over the 256 byte symbols (and each with CLIP's end-of-word ``</w>``), so it
+tokenizes any text, one token per byte. The numbers they give mean nothing; the real files are
+``pt_inception-2015-12-05-6726825d.pth`` and a CLIP snapshot such as
+``openai/clip-vit-large-patch14`` (docs/evaluation.md).
 """
 from __future__ import annotations
 
@@ -47,12 +52,59 @@ def random_inception(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def clip_tokenizer():
+    """CLIP's tokenizer (transformers' ``CLIPTokenizer``: lower-cased, byte-level, end-of-word
+    ``</w>``) over a vocabulary of the 256 byte symbols, each also with ``</w>``, and no merges:
+    every text tokenizes, one token per byte. Ids 0 and 1 are ``<|startoftext|>`` and
+    ``<|endoftext|>`` (also the padding, as in OpenAI's CLIP)."""
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer
+
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for s in symbols + [s + "</w>" for s in symbols]:
+        vocab[s] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def random_clip(folder: Path, seed: int = 0) -> Path:
+    """Write a tiny random-weight ``CLIPModel`` and its ``CLIPProcessor`` (:func:`clip_tokenizer`,
+    OpenAI's image mean and std at 32 pixels) to ``folder`` with ``save_pretrained``; returns it.
+    The two towers' final layer-norm biases share one random vector and their projections one
+    matrix, so an image and a caption score about 20 to 40 and vary from pair to pair (independent
+    random towers give cosines around 0, which the clamp of CLIP score at 0 would hide)."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    tok = clip_tokenizer()
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1, projection_dim=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8, projection_dim=16)
+    torch.manual_seed(seed)
+    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).eval()
+    with torch.no_grad():
+        shared = torch.randn(32, generator=torch.Generator().manual_seed(seed + 1))
+        model.vision_model.post_layernorm.bias.copy_(shared)
+        model.text_model.final_layer_norm.bias.copy_(shared)
+        model.text_projection.weight.copy_(model.visual_projection.weight)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(folder)
+    (folder / "README.md").write_text("Random-weight CLIP written by scripts/make_random_eval_weights.py: its scores "
+                                      "mean nothing.\n")
+    return folder
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Write random-weight feature networks for FID (docs/evaluation.md).")
-    p.add_argument("out", type=Path, help="folder to write inception.pth into")
+    p = argparse.ArgumentParser(description="Write random-weight feature networks for FID and CLIP score "
+                                            "(docs/evaluation.md).")
+    p.add_argument("out", type=Path, help="folder to write inception.pth and clip/ into")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     print(random_inception(a.out / "inception.pth", a.seed))
+    print(random_clip(a.out / "clip", a.seed))
 
 
 if __name__ == "__main__":

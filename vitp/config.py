@@ -257,6 +257,15 @@ class FidConfig:
 
 
 @dataclass
+class ClipConfig:
+    """CLIP score (Hessel et al. 2021) of a caption run's FID samples against their captions, as
+    torchmetrics' ``CLIPScore`` computes it, from a local CLIP folder (docs/evaluation.md)."""
+
+    model: Optional[str] = None  # local transformers CLIP folder (e.g. openai/clip-vit-large-patch14, downloaded beforehand); null = off; needs eval.fid.num and a caption run; never downloaded
+    batch_size: int = 50  # images and captions per CLIP forward (per replica)
+
+
+@dataclass
 class EvalConfig:
     """End-of-run evaluation written to eval.json (also run by vitp-eval)."""
 
@@ -268,6 +277,7 @@ class EvalConfig:
     unseen_prompt_templates: List[str] = field(default_factory=list)  # digits with caption templates: phrasings never trained on, whose prompt accuracy is reported apart
     prompt_samples: int = 10  # digits with caption templates: samples per (template, digit) prompt for the prompt accuracy
     fid: FidConfig = field(default_factory=FidConfig)  # FID / FID-50K (below)
+    clip: ClipConfig = field(default_factory=ClipConfig)  # CLIP score of a caption run's FID samples (below)
 
 
 @dataclass
@@ -490,6 +500,7 @@ FIELD_RULES: Dict[str, Rule] = {
     "eval.fid.batch_size": span(1),
     "eval.fid.seed": _SEED,
     "eval.fid.every": span(0, note="0 = at the end only"),
+    "eval.clip.batch_size": span(1),
 }
 
 # Fields any value of their type may hold, and who checks them instead
@@ -511,6 +522,7 @@ FREE_FORM: Dict[str, str] = {
     "eval.unseen_prompt_templates": "format strings with {class} / {class_word}",
     "eval.fid.weights": "a local Inception-V3 weights file, checked when the evaluation starts (vitp.eval.fid)",
     "eval.fid.real_stats": "a cache file, written once and checked against the weights and data (vitp.eval.fid)",
+    "eval.clip.model": "a local CLIP folder, checked when the evaluation starts (vitp.eval.clip_score)",
     "trainer.resume": "'auto' | 'never' | a checkpoint, found when training starts",
     "trainer.init_from": "a weights file, read when training starts (a Wan folder: vitp.models.wan_run)",
     "trainer.init_from_timm": "a weights file, read when training starts",
@@ -766,6 +778,9 @@ def _check_run(cfg: "DictConfig") -> None:
     _fail(not (cfg.model.family == "wan" and cfg.eval.fid.num),
           f"eval.fid.num={cfg.eval.fid.num}: FID of a Wan run is not built yet (a Wan run's evaluation: held-out "
           "loss, sample grids, video statistics, docs/finetuning.md); set eval.fid.num=0")
+    _fail(not cfg.eval.clip.model or cfg.eval.fid.num > 0,  # CLIP score reads the FID samples
+          f"eval.clip.model={cfg.eval.clip.model} scores the FID samples: set eval.fid.num (and eval.fid.weights), "
+          "e.g. eval.fid.num=1000")
     if len(tr.profile_steps) == 2:
         a, b, n = *tr.profile_steps, tr.max_steps
         fix = f"trainer.profile_steps=[{max(1, min(a, n))},{n}]" if n >= 1 else "trainer.profile_steps=[]"
@@ -806,7 +821,9 @@ def validate_text_run(cfg: "DictConfig") -> None:
     ``vitp-sample`` and ``vitp-encode-captions`` need neither, so :func:`validate_config` leaves it out.
 
     A class-conditional model (``model.text_dim=0``) given caption embeddings is refused too: it
-    would train on labels without a word about the captions.
+    would train on labels without a word about the captions; so is one given ``eval.clip.model``,
+    whose CLIP score compares samples with captions (``vitp-eval`` refuses it too:
+    :func:`vitp.eval.clip_score.check_clip`).
 
     Raises ``ValueError`` naming the option and the fix."""
     m, d = cfg.model, cfg.data
@@ -815,6 +832,9 @@ def validate_text_run(cfg: "DictConfig") -> None:
               f"data.text_embeddings={d.text_embeddings} is set but model.text_dim=0 trains on class labels: set "
               "model.text_dim to the embeddings' channels (e.g. 4096 for T5-XXL, 32 for the demo encoder), or unset "
               "data.text_embeddings")
+        _fail(not cfg.eval.clip.model,
+              f"eval.clip.model={cfg.eval.clip.model} is set, but this run is class-conditional (model.text_dim=0): "
+              "CLIP score compares each sample with its caption; unset eval.clip.model (eval.clip.model=null)")
         return
     _fail(d.captions is not None or d.name == "shards",
           f"model.text_dim={m.text_dim} trains on captions, but data.captions is unset: set data.captions=sidecar "

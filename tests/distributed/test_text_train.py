@@ -4,7 +4,9 @@ single-process run, in every layout, from perturbed weights where every path mat
 One module-scoped set-up builds a tiny local T5 encoder (random weights, byte tokenizer: nothing
 downloaded), encodes the digits' template captions with ``vitp-encode-captions`` and writes a
 perturbed text-conditional export; the 1-process reference and the 4-rank layouts (one spawn,
-cases in turn) train from it.
+cases in turn) train from it. The same spawn then runs ``vitp-eval`` of the reference run with FID
+and CLIP score (random-weight networks of scripts/make_random_eval_weights.py, 8 samples) as
+4 data-parallel replicas, against one process's.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from tests.helpers import run_ranks
 TEMPLATES = '["a handwritten {class_word}","the digit {class}","{class}"]'
 TEXT = ["data.captions=templates", f"data.caption_templates={TEMPLATES}", "model.text_dim=32"]
 SMOKE = ["experiment=smoke", "trainer.max_steps=4", "model.num_heads=4", "objective.label_drop=0.25", *TEXT]
+# vitp-eval with FID and CLIP score of 8 samples (the held-out captions) against 4 training digits, small counts
+EVAL = ["eval.classifier_epochs=1", "eval.num_samples=4", "eval.prompt_samples=1", "eval.t_grid=2", "eval.fid.num=8",
+        "eval.fid.block=8", "eval.fid.real_num=4", "eval.fid.batch_size=4", "eval.clip.batch_size=3"]
 
 
 def _encode(enc, out, overrides):
@@ -45,6 +50,26 @@ def text_setup(tmp_path_factory):
     return root, over
 
 
+@pytest.fixture(scope="module")
+def eval_weights(tmp_path_factory):
+    """The overrides of ``OUT/inception.pth`` and ``OUT/clip`` (scripts/make_random_eval_weights.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mrew", Path(__file__).parents[2] / "scripts" /
+                                                  "make_random_eval_weights.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path_factory.mktemp("evalw")
+    return [f"eval.fid.weights={mod.random_inception(out / 'inception.pth')}",
+            f"eval.clip.model={mod.random_clip(out / 'clip')}"]
+
+
+def _eval_argv(root, weights, name):
+    """``vitp-eval`` of the reference run with :data:`EVAL`, FID's real statistics in a file of its
+    own (first: it names the results and samples files, whose names keep 150 characters of the overrides)."""
+    return [str(root / "ref"), f"eval.fid.real_stats={root / f'fid_real_{name}.safetensors'}", *EVAL, *weights]
+
+
 def _train(rank, overrides, run_dir):
     from vitp.config import compose
     from vitp.train import train
@@ -55,6 +80,15 @@ def _train(rank, overrides, run_dir):
 
 def _cases(rank, cases, base):
     return {name: _train(rank, over, f"{base}/{name}") for name, over in cases.items()}
+
+
+def _cases_then_eval(rank, cases, base, eval_argv):
+    """:func:`_cases`, then ``vitp-eval eval_argv`` on the same ranks in the layout it chooses
+    under a launcher (last: it closes the process group)."""
+    from vitp.cli.eval import run
+
+    trained = _cases(rank, cases, base)
+    return {"train": trained, "eval": run(eval_argv)}
 
 
 def _one(overrides, run_dir):
@@ -79,10 +113,12 @@ LAYOUTS = {  # 4 ranks each
 
 
 @pytest.fixture(scope="module")
-def layouts(text_setup):
+def layouts(text_setup, reference, eval_weights):
+    """Every rank's ``{"train": {layout: losses}, "eval": vitp-eval's results}``."""
     root, over = text_setup
     cases = {name: [*over, *extra] for name, extra in LAYOUTS.items()}
-    return run_ranks(4, _cases, cases, str(root / "layouts"), timeout=900)
+    return run_ranks(4, _cases_then_eval, cases, str(root / "layouts"), _eval_argv(root, eval_weights, "dp4"),
+                     timeout=900)
 
 
 def test_reference_trains_and_every_path_matters(reference):
@@ -93,7 +129,7 @@ def test_reference_trains_and_every_path_matters(reference):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(reference, layouts, name):
     for rank_res in layouts:
-        r = rank_res[name]
+        r = rank_res["train"][name]
         assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
         assert r["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5), name
 
@@ -156,3 +192,26 @@ def test_eval_measures_prompt_accuracy_per_phrasing(text_setup, reference):
     assert {"prompt_accuracy_seen", "prompt_accuracy_unseen", "prompt_accuracy/the digit {class}",
             "prompt_accuracy/the number {class}"} <= set(res)
     assert 0.0 <= res["prompt_accuracy_seen"] <= 1.0
+
+
+def test_eval_on_4_ranks_gives_the_one_process_fid_and_clip_score(text_setup, layouts, eval_weights):
+    """vitp-eval of the caption run as 4 replicas (the layouts' group): each samples and scores its
+    rows of the FID samples against their captions; the ``.npz`` is one process's byte for byte,
+    the CLIP score and FID equal its to 1e-6. A missing CLIP folder is refused before any sample."""
+    from vitp.cli.eval import run
+
+    root, _ = text_setup
+    got = layouts[0]["eval"]
+    before = sorted((root / "ref").glob("*.npz"))
+    wrong = [a if not a.startswith("eval.clip.model=") else f"eval.clip.model={root / 'no_clip'}"
+             for a in _eval_argv(root, eval_weights, "wrong")]
+    with pytest.raises(FileNotFoundError, match=f"eval.clip.model={root / 'no_clip'}: no such folder"):
+        run(wrong)
+    assert sorted((root / "ref").glob("*.npz")) == before and not list((root / "ref").glob("*.parts"))
+    one = run(_eval_argv(root, eval_weights, "one"))
+    assert got["clip_num_samples"] == one["clip_num_samples"] == 8 and got["fid_num_samples"] == 8
+    assert Path(got["fid_npz"]) != Path(one["fid_npz"])
+    assert Path(got["fid_npz"]).read_bytes() == Path(one["fid_npz"]).read_bytes()  # the same samples
+    assert got["clip_score"] == pytest.approx(one["clip_score"], rel=1e-6) and got["clip_score"] > 0
+    assert got["fid"] == pytest.approx(one["fid"], rel=1e-6)
+    assert got["heldout_loss"] == pytest.approx(one["heldout_loss"], rel=1e-6)

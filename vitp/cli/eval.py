@@ -128,10 +128,12 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
     from vitp.latents.config import check_decoder
 
     check_decoder(cfg.data)  # samples of a latent run are decoded: its VAE is checked before minutes of work
-    if cfg.eval.fid.num:  # the FID network too
+    if cfg.eval.fid.num:  # the FID network too, and the CLIP folder
+        from vitp.eval.clip_score import check_clip
         from vitp.eval.fid import check_weights
 
         check_weights(cfg.eval.fid.weights)
+        check_clip(cfg)
     if not os.access(run_dir, os.W_OK):  # found before minutes of evaluation, not after
         raise PermissionError(f"{run_dir} is not writable: vitp-eval writes its results (eval.json, or "
                               f"eval_<overrides>.json next to it) and the digits judge's cache there; evaluate a copy of the run")

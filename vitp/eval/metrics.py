@@ -228,7 +228,9 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
     """Held-out loss (always; with ``buckets``, ``{name: held-out items}``, per bucket and overall,
     :func:`bucket_heldout_loss`) and, when ``full`` and the data are digits, the judge metrics
     (video: temporal statistics) at ``data.resolution``; with ``full`` and ``eval.fid.num``, FID
-    (:func:`vitp.eval.fid.fid_metrics`, its samples in ``out`` with the suffix ``.npz``). With ``full`` the results are written
+    (:func:`vitp.eval.fid.fid_metrics`, its samples in ``out`` with the suffix ``.npz``) and, with
+    ``eval.clip.model``, the CLIP score of those samples (:func:`vitp.eval.clip_score.clip_metrics`;
+    its folder checked before they are drawn). With ``full`` the results are written
     to ``out`` (default ``run_dir/eval.json``; the judge is cached in ``run_dir`` either way);
     with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``. ``conditioning``:
     how item ids become model inputs (:mod:`vitp.data.text`; default class labels).
@@ -259,12 +261,20 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
 def quality_metrics(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path,
                     conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
     """The field's quality numbers of ``eval.fid.num`` samples written to ``npz``: FID
-    (:func:`vitp.eval.fid.fid_metrics`); at the end of a run (:func:`evaluate`) and every
-    ``eval.fid.every`` steps of training. Rank 0's results (``{}`` elsewhere). Collective."""
+    (:func:`vitp.eval.fid.fid_metrics`) and, with ``eval.clip.model``, the CLIP score of those
+    samples against their captions (:func:`vitp.eval.clip_score.clip_metrics`; its folder checked
+    before they are drawn); at the end of a run (:func:`evaluate`) and every ``eval.fid.every``
+    steps of training. Rank 0's results (``{}`` elsewhere). Collective."""
+    from .clip_score import check_clip, clip_metrics
     from .fid import fid_metrics
 
+    share = share or Share()
+    clip = check_clip(cfg, conditioning)  # before the FID samples are drawn
     ids = item_ids(heldout_ds) if len(heldout_ds) else None
-    return fid_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share or Share(), ids)
+    res = fid_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share, ids)
+    if clip is not None:  # a caption run: the same samples against their captions
+        res.update(clip_metrics(cfg, npz, conditioning, share, _device(gen)))
+    return res
 
 
 def rank_peaks() -> list:

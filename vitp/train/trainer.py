@@ -250,9 +250,11 @@ class Trainer:
             raise ValueError(f"eval.fid.every={cfg.eval.fid.every} needs samples: set eval.fid.num (e.g. 5000 during "
                              "training, 50000 at the end with vitp-eval) and eval.fid.weights=FILE")
         if cfg.eval.fid.num and (cfg.eval.enabled or cfg.eval.fid.every):  # found now, not after training
+            from vitp.eval.clip_score import check_clip
             from vitp.eval.fid import check_weights
 
             check_weights(cfg.eval.fid.weights)
+            check_clip(cfg)  # a caption run's CLIP folder (eval.clip.model) too
         # node_first: one rank per node probes video folders and writes the per-node caches, the others map them
         self.train_ds, self.heldout_ds = node_first(lambda: build_datasets(cfg.data, cfg.seed))
         self._on_main_first(lambda: ensure_text_embeddings(cfg))  # the demo's one-command caption encoding
