@@ -228,7 +228,8 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
     """Held-out loss (always; with ``buckets``, ``{name: held-out items}``, per bucket and overall,
     :func:`bucket_heldout_loss`) and, when ``full`` and the data are digits, the judge metrics
     (video: temporal statistics) at ``data.resolution``; with ``full`` and ``eval.fid.num``, FID
-    (:func:`vitp.eval.fid.fid_metrics`, its samples in ``out`` with the suffix ``.npz``). With ``full`` the results are written
+    (:func:`vitp.eval.fid.fid_metrics`, its samples in ``out`` with the suffix ``.npz``); with ``full``,
+    ``eval.fvd.num`` and a video run, FVD (:func:`vitp.eval.fvd.fvd_metrics`, ``.fvd.npz``). With ``full`` the results are written
     to ``out`` (default ``run_dir/eval.json``; the judge is cached in ``run_dir`` either way);
     with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``. ``conditioning``:
     how item ids become model inputs (:mod:`vitp.data.text`; default class labels).
@@ -256,6 +257,12 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
         npz = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".npz")
         ids = item_ids(heldout_ds) if len(heldout_ds) else None
         res.update(fid_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share, ids))
+    if full and cfg.eval.fvd.num and cfg.model.num_frames > 1:  # FVD of a video run's clips
+        from .fvd import fvd_metrics
+
+        clips = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".fvd.npz")
+        ids = item_ids(heldout_ds) if len(heldout_ds) else None
+        res.update(fvd_metrics(gen, cfg, train_ds, heldout_ds, run_dir, clips, conditioning, share, ids))
     return report(res, share, logger, step, full, run_dir, out)
 
 
