@@ -159,7 +159,7 @@ def image_sums(net: torch.nn.Module, images: Any, rows: range, batch: int, bar: 
     a memory map), ``batch`` items per forward."""
     sums = FeatureSums.zeros(metric.dim)
     for i in range(rows.start, rows.stop, batch):
-        x = torch.as_tensor(np.ascontiguousarray(images[i:min(rows.stop, i + batch)]))
+        x = torch.from_numpy(np.ascontiguousarray(images[i:min(rows.stop, i + batch)]).copy())  # the map is read-only
         with torch.no_grad():
             sums.add(metric.features(net, x))
         if bar is not None:
