@@ -65,8 +65,9 @@ def random_i3d(path: Path, seed: int = 0) -> Path:
         bn.running_var.copy_(x.var((0, 2, 3, 4)) + 1e-3)
 
     hooks = [m.register_forward_pre_hook(calibrate) for m in net.modules() if isinstance(m, torch.nn.BatchNorm3d)]
+    clips = torch.rand(2, 3, 9, 64, 64, generator=torch.Generator().manual_seed(seed)) * 2 - 1
     with torch.no_grad():
-        net.extract_pre_pool_features(torch.rand(2, 3, 9, 64, 64, generator=torch.Generator().manual_seed(seed)) * 2 - 1)
+        net.extract_pre_pool_features(clips)
     for h in hooks:
         h.remove()
     path.parent.mkdir(parents=True, exist_ok=True)

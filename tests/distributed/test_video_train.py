@@ -83,6 +83,8 @@ def test_fvd_under_torchrun_is_one_process(video_run, tmp_path):
     spec.loader.exec_module(mod)
     weights = mod.random_i3d(tmp_path / "i3d.pt")
     run, _ = video_run
+    with pytest.raises(ValueError, match="eval.fvd.num > 0 needs eval.fvd.weights=FILE"):  # before any work
+        eval_run([str(run), "eval.fvd.num=2"])
     over = [*FVD, f"eval.fvd.weights={weights}", f"eval.fvd.real_stats={tmp_path / 'real.safetensors'}",
             "eval.num_samples=2", "eval.t_grid=2"]
     one = eval_run([str(run), "eval.fvd.real=train", *over])  # (another results file than the launch's)

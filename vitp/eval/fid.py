@@ -246,8 +246,8 @@ def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, sh
 
 def write_npz(path: Path, shape: Sequence[int], blocks: Sequence[Path], labels: np.ndarray) -> None:
     """Write ``path``, an uncompressed ``.npz`` as guided-diffusion's ``image_sample.py`` writes it:
-    ``arr_0`` uint8 ``shape`` (N, H, W, 3; FVD's (N, T, H, W, 3)) from the ``.npy`` ``blocks`` in order (one block in
-    memory at a time) and ``arr_1`` the labels. Byte-identical for the same arrays (fixed zip
+    ``arr_0`` uint8 ``shape`` (N, H, W, 3; FVD's (N, T, H, W, 3)) from the ``.npy`` ``blocks`` in
+    order (one block in memory at a time) and ``arr_1`` the labels. Byte-identical for the same arrays (fixed zip
     timestamps, unlike ``np.savez``)."""
     from vitp.utils import atomic_write
 
@@ -285,8 +285,8 @@ def npz_images(path: Path, dims: int = 4) -> np.ndarray:
     if not stored or images is None:
         images = np.load(path)["arr_0"]
     if images.dtype != np.uint8 or images.ndim != dims or images.shape[-1] != 3:
-        raise ValueError(f"{path}: arr_0 is {images.dtype} {images.shape}; "
-                         f"{'FID reads uint8 (N, H, W, 3) images' if dims == 4 else 'FVD reads uint8 (N, T, H, W, 3) clips'}")
+        wanted = "FID reads uint8 (N, H, W, 3) images" if dims == 4 else "FVD reads uint8 (N, T, H, W, 3) clips"
+        raise ValueError(f"{path}: arr_0 is {images.dtype} {images.shape}; {wanted}")
     return images
 
 
@@ -325,8 +325,8 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
     meta = json.dumps({"num": n, "block": f.block, "seed": f.seed, "labels": hashlib.sha256(labels.numpy().tobytes())
                        .hexdigest(), "sampler": OmegaConf.to_container(cfg.sampler, resolve=True)}, sort_keys=True)
     if (parts / "meta.json").is_file() and (parts / "meta.json").read_text() != meta:
-        raise ValueError(f"{parts} holds {m.name} samples of other settings (eval.{m.section}.num/block/seed, sampler); "
-                         f"delete it to sample again")
+        raise ValueError(f"{parts} holds {m.name} samples of other settings (eval.{m.section}.num/block/seed, "
+                         f"sampler); delete it to sample again")
     if share.main:
         atomic_write_text(parts / "meta.json", meta)
     blocks = [parts / f"block_{k:06d}.npy" for k in range(-(-n // f.block))]

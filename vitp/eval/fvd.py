@@ -34,7 +34,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .fid import FeatureSums, Metric, file_digest, fid_labels, image_sums, npz_images, real_statistics, write_fid_samples
+from .fid import (FeatureSums, Metric, file_digest, fid_labels, image_sums, npz_images, real_statistics,
+                  write_fid_samples)
 from .inference import Share
 from .progress import phase
 
@@ -162,7 +163,7 @@ def fvd_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pat
     net = i3d(str(weights), _device(gen))
     real_ds = train_ds if f.real == "train" else heldout_ds
     count = min(len(real_ds), f.real_num or len(real_ds))
-    cache = Path(f.real_stats) if f.real_stats else Path(run_dir) / f"fvd_real_{f.real}{f.real_num or 'all'}.safetensors"
+    cache = Path(f.real_stats or Path(run_dir) / f"fvd_real_{f.real}{f.real_num or 'all'}.safetensors")
     real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(weights), FVD)
     ids = heldout_ids if heldout_ids is not None else torch.zeros(1, dtype=torch.long)
     write_fid_samples(gen, cfg, fid_labels(cfg, conditioning, ids, f.num), share, npz, conditioning, FVD)

@@ -229,7 +229,8 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
     :func:`bucket_heldout_loss`) and, when ``full`` and the data are digits, the judge metrics
     (video: temporal statistics) at ``data.resolution``; with ``full`` and ``eval.fid.num``, FID
     (:func:`vitp.eval.fid.fid_metrics`, its samples in ``out`` with the suffix ``.npz``); with ``full``,
-    ``eval.fvd.num`` and a video run, FVD (:func:`vitp.eval.fvd.fvd_metrics`, ``.fvd.npz``). With ``full`` the results are written
+    ``eval.fvd.num`` and a video run, FVD (:func:`vitp.eval.fvd.fvd_metrics`, clips in ``.fvd.npz``).
+    With ``full`` the results are written
     to ``out`` (default ``run_dir/eval.json``; the judge is cached in ``run_dir`` either way);
     with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``. ``conditioning``:
     how item ids become model inputs (:mod:`vitp.data.text`; default class labels).
