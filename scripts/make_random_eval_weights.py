@@ -14,6 +14,9 @@ BPE with no merges over the 256 byte symbols (and each with CLIP's end-of-word `
 tokenizes any text, one token per byte. The numbers they give mean nothing; the real files are
 ``pt_inception-2015-12-05-6726825d.pth`` and a CLIP snapshot such as
 ``openai/clip-vit-large-patch14`` (docs/evaluation.md).
+
+It also writes ``OUT/i3d.pt``: cd-fvd's ``InceptionI3d(400)`` state dict (``eval.fvd.weights``,
+vitp/eval/fvd.py), calibrated the same way; the real file is TATS' ``i3d_pretrained_400.pt``.
 """
 from __future__ import annotations
 
@@ -97,14 +100,40 @@ def random_clip(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def random_i3d(path: Path, seed: int = 0) -> Path:
+    """Write a random-weight I3D state dict (cd-fvd's ``InceptionI3d(400)`` keys) to ``path``, its
+    batch norms calibrated on random 9-frame 64 x 64 clips (default statistics give features that
+    barely vary from clip to clip)."""
+    from cdfvd.third_party.i3d.pytorch_i3d import InceptionI3d
+
+    torch.manual_seed(seed)
+    net = InceptionI3d(400, in_channels=3).eval()
+
+    def calibrate(bn, inputs):  # normalise each batch norm's input over this batch
+        x = inputs[0]
+        bn.running_mean.copy_(x.mean((0, 2, 3, 4)))
+        bn.running_var.copy_(x.var((0, 2, 3, 4)) + 1e-3)
+
+    hooks = [m.register_forward_pre_hook(calibrate) for m in net.modules() if isinstance(m, torch.nn.BatchNorm3d)]
+    clips = torch.rand(2, 3, 9, 64, 64, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    with torch.no_grad():
+        net.extract_pre_pool_features(clips)
+    for h in hooks:
+        h.remove()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(net.state_dict(), path)
+    return path
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Write random-weight feature networks for FID and CLIP score "
+    p = argparse.ArgumentParser(description="Write random-weight feature networks for FID, CLIP score and FVD "
                                             "(docs/evaluation.md).")
-    p.add_argument("out", type=Path, help="folder to write inception.pth and clip/ into")
+    p.add_argument("out", type=Path, help="folder to write inception.pth (FID), clip/ (CLIP score) and i3d.pt (FVD) into")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     print(random_inception(a.out / "inception.pth", a.seed))
     print(random_clip(a.out / "clip", a.seed))
+    print(random_i3d(a.out / "i3d.pt", a.seed))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ _COST = {
     "tests/distributed/test_latents_train.py": 34, "tests/distributed/test_shards_train.py": 34,
     "tests/distributed/test_text_train.py": 34, "tests/distributed/test_text_data.py": 31,
     "tests/distributed/test_sweep.py": 27, "tests/distributed/test_auto_layout.py": 25,
+    "tests/distributed/test_video_train.py": 36,  # with FVD under torchrun (measured alone, 2026-12-05)
 }
 
 

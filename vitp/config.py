@@ -266,6 +266,21 @@ class ClipConfig:
 
 
 @dataclass
+class FvdConfig:
+    """FVD (Unterthiner et al. 2018) of a video run on a local I3D (Kinetics-400) file, cd-fvd's
+    network and preprocessing (docs/evaluation.md); ``eval.fvd.num`` clips written to an ``.npz``."""
+
+    num: int = 0  # generated clips for FVD (0 = off; the field reports 2048), class-balanced or with the held-out captions; video runs only
+    weights: Optional[str] = None  # local I3D state dict that cd-fvd loads (TATS' i3d_pretrained_400.pt); never downloaded
+    real: str = "train"  # the real side: "train" | "heldout" clips
+    real_num: int = 0  # real clips counted (the first ones; 0 = all)
+    real_stats: Optional[str] = None  # cache file of the real side's feature sums (null = RUN/fvd_real_<real><real_num>.safetensors)
+    block: int = 128  # clips per resumable block (RUN/<eval file>.fvd.npz.parts/)
+    batch_size: int = 16  # clips per I3D forward (per replica)
+    seed: int = 4321  # clip i starts from the noise of (seed, i): the same set in any layout
+
+
+@dataclass
 class EvalConfig:
     """End-of-run evaluation written to eval.json (also run by vitp-eval)."""
 
@@ -278,6 +293,7 @@ class EvalConfig:
     prompt_samples: int = 10  # digits with caption templates: samples per (template, digit) prompt for the prompt accuracy
     fid: FidConfig = field(default_factory=FidConfig)  # FID / FID-50K (below)
     clip: ClipConfig = field(default_factory=ClipConfig)  # CLIP score of a caption run's FID samples (below)
+    fvd: FvdConfig = field(default_factory=FvdConfig)  # FVD of video runs (below)
 
 
 @dataclass
@@ -501,6 +517,14 @@ FIELD_RULES: Dict[str, Rule] = {
     "eval.fid.seed": _SEED,
     "eval.fid.every": span(0, note="0 = at the end only"),
     "eval.clip.batch_size": span(1),
+    "eval.fvd.num": Rule(lambda v: isinstance(v, int) and (v == 0 or v >= 2),
+                         "0 (off) or an integer >= 2 (a covariance needs 2 clips)", 1),
+    "eval.fvd.real": one_of("train", "heldout"),
+    "eval.fvd.real_num": Rule(lambda v: isinstance(v, int) and (v == 0 or v >= 2),
+                              "0 (all) or an integer >= 2 (a covariance needs 2 clips)", 1),
+    "eval.fvd.block": span(1),
+    "eval.fvd.batch_size": span(1),
+    "eval.fvd.seed": _SEED,
 }
 
 # Fields any value of their type may hold, and who checks them instead
@@ -523,6 +547,8 @@ FREE_FORM: Dict[str, str] = {
     "eval.fid.weights": "a local Inception-V3 weights file, checked when the evaluation starts (vitp.eval.fid)",
     "eval.fid.real_stats": "a cache file, written once and checked against the weights and data (vitp.eval.fid)",
     "eval.clip.model": "a local CLIP folder, checked when the evaluation starts (vitp.eval.clip_score)",
+    "eval.fvd.weights": "a local I3D weights file, checked when the evaluation starts (vitp.eval.fvd)",
+    "eval.fvd.real_stats": "a cache file, written once and checked against the weights and data (vitp.eval.fid)",
     "trainer.resume": "'auto' | 'never' | a checkpoint, found when training starts",
     "trainer.init_from": "a weights file, read when training starts (a Wan folder: vitp.models.wan_run)",
     "trainer.init_from_timm": "a weights file, read when training starts",

