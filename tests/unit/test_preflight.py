@@ -199,3 +199,33 @@ def test_the_fid_phase_is_planned_per_replica_with_inception_on_top_of_sampling(
     assert fid.seconds - inception_s == pytest.approx(final.seconds * fid.samples / final.samples, rel=0.01)
     assert fid.memory_bytes - final.memory_bytes == INCEPTION_BYTES + 25 * INCEPTION_ACT_BYTES + FID_SUMS_BYTES
     assert fid.memory_bytes <= best.limit_bytes
+
+
+def test_the_fvd_phase_and_clip_score_are_planned():
+    """``eval.fvd.num`` on a video run: an ``FVD`` phase with one I3D forward per clip (its frames
+    repeated up to 9, as the evaluation repeats them) on top of drawing the clips; none on an image
+    run. ``eval.clip.model`` adds one CLIP forward per FID sample, and its weights to the phase's
+    memory when larger than Inception's."""
+    from vitp.plan import get_profile, phase_costs_of, plan
+    from vitp.plan.phases import CLIP_BYTES, CLIP_FLOPS, I3D_BYTES, I3D_FLOPS_PER_FRAME
+    from vitp.utils import to_dict
+
+    prof = get_profile("h100", 80)
+    flops = prof.peak_flops["fp32"] * prof.efficiency
+    video = compose_cfg(["experiment=video512", "eval.fvd.num=2048", "eval.fvd.batch_size=1"])
+    best = plan(video, 8, prof)[0]
+    final, fvd = phase_costs_of(video, best, to_dict(video.model), prof)[2:]
+    frames = max(int(video.model.num_frames), 9)
+    assert fvd.name == "FVD" and fvd.samples == -(-2048 // best.layout.dp)
+    assert fvd.seconds - fvd.samples * frames * I3D_FLOPS_PER_FRAME / flops == pytest.approx(
+        final.seconds * fvd.samples / final.samples, rel=0.01)
+    assert fvd.memory_bytes - final.memory_bytes == pytest.approx(
+        I3D_BYTES + 2 * 64 * -(-frames // 2) * 112 * 112 * 4, rel=1e-9)
+    image = compose_cfg(["experiment=img256", "eval.fvd.num=2048"])
+    assert [c.name for c in phase_costs_of(image, plan(image, 8, prof)[0], to_dict(image.model), prof)][-1] != "FVD"
+    fid_cfg = ["experiment=img256", "eval.fid.num=1000"]
+    plain, clip = (compose_cfg(fid_cfg + extra) for extra in ([], ["eval.clip.model=/models/clip"]))
+    best = plan(plain, 8, prof)[0]
+    a, b = (phase_costs_of(c, best, to_dict(c.model), prof)[-1] for c in (plain, clip))
+    assert b.seconds - a.seconds == pytest.approx(a.samples * CLIP_FLOPS / flops, rel=1e-9)
+    assert b.memory_bytes >= a.memory_bytes and b.memory_bytes - a.memory_bytes <= CLIP_BYTES

@@ -1,5 +1,6 @@
 """Memory and time per rank of the phases around the training step: the sample grid, the held-out
-loss, the final evaluation's samples and (``eval.fid.num``) FID, as :mod:`vitp.eval.inference` runs them (every rank, in
+loss, the final evaluation's samples, (``eval.fid.num``) FID with CLIP score and (``eval.fvd.num``)
+FVD, as :mod:`vitp.eval.inference` runs them (every rank, in
 the training layout, with the EMA swapped into the weights; samples and items split over the dp
 replicas; each forward of at most one training micro-batch, stages overlapping across
 micro-batches as in a forward-only GPipe schedule).
@@ -34,6 +35,16 @@ INCEPTION_FLOPS = 2 * 5.7e9
 INCEPTION_BYTES = 4 * 23.9e6
 INCEPTION_ACT_BYTES = 2 * 147 * 147 * 64 * 4
 FID_SUMS_BYTES = 5 * 2048 * 2048 * 16
+# CLIP score's network (eval.clip.model): OpenAI's ViT-L/14 at 224, about 81 GFLOP per image and
+# caption pair (Radford et al. 2021, arXiv:2103.00020, Table 19: image tower 77.8 GFLOP), 428M parameters
+CLIP_FLOPS = 81e9
+CLIP_BYTES = 4 * 428e6
+# FVD's I3D (eval.fvd.num, cd-fvd's InceptionI3d at 224 x 224): 108 GFLOP per 64-frame clip
+# (Carreira & Zisserman 2017, arXiv:1705.07750), 12.3M parameters; its largest activations are the
+# first convolution's 64 channels at half the frames and 112 x 112, two alive at once
+I3D_FLOPS_PER_FRAME = 108e9 / 64
+I3D_BYTES = 4 * 12.3e6
+I3D_MIN_FRAMES = 9  # shorter clips have each frame repeated (vitp/eval/fvd.py)
 
 
 @dataclass(frozen=True)
@@ -119,27 +130,55 @@ def phase_costs(cfg: Any, model: Dict[str, Any], lay: LayoutSpec, prof: Any, sta
         seconds = calls * calls_per * _forward_s(model, lay, prof, m)
         out.append(PhaseCost(name, mine, forwards, work + decode_bytes if name != "held-out loss" else
                              state_bytes + _working_bytes(model, lay, 0), seconds))
-    fid = ev.get("fid") or {}
+    fid, fvd, forward_s = ev.get("fid") or {}, ev.get("fvd") or {}, (lambda m: _forward_s(model, lay, prof, m))
     if int(fid.get("num", 0) or 0):
-        out.append(_fid_phase(fid, lay, prof, per_call, nfe(s), guided, work + decode_bytes,
-                              lambda m: _forward_s(model, lay, prof, m)))
+        out.append(_fid_phase(fid, lay, prof, per_call, nfe(s), guided, work + decode_bytes, forward_s,
+                              bool((ev.get("clip") or {}).get("model"))))
+    frames = int(model.get("num_frames", 1) or 1)
+    if int(fvd.get("num", 0) or 0) and frames > 1:
+        out.append(_fvd_phase(fvd, frames, lay, prof, per_call, nfe(s), guided, work + decode_bytes, forward_s))
     return out
 
 
+def _fp32_flops(prof: Any) -> float:
+    """FLOP/s the feature networks reach (fp32 at the device's efficiency)."""
+    return float(prof.peak_flops.get("fp32", max(prof.peak_flops.values()))) * prof.efficiency
+
+
+def _sampling(num: int, lay: LayoutSpec, per_call: int, calls_per: float, guided: int, forward_s: Any):
+    """``(samples on the busiest replica, micro-batch forwards, seconds)`` of drawing ``num``
+    samples as the final samples are drawn."""
+    mine = math.ceil(num / lay.dp)
+    calls = math.ceil(mine / per_call)
+    m = math.ceil(min(per_call, mine) * guided / lay.micro)
+    return mine, int(math.ceil(calls * calls_per * m)), calls * calls_per * forward_s(m)
+
+
+def _fvd_phase(fvd: Any, frames: int, lay: LayoutSpec, prof: Any, per_call: int, calls_per: float, guided: int,
+               work: float, forward_s: Any) -> PhaseCost:
+    """The ``FVD`` phase (``eval.fvd.num`` clips, :mod:`vitp.eval.fvd`) on the busiest replica:
+    sampling as the final samples are, then one I3D forward per clip of ``frames`` frames (at least
+    :data:`I3D_MIN_FRAMES`, frames repeated as the evaluation repeats them), with I3D's weights and
+    a batch's largest activations on top of the sampling memory; the real side not counted."""
+    mine, forwards, seconds = _sampling(int(fvd["num"]), lay, per_call, calls_per, guided, forward_s)
+    t = frames * math.ceil(I3D_MIN_FRAMES / frames) if frames < I3D_MIN_FRAMES else frames
+    seconds += mine * t * I3D_FLOPS_PER_FRAME / _fp32_flops(prof)
+    act = 2 * 64 * math.ceil(t / 2) * 112 * 112 * 4
+    return PhaseCost("FVD", mine, forwards, work + I3D_BYTES + int(fvd.get("batch_size", 16)) * act, seconds)
+
+
 def _fid_phase(fid: Any, lay: LayoutSpec, prof: Any, per_call: int, calls_per: float,
-               guided: int, work: float, forward_s: Any) -> PhaseCost:
+               guided: int, work: float, forward_s: Any, clip: bool = False) -> PhaseCost:
     """The ``FID`` phase (``eval.fid.num`` samples, :mod:`vitp.eval.fid`) on the busiest replica:
     sampling as the final samples are, then one Inception-V3 forward per sample (fp32, at the
     device's efficiency) with the Inception weights, a batch's largest activations and the feature
-    sums on top of the sampling memory. The real side's statistics are not counted (cached after
-    the first evaluation)."""
-    mine = math.ceil(int(fid["num"]) / lay.dp)
-    calls = math.ceil(mine / per_call)
-    m = math.ceil(min(per_call, mine) * guided / lay.micro)
-    flops = float(prof.peak_flops.get("fp32", max(prof.peak_flops.values()))) * prof.efficiency
-    seconds = calls * calls_per * forward_s(m) + mine * INCEPTION_FLOPS / flops
-    memory = work + INCEPTION_BYTES + int(fid.get("batch_size", 50)) * INCEPTION_ACT_BYTES + FID_SUMS_BYTES
-    return PhaseCost("FID", mine, int(math.ceil(calls * calls_per * m)), memory, seconds)
+    sums on top of the sampling memory; with ``clip`` (``eval.clip.model``) one CLIP forward per
+    sample too, its weights held after Inception's are freed. The real side's statistics are not
+    counted (cached after the first evaluation)."""
+    mine, forwards, seconds = _sampling(int(fid["num"]), lay, per_call, calls_per, guided, forward_s)
+    seconds += mine * (INCEPTION_FLOPS + (CLIP_FLOPS if clip else 0.0)) / _fp32_flops(prof)
+    inception = INCEPTION_BYTES + int(fid.get("batch_size", 50)) * INCEPTION_ACT_BYTES + FID_SUMS_BYTES
+    return PhaseCost("FID", mine, forwards, work + max(inception, CLIP_BYTES if clip else 0.0), seconds)
 
 
 def phase_costs_of(cfg: Any, pred: Any, model: Dict[str, Any], prof: Any) -> List[PhaseCost]:

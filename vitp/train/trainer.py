@@ -246,16 +246,18 @@ class Trainer:
 
         cfg = self.cfg
         check_trainable(cfg.data)  # latents come from a latent pack
-        if cfg.eval.fid.every and not cfg.eval.fid.num:
+        fvd = cfg.eval.fvd.num and cfg.model.num_frames > 1  # FVD of a video run
+        if cfg.eval.fid.every and not (cfg.eval.fid.num or fvd):
             raise ValueError(f"eval.fid.every={cfg.eval.fid.every} needs samples: set eval.fid.num (e.g. 5000 during "
-                             "training, 50000 at the end with vitp-eval) and eval.fid.weights=FILE")
+                             "training, 50000 at the end with vitp-eval) and eval.fid.weights=FILE (a video run: "
+                             "or eval.fvd.num and eval.fvd.weights)")
         if cfg.eval.fid.num and (cfg.eval.enabled or cfg.eval.fid.every):  # found now, not after training
             from vitp.eval.clip_score import check_clip
             from vitp.eval.fid import check_weights
 
             check_weights(cfg.eval.fid.weights)
             check_clip(cfg)  # a caption run's CLIP folder (eval.clip.model) too
-        if cfg.eval.fvd.num and cfg.eval.enabled and cfg.model.num_frames > 1:  # FVD's I3D file
+        if fvd and (cfg.eval.enabled or cfg.eval.fid.every):  # FVD's I3D file
             from vitp.eval.fvd import check_fvd
 
             check_fvd(cfg)
@@ -509,22 +511,34 @@ class Trainer:
         return res
 
     def quality_eval(self, step: int) -> Dict[str, Any]:
-        """FID of the EMA weights after ``step`` (``eval.fid.every``; :func:`vitp.eval.metrics.quality_metrics`):
-        the samples go to ``RUN/fid/step_NNNNNNN.npz`` (resumable: a relaunch that reaches the step
-        again reuses its finished blocks) and are removed once scored, the end's ``eval.npz`` being
-        the one kept; the numbers go to TensorBoard (``eval/fid``), ``eval.jsonl`` and the progress
-        bar. Rank 0's results. Collective."""
-        from vitp.eval.metrics import quality_metrics, report
+        """FID (with CLIP score: :func:`vitp.eval.metrics.quality_metrics`) and, for a video run with
+        ``eval.fvd.num``, FVD (:func:`vitp.eval.fvd.fvd_metrics`) of the EMA weights after ``step``
+        (``eval.fid.every``): the samples go to ``RUN/fid/step_NNNNNNN.npz`` / ``.fvd.npz``
+        (resumable: a relaunch that reaches the step again reuses their finished blocks) and are
+        removed once scored, the end's ``eval.npz`` being the one kept; the numbers go to TensorBoard
+        (``eval/fid``, ``eval/clip_score``, ``eval/fvd``), ``eval.jsonl`` and the progress bar. Rank
+        0's results. Collective."""
+        from vitp.eval.metrics import item_ids, quality_metrics, report
 
-        npz = self.run_dir / "fid" / f"step_{step:07d}.npz"
+        cfg, npz = self.cfg, self.run_dir / "fid" / f"step_{step:07d}.npz"
+        clips, res = npz.with_suffix(".fvd.npz"), {}
         with self.ema_denoiser() as gen:
-            res = quality_metrics(gen, self.cfg, self.train_ds, self.heldout_ds, self.run_dir, npz,
-                                  self.conditioning, self.share)
+            if cfg.eval.fid.num:
+                res.update(quality_metrics(gen, cfg, self.train_ds, self.heldout_ds, self.run_dir, npz,
+                                           self.conditioning, self.share))
+            if cfg.eval.fvd.num and cfg.model.num_frames > 1:
+                from vitp.eval.fvd import fvd_metrics
+
+                ids = item_ids(self.heldout_ds) if len(self.heldout_ds) else None
+                res.update(fvd_metrics(gen, cfg, self.train_ds, self.heldout_ds, self.run_dir, clips,
+                                       self.conditioning, self.share, ids))
         res = report({"step": step, **res}, self.share, self.logger, step, False, self.run_dir, None)
         if not self.main:
             return {}
-        npz.unlink(missing_ok=True)
+        for path in (npz, clips):
+            path.unlink(missing_ok=True)
         res.pop("fid_npz", None)
+        res.pop("fvd_npz", None)
         self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in res.items() if isinstance(v, float)))
         with open(self.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float))}) + "\n")
@@ -652,7 +666,8 @@ class Trainer:
             self.sample_grid(step)
         if _due(tr.eval_every, step):
             self.heldout_eval(step, final=False)
-        if self.cfg.eval.fid.num and _due(self.cfg.eval.fid.every, step):
+        ev = self.cfg.eval
+        if (ev.fid.num or (ev.fvd.num and self.cfg.model.num_frames > 1)) and _due(ev.fid.every, step):
             self.quality_eval(step)
         if self.checkpointer.due(step):
             self.save_checkpoint(step)
