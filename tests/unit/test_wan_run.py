@@ -90,6 +90,9 @@ def test_corrupt_config_is_refused(tiny, tmp_path):
     (["trainer.compile=blocks"], r"trainer.compile=blocks .*set trainer.compile=off"),
     (["model.attn_drop=0.1"], r"model.attn_drop=0.1: Wan has no dropout"),
     (["parallel.partial_sync=0.5"], r"parallel.partial_sync=0.5: .*set parallel.partial_sync=1"),
+    (["eval.fid.num=100"], r"eval.fid.num=100: FID, FVD and CLIP score of a Wan run are not built yet.*"
+                           r"set eval.fid.num=0"),
+    (["eval.fvd.num=100"], r"eval.fvd.num=100: FID, FVD .*set eval.fvd.num=0"),
 ])
 def test_what_vitp_train_does_not_do_for_wan_is_refused(tiny, extra, match):
     with pytest.raises(ValueError, match=match):
