@@ -5,6 +5,7 @@ targets are matched by the names users know, and bad input is refused naming the
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -142,3 +143,39 @@ def test_vitp_train_refuses_lora_without_a_base_or_a_continued_file_without_lora
     cfg = compose(["experiment=smoke", "trainer.lora.enabled=true", f"trainer.init_from={PERTURBED}"])
     check_lora_config(cfg)  # nulls resolved to the defaults
     assert (cfg.trainer.lora.rank, cfg.trainer.lora.alpha, cfg.trainer.lora.rslora) == (16, 16.0, False)
+
+
+def test_a_resume_refuses_other_scaling_another_lora_file_and_a_changed_base():
+    """``check_same_base``: a resume with another alpha, rsLoRA or ``trainer.lora.init_from`` than the
+    checkpoint's is refused, naming both values; a base whose folder holds other weights than at
+    the checkpoint says the weights changed there; the same record passes."""
+    from vitp.models.lora import check_same_base
+
+    saved = {"rank": 4, "alpha": 8.0, "rslora": False, "init_from": None, "pieces": {"blocks.0.attn.qkv": [0, 2]},
+             "base": {"folder": "/m/base", "hash": "a" * 64}}
+    check_same_base(dict(saved), saved, "T")
+    for key, value in (("alpha", 32.0), ("rslora", True), ("init_from", "/x/lora.safetensors")):
+        with pytest.raises(ValueError, match=rf"{key}: .* in the checkpoint vs {value!r} now.*trainer.lora.init_from "
+                                             "only starts a run"):
+            check_same_base({**saved, key: value}, saved, "T")
+    with pytest.raises(ValueError, match=r"trained on the base in /m/base, whose weights have changed since"):
+        check_same_base({**saved, "base": {"folder": "/m/base", "hash": "b" * 64}}, saved, "T")
+
+
+def test_lora_settings_without_lora_enabled_are_refused():
+    """``trainer.lora.rank=4`` (or alpha, dropout, targets) without ``trainer.lora.enabled=true``
+    would fine-tune every weight with the settings ignored: refused, naming the keys and the fix."""
+    from omegaconf import OmegaConf
+
+    from vitp.config import compose
+    from vitp.models.lora import adopt_lora_file
+
+    for over, shown in ((["trainer.lora.rank=4"], "trainer.lora.rank=4"),
+                        (["trainer.lora.targets=[to_q]"], "trainer.lora.targets=['to_q']")):
+        cfg = compose(["experiment=smoke", *over])
+        with pytest.raises(ValueError, match=rf"{re.escape(shown)} set, but trainer.lora.enabled=false: .*add "
+                                             "trainer.lora.enabled=true"):
+            adopt_lora_file(cfg)
+    cfg = compose(["experiment=smoke"])
+    adopt_lora_file(cfg)
+    assert cfg.trainer.lora.rank is None and OmegaConf.select(cfg, "trainer.lora.alpha") is None

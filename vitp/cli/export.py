@@ -40,7 +40,9 @@ def parse_size(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vitp-export", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="vitp-export", description="Consolidated weights of a vitp run or checkpoint: "
+                                "vitp safetensors, a Wan run's diffusers folder, or a LoRA run's adapters "
+                                "(docs/checkpoints.md, docs/finetuning.md).")
     p.add_argument("source", type=Path, help="run directory (its latest checkpoint), checkpoints folder, "
                                              "checkpoint tag folder, or vitp weights (.safetensors or a sharded "
                                              "export's .index.json)")
@@ -81,7 +83,8 @@ def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
     cfg = OmegaConf.create(record["config"])
     if record.get("lora"):
         p.error(f"{a.source} is a LoRA run (trainer.lora.enabled=true): its checkpoints hold the adapters, not the "
-                "base; export them with --format lora")
+                "base; export them with --format lora [--lora-format comfyui], or the base with them merged with "
+                "--format diffusers --merge")
     if not is_wan(cfg):
         p.error(f"{a.source} is a run of vitp's generator (model.family={cfg.model.get('family', 'vit')}); "
                 "--format diffusers exports Wan runs; leave --format out for the vitp export")
@@ -126,14 +129,34 @@ def write_lora_export(out: Path, adapters, config, cfg, lora_format: str = "diff
         base, _ = ex.read_export(cfg.trainer.init_from)
         merged_cfg = OmegaConf.merge(cfg, {"trainer": {"lora": {"enabled": False, "init_from": None}}})
         return ckpt.save_export(out, lf.merge_lora(base, adapters, config), merged_cfg, step=step, weights=weights)
-    if merge:
-        return lf.merge_into_folder(cfg.trainer.init_from, adapters, config, out)
+    if merge:  # the trained expert's transformer (A14B: transformer_2 for model.expert=low), its pipeline around it
+        from vitp.models.wan_run import wan_source
+        from vitp.train.wan import diffusers_weights, link_pipeline
+
+        source, _ = wan_source(cfg)
+        written = lf.merge_into_folder(source, adapters, config, diffusers_weights(Path(out), source))
+        link_pipeline(Path(out), source)
+        return written
     from vitp.models.wan_keys import read_config, transformer_folder
 
     wan = read_config(transformer_folder(cfg.trainer.init_from, "transformer"))
     writer = lf.to_comfyui_lora if lora_format == "comfyui" else lf.to_diffusers_lora
     return lf.save_lora_file(out if lora_format == "comfyui" else Path(out) / lf.WEIGHT_NAME,
                              *writer(adapters, config, wan))
+
+
+def _check_base(p: argparse.ArgumentParser, lora: dict) -> None:
+    """``--merge``: the base the run recorded (``{"base": {"folder", "hash"}}``) must still be what
+    its folder holds (:func:`vitp.models.lora.base_hash`), else the merge would give another model."""
+    from vitp.models.lora import base_hash
+
+    base = lora.get("base") or {}
+    folder, want = base.get("folder"), base.get("hash")
+    if folder and want and Path(folder).exists():
+        got = base_hash(folder)
+        if got != want:
+            p.error(f"{folder} no longer holds the base these adapters were trained on (weights hash {got}, the "
+                    f"run recorded {want}): merging would give another model; restore that base's files there")
 
 
 def run_lora(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
@@ -152,6 +175,8 @@ def run_lora(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
     if a.merge and a.format != ("diffusers" if wan else "vitp"):
         p.error("--merge writes a Wan run's base as a diffusers folder (pass --format diffusers) and a generator "
                 "run's as a vitp export file (leave --format out)")
+    if a.merge:
+        _check_base(p, record["lora"])
     step = record.get("step", -1) if step is None else step
     suffix = ("merged_diffusers" if wan else "merged.safetensors") if a.merge else \
         f"lora_{a.lora_format}" if wan else "lora_vitp.safetensors"
@@ -204,7 +229,9 @@ def run(argv: Optional[List[str]] = None) -> Path:
         p.error(f"{out if out.exists() else index} exists; choose another --out or pass --force to replace it")
     cfg = OmegaConf.create(cfg_dict)
     if str(cfg.get("model", {}).get("family", "vit")) == "wan":
-        p.error(f"{a.source} is a Wan run (model.family=wan): export it with --format diffusers -o OUT")
+        p.error(f"{a.source} is a Wan run (model.family=wan): export it with --format diffusers -o OUT"
+                + (" (--lora-format goes with --format lora, a LoRA run's adapters)" if a.lora_format != "diffusers"
+                   else ""))
     if dcp_tag is not None:
         written = ex.export_checkpoint(dcp_tag, out, cfg, kind=kind, step=step,
                                        max_shard_bytes=a.max_shard_size)

@@ -84,6 +84,11 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
     run = source / ".hydra" / "config.yaml"
     if run.is_file():
         weights = source / DIFFUSERS_DIR
+        if OmegaConf.select(OmegaConf.load(run), "trainer.lora.enabled"):
+            raise FileNotFoundError(f"{source} is a LoRA run: its adapters are in {source / 'lora'}, the base stays "
+                                    f"where it was; write the base with them merged as a pipeline with vitp-export "
+                                    f"{source} --format diffusers --merge -o OUT, then vitp-sample OUT --prompt ... "
+                                    "(or load RUN/lora in diffusers: docs/finetuning.md#lora-files)")
         if not any((weights / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
             raise FileNotFoundError(f"{source} has no final diffusers folder {weights} (the run has not finished): "
                                     f"write one with vitp-export {source} --format diffusers -o OUT, then "

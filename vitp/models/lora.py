@@ -240,8 +240,15 @@ def adopt_lora_file(cfg) -> None:
     from the file's (rank, alpha, rslora, the modules the targets adapt; both named); a LoRA of
     another base (:func:`read_init_lora`)."""
     lo = cfg.trainer.lora
+    set_keys = [f"trainer.lora.{k}={lo[k]}" for k, unset in (("rank", None), ("alpha", None), ("rslora", None),
+                                                              ("dropout", 0.0), ("b_init_std", 0.0))
+                if lo[k] != unset] + ([f"trainer.lora.targets={list(lo.targets)}"] if lo.targets else [])
+    if set_keys and not lo.enabled:  # else a full fine-tuning would run with the LoRA settings ignored
+        raise ValueError(f"{', '.join(set_keys)} set, but trainer.lora.enabled=false: this would fine-tune every "
+                         "weight; add trainer.lora.enabled=true for LoRA (or drop the trainer.lora keys)")
     if not lo.init_from:
-        lo.rank, lo.alpha, lo.rslora = _or(lo.rank, DEFAULT_RANK), _or(lo.alpha, DEFAULT_ALPHA), bool(lo.rslora)
+        if lo.enabled:  # a full fine-tuning's record keeps them unset (checked above when it is re-read)
+            lo.rank, lo.alpha, lo.rslora = _or(lo.rank, DEFAULT_RANK), _or(lo.alpha, DEFAULT_ALPHA), bool(lo.rslora)
         return
     if not lo.enabled:
         raise ValueError(f"trainer.lora.init_from={lo.init_from} continues a LoRA: add trainer.lora.enabled=true "
@@ -354,16 +361,23 @@ def check_same_base(record: Optional[Dict[str, object]], saved: Optional[Dict[st
         raise ValueError(f"checkpoint {tag} trained {what}, this run does not: resume it with {fix}, or start a new "
                          "run (another hydra.run.dir)")
     old, new = saved["base"], record["base"]
+    if old["hash"] != new["hash"] and old["folder"] == new["folder"]:
+        raise ValueError(f"checkpoint {tag} holds LoRA adapters trained on the base in {old['folder']}, whose weights "
+                         f"have changed since (hash {old['hash'][:16]} then, {new['hash'][:16]} now): adapters fit "
+                         "only their own base; put that base's files back there, or start a new run (another "
+                         "hydra.run.dir)")
     if old["hash"] != new["hash"]:
         raise ValueError(f"checkpoint {tag} holds LoRA adapters trained on the base {old['folder']} (weights hash "
                          f"{old['hash'][:16]}), but trainer.init_from gives {new['folder']} (hash {new['hash'][:16]}): "
                          f"adapters fit only their own base; resume with trainer.init_from={old['folder']}, or start "
                          "a new run (another hydra.run.dir)")
-    diffs = [f"{k}: {saved.get(k)!r} in the checkpoint vs {record[k]!r} now" for k in ("rank", "pieces")
-             if saved.get(k) != record[k]]
+    diffs = [f"{k}: {saved.get(k)!r} in the checkpoint vs {record[k]!r} now" for k in ("rank", "pieces", "alpha",
+                                                                                         "rslora", "init_from")
+             if k in saved and saved.get(k) != record[k]]  # alpha and rslora scale the trained adapters
     if diffs:
         raise ValueError(f"checkpoint {tag} holds other LoRA adapters ({'; '.join(diffs)}): resume with its "
-                         "trainer.lora settings, or start a new run (another hydra.run.dir)")
+                         "trainer.lora settings (trainer.lora.init_from only starts a run: a resumed run's adapters "
+                         "come from its checkpoint), or start a new run (another hydra.run.dir)")
 
 
 def seed_of(seed: int, key: str) -> int:

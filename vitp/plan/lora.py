@@ -54,8 +54,11 @@ def lora_plan_of(cfg: Any) -> Optional[LoraPlan]:
     lo = getattr(cfg.trainer, "lora", None)
     if lo is None or not bool(lo.get("enabled", False)):
         return None
+    from vitp.models.lora import check_targets
+
     family = "wan" if str(cfg.model.get("family", "vit")) == "wan" else "vit"
     targets = tuple(str(t) for t in lo.targets) or DEFAULT_TARGETS[family]
+    check_targets(family, int(cfg.model.depth), targets)  # as vitp-train refuses a target that adapts nothing
     return LoraPlan(int(DEFAULT_RANK if lo.rank is None else lo.rank), targets, "auto", float(lo.dropout))
 
 

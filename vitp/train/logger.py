@@ -130,12 +130,14 @@ def binned_loss(t: torch.Tensor, loss: torch.Tensor) -> Dict[str, float]:
 
 
 def log_stages(module: torch.nn.Module, state: Any, device: torch.device, run_dir: Path) -> None:
-    """Gather per-rank (stage, tp rank) parameter counts and peak memory; rank 0 logs them and
-    writes ``stages.json``."""
+    """Gather per-rank (stage, tp rank) parameter counts (all, and ``trainable``: a LoRA run's
+    adapters) and peak memory; rank 0 logs them and writes ``stages.json``."""
     peak = peak_memory_gib(device) * 2**10  # MiB
     row = {"rank": dist.rank(), "stage": state.pp_rank, "tp_rank": state.tp_rank,
            "cp_rank": state.cp_rank, "dp_rank": state.dp_rank,
-           "parameters": sum(p.numel() for p in module.parameters()), "peak_memory_mib": round(peak, 1)}
+           "parameters": sum(p.numel() for p in module.parameters()),
+           "trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),  # LoRA: the adapters
+           "peak_memory_mib": round(peak, 1)}
     rows = [row]
     if dist.world_size() > 1:
         rows = [None] * dist.world_size()
@@ -143,6 +145,8 @@ def log_stages(module: torch.nn.Module, state: Any, device: torch.device, run_di
     if dist.is_main():
         for r in rows:
             if r["dp_rank"] == 0 and r["cp_rank"] == 0:
-                log.info("stage %d tp %d: %.3fM parameters, peak memory %.0f MiB", r["stage"], r["tp_rank"],
-                         r["parameters"] / 1e6, r["peak_memory_mib"])
+                frozen = r["parameters"] - r["trainable"]
+                log.info("stage %d tp %d: %.3fM parameters%s, peak memory %.0f MiB", r["stage"], r["tp_rank"],
+                         r["parameters"] / 1e6, f" ({r['trainable'] / 1e6:.3f}M trained, {frozen / 1e6:.3f}M frozen)"
+                         if frozen else "", r["peak_memory_mib"])
         atomic_write_text(run_dir / "stages.json", json.dumps(rows, indent=1) + "\n")

@@ -851,7 +851,7 @@ class Trainer:
             ema = "model_ema.safetensors"
             if not (self.run_dir / ema).is_file():  # sharded: its index names the shards
                 ema = f"{ema}.index.json"
-            if self.wan:
+            if self.wan or tr.lora.enabled:
                 ema = "lora/" if tr.lora.enabled else "diffusers/"  # the EMA weights (adapters)
             held = [ema, *([] if skipped else ["samples/"]), "metrics.jsonl",
                     *(["eval.json"] if cfg.eval.enabled and not skipped else []),
@@ -890,8 +890,8 @@ class Trainer:
             from .wan import copy_diffusers
 
             copy_diffusers(self.run_dir, export)
-            if (self.run_dir / "lora").is_dir():  # a LoRA run's adapters (vitp.train.lora)
-                shutil.copytree(self.run_dir / "lora", export / "lora", dirs_exist_ok=True)
+        if (self.run_dir / "lora").is_dir():  # a LoRA run's adapters (vitp.train.lora), Wan or the generator
+            shutil.copytree(self.run_dir / "lora", export / "lora", dirs_exist_ok=True)
         for pattern in ("model_ema*.safetensors", "model_ema.safetensors.index.json", "model_ema.json",
                         "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "model.json",
                         "eval.json"):

@@ -509,10 +509,20 @@ def test_lora_run_files_load_in_diffusers_with_the_trained_models_output(wan_one
         got = ref(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
         assert float((got - want).norm() / want.norm()) < 1e-5
         merged = export([str(run), "--format", "diffusers", "--merge", "-o", str(tmp_path / "merged")])
+        assert merged == tmp_path / "merged" / "transformer"  # a pipeline base: the pipeline around it, linked
+        parts = {p.name for p in Path(wan_train["folder"]).iterdir() if p.is_dir() and p.name != "transformer"}
+        assert parts and all((tmp_path / "merged" / n).is_symlink() for n in parts)
+        assert (tmp_path / "merged" / "model_index.json").is_file()
         with no_key_warnings():
             m = WanTransformer3DModel.from_pretrained(str(merged)).eval()
         got = m(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
         assert float((got - want).norm() / want.norm()) < 1e-5
+    import argparse
+
+    from vitp.cli.export import _check_base
+
+    with pytest.raises(SystemExit):  # the recorded base's weights are not the folder's: no merge
+        _check_base(argparse.ArgumentParser(prog="vitp-export"), {"base": {"folder": str(base), "hash": "0" * 64}})
     comfy = export([str(run), "--format", "lora", "--lora-format", "comfyui", "-o", str(tmp_path / "c.safetensors")])
     with safe_open(str(comfy), "pt") as f:
         keys = list(f.keys())
