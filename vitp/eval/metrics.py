@@ -284,14 +284,15 @@ def quality_metrics(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, r
     return res
 
 
-def rank_peaks() -> list:
+def rank_peaks(every_rank: bool = True) -> list:
     """Every rank's resident-memory peak (``VmHWM`` of ``/proc/self/status``, MiB, 0 where the
-    system has none), in rank order; collective over the world when a process group is up."""
+    system has none), in rank order: collective over the world when ``every_rank`` (every rank
+    runs this evaluation) and a process group is up, else this process's alone."""
     try:
         mine = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:")) / 1024
     except (OSError, StopIteration):
         mine = 0.0
-    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+    if not (every_rank and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
         return [round(mine, 1)]
     out = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, round(mine, 1))
@@ -302,9 +303,10 @@ def report(res: Dict[str, Any], share: Any, logger: Any, step: Optional[int], fu
            out: Optional[Path]) -> Dict[str, Any]:
     """Rank 0's part of an evaluation: its float results to TensorBoard (``eval/<key>``) and, for a
     full one, ``peak_rss_mib`` (every rank's resident-memory peak so far, :func:`rank_peaks`),
-    ``eval.json`` (or ``out``) and a log line; returns ``res``. Collective when ``full``."""
-    if full:
-        res = {**res, "peak_rss_mib": rank_peaks()}
+    ``eval.json`` (or ``out``) and a log line; returns ``res``. Collective when ``full`` and
+    ``share.group`` is set (a distributed evaluation)."""
+    if full:  # every rank's of a distributed evaluation (share.group), this process's of a one-process one
+        res = {**res, "peak_rss_mib": rank_peaks(share.group is not None)}
     if not share.main:
         return res
     if logger is not None and step is not None:
