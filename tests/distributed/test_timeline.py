@@ -94,6 +94,7 @@ def test_stage_fractions_add_up_and_are_logged_for_the_recorded_steps_only(runs)
     profiled = {r["step"]: r for r in rows if any(k.startswith("profile/") for k in r)}
     assert sorted(profiled) == list(STEPS)
     assert "loss" in profiled[2] and "loss" not in profiled[3]  # step 3 is not a logged step: a line of its own
+    waits = {0: 0.0, 1: 0.0}
     for r in profiled.values():
         for s in (0, 1):
             f = {k: r[f"profile/stage{s}_{k}"] for k in ("compute", "comm", "p2p", "reduce", "optimizer", "idle",
@@ -101,11 +102,14 @@ def test_stage_fractions_add_up_and_are_logged_for_the_recorded_steps_only(runs)
             assert f["compute"] + f["comm"] + f["optimizer"] + f["idle"] == pytest.approx(1.0, abs=1e-9)
             assert f["comm"] == pytest.approx(f["p2p"] + f["reduce"]) and f["idle"] == pytest.approx(f["wait"] + f["gap"])
             assert min(f.values()) >= 0 and f["compute"] > 0 and f["p2p"] > 0
-            assert f["wait"] > 0  # a 2-stage pipeline waits: the bubble (stage 0 for gradients, stage 1 for activations)
+            waits[s] += f["wait"]
             step_ms, busy_ms = r[f"profile/stage{s}_step_ms"], r[f"profile/stage{s}_busy_ms"]
             assert 0 < busy_ms <= step_ms and busy_ms / step_ms == pytest.approx(1 - f["gap"])
             idle_ms, theory = r[f"profile/stage{s}_idle_ms"], r[f"profile/stage{s}_idle_1f1b_ms"]
             assert idle_ms == pytest.approx(f["idle"] * step_ms) and theory > 0
+    # a 2-stage pipeline waits (the bubble: stage 0 for gradients, stage 1 for activations) over the recorded
+    # steps; one step of one stage may show none when the other stage ran late (seen once in a clean-clone suite)
+    assert waits[0] > 0 and waits[1] > 0, waits
 
 
 def test_timeline_at_pp1(runs):
