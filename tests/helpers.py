@@ -213,3 +213,15 @@ def make_tiny_wan():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def eval_weights_script():
+    """``scripts/make_random_eval_weights.py`` as a module (its ``random_inception``, ``random_clip``,
+    ``random_i3d`` and ``main`` write the random-weight feature networks of docs/evaluation.md)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "make_random_eval_weights", Path(__file__).parents[1] / "scripts" / "make_random_eval_weights.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

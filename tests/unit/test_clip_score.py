@@ -12,10 +12,8 @@ own processor calls, truncation, normalisation, sums and clamp do the rest.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,11 +24,9 @@ CAPTIONS = ["a handwritten seven", "the digit 3", "4", "Ünïcode ☃ caption, w
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "make_random_eval_weights", Path(__file__).parents[2] / "scripts" / "make_random_eval_weights.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tests.helpers import eval_weights_script
+
+    return eval_weights_script()
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ them to 299); each Inception forward costs about 0.5 s of one CPU here, so the c
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,11 +14,9 @@ import torch
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "make_random_eval_weights", Path(__file__).parents[2] / "scripts" / "make_random_eval_weights.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tests.helpers import eval_weights_script
+
+    return eval_weights_script()
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ covariances have rank 2 of 400).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,11 +20,9 @@ SMALL = ["experiment=smoke", "data=synthetic", "data.channels=3", "data.num_fram
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "make_random_eval_weights", Path(__file__).parents[2] / "scripts" / "make_random_eval_weights.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tests.helpers import eval_weights_script
+
+    return eval_weights_script()
 
 
 @pytest.fixture(scope="module")

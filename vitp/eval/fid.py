@@ -86,20 +86,28 @@ def frechet(real: FeatureSums, fake: FeatureSums) -> float:
     return float(_compute_fid(mr, cr, mf, cf))
 
 
+def read_weights_file(path: Optional[str], key: str, help_text: str):
+    """``(path, state dict)`` of a local feature-network file given as ``<key>.weights`` (loaded with
+    ``weights_only``: no pickled code runs). Raises ``ValueError`` when none is given or the file is
+    not a PyTorch state dict, ``FileNotFoundError`` when it is missing; each names the key and
+    ``help_text`` (where to get the file)."""
+    if not path:
+        raise ValueError(f"{key}.num > 0 needs {key}.weights=FILE: {help_text}")
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"{key}.weights={path}: no such file; give {help_text}")
+    try:
+        return p, torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice
+        raise ValueError(f"{key}.weights={path} is not a PyTorch state dict ({type(e).__name__}); give "
+                         f"{help_text}") from None
+
+
 def check_weights(path: Optional[str]) -> Path:
     """``path`` as a checked Inception-V3 weights file. Raises ``ValueError`` when none is given or
     it is not an Inception-V3 state dict, ``FileNotFoundError`` when it is missing; each names the
     file and how to get the right one."""
-    if not path:
-        raise ValueError(f"eval.fid.num > 0 needs eval.fid.weights=FILE: {WEIGHTS_HELP}")
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"eval.fid.weights={path}: no such file; give {WEIGHTS_HELP}")
-    try:
-        sd = torch.load(p, map_location="cpu", weights_only=True)  # refuses pickled code
-    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice
-        raise ValueError(f"eval.fid.weights={path} is not a PyTorch state dict ({type(e).__name__}); give "
-                         f"{WEIGHTS_HELP}") from None
+    p, sd = read_weights_file(path, "eval.fid", WEIGHTS_HELP)
     shape = tuple(sd["fc.weight"].shape) if isinstance(sd, dict) and "fc.weight" in sd else None
     if shape != (1008, FID_DIM) or "Mixed_7c.branch_pool.conv.weight" not in sd:
         raise ValueError(f"eval.fid.weights={path} is not torch-fidelity's Inception-V3 (fc.weight {shape}, expected "

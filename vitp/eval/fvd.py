@@ -34,8 +34,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .fid import (FeatureSums, Metric, file_digest, fid_labels, image_sums, npz_images, real_statistics,
-                  write_fid_samples)
+from .fid import (FeatureSums, Metric, file_digest, fid_labels, image_sums, npz_images, read_weights_file,
+                  real_statistics, write_fid_samples)
 from .inference import Share
 from .progress import phase
 
@@ -52,16 +52,7 @@ def check_weights(path: Optional[str]) -> Path:
     """``path`` as a checked I3D weights file (cd-fvd's ``InceptionI3d(400)`` state dict). Raises
     ``ValueError`` when none is given or it is not that state dict, ``FileNotFoundError`` when it
     is missing; each names ``eval.fvd.weights`` and how to get the right file."""
-    if not path:
-        raise ValueError(f"eval.fvd.num > 0 needs eval.fvd.weights=FILE: {WEIGHTS_HELP}")
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"eval.fvd.weights={path}: no such file; give {WEIGHTS_HELP}")
-    try:
-        sd = torch.load(p, map_location="cpu", weights_only=True)  # refuses pickled code
-    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice
-        raise ValueError(f"eval.fvd.weights={path} is not a PyTorch state dict ({type(e).__name__}); give "
-                         f"{WEIGHTS_HELP}") from None
+    p, sd = read_weights_file(path, "eval.fvd", WEIGHTS_HELP)
     w = sd.get("logits.conv3d.weight") if isinstance(sd, dict) else None
     shape = tuple(w.shape) if isinstance(w, torch.Tensor) else None
     if shape != (FVD_DIM, 1024, 1, 1, 1) or "Conv3d_1a_7x7.conv3d.weight" not in sd:
