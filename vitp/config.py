@@ -801,10 +801,6 @@ def _check_run(cfg: "DictConfig") -> None:
     _fail(not (tr.init_from and tr.init_from_timm), "set trainer.init_from or trainer.init_from_timm, not both")
     _fail(not cfg.data.class_per_shot or cfg.data.scene_cut_threshold is not None,
           "data.class_per_shot=true needs shots: set data.scene_cut_threshold (e.g. 10)")
-    for key, value in (("eval.fid.num", cfg.eval.fid.num), ("eval.fvd.num", cfg.eval.fvd.num)):
-        _fail(not (cfg.model.family == "wan" and value),
-              f"{key}={value}: FID, FVD and CLIP score of a Wan run are not built yet (a Wan run's evaluation: "
-              f"held-out loss, sample grids, video statistics, docs/finetuning.md); set {key}=0")
     _fail(not cfg.eval.clip.model or cfg.eval.fid.num > 0,  # CLIP score reads the FID samples
           f"eval.clip.model={cfg.eval.clip.model} scores the FID samples: set eval.fid.num (and eval.fid.weights), "
           "e.g. eval.fid.num=1000")

@@ -405,9 +405,10 @@ def test_wan22_ti2v_text_to_video_trains_and_samples_as_diffusers(wan_runs):
     assert _rel_max(got["latents"], latents) <= 1e-4 and _levels(got["frames"], frames) <= 1
 
 
-@pytest.mark.parametrize("layout", [["parallel.cp=1"], ["parallel.cp=2"]], ids=["dp2", "cp2_ulysses"])
+@pytest.mark.parametrize("layout", [[], ["parallel.cp=2"]], ids=["dp2_chosen", "cp2_ulysses"])
 def test_wan_sample_under_torchrun_is_the_one_process_sample(wan_runs, tmp_path, layout):
-    """One launch samples the three runs (Wan 2.1, A14B's two experts, TI2V) in the layout."""
+    """One launch samples the three runs (Wan 2.1, A14B's two experts, TI2V) in the layout given,
+    or without a layout key in the one vitp-sample chooses (two whole-model replicas: they fit)."""
     from safetensors.torch import load_file
 
     argvs = [[str(wan_runs / name), f"cli.prompt={json.dumps(WAN_PROMPTS)}", "cli.num=2",
@@ -416,11 +417,14 @@ def test_wan_sample_under_torchrun_is_the_one_process_sample(wan_runs, tmp_path,
     two = _torchrun(["-m", "tests.distributed.wan_sample_many", json.dumps(argvs)], Path(__file__).parents[2])
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert two.stdout.count("wrote ") == len(WAN_RUNS)  # rank 0 alone prints
+    chosen = "vitp-sample: layout for sampling: dp=2 (a replica of the whole model fits one device"
+    assert (two.stderr + two.stdout).count(chosen) == (0 if layout else len(WAN_RUNS)), two.stderr[-2000:]
     for name in WAN_RUNS:
         a = load_file(str(wan_runs / f"one_{name}" / "latents.safetensors"))
         b = load_file(str(tmp_path / name / "latents.safetensors"))
         assert torch.equal(a["noise"], b["noise"]), name
-        WAN_MEASURED[f"{name} {layout[0]} latents rel max"] = _rel_max(b["latents"], a["latents"])
+        WAN_MEASURED[f"{name} {layout[0] if layout else 'dp2 chosen'} latents rel max"] = _rel_max(b["latents"],
+                                                                                                  a["latents"])
         assert _rel_max(b["latents"], a["latents"]) <= 1e-4, name
         assert _levels(b["frames"], a["frames"]) <= 1, name
 

@@ -46,9 +46,10 @@ def _close(a, b, rel):
 def test_split_sums_equal_one_process_and_cd_fvd(weights):
     """Each replica's sums (2 and 4 replicas, other batch sizes) add up to one process's to 1e-6;
     the FVD equals cd-fvd's ``compute_fvd`` of the same clips (its own network, preprocessing and
-    ``scipy.linalg.sqrtm``) to 1e-4. The distance of a split is compared at 1e-5: batches of other
-    sizes change the float32 features by ~3e-7, and the 398 zero eigenvalues of these rank-2
-    covariances turn that into ~1.5e-6 of the distance."""
+    ``scipy.linalg.sqrtm``) to 1e-4. The distance of a split is 1e-6 from one process's when the
+    forwards are the same (one clip each), and compared at 1e-5 with batches of other sizes: those
+    change the float32 features by ~3e-7, and the 398 zero eigenvalues of these rank-2 covariances
+    turn that into ~1.5e-6 of the distance."""
     from cdfvd.fvd import cdfvd
 
     from vitp.eval.fid import FeatureSums, image_sums
@@ -71,6 +72,9 @@ def test_split_sums_equal_one_process_and_cd_fvd(weights):
         got = split(k, batch)
         assert got.n == f1.n == 3 and _close(got.s, f1.s, 1e-6) and _close(got.ss, f1.ss, 1e-6)
         assert frechet_video(r1, got) == pytest.approx(one, rel=1e-5)
+    one_b1 = frechet_video(r1, image_sums(net, fake, range(3), 1, metric=FVD))  # one clip per forward, as split(k, 1)
+    for k in (2, 4):  # the same forwards split over replicas: only the float64 sums' order differs
+        assert frechet_video(r1, split(k, 1)) == pytest.approx(one_b1, rel=1e-6)
     lib = cdfvd("i3d", ckpt_path=str(weights), device="cpu", n_real="full", n_fake="full")
     ref = lib.compute_fvd(real.numpy(), fake.numpy())
     assert _close(torch.from_numpy(lib.real_stats.raw_cov), r1.ss, 1e-6)  # the library's own sums

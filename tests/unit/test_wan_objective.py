@@ -169,6 +169,33 @@ def test_decoded_frames_match_wan_pipeline_within_one_level(tiny):
     assert inside > 0.5 and levels <= 1.0
 
 
+@pytest.mark.parametrize("mid_level", [True, False])
+def test_fid_and_fvd_read_the_pipelines_8_bit_frames(tiny, mid_level):
+    """What FID and FVD read of a Wan sample (vitp.eval.wan_eval.wan_quality_metrics: to_frames with
+    mid_level, then guided-diffusion's truncating quantisation of vitp.eval.fid.to_uint8 /
+    vitp.eval.fvd.to_clips) is WanPipeline's 8-bit output (numpy_to_pil: round(frames * 255)) of the
+    same latents, every value; frames at L / 127.5 - 1 (mid_level=False, the grids' form) lose a level
+    on a quarter of the 256 levels (6 % of these values), which this check catches."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    from vitp.eval.fid import to_uint8
+    from vitp.eval.fvd import to_clips
+    from vitp.eval.wan_eval import to_frames
+
+    lat = _vitp_latents(tiny, "unipc")
+    frames = decode_latents(tiny.pipe.vae, lat)  # (B, F, H, W, 3) in [0, 1], the pipeline's decode (test above)
+    want = np.stack([np.stack([np.asarray(im) for im in VaeImageProcessor.numpy_to_pil(v)]) for v in frames])
+    x = to_frames(tiny.folder, lat, mid_level=mid_level)
+    clips, images = to_clips(x).numpy(), to_uint8(x).numpy()
+    assert clips.shape == want.shape == (2, 9, 64, 64, 3) and len(np.unique(want)) > 200
+    wrong = (clips != want).mean()
+    MEASURED[f"8-bit values differing from WanPipeline's (mid_level={mid_level})"] = wrong
+    if mid_level:
+        assert np.array_equal(clips, want) and np.array_equal(images, want[:, 0])
+    else:  # the fault
+        assert wrong > 0.02
+
+
 @pytest.mark.parametrize("scheduler", ["unipc", "euler"])
 def test_bf16_sampling_matches_wan_pipeline_bf16(tiny, scheduler):
     """bf16 weights (fp32 kept where diffusers keeps it): latents go into the denoiser in bf16 each

@@ -90,9 +90,10 @@ def test_corrupt_config_is_refused(tiny, tmp_path):
     (["trainer.compile=blocks"], r"trainer.compile=blocks .*set trainer.compile=off"),
     (["model.attn_drop=0.1"], r"model.attn_drop=0.1: Wan has no dropout"),
     (["parallel.partial_sync=0.5"], r"parallel.partial_sync=0.5: .*set parallel.partial_sync=1"),
-    (["eval.fid.num=100"], r"eval.fid.num=100: FID, FVD and CLIP score of a Wan run are not built yet.*"
-                           r"set eval.fid.num=0"),
-    (["eval.fvd.num=100"], r"eval.fvd.num=100: FID, FVD .*set eval.fvd.num=0"),
+    # the tiny folder has no vae/: FID / FVD / CLIP score read decoded pixels (vitp.eval.wan_eval)
+    (["eval.fid.num=100"], r"eval.fid.num=100 on a Wan run scores decoded pixels, but the pipeline .* has no vae/; "
+                           r"train from a pipeline folder with its vae/ .*or set eval.fid.num=0"),
+    (["eval.fvd.num=100"], r"eval.fvd.num=100 on a Wan run .* has no vae/.*set eval.fvd.num=0"),
 ])
 def test_what_vitp_train_does_not_do_for_wan_is_refused(tiny, extra, match):
     with pytest.raises(ValueError, match=match):
@@ -127,6 +128,9 @@ def test_grids_and_evaluation_are_accepted_and_a_lone_transformer_warns(tiny, tm
     with caplog.at_level(logging.WARNING, logger="vitp"):
         validate_config(_cfg(alone, "objective.shift=3"), 1)
     assert "has no pipeline scheduler/: no sample grids and no sampled video statistics" in caplog.text
+    with pytest.raises(ValueError, match=r"eval.fid.num=8 on a Wan run scores decoded pixels, but trainer.init_from="
+                                         r".*alone is a transformer folder without its pipeline .*set eval.fid.num=0"):
+        validate_config(_cfg(alone, "objective.shift=3", "eval.fid.num=8"), 1)
 
 
 def test_vitp_eval_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys):

@@ -201,21 +201,29 @@ def data_key(cfg: Any, split: str, count: int) -> Dict[str, Any]:
     return {"data": data, "seed": int(cfg.seed), "split": split, "items": int(count), "files": digest}
 
 
-def _real_images(cfg: Any, dataset: Any, idx: range, device: Any, convert: Callable = to_uint8) -> torch.Tensor:
+Decode = Callable[[torch.Tensor], torch.Tensor]  # data items (B, C, T, H, W) -> pixels (B, 3, F, H', W') in [-1, 1]
+
+
+def _real_images(cfg: Any, dataset: Any, idx: range, device: Any, convert: Callable = to_uint8,
+                 decode: Optional[Decode] = None) -> torch.Tensor:
     from .sampling import to_pixels
 
     x = torch.stack([dataset[(i, None)][0] for i in idx])
+    if decode is not None:
+        return convert(decode(x).cpu())
     return convert(to_pixels(cfg, x, device).cpu())  # latents: decoded as the samples are
 
 
 def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, share: Share, cache: Path,
-                    weights_digest: str, metric: Metric = FID) -> FeatureSums:
+                    weights_digest: str, metric: Metric = FID, decode: Optional[Decode] = None,
+                    decoder: str = "") -> FeatureSums:
     """The :class:`FeatureSums` of the ``metric``'s features (default FID's) of the first ``count``
-    items of ``dataset`` (decoded through ``data.vae`` for a latent run), each replica extracting
+    items of ``dataset`` (decoded through ``data.vae`` for a latent run, or by ``decode``, whose
+    weights ``decoder`` identifies, e.g. a Wan pipeline's VAE digest), each replica extracting
     its range; cached in ``cache`` (safetensors, written by rank 0) with the weights' digest and
-    :func:`data_key` of the data (and the metric's protocol), so a second evaluation reads no item.
-    Raises ``ValueError`` naming ``cache`` when it holds another weights file's or data set's
-    statistics. Collective over ``share``."""
+    :func:`data_key` of the data (and the metric's protocol and ``decoder``), so a second evaluation
+    reads no item. Raises ``ValueError`` naming ``cache`` when it holds another weights file's, data
+    set's or decoder's statistics. Collective over ``share``."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -225,11 +233,13 @@ def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, sh
     key = {"weights_sha256": weights_digest, "data": data_key(cfg, sect.real, count)}
     if m.protocol:
         key["features"] = m.protocol
+    if decoder:
+        key["decoder"] = decoder
     if cache.is_file():
         with safe_open(str(cache), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get(f"vitp_{m.section}_real", "{}"))
             for part, what in (("weights_sha256", m.network), ("features", "feature extraction"),
-                               ("data", "data or split")):
+                               ("data", "data or split"), ("decoder", "decoder (VAE)")):
                 if meta.get(part) != key.get(part):
                     raise ValueError(f"{cache} holds the {m.name} real statistics of other {what} than this "
                                      f"evaluation's; delete it to recompute them, or give "
@@ -242,7 +252,7 @@ def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, sh
         for i in range(mine.start, mine.stop, batch):
             idx = range(i, min(mine.stop, i + batch))
             with torch.no_grad():
-                sums.add(m.features(net, _real_images(cfg, dataset, idx, device, m.to_uint8)))
+                sums.add(m.features(net, _real_images(cfg, dataset, idx, device, m.to_uint8, decode)))
             bar.update(len(idx))
     sums = sums.summed(share)
     if share.main:
@@ -312,11 +322,16 @@ def _barrier(share: Share) -> None:
         torch.distributed.barrier()
 
 
+Draw = Callable[[torch.Tensor, int, int, str], torch.Tensor]  # (labels, first index, seed, purpose) -> samples
+
+
 def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, npz: Path,
-                      conditioning: Any = None, metric: Metric = FID) -> None:
+                      conditioning: Any = None, metric: Metric = FID, draw: Optional[Draw] = None) -> None:
     """Sample ``labels`` (sample ``i`` from the noise of ``(eval.fid.seed, i)``; another ``metric``:
     its section's seed and block) into ``npz`` (:func:`write_npz`), ``eval.fid.block`` at a time:
-    each block is split over the replicas (:func:`vitp.eval.sampling.generate`), gathered as uint8
+    each block is split over the replicas (:func:`vitp.eval.sampling.generate`, or ``draw(labels of
+    the block, index of its first sample, seed, purpose)`` giving this replica's share of the block
+    as ``(b, 3, F, H, W)`` pixels in [-1, 1], e.g. a Wan run's decoded samples), gathered as uint8
     (``metric.to_uint8``) on rank 0 and saved in
     ``<npz>.parts/`` (atomically), so a stopped evaluation resumes at the first missing block. The
     parts are removed once ``npz`` is written; an existing ``npz`` of ``len(labels)`` items is kept.
@@ -342,8 +357,9 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
         lo, hi = k * f.block, min(n, (k + 1) * f.block)
         if path.is_file():  # written by an earlier, stopped evaluation
             continue
-        x = generate(gen, cfg, labels[lo:hi], f.seed, conditioning, share, gather=False, first=lo,
-                     purpose=f"{m.name} (block {k + 1} of {len(blocks)})")
+        what = f"{m.name} (block {k + 1} of {len(blocks)})"
+        x = (draw(labels[lo:hi], lo, int(f.seed), what) if draw is not None else
+             generate(gen, cfg, labels[lo:hi], f.seed, conditioning, share, gather=False, first=lo, purpose=what))
         images = share.gather(m.to_uint8(x), hi - lo)
         if share.main:
             with atomic_write(path) as tmp:
@@ -359,12 +375,15 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
 
 def fid_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path,
                 conditioning: Any = None, share: Optional[Share] = None,
-                heldout_ids: Optional[torch.Tensor] = None) -> Dict[str, Any]:
+                heldout_ids: Optional[torch.Tensor] = None, draw: Optional[Draw] = None,
+                decode: Optional[Decode] = None, decoder: str = "") -> Dict[str, Any]:
     """FID of ``eval.fid.num`` samples against the real ``eval.fid.real`` items (the first
     ``eval.fid.real_num``; their statistics cached, :func:`real_statistics`), the samples (a caption
     run: the held-out items' caption ids ``heldout_ids``, :func:`fid_labels`) written
     to ``npz`` (:func:`write_fid_samples`) and their features read back from it. Returns ``fid``,
-    ``fid_num_samples``, ``fid_real_items`` and ``fid_npz`` on rank 0 (``{}`` elsewhere). Raises ``ValueError`` /
+    ``fid_num_samples``, ``fid_real_items`` and ``fid_npz`` on rank 0 (``{}`` elsewhere). ``draw``,
+    ``decode``, ``decoder``: another model's sampling and decoding (:func:`write_fid_samples`,
+    :func:`real_statistics`; a Wan run's, :func:`vitp.eval.wan_eval.wan_quality_metrics`). Raises ``ValueError`` /
     ``FileNotFoundError`` for a missing or wrong weights file before any sample is drawn. Collective."""
     from .sampling import _device
 
@@ -374,9 +393,9 @@ def fid_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pat
     real_ds = train_ds if f.real == "train" else heldout_ds
     count = min(len(real_ds), f.real_num or len(real_ds))
     cache = Path(f.real_stats) if f.real_stats else Path(run_dir) / f"fid_real_{f.real}{f.real_num or 'all'}.safetensors"
-    real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(weights))
+    real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(weights), FID, decode, decoder)
     labels = fid_labels(cfg, conditioning, heldout_ids if heldout_ids is not None else torch.zeros(1, dtype=torch.long))
-    write_fid_samples(gen, cfg, labels, share, npz, conditioning)
+    write_fid_samples(gen, cfg, labels, share, npz, conditioning, FID, draw)
     images = npz_images(npz)
     mine = share.indices(len(images))
     with phase(f"FID features of the {len(images)} samples in {npz.name}", len(mine), "FID", "img", share.main) as bar:

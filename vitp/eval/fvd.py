@@ -34,8 +34,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .fid import (FeatureSums, Metric, file_digest, fid_labels, image_sums, npz_images, read_weights_file,
-                  real_statistics, write_fid_samples)
+from .fid import (Decode, Draw, FeatureSums, Metric, file_digest, fid_labels, image_sums, npz_images,
+                  read_weights_file, real_statistics, write_fid_samples)
 from .inference import Share
 from .progress import phase
 
@@ -139,13 +139,16 @@ def frechet_video(real: FeatureSums, fake: FeatureSums) -> float:
 
 def fvd_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path,
                 conditioning: Any = None, share: Optional[Share] = None,
-                heldout_ids: Optional[torch.Tensor] = None) -> Dict[str, Any]:
+                heldout_ids: Optional[torch.Tensor] = None, draw: Optional[Draw] = None,
+                decode: Optional[Decode] = None, decoder: str = "") -> Dict[str, Any]:
     """FVD of ``eval.fvd.num`` generated clips against the real ``eval.fvd.real`` clips (the first
     ``eval.fvd.real_num``; their sums cached, :func:`vitp.eval.fid.real_statistics`): clips
     class-balanced (a caption run: the held-out caption ids ``heldout_ids``, cycled), clip ``i``
     from the noise of ``(eval.fvd.seed, i)``, written to ``npz`` in resumable blocks of
     ``eval.fvd.block`` and their features read back from it, each replica its own rows. Returns
     ``fvd``, ``fvd_num_samples``, ``fvd_real_items`` and ``fvd_npz`` on rank 0 (``{}`` elsewhere).
+    ``draw``, ``decode``, ``decoder``: another model's sampling and decoding, as
+    :func:`vitp.eval.fid.fid_metrics` takes them.
     Raises ``ValueError`` / ``FileNotFoundError`` (:func:`check_fvd`) before any clip is drawn. Collective."""
     from .sampling import _device
 
@@ -155,9 +158,9 @@ def fvd_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pat
     real_ds = train_ds if f.real == "train" else heldout_ds
     count = min(len(real_ds), f.real_num or len(real_ds))
     cache = Path(f.real_stats or Path(run_dir) / f"fvd_real_{f.real}{f.real_num or 'all'}.safetensors")
-    real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(weights), FVD)
+    real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(weights), FVD, decode, decoder)
     ids = heldout_ids if heldout_ids is not None else torch.zeros(1, dtype=torch.long)
-    write_fid_samples(gen, cfg, fid_labels(cfg, conditioning, ids, f.num), share, npz, conditioning, FVD)
+    write_fid_samples(gen, cfg, fid_labels(cfg, conditioning, ids, f.num), share, npz, conditioning, FVD, draw)
     clips = npz_images(npz, FVD.item_dims)
     mine = share.indices(len(clips))
     with phase(f"FVD features of the {len(clips)} clips in {npz.name}", len(mine), "FVD", "clip", share.main) as bar:

@@ -48,22 +48,27 @@ def sampling_pipeline(cfg: Any) -> Optional[Path]:
 
 
 @functools.lru_cache(maxsize=2)
-def _vae(path: str) -> Any:
+def _vae(path: str, device: str = "cpu") -> Any:
     from diffusers import AutoencoderKLWan
 
-    return AutoencoderKLWan.from_pretrained(path, local_files_only=True).float().eval()
+    return AutoencoderKLWan.from_pretrained(path, local_files_only=True).float().eval().to(device)
 
 
-def to_frames(pipe: Optional[Path], latents: torch.Tensor) -> torch.Tensor:
+def to_frames(pipe: Optional[Path], latents: torch.Tensor, device: Any = "cpu", mid_level: bool = False
+              ) -> torch.Tensor:
     """``(B, 3, F, H', W')`` in [-1, 1]: ``latents`` ``(B, C, T, H, W)`` decoded through ``pipe``'s
-    ``vae/`` as ``WanPipeline`` decodes them (:func:`vitp.objectives.wan_sampling.decode_latents`,
-    rounded to 8-bit levels as its ``numpy_to_pil``), or without a VAE latent channels 0-2 (channel 0
+    ``vae/`` on ``device`` as ``WanPipeline`` decodes them (:func:`vitp.objectives.wan_sampling.decode_latents`,
+    rounded to 8-bit levels ``L`` as its ``numpy_to_pil``: ``L / 127.5 - 1``, or with ``mid_level``
+    ``(L + 0.5) / 127.5 - 1``, which guided-diffusion's truncating ``((x + 1) * 127.5).to(uint8)``
+    (:func:`vitp.eval.fid.to_uint8`) turns back into ``L`` exactly, where ``L / 127.5 - 1`` loses a
+    level on a quarter of them in float32), or without a VAE latent channels 0-2 (channel 0
     repeated when there are fewer than 3), clamped to [-1, 1]."""
     if pipe is not None and (pipe / "vae" / "config.json").is_file() and len(latents):
         from vitp.objectives.wan_sampling import decode_latents
 
-        frames = torch.as_tensor(decode_latents(_vae(str(pipe / "vae")), latents, output_type="np"))
-        return (frames * 255).round().clamp(0, 255).permute(0, 4, 1, 2, 3).float() / 127.5 - 1
+        frames = torch.as_tensor(decode_latents(_vae(str(pipe / "vae"), str(device)), latents, output_type="np"))
+        levels = (frames * 255).round().clamp(0, 255).permute(0, 4, 1, 2, 3).float()
+        return (levels + (0.5 if mid_level else 0.0)) / 127.5 - 1
     x = latents.float()
     x = x[:, :3] if x.shape[1] >= 3 else x[:, :1].expand(-1, 3, -1, -1, -1)
     return x.clamp(-1, 1)
@@ -80,9 +85,10 @@ def padded_text(conditioning: Any, ids: torch.Tensor, text_len: int) -> torch.Te
 
 def wan_samples(gen: Any, scheduler: Any, cfg: Any, n: int, text_of: Callable[[range], torch.Tensor],
                 negative: torch.Tensor, seed: int, share: Optional[Share] = None, gather: bool = True,
-                purpose: str = "") -> Optional[torch.Tensor]:
+                purpose: str = "", first: int = 0) -> Optional[torch.Tensor]:
     """``(n, C, T, H, W)`` fp32 latents at the run's latent size: sample ``i`` denoised from
-    :func:`vitp.eval.sampling.sample_noise` of ``(seed, i)`` with the caption embeddings
+    :func:`vitp.eval.sampling.sample_noise` of ``(seed, first + i)`` (``first``: the index of sample
+    0 in a longer set drawn in parts) with the caption embeddings
     ``text_of(range)`` ``(B, 512, Dc)`` against ``negative`` ``(1, 512, Dc)``, ``sampler.steps`` steps of
     ``scheduler``, CFG ``sampler.cfg_scale``, ``sampler.batch_size`` at a time. With ``share`` each
     replica samples its range; gathered on rank 0 (``None`` elsewhere; collective), or with
@@ -102,7 +108,8 @@ def wan_samples(gen: Any, scheduler: Any, cfg: Any, n: int, text_of: Callable[[r
         for b, i in enumerate(range(mine.start, mine.stop, s.batch_size)):
             idx = range(i, min(mine.stop, i + s.batch_size))
             cond = text_of(idx)
-            out.append(sample_wan(gen, scheduler, sample_noise(seed, idx, shape), cond, negative.expand_as(cond),
+            noise = sample_noise(seed, range(first + idx.start, first + idx.stop), shape)
+            out.append(sample_wan(gen, scheduler, noise, cond, negative.expand_as(cond),
                                   num_inference_steps=int(s.steps), guidance_scale=float(s.cfg_scale)).float().cpu())
             bar.update(1)
             check_stop(b < common)
@@ -257,12 +264,108 @@ def wan_video_metrics(gen: Any, cfg: Any, heldout_ds: Any, conditioning: Any,
                         "steps": int(s.steps), "cfg_scale": float(s.cfg_scale), "seed": int(cfg.eval.noise_seed) + 1}}
 
 
+def check_wan_quality(cfg: Any) -> Optional[Path]:
+    """Before any sample is drawn: the pipeline folder whose ``scheduler/`` samples and whose
+    ``vae/`` decodes, ``None`` without ``eval.fid.num`` / ``eval.fvd.num``
+    (:func:`vitp.models.wan_run.quality_pipeline` of ``trainer.init_from``, whose errors it raises)."""
+    from vitp.models.wan_run import quality_pipeline, wan_source
+
+    if not (cfg.eval.fid.num or cfg.eval.fvd.num):
+        return None
+    return quality_pipeline(cfg, wan_source(cfg)[0])
+
+
+@functools.lru_cache(maxsize=4)
+def _vae_digest(folder: str, stamp: Tuple) -> str:
+    import hashlib
+
+    from .fid import file_digest
+
+    h = hashlib.sha256((Path(folder) / "config.json").read_bytes())
+    for p in sorted(Path(folder).glob("*.safetensors")):
+        h.update(file_digest(p).encode())
+    return h.hexdigest()
+
+
+def vae_digest(pipe: Path) -> str:
+    """sha256 of the pipeline's ``vae/`` (its config and weight files; cached while none changes):
+    kept with the cached real statistics, which are the VAE's decodings of the real latents."""
+    folder = (pipe / "vae").resolve()
+    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file())
+    return _vae_digest(str(folder), stamp)
+
+
+def wan_quality_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path, clips: Path,
+                        conditioning: Any, share: Optional[Share] = None) -> Dict[str, Any]:
+    """The field's quality numbers of a Wan run (:func:`vitp.eval.metrics.quality_metrics` for the
+    generator): FID of ``eval.fid.num`` samples written to ``npz`` (first frames of a video run) and,
+    with ``eval.clip.model``, their CLIP score against their captions; for a video run with
+    ``eval.fvd.num``, FVD of that many clips written to ``clips``. Samples are drawn as
+    ``WanPipeline`` draws them (:func:`wan_samples`: the held-out captions cycled, the empty caption
+    as the negative prompt, sample ``i`` from the noise of ``(eval.fid.seed, i)``, resp.
+    ``eval.fvd.seed``) and decoded through the pipeline's ``vae/`` to 8-bit frames (:func:`to_frames`),
+    the real held-out (or training) latents too; then :func:`vitp.eval.fid.fid_metrics` /
+    :func:`vitp.eval.fvd.fvd_metrics` as for the generator (resumable blocks, cached real sums keyed
+    by the data, the feature network and the VAE; only sums cross ranks). Rank 0's results (``{}``
+    elsewhere). Raises :func:`check_wan_quality`'s errors and the weight files' before sampling.
+    Collective."""
+    from vitp.objectives.samplers import _placement
+    from vitp.objectives.wan_sampling import load_scheduler
+
+    from .clip_score import check_clip, clip_metrics
+    from .fid import check_weights, fid_metrics
+    from .fvd import check_fvd, fvd_metrics
+    from .metrics import item_ids
+
+    share = share or Share()
+    pipe = check_wan_quality(cfg)
+    if pipe is None:
+        return {}
+    fid, fvd = cfg.eval.fid.num, cfg.eval.fvd.num and int(cfg.model.num_frames) > 1
+    clip = check_clip(cfg, conditioning) if fid else None
+    if fid:
+        check_weights(cfg.eval.fid.weights)
+    if fvd:
+        check_fvd(cfg)
+    device = _placement(gen)[0]
+    scheduler, text_len = load_scheduler(pipe), int(cfg.model.text_len)
+    negative = padded_text(conditioning, torch.tensor([conditioning.null_id]), text_len)
+
+    def draw(labels: torch.Tensor, first: int, seed: int, purpose: str) -> torch.Tensor:
+        lat = wan_samples(gen, scheduler, cfg, len(labels),
+                          lambda idx: padded_text(conditioning, labels[idx.start:idx.stop], text_len), negative, seed,
+                          share, gather=False, purpose=purpose, first=first)
+        # only the ranks that gather a replica's samples decode them (vitp.eval.inference.Share.gather)
+        return decode(lat if share.group is None or share.gathers else lat[:0])
+
+    def decode(lat: torch.Tensor) -> torch.Tensor:  # one clip at a time: a 480p clip's decode takes GBs
+        if len(lat):
+            return torch.cat([to_frames(pipe, lat[i:i + 1], device, mid_level=True).cpu() for i in range(len(lat))])
+        c, (t, h, w) = _vae(str(pipe / "vae"), str(device)).config, lat.shape[2:]
+        s = int(c.scale_factor_spatial)
+        return torch.empty((0, 3, (t - 1) * int(c.scale_factor_temporal) + 1, h * s, w * s))
+
+    decoder, ids = vae_digest(pipe), item_ids(heldout_ds) if len(heldout_ds) else None
+    res: Dict[str, Any] = {}
+    if fid:
+        res.update(fid_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share, ids, draw, decode,
+                               decoder))
+        if clip is not None:
+            res.update(clip_metrics(cfg, npz, conditioning, share, device))
+    if fvd:
+        res.update(fvd_metrics(gen, cfg, train_ds, heldout_ds, run_dir, clips, conditioning, share, ids, draw, decode,
+                               decoder))
+    return res
+
+
 def wan_evaluate(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Path, *, full: bool = True,
                  step: Optional[int] = None, logger: Any = None, buckets: Any = None, out: Optional[Path] = None,
                  conditioning: Any = None, share: Optional[Share] = None, loss: Any = None) -> Dict[str, Any]:
     """:func:`vitp.eval.metrics.evaluate` for a Wan run: the held-out loss (:func:`wan_heldout_loss`,
     ``loss`` default the run's :func:`vitp.models.wan_run.wan_loss`) and, when ``full`` and the
-    run is video (``model.num_frames > 1`` latent frames), :func:`wan_video_metrics`. With ``full``
+    run is video (``model.num_frames > 1`` latent frames), :func:`wan_video_metrics`, and with
+    ``eval.fid.num`` / ``eval.fvd.num`` FID, CLIP score and FVD (:func:`wan_quality_metrics`, samples
+    in ``out`` with the suffixes ``.npz`` / ``.fvd.npz``). With ``full``
     the results go to ``out`` (default ``run_dir/eval.json``); with ``logger`` and ``step`` the
     floats go to TensorBoard as ``eval/<key>``. Rank 0 returns (and writes) everything, the other
     ranks the held-out loss. ``buckets`` must be empty (Wan trains one shape)."""
@@ -277,6 +380,10 @@ def wan_evaluate(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pa
         res.update(wan_heldout_loss(gen, cfg, heldout_ds, conditioning, loss, share))
     if full and int(cfg.model.num_frames) > 1 and len(heldout_ds):
         res.update(wan_video_metrics(gen, cfg, heldout_ds, conditioning, share))
+    if full and (cfg.eval.fid.num or cfg.eval.fvd.num):
+        base = Path(out) if out is not None else Path(run_dir) / "eval.json"
+        res.update(wan_quality_metrics(gen, cfg, train_ds, heldout_ds, run_dir, base.with_suffix(".npz"),
+                                       base.with_suffix(".fvd.npz"), conditioning, share))
     from .metrics import report
 
     return report(res, share, logger, step, full, run_dir, out)
@@ -289,8 +396,9 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
     ``vitp-eval``: its config with ``overrides`` (schema-checked, then checked as ``vitp-train``
     checks a Wan run), the weights of the diffusers folder ``weights`` (default ``RUN/diffusers``,
     the run's final EMA weights; a relative path is taken inside the run), its caption store and
-    data split. With ``sharded`` (under a launcher; collective) this rank's stage in the run's
-    layout, reading only its slices (:func:`vitp.eval.wan_sample.build_wan_sharded`), else the
+    data split. With ``sharded`` (under a launcher; collective) this rank's stage in the layout of
+    :func:`vitp.eval.launch.choose_layout` (replicas of the whole model when one fits a device,
+    unless ``overrides`` name a layout key), reading only its slices (:func:`vitp.eval.wan_sample.build_wan_sharded`), else the
     whole model in one process.
 
     Raises ``FileNotFoundError`` when the folder is missing (an unfinished run: naming
@@ -316,16 +424,34 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
                           "vitp-eval")
     cfg.trainer.init_from = str(folder.resolve())
     validate_config(cfg)
-    if sharded:
+    if cfg.eval.fid.num or cfg.eval.fvd.num:  # the VAE, feature networks and CLIP folder before any sample
+        from .clip_score import check_clip
+        from .fid import check_weights
+        from .fvd import check_fvd
+
+        check_wan_quality(cfg)
+        if cfg.eval.fid.num:
+            check_weights(cfg.eval.fid.weights)
+            check_clip(cfg)
+        if cfg.eval.fvd.num:
+            check_fvd(cfg)
+    if sharded:  # replicas of the whole model where one fits a device, unless a layout key is given
+        from vitp.parallel.distributed import world_size
+
+        from .launch import choose_layout
         from .wan_sample import build_wan_sharded
 
+        cfg = choose_layout(cfg, overrides, world_size(), resolve_device(cfg.trainer.device), "vitp-eval")
         gen, share = build_wan_sharded(cfg, "vitp-eval")
     else:
         from vitp.eval.launch import check_layout_overrides
         from vitp.models import from_pretrained as read_wan_folder  # local safetensors only
 
         check_layout_overrides(cfg, overrides, "vitp-eval")
-        gen, share = read_wan_folder(str(folder)).to(resolve_device(cfg.trainer.device)).eval(), None
+        from vitp.models.wan_run import wan_source
+
+        # the run's own transformer: an A14B low-noise expert's is transformer_2/ (as the sharded path reads)
+        gen, share = read_wan_folder(str(wan_source(cfg)[0])).to(resolve_device(cfg.trainer.device)).eval(), None
     cond = conditioning(cfg)
     train_ds, heldout_ds = conditioned(cond, *build_datasets(cfg.data, cfg.seed))
     return cfg, gen, share, train_ds, heldout_ds, cond
@@ -340,6 +466,6 @@ def run_wan_eval(run_dir: Path, weights: Optional[str], overrides: List[str], sh
                         share=share)
 
 
-__all__ = ["LATENT_PREVIEW", "heldout_noise", "heldout_sigmas", "load_wan_for_eval", "run_wan_eval",
-           "sampling_pipeline", "to_frames", "wan_evaluate", "wan_heldout_loss", "wan_samples", "wan_video_metrics",
-           "write_wan_grid"]
+__all__ = ["LATENT_PREVIEW", "check_wan_quality", "heldout_noise", "heldout_sigmas", "load_wan_for_eval",
+           "run_wan_eval", "sampling_pipeline", "to_frames", "vae_digest", "wan_evaluate", "wan_heldout_loss",
+           "wan_quality_metrics", "wan_samples", "wan_video_metrics", "write_wan_grid"]

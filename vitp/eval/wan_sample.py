@@ -226,6 +226,8 @@ def build_wan_sharded(cfg: Any, prog: str = "vitp-sample", experts: Tuple[Path, 
 
     device = dist.resolve_device(cfg.trainer.device)
     lay = inference_layout(cfg, dist.world_size(), device.type, prog)
+    if lay.tp * lay.cp * lay.pp == 1:  # whole-model replicas: the model one process runs, no DeepSpeed
+        return wan_replica(cfg, device, experts)
     dist.init_distributed(device, dist.timeout_of(cfg))
     m, out = cfg.model, []
     for name in experts or (None,):
@@ -235,6 +237,27 @@ def build_wan_sharded(cfg: Any, prog: str = "vitp-sample", experts: Tuple[Path, 
         module.to(device).eval()
         out.append(StageDenoiser(module, cfg.trainer.micro_batch_size, m.patch_size, m.tubelet_size))
     return (out if experts else out[0]), Share.of(module, state)
+
+
+def wan_replica(cfg: Any, device: Any, experts: Tuple[Path, ...] = ()) -> Tuple[Any, Any]:
+    """``(model, share)`` of this rank as one of ``world`` data-parallel replicas of the whole Wan
+    transformer (``tp = cp = pp = 1``): the :class:`vitp.models.wan.WanModel` of ``trainer.init_from``
+    read as one process reads it (each of ``experts`` instead: a list), on ``device``, fp32, with the
+    :class:`vitp.eval.inference.Share` of its rank over a plain ``torch.distributed`` group (no
+    DeepSpeed, no collective per forward: a replica's samples are one process's, byte for byte).
+    Collective."""
+    import torch
+
+    from vitp.eval.inference import Share
+    from vitp.models import from_pretrained as read_wan_folder  # vitp's reader: local safetensors only
+    from vitp.models.wan_run import wan_source
+    from vitp.parallel import distributed as dist
+
+    dist.init_process_group(device, dist.timeout_of(cfg))
+    models = [read_wan_folder(str(f)).to(device).eval() for f in experts or (wan_source(cfg)[0],)]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    share = Share(rank, world, 1, torch.distributed.group.WORLD, gathers=True, main=rank == 0)
+    return (models if experts else models[0]), share
 
 
 def _expert_config(cfg: Any, folder: Path) -> Any:
@@ -316,10 +339,10 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
     (:func:`vitp.cli.sample._conditioning`), ``allowed``: the override keys. Raises ``ValueError``
     before sampling for class labels, no prompt, ``--format mp4``, an ``--out`` that is a file or
     holds an earlier output (without ``--force``); as :func:`wan_sample_config` and :func:`pipeline_of`."""
-    from vitp.eval.launch import finish, launched
+    from vitp.eval.launch import choose_layout, finish, launched
     from vitp.eval.sampling import class_grid_labels
     from vitp.objectives.wan_sampling import load_scheduler
-    from vitp.parallel.distributed import is_main, resolve_device
+    from vitp.parallel.distributed import is_main, resolve_device, world_size
 
     if a.format == "mp4":
         raise ValueError("--format mp4: a Wan sample folder holds a GIF grid (and the frames in latents.safetensors); "
@@ -337,7 +360,8 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
         raise ValueError(f"{out} holds an earlier sample; choose another --out, or pass --force to replace it")
     ids = torch.tensor(rows)[class_grid_labels(len(rows), cfg.sampler.samples_per_class)]
     experts = tuple(pipe / name for name in info.experts) if info.two_experts else ()
-    if launched():
+    if launched():  # replicas of the whole model where one fits a device, unless a layout key is given
+        cfg = choose_layout(cfg, overrides, world_size(), resolve_device(cfg.trainer.device), "vitp-sample")
         denoiser, share = build_wan_sharded(cfg, experts=experts)
     else:
         from vitp.models import from_pretrained as read_wan_folder  # vitp's reader: local safetensors only

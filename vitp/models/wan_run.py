@@ -235,6 +235,29 @@ def _refuse_unsupported(cfg: Any) -> None:
             raise ValueError(msg)
 
 
+NO_VAE = ("{key}={num} on a Wan run scores decoded pixels, but {where}; train from a pipeline folder with its vae/ "
+          "(trainer.init_from=PIPELINE/transformer, as diffusers' Wan2.1-T2V-1.3B-Diffusers ships), or set {key}=0")
+
+
+def quality_pipeline(cfg: Any, transformer: Path) -> Optional[Path]:
+    """``None`` when neither ``eval.fid.num`` nor ``eval.fvd.num`` is set, else the pipeline folder
+    around ``transformer`` whose ``scheduler/`` samples and whose ``vae/`` decodes the samples FID,
+    FVD and CLIP score read (:func:`vitp.eval.wan_eval.wan_quality_metrics`). Raises ``ValueError``
+    naming the key and the fix for a transformer folder without its pipeline or a pipeline without
+    ``scheduler/`` or ``vae/`` (the field's numbers compare pixels)."""
+    f, v = cfg.eval.fid.num, cfg.eval.fvd.num
+    if not (f or v):
+        return None
+    key, num = ("eval.fid.num", f) if f else ("eval.fvd.num", v)
+    pipe = pipeline_folder(transformer)
+    if pipe is None or not (pipe / "scheduler").is_dir():
+        raise ValueError(NO_VAE.format(key=key, num=num, where=f"trainer.init_from={cfg.trainer.init_from} is a "
+                                       "transformer folder without its pipeline (scheduler/, vae/)"))
+    if not (pipe / "vae" / "config.json").is_file():
+        raise ValueError(NO_VAE.format(key=key, num=num, where=f"the pipeline {pipe} has no vae/"))
+    return pipe
+
+
 def adopt_wan_model(cfg: Any) -> Optional[WanConfig]:
     """For ``model.family=wan``: refuse what a Wan run does not support (module doc), read the
     folder's config (or ``model.preset``'s, :func:`wan_config_of`) and write its sizes into
@@ -267,6 +290,7 @@ def adopt_wan_model(cfg: Any) -> Optional[WanConfig]:
             log.warning("trainer.init_from=%s has no pipeline scheduler/: no sample grids and no sampled video "
                         "statistics (the held-out loss is computed); give the whole pipeline folder for them",
                         cfg.trainer.init_from)
+        quality_pipeline(cfg, path)  # FID / FVD / CLIP score decode through the pipeline's vae/
         expert = wan_expert(cfg, path)
         if expert is not None:  # written into the config: the run's .hydra/config.yaml says what was drawn
             cfg.objective.sigma_range = expert_sigma_range(cfg.objective.sigma_range, *expert)

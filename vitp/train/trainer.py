@@ -261,6 +261,10 @@ class Trainer:
             from vitp.eval.fvd import check_fvd
 
             check_fvd(cfg)
+        if is_wan(cfg) and (cfg.eval.enabled or cfg.eval.fid.every):  # a Wan run's samples decode through vae/
+            from vitp.eval.wan_eval import check_wan_quality
+
+            check_wan_quality(cfg)
         # node_first: one rank per node probes video folders and writes the per-node caches, the others map them
         self.train_ds, self.heldout_ds = node_first(lambda: build_datasets(cfg.data, cfg.seed))
         self._on_main_first(lambda: ensure_text_embeddings(cfg))  # the demo's one-command caption encoding
@@ -523,10 +527,15 @@ class Trainer:
         cfg, npz = self.cfg, self.run_dir / "fid" / f"step_{step:07d}.npz"
         clips, res = npz.with_suffix(".fvd.npz"), {}
         with self.ema_denoiser() as gen:
-            if cfg.eval.fid.num:
+            if self.wan:  # WanPipeline's samples, decoded by the pipeline's VAE (vitp.eval.wan_eval)
+                from vitp.eval.wan_eval import wan_quality_metrics
+
+                res.update(wan_quality_metrics(gen, cfg, self.train_ds, self.heldout_ds, self.run_dir, npz, clips,
+                                               self.conditioning, self.share))
+            elif cfg.eval.fid.num:
                 res.update(quality_metrics(gen, cfg, self.train_ds, self.heldout_ds, self.run_dir, npz,
                                            self.conditioning, self.share))
-            if cfg.eval.fvd.num and cfg.model.num_frames > 1:
+            if cfg.eval.fvd.num and cfg.model.num_frames > 1 and not self.wan:
                 from vitp.eval.fvd import fvd_metrics
 
                 ids = item_ids(self.heldout_ds) if len(self.heldout_ds) else None

@@ -627,6 +627,35 @@ def test_vitp_eval_in_a_group_is_one_process_vitp_eval(request, wan_train, world
           f"{abs(group['temporal_diff'] / one['temporal_diff'] - 1):.1e}")
 
 
+def test_wan_fid_clip_and_fvd_over_two_replicas_equal_one_process(wan2, wan_train):
+    """``vitp-eval RUN --weights PIPELINE_WITH_VAE`` with FID, CLIP score and FVD
+    (``wan_workers.quality_args``) split over two replicas (dp2) writes the same sample and clip
+    ``.npz`` files, byte for byte, as one process and gives the same numbers; the real side's sums,
+    computed apart (two cache files), agree too. FVD at 3 clips (covariance of rank 2 of 400): 1e-5."""
+    from vitp.cli.eval import run as vitp_eval
+    from vitp.eval.fid import npz_images
+
+    from .wan_workers import quality_args
+
+    group = wan2[0]["vitp_eval"]["quality"]
+    args = quality_args(wan_train, "one")
+    one = vitp_eval([*args[:3], "sampler.fps=4", *args[3:]])  # the override gives it its own eval_*.json
+    assert Path(group["fid_npz"]) != Path(one["fid_npz"])
+    for key, shape in (("fid_npz", (6, 64, 64, 3)), ("fvd_npz", (3, 9, 64, 64, 3))):
+        a, b = Path(group[key]).read_bytes(), Path(one[key]).read_bytes()
+        assert a == b, key
+        items = npz_images(Path(one[key]), len(shape))
+        assert items.shape == shape and len(np.unique(items)) > 100  # decoded frames, not a flat image
+    with np.load(one["fid_npz"]) as z:  # the held-out captions, cycled
+        assert len(set(z["arr_1"].tolist())) > 1
+    errs = {k: abs(group[k] / one[k] - 1) for k in ("fid", "clip_score", "fvd")}
+    print(f"\nWan FID / CLIP / FVD at dp2 vs one process: {errs}; {one['fid']:.2f} / {one['clip_score']:.3f} / "
+          f"{one['fvd']:.1f}")
+    assert errs["fid"] < 1e-6 and errs["clip_score"] < 1e-6 and errs["fvd"] < 1e-5, errs
+    assert (one["fid_num_samples"], one["fid_real_items"], one["fvd_num_samples"], one["fvd_real_items"]) == (6, 4, 3, 3)
+    assert one["fid"] > 0 and one["fvd"] > 0 and 0 < one["clip_score"] <= 100
+
+
 # ----------------------------------------------------------------------------- per-rank memory and bytes read
 
 @pytest.mark.parametrize("world", [2, 8])

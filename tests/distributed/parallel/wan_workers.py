@@ -319,9 +319,10 @@ TRAIN_LAYOUTS = {
 EVAL = ["trainer.eval_every=2", "trainer.sample_every=2", "sampler.cfg_scale=5"]
 # vitp-eval of a run inside the spawned group (world: run name, layout overrides): the 2-rank group
 # evaluates the tp2 + SP run at dp2 (the held-out items and samples split over two replicas), the
-# 8-rank group its run in its own layout (tp2 + SP x cp2 ring x pp2)
+# 8-rank group its run in its training layout, given (tp2 + SP x cp2 ring x pp2; without layout keys
+# vitp-eval takes 8 replicas of the whole model, which fits a rank)
 EVAL_IN_GROUP = {2: ("tp2_sp", ["parallel.tp=1", "parallel.sequence_parallel=false"]),
-                 8: ("tp2_sp_cp2_pp2_ring", [])}
+                 8: ("tp2_sp_cp2_pp2_ring", [*_TP_SP, *_RING8])}
 
 
 def wan_smoke(train: dict, *extra: str) -> list:
@@ -333,18 +334,26 @@ def wan_smoke(train: dict, *extra: str) -> list:
 def train_setup(base) -> dict:
     """The tiny perturbed Wan pipeline folder (transformer in shards) and the wan_smoke captions
     encoded once by the demo encoder, under ``base`` (in the calling process, no process group):
-    ``{"folder", "store", "runs", "other"}`` paths as strings (``other``: a second tiny folder of
-    another seed, a base LoRA adapters do not fit)."""
+    ``{"folder", "store", "runs", "other", "with_vae", "inception", "i3d", "clip"}`` paths as strings
+    (``other``: a second tiny folder of another seed, a base LoRA adapters do not fit; ``with_vae``:
+    the pipeline of the same transformer with a tiny VAE; the last three: random-weight feature
+    networks of scripts/make_random_eval_weights.py)."""
     from pathlib import Path
 
     from tests.helpers import make_tiny_wan
     from vitp.config import compose, validate_config
     from vitp.data.build import ensure_text_embeddings
 
+    from tests.helpers import eval_weights_script
+
     base = Path(base)
     folder = make_tiny_wan().write_pipeline(base / "tiny", sharded=True, vae=False)
     other = make_tiny_wan().write_pipeline(base / "other", sharded=True, vae=False, seed=1)  # another base
-    train = {"folder": str(folder), "store": str(base / "captions"), "runs": str(base / "runs"), "other": str(other)}
+    with_vae = make_tiny_wan().write_pipeline(base / "tiny_vae", sharded=True)  # the same transformer and a VAE
+    nets = eval_weights_script()
+    train = {"folder": str(folder), "store": str(base / "captions"), "runs": str(base / "runs"), "other": str(other),
+             "with_vae": str(with_vae), "inception": str(nets.random_inception(base / "inception.pth")),
+             "i3d": str(nets.random_i3d(base / "i3d.pt")), "clip": str(nets.random_clip(base / "clip"))}
     cfg = compose(wan_smoke(train))
     validate_config(cfg)
     ensure_text_embeddings(cfg)
@@ -432,13 +441,38 @@ def plan_measure_wan(rank: int, train: dict) -> dict:
     return measure_rank(rank, {name: wan_smoke(train, *over)}, f"{train['runs']}/plan")[name]
 
 
+def quality_args(train: dict, tag: str) -> list:
+    """``vitp-eval`` arguments of FID (6 samples in blocks of 4, 4 real items), CLIP score and FVD
+    (3 clips, 3 real) of :data:`EVAL_IN_GROUP`'s 2-rank run with the weights of :func:`train_setup`'s
+    pipeline with a VAE (the base's transformer), real statistics cached under ``tag``. One sample
+    per forward (``sampler.batch_size=1``): with batches of 4 against 2, float32 rounding moved 1 in
+    74,000 8-bit values by one level."""
+    name, over = EVAL_IN_GROUP[2]
+    runs = train["runs"]
+    return [f"{runs}/{name}", "--weights", train["with_vae"], f"eval.fid.real_stats={runs}/fid_real_{tag}.safetensors",
+            f"eval.fvd.real_stats={runs}/fvd_real_{tag}.safetensors", *over, "eval.fid.num=6", "eval.fid.block=4",
+            "eval.fid.real_num=4", f"eval.fid.weights={train['inception']}", f"eval.clip.model={train['clip']}",
+            "eval.fvd.num=3", "eval.fvd.real_num=3", f"eval.fvd.weights={train['i3d']}", "sampler.batch_size=1"]
+
+
 def eval_in_group(train: dict, world: int) -> dict:
     """``vitp-eval RUN`` of :data:`EVAL_IN_GROUP` in this group (``vitp.cli.eval.run`` under the
-    group's launcher environment: each rank reads its slices of ``RUN/diffusers``); rank 0's results."""
+    group's launcher environment: each rank reads its slices of ``RUN/diffusers``); rank 0's results.
+    At 2 ranks also ``"quality"``: FID, CLIP score and FVD (:func:`quality_args`) over the two
+    replicas (the group closes once, after both)."""
+    import vitp.eval.launch as launch
     from vitp.cli.eval import run
 
     name, over = EVAL_IN_GROUP[world]
-    return run([f"{train['runs']}/{name}", *over])
+    finish, launch.finish = launch.finish, lambda: None
+    try:
+        res = run([f"{train['runs']}/{name}", *over])
+        if world == 2:
+            res["quality"] = run(quality_args(train, "group"))
+    finally:
+        launch.finish = finish
+        finish()
+    return res
 
 
 # pipeline layouts, DeepSpeed's 1F1B engine: name -> (tp, cp, pp, sequence_parallel, cp_mode)

@@ -1,0 +1,52 @@
+"""FID and CLIP score of a Wan run during training (``eval.fid.every``, :func:`vitp.eval.wan_eval.wan_quality_metrics`):
+one process, a tiny pipeline with its VAE (scripts/make_tiny_wan.py) and random-weight feature
+networks (scripts/make_random_eval_weights.py); the real side's cached statistics are refused once
+the VAE that decoded them changes. Split over ranks, with FVD:
+tests/distributed/parallel/test_wan_parallel.py; WanPipeline's 8-bit frames: tests/unit/test_wan_objective.py."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.helpers import eval_weights_script, make_tiny_wan
+
+
+def test_wan_training_scores_fid_and_clip_every_step_and_the_cache_follows_the_vae(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from vitp.cli.eval import run as vitp_eval
+    from vitp.config import compose
+    from vitp.eval.fid import npz_images
+    from vitp.train import train
+
+    folder = make_tiny_wan().write_pipeline(tmp_path / "pipe", sharded=True)
+    nets = eval_weights_script()
+    fid = ["eval.fid.num=4", "eval.fid.block=4", "eval.fid.real_num=4",
+           f"eval.fid.weights={nets.random_inception(tmp_path / 'inception.pth')}",
+           f"eval.clip.model={nets.random_clip(tmp_path / 'clip')}"]
+    run = tmp_path / "run"
+    train(compose(["experiment=wan_smoke", f"trainer.init_from={folder / 'transformer'}", "trainer.max_steps=2",
+                   f"data.text_embeddings={tmp_path / 'captions'}", "eval.fid.every=1", *fid]), run)
+    lines = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    scored = [x for x in lines if "fid" in x]
+    final = json.loads((run / "eval.json").read_text())
+    assert [x["step"] for x in scored] == [1, 2] and final["step"] == 2 and scored[1]["fid"] == final["fid"], lines
+    assert final["fid"] != scored[0]["fid"] and final["fid_num_samples"] == 4 and final["fid_real_items"] == 4
+    assert 0 < final["clip_score"] <= 100 and final["clip_num_samples"] == 4
+    assert npz_images(run / "eval.npz").shape == (4, 64, 64, 3) and not list((run / "fid").glob("*.npz"))
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/fid")] == [1, 2] and "eval/clip_score" in acc.Tags()["scalars"]
+    cache = run / "fid_real_train4.safetensors"
+    before = cache.read_bytes()
+    vae = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    save_file({k: v * 1.01 for k, v in load_file(str(vae)).items()}, str(vae))  # the VAE changed in place
+    with pytest.raises(ValueError, match=r"fid_real_train4.safetensors holds the FID real statistics of other decoder "
+                                         r"\(VAE\) than this evaluation's; delete it"):
+        vitp_eval([str(run), "eval.fid.num=4"])
+    assert cache.read_bytes() == before
+    with np.load(run / "eval.npz") as z:  # the held-out captions, cycled
+        assert len(set(z["arr_1"].tolist())) > 1
