@@ -1,7 +1,8 @@
 """FID and CLIP score of a Wan run during training (``eval.fid.every``, :func:`vitp.eval.wan_eval.wan_quality_metrics`):
 one process, a tiny pipeline with its VAE (scripts/make_tiny_wan.py) and random-weight feature
-networks (scripts/make_random_eval_weights.py); the real side's cached statistics are refused once
-the VAE that decoded them changes. Split over ranks, with FVD:
+networks (scripts/make_random_eval_weights.py); ``vitp-eval`` of the exported weights in other
+blocks draws the same samples; the real side's cached statistics are refused once the VAE that
+decoded them changes. Split over ranks, with FVD:
 tests/distributed/parallel/test_wan_parallel.py; WanPipeline's 8-bit frames: tests/unit/test_wan_objective.py."""
 from __future__ import annotations
 
@@ -40,6 +41,12 @@ def test_wan_training_scores_fid_and_clip_every_step_and_the_cache_follows_the_v
     acc = EventAccumulator(str(run / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("eval/fid")] == [1, 2] and "eval/clip_score" in acc.Tags()["scalars"]
+    # vitp-eval of the exported EMA weights in blocks of 2: the same samples (sample i from the noise of
+    # (eval.fid.seed, i) in any block), reading the cached real statistics
+    again = vitp_eval([str(run), "eval.fid.block=2"])
+    with np.load(run / "eval.npz") as a, np.load(again["fid_npz"]) as b:
+        assert np.array_equal(a["arr_0"], b["arr_0"]) and np.array_equal(a["arr_1"], b["arr_1"])
+    assert again["fid"] == pytest.approx(final["fid"], rel=1e-9)
     cache = run / "fid_real_train4.safetensors"
     before = cache.read_bytes()
     vae = folder / "vae" / "diffusion_pytorch_model.safetensors"
