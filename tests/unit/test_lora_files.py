@@ -206,6 +206,54 @@ def test_read_lora_file_without_vitp_metadata(tiny, tmp_path):
         assert all(torch.allclose(merged[k], want[k], rtol=0, atol=1e-6) for k in want)
 
 
+def test_other_trainers_files_kohya_names_and_a_run_directory_are_named(tiny, tmp_path, caplog):
+    """A file without vitp's record of its base loads with a warning that its base cannot be
+    checked; kohya-ss / musubi-tuner key names are refused as such (not as another base), with how
+    to convert them; ``trainer.lora.init_from=RUN`` (a LoRA run's directory) names ``RUN/lora``."""
+    from vitp.models.lora import lora_file
+
+    adapters, config = make_adapters(tiny.state, TARGETS["partial"])
+    tensors, meta = lf.to_diffusers_lora(adapters, config, tiny.cfg)
+    meta.pop(lf.CONFIG_KEY)
+    path = lf.save_lora_file(tmp_path / "theirs.safetensors", tensors, meta)
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        lf.read_lora_file(path, lf.wan_state_shapes(tiny.cfg), tiny.cfg, base_hash="ffff")
+    assert "theirs.safetensors records no base" in caplog.text and "cannot be checked" in caplog.text
+    kohya = {"lora_unet_blocks_0_self_attn_q.lora_down.weight": torch.zeros(4, 48),
+             "lora_unet_blocks_0_self_attn_q.lora_up.weight": torch.zeros(48, 4),
+             "lora_unet_blocks_0_self_attn_q.alpha": torch.tensor(4.0)}
+    path = lf.save_lora_file(tmp_path / "kohya.safetensors", kohya, {})
+    with pytest.raises(ValueError, match=r"kohya\.safetensors uses kohya-ss / musubi-tuner key names "
+                                         r"\('lora_unet_blocks_0_self_attn_q\..*convert_lora.py --target other"):
+        lf.read_lora_file(path, lf.wan_state_shapes(tiny.cfg), tiny.cfg)
+    run = tmp_path / "run"
+    (run / "lora").mkdir(parents=True)
+    (run / "lora" / lf.WEIGHT_NAME).write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=rf"trainer.lora.init_from={run} is a run directory: its adapters are "
+                                                rf"in {run / 'lora'}; give trainer.lora.init_from={run / 'lora'}"):
+        lora_file(run)
+
+
+def test_base_hash_follows_the_tensors_not_the_shards(tiny, tmp_path):
+    """The same transformer saved in one file and in 40 kB shards has one base hash; changing the
+    first value of one tensor changes it."""
+    from safetensors.torch import load_file, save_file
+
+    from vitp.models.lora import base_hash
+
+    one = tiny.script.write_transformer(tiny.ref, tmp_path / "one")
+    shards = tiny.script.write_transformer(tiny.ref, tmp_path / "shards", sharded=True)
+    assert len(list(shards.glob("*.safetensors"))) > 2 and len(list(one.glob("*.safetensors"))) == 1
+    assert base_hash(one) == base_hash(shards)
+    f = next(one.glob("*.safetensors"))
+    state = load_file(str(f))
+    k = sorted(state)[3]
+    state[k] = state[k].clone()
+    state[k].view(-1)[0] += 1
+    save_file(state, str(f), metadata={"format": "pt"})
+    assert base_hash(one) != base_hash(shards)
+
+
 def test_read_lora_file_refuses_another_base(tiny, tmp_path):
     adapters, config = make_adapters(tiny.state, TARGETS["partial"])
     path = lf.save_lora_file(tmp_path / "lora.safetensors", *lf.to_diffusers_lora(adapters, config, tiny.cfg))

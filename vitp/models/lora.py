@@ -182,7 +182,12 @@ def lora_file(path) -> Path:
     for f in ((p / STATE, p / WEIGHT_NAME) if p.is_dir() else (p,)):
         if f.is_file():
             return f
-    raise FileNotFoundError(f"trainer.lora.init_from={path}: {'the folder holds neither ' + STATE + ' nor ' + WEIGHT_NAME if p.is_dir() else 'no such file'}; give a LoRA file (vitp's, diffusers' or ComfyUI's .safetensors) or a LoRA run's RUN/lora folder")
+    if p.is_dir() and any((p / "lora" / name).is_file() for name in (STATE, WEIGHT_NAME)):  # a LoRA run's folder
+        raise FileNotFoundError(f"trainer.lora.init_from={path} is a run directory: its adapters are in "
+                                f"{p / 'lora'}; give trainer.lora.init_from={p / 'lora'}")
+    what = f"the folder holds neither {STATE} nor {WEIGHT_NAME}" if p.is_dir() else "no such file"
+    raise FileNotFoundError(f"trainer.lora.init_from={path}: {what}; give a LoRA file (vitp's, diffusers' or "
+                            "ComfyUI's .safetensors) or a LoRA run's RUN/lora folder")
 
 
 def read_init_lora(cfg) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -287,27 +292,47 @@ def initial_factors(cfg) -> Dict[str, Tuple[Any, Any]]:
     return {k[:-len(".lora_A")]: (v, adapters[k[:-1] + "B"]) for k, v in adapters.items() if k.endswith(".lora_A")}
 
 
-SAMPLE = 1 << 20  # bytes of tensor data hashed at each end of every weight file
+SAMPLE = 4096  # bytes of data hashed at each end of every tensor
+
+
+def _tensor_entries(files) -> Dict[str, Tuple[Path, int, int, str, list]]:
+    """``{tensor name: (file, data start, data end, dtype, shape)}`` of safetensors ``files``, read
+    from their headers. Raises ``ValueError`` naming a file whose header is damaged."""
+    import json
+    import struct
+
+    out = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            try:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                header = json.loads(fh.read(n))
+            except (struct.error, ValueError, UnicodeDecodeError):
+                raise ValueError(f"{f} is not a safetensors file (damaged header); copy it again") from None
+        for name, info in header.items():
+            if name != "__metadata__":
+                a, b = info["data_offsets"]
+                out[name] = (f, 8 + n + a, 8 + n + b, info["dtype"], info["shape"])
+    return out
 
 
 def base_hash(path) -> str:
     """A fingerprint of base weights: a Wan transformer folder, or the generator's vitp export (a
-    ``.safetensors`` file, or a sharded export's file / ``.index.json``). sha256 over each
-    safetensors file (sorted by name) of its name (a folder's files only: a renamed export is the
-    same base), size, whole header (every tensor's name, dtype, shape and offsets) and the first
-    and last :data:`SAMPLE` bytes of its tensor data. Cheap (about 2 MiB read per file, whatever
-    the model's size) and independent of where the weights lie or when they were copied; another
-    architecture changes the headers, another fine-tune of the same one its data. Raises as
+    ``.safetensors`` file, or a sharded export's file / ``.index.json``). sha256 over every tensor,
+    sorted by name whichever file holds it, of its name, dtype, shape and the first and last
+    :data:`SAMPLE` bytes of its data: the same tensors in other shards (saved with another
+    ``max_shard_size``, merged into one file, renamed, copied) give the same hash; another
+    architecture changes names or shapes, another fine-tune of the same one its data. Cheap (about
+    8 KiB read per tensor, whatever the model's size). Raises as
     :func:`vitp.models.wan_keys.weight_locations`, ``FileNotFoundError`` for an export that is
-    not there."""
+    not there, ``ValueError`` for a damaged file."""
     import json
-    import struct
 
     from .wan_keys import weight_locations
 
     path = Path(path)
     if path.is_dir():
-        files, named = sorted(set(weight_locations(path).values()), key=lambda q: q.name), True
+        files = sorted(set(weight_locations(path).values()))
     else:
         index = path if path.name.endswith(".index.json") else path.with_name(path.name + ".index.json")
         if path.is_file() and path != index:
@@ -317,18 +342,20 @@ def base_hash(path) -> str:
         else:
             raise FileNotFoundError(f"base weights {path} do not exist (a LoRA base is a Wan folder or a vitp export "
                                     "file written by vitp-export)")
-        named = False
-    h = hashlib.sha256()
-    for f in files:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            n = struct.unpack("<Q", fh.read(8))[0]
-            header = fh.read(n)
-            head = fh.read(SAMPLE)
-            fh.seek(max(8 + n, size - SAMPLE))
-            tail = fh.read(SAMPLE)
-        for part in ((f.name.encode(),) if named else ()) + (str(size).encode(), header, head, tail):
-            h.update(len(part).to_bytes(8, "little") + part)
+    entries, handles, h = _tensor_entries(files), {}, hashlib.sha256()
+    try:
+        for name in sorted(entries):
+            f, a, b, dtype, shape = entries[name]
+            fh = handles.get(f) or handles.setdefault(f, open(f, "rb"))
+            fh.seek(a)
+            head = fh.read(min(SAMPLE, b - a))
+            fh.seek(max(a, b - SAMPLE))
+            tail = fh.read(min(SAMPLE, b - a))
+            for part in (json.dumps([name, dtype, shape]).encode(), head, tail):
+                h.update(len(part).to_bytes(8, "little") + part)
+    finally:
+        for fh in handles.values():
+            fh.close()
     return h.hexdigest()
 
 

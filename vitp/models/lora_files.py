@@ -37,6 +37,7 @@ three back into the convention, refusing a LoRA of another base.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from functools import lru_cache
@@ -332,7 +333,12 @@ def wan_state_shapes(wan_config: Any) -> Dict[str, Tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in WanModel(config).state_dict().items()}
 
 
+KOHYA_PREFIXES = ("lora_unet_", "lora_te")  # kohya-ss / musubi-tuner key names: lora_unet_blocks_0_self_attn_q...
+
+
 def _kind(keys: Sequence[str]) -> str:
+    if any(k.startswith(KOHYA_PREFIXES) for k in keys):
+        return "kohya"
     if any(k.startswith(COMFY_PREFIX) for k in keys):
         return "comfyui"
     return "diffusers" if any(k.startswith(PREFIX) for k in keys) else "vitp"
@@ -426,6 +432,10 @@ def _check_base(path: Path, adapters: Dict[str, torch.Tensor], config: Dict[str,
     theirs = base.get("hash")
     if base_hash and theirs and theirs != base_hash:
         raise ValueError(f"{path}: a LoRA of another base: its base hash is {theirs}, this model's is {base_hash}; {fix}")
+    if base_hash and not theirs:  # another trainer's file: shapes are all there is to check
+        logging.getLogger("vitp").warning(
+            "%s records no base (a file of another trainer, or not vitp's): its shapes fit this model, but whether it "
+            "was trained on these weights cannot be checked", path)
     pieces, counts = config.get("pieces") or {}, {}
     for m, (A, B) in _module_pairs(adapters).items():
         w = base_shapes.get(f"{m}.weight")
@@ -454,7 +464,7 @@ def read_lora_file(path: PathLike, base_shapes: Mapping[str, Sequence[int]], wan
     other trainers (diffusers, ComfyUI keys) read the same way when they hold plain LoRAs.
 
     Raises ``FileNotFoundError`` naming a missing file; ``ValueError`` naming the file for a
-    damaged one, keys that are not LoRA keys, ranks or alphas that vary by module, and a LoRA of
+    damaged one, kohya-ss / musubi-tuner key names (with how to convert them), keys that are not LoRA keys, ranks or alphas that vary by module, and a LoRA of
     another base (a module or shape ``base_shapes``, ``{vitp key: shape}``, does not have, or a
     base hash in its metadata other than ``base_hash``), with the fix.
     """
@@ -469,6 +479,11 @@ def read_lora_file(path: PathLike, base_shapes: Mapping[str, Sequence[int]], wan
         meta = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     kind = _kind(list(tensors))
+    if kind == "kohya":
+        key = next(k for k in tensors if k.startswith(KOHYA_PREFIXES))
+        raise ValueError(f"{path} uses kohya-ss / musubi-tuner key names ({key!r}), which vitp does not read; convert "
+                         "it to diffusers' or ComfyUI's names with the tool that wrote it (musubi-tuner: "
+                         "convert_lora.py --target other), then give the converted file")
     if kind != "vitp" and wan_config is None:
         raise ValueError(f"{path} is a {kind} LoRA file of a Wan model; pass wan_config (the base's config)")
     pairs, alphas = _pairs_of_file(tensors, kind, path)
