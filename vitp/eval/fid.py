@@ -318,7 +318,9 @@ def fid_labels(cfg: Any, conditioning: Any, heldout_ids: torch.Tensor, n: Option
 
 
 def _barrier(share: Share) -> None:
-    if share.size * share.cp > 1 and torch.distributed.is_initialized():
+    """Every rank of a distributed evaluation (``share.group`` set: also a tp / pp layout of one
+    replica, whose other ranks read what rank 0 writes) waits here; a one-process one does not."""
+    if share.group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
 
 

@@ -455,11 +455,23 @@ def quality_args(train: dict, tag: str) -> list:
             "eval.fvd.num=3", "eval.fvd.real_num=3", f"eval.fvd.weights={train['i3d']}", "sampler.batch_size=1"]
 
 
+def quality_pp2_args(train: dict) -> list:
+    """:func:`quality_args` of FID alone at pp2 (the samples drawn by two pipeline stages, decoded
+    and gathered by stage 0 alone), reading the real statistics the dp2 evaluation cached."""
+    name, _ = EVAL_IN_GROUP[2]
+    runs = train["runs"]
+    return [f"{runs}/{name}", "--weights", train["with_vae"], "parallel.pp=2", "parallel.tp=1",
+            "parallel.sequence_parallel=false", f"eval.fid.real_stats={runs}/fid_real_group.safetensors",
+            "eval.fid.num=6", "eval.fid.block=4", "eval.fid.real_num=4", f"eval.fid.weights={train['inception']}",
+            "sampler.batch_size=1"]
+
+
 def eval_in_group(train: dict, world: int) -> dict:
     """``vitp-eval RUN`` of :data:`EVAL_IN_GROUP` in this group (``vitp.cli.eval.run`` under the
     group's launcher environment: each rank reads its slices of ``RUN/diffusers``); rank 0's results.
     At 2 ranks also ``"quality"``: FID, CLIP score and FVD (:func:`quality_args`) over the two
-    replicas (the group closes once, after both)."""
+    replicas, and ``"quality_pp2"``: FID at pp2 (:func:`quality_pp2_args`); the group closes once,
+    after them."""
     import vitp.eval.launch as launch
     from vitp.cli.eval import run
 
@@ -469,6 +481,7 @@ def eval_in_group(train: dict, world: int) -> dict:
         res = run([f"{train['runs']}/{name}", *over])
         if world == 2:
             res["quality"] = run(quality_args(train, "group"))
+            res["quality_pp2"] = run(quality_pp2_args(train))
     finally:
         launch.finish = finish
         finish()
