@@ -133,6 +133,9 @@ def _case(rank: int, name: str, base: str, overrides: list, every: bool, final: 
                     t.heldout_eval(s, final=final and s == steps)
                 assert current_grid(t.engine.module) == grid  # the training grid is back
         flops, forwards = _model_flops(counter, t.engine.module), t.denoiser.forwards
+        # eval.fid.every's evaluation at the last step (a tp / pp rank reads the samples rank 0 writes and
+        # then removes: it crashed at tp=2 before the ranks waited for each other)
+        quality = t.quality_eval(steps) if cfg.eval.fid.num else {}
         with t.ema_denoiser() as d:  # the grid's raw samples, not rounded to 8 bits
             x = generate(d, cfg, grid_ids(cfg, t._grid_prompts()), cfg.sampler.seed, t._grid_prompts(), t.share)
         peak_kb, rss_kb = _status_kb("VmHWM"), _status_kb("VmRSS")
@@ -142,7 +145,7 @@ def _case(rank: int, name: str, base: str, overrides: list, every: bool, final: 
         t.checkpointer.writer.close()
         t.lock.release()
         t.logger.close()
-    out = {"seconds": time.perf_counter() - start, "flops": flops, "forwards": forwards, "peak_kb": peak_kb, "rss_kb": rss_kb, "start_kb": start_kb,
+    out = {"fid": quality.get("fid"), "seconds": time.perf_counter() - start, "flops": flops, "forwards": forwards, "peak_kb": peak_kb, "rss_kb": rss_kb, "start_kb": start_kb,
            "world": torch.distributed.get_world_size()}
     if rank == 0:
         out.update(_reference(t, run_dir, final, every, x))
@@ -179,8 +182,14 @@ def _reference(t, run_dir: Path, final: bool, every: bool, x) -> dict:
             write_bucket_grids(gen, cfg, t.buckets, ref / f"step_{steps:07d}", prompts)
         res = heldout(gen, final, ref / "eval.json")
     x_ref = generate(gen, cfg, grid_ids(cfg, prompts), cfg.sampler.seed, prompts)
+    fid_ref = None
+    if cfg.eval.fid.num:  # one process's FID of the exported EMA (the real sums cached by the layout's)
+        from vitp.eval.metrics import quality_metrics
+
+        fid_ref = quality_metrics(gen, cfg, t.train_ds, t.heldout_ds, run_dir, ref / "fid.npz", t.conditioning)["fid"]
     live = heldout(load_generator(run_dir / "model.safetensors")[0])["heldout_loss"]
     rows = [json.loads(r) for r in (run_dir / "eval.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "heldout_loss" in r]  # not the FID rows of eval.fid.every
     assert rows[-1]["step"] == steps, rows
     step0 = {}
     if every:
@@ -189,6 +198,7 @@ def _reference(t, run_dir: Path, final: bool, every: bool, x) -> dict:
     written = [p for p in _pngs(samples) if f"step_{steps:07d}" in str(p)]
     assert written and _pngs(ref) == written, (written, _pngs(ref))
     return {
+        "fid_ref": fid_ref,
         "png_diff": max(_png_diff(samples / p, ref / p) for p in written),
         "pngs": len(written),
         "raw_diff": float((x - x_ref).abs().max()),
@@ -228,11 +238,15 @@ def _text(tmp: Path) -> list:
 def _cases(tmp: Path) -> dict:
     """``{world: {case: (overrides, every, final)}}``; the tp=2 x pp=2 case runs first in its
     group (its peak memory is measured from its start)."""
+    from tests.helpers import eval_weights_script
+
     i = _inits(tmp)
     smoke, synth, video = ([f"trainer.init_from={i[k]}"] for k in ("smoke", "synth", "video"))
+    fid = ["eval.fid.num=4", "eval.fid.every=2", "eval.fid.real_num=4",
+           f"eval.fid.weights={eval_weights_script().random_inception(tmp / 'inception.pth')}"]
     return {
         2: {
-            "tp2": ([*DIGITS, *smoke, "parallel.tp=2"], False, False),
+            "tp2": ([*DIGITS, *smoke, "parallel.tp=2", *fid], False, False),
             "tp2sp": ([*DIGITS, *smoke, "parallel.tp=2", "parallel.sequence_parallel=true"], False, False),
             "cp2-ulysses": ([*IMAGE4, *synth, "parallel.cp=2", "parallel.cp_mode=ulysses"], False, False),
             "cp2-ring-video": ([*VIDEO, *video, "parallel.cp=2", "parallel.cp_mode=ring"], False, False),
@@ -279,6 +293,8 @@ def test_layout_samples_and_evaluates_as_one_process(runs, case):
     for key, (got, want) in {**r["losses"], **{f"step0 {k}": v for k, v in r["step0"].items()}}.items():
         assert got == pytest.approx(want, rel=REL), (key, got, want)
     assert r["live_gap"] > 50 * REL, r
+    if r["fid_ref"] is not None:  # tp2: eval.fid.every's FID in the layout (rank 0's) is one process's
+        assert r["fid"] == pytest.approx(r["fid_ref"], rel=1e-4) and runs[case][1]["fid"] is None, r
 
 
 @pytest.mark.parametrize("case", CASES)

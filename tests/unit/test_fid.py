@@ -95,6 +95,20 @@ def test_real_statistics_are_cached_and_refused_for_other_weights_or_data(weight
         with pytest.raises(ValueError, match="other data or split .* delete it to recompute"):
             real_statistics(net, other[0], ds, other[1], Share(), cache, digest)
     assert ds.reads == 3
+    # at launch (check_real_cache): the file given as FVD's cache, or with another Inception file
+    from vitp.eval.fid import check_real_cache
+
+    given = compose(["experiment=smoke", f"eval.fid.real_stats={cache}", f"eval.fvd.real_stats={cache}",
+                     f"eval.fid.weights={weights}", f"eval.fvd.weights={weights}"])
+    check_real_cache(given, "fid")
+    with pytest.raises(ValueError, match=rf"eval.fvd.real_stats={cache} holds the FID real statistics, not FVD's; "
+                                         r"delete it"):
+        check_real_cache(given, "fvd")
+    other_weights = tmp_path / "other.pth"
+    other_weights.write_bytes(weights.read_bytes() + b"x")
+    given.eval.fid.weights = str(other_weights)
+    with pytest.raises(ValueError, match=r"holds the FID real statistics of other weights than eval.fid.weights="):
+        check_real_cache(given, "fid")
 
 
 def test_bad_weights_files_are_refused(tmp_path):
@@ -152,3 +166,34 @@ def test_fid_samples_npz_is_deterministic_and_resumes(tmp_path):
     assert z["arr_0"].shape == (10, 8, 8, 3) and z["arr_0"].dtype == np.uint8 and z["arr_1"].tolist() == labels.tolist()
     assert np.array_equal(np.asarray(npz_images(tmp_path / "a.npz")), z["arr_0"])
     assert len({z["arr_0"][i].tobytes() for i in range(10)}) == 10
+
+
+def test_samples_of_other_weights_are_never_reused(tmp_path):
+    """A finished ``.npz`` is reused only for the same settings and :func:`sample_source` (the
+    weights it was drawn from): another source draws again (a training resumed and trained longer,
+    ``vitp-eval --force`` after more training gave the old numbers before); stopped blocks of
+    another source are refused by ``vitp-eval`` and replaced by training's own evaluation."""
+    from vitp.config import compose
+    from vitp.eval.fid import fid_labels, sample_source, write_fid_samples
+    from vitp.eval.inference import Share
+
+    cfg = compose(["experiment=smoke", "eval.fid.num=4", "eval.fid.block=2", "sampler.batch_size=2",
+                   "sampler.cfg_scale=1"])
+    labels, npz = fid_labels(cfg, None, torch.zeros(1, dtype=torch.long)), tmp_path / "s.npz"
+    gens = [_Gen() for _ in range(3)]
+    with sample_source("weights a"):
+        write_fid_samples(gens[0], cfg, labels, Share(), npz)
+        write_fid_samples(gens[1], cfg, labels, Share(), npz)  # the same weights: reused
+    assert gens[0].calls > 0 and gens[1].calls == 0
+    with sample_source("weights b"):
+        write_fid_samples(gens[2], cfg, labels, Share(), npz)  # other weights: drawn again
+    assert gens[2].calls == gens[0].calls and "weights b" in (tmp_path / "s.npz.json").read_text()
+    with sample_source("weights c"), pytest.raises(KeyboardInterrupt):  # stopped after block 1
+        write_fid_samples(_Gen(stop_at=gens[0].calls // 2 + 1), cfg, labels, Share(), npz)
+    with sample_source("weights d"), pytest.raises(ValueError, match=r"s.npz.parts holds FID samples of other "
+                                                                      r"settings .* or other weights; delete it"):
+        write_fid_samples(_Gen(), cfg, labels, Share(), npz)
+    replaced = _Gen()
+    with sample_source("weights d", replace_stale=True):
+        write_fid_samples(replaced, cfg, labels, Share(), npz)
+    assert replaced.calls == gens[0].calls and not (tmp_path / "s.npz.parts").exists()

@@ -226,6 +226,12 @@ def test_other_trainers_files_kohya_names_and_a_run_directory_are_named(tiny, tm
     with pytest.raises(ValueError, match=r"kohya\.safetensors uses kohya-ss / musubi-tuner key names "
                                          r"\('lora_unet_blocks_0_self_attn_q\..*convert_lora.py --target other"):
         lf.read_lora_file(path, lf.wan_state_shapes(tiny.cfg), tiny.cfg)
+    odd = {"diffusion_model.blocks.0.self_attn.z.lora_A.weight": torch.zeros(4, 48),
+           "diffusion_model.blocks.0.self_attn.z.lora_B.weight": torch.zeros(48, 4)}
+    path = lf.save_lora_file(tmp_path / "odd.safetensors", odd, {})
+    with pytest.raises(ValueError, match=r"odd\.safetensors: 'diffusion_model\.blocks\.0\.self_attn\.z\.lora_A\.weight'"
+                                         r": 'blocks\.0\.self_attn\.z' is not an original Wan linear name"):
+        lf.read_lora_file(path, lf.wan_state_shapes(tiny.cfg), tiny.cfg)
     run = tmp_path / "run"
     (run / "lora").mkdir(parents=True)
     (run / "lora" / lf.WEIGHT_NAME).write_bytes(b"")

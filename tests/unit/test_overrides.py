@@ -234,3 +234,15 @@ def test_a_bad_boolean_at_launch_names_the_fix():
         compose_checked(["trainer.checkpoint_async=maybe"])
     assert str(e.value).endswith("is not a valid bool (type str); use trainer.checkpoint_async=true or "
                                  "trainer.checkpoint_async=false")
+
+
+def test_vitp_eval_result_names_of_long_overrides_never_collide(tmp_path):
+    """``vitp-eval``'s ``eval_<overrides>.json`` is cut at 150 characters with a digest of the whole:
+    two commands that differ after the cut (a long path, then ``sampler.steps``) get two files."""
+    from vitp.cli.eval import eval_output
+
+    (tmp_path / "eval.json").write_text("{}")
+    long = f"eval.fid.real_stats=/{'x' * 200}/real.safetensors"
+    a, b = (eval_output(tmp_path, [long, f"sampler.steps={n}"], "model_ema.safetensors") for n in (4, 8))
+    assert a != b and a.name.startswith("eval_eval.fid.real_stats=_xxx") and len(a.name) < 160
+    assert eval_output(tmp_path, ["sampler.steps=8"], "model_ema.safetensors").name == "eval_sampler.steps=8.json"

@@ -47,12 +47,17 @@ def test_wan_training_scores_fid_and_clip_every_step_and_the_cache_follows_the_v
     with np.load(run / "eval.npz") as a, np.load(again["fid_npz"]) as b:
         assert np.array_equal(a["arr_0"], b["arr_0"]) and np.array_equal(a["arr_1"], b["arr_1"])
     assert again["fid"] == pytest.approx(final["fid"], rel=1e-9)
+    # the weights changed in place (as more training would): the same command with --force draws again
+    for f in (run / "diffusers" / "transformer").glob("*.safetensors"):
+        save_file({k: v * 1.05 for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    redrawn = vitp_eval([str(run), "eval.fid.block=2", "--force"])
+    assert redrawn["fid_npz"] == again["fid_npz"] and redrawn["fid"] != again["fid"]
     cache = run / "fid_real_train4.safetensors"
     before = cache.read_bytes()
     vae = folder / "vae" / "diffusion_pytorch_model.safetensors"
     save_file({k: v * 1.01 for k, v in load_file(str(vae)).items()}, str(vae))  # the VAE changed in place
-    with pytest.raises(ValueError, match=r"fid_real_train4.safetensors holds the FID real statistics of other decoder "
-                                         r"\(VAE\) than this evaluation's; delete it"):
+    with pytest.raises(ValueError, match=r"fid_real_train4.safetensors holds the FID real statistics of other VAE "
+                                         r"weights than this evaluation's; delete it"):
         vitp_eval([str(run), "eval.fid.num=4"])
     assert cache.read_bytes() == before
     with np.load(run / "eval.npz") as z:  # the held-out captions, cycled

@@ -92,7 +92,7 @@ def test_corrupt_config_is_refused(tiny, tmp_path):
     (["parallel.partial_sync=0.5"], r"parallel.partial_sync=0.5: .*set parallel.partial_sync=1"),
     # the tiny folder has no vae/: FID / FVD / CLIP score read decoded pixels (vitp.eval.wan_eval)
     (["eval.fid.num=100"], r"eval.fid.num=100 on a Wan run scores decoded pixels, but the pipeline .* has no vae/; "
-                           r"train from a pipeline folder with its vae/ .*or set eval.fid.num=0"),
+                           r"give a pipeline folder with its vae/ .*or set eval.fid.num=0"),
     (["eval.fvd.num=100"], r"eval.fvd.num=100 on a Wan run .* has no vae/.*set eval.fvd.num=0"),
 ])
 def test_what_vitp_train_does_not_do_for_wan_is_refused(tiny, extra, match):

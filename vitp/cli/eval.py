@@ -15,6 +15,7 @@ written ``cli.weights=FILE`` (:func:`vitp.cli.overrides.flag_overrides`)."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -76,7 +77,9 @@ def eval_output(run_dir: Path, overrides: list, weights: str) -> Path:
         return run_dir / "eval.json"
     parts = list(overrides) + ([Path(weights).name.removesuffix(".safetensors")]
                                if weights != "model_ema.safetensors" else [])
-    slug = re.sub(r"[^A-Za-z0-9._=+,-]", "_", "_".join(parts))[:150]
+    slug = re.sub(r"[^A-Za-z0-9._=+,-]", "_", "_".join(parts))
+    if len(slug) > 150:  # cut, with a digest of the whole, so that other settings never share a file
+        slug = f"{slug[:140]}_{hashlib.sha256('_'.join(parts).encode()).hexdigest()[:8]}"
     return run_dir / f"eval_{slug or 'again'}.json"
 
 
@@ -130,14 +133,17 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
     check_decoder(cfg.data)  # samples of a latent run are decoded: its VAE is checked before minutes of work
     if cfg.eval.fid.num:  # the FID network too, and the CLIP folder
         from vitp.eval.clip_score import check_clip
-        from vitp.eval.fid import check_weights
+        from vitp.eval.fid import check_real_cache, check_weights
 
         check_weights(cfg.eval.fid.weights)
         check_clip(cfg)
+        check_real_cache(cfg, "fid")
     if cfg.eval.fvd.num:  # FVD's: a video run, its I3D file
+        from vitp.eval.fid import check_real_cache
         from vitp.eval.fvd import check_fvd
 
         check_fvd(cfg)
+        check_real_cache(cfg, "fvd")
     if not os.access(run_dir, os.W_OK):  # found before minutes of evaluation, not after
         raise PermissionError(f"{run_dir} is not writable: vitp-eval writes its results (eval.json, or "
                               f"eval_<overrides>.json next to it) and the digits judge's cache there; evaluate a copy of the run")
@@ -217,7 +223,10 @@ def _evaluate_run(a: Any, weights: str, sharded: bool, out: Path) -> dict:
 
     cfg, gen, train_ds, heldout_ds, per_bucket, cond = load_for_eval(a.run_dir, weights, a.overrides, sharded)
     step = weights_step(a.run_dir, weights)  # the weights', not the run's last logged step
-    with reporting(bars=is_main(), prefix="vitp-eval"):  # each phase: a line saying what runs, a bar
+    from vitp.eval.fid import sample_source, weights_identity
+
+    source = weights_identity(weights_path(a.run_dir, weights))  # a finished .npz of other weights is drawn again
+    with reporting(bars=is_main(), prefix="vitp-eval"), sample_source(source):  # each phase: a line, a bar
         res = evaluate(gen.denoiser if sharded else gen, cfg, train_ds, heldout_ds, a.run_dir, full=True,
                        step=step, buckets=per_bucket, conditioning=cond, share=gen.share if sharded else None,
                        out=out)

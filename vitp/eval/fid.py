@@ -20,6 +20,8 @@ The real side's sums are cached (:func:`real_statistics`).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import io
 import json
@@ -27,7 +29,7 @@ import logging
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -239,7 +241,7 @@ def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, sh
         with safe_open(str(cache), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get(f"vitp_{m.section}_real", "{}"))
             for part, what in (("weights_sha256", m.network), ("features", "feature extraction"),
-                               ("data", "data or split"), ("decoder", "decoder (VAE)")):
+                               ("data", "data or split"), ("decoder", "VAE weights")):
                 if meta.get(part) != key.get(part):
                     raise ValueError(f"{cache} holds the {m.name} real statistics of other {what} than this "
                                      f"evaluation's; delete it to recompute them, or give "
@@ -260,6 +262,34 @@ def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, sh
             save_file({"n": torch.tensor([sums.n], dtype=torch.float64), "s": sums.s, "ss": sums.ss}, str(tmp),
                       metadata={f"vitp_{m.section}_real": json.dumps(key)})
     return sums
+
+
+def check_real_cache(cfg: Any, section: str = "fid") -> None:
+    """Before any sample is drawn: a cache file given as ``eval.<section>.real_stats`` (FID's or
+    FVD's) that exists must hold that metric's real statistics of the same weights file. Raises
+    ``ValueError`` naming the file and the fix (what :func:`real_statistics` would raise at the end
+    of a run otherwise); the data are checked there."""
+    from safetensors import safe_open
+
+    sect = cfg.eval[section]
+    if not sect.real_stats or not Path(str(sect.real_stats)).is_file():
+        return
+    path, name = Path(str(sect.real_stats)), section.upper()
+    fix = f"delete it to recompute them, or give eval.{section}.real_stats=ANOTHER_FILE"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # noqa: BLE001 - any unreadable file gets the same advice
+        raise ValueError(f"eval.{section}.real_stats={path} is not a safetensors file of real statistics; "
+                         f"{fix}") from None
+    key = meta.get(f"vitp_{section}_real")
+    if key is None:
+        other = [k[5:-5].upper() for k in meta if k.startswith("vitp_") and k.endswith("_real")]
+        what = f"the {other[0]} real statistics" if other else "no real statistics"
+        raise ValueError(f"eval.{section}.real_stats={path} holds {what}, not {name}'s; {fix}")
+    if json.loads(key).get("weights_sha256") != file_digest(Path(str(sect.weights)).expanduser()):
+        raise ValueError(f"eval.{section}.real_stats={path} holds the {name} real statistics of other weights than "
+                         f"eval.{section}.weights={sect.weights}; {fix}")
 
 
 def write_npz(path: Path, shape: Sequence[int], blocks: Sequence[Path], labels: np.ndarray) -> None:
@@ -326,6 +356,39 @@ def _barrier(share: Share) -> None:
 
 Draw = Callable[[torch.Tensor, int, int, str], torch.Tensor]  # (labels, first index, seed, purpose) -> samples
 
+# What the samples are drawn from (weights, training step), kept with the parts and the finished .npz, and
+# whether stale ones are replaced (training) or refused (vitp-eval): set by sample_source
+_SOURCE: contextvars.ContextVar = contextvars.ContextVar("vitp_sample_source", default=("", False))
+
+
+@contextlib.contextmanager
+def sample_source(source: str, replace_stale: bool = False) -> Iterator[None]:
+    """Within the block, :func:`write_fid_samples` records ``source`` (what the samples are drawn
+    from: :func:`weights_identity` of the weights file or folder, or a training step and its run
+    config) with the sample blocks and the finished ``.npz``; a finished ``.npz`` or stopped blocks
+    of another source are never reused: with ``replace_stale`` (training's own files) they are
+    replaced, else (``vitp-eval``) stopped blocks are refused and a finished ``.npz`` drawn again."""
+    token = _SOURCE.set((str(source), bool(replace_stale)))
+    try:
+        yield
+    finally:
+        _SOURCE.reset(token)
+
+
+def weights_identity(*paths: Any) -> str:
+    """sha256 over the weight files at ``paths`` (a file: it and, for a sharded export, the files
+    beside its index; a folder: every file under it, links followed) of their names, sizes and
+    modification times: another training step or a file copied over gives another identity."""
+    rows = []
+    for path in paths:
+        p = Path(path)
+        files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
+        if p.is_file() and (p.name.endswith(".index.json") or p.with_name(p.name + ".index.json").is_file()):
+            files = sorted(p.parent.glob("*.safetensors")) + [q for q in p.parent.glob("*.index.json")]
+        rows += [(str(q.relative_to(p) if p.is_dir() else q.name), q.stat().st_size, q.stat().st_mtime_ns)
+                 for q in files if q.exists()]
+    return hashlib.sha256(json.dumps([str(Path(p).resolve()) for p in paths] + rows).encode()).hexdigest()
+
 
 def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, npz: Path,
                       conditioning: Any = None, metric: Metric = FID, draw: Optional[Draw] = None) -> None:
@@ -336,22 +399,33 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
     as ``(b, 3, F, H, W)`` pixels in [-1, 1], e.g. a Wan run's decoded samples), gathered as uint8
     (``metric.to_uint8``) on rank 0 and saved in
     ``<npz>.parts/`` (atomically), so a stopped evaluation resumes at the first missing block. The
-    parts are removed once ``npz`` is written; an existing ``npz`` of ``len(labels)`` items is kept.
-    Raises ``ValueError`` when the parts folder was written with other settings. Collective."""
+    parts are removed once ``npz`` is written, and what made it (the settings and the
+    :func:`sample_source`) is kept in ``<npz>.json``: an existing ``npz`` is reused only when that
+    file says the same. Raises ``ValueError`` when the parts folder was written with other settings
+    or weights (unless :func:`sample_source` replaces them). Collective."""
+    from omegaconf import OmegaConf
+
     from vitp.utils import atomic_write, atomic_write_text
     from .sampling import generate
 
     f, n, m = cfg.eval[metric.section], len(labels), metric
-    if npz.is_file() and len(npz_images(npz, m.item_dims)) == n:
+    source, replace_stale = _SOURCE.get()
+    meta = json.dumps({"num": n, "block": f.block, "seed": f.seed, "labels": hashlib.sha256(labels.numpy().tobytes())
+                       .hexdigest(), "sampler": OmegaConf.to_container(cfg.sampler, resolve=True),
+                       "source": source}, sort_keys=True)
+    made = npz.with_name(npz.name + ".json")  # what made the finished npz
+    if npz.is_file() and made.is_file() and made.read_text() == meta and len(npz_images(npz, m.item_dims)) == n:
         return
     parts = npz.with_name(npz.name + ".parts")
-    from omegaconf import OmegaConf
-
-    meta = json.dumps({"num": n, "block": f.block, "seed": f.seed, "labels": hashlib.sha256(labels.numpy().tobytes())
-                       .hexdigest(), "sampler": OmegaConf.to_container(cfg.sampler, resolve=True)}, sort_keys=True)
     if (parts / "meta.json").is_file() and (parts / "meta.json").read_text() != meta:
-        raise ValueError(f"{parts} holds {m.name} samples of other settings (eval.{m.section}.num/block/seed, "
-                         f"sampler); delete it to sample again")
+        if not replace_stale:
+            raise ValueError(f"{parts} holds {m.name} samples of other settings (eval.{m.section}.num/block/seed, "
+                             f"sampler) or other weights; delete it to sample again")
+        _barrier(share)  # every rank has read the old meta before rank 0 removes it
+        if share.main:
+            for p in parts.glob("block_*.npy"):
+                p.unlink()
+        _barrier(share)
     if share.main:
         atomic_write_text(parts / "meta.json", meta)
     blocks = [parts / f"block_{k:06d}.npy" for k in range(-(-n // f.block))]
@@ -369,6 +443,7 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
     _barrier(share)
     if share.main:
         write_npz(npz, (n, *np.load(blocks[0], mmap_mode="r").shape[1:]), blocks, labels.numpy().astype(np.int64))
+        atomic_write_text(made, meta)
         for p in blocks + [parts / "meta.json"]:
             p.unlink()
         parts.rmdir()

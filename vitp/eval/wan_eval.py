@@ -412,6 +412,11 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
     from vitp.train.wan import DIFFUSERS_DIR
 
     folder = Path(run_dir) / (weights or DIFFUSERS_DIR)
+    lora = OmegaConf.select(OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml"), "trainer.lora.enabled")
+    if lora and weights is None:  # the adapters alone are in RUN/lora: evaluate the base with them merged
+        raise FileNotFoundError(f"{run_dir} is a LoRA run: its adapters are in {Path(run_dir) / 'lora'}; write the "
+                                f"base with them merged with vitp-export {run_dir} --format diffusers --merge -o OUT, "
+                                f"then vitp-eval {run_dir} --weights OUT")
     if folder.is_file():
         raise ValueError(f"--weights {weights}: a Wan run is evaluated from a diffusers folder, not a file; give "
                          f"{DIFFUSERS_DIR} (the run's final EMA weights) or a folder written by vitp-export {run_dir} "
@@ -422,19 +427,25 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
                                 f"diffusers -o OUT, then vitp-eval {run_dir} --weights OUT")
     cfg = apply_overrides(typed_config(OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")), overrides,
                           "vitp-eval")
+    if lora:  # --weights: a merged folder, evaluated as it is (no adapters on top)
+        from vitp.config import LoraConfig
+
+        cfg.trainer.lora = OmegaConf.structured(LoraConfig())
     cfg.trainer.init_from = str(folder.resolve())
     validate_config(cfg)
     if cfg.eval.fid.num or cfg.eval.fvd.num:  # the VAE, feature networks and CLIP folder before any sample
         from .clip_score import check_clip
-        from .fid import check_weights
+        from .fid import check_real_cache, check_weights
         from .fvd import check_fvd
 
         check_wan_quality(cfg)
         if cfg.eval.fid.num:
             check_weights(cfg.eval.fid.weights)
             check_clip(cfg)
+            check_real_cache(cfg, "fid")
         if cfg.eval.fvd.num:
             check_fvd(cfg)
+            check_real_cache(cfg, "fvd")
     if sharded:  # replicas of the whole model where one fits a device, unless a layout key is given
         from vitp.parallel.distributed import world_size
 
@@ -461,9 +472,17 @@ def run_wan_eval(run_dir: Path, weights: Optional[str], overrides: List[str], sh
                  step: Optional[int]) -> Dict[str, Any]:
     """``vitp-eval`` of a Wan run into ``out``: :func:`load_wan_for_eval` then :func:`wan_evaluate`
     (full). Returns rank 0's results (the held-out loss elsewhere)."""
+    from vitp.models.wan_run import wan_source
+
+    from .fid import sample_source, weights_identity
+
     cfg, gen, share, train_ds, heldout_ds, cond = load_wan_for_eval(run_dir, weights, overrides, sharded)
-    return wan_evaluate(gen, cfg, train_ds, heldout_ds, run_dir, full=True, step=step, out=out, conditioning=cond,
-                        share=share)
+    pipe = sampling_pipeline(cfg)  # samples of other weights or another VAE are drawn again
+    source = weights_identity(wan_source(cfg)[0], *([pipe / "vae"] if pipe is not None and (pipe / "vae").is_dir()
+                                                    else []))
+    with sample_source(source):
+        return wan_evaluate(gen, cfg, train_ds, heldout_ds, run_dir, full=True, step=step, out=out,
+                            conditioning=cond, share=share)
 
 
 __all__ = ["LATENT_PREVIEW", "check_wan_quality", "heldout_noise", "heldout_sigmas", "load_wan_for_eval",

@@ -357,7 +357,10 @@ def _pairs_of_file(tensors: Dict[str, torch.Tensor], kind: str, path: Path
         if not m:
             raise ValueError(f"{path}: {k!r} is not a LoRA key of a {kind} file (<module>.lora_A.weight, "
                              ".lora_B.weight, .alpha); vitp reads plain LoRA files (no DoRA, LoKr, biases)")
-        mod = diffusers_name(m.group(1)) if kind == "comfyui" else m.group(1)
+        try:
+            mod = diffusers_name(m.group(1)) if kind == "comfyui" else m.group(1)
+        except KeyError as e:  # a ComfyUI-prefixed key of a module Wan does not have
+            raise ValueError(f"{path}: {k!r}: {e.args[0]}; vitp reads LoRAs of Wan's linears") from None
         if m.group(2) == "alpha":
             alphas[mod] = float(v.item())
         else:

@@ -235,8 +235,9 @@ def _refuse_unsupported(cfg: Any) -> None:
             raise ValueError(msg)
 
 
-NO_VAE = ("{key}={num} on a Wan run scores decoded pixels, but {where}; train from a pipeline folder with its vae/ "
-          "(trainer.init_from=PIPELINE/transformer, as diffusers' Wan2.1-T2V-1.3B-Diffusers ships), or set {key}=0")
+NO_VAE = ("{key}={num} on a Wan run scores decoded pixels, but {where}; give a pipeline folder with its vae/ (as "
+          "diffusers' Wan2.1-T2V-1.3B-Diffusers ships: vitp-train trainer.init_from=PIPELINE, vitp-eval RUN "
+          "--weights PIPELINE), or set {key}=0")
 
 
 def quality_pipeline(cfg: Any, transformer: Path) -> Optional[Path]:

@@ -253,14 +253,18 @@ class Trainer:
                              "or eval.fvd.num and eval.fvd.weights)")
         if cfg.eval.fid.num and (cfg.eval.enabled or cfg.eval.fid.every):  # found now, not after training
             from vitp.eval.clip_score import check_clip
-            from vitp.eval.fid import check_weights
+            from vitp.eval.fid import check_real_cache, check_weights
 
             check_weights(cfg.eval.fid.weights)
             check_clip(cfg)  # a caption run's CLIP folder (eval.clip.model) too
+            check_real_cache(cfg, "fid")
         if fvd and (cfg.eval.enabled or cfg.eval.fid.every):  # FVD's I3D file
             from vitp.eval.fvd import check_fvd
 
+            from vitp.eval.fid import check_real_cache
+
             check_fvd(cfg)
+            check_real_cache(cfg, "fvd")
         if is_wan(cfg) and (cfg.eval.enabled or cfg.eval.fid.every):  # a Wan run's samples decode through vae/
             from vitp.eval.wan_eval import check_wan_quality
 
@@ -503,7 +507,7 @@ class Trainer:
         if self.wan:  # Wan's flow-matching loss; video statistics at the end (vitp.eval.wan_eval)
             from vitp.eval.wan_eval import wan_evaluate as evaluate
         per_bucket = None if self.buckets is None else {b.name: ho for b, (_, ho) in zip(self.buckets, self.bucket_data)}
-        with self.ema_denoiser() as gen:
+        with self.ema_denoiser() as gen, self.sample_source(step):
             res = evaluate(gen, self.cfg, self.train_ds, self.heldout_ds, self.run_dir, full=final, step=step,
                            logger=self.logger, buckets=per_bucket, conditioning=self.conditioning, share=self.share)
         if not self.main:
@@ -513,6 +517,20 @@ class Trainer:
         with open(self.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float))}) + "\n")
         return res
+
+    def sample_source(self, step: int):
+        """:func:`vitp.eval.fid.sample_source` of the EMA weights after ``step``: the step and the run
+        config (less the keys of a relaunch), so the FID / FVD samples of another training (resumed
+        with other settings, trained longer) are drawn again, not reused; stale ones are replaced."""
+        import hashlib
+
+        from vitp.eval.fid import sample_source
+
+        conf = OmegaConf.to_container(self.cfg, resolve=True)
+        for key in ("resume", "exit_at_step"):
+            conf.get("trainer", {}).pop(key, None)
+        digest = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()
+        return sample_source(f"training step {step}, run config {digest}", replace_stale=True)
 
     def quality_eval(self, step: int) -> Dict[str, Any]:
         """FID (with CLIP score: :func:`vitp.eval.metrics.quality_metrics`) and, for a video run with
@@ -526,7 +544,7 @@ class Trainer:
 
         cfg, npz = self.cfg, self.run_dir / "fid" / f"step_{step:07d}.npz"
         clips, res = npz.with_suffix(".fvd.npz"), {}
-        with self.ema_denoiser() as gen:
+        with self.ema_denoiser() as gen, self.sample_source(step):
             if self.wan:  # WanPipeline's samples, decoded by the pipeline's VAE (vitp.eval.wan_eval)
                 from vitp.eval.wan_eval import wan_quality_metrics
 
@@ -542,9 +560,10 @@ class Trainer:
                 res.update(fvd_metrics(gen, cfg, self.train_ds, self.heldout_ds, self.run_dir, clips,
                                        self.conditioning, self.share, ids))
         res = report({"step": step, **res}, self.share, self.logger, step, False, self.run_dir, None)
+        dist.barrier()  # every rank has read the samples (a tp / pp rank reads them too) before they go
         if not self.main:
             return {}
-        for path in (npz, clips):
+        for path in (npz, clips, npz.with_name(npz.name + ".json"), clips.with_name(clips.name + ".json")):
             path.unlink(missing_ok=True)
         res.pop("fid_npz", None)
         res.pop("fvd_npz", None)
