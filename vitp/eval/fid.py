@@ -97,7 +97,8 @@ def read_weights_file(path: Optional[str], key: str, help_text: str):
         raise ValueError(f"{key}.num > 0 needs {key}.weights=FILE: {help_text}")
     p = Path(path).expanduser()
     if not p.is_file():
-        raise FileNotFoundError(f"{key}.weights={path}: no such file; give {help_text}")
+        raise FileNotFoundError(f"{key}.weights={path}: {'a folder, not a file' if p.is_dir() else 'no such file'}; "
+                                f"give {help_text}")
     try:
         return p, torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice
@@ -469,7 +470,10 @@ def fid_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pat
     net = inception(str(weights), _device(gen))
     real_ds = train_ds if f.real == "train" else heldout_ds
     count = min(len(real_ds), f.real_num or len(real_ds))
-    cache = Path(f.real_stats) if f.real_stats else Path(run_dir) / f"fid_real_{f.real}{f.real_num or 'all'}.safetensors"
+    if f.real_num > count and share.main:
+        log.warning("eval.fid.real_num=%d but the %s set has %d items: the FID real side uses %d", f.real_num,
+                    f.real, count, count)
+    cache = Path(f.real_stats) if f.real_stats else Path(run_dir) / f"fid_real_{f.real}{count if f.real_num else 'all'}.safetensors"
     real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(weights), FID, decode, decoder)
     labels = fid_labels(cfg, conditioning, heldout_ids if heldout_ids is not None else torch.zeros(1, dtype=torch.long))
     write_fid_samples(gen, cfg, labels, share, npz, conditioning, FID, draw)

@@ -157,7 +157,10 @@ def fvd_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pat
     net = i3d(str(weights), _device(gen))
     real_ds = train_ds if f.real == "train" else heldout_ds
     count = min(len(real_ds), f.real_num or len(real_ds))
-    cache = Path(f.real_stats or Path(run_dir) / f"fvd_real_{f.real}{f.real_num or 'all'}.safetensors")
+    if f.real_num > count and share.main:
+        log.warning("eval.fvd.real_num=%d but the %s set has %d items: the FVD real side uses %d", f.real_num,
+                    f.real, count, count)
+    cache = Path(f.real_stats or Path(run_dir) / f"fvd_real_{f.real}{count if f.real_num else 'all'}.safetensors")
     real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(weights), FVD, decode, decoder)
     ids = heldout_ids if heldout_ids is not None else torch.zeros(1, dtype=torch.long)
     write_fid_samples(gen, cfg, fid_labels(cfg, conditioning, ids, f.num), share, npz, conditioning, FVD, draw)
