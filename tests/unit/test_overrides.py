@@ -246,3 +246,20 @@ def test_vitp_eval_result_names_of_long_overrides_never_collide(tmp_path):
     a, b = (eval_output(tmp_path, [long, f"sampler.steps={n}"], "model_ema.safetensors") for n in (4, 8))
     assert a != b and a.name.startswith("eval_eval.fid.real_stats=_xxx") and len(a.name) < 160
     assert eval_output(tmp_path, ["sampler.steps=8"], "model_ema.safetensors").name == "eval_sampler.steps=8.json"
+
+
+def test_ctrl_c_stops_eval_and_sample_with_one_line(capsys):
+    """A Ctrl-C in ``vitp-eval`` / ``vitp-sample`` prints one line saying what is kept (exit 130), no
+    traceback; ``vitp-train`` handles its own signals, so the interrupt passes through there."""
+    from vitp.cli import run_cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        run_cli("vitp-eval", interrupted)
+    assert e.value.code == 130
+    assert capsys.readouterr().err == ("vitp-eval: stopped (Ctrl-C); FID / FVD sample blocks written so far are kept: "
+                                       "the same command resumes from them\n")
+    with pytest.raises(KeyboardInterrupt):
+        run_cli("vitp-train", interrupted)

@@ -211,3 +211,39 @@ def test_lora_recipe_fits_on_2_and_8_gpus_not_on_1():
     assert full.peak.total - p.peak.total == pytest.approx(dropped - (p.peak.activations - full.peak.activations)
                                                            - (p.peak.recompute - full.peak.recompute)
                                                            - (p.peak.workspace - full.peak.workspace), rel=1e-9)
+
+
+def test_fid_and_fvd_phases_count_the_pipeline_vae_and_decoded_frames(tmp_path, monkeypatch):
+    """With ``eval.fid.num`` / ``eval.fvd.num`` a Wan run's FID and FVD phases add the decode of the
+    pipeline's ``vae/`` (what the samples are decoded with, :func:`vitp.plan.latents.decode_memory_bytes`;
+    a folder without ``vae/`` counts none), and FVD runs I3D over the decoded clip: 5 latent frames
+    decode to ``4 (5 - 1) + 1 = 17`` frames, not 5 repeated to 10."""
+    from tests.helpers import make_tiny_wan
+    from vitp.config import compose, validate_config
+    from vitp.plan import LayoutSpec, get_profile
+    from vitp.plan import phases
+    from vitp.plan.latents import decode_memory_bytes
+    from vitp.utils import to_dict
+
+    script, prof = make_tiny_wan(), get_profile("cpu")
+    lay = LayoutSpec(tp=1, pp=1, dp=1, sp=False, ac=0, micro=2, accum=1, device="cpu")
+
+    def phase_costs(cfg):
+        out = phases.phase_costs(cfg, to_dict(cfg.model), lay, prof, 0.0, decode_bytes=decode_memory_bytes(cfg))
+        return {c.name: c for c in out}
+
+    got = {}
+    for vae in (True, False):
+        folder = script.write_pipeline(tmp_path / f"vae{vae}", vae=vae)
+        cfg = compose(["experiment=wan_smoke", f"trainer.init_from={folder}", "data.num_frames=5"]
+                      + (["eval.fid.num=8", "eval.fvd.num=8"] if vae else []))
+        validate_config(cfg)  # without vae/ training refuses eval.fvd.num: planned here all the same
+        cfg.eval.fvd.num = 8
+        got[vae] = (cfg, decode_memory_bytes(cfg), phase_costs(cfg))
+    (cfg, decode, with_vae), (_, none, without) = got[True], got[False]
+    assert decode > 0 and none == 0 and "FID" in with_vae
+    assert with_vae["FVD"].memory_bytes - without["FVD"].memory_bytes == pytest.approx(decode, rel=1e-9)
+    full, per_frame = with_vae["FVD"].seconds, phases.I3D_FLOPS_PER_FRAME
+    monkeypatch.setattr(phases, "I3D_FLOPS_PER_FRAME", 0.0)
+    i3d_s = full - phase_costs(cfg)["FVD"].seconds
+    assert i3d_s == pytest.approx(8 * 17 * per_frame / phases._fp32_flops(prof), rel=1e-9)

@@ -78,11 +78,17 @@ def log_files_only(log: logging.Logger, line: str) -> int:
     return len(files)
 
 
+# CLIs a Ctrl-C stops with one line instead of a traceback, and what the user has then
+STOPPABLE = {"vitp-eval": "FID / FVD sample blocks written so far are kept: the same command resumes from "
+                          "them",
+             "vitp-sample": "nothing was written"}
+
+
 def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.Logger] = None) -> T:
     """``fn(*args)``; on bad input or a non-finite loss write ``<prog>: error: <message>`` to
     stderr, one line (and, with ``log``, to its log files: the run's ``train.log`` where one is
     open, :func:`log_files_only`), and exit with :func:`exit_status` (2, or 3 for a non-finite
-    loss). Under ``torchrun`` the line also goes to
+    loss); a Ctrl-C in a :data:`STOPPABLE` CLI prints one line and exits with 130. Under ``torchrun`` the line also goes to
     the worker's error file (:func:`record_for_torchrun`), and only each node's first rank
     (``LOCAL_RANK`` 0) writes it to stderr: torchrun's summary lists every failed rank's line. A :class:`vitp.utils.RankZeroError` (rank 0's
     refusal, raised on the other ranks) goes to the error file only: rank 0 prints it once."""
@@ -90,6 +96,12 @@ def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.L
 
     try:
         return fn(*args)
+    except KeyboardInterrupt:
+        if prog not in STOPPABLE:  # vitp-train handles its own signals (a checkpoint first)
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{prog}: stopped (Ctrl-C); {STOPPABLE[prog]}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     except reported_errors() as e:
         line = f"{prog}: error: {e}"
         if isinstance(e, PermissionError) and e.filename:  # raised by the OS: e names the path

@@ -192,6 +192,22 @@ def _vae_costs(folder: str, mtime: float, latent: Tuple[int, ...]) -> Tuple[str,
     return cfg["_class_name"], enc, dec, decode_peak_bytes(cfg["_class_name"], cfg, latent)
 
 
+def _wan_pipeline_vae(cfg: Any) -> Optional[str]:
+    """A Wan run's decoder: the ``vae/`` of the pipeline around ``trainer.init_from``'s transformer
+    (what its sample grids, FID and FVD decode with), ``None`` for another family or without one."""
+    if str(cfg["model"].get("family", "vit")) != "wan" or not cfg["trainer"].get("init_from"):
+        return None
+    try:
+        from omegaconf import OmegaConf
+
+        from vitp.models.wan_run import pipeline_folder, wan_source
+
+        pipe = pipeline_folder(wan_source(cfg if hasattr(cfg, "trainer") else OmegaConf.create(cfg))[0])
+    except (OSError, ValueError):  # a folder the config check refuses: no decoder counted here
+        return None
+    return str(pipe / "vae") if pipe is not None and (pipe / "vae" / "config.json").is_file() else None
+
+
 def latent_plan(cfg: Any) -> Optional[LatentPlan]:
     """The :class:`LatentPlan` of the run config ``cfg`` (``None`` in pixel space). Tokens and the
     latent shape come from ``cfg.model`` (as the rest of the plan); the pixel shape from
@@ -209,7 +225,7 @@ def latent_plan(cfg: Any) -> Optional[LatentPlan]:
     latent = (int(model["in_channels"]), int(model["num_frames"]), h, w)
     pixels = (int(data["channels"]), int(data["num_frames"]), *parse_resolution(data["resolution"]))
     tokens = ModelShape.from_config(model).tokens
-    folder = data.get("vae")
+    folder = data.get("vae") or _wan_pipeline_vae(cfg)
     if not folder:
         return LatentPlan(latent, pixels, tokens, unknown="data.vae is not set: set it to the local VAE folder "
                                                           "to count the decoder")

@@ -135,6 +135,8 @@ def phase_costs(cfg: Any, model: Dict[str, Any], lay: LayoutSpec, prof: Any, sta
         out.append(_fid_phase(fid, lay, prof, per_call, nfe(s), guided, work + decode_bytes, forward_s,
                               bool((ev.get("clip") or {}).get("model"))))
     frames = int(model.get("num_frames", 1) or 1)
+    if str(model.get("family", "vit")) == "wan" and frames > 1:  # decoded clips: Wan's VAE is 4x in time
+        frames = (frames - 1) * 4 + 1
     if int(fvd.get("num", 0) or 0) and frames > 1:
         out.append(_fvd_phase(fvd, frames, lay, prof, per_call, nfe(s), guided, work + decode_bytes, forward_s))
     return out

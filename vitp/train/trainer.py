@@ -881,7 +881,8 @@ class Trainer:
                 ema = f"{ema}.index.json"
             if self.wan or tr.lora.enabled:
                 ema = "lora/" if tr.lora.enabled else "diffusers/"  # the EMA weights (adapters)
-            held = [ema, *([] if skipped else ["samples/"]), "metrics.jsonl",
+            grids = not skipped and (self.run_dir / "samples").is_dir()  # a lone Wan transformer draws none
+            held = [ema, *(["samples/"] if grids else []), "metrics.jsonl",
                     *(["eval.json"] if cfg.eval.enabled and not skipped else []),
                     *([] if tr.tensorboard_dir else ["tb/"])]
             log.info("done: %s holds %s", self.run_dir, ", ".join(held))
