@@ -131,19 +131,9 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
     from vitp.latents.config import check_decoder
 
     check_decoder(cfg.data)  # samples of a latent run are decoded: its VAE is checked before minutes of work
-    if cfg.eval.fid.num:  # the FID network too, and the CLIP folder
-        from vitp.eval.clip_score import check_clip
-        from vitp.eval.fid import check_real_cache, check_weights
+    from vitp.eval.metrics import check_quality_inputs
 
-        check_weights(cfg.eval.fid.weights)
-        check_clip(cfg)
-        check_real_cache(cfg, "fid")
-    if cfg.eval.fvd.num:  # FVD's: a video run, its I3D file
-        from vitp.eval.fid import check_real_cache
-        from vitp.eval.fvd import check_fvd
-
-        check_fvd(cfg)
-        check_real_cache(cfg, "fvd")
+    check_quality_inputs(cfg)  # FID / FVD / CLIP files and caches (FVD: a video run)
     if not os.access(run_dir, os.W_OK):  # found before minutes of evaluation, not after
         raise PermissionError(f"{run_dir} is not writable: vitp-eval writes its results (eval.json, or "
                               f"eval_<overrides>.json next to it) and the digits judge's cache there; evaluate a copy of the run")

@@ -29,7 +29,7 @@ import logging
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -265,6 +265,21 @@ def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, sh
     return sums
 
 
+def real_side(cfg: Any, metric: Metric, train_ds: Any, heldout_ds: Any, run_dir: Path, share: Share
+              ) -> Tuple[Any, int, Path]:
+    """``(data set, item count, cache file)`` of the ``metric``'s real side: ``eval.<section>.real``'s
+    set, its first ``real_num`` items (all of them with 0, or when it has fewer: said once), cached
+    in ``real_stats`` or ``run_dir/<section>_real_<real><count | all>.safetensors``."""
+    f = cfg.eval[metric.section]
+    real_ds = train_ds if f.real == "train" else heldout_ds
+    count = min(len(real_ds), f.real_num or len(real_ds))
+    if f.real_num > count and share.main:
+        log.warning("eval.%s.real_num=%d but the %s set has %d items: the %s real side uses %d", metric.section,
+                    f.real_num, f.real, count, metric.name, count)
+    name = f"{metric.section}_real_{f.real}{count if f.real_num else 'all'}.safetensors"
+    return real_ds, count, Path(str(f.real_stats)) if f.real_stats else Path(run_dir) / name
+
+
 def check_real_cache(cfg: Any, section: str = "fid") -> None:
     """Before any sample is drawn: a cache file given as ``eval.<section>.real_stats`` (FID's or
     FVD's) that exists must hold that metric's real statistics of the same weights file. Raises
@@ -466,15 +481,10 @@ def fid_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pat
     from .sampling import _device
 
     share, f = share or Share(), cfg.eval.fid
-    weights = check_weights(f.weights)
-    net = inception(str(weights), _device(gen))
-    real_ds = train_ds if f.real == "train" else heldout_ds
-    count = min(len(real_ds), f.real_num or len(real_ds))
-    if f.real_num > count and share.main:
-        log.warning("eval.fid.real_num=%d but the %s set has %d items: the FID real side uses %d", f.real_num,
-                    f.real, count, count)
-    cache = Path(f.real_stats) if f.real_stats else Path(run_dir) / f"fid_real_{f.real}{count if f.real_num else 'all'}.safetensors"
-    real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(weights), FID, decode, decoder)
+    net = inception(f.weights, _device(gen))  # the file checked (check_weights) before any sample
+    real_ds, count, cache = real_side(cfg, FID, train_ds, heldout_ds, run_dir, share)
+    real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(Path(str(f.weights)).expanduser()), FID,
+                           decode, decoder)
     labels = fid_labels(cfg, conditioning, heldout_ids if heldout_ids is not None else torch.zeros(1, dtype=torch.long))
     write_fid_samples(gen, cfg, labels, share, npz, conditioning, FID, draw)
     images = npz_images(npz)

@@ -35,7 +35,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .fid import (Decode, Draw, FeatureSums, Metric, file_digest, fid_labels, image_sums, npz_images,
-                  read_weights_file, real_statistics, write_fid_samples)
+                  read_weights_file, real_side, real_statistics, write_fid_samples)
 from .inference import Share
 from .progress import phase
 
@@ -61,13 +61,18 @@ def check_weights(path: Optional[str]) -> Path:
     return p
 
 
-def check_fvd(cfg: Any) -> Path:
-    """The checks of an evaluation with ``eval.fvd.num > 0`` before any sample is drawn: a video
-    run (``model.num_frames > 1``) and the weights (:func:`check_weights`, whose path it returns).
-    Raises ``ValueError`` / ``FileNotFoundError`` naming the key and the fix."""
+def check_video_run(cfg: Any) -> None:
+    """Raises ``ValueError`` naming ``eval.fvd.num`` for an image run (``model.num_frames < 2``)."""
     if int(cfg.model.num_frames) < 2:
         raise ValueError(f"eval.fvd.num={cfg.eval.fvd.num}: FVD scores videos, but this run makes images "
                          f"(model.num_frames={cfg.model.num_frames}); use eval.fid.num for images")
+
+
+def check_fvd(cfg: Any) -> Path:
+    """The checks of an evaluation with ``eval.fvd.num > 0`` before any sample is drawn: a video
+    run (:func:`check_video_run`) and the weights (:func:`check_weights`, whose path it returns).
+    Raises ``ValueError`` / ``FileNotFoundError`` naming the key and the fix."""
+    check_video_run(cfg)
     return check_weights(cfg.eval.fvd.weights)
 
 
@@ -149,19 +154,16 @@ def fvd_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pat
     ``fvd``, ``fvd_num_samples``, ``fvd_real_items`` and ``fvd_npz`` on rank 0 (``{}`` elsewhere).
     ``draw``, ``decode``, ``decoder``: another model's sampling and decoding, as
     :func:`vitp.eval.fid.fid_metrics` takes them.
-    Raises ``ValueError`` / ``FileNotFoundError`` (:func:`check_fvd`) before any clip is drawn. Collective."""
+    Raises ``ValueError`` / ``FileNotFoundError`` (:func:`check_video_run`, :func:`i3d`) before any clip
+    is drawn. Collective."""
     from .sampling import _device
 
     share, f = share or Share(), cfg.eval.fvd
-    weights = check_fvd(cfg)
-    net = i3d(str(weights), _device(gen))
-    real_ds = train_ds if f.real == "train" else heldout_ds
-    count = min(len(real_ds), f.real_num or len(real_ds))
-    if f.real_num > count and share.main:
-        log.warning("eval.fvd.real_num=%d but the %s set has %d items: the FVD real side uses %d", f.real_num,
-                    f.real, count, count)
-    cache = Path(f.real_stats or Path(run_dir) / f"fvd_real_{f.real}{count if f.real_num else 'all'}.safetensors")
-    real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(weights), FVD, decode, decoder)
+    check_video_run(cfg)
+    net = i3d(f.weights, _device(gen))  # the file checked (check_weights) before any clip
+    real_ds, count, cache = real_side(cfg, FVD, train_ds, heldout_ds, run_dir, share)
+    real = real_statistics(net, cfg, real_ds, count, share, cache, file_digest(Path(str(f.weights)).expanduser()), FVD,
+                           decode, decoder)
     ids = heldout_ids if heldout_ids is not None else torch.zeros(1, dtype=torch.long)
     write_fid_samples(gen, cfg, fid_labels(cfg, conditioning, ids, f.num), share, npz, conditioning, FVD, draw)
     clips = npz_images(npz, FVD.item_dims)

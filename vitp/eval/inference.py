@@ -203,6 +203,14 @@ class Share:
                    gathers=state.pp_rank == 0 and state.tp_rank == 0,
                    main=not multi or torch.distributed.get_rank() == 0)
 
+    @classmethod
+    def replicas(cls) -> "Share":
+        """The share of this rank when every rank of the world is a replica of the whole model (the
+        process group is up)."""
+        rank = torch.distributed.get_rank()
+        return cls(rank, torch.distributed.get_world_size(), 1, torch.distributed.group.WORLD, gathers=True,
+                   main=rank == 0)
+
     def per(self, n: int) -> int:
         """Indices per replica (the last ones may hold fewer)."""
         return -(-n // self.size)

@@ -217,8 +217,6 @@ def build_replica(cfg: DictConfig, weights: Path, lay: Layout, device: Any) -> S
 
     Raises ``ValueError`` for a weights file of another model than ``cfg.model`` (its
     :data:`vitp.checkpoint.ARCH_KEYS`), ``FileNotFoundError`` for a missing one."""
-    import torch
-
     from vitp.checkpoint import ARCH_KEYS, check_model_matches, generator_from_state, read_export
     from vitp.checkpoint.export import file_model, file_partial_sync
     from vitp.eval.inference import Share
@@ -228,9 +226,7 @@ def build_replica(cfg: DictConfig, weights: Path, lay: Layout, device: Any) -> S
     check_model_matches(file_model(meta), cfg.model, ARCH_KEYS, str(weights),
                         "pass the weights of this run, or use that file's own run directory")
     gen = generator_from_state(file_model(meta), state, device, file_partial_sync(meta))
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    share = Share(rank, world, 1, torch.distributed.group.WORLD, gathers=True, main=rank == 0)
-    return ShardedGenerator(gen, share, None, lay)
+    return ShardedGenerator(gen, Share.replicas(), None, lay)
 
 
 @contextlib.contextmanager

@@ -284,6 +284,25 @@ def quality_metrics(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, r
     return res
 
 
+def check_quality_inputs(cfg: Any, fvd: Optional[bool] = None) -> None:
+    """The files an evaluation with ``eval.fid.num`` (and, with ``fvd``, default ``eval.fvd.num``)
+    reads, checked before any step or sample: the Inception file, the CLIP folder
+    (``eval.clip.model``) and a given FID real-statistics cache; the I3D file of a video run
+    (:func:`vitp.eval.fvd.check_fvd`, which refuses an image run) and a given FVD cache. Raises as
+    those checks do, naming the key and the fix."""
+    from .clip_score import check_clip
+    from .fid import check_real_cache, check_weights
+    from .fvd import check_fvd
+
+    if cfg.eval.fid.num:
+        check_weights(cfg.eval.fid.weights)
+        check_clip(cfg)
+        check_real_cache(cfg, "fid")
+    if cfg.eval.fvd.num if fvd is None else fvd:
+        check_fvd(cfg)
+        check_real_cache(cfg, "fvd")
+
+
 def rank_peaks(every_rank: bool = True) -> list:
     """Every rank's resident-memory peak (``VmHWM`` of ``/proc/self/status``, MiB, 0 where the
     system has none), in rank order: collective over the world when ``every_rank`` (every rank

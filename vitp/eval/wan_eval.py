@@ -307,14 +307,14 @@ def wan_quality_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_
     the real held-out (or training) latents too; then :func:`vitp.eval.fid.fid_metrics` /
     :func:`vitp.eval.fvd.fvd_metrics` as for the generator (resumable blocks, cached real sums keyed
     by the data, the feature network and the VAE; only sums cross ranks). Rank 0's results (``{}``
-    elsewhere). Raises :func:`check_wan_quality`'s errors and the weight files' before sampling.
-    Collective."""
+    elsewhere). Raises :func:`check_wan_quality`'s errors, and each network's before its samples are
+    drawn (the files are checked at launch: :func:`vitp.eval.metrics.check_quality_inputs`). Collective."""
     from vitp.objectives.samplers import _placement
     from vitp.objectives.wan_sampling import load_scheduler
 
     from .clip_score import check_clip, clip_metrics
-    from .fid import check_weights, fid_metrics
-    from .fvd import check_fvd, fvd_metrics
+    from .fid import fid_metrics
+    from .fvd import fvd_metrics
     from .metrics import item_ids
 
     share = share or Share()
@@ -322,11 +322,7 @@ def wan_quality_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_
     if pipe is None:
         return {}
     fid, fvd = cfg.eval.fid.num, cfg.eval.fvd.num and int(cfg.model.num_frames) > 1
-    clip = check_clip(cfg, conditioning) if fid else None
-    if fid:
-        check_weights(cfg.eval.fid.weights)
-    if fvd:
-        check_fvd(cfg)
+    clip = check_clip(cfg, conditioning) if fid else None  # a caption run's (the files: checked at launch)
     device = _placement(gen)[0]
     scheduler, text_len = load_scheduler(pipe), int(cfg.model.text_len)
     negative = padded_text(conditioning, torch.tensor([conditioning.null_id]), text_len)
@@ -412,7 +408,8 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
     from vitp.train.wan import DIFFUSERS_DIR
 
     folder = Path(run_dir) / (weights or DIFFUSERS_DIR)
-    lora = OmegaConf.select(OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml"), "trainer.lora.enabled")
+    saved = OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")
+    lora = OmegaConf.select(saved, "trainer.lora.enabled")
     if lora and weights is None:  # the adapters alone are in RUN/lora: evaluate the base with them merged
         raise FileNotFoundError(f"{run_dir} is a LoRA run: its adapters are in {Path(run_dir) / 'lora'}; write the "
                                 f"base with them merged with vitp-export {run_dir} --format diffusers --merge -o OUT, "
@@ -425,8 +422,7 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
         raise FileNotFoundError(f"{folder} holds no diffusers Wan weights (config.json): a run that has not finished "
                                 f"has none; write one from its latest checkpoint with vitp-export {run_dir} --format "
                                 f"diffusers -o OUT, then vitp-eval {run_dir} --weights OUT")
-    cfg = apply_overrides(typed_config(OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")), overrides,
-                          "vitp-eval")
+    cfg = apply_overrides(typed_config(saved), overrides, "vitp-eval")
     if lora:  # --weights: a merged folder, evaluated as it is (no adapters on top)
         from vitp.config import LoraConfig
 
@@ -434,18 +430,10 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
     cfg.trainer.init_from = str(folder.resolve())
     validate_config(cfg)
     if cfg.eval.fid.num or cfg.eval.fvd.num:  # the VAE, feature networks and CLIP folder before any sample
-        from .clip_score import check_clip
-        from .fid import check_real_cache, check_weights
-        from .fvd import check_fvd
+        from .metrics import check_quality_inputs
 
         check_wan_quality(cfg)
-        if cfg.eval.fid.num:
-            check_weights(cfg.eval.fid.weights)
-            check_clip(cfg)
-            check_real_cache(cfg, "fid")
-        if cfg.eval.fvd.num:
-            check_fvd(cfg)
-            check_real_cache(cfg, "fvd")
+        check_quality_inputs(cfg)
     if sharded:  # replicas of the whole model where one fits a device, unless a layout key is given
         from vitp.parallel.distributed import world_size
 

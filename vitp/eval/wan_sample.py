@@ -246,8 +246,6 @@ def wan_replica(cfg: Any, device: Any, experts: Tuple[Path, ...] = ()) -> Tuple[
     :class:`vitp.eval.inference.Share` of its rank over a plain ``torch.distributed`` group (no
     DeepSpeed, no collective per forward: a replica's samples are one process's, byte for byte).
     Collective."""
-    import torch
-
     from vitp.eval.inference import Share
     from vitp.models import from_pretrained as read_wan_folder  # vitp's reader: local safetensors only
     from vitp.models.wan_run import wan_source
@@ -255,9 +253,7 @@ def wan_replica(cfg: Any, device: Any, experts: Tuple[Path, ...] = ()) -> Tuple[
 
     dist.init_process_group(device, dist.timeout_of(cfg))
     models = [read_wan_folder(str(f)).to(device).eval() for f in experts or (wan_source(cfg)[0],)]
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    share = Share(rank, world, 1, torch.distributed.group.WORLD, gathers=True, main=rank == 0)
-    return (models if experts else models[0]), share
+    return (models if experts else models[0]), Share.replicas()
 
 
 def _expert_config(cfg: Any, folder: Path) -> Any:

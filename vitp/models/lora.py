@@ -19,6 +19,7 @@ by ``(seed, its canonical name)`` and every rank keeps its share.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -342,20 +343,18 @@ def base_hash(path) -> str:
         else:
             raise FileNotFoundError(f"base weights {path} do not exist (a LoRA base is a Wan folder or a vitp export "
                                     "file written by vitp-export)")
-    entries, handles, h = _tensor_entries(files), {}, hashlib.sha256()
-    try:
+    entries, h = _tensor_entries(files), hashlib.sha256()
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(open(f, "rb")) for f in files}
         for name in sorted(entries):
             f, a, b, dtype, shape = entries[name]
-            fh = handles.get(f) or handles.setdefault(f, open(f, "rb"))
+            fh = handles[f]
             fh.seek(a)
             head = fh.read(min(SAMPLE, b - a))
             fh.seek(max(a, b - SAMPLE))
             tail = fh.read(min(SAMPLE, b - a))
             for part in (json.dumps([name, dtype, shape]).encode(), head, tail):
                 h.update(len(part).to_bytes(8, "little") + part)
-    finally:
-        for fh in handles.values():
-            fh.close()
     return h.hexdigest()
 
 

@@ -251,24 +251,14 @@ class Trainer:
             raise ValueError(f"eval.fid.every={cfg.eval.fid.every} needs samples: set eval.fid.num (e.g. 5000 during "
                              "training, 50000 at the end with vitp-eval) and eval.fid.weights=FILE (a video run: "
                              "or eval.fvd.num and eval.fvd.weights)")
-        if cfg.eval.fid.num and (cfg.eval.enabled or cfg.eval.fid.every):  # found now, not after training
-            from vitp.eval.clip_score import check_clip
-            from vitp.eval.fid import check_real_cache, check_weights
+        if cfg.eval.enabled or cfg.eval.fid.every:  # the feature networks, CLIP folder, caches: now, not after
+            from vitp.eval.metrics import check_quality_inputs
 
-            check_weights(cfg.eval.fid.weights)
-            check_clip(cfg)  # a caption run's CLIP folder (eval.clip.model) too
-            check_real_cache(cfg, "fid")
-        if fvd and (cfg.eval.enabled or cfg.eval.fid.every):  # FVD's I3D file
-            from vitp.eval.fvd import check_fvd
+            check_quality_inputs(cfg, bool(fvd))  # an image run's eval.fvd.num is skipped, not refused
+            if is_wan(cfg):  # a Wan run's samples decode through the pipeline's vae/
+                from vitp.eval.wan_eval import check_wan_quality
 
-            from vitp.eval.fid import check_real_cache
-
-            check_fvd(cfg)
-            check_real_cache(cfg, "fvd")
-        if is_wan(cfg) and (cfg.eval.enabled or cfg.eval.fid.every):  # a Wan run's samples decode through vae/
-            from vitp.eval.wan_eval import check_wan_quality
-
-            check_wan_quality(cfg)
+                check_wan_quality(cfg)
         # node_first: one rank per node probes video folders and writes the per-node caches, the others map them
         self.train_ds, self.heldout_ds = node_first(lambda: build_datasets(cfg.data, cfg.seed))
         self._on_main_first(lambda: ensure_text_embeddings(cfg))  # the demo's one-command caption encoding
