@@ -10,8 +10,11 @@ model.num_heads=48``: 32.7B parameters, the header says so) on 128 / 1024 H100s,
 after the other; prints per case the median, min and max wall seconds and the median CPU seconds
 (user + sys of the process, ``resource.getrusage(RUSAGE_CHILDREN)``), with the load average
 before and after (the CPU time says more on a loaded machine), and the rows the command printed.
-The process start (Python, torch, timm, DeepSpeed, Hydra) is included: it is what a user waits
-for. ``--json``: one JSON object instead of the table.
+The process start (Python, Hydra, and torch, timm, DeepSpeed where imported) is included: it is
+what a user waits for. Each case runs ``cold`` (every run with an empty ``VITP_CACHE_DIR``: the
+model's facts built from its meta layers, as on a machine that never planned it) and ``warm`` (the
+facts kept by one untimed run before: :mod:`vitp.plan.facts`, no torch); ``--cache`` picks one.
+``--json``: one JSON object instead of the table.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,10 +39,10 @@ CASES = {
 }
 
 
-def run_once(argv: list) -> dict:
-    """One ``python -m vitp.cli.plan argv`` process: ``{"wall_s", "cpu_s", "rows"}``; raises
-    ``RuntimeError`` with its stderr when it fails."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+def run_once(argv: list, cache: str) -> dict:
+    """One ``python -m vitp.cli.plan argv`` process with ``VITP_CACHE_DIR=cache``: ``{"wall_s",
+    "cpu_s", "rows"}``; raises ``RuntimeError`` with its stderr when it fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "VITP_CACHE_DIR": cache,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
@@ -56,12 +60,18 @@ def run_once(argv: list) -> dict:
             "rows": rows}
 
 
-def bench(name: str, repeats: int) -> dict:
-    """``repeats`` runs of case ``name``: median / min / max wall seconds, median CPU seconds."""
-    load = os.getloadavg()[0]
-    runs = [run_once(CASES[name]) for _ in range(repeats)]
+def bench(name: str, repeats: int, cache: str) -> dict:
+    """``repeats`` runs of case ``name`` with ``cache`` ``cold`` or ``warm`` facts: median / min /
+    max wall seconds, median CPU seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if cache == "warm":
+            run_once(CASES[name], tmp)
+        load = os.getloadavg()[0]
+        runs = []
+        for i in range(repeats):
+            runs.append(run_once(CASES[name], tmp if cache == "warm" else os.path.join(tmp, f"cold{i}")))
     wall = [r["wall_s"] for r in runs]
-    return {"case": name, "command": "vitp-plan " + " ".join(CASES[name]), "repeats": repeats,
+    return {"case": name, "cache": cache, "command": "vitp-plan " + " ".join(CASES[name]), "repeats": repeats,
             "wall_median_s": statistics.median(wall), "wall_min_s": min(wall), "wall_max_s": max(wall),
             "cpu_median_s": statistics.median(r["cpu_s"] for r in runs), "rows": runs[0]["rows"],
             "load_before": load, "load_after": os.getloadavg()[0]}
@@ -71,15 +81,18 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3, help="runs per case (default 3)")
     p.add_argument("--case", action="append", choices=list(CASES), help="a case to run (repeatable; default all)")
+    p.add_argument("--cache", choices=["cold", "warm", "both"], default="both",
+                   help="facts of the model not on disk (cold), on disk (warm), or both (default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    results = [bench(name, max(1, args.repeats)) for name in (args.case or list(CASES))]
+    kinds = ["cold", "warm"] if args.cache == "both" else [args.cache]
+    results = [bench(name, max(1, args.repeats), kind) for name in (args.case or list(CASES)) for kind in kinds]
     if args.json:
         print(json.dumps({"cpu_count": os.cpu_count(), "results": results}, indent=1))
         return
-    print(f"{'case':10} {'rows':>6} {'wall median':>12} {'wall min..max':>16} {'CPU median':>11} {'load':>11}  command")
+    print(f"{'case':10} {'facts':>5} {'rows':>6} {'wall median':>12} {'wall min..max':>16} {'CPU median':>11} {'load':>11}  command")
     for r in results:
-        print(f"{r['case']:10} {r['rows']:>6} {r['wall_median_s']:>11.2f}s {r['wall_min_s']:>7.2f}..{r['wall_max_s']:<7.2f}s "
+        print(f"{r['case']:10} {r['cache']:>5} {r['rows']:>6} {r['wall_median_s']:>11.2f}s {r['wall_min_s']:>7.2f}..{r['wall_max_s']:<7.2f}s "
               f"{r['cpu_median_s']:>10.2f}s {r['load_before']:>5.1f}-{r['load_after']:<5.1f}  {r['command']}")
 
 

@@ -119,6 +119,13 @@ def _top_names(tree):
             elif isinstance(n, (ast.Assign, ast.AnnAssign)):
                 for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
                     out.update({x.id: None for x in ast.walk(t) if isinstance(x, ast.Name)})
+                if (isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["_EXPORTS"]
+                        and isinstance(n.value, ast.Dict)):  # a package's lazy names (PEP 562): name -> ".module"
+                    for k, v in zip(n.value.keys, n.value.values):
+                        mod = v.value
+                        imp = ast.ImportFrom(module=mod.lstrip("."), names=[ast.alias(name=k.value)],
+                                             level=len(mod) - len(mod.lstrip(".")))
+                        out[k.value] = (imp, imp.names[0])
             elif isinstance(n, (ast.Import, ast.ImportFrom)):
                 out.update({(a.asname or a.name).split(".")[0]: (n, a) for a in n.names})
     return out

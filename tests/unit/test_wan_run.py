@@ -116,6 +116,10 @@ def test_impossible_layouts_name_the_folder_sizes(tiny):
 def test_channels_of_other_data_are_refused(tiny):
     with pytest.raises(ValueError, match=r"the data give 16 input channels .* takes in_channels=4"):
         validate_config(_cfg(tiny, "data=shards", "data.shards=/x", "data.latent_channels=16"), 1)
+    # set by hand, model.in_channels is named, not the data keys the user did not touch
+    with pytest.raises(ValueError, match=r"model.in_channels=8: a Wan model takes its folder's in_channels=4 .*"
+                                         r"drop model.in_channels"):
+        validate_config(_cfg(tiny, "model.in_channels=8"), 1)
 
 
 def test_grids_and_evaluation_are_accepted_and_a_lone_transformer_warns(tiny, tmp_path, caplog):

@@ -39,10 +39,12 @@ def adopt_latent_data(cfg: Any) -> None:
 
     Raises ``ValueError`` when ``data.vae`` is another VAE than the pack's; ``FileNotFoundError``
     for a ``data.vae`` folder without ``config.json`` given with a latent pack."""
-    from vitp.latents.vae import geometry
-
     d = cfg.data
     meta = pack_latent_meta(d.shards) if d.name == "shards" and d.shards else None
+    if meta is None and not d.vae:
+        return  # pixels: nothing to adopt (and no torch import for the config check)
+    from vitp.latents.vae import geometry
+
     if meta is not None:
         g, px = meta["geometry"], meta["pixels"]
         if d.vae and str(Path(d.vae).expanduser().resolve()) != meta["vae"]:

@@ -23,14 +23,13 @@ import contextlib
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
-import torch.nn as nn
+from .wan_config import _LINEARS as _WAN_LINEARS
 
-from vitp.parallel.lora import attach_lora, init_lora, is_lora_key, lora_linears, lora_scaling
-
-from .wan_keys import _LINEARS as _WAN_LINEARS
+if TYPE_CHECKING:  # torch is imported where adapters are built: the config check runs without it
+    import torch
+    import torch.nn as nn
 
 # (vitp module under blocks.<i>, the pieces it fuses along its output rows, in row order)
 GENERATOR_LINEARS = (
@@ -142,6 +141,8 @@ def check_lora_config(cfg) -> None:
     if spec.family == "vit" and float(cfg.parallel.partial_sync) < 1:
         raise ValueError(f"trainer.lora.enabled=true with parallel.partial_sync={cfg.parallel.partial_sync}: LoRA "
                          "trains on fully synchronized linears; set parallel.partial_sync=1")
+    from vitp.parallel.lora import lora_scaling
+
     lora_scaling(spec.rank, spec.alpha, spec.rslora)
     check_targets(spec.family, int(cfg.model.depth), spec.targets)
 
@@ -166,6 +167,8 @@ def base_shapes(cfg) -> Dict[str, Tuple[int, ...]]:
         from .wan_run import wan_source
 
         return wan_state_shapes(wan_source(cfg)[1])
+    import torch
+
     from . import Generator
 
     with torch.device("meta"):
@@ -424,6 +427,10 @@ def apply_lora(model: nn.Module, spec: LoraSpec, state=None, key_of: Callable[[s
     Raises ``ValueError`` as :func:`check_targets`, ``TypeError`` for a targeted module that is not
     a linear vitp can adapt.
     """
+    import torch
+
+    from vitp.parallel.lora import attach_lora, init_lora, is_lora_key, lora_scaling
+
     lora_scaling(spec.rank, spec.alpha, spec.rslora)  # a rank <= 0 is refused before anything is drawn
     table = {v: ps for v, ps in LINEARS[spec.family]}
     out: Dict[str, Tuple[int, ...]] = {}
@@ -453,6 +460,8 @@ def apply_lora(model: nn.Module, spec: LoraSpec, state=None, key_of: Callable[[s
 def lora_factors(model: nn.Module, key_of: Callable[[str], str] = lambda n: n
                  ) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
     """``{canonical module name: (lora_A, lora_B)}`` of a one-process model (detached clones)."""
+    from vitp.parallel.lora import lora_linears
+
     return {key_of(n): (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for n, m in lora_linears(model)}
 
 

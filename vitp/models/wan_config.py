@@ -303,3 +303,26 @@ def read_config(folder: Path) -> WanConfig:
         raise ValueError(f"{path}: missing {missing}, which size the model (diffusers writes every one); copy the "
                          "folder again or add them from the checkpoint's published config.json")
     return WanConfig.from_dict(cfg, source=str(path))
+
+
+# vitp's names of Wan's weights against diffusers' (vitp.models.wan_keys maps the weights with them)
+_LINEARS = (  # (vitp module, diffusers modules stacked along the output rows), per block
+    ("attn.qkv", ("attn1.to_q", "attn1.to_k", "attn1.to_v")),
+    ("attn.proj", ("attn1.to_out.0",)),
+    ("cross_attn.q", ("attn2.to_q",)),
+    ("cross_attn.kv", ("attn2.to_k", "attn2.to_v")),
+    ("cross_attn.proj", ("attn2.to_out.0",)),
+    ("mlp.fc1", ("ffn.net.0.proj",)),
+    ("mlp.fc2", ("ffn.net.2",)),
+)
+_WEIGHTS_ONLY = (("attn.q_norm", "attn1.norm_q"), ("attn.k_norm", "attn1.norm_k"),
+                 ("cross_attn.q_norm", "attn2.norm_q"), ("cross_attn.k_norm", "attn2.norm_k"))
+_TOP = (
+    ("embed.x_embedder.proj", "patch_embedding"),
+    ("embed.t_embedder.mlp.fc1", "condition_embedder.time_embedder.linear_1"),
+    ("embed.t_embedder.mlp.fc2", "condition_embedder.time_embedder.linear_2"),
+    ("embed.time_proj.1", "condition_embedder.time_proj"),
+    ("embed.y_embedder.fc1", "condition_embedder.text_embedder.linear_1"),
+    ("embed.y_embedder.fc2", "condition_embedder.text_embedder.linear_2"),
+    ("final.linear", "proj_out"),
+)

@@ -25,30 +25,11 @@ import torch
 from .wan import WanConfig, WanModel
 from .wan_config import (CLASS_NAME, HINT, IGNORED, REQUIRED, read_config, read_json_object,  # noqa: F401
                          transformer_folder)
+from .wan_config import _LINEARS, _TOP, _WEIGHTS_ONLY  # noqa: F401 (torch-free there: the config check reads them)
 
 PathLike = Union[str, Path]
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"
-_LINEARS = (  # (vitp module, diffusers modules stacked along the output rows), per block
-    ("attn.qkv", ("attn1.to_q", "attn1.to_k", "attn1.to_v")),
-    ("attn.proj", ("attn1.to_out.0",)),
-    ("cross_attn.q", ("attn2.to_q",)),
-    ("cross_attn.kv", ("attn2.to_k", "attn2.to_v")),
-    ("cross_attn.proj", ("attn2.to_out.0",)),
-    ("mlp.fc1", ("ffn.net.0.proj",)),
-    ("mlp.fc2", ("ffn.net.2",)),
-)
-_WEIGHTS_ONLY = (("attn.q_norm", "attn1.norm_q"), ("attn.k_norm", "attn1.norm_k"),
-                 ("cross_attn.q_norm", "attn2.norm_q"), ("cross_attn.k_norm", "attn2.norm_k"))
-_TOP = (
-    ("embed.x_embedder.proj", "patch_embedding"),
-    ("embed.t_embedder.mlp.fc1", "condition_embedder.time_embedder.linear_1"),
-    ("embed.t_embedder.mlp.fc2", "condition_embedder.time_embedder.linear_2"),
-    ("embed.time_proj.1", "condition_embedder.time_proj"),
-    ("embed.y_embedder.fc1", "condition_embedder.text_embedder.linear_1"),
-    ("embed.y_embedder.fc2", "condition_embedder.text_embedder.linear_2"),
-    ("final.linear", "proj_out"),
-)
 
 
 def key_map(config: WanConfig) -> Dict[str, Tuple[str, ...]]:

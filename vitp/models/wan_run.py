@@ -307,6 +307,12 @@ def check_wan_input(cfg: Any) -> None:
         return
     _, c = wan_config_of(cfg)
     if int(cfg.model.in_channels) != c.in_channels:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg.model, DictConfig) and not OmegaConf.is_interpolation(cfg.model, "in_channels"):
+            raise ValueError(f"model.in_channels={cfg.model.in_channels}: a Wan model takes its folder's in_channels="
+                             f"{c.in_channels} (trainer.init_from={cfg.trainer.init_from}), and the input channels "
+                             "follow the data (data.latent_channels / the latent pack); drop model.in_channels")
         raise ValueError(f"the data give {cfg.model.in_channels} input channels (data.latent_channels / the latent "
                          f"pack) but the Wan folder trainer.init_from={cfg.trainer.init_from} takes in_channels="
                          f"{c.in_channels}; encode the data with this model's VAE (vitp-pack data.vae=FOLDER/vae)")

@@ -20,34 +20,75 @@
 Nothing here knows a particular model: a model's plan (e.g. :data:`vitp.models.GENERATOR_PLAN`)
 composes these pieces.
 """
-from .comm import CommCounter, CommRecord, CommRecorder
-from .context import ContextAttention
-from .layers import ColumnParallelLinear, RowParallelLinear, full_weight, register_grad_allreduce, shard_like, shard_tensor
-from .mappings import (
-    copy_to_tp_region,
-    gather_from_sequence_region_to_replicated,
-    gather_from_tp_region,
-    reduce_from_tp_region,
-    reduce_scatter_to_sequence_region,
-    scatter_to_sequence_region,
-    sum_over_tp_region,
-)
-from .norms import TPRMSNorm
-from .ring import ring_attention
-from .random import RNGStatesTracker, checkpoint_activations, get_rng_tracker, model_parallel_seed
-from .state import ParallelState, from_grid, make_state, validate_tp
-from .timm_tp import (
-    TPAttention,
-    TPCrossAttention,
-    TPMlp,
-    full_state_dict,
-    is_timm_block,
-    load_full_state_dict,
-    sequence_parallel_enter,
-    sequence_parallel_exit,
-)
-from .plan import ParallelPlan, PlanReport, PlanRow, apply_plan, describe_plan, tensor_parallelize
-from .styles import Collective, StepShape
+
+import importlib as _importlib
+
+# Names load on first use (PEP 562): a command that needs none of them (vitp-plan, the config
+# check) does not import torch.
+_EXPORTS = {
+    "apply_plan": ".plan",
+    "checkpoint_activations": ".random",
+    "Collective": ".styles",
+    "ColumnParallelLinear": ".layers",
+    "CommCounter": ".comm",
+    "CommRecord": ".comm",
+    "CommRecorder": ".comm",
+    "ContextAttention": ".context",
+    "copy_to_tp_region": ".mappings",
+    "describe_plan": ".plan",
+    "from_grid": ".state",
+    "full_state_dict": ".timm_tp",
+    "full_weight": ".layers",
+    "gather_from_sequence_region_to_replicated": ".mappings",
+    "gather_from_tp_region": ".mappings",
+    "get_rng_tracker": ".random",
+    "is_timm_block": ".timm_tp",
+    "load_full_state_dict": ".timm_tp",
+    "make_state": ".state",
+    "model_parallel_seed": ".random",
+    "ParallelPlan": ".plan",
+    "ParallelState": ".state",
+    "PlanReport": ".plan",
+    "PlanRow": ".plan",
+    "reduce_from_tp_region": ".mappings",
+    "reduce_scatter_to_sequence_region": ".mappings",
+    "register_grad_allreduce": ".layers",
+    "ring_attention": ".ring",
+    "RNGStatesTracker": ".random",
+    "RowParallelLinear": ".layers",
+    "scatter_to_sequence_region": ".mappings",
+    "sequence_parallel_enter": ".timm_tp",
+    "sequence_parallel_exit": ".timm_tp",
+    "shard_like": ".layers",
+    "shard_tensor": ".layers",
+    "StepShape": ".styles",
+    "sum_over_tp_region": ".mappings",
+    "tensor_parallelize": ".plan",
+    "TPAttention": ".timm_tp",
+    "TPCrossAttention": ".timm_tp",
+    "TPMlp": ".timm_tp",
+    "TPRMSNorm": ".norms",
+    "validate_tp": ".state",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(_importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_"):  # a submodule, as an eager package would have it
+        try:
+            return _importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "CommCounter",

@@ -22,6 +22,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .wire import wire_bytes
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -60,15 +62,6 @@ class CommRecord:
 
 
 _RECORDERS: List["CommRecorder"] = []
-
-
-def wire_bytes(kind: str, nbytes: float, group: int) -> float:
-    """Bytes one rank sends for one collective of ``nbytes`` logical bytes (:class:`CommRecord`)
-    over ``group`` ranks, with ring algorithms (Patarasuk & Yuan 2009): all-reduce
-    ``2 (p-1)/p n``, all-gather / reduce-scatter / all-to-all ``(p-1)/p n``, send-recv ``n``."""
-    if kind == "send_recv":
-        return nbytes
-    return (2 if kind == "all_reduce" else 1) * nbytes * (group - 1) / group
 
 
 class CommRecorder:

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-import torch.nn as nn
+from .wire import wire_bytes
 
-from .context import ContextAttention
-from .layers import ColumnParallelLinear, register_grad_allreduce
-from .mappings import copy_to_tp_region, gather_from_context_region, split_to_context_region
-from .partial_sync import mean_over_tp
-from .state import ParallelState
-from .timm_tp import TPAttention, TPCrossAttention, TPMlp, sequence_parallel_enter, sequence_parallel_exit
+if TYPE_CHECKING:  # torch is imported where a style is applied: the planner reads styles without it
+    import torch.nn as nn
+
+    from .state import ParallelState
 
 MODES = ("tp", "sp", "partial")
 AXES = ("tp", "cp")
@@ -63,9 +61,7 @@ class Collective:
 
     def wire_bytes(self, group: int) -> float:
         """Bytes one rank sends for these collectives over ``group`` ranks
-        (:func:`vitp.parallel.comm.wire_bytes`)."""
-        from .comm import wire_bytes
-
+        (:func:`wire_bytes`)."""
         return self.count * wire_bytes(self.kind, self.nbytes, group)
 
 
@@ -214,6 +210,8 @@ class HeadParallelAttention(_TPRegion):
     row = "proj"
 
     def apply(self, module, ctx):
+        from .timm_tp import TPAttention
+
         return TPAttention.from_timm(module, ctx.state, ctx.seq_len, self.partial)
 
     def column_roles(self, module):
@@ -235,6 +233,8 @@ class HeadParallelCrossAttention(_TPRegion):
     row = "proj"
 
     def apply(self, module, ctx):
+        from .timm_tp import TPCrossAttention
+
         return TPCrossAttention(module, ctx.state, self.partial)
 
     def column_roles(self, module):
@@ -254,12 +254,16 @@ class HiddenParallelMlp(_TPRegion):
     row = "fc2"
 
     def apply(self, module, ctx):
+        from .timm_tp import TPMlp
+
         return TPMlp.from_timm(module, ctx.state, self.partial)
 
     def column_roles(self, module):
         from timm.layers import GluMlp
 
         stride = 2 if isinstance(module, GluMlp) else 1
+        import torch.nn as nn
+
         fcs = [fc for fc in ("fc1", "fc1_g", "fc1_x") if isinstance(getattr(module, fc, None), nn.Linear)]
         return {n: _sharded(0, stride) for fc in fcs for n, _ in getattr(module, fc).named_parameters(prefix=fc)}
 
@@ -276,6 +280,8 @@ class GatheredColumnParallel(ParallelStyle):
     tag: str = "cond"
 
     def apply(self, module, ctx):
+        from .layers import ColumnParallelLinear
+
         return ColumnParallelLinear.from_linear(module, ctx.state, input_comm=False, gather_output=True,
                                                 partial_output_grad=self.partial_output_grad, tag=self.tag)
 
@@ -305,6 +311,8 @@ class PartialGradient(ParallelStyle):
         return [(n, p) for n, p in module.named_parameters() if n.split(".")[0] not in self.skip]
 
     def apply(self, module, ctx):
+        from .layers import register_grad_allreduce
+
         for _, p in self._params(module):
             register_grad_allreduce(p, ctx.state, self.attr)
 
@@ -329,6 +337,8 @@ class SequenceEnter(ParallelStyle):
     output: int = 0
 
     def apply(self, module, ctx):
+        from .timm_tp import sequence_parallel_enter
+
         state = ctx.state
         module.register_forward_hook(
             lambda _m, _a, out: _replace_item(tuple(out), self.output, lambda x: sequence_parallel_enter(x, state)))
@@ -347,6 +357,8 @@ class SequenceExit(ParallelStyle):
     seq_len: Callable[[nn.Module], int] = field(default=lambda m: None, repr=False)
 
     def apply(self, module, ctx):
+        from .timm_tp import sequence_parallel_exit
+
         state = ctx.state
         # seq_len(m) counts the whole sequence; a context-parallel rank holds N / cp of it
         module.register_forward_pre_hook(lambda m, args: _replace_item(
@@ -371,6 +383,8 @@ class TPRegionEnter(ParallelStyle):
     caption: bool = False
 
     def apply(self, module, ctx):
+        from .mappings import copy_to_tp_region
+
         group = ctx.state.tp_group
 
         def hook(_m, _a, out):
@@ -395,6 +409,8 @@ class MeanOverTP(ParallelStyle):
     tag: str = "head"
 
     def apply(self, module, ctx):
+        from .partial_sync import mean_over_tp
+
         group = ctx.state.tp_group
         module.register_forward_hook(lambda _m, _a, out: mean_over_tp(out, group, self.tag))
 
@@ -414,6 +430,8 @@ class ContextEnter(ParallelStyle):
     output: int = 0
 
     def apply(self, module, ctx):
+        from .mappings import split_to_context_region
+
         group = ctx.state.cp_group
         module.register_forward_hook(
             lambda _m, _a, out: _replace_item(tuple(out), self.output, lambda x: split_to_context_region(x, group)))
@@ -428,6 +446,9 @@ class ContextParallelAttention(ParallelStyle):
     ``token_groups`` say the attention kind (full, spatial or temporal)."""
 
     def apply(self, module, ctx):
+        from .context import ContextAttention
+        from .timm_tp import TPAttention
+
         state, attn = ctx.state, module.attn
         if not isinstance(attn, TPAttention):
             attn = TPAttention.from_timm(attn, state, ctx.seq_len)
@@ -465,6 +486,8 @@ class ContextExit(ParallelStyle):
     backward keeps this rank's chunk, times cp)."""
 
     def apply(self, module, ctx):
+        from .mappings import gather_from_context_region
+
         group = ctx.state.cp_group
         module.register_forward_hook(lambda _m, _a, out: gather_from_context_region(out, group))
 

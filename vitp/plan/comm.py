@@ -34,7 +34,7 @@ from vitp.parallel.styles import Collective, StepShape, mode_of
 
 from .layout import LayoutSpec
 from .memory import ACT_BYTES
-from .shapes import ModelShape, layer_params_per_rank, model_cache, plan_report, stage_layer_ranges
+from .shapes import ModelShape, layer_params_per_rank, model_cache, stage_layer_ranges, stage_report
 
 CP_TAGS = ("cp", "cp_boundary")  # collectives over the context-parallel group (vitp.parallel.styles)
 
@@ -71,7 +71,7 @@ _COLLECTIVES: Dict[tuple, List[Collective]] = {}  # (report signature, StepShape
 def _stage_collectives(model: Any, mode: str, first: int, end: int, tp: int, cp: int, shape: StepShape
                        ) -> List[Collective]:
     """:func:`plan_collectives` of the layers ``[first, end)`` (the plan report depends on the
-    degrees only through which are above 1: :func:`plan_report`), remembered by what
+    degrees only through which are above 1: :func:`vitp.plan.shapes.plan_report`), remembered by what
     :meth:`vitp.parallel.PlanReport.collectives` reads (:func:`_signature`): stages holding equal
     layers (the middle stages of a pipeline) share one computation."""
     key = (_signature(model, mode, first, end, tp, cp), shape)
@@ -79,7 +79,7 @@ def _stage_collectives(model: Any, mode: str, first: int, end: int, tp: int, cp:
     if out is None:
         if len(_COLLECTIVES) >= 65536:
             _COLLECTIVES.clear()
-        out = _COLLECTIVES[key] = plan_report(model, mode, first, end, tp, cp).collectives(shape)
+        out = _COLLECTIVES[key] = stage_report(model, mode, first, end, tp, cp).collectives(shape)
     return list(out)
 
 
@@ -88,7 +88,7 @@ def _signature(model: Any, mode: str, first: int, end: int, tp: int, cp: int) ->
     """Everything :meth:`vitp.parallel.PlanReport.collectives` reads of a stage's report besides
     the step shape: its equal ``(style, sizes)`` groups with their counts and the partial-gradient
     elements (styles by identity: the plan's rows live as long as the process)."""
-    report = plan_report(model, mode, first, end, tp, cp)
+    report = stage_report(model, mode, first, end, tp, cp)
     return (report.plan, report.partial_grad_elements,
             tuple((id(style), tuple(sizes.items()), n) for style, sizes, n in report._groups()))
 

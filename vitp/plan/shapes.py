@@ -12,6 +12,10 @@ A Wan model (``model.family=wan``, :mod:`vitp.models.wan`) is counted the same w
 layers (``WanEmbed``, ``WanBlock``, ``WanFinal`` on the meta device, :func:`vitp.plan.wan.wan_layer_kwargs`)
 and its own plan (:data:`vitp.models.parallelize_wan.WAN_PLAN`), so its counts equal diffusers'
 ``WanTransformer3DModel`` (``tests/unit/test_plan_wan.py``).
+
+What the planner reads of these (parameter counts, each stage's report, the stage partition) is
+kept on disk (:mod:`vitp.plan.facts`): a model planned before is planned again without importing
+torch, timm or DeepSpeed, with the same numbers (``tests/unit/test_plan_facts.py``).
 """
 from __future__ import annotations
 
@@ -209,7 +213,12 @@ def _wan_meta_layers(model: Dict[str, Any], first: int = 0, end: Optional[int] =
 
 @functools.lru_cache(maxsize=64)
 def _layer_params(frozen: Tuple) -> Tuple[Tuple[Tuple[str, int], ...], ...]:
-    return tuple(tuple((n, p.numel()) for n, p in layer.named_parameters()) for layer in _meta_model(frozen)[0])
+    from .facts import facts_of
+
+    def count():
+        return [[[n, p.numel()] for n, p in layer.named_parameters()] for layer in _meta_model(frozen)[0]]
+
+    return tuple(tuple((n, int(c)) for n, c in layer) for layer in facts_of(frozen).get("layer_params", count))
 
 
 def layer_params(model: Any) -> List[Dict[str, int]]:
@@ -239,11 +248,30 @@ def plan_report(model: Any, mode: str = "tp", first: int = 0, end: Optional[int]
     return _plan_report(_frozen(model), first, end, mode, min(tp, 2), min(cp, 2))
 
 
+@functools.lru_cache(maxsize=4096)
+def _stage_report(frozen: Tuple, first: int, end: Optional[int], mode: str, tp: int, cp: int):
+    from .facts import decode_report, encode_report, facts_of
+
+    facts = facts_of(frozen)
+    whole = first == 0 and end is None
+    rec = facts.get(f"report/{mode}/{first}/{end}/{tp}/{cp}",
+                    lambda: encode_report(facts, _plan_report(frozen, first, end, mode, tp, cp), whole))
+    return decode_report(facts, rec)
+
+
+def stage_report(model: Any, mode: str = "tp", first: int = 0, end: Optional[int] = None, tp: int = 2, cp: int = 1):
+    """What the planner reads of :func:`plan_report` (the same arguments): a
+    :class:`vitp.parallel.report.PlanReport` with its collectives, partial-gradient elements and,
+    for the whole model (``first=0, end=None``), its parameter roles, but no rows. Kept on disk
+    (:mod:`vitp.plan.facts`): a model planned before is read without torch. Cached: do not modify it."""
+    return _stage_report(_frozen(model), first, end, mode, min(tp, 2), min(cp, 2))
+
+
 @model_cache()
 def layer_params_per_rank(model: Any, tp: int, adaln_sharded: bool = True) -> List[int]:
     """Parameters a TP rank holds per layer (Embed, blocks, FinalLayer): the plan's sharded
     tensors divided by ``tp`` (the adaLN modulation counted whole when not ``adaln_sharded``)."""
-    roles = plan_report(model).params
+    roles = stage_report(model).params
     depth = to_dict(model)["depth"]
     out = []
     for i, sizes in enumerate(layer_params(model)):
@@ -260,15 +288,19 @@ def stage_layer_ranges(depth: int, pp: int) -> List[Tuple[int, int]]:
 
     Raises ``ValueError`` when ``depth < pp``.
     """
-    from vitp.pipeline import stage_blocks
+    from .facts import stage_ranges
 
-    counts = stage_blocks(depth, pp)
-    ranges, start = [], 0
-    for s, n in enumerate(counts):
-        end = start + n + (1 if s == 0 else 0) + (1 if s == pp - 1 else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
+    def cut():
+        from vitp.pipeline import stage_blocks
+
+        ranges, start = [], 0
+        for s, n in enumerate(stage_blocks(depth, pp)):
+            end = start + n + (1 if s == 0 else 0) + (1 if s == pp - 1 else 0)
+            ranges.append((start, end))
+            start = end
+        return ranges
+
+    return stage_ranges(depth, pp, cut)
 
 
 @model_cache(256)

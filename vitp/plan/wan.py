@@ -14,17 +14,17 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Dict, Mapping, Tuple
 
-import torch
-
 from vitp.models.wan_config import WAN_PRESETS, _COMMON  # noqa: F401 (the data live beside WanConfig)
 
 
-def _numel(module: torch.nn.Module) -> int:
+def _numel(module: "torch.nn.Module") -> int:
     return sum(p.numel() for p in module.parameters())
 
 
 @lru_cache(maxsize=32)
 def _counts(frozen: tuple) -> Dict[str, int]:
+    import torch
+
     from vitp.models.wan import WanBlock, WanConfig, WanEmbed, WanFinal
 
     c = WanConfig.from_dict(dict(frozen), "wan_params")
