@@ -37,7 +37,7 @@ def _plan(argv, cache: Path) -> dict:
 def test_a_planned_model_is_planned_again_without_torch_and_prints_the_same(tmp_path):
     cold = _plan(IMG256, tmp_path)
     assert "torch" in cold["imported"]  # the first plan builds the meta model
-    assert list((tmp_path / "plan").glob("*.json")), "no facts file written"
+    assert list((tmp_path / "plan").glob("*/*.json")), "no facts file written"
     warm = _plan(IMG256, tmp_path)
     assert warm["imported"] == [], f"a planned model imported {warm['imported']}"
     assert warm["stdout"] == cold["stdout"]
@@ -58,13 +58,13 @@ def test_stage_reports_read_back_equal_the_described_plan(experiment, facts):
     keys = [(mode, first, end, tp, cp) for mode in ("tp", "sp", "partial") for tp, cp in ((2, 1), (2, 2), (1, 2))
             for first, end in [(0, None), *stage_layer_ranges(shape.depth, 2)] if tp > 1 or mode == "tp"]
     for mode, first, end, tp, cp in keys:
-        F.facts_of(frozen).get(f"k/{mode}/{first}/{end}/{tp}/{cp}", lambda: F.encode_report(
-            F.facts_of(frozen), _plan_report(frozen, first, end, mode, tp, cp), True))
+        F.facts_of(frozen).get(f"k/{mode}/{first}/{end}/{tp}/{cp}",
+                               lambda: F.encode_report(_plan_report(frozen, first, end, mode, tp, cp), True))
     F.reset()
     back = F.facts_of(frozen)
     for mode, first, end, tp, cp in keys:
         want = _plan_report(frozen, first, end, mode, tp, cp)
-        got = F.decode_report(back, back.data["entries"][f"k/{mode}/{first}/{end}/{tp}/{cp}"])
+        got = F.decode_report(back, back.entries[f"k/{mode}/{first}/{end}/{tp}/{cp}"])
         assert (got.params, got.partial_grad_elements, got.axes) == (want.params, want.partial_grad_elements, want.axes)
         for micro, sp, ac, cp_mode in ((1, False, 0, "ulysses"), (3, True, 1, "ring")):
             step = StepShape(micro=micro, tokens=shape.tokens, width=shape.width, act_bytes=2, tp=4 if tp > 1 else 1,
@@ -97,7 +97,7 @@ def _computed(F, frozen, value):
     return got, len(calls)
 
 
-def test_facts_are_read_back_and_stale_or_corrupt_files_are_computed_again(facts, tmp_path):
+def test_facts_are_read_back_and_stale_or_corrupt_files_are_computed_again(facts, tmp_path, monkeypatch):
     F, frozen = facts, (("width", 8),)
     assert _computed(F, frozen, [1, 2]) == ([1, 2], 1)
     path = F.facts_of(frozen).path
@@ -117,6 +117,30 @@ def test_facts_are_read_back_and_stale_or_corrupt_files_are_computed_again(facts
     F.reset()
     assert _computed(F, frozen, [5]) == ([4], 0)  # and the file is whole again
 
+    # an entry that does not decode (a hand-edited file) is computed again
+    F.reset()
+    assert F.facts_of(frozen).get("entry", lambda: [6], lambda v: {6: "six"}[v[0]]) == "six"  # [4] does not decode
+
+    # facts computed while vitp's source changed are not written under either digest
+    F.reset()
+    fresh = F.code_digest
+    monkeypatch.setattr(F, "code_digest", lambda fresh_=False, **kw: "edited" if kw.get("fresh") else fresh())
+    F.facts_of(frozen).get("late", lambda: [7])
+    F.flush()
+    assert "late" not in json.loads(path.read_text())["entries"]
+
+
+def test_processes_sharing_a_file_merge_their_entries(facts):
+    F, frozen = facts, (("width", 9),)
+    first, second = F.ModelFacts(frozen), F.ModelFacts(frozen)  # two processes, both started before either wrote
+    first.get("a", lambda: "from first")
+    second.get("b", lambda: "from second")
+    first.flush()
+    second.flush()
+    F.reset()
+    back = F.facts_of(frozen)
+    assert back.entries == {"a": "from first", "b": "from second"}
+
 
 def test_unwritable_or_disabled_cache_still_plans(facts, tmp_path, monkeypatch):
     F = facts
@@ -129,11 +153,28 @@ def test_unwritable_or_disabled_cache_still_plans(facts, tmp_path, monkeypatch):
     assert not (tmp_path / "off").exists()
 
 
-def test_styles_round_trip_as_data():
-    from vitp.models import GENERATOR_PLAN
+@pytest.mark.parametrize("plan", ["GENERATOR_PLAN", "WAN_PLAN", "TIMM_PLAN"])
+def test_styles_round_trip_as_data(plan):
+    """Every style of vitp's plans rebuilds from its record with every field equal (but those only
+    apply() reads); a field the planner could not rebuild is refused, not silently reset."""
+    from dataclasses import dataclass, field, fields
+
+    import vitp.models
+    import vitp.parallel.plan
+    from vitp.parallel.styles import ParallelStyle
     from vitp.plan.facts import style_of, style_record
 
-    for row in GENERATOR_PLAN.rows:
-        rebuilt = style_of(json.loads(json.dumps(style_record(row.style))))
+    rows = getattr(vitp.parallel.plan if plan == "TIMM_PLAN" else vitp.models, plan).rows
+    for row in rows:
+        rebuilt = style_of(style_record(row.style))
         assert type(rebuilt) is type(row.style)
-        assert repr(rebuilt) == repr(row.style)
+        for f in fields(row.style):
+            if not f.metadata.get("apply_only"):
+                assert getattr(rebuilt, f.name) == getattr(row.style, f.name), (row.pattern, f.name)
+
+    @dataclass(frozen=True)
+    class Odd(ParallelStyle):
+        fn: object = field(default=print)
+
+    with pytest.raises(TypeError, match=r"Odd.fn=.*apply_only"):
+        style_record(Odd())

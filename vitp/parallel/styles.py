@@ -354,7 +354,8 @@ class SequenceExit(ParallelStyle):
     (:func:`vitp.parallel.sequence_parallel_exit`; backward keeps this rank's slice)."""
 
     input: int = 0
-    seq_len: Callable[[nn.Module], int] = field(default=lambda m: None, repr=False)
+    seq_len: Callable[[nn.Module], int] = field(default=lambda m: None, repr=False,
+                                                metadata={"apply_only": True})  # the planner keeps no callable
 
     def apply(self, module, ctx):
         from .timm_tp import sequence_parallel_exit

@@ -87,10 +87,10 @@ def _stage_collectives(model: Any, mode: str, first: int, end: int, tp: int, cp:
 def _signature(model: Any, mode: str, first: int, end: int, tp: int, cp: int) -> tuple:
     """Everything :meth:`vitp.parallel.PlanReport.collectives` reads of a stage's report besides
     the step shape: its equal ``(style, sizes)`` groups with their counts and the partial-gradient
-    elements (styles by identity: the plan's rows live as long as the process)."""
+    elements (styles by value: frozen dataclasses)."""
     report = stage_report(model, mode, first, end, tp, cp)
     return (report.plan, report.partial_grad_elements,
-            tuple((id(style), tuple(sizes.items()), n) for style, sizes, n in report._groups()))
+            tuple((style, tuple(sizes.items()), n) for style, sizes, n in report._groups()))
 
 
 def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:

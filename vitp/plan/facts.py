@@ -6,12 +6,13 @@ The planner's numbers come from the model itself (:mod:`vitp.plan.shapes`): each
 collective-issuing modules with their sizes) and DeepSpeed's partition of the layers into pipeline
 stages. Building them imports torch, timm and DeepSpeed, which is most of a plan's time (about 3 s
 of the 5 s of ``vitp-plan --gpus 8`` on a 2-core machine). What they yield is plain data, kept here
-as one JSON file per model config in ``$VITP_CACHE_DIR/plan`` (default ``~/.cache/vitp/plan``); a
-later plan of the same model reads it and imports no torch (the styles whose collectives it
-evaluates, :mod:`vitp.parallel.styles`, are torch-free to import). The files are keyed by a digest
-of vitp's source and the torch, timm and DeepSpeed versions, so a changed model, plan or partition
-is computed again, never read stale. A missing, unreadable or foreign file is computed again; an
-unwritable folder only costs the speed.
+as one JSON file per model config in ``$VITP_CACHE_DIR/plan/<digest>`` (default
+``~/.cache/vitp/plan/<digest>``); a later plan of the same model reads it and imports no torch (the
+styles whose collectives it evaluates, :mod:`vitp.parallel.styles`, are torch-free to import). The
+digest covers vitp's source and the torch, timm and DeepSpeed versions, so a changed model, plan or
+partition is computed again, never read stale; facts computed by a process whose source changed
+while it ran are not written. A missing, unreadable, malformed or foreign file is computed again;
+an unwritable folder only costs the speed. Processes sharing a file merge their entries.
 
 ``VITP_PLAN_CACHE=0`` turns the files off (every plan builds the model again).
 """
@@ -38,18 +39,19 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    """``$VITP_CACHE_DIR/plan``, else ``~/.cache/vitp/plan``."""
-    root = os.environ.get("VITP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "vitp")
-    return Path(root) / "plan"
+    """``$VITP_CACHE_DIR/plan``, else ``~/.cache/vitp/plan`` (absolute: resolved when asked)."""
+    root = os.environ.get("VITP_CACHE_DIR") or os.path.join("~", ".cache", "vitp")
+    return Path(root).expanduser().resolve() / "plan"
 
 
 _DIGEST: List[str] = []
 
 
-def code_digest() -> str:
+def code_digest(fresh: bool = False) -> str:
     """SHA-256 of every ``vitp/**/*.py`` file (path and bytes) and the torch, timm and DeepSpeed
-    versions (their metadata, not their import): what the facts are computed from."""
-    if not _DIGEST:
+    versions (their metadata, not their import): what the facts are computed from. Computed once
+    per process, or again with ``fresh``."""
+    if fresh or not _DIGEST:
         from importlib.metadata import PackageNotFoundError, version
 
         h = hashlib.sha256(f"format {FORMAT}".encode())
@@ -61,7 +63,9 @@ def code_digest() -> str:
                 h.update(f"{dist}={version(dist)}".encode())
             except PackageNotFoundError:
                 h.update(f"{dist}=none".encode())
-        _DIGEST.append(h.hexdigest())
+        if not fresh:
+            _DIGEST.append(h.hexdigest())
+        return h.hexdigest()
     return _DIGEST[0]
 
 
@@ -69,16 +73,28 @@ def code_digest() -> str:
 
 
 def _plain(v: Any) -> bool:
-    return isinstance(v, (str, int, float, bool, type(None))) or (
-        isinstance(v, (list, tuple)) and all(_plain(x) for x in v))
+    return type(v) in (str, int, float, bool, type(None)) or (
+        type(v) in (list, tuple) and all(_plain(x) for x in v))
 
 
 def style_record(style: Any) -> Dict[str, Any]:
-    """``{"cls": "module:qualname", "fields": {...}}`` of a parallel style (a frozen dataclass):
-    its plain fields (callables, which only :meth:`vitp.parallel.styles.ParallelStyle.apply` uses, keep their defaults on rebuild)."""
+    """``{"cls": "module:qualname", "fields": {...}}`` of a parallel style (a frozen dataclass), as
+    JSON reads it back (tuples as lists). Fields marked ``metadata={"apply_only": True}`` (callables
+    only :meth:`vitp.parallel.styles.ParallelStyle.apply` uses) keep their defaults on rebuild.
+
+    Raises ``TypeError`` for another field that is not plain data (it could not be rebuilt)."""
     cls = type(style)
-    kept = {f.name: getattr(style, f.name) for f in fields(style) if f.init and _plain(getattr(style, f.name))}
-    return {"cls": f"{cls.__module__}:{cls.__qualname__}", "fields": kept}
+    kept = {}
+    for f in fields(style):
+        if not f.init or f.metadata.get("apply_only"):
+            continue
+        value = getattr(style, f.name)
+        if not _plain(value):
+            raise TypeError(f"{cls.__qualname__}.{f.name}={value!r}: the planner keeps a style's fields as data; "
+                            "make it plain (str, int, float, bool, None, lists of them) or mark it "
+                            "metadata={'apply_only': True} if only apply() reads it")
+        kept[f.name] = value
+    return json.loads(json.dumps({"cls": f"{cls.__module__}:{cls.__qualname__}", "fields": kept}))
 
 
 def style_of(record: Dict[str, Any]) -> Any:
@@ -101,68 +117,68 @@ class ModelFacts:
     from its file and extended in memory as the planner asks; written back at exit (:func:`flush`)."""
 
     def __init__(self, frozen: Tuple) -> None:
-        self.key = hashlib.sha256(repr(frozen).encode()).hexdigest()[:32]
-        self.path = cache_dir() / f"{self.key}.json"
-        self.data: Dict[str, Any] = {}
-        self.dirty = False
-        self._styles: Dict[int, Any] = {}
-        if enabled():
-            self.data = _read(self.path, repr(frozen))
-        self.data.setdefault("model", repr(frozen))
-        self.data.setdefault("entries", {})
+        self.model = repr(frozen)
+        self.on = enabled()
+        self.digest = code_digest() if self.on else ""
+        self.path = cache_dir() / self.digest[:24] / f"{hashlib.sha256(self.model.encode()).hexdigest()[:32]}.json"
+        self.entries: Dict[str, Any] = _read(self.path, self.model, self.digest) if self.on else {}
+        self.new: Dict[str, Any] = {}
+        self._styles: Dict[str, Any] = {}
 
-    def get(self, name: str, compute: Callable[[], Any]) -> Any:
-        """The entry ``name``, computed by ``compute()`` (JSON-able) and kept when absent."""
-        entries = self.data["entries"]
-        if name not in entries:
-            entries[name] = compute()
-            self.dirty = True
-            _PENDING[self.key] = self
-        return entries[name]
+    def get(self, name: str, compute: Callable[[], Any], decode: Callable[[Any], Any] = lambda x: x) -> Any:
+        """``decode(entry)`` of the entry ``name``; computed by ``compute()`` (JSON-able) and kept
+        when absent, or when the stored entry does not decode (a hand-edited file)."""
+        if name in self.entries:
+            try:
+                return decode(self.entries[name])
+            except (KeyError, IndexError, TypeError, ValueError, AttributeError, ImportError):
+                log.debug("plan facts %s: entry %s unreadable, computed again", self.path, name)
+        value = json.loads(json.dumps(compute()))  # as it reads back
+        self.entries[name] = self.new[name] = value
+        _PENDING[id(self)] = self
+        return decode(value)
 
-    def style(self, index: int) -> Any:
-        """Style ``index`` of this file's table, one object per index (the planner groups by identity)."""
-        if index not in self._styles:
-            self._styles[index] = style_of(self.data["styles"][index])
-        return self._styles[index]
-
-    def style_index(self, style: Any) -> int:
-        """The index of ``style`` in this file's table (appended when new)."""
-        table = self.data.setdefault("styles", [])
-        rec = style_record(style)
-        if rec not in table:
-            table.append(rec)
-            self.dirty = True
-            _PENDING[self.key] = self
-        return table.index(rec)
+    def style(self, record: Dict[str, Any]) -> Any:
+        """The style of a :func:`style_record`, one object per record (reports group by identity)."""
+        key = json.dumps(record, sort_keys=True)
+        if key not in self._styles:
+            self._styles[key] = style_of(record)
+        return self._styles[key]
 
     def flush(self) -> None:
-        """Write the file if anything was added (atomically: a reader sees the old or the new file)."""
-        if not (self.dirty and enabled()):
+        """Write the new entries, merged with the file as it is now (other processes may have added
+        theirs), atomically; nothing when vitp's source changed since they were computed."""
+        if not (self.new and self.on):
             return
         from vitp.utils import atomic_write_text
 
+        if code_digest(fresh=True) != self.digest:  # computed by code that is no longer there
+            log.debug("plan facts %s not written: vitp's source changed while planning", self.path)
+            self.new = {}
+            return
         try:
+            entries = {**_read(self.path, self.model, self.digest), **self.new}
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.path, json.dumps({"digest": code_digest(), **self.data}, separators=(",", ":")))
-            self.dirty = False
+            atomic_write_text(self.path, json.dumps({"digest": self.digest, "model": self.model, "entries": entries},
+                                                    separators=(",", ":")))
+            self.new = {}
         except OSError as e:  # a read-only home: planning still works, only slower next time
             log.debug("plan facts not written to %s: %s", self.path, e)
 
 
-def _read(path: Path, model: str) -> Dict[str, Any]:
+def _read(path: Path, model: str, digest: str) -> Dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(data, dict) or data.get("digest") != code_digest() or data.get("model") != model:
-        return {}  # another vitp / torch / timm / DeepSpeed, or a hash collision: computed again
-    data.pop("digest")
-    return data
+    if (not isinstance(data, dict) or data.get("digest") != digest or data.get("model") != model
+            or not isinstance(data.get("entries"), dict)):
+        return {}  # another vitp / torch / timm / DeepSpeed, a hash collision, or not ours: computed again
+    return data["entries"]
 
 
 _FACTS: Dict[Tuple, ModelFacts] = {}
-_PENDING: Dict[str, ModelFacts] = {}
+_PENDING: Dict[int, ModelFacts] = {}
 
 
 def facts_of(frozen: Tuple) -> ModelFacts:
@@ -184,7 +200,8 @@ atexit.register(flush)
 
 
 def reset() -> None:
-    """Forget the facts held in memory (tests: the next read goes to the files)."""
+    """Write what is new and forget the facts held in memory (tests: the next read goes to the
+    files, with the cache folder and ``VITP_PLAN_CACHE`` as they are then)."""
     flush()
     _FACTS.clear()
 
@@ -192,13 +209,13 @@ def reset() -> None:
 # --- report encoding ------------------------------------------------------------------------------
 
 
-def encode_report(facts: ModelFacts, report: Any, with_params: bool) -> Dict[str, Any]:
-    """A :class:`vitp.parallel.PlanReport` as data: plan, mode, axes, partial-gradient elements,
-    its ``(style, sizes, n)`` groups (styles by index into ``facts``' table) and, with
+def encode_report(report: Any, with_params: bool) -> Dict[str, Any]:
+    """A :class:`vitp.parallel.report.PlanReport` as data: plan, mode, axes, partial-gradient
+    elements, its ``(style, sizes, n)`` groups (styles as :func:`style_record`) and, with
     ``with_params``, its parameter roles."""
     out = {"plan": report.plan, "mode": report.mode, "axes": list(report.axes),
            "partial_grad_elements": report.partial_grad_elements,
-           "groups": [[facts.style_index(style), list(sizes.items()), n] for style, sizes, n in report._groups()]}
+           "groups": [[style_record(style), list(sizes.items()), n] for style, sizes, n in report._groups()]}
     if with_params:
         out["params"] = report.params
     return out
@@ -210,21 +227,17 @@ def decode_report(facts: ModelFacts, rec: Dict[str, Any]) -> Any:
     from vitp.parallel.report import PlanReport
 
     sizes: List[Tuple[Any, Dict[str, Any]]] = []
-    for index, items, n in rec["groups"]:
-        entry = (facts.style(index), {k: v for k, v in items})
-        sizes += [entry] * n
+    for record, items, n in rec["groups"]:
+        entry = (facts.style(record), {k: v for k, v in items})
+        sizes += [entry] * int(n)
     return PlanReport(rec["plan"], rec["mode"], params=dict(rec.get("params", {})),
-                      partial_grad_elements=rec["partial_grad_elements"], axes=tuple(rec["axes"]), _sizes=sizes)
+                      partial_grad_elements=int(rec["partial_grad_elements"]), axes=tuple(rec["axes"]), _sizes=sizes)
 
 
 # --- stage partitions (one file for all models: they depend on depth and pp only) -------------------
 
-_RANGES: Optional[ModelFacts] = None
-
 
 def stage_ranges(depth: int, pp: int, compute: Callable[[], List[Tuple[int, int]]]) -> List[Tuple[int, int]]:
     """``compute()`` (DeepSpeed's partition of ``depth`` blocks into ``pp`` stages), kept on disk."""
-    global _RANGES
-    if _RANGES is None:
-        _RANGES = facts_of(("stage_ranges",))
-    return [tuple(r) for r in _RANGES.get(f"{depth}/{pp}", lambda: [list(r) for r in compute()])]
+    return facts_of(("stage_ranges",)).get(f"{depth}/{pp}", compute,
+                                           lambda rs: [(int(a), int(b)) for a, b in rs])

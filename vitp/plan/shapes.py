@@ -218,7 +218,8 @@ def _layer_params(frozen: Tuple) -> Tuple[Tuple[Tuple[str, int], ...], ...]:
     def count():
         return [[[n, p.numel()] for n, p in layer.named_parameters()] for layer in _meta_model(frozen)[0]]
 
-    return tuple(tuple((n, int(c)) for n, c in layer) for layer in facts_of(frozen).get("layer_params", count))
+    return facts_of(frozen).get("layer_params", count,
+                                lambda layers: tuple(tuple((str(n), int(c)) for n, c in layer) for layer in layers))
 
 
 def layer_params(model: Any) -> List[Dict[str, int]]:
@@ -254,9 +255,9 @@ def _stage_report(frozen: Tuple, first: int, end: Optional[int], mode: str, tp: 
 
     facts = facts_of(frozen)
     whole = first == 0 and end is None
-    rec = facts.get(f"report/{mode}/{first}/{end}/{tp}/{cp}",
-                    lambda: encode_report(facts, _plan_report(frozen, first, end, mode, tp, cp), whole))
-    return decode_report(facts, rec)
+    return facts.get(f"report/{mode}/{first}/{end}/{tp}/{cp}",
+                     lambda: encode_report(_plan_report(frozen, first, end, mode, tp, cp), whole),
+                     lambda rec: decode_report(facts, rec))
 
 
 def stage_report(model: Any, mode: str = "tp", first: int = 0, end: Optional[int] = None, tp: int = 2, cp: int = 1):
