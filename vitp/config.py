@@ -1119,6 +1119,28 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     return Layout(tp=tp, pp=pp, dp=dp, precision=precision, cp=cp)
 
 
+_FOLDER_DATA = {"image_folder": "images", "video_folder": "videos"}
+
+
+def check_data_folders(data: Any) -> None:
+    """Refuse ``data.root`` / ``data.heldout_root`` given to a dataset that does not read them
+    (``digits`` is the bundled set, ``synthetic`` is drawn, ``shards`` reads ``data.shards``): the
+    run would train on other data than the folder named, silently.
+
+    Raises ``ValueError`` naming the key and ``data=image_folder`` / ``data=video_folder``."""
+    name = str(data.name)
+    if name in _FOLDER_DATA:
+        return
+    for key in ("root", "heldout_root"):
+        value = data.get(key)
+        if value not in (None, ""):
+            what = {"digits": "the bundled digits", "synthetic": "drawn items",
+                    "shards": "the packed shards of data.shards"}.get(name, name)
+            raise ValueError(f"data.{key}={value} is not read by data={name} (it trains on {what}); to train on that "
+                             f"folder add data=image_folder (one subfolder of images per class) or data=video_folder, "
+                             f"or drop data.{key}")
+
+
 def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_type: str = "cpu"
                     ) -> Optional[Layout]:
     """Every check of a composed run config, in one pass (the schema has already checked types
@@ -1130,6 +1152,7 @@ def validate_config(cfg: "DictConfig", world_size: Optional[int] = None, device_
     """
     check_keys(cfg)
     check_fields(cfg)
+    check_data_folders(cfg.data)
     from vitp.latents.config import adopt_latent_data
     from vitp.models.wan_run import adopt_wan_model, check_wan_input
 

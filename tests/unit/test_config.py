@@ -577,3 +577,16 @@ def test_a_batch_that_does_not_split_names_the_fix_that_keeps_the_training():
                                          r"trainer.global_batch_size=12 \(another batch size changes the training\)"):
         check_batch_split(8, 4, 3)
     check_batch_split(12, 4, 3)
+
+
+@pytest.mark.parametrize("data, key", [("digits", "root"), ("synthetic", "heldout_root"), ("shards", "root")])
+def test_a_folder_no_dataset_reads_is_refused(data, key):
+    """data.root given to the bundled digits (or drawn / packed data) would train on other data than
+    the folder named, silently: refused, naming data=image_folder."""
+    from vitp.cli.overrides import compose_checked
+
+    extra = ["data.shards=/packs"] if data == "shards" else []
+    with pytest.raises(ValueError, match=rf"data.{key}=/my/photos is not read by data={data} .* add data=image_folder"):
+        compose_checked([f"data={data}", f"data.{key}=/my/photos", *extra])
+    assert compose_checked(["data=image_folder", f"data.{key}=/my/photos", "data.num_classes=3"]).data[key] == "/my/photos"
+

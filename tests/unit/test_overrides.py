@@ -27,7 +27,7 @@ def test_values_are_read_as_hydra_reads_them(saved):
     assert cfg.sampler.cfg_scale == 2.0 and isinstance(cfg.sampler.cfg_scale, float) and cfg.trainer.init_from is None
     assert cfg.optim.lr == 0.002 and saved.sampler.steps == 2  # a copy: the input is unchanged
     # the same values composed from conf/ (vitp-train, vitp-plan) read the same
-    new = compose_checked(["experiment=smoke", "sampler.cfg_interval=[0.1,1]", "data.root='a b,c=d'"])
+    new = compose_checked(["experiment=smoke", "sampler.cfg_interval=[0.1,1]", "data=image_folder", "data.root='a b,c=d'"])
     assert list(new.sampler.cfg_interval) == [0.1, 1.0] and new.data.root == "a b,c=d"
     assert [is_override(w) for w in ("a.b=1", "+a=1", "~a.b", "--steps", "run_dir", "x/y.png")] == [
         True, True, True, False, False, False]
@@ -259,7 +259,14 @@ def test_ctrl_c_stops_eval_and_sample_with_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         run_cli("vitp-eval", interrupted)
     assert e.value.code == 130
-    assert capsys.readouterr().err == ("vitp-eval: stopped (Ctrl-C); FID / FVD sample blocks written so far are kept: "
-                                       "the same command resumes from them\n")
+    assert capsys.readouterr().err == ("vitp-eval: stopped (Ctrl-C); FID / FVD sample blocks written so far (if the "
+                                       "evaluation runs them) are kept: the same command resumes from them\n")
+
+    def reader_gone():  # `vitp-plan ... | head`
+        raise BrokenPipeError
+
+    with pytest.raises(SystemExit) as e:
+        run_cli("vitp-plan", reader_gone)
+    assert e.value.code == 1 and "Traceback" not in capsys.readouterr().err
     with pytest.raises(KeyboardInterrupt):
         run_cli("vitp-train", interrupted)

@@ -361,9 +361,14 @@ def test_vitp_plan_shows_the_parallel_plan_of_a_row(capsys):
     assert all("over the cp group (2)" in x for x in lines) and {x.split()[2] for x in lines} == {
         "all_to_all", "all_gather"}
     assert len(lines) == len(plan_collectives(model, lay, 0)) == len(cp_collectives(model, lay, 0)) == 5  # 2 x 2 + 1
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit) as e:  # refused before planning (it printed the whole table first)
         main(["--gpus", "4", "--top", "2", "--show-plan", "3", "experiment=smoke"])
-    assert e.value.code == 2 and "--show-plan 3: the table has rows 1 to 2" in capsys.readouterr().err
+    out = capsys.readouterr()
+    assert e.value.code == 2 and "--show-plan 3: give a row of the table, 1 to 2 (or raise --top)" in out.err
+    assert out.out == ""
+    with pytest.raises(SystemExit) as e:  # --top 0: only the planned table knows its length
+        main(["--gpus", "4", "--top", "0", "--ac", "0", "--micro", "2", "--show-plan", "999", "experiment=smoke"])
+    assert e.value.code == 2 and "--show-plan 999: the table has rows 1 to" in capsys.readouterr().err
 
 
 def test_cpu_profile_source_names_processes_only_where_links_were_measured(tmp_path, monkeypatch):
@@ -392,8 +397,9 @@ def test_cpu_profile_source_names_processes_only_where_links_were_measured(tmp_p
 
 @pytest.mark.parametrize("flag, value, message", [
     ("--micro", "0", "use comma-separated integers >= 1, e.g. 1,2,4"), ("--ac", "-1", "integers >= 0, e.g. 0,1"),
-    ("--mem-gib", "-5", "'-5': use a number > 0"), ("--mem-gib", "0", "'0': use a number > 0"),
-    ("--gpus-per-node", "0", "'0': use a number > 0"), ("--gpus", "0", "'0': use a number > 0")])
+    ("--mem-gib", "-5", "'-5': use a finite number > 0"), ("--mem-gib", "0", "'0': use a finite number > 0"),
+    ("--mem-gib", "inf", "'inf': use a finite number > 0"),  # was an OverflowError traceback
+    ("--gpus-per-node", "0", "'0': use a finite number > 0"), ("--gpus", "0", "'0': use a finite number > 0")])
 def test_vitp_plan_refuses_bad_flag_values(flag, value, message, capsys):
     """Each was a traceback (--micro 0: ZeroDivisionError), a message not naming the flag, or accepted."""
     from vitp.cli.plan import main
@@ -440,3 +446,21 @@ def test_mfu_is_never_above_1_the_peak_is_measured_again_and_flagged(monkeypatch
         "against (0.001 TFLOP/s: a profile measured while the machine was busy, or a wrong preset)"]
     slower = t.metrics(steps=1, elapsed_s=0.2)  # half the rate: half the raised peak, still flagged
     assert slower["perf/mfu"] == pytest.approx(0.5) and slower["perf/mfu_peak_raised"] == 1.0 and len(measured) == 1
+
+
+def test_vitp_plan_keeps_the_layout_keys_the_overrides_fix(capsys):
+    """parallel.tp=3 on a 4-head model printed the full table as if it were not there (a new user's
+    trial): layout keys among the overrides filter the table as parallel=auto holds them, and no
+    valid layout with them is refused, naming them."""
+    from vitp.cli.plan import main, run
+
+    base = ["--gpus", "4", "--device", "h100", "--top", "0", "--json", "experiment=smoke"]
+    every = run(base)
+    capsys.readouterr()
+    fixed = run([*base, "parallel.tp=2", "trainer.micro_batch_size=2"])
+    capsys.readouterr()
+    assert fixed and all(r["tp"] == 2 and r["micro"] == 2 for r in fixed)
+    assert [r for r in every if r["tp"] == 2 and r["micro"] == 2] == fixed
+    with pytest.raises(SystemExit) as e:
+        main(["--gpus", "4", "--device", "h100", "experiment=smoke", "parallel.tp=3"])
+    assert e.value.code == 2 and "no valid layout of this config on 4 devices with parallel.tp=3" in capsys.readouterr().err

@@ -111,6 +111,12 @@ def test_facts_are_read_back_and_stale_or_corrupt_files_are_computed_again(facts
     F.reset()
     assert _computed(F, frozen, [3]) == ([3], 1)  # another version's facts are not used
 
+    data = json.loads(path.read_text())
+    data["entries"]["entry"] = [33]  # edited by hand: the checksum no longer matches
+    path.write_text(json.dumps(data))
+    F.reset()
+    assert _computed(F, frozen, [3]) == ([3], 1)
+
     path.write_text('{"digest": ')  # cut short
     F.reset()
     assert _computed(F, frozen, [4]) == ([4], 1)

@@ -99,7 +99,7 @@ def test_strings_with_equals_signs_and_spaces_arrive_as_strings(tmp_path, form):
     string, not a ``k=v`` object, from the argv as from SM_HPS; so are Hydra's own string keys and a
     string key given ``true``; a section key still reads ``k=v,k2=v2`` as the toolkit's object."""
     user = {"paths.output_root": "run=a b", "hydra.run.dir": str(tmp_path / "x=1, y"), "trainer.resume": "true",
-            "data.root": "a=b,c=d", "trainer": {"max_steps": 2}}
+            "data": "image_folder", "data.root": "a=b,c=d", "trainer": {"max_steps": 2}}
     env, argv = _toolkit_forms({k: json.dumps(v) for k, v in user.items()}, tmp_path)
     assert "--paths.output_root" in argv and "run=a b" in argv and "max_steps=2" in argv
     if form == "argv":
@@ -157,10 +157,12 @@ def test_paths_come_from_the_job_environment(tmp_path):
                SM_CHANNEL_VALIDATION="/d/val", SM_CHANNEL_OTHER="/d/other")
     paths = job_paths(env)
     assert (paths.checkpoints, paths.tensorboard, paths.output) == ("/ckpt", "/tb", "/o")
-    over = sagemaker_overrides(env)
-    assert over == ["hydra.run.dir=/ckpt/run", "trainer.tensorboard_dir=/tb", "trainer.export_dir=/m",
-                    "trainer.output_data_dir=/o/data", "trainer.progress=false", "data.root=/d/train",
-                    "data.heldout_root=/d/val"]
+    over = sagemaker_overrides({**env, "SM_HPS": '{"data": "image_folder"}'})
+    assert over == ["data=image_folder", "hydra.run.dir=/ckpt/run", "trainer.tensorboard_dir=/tb",
+                    "trainer.export_dir=/m", "trainer.output_data_dir=/o/data", "trainer.progress=false",
+                    "data.root=/d/train", "data.heldout_root=/d/val"]
+    # the bundled digits (the default) read no folder: the channels are not turned into data.root
+    assert not [o for o in sagemaker_overrides(env) if o.startswith("data.")]
     mine = sagemaker_overrides({**env, "SM_HPS": '{"hydra.run.dir": "/mine", "data": {"root": "/r"}}'})
     assert "hydra.run.dir=/mine" in mine and "data.root=/r" in mine and "hydra.run.dir=/ckpt/run" not in mine
     (base / "input" / "config" / "checkpointconfig.json").write_text("[oops")

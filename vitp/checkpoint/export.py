@@ -278,13 +278,29 @@ def read_export(path: str | os.PathLike, keys: Optional[Iterable[str]] = None
     """
     path = Path(path)
     if path.is_file() and not path.name.endswith(INDEX_SUFFIX):
-        return _read_file(path, keys)
+        return check_finite(_read_file(path, keys), path)
     index = path if path.name.endswith(INDEX_SUFFIX) else path.with_name(path.name + INDEX_SUFFIX)
     if index.is_file():
-        return _read_sharded(index, keys)
+        return check_finite(_read_sharded(index, keys), path)
     if path.name in CHECKPOINT_KINDS and (path.parent / DCP_METADATA).is_file():
-        return _read_checkpoint(path.parent, CHECKPOINT_KINDS[path.name], keys)
+        return check_finite(_read_checkpoint(path.parent, CHECKPOINT_KINDS[path.name], keys), path)
     raise FileNotFoundError(f"weights file {path} does not exist")
+
+
+def check_finite(read: Tuple[Dict[str, torch.Tensor], Dict[str, str]], path: Path
+                 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """``read`` (tensors, metadata) as it is when every floating-point tensor is finite.
+
+    Raises ``ValueError`` naming ``path`` and the tensors holding NaN / inf: bytes damaged inside a
+    file of the right size read as numbers (a checkpoint overwritten in place sampled black
+    grids and exported NaNs without a word)."""
+    bad = [(k, int((~torch.isfinite(v)).sum())) for k, v in read[0].items()
+           if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        what = ", ".join(f"{k} ({n} values)" for k, n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ValueError(f"{path}: {len(bad)} tensor(s) hold NaN / inf: {what}; the file is damaged (or the training "
+                         "had diverged when it was written): use an earlier checkpoint or export")
+    return read
 
 
 def read_export_shards(path: str | os.PathLike, places: Dict[str, Any]
@@ -311,7 +327,7 @@ def read_export_shards(path: str | os.PathLike, places: Dict[str, Any]
         shapes = {k: s for k, (s, _) in tensor_shapes(tag, kind).items()}
         _check_shapes(path, shapes, places)
         load_pieces(tag, {f"{kind}/{k}": piece_tensor(bufs[k], places[k]) for k in places}, no_dist=True)
-        return bufs, meta
+        return check_finite((bufs, meta), path)
     index = path if path.name.endswith(INDEX_SUFFIX) else path.with_name(path.name + INDEX_SUFFIX)
     name = export_key if meta.get("format") == FORMAT else (lambda k: k)
     if path.is_file() and not path.name.endswith(INDEX_SUFFIX):
@@ -334,7 +350,7 @@ def read_export_shards(path: str | os.PathLike, places: Dict[str, Any]
                 sl = f.get_slice(name(k))
                 for g, z, w in boxes(places[k]):
                     piece_view(bufs[k], w).copy_(sl[tuple(slice(o, o + n) for o, n in zip(g, z))])
-    return bufs, meta
+    return check_finite((bufs, meta), path)
 
 
 def _check_shapes(source: Path, shapes: Dict[str, Tuple[int, ...]], places: Dict[str, Any]) -> None:

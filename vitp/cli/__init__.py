@@ -79,8 +79,8 @@ def log_files_only(log: logging.Logger, line: str) -> int:
 
 
 # CLIs a Ctrl-C stops with one line instead of a traceback, and what the user has then
-STOPPABLE = {"vitp-eval": "FID / FVD sample blocks written so far are kept: the same command resumes from "
-                          "them",
+STOPPABLE = {"vitp-eval": "FID / FVD sample blocks written so far (if the evaluation runs them) are kept: the "
+                          "same command resumes from them",
              "vitp-sample": "nothing was written"}
 
 
@@ -96,6 +96,10 @@ def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.L
 
     try:
         return fn(*args)
+    except BrokenPipeError:  # `vitp-plan ... | head`: the reader has what it wanted; no traceback
+        with contextlib.suppress(OSError, ValueError):  # Python's own recipe (signal docs); no fileno in tests
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         if prog not in STOPPABLE:  # vitp-train handles its own signals (a checkpoint first)
             raise

@@ -104,6 +104,15 @@ def load_generator_for(path: Path, cfg: DictConfig):
     return generator_from_state(file_model(meta), state, resolve_device(cfg.trainer.device), file_partial_sync(meta))
 
 
+def given_weights(run_dir: Path, weights: str) -> str:
+    """``--weights``: a file inside ``run_dir`` (as given), else a path from the current folder that
+    exists (absolute: a new user's ``--weights other_run/export/x.safetensors`` was looked for inside
+    ``run_dir``)."""
+    if not (Path(run_dir) / weights).exists() and Path(weights).exists():
+        return str(Path(weights).resolve())
+    return weights
+
+
 def main(argv: Optional[list] = None) -> None:
     """Console entry point ``vitp-eval RUN_DIR [--weights FILE] [key=value ...]`` (also under
     torchrun or the ``deepspeed`` launcher, whose ``--local_rank=N`` is taken out); bad input exits
@@ -168,8 +177,8 @@ def run(argv: Optional[list] = None) -> dict:
                                 "(eval.json when the run has none).",
                                 allow_abbrev=False)
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--weights", default=None, help="weights file inside RUN_DIR (default model_ema.safetensors; "
-                                                   "under a launcher also cli.weights=FILE)")
+    p.add_argument("--weights", default=None, help="weights file inside RUN_DIR, or any path (default "
+                                                   "model_ema.safetensors; under a launcher also cli.weights=FILE)")
     p.add_argument("--force", action="store_true", help="replace an earlier vitp-eval's file of the same overrides "
                                                         "(under a launcher also cli.force=true)")
     p.add_argument("overrides", nargs="*", default=[], help="Hydra-style key=value overrides of the run's config, "
@@ -178,7 +187,8 @@ def run(argv: Optional[list] = None) -> dict:
     flags, a.overrides = flag_overrides(a.overrides, "vitp-eval", FLAGS)
     if a.weights is not None and "weights" in flags:
         raise ValueError("--weights and cli.weights= both given; give one of them")
-    weights = flags.get("weights", a.weights) or "model_ema.safetensors"
+    given = flags.get("weights", a.weights)
+    weights = given_weights(a.run_dir, given) if given else "model_ema.safetensors"
     sharded = launched()
     from vitp.eval.wan_sample import is_wan_source
 

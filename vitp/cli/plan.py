@@ -50,8 +50,8 @@ def _positive(kind):
             value = kind(text)
         except ValueError:
             value = 0
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: use a number > 0")
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r}: use a finite number > 0")
         return value
     return parse
 
@@ -96,7 +96,15 @@ def _header(cfg, args, prof, preds) -> str:
     return (f"model: {_count(params)} parameters, {shape.tokens} tokens/sample, depth {shape.depth}, width "
             f"{shape.width}; global batch {cfg.trainer.global_batch_size}; {args.gpus} x {prof.name} "
             f"({format_bytes(prof.memory_gib * GIB)}, {prof.devices_per_node}/node){tuned}; {len(preds)} valid "
-            f"layouts, {fits} fit")
+            f"layouts{_fixed_text(args)}, {fits} fit")
+
+
+def _fixed_text(args) -> str:
+    """`` with parallel.tp=2 ...`` for the layout keys among the overrides (they filter the table)."""
+    from vitp.plan.auto import fixed_keys
+
+    keys = fixed_keys(args.overrides)
+    return f" with {' '.join(o for o in args.overrides if o.split('=', 1)[0].lstrip('+') in keys)}" if keys else ""
 
 
 def plan_text(cfg, lay) -> str:
@@ -148,26 +156,34 @@ def _progress(what: str, after_s: float = 1.0):
 def run(argv: Optional[List[str]] = None) -> list:
     """Plan and print; returns the predictions (JSON-able dicts). Raises ``ValueError`` on bad input."""
     args = parse_args(argv)
+    if args.top < 0:
+        raise ValueError(f"--top {args.top}: use a number of rows >= 0 (0 = all)")
+    if args.show_plan is not None and (args.show_plan < 1 or (args.top and args.show_plan > args.top)):
+        raise ValueError(f"--show-plan {args.show_plan}: give a row of the table, 1 to {args.top or 'its length'}"
+                         + (" (or raise --top)" if args.top and args.show_plan > args.top else ""))
     with _progress(f"planning the layouts of {args.gpus} device(s) (config, model shapes, every valid layout)"):
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> list:
+    from omegaconf import OmegaConf
+
     from vitp.cli.overrides import compose_checked
-    from vitp.plan import MemoryOptions, format_phases, format_table, get_profile, latent_plan, plan, with_vae_geometry
+    from vitp.plan import MemoryOptions, format_phases, format_table, get_profile, latent_plan, with_vae_geometry
+    from vitp.plan.auto import fixed_keys, plan_fixed
     from vitp.plan.lora import lora_plan_of
     from vitp.plan.shapes import ResolvedModel
 
-    if args.top < 0:
-        raise ValueError(f"--top {args.top}: use a number of rows >= 0 (0 = all)")
     cfg = with_vae_geometry(compose_checked(args.overrides))
     prof = get_profile(args.device, args.mem_gib, procs=args.gpus)  # cpu: gloo measured with as many processes
     if args.gpus_per_node:
         prof = replace(prof, devices_per_node=args.gpus_per_node)
     opts = MemoryOptions(adaln_sharded=not args.adaln_replicated, lora=lora_plan_of(cfg))
-    preds = plan(cfg, args.gpus, prof, opts, args.ac, args.micro)
+    want = {k: OmegaConf.select(cfg, k) for k in fixed_keys(args.overrides)}  # layout keys the user set
+    preds = plan_fixed(cfg, args.gpus, prof, want, opts, args.ac, args.micro)
     if not preds:
-        raise ValueError(f"no valid layout of this config on {args.gpus} devices (check heads, MLP hidden units, "
+        fixed = f" with {' '.join(f'{k}={v}' for k, v in want.items())} (drop those to list every layout)" if want else ""
+        raise ValueError(f"no valid layout of this config on {args.gpus} devices{fixed} (check heads, MLP hidden units, "
                          "depth and trainer.global_batch_size against the device count)")
     shown = preds[:args.top] if args.top else preds
     model = ResolvedModel.of(cfg.model)

@@ -256,9 +256,25 @@ def sagemaker_overrides(env: Mapping[str, str], argv: Sequence[str] = ()) -> Lis
         "data.root": paths.train,
         "data.heldout_root": paths.validation,
     }
+    if not _reads_folders(out):  # digits, synthetic, shards: the channels are the user's to place
+        defaults.pop("data.root")
+        defaults.pop("data.heldout_root")
     given = {override_key(o) for o in out}
     out += [hydra_override(k, v) for k, v in defaults.items() if v is not None and k not in given]
     return out
+
+
+def _reads_folders(overrides: Sequence[str]) -> bool:
+    """Whether the job's data (composed from its hyperparameters) is an image or video folder, the
+    data the ``train`` / ``validation`` channels fill ``data.root`` / ``data.heldout_root`` of.
+    True when the hyperparameters do not compose: :func:`check_overrides` then names the problem."""
+    from vitp.config import compose
+
+    try:
+        return str(compose([o for o in overrides if not override_key(o).startswith("hydra")]).data.name) in (
+            "image_folder", "video_folder")
+    except Exception:  # a bad hyperparameter, reported by check_overrides with its fix
+        return True
 
 
 def check_overrides(overrides: Sequence[str]) -> None:

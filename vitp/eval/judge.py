@@ -420,7 +420,8 @@ def _as_feats(f: ArrayLike, name: str) -> np.ndarray:
             f"{name} has N={f.shape[0]} samples; the Frechet distance needs N >= 2 to estimate a covariance"
         )
     if not np.all(np.isfinite(f)):
-        raise ValueError(f"{name} contains NaN or inf")
+        raise ValueError(f"{name} contains NaN or inf: the features of non-finite images (weights holding NaN, "
+                         "or a sampler that diverged); check the weights (vitp-export reads and checks them)")
     return f
 
 

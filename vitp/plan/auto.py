@@ -68,6 +68,21 @@ class AutoChoice:
                 "fitting": self.fitting, "profile": self.profile.as_dict(), "fixed": dict(self.fixed)}
 
 
+def plan_fixed(cfg: Any, world_size: int, prof: DeviceProfile, want: Dict[str, Any],
+               opts: Optional[MemoryOptions] = None, ac_options: Sequence[int] = (0, 1),
+               micro_options: Optional[Sequence[int]] = None) -> List[Prediction]:
+    """:func:`vitp.plan.plan`'s predictions whose :data:`AUTO_KEYS` in ``want`` (``{key: value}``)
+    have those values: a fixed activation-checkpoint interval or micro-batch size replaces
+    ``ac_options`` / ``micro_options``, a fixed ``cp_mode`` is the only mode tried at cp > 1."""
+    if "parallel.activation_checkpoint_interval" in want:
+        ac_options = (int(want["parallel.activation_checkpoint_interval"]),)
+    if "trainer.micro_batch_size" in want:
+        micro_options = (int(want["trainer.micro_batch_size"]),)
+    modes = (str(want["parallel.cp_mode"]),) if "parallel.cp_mode" in want else None
+    return [p for p in plan(cfg, world_size, prof, opts, ac_options, micro_options, modes)
+            if all(getattr(p.layout, AUTO_KEYS[k]) == v for k, v in want.items())]
+
+
 def choose_layout(cfg: Any, world_size: int, prof: DeviceProfile, fixed: Sequence[str] = (),
                   ac_options: Sequence[int] = (0, 1), micro_options: Optional[Sequence[int]] = None,
                   opts: Optional[MemoryOptions] = None) -> AutoChoice:
@@ -87,13 +102,7 @@ def choose_layout(cfg: Any, world_size: int, prof: DeviceProfile, fixed: Sequenc
     if unknown:
         raise ValueError(f"parallel.auto cannot fix {unknown}; it chooses {list(AUTO_KEYS)}")
     want = {k: _select(cfg, k) for k in fixed}
-    if "parallel.activation_checkpoint_interval" in want:
-        ac_options = (int(want["parallel.activation_checkpoint_interval"]),)
-    if "trainer.micro_batch_size" in want:
-        micro_options = (int(want["trainer.micro_batch_size"]),)
-    modes = (str(want["parallel.cp_mode"]),) if "parallel.cp_mode" in want else None
-    preds = [p for p in plan(cfg, world_size, prof, opts, ac_options, micro_options, modes)
-             if all(getattr(p.layout, AUTO_KEYS[k]) == v for k, v in want.items())]
+    preds = plan_fixed(cfg, world_size, prof, want, opts, ac_options, micro_options)
     fixed_text = f" with {', '.join(f'{k}={v}' for k, v in want.items())}" if want else ""
     if not preds:
         devices = f"{world_size} device{'s' if world_size > 1 else ''}"
@@ -109,4 +118,4 @@ def choose_layout(cfg: Any, world_size: int, prof: DeviceProfile, fixed: Sequenc
     return AutoChoice(preds[0], len(preds), fitting, prof, want)
 
 
-__all__ = ["AUTO_KEYS", "AutoChoice", "choose_layout", "fixed_keys"]
+__all__ = ["AUTO_KEYS", "AutoChoice", "choose_layout", "fixed_keys", "plan_fixed"]

@@ -159,11 +159,15 @@ class ModelFacts:
         try:
             entries = {**_read(self.path, self.model, self.digest), **self.new}
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.path, json.dumps({"digest": self.digest, "model": self.model, "entries": entries},
-                                                    separators=(",", ":")))
+            atomic_write_text(self.path, json.dumps({"digest": self.digest, "model": self.model, "entries": entries,
+                                                     "sha256": _checksum(entries)}, separators=(",", ":")))
             self.new = {}
         except OSError as e:  # a read-only home: planning still works, only slower next time
             log.debug("plan facts not written to %s: %s", self.path, e)
+
+
+def _checksum(entries: Dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(entries, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _read(path: Path, model: str, digest: str) -> Dict[str, Any]:
@@ -172,8 +176,8 @@ def _read(path: Path, model: str, digest: str) -> Dict[str, Any]:
     except (OSError, ValueError):
         return {}
     if (not isinstance(data, dict) or data.get("digest") != digest or data.get("model") != model
-            or not isinstance(data.get("entries"), dict)):
-        return {}  # another vitp / torch / timm / DeepSpeed, a hash collision, or not ours: computed again
+            or not isinstance(data.get("entries"), dict) or data.get("sha256") != _checksum(data["entries"])):
+        return {}  # another vitp / torch / timm / DeepSpeed, a hash collision, edited: computed again
     return data["entries"]
 
 

@@ -31,6 +31,17 @@ def test_weights_round_trip_and_bad_files(smoke, tmp_path):
         load_generator(trunc)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_generator(tmp_path / "missing.safetensors")
+    # bytes damaged in place (same size) read as numbers: NaNs are named, not sampled or exported
+    from vitp.checkpoint import read_export
+
+    hurt = tmp_path / "hurt.safetensors"
+    data = bytearray((tmp_path / "model_ema.safetensors").read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    data[start:start + 64] = b"\xff" * 64  # float32 0xffffffff is a NaN
+    hurt.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"hurt.safetensors: 1 tensor\(s\) hold NaN / inf: .* \(16 values\).*"
+                                         r"use an earlier checkpoint or export"):
+        read_export(hurt)
 
 
 def test_export_refuses_a_checkpoint_folder_without_its_metadata(smoke, tmp_path, capsys):

@@ -68,3 +68,19 @@ def test_config_diff_labels_and_inputs(tmp_path):
         write_comparison([], [], tmp_path, "t")
     (tmp_path / "eval.json").write_text(json.dumps(_eval(1.0, 1.0, 1.0, 1.0)))
     assert read_eval(tmp_path)["fd_digits"] == 1.0
+
+
+def test_eval_weights_are_found_in_the_run_then_from_here(tmp_path, monkeypatch):
+    """``vitp-eval run1 --weights run3/export/x.safetensors`` looked inside run1 only (a new user's
+    trial): a path that is not in the run but exists from the current folder is that file."""
+    from vitp.cli.eval import given_weights
+
+    run, other = tmp_path / "run1", tmp_path / "run3" / "export"
+    (run / "export").mkdir(parents=True)
+    other.mkdir(parents=True)
+    (run / "export" / "a.safetensors").write_bytes(b"")
+    (other / "x.safetensors").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    assert given_weights(run, "export/a.safetensors") == "export/a.safetensors"  # the run's own, as before
+    assert given_weights(run, "run3/export/x.safetensors") == str(other / "x.safetensors")
+    assert given_weights(run, "missing.safetensors") == "missing.safetensors"  # refused later, naming run1/missing
