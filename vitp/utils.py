@@ -3,6 +3,7 @@ divisors of a size, a free local TCP port, :class:`RankZeroError` and :data:`RAN
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -116,3 +117,30 @@ def write_line_offsets(text_file: PathLike, out: PathLike) -> Path:
             np.save(f, line_offsets(buf))
     os.chmod(out, 0o644)
     return out
+
+
+def lazy_exports(package: str, exports: Dict[str, str]):
+    """``(__getattr__, __dir__)`` for a package whose names load on first use (PEP 562): ``exports``
+    maps a name to the submodule holding it (``".generator"``); any other public name is tried as a
+    submodule, as an eagerly imported package would have it. Lets a command that needs none of the
+    names (``vitp-plan``, the config check) run without importing torch."""
+    import importlib
+
+    def __getattr__(name: str):
+        module = sys.modules[package]
+        if name in exports:
+            value = getattr(importlib.import_module(exports[name], package), name)
+            setattr(module, name, value)
+            return value
+        if not name.startswith("_"):
+            try:
+                return importlib.import_module(f".{name}", package)
+            except ModuleNotFoundError as e:
+                if e.name != f"{package}.{name}":
+                    raise
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__():
+        return sorted(set(vars(sys.modules[package])) | set(exports))
+
+    return __getattr__, __dir__

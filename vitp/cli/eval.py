@@ -55,6 +55,15 @@ def weights_path(run_dir: Path, weights: str) -> Path:
     return path
 
 
+def given_weights(run_dir: Path, weights: str) -> str:
+    """``--weights``: a file inside ``run_dir`` (as given), else a path from the current folder that
+    exists (absolute: a new user's ``--weights other_run/export/x.safetensors`` was looked for inside
+    ``run_dir``)."""
+    if not (Path(run_dir) / weights).exists() and Path(weights).exists():
+        return str(Path(weights).resolve())
+    return weights
+
+
 def weights_step(run_dir: Path, weights: str) -> Optional[int]:
     """The training step of the weights evaluated (recorded in the file), else the run's last
     logged step (files written before the step was recorded)."""
@@ -102,15 +111,6 @@ def load_generator_for(path: Path, cfg: DictConfig):
     check_model_matches(file_model(meta), cfg.model, ARCH_KEYS, str(path),
                         "pass --weights of this run, or evaluate that file's own run directory")
     return generator_from_state(file_model(meta), state, resolve_device(cfg.trainer.device), file_partial_sync(meta))
-
-
-def given_weights(run_dir: Path, weights: str) -> str:
-    """``--weights``: a file inside ``run_dir`` (as given), else a path from the current folder that
-    exists (absolute: a new user's ``--weights other_run/export/x.safetensors`` was looked for inside
-    ``run_dir``)."""
-    if not (Path(run_dir) / weights).exists() and Path(weights).exists():
-        return str(Path(weights).resolve())
-    return weights
 
 
 def main(argv: Optional[list] = None) -> None:

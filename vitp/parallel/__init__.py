@@ -21,10 +21,9 @@ Nothing here knows a particular model: a model's plan (e.g. :data:`vitp.models.G
 composes these pieces.
 """
 
-import importlib as _importlib
+from vitp.utils import lazy_exports as _lazy_exports
 
-# Names load on first use (PEP 562): a command that needs none of them (vitp-plan, the config
-# check) does not import torch.
+# names load on first use: a command that needs none of them (vitp-plan, the config check) imports no torch
 _EXPORTS = {
     "apply_plan": ".plan",
     "checkpoint_activations": ".random",
@@ -70,24 +69,7 @@ _EXPORTS = {
     "TPRMSNorm": ".norms",
     "validate_tp": ".state",
 }
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(_importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("_"):  # a submodule, as an eager package would have it
-        try:
-            return _importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [

@@ -38,7 +38,6 @@ from .styles import (
     ParallelStyle,
     PartialGradient,
     PlanContext,
-    StepShape,
     plan_mode,
 )
 from .report import PlanReport

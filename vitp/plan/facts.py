@@ -26,7 +26,7 @@ import logging
 import os
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 log = logging.getLogger("vitp")
 
