@@ -68,6 +68,37 @@ def test_adapters_equal_peft_on_diffusers_wan(tmp_path, rslora):
     assert (want - base).abs().max() > 1e-2  # the adapters change the output
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert model.blocks[0].attn.qkv.lora_scaling == pytest.approx(3.0 / (math.sqrt(2) if rslora else 2))
+    _files_equal_peft(model, spec, pieces, tmp_path, (x, t, text), want)
+
+
+def _files_equal_peft(model, spec, pieces, tmp_path, inputs, want):
+    """The adapters written as each file vitp exports (diffusers, ComfyUI, merged weights) give
+    peft's output ``want`` once loaded by diffusers (``WanPipeline.load_lora_weights``): the file's
+    scaling (rsLoRA's alpha / sqrt(r) included) is checked against peft, not vitp's own merge."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    from vitp.models import lora_files as lf
+    from vitp.models.wan import WanConfig
+    from vitp.models.wan_keys import to_diffusers_state
+
+    state = model.state_dict()
+    adapters = {k: v for k, v in state.items() if ".lora_" in k}
+    base = {k: v for k, v in state.items() if ".lora_" not in k}
+    config = {"rank": spec.rank, "alpha": spec.alpha, "rslora": spec.rslora, "dropout": 0.0,
+              "targets": sorted(spec.targets), "pieces": {k: list(v) for k, v in pieces.items()}}
+    cfg = WanConfig.from_dict(CONFIG)
+    for kind, writer in (("diffusers", lf.to_diffusers_lora), ("comfyui", lf.to_comfyui_lora)):
+        path = lf.save_lora_file(tmp_path / kind / "lora.safetensors", *writer(adapters, config, cfg))
+        ref = WanTransformer3DModel.from_pretrained(str(tmp_path / "t")).eval()
+        pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=ref,
+                           scheduler=FlowMatchEulerDiscreteScheduler())
+        pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+        with torch.no_grad():
+            torch.testing.assert_close(ref(*inputs, return_dict=False)[0], want, rtol=1e-5, atol=1e-5, msg=kind)
+    merged = WanTransformer3DModel(**CONFIG).eval()
+    merged.load_state_dict(to_diffusers_state(lf.merge_lora(base, adapters, config), cfg))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(*inputs, return_dict=False)[0], want, rtol=1e-5, atol=1e-5)
 
 
 def test_keys_init_and_frozen_base():
@@ -96,19 +127,39 @@ def test_keys_init_and_frozen_base():
 
 
 def test_generator_takes_timm_names():
-    """The generator's timm ``qkv`` pieces by q / k / v, and ``proj`` / ``fc1`` / ``fc2``."""
-    from vitp.config import compose, parse_resolution
-    from vitp.models import Generator
+    """The generator's timm ``qkv`` pieces by q / k / v, and ``proj`` / ``fc1`` / ``fc2``; from the
+    perturbed weights (adaLN gates non-zero) with B drawn non-zero, the adapted generator equals one
+    whose weights hold ``W + alpha / r * B_j A_j`` on exactly the targeted pieces (q and v of
+    ``qkv``, not k), and every adapter gets a non-zero gradient."""
+    from vitp.checkpoint.export import load_generator
+    from vitp.config import parse_resolution
     from vitp.models.lora import LoraSpec, apply_lora
 
-    cfg = compose(["experiment=smoke"])
-    gen = Generator.from_config(cfg.model, seed=0)
-    pieces = apply_lora(gen, LoraSpec(rank=4, alpha=4.0, targets=("attn.q", "v", "fc2"), family="vit"))
+    from tests.helpers import PERTURBED
+
+    gen, cfg = load_generator(PERTURBED)
+    ref, _ = load_generator(PERTURBED)
+    spec = LoraSpec(rank=4, alpha=6.0, targets=("attn.q", "v", "fc2"), family="vit", b_std=0.3)
+    pieces = apply_lora(gen, spec)
     assert pieces == {f"blocks.{i}.{k}": p for i in range(2) for k, p in (("attn.qkv", (0, 2)), ("mlp.fc2", (0,)))}
+    with torch.no_grad():  # the merge by hand: piece j of the fused qkv is rows j D .. (j + 1) D
+        for key, idx in pieces.items():
+            m, w = gen.get_submodule(key), ref.get_submodule(key).weight
+            out = m.lora_B.shape[0] // len(idx)
+            for j, p in enumerate(idx):
+                A, B = m.lora_A[j * 4:(j + 1) * 4], m.lora_B[j * out:(j + 1) * out]
+                w[p * out:(p + 1) * out] += 6.0 / 4 * B @ A
     h, w = parse_resolution(cfg.model.image_size)
-    out = gen(torch.randn(2, cfg.model.in_channels, 1, h, w), torch.rand(2), torch.tensor([0, 1]))
-    out.float().pow(2).mean().backward()
-    assert all(p.grad is not None for n, p in gen.named_parameters() if ".lora_" in n)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, cfg.model.in_channels, 1, h, w, generator=g)
+    t, y = torch.rand(2, generator=g), torch.tensor([0, 1])
+    with torch.no_grad():
+        base, _ = load_generator(PERTURBED)
+        assert (ref.eval()(x, t, y) - base.eval()(x, t, y)).abs().max() > 1e-2  # the adapters matter
+        torch.testing.assert_close(gen.eval()(x, t, y), ref(x, t, y), rtol=1e-5, atol=1e-5)
+    gen.train()(x, t, y).float().pow(2).mean().backward()
+    grads = {n: p.grad for n, p in gen.named_parameters() if ".lora_" in n}
+    assert len(grads) == 8 and all(gr is not None and gr.abs().max() > 0 for gr in grads.values())
 
 
 def test_bad_input_is_refused_naming_the_fix():

@@ -34,12 +34,15 @@ def _plan(argv, cache: Path) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_a_planned_model_is_planned_again_without_torch_and_prints_the_same(tmp_path):
-    cold = _plan(IMG256, tmp_path)
+@pytest.mark.parametrize("argv, imports", [(IMG256, []), (WAN, ["torch", "timm"])], ids=["img256", "wan"])
+def test_a_planned_model_is_planned_again_without_deepspeed_and_prints_the_same(tmp_path, argv, imports):
+    """A vitp generator planned again imports no torch; a Wan model imports torch and timm (its
+    styles live beside its torch layers, vitp.models.parallelize_wan) but not DeepSpeed."""
+    cold = _plan(argv, tmp_path)
     assert "torch" in cold["imported"]  # the first plan builds the meta model
     assert list((tmp_path / "plan").glob("*/*.json")), "no facts file written"
-    warm = _plan(IMG256, tmp_path)
-    assert warm["imported"] == [], f"a planned model imported {warm['imported']}"
+    warm = _plan(argv, tmp_path)
+    assert warm["imported"] == imports, f"a planned model imported {warm['imported']}"
     assert warm["stdout"] == cold["stdout"]
     assert "valid layouts" in warm["stdout"] and " yes" in warm["stdout"]
 
