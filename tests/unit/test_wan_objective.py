@@ -448,7 +448,7 @@ def test_shifted_sigma_draw_statistics(sampling):
     q = (torch.arange(200000, dtype=torch.float64) + 0.5) / 200000  # E[s] = int_0^1 F^-1(q) dq
     mean = wan_flow.sigma_icdf(q, **opts).mean().item()
     assert abs(s.mean().item() - mean) < 0.01
-    if sampling == "uniform":  # shift 3 moves the mean from 1/2 to 3/4 - 3 ln(3)/8 ... = 0.7236
+    if sampling == "uniform":  # shift 3 moves the mean from 1/2 to 3/2 - 3 ln(3)/4 = 0.676
         assert abs(mean - (SHIFT / (SHIFT - 1) - SHIFT * math.log(SHIFT) / (SHIFT - 1) ** 2)) < 1e-6
     else:  # logit-normal N(0, 1) shifted: logit(s) ~ N(log 3, 1)
         logit = torch.logit(s.clamp(1e-12, 1 - 1e-12))
