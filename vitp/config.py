@@ -1103,8 +1103,9 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
             g = math.gcd(*(v for _, v in sizes))
             raise ValueError(f"parallel.tp={tp} does not divide {option}={value}{where}; valid tp degrees for this "
                              f"model: {divisors(g)}")
-    _fail(m.depth >= pp, f"model.depth={m.depth} < parallel.pp={pp}: every pipeline stage needs at least one "
-                         f"block; use parallel.pp <= {m.depth}")
+    depth = f"num_layers={m.depth}{where}" if where else f"model.depth={m.depth}"
+    _fail(m.depth >= pp, f"{depth} < parallel.pp={pp}: every pipeline stage needs at least one block; use "
+                         f"parallel.pp <= {m.depth}")
     precision = resolve_precision(tr.precision, device_type)
     _fail(par.zero_stage in (0, 1), f"parallel.zero_stage={par.zero_stage}: pipelines support ZeRO stage 0 or 1")
     # DeepSpeed's fp32 ZeRO-0 pipeline path reports no global grad norm (measured: None at pp=1

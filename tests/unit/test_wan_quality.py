@@ -50,6 +50,8 @@ def test_wan_training_scores_fid_and_clip_every_step_and_the_cache_follows_the_v
     with np.load(run / "eval.npz") as a, np.load(again["fid_npz"]) as b:
         assert np.array_equal(a["arr_0"], b["arr_0"]) and np.array_equal(a["arr_1"], b["arr_1"])
     assert again["fid"] == pytest.approx(final["fid"], rel=1e-9)
+    base = vitp_eval([str(run), "--weights", str(folder)])  # the untrained base: no step of the run's
+    assert base["step"] is None and base["weights"] == str(folder.resolve()) and base["fid"] != final["fid"]
     # the weights changed in place (as more training would): the same command with --force draws again
     for f in (run / "diffusers" / "transformer").glob("*.safetensors"):
         save_file({k: v * 1.05 for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})

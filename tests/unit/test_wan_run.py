@@ -35,7 +35,7 @@ def _config_variant(tiny: Path, tmp: Path, **changes) -> Path:
 
 
 def test_sizes_come_from_the_folder(tiny):
-    cfg = _cfg(tiny, "model.width=96", "model.depth=9")  # given sizes are replaced by the folder's
+    cfg = _cfg(tiny)  # the sizes are the folder's (set by hand: refused, test below)
     layout = validate_config(cfg, 1)
     m = cfg.model
     assert (m.width, m.depth, m.num_heads, m.mlp_ratio, m.patch_size, m.tubelet_size) == (32, 2, 2, 2.0, 2, 1)
@@ -107,10 +107,45 @@ def test_impossible_layouts_name_the_folder_sizes(tiny):
     with pytest.raises(ValueError, match=r"cp_mode=ulysses splits model.num_heads=2 over tp x cp = 4 ranks.*"
                                          r"parallel.cp_mode=ring"):
         validate_config(_cfg(tiny, "parallel.tp=2", "parallel.cp=2"), 4)
-    with pytest.raises(ValueError, match=r"model.depth=2 < parallel.pp=4"):
+    with pytest.raises(ValueError, match=r"num_layers=2 of the Wan folder trainer.init_from=.* < parallel.pp=4: .*"
+                                         r"use parallel.pp <= 2"):
         validate_config(_cfg(tiny, "parallel.pp=4"), 4)
     assert validate_config(_cfg(tiny, "parallel.tp=2", "parallel.cp=2", "parallel.cp_mode=ring",
                                 "parallel.pp=2"), 8).dp == 1
+
+
+@pytest.mark.parametrize("key, match", [
+    ("model.depth=7", r"model.depth=7: a Wan model's sizes come from its folder's config.json \(num_layers: "
+                      r"model.depth=2 for trainer.init_from=.*\); drop model.depth"),
+    ("model.num_heads=8", r"model.num_heads=8: .*num_attention_heads: model.num_heads=2"),
+    ("model.text_len=256", r"model.text_len=256: .*model.text_len=512"),
+    ("model.patch_size=4", r"model.patch_size=4: .*model.patch_size=2"),
+    ("model.mlp=swiglu", r"model.mlp=swiglu: .*a GELU FFN: model.mlp=gelu"),
+])
+def test_model_sizes_set_by_hand_are_refused_not_overwritten(tiny, key, match):
+    """A size set on the command line would be replaced by the folder's silently; the folder's own
+    values (a resumed run's recorded config) are accepted."""
+    with pytest.raises(ValueError, match=match):
+        validate_config(_cfg(tiny, key), 1)
+    assert validate_config(_cfg(tiny, "model.depth=2", "model.text_len=512"), 1).dp == 1
+
+
+def test_a_damaged_vae_is_refused_before_training(tmp_path):
+    """The VAE decodes the first sample grid; damaged, it failed there, after the steps before it."""
+    folder = make_tiny_wan().write_pipeline(tmp_path / "pipe")
+    vae = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    data = vae.read_bytes()
+    validate_config(_cfg(folder), 1)
+    vae.write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"vae/diffusion_pytorch_model.safetensors is not a readable safetensors file "
+                                         r"\(.*\): it is empty, truncated or damaged .*copy the pipeline's vae/ again"):
+        validate_config(_cfg(folder), 1)
+    vae.unlink()
+    with pytest.raises(FileNotFoundError, match=r"vae/diffusion_pytorch_model.safetensors does not exist"):
+        validate_config(_cfg(folder), 1)
+    (folder / "vae" / "config.json").write_text("[1]")
+    with pytest.raises(ValueError, match=r"vae/config.json holds a JSON list, not an object .*VAE options"):
+        validate_config(_cfg(folder), 1)
 
 
 def test_channels_of_other_data_are_refused(tiny):
@@ -158,6 +193,27 @@ def test_vitp_eval_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys):
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err, err
+
+
+def test_vitp_eval_refuses_weights_of_another_model(tiny, tmp_path, capsys):
+    """``vitp-eval RUN --weights FOLDER`` of a Wan model of other sizes is refused naming them (its
+    scores would be filed as the run's)."""
+    from omegaconf import OmegaConf
+
+    from vitp.cli.eval import main
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    cfg = _cfg(tiny)
+    validate_config(cfg, 1)  # the recorded config holds the folder's sizes
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    script = make_tiny_wan()
+    other = script.write_pipeline(tmp_path / "deeper", vae=False, transformer=script.tiny_transformer(num_layers=3))
+    with pytest.raises(SystemExit) as e:
+        main([str(run), "--weights", str(other)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and (f"--weights {other} holds a Wan model of other sizes than this run's (num_layers 3 "
+                                  f"vs the run's 2); vitp-eval {run} scores weights of the run's model") in err, err
 
 
 def test_vitp_sample_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys):

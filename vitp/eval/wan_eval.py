@@ -356,7 +356,8 @@ def wan_quality_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_
 
 def wan_evaluate(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Path, *, full: bool = True,
                  step: Optional[int] = None, logger: Any = None, buckets: Any = None, out: Optional[Path] = None,
-                 conditioning: Any = None, share: Optional[Share] = None, loss: Any = None) -> Dict[str, Any]:
+                 conditioning: Any = None, share: Optional[Share] = None, loss: Any = None,
+                 head: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """:func:`vitp.eval.metrics.evaluate` for a Wan run: the held-out loss (:func:`wan_heldout_loss`,
     ``loss`` default the run's :func:`vitp.models.wan_run.wan_loss`) and, when ``full`` and the
     run is video (``model.num_frames > 1`` latent frames), :func:`wan_video_metrics`, and with
@@ -364,14 +365,15 @@ def wan_evaluate(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pa
     in ``out`` with the suffixes ``.npz`` / ``.fvd.npz``). With ``full``
     the results go to ``out`` (default ``run_dir/eval.json``); with ``logger`` and ``step`` the
     floats go to TensorBoard as ``eval/<key>``. Rank 0 returns (and writes) everything, the other
-    ranks the held-out loss. ``buckets`` must be empty (Wan trains one shape)."""
+    ranks the held-out loss. ``buckets`` must be empty (Wan trains one shape); ``head`` fields lead
+    the results (``vitp-eval --weights``: the folder, and ``step`` null when the folder records none)."""
     from vitp.models.wan_run import wan_loss, wan_source
 
     if buckets:
         raise ValueError("data.buckets with model.family=wan: Wan is evaluated at one latent shape")
     share = share or Share()
     loss = loss if loss is not None else wan_loss(cfg, wan_source(cfg)[0])
-    res: Dict[str, Any] = {"step": step} if step is not None else {}
+    res: Dict[str, Any] = {**(head or {}), **({"step": step} if step is not None else {})}
     if len(heldout_ds):
         res.update(wan_heldout_loss(gen, cfg, heldout_ds, conditioning, loss, share))
     if full and int(cfg.model.num_frames) > 1 and len(heldout_ds):
@@ -386,6 +388,23 @@ def wan_evaluate(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pa
 
 
 # ----------------------------------------------------------------------------- vitp-eval RUN
+def _check_same_model(cfg: Any, weights: str, run_dir: Path) -> None:
+    """Raises ``ValueError`` when the folder ``trainer.init_from`` (``--weights``) holds a Wan model
+    of other sizes than the run's recorded ``cfg.model`` (its scores would be filed as the run's)."""
+    from vitp.models.wan_run import wan_source
+
+    _, c = wan_source(cfg)
+    m = cfg.model
+    diffs = [f"{name} {theirs} vs the run's {ours}" for name, theirs, ours in (
+        ("num_layers", c.num_layers, m.depth), ("num_attention_heads", c.num_attention_heads, m.num_heads),
+        ("width", c.width, m.width), ("in_channels", c.in_channels, m.in_channels), ("text_dim", c.text_dim, m.text_dim))
+        if int(theirs) != int(ours)]
+    if diffs:
+        raise ValueError(f"--weights {weights} holds a Wan model of other sizes than this run's ({', '.join(diffs)}); "
+                         f"vitp-eval {run_dir} scores weights of the run's model on its data: give its base folder "
+                         f"or an export of it (vitp-export {run_dir} --format diffusers -o OUT)")
+
+
 def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str], sharded: bool
                       ) -> Tuple[Any, Any, Optional[Share], Any, Any, Any]:
     """``(cfg, denoiser, share, train_ds, heldout_ds, conditioning)`` of a finished Wan run for
@@ -428,6 +447,8 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
 
         cfg.trainer.lora = OmegaConf.structured(LoraConfig())
     cfg.trainer.init_from = str(folder.resolve())
+    if weights is not None:
+        _check_same_model(cfg, weights, run_dir)
     validate_config(cfg)
     if cfg.eval.fid.num or cfg.eval.fvd.num:  # the VAE, feature networks and CLIP folder before any sample
         from .metrics import check_quality_inputs
@@ -468,9 +489,10 @@ def run_wan_eval(run_dir: Path, weights: Optional[str], overrides: List[str], sh
     pipe = sampling_pipeline(cfg)  # samples of other weights or another VAE are drawn again
     source = weights_identity(wan_source(cfg)[0], *([pipe / "vae"] if pipe is not None and (pipe / "vae").is_dir()
                                                     else []))
-    with sample_source(source):
-        return wan_evaluate(gen, cfg, train_ds, heldout_ds, run_dir, full=True, step=step, out=out,
-                            conditioning=cond, share=share)
+    head = {"step": None, "weights": cfg.trainer.init_from} if weights is not None else None
+    with sample_source(source):  # other weights: no step of the run's
+        return wan_evaluate(gen, cfg, train_ds, heldout_ds, run_dir, full=True, step=None if head else step, out=out,
+                            conditioning=cond, share=share, head=head)
 
 
 __all__ = ["LATENT_PREVIEW", "check_wan_quality", "heldout_noise", "heldout_sigmas", "load_wan_for_eval",

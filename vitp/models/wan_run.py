@@ -259,6 +259,60 @@ def quality_pipeline(cfg: Any, transformer: Path) -> Optional[Path]:
     return pipe
 
 
+def _refuse_set_sizes(cfg: Any, sizes: dict) -> None:
+    """Raises ``ValueError`` for a ``model.<key>`` that differs from both its schema default and the
+    folder's value (``sizes``: key -> (value, what the folder calls it)): set by hand, it would be
+    overwritten silently (a Wan model's sizes are its folder's)."""
+    from dataclasses import fields, is_dataclass
+    from enum import Enum
+
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.get_type(cfg.model)  # vitp.config.ModelConfig for a checked config
+    if not is_dataclass(schema):
+        return
+    defaults = {f.name: f.default for f in fields(schema)}
+    plain = lambda v: v.name if isinstance(v, Enum) else v  # noqa: E731
+    for key, (value, name) in sizes.items():
+        given = plain(cfg.model[key])
+        if given != plain(defaults[key]) and given != value:
+            shown = f"{value:g}" if isinstance(value, float) else value
+            raise ValueError(f"model.{key}={given}: a Wan model's sizes come from its folder's config.json ({name}: "
+                             f"model.{key}={shown} for trainer.init_from={cfg.trainer.init_from}); drop model.{key}, "
+                             "or give a folder of that size")
+
+
+def check_vae_files(pipe: Path) -> None:
+    """The pipeline's ``vae/`` as its first sample grid will read it: ``config.json`` a JSON object
+    and every weight file (``diffusion_pytorch_model.safetensors``, or the shards its index lists)
+    present with a readable safetensors header (safetensors' ``safe_open``, numpy: no torch here).
+    Nothing when there is no ``vae/config.json``. Raises ``FileNotFoundError`` / ``ValueError``
+    naming the file and the fix (copy it again), at the config check rather than after the steps
+    before the first grid."""
+    from safetensors import SafetensorError, safe_open
+
+    from .wan_config import read_json_object
+
+    vae = pipe / "vae"
+    if not (vae / "config.json").is_file():
+        return
+    read_json_object(vae / "config.json", "VAE options", "copy the pipeline's vae/ again")
+    weights = vae / "diffusion_pytorch_model.safetensors"
+    index = weights.with_name(weights.name + ".index.json")
+    files = ([vae / f for f in sorted(set(read_json_object(index).get("weight_map", {}).values()))]
+             if index.is_file() else [weights])
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} does not exist: the pipeline's vae/ decodes sample grids and evaluations; "
+                                    "copy the pipeline's vae/ again")
+        try:
+            with safe_open(str(f), framework="numpy"):
+                pass
+        except SafetensorError as e:
+            raise ValueError(f"{f} is not a readable safetensors file ({e}): it is empty, truncated or damaged (an "
+                             "interrupted download or copy); copy the pipeline's vae/ again") from None
+
+
 def adopt_wan_model(cfg: Any) -> Optional[WanConfig]:
     """For ``model.family=wan``: refuse what a Wan run does not support (module doc), read the
     folder's config (or ``model.preset``'s, :func:`wan_config_of`) and write its sizes into
@@ -280,10 +334,14 @@ def adopt_wan_model(cfg: Any) -> Optional[WanConfig]:
     if c.out_channels != c.in_channels:
         raise ValueError(f"trainer.init_from={cfg.trainer.init_from}: out_channels={c.out_channels} differs from "
                          f"in_channels={c.in_channels}; vitp trains Wan on velocity targets of the input's shape")
-    m = cfg.model
-    m.width, m.depth, m.num_heads = c.width, c.num_layers, c.num_attention_heads
-    m.mlp_ratio, m.mlp, m.qkv_bias, m.qk_norm = c.ffn_dim / c.width, "gelu", True, True
-    m.patch_size, m.tubelet_size, m.text_dim, m.text_len = p, pt, c.text_dim, TEXT_TOKENS
+    sizes = {"width": (c.width, "num_attention_heads x attention_head_dim"), "depth": (c.num_layers, "num_layers"),
+             "num_heads": (c.num_attention_heads, "num_attention_heads"), "mlp_ratio": (c.ffn_dim / c.width, "ffn_dim"),
+             "mlp": ("gelu", "a GELU FFN"), "qkv_bias": (True, "biased q/k/v"), "qk_norm": (True, "q/k RMSNorm"),
+             "patch_size": (p, "patch_size[1:]"), "tubelet_size": (pt, "patch_size[0]"), "text_dim": (c.text_dim, "text_dim"),
+             "text_len": (TEXT_TOKENS, "its 512 caption tokens")}
+    _refuse_set_sizes(cfg, sizes)
+    for key, (value, _) in sizes.items():
+        cfg.model[key] = value
     if path is not None:  # a folder without a scheduler needs objective.shift: said now, not at the first step
         wan_shift(cfg, path)
         pipe = pipeline_folder(path)
@@ -292,6 +350,8 @@ def adopt_wan_model(cfg: Any) -> Optional[WanConfig]:
                         "statistics (the held-out loss is computed); give the whole pipeline folder for them",
                         cfg.trainer.init_from)
         quality_pipeline(cfg, path)  # FID / FVD / CLIP score decode through the pipeline's vae/
+        if pipe is not None:
+            check_vae_files(pipe)  # read at the first grid: damaged, it would fail after the steps before it
         expert = wan_expert(cfg, path)
         if expert is not None:  # written into the config: the run's .hydra/config.yaml says what was drawn
             cfg.objective.sigma_range = expert_sigma_range(cfg.objective.sigma_range, *expert)
