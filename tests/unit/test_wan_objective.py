@@ -525,3 +525,37 @@ def test_finetuning_doc_example_runs(tmp_path, monkeypatch):
 
     _, info = WanTransformer3DModel.from_pretrained(str(folder) + "_finetuned", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+
+
+def test_a_stop_request_ends_wan_sampling_within_one_step(tiny):
+    """Ctrl-C during a Wan run's final samples (vitp.eval.wan_eval.wan_samples inside
+    ``stoppable``) stops after the step it is in, as the message says, not after the whole batch
+    of sampling loops."""
+    from omegaconf import OmegaConf
+
+    from vitp.eval.progress import EvaluationStopped, stoppable
+    from vitp.eval.wan_eval import wan_samples
+
+    class Counting(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.calls = model, 0
+
+        def forward(self, *args, **kwargs):
+            self.calls += 1
+            return self.model(*args, **kwargs)
+
+    pos, neg = _embeds(2)
+    cfg = OmegaConf.create({"sampler": {"steps": 4, "cfg_scale": 5.0, "batch_size": 8},
+                            "model": {"in_channels": LATENT[1], "num_frames": LATENT[2], "image_size": list(LATENT[3:])}})
+    counting = Counting(tiny.model)
+
+    def draw():
+        return wan_samples(counting, load_scheduler(tiny.folder), cfg, 2, lambda idx: pos[idx.start:idx.stop],
+                           neg[:1], seed=0)
+
+    assert draw().shape == (2, *LATENT[1:])
+    whole, counting.calls = counting.calls, 0
+    with stoppable(lambda: True), pytest.raises(EvaluationStopped):
+        draw()
+    assert whole % 4 == 0 and counting.calls == whole // 4  # the forwards of one step of four

@@ -103,16 +103,19 @@ def wan_samples(gen: Any, scheduler: Any, cfg: Any, n: int, text_of: Callable[[r
     mine = share.indices(n)
     out = [torch.empty((0, *shape))]
     what = f"sampling {n} Wan samples{f' for {purpose}' if purpose else ''} ({s.steps} steps, CFG {s.cfg_scale:g})"
-    common = common_batches(n, share.size, s.batch_size)  # a stop request is asked after each of these batches
-    with phase(what, -(-len(mine) // s.batch_size), "sampling", "batch", share.main) as bar:
+    common = common_batches(n, share.size, s.batch_size)  # a stop request is asked after each of their steps
+    with phase(what, -(-len(mine) // s.batch_size) * int(s.steps), "sampling", "step", share.main) as bar:
         for b, i in enumerate(range(mine.start, mine.stop, s.batch_size)):
             idx = range(i, min(mine.stop, i + s.batch_size))
             cond = text_of(idx)
             noise = sample_noise(seed, range(first + idx.start, first + idx.stop), shape)
-            out.append(sample_wan(gen, scheduler, noise, cond, negative.expand_as(cond),
+
+            def on_step(_i: int, _t: Any, _asked: bool = b < common) -> None:  # within one forward of a stop
+                bar.update(1)
+                check_stop(_asked)
+
+            out.append(sample_wan(gen, scheduler, noise, cond, negative.expand_as(cond), on_step=on_step,
                                   num_inference_steps=int(s.steps), guidance_scale=float(s.cfg_scale)).float().cpu())
-            bar.update(1)
-            check_stop(b < common)
     x = torch.cat(out)
     return share.gather(x, n) if gather else x
 
