@@ -1064,30 +1064,10 @@ def check_context_parallel(cfg: "DictConfig", cp: int, tp: int, world_size: Opti
     raise ValueError(problem)
 
 
-def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu") -> Layout:
-    """The run's :class:`Layout` on ``world_size`` processes, after checking that it can work:
-    ``tp * pp`` divides the world, heads and MLP hidden units divide ``tp``, every pipeline stage
-    gets a block, the ZeRO stage suits pipelines and the precision, and the global batch splits
-    into micro-batches over ``dp``.
-
-    Raises ``ValueError`` naming the option and listing the valid values.
-    """
-    par, m, tr = cfg.parallel, cfg.model, cfg.trainer
-    tp, pp, cp = par.tp, par.pp, par.cp
-    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
-        ok = _passing_layouts(cfg, world_size, cp, device_type) if cp >= 1 and world_size % cp == 0 else "none"
-        if cp == 1 and world_size == 1 and tp >= 1 and pp >= 1:  # no launcher: one process runs tp=cp=pp=1
-            raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} needs {tp * pp} processes (or a multiple), and this "
-                             f"is one: start it with a launcher, e.g. torchrun --nproc_per_node {tp * pp} -m vitp.train "
-                             f"parallel.tp={tp} parallel.pp={pp} ... (docs/launching.md), or set parallel.tp=1 "
-                             f"parallel.pp=1 (one process trains at tp=1 cp=1 pp=1)")
-        if cp == 1:
-            raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide world_size={world_size}; "
-                             f"valid (tp, pp) for {world_size} processes: {ok}")
-        at_cp = f" (at cp={cp} the valid (tp, pp) are {ok})" if ok != "none" else ""
-        raise ValueError(f"parallel.tp={tp} x parallel.cp={cp} x parallel.pp={pp} does not divide world_size="
-                         f"{world_size}; launch a multiple of {tp * cp * pp} processes, or use parallel.cp in "
-                         f"{divisors(world_size)}{at_cp}")
+def _check_model_splits(cfg: "DictConfig", tp: int, pp: int) -> None:
+    """Raises ``ValueError`` when ``tp`` does not divide the heads or MLP hidden units, or the model
+    has fewer blocks than ``pp`` stages, naming the valid values (a Wan model: its folder's sizes)."""
+    m, tr = cfg.model, cfg.trainer
     sizes = [("model.num_heads", m.num_heads),
              (f"MLP hidden units (model.mlp={m.mlp}, model.width, model.mlp_ratio)",
               mlp_hidden_units(m.width, m.mlp_ratio, m.mlp))]
@@ -1106,6 +1086,34 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
     depth = f"num_layers={m.depth}{where}" if where else f"model.depth={m.depth}"
     _fail(m.depth >= pp, f"{depth} < parallel.pp={pp}: every pipeline stage needs at least one block; use "
                          f"parallel.pp <= {m.depth}")
+
+
+def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu") -> Layout:
+    """The run's :class:`Layout` on ``world_size`` processes, after checking that it can work:
+    ``tp * pp`` divides the world, heads and MLP hidden units divide ``tp``, every pipeline stage
+    gets a block, the ZeRO stage suits pipelines and the precision, and the global batch splits
+    into micro-batches over ``dp``.
+
+    Raises ``ValueError`` naming the option and listing the valid values.
+    """
+    par, m, tr = cfg.parallel, cfg.model, cfg.trainer
+    tp, pp, cp = par.tp, par.pp, par.cp
+    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
+        ok = _passing_layouts(cfg, world_size, cp, device_type) if cp >= 1 and world_size % cp == 0 else "none"
+        if cp == 1 and world_size == 1 and tp >= 1 and pp >= 1:  # no launcher: one process runs tp=cp=pp=1
+            _check_model_splits(cfg, tp, pp)  # the launch command suggested below must work
+            raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} needs {tp * pp} processes (or a multiple), and this "
+                             f"is one: start it with a launcher, e.g. torchrun --nproc_per_node {tp * pp} -m vitp.train "
+                             f"parallel.tp={tp} parallel.pp={pp} ... (docs/launching.md), or set parallel.tp=1 "
+                             f"parallel.pp=1 (one process trains at tp=1 cp=1 pp=1)")
+        if cp == 1:
+            raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide world_size={world_size}; "
+                             f"valid (tp, pp) for {world_size} processes: {ok}")
+        at_cp = f" (at cp={cp} the valid (tp, pp) are {ok})" if ok != "none" else ""
+        raise ValueError(f"parallel.tp={tp} x parallel.cp={cp} x parallel.pp={pp} does not divide world_size="
+                         f"{world_size}; launch a multiple of {tp * cp * pp} processes, or use parallel.cp in "
+                         f"{divisors(world_size)}{at_cp}")
+    _check_model_splits(cfg, tp, pp)
     precision = resolve_precision(tr.precision, device_type)
     _fail(par.zero_stage in (0, 1), f"parallel.zero_stage={par.zero_stage}: pipelines support ZeRO stage 0 or 1")
     # DeepSpeed's fp32 ZeRO-0 pipeline path reports no global grad norm (measured: None at pp=1

@@ -79,6 +79,32 @@ def test_unsupported_options_are_refused(tiny, tmp_path, changes, match):
         validate_config(_cfg(_config_variant(tiny, tmp_path, **changes)), 1)
 
 
+def test_a_pipeline_without_its_transformer_config_is_named(tiny, tmp_path):
+    folder = shutil.copytree(tiny, tmp_path / "noconf")
+    (folder / "transformer" / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"transformer/config.json does not exist: the pipeline folder .* has "
+                                                r"a transformer/ folder without its config.json; copy the whole"):
+        validate_config(_cfg(folder), 1)
+    shutil.rmtree(folder / "transformer")
+    with pytest.raises(FileNotFoundError, match=r"the pipeline folder .* has no transformer/ folder; copy the whole"):
+        validate_config(_cfg(folder), 1)
+
+
+def test_a_run_folder_whose_base_moved_names_the_dangling_link(tiny, tmp_path):
+    """A run's diffusers folder links the base's components; the base moved, the link is named (not
+    a missing scheduler_config.json with a fix that vitp-sample refuses)."""
+    base = shutil.copytree(tiny, tmp_path / "base")
+    run = tmp_path / "run_diffusers"
+    shutil.copytree(base / "transformer", run / "transformer")
+    shutil.copy(base / "model_index.json", run / "model_index.json")
+    (run / "scheduler").symlink_to(base / "scheduler")
+    validate_config(_cfg(run), 1)
+    base.rename(tmp_path / "moved")
+    with pytest.raises(FileNotFoundError, match=r"run_diffusers/scheduler links to .*base/scheduler, which does not "
+                                                r"exist \(the base pipeline folder moved or was deleted\); .*ln -sfn"):
+        validate_config(_cfg(run), 1)
+
+
 def test_corrupt_config_is_refused(tiny, tmp_path):
     folder = shutil.copytree(tiny, tmp_path / "bad")
     (folder / "transformer" / "config.json").write_text("{not json")
@@ -104,6 +130,8 @@ def test_impossible_layouts_name_the_folder_sizes(tiny):
     with pytest.raises(ValueError, match=r"parallel.tp=4 does not divide num_attention_heads=2 of the Wan folder "
                                          r"trainer.init_from=.*; valid tp degrees for this model: \[1, 2\]"):
         validate_config(_cfg(tiny, "parallel.tp=4"), 4)
+    with pytest.raises(ValueError, match=r"parallel.tp=3 does not divide num_attention_heads=2"):  # not "torchrun 3"
+        validate_config(_cfg(tiny, "parallel.tp=3"), 1)
     with pytest.raises(ValueError, match=r"cp_mode=ulysses splits model.num_heads=2 over tp x cp = 4 ranks.*"
                                          r"parallel.cp_mode=ring"):
         validate_config(_cfg(tiny, "parallel.tp=2", "parallel.cp=2"), 4)

@@ -203,8 +203,10 @@ def transformer_folder(folder: PathLike, subfolder: Optional[str] = "transformer
         _check_index(index)
         sub = path / subfolder
         if not (sub / "config.json").is_file():
-            raise FileNotFoundError(f"{sub / 'config.json'} does not exist: the pipeline folder {path} has no "
-                                    f"{subfolder}/ transformer; copy the whole pipeline folder again")
+            what = "has no" if not sub.is_dir() else "has a"
+            raise FileNotFoundError(f"{sub / 'config.json'} does not exist: the pipeline folder {path} {what} "
+                                    f"{subfolder}/ folder{' without its config.json' if sub.is_dir() else ''}; "
+                                    "copy the whole pipeline folder again")
         return sub
     raise FileNotFoundError(f"{path} holds neither config.json nor model_index.json: {HINT}")
 

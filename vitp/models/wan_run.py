@@ -282,6 +282,19 @@ def _refuse_set_sizes(cfg: Any, sizes: dict) -> None:
                              "or give a folder of that size")
 
 
+def check_links(pipe: Path) -> None:
+    """Raises ``FileNotFoundError`` for a component of the pipeline folder ``pipe`` that is a link to
+    nothing (a run's ``RUN/diffusers`` links the base's scheduler, VAE, text encoder: the base
+    moved or was deleted), naming the link, its target and the fix."""
+    import os
+
+    for child in sorted(pipe.iterdir()):
+        if child.is_symlink() and not child.exists():
+            raise FileNotFoundError(f"{child} links to {os.readlink(child)}, which does not exist (the base pipeline "
+                                    f"folder moved or was deleted); put it back, or link the new place: ln -sfn "
+                                    f"NEW_BASE/{child.name} {child}")
+
+
 def check_vae_files(pipe: Path) -> None:
     """The pipeline's ``vae/`` as its first sample grid will read it: ``config.json`` a JSON object
     and every weight file (``diffusion_pytorch_model.safetensors``, or the shards its index lists)
@@ -343,8 +356,10 @@ def adopt_wan_model(cfg: Any) -> Optional[WanConfig]:
     for key, (value, _) in sizes.items():
         cfg.model[key] = value
     if path is not None:  # a folder without a scheduler needs objective.shift: said now, not at the first step
-        wan_shift(cfg, path)
         pipe = pipeline_folder(path)
+        if pipe is not None:
+            check_links(pipe)
+        wan_shift(cfg, path)
         if pipe is None or not (pipe / "scheduler").is_dir():
             log.warning("trainer.init_from=%s has no pipeline scheduler/: no sample grids and no sampled video "
                         "statistics (the held-out loss is computed); give the whole pipeline folder for them",
