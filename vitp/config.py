@@ -751,6 +751,8 @@ def unknown_key_message(path: str) -> Optional[str]:
             return None
         if name not in known:
             near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            if not near and len(name) >= 3:  # a prefix (sampler.cfg -> sampler.cfg_scale) is too short for difflib
+                near = sorted((k for k in known if k.startswith(name)), key=len)[:1]
             hint = f" (did you mean {'.'.join(parts[:i] + near)}?)" if near else ""
             where = f"of {section}" if section else "at the top level"
             return f"unknown config key {path}{hint}; valid keys {where}: {', '.join(known)}"

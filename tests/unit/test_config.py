@@ -260,6 +260,7 @@ def test_written_files_follow_the_umask(tmp_path):
     (["+seedd=1"], r"unknown config key seedd \(did you mean seed\?\)"),
     (["+new.key=1"], r"unknown config key new.key"),
     (["model.dpth=3"], r"model.dpth \(did you mean model.depth\?\)"),
+    (["sampler.cfg=5"], r"sampler.cfg \(did you mean sampler.cfg_scale\?\)"),  # a prefix
 ])
 def test_train_command_refuses_unknown_keys_with_the_nearest(argv, message):
     from vitp.cli.train import prepare_argv
