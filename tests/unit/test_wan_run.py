@@ -60,7 +60,8 @@ def test_transformer_subfolder_and_shift_from_the_pipeline(tiny, tmp_path):
 @pytest.mark.parametrize("init, error, match", [
     (None, ValueError, r"model.family=wan needs trainer.init_from=FOLDER.*make_tiny_wan"),
     ("/nonexistent/wan", FileNotFoundError, r"trainer.init_from=/nonexistent/wan: Wan folder .* does not exist.*"
-                                            r"vitp never downloads"),
+                                            r"vitp never downloads \(a run whose base folder moved resumes with "
+                                            r"vitp-train --resume RUN trainer.init_from=NEW_PLACE"),
 ])
 def test_missing_folder_is_refused(init, error, match):
     over = [] if init is None else [f"trainer.init_from={init}"]

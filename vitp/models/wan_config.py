@@ -186,7 +186,9 @@ def transformer_folder(folder: PathLike, subfolder: Optional[str] = "transformer
     path = Path(folder).expanduser()
     if not path.is_dir():
         what = "is a file, not a folder" if path.exists() else "does not exist"
-        raise FileNotFoundError(f"Wan folder {path} {what}: {HINT}")
+        moved = (" (a run whose base folder moved resumes with vitp-train --resume RUN trainer.init_from=NEW_PLACE)"
+                 if not path.exists() else "")
+        raise FileNotFoundError(f"Wan folder {path} {what}: {HINT}{moved}")
     index = path / "model_index.json"
     if (path / "config.json").is_file():
         if subfolder not in (None, "transformer"):
