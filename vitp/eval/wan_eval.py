@@ -126,12 +126,11 @@ def write_wan_grid(gen: Any, cfg: Any, path: Path, prompts: Any, share: Optional
     ``path`` without its suffix) plus ``latents.safetensors`` there (``latents`` (B, C, T, H, W)).
     Returns ``{"grid", "strips"}`` on rank 0 (``None`` elsewhere, and everywhere for a transformer
     folder without its pipeline's ``scheduler/``). Collective with ``share``."""
-    from safetensors.torch import save_file
     from torchvision.utils import save_image
 
     from vitp.media import caption_rows, frame_strip, to_grid, write_video_samples
     from vitp.objectives.wan_sampling import load_scheduler
-    from vitp.utils import atomic_write
+    from vitp.utils import atomic_write, save_safetensors
 
     from .sampling import grid_ids
 
@@ -157,7 +156,7 @@ def write_wan_grid(gen: Any, cfg: Any, path: Path, prompts: Any, share: Optional
         strips = frame_strip(x[::per], padding=1, min_tile=32)
     folder.mkdir(exist_ok=True)
     with atomic_write(folder / "latents.safetensors") as tmp:
-        save_file({"latents": lat.contiguous()}, str(tmp), metadata={"prompts": json.dumps(prompts.prompts[1:])})
+        save_safetensors({"latents": lat.contiguous()}, tmp, metadata={"prompts": json.dumps(prompts.prompts[1:])})
     return {"grid": grid, "strips": strips}
 
 

@@ -296,10 +296,8 @@ def output_name(cfg: Any, prompts: List[str], scheduler: Any, two_experts: bool 
 def write_outputs(out: Path, latents: torch.Tensor, noise: torch.Tensor, frames: Optional[torch.Tensor],
                   prompts: List[str], cfg: Any, settings: dict) -> List[Path]:
     """Write the output folder of the module doc into ``out``; returns the files written."""
-    from safetensors.torch import save_file
-
     from vitp.media import to_grid, video_grid, write_gif
-    from vitp.utils import atomic_write, atomic_write_text
+    from vitp.utils import atomic_write, atomic_write_text, save_safetensors
 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {"latents": latents.contiguous(), "noise": noise.contiguous()}
@@ -307,7 +305,7 @@ def write_outputs(out: Path, latents: torch.Tensor, noise: torch.Tensor, frames:
         tensors["frames"] = frames.contiguous()
     meta = {"prompts": json.dumps(prompts), "settings": json.dumps(settings)}
     with atomic_write(out / "latents.safetensors") as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        save_safetensors(tensors, str(tmp), metadata=meta)
     files = [out / "latents.safetensors"]
     if frames is not None:
         per = cfg.sampler.samples_per_class
