@@ -90,6 +90,7 @@ def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
                 "--format diffusers exports Wan runs; leave --format out for the vitp export")
     step = record.get("step", -1) if step is None else step
     out = a.out or run_dir / "export" / f"{ckpt.tag_name(max(step, 0))}_{a.weights}_diffusers"
+    check_out(out, cfg, run_dir, wan_folder=True)
     if out.exists() and any(out.iterdir()) and not a.force:
         p.error(f"{out} exists and is not empty; choose another --out or pass --force to write into it")
     kind = ex.CHECKPOINT_KINDS[src.name]
@@ -97,6 +98,16 @@ def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
     print(f"wrote {written} (diffusers WanTransformer3DModel, step {step}, {a.weights} weights)"
           + (f" in the pipeline {out}" if written != out else ""))
     return written
+
+
+def check_out(out: Path, cfg, run_dir: Path, wan_folder: bool = False) -> None:
+    """Refuse (``ValueError``, before anything is written) an output ``out`` on the run's base or
+    over the run's own files (:func:`vitp.checkpoint.outputs.check_export_out`); ``wan_folder``:
+    ``out`` is a Wan diffusers folder, written also through its transformer folder and
+    ``model_index.json``."""
+    from vitp.checkpoint.outputs import check_export_out, wan_targets
+
+    check_export_out(out, wan_targets(out, cfg) if wan_folder else [out], cfg, run_dir)
 
 
 def _full_lora_state(tag: Path, cfg, kind: str):
@@ -144,7 +155,6 @@ def write_lora_export(out: Path, adapters, config, cfg, lora_format: str = "diff
     return lf.save_lora_file(out if lora_format == "comfyui" else Path(out) / lf.WEIGHT_NAME,
                              *writer(adapters, config, wan))
 
-
 def _check_base(p: argparse.ArgumentParser, lora: dict) -> None:
     """``--merge``: the base the run recorded (``{"base": {"folder", "hash"}}``) must still be what
     its folder holds (:func:`vitp.models.lora.base_hash`), else the merge would give another model."""
@@ -185,6 +195,7 @@ def run_lora(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
         p.error(f"--out {out}: the merged generator is a vitp export; use a .safetensors file name")
     if a.lora_format == "comfyui" and not a.merge and out.suffix != ".safetensors":
         out = out.with_name(out.name + ".safetensors")
+    check_out(out, cfg, run_dir, wan_folder=wan and a.merge)
     if out.exists() and not a.force:
         p.error(f"{out} exists; choose another --out or pass --force to replace it")
     adapters, config = _full_lora_state(tag, cfg, ex.CHECKPOINT_KINDS[src.name])
@@ -225,9 +236,10 @@ def run(argv: Optional[List[str]] = None) -> Path:
     if out.resolve() in (src.resolve(), Path(f"{src}{ex.INDEX_SUFFIX}").resolve()):
         p.error(f"--out {out} is the source file; choose another name")
     index = out.with_name(out.name + ex.INDEX_SUFFIX)
+    cfg = OmegaConf.create(cfg_dict)
+    check_out(out, cfg, run_dir)
     if (out.exists() or index.exists()) and not a.force:
         p.error(f"{out if out.exists() else index} exists; choose another --out or pass --force to replace it")
-    cfg = OmegaConf.create(cfg_dict)
     if str(cfg.get("model", {}).get("family", "vit")) == "wan":
         p.error(f"{a.source} is a Wan run (model.family=wan): export it with --format diffusers -o OUT"
                 + (" (--lora-format goes with --format lora, a LoRA run's adapters)" if a.lora_format != "diffusers"
