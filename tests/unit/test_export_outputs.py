@@ -1,7 +1,8 @@
 """Where vitp-export and vitp-train write, on two tiny Wan runs (2 steps, one process, seconds): an
 output on the run's base or over the run's own files is refused before anything is written (a
-diffusers export to ``-o BASE --force`` deleted the base's shards, then failed); every file of a run
-and of its exports has the mode a plain ``open()`` gives (safetensors wrote 0600)."""
+diffusers export to ``-o BASE --force`` deleted the base's shards, then failed); a diffusers LoRA to
+a ``.safetensors`` name is that file; every file of a run and of its exports has the mode a plain
+``open()`` gives (safetensors wrote 0600)."""
 from __future__ import annotations
 
 import hashlib
@@ -40,6 +41,7 @@ def runs(tmp_path_factory):
         exports = {"diffusers": export([str(full), "--format", "diffusers", "-o", str(tmp / "full_export")]),
                    "merged": export([str(lora), "--format", "diffusers", "--merge", "-o", str(tmp / "merged")]),
                    "lora_folder": export([str(lora), "--format", "lora", "-o", str(tmp / "lora_folder")]),
+                   "lora_file": export([str(lora), "--format", "lora", "-o", str(tmp / "lora_as_file.safetensors")]),
                    "comfyui": export([str(lora), "--format", "lora", "--lora-format", "comfyui", "-o", str(tmp / "c")])}
     finally:
         os.umask(mask)
@@ -128,6 +130,22 @@ def test_a_generator_export_onto_its_base_file_is_refused(tmp_path):
         with pytest.raises(ValueError, match=rf"-o {base} is the run's base trainer.init_from={init}"):
             check_export_out(base, [base], cfg, None)
         check_export_out(tmp_path / "other.safetensors", [tmp_path / "other.safetensors"], cfg, None)
+
+
+def test_a_diffusers_lora_to_a_safetensors_name_is_that_file(runs):
+    """``--format lora -o X.safetensors`` writes the file X.safetensors (diffusers' loader takes a
+    file path), not a folder of that name; any other name is the folder diffusers' save_lora_weights
+    writes, holding pytorch_lora_weights.safetensors; both hold the same adapters."""
+    from vitp.models import lora_files as lf
+    from vitp.models.wan_keys import read_config
+
+    folder, file = runs.exports["lora_folder"], runs.exports["lora_file"]
+    assert folder == runs.tmp / "lora_folder" / lf.WEIGHT_NAME and folder.is_file()
+    assert file == runs.tmp / "lora_as_file.safetensors" and file.is_file()
+    wan = read_config(runs.base / "transformer")
+    shapes = lf.wan_state_shapes(wan)
+    (a, ca), (b, cb) = (lf.read_lora_file(p, shapes, wan) for p in (folder, file))
+    assert ca == cb and sorted(a) == sorted(b) and all((a[k] == b[k]).all() for k in a)
 
 
 def test_every_file_of_a_run_and_of_its_exports_has_the_usual_mode(runs):

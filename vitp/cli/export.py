@@ -59,8 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                         "one: OUT/transformer and the source's other components linked); lora: a LoRA run's "
                         "adapters as one LoRA file (docs/finetuning.md#lora-files)")
     p.add_argument("--lora-format", choices=["diffusers", "comfyui"], default="diffusers",
-                   help="--format lora of a Wan run: diffusers (OUT/pytorch_lora_weights.safetensors, "
-                        "WanPipeline.load_lora_weights) or comfyui (OUT.safetensors, diffusion_model.* keys)")
+                   help="--format lora of a Wan run: diffusers (OUT/pytorch_lora_weights.safetensors, or OUT "
+                        "itself when it ends in .safetensors; WanPipeline.load_lora_weights(OUT) reads either) or "
+                        "comfyui (OUT.safetensors, diffusion_model.* keys)")
     p.add_argument("--merge", action="store_true",
                    help="a LoRA run: the base (trainer.init_from) with the adapters merged; a Wan run's with --format "
                         "diffusers as a diffusers transformer folder OUT, a generator run's as a vitp export OUT "
@@ -125,8 +126,9 @@ def write_lora_export(out: Path, adapters, config, cfg, lora_format: str = "diff
     run's as a diffusers transformer folder, the generator's as a vitp export file (``out``,
     ``.safetensors``, ``step`` and ``weights`` in its metadata; ``vitp-sample`` and
     ``trainer.init_from`` read it); else a Wan run's diffusers file
-    (``out/pytorch_lora_weights.safetensors``) or ComfyUI file (``out``, ``.safetensors``), or the
-    generator's vitp LoRA file. Returns the path written. Raises ``ValueError`` for
+    (``out/pytorch_lora_weights.safetensors``, or ``out`` itself when named ``.safetensors``:
+    :func:`lora_file`) or ComfyUI file (``out``, ``.safetensors``), or the generator's vitp LoRA
+    file. Returns the path written. Raises ``ValueError`` for
     ``lora_format=comfyui`` on a generator run, ``FileNotFoundError`` / ``ValueError`` when the
     base is gone or does not fit the adapters."""
     from vitp.models import lora_files as lf
@@ -152,8 +154,19 @@ def write_lora_export(out: Path, adapters, config, cfg, lora_format: str = "diff
 
     wan = read_config(transformer_folder(cfg.trainer.init_from, "transformer"))
     writer = lf.to_comfyui_lora if lora_format == "comfyui" else lf.to_diffusers_lora
-    return lf.save_lora_file(out if lora_format == "comfyui" else Path(out) / lf.WEIGHT_NAME,
-                             *writer(adapters, config, wan))
+    return lf.save_lora_file(lora_file(out, lora_format), *writer(adapters, config, wan))
+
+
+def lora_file(out: Path, lora_format: str = "diffusers") -> Path:
+    """The file a Wan run's ``--format lora`` export to ``out`` writes: ``out`` itself for ComfyUI
+    or a ``.safetensors`` name (diffusers' ``load_lora_weights`` takes a file path), else
+    ``out/pytorch_lora_weights.safetensors``, the folder ``save_lora_weights`` writes and
+    ``load_lora_weights(out)`` finds."""
+    from vitp.models.lora_files import WEIGHT_NAME
+
+    out = Path(out)
+    return out if lora_format == "comfyui" or out.suffix == ".safetensors" else out / WEIGHT_NAME
+
 
 def _check_base(p: argparse.ArgumentParser, lora: dict) -> None:
     """``--merge``: the base the run recorded (``{"base": {"folder", "hash"}}``) must still be what
