@@ -2,11 +2,13 @@
 output on the run's base or over the run's own files is refused before anything is written (a
 diffusers export to ``-o BASE --force`` deleted the base's shards, then failed); a diffusers LoRA to
 a ``.safetensors`` name is that file; every file of a run and of its exports has the mode a plain
-``open()`` gives (safetensors wrote 0600)."""
+``open()`` gives (safetensors wrote 0600); a run's ``RUN/diffusers`` sampled directly gets an output
+folder of its own."""
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -159,3 +161,15 @@ def test_every_file_of_a_run_and_of_its_exports_has_the_usual_mode(runs):
     bad = {str(f): oct(f.stat().st_mode & 0o777) for f in files if f.stat().st_mode & 0o777 != want}
     assert not bad, bad
 
+
+def test_two_runs_diffusers_folders_sampled_directly_get_their_own_output_folders(runs, tmp_path):
+    """``vitp-sample RUN/diffusers``: the default output is ``./outputs/<run name>-diffusers-<hash>``,
+    one per run (both were ``./outputs/diffusers``); a model folder outside a run keeps its name."""
+    from vitp.cli.sample import SAMPLE_KEYS
+    from vitp.eval.wan_sample import wan_sample_config
+
+    other = shutil.copytree(runs.full, tmp_path / "run", symlinks=True)  # same names inside, another run
+    bases = [wan_sample_config(r / "diffusers", [], 1, SAMPLE_KEYS)[2] for r in (runs.full, other)]
+    assert bases[0] != bases[1] and all(b.parent == Path("outputs") for b in bases)
+    assert [b.name.rsplit("-", 1)[0] for b in bases] == ["run-diffusers"] * 2
+    assert wan_sample_config(runs.base, [], 1, SAMPLE_KEYS)[2] == Path("outputs") / "base"

@@ -96,8 +96,8 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
         cfg, base = typed_config(OmegaConf.load(run)), source
         if run_expert(cfg) == "transformer_2" and not cfg.model.get("expert"):  # named by its folder, not the key
             cfg.model.expert = "low"
-    else:  # a model folder: samples go to ./outputs/<folder name>/samples, never into the model's folder
-        weights, base = source, Path("outputs") / source.resolve().name
+    else:  # a model folder: samples go to ./outputs/<model_name>/samples, never into the model's folder
+        weights, base = source, Path("outputs") / model_name(source)
         cfg = typed_config(compose([SMOKE, f"trainer.init_from={source}"]))
     cfg.trainer.device = "auto"  # sampled where it is started, whatever the run trained on
     if num is not None:
@@ -106,6 +106,20 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
     cfg.trainer.init_from = str(weights)
     validate_config(cfg)
     return cfg, weights, base
+
+
+def model_name(folder: Path) -> str:
+    """The name of ``./outputs/<name>/samples``, where the samples of the model ``folder`` go: its
+    folder name; for a folder inside a vitp run, whose names repeat in every run (``RUN/diffusers``,
+    ``RUN/export/step_0000004_ema_diffusers``), ``<run name>-<its path in the run, '-' joined>-<8 hex
+    of a hash of its resolved path>`` (``run1-diffusers-1a2b3c4d``), so two runs' folders never
+    share one."""
+    real = Path(folder).resolve()
+    run = next((p for p in real.parents if (p / ".hydra" / "config.yaml").is_file()), None)
+    if run is None:
+        return real.name
+    digest = hashlib.sha1(str(real).encode()).hexdigest()[:8]
+    return "-".join([run.name, *real.relative_to(run).parts, digest])
 
 
 def pipeline_of(cfg: Any) -> Path:
@@ -328,7 +342,7 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
     :func:`vitp.cli.sample.parse_args`: prompts, ``--num``, ``--out`` (a folder), ``--force``,
     ``--scheduler``, ``--flow-shift``): samples as the module doc says, in one process or split over
     the launched ranks; rank 0 writes the output folder (default ``RUN/samples/<output_name>``, for a
-    model folder ``./outputs/<folder name>/samples/<output_name>``) and
+    model folder ``./outputs/<model_name>/samples/<output_name>``, :func:`model_name`) and
     prints one line. ``conditioning``: ``(a, cfg, meta) -> (PromptConditioning, row ids, prompts)``
     (:func:`vitp.cli.sample._conditioning`), ``allowed``: the override keys. Raises ``ValueError``
     before sampling for class labels, no prompt, ``--format mp4``, an ``--out`` that is a file or
