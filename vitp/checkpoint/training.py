@@ -512,6 +512,10 @@ def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[
         _refuse_without_meta(source, name)
     elif has_weights(source):
         return source / name, None, source
+    elif (source / ".hydra" / "config.yaml").is_file():  # a run that has not written its first checkpoint
+        raise FileNotFoundError(f"{source} is a run with no checkpoint yet (no {source / 'checkpoints' / LATEST}): let "
+                                f"it train to its first checkpoint (trainer.checkpoint_every) or its end, or resume it "
+                                f"with vitp-train --resume {source}")
     else:
         raise FileNotFoundError(f"{source} holds no vitp checkpoint (expected a run directory, its checkpoints/ "
                                 f"folder, a checkpoints/step_NNNNNNN folder, or a .safetensors file)")

@@ -83,16 +83,14 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
     source = Path(source)
     run = source / ".hydra" / "config.yaml"
     if run.is_file():
-        weights = source / DIFFUSERS_DIR
-        if OmegaConf.select(OmegaConf.load(run), "trainer.lora.enabled"):
+        weights, saved = source / DIFFUSERS_DIR, OmegaConf.load(run)
+        if OmegaConf.select(saved, "trainer.lora.enabled"):
             raise FileNotFoundError(f"{source} is a LoRA run: its adapters are in {source / 'lora'}, the base stays "
-                                    f"where it was; write the base with them merged as a pipeline with vitp-export "
-                                    f"{source} --format diffusers --merge -o OUT, then vitp-sample OUT --prompt ... "
-                                    "(or load RUN/lora in diffusers: docs/finetuning.md#lora-files)")
+                                    "where it was; " + export_advice(source, saved, "vitp-sample OUT --prompt ... (or "
+                                    "load RUN/lora in diffusers: docs/finetuning.md#lora-files)", merge=True))
         if not any((weights / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
             raise FileNotFoundError(f"{source} has no final diffusers folder {weights} (the run has not finished): "
-                                    f"write one with vitp-export {source} --format diffusers -o OUT, then "
-                                    "vitp-sample OUT --prompt ...")
+                                    + export_advice(source, saved, "vitp-sample OUT --prompt ..."))
         cfg, base = typed_config(OmegaConf.load(run)), source
         if run_expert(cfg) == "transformer_2" and not cfg.model.get("expert"):  # named by its folder, not the key
             cfg.model.expert = "low"
@@ -106,6 +104,25 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
     cfg.trainer.init_from = str(weights)
     validate_config(cfg)
     return cfg, weights, base
+
+
+def export_advice(run_dir: Path, saved: Any, then: str, merge: bool = False) -> str:
+    """How to get a diffusers folder of the Wan run ``run_dir`` (its recorded config ``saved``) that
+    has none: ``vitp-export`` of its latest checkpoint (``merge``: the base with a LoRA run's
+    adapters merged), then the command ``then``; a run without a checkpoint yet has nothing to
+    export, so it is told how to get one (training on, or resuming it)."""
+    from vitp.checkpoint import LATEST
+
+    run = Path(run_dir)
+    export = f"vitp-export {run} --format diffusers{' --merge' if merge else ''} -o OUT"
+    what = "the base with its adapters merged" if merge else "one"
+    if (run / "checkpoints" / LATEST).is_file():
+        return f"write {what} from its latest checkpoint with {export}, then {then}"
+    every = OmegaConf.select(saved, "trainer.checkpoint_every")
+    when = (f"its first checkpoint (trainer.checkpoint_every={every})" if every else
+            "its end (trainer.checkpoint_every=0: its one checkpoint is the final one)")
+    return (f"it has no checkpoint yet ({run / 'checkpoints' / LATEST} is missing), so vitp-export has nothing to "
+            f"write: let it train to {when}, or resume it with vitp-train --resume {run}; then {export}, and {then}")
 
 
 def model_name(folder: Path) -> str:
