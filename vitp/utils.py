@@ -1,5 +1,6 @@
-"""Small helpers every layer may use: atomic file writes, the plain-dict view of a config, the
-divisors of a size, a free local TCP port, :class:`RankZeroError` and :data:`RANK_LOCAL`."""
+"""Small helpers every layer may use: atomic file writes, safetensors files with the usual mode,
+the plain-dict view of a config, the divisors of a size, a free local TCP port,
+:class:`RankZeroError` and :data:`RANK_LOCAL`."""
 from __future__ import annotations
 
 import os
@@ -7,15 +8,41 @@ import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 
 
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    try:  # Linux: read it; setting it to read it back would race with threads creating files meanwhile
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0)
+        os.umask(mask)
+        return mask
+
+
+def default_mode(path: PathLike) -> None:
+    """Give the file ``path`` the mode a plain ``open()`` gives (``0666 & ~umask``: 0644 under umask
+    022; a folder ``0777 & ~umask``, as ``mkdir``), for writers that create owner-only files
+    (safetensors: 0600; ``tempfile.mkdtemp``: 0700), which others sharing the file system could not read."""
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~_umask())
+
+
+def save_safetensors(tensors: Dict[str, Any], path: PathLike, metadata: Optional[Dict[str, str]] = None) -> Path:
+    """``safetensors`` ``save_file`` of ``tensors`` (torch tensors, or numpy arrays) with
+    ``metadata`` to ``path``, then :func:`default_mode`: every safetensors file vitp writes goes
+    through here. Returns ``path``."""
+    import numpy as np
+
+    if tensors and all(isinstance(v, np.ndarray) for v in tensors.values()):
+        from safetensors.numpy import save_file
+    else:
+        from safetensors.torch import save_file
+    save_file(tensors, str(path), metadata=metadata)
+    default_mode(path)
+    return Path(path)
 
 
 @contextmanager
@@ -32,7 +59,7 @@ def atomic_write(path: PathLike) -> Iterator[Path]:
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{path.suffix}")
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())  # some writers create owner-only files; match a plain open()
+        default_mode(tmp)  # some writers create owner-only files; match a plain open()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -106,8 +133,8 @@ def line_offsets(buf: "np.ndarray") -> "np.ndarray":
 
 
 def write_line_offsets(text_file: PathLike, out: PathLike) -> Path:
-    """Write :func:`line_offsets` of the file ``text_file`` to ``out`` (a ``.npy``, atomically,
-    readable by all); returns ``out``. Readers memory-map it to read one line at a time."""
+    """Write :func:`line_offsets` of the file ``text_file`` to ``out`` (a ``.npy``, atomically, in
+    the usual mode: :func:`default_mode`); returns ``out``. Readers memory-map it to read one line at a time."""
     import numpy as np
 
     text_file, out = Path(text_file), Path(out)
@@ -115,7 +142,6 @@ def write_line_offsets(text_file: PathLike, out: PathLike) -> Path:
     with atomic_write(out) as tmp:
         with open(tmp, "wb") as f:
             np.save(f, line_offsets(buf))
-    os.chmod(out, 0o644)
     return out
 
 

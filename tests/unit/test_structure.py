@@ -214,3 +214,13 @@ def _module_of(path):
     parts = path.relative_to(REPO).with_suffix("").parts
     is_pkg = parts[-1] == "__init__"
     return ".".join(parts[:-1] if is_pkg else parts), is_pkg
+
+
+def test_safetensors_files_are_written_through_one_helper():
+    """safetensors' ``save_file`` creates owner-only (0600) files that others on a shared file
+    system cannot read; :func:`vitp.utils.save_safetensors` gives them the usual mode, so no other
+    module calls ``save_file`` itself."""
+    direct = sorted(n for n, (_, tree, _) in MODULES.items() if n != "vitp.utils" for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("safetensors")
+                    and any(a.name == "save_file" for a in node.names))
+    assert not direct, f"call vitp.utils.save_safetensors instead of safetensors' save_file in {direct}"

@@ -201,21 +201,46 @@ def test_grids_and_evaluation_are_accepted_and_a_lone_transformer_warns(tiny, tm
         validate_config(_cfg(alone, "objective.shift=3", "eval.fid.num=8"), 1)
 
 
-def test_vitp_eval_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys):
-    """``vitp-eval`` of a Wan run without its final diffusers folder names ``vitp-export``; a weights
-    file instead of a folder names the folder to give."""
-    from omegaconf import OmegaConf
+NO_CHECKPOINT = ("it has no checkpoint yet ({run}/checkpoints/latest is missing), so vitp-export has nothing to "
+                 "write: let it train to its first checkpoint (trainer.checkpoint_every=3), or resume it with "
+                 "vitp-train --resume {run}; then vitp-export {run} --format diffusers{merge} -o OUT, and {then}")
 
-    from vitp.cli.eval import main
+
+def _unfinished_run(tiny, tmp_path, *extra):
+    """A Wan run folder with its recorded config (``trainer.checkpoint_every=3``) and no checkpoint."""
+    from omegaconf import OmegaConf
 
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
-    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(_cfg(tiny)))
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(_cfg(tiny, "trainer.checkpoint_every=3", *extra)))
+    return run
+
+
+def _checkpointed(run):
+    """``run`` with a ``checkpoints/latest`` (what the advice looks at; the checkpoint is not read)."""
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "latest").write_text("step_0000003")
+    return run
+
+
+def test_vitp_eval_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys):
+    """``vitp-eval`` of a Wan run without its final diffusers folder names ``vitp-export`` of its
+    latest checkpoint, or, without a checkpoint yet (vitp-export would refuse it), how to get one;
+    a weights file instead of a folder names the folder to give."""
+    from vitp.cli.eval import main
+
+    run = _unfinished_run(tiny, tmp_path)
     (run / "ema.safetensors").write_bytes(b"x")
+    lora = _unfinished_run(tiny, tmp_path / "lora", "trainer.lora.enabled=true")
+    later = _checkpointed(_unfinished_run(tiny, tmp_path / "later"))
+    then = f"vitp-eval {run} --weights OUT"
     for argv, message in [
             ([str(run)], f"{run / 'diffusers'} holds no diffusers Wan weights (config.json): a run that has not "
-                         f"finished has none; write one from its latest checkpoint with vitp-export {run} --format "
-                         f"diffusers -o OUT, then vitp-eval {run} --weights OUT"),
+                         "finished has none; " + NO_CHECKPOINT.format(run=run, merge="", then=then)),
+            ([str(lora)], f"{lora} is a LoRA run: its adapters are in {lora / 'lora'}; "
+                          + NO_CHECKPOINT.format(run=lora, merge=" --merge", then=f"vitp-eval {lora} --weights OUT")),
+            ([str(later)], f"a run that has not finished has none; write one from its latest checkpoint with "
+                           f"vitp-export {later} --format diffusers -o OUT, then vitp-eval {later} --weights OUT"),
             ([str(run), "--weights", "ema.safetensors"], "--weights ema.safetensors: a Wan run is "
                                                                "evaluated from a diffusers folder, not a file")]:
         with pytest.raises(SystemExit) as e:
@@ -245,19 +270,34 @@ def test_vitp_eval_refuses_weights_of_another_model(tiny, tmp_path, capsys):
                                   f"vs the run's 2); vitp-eval {run} scores weights of the run's model") in err, err
 
 
+def test_vitp_export_of_a_run_without_a_checkpoint_says_so(tiny, tmp_path, capsys):
+    """The command the advice above gives for a run with no checkpoint yet failed as "holds no vitp
+    checkpoint (expected a run directory ...)" of a run directory; now it says what is missing."""
+    from vitp.cli.export import main
+
+    run = _unfinished_run(tiny, tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main([str(run), "--format", "diffusers", "-o", str(tmp_path / "out")])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"vitp-export: error: {run} is a run with no checkpoint yet (no {run / 'checkpoints' / 'latest'}): let it "
+        f"train to its first checkpoint (trainer.checkpoint_every) or its end, or resume it with vitp-train --resume "
+        f"{run}\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_vitp_sample_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys):
     """``vitp-sample`` of a Wan run (vitp.eval.wan_sample): an unfinished run (no RUN/diffusers),
     class labels, a transformer folder without its pipeline, --scheduler on another run."""
-    from omegaconf import OmegaConf
-
     from vitp.cli.sample import main
 
-    run = tmp_path / "run"
-    (run / ".hydra").mkdir(parents=True)
-    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(_cfg(tiny)))
+    run = _unfinished_run(tiny, tmp_path)
+    copy = _checkpointed(_unfinished_run(tiny, tmp_path / "copy"))
     for argv, message in [
             ([str(run), "--prompt", "x"], f"has no final diffusers folder {run / 'diffusers'} (the run has not "
-                                          f"finished): write one with vitp-export {run} --format diffusers -o OUT"),
+                                          "finished): " + NO_CHECKPOINT.format(run=run, merge="",
+                                                                               then="vitp-sample OUT --prompt ...")),
+            ([str(copy), "--prompt", "x"], f"(the run has not finished): write one from its latest checkpoint with "
+                                           f"vitp-export {copy} --format diffusers -o OUT, then vitp-sample OUT"),
             ([str(tiny), "--classes", "1"], "this model is text-conditional: give --prompt"),
             ([str(shutil.copytree(tiny / "transformer", tmp_path / "alone")), "--prompt", "x"],
              "has no pipeline scheduler/scheduler_config.json to take the flow shift from"),

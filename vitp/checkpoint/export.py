@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vitp.config import parse_resolution
 from vitp.models import Generator, export_key, from_export_state, to_export_state
-from vitp.utils import atomic_write, atomic_write_text, to_dict
+from vitp.utils import atomic_write, atomic_write_text, save_safetensors, to_dict
 
 FORMAT = "vitp.export/1"
 PARTIAL_SYNC_NOTE = ("trained with parallel.partial_sync < 1: every TP rank carries private channels, so these full "
@@ -60,14 +60,12 @@ def save_export(path: str | os.PathLike, gen_state: Dict[str, torch.Tensor], cfg
     (``class`` | ``text``) and for text ``text_encoder`` (:func:`text_conditioning`; in the
     sidecar too).
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     model = cfg_dict["model"]
     meta, side = export_metadata(cfg_dict, step, weights)
     with atomic_write(path) as tmp:
-        save_file(to_export_state(gen_state, model["width"], model["depth"]), str(tmp), metadata=meta)
+        save_safetensors(to_export_state(gen_state, model["width"], model["depth"]), str(tmp), metadata=meta)
     _remove_stale(path, 1)
     _write_sidecar(path, side, path.name)
     return path
@@ -229,8 +227,6 @@ def shard_groups(sizes: Dict[str, int], max_bytes: int) -> List[List[str]]:
 def _write_shard(tag_dir: Path, kind: str, path: Path, keys: List[str],
                  plan: Dict[str, Tuple[Optional[str], Tuple[int, ...], int]], meta: Dict[str, str]) -> None:
     """One export file ``path`` holding export ``keys``, read from the checkpoint (only those)."""
-    from safetensors.torch import save_file
-
     from .sharded import read_full
 
     loaded = read_full(tag_dir, kind, [plan[k][0] for k in keys if plan[k][0] is not None])
@@ -242,7 +238,7 @@ def _write_shard(tag_dir: Path, kind: str, path: Path, keys: List[str],
         else:
             tensors[key] = loaded.pop(src).detach().float().contiguous()
     with atomic_write(path) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        save_safetensors(tensors, str(tmp), metadata=meta)
 
 
 def _remove_stale(out: Path, n: int) -> None:

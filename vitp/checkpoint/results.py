@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from vitp.utils import default_mode
+
 log = logging.getLogger("vitp")
 
 ABANDONED = "abandoned"  # checkpoints/abandoned/: checkpoints and results a resume from an older tag left behind
@@ -96,6 +98,7 @@ def set_aside_results(run_dir: Path, start_step: int) -> Optional[Path]:
     aside = run_dir / "checkpoints" / ABANDONED
     aside.mkdir(parents=True, exist_ok=True)
     dest = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-") + f"results-step_{step:07d}-", dir=aside))
+    default_mode(dest)  # mkdtemp's 0700: others reading the run read what it set aside too
     for f in files:
         shutil.move(str(f), str(dest / f.name))
     if grids:

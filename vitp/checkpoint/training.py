@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 
 from vitp.config import Layout
 from vitp.parallel import distributed as dist
-from vitp.utils import atomic_write_text
+from vitp.utils import atomic_write_text, default_mode
 
 from .export import RESUME_KEYS, model_differences
 from .results import ABANDONED, later_results
@@ -159,7 +159,9 @@ def _rotate(ckpt_dir: Path, step: int, keep: int) -> None:
 def _aside_folder(ckpt_dir: Path) -> Path:
     """A new ``ckpt_dir/abandoned/<time>-<id>/`` for checkpoints a run leaves behind."""
     (ckpt_dir / ABANDONED).mkdir(exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=ckpt_dir / ABANDONED))
+    folder = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=ckpt_dir / ABANDONED))
+    default_mode(folder)  # mkdtemp's 0700: others reading the run read what it set aside too
+    return folder
 
 
 def _tag_step(tag: str) -> int:
@@ -510,6 +512,10 @@ def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[
         _refuse_without_meta(source, name)
     elif has_weights(source):
         return source / name, None, source
+    elif (source / ".hydra" / "config.yaml").is_file():  # a run that has not written its first checkpoint
+        raise FileNotFoundError(f"{source} is a run with no checkpoint yet (no {source / 'checkpoints' / LATEST}): let "
+                                f"it train to its first checkpoint (trainer.checkpoint_every) or its end, or resume it "
+                                f"with vitp-train --resume {source}")
     else:
         raise FileNotFoundError(f"{source} holds no vitp checkpoint (expected a run directory, its checkpoints/ "
                                 f"folder, a checkpoints/step_NNNNNNN folder, or a .safetensors file)")

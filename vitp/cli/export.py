@@ -59,8 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                         "one: OUT/transformer and the source's other components linked); lora: a LoRA run's "
                         "adapters as one LoRA file (docs/finetuning.md#lora-files)")
     p.add_argument("--lora-format", choices=["diffusers", "comfyui"], default="diffusers",
-                   help="--format lora of a Wan run: diffusers (OUT/pytorch_lora_weights.safetensors, "
-                        "WanPipeline.load_lora_weights) or comfyui (OUT.safetensors, diffusion_model.* keys)")
+                   help="--format lora of a Wan run: diffusers (OUT/pytorch_lora_weights.safetensors, or OUT "
+                        "itself when it ends in .safetensors; WanPipeline.load_lora_weights(OUT) reads either) or "
+                        "comfyui (OUT.safetensors, diffusion_model.* keys)")
     p.add_argument("--merge", action="store_true",
                    help="a LoRA run: the base (trainer.init_from) with the adapters merged; a Wan run's with --format "
                         "diffusers as a diffusers transformer folder OUT, a generator run's as a vitp export OUT "
@@ -90,6 +91,7 @@ def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
                 "--format diffusers exports Wan runs; leave --format out for the vitp export")
     step = record.get("step", -1) if step is None else step
     out = a.out or run_dir / "export" / f"{ckpt.tag_name(max(step, 0))}_{a.weights}_diffusers"
+    check_out(out, cfg, run_dir, wan_folder=True)
     if out.exists() and any(out.iterdir()) and not a.force:
         p.error(f"{out} exists and is not empty; choose another --out or pass --force to write into it")
     kind = ex.CHECKPOINT_KINDS[src.name]
@@ -97,6 +99,16 @@ def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
     print(f"wrote {written} (diffusers WanTransformer3DModel, step {step}, {a.weights} weights)"
           + (f" in the pipeline {out}" if written != out else ""))
     return written
+
+
+def check_out(out: Path, cfg, run_dir: Path, wan_folder: bool = False) -> None:
+    """Refuse (``ValueError``, before anything is written) an output ``out`` on the run's base or
+    over the run's own files (:func:`vitp.checkpoint.outputs.check_export_out`); ``wan_folder``:
+    ``out`` is a Wan diffusers folder, written also through its transformer folder and
+    ``model_index.json``."""
+    from vitp.checkpoint.outputs import check_export_out, wan_targets
+
+    check_export_out(out, wan_targets(out, cfg) if wan_folder else [out], cfg, run_dir)
 
 
 def _full_lora_state(tag: Path, cfg, kind: str):
@@ -114,8 +126,9 @@ def write_lora_export(out: Path, adapters, config, cfg, lora_format: str = "diff
     run's as a diffusers transformer folder, the generator's as a vitp export file (``out``,
     ``.safetensors``, ``step`` and ``weights`` in its metadata; ``vitp-sample`` and
     ``trainer.init_from`` read it); else a Wan run's diffusers file
-    (``out/pytorch_lora_weights.safetensors``) or ComfyUI file (``out``, ``.safetensors``), or the
-    generator's vitp LoRA file. Returns the path written. Raises ``ValueError`` for
+    (``out/pytorch_lora_weights.safetensors``, or ``out`` itself when named ``.safetensors``:
+    :func:`lora_file`) or ComfyUI file (``out``, ``.safetensors``), or the generator's vitp LoRA
+    file. Returns the path written. Raises ``ValueError`` for
     ``lora_format=comfyui`` on a generator run, ``FileNotFoundError`` / ``ValueError`` when the
     base is gone or does not fit the adapters."""
     from vitp.models import lora_files as lf
@@ -141,8 +154,18 @@ def write_lora_export(out: Path, adapters, config, cfg, lora_format: str = "diff
 
     wan = read_config(transformer_folder(cfg.trainer.init_from, "transformer"))
     writer = lf.to_comfyui_lora if lora_format == "comfyui" else lf.to_diffusers_lora
-    return lf.save_lora_file(out if lora_format == "comfyui" else Path(out) / lf.WEIGHT_NAME,
-                             *writer(adapters, config, wan))
+    return lf.save_lora_file(lora_file(out, lora_format), *writer(adapters, config, wan))
+
+
+def lora_file(out: Path, lora_format: str = "diffusers") -> Path:
+    """The file a Wan run's ``--format lora`` export to ``out`` writes: ``out`` itself for ComfyUI
+    or a ``.safetensors`` name (diffusers' ``load_lora_weights`` takes a file path), else
+    ``out/pytorch_lora_weights.safetensors``, the folder ``save_lora_weights`` writes and
+    ``load_lora_weights(out)`` finds."""
+    from vitp.models.lora_files import WEIGHT_NAME
+
+    out = Path(out)
+    return out if lora_format == "comfyui" or out.suffix == ".safetensors" else out / WEIGHT_NAME
 
 
 def _check_base(p: argparse.ArgumentParser, lora: dict) -> None:
@@ -185,6 +208,7 @@ def run_lora(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
         p.error(f"--out {out}: the merged generator is a vitp export; use a .safetensors file name")
     if a.lora_format == "comfyui" and not a.merge and out.suffix != ".safetensors":
         out = out.with_name(out.name + ".safetensors")
+    check_out(out, cfg, run_dir, wan_folder=wan and a.merge)
     if out.exists() and not a.force:
         p.error(f"{out} exists; choose another --out or pass --force to replace it")
     adapters, config = _full_lora_state(tag, cfg, ex.CHECKPOINT_KINDS[src.name])
@@ -225,9 +249,10 @@ def run(argv: Optional[List[str]] = None) -> Path:
     if out.resolve() in (src.resolve(), Path(f"{src}{ex.INDEX_SUFFIX}").resolve()):
         p.error(f"--out {out} is the source file; choose another name")
     index = out.with_name(out.name + ex.INDEX_SUFFIX)
+    cfg = OmegaConf.create(cfg_dict)
+    check_out(out, cfg, run_dir)
     if (out.exists() or index.exists()) and not a.force:
         p.error(f"{out if out.exists() else index} exists; choose another --out or pass --force to replace it")
-    cfg = OmegaConf.create(cfg_dict)
     if str(cfg.get("model", {}).get("family", "vit")) == "wan":
         p.error(f"{a.source} is a Wan run (model.family=wan): export it with --format diffusers -o OUT"
                 + (" (--lora-format goes with --format lora, a LoRA run's adapters)" if a.lora_format != "diffusers"

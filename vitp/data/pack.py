@@ -29,7 +29,7 @@ import numpy as np
 
 from vitp.data.pack_check import DIGEST_KEY, config_hash, damage, drop_damaged_shards, recorded_digest
 from vitp.data.shards import CAPTIONS, FORMAT, MANIFEST, SAMPLES, TEXT_STORE, VERSION, shard_name, write_caption_offsets
-from vitp.utils import atomic_write_text
+from vitp.utils import atomic_write_text, save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -395,14 +395,10 @@ def write_metadata(out: Path, arrays: Dict[str, np.ndarray], captions: Optional[
     (``shardlist``: ``{"url", "nsamples", "filesize"}`` per shard). ``config_sha256``: the digest
     of the config packed (the resume check's), recorded in the manifest and in ``samples.safetensors``'s
     metadata, so that a damaged pack is repaired only by the same config. Returns the manifest."""
-    from safetensors.numpy import save_file
-
     arrays = {k: _compact(np.asarray(v)) if k in _COMPACT else v for k, v in arrays.items()}
     if captions is not None:  # which samples have one: read at start-up instead of the captions file
         arrays = dict(arrays, captioned=np.asarray([c is not None for c in captions], dtype=np.uint8))
-    save_file(arrays, str(out / SAMPLES),
-              metadata=None if config_sha256 is None else {DIGEST_KEY: config_sha256})
-    os.chmod(out / SAMPLES, 0o644)  # safetensors writes 0600: others on a shared file system read the pack too
+    save_safetensors(arrays, out / SAMPLES, metadata=None if config_sha256 is None else {DIGEST_KEY: config_sha256})
     if captions is not None:
         atomic_write_text(out / CAPTIONS, "".join(json.dumps(c) + "\n" for c in captions))
         write_caption_offsets(out / CAPTIONS)  # each line read on its own when training

@@ -228,9 +228,8 @@ def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, sh
     reads no item. Raises ``ValueError`` naming ``cache`` when it holds another weights file's, data
     set's or decoder's statistics. Collective over ``share``."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
-    from vitp.utils import atomic_write
+    from vitp.utils import atomic_write, save_safetensors
 
     m, sect = metric, cfg.eval[metric.section]
     key = {"weights_sha256": weights_digest, "data": data_key(cfg, sect.real, count)}
@@ -260,7 +259,7 @@ def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, sh
     sums = sums.summed(share)
     if share.main:
         with atomic_write(cache) as tmp:
-            save_file({"n": torch.tensor([sums.n], dtype=torch.float64), "s": sums.s, "ss": sums.ss}, str(tmp),
+            save_safetensors({"n": torch.tensor([sums.n], dtype=torch.float64), "s": sums.s, "ss": sums.ss}, str(tmp),
                       metadata={f"vitp_{m.section}_real": json.dumps(key)})
     return sums
 

@@ -308,7 +308,9 @@ def load_or_train_judge(
         If ``path`` exists but is not a readable safetensors file or its tensors do not match
         the model's names/shapes; the message names the file and suggests deleting it.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from vitp.utils import save_safetensors
 
     path = Path(path)
     in_channels = _to_4d(torch.as_tensor(x)).shape[1]
@@ -333,7 +335,7 @@ def load_or_train_judge(
     model = train_judge(x, y, epochs=epochs, seed=seed, num_classes=num_classes)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     with atomic_write(path) as tmp:
-        save_file(state, str(tmp), metadata={"epochs": str(epochs), "seed": str(seed)})
+        save_safetensors(state, str(tmp), metadata={"epochs": str(epochs), "seed": str(seed)})
     return model
 
 

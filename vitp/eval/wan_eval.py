@@ -129,12 +129,11 @@ def write_wan_grid(gen: Any, cfg: Any, path: Path, prompts: Any, share: Optional
     ``path`` without its suffix) plus ``latents.safetensors`` there (``latents`` (B, C, T, H, W)).
     Returns ``{"grid", "strips"}`` on rank 0 (``None`` elsewhere, and everywhere for a transformer
     folder without its pipeline's ``scheduler/``). Collective with ``share``."""
-    from safetensors.torch import save_file
     from torchvision.utils import save_image
 
     from vitp.media import caption_rows, frame_strip, to_grid, write_video_samples
     from vitp.objectives.wan_sampling import load_scheduler
-    from vitp.utils import atomic_write
+    from vitp.utils import atomic_write, save_safetensors
 
     from .sampling import grid_ids
 
@@ -160,7 +159,7 @@ def write_wan_grid(gen: Any, cfg: Any, path: Path, prompts: Any, share: Optional
         strips = frame_strip(x[::per], padding=1, min_tile=32)
     folder.mkdir(exist_ok=True)
     with atomic_write(folder / "latents.safetensors") as tmp:
-        save_file({"latents": lat.contiguous()}, str(tmp), metadata={"prompts": json.dumps(prompts.prompts[1:])})
+        save_safetensors({"latents": lat.contiguous()}, tmp, metadata={"prompts": json.dumps(prompts.prompts[1:])})
     return {"grid": grid, "strips": strips}
 
 
@@ -429,21 +428,21 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
     from vitp.parallel.distributed import resolve_device
     from vitp.train.wan import DIFFUSERS_DIR
 
+    from .wan_sample import export_advice
+
     folder = Path(run_dir) / (weights or DIFFUSERS_DIR)
     saved = OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")
     lora = OmegaConf.select(saved, "trainer.lora.enabled")
     if lora and weights is None:  # the adapters alone are in RUN/lora: evaluate the base with them merged
-        raise FileNotFoundError(f"{run_dir} is a LoRA run: its adapters are in {Path(run_dir) / 'lora'}; write the "
-                                f"base with them merged with vitp-export {run_dir} --format diffusers --merge -o OUT, "
-                                f"then vitp-eval {run_dir} --weights OUT")
+        raise FileNotFoundError(f"{run_dir} is a LoRA run: its adapters are in {Path(run_dir) / 'lora'}; "
+                                + export_advice(run_dir, saved, f"vitp-eval {run_dir} --weights OUT", merge=True))
     if folder.is_file():
         raise ValueError(f"--weights {weights}: a Wan run is evaluated from a diffusers folder, not a file; give "
                          f"{DIFFUSERS_DIR} (the run's final EMA weights) or a folder written by vitp-export {run_dir} "
                          "--format diffusers -o OUT")
     if not any((folder / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
         raise FileNotFoundError(f"{folder} holds no diffusers Wan weights (config.json): a run that has not finished "
-                                f"has none; write one from its latest checkpoint with vitp-export {run_dir} --format "
-                                f"diffusers -o OUT, then vitp-eval {run_dir} --weights OUT")
+                                "has none; " + export_advice(run_dir, saved, f"vitp-eval {run_dir} --weights OUT"))
     cfg = apply_overrides(typed_config(saved), overrides, "vitp-eval")
     if lora:  # --weights: a merged folder, evaluated as it is (no adapters on top)
         from vitp.config import LoraConfig

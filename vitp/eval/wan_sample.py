@@ -83,21 +83,19 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
     source = Path(source)
     run = source / ".hydra" / "config.yaml"
     if run.is_file():
-        weights = source / DIFFUSERS_DIR
-        if OmegaConf.select(OmegaConf.load(run), "trainer.lora.enabled"):
+        weights, saved = source / DIFFUSERS_DIR, OmegaConf.load(run)
+        if OmegaConf.select(saved, "trainer.lora.enabled"):
             raise FileNotFoundError(f"{source} is a LoRA run: its adapters are in {source / 'lora'}, the base stays "
-                                    f"where it was; write the base with them merged as a pipeline with vitp-export "
-                                    f"{source} --format diffusers --merge -o OUT, then vitp-sample OUT --prompt ... "
-                                    "(or load RUN/lora in diffusers: docs/finetuning.md#lora-files)")
+                                    "where it was; " + export_advice(source, saved, "vitp-sample OUT --prompt ... (or "
+                                    "load RUN/lora in diffusers: docs/finetuning.md#lora-files)", merge=True))
         if not any((weights / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
             raise FileNotFoundError(f"{source} has no final diffusers folder {weights} (the run has not finished): "
-                                    f"write one with vitp-export {source} --format diffusers -o OUT, then "
-                                    "vitp-sample OUT --prompt ...")
+                                    + export_advice(source, saved, "vitp-sample OUT --prompt ..."))
         cfg, base = typed_config(OmegaConf.load(run)), source
         if run_expert(cfg) == "transformer_2" and not cfg.model.get("expert"):  # named by its folder, not the key
             cfg.model.expert = "low"
-    else:  # a model folder: samples go to ./outputs/<folder name>/samples, never into the model's folder
-        weights, base = source, Path("outputs") / source.resolve().name
+    else:  # a model folder: samples go to ./outputs/<model_name>/samples, never into the model's folder
+        weights, base = source, Path("outputs") / model_name(source)
         cfg = typed_config(compose([SMOKE, f"trainer.init_from={source}"]))
     cfg.trainer.device = "auto"  # sampled where it is started, whatever the run trained on
     if num is not None:
@@ -106,6 +104,39 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
     cfg.trainer.init_from = str(weights)
     validate_config(cfg)
     return cfg, weights, base
+
+
+def export_advice(run_dir: Path, saved: Any, then: str, merge: bool = False) -> str:
+    """How to get a diffusers folder of the Wan run ``run_dir`` (its recorded config ``saved``) that
+    has none: ``vitp-export`` of its latest checkpoint (``merge``: the base with a LoRA run's
+    adapters merged), then the command ``then``; a run without a checkpoint yet has nothing to
+    export, so it is told how to get one (training on, or resuming it)."""
+    from vitp.checkpoint import LATEST
+
+    run = Path(run_dir)
+    export = f"vitp-export {run} --format diffusers{' --merge' if merge else ''} -o OUT"
+    what = "the base with its adapters merged" if merge else "one"
+    if (run / "checkpoints" / LATEST).is_file():
+        return f"write {what} from its latest checkpoint with {export}, then {then}"
+    every = OmegaConf.select(saved, "trainer.checkpoint_every")
+    when = (f"its first checkpoint (trainer.checkpoint_every={every})" if every else
+            "its end (trainer.checkpoint_every=0: its one checkpoint is the final one)")
+    return (f"it has no checkpoint yet ({run / 'checkpoints' / LATEST} is missing), so vitp-export has nothing to "
+            f"write: let it train to {when}, or resume it with vitp-train --resume {run}; then {export}, and {then}")
+
+
+def model_name(folder: Path) -> str:
+    """The name of ``./outputs/<name>/samples``, where the samples of the model ``folder`` go: its
+    folder name; for a folder inside a vitp run, whose names repeat in every run (``RUN/diffusers``,
+    ``RUN/export/step_0000004_ema_diffusers``), ``<run name>-<its path in the run, '-' joined>-<8 hex
+    of a hash of its resolved path>`` (``run1-diffusers-1a2b3c4d``), so two runs' folders never
+    share one."""
+    real = Path(folder).resolve()
+    run = next((p for p in real.parents if (p / ".hydra" / "config.yaml").is_file()), None)
+    if run is None:
+        return real.name
+    digest = hashlib.sha1(str(real).encode()).hexdigest()[:8]
+    return "-".join([run.name, *real.relative_to(run).parts, digest])
 
 
 def pipeline_of(cfg: Any) -> Path:
@@ -296,10 +327,8 @@ def output_name(cfg: Any, prompts: List[str], scheduler: Any, two_experts: bool 
 def write_outputs(out: Path, latents: torch.Tensor, noise: torch.Tensor, frames: Optional[torch.Tensor],
                   prompts: List[str], cfg: Any, settings: dict) -> List[Path]:
     """Write the output folder of the module doc into ``out``; returns the files written."""
-    from safetensors.torch import save_file
-
     from vitp.media import to_grid, video_grid, write_gif
-    from vitp.utils import atomic_write, atomic_write_text
+    from vitp.utils import atomic_write, atomic_write_text, save_safetensors
 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {"latents": latents.contiguous(), "noise": noise.contiguous()}
@@ -307,7 +336,7 @@ def write_outputs(out: Path, latents: torch.Tensor, noise: torch.Tensor, frames:
         tensors["frames"] = frames.contiguous()
     meta = {"prompts": json.dumps(prompts), "settings": json.dumps(settings)}
     with atomic_write(out / "latents.safetensors") as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        save_safetensors(tensors, str(tmp), metadata=meta)
     files = [out / "latents.safetensors"]
     if frames is not None:
         per = cfg.sampler.samples_per_class
@@ -330,7 +359,7 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
     :func:`vitp.cli.sample.parse_args`: prompts, ``--num``, ``--out`` (a folder), ``--force``,
     ``--scheduler``, ``--flow-shift``): samples as the module doc says, in one process or split over
     the launched ranks; rank 0 writes the output folder (default ``RUN/samples/<output_name>``, for a
-    model folder ``./outputs/<folder name>/samples/<output_name>``) and
+    model folder ``./outputs/<model_name>/samples/<output_name>``, :func:`model_name`) and
     prints one line. ``conditioning``: ``(a, cfg, meta) -> (PromptConditioning, row ids, prompts)``
     (:func:`vitp.cli.sample._conditioning`), ``allowed``: the override keys. Raises ``ValueError``
     before sampling for class labels, no prompt, ``--format mp4``, an ``--out`` that is a file or

@@ -280,15 +280,13 @@ def to_vitp_lora(adapters: Mapping[str, torch.Tensor], config: Mapping[str, Any]
 def save_lora_file(path: PathLike, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> Path:
     """Write ``tensors`` with ``metadata`` as one safetensors file, atomically; a folder ``path``
     gets :data:`WEIGHT_NAME` inside. Returns the file."""
-    from safetensors.torch import save_file
-
-    from vitp.utils import atomic_write
+    from vitp.utils import atomic_write, save_safetensors
 
     path = Path(path)
     if path.is_dir() or not path.suffix:
         path = path / WEIGHT_NAME
     with atomic_write(path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+        save_safetensors(tensors, str(tmp), metadata=metadata)
     return path
 
 
@@ -519,9 +517,8 @@ def merge_into_folder(base_folder: PathLike, adapters: Mapping[str, torch.Tensor
     :func:`vitp.models.wan_keys.load_state`."""
     import shutil
 
-    from safetensors.torch import save_file
-
     from vitp.checkpoint.export import shard_groups
+    from vitp.utils import save_safetensors
     from .wan_keys import INDEX, key_map, read_config, read_tensors, to_diffusers_state, transformer_folder, \
         weight_locations
 
@@ -543,7 +540,7 @@ def merge_into_folder(base_folder: PathLike, adapters: Mapping[str, torch.Tensor
         mods = {f"{m}.lora_{x}": t for m, ab in pairs.items() if f"{m}.weight" in state for x, t in zip("AB", ab)}
         part = to_diffusers_state(merge_lora(state, mods, config), wan, partial=True)
         name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file(part, str(out / name), metadata={"format": "pt"})
+        save_safetensors(part, str(out / name), metadata={"format": "pt"})
         index.update({k: name for k in part})
     (out / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(index.items()))}, indent=2) + "\n")
     return out

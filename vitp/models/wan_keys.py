@@ -186,7 +186,7 @@ def save_pretrained(model: WanModel, folder: PathLike) -> Path:
     """
     from importlib.metadata import version
 
-    from safetensors.torch import save_file
+    from vitp.utils import save_safetensors
 
     if not isinstance(model, WanModel):
         raise TypeError(f"save_pretrained takes a vitp WanModel (vitp.models.from_pretrained), got "
@@ -198,7 +198,7 @@ def save_pretrained(model: WanModel, folder: PathLike) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     cfg = {"_class_name": CLASS_NAME, "_diffusers_version": version("diffusers"), **model.config.to_dict()}
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file(to_diffusers_state(model.state_dict(), model.config), str(path / WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(to_diffusers_state(model.state_dict(), model.config), path / WEIGHTS, metadata={"format": "pt"})
     return path
 
 

@@ -145,11 +145,10 @@ def save_wan_stages(folder: Any, module: PipelineModule, config: WanConfig, stat
     from importlib.metadata import version
     from pathlib import Path
 
-    from safetensors.torch import save_file
-
     from vitp.models import generator_key
     from vitp.models.wan_keys import CLASS_NAME, INDEX, to_diffusers_state
     from vitp.parallel import full_weight
+    from vitp.utils import save_safetensors
 
     path = Path(folder).expanduser()
     stage = {generator_key(n, config.num_layers): full_weight(p, state) for n, p in module.named_parameters()}
@@ -158,7 +157,7 @@ def save_wan_stages(folder: Any, module: PipelineModule, config: WanConfig, stat
     tensors = to_diffusers_state(stage, config, partial=True) if writer else {}
     if writer:
         path.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        save_safetensors(tensors, str(path / name), metadata={"format": "pt"})
     entries = ({k: name for k in tensors}, sum(t.numel() * t.element_size() for t in tensors.values()))
     table = [None] * torch.distributed.get_world_size() if torch.distributed.is_initialized() else [entries]
     if torch.distributed.is_initialized():

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from vitp.utils import atomic_write, atomic_write_text
+from vitp.utils import atomic_write, atomic_write_text, save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -245,8 +245,6 @@ def _write_lookup(out: Path, unique: Sequence[str]) -> None:
 def _encode_shard(out: Path, s: int, first: int, captions: List[str], encoder: Any, head: Dict[str, Any],
                   batch_size: int, bar: Any) -> Dict[str, Any]:
     """Encode ``captions`` (ids ``first..``) in batches into shard ``s``, written atomically; its index entry."""
-    from safetensors.torch import save_file
-
     n, L, D = len(captions), head["max_length"], head["encoder"]["hidden_size"]
     # filled in place: the host holds one shard (n * L * D values) in the stored dtype, not two
     tensors = {"embeddings": torch.empty(n, L, D, dtype=STORE_DTYPES[head["dtype"]]),
@@ -263,7 +261,7 @@ def _encode_shard(out: Path, s: int, first: int, captions: List[str], encoder: A
             "truncated": str(truncated)}
     path = out / shard_name(s)
     with atomic_write(path) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        save_safetensors(tensors, str(tmp), metadata=meta)
     return {"file": path.name, "first": first, "count": n, "bytes": path.stat().st_size, "truncated": truncated}
 
 

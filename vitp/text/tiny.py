@@ -66,6 +66,10 @@ def local_encoder(path: Any) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-t5-"))
         make_tiny_encoder(tmp)
+        from vitp.utils import default_mode
+
+        for f in [tmp, *tmp.rglob("*")]:  # mkdtemp's 0700 and safetensors' 0600: every user of the machine reads it
+            default_mode(f)
         try:
             tmp.rename(folder)  # atomic: concurrent ranks build their own and one wins
         except OSError:

@@ -55,12 +55,12 @@ def write_lora(tag_dir: Path, out: Path, kind: str = "ema") -> Path:
     keys, ``pytorch_lora_weights.safetensors``: :func:`vitp.models.lora_files.to_diffusers_lora`);
     returns ``out``. Raises as
     :func:`full_lora_state`."""
-    from safetensors.torch import save_file
+    from vitp.utils import save_safetensors
 
     state, record = full_lora_state(tag_dir, kind)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / STATE), metadata={"format": "pt", "vitp_lora": json.dumps(record)})
+    save_safetensors(state, str(out / STATE), metadata={"format": "pt", "vitp_lora": json.dumps(record)})
     if record.get("family", "wan") == "wan":  # what WanPipeline.load_lora_weights(out) reads
         from vitp.models import lora_files
         from vitp.models.wan_config import read_config, transformer_folder

@@ -61,7 +61,9 @@ def check_config(cfg: DictConfig, device: Optional[torch.device] = None, run_dir
     ``trainer.device``) with the world size of the environment (``WORLD_SIZE``, 1 without a
     launcher): the whole config (:func:`vitp.config.validate_config`), a text model's captions
     and embeddings options (:func:`vitp.config.validate_text_run`), the data folders
-    (:func:`vitp.data.build.check_data_paths`) and, unless ``parallel.auto`` (whose layout the planner chooses later), the layout. Returns the
+    (:func:`vitp.data.build.check_data_paths`), where the final weights go (in ``run_dir`` and
+    ``trainer.export_dir``: not onto the run's base, :func:`vitp.checkpoint.outputs.check_final_writes`)
+    and, unless ``parallel.auto`` (whose layout the planner chooses later), the layout. Returns the
     :class:`vitp.config.Layout` (``None`` with ``parallel.auto``).
 
     Raises ``ValueError`` naming the key and the valid values; when the layout does not fit this
@@ -82,6 +84,9 @@ def check_config(cfg: DictConfig, device: Optional[torch.device] = None, run_dir
                          f"degrees whose product divides {dist.world_size()}) to the command, also after --resume "
                          f"RUN (the whole training state is resharded to any layout)") from None
     validate_text_run(cfg)
+    from vitp.checkpoint.outputs import check_final_writes
+
+    check_final_writes(cfg, run_dir)  # the final weights must not land on trainer.init_from
     from vitp.models.lora import check_lora_config
 
     check_lora_config(cfg)  # trainer.lora against the model (its depth known from the Wan folder by now)

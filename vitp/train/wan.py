@@ -169,12 +169,11 @@ def export_checkpoint_diffusers(tag_dir: Path, out: Path, cfg: Any, kind: str = 
     """
     from importlib.metadata import version
 
-    from safetensors.torch import save_file
-
     from vitp.checkpoint.export import shard_groups
     from vitp.checkpoint.sharded import read_full, tensor_shapes
     from vitp.models.wan_keys import CLASS_NAME, INDEX, WEIGHTS, key_map, to_diffusers_state
     from vitp.models.wan_run import wan_source
+    from vitp.utils import save_safetensors
 
     path, config = wan_source(cfg)
     shapes = tensor_shapes(tag_dir, kind)
@@ -192,7 +191,7 @@ def export_checkpoint_diffusers(tag_dir: Path, out: Path, cfg: Any, kind: str = 
     weight_map, total = {}, 0
     for keys, name in zip(groups, names):
         tensors = to_diffusers_state(read_full(tag_dir, kind, keys), config, partial=True)
-        save_file(tensors, str(target / name), metadata={"format": "pt"})
+        save_safetensors(tensors, str(target / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     if len(groups) > 1:
