@@ -173,3 +173,16 @@ def test_two_runs_diffusers_folders_sampled_directly_get_their_own_output_folder
     assert bases[0] != bases[1] and all(b.parent == Path("outputs") for b in bases)
     assert [b.name.rsplit("-", 1)[0] for b in bases] == ["run-diffusers"] * 2
     assert wan_sample_config(runs.base, [], 1, SAMPLE_KEYS)[2] == Path("outputs") / "base"
+
+
+def test_a_wan_lora_run_exported_without_a_format_names_the_lora_formats(runs, capsys):
+    """It advised --format diffusers, which a LoRA run then refused: two tries to the right advice."""
+    from vitp.cli.export import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(runs.lora), "-o", str(runs.tmp / "y.safetensors")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert (f"{runs.lora} is a Wan LoRA run: export its adapters with --format lora -o OUT [--lora-format comfyui], "
+            "or the base with them merged with --format diffusers --merge -o OUT") in err, err
+    assert not (runs.tmp / "y.safetensors").exists()

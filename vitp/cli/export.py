@@ -253,6 +253,9 @@ def run(argv: Optional[List[str]] = None) -> Path:
     check_out(out, cfg, run_dir)
     if (out.exists() or index.exists()) and not a.force:
         p.error(f"{out if out.exists() else index} exists; choose another --out or pass --force to replace it")
+    if str(cfg.get("model", {}).get("family", "vit")) == "wan" and OmegaConf.select(cfg, "trainer.lora.enabled"):
+        p.error(f"{a.source} is a Wan LoRA run: export its adapters with --format lora -o OUT [--lora-format comfyui], "
+                "or the base with them merged with --format diffusers --merge -o OUT")
     if str(cfg.get("model", {}).get("family", "vit")) == "wan":
         p.error(f"{a.source} is a Wan run (model.family=wan): export it with --format diffusers -o OUT"
                 + (" (--lora-format goes with --format lora, a LoRA run's adapters)" if a.lora_format != "diffusers"
