@@ -572,6 +572,7 @@ class Trainer:
         (published when this returns)."""
         save = self.checkpointer.save_final if final else self.checkpointer.save
         save(step, self.engine, self.ema, self.state)
+        self.saved_step = step
 
     def export_final(self, step: int) -> None:
         """The run's ``model_ema.safetensors`` / ``model.safetensors`` (Hugging Face-style shards
@@ -683,8 +684,12 @@ class Trainer:
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0
 
     def _after_step(self, step: int) -> None:
-        """Previews, held-out loss and checkpoints that are due after ``step`` (not the last one)."""
+        """The checkpoint, previews and held-out loss that are due after ``step`` (not the last one):
+        the checkpoint first, so that a grid or evaluation that fails (a damaged VAE, out of memory
+        in a decode) loses no step (its RNG-free draws do not depend on the order)."""
         tr = self.cfg.trainer
+        if self.checkpointer.due(step):
+            self.save_checkpoint(step)
         if _due(tr.sample_every, step):
             self.sample_grid(step)
         if _due(tr.eval_every, step):
@@ -692,8 +697,6 @@ class Trainer:
         ev = self.cfg.eval
         if (ev.fid.num or (ev.fvd.num and self.cfg.model.num_frames > 1)) and _due(ev.fid.every, step):
             self.quality_eval(step)
-        if self.checkpointer.due(step):
-            self.save_checkpoint(step)
 
     def fit(self) -> Dict[str, Any]:
         """Train from the start (or resumed) step to ``trainer.max_steps``; stop early, with a
@@ -806,7 +809,8 @@ class Trainer:
                             "To start again: %s", signal_name or "a signal on another rank", step + 1,
                             resume_command(self.run_dir))
             return self._result({}, step)
-        self.save_checkpoint(step)
+        if getattr(self, "saved_step", None) != step:  # a stop during the grid after a due checkpoint: saved
+            self.save_checkpoint(step)
         self.checkpointer.wait()  # a stop (SIGTERM too) waits for its checkpoint to be published
         self.logger.close()
         if self.main:
