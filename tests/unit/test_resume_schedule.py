@@ -22,14 +22,14 @@ def test_a_schedule_given_at_resume_trains_the_first_resumed_step(tmp_path):
     over = [*SMOKE4, "trainer.exit_at_step=2"]
     train(compose_cfg(over), run, over)
     shutil.copytree(run, other)
-    train(resume_config(run, ["optim.lr=0"]), run)
+    train(resume_config(run, ["optim.lr=0"]), run, resumed=True)
     assert [r["lr"] for r in metrics(run)] == [0.0005, 0.00075, 0.0, 0.0]
     before, _ = read_export(run / "checkpoints" / "step_0000002" / "model.safetensors")
     after, _ = read_export(run / "model.safetensors")  # step 4's raw weights
     assert all(torch.equal(before[k], after[k]) for k in before)
 
     new = ["optim.lr=0.01", "optim.warmup_steps=4", "optim.min_lr_ratio=0.5", "trainer.max_steps=6"]
-    train(resume_config(other, new), other)
+    train(resume_config(other, new), other, resumed=True)
     train(compose_cfg([*SMOKE4, *new]), fresh)
     got, want = [r["lr"] for r in metrics(other)[2:]], [r["lr"] for r in metrics(fresh)[2:]]
     assert got == want and want[0] != metrics(run)[2]["lr"], (got, want)

@@ -152,13 +152,18 @@ class Trainer:
     launch writes nothing into the run directory, bar the lock file ``.vitp.lock`` when the refusal
     comes after the lock was taken, and leaves a folder another run owns as it was.
 
+    ``resumed``: ``cfg`` is the run's recorded config with overrides set on purpose (``vitp-train
+    --resume``, :func:`vitp.cli.train.resume_config`); otherwise a launch into a folder whose run
+    has checkpoints must bring that run's config (:func:`.rundir.check_relaunch`).
+
     Raises ``ValueError`` / ``FileNotFoundError`` on an invalid layout, config or input file,
     before any training step; :class:`.rundir.RunDirBusy` when another run owns the folder.
     """
 
-    def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None):
+    def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None,
+                 resumed: bool = False):
         quiet_third_party()  # DeepSpeed's compiler probe lines, torch's deprecation of a collective DeepSpeed calls
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.cfg, self.run_dir, self.resumed = cfg, Path(run_dir), resumed
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0  # train_step works outside fit too
         self.lock = None
         hold_log_files(self.run_dir)  # a refused launch must not write into a folder's train.log
@@ -210,7 +215,7 @@ class Trainer:
         if self.main and not self.storage.shared:
             log.info("node-local run dirs: %d checkpoint folders (ranks %s)", len(self.storage.groups),
                      " | ".join(",".join(map(str, g)) for g in self.storage.groups))
-        self.checkpointer = Checkpointer(cfg, self.run_dir, self.layout, self.storage)
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.layout, self.storage, self.resumed)
         self.start_step = self.checkpointer.start_step
         # resumed at trainer.exit_at_step: a relaunch (the same command, a requeued or restarted job)
         # of a run that stopped there; it stops again at once (fit), as the first launch did
@@ -843,11 +848,15 @@ class Trainer:
         or evaluated again: no file of the run is written (the constructor skipped the run dir's
         config, ``train.log`` and TensorBoard events; the lock file gets its owner's record back)."""
         if self.main:
-            tr = self.cfg.trainer
+            from .rundir import unapplied
+
+            tr, given = self.cfg.trainer, unapplied(self.run_dir, self.cfg)
+            ignored = f"; {' '.join(given)} not applied (nothing is left to train)" if given else ""
             log.warning("already finished: this run trained its trainer.max_steps=%d steps; its weights and results "
-                        "in %s are kept, nothing was rewritten. To train longer: %s trainer.max_steps=N (N > %d); to "
-                        "evaluate other settings: vitp-eval %s key=value", tr.max_steps, self.run_dir,
-                        resume_command(self.run_dir), tr.max_steps, self.run_dir)
+                        "in %s are kept, nothing was rewritten%s. To train longer: %s trainer.max_steps=N (N > %d)%s; "
+                        "to evaluate other settings: vitp-eval %s key=value", tr.max_steps, self.run_dir, ignored,
+                        resume_command(self.run_dir), tr.max_steps, f" {' '.join(given)}" if given else "",
+                        self.run_dir)
         return self._result({}, None)
 
     def _finish(self, stopper: Optional[StopSignal] = None) -> Dict[str, Any]:
@@ -932,7 +941,9 @@ class Trainer:
             shutil.copytree(final, out / "samples" / final.name, dirs_exist_ok=True)
 
 
-def train(cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None) -> Dict[str, Any]:
-    """``Trainer(cfg, run_dir, overrides).fit()``: train with the composed config ``cfg``, writing
+def train(cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None,
+          resumed: bool = False) -> Dict[str, Any]:
+    """``Trainer(cfg, run_dir, overrides, resumed).fit()``: train with the composed config ``cfg``
+    (``resumed``: the run's recorded one with overrides, ``vitp-train --resume``), writing
     everything under ``run_dir``; see :class:`Trainer` and :meth:`Trainer.fit`."""
-    return Trainer(cfg, run_dir, overrides).fit()
+    return Trainer(cfg, run_dir, overrides, resumed).fit()
