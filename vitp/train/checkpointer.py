@@ -167,7 +167,8 @@ class Checkpointer:
             if (run_dir / "metrics.jsonl").exists() and tr.resume == "never":
                 raise ValueError(f"{run_dir} already holds a run (metrics.jsonl) and trainer.resume=never; choose a "
                                  f"new hydra.run.dir, or use trainer.resume=auto to continue it")
-            check_history(run_dir, self.cfg)
+            if self.storage.is_leader:  # the rank that wrote the folder's record, from its working directory
+                check_history(run_dir, self.cfg)
             return None
         meta = ckpt.verify_checkpoint(self.resume_tag, dist.rank(), layout=self.layout)
         self.reshard = ckpt.check_resumable(meta, self.resume_tag, self.cfg, self.layout)
@@ -184,7 +185,7 @@ class Checkpointer:
                              f"resumes ({self.resume_tag}), so it would never stop there: drop trainer.exit_at_step "
                              f"(or set it to null) to train on to trainer.max_steps={tr.max_steps}, or set it above "
                              f"{meta['step']}")
-        if not self.resumed:  # a relaunch must bring the run's config (as check_history)
+        if not self.resumed and self.storage.is_leader:  # a relaunch must bring the run's config (as check_history)
             check_relaunch(run_dir, self.cfg, self.resume_tag)
         return meta
 

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import json
 import logging
@@ -35,16 +36,18 @@ from omegaconf import DictConfig, OmegaConf
 from vitp.checkpoint import truncate_log
 from vitp.checkpoint.results import later_grids, set_aside_results
 from vitp.checkpoint.storage import PROBE_PREFIX
+from vitp.config import absolute_paths
 from vitp.parallel import distributed as dist
 
 log = logging.getLogger("vitp")
 
 LOCK_FILE = ".vitp.lock"
-# keys a relaunch may change without making it another run (how long, where to copy, how to load)
+# keys a relaunch may change without making it another run (how long, where to copy, how to load;
+# paths.output_root itself places nothing of a run: the keys interpolating it are compared resolved)
 RELAUNCH_KEYS = ("trainer.resume", "trainer.exit_at_step", "trainer.exit_after_minutes", "trainer.progress",
                  "trainer.max_steps", "trainer.export_dir", "trainer.output_data_dir", "trainer.tensorboard_dir",
                  "trainer.checkpoint_async", "trainer.checkpoint_compress", "trainer.export_shard_size_mb", "trainer.dist_timeout_minutes",
-                 "trainer.keep_checkpoints", "data.num_workers")
+                 "trainer.keep_checkpoints", "data.num_workers", "paths.output_root")
 # what a relaunch into a run with checkpoints may also change: its layout, as a resume at another
 # layout or world size does (docs/checkpoints.md); parallel=auto plans these again for a new world size
 LAYOUT_KEYS = ("parallel.tp", "parallel.cp", "parallel.cp_mode", "parallel.pp", "parallel.sequence_parallel",
@@ -185,9 +188,16 @@ def _override(key: str, value: Any) -> str:
 
 
 def _recorded(run_dir: Path) -> Optional[dict]:
-    """The run's recorded config (``.hydra/config.yaml``, resolved), or ``None`` without one."""
+    """The run's recorded config (``.hydra/config.yaml``, resolved), or ``None`` without one; paths
+    that a run recorded before they were stored absolute are read from the working directory, as
+    that run read them (:func:`vitp.config.absolute_paths`)."""
     path = Path(run_dir) / ".hydra" / "config.yaml"
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True) if path.is_file() else None
+    return OmegaConf.to_container(absolute_paths(OmegaConf.load(path)), resolve=True) if path.is_file() else None
+
+
+def _absolute(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` with its paths absolute, as the trainer records them."""
+    return absolute_paths(copy.deepcopy(cfg))
 
 
 def check_relaunch(run_dir: Path, cfg: DictConfig, tag: Path) -> None:
@@ -197,7 +207,7 @@ def check_relaunch(run_dir: Path, cfg: DictConfig, tag: Path) -> None:
     another config, and record it as the run's. The message names the keys and both fixes. A run
     dir without a record (written before vitp kept one) is not checked."""
     saved = _recorded(run_dir)
-    diffs = _differing(saved, cfg, RELAUNCH_KEYS + LAYOUT_KEYS) if saved is not None else []
+    diffs = _differing(saved, _absolute(cfg), RELAUNCH_KEYS + LAYOUT_KEYS) if saved is not None else []
     if not diffs:
         return
     more = len(diffs) > 8
@@ -216,7 +226,7 @@ def unapplied(run_dir: Path, cfg: DictConfig) -> List[str]:
     saved = _recorded(run_dir)
     if saved is None:
         return []
-    return [_override(k, y) for k, _, y in _differing(saved, cfg, RELAUNCH_KEYS + LAYOUT_KEYS)]
+    return [_override(k, y) for k, _, y in _differing(saved, _absolute(cfg), RELAUNCH_KEYS + LAYOUT_KEYS)]
 
 
 def check_same_config(cfg: DictConfig) -> None:
@@ -256,7 +266,7 @@ def check_history(run_dir: Path, cfg: DictConfig) -> None:
                              f"{', ...' if len(present) > 4 else ''}): a run would write its outputs among these "
                              f"files; choose a new or empty hydra.run.dir")
         return
-    diffs = config_differences(saved, cfg)
+    diffs = config_differences(saved, _absolute(cfg))
     if diffs:
         raise ValueError(f"{run_dir} holds another config's run ({'; '.join(diffs[:8])}"
                          f"{'; ...' if len(diffs) > 8 else ''}); choose a new hydra.run.dir, or relaunch with that "

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 import vitp.deepspeed_adapter as ds  # noqa: E402
 from vitp.checkpoint.storage import detect_storage_groups  # noqa: E402
-from vitp.config import validate_config, validate_text_run  # noqa: E402
+from vitp.config import absolute_paths, validate_config, validate_text_run  # noqa: E402
 from vitp.models.wan_run import is_wan  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.utils import atomic_write_text  # noqa: E402
@@ -49,7 +49,8 @@ log = logging.getLogger("vitp")
 
 
 def write_run_config(run_dir: Path, cfg: DictConfig, overrides: Optional[list]) -> None:
-    """``.hydra/config.yaml`` (what ``vitp-eval`` reloads) and ``overrides.yaml``, atomically."""
+    """``.hydra/config.yaml`` (what ``vitp-eval`` reloads; the trainer's ``cfg`` holds absolute paths
+    by then) and ``overrides.yaml`` (the command line as given), atomically."""
     atomic_write_text(run_dir / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))
     if overrides is not None:
         atomic_write_text(run_dir / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
@@ -139,8 +140,9 @@ class Trainer:
     ``parallel.auto`` the layout against the world size of the environment (``WORLD_SIZE``), before
     any process group exists (:func:`check_config`); a text model's caption embeddings (opened and
     checked against the model and ``data.text_encoder``, :func:`vitp.data.text.open_text_embeddings`);
-    then the process group (with ``parallel.auto``
-    the planner chooses the layout, :mod:`.autolayout`, keeping the keys named in ``overrides``,
+    then the process group (after which the config's relative paths are made absolute,
+    :func:`vitp.config.absolute_paths`, so the recorded run resumes, evaluates and samples from any
+    folder; with ``parallel.auto`` the planner chooses the layout, :mod:`.autolayout`, keeping the keys named in ``overrides``,
     and the layout is checked); the planner's memory and step time of that layout (:mod:`.preflight`:
     refused when it does not fit, a warning when a step is slow); the data; the run directory's lock (rank 0 owns the folder while
     the run lasts, :mod:`.rundir`: a second launch into it is refused); the resume checkpoint or
@@ -202,6 +204,7 @@ class Trainer:
                          f"{self.text_store.index['encoder']['name']})")
         dist.init_distributed(self.device, dist.timeout_of(cfg))
         check_same_config(cfg)  # every node's launcher was given the same overrides
+        absolute_paths(cfg)  # as recorded: the run resumes, evaluates and samples from any folder
         self.auto = None  # parallel=auto: the planner's choice, written into cfg (.autolayout)
         if cfg.parallel.auto:
             self.auto = apply_auto_layout(cfg, self.run_dir, self.device, overrides)
