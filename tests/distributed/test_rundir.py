@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, metrics, run_ranks
+from tests.helpers import PERTURBED, free_port, metrics, run_ranks
 from vitp.config import compose
 
 
@@ -190,3 +190,24 @@ def test_a_stopped_default_dir_run_resumes_with_the_command_it_prints(tmp_path):
     assert f"resumed from {run}/checkpoints/step_0000002 (step 2 of 3)" in out
     assert [r["step"] for r in metrics(run)] == [1, 2, 3]
     assert (run / "checkpoints" / "latest").read_text() == "step_0000003"
+
+
+def test_nodes_in_other_folders_relaunch_a_run_with_relative_paths(tmp_path):
+    """Launch agents may start in folders of their own (docs/launching.md) with a shared run dir:
+    each resolves a relative ``trainer.init_from`` against its own folder (the config as given is
+    the same on every rank), and rank 0 records its absolute path. A relaunch then compares the
+    record on the rank that wrote it only: another node's own absolute path is no other config."""
+    for node in ("a", "b"):
+        (tmp_path / node).mkdir()
+        shutil.copy(PERTURBED, tmp_path / node / "init.safetensors")
+    run_ranks(2, _relaunch_from_own_folder, tmp_path)
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2]
+
+
+def _relaunch_from_own_folder(rank, tmp):
+    from vitp.train import train
+
+    os.chdir(tmp / ("a" if rank == 0 else "b"))
+    over = ["experiment=smoke", "trainer.max_steps=2", "trainer.init_from=init.safetensors"]
+    assert train(compose([*over, "trainer.exit_at_step=1"]), tmp / "run")["stopped_at"] == 1
+    assert len(train(compose(over), tmp / "run")["losses"]) == 1

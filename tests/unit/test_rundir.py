@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests.helpers import compose_cfg
 from vitp.train.rundir import RunDirBusy, RunDirLock, check_history, config_differences, drop_failed_attempt
@@ -364,3 +365,45 @@ def test_a_refused_launch_into_a_new_folder_leaves_no_run_dir(tmp_path):
     lock.acquire()
     lock.release(refused=True)
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [".vitp.lock", "notes.txt"]
+
+
+def test_a_relaunch_with_another_config_into_a_run_with_checkpoints_is_refused(tmp_path, capsys, monkeypatch):
+    """A user's trial: relaunching into a run dir that holds a checkpoint with ``optim.lr=0.5`` (or
+    another ``trainer.init_from``) said only ``resumed from ...``, trained on with it and rewrote the
+    run's recorded config. Now it is refused as a folder without checkpoint is, naming the keys and
+    the deliberate way (``vitp-train --resume RUN key=value``); the same command, or one changing
+    only the layout, still resumes; a finished run resumed with new settings says they were not applied."""
+    from tests.helpers import PERTURBED
+    from vitp.cli.train import main
+
+    run = tmp_path / "run"
+    over = ["experiment=smoke", "trainer.max_steps=4", f"hydra.run.dir={run}"]
+
+    def launch(*args):
+        monkeypatch.setattr("sys.argv", ["vitp-train", *args])
+        main()
+
+    launch(*over, "trainer.exit_at_step=2")
+    record = (run / ".hydra" / "config.yaml").read_bytes()
+    files = sorted(p for p in run.rglob("*") if p.name != ".vitp.lock")
+    capsys.readouterr()
+    for extra, message in (("optim.lr=0.5", "optim.lr: 0.001 before vs 0.5 now"),
+                           (f"trainer.init_from={PERTURBED}", f"trainer.init_from: None before vs '{PERTURBED}' now")):
+        with pytest.raises(SystemExit) as e:
+            launch(*over, extra)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == (
+            f"vitp-train: error: {run} holds another config's run, with checkpoints up to step_0000002 ({message}): "
+            f"these settings were not applied and nothing was written; to continue that run with them on purpose: "
+            f"vitp-train --resume {run} {extra}; to start a new run with them, choose another hydra.run.dir\n"), err
+        assert (run / ".hydra" / "config.yaml").read_bytes() == record
+        assert sorted(p for p in run.rglob("*") if p.name != ".vitp.lock") == files
+    launch(*over, "trainer.exit_at_step=3", "trainer.micro_batch_size=8")  # a relaunch at another layout resumes
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    launch("--resume", str(run), "optim.lr=0.5")  # on purpose: resumes and records it
+    assert OmegaConf.load(run / ".hydra" / "config.yaml").optim.lr == 0.5
+    capsys.readouterr()
+    launch("--resume", str(run), "optim.lr=0.25")
+    out = capsys.readouterr()
+    assert "nothing was rewritten; optim.lr=0.25 not applied (nothing is left to train). To train longer: " \
+           f"vitp-train --resume {run} trainer.max_steps=N (N > 4) optim.lr=0.25;" in out.out + out.err

@@ -12,6 +12,7 @@ import pytest
 
 from tests.helpers import compose_cfg
 from vitp.cli.sagemaker import (
+    channel_keys,
     check_overrides,
     failure_reason,
     hydra_override,
@@ -168,6 +169,32 @@ def test_paths_come_from_the_job_environment(tmp_path):
     (base / "input" / "config" / "checkpointconfig.json").write_text("[oops")
     with pytest.raises(ValueError, match="checkpointconfig.json is not a JSON object"):
         job_paths(env)
+
+
+def test_a_restarted_job_whose_channels_are_mounted_elsewhere_resumes(tmp_path, monkeypatch):
+    """The data channels' mount points are the job's: a restarted job (another base dir) fills
+    data.root / data.heldout_root with other paths, and the run dir's record is not the job's
+    config then in those keys (a relaunch check refused it). A data.root the user gave is compared."""
+    from vitp.train.rundir import LAUNCHER_KEYS_ENV, check_relaunch
+    from vitp.train.trainer import write_run_config
+
+    def job(base, hps='{"data": "image_folder", "data.num_classes": 1}'):
+        env = {"SAGEMAKER_BASE_DIR": str(base), "SM_HPS": hps, "SM_CHANNEL_TRAIN": f"{base}/train",
+               "SM_CHANNEL_VALIDATION": f"{base}/val"}
+        over = sagemaker_overrides(env)
+        return compose_cfg([o for o in over if not o.startswith("hydra.")]), channel_keys(over, env)
+
+    first, keys = job(tmp_path / "job1")
+    assert keys == ["data.root", "data.heldout_root"]
+    assert job(tmp_path / "job1", '{"data": "image_folder", "data.root": "/r"}')[1] == ["data.heldout_root"]
+    assert job(tmp_path / "job1", "{}")[1] == []  # the digits read no folder
+    run = tmp_path / "run"
+    write_run_config(run, first, None)
+    again, _ = job(tmp_path / "job2")
+    with pytest.raises(ValueError, match=r"data.heldout_root: .* before vs .*job2/val' now; data.root: "):
+        check_relaunch(run, again, run / "checkpoints" / "step_0000004")
+    monkeypatch.setenv(LAUNCHER_KEYS_ENV, ",".join(keys))
+    check_relaunch(run, again, run / "checkpoints" / "step_0000004")
 
 
 @pytest.mark.parametrize("hps, message", [

@@ -69,12 +69,19 @@ def engine_counters(engine: Any) -> Dict[str, Any]:
 
 
 def _restore_counters(engine: Any, meta: Dict[str, Any]) -> None:
+    """DeepSpeed's step counters and the LR schedule's position from ``meta``; the lr the next step
+    trains at is this launch's schedule at that position (a resume with another ``optim.lr``,
+    warmup, ``optim.min_lr_ratio`` or ``trainer.max_steps`` trains its first step with it; unchanged,
+    it is the checkpoint's lr, bit for bit)."""
     c = meta["engine"]
     engine.global_steps, engine.global_samples = c["global_steps"], c["global_samples"]
     engine.skipped_steps = c["skipped_steps"]
     sched = engine.lr_scheduler
     if sched is not None and c["lr_scheduler"] is not None:
         sched.load_state_dict(c["lr_scheduler"])
+        # the checkpoint's param-group lr is the old config's: step the schedule in place instead
+        sched.step(sched.last_batch_iteration)
+        return
     for g, lr in zip(engine.optimizer.param_groups, c["lr"]):  # the lr the next step trains at
         g["lr"] = lr
 

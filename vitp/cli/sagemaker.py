@@ -264,6 +264,14 @@ def sagemaker_overrides(env: Mapping[str, str], argv: Sequence[str] = ()) -> Lis
     return out
 
 
+def channel_keys(overrides: Sequence[str], env: Mapping[str, str], argv: Sequence[str] = ()) -> List[str]:
+    """The keys of ``overrides`` (:func:`sagemaker_overrides`) filled from the data channels
+    (``data.root``, ``data.heldout_root``), not from a hyperparameter."""
+    given = {k for k, _ in flatten(job_hyperparameters(env, argv))}
+    return [k for k in ("data.root", "data.heldout_root")
+            if k not in given and any(override_key(o) == k for o in overrides)]
+
+
 def _reads_folders(overrides: Sequence[str]) -> bool:
     """Whether the job's data (composed from its hyperparameters) is an image or video folder, the
     data the ``train`` / ``validation`` channels fill ``data.root`` / ``data.heldout_root`` of.
@@ -334,7 +342,10 @@ def main() -> None:
         write_failure(output, f"vitp-sagemaker: error: {e}\n(fix the job's hyperparameters)\n")
         raise SystemExit(2) from None
     from vitp.cli.train import main as train_main
+    from vitp.train.rundir import LAUNCHER_KEYS_ENV
 
+    # the channels' mount points are the job's, not the run's: a restarted job may get others
+    os.environ[LAUNCHER_KEYS_ENV] = ",".join(channel_keys(overrides, os.environ, sys.argv[1:]))
     sys.argv = sys.argv[:1] + overrides
     try:
         train_main(signal_exit=False)  # a SIGTERM stop (job stop, spot interruption) saved: exit 0

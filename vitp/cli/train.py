@@ -179,7 +179,7 @@ def _train(cfg: DictConfig, run_dir: str, overrides: list, own_run_dir: bool = F
         if not own_run_dir:
             run_dir = _shared_run_dir(run_dir)
     global _stopped_by
-    result = train(cfg, run_dir, overrides)
+    result = train(cfg, run_dir, overrides, resumed=_resume_dir is not None)
     _stopped_by = result.get("signal")
     return result
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -400,9 +401,13 @@ def check_same_base(record: Optional[Dict[str, object]], saved: Optional[Dict[st
                          f"{old['hash'][:16]}), but trainer.init_from gives {new['folder']} (hash {new['hash'][:16]}): "
                          f"adapters fit only their own base; resume with trainer.init_from={old['folder']}, or start "
                          "a new run (another hydra.run.dir)")
+    def same(k: str) -> bool:  # init_from: a checkpoint of before paths were recorded absolute, as read then
+        a, b = saved.get(k), record[k]
+        return os.path.abspath(a) == os.path.abspath(b) if k == "init_from" and a and b else a == b
+
     diffs = [f"{k}: {saved.get(k)!r} in the checkpoint vs {record[k]!r} now" for k in ("rank", "pieces", "alpha",
                                                                                          "rslora", "init_from")
-             if k in saved and saved.get(k) != record[k]]  # alpha and rslora scale the trained adapters
+             if k in saved and not same(k)]  # alpha and rslora scale the trained adapters
     if diffs:
         raise ValueError(f"checkpoint {tag} holds other LoRA adapters ({'; '.join(diffs)}): resume with its "
                          "trainer.lora settings (trainer.lora.init_from only starts a run: a resumed run's adapters "

@@ -27,7 +27,7 @@ from vitp.parallel import distributed as dist
 from vitp.utils import RANK_LOCAL
 
 from .ema import EMA
-from .rundir import check_history, drop_failed_attempt
+from .rundir import check_history, check_relaunch, drop_failed_attempt
 
 log = logging.getLogger("vitp")
 
@@ -74,16 +74,19 @@ class Checkpointer:
     started from, relaunched, gives way to the run's own latest checkpoint), verifies the
     checkpoint's files, that it matches this run's layout, precision and model and is past
     neither ``trainer.max_steps`` nor ``trainer.exit_at_step`` (equal to the latter: a relaunch of
-    a run that stopped there, which :meth:`vitp.train.Trainer.fit` ends at once), or (starting
-    fresh) that the folder holds no other config's run (:func:`.rundir.check_history`); it reads
-    the run directory and writes nothing (the trainer holds the folder's lock by then).
+    a run that stopped there, which :meth:`vitp.train.Trainer.fit` ends at once), and that the folder
+    holds no other config's run (:func:`.rundir.check_history` starting fresh,
+    :func:`.rundir.check_relaunch` resuming, unless ``resumed``: ``vitp-train --resume``, whose
+    overrides change the run on purpose); it reads the run directory and writes nothing (the
+    trainer holds the folder's lock by then).
     :meth:`prepare_run_dir` is the first write, once every check of the launch has passed.
     Raises ``ValueError`` / ``FileNotFoundError`` naming the problem and the fix.
     """
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, layout: Layout, storage: Optional[StorageGroups] = None):
+    def __init__(self, cfg: DictConfig, run_dir: Path, layout: Layout, storage: Optional[StorageGroups] = None,
+                 resumed: bool = False):
         tr = self.tr = cfg.trainer
-        self.cfg, self.run_dir, self.layout = cfg, run_dir, layout
+        self.cfg, self.run_dir, self.layout, self.resumed = cfg, run_dir, layout, resumed
         self.storage = storage or StorageGroups.single(dist.world_size(), dist.rank())
         self.dir = run_dir / "checkpoints"
         self.every, self.keep = tr.checkpoint_every, tr.keep_checkpoints
@@ -164,7 +167,8 @@ class Checkpointer:
             if (run_dir / "metrics.jsonl").exists() and tr.resume == "never":
                 raise ValueError(f"{run_dir} already holds a run (metrics.jsonl) and trainer.resume=never; choose a "
                                  f"new hydra.run.dir, or use trainer.resume=auto to continue it")
-            check_history(run_dir, self.cfg)
+            if self.storage.is_leader:  # the rank that wrote the folder's record, from its working directory
+                check_history(run_dir, self.cfg)
             return None
         meta = ckpt.verify_checkpoint(self.resume_tag, dist.rank(), layout=self.layout)
         self.reshard = ckpt.check_resumable(meta, self.resume_tag, self.cfg, self.layout)
@@ -181,6 +185,8 @@ class Checkpointer:
                              f"resumes ({self.resume_tag}), so it would never stop there: drop trainer.exit_at_step "
                              f"(or set it to null) to train on to trainer.max_steps={tr.max_steps}, or set it above "
                              f"{meta['step']}")
+        if not self.resumed and self.storage.is_leader:  # a relaunch must bring the run's config (as check_history)
+            check_relaunch(run_dir, self.cfg, self.resume_tag)
         return meta
 
     def prepare_run_dir(self) -> None:

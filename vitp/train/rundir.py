@@ -5,7 +5,8 @@
   second ``vitp-train`` into the same folder is refused, naming the owner.
 - :func:`check_history`: a folder whose ``.hydra/config.yaml`` belongs to another config (and that
   has no checkpoint to resume) is refused, naming the differing keys; so is a folder that holds
-  files but no vitp run.
+  files but no vitp run. :func:`check_relaunch`: the same for a relaunch that would resume the
+  folder's checkpoint with another config.
 - :func:`drop_failed_attempt`: log lines, sample grids and TensorBoard events that an interrupted
   attempt wrote after the step we restart from are removed, so the outputs show one history; the
   results of a finished run resumed from an earlier checkpoint are moved aside first.
@@ -18,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import json
 import logging
@@ -34,16 +36,26 @@ from omegaconf import DictConfig, OmegaConf
 from vitp.checkpoint import truncate_log
 from vitp.checkpoint.results import later_grids, set_aside_results
 from vitp.checkpoint.storage import PROBE_PREFIX
+from vitp.config import absolute_paths
 from vitp.parallel import distributed as dist
 
 log = logging.getLogger("vitp")
 
 LOCK_FILE = ".vitp.lock"
-# keys a relaunch may change without making it another run (how long, where to copy, how to load)
+# keys a relaunch may change without making it another run (how long, where to copy, how to load;
+# paths.output_root itself places nothing of a run: the keys interpolating it are compared resolved)
 RELAUNCH_KEYS = ("trainer.resume", "trainer.exit_at_step", "trainer.exit_after_minutes", "trainer.progress",
                  "trainer.max_steps", "trainer.export_dir", "trainer.output_data_dir", "trainer.tensorboard_dir",
                  "trainer.checkpoint_async", "trainer.checkpoint_compress", "trainer.export_shard_size_mb", "trainer.dist_timeout_minutes",
-                 "data.num_workers")
+                 "trainer.keep_checkpoints", "data.num_workers", "paths.output_root")
+# what a relaunch into a run with checkpoints may also change: its layout, as a resume at another
+# layout or world size does (docs/checkpoints.md); parallel=auto plans these again for a new world size
+LAYOUT_KEYS = ("parallel.tp", "parallel.cp", "parallel.cp_mode", "parallel.pp", "parallel.sequence_parallel",
+               "parallel.activation_checkpoint_interval", "parallel.auto", "parallel.auto_device",
+               "parallel.auto_memory_gib", "trainer.micro_batch_size", "trainer.device")
+# comma-separated keys a launcher filled with paths of its own (vitp-sagemaker: the data channels'
+# mount points), which a restarted job may get elsewhere: not compared with the run's record
+LAUNCHER_KEYS_ENV = "VITP_LAUNCHER_KEYS"
 _held: List[tuple] = []  # (buffer, file handler) pairs of hold_log_files
 
 
@@ -153,11 +165,68 @@ def _flat(cfg: Any) -> dict:
     return out
 
 
+def _differing(saved: Any, cfg: Any, ignore) -> List[tuple]:
+    """``[(key, saved value, cfg value), ...]`` for the keys (outside ``ignore`` and the launcher's,
+    :data:`LAUNCHER_KEYS_ENV`) that differ, sorted; keys of only one side (a record of an earlier
+    vitp, whose schema lacked or had them) are not compared."""
+    a, b = _flat(saved), _flat(cfg)
+    launcher = [k for k in os.environ.get(LAUNCHER_KEYS_ENV, "").split(",") if k]
+    keys = sorted((set(a) & set(b)) - set(ignore) - set(launcher))
+    return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)]
+
+
 def config_differences(saved: Any, cfg: DictConfig, ignore=RELAUNCH_KEYS) -> List[str]:
     """``["model.depth: 2 before vs 3 now", ...]`` for keys (outside ``ignore``) that differ."""
-    a, b = _flat(saved), _flat(cfg)
-    keys = sorted((set(a) | set(b)) - set(ignore))
-    return [f"{k}: {a.get(k)!r} before vs {b.get(k)!r} now" for k in keys if a.get(k) != b.get(k)]
+    return [f"{k}: {x!r} before vs {y!r} now" for k, x, y in _differing(saved, cfg, ignore)]
+
+
+def _override(key: str, value: Any) -> str:
+    """``key=value`` as a command line gives it (``null``, ``true``, JSON lists), shell-quoted."""
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else \
+        json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return shlex.quote(f"{key}={text}")
+
+
+def _recorded(run_dir: Path) -> Optional[dict]:
+    """The run's recorded config (``.hydra/config.yaml``, resolved), or ``None`` without one; paths
+    that a run recorded before they were stored absolute are read from the working directory, as
+    that run read them (:func:`vitp.config.absolute_paths`)."""
+    path = Path(run_dir) / ".hydra" / "config.yaml"
+    return OmegaConf.to_container(absolute_paths(OmegaConf.load(path)), resolve=True) if path.is_file() else None
+
+
+def _absolute(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` with its paths absolute, as the trainer records them."""
+    return absolute_paths(copy.deepcopy(cfg))
+
+
+def check_relaunch(run_dir: Path, cfg: DictConfig, tag: Path) -> None:
+    """Refuse (``ValueError``) a relaunch into a run directory with checkpoints (not ``vitp-train
+    --resume``, whose overrides change the run on purpose) whose recorded config differs from
+    ``cfg`` outside :data:`RELAUNCH_KEYS` and :data:`LAYOUT_KEYS`: it would continue that run with
+    another config, and record it as the run's. The message names the keys and both fixes. A run
+    dir without a record (written before vitp kept one) is not checked."""
+    saved = _recorded(run_dir)
+    diffs = _differing(saved, _absolute(cfg), RELAUNCH_KEYS + LAYOUT_KEYS) if saved is not None else []
+    if not diffs:
+        return
+    more = len(diffs) > 8
+    shown = "; ".join(f"{k}: {x!r} before vs {y!r} now" for k, x, y in diffs[:8]) + ("; ..." if more else "")
+    given = " ".join(_override(k, y) for k, _, y in diffs[:8]) + (" ..." if more else "")
+    raise ValueError(f"{run_dir} holds another config's run, with checkpoints up to {tag.name} ({shown}): these "
+                     f"settings were not applied and nothing was written; to continue that run with them on purpose: "
+                     f"vitp-train --resume {shlex.quote(str(run_dir))} {given}; to start a new run with them, choose "
+                     f"another hydra.run.dir")
+
+
+def unapplied(run_dir: Path, cfg: DictConfig) -> List[str]:
+    """``["optim.lr=0.5", ...]``: the settings of ``cfg`` that differ from the run's recorded config
+    outside :data:`RELAUNCH_KEYS` and :data:`LAYOUT_KEYS` (how a launch runs, not what it trains),
+    for a launch that trains nothing (a finished run resumed) to say they were not applied."""
+    saved = _recorded(run_dir)
+    if saved is None:
+        return []
+    return [_override(k, y) for k, _, y in _differing(saved, _absolute(cfg), RELAUNCH_KEYS + LAYOUT_KEYS)]
 
 
 def check_same_config(cfg: DictConfig) -> None:
@@ -187,8 +256,8 @@ def check_history(run_dir: Path, cfg: DictConfig) -> None:
     names the keys), or that holds files and no vitp run at all (a data folder, someone's notes):
     training would write ``metrics.jsonl``, ``samples/`` ... among them and replace files of the
     same names."""
-    path = Path(run_dir) / ".hydra" / "config.yaml"
-    if not path.is_file():
+    saved = _recorded(run_dir)
+    if saved is None:
         present = sorted(p.name for p in Path(run_dir).iterdir()
                          if p.name not in FRESH_OWN and not p.name.startswith(PROBE_PREFIX)) \
             if Path(run_dir).is_dir() else []
@@ -197,7 +266,7 @@ def check_history(run_dir: Path, cfg: DictConfig) -> None:
                              f"{', ...' if len(present) > 4 else ''}): a run would write its outputs among these "
                              f"files; choose a new or empty hydra.run.dir")
         return
-    diffs = config_differences(OmegaConf.to_container(OmegaConf.load(path), resolve=True), cfg)
+    diffs = config_differences(saved, _absolute(cfg))
     if diffs:
         raise ValueError(f"{run_dir} holds another config's run ({'; '.join(diffs[:8])}"
                          f"{'; ...' if len(diffs) > 8 else ''}); choose a new hydra.run.dir, or relaunch with that "

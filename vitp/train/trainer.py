@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 import vitp.deepspeed_adapter as ds  # noqa: E402
 from vitp.checkpoint.storage import detect_storage_groups  # noqa: E402
-from vitp.config import validate_config, validate_text_run  # noqa: E402
+from vitp.config import absolute_paths, validate_config, validate_text_run  # noqa: E402
 from vitp.models.wan_run import is_wan  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.utils import atomic_write_text  # noqa: E402
@@ -49,7 +49,8 @@ log = logging.getLogger("vitp")
 
 
 def write_run_config(run_dir: Path, cfg: DictConfig, overrides: Optional[list]) -> None:
-    """``.hydra/config.yaml`` (what ``vitp-eval`` reloads) and ``overrides.yaml``, atomically."""
+    """``.hydra/config.yaml`` (what ``vitp-eval`` reloads; the trainer's ``cfg`` holds absolute paths
+    by then) and ``overrides.yaml`` (the command line as given), atomically."""
     atomic_write_text(run_dir / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))
     if overrides is not None:
         atomic_write_text(run_dir / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
@@ -144,8 +145,9 @@ class Trainer:
     ``parallel.auto`` the layout against the world size of the environment (``WORLD_SIZE``), before
     any process group exists (:func:`check_config`); a text model's caption embeddings (opened and
     checked against the model and ``data.text_encoder``, :func:`vitp.data.text.open_text_embeddings`);
-    then the process group (with ``parallel.auto``
-    the planner chooses the layout, :mod:`.autolayout`, keeping the keys named in ``overrides``,
+    then the process group (after which the config's relative paths are made absolute,
+    :func:`vitp.config.absolute_paths`, so the recorded run resumes, evaluates and samples from any
+    folder; with ``parallel.auto`` the planner chooses the layout, :mod:`.autolayout`, keeping the keys named in ``overrides``,
     and the layout is checked); the planner's memory and step time of that layout (:mod:`.preflight`:
     refused when it does not fit, a warning when a step is slow); the data; the run directory's lock (rank 0 owns the folder while
     the run lasts, :mod:`.rundir`: a second launch into it is refused); the resume checkpoint or
@@ -157,13 +159,18 @@ class Trainer:
     launch writes nothing into the run directory, bar the lock file ``.vitp.lock`` when the refusal
     comes after the lock was taken, and leaves a folder another run owns as it was.
 
+    ``resumed``: ``cfg`` is the run's recorded config with overrides set on purpose (``vitp-train
+    --resume``, :func:`vitp.cli.train.resume_config`); otherwise a launch into a folder whose run
+    has checkpoints must bring that run's config (:func:`.rundir.check_relaunch`).
+
     Raises ``ValueError`` / ``FileNotFoundError`` on an invalid layout, config or input file,
     before any training step; :class:`.rundir.RunDirBusy` when another run owns the folder.
     """
 
-    def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None):
+    def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None,
+                 resumed: bool = False):
         quiet_third_party()  # DeepSpeed's compiler probe lines, torch's deprecation of a collective DeepSpeed calls
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.cfg, self.run_dir, self.resumed = cfg, Path(run_dir), resumed
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0  # train_step works outside fit too
         self.lock = None
         hold_log_files(self.run_dir)  # a refused launch must not write into a folder's train.log
@@ -202,6 +209,7 @@ class Trainer:
                          f"{self.text_store.index['encoder']['name']})")
         dist.init_distributed(self.device, dist.timeout_of(cfg))
         check_same_config(cfg)  # every node's launcher was given the same overrides
+        absolute_paths(cfg)  # as recorded: the run resumes, evaluates and samples from any folder
         self.auto = None  # parallel=auto: the planner's choice, written into cfg (.autolayout)
         if cfg.parallel.auto:
             self.auto = apply_auto_layout(cfg, self.run_dir, self.device, overrides)
@@ -215,7 +223,7 @@ class Trainer:
         if self.main and not self.storage.shared:
             log.info("node-local run dirs: %d checkpoint folders (ranks %s)", len(self.storage.groups),
                      " | ".join(",".join(map(str, g)) for g in self.storage.groups))
-        self.checkpointer = Checkpointer(cfg, self.run_dir, self.layout, self.storage)
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.layout, self.storage, self.resumed)
         self.start_step = self.checkpointer.start_step
         # resumed at trainer.exit_at_step: a relaunch (the same command, a requeued or restarted job)
         # of a run that stopped there; it stops again at once (fit), as the first launch did
@@ -852,11 +860,15 @@ class Trainer:
         or evaluated again: no file of the run is written (the constructor skipped the run dir's
         config, ``train.log`` and TensorBoard events; the lock file gets its owner's record back)."""
         if self.main:
-            tr = self.cfg.trainer
+            from .rundir import unapplied
+
+            tr, given = self.cfg.trainer, unapplied(self.run_dir, self.cfg)
+            ignored = f"; {' '.join(given)} not applied (nothing is left to train)" if given else ""
             log.warning("already finished: this run trained its trainer.max_steps=%d steps; its weights and results "
-                        "in %s are kept, nothing was rewritten. To train longer: %s trainer.max_steps=N (N > %d); to "
-                        "evaluate other settings: vitp-eval %s key=value", tr.max_steps, self.run_dir,
-                        resume_command(self.run_dir), tr.max_steps, self.run_dir)
+                        "in %s are kept, nothing was rewritten%s. To train longer: %s trainer.max_steps=N (N > %d)%s; "
+                        "to evaluate other settings: vitp-eval %s key=value", tr.max_steps, self.run_dir, ignored,
+                        resume_command(self.run_dir), tr.max_steps, f" {' '.join(given)}" if given else "",
+                        self.run_dir)
         return self._result({}, None)
 
     def _finish(self, stopper: Optional[StopSignal] = None) -> Dict[str, Any]:
@@ -941,7 +953,9 @@ class Trainer:
             shutil.copytree(final, out / "samples" / final.name, dirs_exist_ok=True)
 
 
-def train(cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None) -> Dict[str, Any]:
-    """``Trainer(cfg, run_dir, overrides).fit()``: train with the composed config ``cfg``, writing
+def train(cfg: DictConfig, run_dir: str | os.PathLike, overrides: Optional[list] = None,
+          resumed: bool = False) -> Dict[str, Any]:
+    """``Trainer(cfg, run_dir, overrides, resumed).fit()``: train with the composed config ``cfg``
+    (``resumed``: the run's recorded one with overrides, ``vitp-train --resume``), writing
     everything under ``run_dir``; see :class:`Trainer` and :meth:`Trainer.fit`."""
-    return Trainer(cfg, run_dir, overrides).fit()
+    return Trainer(cfg, run_dir, overrides, resumed).fit()
