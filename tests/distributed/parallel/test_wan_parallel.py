@@ -530,9 +530,9 @@ def test_lora_run_files_load_in_diffusers_with_the_trained_models_output(wan_one
     # vitp-eval of the LoRA run names the merge; of the merged pipeline it gives the training's final held-out loss
     from vitp.cli.eval import run as vitp_eval
 
-    with pytest.raises(FileNotFoundError, match=r"is a LoRA run: its adapters are in .*lora; write the base with them "
-                                                r"merged with vitp-export .* --format diffusers --merge -o OUT, then "
-                                                r"vitp-eval .* --weights OUT"):
+    with pytest.raises(FileNotFoundError, match=r"is a LoRA run: its adapters are in .*lora; write the base with its "
+                                                r"adapters merged from its latest checkpoint with vitp-export .* "
+                                                r"--format diffusers --merge -o OUT, then vitp-eval .* --weights OUT"):
         vitp_eval([str(run)])
     got = vitp_eval([str(run), "--weights", str(tmp_path / "merged")])
     trained = json.loads((run / "eval.json").read_text())
