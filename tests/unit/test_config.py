@@ -591,3 +591,25 @@ def test_a_folder_no_dataset_reads_is_refused(data, key):
         compose_checked([f"data={data}", f"data.{key}=/my/photos", *extra])
     assert compose_checked(["data=image_folder", f"data.{key}=/my/photos", "data.num_classes=3"]).data[key] == "/my/photos"
 
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+@pytest.mark.parametrize("warmup", [1, 2, 3, 5])
+def test_warmup_steps_k_take_lr_times_k_plus_1_over_w_in_deepspeeds_own_schedulers(schedule, warmup):
+    """Step k < W of a W-step warmup trains at lr * (k + 1) / W, as DeepSpeed's scheduler classes
+    compute it from the config (which raise a warmup of 1 step to 2), then at the peak."""
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
+
+    cfg = compose_cfg(["optim.lr=0.01", f"optim.warmup_steps={warmup}", f"optim.schedule={schedule}",
+                       "trainer.max_steps=1000", "optim.min_lr_ratio=0.5"])
+    sched = deepspeed_config(cfg, validate_config(cfg, world_size=1, device_type="cpu"))["scheduler"]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    s = {"WarmupLR": WarmupLR, "WarmupCosineLR": WarmupCosineLR}[sched["type"]](opt, **sched["params"])
+    s.step()  # as vitp.train.trainer.Trainer does once before the first step
+    lrs = []
+    for _ in range(warmup + 1):
+        lrs.append(opt.param_groups[0]["lr"])
+        s.step()
+    want = [0.01 * (k + 1) / warmup for k in range(warmup)] + [0.01]
+    assert lrs == pytest.approx(want, rel=1e-3 if schedule == "cosine" else 1e-9), (lrs, want)

@@ -97,15 +97,17 @@ def deepspeed_config(cfg: Any, layout: Layout) -> Dict[str, Any]:
     o, tr = cfg.optim, cfg.trainer
     # DeepSpeed's linear warmup gives min + (1 - min) * k / n at step k; with min = 1/W and
     # n = W - 1 step k uses lr * (k + 1) / W, reaching the peak at step W - 1 (no lr=0 step).
+    # DeepSpeed raises n below 2 to 2, so W = 2 takes its log warmup, log(k + 1) / log(2): 0, then 1.
     warmup = max(1, o.warmup_steps)
     n_warm = max(1, warmup - 1)
+    kind = "log" if warmup == 2 else "linear"
     if o.schedule == "cosine":
         scheduler = {"type": "WarmupCosineLR", "params": {
             "total_num_steps": max(tr.max_steps, n_warm + 1), "warmup_num_steps": n_warm,
-            "warmup_min_ratio": 1.0 / warmup, "cos_min_ratio": o.min_lr_ratio, "warmup_type": "linear"}}
+            "warmup_min_ratio": 1.0 / warmup, "cos_min_ratio": o.min_lr_ratio, "warmup_type": kind}}
     else:  # constant (the schema allows no other value)
         scheduler = {"type": "WarmupLR", "params": {
-            "warmup_min_lr": o.lr / warmup, "warmup_max_lr": o.lr, "warmup_num_steps": n_warm, "warmup_type": "linear"}}
+            "warmup_min_lr": o.lr / warmup, "warmup_max_lr": o.lr, "warmup_num_steps": n_warm, "warmup_type": kind}}
     return {
         "train_batch_size": tr.global_batch_size * layout.cp,
         "train_micro_batch_size_per_gpu": tr.micro_batch_size,
