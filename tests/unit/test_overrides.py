@@ -244,8 +244,15 @@ def test_vitp_eval_result_names_of_long_overrides_never_collide(tmp_path):
     (tmp_path / "eval.json").write_text("{}")
     long = f"eval.fid.real_stats=/{'x' * 200}/real.safetensors"
     a, b = (eval_output(tmp_path, [long, f"sampler.steps={n}"], "model_ema.safetensors") for n in (4, 8))
-    assert a != b and a.name.startswith("eval_eval.fid.real_stats=_xxx") and len(a.name) < 160
+    assert a != b and len(a.name) < 160
     assert eval_output(tmp_path, ["sampler.steps=8"], "model_ema.safetensors").name == "eval_sampler.steps=8.json"
+    # a new user's report: the full path was in the name; now its last part, and a digest of the whole
+    assert a.name.startswith("eval_eval.fid.real_stats=real.safetensors_sampler.steps=4_") and "xxx" not in a.name
+    c, d = (eval_output(tmp_path, [f"eval.fid.weights={tmp_path / f}/inception.pth"], "model_ema.safetensors")
+            for f in ("x", "y"))
+    assert c != d and c.name.startswith("eval_eval.fid.weights=inception.pth_")
+    assert eval_output(tmp_path, [], "other/model.safetensors").name.startswith("eval_model_")
+    assert eval_output(tmp_path, [], "model.safetensors").name == "eval_model.json"
 
 
 def test_ctrl_c_stops_eval_and_sample_with_one_line(capsys):

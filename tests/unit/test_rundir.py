@@ -351,7 +351,8 @@ def test_resuming_before_a_damaged_last_checkpoint_moves_it_aside_and_writes_tha
 def test_a_refused_launch_into_a_new_folder_leaves_no_run_dir(tmp_path):
     """A new user's report: refusals after the lock was taken (a missing trainer.init_from file, a
     resume of another config) left a run folder holding only ``.vitp.lock``. Now a refused launch into
-    a folder that was empty removes it; a folder that held anything keeps its files and lock."""
+    a folder that was empty removes it; a folder that held anything (a model folder given as
+    hydra.run.dir) keeps its files and no lock file, or an earlier run's lock file as it was."""
     from vitp.train import train
 
     run = tmp_path / "new" / "run"
@@ -364,7 +365,13 @@ def test_a_refused_launch_into_a_new_folder_leaves_no_run_dir(tmp_path):
     (tmp_path / "kept" / "notes.txt").write_text("mine")
     lock.acquire()
     lock.release(refused=True)
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["notes.txt"]
+    (tmp_path / "kept" / ".vitp.lock").write_text('{"pid": 1}')  # an earlier run's
+    lock = RunDirLock(tmp_path / "kept")
+    lock.acquire()
+    lock.release(refused=True)
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [".vitp.lock", "notes.txt"]
+    assert (tmp_path / "kept" / ".vitp.lock").read_text() == '{"pid": 1}'
 
 
 def test_a_relaunch_with_another_config_into_a_run_with_checkpoints_is_refused(tmp_path, capsys, monkeypatch):

@@ -81,13 +81,20 @@ def weights_step(run_dir: Path, weights: str) -> Optional[int]:
 def eval_output(run_dir: Path, overrides: list, weights: str) -> Path:
     """Where ``vitp-eval`` writes its results: ``run_dir/eval.json`` when the run has none (its
     final evaluation was skipped), else ``run_dir/eval_<overrides>[_<weights>].json`` (``eval_again.json``
-    without any), so the training's ``eval.json`` is kept and each setting has its own file."""
+    without any), so the training's ``eval.json`` is kept and each setting has its own file. A path
+    (an override's value, ``--weights``) shows as its last part, with a digest of the whole command
+    (also when the name would pass 150 characters), so that two folders never share a file."""
     if not (run_dir / "eval.json").exists():
         return run_dir / "eval.json"
-    parts = list(overrides) + ([Path(weights).name.removesuffix(".safetensors")]
-                               if weights != "model_ema.safetensors" else [])
-    slug = re.sub(r"[^A-Za-z0-9._=+,-]", "_", "_".join(parts))
-    if len(slug) > 150:  # cut, with a digest of the whole, so that other settings never share a file
+    parts, shown = list(overrides), []
+    for part in overrides:  # a path by its last part: eval_eval.fid.real_stats=real.safetensors_<digest>.json
+        key, eq, value = part.partition("=")
+        shown.append(f"{key}={Path(value).name}" if eq and "/" in value else part)
+    if weights != "model_ema.safetensors":
+        parts.append(weights)
+        shown.append(Path(weights).name.removesuffix(".safetensors"))
+    slug = re.sub(r"[^A-Za-z0-9._=+,-]", "_", "_".join(shown))
+    if len(slug) > 150 or "/" in "".join(parts):  # with a digest of the whole: other settings never share a file
         slug = f"{slug[:140]}_{hashlib.sha256('_'.join(parts).encode()).hexdigest()[:8]}"
     return run_dir / f"eval_{slug or 'again'}.json"
 

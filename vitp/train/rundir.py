@@ -86,8 +86,9 @@ class RunDirLock:
     trainers in one process exclude each other too).
 
     Linux maps ``flock`` to POSIX locks on NFS, where clusters keep run folders; on a filesystem
-    without locks we warn and go on unlocked. The lock file is never deleted (that races with the
-    next owner); it records the owner's host, pid and start time for the refusal message.
+    without locks we warn and go on unlocked. The lock file stays after a run (deleting it races
+    with the next owner), bar a refused launch's own (:meth:`release`); it records the owner's
+    host, pid and start time for the refusal message.
     """
 
     def __init__(self, run_dir: Path):
@@ -99,6 +100,7 @@ class RunDirLock:
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.was_empty = not any(self.path.parent.iterdir())  # a new run dir: a refused launch leaves none
+        self.created = not self.path.exists()  # a refused launch removes the lock file it created
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -122,13 +124,18 @@ class RunDirLock:
     def release(self, restore: bool = False, refused: bool = False) -> None:
         """Give the folder up (idempotent); ``restore``: write the previous owner's record back
         first, so a launch that wrote nothing else (a finished run resumed) leaves the file as it was;
-        ``refused``: a refused launch into a folder that was empty removes the lock file and the
-        folder, leaving no run dir behind (deleted while still held, so no other launch owns it)."""
+        ``refused``: a refused launch removes the lock file it created (a model folder given as
+        ``hydra.run.dir`` keeps no ``.vitp.lock``) or puts the previous owner's record back, and
+        removes the folder when it was empty, leaving no run dir behind (deleted while still held,
+        so no other launch owns it)."""
         if self.fd is not None:
-            if refused and getattr(self, "was_empty", False) and [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]:
-                self.path.unlink()
+            if refused and getattr(self, "created", False):
                 with contextlib.suppress(OSError):
-                    self.path.parent.rmdir()
+                    self.path.unlink()
+                if getattr(self, "was_empty", False):
+                    with contextlib.suppress(OSError):
+                        self.path.parent.rmdir()
+            restore = restore or refused
             if restore and getattr(self, "previous", None) is not None:
                 os.ftruncate(self.fd, 0)
                 os.pwrite(self.fd, self.previous, 0)
