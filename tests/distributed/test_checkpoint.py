@@ -133,7 +133,7 @@ def test_kill_during_save_resumes_from_the_previous_checkpoint(tp2pp2_run, tmp_p
 
 def _import_runs(rank, export, tmp):
     over = ["experiment=smoke", "model.depth=3", "trainer.max_steps=0", f"trainer.init_from={export}",
-            "eval.enabled=true", "eval.classifier_epochs=1", "eval.num_samples=20"]
+            "eval.enabled=true", "eval.classifier_epochs=1", "eval.num_samples=20", "eval.t_grid=2"]
     world = int(os.environ["WORLD_SIZE"])
     return train_rank(rank, over + [f"parallel.pp={world}"], f"{tmp}/pp{world}")
 

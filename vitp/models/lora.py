@@ -378,6 +378,14 @@ def run_record(cfg) -> Optional[Dict[str, object]]:
             "init_from": str(lora_file(cfg.trainer.lora.init_from)) if cfg.trainer.lora.get("init_from") else None}
 
 
+def _init_from_of(folder: str) -> str:
+    """The ``trainer.init_from`` that gives the base ``folder``: a pipeline's transformer folder
+    (``PIPE/transformer``, ``PIPE/transformer_2``) is given as ``PIPE``, which also brings the
+    scheduler and VAE the run samples with; any other folder or file as it is."""
+    p = Path(folder)
+    return str(p.parent) if p.name.startswith("transformer") and (p.parent / "model_index.json").is_file() else folder
+
+
 def check_same_base(record: Optional[Dict[str, object]], saved: Optional[Dict[str, object]], tag) -> None:
     """Raises ``ValueError`` naming both when a checkpoint's LoRA record ``saved`` and this run's
     ``record`` (:func:`run_record`) disagree: one is a LoRA run and the other not, or the adapters
@@ -399,8 +407,8 @@ def check_same_base(record: Optional[Dict[str, object]], saved: Optional[Dict[st
     if old["hash"] != new["hash"]:
         raise ValueError(f"checkpoint {tag} holds LoRA adapters trained on the base {old['folder']} (weights hash "
                          f"{old['hash'][:16]}), but trainer.init_from gives {new['folder']} (hash {new['hash'][:16]}): "
-                         f"adapters fit only their own base; resume with trainer.init_from={old['folder']}, or start "
-                         "a new run (another hydra.run.dir)")
+                         f"adapters fit only their own base; resume with trainer.init_from={_init_from_of(old['folder'])}, "
+                         "or start a new run (another hydra.run.dir)")
     def same(k: str) -> bool:  # init_from: a checkpoint of before paths were recorded absolute, as read then
         a, b = saved.get(k), record[k]
         return os.path.abspath(a) == os.path.abspath(b) if k == "init_from" and a and b else a == b

@@ -172,7 +172,7 @@ class Trainer:
         quiet_third_party()  # DeepSpeed's compiler probe lines, torch's deprecation of a collective DeepSpeed calls
         self.cfg, self.run_dir, self.resumed = cfg, Path(run_dir), resumed
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0  # train_step works outside fit too
-        self.lock = None
+        self.lock, self.saved_step = None, None  # saved_step: the last step this launch checkpointed
         hold_log_files(self.run_dir)  # a refused launch must not write into a folder's train.log
         checked = False
         try:
@@ -817,7 +817,7 @@ class Trainer:
                             "To start again: %s", signal_name or "a signal on another rank", step + 1,
                             resume_command(self.run_dir))
             return self._result({}, step)
-        if getattr(self, "saved_step", None) != step:  # a stop during the grid after a due checkpoint: saved
+        if self.saved_step != step:  # a stop during the grid after a due checkpoint: saved
             self.save_checkpoint(step)
         self.checkpointer.wait()  # a stop (SIGTERM too) waits for its checkpoint to be published
         self.logger.close()

@@ -448,6 +448,8 @@ def test_lora_training_resumes_exactly_and_refuses_another_base(wan_one, wan_tra
     msg = wan_one["lora_other_base"]
     assert "adapters fit only their own base" in msg, msg
     assert str(Path(wan_train["folder"]) / "transformer") in msg and str(Path(wan_train["other"]) / "transformer") in msg
+    # the pipeline folder, not its transformer/ (which would lose the scheduler and VAE)
+    assert f"resume with trainer.init_from={wan_train['folder']}, or" in msg, msg
 
 
 def test_continued_lora_starts_from_the_files_adapters(wan_one, wan_train):
