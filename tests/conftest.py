@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import pytest
 
 from tests.helpers import (TP2PP2, compiled_cases, compose_cfg, lora_cases, reference_cases, reference_rank, run_ranks,
                            train_rank)
+
+# PYTHONDONTWRITEBYTECODE (set on some machines) made every fresh interpreter the suite starts (about
+# 270: the CLIs, launchers' ranks, scripts) compile vitp's own source again, about 0.4 s each; the
+# suite lets Python keep its bytecode (__pycache__/, ignored by git), as it does by default
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # trainer.compile=blocks runs share one inductor cache (vitp.models.compiled.CACHE_ENV), kept across
 # sessions (inductor keys it by graph, inputs and torch version): equal block graphs compile once;

@@ -23,7 +23,7 @@ def test_a_schedule_given_at_resume_trains_the_first_resumed_step(tmp_path):
     train(compose_cfg(over), run, over)
     shutil.copytree(run, other)
     train(resume_config(run, ["optim.lr=0"]), run, resumed=True)
-    assert [r["lr"] for r in metrics(run)] == [0.0005, 0.00075, 0.0, 0.0]
+    assert [r["lr"] for r in metrics(run)] == [0.0005, 0.001, 0.0, 0.0]  # warmup 2: lr/2, lr; then lr=0
     before, _ = read_export(run / "checkpoints" / "step_0000002" / "model.safetensors")
     after, _ = read_export(run / "model.safetensors")  # step 4's raw weights
     assert all(torch.equal(before[k], after[k]) for k in before)
