@@ -105,13 +105,20 @@ def test_benchmark_tp_comm_partial_sync(tmp_path, sp):
     assert out["within_rtol"] is True and all(out["measured"][k]["bytes"] == half for k in out["theory_block_linears"])
 
 
+@pytest.fixture(scope="module")
+def bench_quick(tmp_path_factory):
+    """``scripts/bench.py --quick`` run once for the module (every section but ``compile``, ``cp``
+    included): ``(results, Markdown)``."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "bench"
+    _run(["scripts/bench.py", "--quick", "--out", str(out)], tmp)
+    return json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".md").read_text()
+
+
 @pytest.mark.slow
-def test_bench_quick(tmp_path):
+def test_bench_quick(bench_quick):
     """``scripts/bench.py --quick``: every section on the tiny model writes its JSON and Markdown."""
-    out = tmp_path / "bench"
-    _run(["scripts/bench.py", "--quick", "--out", str(out)], tmp_path)
-    res = json.loads(out.with_suffix(".json").read_text())
-    md = out.with_suffix(".md").read_text()
+    res, md = bench_quick
     r = res["overhead"]["tiny"]
     assert r["reps"] == 2 and r["vitp_ms"] > 0 and r["plain_ms"] > 0 and r["min"] <= r["ratio"] <= r["max"]
     assert r["first_loss"]["vitp"] == pytest.approx(r["first_loss"]["plain"], rel=1e-5)  # the same model and batch
@@ -200,14 +207,12 @@ def test_gpu_check_cpu_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_cp_quick(tmp_path):
-    """``scripts/bench.py --quick --sections cp`` (tiny video generator, N = 64): cp collectives of
+def test_bench_cp_quick(bench_quick):
+    """``scripts/bench.py --quick``'s ``cp`` section (tiny video generator, N = 64): cp collectives of
     forward + backward equal theory exactly (count and logical bytes per collective, wire bytes per
     rank), the token-sharded saved activations at cp = 2 are about half of cp = 1, and vitp's
     Ulysses attention gives DeepSpeed's DistributedAttention output."""
-    out = tmp_path / "bench"
-    _run(["scripts/bench.py", "--quick", "--sections", "cp", "--out", str(out)], tmp_path)
-    res = json.loads(out.with_suffix(".json").read_text())["cp"]
+    res = bench_quick[0]["cp"]
     rows = res["memory_comm"]
     assert set(rows) == {f"{a}/{m}/cp={c}" for a, m in (("full", "ulysses"), ("full", "ring"), ("factorized", "ulysses"))
                          for c in (1, 2, 4) if c > 1 or m == "ulysses"}
