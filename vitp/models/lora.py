@@ -378,14 +378,6 @@ def run_record(cfg) -> Optional[Dict[str, object]]:
             "init_from": str(lora_file(cfg.trainer.lora.init_from)) if cfg.trainer.lora.get("init_from") else None}
 
 
-def _init_from_of(folder: str) -> str:
-    """The ``trainer.init_from`` that gives the base ``folder``: a pipeline's transformer folder
-    (``PIPE/transformer``, ``PIPE/transformer_2``) is given as ``PIPE``, which also brings the
-    scheduler and VAE the run samples with; any other folder or file as it is."""
-    p = Path(folder)
-    return str(p.parent) if p.name.startswith("transformer") and (p.parent / "model_index.json").is_file() else folder
-
-
 def check_same_base(record: Optional[Dict[str, object]], saved: Optional[Dict[str, object]], tag) -> None:
     """Raises ``ValueError`` naming both when a checkpoint's LoRA record ``saved`` and this run's
     ``record`` (:func:`run_record`) disagree: one is a LoRA run and the other not, or the adapters
@@ -405,9 +397,13 @@ def check_same_base(record: Optional[Dict[str, object]], saved: Optional[Dict[st
                          "only their own base; put that base's files back there, or start a new run (another "
                          "hydra.run.dir)")
     if old["hash"] != new["hash"]:
+        from .wan_run import pipeline_folder
+
+        # a pipeline's transformer/ is given as the pipeline, which also brings its scheduler and VAE
+        given = pipeline_folder(Path(old["folder"])) or old["folder"]
         raise ValueError(f"checkpoint {tag} holds LoRA adapters trained on the base {old['folder']} (weights hash "
                          f"{old['hash'][:16]}), but trainer.init_from gives {new['folder']} (hash {new['hash'][:16]}): "
-                         f"adapters fit only their own base; resume with trainer.init_from={_init_from_of(old['folder'])}, "
+                         f"adapters fit only their own base; resume with trainer.init_from={given}, "
                          "or start a new run (another hydra.run.dir)")
     def same(k: str) -> bool:  # init_from: a checkpoint of before paths were recorded absolute, as read then
         a, b = saved.get(k), record[k]

@@ -93,6 +93,8 @@ class RunDirLock:
 
     def __init__(self, run_dir: Path):
         self.path, self.fd = Path(run_dir) / LOCK_FILE, None
+        self.was_empty = self.created = False  # set by acquire: what release(refused=True) removes
+        self.previous: Optional[bytes] = None  # the last owner's record, put back by release(restore=True)
 
     def acquire(self) -> None:
         """Take the lock or raise :class:`RunDirBusy` naming the owner and the fix."""
@@ -113,7 +115,7 @@ class RunDirLock:
             os.close(fd)
             raise RunDirBusy(f"run dir {self.path.parent} is in use by another vitp-train ({owner}); wait for it to "
                              f"finish or stop it, or choose another hydra.run.dir") from None
-        self.previous = os.pread(fd, 4096, 0)  # the last owner's record, put back by release(restore=True)
+        self.previous = os.pread(fd, 4096, 0)
         info = {"host": socket.gethostname(), "pid": os.getpid(),
                 "since": datetime.datetime.now().isoformat(timespec="seconds")}
         os.ftruncate(fd, 0)
@@ -129,14 +131,14 @@ class RunDirLock:
         removes the folder when it was empty, leaving no run dir behind (deleted while still held,
         so no other launch owns it)."""
         if self.fd is not None:
-            if refused and getattr(self, "created", False):
+            if refused and self.created:
                 with contextlib.suppress(OSError):
                     self.path.unlink()
-                if getattr(self, "was_empty", False):
+                if self.was_empty:
                     with contextlib.suppress(OSError):
                         self.path.parent.rmdir()
             restore = restore or refused
-            if restore and getattr(self, "previous", None) is not None:
+            if restore and self.previous is not None:
                 os.ftruncate(self.fd, 0)
                 os.pwrite(self.fd, self.previous, 0)
             os.close(self.fd)  # closing drops the lock
@@ -184,7 +186,11 @@ def _differing(saved: Any, cfg: Any, ignore) -> List[tuple]:
 
 def config_differences(saved: Any, cfg: DictConfig, ignore=RELAUNCH_KEYS) -> List[str]:
     """``["model.depth: 2 before vs 3 now", ...]`` for keys (outside ``ignore``) that differ."""
-    return [f"{k}: {x!r} before vs {y!r} now" for k, x, y in _differing(saved, cfg, ignore)]
+    return [_said(*d) for d in _differing(saved, cfg, ignore)]
+
+
+def _said(key: str, before: Any, now: Any) -> str:
+    return f"{key}: {before!r} before vs {now!r} now"
 
 
 def _override(key: str, value: Any) -> str:
@@ -218,7 +224,7 @@ def check_relaunch(run_dir: Path, cfg: DictConfig, tag: Path) -> None:
     if not diffs:
         return
     more = len(diffs) > 8
-    shown = "; ".join(f"{k}: {x!r} before vs {y!r} now" for k, x, y in diffs[:8]) + ("; ..." if more else "")
+    shown = "; ".join(_said(*d) for d in diffs[:8]) + ("; ..." if more else "")
     given = " ".join(_override(k, y) for k, _, y in diffs[:8]) + (" ..." if more else "")
     raise ValueError(f"{run_dir} holds another config's run, with checkpoints up to {tag.name} ({shown}): these "
                      f"settings were not applied and nothing was written; to continue that run with them on purpose: "
