@@ -148,7 +148,7 @@ def test_torchrun_with_tensor_and_sequence_parallelism(tmp_path, dp_runs):
 def test_sample_and_eval_clis(tmp_path, capsys):
     run = tmp_path / "run"
     p = _cli(["vitp-train", "experiment=smoke", "eval.enabled=true", "eval.classifier_epochs=2",
-              f"hydra.run.dir={run}"], tmp_path)
+              "trainer.checkpoint_every=2", f"hydra.run.dir={run}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     ev = json.loads((run / "eval.json").read_text())
     for key in ("heldout_loss", "sample_accuracy", "fd_digits", "fd_digits_real", "judge_accuracy_real_heldout"):
@@ -169,6 +169,20 @@ def test_sample_and_eval_clis(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         sample_main([str(tmp_path / "missing")])
     assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
+    # a checkpoint given as the run: refused naming the command that evaluates it, which records its step
+    tag = run / "checkpoints" / "step_0000002"
+    with pytest.raises(SystemExit) as e:
+        eval_main([str(tag)])
+    assert e.value.code == 2 and (f"{tag} is a checkpoint of the run {run}: vitp-eval takes the run directory; "
+                                  f"evaluate this checkpoint with vitp-eval {run} --weights checkpoints/step_0000002"
+                                  ) in capsys.readouterr().err
+    from vitp.cli.eval import run as vitp_eval
+
+    at2, last, final = (vitp_eval([str(run), *w, "sampler.steps=2", "eval.t_grid=1"]) for w in (
+        ["--weights", "checkpoints/step_0000002"], ["--weights", "checkpoints"], []))  # checkpoints: the latest
+    assert (at2["step"], last["step"], final["step"]) == (2, 4, 4)
+    assert last["heldout_loss"] == pytest.approx(final["heldout_loss"], rel=1e-6)
+    assert abs(at2["heldout_loss"] / final["heldout_loss"] - 1) > 1e-4  # other weights
 
 
 def test_image_folder_training_on_real_photos(tmp_path):

@@ -60,8 +60,9 @@ def test_transformer_subfolder_and_shift_from_the_pipeline(tiny, tmp_path):
 @pytest.mark.parametrize("init, error, match", [
     (None, ValueError, r"model.family=wan needs trainer.init_from=FOLDER.*make_tiny_wan"),
     ("/nonexistent/wan", FileNotFoundError, r"trainer.init_from=/nonexistent/wan: Wan folder .* does not exist.*"
-                                            r"vitp never downloads \(a run whose base folder moved resumes with "
-                                            r"vitp-train --resume RUN trainer.init_from=NEW_PLACE"),
+                                            r"vitp never downloads \(a run whose base folder moved: add "
+                                            r"trainer.init_from=NEW_PLACE to vitp-train --resume RUN, vitp-sample "
+                                            r"RUN or vitp-eval RUN\)"),
 ])
 def test_missing_folder_is_refused(init, error, match):
     over = [] if init is None else [f"trainer.init_from={init}"]
@@ -237,8 +238,9 @@ def test_vitp_eval_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys):
     for argv, message in [
             ([str(run)], f"{run / 'diffusers'} holds no diffusers Wan weights (config.json): a run that has not "
                          "finished has none; " + NO_CHECKPOINT.format(run=run, merge="", then=then)),
-            ([str(lora)], f"{lora} is a LoRA run: its adapters are in {lora / 'lora'}; "
-                          + NO_CHECKPOINT.format(run=lora, merge=" --merge", then=f"vitp-eval {lora} --weights OUT")),
+            ([str(lora)], f"{lora} is a LoRA run without its final adapters {lora / 'lora'} (the run has not "
+                          "finished): " + NO_CHECKPOINT.format(run=lora, merge=" --merge",
+                                                               then=f"vitp-eval {lora} --weights OUT")),
             ([str(later)], f"a run that has not finished has none; write one from its latest checkpoint with "
                            f"vitp-export {later} --format diffusers -o OUT, then vitp-eval {later} --weights OUT"),
             ([str(run), "--weights", "ema.safetensors"], "--weights ema.safetensors: a Wan run is "
@@ -292,7 +294,12 @@ def test_vitp_sample_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys
 
     run = _unfinished_run(tiny, tmp_path)
     copy = _checkpointed(_unfinished_run(tiny, tmp_path / "copy"))
+    lora = _checkpointed(_unfinished_run(tiny, tmp_path / "lora", "trainer.lora.enabled=true"))
     for argv, message in [
+            ([str(lora), "--prompt", "x"], f"{lora} is a LoRA run without its final adapters {lora / 'lora'} (the "
+                                           "run has not finished): write the base with its adapters merged from its "
+                                           f"latest checkpoint with vitp-export {lora} --format diffusers --merge -o "
+                                           f"OUT, then vitp-sample OUT"),
             ([str(run), "--prompt", "x"], f"has no final diffusers folder {run / 'diffusers'} (the run has not "
                                           "finished): " + NO_CHECKPOINT.format(run=run, merge="",
                                                                                then="vitp-sample OUT --prompt ...")),
@@ -307,6 +314,33 @@ def test_vitp_sample_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err, err
+
+
+def test_a_wan_runs_checkpoint_given_to_vitp_sample_or_eval_names_the_export(tiny, tmp_path, capsys):
+    """A user's trial: ``vitp-sample RUN/checkpoints/step_N`` of a Wan run built vitp's own generator
+    and failed in ``load_state_dict`` (missing keys, size mismatches); ``vitp-eval`` of it failed
+    on a missing ``.hydra/config.yaml``. Both now name the ``vitp-export`` that writes the
+    checkpoint as a diffusers folder (``--merge`` for a LoRA run's adapters), then the command."""
+    from vitp.cli.eval import main as eval_main
+    from vitp.cli.sample import main as sample_main
+
+    full = _checkpointed(_unfinished_run(tiny, tmp_path / "full"))
+    lora = _checkpointed(_unfinished_run(tiny, tmp_path / "lora", "trainer.lora.enabled=true"))
+    for run, merge, final in ((full, "", "weights"), (lora, " --merge", "adapters")):
+        tag = run / "checkpoints" / "step_0000003"
+        tag.mkdir()
+        for main, prog, source in ((sample_main, "vitp-sample", tag), (sample_main, "vitp-sample", tag.parent),
+                                   (eval_main, "vitp-eval", tag)):
+            with pytest.raises(SystemExit) as e:
+                main([str(source), *(["--prompt", "x"] if prog == "vitp-sample" else [])])
+            err = capsys.readouterr().err
+            export = f"vitp-export {source} --format diffusers{merge} -o OUT, then"
+            want = (f"{source} is a checkpoint of the Wan run {run}: vitp-sample reads diffusers folders; write one "
+                    f"with {export} vitp-sample OUT (the run's final {final}: vitp-sample {run})"
+                    if prog == "vitp-sample" else
+                    f"{source} is a checkpoint of the run {run}: vitp-eval takes the run directory; write this "
+                    f"checkpoint as a diffusers folder with {export} vitp-eval {run} --weights OUT")
+            assert e.value.code == 2 and want in err, err
 
 
 def test_wan_collate_gives_wan_pairs_padded_to_512_tokens():

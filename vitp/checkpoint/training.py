@@ -475,6 +475,15 @@ def _refuse_without_meta(tag: Path, name: str) -> None:
                             f"never finished, or the file was removed); {fix}")
 
 
+def run_of_checkpoint(path: Path) -> Optional[Path]:
+    """The run directory (it holds ``.hydra/config.yaml``) whose ``checkpoints/`` folder or
+    checkpoint tag folder (``checkpoints/step_N``) ``path`` is, else None."""
+    path = Path(path)
+    run = path.parent if path.name == "checkpoints" else path.parent.parent if path.parent.name == "checkpoints" \
+        else None
+    return run if run is not None and (run / ".hydra" / "config.yaml").is_file() else None
+
+
 def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[int], Path]:
     """``(weights path, step, run dir)`` of ``source``: a finished run dir (its final
     ``model_ema.safetensors`` / ``model.safetensors`` by ``weights``, a single file or sharded:

@@ -58,10 +58,33 @@ def weights_path(run_dir: Path, weights: str) -> Path:
 def given_weights(run_dir: Path, weights: str) -> str:
     """``--weights``: a file inside ``run_dir`` (as given), else a path from the current folder that
     exists (absolute: a new user's ``--weights other_run/export/x.safetensors`` was looked for inside
-    ``run_dir``)."""
-    if not (Path(run_dir) / weights).exists() and Path(weights).exists():
+    ``run_dir``). A checkpoint folder (``checkpoints/step_N``, or ``checkpoints`` for its latest)
+    stands for its EMA weights, ``<tag>/model_ema.safetensors``."""
+    from vitp.checkpoint import LATEST, META, resolve_weights
+
+    inside = Path(run_dir) / weights
+    path = inside if inside.exists() else Path(weights)
+    if path.is_dir() and ((path / META).is_file() or (path / LATEST).is_file()):
+        got = resolve_weights(path, "ema")[0]
+        return str(got.relative_to(run_dir)) if path == inside else str(got.resolve())
+    if not inside.exists() and Path(weights).exists():
         return str(Path(weights).resolve())
     return weights
+
+
+def checkpoint_advice(source: Path, run: Path) -> str:
+    """The refusal of ``vitp-eval CHECKPOINT`` (``source`` a checkpoint of ``run``): the command that
+    evaluates it (a Wan run's: its diffusers export first)."""
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(run / ".hydra" / "config.yaml")
+    what = "the checkpoints folder" if Path(source).name == "checkpoints" else "a checkpoint"
+    head = f"{source} is {what} of the run {run}: vitp-eval takes the run directory; "
+    if str(OmegaConf.select(saved, "model.family", default="vit")) == "wan":
+        merge = " --merge" if OmegaConf.select(saved, "trainer.lora.enabled") else ""
+        return head + (f"write this checkpoint as a diffusers folder with vitp-export {source} --format diffusers{merge} "
+                       f"-o OUT, then vitp-eval {run} --weights OUT")
+    return head + f"evaluate this checkpoint with vitp-eval {run} --weights {Path(source).resolve().relative_to(run.resolve())}"
 
 
 def weights_step(run_dir: Path, weights: str) -> Optional[int]:
@@ -69,9 +92,15 @@ def weights_step(run_dir: Path, weights: str) -> Optional[int]:
     logged step (files written before the step was recorded)."""
     from safetensors import safe_open
 
+    from vitp.checkpoint import META
+
     try:
-        with safe_open(str(weights_path(run_dir, weights)), framework="pt") as f:
-            step = (f.metadata() or {}).get("step")
+        path = weights_path(run_dir, weights)
+        if (path.parent / META).is_file():  # <tag>/model_ema.safetensors of a checkpoint: its record's step
+            step = json.loads((path.parent / META).read_text()).get("step")
+        else:
+            with safe_open(str(path), framework="pt") as f:
+                step = (f.metadata() or {}).get("step")
     except Exception:  # noqa: BLE001 - unreadable here: load_for_eval refuses it with the reason
         step = None
     step = int(step) if step is not None else -1  # -1: written without a step
@@ -194,6 +223,11 @@ def run(argv: Optional[list] = None) -> dict:
     flags, a.overrides = flag_overrides(a.overrides, "vitp-eval", FLAGS)
     if a.weights is not None and "weights" in flags:
         raise ValueError("--weights and cli.weights= both given; give one of them")
+    from vitp.checkpoint import run_of_checkpoint
+
+    owner = run_of_checkpoint(a.run_dir)
+    if owner is not None and not (a.run_dir / ".hydra").is_dir():
+        raise ValueError(checkpoint_advice(a.run_dir, owner))
     given = flags.get("weights", a.weights)
     weights = given_weights(a.run_dir, given) if given else "model_ema.safetensors"
     sharded = launched()

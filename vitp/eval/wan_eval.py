@@ -412,15 +412,16 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
     """``(cfg, denoiser, share, train_ds, heldout_ds, conditioning)`` of a finished Wan run for
     ``vitp-eval``: its config with ``overrides`` (schema-checked, then checked as ``vitp-train``
     checks a Wan run), the weights of the diffusers folder ``weights`` (default ``RUN/diffusers``,
-    the run's final EMA weights; a relative path is taken inside the run), its caption store and
+    the run's final EMA weights; a LoRA run's: its base ``trainer.init_from`` with its final
+    adapters ``RUN/lora``; a relative path is taken inside the run), its caption store and
     data split. With ``sharded`` (under a launcher; collective) this rank's stage in the layout of
     :func:`vitp.eval.launch.choose_layout` (replicas of the whole model when one fits a device,
     unless ``overrides`` name a layout key), reading only its slices (:func:`vitp.eval.wan_sample.build_wan_sharded`), else the
     whole model in one process.
 
-    Raises ``FileNotFoundError`` when the folder is missing (an unfinished run: naming
+    Raises ``FileNotFoundError`` when the folder or adapters are missing (an unfinished run: naming
     ``vitp-export --format diffusers``), ``ValueError`` when ``weights`` is a file, for bad
-    overrides and layouts the world cannot run."""
+    overrides, a LoRA of another base and layouts the world cannot run."""
     from vitp.cli.overrides import apply_overrides, typed_config
     from vitp.config import validate_config
     from vitp.data import build_datasets
@@ -428,27 +429,32 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
     from vitp.parallel.distributed import resolve_device
     from vitp.train.wan import DIFFUSERS_DIR
 
-    from .wan_sample import export_advice
+    from .wan_sample import export_advice, lora_file_of, wan_denoisers
 
     folder = Path(run_dir) / (weights or DIFFUSERS_DIR)
     saved = OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")
     lora = OmegaConf.select(saved, "trainer.lora.enabled")
-    if lora and weights is None:  # the adapters alone are in RUN/lora: evaluate the base with them merged
-        raise FileNotFoundError(f"{run_dir} is a LoRA run: its adapters are in {Path(run_dir) / 'lora'}; "
-                                + export_advice(run_dir, saved, f"vitp-eval {run_dir} --weights OUT", merge=True))
-    if folder.is_file():
+    adapters = Path(run_dir) / "lora" if lora and weights is None else None  # the base with the final adapters
+    if adapters is not None and lora_file_of(adapters) is None:
+        raise FileNotFoundError(f"{run_dir} is a LoRA run without its final adapters {adapters} (the run has not "
+                                "finished): " + export_advice(run_dir, saved, f"vitp-eval {run_dir} --weights OUT",
+                                                              merge=True))
+    if adapters is None and folder.is_file():
         raise ValueError(f"--weights {weights}: a Wan run is evaluated from a diffusers folder, not a file; give "
                          f"{DIFFUSERS_DIR} (the run's final EMA weights) or a folder written by vitp-export {run_dir} "
                          "--format diffusers -o OUT")
-    if not any((folder / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
+    if adapters is None and not any((folder / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
         raise FileNotFoundError(f"{folder} holds no diffusers Wan weights (config.json): a run that has not finished "
                                 "has none; " + export_advice(run_dir, saved, f"vitp-eval {run_dir} --weights OUT"))
     cfg = apply_overrides(typed_config(saved), overrides, "vitp-eval")
-    if lora:  # --weights: a merged folder, evaluated as it is (no adapters on top)
+    if adapters is not None:  # the base the run adapted (trainer.init_from: where it is now) + RUN/lora
+        cfg.trainer.lora.init_from = str(adapters)
+    elif lora:  # --weights: a merged folder, evaluated as it is (no adapters on top)
         from vitp.config import LoraConfig
 
         cfg.trainer.lora = OmegaConf.structured(LoraConfig())
-    cfg.trainer.init_from = str(folder.resolve())
+    if adapters is None:
+        cfg.trainer.init_from = str(folder.resolve())
     if weights is not None:
         _check_same_model(cfg, weights, run_dir)
     validate_config(cfg)
@@ -467,13 +473,12 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
         gen, share = build_wan_sharded(cfg, "vitp-eval")
     else:
         from vitp.eval.launch import check_layout_overrides
-        from vitp.models import from_pretrained as read_wan_folder  # local safetensors only
 
         check_layout_overrides(cfg, overrides, "vitp-eval")
         from vitp.models.wan_run import wan_source
 
         # the run's own transformer: an A14B low-noise expert's is transformer_2/ (as the sharded path reads)
-        gen, share = read_wan_folder(str(wan_source(cfg)[0])).to(resolve_device(cfg.trainer.device)).eval(), None
+        gen, share = wan_denoisers(cfg, (wan_source(cfg)[0],), resolve_device(cfg.trainer.device))[0], None
     cond = conditioning(cfg)
     train_ds, heldout_ds = conditioned(cond, *build_datasets(cfg.data, cfg.seed))
     return cfg, gen, share, train_ds, heldout_ds, cond
@@ -489,8 +494,9 @@ def run_wan_eval(run_dir: Path, weights: Optional[str], overrides: List[str], sh
 
     cfg, gen, share, train_ds, heldout_ds, cond = load_wan_for_eval(run_dir, weights, overrides, sharded)
     pipe = sampling_pipeline(cfg)  # samples of other weights or another VAE are drawn again
-    source = weights_identity(wan_source(cfg)[0], *([pipe / "vae"] if pipe is not None and (pipe / "vae").is_dir()
-                                                    else []))
+    lora = [Path(cfg.trainer.lora.init_from)] if cfg.trainer.lora.enabled and cfg.trainer.lora.init_from else []
+    source = weights_identity(wan_source(cfg)[0], *lora, *([pipe / "vae"] if pipe is not None and
+                                                           (pipe / "vae").is_dir() else []))
     head = {"step": None, "weights": cfg.trainer.init_from} if weights is not None else None
     with sample_source(source):  # other weights: no step of the run's
         return wan_evaluate(gen, cfg, train_ds, heldout_ds, run_dir, full=True, step=None if head else step, out=out,

@@ -47,13 +47,16 @@ SMOKE = "experiment=wan_smoke"  # the config a plain pipeline folder is sampled 
 
 
 def is_wan_source(source: Path) -> bool:
-    """Whether ``source`` is a Wan run directory (``.hydra/config.yaml`` with ``model.family=wan``) or a
-    diffusers Wan folder (``model_index.json`` of a ``WanPipeline``, or a transformer ``config.json``
+    """Whether ``source`` is a Wan run directory (``.hydra/config.yaml`` with ``model.family=wan``),
+    its ``checkpoints/`` folder or one of its checkpoints (:func:`checkpoint_run`: refused by
+    :func:`wan_sample_config`, naming ``vitp-export``), or a diffusers Wan folder (``model_index.json`` of a ``WanPipeline``, or a transformer ``config.json``
     of ``WanTransformer3DModel``)."""
     source = Path(source)
     run = source / ".hydra" / "config.yaml"
     if run.is_file():
         return str(OmegaConf.load(run).get("model", {}).get("family", "vit")) == "wan"
+    if checkpoint_run(source) is not None:
+        return True
     from vitp.models.wan_config import I2V_PIPELINES
 
     for name, cls in (("model_index.json", ("WanPipeline", *I2V_PIPELINES)),
@@ -66,44 +69,113 @@ def is_wan_source(source: Path) -> bool:
     return False
 
 
-def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
-                      allowed: Tuple[str, ...]) -> Tuple[Any, Path, Path]:
-    """``(config, weights folder, output base)`` to sample ``source`` with: a run's
-    ``.hydra/config.yaml`` and its final ``RUN/diffusers`` folder, or for a diffusers folder the
-    ``experiment=wan_smoke`` config of that folder; with ``num`` samples per prompt and the
-    ``overrides`` (keys starting with one of ``allowed``: :data:`vitp.cli.sample.SAMPLE_KEYS`),
-    checked as ``vitp-train`` checks a Wan run (sizes from the folder's ``config.json``).
+def checkpoint_run(source: Path) -> Optional[Path]:
+    """The Wan run directory whose ``checkpoints/`` folder or checkpoint (``step_N``) ``source``
+    is (:func:`vitp.checkpoint.run_of_checkpoint`), else None."""
+    from vitp.checkpoint.training import run_of_checkpoint
 
-    Raises ``FileNotFoundError`` for a run without its diffusers folder (naming ``vitp-export``),
-    ``ValueError`` for a bad override or a folder whose pipeline has no ``scheduler/``."""
+    run = run_of_checkpoint(source)
+    if run is None:
+        return None
+    return run if str(OmegaConf.load(run / ".hydra" / "config.yaml").get("model", {}).get("family", "vit")) == "wan" \
+        else None
+
+
+def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
+                      allowed: Tuple[str, ...], prog: str = "vitp-sample") -> Tuple[Any, Path, Path]:
+    """``(config, weights folder, output base)`` to sample ``source`` with: a run's
+    ``.hydra/config.yaml`` and its final ``RUN/diffusers`` folder, or for a LoRA run its base
+    ``trainer.init_from`` with the run's final adapters ``RUN/lora`` (``trainer.lora.init_from``:
+    :func:`wan_denoisers` adds them), or for a diffusers folder the ``experiment=wan_smoke`` config
+    of that folder; with ``num`` samples per prompt and the ``overrides`` (keys starting with one
+    of ``allowed``: :data:`vitp.cli.sample.SAMPLE_KEYS`, and for a run ``trainer.init_from``, its
+    base pipeline moved elsewhere), checked as ``vitp-train`` checks a Wan run (sizes from the
+    folder's ``config.json``; a LoRA's base by its hash).
+
+    Raises ``FileNotFoundError`` for a run without its diffusers folder or final adapters and for
+    a checkpoint of a run (both naming ``vitp-export``), ``ValueError`` for a bad override, a LoRA
+    of another base, or a folder whose pipeline has no ``scheduler/``."""
     from vitp.cli.overrides import apply_overrides, typed_config
     from vitp.config import compose, validate_config
     from vitp.train.wan import DIFFUSERS_DIR
 
     source = Path(source)
     run = source / ".hydra" / "config.yaml"
+    owner = checkpoint_run(source)
+    if owner is not None:
+        saved = OmegaConf.load(owner / ".hydra" / "config.yaml")
+        lora = bool(OmegaConf.select(saved, "trainer.lora.enabled"))
+        raise FileNotFoundError(
+            f"{source} is a checkpoint of the Wan run {owner}: {prog} reads diffusers folders; write one with "
+            f"vitp-export {source} --format diffusers{' --merge' if lora else ''} -o OUT, then {prog} OUT "
+            f"(the run's final {'adapters' if lora else 'weights'}: {prog} {owner})")
+    lora_dir = None
     if run.is_file():
         weights, saved = source / DIFFUSERS_DIR, OmegaConf.load(run)
         if OmegaConf.select(saved, "trainer.lora.enabled"):
-            raise FileNotFoundError(f"{source} is a LoRA run: its adapters are in {source / 'lora'}, the base stays "
-                                    "where it was; " + export_advice(source, saved, "vitp-sample OUT --prompt ... (or "
-                                    "load RUN/lora in diffusers: docs/finetuning.md#lora-files)", merge=True))
-        if not any((weights / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
+            lora_dir = source / "lora"
+            if not lora_file_of(lora_dir):
+                raise FileNotFoundError(f"{source} is a LoRA run without its final adapters {lora_dir} (the run has "
+                                        "not finished): " + export_advice(source, saved, f"{prog} OUT", merge=True))
+        elif not any((weights / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
             raise FileNotFoundError(f"{source} has no final diffusers folder {weights} (the run has not finished): "
-                                    + export_advice(source, saved, "vitp-sample OUT --prompt ..."))
+                                    + export_advice(source, saved, f"{prog} OUT --prompt ..."))
         cfg, base = typed_config(OmegaConf.load(run)), source
         if run_expert(cfg) == "transformer_2" and not cfg.model.get("expert"):  # named by its folder, not the key
             cfg.model.expert = "low"
+        allowed = (*allowed, "trainer.init_from")
     else:  # a model folder: samples go to ./outputs/<model_name>/samples, never into the model's folder
         weights, base = source, Path("outputs") / model_name(source)
         cfg = typed_config(compose([SMOKE, f"trainer.init_from={source}"]))
     cfg.trainer.device = "auto"  # sampled where it is started, whatever the run trained on
     if num is not None:
         cfg.sampler.samples_per_class = num
-    cfg = apply_overrides(cfg, overrides, "vitp-sample", allowed=allowed)
+    cfg = apply_overrides(cfg, overrides, prog, allowed=allowed)
+    if lora_dir is not None:  # the base the run adapted (wherever it is now) and the run's final adapters
+        weights = Path(str(cfg.trainer.init_from))
+        cfg.trainer.lora.init_from = str(lora_dir)
     cfg.trainer.init_from = str(weights)
     validate_config(cfg)
     return cfg, weights, base
+
+
+def lora_file_of(folder: Path) -> Optional[Path]:
+    """The adapters file of a LoRA run's ``RUN/lora`` folder (:func:`vitp.models.lora.lora_file`),
+    None when it has none."""
+    from vitp.models.lora import lora_file
+
+    try:
+        return lora_file(folder)
+    except FileNotFoundError:
+        return None
+
+
+def lora_target(cfg: Any) -> Optional[Path]:
+    """The transformer folder a config's ``trainer.lora.init_from`` adapters apply to (the base the
+    LoRA run adapted: one expert of a Wan 2.2 A14B pipeline), resolved; None without adapters."""
+    if not (cfg.trainer.lora.enabled and cfg.trainer.lora.init_from):
+        return None
+    from vitp.models.lora import base_path
+
+    return base_path(cfg).resolve()
+
+
+def wan_denoisers(cfg: Any, folders: Tuple[Path, ...], device: Any) -> List[Any]:
+    """The :class:`vitp.models.wan.WanModel` of each transformer folder (vitp's reader: local
+    safetensors only), on ``device``, in eval mode; the one :func:`lora_target` names with the
+    config's adapters merged into its weights (:func:`vitp.models.lora_files.merge_lora`: ``W +
+    scaling B A`` in fp32, as ``vitp-export --merge`` writes them)."""
+    from vitp.models import from_pretrained as read_wan_folder
+    from vitp.models.lora import read_init_lora
+    from vitp.models.lora_files import merge_lora
+
+    target, out = lora_target(cfg), []
+    for folder in folders:
+        model = read_wan_folder(str(folder))
+        if target is not None and Path(folder).resolve() == target:
+            model.load_state_dict(merge_lora(model.state_dict(), *read_init_lora(cfg)))
+        out.append(model.to(device).eval())
+    return out
 
 
 def export_advice(run_dir: Path, saved: Any, then: str, merge: bool = False) -> str:
@@ -278,21 +350,26 @@ def wan_replica(cfg: Any, device: Any, experts: Tuple[Path, ...] = ()) -> Tuple[
     DeepSpeed, no collective per forward: a replica's samples are one process's, byte for byte).
     Collective."""
     from vitp.eval.inference import Share
-    from vitp.models import from_pretrained as read_wan_folder  # vitp's reader: local safetensors only
     from vitp.models.wan_run import wan_source
     from vitp.parallel import distributed as dist
 
     dist.init_process_group(device, dist.timeout_of(cfg))
-    models = [read_wan_folder(str(f)).to(device).eval() for f in experts or (wan_source(cfg)[0],)]
+    models = wan_denoisers(cfg, experts or (wan_source(cfg)[0],), device)
     return (models if experts else models[0]), Share.replicas()
 
 
 def _expert_config(cfg: Any, folder: Path) -> Any:
     """A copy of ``cfg`` whose ``trainer.init_from`` is the transformer ``folder`` (no
-    ``model.expert``: the folder names it)."""
+    ``model.expert``: the folder names it; a LoRA run's adapters only where :func:`lora_target`
+    is that folder)."""
+    from vitp.config import LoraConfig
+
     one = copy.deepcopy(cfg)
+    target = lora_target(cfg)
     one.trainer.init_from = str(folder)
     one.model.expert = None
+    if target is not None and Path(folder).resolve() != target:  # a LoRA run's adapters: its own expert's alone
+        one.trainer.lora = OmegaConf.structured(LoraConfig())
     return one
 
 
@@ -372,9 +449,13 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
     if a.format == "mp4":
         raise ValueError("--format mp4: a Wan sample folder holds a GIF grid (and the frames in latents.safetensors); "
                          "leave --format out")
+    from vitp.models.wan_run import wan_source
+
     cfg, weights, base = wan_sample_config(a.source, overrides, a.num, allowed)
     pipe = pipeline_of(cfg)
-    info = sampling_pipeline(cfg, pipe, run_expert(cfg) if (Path(a.source) / ".hydra").is_dir() else None)
+    lora = lora_target(cfg)  # a LoRA run samples its base pipeline, the adapters on the expert it adapted
+    info = sampling_pipeline(cfg, pipe, run_expert(cfg) if (Path(a.source) / ".hydra").is_dir() and lora is None
+                             else None)
     scheduler = load_scheduler(pipe, a.scheduler, a.flow_shift)
     cond, rows, prompts = conditioning(a, cfg, {})
     embeds = prompt_embeds(cond, int(cfg.model.text_dim))
@@ -389,28 +470,26 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
         cfg = choose_layout(cfg, overrides, world_size(), resolve_device(cfg.trainer.device), "vitp-sample")
         denoiser, share = build_wan_sharded(cfg, experts=experts)
     else:
-        from vitp.models import from_pretrained as read_wan_folder  # vitp's reader: local safetensors only
-
-        device = resolve_device(cfg.trainer.device)
-        denoiser = [read_wan_folder(str(f)).to(device).eval() for f in experts or (weights,)]
+        denoiser = wan_denoisers(cfg, experts or (wan_source(cfg)[0],), resolve_device(cfg.trainer.device))
         share = None
     got = wan_generate(denoiser, scheduler, cfg, ids, embeds, share, info)
     finish()
     if got is None or not is_main():
         return
-    _write(out, got, pipe, prompts, cfg, scheduler, info, weights)
+    _write(out, got, pipe, prompts, cfg, scheduler, info, weights, lora_file_of(Path(a.source) / "lora") if lora else None)
 
 
 def _write(out: Path, got: Tuple[torch.Tensor, torch.Tensor], pipe: Path, prompts: List[str], cfg: Any,
-           scheduler: Any, info: Any, weights: Path) -> None:
-    """Rank 0's end of :func:`run_wan`: decode, write the output folder, print its line."""
+           scheduler: Any, info: Any, weights: Path, lora: Optional[Path] = None) -> None:
+    """Rank 0's end of :func:`run_wan`: decode, write the output folder, print its line (``lora``:
+    the adapters file merged into ``weights``)."""
     latents, noise = got
     frames = decode_frames(pipe, latents)
     s = cfg.sampler
     settings = {"scheduler": type(scheduler).__name__, "flow_shift": dict(scheduler.config).get(
         "flow_shift", dict(scheduler.config).get("shift")), "steps": s.steps, "guidance_scale": s.cfg_scale,
         "seed": s.seed, "samples_per_prompt": s.samples_per_class, "weights": str(weights),
-        "expand_timesteps": info.expand_timesteps}
+        "expand_timesteps": info.expand_timesteps, **({"lora": str(lora)} if lora else {})}
     g2 = s.cfg_scale if s.get("cfg_scale_2") is None else s.cfg_scale_2
     if info.two_experts:
         settings.update(experts=list(info.experts), boundary_ratio=info.boundary_ratio, guidance_scale_2=g2)
@@ -420,5 +499,7 @@ def _write(out: Path, got: Tuple[torch.Tensor, torch.Tensor], pipe: Path, prompt
     how = f"{settings['scheduler']} {s.steps} steps, shift {settings['flow_shift']:g}, CFG {s.cfg_scale:g}"
     if info.two_experts:
         how += f" (two experts, boundary {info.boundary_ratio:g}, low-noise CFG {g2:g})"
+    if lora:
+        how += f", the base {weights} with the LoRA {lora}"
     decoded = f"{frames.shape[1]} frames" if frames is not None else "no vae/ in the pipeline: latents only"
     print(f"wrote {out} ({what}, {decoded}, {how}: {', '.join(f.name for f in files)})")

@@ -186,7 +186,8 @@ def transformer_folder(folder: PathLike, subfolder: Optional[str] = "transformer
     path = Path(folder).expanduser()
     if not path.is_dir():
         what = "is a file, not a folder" if path.exists() else "does not exist"
-        moved = (" (a run whose base folder moved resumes with vitp-train --resume RUN trainer.init_from=NEW_PLACE)"
+        moved = (" (a run whose base folder moved: add trainer.init_from=NEW_PLACE to vitp-train --resume RUN, "
+                 "vitp-sample RUN or vitp-eval RUN)"
                  if not path.exists() else "")
         raise FileNotFoundError(f"Wan folder {path} {what}: {HINT}{moved}")
     index = path / "model_index.json"

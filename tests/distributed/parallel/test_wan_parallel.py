@@ -478,7 +478,8 @@ def test_lora_run_files_load_in_diffusers_with_the_trained_models_output(wan_one
     ``WanTransformer3DModel`` of the base + ``load_lora_adapter`` (no key warning) gives vitp's
     trained model's output (the base with the run's EMA adapters), and so does the merged
     ``vitp-export --format diffusers --merge`` folder (1e-5 relative); the ComfyUI export holds
-    ``diffusion_model.*`` keys alone."""
+    ``diffusion_model.*`` keys alone. ``vitp-eval RUN`` and ``vitp-sample RUN`` of the run take its
+    base with the final adapters: the training's own evaluation and the merged folder's samples."""
     import json
 
     from diffusers import WanTransformer3DModel
@@ -529,16 +530,28 @@ def test_lora_run_files_load_in_diffusers_with_the_trained_models_output(wan_one
     with safe_open(str(comfy), "pt") as f:
         keys = list(f.keys())
     assert keys and all(k.startswith("diffusion_model.") for k in keys)
-    # vitp-eval of the LoRA run names the merge; of the merged pipeline it gives the training's final held-out loss
+    # vitp-eval of the LoRA run (its base + RUN/lora) and of the merged pipeline give the training's final
+    # held-out loss; the base alone does not
     from vitp.cli.eval import run as vitp_eval
 
-    with pytest.raises(FileNotFoundError, match=r"is a LoRA run: its adapters are in .*lora; write the base with its "
-                                                r"adapters merged from its latest checkpoint with vitp-export .* "
-                                                r"--format diffusers --merge -o OUT, then vitp-eval .* --weights OUT"):
-        vitp_eval([str(run)])
-    got = vitp_eval([str(run), "--weights", str(tmp_path / "merged")])
     trained = json.loads((run / "eval.json").read_text())
-    assert got["heldout_loss"] == pytest.approx(trained["heldout_loss"], rel=1e-5)
+    got, merged_eval = vitp_eval([str(run)]), vitp_eval([str(run), "--weights", str(tmp_path / "merged")])
+    for res in (got, merged_eval):
+        assert res["heldout_loss"] == pytest.approx(trained["heldout_loss"], rel=1e-5)
+        assert res["temporal_diff"] == pytest.approx(trained["temporal_diff"], rel=SAMPLE_TOL)
+    alone = vitp_eval([str(run), "--weights", str(Path(wan_train["folder"]))])
+    assert abs(alone["heldout_loss"] / got["heldout_loss"] - 1) > 1e-4
+    # vitp-sample of the LoRA run: the merged pipeline's samples (the adapters merged in memory), not the base's
+    from safetensors.torch import load_file
+
+    from vitp.cli.sample import run as vitp_sample
+
+    prompt = ["--prompt", "a red ball", "--num", "2", "sampler.steps=3"]
+    for name, source in (("lora", run), ("merged", tmp_path / "merged"), ("base", Path(wan_train["folder"]))):
+        vitp_sample([str(source), *prompt, "--out", str(tmp_path / f"s_{name}")])
+    lat = {n: load_file(str(tmp_path / f"s_{n}" / "latents.safetensors"))["latents"] for n in ("lora", "merged", "base")}
+    assert float((lat["lora"] - lat["merged"]).abs().max()) <= 1e-5 * float(lat["merged"].abs().max())
+    assert float((lat["lora"] - lat["base"]).abs().max()) > 1e-3 * float(lat["base"].abs().max())
 
 
 # ----------------------------------------------------------------------------- grids, held-out loss, vitp-eval
@@ -615,6 +628,21 @@ def _one_process_eval(run: Path) -> dict:
     res = vitp_eval([str(run), "sampler.fps=4"])
     assert json.loads((run / "eval_sampler.fps=4.json").read_text()) == res
     return res
+
+
+def test_vitp_eval_of_a_lora_run_over_replicas_and_at_tp2_is_the_trainings_evaluation(wan2, wan_train):
+    """``vitp-eval RUN`` of the LoRA run trained at pp2, in the 2-rank group: over two replicas (the
+    adapters merged into each replica's base) and at tp2 (``parallel.tp=2 parallel.pp=1``: the
+    adapters on the column- and row-parallel linears, each rank reading its slices of the base and
+    of ``RUN/lora``) it gives the training's final evaluation and one process's ``vitp-eval RUN``."""
+    group = wan2[0]["vitp_eval"]
+    run = Path(wan_train["runs"]) / "lora_pp2"
+    one = _one_process_eval(run)
+    trained = json.loads((run / "eval.json").read_text())
+    for got in (group["lora_dp2"], group["lora_tp2"], trained):
+        assert got["heldout_loss"] == pytest.approx(one["heldout_loss"], rel=TOL)
+        assert got["temporal_diff"] == pytest.approx(one["temporal_diff"], rel=SAMPLE_TOL)
+    assert group["lora_dp2"]["step"] == group["lora_tp2"]["step"] == one["step"] == 4
 
 
 @pytest.mark.parametrize("world", [2, 8])

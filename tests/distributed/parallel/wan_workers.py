@@ -470,7 +470,8 @@ def eval_in_group(train: dict, world: int) -> dict:
     """``vitp-eval RUN`` of :data:`EVAL_IN_GROUP` in this group (``vitp.cli.eval.run`` under the
     group's launcher environment: each rank reads its slices of ``RUN/diffusers``); rank 0's results.
     At 2 ranks also ``"quality"``: FID, CLIP score and FVD (:func:`quality_args`) over the two
-    replicas, and ``"quality_pp2"``: FID at pp2 (:func:`quality_pp2_args`); the group closes once,
+    replicas, ``"quality_pp2"``: FID at pp2 (:func:`quality_pp2_args`), and ``"lora_dp2"`` /
+    ``"lora_tp2"``: the LoRA run ``lora_pp2`` over two replicas and at tp2; the group closes once,
     after them."""
     import vitp.eval.launch as launch
     from vitp.cli.eval import run
@@ -482,6 +483,9 @@ def eval_in_group(train: dict, world: int) -> dict:
         if world == 2:
             res["quality"] = run(quality_args(train, "group"))
             res["quality_pp2"] = run(quality_pp2_args(train))
+            lora = f"{train['runs']}/lora_pp2"  # its base with RUN/lora: replicas (merged), tp2 (on the TP linears)
+            res["lora_dp2"] = run([lora, "sampler.fps=2"])
+            res["lora_tp2"] = run([lora, "parallel.tp=2", "parallel.pp=1"])
     finally:
         launch.finish = finish
         finish()
