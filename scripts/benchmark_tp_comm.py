@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Tensor-parallel communication of one training micro-batch, measured against theory.
 
-    torchrun --nproc_per_node 2 scripts/benchmark_tp_comm.py [--sp] [--batch 8] [--partial-sync P] [overrides]
+    torchrun --nproc_per_node 2 scripts/benchmark_tp_comm.py [--sp [off|on|both]] [--batch 8] [--partial-sync P[,P...]] [overrides]
 
 Builds the generator from the composed config (default: the digits demo model), shards it over
 all processes (tp = world size), runs one forward/backward under :class:`CommRecorder` and
@@ -11,6 +11,8 @@ Korthikanti et al. 2022: per block and micro-batch 2 all-reduces of B*N*D elemen
 reduce-scatters, plus (SP) the column-parallel inputs all-gathered again in backward instead
 of saved, as Megatron-LM does. Also prints per-rank wire bytes, the wall time of the step, and for each
 theory entry the relative error of the measured bytes and whether it is within ``--rtol``.
+Several cases in one launch (``--sp both``, ``--partial-sync 1,0.5``: every combination) print one
+JSON object each, in that order.
 """
 from __future__ import annotations
 
@@ -24,11 +26,13 @@ import torch
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sp", action="store_true", help="sequence parallel")
+    p.add_argument("--sp", nargs="?", const="on", default="off", choices=["off", "on", "both"],
+                   help="sequence parallel (--sp alone: on; both: a case without and one with)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance of measured vs theory bytes")
-    p.add_argument("--partial-sync", type=float, default=1.0,
-                   help="parallel.partial_sync p: only int(p*D) channels are summed (vitp.parallel.partial_sync)")
+    p.add_argument("--partial-sync", type=lambda v: [float(x) for x in v.split(",")], default=[1.0],
+                   help="parallel.partial_sync p: only int(p*D) channels are summed (vitp.parallel.partial_sync); "
+                        "a comma list measures each")
     return p.parse_known_args()
 
 
@@ -38,7 +42,8 @@ def build(cfg, sp: bool, partial_sync: float = 1.0):
     from vitp.parallel import distributed as dist
     from vitp.parallel import make_state
 
-    dist.init_distributed(dist.resolve_device("cpu"))
+    if not torch.distributed.is_initialized():
+        dist.init_distributed(dist.resolve_device("cpu"))
     tp = dist.world_size()
     gen = Generator.from_config(cfg.model, seed=cfg.seed)
     state = dataclasses.replace(make_state(tp=tp, sequence_parallel=sp), partial_sync=partial_sync)
@@ -74,14 +79,24 @@ def compare(measured: dict, theory: dict, rtol: float) -> dict:
 def main() -> None:
     args, overrides = parse_args()
 
-    from vitp.config import compose, parse_resolution
+    from vitp.config import compose
+
+    cfg = compose(overrides)
+    for sp in {"off": [False], "on": [True], "both": [False, True]}[args.sp]:
+        for partial_sync in args.partial_sync:
+            measure(cfg, args, sp, partial_sync)
+    torch.distributed.destroy_process_group()
+
+
+def measure(cfg, args, sp: bool, partial_sync: float) -> None:
+    """One case: a forward/backward under :class:`CommRecorder`, rank 0 printing its JSON object."""
+    from vitp.config import parse_resolution
     from vitp.models import num_tokens
     from vitp.parallel import CommRecorder
     from vitp.parallel import distributed as dist
 
-    cfg = compose(overrides)
     m = cfg.model
-    gen, tp = build(cfg, args.sp, args.partial_sync)
+    gen, tp = build(cfg, sp, partial_sync)
     x = torch.randn(args.batch, m.in_channels, m.num_frames, *parse_resolution(m.image_size))
     t, y = torch.rand(args.batch), torch.randint(0, m.num_classes, (args.batch,))
     start = time.perf_counter()
@@ -89,14 +104,13 @@ def main() -> None:
         gen(x, t, y).pow(2).mean().backward()
     wall = time.perf_counter() - start
     if dist.is_main():
-        bnd, theory = theory_bytes(m, args.batch, tp, args.sp, args.partial_sync)
+        bnd, theory = theory_bytes(m, args.batch, tp, sp, partial_sync)
         rows = {f"{k}/{d}/{tag}": v for (k, d, tag), v in sorted(rec.summary().items())}
-        print(json.dumps({"tp": tp, "sequence_parallel": args.sp, "partial_sync": args.partial_sync,
+        print(json.dumps({"tp": tp, "sequence_parallel": sp, "partial_sync": partial_sync,
                           "depth": m.depth, "tokens": num_tokens(**m),
                           "B*N*D_bytes": bnd, "measured": rows, "theory_block_linears": theory,
                           "wire_bytes_per_rank": rec.wire_bytes(), "step_wall_s": round(wall, 4),
-                          **compare(rows, theory, args.rtol)}, indent=1))
-    torch.distributed.destroy_process_group()
+                          **compare(rows, theory, args.rtol)}, indent=1), flush=True)
 
 
 if __name__ == "__main__":

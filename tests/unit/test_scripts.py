@@ -61,13 +61,37 @@ def test_benchmark_train(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["samples_per_s"] > 0 for r in rows)
 
 
+def _json_objects(stdout: str, key: str) -> list:
+    """Every JSON object in ``stdout`` holding ``key``, in order (one line or indented; other text skipped)."""
+    decoder, out, i = json.JSONDecoder(), [], 0
+    while (j := stdout.find("{", i)) >= 0:
+        try:
+            obj, i = decoder.raw_decode(stdout, j)
+        except json.JSONDecodeError:
+            i = j + 1
+            continue
+        if isinstance(obj, dict) and key in obj:
+            out.append(obj)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_comm(tmp_path_factory):
+    """``scripts/benchmark_tp_comm.py --batch 2 --sp both --partial-sync 1,0.5`` in one torchrun launch
+    of 2 processes: ``{(sequence_parallel, partial_sync): its JSON object}``."""
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "scripts/benchmark_tp_comm.py",
+            "--batch", "2", "--sp", "both", "--partial-sync", "1,0.5"]
+    objs = _json_objects(_run(args, tmp_path_factory.mktemp("tp_comm")), "theory_block_linears")
+    assert [(o["sequence_parallel"], o["partial_sync"]) for o in objs] == [(False, 1.0), (False, 0.5), (True, 1.0),
+                                                                          (True, 0.5)]
+    return {(o["sequence_parallel"], o["partial_sync"]): o for o in objs}
+
+
 @pytest.mark.slow
-def test_benchmark_tp_comm(tmp_path):
+def test_benchmark_tp_comm(tp_comm):
     """tp=2 with sequence parallelism (the traffic of both modes is checked in detail by
     tests/distributed/parallel; this keeps the script itself working)."""
-    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "scripts/benchmark_tp_comm.py",
-            "--batch", "2", "--sp"]
-    out = _json_object(_run(args, tmp_path), "theory_block_linears")
+    out = tp_comm[(True, 1.0)]
     # default config: the digits demo model, 16 tokens of width 128, 6 blocks; tp = 2 divides N
     assert out["tp"] == 2 and out["sequence_parallel"] is True and out["depth"] == 6 and out["tokens"] == 16
     bnd = 2 * 16 * 128 * 4
@@ -89,15 +113,16 @@ def test_benchmark_tp_comm(tmp_path):
     # of sum(theory); SP adds the token split/merge and the adaLN conditioning all-reduces
     assert out["wire_bytes_per_rank"] > sum(theory.values()) // 2
     assert out["step_wall_s"] > 0
+    plain = tp_comm[(False, 1.0)]  # without SP: the same bytes as 2 all-reduces per block each way
+    assert plain["theory_block_linears"] == {f"all_reduce/{d}/tp": 2 * 6 * bnd for d in ("fwd", "bwd")}
+    assert plain["within_rtol"] is True
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True])
-def test_benchmark_tp_comm_partial_sync(tmp_path, sp):
+def test_benchmark_tp_comm_partial_sync(tp_comm, sp):
     """``--partial-sync 0.5``: the block linears move half the channels (64 of 128), measured = theory."""
-    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "scripts/benchmark_tp_comm.py",
-            "--batch", "2", "--partial-sync", "0.5", *(["--sp"] if sp else [])]
-    out = _json_object(_run(args, tmp_path), "theory_block_linears")
+    out = tp_comm[(sp, 0.5)]
     half = 2 * 16 * 64 * 4 * 2 * 6  # B N k fp32, 2 per block, 6 blocks
     kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
     assert out["partial_sync"] == 0.5 and out["theory_block_linears"] == {
