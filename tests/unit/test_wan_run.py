@@ -472,3 +472,29 @@ def test_vitp_sample_refuses_wan22_mistakes_naming_the_fix(a14b, tiny, tmp_path,
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err, err
+
+
+def test_vitp_sample_of_a_lora_run_on_one_a14b_expert_adapts_that_expert_alone(a14b, tmp_path, monkeypatch):
+    """A LoRA run of Wan 2.2 A14B's low-noise expert (``model.expert=low``): ``vitp-sample RUN``
+    samples the base pipeline with ``RUN/lora`` merged into ``transformer_2`` alone, the samples of
+    its ``vitp-export --format diffusers --merge`` folder (bit for bit) and not the base's."""
+    from safetensors.torch import load_file
+
+    from vitp.cli.export import run as export
+    from vitp.cli.sample import run as sample
+    from vitp.cli.train import main as train
+
+    run = tmp_path / "lora"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["vitp-train", "experiment=wan_smoke", f"trainer.init_from={a14b}", "model.expert=low",
+                                     "trainer.max_steps=1", "trainer.lora.enabled=true", "trainer.lora.b_init_std=0.05",
+                                     "eval.enabled=false", f"hydra.run.dir={run}"])
+    train()
+    merged = export([str(run), "--format", "diffusers", "--merge", "-o", str(tmp_path / "merged")])
+    assert merged.name == "transformer_2" and (tmp_path / "merged" / "transformer").is_symlink()
+    latents = {}
+    for name, source in (("lora", run), ("merged", tmp_path / "merged"), ("base", a14b)):
+        sample([str(source), "--prompt", "a cat", "--num", "1", "sampler.steps=2", "--out", str(tmp_path / name)])
+        latents[name] = load_file(str(tmp_path / name / "latents.safetensors"))["latents"]
+    assert torch.equal(latents["lora"], latents["merged"])
+    assert float((latents["lora"] - latents["base"]).abs().max()) > 1e-3 * float(latents["base"].abs().max())
