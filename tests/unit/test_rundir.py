@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.helpers import compose_cfg
+from vitp.checkpoint import published_tags
 from vitp.train.rundir import RunDirBusy, RunDirLock, check_history, config_differences, drop_failed_attempt
 
 
@@ -317,6 +318,36 @@ def test_a_finished_run_resumed_from_an_earlier_checkpoint_moves_its_results_asi
     assert json.loads((run / "eval.json").read_text())["step"] == 3  # the run's new results
     assert json.loads((run / "model_ema.json").read_text())["step"] == 3 and (run / "model.safetensors").is_file()
     assert (run / "samples" / "step_0000003.png").is_file() and not (run / "samples" / "step_0000004.png").exists()
+
+
+def test_resuming_before_a_damaged_checkpoint_moves_it_aside_once_this_run_passed_its_step(tmp_path, caplog):
+    """A new user's report: resumed from step 2 past a damaged step 4 with ``keep_checkpoints=2`` and
+    only a final checkpoint (step 6), the rotation kept the damaged step 4 as one of "the newest two"
+    and deleted the good step 2: the earlier attempt's checkpoints were moved aside only when past
+    the new checkpoint's step. Now everything the earlier attempt wrote past the resumed step moves
+    into checkpoints/abandoned/ (bytes unchanged) with the first new checkpoint, and the warning
+    names the step the run resumed from."""
+    import hashlib
+    import logging
+
+    from vitp.cli.train import resume_config
+    from vitp.train import train
+
+    run = tmp_path / "run"
+    over = ["experiment=smoke", "trainer.max_steps=4", "trainer.checkpoint_every=2"]
+    train(compose_cfg(over), run, over)
+    damaged = run / "checkpoints" / "step_0000004"
+    with open(damaged / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in damaged.iterdir()}
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        train(resume_config(run, [f"trainer.resume={run / 'checkpoints' / 'step_0000002'}", "trainer.max_steps=6",
+                                  "trainer.checkpoint_every=0", "trainer.keep_checkpoints=2"]), run, resumed=True)
+    assert published_tags(run / "checkpoints") == ["step_0000002", "step_0000006"]  # the good one kept
+    (aside,) = (run / "checkpoints" / "abandoned").glob("*/step_0000004")
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in aside.iterdir()} == before
+    assert (f"moved step_0000004 to {aside.parent}: an earlier attempt wrote them after step 2, the older "
+            "checkpoint this run resumed from") in caplog.text
 
 
 def test_resuming_before_a_damaged_last_checkpoint_moves_it_aside_and_writes_that_step_again(tmp_path, caplog):

@@ -39,6 +39,7 @@ class CheckpointWriter:
                  compress: bool = False):
         self.dir, self.storage, self.keep, self.asynchronous = ckpt_dir, storage, keep, asynchronous
         self.compress = compress
+        self.abandon_after: Optional[int] = None  # the step the run resumed from, until its first save
         self.group = None
         self._pending: Optional[Future] = None
         self.stats: List[Dict[str, float]] = []
@@ -63,10 +64,15 @@ class CheckpointWriter:
         staged = stage()
         args = dict(ckpt_dir=self.dir, step=step, staged=staged, rng=rng, record=record, storage=self.storage,
                     group=self.group, keep=self.keep, to_first=final and not self.storage.shared,
-                    compress=self.compress)
+                    compress=self.compress, abandon_after=self.abandon_after)
         stat = {"step": step}
-        if final or not self.asynchronous:
+
+        def write():
             write_checkpoint(**args)
+            self.abandon_after = None  # moved once the first new checkpoint is complete
+
+        if final or not self.asynchronous:
+            write()
             stat["blocked_s"] = time.perf_counter() - t0
             stat["write_s"] = 0.0
             self.stats.append(stat)
@@ -78,7 +84,7 @@ class CheckpointWriter:
         stat["blocked_s"] = start - t0
 
         def run():
-            write_checkpoint(**args)
+            write()
             stat["write_s"] = time.perf_counter() - start
             if dist.is_main():
                 log.info("checkpoint step %d published: training waited %.2f s (staging), written in %.2f s in the "

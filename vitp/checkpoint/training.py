@@ -73,7 +73,7 @@ def _maybe_die(rank: int, step: int, folder: Path) -> None:
 
 def write_checkpoint(ckpt_dir: Path, step: int, *, staged: Dict[str, torch.Tensor], rng: Dict[str, Any],
                      record: Dict[str, Any], storage: StorageGroups, group=None, keep: int = 0,
-                     to_first: bool = False, compress: bool = False) -> None:
+                     to_first: bool = False, compress: bool = False, abandon_after: Optional[int] = None) -> None:
     """Write, then publish, checkpoint ``step_<step>`` under ``ckpt_dir`` (collective over
     ``group``, a group of every rank; runs on the checkpoint thread when saving asynchronously).
 
@@ -85,7 +85,8 @@ def write_checkpoint(ckpt_dir: Path, step: int, *, staged: Dict[str, torch.Tenso
     copied to every other folder with a rank that loads it (:func:`_copy_parts`), and only then
     does each folder's leader write the completion record, rename the folder and write
     ``latest``. ``keep`` > 0 deletes all but the newest ``keep`` published checkpoints up to
-    ``step`` (never the latest); checkpoints past ``step`` move into ``abandoned/`` (:func:`_rotate`).
+    ``step`` (never the latest); checkpoints past ``step`` (the run's first checkpoint: past
+    ``abandon_after``, the step it resumed from) move into ``abandoned/`` (:func:`_rotate`).
     ``to_first``: rank 0's folder receives every data file too (the final checkpoint of a run with
     node-local folders, from which rank 0 writes the run's weights shard by shard). ``compress``:
     each piece goes through DCP's ZStandard stream extension (``torch.distributed.checkpoint._extension``;
@@ -121,7 +122,7 @@ def write_checkpoint(ckpt_dir: Path, step: int, *, staged: Dict[str, torch.Tenso
         _publish(partial, record, ckpt_dir, tag)
     dist.barrier(group)  # published on every node: only now may the previous checkpoints go
     if storage.is_leader:
-        _rotate(ckpt_dir, step, keep)
+        _rotate(ckpt_dir, step, keep, abandon_after)
     dist.barrier(group)
 
 
@@ -135,23 +136,25 @@ def _compression() -> list:
     return [ZStandard()]
 
 
-def _rotate(ckpt_dir: Path, step: int, keep: int) -> None:
-    """After ``step_<step>`` is published: move the checkpoints past ``step`` into
-    ``abandoned/<time>/`` (an earlier attempt wrote them before this one resumed from an older tag;
-    left in place, ``resume=auto`` would take the newest of them over ``latest`` and the rotation by
-    step would delete ``latest`` itself; moved, not deleted, they stay loadable by path) and,
-    ``keep`` > 0, delete all but the newest ``keep`` up to ``step`` (``step_<step>``, ``latest``,
-    always stays)."""
+def _rotate(ckpt_dir: Path, step: int, keep: int, abandon_after: Optional[int] = None) -> None:
+    """After ``step_<step>`` is published: move the checkpoints an earlier attempt left past the
+    step this run resumed from (``abandon_after``, given with the run's first checkpoint; else past
+    ``step``) into ``abandoned/<time>/`` (left in place, ``resume=auto`` would take the newest of
+    them over ``latest``, and the rotation by step would delete ``latest`` itself or, once this run
+    passed them, the good checkpoints before them; moved, not deleted, they stay loadable by path)
+    and, ``keep`` > 0, delete all but the newest ``keep`` of the others (``step_<step>``,
+    ``latest``, always stays)."""
     tags = published_tags(ckpt_dir)
-    stale = [t for t in tags if _tag_step(t) > step]
-    ours = [t for t in tags if _tag_step(t) <= step]
+    after = step if abandon_after is None else abandon_after
+    stale = [t for t in tags if _tag_step(t) > after and _tag_step(t) != step]
+    ours = [t for t in tags if t not in stale]
     if stale:
         dest = _aside_folder(ckpt_dir)
         for tag in stale:
             os.replace(ckpt_dir / tag, dest / tag)
         log.warning("moved %s to %s: an earlier attempt wrote them after step %d, the older checkpoint this run "
                     "resumed from and continued (load one with trainer.resume=%s/<tag>; delete the folder to free "
-                    "the space)", ", ".join(stale), dest, step, dest)
+                    "the space)", ", ".join(stale), dest, after, dest)
     for old in ours[:-keep] if keep > 0 else []:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
 

@@ -103,6 +103,7 @@ class Checkpointer:
         self.reshard = False  # resuming at another layout (vitp.checkpoint.reshard)
         self.meta: Optional[Dict[str, Any]] = _together(self._check)
         self.start_step = self.meta["step"] if self.meta else 0
+        self.writer.abandon_after = self.start_step  # what an earlier attempt wrote past it moves aside
         if self.meta and self.meta.get("max_steps") not in (None, tr.max_steps):
             log.warning("trainer.max_steps=%d differs from the checkpoint's run (%d): the LR schedule after step %d "
                         "changes accordingly", tr.max_steps, self.meta["max_steps"], self.start_step)
