@@ -170,3 +170,21 @@ def lazy_exports(package: str, exports: Dict[str, str]):
         return sorted(set(vars(sys.modules[package])) | set(exports))
 
     return __getattr__, __dir__
+
+
+def load_run_yaml(path: Any) -> Any:
+    """``OmegaConf.load`` of a run's recorded YAML (``.hydra/config.yaml``, ``overrides.yaml``).
+
+    Raises ``ValueError`` naming the file when it is not readable YAML (damaged or edited by hand),
+    instead of the parser's traceback."""
+    from omegaconf import OmegaConf
+    from yaml import YAMLError
+
+    try:
+        return OmegaConf.load(path)
+    except (YAMLError, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path} is not readable YAML ({first}): the run's recorded config was damaged or edited; "
+                         "restore it (from a copy of the run, or with the keys of its launch), or start a new run "
+                         "from its checkpoint with trainer.resume=RUN/checkpoints/step_N in a new hydra.run.dir") \
+            from None

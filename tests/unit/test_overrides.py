@@ -277,3 +277,33 @@ def test_ctrl_c_stops_eval_and_sample_with_one_line(capsys):
     assert e.value.code == 1 and "Traceback" not in capsys.readouterr().err
     with pytest.raises(KeyboardInterrupt):
         run_cli("vitp-train", interrupted)
+
+
+def test_a_damaged_recorded_config_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
+    """A new user's trial: a truncated or hand-edited ``RUN/.hydra/config.yaml`` gave ``vitp-eval``
+    and ``vitp-train --resume`` a 60-line YAML traceback (exit 1), and an unknown key in it read as
+    if typed on the command line. Each is now one line (exit 2) naming the file."""
+    from omegaconf import OmegaConf
+
+    from tests.helpers import compose_cfg
+    from vitp.cli.eval import main as eval_main
+    from vitp.cli.train import main as train_main
+
+    good = OmegaConf.to_yaml(compose_cfg(["experiment=smoke"]))
+    cases = {"yaml": (good + "trainer:\n  max_steps: [\n", "is not readable YAML (while parsing a flow node): the "
+                                                           "run's recorded config was damaged or edited"),
+             "key": (good.replace("  max_steps:", "  max_step:"), "unknown config key trainer.max_step (did you mean "
+                                                                  "trainer.max_steps?)"),
+             "value": (good.replace("  cfg_scale: 1.5", "  cfg_scale: null"), "sampler.cfg_scale: Incompatible value "
+                                                                            "'None' for field of type 'float'")}
+    for name, (text, message) in cases.items():
+        run = tmp_path / name
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "config.yaml").write_text(text)
+        for main, argv in ((eval_main, [str(run)]), (train_main, ["--resume", str(run)])):
+            monkeypatch.setattr("sys.argv", ["vitp-train", *argv])
+            with pytest.raises(SystemExit) as e:
+                main() if main is train_main else main(argv)
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and f"{run / '.hydra' / 'config.yaml'}" in err and message in err, (name, err)
+            assert "Traceback" not in err

@@ -34,6 +34,7 @@ from vitp.config import validate_config
 from vitp.data import build_datasets
 from vitp.eval import evaluate
 from vitp.parallel.distributed import is_main, resolve_device
+from vitp.utils import load_run_yaml
 
 
 FLAGS = {"weights": str, "force": bool}  # the flags that have an override form, cli.<flag>=value (flag_overrides)
@@ -75,9 +76,7 @@ def given_weights(run_dir: Path, weights: str) -> str:
 def checkpoint_advice(source: Path, run: Path) -> str:
     """The refusal of ``vitp-eval CHECKPOINT`` (``source`` a checkpoint of ``run``): the command that
     evaluates it (a Wan run's: its diffusers export first)."""
-    from omegaconf import OmegaConf
-
-    saved = OmegaConf.load(run / ".hydra" / "config.yaml")
+    saved = load_run_yaml(run / ".hydra" / "config.yaml")
     what = "the checkpoints folder" if Path(source).name == "checkpoints" else "a checkpoint"
     head = f"{source} is {what} of the run {run}: vitp-eval takes the run directory; "
     if str(OmegaConf.select(saved, "model.family", default="vit")) == "wan":
@@ -137,7 +136,7 @@ def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
     path = run_dir / ".hydra" / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a vitp run directory")
-    return apply_overrides(typed_config(OmegaConf.load(path)), overrides, "vitp-eval")
+    return apply_overrides(typed_config(load_run_yaml(path), path), overrides, "vitp-eval")
 
 
 def load_generator_for(path: Path, cfg: DictConfig):

@@ -142,17 +142,29 @@ def _read_only(path: Any) -> bool:
 
 
 # ------------------------------------------------------------------------------- a finished run's config
-def typed_config(saved: Any) -> "DictConfig":
+def typed_config(saved: Any, source: Any = None) -> "DictConfig":
     """``saved`` (a run's ``.hydra/config.yaml`` or a weights file's ``vitp_config``) on the typed
     schema, so values set later are checked as ``vitp-train`` checks them.
 
-    Raises ``ValueError`` naming a key the schema lacks (:func:`vitp.config.check_keys`)."""
+    Raises ``ValueError`` naming a key the schema lacks (:func:`vitp.config.check_keys`) or a value
+    of the wrong type; with ``source`` (the file ``saved`` was read from) the message names that
+    file, which the user never typed."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from vitp.config import Config, check_keys
 
-    check_keys(saved)
-    return OmegaConf.merge(OmegaConf.structured(Config), saved)
+    try:
+        check_keys(saved)
+        return OmegaConf.merge(OmegaConf.structured(Config), saved)
+    except (ValueError, OmegaConfBaseException) as e:
+        if source is None:
+            raise
+        key = getattr(e, "full_key", None)
+        msg = str(e).strip().splitlines()[0]
+        raise ValueError(f"{source}: {f'{key}: ' if key else ''}{msg}: the run's recorded config was damaged, edited "
+                         "or written by another vitp version; restore that key in the file (as the run was launched)") \
+            from None
 
 
 def refusal(o: "Override", prog: str, allowed: Optional[Tuple[str, ...]] = None, hint: str = "") -> Optional[str]:

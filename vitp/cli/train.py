@@ -38,6 +38,7 @@ from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.train import check_config, train  # noqa: E402
 from vitp.train.logger import quiet_other_ranks, quiet_third_party  # noqa: E402
 from vitp.train.rundir import hold_log_files, release_log_files  # noqa: E402
+from vitp.utils import load_run_yaml  # noqa: E402
 
 log = logging.getLogger("vitp")
 
@@ -124,8 +125,6 @@ def resume_config(run_dir: Path, overrides: List[str]) -> DictConfig:
     Raises ``FileNotFoundError`` when ``run_dir`` holds no recorded config; ``ValueError`` (one
     line) for a group choice (``experiment=...``: the run's config is already composed), a
     ``hydra.*`` key, ``trainer.resume`` outside the run's checkpoints, an unknown key or a bad value."""
-    from omegaconf import OmegaConf
-
     path = Path(run_dir) / ".hydra" / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"--resume {run_dir}: no {path}, so not a folder vitp-train wrote; give the run dir a "
@@ -138,7 +137,7 @@ def resume_config(run_dir: Path, overrides: List[str]) -> DictConfig:
             raise ValueError(f"{o}: --resume {run_dir} continues that folder from its latest checkpoint (or "
                              f"trainer.resume=<one of its own checkpoints>); drop {override_key(o)}, or leave out "
                              f"--resume to start a new run dir from a checkpoint")
-    cfg = typed_config(OmegaConf.load(path))
+    cfg = typed_config(load_run_yaml(path), path)
     if (Path(run_dir) / "checkpoints" / "latest").is_file() or cfg.trainer.resume == "never":
         cfg.trainer.resume = "auto"
     stop, latest = cfg.trainer.exit_at_step, latest_meta(Path(run_dir) / "checkpoints")
@@ -149,10 +148,8 @@ def resume_config(run_dir: Path, overrides: List[str]) -> DictConfig:
 
 def _recorded_overrides(run_dir: Path) -> List[str]:
     """The overrides the run in ``run_dir`` was composed with (``.hydra/overrides.yaml``), if recorded."""
-    from omegaconf import OmegaConf
-
     path = run_dir / ".hydra" / "overrides.yaml"
-    return [str(o) for o in OmegaConf.load(path)] if path.is_file() else []
+    return [str(o) for o in load_run_yaml(path)] if path.is_file() else []
 
 
 def literal_run_dir(args: List[str]) -> bool:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
+from vitp.utils import load_run_yaml
 
 from .inference import Share
 from .progress import check_stop, common_batches, phase
@@ -432,7 +433,7 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
     from .wan_sample import export_advice, lora_file_of, wan_denoisers
 
     folder = Path(run_dir) / (weights or DIFFUSERS_DIR)
-    saved = OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")
+    saved = load_run_yaml(Path(run_dir) / ".hydra" / "config.yaml")
     lora = OmegaConf.select(saved, "trainer.lora.enabled")
     adapters = Path(run_dir) / "lora" if lora and weights is None else None  # the base with the final adapters
     if adapters is not None and lora_file_of(adapters) is None:
@@ -446,7 +447,7 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
     if adapters is None and not any((folder / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
         raise FileNotFoundError(f"{folder} holds no diffusers Wan weights (config.json): a run that has not finished "
                                 "has none; " + export_advice(run_dir, saved, f"vitp-eval {run_dir} --weights OUT"))
-    cfg = apply_overrides(typed_config(saved), overrides, "vitp-eval")
+    cfg = apply_overrides(typed_config(saved, Path(run_dir) / ".hydra" / "config.yaml"), overrides, "vitp-eval")
     if adapters is not None:  # the base the run adapted (trainer.init_from: where it is now) + RUN/lora
         cfg.trainer.lora.init_from = str(adapters)
     elif lora:  # --weights: a merged folder, evaluated as it is (no adapters on top)

@@ -43,6 +43,8 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from omegaconf import OmegaConf
 
+from vitp.utils import load_run_yaml
+
 SMOKE = "experiment=wan_smoke"  # the config a plain pipeline folder is sampled with (its sizes, the demo encoder)
 
 
@@ -54,7 +56,7 @@ def is_wan_source(source: Path) -> bool:
     source = Path(source)
     run = source / ".hydra" / "config.yaml"
     if run.is_file():
-        return str(OmegaConf.load(run).get("model", {}).get("family", "vit")) == "wan"
+        return str(load_run_yaml(run).get("model", {}).get("family", "vit")) == "wan"
     if checkpoint_run(source) is not None:
         return True
     from vitp.models.wan_config import I2V_PIPELINES
@@ -77,7 +79,7 @@ def checkpoint_run(source: Path) -> Optional[Path]:
     run = run_of_checkpoint(source)
     if run is None:
         return None
-    return run if str(OmegaConf.load(run / ".hydra" / "config.yaml").get("model", {}).get("family", "vit")) == "wan" \
+    return run if str(load_run_yaml(run / ".hydra" / "config.yaml").get("model", {}).get("family", "vit")) == "wan" \
         else None
 
 
@@ -103,7 +105,7 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
     run = source / ".hydra" / "config.yaml"
     owner = checkpoint_run(source)
     if owner is not None:
-        saved = OmegaConf.load(owner / ".hydra" / "config.yaml")
+        saved = load_run_yaml(owner / ".hydra" / "config.yaml")
         lora = bool(OmegaConf.select(saved, "trainer.lora.enabled"))
         raise FileNotFoundError(
             f"{source} is a checkpoint of the Wan run {owner}: {prog} reads diffusers folders; write one with "
@@ -111,7 +113,7 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
             f"(the run's final {'adapters' if lora else 'weights'}: {prog} {owner})")
     lora_dir = None
     if run.is_file():
-        weights, saved = source / DIFFUSERS_DIR, OmegaConf.load(run)
+        weights, saved = source / DIFFUSERS_DIR, load_run_yaml(run)
         if OmegaConf.select(saved, "trainer.lora.enabled"):
             lora_dir = source / "lora"
             if not lora_file_of(lora_dir):
@@ -120,7 +122,7 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
         elif not any((weights / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
             raise FileNotFoundError(f"{source} has no final diffusers folder {weights} (the run has not finished): "
                                     + export_advice(source, saved, f"{prog} OUT --prompt ..."))
-        cfg, base = typed_config(OmegaConf.load(run)), source
+        cfg, base = typed_config(load_run_yaml(run), run), source
         if run_expert(cfg) == "transformer_2" and not cfg.model.get("expert"):  # named by its folder, not the key
             cfg.model.expert = "low"
         allowed = (*allowed, "trainer.init_from")

@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from vitp.parallel import distributed as dist
-from vitp.utils import RankZeroError
+from vitp.utils import RankZeroError, load_run_yaml
 
 log = logging.getLogger("vitp")
 
@@ -63,7 +63,7 @@ def recorded_layout(run_dir: Path) -> Optional[Dict[str, Any]]:
     path = Path(run_dir) / ".hydra" / "config.yaml"
     if not path.is_file():
         return None
-    saved = OmegaConf.load(path)
+    saved = load_run_yaml(path)
     if not OmegaConf.select(saved, "parallel.auto", default=False):
         return None
     return {key: OmegaConf.select(saved, key) for key in AUTO_KEYS}

@@ -24,7 +24,7 @@ from vitp.config import Layout
 from vitp.models import generator_key
 from vitp.parallel import ParallelState, shard_like
 from vitp.parallel import distributed as dist
-from vitp.utils import RANK_LOCAL
+from vitp.utils import RANK_LOCAL, load_run_yaml
 
 from .ema import EMA
 from .rundir import check_history, check_relaunch, drop_failed_attempt
@@ -120,7 +120,7 @@ class Checkpointer:
         choice = resume
         if dist.is_main():
             saved = self.run_dir / ".hydra" / "config.yaml"
-            recorded = OmegaConf.select(OmegaConf.load(saved), "trainer.resume") if saved.is_file() else None
+            recorded = OmegaConf.select(load_run_yaml(saved), "trainer.resume") if saved.is_file() else None
             path, own = Path(resume).resolve(), self.dir.resolve()
             if (recorded is not None and Path(str(recorded)).resolve() == path and path != own
                     and own not in path.parents and (self.dir / "latest").is_file()):

@@ -38,6 +38,7 @@ from vitp.checkpoint.results import later_grids, set_aside_results
 from vitp.checkpoint.storage import PROBE_PREFIX
 from vitp.config import absolute_paths
 from vitp.parallel import distributed as dist
+from vitp.utils import load_run_yaml
 
 log = logging.getLogger("vitp")
 
@@ -205,7 +206,7 @@ def _recorded(run_dir: Path) -> Optional[dict]:
     that a run recorded before they were stored absolute are read from the working directory, as
     that run read them (:func:`vitp.config.absolute_paths`)."""
     path = Path(run_dir) / ".hydra" / "config.yaml"
-    return OmegaConf.to_container(absolute_paths(OmegaConf.load(path)), resolve=True) if path.is_file() else None
+    return OmegaConf.to_container(absolute_paths(load_run_yaml(path)), resolve=True) if path.is_file() else None
 
 
 def _absolute(cfg: DictConfig) -> DictConfig:
