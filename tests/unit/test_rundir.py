@@ -445,3 +445,39 @@ def test_a_relaunch_with_another_config_into_a_run_with_checkpoints_is_refused(t
     out = capsys.readouterr()
     assert "nothing was rewritten; optim.lr=0.25 not applied (nothing is left to train). To train longer: " \
            f"vitp-train --resume {run} trainer.max_steps=N (N > 4) optim.lr=0.25;" in out.out + out.err
+
+
+def test_results_set_aside_keep_their_fid_samples_and_leave_earlier_steps_in_place(tmp_path):
+    """A new user's trial: a resume from step 2 of a run whose results are of step 4 moved a
+    ``vitp-eval`` result of step 2 along with them (listed as results of step 4), and moved a FID
+    result's ``.npz.json`` but left its ``.npz`` behind. Now each file goes by its own step, and a
+    FID sample file goes with its evaluation."""
+    from vitp.checkpoint.results import later_results, set_aside_results
+
+    run = tmp_path / "run"
+    run.mkdir()
+    files = {"model_ema.safetensors": b"w", "model_ema.json": {"step": 4}, "eval.json": {"step": 4},
+             "eval.npz": b"s", "eval.npz.json": {"settings": 1}, "eval_fid.json": {"step": 4}, "eval_fid.npz": b"s",
+             "eval_fid.npz.json": {"settings": 2}, "eval_sampler.steps=5.json": {"step": 2}}
+    for name, body in files.items():
+        (run / name).write_bytes(body if isinstance(body, bytes) else json.dumps(body).encode())
+    later = sorted(set(files) - {"eval_sampler.steps=5.json"})
+    assert sorted(later_results(run, 2)) == later and later_results(run, 4) == []
+    dest = set_aside_results(run, 2)
+    assert sorted(p.name for p in dest.iterdir()) == later
+    assert sorted(p.name for p in run.iterdir() if p.is_file()) == ["eval_sampler.steps=5.json"]
+
+
+def test_vitp_eval_of_an_unfinished_run_writes_a_file_its_resumed_end_keeps(tmp_path):
+    """A new user's trial: ``vitp-eval RUN sampler.steps=2`` of a run stopped at step 2 wrote
+    ``eval.json``, which the resumed run's final evaluation replaced. An unfinished run's
+    evaluation now goes to ``eval_<overrides>.json`` (``eval_again.json``); a finished run without
+    an ``eval.json`` still gets it."""
+    from vitp.cli.eval import eval_output
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert eval_output(run, ["sampler.steps=2"], "model_ema.safetensors") == run / "eval_sampler.steps=2.json"
+    assert eval_output(run, [], "model_ema.safetensors") == run / "eval_again.json"
+    (run / "model_ema.safetensors").write_bytes(b"w")
+    assert eval_output(run, ["sampler.steps=2"], "model_ema.safetensors") == run / "eval.json"

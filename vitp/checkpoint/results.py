@@ -28,7 +28,7 @@ log = logging.getLogger("vitp")
 ABANDONED = "abandoned"  # checkpoints/abandoned/: checkpoints and results a resume from an older tag left behind
 RESULT_PATTERNS = ("model_ema.safetensors", "model_ema-*-of-*.safetensors", "model_ema.safetensors.index.json",
                    "model_ema.json", "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
-                   "model.json", "eval.json", "eval_*.json")
+                   "model.json", "eval.json", "eval_*.json", "eval.npz", "eval_*.npz", "eval.npz.json")
 LOGS = ("metrics.jsonl", "eval.jsonl")  # copied aside whole; the run's own copies drop the later rows
 SAMPLE_GRID = re.compile(r"^step_(\d{7})(\.png)?$")  # samples/step_N.png, or samples/step_N/ (buckets, video)
 
@@ -70,11 +70,34 @@ def results_step(run_dir: Path) -> Optional[int]:
     return max(steps) if steps else _last_logged_step(run_dir)
 
 
+def file_step(run_dir: Path, path: Path) -> Optional[int]:
+    """The training step a result file is of: what it records (``eval*.json``, the weights'
+    sidecars), for weights files their sidecar's, for a FID sample file (``eval*.npz`` and its
+    ``.npz.json``) its evaluation's; ``None`` when nothing says."""
+    name = Path(path).name
+    if name.startswith("model_ema"):
+        return _recorded_step(run_dir / "model_ema.json")
+    if name.startswith("model"):
+        return _recorded_step(run_dir / "model.json")
+    if ".npz" in name:
+        return _recorded_step(run_dir / (name.split(".npz")[0] + ".json"))
+    return _recorded_step(Path(path))
+
+
+def _later(run_dir: Path, step: int) -> List[Path]:
+    """The result files :func:`set_aside_results` moves when the run goes on from ``step``: all of
+    them when the results are of a later step, but a file whose own step is ``step`` or earlier
+    (``vitp-eval`` of an earlier checkpoint) stays."""
+    found = results_step(run_dir)
+    if found is None or found <= step:
+        return []
+    return [p for p in run_results(run_dir) if (found if (s := file_step(run_dir, p)) is None else s) > step]
+
+
 def later_results(run_dir: Path, step: int) -> List[str]:
     """The names of the results :func:`set_aside_results` moves when the run goes on from ``step``
     (empty when its results are of ``step`` or earlier), for messages."""
-    found = results_step(run_dir)
-    return [p.name for p in run_results(run_dir)] if found is not None and found > step else []
+    return [p.name for p in _later(run_dir, step)]
 
 
 def later_grids(run_dir: Path, step: int) -> List[Path]:
@@ -94,7 +117,7 @@ def set_aside_results(run_dir: Path, start_step: int) -> Optional[Path]:
     step = results_step(run_dir)
     if step is None or step <= start_step:
         return None
-    files, grids = run_results(run_dir), later_grids(run_dir, start_step)
+    files, grids = _later(run_dir, start_step), later_grids(run_dir, start_step)
     aside = run_dir / "checkpoints" / ABANDONED
     aside.mkdir(parents=True, exist_ok=True)
     dest = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-") + f"results-step_{step:07d}-", dir=aside))

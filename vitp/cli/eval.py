@@ -107,12 +107,16 @@ def weights_step(run_dir: Path, weights: str) -> Optional[int]:
 
 
 def eval_output(run_dir: Path, overrides: list, weights: str) -> Path:
-    """Where ``vitp-eval`` writes its results: ``run_dir/eval.json`` when the run has none (its
-    final evaluation was skipped), else ``run_dir/eval_<overrides>[_<weights>].json`` (``eval_again.json``
-    without any), so the training's ``eval.json`` is kept and each setting has its own file. A path
-    (an override's value, ``--weights``) shows as its last part, with a digest of the whole command
-    (also when the name would pass 150 characters), so that two folders never share a file."""
-    if not (run_dir / "eval.json").exists():
+    """Where ``vitp-eval`` writes its results: ``run_dir/eval.json`` when the run finished (its final
+    weights are there) without one (its final evaluation was skipped), else
+    ``run_dir/eval_<overrides>[_<weights>].json`` (``eval_again.json`` without any), so the
+    training's ``eval.json`` is kept, an unfinished run's resumed end does not overwrite the result,
+    and each setting has its own file. A path (an override's value, ``--weights``) shows as its last
+    part, with a digest of the whole command (also when the name would pass 150 characters), so that
+    two folders never share a file."""
+    finished = any((run_dir / n).exists() for n in ("model_ema.safetensors", "model_ema.safetensors.index.json",
+                                                     "diffusers", "lora"))
+    if finished and not (run_dir / "eval.json").exists():
         return run_dir / "eval.json"
     parts, shown = list(overrides), []
     for part in overrides:  # a path by its last part: eval_eval.fid.real_stats=real.safetensors_<digest>.json
