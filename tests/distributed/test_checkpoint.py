@@ -1,6 +1,7 @@
 """Checkpoints: exact resume, faults during a save, SIGTERM, export/import across layouts, timm."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -288,6 +289,13 @@ def test_weights_file_errors_name_the_file(tp2pp2_run, tmp_path):
     bad.write_bytes((ref_dir / "model_ema.safetensors").read_bytes()[:1000])
     with pytest.raises(ValueError, match=f"{bad} is corrupt, truncated"):
         ckpt.read_export(bad)
+    # a run's own damaged final weights: the advice names the export of its latest checkpoint to a new file
+    run = tmp_path / "run"
+    shutil.copytree(ref_dir, run)
+    (run / "model_ema.safetensors").write_bytes(bad.read_bytes())
+    with pytest.raises(ValueError, match=re.escape(f"write the weights again from the run's latest checkpoint to a new "
+                                                   f"file, vitp-export {run / 'checkpoints'} -o NEW.safetensors")):
+        ckpt.read_export(run / "model_ema.safetensors")
     foreign = tmp_path / "foreign.safetensors"
     save_file({"w": torch.zeros(2)}, str(foreign))
     with pytest.raises(ValueError, match="not written by vitp"):

@@ -376,7 +376,7 @@ def _read_file(path: Path, keys: Optional[Iterable[str]]) -> Tuple[Dict[str, tor
         tensors = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
         raise ValueError(f"weights file {path} is corrupt, truncated or not a safetensors file: {e}; copy it again, "
-                         f"or write it again from the run's checkpoint (vitp-export RUN_DIR)") from e
+                         f"or {_rewrite_advice(path)}") from e
     if "vitp_config" not in meta:
         raise ValueError(f"weights file {path} has no vitp_config metadata: it was not written by vitp "
                          f"(a timm ViT state dict loads with trainer.init_from_timm)")
@@ -422,7 +422,18 @@ def _read_shard(path: Path, keys: List[str], index: Path) -> Dict[str, torch.Ten
             return {k: f.get_tensor(k) for k in keys}
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
         raise ValueError(f"weights shard {path} (of {index}) is corrupt, truncated or not a safetensors file: "
-                         f"{e}; copy it again, or write it again from the run's checkpoint (vitp-export RUN_DIR)") from e
+                         f"{e}; copy it again, or {_rewrite_advice(index)}") from e
+
+
+def _rewrite_advice(path: Path) -> str:
+    """How to write a damaged weights file again: from the latest checkpoint of the run it lies
+    in (to a new file: vitp-export never overwrites the run's own), else from its run's checkpoint."""
+    ckpts = Path(path).parent / "checkpoints"
+    if (ckpts / "latest").is_file():
+        return (f"write the weights again from the run's latest checkpoint to a new file, vitp-export {ckpts} -o "
+                f"NEW.safetensors, and use that file (vitp-sample NEW.safetensors, vitp-eval RUN --weights "
+                f"NEW.safetensors)")
+    return "write them again from the run's checkpoint with vitp-export RUN/checkpoints/step_N -o NEW.safetensors"
 
 
 def checkpoint_record(tag_dir: Path) -> Dict[str, Any]:
