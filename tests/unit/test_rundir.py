@@ -481,3 +481,28 @@ def test_vitp_eval_of_an_unfinished_run_writes_a_file_its_resumed_end_keeps(tmp_
     assert eval_output(run, [], "model_ema.safetensors") == run / "eval_again.json"
     (run / "model_ema.safetensors").write_bytes(b"w")
     assert eval_output(run, ["sampler.steps=2"], "model_ema.safetensors") == run / "eval.json"
+
+
+def test_a_run_that_diverged_before_its_first_checkpoint_resumes_with_the_fix(tmp_path, caplog):
+    """A new user's trial: ``optim.lr=1e6`` diverged at step 3 (the refusal says: lower optim.lr),
+    and ``vitp-train --resume RUN optim.lr=1e-3`` was refused as "another config's run" though the
+    run had no checkpoint to protect. Now it starts over from step 0 with the settings given,
+    saying so; a plain relaunch with other settings is still refused."""
+    import logging
+
+    from vitp.cli.train import resume_config
+    from vitp.train import train
+
+    run = tmp_path / "run"
+    over = ["experiment=smoke", "optim.lr=1e6", "trainer.max_steps=20"]
+    with pytest.raises(FloatingPointError, match="lower optim.lr"):
+        train(compose_cfg(over), run, over)
+    assert not (run / "checkpoints").exists()
+    with pytest.raises(ValueError, match=r"holds another config's run \(optim.lr: 1000000.0 before vs 0.001 now\)"):
+        train(compose_cfg([*over, "optim.lr=1e-3"]), run, [*over, "optim.lr=1e-3"])
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        res = train(resume_config(run, ["optim.lr=1e-3"]), run, resumed=True)
+    assert len(res["losses"]) == 20 and all(x == x for x in res["losses"])
+    assert (f"{run} has no checkpoint to continue: --resume starts it over from step 0 with the settings given "
+            "(optim.lr: 1000000.0 before vs 0.001 now)") in caplog.text
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 21))

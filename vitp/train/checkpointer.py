@@ -169,7 +169,7 @@ class Checkpointer:
                 raise ValueError(f"{run_dir} already holds a run (metrics.jsonl) and trainer.resume=never; choose a "
                                  f"new hydra.run.dir, or use trainer.resume=auto to continue it")
             if self.storage.is_leader:  # the rank that wrote the folder's record, from its working directory
-                check_history(run_dir, self.cfg)
+                check_history(run_dir, self.cfg, self.resumed)
             return None
         meta = ckpt.verify_checkpoint(self.resume_tag, dist.rank(), layout=self.layout)
         self.reshard = ckpt.check_resumable(meta, self.resume_tag, self.cfg, self.layout)

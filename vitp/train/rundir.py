@@ -264,12 +264,14 @@ def check_same_config(cfg: DictConfig) -> None:
 FRESH_OWN = (".vitp.lock", "train.log")  # what a launch may have left before its run wrote .hydra/
 
 
-def check_history(run_dir: Path, cfg: DictConfig) -> None:
+def check_history(run_dir: Path, cfg: DictConfig, resumed: bool = False) -> None:
     """Refuse (``ValueError``) a fresh start in a folder that holds another config's run (its
     ``.hydra/config.yaml`` differs from ``cfg`` in more than :data:`RELAUNCH_KEYS`; the message
     names the keys), or that holds files and no vitp run at all (a data folder, someone's notes):
     training would write ``metrics.jsonl``, ``samples/`` ... among them and replace files of the
-    same names."""
+    same names. ``resumed`` (``vitp-train --resume RUN key=value`` of a run without a checkpoint,
+    e.g. one that diverged before its first): the changed settings are what the user asked for, so
+    the run starts over with them, saying so."""
     saved = _recorded(run_dir)
     if saved is None:
         present = sorted(p.name for p in Path(run_dir).iterdir()
@@ -281,7 +283,10 @@ def check_history(run_dir: Path, cfg: DictConfig) -> None:
                              f"files; choose a new or empty hydra.run.dir")
         return
     diffs = config_differences(saved, _absolute(cfg))
-    if diffs:
+    if diffs and resumed:
+        log.warning("%s has no checkpoint to continue: --resume starts it over from step 0 with the settings given "
+                    "(%s)", run_dir, "; ".join(diffs[:8]))
+    elif diffs:
         raise ValueError(f"{run_dir} holds another config's run ({'; '.join(diffs[:8])}"
                          f"{'; ...' if len(diffs) > 8 else ''}); choose a new hydra.run.dir, or relaunch with that "
                          f"run's config to continue it")
