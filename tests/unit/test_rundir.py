@@ -506,3 +506,24 @@ def test_a_run_that_diverged_before_its_first_checkpoint_resumes_with_the_fix(tm
     assert (f"{run} has no checkpoint to continue: --resume starts it over from step 0 with the settings given "
             "(optim.lr: 1000000.0 before vs 0.001 now)") in caplog.text
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 21))
+
+
+def test_a_latest_naming_a_missing_tag_resumes_from_the_newest_saying_so(tmp_path, caplog):
+    """A new user's trial: ``checkpoints/latest`` edited to name ``step_0000099`` resumed quietly from
+    the newest complete checkpoint (docs/checkpoints.md said it stops the run). It still resumes
+    from the newest, and a warning names the file."""
+    import logging
+
+    from vitp.cli.train import resume_config
+    from vitp.train import train
+
+    run = tmp_path / "run"
+    over = ["experiment=smoke", "trainer.max_steps=2", "trainer.checkpoint_every=1"]
+    train(compose_cfg(over), run, over)
+    (run / "checkpoints" / "latest").write_text("step_0000099")
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        res = train(resume_config(run, ["trainer.max_steps=3"]), run, resumed=True)
+    assert len(res["losses"]) == 1  # step 3, from step 2
+    assert (f"{run / 'checkpoints' / 'latest'} names 'step_0000099', which is no complete checkpoint there: "
+            "resuming from step_0000002, the newest one") in caplog.text
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000003"

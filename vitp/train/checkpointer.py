@@ -158,6 +158,12 @@ class Checkpointer:
         tag, notes = choose_resume_tag([v for v, _ in views], [w for _, w in views])
         if notes and dist.is_main():
             log.warning("resuming from %s, the newest checkpoint in every node's folder: %s", tag, "; ".join(notes))
+        named = folder / ckpt.LATEST if folder is not None else None
+        if resume == "auto" and tag is not None and named is not None and named.is_file() and dist.is_main():
+            said = named.read_text().strip()
+            if said != tag and not (folder / said / ckpt.META).is_file():  # edited, or its tag folder was removed
+                log.warning("%s names %r, which is no complete checkpoint there: resuming from %s, the newest one "
+                            "(the next checkpoint rewrites the file)", named, said, tag)
         return None if tag is None else folder / tag
 
     def _check(self) -> Optional[Dict[str, Any]]:
