@@ -270,6 +270,7 @@ def test_a_finished_run_keeps_its_results_on_resume_and_vitp_eval(tmp_path, capl
     out = run / "eval_sampler.steps=1.json"
     assert json.loads(out.read_text())["sampler"]["steps"] == 1 and (run / "eval.json").read_bytes() == kept["eval.json"][0]
     assert f"vitp-eval: wrote {out} (the training's eval.json is kept)" in capsys.readouterr().err
+    assert f"to evaluate other settings: vitp-eval {run} key=value" in caplog.text
     written = out.read_bytes()
     with pytest.raises(ValueError, match=r"eval_sampler.steps=1.json exists \(an earlier vitp-eval with these "
                                          r"overrides\); pass --force to replace it"):  # it replaced it silently
@@ -277,6 +278,11 @@ def test_a_finished_run_keeps_its_results_on_resume_and_vitp_eval(tmp_path, capl
     assert out.read_bytes() == written
     eval_cli.run([str(run), "sampler.steps=1", "--force"])
     assert json.loads(out.read_text())["sampler"]["steps"] == 1
+    (run / "eval.json").rename(tmp_path / "eval.json")  # as a run stopped during its final evaluation leaves it
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        train(resume_config(run, []), run, ["experiment=smoke"])
+    assert f"its final evaluation was skipped (the run was stopped before it): run it with vitp-eval {run}" in caplog.text
 
 
 def test_a_finished_run_resumed_from_an_earlier_checkpoint_moves_its_results_aside(tmp_path, caplog):

@@ -864,11 +864,14 @@ class Trainer:
 
             tr, given = self.cfg.trainer, unapplied(self.run_dir, self.cfg)
             ignored = f"; {' '.join(given)} not applied (nothing is left to train)" if given else ""
+            skipped = self.cfg.eval.enabled and not (self.run_dir / "eval.json").exists()  # stopped before it
+            evaluate = (f"its final evaluation was skipped (the run was stopped before it): run it with vitp-eval "
+                        f"{self.run_dir}" if skipped else f"to evaluate other settings: vitp-eval {self.run_dir} "
+                        "key=value")
             log.warning("already finished: this run trained its trainer.max_steps=%d steps; its weights and results "
                         "in %s are kept, nothing was rewritten%s. To train longer: %s trainer.max_steps=N (N > %d)%s; "
-                        "to evaluate other settings: vitp-eval %s key=value", tr.max_steps, self.run_dir, ignored,
-                        resume_command(self.run_dir), tr.max_steps, f" {' '.join(given)}" if given else "",
-                        self.run_dir)
+                        "%s", tr.max_steps, self.run_dir, ignored, resume_command(self.run_dir), tr.max_steps,
+                        f" {' '.join(given)}" if given else "", evaluate)
         return self._result({}, None)
 
     def _finish(self, stopper: Optional[StopSignal] = None) -> Dict[str, Any]:
