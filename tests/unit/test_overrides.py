@@ -307,3 +307,20 @@ def test_a_damaged_recorded_config_is_one_line_naming_the_file(tmp_path, capsys,
             err = capsys.readouterr().err
             assert e.value.code == 2 and f"{run / '.hydra' / 'config.yaml'}" in err and message in err, (name, err)
             assert "Traceback" not in err
+
+
+def test_a_group_choice_on_resume_names_a_training_key_as_example(tmp_path):
+    """``vitp-train --resume RUN experiment=smoke`` suggested ``sampler.steps=50``, a sampling key,
+    as what a training resume sets; it now names a training key (vitp-eval keeps the sampler's)."""
+    from omegaconf import OmegaConf
+
+    from tests.helpers import compose_cfg
+    from vitp.cli.overrides import apply_overrides
+    from vitp.cli.train import resume_config
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(compose_cfg(["experiment=smoke"])))
+    with pytest.raises(ValueError, match=r"vitp-train --resume sets keys of the run's config, e.g. trainer.max_steps=2000"):
+        resume_config(tmp_path, ["experiment=smoke"])
+    with pytest.raises(ValueError, match=r"vitp-eval sets keys of the run's config, e.g. sampler.steps=50"):
+        apply_overrides(compose_cfg(["experiment=smoke"]), ["experiment=smoke"], "vitp-eval")

@@ -179,8 +179,9 @@ def refusal(o: "Override", prog: str, allowed: Optional[Tuple[str, ...]] = None,
     if o.is_add() or o.is_force_add() or o.is_delete():
         return f"{line}: {prog} sets keys of the run's config; it does not add or delete them (drop the prefix)"
     if key in CONFIG_GROUPS or "@" in key or key.split(".")[0] == "hydra":
+        example = "trainer.max_steps=2000" if prog.startswith("vitp-train") else "sampler.steps=50"
         return (f"{key}= picks a config file when vitp-train composes a run; {prog} sets keys of the run's "
-                f"config, e.g. sampler.steps=50")
+                f"config, e.g. {example}")
     msg = unknown_key_message(key)
     if msg:
         return msg
