@@ -38,7 +38,8 @@ from .training import (
 
 __all__ = [
     "ABANDONED", "ARCH_KEYS", "FORMAT", "KILL_HOOK", "LATEST", "META", "RESUME_KEYS", "check_model_matches", "check_resumable",
-    "find_checkpoint", "generator_from_state", "resolve_weights", "run_of_checkpoint", "load_generator", "latest_meta", "layout_text",
+    "find_checkpoint", "generator_from_state", "resolve_weights", "run_of_checkpoint", "load_generator", "latest_meta",
+    "layout_text",
     "load_timm_state", "load_rng", "published_tags", "read_export", "save_export",
     "save_weights", "write_checkpoint", "tag_name", "tag_problem",
     "timm_block_state", "truncate_log", "verify_checkpoint",

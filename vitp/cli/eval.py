@@ -81,9 +81,10 @@ def checkpoint_advice(source: Path, run: Path) -> str:
     head = f"{source} is {what} of the run {run}: vitp-eval takes the run directory; "
     if str(OmegaConf.select(saved, "model.family", default="vit")) == "wan":
         merge = " --merge" if OmegaConf.select(saved, "trainer.lora.enabled") else ""
-        return head + (f"write this checkpoint as a diffusers folder with vitp-export {source} --format diffusers{merge} "
-                       f"-o OUT, then vitp-eval {run} --weights OUT")
-    return head + f"evaluate this checkpoint with vitp-eval {run} --weights {Path(source).resolve().relative_to(run.resolve())}"
+        return head + (f"write this checkpoint as a diffusers folder with vitp-export {source} --format "
+                       f"diffusers{merge} -o OUT, then vitp-eval {run} --weights OUT")
+    inside = Path(source).resolve().relative_to(run.resolve())
+    return head + f"evaluate this checkpoint with vitp-eval {run} --weights {inside}"
 
 
 def weights_step(run_dir: Path, weights: str) -> Optional[int]:

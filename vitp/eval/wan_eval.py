@@ -444,7 +444,8 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
         raise ValueError(f"--weights {weights}: a Wan run is evaluated from a diffusers folder, not a file; give "
                          f"{DIFFUSERS_DIR} (the run's final EMA weights) or a folder written by vitp-export {run_dir} "
                          "--format diffusers -o OUT")
-    if adapters is None and not any((folder / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
+    has_model = any((folder / p / "config.json").is_file() for p in ("", "transformer", "transformer_2"))
+    if adapters is None and not has_model:
         raise FileNotFoundError(f"{folder} holds no diffusers Wan weights (config.json): a run that has not finished "
                                 "has none; " + export_advice(run_dir, saved, f"vitp-eval {run_dir} --weights OUT"))
     cfg = apply_overrides(typed_config(saved, Path(run_dir) / ".hydra" / "config.yaml"), overrides, "vitp-eval")

@@ -51,8 +51,9 @@ SMOKE = "experiment=wan_smoke"  # the config a plain pipeline folder is sampled 
 def is_wan_source(source: Path) -> bool:
     """Whether ``source`` is a Wan run directory (``.hydra/config.yaml`` with ``model.family=wan``),
     its ``checkpoints/`` folder or one of its checkpoints (:func:`checkpoint_run`: refused by
-    :func:`wan_sample_config`, naming ``vitp-export``), or a diffusers Wan folder (``model_index.json`` of a ``WanPipeline``, or a transformer ``config.json``
-    of ``WanTransformer3DModel``)."""
+    :func:`wan_sample_config`, naming ``vitp-export``), or a diffusers Wan folder
+    (``model_index.json`` of a ``WanPipeline``, or a transformer ``config.json`` of
+    ``WanTransformer3DModel``)."""
     source = Path(source)
     run = source / ".hydra" / "config.yaml"
     if run.is_file():
@@ -90,8 +91,8 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
     ``trainer.init_from`` with the run's final adapters ``RUN/lora`` (``trainer.lora.init_from``:
     :func:`wan_denoisers` adds them), or for a diffusers folder the ``experiment=wan_smoke`` config
     of that folder; with ``num`` samples per prompt and the ``overrides`` (keys starting with one
-    of ``allowed``: :data:`vitp.cli.sample.SAMPLE_KEYS`, and for a run ``trainer.init_from``, its
-    base pipeline moved elsewhere), checked as ``vitp-train`` checks a Wan run (sizes from the
+    of ``allowed``: :data:`vitp.cli.sample.SAMPLE_KEYS`, and for a LoRA run ``trainer.init_from``,
+    its base pipeline moved elsewhere), checked as ``vitp-train`` checks a Wan run (sizes from the
     folder's ``config.json``; a LoRA's base by its hash).
 
     Raises ``FileNotFoundError`` for a run without its diffusers folder or final adapters and for
@@ -125,7 +126,8 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
         cfg, base = typed_config(load_run_yaml(run), run), source
         if run_expert(cfg) == "transformer_2" and not cfg.model.get("expert"):  # named by its folder, not the key
             cfg.model.expert = "low"
-        allowed = (*allowed, "trainer.init_from")
+        if lora_dir is not None:  # its base, moved elsewhere (a full fine-tuning samples RUN/diffusers)
+            allowed = (*allowed, "trainer.init_from")
     else:  # a model folder: samples go to ./outputs/<model_name>/samples, never into the model's folder
         weights, base = source, Path("outputs") / model_name(source)
         cfg = typed_config(compose([SMOKE, f"trainer.init_from={source}"]))
@@ -478,7 +480,8 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
     finish()
     if got is None or not is_main():
         return
-    _write(out, got, pipe, prompts, cfg, scheduler, info, weights, lora_file_of(Path(a.source) / "lora") if lora else None)
+    adapters = lora_file_of(Path(a.source) / "lora") if lora else None
+    _write(out, got, pipe, prompts, cfg, scheduler, info, weights, adapters)
 
 
 def _write(out: Path, got: Tuple[torch.Tensor, torch.Tensor], pipe: Path, prompts: List[str], cfg: Any,
