@@ -123,7 +123,7 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
         elif not any((weights / p / "config.json").is_file() for p in ("", "transformer", "transformer_2")):
             raise FileNotFoundError(f"{source} has no final diffusers folder {weights} (the run has not finished): "
                                     + export_advice(source, saved, f"{prog} OUT --prompt ..."))
-        cfg, base = typed_config(load_run_yaml(run), run), source
+        cfg, base = typed_config(saved, run), source
         if run_expert(cfg) == "transformer_2" and not cfg.model.get("expert"):  # named by its folder, not the key
             cfg.model.expert = "low"
         if lora_dir is not None:  # its base, moved elsewhere (a full fine-tuning samples RUN/diffusers)
