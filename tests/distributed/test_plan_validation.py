@@ -6,6 +6,7 @@ telemetry of real runs (metrics.jsonl, TensorBoard; comm/cp_bytes at cp=2)."""
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -57,7 +58,10 @@ CP_CASES = [name for name in CASES if " cp" in name and not name.startswith("T "
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     """``{case: [per-rank measurement]}`` (one process group for every case)."""
-    per_rank = run_ranks(4, measure_rank, CASES, str(tmp_path_factory.mktemp("plan")), timeout=600)
+    try:
+        per_rank = run_ranks(4, measure_rank, CASES, str(tmp_path_factory.mktemp("plan")), timeout=600)
+    finally:
+        shutil.rmtree(_STORE, ignore_errors=True)  # the text cases' caption store, not left in /tmp
     return {name: [r[name] for r in per_rank] for name in CASES}
 
 

@@ -157,6 +157,8 @@ def _tiny_wan_folder(override: str) -> str:
     folder written once here as the documented ``scripts/make_tiny_wan.py /tmp/wan_tiny --sharded``
     (``--two-experts``) writes it (a Wan run's config check
     reads the folder's config.json); other overrides unchanged."""
+    import atexit
+    import shutil
     import tempfile
 
     key, _, value = override.partition("=")
@@ -166,7 +168,9 @@ def _tiny_wan_folder(override: str) -> str:
     if doc not in _TINY_WAN:
         from tests.helpers import make_tiny_wan
 
-        folder = Path(tempfile.mkdtemp(prefix="docs_wan_")) / Path(doc).name
+        parent = tempfile.mkdtemp(prefix="docs_wan_")
+        atexit.register(shutil.rmtree, parent, ignore_errors=True)  # a folder per pytest worker, not left in /tmp
+        folder = Path(parent) / Path(doc).name
         _TINY_WAN[doc] = str(make_tiny_wan().write_pipeline(folder, sharded=True, **TINY_WANS[doc]))
     return f"{key}={_TINY_WAN[doc]}{value[len(doc):]}"
 
