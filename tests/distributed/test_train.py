@@ -176,6 +176,9 @@ def test_sample_and_eval_clis(tmp_path, capsys):
     assert e.value.code == 2 and (f"{tag} is a checkpoint of the run {run}: vitp-eval takes the run directory; "
                                   f"evaluate this checkpoint with vitp-eval {run} --weights checkpoints/step_0000002"
                                   ) in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # never read: it was evaluated the run's own weights, silently
+        eval_main([str(run), f"trainer.init_from={tag}/model_ema"])
+    assert e.value.code == 2 and f"to score other weights give vitp-eval {run} --weights PATH" in capsys.readouterr().err
     from vitp.cli.eval import run as vitp_eval
 
     at2, last, final = (vitp_eval([str(run), *w, "sampler.steps=2", "eval.t_grid=1"]) for w in (

@@ -244,7 +244,12 @@ def test_vitp_eval_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys):
             ([str(later)], f"a run that has not finished has none; write one from its latest checkpoint with "
                            f"vitp-export {later} --format diffusers -o OUT, then vitp-eval {later} --weights OUT"),
             ([str(run), "--weights", "ema.safetensors"], "--weights ema.safetensors: a Wan run is "
-                                                               "evaluated from a diffusers folder, not a file")]:
+                                                               "evaluated from a diffusers folder, not a file"),
+            # a full fine-tune is scored from its own weights: the key was overwritten silently
+            ([str(run), f"trainer.init_from={tiny}"], f"trainer.init_from: vitp-eval does not read it here, it "
+                                                      f"scores {run}'s own weights"),
+            ([str(lora), f"trainer.init_from={tiny}"], f"{lora} is a LoRA run without its final adapters"),  # its base
+            ([str(lora), "--weights", str(tiny), f"trainer.init_from={tiny}"], "vitp-eval does not read it here")]:
         with pytest.raises(SystemExit) as e:
             main(argv)
         err = capsys.readouterr().err

@@ -207,6 +207,23 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
     return cfg, gen, train_ds, heldout_ds, per_bucket, cond
 
 
+def check_init_from(run_dir: Path, overrides: list, wan: bool, given: Optional[str]) -> None:
+    """Refuse ``trainer.init_from=...`` where ``vitp-eval`` would not read it: it scores the run's
+    own weights (``--weights`` for others); only a Wan LoRA run's base, moved elsewhere, is taken
+    from it (the run's adapters go on top). Raises ``ValueError`` naming ``--weights``."""
+    from vitp.cli.overrides import parse_overrides
+
+    if not any(o.key_or_group == "trainer.init_from" for o in parse_overrides(overrides)):
+        return
+    if wan and given is None:
+        saved = load_run_yaml(run_dir / ".hydra" / "config.yaml")
+        if OmegaConf.select(saved, "trainer.lora.enabled"):
+            return  # the LoRA run's base where it is now
+    raise ValueError(f"trainer.init_from: vitp-eval does not read it here, it scores {run_dir}'s own weights "
+                     "(the training's starting point does not change them); to score other weights give "
+                     f"vitp-eval {run_dir} --weights PATH")
+
+
 def run(argv: Optional[list] = None) -> dict:
     """Re-evaluate a run's weights with its config (plus ``overrides``) into :func:`eval_output`
     (``eval.json`` only when the run has none), and name the file written."""
@@ -238,6 +255,7 @@ def run(argv: Optional[list] = None) -> dict:
     from vitp.eval.wan_sample import is_wan_source
 
     wan = is_wan_source(a.run_dir)  # its RUN/diffusers folder (vitp.eval.wan_eval)
+    check_init_from(a.run_dir, a.overrides, wan, given)
     with quiet_unless_main():  # under a launcher: rank 0 alone logs, writes eval.json and prints
         if is_main():
             logging.basicConfig(level=logging.INFO, format="%(message)s")
