@@ -48,21 +48,22 @@ _SHARED = {
     "tests/distributed/test_reference.py": "reference_runs", "tests/distributed/test_lora_generator.py": "reference_runs",
     "tests/distributed/parallel": "parallel_groups", "tests/unit/text": "text_encoder",
 }
-# CPU seconds each unit took in a run of the suite (``pytest -p tests.cpu_time``, 2026-12-05;
+# CPU seconds each unit took in a run of the suite (``pytest -p tests.cpu_time``, 2026-12-06;
 # docs/testing.md); units start longest first so that no long one is left for the end. Units not
 # listed count by folder.
 _COST = {
-    "tests/unit/test_scripts.py": 230, "reference_runs": 228, "tests/distributed/test_sample_cli.py": 159,
-    "tests/distributed/test_sagemaker_toolkit.py": 150, "tests/distributed/test_multinode.py": 147,
-    "tests/distributed/test_context_parallel.py": 105, "parallel_groups": 86,
-    "tests/distributed/test_plan_validation.py": 80, "tests/unit/test_preflight.py": 55,
-    "tests/distributed/test_sampling_parity.py": 53, "tests/distributed/test_launchers.py": 52,
-    "tests/distributed/test_reshard.py": 51, "tests/distributed/test_partial_sync_run.py": 48,
-    "tests/unit/test_config.py": 42, "tests/distributed/test_train.py": 39, "tests/distributed/test_rundir.py": 37,
-    "tests/distributed/test_latents_train.py": 34, "tests/distributed/test_shards_train.py": 34,
-    "tests/distributed/test_text_train.py": 34, "tests/distributed/test_text_data.py": 31,
-    "tests/distributed/test_sweep.py": 27, "tests/distributed/test_auto_layout.py": 25,
-    "tests/distributed/test_video_train.py": 36,  # with FVD under torchrun (measured alone, 2026-12-05)
+    "tests/distributed/test_sample_cli.py": 230, "parallel_groups": 191, "reference_runs": 167,
+    "tests/unit/test_scripts.py": 152, "tests/distributed/test_sagemaker_toolkit.py": 145,
+    "tests/distributed/test_multinode.py": 129, "tests/distributed/test_context_parallel.py": 105,
+    "tests/distributed/test_plan_validation.py": 83, "tests/distributed/test_sampling_parity.py": 67,
+    "tests/distributed/test_text_train.py": 52, "tests/unit/test_config.py": 49,
+    "tests/distributed/test_reshard.py": 49, "tests/distributed/test_launchers.py": 45,
+    "tests/distributed/test_train.py": 38, "tests/distributed/test_video_train.py": 35,
+    "tests/unit/test_wan_quality.py": 34, "tests/distributed/test_latents_train.py": 34,
+    "tests/distributed/test_rundir.py": 34, "tests/distributed/test_text_data.py": 32,
+    "tests/unit/test_rundir.py": 27, "tests/unit/test_fvd.py": 25, "tests/distributed/test_sweep.py": 24,
+    "tests/unit/test_latents.py": 24, "tests/distributed/test_partial_sync_run.py": 22,
+    "tests/distributed/test_shapes.py": 22,
 }
 
 
