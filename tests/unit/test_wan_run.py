@@ -61,8 +61,8 @@ def test_transformer_subfolder_and_shift_from_the_pipeline(tiny, tmp_path):
     (None, ValueError, r"model.family=wan needs trainer.init_from=FOLDER.*make_tiny_wan"),
     ("/nonexistent/wan", FileNotFoundError, r"trainer.init_from=/nonexistent/wan: Wan folder .* does not exist.*"
                                             r"vitp never downloads \(a run whose base folder moved: add "
-                                            r"trainer.init_from=NEW_PLACE to vitp-train --resume RUN, vitp-sample "
-                                            r"RUN or vitp-eval RUN\)"),
+                                            r"trainer.init_from=NEW_PLACE to vitp-train --resume RUN, and for a "
+                                            r"LoRA run to vitp-sample RUN or vitp-eval RUN\)"),
 ])
 def test_missing_folder_is_refused(init, error, match):
     over = [] if init is None else [f"trainer.init_from={init}"]

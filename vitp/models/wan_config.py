@@ -187,7 +187,7 @@ def transformer_folder(folder: PathLike, subfolder: Optional[str] = "transformer
     if not path.is_dir():
         what = "is a file, not a folder" if path.exists() else "does not exist"
         moved = (" (a run whose base folder moved: add trainer.init_from=NEW_PLACE to vitp-train --resume RUN, "
-                 "vitp-sample RUN or vitp-eval RUN)"
+                 "and for a LoRA run to vitp-sample RUN or vitp-eval RUN)"
                  if not path.exists() else "")
         raise FileNotFoundError(f"Wan folder {path} {what}: {HINT}{moved}")
     index = path / "model_index.json"
