@@ -120,8 +120,10 @@ def test_sample_under_torchrun_writes_the_one_process_grid(cp_run, one_process, 
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     _quiet(two)
     said = [x for x in two.stderr.splitlines() if "layout for sampling" in x]
-    assert len(said) == (0 if layout else 1)  # rank 0 alone says it, and only when vitp chose
-    if not layout:
+    assert len(said) == 1  # rank 0 alone says it, chosen or given
+    if layout:
+        assert said[0].endswith(f"(given: {' '.join(layout)})")
+    else:
         assert said[0].startswith("vitp-sample: layout for sampling: dp=2 (a replica of the whole model fits one "
                                   "device")
     b = _pixels(tmp_path / "two.png")
@@ -151,6 +153,8 @@ def test_eval_under_torchrun_gives_the_one_process_heldout_loss(cp_run, one_proc
                                                                      rel=1e-6)
     assert got["sample_accuracy"] == ref["sample_accuracy"] and got["step"] == ref["step"] == 2
     assert ("vitp-eval: layout for evaluation: dp=2 " in two.stderr) == (not layout)
+    assert ("vitp-eval: layout for evaluation: tp=1 cp=2 (ulysses) pp=1 dp=1 (given: parallel.cp=2)" in two.stderr
+            ) == bool(layout)
     if fid:
         npz = cp_run / "eval.npz"
         assert npz.read_bytes() == ref["fid_npz"].read_bytes()  # the same samples, byte for byte
@@ -419,6 +423,8 @@ def test_wan_sample_under_torchrun_is_the_one_process_sample(wan_runs, tmp_path,
     assert two.stdout.count("wrote ") == len(WAN_RUNS)  # rank 0 alone prints
     chosen = "vitp-sample: layout for sampling: dp=2 (a replica of the whole model fits one device"
     assert (two.stderr + two.stdout).count(chosen) == (0 if layout else len(WAN_RUNS)), two.stderr[-2000:]
+    given = f"vitp-sample: layout for sampling: tp=1 cp=2 (ulysses) pp=1 dp=1 (given: {' '.join(layout)})"
+    assert (two.stderr + two.stdout).count(given) == (len(WAN_RUNS) if layout else 0), two.stderr[-2000:]
     for name in WAN_RUNS:
         a = load_file(str(wan_runs / f"one_{name}" / "latents.safetensors"))
         b = load_file(str(tmp_path / name / "latents.safetensors"))

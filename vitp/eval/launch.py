@@ -126,13 +126,19 @@ def choose_layout(cfg: DictConfig, overrides: Sequence[str], world: int, device:
     with a layout key (:data:`LAYOUT_KEYS`) among ``overrides``, ``cfg`` as it is (the run's layout
     with those keys); else ``tp = cp = pp = 1`` (``dp = world`` replicas) when a replica fits a
     device (:func:`replica_fits`), else the run's own layout. Prints the choice and how to change it
-    in one line on stderr. ``device``: the ``torch.device`` the ranks run on."""
+    (or the layout given) in one line on stderr. ``device``: the ``torch.device`` the ranks run on."""
     from vitp.cli.overrides import override_key
     from vitp.plan import format_bytes
 
     what = "sampling" if prog == "vitp-sample" else "evaluation"
     par = cfg.parallel
-    if {override_key(o) for o in overrides} & set(LAYOUT_KEYS):
+    given = [o for o in overrides if override_key(o) in LAYOUT_KEYS]
+    if given:  # said too, so that a user sees the layout that ran
+        dp = max(1, world // (par.tp * par.cp * par.pp))
+        sp = " with sequence parallel" if par.sequence_parallel and par.tp > 1 else ""
+        cp = f" ({par.cp_mode})" if par.cp > 1 else ""
+        print(f"{prog}: layout for {what}: tp={par.tp} cp={par.cp}{cp} pp={par.pp} dp={dp}{sp} (given: {' '.join(given)})",
+              file=sys.stderr)
         return cfg
     fits, need, limit = replica_fits(cfg, world, device)
     sizes = f"{format_bytes(need)} of the {format_bytes(limit)} a rank has, planner"

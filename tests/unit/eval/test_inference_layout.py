@@ -39,7 +39,13 @@ def test_a_given_layout_key_keeps_the_runs_layout_with_it(capsys):
     for given in (["parallel.cp=2"], ["parallel.tp=2"], ["parallel.cp_mode=ring"], ["parallel.sequence_parallel=true"]):
         got = choose_layout(cfg, ["sampler.steps=3", *given], 2, CPU)
         assert _layout(got) == _layout(cfg) == (1, 2, 1, False)
-    assert capsys.readouterr().err == ""  # the user chose: nothing to say
+        # said as the chosen one is: a user sees which layout ran (a new user could not tell)
+        assert capsys.readouterr().err == (f"vitp-sample: layout for sampling: tp=1 cp=2 (ulysses) pp=1 dp=1 "
+                                           f"(given: {given[0]})\n")
+    tp2 = compose(RUN + ["parallel.cp=1", "parallel.tp=2", "parallel.sequence_parallel=true"])
+    choose_layout(tp2, ["parallel.tp=2"], 4, CPU, "vitp-eval")
+    assert capsys.readouterr().err == ("vitp-eval: layout for evaluation: tp=2 cp=1 pp=1 dp=2 with sequence parallel "
+                                       "(given: parallel.tp=2)\n")
 
 
 def test_a_model_too_large_for_one_device_keeps_the_runs_layout(capsys):
