@@ -332,9 +332,11 @@ def test_resuming_before_a_damaged_checkpoint_moves_it_aside_once_this_run_passe
     and deleted the good step 2: the earlier attempt's checkpoints were moved aside only when past
     the new checkpoint's step. Now everything the earlier attempt wrote past the resumed step moves
     into checkpoints/abandoned/ (bytes unchanged) with the first new checkpoint, and the warning
-    names the step the run resumed from."""
+    names the step the run resumed from. A tag folder without its vitp_meta.json (incomplete: a resume
+    passes over it) past that step stayed in checkpoints/ beside the new history; it moves too."""
     import hashlib
     import logging
+    import shutil
 
     from vitp.cli.train import resume_config
     from vitp.train import train
@@ -343,6 +345,8 @@ def test_resuming_before_a_damaged_checkpoint_moves_it_aside_once_this_run_passe
     over = ["experiment=smoke", "trainer.max_steps=4", "trainer.checkpoint_every=2"]
     train(compose_cfg(over), run, over)
     damaged = run / "checkpoints" / "step_0000004"
+    incomplete = shutil.copytree(damaged, run / "checkpoints" / "step_0000005")  # as if the record were lost
+    (incomplete / "vitp_meta.json").unlink()
     with open(damaged / "__0_0.distcp", "r+b") as f:
         f.truncate(100)
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in damaged.iterdir()}
@@ -352,8 +356,11 @@ def test_resuming_before_a_damaged_checkpoint_moves_it_aside_once_this_run_passe
     assert published_tags(run / "checkpoints") == ["step_0000002", "step_0000006"]  # the good one kept
     (aside,) = (run / "checkpoints" / "abandoned").glob("*/step_0000004")
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in aside.iterdir()} == before
-    assert (f"moved step_0000004 to {aside.parent}: an earlier attempt wrote them after step 2, the older "
-            "checkpoint this run resumed from") in caplog.text
+    assert not incomplete.exists() and (aside.parent / "step_0000005" / "__0_0.distcp").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["abandoned", "latest", "step_0000002",
+                                                                       "step_0000006"]
+    assert (f"moved step_0000004, step_0000005 (incomplete: no vitp_meta.json) to {aside.parent}: an earlier attempt "
+            "wrote them after step 2, the older checkpoint this run resumed from") in caplog.text
 
 
 def test_resuming_before_a_damaged_last_checkpoint_moves_it_aside_and_writes_that_step_again(tmp_path, caplog):
