@@ -540,3 +540,18 @@ def test_a_latest_naming_a_missing_tag_resumes_from_the_newest_saying_so(tmp_pat
     assert (f"{run / 'checkpoints' / 'latest'} names 'step_0000099', which is no complete checkpoint there: "
             "resuming from step_0000002, the newest one") in caplog.text
     assert (run / "checkpoints" / "latest").read_text() == "step_0000003"
+    # an empty latest (no tag name): the training passes over it the same way; readers of the
+    # checkpoints folder (vitp-sample / vitp-export / vitp-eval, trainer.resume=RUN/checkpoints) refuse it
+    from vitp.checkpoint import resolve_weights
+
+    (run / "checkpoints" / "latest").write_text("")
+    with pytest.raises(ValueError, match=r"latest names '', not a vitp checkpoint tag \(step_NNNNNNN\): write the "
+                                         r"newest complete tag \(step_0000003\) into it"):
+        resolve_weights(run / "checkpoints")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        res = train(resume_config(run, ["trainer.max_steps=4"]), run, resumed=True)
+    assert len(res["losses"]) == 1  # step 4, from step 3
+    assert (f"{run / 'checkpoints' / 'latest'} names '', which is no complete checkpoint there: resuming from "
+            "step_0000003, the newest one") in caplog.text
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000004"
