@@ -307,6 +307,28 @@ def test_a_damaged_recorded_config_is_one_line_naming_the_file(tmp_path, capsys,
             err = capsys.readouterr().err
             assert e.value.code == 2 and f"{run / '.hydra' / 'config.yaml'}" in err and message in err, (name, err)
             assert "Traceback" not in err
+    # vitp-sample of a generator run reads the file only to tell a Wan run from a generator run:
+    # unreadable YAML is refused the same way; a bad key or value there is not read (the weights
+    # file holds the config it samples with), as docs/checkpoints.md says
+    from vitp.checkpoint.export import save_export
+    from vitp.cli.sample import main as sample_main
+    from vitp.models import Generator
+
+    cfg = compose_cfg(["experiment=smoke"])
+    state = Generator.from_config(cfg.model, seed=0).state_dict()
+    for name in cases:
+        save_export(tmp_path / name / "model_ema.safetensors", state, cfg, step=3)
+        (tmp_path / name / "metrics.jsonl").write_text('{"step": 3}\n')
+    with pytest.raises(SystemExit) as e:
+        sample_main([str(tmp_path / "yaml"), "--classes", "3", "--num", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"vitp-sample: error: {tmp_path / 'yaml' / '.hydra' / 'config.yaml'} is " \
+        f"not readable YAML (while parsing a flow node): the run's recorded config was damaged or edited; " \
+        f"restore it (from a copy of the run, or with the keys of its launch), or start a new run from its " \
+        f"checkpoint with trainer.resume=RUN/checkpoints/step_N in a new hydra.run.dir\n"
+    assert not (tmp_path / "yaml" / "samples").exists()
+    sample_main([str(tmp_path / "key"), "--classes", "3", "--num", "1", "sampler.steps=1"])
+    assert [p.name for p in (tmp_path / "key" / "samples").iterdir()] == ["sample_step0000003_c3_n1_heun1_cfg1.5_seed0.png"]
 
 
 def test_a_group_choice_on_resume_names_a_training_key_as_example(tmp_path):
