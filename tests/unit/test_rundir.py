@@ -519,6 +519,12 @@ def test_a_run_that_diverged_before_its_first_checkpoint_resumes_with_the_fix(tm
     assert (f"{run} has no checkpoint to continue: --resume starts it over from step 0 with the settings given "
             "(optim.lr: 1000000.0 before vs 0.001 now)") in caplog.text
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 21))
+    # diverging again after a resume, before a checkpoint of its own: the resumed checkpoint is named
+    with pytest.raises(FloatingPointError) as e:
+        train(resume_config(run, ["optim.lr=1e6", "trainer.max_steps=40"]), run, resumed=True)
+    assert (f"no checkpoint since this run resumed from {run / 'checkpoints' / 'step_0000020'}: if that one is "
+            f"damaged, no earlier checkpoint is in {run / 'checkpoints'}") in str(e.value), e.value
+    assert "lower optim.lr" in str(e.value)
 
 
 def test_a_latest_naming_a_missing_tag_resumes_from_the_newest_saying_so(tmp_path, caplog):
