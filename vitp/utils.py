@@ -78,6 +78,33 @@ def atomic_write_text(path: PathLike, text: str, fsync: bool = False) -> Path:
     return Path(path)
 
 
+def on_read_only_fs(path: PathLike) -> bool:
+    """Whether ``path`` lies on a file system mounted read-only (``False`` where that cannot be told)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs on Windows
+        return False
+
+
+def check_output_in_run(out: Optional[PathLike], default: PathLike, run: PathLike, prog: str) -> None:
+    """Refuse (``PermissionError``, one line) before any work an output that goes into the folder
+    ``run`` (``default`` when ``out`` is ``None``, or an ``out`` inside it) where this process may
+    not write: a run bind-mounted read-only failed only when the finished samples were written.
+    An ``out`` outside ``run`` is not checked (it is the way around a read-only run)."""
+    target, folder = Path(default if out is None else out).absolute(), Path(run).absolute()
+    if target != folder and folder not in target.parents:
+        return
+    nearest = next(p for p in (target, *target.parents) if p.exists())
+    if nearest.is_file():
+        nearest = nearest.parent  # an output file is replaced by a rename in its folder
+    if os.access(nearest, os.W_OK):
+        return
+    why = "on a read-only file system" if on_read_only_fs(nearest) else "not writable by this user"
+    where = f"writes into {folder} by default" if out is None else f"would write --out {out} into {folder}"
+    raise PermissionError(f"{nearest} is {why}: {prog} {where}; give --out PATH outside it, or {prog} a copy of "
+                          f"that folder")
+
+
 def to_dict(cfg: Any) -> Dict[str, Any]:
     """A config section as a plain ``dict`` (``DictConfig`` resolved, dataclass or mapping)."""
     from dataclasses import asdict, is_dataclass

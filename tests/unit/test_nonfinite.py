@@ -49,6 +49,38 @@ def test_the_message_names_the_place_and_its_fix():
         _message(prev=NAN, first=True)
 
 
+def test_a_resumed_checkpoint_is_named_until_the_run_writes_its_own(tmp_path):
+    """A new user's report: a checkpoint with bytes overwritten (size unchanged) resumed at step 45
+    and the loss turned NaN at step 47, blamed on the lr alone (the checkpoint was named only at an
+    attempt's first step). Until the attempt writes a checkpoint of its own, the message names the
+    one it resumed from and the one before it to resume from; the lr advice stays."""
+    from vitp.train.nonfinite import nonfinite_grad_error, resumed_checkpoint_note
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    for tag in ("step_0000040", "step_0000045", "step_0000050"):
+        (ckpts / tag).mkdir(parents=True)
+        (ckpts / tag / "vitp_meta.json").write_text("{}")
+    (ckpts / "step_0000042").mkdir()  # incomplete (no vitp_meta.json): not one to resume from
+    cmd = f"vitp-train --resume {tmp_path / 'run'}"
+    note = resumed_checkpoint_note(ckpts / "step_0000045", False, cmd)
+    assert note == (f"no checkpoint since this run resumed from {ckpts / 'step_0000045'}: if that one is damaged, "
+                    f"resume from the one before with {cmd} trainer.resume={ckpts / 'step_0000040'}")
+    assert str(nonfinite_loss_error(NAN, 47, batches=[_batch()], prev_grad_norm=0.5, first_step=False, grad_clip=1.0,
+                                    precision="fp32", resumed=note)) == (
+        f"loss is nan at step 47: the forward pass made it from a finite input batch ({note}): lower optim.lr or keep "
+        "optim.grad_clip > 0")
+    assert f"though its loss was finite ({note}): keep optim.grad_clip > 0 and lower optim.lr" in str(
+        nonfinite_loss_error(NAN, 47, batches=[], prev_grad_norm=math.inf, first_step=False, grad_clip=1.0,
+                             precision="fp32", resumed=note))
+    assert f"(the run diverges; {note}): lower optim.lr" in str(
+        nonfinite_grad_error(math.inf, 0.5, 47, grad_clip=1.0, precision="fp32", resumed=note))
+    assert resumed_checkpoint_note(ckpts / "step_0000040", False, cmd) == (
+        f"no checkpoint since this run resumed from {ckpts / 'step_0000040'}: if that one is damaged, no earlier "
+        f"checkpoint is in {ckpts}")
+    assert resumed_checkpoint_note(ckpts / "step_0000045", True, cmd) == ""  # it wrote one since: not named
+    assert resumed_checkpoint_note(None, False, cmd) == ""  # a fresh start
+
+
 def test_gradients_that_went_bad_a_step_earlier_win_over_a_bad_batch():
     assert "gradients of step 6" in _message([_batch(bad=True)], prev=NAN)
     assert "input batch" in _message([_batch(bad=True)], prev=NAN, first=True)

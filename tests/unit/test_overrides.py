@@ -215,6 +215,59 @@ def test_an_unwritable_place_is_one_line_not_a_traceback(tmp_path, capsys, monke
     assert e.value.code == 2 and err.startswith(f"vitp-eval: error: {run} is not writable: vitp-eval writes its results")
 
 
+def test_a_read_only_run_is_refused_before_sampling_or_training(tmp_path, capsys, monkeypatch):
+    """A new user's report: vitp-sample of a run bind-mounted read-only sampled, then failed writing
+    samples/.sample_...tmp.png (two chained tracebacks, exit 1); vitp-train --resume of it said the
+    run directory "cannot be made", though it exists. Now vitp-sample refuses at once, in one line
+    naming --out (an --out outside the run still samples), and vitp-train says the folder is not
+    writable, naming the copy to continue. Root ignores modes: os.access is patched for the run."""
+    import os
+    from pathlib import Path
+
+    from vitp.checkpoint.export import save_export
+    from vitp.cli.sample import main as sample_main
+    from vitp.cli.train import main as train_main
+    from vitp.models import Generator
+
+    cfg = compose_cfg(["experiment=smoke"])
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 400}) + "\n")
+    save_export(run / "model_ema.safetensors", Generator.from_config(cfg.model, seed=0).state_dict(), cfg, step=400)
+    access = os.access
+    monkeypatch.setattr("os.access", lambda p, mode: Path(p) != run and run not in Path(p).parents and access(p, mode))
+    monkeypatch.setattr("vitp.cli.sample.sample_config", lambda *a: pytest.fail("sampled before refusing"))
+    for out in (None, run / "samples" / "grid.png"):
+        with pytest.raises(SystemExit) as e:
+            sample_main([str(run), "--classes", "3", "--num", "2", *(["--out", str(out)] if out else [])])
+        where = "writes into {run} by default" if out is None else f"would write --out {out} into {run}"
+        assert e.value.code == 2 and capsys.readouterr().err == (
+            f"vitp-sample: error: {run} is not writable by this user: vitp-sample {where.format(run=run)}; give --out "
+            "PATH outside it, or vitp-sample a copy of that folder\n")
+    assert not (run / "samples").exists()
+    monkeypatch.undo()
+    monkeypatch.setattr("os.access", lambda p, mode: Path(p) != run and run not in Path(p).parents and access(p, mode))
+    sample_main([str(run), "--classes", "3", "--num", "2", "--out", str(tmp_path / "grid.png"), "sampler.steps=1"])
+    assert (tmp_path / "grid.png").stat().st_size > 0 and not (run / "samples").exists()
+    monkeypatch.setattr("sys.argv", ["vitp-train", "--resume", str(run)])
+    with pytest.raises(SystemExit) as e:
+        train_main()
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"vitp-train: error: run directory {run} is not writable (this user may not write it); copy the run to a "
+        "writable place and continue the copy with vitp-train --resume COPY\n")
+    monkeypatch.setattr("vitp.utils.on_read_only_fs", lambda p: Path(p) == run)  # as the user's bind mount
+    with pytest.raises(SystemExit) as e:
+        train_main()
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"vitp-train: error: run directory {run} is not writable (on a read-only file system); copy the run to a "
+        "writable place and continue the copy with vitp-train --resume COPY\n")
+    with pytest.raises(SystemExit) as e:
+        sample_main([str(run), "--classes", "3"])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith(
+        f"vitp-sample: error: {run} is on a read-only file system: vitp-sample writes into {run} by default")
+
+
 def test_vitp_train_refuses_a_key_without_a_value_in_one_line(capsys, monkeypatch):
     """``vitp-train trainer.max_steps`` (no ``=``) was Hydra's "missing EQUAL" error, exit 1."""
     from vitp.cli.train import main
@@ -307,6 +360,28 @@ def test_a_damaged_recorded_config_is_one_line_naming_the_file(tmp_path, capsys,
             err = capsys.readouterr().err
             assert e.value.code == 2 and f"{run / '.hydra' / 'config.yaml'}" in err and message in err, (name, err)
             assert "Traceback" not in err
+    # vitp-sample of a generator run reads the file only to tell a Wan run from a generator run:
+    # unreadable YAML is refused the same way; a bad key or value there is not read (the weights
+    # file holds the config it samples with), as docs/checkpoints.md says
+    from vitp.checkpoint.export import save_export
+    from vitp.cli.sample import main as sample_main
+    from vitp.models import Generator
+
+    cfg = compose_cfg(["experiment=smoke"])
+    state = Generator.from_config(cfg.model, seed=0).state_dict()
+    for name in cases:
+        save_export(tmp_path / name / "model_ema.safetensors", state, cfg, step=3)
+        (tmp_path / name / "metrics.jsonl").write_text('{"step": 3}\n')
+    with pytest.raises(SystemExit) as e:
+        sample_main([str(tmp_path / "yaml"), "--classes", "3", "--num", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"vitp-sample: error: {tmp_path / 'yaml' / '.hydra' / 'config.yaml'} is " \
+        f"not readable YAML (while parsing a flow node): the run's recorded config was damaged or edited; " \
+        f"restore it (from a copy of the run, or with the keys of its launch), or start a new run from its " \
+        f"checkpoint with trainer.resume=RUN/checkpoints/step_N in a new hydra.run.dir\n"
+    assert not (tmp_path / "yaml" / "samples").exists()
+    sample_main([str(tmp_path / "key"), "--classes", "3", "--num", "1", "sampler.steps=1"])
+    assert [p.name for p in (tmp_path / "key" / "samples").iterdir()] == ["sample_step0000003_c3_n1_heun1_cfg1.5_seed0.png"]
 
 
 def test_a_group_choice_on_resume_names_a_training_key_as_example(tmp_path):

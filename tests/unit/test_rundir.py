@@ -332,9 +332,11 @@ def test_resuming_before_a_damaged_checkpoint_moves_it_aside_once_this_run_passe
     and deleted the good step 2: the earlier attempt's checkpoints were moved aside only when past
     the new checkpoint's step. Now everything the earlier attempt wrote past the resumed step moves
     into checkpoints/abandoned/ (bytes unchanged) with the first new checkpoint, and the warning
-    names the step the run resumed from."""
+    names the step the run resumed from. A tag folder without its vitp_meta.json (incomplete: a resume
+    passes over it) past that step stayed in checkpoints/ beside the new history; it moves too."""
     import hashlib
     import logging
+    import shutil
 
     from vitp.cli.train import resume_config
     from vitp.train import train
@@ -343,6 +345,8 @@ def test_resuming_before_a_damaged_checkpoint_moves_it_aside_once_this_run_passe
     over = ["experiment=smoke", "trainer.max_steps=4", "trainer.checkpoint_every=2"]
     train(compose_cfg(over), run, over)
     damaged = run / "checkpoints" / "step_0000004"
+    incomplete = shutil.copytree(damaged, run / "checkpoints" / "step_0000005")  # as if the record were lost
+    (incomplete / "vitp_meta.json").unlink()
     with open(damaged / "__0_0.distcp", "r+b") as f:
         f.truncate(100)
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in damaged.iterdir()}
@@ -352,8 +356,11 @@ def test_resuming_before_a_damaged_checkpoint_moves_it_aside_once_this_run_passe
     assert published_tags(run / "checkpoints") == ["step_0000002", "step_0000006"]  # the good one kept
     (aside,) = (run / "checkpoints" / "abandoned").glob("*/step_0000004")
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in aside.iterdir()} == before
-    assert (f"moved step_0000004 to {aside.parent}: an earlier attempt wrote them after step 2, the older "
-            "checkpoint this run resumed from") in caplog.text
+    assert not incomplete.exists() and (aside.parent / "step_0000005" / "__0_0.distcp").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["abandoned", "latest", "step_0000002",
+                                                                       "step_0000006"]
+    assert (f"moved step_0000004, step_0000005 (incomplete: no vitp_meta.json) to {aside.parent}: an earlier attempt "
+            "wrote them after step 2, the older checkpoint this run resumed from") in caplog.text
 
 
 def test_resuming_before_a_damaged_last_checkpoint_moves_it_aside_and_writes_that_step_again(tmp_path, caplog):
@@ -512,6 +519,12 @@ def test_a_run_that_diverged_before_its_first_checkpoint_resumes_with_the_fix(tm
     assert (f"{run} has no checkpoint to continue: --resume starts it over from step 0 with the settings given "
             "(optim.lr: 1000000.0 before vs 0.001 now)") in caplog.text
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 21))
+    # diverging again after a resume, before a checkpoint of its own: the resumed checkpoint is named
+    with pytest.raises(FloatingPointError) as e:
+        train(resume_config(run, ["optim.lr=1e6", "trainer.max_steps=40"]), run, resumed=True)
+    assert (f"no checkpoint since this run resumed from {run / 'checkpoints' / 'step_0000020'}: if that one is "
+            f"damaged, no earlier checkpoint is in {run / 'checkpoints'}") in str(e.value), e.value
+    assert "lower optim.lr" in str(e.value)
 
 
 def test_a_latest_naming_a_missing_tag_resumes_from_the_newest_saying_so(tmp_path, caplog):
@@ -533,3 +546,18 @@ def test_a_latest_naming_a_missing_tag_resumes_from_the_newest_saying_so(tmp_pat
     assert (f"{run / 'checkpoints' / 'latest'} names 'step_0000099', which is no complete checkpoint there: "
             "resuming from step_0000002, the newest one") in caplog.text
     assert (run / "checkpoints" / "latest").read_text() == "step_0000003"
+    # an empty latest (no tag name): the training passes over it the same way; readers of the
+    # checkpoints folder (vitp-sample / vitp-export / vitp-eval, trainer.resume=RUN/checkpoints) refuse it
+    from vitp.checkpoint import resolve_weights
+
+    (run / "checkpoints" / "latest").write_text("")
+    with pytest.raises(ValueError, match=r"latest names '', not a vitp checkpoint tag \(step_NNNNNNN\): write the "
+                                         r"newest complete tag \(step_0000003\) into it"):
+        resolve_weights(run / "checkpoints")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        res = train(resume_config(run, ["trainer.max_steps=4"]), run, resumed=True)
+    assert len(res["losses"]) == 1  # step 4, from step 3
+    assert (f"{run / 'checkpoints' / 'latest'} names '', which is no complete checkpoint there: resuming from "
+            "step_0000003, the newest one") in caplog.text
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000004"

@@ -319,6 +319,19 @@ def test_vitp_sample_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err, err
+    # a finished run on a read-only mount (root ignores modes: os.access is patched): refused before sampling
+    import os
+
+    shutil.copytree(tiny, copy / "diffusers")
+    access = os.access
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("os.access", lambda p, mode: copy not in (Path(p), *Path(p).parents) and access(p, mode))
+        mp.setattr("vitp.eval.wan_sample.pipeline_of", lambda cfg: pytest.fail("went on to sample"))
+        with pytest.raises(SystemExit) as e:
+            main([str(copy), "--prompt", "x"])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"vitp-sample: error: {copy} is not writable by this user: vitp-sample writes into {copy} by default; give "
+        "--out PATH outside it, or vitp-sample a copy of that folder\n")
 
 
 def test_a_wan_runs_checkpoint_given_to_vitp_sample_or_eval_names_the_export(tiny, tmp_path, capsys):

@@ -143,18 +143,22 @@ def _rotate(ckpt_dir: Path, step: int, keep: int, abandon_after: Optional[int] =
     them over ``latest``, and the rotation by step would delete ``latest`` itself or, once this run
     passed them, the good checkpoints before them; moved, not deleted, they stay loadable by path)
     and, ``keep`` > 0, delete all but the newest ``keep`` of the others (``step_<step>``,
-    ``latest``, always stays)."""
+    ``latest``, always stays). A tag folder past that step without its :data:`META` (incomplete:
+    a resume passed over it) moves too: left beside the new history it would look like one of it."""
     tags = published_tags(ckpt_dir)
     after = step if abandon_after is None else abandon_after
-    stale = [t for t in tags if _tag_step(t) > after and _tag_step(t) != step]
+    # an unpublished save is "<tag>.partial", so a tag folder without META is never one in flight
+    broken = [t for t in _incomplete_tags(ckpt_dir) if _tag_step(t) > after and _tag_step(t) != step]
+    stale = sorted([t for t in tags if _tag_step(t) > after and _tag_step(t) != step] + broken, key=_tag_step)
     ours = [t for t in tags if t not in stale]
     if stale:
         dest = _aside_folder(ckpt_dir)
         for tag in stale:
             os.replace(ckpt_dir / tag, dest / tag)
+        names = [f"{t} (incomplete: no {META})" if t in broken else t for t in stale]
         log.warning("moved %s to %s: an earlier attempt wrote them after step %d, the older checkpoint this run "
                     "resumed from and continued (load one with trainer.resume=%s/<tag>; delete the folder to free "
-                    "the space)", ", ".join(stale), dest, after, dest)
+                    "the space)", ", ".join(names), dest, after, dest)
     for old in ours[:-keep] if keep > 0 else []:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
 
@@ -239,6 +243,14 @@ def _publish(partial: Path, record: Dict[str, Any], ckpt_dir: Path, tag: str) ->
                     "with trainer.resume=%s; delete the folder to free the space)", tag, dest, tag, dest / tag)
     os.replace(partial, final)
     atomic_write_text(ckpt_dir / LATEST, tag, fsync=True)
+
+
+def _incomplete_tags(ckpt_dir: Path) -> List[str]:
+    """Tag folders in ``ckpt_dir`` without their completion record :data:`META`, oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted((p.name for p in ckpt_dir.iterdir() if p.is_dir() and TAG_RE.match(p.name)
+                   and not (p / META).is_file()), key=_tag_step)
 
 
 def published_tags(ckpt_dir: Path) -> List[str]:

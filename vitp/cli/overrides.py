@@ -106,17 +106,19 @@ def compose_checked(overrides: Sequence[str]) -> "DictConfig":
     return cfg
 
 
-def check_run_dir(overrides: Sequence[str]) -> str:
+def check_run_dir(overrides: Sequence[str], resume: bool = False) -> str:
     """The run directory ``vitp-train <overrides>`` will write (``hydra.run.dir`` resolved as Hydra
     resolves it; ``${now:...}`` at this second), after checking that it can be made: its nearest
     existing folder must be a folder this process may write (not a file, not on a read-only file
     system). Checked before Hydra creates the folder and its log file.
 
-    Raises ``ValueError`` in one line naming the folder and the keys that move the run."""
+    Raises ``ValueError`` in one line naming the folder and the keys that move the run (``resume``:
+    ``vitp-train --resume``, whose folder exists: the copy to continue instead)."""
     import os
     from pathlib import Path
 
     from vitp.config import compose
+    from vitp.utils import on_read_only_fs
 
     try:
         run_dir = Path(compose(list(overrides), with_hydra=True).hydra.run.dir)
@@ -127,18 +129,14 @@ def check_run_dir(overrides: Sequence[str]) -> str:
     if not existing.is_dir():
         raise ValueError(f"run directory {run_dir} cannot be made: {existing} is a file, not a folder; {fix}")
     if not os.access(existing, os.W_OK | os.X_OK):
-        why = "on a read-only file system" if _read_only(existing) else "not writable by this user"
+        why = "on a read-only file system" if on_read_only_fs(existing) else "not writable by this user"
+        if existing == run_dir.absolute():  # it exists (a resumed run): it is there, only not writable
+            fix = ("copy the run to a writable place and continue the copy with vitp-train --resume COPY" if resume
+                   else fix)
+            reason = "on a read-only file system" if "read-only" in why else "this user may not write it"
+            raise ValueError(f"run directory {run_dir} is not writable ({reason}); {fix}")
         raise ValueError(f"run directory {run_dir} cannot be made: {existing} is {why}; {fix}")
     return str(run_dir)
-
-
-def _read_only(path: Any) -> bool:
-    import os
-
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
 
 
 # ------------------------------------------------------------------------------- a finished run's config

@@ -39,7 +39,7 @@ from vitp.eval.launch import (LAYOUT_KEYS, build_sharded, check_layout_overrides
                               quiet_unless_main)
 from vitp.media import to_grid
 from vitp.parallel.distributed import is_main, resolve_device, world_size
-from vitp.utils import atomic_write, atomic_write_text
+from vitp.utils import atomic_write, atomic_write_text, check_output_in_run
 
 
 # what vitp-sample may change: the sampler, the size it samples at, and where it runs
@@ -318,7 +318,9 @@ def run(argv: Optional[List[str]] = None) -> None:
     earlier versions still work, with a note naming the override. The default output,
     ``samples/<output_name>.png`` (video: a folder of that name) next to the weights, is named by
     :func:`output_name`. Raises ``ValueError`` before sampling for an output that exists (without
-    ``--force``), a bad ``--out`` / ``--format`` or class, ``FileNotFoundError`` for a missing source.
+    ``--force``), a bad ``--out`` / ``--format`` or class, ``PermissionError`` for an output into
+    the run folder where this process may not write (:func:`vitp.utils.check_output_in_run`),
+    ``FileNotFoundError`` for a missing source.
     """
     with quiet_unless_main():  # under a launcher: rank 0 alone prints
         a, overrides = parse_args(argv)
@@ -330,6 +332,7 @@ def run(argv: Optional[List[str]] = None) -> None:
             raise ValueError("--scheduler and --flow-shift are for Wan runs and folders; this run samples with "
                              "sampler.method=heun|euler")
         path, step, base = resolve_weights(a.source, "ema")  # a run dir without final weights: its latest checkpoint
+        check_output_in_run(a.out, base / "samples", base, "vitp-sample")  # a read-only run: before any work
         sharded = launched()
         if sharded:  # each rank builds its replica or its stage's shard below (build_sharded)
             gen, (cfg, meta) = None, sample_settings(path, overrides, a.num)

@@ -259,7 +259,7 @@ def prepare_argv(argv: list) -> list:
     elif not any(a.startswith(("hydra/job_logging=", "hydra.job_logging")) for a in argv):
         ours.append("++hydra.job_logging.handlers.file.delay=true")  # Hydra's default file handler
     if not any(a in ("-m", "--multirun") for a in argv[1:]):
-        check_run_dir([a for a in ours + argv[1:] if is_override(a)])  # before Hydra makes it
+        check_run_dir([a for a in ours + argv[1:] if is_override(a)], resume=_resume_dir is not None)  # before Hydra
     return argv[:1] + ours + argv[1:]
 
 

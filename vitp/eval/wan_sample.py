@@ -43,7 +43,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from omegaconf import OmegaConf
 
-from vitp.utils import load_run_yaml
+from vitp.utils import check_output_in_run, load_run_yaml
 
 SMOKE = "experiment=wan_smoke"  # the config a plain pipeline folder is sampled with (its sizes, the demo encoder)
 
@@ -444,7 +444,8 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
     prints one line. ``conditioning``: ``(a, cfg, meta) -> (PromptConditioning, row ids, prompts)``
     (:func:`vitp.cli.sample._conditioning`), ``allowed``: the override keys. Raises ``ValueError``
     before sampling for class labels, no prompt, ``--format mp4``, an ``--out`` that is a file or
-    holds an earlier output (without ``--force``); as :func:`wan_sample_config` and :func:`pipeline_of`."""
+    holds an earlier output (without ``--force``); ``PermissionError`` for an output into the run
+    folder where this process may not write; as :func:`wan_sample_config` and :func:`pipeline_of`."""
     from vitp.eval.launch import choose_layout, finish, launched
     from vitp.eval.sampling import class_grid_labels
     from vitp.objectives.wan_sampling import load_scheduler
@@ -456,6 +457,7 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
     from vitp.models.wan_run import wan_source
 
     cfg, weights, base = wan_sample_config(a.source, overrides, a.num, allowed)
+    check_output_in_run(a.out, base / "samples", a.source, "vitp-sample")  # a read-only run: before any work
     pipe = pipeline_of(cfg)
     lora = lora_target(cfg)  # a LoRA run samples its base pipeline, the adapters on the expert it adapted
     info = sampling_pipeline(cfg, pipe, run_expert(cfg) if (Path(a.source) / ".hydra").is_dir() and lora is None

@@ -94,6 +94,7 @@ class Checkpointer:
         self.writer = CheckpointWriter(self.dir, self.storage, self.keep, asynchronous=tr.checkpoint_async,
                                        compress=compress)
         self.bytes_read = 0  # by this rank's resume
+        self.saved = False  # whether this attempt saved a checkpoint (a NaN before: the resumed one is a suspect)
         self.lora = None  # a LoRA run's record: adapters, pieces, base folder and hash (vitp.models.lora)
         if tr.lora.enabled:
             from vitp.models.lora import run_record
@@ -251,6 +252,7 @@ class Checkpointer:
         written and published in the background (``trainer.checkpoint_async``) while training
         goes on; :meth:`wait` blocks until it is published."""
         t0 = time.perf_counter()
+        self.saved = True
         tr = self.cfg.trainer
         record = {"format": FORMAT, "tp": self.layout.tp, "cp": self.layout.cp, "pp": self.layout.pp,
                   "dp": self.layout.dp, "precision": self.layout.precision,

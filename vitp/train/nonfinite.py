@@ -10,6 +10,12 @@ in the order the places arise:
    learning rate is too high for the model; at the first step of a run, possibly weights loaded
    with NaN/Inf).
 
+A run that resumed from a checkpoint and has written none since (:func:`resumed_checkpoint_note`)
+may have resumed from a damaged one (bytes overwritten, size unchanged: the size check passes, the
+weights or AdamW moments are garbage, and the NaN can come steps later): until this attempt's first
+checkpoint, every step derives from that one, so the messages of places 1 and 3 and of a non-finite
+grad norm name it and the one before it to resume from.
+
 :func:`nonfinite_loss_error` builds the ``FloatingPointError`` that stops the run (``vitp-train``
 exits with status 3, :data:`vitp.cli.EXIT_NON_FINITE`); :class:`StepBatches` keeps what the
 step read, so nothing is checked while the loss is finite. A step whose loss is finite but whose
@@ -20,7 +26,8 @@ poisons every update (Megatron-LM checks the grad norm the same way, ``check_for
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, List
+from pathlib import Path
+from typing import Any, Iterator, List, Optional
 
 import torch
 
@@ -69,39 +76,61 @@ def _gather(local: Any) -> List[Any]:
     return out
 
 
+def resumed_checkpoint_note(resume_tag: Optional[Path], saved_since: bool, command: str) -> str:
+    """The clause that names the checkpoint ``resume_tag`` this attempt resumed from as a possible
+    cause and the complete checkpoint before it to resume from instead (``command``: what
+    continues the run, :func:`vitp.train.rundir.resume_command`), or ``""`` when the attempt did
+    not resume or has written a checkpoint since (``saved_since``: the rule of the module doc)."""
+    from vitp.checkpoint.training import TAG_RE, published_tags
+
+    if resume_tag is None or saved_since:
+        return ""
+    tag = Path(resume_tag)
+    named = TAG_RE.match(tag.name.removesuffix(".partial"))  # trainer.resume may name a .partial folder
+    earlier = [t for t in published_tags(tag.parent) if named and int(TAG_RE.match(t).group(1)) < int(named.group(1))]
+    fix = (f"resume from the one before with {command} trainer.resume={tag.parent / earlier[-1]}" if earlier
+           else f"no earlier checkpoint is in {tag.parent}")
+    return f"no checkpoint since this run resumed from {tag}: if that one is damaged, {fix}"
+
+
 def nonfinite_loss_error(loss: float, step: int, *, batches: Any, prev_grad_norm: float, first_step: bool,
-                         grad_clip: float, precision: str) -> FloatingPointError:
+                         grad_clip: float, precision: str, resumed: str = "") -> FloatingPointError:
     """The error for the non-finite ``loss`` of ``step``: the place it first appeared in (module
     docstring) and the fix for that place.
 
     ``batches``: what this rank read in the step (:attr:`StepBatches.read`); ``prev_grad_norm``:
     the global grad norm of the step before (NaN if there was none in this attempt: pass
     ``first_step``); ``first_step``: ``step`` is the first of this attempt (fresh start or
-    resume). Collective when the world has more than one rank: every rank must call it (they all
-    see the same loss).
+    resume); ``resumed``: :func:`resumed_checkpoint_note`, added to the gradients' and the forward
+    pass's message. Collective when the world has more than one rank: every rank must call it
+    (they all see the same loss).
     """
     bad_input = any(_gather(holds_nonfinite(batches)))
     head = f"loss is {loss} at step {step}"
     fp32 = "" if precision == "fp32" else ", or use trainer.precision=fp32"
     clip = "keep optim.grad_clip > 0" if grad_clip > 0 else "set optim.grad_clip > 0 (it is 0: no clipping)"
+    also = f" ({resumed})" if resumed else ""
     if not first_step and not math.isfinite(prev_grad_norm):
         return FloatingPointError(f"{head}: the gradients of step {step - 1} were already non-finite (grad norm "
-                                  f"{prev_grad_norm}) though its loss was finite: {clip} and lower optim.lr{fp32}")
+                                  f"{prev_grad_norm}) though its loss was finite{also}: {clip} and lower "
+                                  f"optim.lr{fp32}")
     if bad_input:
         return FloatingPointError(f"{head}: the input batch of that step already holds NaN/Inf, so the data do: check "
                                   f"data.root / the dataset (its files and transforms)")
-    start = (" (the first step of this run: if the weights it started from hold NaN/Inf, fix trainer.init_from, "
-             "trainer.init_from_timm or the resumed checkpoint)") if first_step else ""
+    start = also or ((" (the first step of this run: if the weights it started from hold NaN/Inf, fix "
+                      "trainer.init_from, trainer.init_from_timm or the resumed checkpoint)") if first_step else "")
     return FloatingPointError(f"{head}: the forward pass made it from a finite input batch{start}: lower optim.lr or "
                               f"{clip}{fp32}")
 
 
 def nonfinite_grad_error(grad_norm: float, loss: float, step: int, *, grad_clip: float,
-                         precision: str) -> FloatingPointError:
+                         precision: str, resumed: str = "") -> FloatingPointError:
     """The error for a non-finite global grad norm ``grad_norm`` at ``step`` whose ``loss`` is
     finite: the backward pass overflowed (a learning rate too high for the model, or a diverging
-    run). Every rank sees the same global norm, so every rank raises it."""
+    run; ``resumed``: :func:`resumed_checkpoint_note`). Every rank sees the same global norm, so
+    every rank raises it."""
     fp32 = "" if precision == "fp32" else ", or use trainer.precision=fp32"
     clip = "keep optim.grad_clip > 0" if grad_clip > 0 else "set optim.grad_clip > 0 (it is 0: no clipping)"
+    also = f"; {resumed}" if resumed else ""
     return FloatingPointError(f"grad norm is {grad_norm} at step {step} though its loss ({loss:.4g}) is finite: the "
-                              f"backward pass overflowed (the run diverges): lower optim.lr and {clip}{fp32}")
+                              f"backward pass overflowed (the run diverges{also}): lower optim.lr and {clip}{fp32}")

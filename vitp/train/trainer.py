@@ -647,7 +647,7 @@ class Trainer:
             from .nonfinite import nonfinite_grad_error
 
             raise nonfinite_grad_error(self.grad_norms[-1], loss, step, grad_clip=self.cfg.optim.grad_clip,
-                                       precision=self.layout.precision)
+                                       precision=self.layout.precision, resumed=self._resumed_note())
         if self.bar is not None:  # every step's own loss (not only logged steps'); drawn at the bar's update
             self.bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{self.grad_norms[-1]:.3f}", refresh=False)
         if self.logger.should_log(step):
@@ -663,7 +663,17 @@ class Trainer:
         first = len(self.losses) == 1
         return nonfinite_loss_error(loss, step, batches=self.step_batches.read, first_step=first,
                                     prev_grad_norm=math.nan if first else self.grad_norms[-2],
-                                    grad_clip=self.cfg.optim.grad_clip, precision=self.layout.precision)
+                                    grad_clip=self.cfg.optim.grad_clip, precision=self.layout.precision,
+                                    resumed=self._resumed_note())
+
+    def _resumed_note(self) -> str:
+        """The checkpoint this attempt resumed from, as a suspect, until it writes one of its own
+        (:func:`.nonfinite.resumed_checkpoint_note`)."""
+        from .nonfinite import resumed_checkpoint_note
+        from .rundir import resume_command
+
+        ck = self.checkpointer
+        return resumed_checkpoint_note(ck.resume_tag, ck.saved, resume_command(self.run_dir))
 
     def _enter_bucket(self, b: int) -> None:
         """Give every layer of this rank the token grid of bucket ``b`` and, when the shape changes,
