@@ -186,3 +186,25 @@ def test_a_wan_lora_run_exported_without_a_format_names_the_lora_formats(runs, c
     assert (f"{runs.lora} is a Wan LoRA run: export its adapters with --format lora -o OUT [--lora-format comfyui], "
             "or the base with them merged with --format diffusers --merge -o OUT") in err, err
     assert not (runs.tmp / "y.safetensors").exists()
+
+
+def test_a_full_wan_run_is_advised_only_the_export_that_works_in_one_line(runs, capsys):
+    """A full (non-LoRA) Wan fine-tune: --format lora advised "--format vitp or diffusers", --format
+    vitp then advised diffusers, --format diffusers --merge advised vitp or diffusers again, each
+    after argparse's usage block. Now one line naming only --format diffusers (and dropping --merge)."""
+    run, out = runs.full, runs.tmp / "advice.safetensors"
+    cases = [(["--format", "lora"], f"vitp-export: error: {run} is not a LoRA run (trainer.lora.enabled=false): it "
+              "has no adapters; export it with --format diffusers -o OUT\n"),
+             (["--format", "diffusers", "--merge"], f"vitp-export: error: {run} is not a LoRA run "
+              "(trainer.lora.enabled=false): --merge merges a LoRA run's adapters; drop --merge and export it with "
+              "--format diffusers -o OUT\n"),
+             (["--format", "vitp"], f"vitp-export: error: {run} is a Wan run (model.family=wan): export it with "
+              "--format diffusers -o OUT\n")]
+    for flags, line in cases:
+        assert _refused([str(run), *flags, "-o", str(out)], capsys) == line
+    assert not out.exists()
+    from vitp.cli.export import not_lora_advice
+
+    assert not_lora_advice(Path("r"), wan=False, merge=True).endswith(  # the generator: its vitp export
+        "drop --merge and export it with no --format (the vitp export)")
+
