@@ -103,12 +103,26 @@ def run_diffusers(a: argparse.Namespace) -> Path:
 
 def check_out(out: Path, cfg, run_dir: Path, wan_folder: bool = False) -> None:
     """Refuse (``ValueError``, before anything is written) an output ``out`` on the run's base or
-    over the run's own files (:func:`vitp.checkpoint.outputs.check_export_out`); ``wan_folder``:
-    ``out`` is a Wan diffusers folder, written also through its transformer folder and
-    ``model_index.json``."""
+    over the run's own files (:func:`vitp.checkpoint.outputs.check_export_out`), or where this
+    process may not write (:func:`check_writable`); ``wan_folder``: ``out`` is a Wan diffusers
+    folder, written also through its transformer folder and ``model_index.json``."""
     from vitp.checkpoint.outputs import check_export_out, wan_targets
 
     check_export_out(out, wan_targets(out, cfg) if wan_folder else [out], cfg, run_dir)
+    check_writable(out)
+
+
+def check_writable(out: Path) -> None:
+    """Refuse (``ValueError``, one line) an output ``out`` whose nearest existing folder (``out``
+    itself when it is one) this process may not write: a read-only run folder failed with
+    ``OSError: [Errno 30]`` making ``RUN/export`` after the weights were read."""
+    from vitp.cli.overrides import unwritable
+
+    out = Path(out).absolute()
+    folder = next(p for p in (out, *out.parents) if p.is_dir())
+    why = unwritable(folder)
+    if why:
+        raise ValueError(f"cannot write {out}: {folder} is {why}; pass -o PATH to write the export elsewhere")
 
 
 def _full_lora_state(tag: Path, cfg, kind: str):

@@ -113,7 +113,6 @@ def check_run_dir(overrides: Sequence[str]) -> str:
     system). Checked before Hydra creates the folder and its log file.
 
     Raises ``ValueError`` in one line naming the folder and the keys that move the run."""
-    import os
     from pathlib import Path
 
     from vitp.config import compose
@@ -126,10 +125,20 @@ def check_run_dir(overrides: Sequence[str]) -> str:
     existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise ValueError(f"run directory {run_dir} cannot be made: {existing} is a file, not a folder; {fix}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        why = "on a read-only file system" if _read_only(existing) else "not writable by this user"
+    why = unwritable(existing)
+    if why:
         raise ValueError(f"run directory {run_dir} cannot be made: {existing} is {why}; {fix}")
     return str(run_dir)
+
+
+def unwritable(folder: Any) -> Optional[str]:
+    """Why this process may not create files in the existing ``folder`` (``"on a read-only file
+    system"``, ``"not writable by this user"``), or ``None`` when it may."""
+    import os
+
+    if os.access(folder, os.W_OK | os.X_OK):
+        return None
+    return "on a read-only file system" if _read_only(folder) else "not writable by this user"
 
 
 def _read_only(path: Any) -> bool:
