@@ -79,6 +79,9 @@ class ModelConfig:
 class BucketConfig:
     """One shape bucket (an entry of Open-Sora's ``bucket_config``: size, frames, batch, probability)."""
 
+    # how data.buckets is written on a command line (docs/shapes-and-video.md), named by refusals
+    EXAMPLE = "'data.buckets=[{resolution: 8x8, batch_size: 8, weight: 1}, {resolution: 6x10, batch_size: 8}]'"
+
     resolution: Any = MISSING  # size of the bucket's items: [H, W], "HxW" or an int (square)
     frames: Optional[int] = None  # frames per clip (video only; null = data.num_frames)
     batch_size: int = MISSING  # global batch of a step drawn in this bucket (keep tokens per step ~ constant)
@@ -922,8 +925,13 @@ def validate_buckets(cfg: "DictConfig") -> None:
     _fail(not cfg.data.buckets or not cfg.data.latent_channels,
           "data.buckets with latents (data.vae / a latent pack): latent packs hold one shape; train without "
           "data.buckets, one pack per shape")
+    from omegaconf import OmegaConf
+
     for i, b in enumerate(cfg.data.buckets):
         key = f"data.buckets[{i}]"
+        for field in ("resolution", "batch_size"):  # MISSING in the schema: a traceback when read
+            _fail(not OmegaConf.is_missing(b, field), f"{key} has no {field}; each bucket needs resolution and "
+                                                       f"batch_size, e.g. {BucketConfig.EXAMPLE}")
         hw = parse_resolution(b.resolution, f"{key}.resolution")
         _check_patch_grid(hw, m.patch_size, f"{key}.resolution")
         frames = m.num_frames if b.frames is None else b.frames

@@ -76,11 +76,19 @@ def error_chain(error: BaseException) -> str:
 # ------------------------------------------------------------------------------- a new run config
 def with_fix(message: str) -> str:
     """An override's composition error with its fix where OmegaConf gives none: a boolean key given
-    another word (``Value 'maybe' is not a valid bool``) gets ``; use KEY=true or KEY=false``."""
+    another word (``Value 'maybe' is not a valid bool``) gets ``; use KEY=true or KEY=false``, a
+    ``data.buckets`` entry that is not a mapping (``[[8,8]]``) the form a bucket is written in."""
     bad_bool = re.search(r"override ([\w.]+)=.*is not a valid bool", message)
     if bad_bool:
         key = bad_bool.group(1)
         return f"{message}; use {key}=true or {key}=false"
+    bucket = re.search(r"^(Error merging override \S+); Invalid type assigned: \w+ is not a subclass of "
+                       r"BucketConfig\. value: (.*)$", message)
+    if bucket:  # OmegaConf names the dataclass, not how a bucket is written
+        from vitp.config import BucketConfig
+
+        return (f"{bucket.group(1)}: a bucket is a mapping with resolution and batch_size (frames, weight "
+                f"optional), not {bucket.group(2)}; e.g. {BucketConfig.EXAMPLE}")
     return message
 
 
