@@ -79,6 +79,9 @@ class ModelConfig:
 class BucketConfig:
     """One shape bucket (an entry of Open-Sora's ``bucket_config``: size, frames, batch, probability)."""
 
+    # how data.buckets is written on a command line (docs/shapes-and-video.md), named by refusals
+    EXAMPLE = "'data.buckets=[{resolution: 8x8, batch_size: 8, weight: 1}, {resolution: 6x10, batch_size: 8}]'"
+
     resolution: Any = MISSING  # size of the bucket's items: [H, W], "HxW" or an int (square)
     frames: Optional[int] = None  # frames per clip (video only; null = data.num_frames)
     batch_size: int = MISSING  # global batch of a step drawn in this bucket (keep tokens per step ~ constant)
@@ -922,8 +925,13 @@ def validate_buckets(cfg: "DictConfig") -> None:
     _fail(not cfg.data.buckets or not cfg.data.latent_channels,
           "data.buckets with latents (data.vae / a latent pack): latent packs hold one shape; train without "
           "data.buckets, one pack per shape")
+    from omegaconf import OmegaConf
+
     for i, b in enumerate(cfg.data.buckets):
         key = f"data.buckets[{i}]"
+        for field in ("resolution", "batch_size"):  # MISSING in the schema: a traceback when read
+            _fail(not OmegaConf.is_missing(b, field), f"{key} has no {field}; each bucket needs resolution and "
+                                                       f"batch_size, e.g. {BucketConfig.EXAMPLE}")
         hw = parse_resolution(b.resolution, f"{key}.resolution")
         _check_patch_grid(hw, m.patch_size, f"{key}.resolution")
         frames = m.num_frames if b.frames is None else b.frames
@@ -961,9 +969,9 @@ def check_batch_split(global_batch: int, micro_batch: int, dp: int) -> None:
         return
     why = (f"trainer.global_batch_size={global_batch} must be a multiple of trainer.micro_batch_size "
            f"({micro_batch}) x dp ({dp})")
-    per_rank, rest = divmod(global_batch, dp)
-    if rest == 0:
-        m = max(k for k in range(1, min(micro_batch, per_rank) + 1) if per_rank % k == 0)
+    m = split_micro_batch(global_batch, micro_batch, dp)
+    if m is not None:
+        per_rank = global_batch // dp
         _fail(False, f"{why}; to keep the training as it is ({global_batch} samples per step), set "
                      f"trainer.micro_batch_size={m} ({per_rank // m} micro-batches per rank and step)")
     nearest = micro_batch * dp * max(1, round(global_batch / (micro_batch * dp)))
@@ -982,14 +990,40 @@ def _passing_layouts(cfg: "DictConfig", world_size: int, cp: int, device_type: s
     when none does, ``none with this config`` and why ``tp=1 pp=1`` fails."""
     from omegaconf import OmegaConf
 
-    ok, why = [], None
+    ok, smaller, why = [], [], None
     for t, p in _layouts(world_size // cp):
+        trial = OmegaConf.merge(cfg, {"parallel": {"tp": t, "pp": p}})
         try:
-            validate_layout(OmegaConf.merge(cfg, {"parallel": {"tp": t, "pp": p}}), world_size, device_type)
+            validate_layout(trial, world_size, device_type)
             ok.append((t, p))
+            continue
         except ValueError as e:
             why = why or f"at tp={t} pp={p}: {e}"
-    return str(ok) if ok else f"none with this config ({why})"
+        # a layout whose dp only needs smaller micro-batches (same samples per step) is valid too
+        micro = split_micro_batch(trial.trainer.global_batch_size, trial.trainer.micro_batch_size,
+                                  world_size // (t * p * cp))
+        try:
+            if micro is not None:
+                validate_layout(OmegaConf.merge(trial, {"trainer": {"micro_batch_size": micro}}), world_size,
+                                device_type)
+                ok.append((t, p))
+                smaller.append(f"({t}, {p}) with trainer.micro_batch_size={micro}")
+        except ValueError:
+            pass
+    if not ok:
+        return f"none with this config ({why})"
+    note = f" ({'; '.join(smaller)}: the same samples per step in smaller micro-batches)" if smaller else ""
+    return str(sorted(ok)) + note
+
+
+def split_micro_batch(global_batch: int, micro_batch: int, dp: int) -> Optional[int]:
+    """The largest ``trainer.micro_batch_size`` below ``micro_batch`` that splits ``global_batch``
+    over ``dp`` ranks (the training unchanged), or ``None`` when ``micro_batch`` already does or
+    ``dp`` does not divide ``global_batch``."""
+    per_rank, rest = divmod(global_batch, dp)
+    if rest or global_batch % (micro_batch * dp) == 0:
+        return None
+    return max(k for k in range(1, min(micro_batch, per_rank) + 1) if per_rank % k == 0)
 
 
 def run_shapes(cfg: "DictConfig") -> List[Tuple[str, Tuple[int, int, int]]]:

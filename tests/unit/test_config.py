@@ -491,6 +491,14 @@ def _listed(message: str, before: str) -> list:
     return ast.literal_eval(message.split(before, 1)[1].split("]", 1)[0] + "]")
 
 
+def _passes(cfg, world: int) -> bool:
+    try:
+        validate_layout(cfg, world_size=world)
+    except ValueError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("over, world, before", [
     (["parallel.tp=3"], 8, "valid (tp, pp) for 8 processes: "),
     (["parallel.tp=3", "model.depth=4", "model.num_heads=4", "trainer.global_batch_size=16"], 8,
@@ -499,8 +507,14 @@ def _listed(message: str, before: str) -> list:
 ])
 def test_an_impossible_layout_lists_only_layouts_that_pass(over, world, before):
     """The (tp, pp) listed when tp x pp does not divide the world are exactly those that pass
-    validate_layout for this model and batch (heads, depth, batch split, cp rules); they used to be
-    every (tp, pp) dividing the world, e.g. tp=4 for the smoke model's 2 heads."""
+    validate_layout for this model and batch (heads, depth, batch split, cp rules), or pass with a
+    smaller trainer.micro_batch_size (the same training, named beside the list); they used to be
+    every (tp, pp) dividing the world, e.g. tp=4 for the smoke model's 2 heads, and then omitted
+    (1, 1) at dp=2 whose micro-batch only had to halve."""
+    from omegaconf import OmegaConf
+
+    from vitp.config import split_micro_batch
+
     with pytest.raises(ValueError) as e:
         validate_layout(compose_cfg(["experiment=smoke", *over]), world_size=world)
     listed = _listed(str(e.value), before)
@@ -509,16 +523,28 @@ def test_an_impossible_layout_lists_only_layouts_that_pass(over, world, before):
     for t in range(1, world + 1):
         for p in range(1, world + 1):
             if world % (t * p * cp) == 0:
-                try:
-                    validate_layout(compose_cfg(["experiment=smoke", *over, f"parallel.tp={t}", f"parallel.pp={p}"]),
-                                    world_size=world)
+                cfg = compose_cfg(["experiment=smoke", *over, f"parallel.tp={t}", f"parallel.pp={p}"])
+                micro = split_micro_batch(cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size,
+                                          world // (t * p * cp))
+                trials = [cfg] + ([OmegaConf.merge(cfg, {"trainer": {"micro_batch_size": micro}})] if micro else [])
+                if any(_passes(c, world) for c in trials):
                     passing.append((t, p))
-                except ValueError:
-                    pass
     assert listed == passing and listed
-    if over == ["parallel.tp=3"]:  # 2 heads, depth 2, 8 samples in micro-batches of 4: dp <= 2
+    if over == ["parallel.tp=3"]:  # 2 heads, depth 2, 8 samples in micro-batches of 4: dp <= 2 at micro-batch 4
         assert str(e.value) == ("parallel.tp=3 x parallel.pp=1 does not divide world_size=8; valid (tp, pp) for 8 "
-                                "processes: [(2, 2)]")
+                                "processes: [(1, 1), (1, 2), (2, 1), (2, 2)] ((1, 1) with trainer.micro_batch_size=1; "
+                                "(1, 2) with trainer.micro_batch_size=2; (2, 1) with trainer.micro_batch_size=2: the "
+                                "same samples per step in smaller micro-batches)")
+
+
+def test_the_layouts_listed_for_two_processes_include_tp1_pp1():
+    """``torchrun --nproc_per_node 2 -m vitp.train parallel.tp=3`` listed [(1, 2), (2, 1)]: (1, 1)
+    (dp=2) was left out because its micro-batch of 64 had to halve to split 64 samples over 2 ranks."""
+    with pytest.raises(ValueError) as e:
+        validate_layout(compose_cfg(["parallel.tp=3"]), world_size=2)
+    assert str(e.value) == ("parallel.tp=3 x parallel.pp=1 does not divide world_size=2; valid (tp, pp) for 2 "
+                            "processes: [(1, 1), (1, 2), (2, 1)] ((1, 1) with trainer.micro_batch_size=32: the same "
+                            "samples per step in smaller micro-batches)")
 
 
 def test_an_impossible_layout_says_when_no_layout_passes():

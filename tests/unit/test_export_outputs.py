@@ -186,3 +186,51 @@ def test_a_wan_lora_run_exported_without_a_format_names_the_lora_formats(runs, c
     assert (f"{runs.lora} is a Wan LoRA run: export its adapters with --format lora -o OUT [--lora-format comfyui], "
             "or the base with them merged with --format diffusers --merge -o OUT") in err, err
     assert not (runs.tmp / "y.safetensors").exists()
+
+
+def test_a_full_wan_run_is_advised_only_the_export_that_works_in_one_line(runs, capsys):
+    """A full (non-LoRA) Wan fine-tune: --format lora advised "--format vitp or diffusers", --format
+    vitp then advised diffusers, --format diffusers --merge advised vitp or diffusers again, each
+    after argparse's usage block. Now one line naming only --format diffusers (and dropping --merge)."""
+    run, out = runs.full, runs.tmp / "advice.safetensors"
+    cases = [(["--format", "lora"], f"vitp-export: error: {run} is not a LoRA run (trainer.lora.enabled=false): it "
+              "has no adapters; export it with --format diffusers -o OUT\n"),
+             (["--format", "diffusers", "--merge"], f"vitp-export: error: {run} is not a LoRA run "
+              "(trainer.lora.enabled=false): --merge merges a LoRA run's adapters; drop --merge and export it with "
+              "--format diffusers -o OUT\n"),
+             (["--format", "vitp"], f"vitp-export: error: {run} is a Wan run (model.family=wan): export it with "
+              "--format diffusers -o OUT\n")]
+    for flags, line in cases:
+        assert _refused([str(run), *flags, "-o", str(out)], capsys) == line
+    assert not out.exists()
+    from vitp.cli.export import not_lora_advice
+
+    assert not_lora_advice(Path("r"), wan=False, merge=True).endswith(  # the generator: its vitp export
+        "drop --merge and export it with no --format (the vitp export)")
+
+
+def test_a_read_only_run_is_refused_before_its_export_folder_is_made(runs, capsys, monkeypatch):
+    """``vitp-export RUN`` of a run on a read-only file system ended in ``OSError: [Errno 30]``
+    making ``RUN/export``; now one line naming -o. (os.access patched: root ignores modes.)"""
+    import errno
+
+    from vitp.cli import run_cli
+
+    monkeypatch.setattr("os.access", lambda path, mode: Path(path) != runs.full)
+    monkeypatch.setattr("os.statvfs", lambda path: SimpleNamespace(f_flag=os.ST_RDONLY))
+    err = _refused([str(runs.full), "--format", "diffusers"], capsys)
+    assert err.startswith(f"vitp-export: error: cannot write {runs.full / 'export'}/") and err.endswith(
+        f": {runs.full} is on a read-only file system; pass -o PATH to write the export elsewhere\n"), err
+    assert not (runs.full / "export").exists()
+    for code, fix in ((errno.EROFS, "a read-only file system: write elsewhere"),  # any CLI: one line, not a traceback
+                      (errno.ENOSPC, "the disk is full: free space there or write elsewhere")):
+        with pytest.raises(SystemExit) as e:
+            run_cli("vitp-sample", _raise, OSError(code, os.strerror(code), "/x/samples"))
+        assert e.value.code == 2 and capsys.readouterr().err.startswith(
+            f"vitp-sample: error: [Errno {code}] {os.strerror(code)}: '/x/samples' ({fix}")
+    with pytest.raises(OSError, match="Input/output error"):  # other OSErrors may be bugs: their traceback stays
+        run_cli("vitp-sample", _raise, OSError(errno.EIO, os.strerror(errno.EIO), "/x"))
+
+
+def _raise(error):
+    raise error

@@ -289,6 +289,24 @@ def test_a_bad_boolean_at_launch_names_the_fix():
                                  "trainer.checkpoint_async=false")
 
 
+def test_a_bucket_written_as_a_list_names_how_buckets_are_written():
+    """``data.buckets=[[8,8]]`` said "list is not a subclass of BucketConfig"; a bucket without its
+    batch_size ended in a MissingMandatoryValue traceback. Both now show the form, which composes."""
+    from vitp.cli.overrides import compose_checked
+    from vitp.config import BucketConfig
+
+    example = BucketConfig.EXAMPLE.strip("'")
+    for arg, start in (("data.buckets=[[8,8]]", "Error merging override data.buckets=[[8,8]]: a bucket is a mapping "
+                                                "with resolution and batch_size (frames, weight optional), not [8, 8]"),
+                       ("data.buckets=[{resolution: 8}]", "data.buckets[0] has no batch_size; each bucket needs "
+                                                          "resolution and batch_size,")):
+        with pytest.raises(ValueError) as e:
+            compose_checked(["experiment=smoke", arg])
+        assert str(e.value) in (f"{start}; e.g. '{example}'", f"{start} e.g. '{example}'")
+    buckets = compose_checked(["experiment=smoke", example]).data.buckets  # the example itself composes
+    assert [(b.resolution, b.batch_size, b.weight) for b in buckets] == [("8x8", 8, 1.0), ("6x10", 8, 1.0)]
+
+
 def test_vitp_eval_result_names_of_long_overrides_never_collide(tmp_path):
     """``vitp-eval``'s ``eval_<overrides>.json`` is cut at 150 characters with a digest of the whole:
     two commands that differ after the cut (a long path, then ``sampler.steps``) get two files."""

@@ -464,3 +464,22 @@ def test_vitp_plan_keeps_the_layout_keys_the_overrides_fix(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--gpus", "4", "--device", "h100", "experiment=smoke", "parallel.tp=3"])
     assert e.value.code == 2 and "no valid layout of this config on 4 devices with parallel.tp=3" in capsys.readouterr().err
+
+
+def test_vitp_plan_exits_2_after_the_table_when_nothing_fits(capsys):
+    """``vitp-plan --mem-gib 1`` printed "16 valid layouts, 0 fit" and every phase "does NOT fit",
+    then exited 0: a script took the plan as usable. The table stays; a last line and status 2 follow."""
+    from vitp.cli.plan import main
+
+    argv = ["--gpus", "1", "--device", "h100", "--mem-gib", "3.0001", "--micro", "2,4", "--ac", "0", "experiment=smoke"]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out.splitlines()[0].endswith("1 x h100 (3.00 GiB, 8/node); 2 valid layouts, 0 fit")
+    assert "does NOT fit" in out and err.count("\n") == 1, err
+    assert err.startswith("vitp-plan: error: nothing fits: none of the 2 valid layouts fits 1 x h100 (3.00 GiB, ")
+    assert err.endswith("Use a device with more memory (--mem-gib 4 or more, or another --device), more --gpus than 1, "
+                        "a smaller micro-batch (--micro 1, then trainer.micro_batch_size=1) or activation "
+                        "checkpointing (--ac 0,1), or a smaller model\n"), err
+    main([*argv[:5], "80", *argv[6:]])  # the same model with room: exits normally
+    assert "0 fit" not in capsys.readouterr().out

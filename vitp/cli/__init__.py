@@ -8,12 +8,14 @@ Bad input (missing or corrupt files, impossible layouts, wrong config values) en
 them the same way: one line ``<prog>: error: <message>`` on stderr and exit status 2
 (:data:`EXIT_BAD_INPUT`), no traceback. A training whose loss turned NaN or infinite ends the
 same way with exit status 3 (:data:`EXIT_NON_FINITE`), the message saying where the non-finite
-value first appeared (:mod:`vitp.train.nonfinite`). Any other error is a bug: a traceback and
-exit status 1.
+value first appeared (:mod:`vitp.train.nonfinite`), and so does a write the storage refused
+(no permission, a read-only file system, a full disk: :data:`STORAGE_ERRNOS`), with status 2.
+Any other error is a bug: a traceback and exit status 1.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -78,6 +80,13 @@ def log_files_only(log: logging.Logger, line: str) -> int:
     return len(files)
 
 
+# errno of an OSError that is the storage's answer, not a bug: reported in one line with its fix
+STORAGE_ERRNOS = {errno.EACCES: "write elsewhere, or fix that folder's permissions",
+                  errno.EPERM: "write elsewhere, or fix that folder's permissions",
+                  errno.EROFS: "a read-only file system: write elsewhere",
+                  errno.ENOSPC: "the disk is full: free space there or write elsewhere"}
+
+
 # CLIs a Ctrl-C stops with one line instead of a traceback, and what the user has then
 STOPPABLE = {"vitp-eval": "FID / FVD sample blocks written so far (if the evaluation runs them) are kept: the "
                           "same command resumes from them",
@@ -91,9 +100,9 @@ def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.L
     loss); a Ctrl-C in a :data:`STOPPABLE` CLI prints one line and exits with 130. Under ``torchrun`` the line also goes to
     the worker's error file (:func:`record_for_torchrun`), and only each node's first rank
     (``LOCAL_RANK`` 0) writes it to stderr: torchrun's summary lists every failed rank's line. A :class:`vitp.utils.RankZeroError` (rank 0's
-    refusal, raised on the other ranks) goes to the error file only: rank 0 prints it once."""
-    from vitp.utils import RankZeroError
-
+    refusal, raised on the other ranks) goes to the error file only: rank 0 prints it once. An
+    ``OSError`` of :data:`STORAGE_ERRNOS` (no permission, a read-only file system, a full disk)
+    is reported the same way, with its fix; other ``OSError`` s keep their traceback."""
     try:
         return fn(*args)
     except BrokenPipeError:  # `vitp-plan ... | head`: the reader has what it wanted; no traceback
@@ -107,19 +116,30 @@ def run_cli(prog: str, fn: Callable[..., T], *args: Any, log: Optional[logging.L
             print(f"{prog}: stopped (Ctrl-C); {STOPPABLE[prog]}", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     except reported_errors() as e:
-        line = f"{prog}: error: {e}"
-        if isinstance(e, PermissionError) and e.filename:  # raised by the OS: e names the path
-            line += " (write elsewhere, or fix that folder's permissions)"
-        recorded = record_for_torchrun(line)
-        other_rank = recorded and os.environ.get("RANK", "0") != "0"
-        if log is not None and not isinstance(e, RankZeroError):
-            log_files_only(log, line)
-        node_first = os.environ.get("LOCAL_RANK", "0") == "0"  # each node's console shows the line once
-        if not isinstance(e, RankZeroError) and (not other_rank or node_first):  # rank 0 prints a RankZeroError
-            print(line, file=sys.stderr, flush=True)
-        if other_rank:  # exiting first, this rank would have torchrun stop rank 0 before it prints its line
-            time.sleep(RANK_ZERO_GRACE_S)
-        raise SystemExit(exit_status(e)) from None
+        _report(prog, e, log)
+    except OSError as e:
+        if e.errno not in STORAGE_ERRNOS:  # any other OSError may be a bug: keep its traceback
+            raise
+        _report(prog, e, log)
+
+
+def _report(prog: str, e: BaseException, log: Optional[logging.Logger]) -> None:
+    """:func:`run_cli`'s one line for ``e`` (stderr, the run's log, torchrun's error file), then exit."""
+    from vitp.utils import RankZeroError
+
+    line = f"{prog}: error: {e}"
+    if isinstance(e, OSError) and e.filename and e.errno in STORAGE_ERRNOS:  # raised by the OS: e names the path
+        line += f" ({STORAGE_ERRNOS[e.errno]})"
+    recorded = record_for_torchrun(line)
+    other_rank = recorded and os.environ.get("RANK", "0") != "0"
+    if log is not None and not isinstance(e, RankZeroError):
+        log_files_only(log, line)
+    node_first = os.environ.get("LOCAL_RANK", "0") == "0"  # each node's console shows the line once
+    if not isinstance(e, RankZeroError) and (not other_rank or node_first):  # rank 0 prints a RankZeroError
+        print(line, file=sys.stderr, flush=True)
+    if other_rank:  # exiting first, this rank would have torchrun stop rank 0 before it prints its line
+        time.sleep(RANK_ZERO_GRACE_S)
+    raise SystemExit(exit_status(e)) from None
 
 
 @contextlib.contextmanager

@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
+def run_diffusers(a: argparse.Namespace) -> Path:
     """``--format diffusers``: the checkpoint of a Wan run as a diffusers folder
     (:func:`vitp.train.wan.export_checkpoint_diffusers`); returns the transformer folder written."""
     from vitp.models.wan_run import is_wan
@@ -78,22 +78,22 @@ def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
     src, step, run_dir = ckpt.resolve_weights(a.source, a.weights)
     tag = src.parent
     if not (tag / ex.DCP_METADATA).is_file():
-        p.error(f"{a.source}: --format diffusers reads a training checkpoint of a model.family=wan run (a run "
-                "directory, its checkpoints folder or a checkpoint tag folder)")
+        raise ValueError(f"{a.source}: --format diffusers reads a training checkpoint of a model.family=wan run (a run "
+                         "directory, its checkpoints folder or a checkpoint tag folder)")
     record = ex.checkpoint_record(tag)
     cfg = OmegaConf.create(record["config"])
     if record.get("lora"):
-        p.error(f"{a.source} is a LoRA run (trainer.lora.enabled=true): its checkpoints hold the adapters, not the "
-                "base; export them with --format lora [--lora-format comfyui], or the base with them merged with "
-                "--format diffusers --merge")
+        raise ValueError(f"{a.source} is a LoRA run (trainer.lora.enabled=true): its checkpoints hold the "
+                         "adapters, not the base; export them with --format lora [--lora-format comfyui], or the "
+                         "base with them merged with --format diffusers --merge")
     if not is_wan(cfg):
-        p.error(f"{a.source} is a run of vitp's generator (model.family={cfg.model.get('family', 'vit')}); "
-                "--format diffusers exports Wan runs; leave --format out for the vitp export")
+        raise ValueError(f"{a.source} is a run of vitp's generator (model.family={cfg.model.get('family', 'vit')}); "
+                         "--format diffusers exports Wan runs; leave --format out for the vitp export")
     step = record.get("step", -1) if step is None else step
     out = a.out or run_dir / "export" / f"{ckpt.tag_name(max(step, 0))}_{a.weights}_diffusers"
     check_out(out, cfg, run_dir, wan_folder=True)
     if out.exists() and any(out.iterdir()) and not a.force:
-        p.error(f"{out} exists and is not empty; choose another --out or pass --force to write into it")
+        raise ValueError(f"{out} exists and is not empty; choose another --out or pass --force to write into it")
     kind = ex.CHECKPOINT_KINDS[src.name]
     written = export_checkpoint_diffusers(tag, out, cfg, kind=kind, max_shard_bytes=a.max_shard_size)
     print(f"wrote {written} (diffusers WanTransformer3DModel, step {step}, {a.weights} weights)"
@@ -103,12 +103,26 @@ def run_diffusers(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
 
 def check_out(out: Path, cfg, run_dir: Path, wan_folder: bool = False) -> None:
     """Refuse (``ValueError``, before anything is written) an output ``out`` on the run's base or
-    over the run's own files (:func:`vitp.checkpoint.outputs.check_export_out`); ``wan_folder``:
-    ``out`` is a Wan diffusers folder, written also through its transformer folder and
-    ``model_index.json``."""
+    over the run's own files (:func:`vitp.checkpoint.outputs.check_export_out`), or where this
+    process may not write (:func:`check_writable`); ``wan_folder``: ``out`` is a Wan diffusers
+    folder, written also through its transformer folder and ``model_index.json``."""
     from vitp.checkpoint.outputs import check_export_out, wan_targets
 
     check_export_out(out, wan_targets(out, cfg) if wan_folder else [out], cfg, run_dir)
+    check_writable(out)
+
+
+def check_writable(out: Path) -> None:
+    """Refuse (``ValueError``, one line) an output ``out`` whose nearest existing folder (``out``
+    itself when it is one) this process may not write: a read-only run folder failed with
+    ``OSError: [Errno 30]`` making ``RUN/export`` after the weights were read."""
+    from vitp.cli.overrides import unwritable
+
+    out = Path(out).absolute()
+    folder = next(p for p in (out, *out.parents) if p.is_dir())
+    why = unwritable(folder)
+    if why:
+        raise ValueError(f"cannot write {out}: {folder} is {why}; pass -o PATH to write the export elsewhere")
 
 
 def _full_lora_state(tag: Path, cfg, kind: str):
@@ -168,7 +182,7 @@ def lora_file(out: Path, lora_format: str = "diffusers") -> Path:
     return out if lora_format == "comfyui" or out.suffix == ".safetensors" else out / WEIGHT_NAME
 
 
-def _check_base(p: argparse.ArgumentParser, lora: dict) -> None:
+def _check_base(lora: dict) -> None:
     """``--merge``: the base the run recorded (``{"base": {"folder", "hash"}}``) must still be what
     its folder holds (:func:`vitp.models.lora.base_hash`), else the merge would give another model."""
     from vitp.models.lora import base_hash
@@ -178,39 +192,50 @@ def _check_base(p: argparse.ArgumentParser, lora: dict) -> None:
     if folder and want and Path(folder).exists():
         got = base_hash(folder)
         if got != want:
-            p.error(f"{folder} no longer holds the base these adapters were trained on (weights hash {got}, the "
-                    f"run recorded {want}): merging would give another model; restore that base's files there")
+            raise ValueError(f"{folder} no longer holds the base these adapters were trained on (weights hash "
+                             f"{got}, the run recorded {want}): merging would give another model; restore that "
+                             "base's files there")
 
 
-def run_lora(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
+def not_lora_advice(source: Path, wan: bool, merge: bool) -> str:
+    """The refusal of ``--format lora`` / ``--merge`` for a run without LoRA, naming only the
+    export that works for it: ``--format diffusers`` for a Wan run, no ``--format`` for the generator."""
+    works = "--format diffusers -o OUT" if wan else "no --format (the vitp export)"
+    if merge:
+        return (f"{source} is not a LoRA run (trainer.lora.enabled=false): --merge merges a LoRA run's adapters; "
+                f"drop --merge and export it with {works}")
+    return f"{source} is not a LoRA run (trainer.lora.enabled=false): it has no adapters; export it with {works}"
+
+
+def run_lora(a: argparse.Namespace) -> Path:
     """``--format lora`` / ``--merge``: a LoRA run's checkpoint through :func:`_full_lora_state`
     and :func:`write_lora_export`; returns the path written."""
     src, step, run_dir = ckpt.resolve_weights(a.source, a.weights)
     tag = src.parent
     if not (tag / ex.DCP_METADATA).is_file():
-        p.error(f"{a.source}: --format lora / --merge read a LoRA run's training checkpoint (a run directory, its "
-                "checkpoints folder or a checkpoint tag folder)")
+        raise ValueError(f"{a.source}: --format lora / --merge read a LoRA run's training checkpoint (a run "
+                         "directory, its checkpoints folder or a checkpoint tag folder)")
     record = ex.checkpoint_record(tag)
     cfg = OmegaConf.create(record["config"])
-    if not record.get("lora"):
-        p.error(f"{a.source} is not a LoRA run (trainer.lora.enabled=false): export it with --format vitp or diffusers")
     wan = str(cfg.model.get("family", "vit")) == "wan"
+    if not record.get("lora"):
+        raise ValueError(not_lora_advice(a.source, wan, a.merge))
     if a.merge and a.format != ("diffusers" if wan else "vitp"):
-        p.error("--merge writes a Wan run's base as a diffusers folder (pass --format diffusers) and a generator "
-                "run's as a vitp export file (leave --format out)")
+        raise ValueError("--merge writes a Wan run's base as a diffusers folder (pass --format diffusers) and a "
+                         "generator run's as a vitp export file (leave --format out)")
     if a.merge:
-        _check_base(p, record["lora"])
+        _check_base(record["lora"])
     step = record.get("step", -1) if step is None else step
     suffix = ("merged_diffusers" if wan else "merged.safetensors") if a.merge else \
         f"lora_{a.lora_format}" if wan else "lora_vitp.safetensors"
     out = a.out or run_dir / "export" / f"{ckpt.tag_name(max(step, 0))}_{a.weights}_{suffix}"
     if a.merge and not wan and out.suffix != ".safetensors":
-        p.error(f"--out {out}: the merged generator is a vitp export; use a .safetensors file name")
+        raise ValueError(f"--out {out}: the merged generator is a vitp export; use a .safetensors file name")
     if a.lora_format == "comfyui" and not a.merge and out.suffix != ".safetensors":
         out = out.with_name(out.name + ".safetensors")
     check_out(out, cfg, run_dir, wan_folder=wan and a.merge)
     if out.exists() and not a.force:
-        p.error(f"{out} exists; choose another --out or pass --force to replace it")
+        raise ValueError(f"{out} exists; choose another --out or pass --force to replace it")
     adapters, config = _full_lora_state(tag, cfg, ex.CHECKPOINT_KINDS[src.name])
     written = write_lora_export(out, adapters, config, cfg, a.lora_format, a.merge, step, a.weights)
     print(f"wrote {written} (LoRA rank {config['rank']}, step {step}, {a.weights} weights"
@@ -225,9 +250,9 @@ def run(argv: Optional[List[str]] = None) -> Path:
     p = _parser()
     a = p.parse_args(argv)
     if a.format == "lora" or a.merge:
-        return run_lora(p, a)
+        return run_lora(a)
     if a.format == "diffusers":
-        return run_diffusers(p, a)
+        return run_diffusers(a)
     src, step, run_dir = ckpt.resolve_weights(a.source, a.weights)
     dcp_tag = src.parent if not src.is_file() and not Path(f"{src}{ex.INDEX_SUFFIX}").is_file() else None
     if dcp_tag is not None:  # a torch distributed checkpoint: written shard by shard, without the full state
@@ -245,21 +270,21 @@ def run(argv: Optional[List[str]] = None) -> Path:
         step = int(meta.get("step", -1)) if step is None else step
     out = a.out or run_dir / "export" / f"{ckpt.tag_name(max(step, 0))}_{a.weights}.safetensors"
     if out.suffix != ".safetensors":
-        p.error(f"--out {out}: use a .safetensors file name")
+        raise ValueError(f"--out {out}: use a .safetensors file name")
     if out.resolve() in (src.resolve(), Path(f"{src}{ex.INDEX_SUFFIX}").resolve()):
-        p.error(f"--out {out} is the source file; choose another name")
+        raise ValueError(f"--out {out} is the source file; choose another name")
     index = out.with_name(out.name + ex.INDEX_SUFFIX)
     cfg = OmegaConf.create(cfg_dict)
     check_out(out, cfg, run_dir)
     if (out.exists() or index.exists()) and not a.force:
-        p.error(f"{out if out.exists() else index} exists; choose another --out or pass --force to replace it")
+        raise ValueError(f"{out if out.exists() else index} exists; choose another --out or pass --force to replace it")
     if str(cfg.get("model", {}).get("family", "vit")) == "wan" and OmegaConf.select(cfg, "trainer.lora.enabled"):
-        p.error(f"{a.source} is a Wan LoRA run: export its adapters with --format lora -o OUT [--lora-format comfyui], "
-                "or the base with them merged with --format diffusers --merge -o OUT")
+        raise ValueError(f"{a.source} is a Wan LoRA run: export its adapters with --format lora -o OUT "
+                         "[--lora-format comfyui], or the base with them merged with --format diffusers --merge -o OUT")
     if str(cfg.get("model", {}).get("family", "vit")) == "wan":
-        p.error(f"{a.source} is a Wan run (model.family=wan): export it with --format diffusers -o OUT"
-                + (" (--lora-format goes with --format lora, a LoRA run's adapters)" if a.lora_format != "diffusers"
-                   else ""))
+        raise ValueError(f"{a.source} is a Wan run (model.family=wan): export it with --format diffusers -o OUT"
+                         + (" (--lora-format goes with --format lora, a LoRA run's adapters)"
+                            if a.lora_format != "diffusers" else ""))
     if dcp_tag is not None:
         written = ex.export_checkpoint(dcp_tag, out, cfg, kind=kind, step=step,
                                        max_shard_bytes=a.max_shard_size)

@@ -76,11 +76,19 @@ def error_chain(error: BaseException) -> str:
 # ------------------------------------------------------------------------------- a new run config
 def with_fix(message: str) -> str:
     """An override's composition error with its fix where OmegaConf gives none: a boolean key given
-    another word (``Value 'maybe' is not a valid bool``) gets ``; use KEY=true or KEY=false``."""
+    another word (``Value 'maybe' is not a valid bool``) gets ``; use KEY=true or KEY=false``, a
+    ``data.buckets`` entry that is not a mapping (``[[8,8]]``) the form a bucket is written in."""
     bad_bool = re.search(r"override ([\w.]+)=.*is not a valid bool", message)
     if bad_bool:
         key = bad_bool.group(1)
         return f"{message}; use {key}=true or {key}=false"
+    bucket = re.search(r"^(Error merging override \S+); Invalid type assigned: \w+ is not a subclass of "
+                       r"BucketConfig\. value: (.*)$", message)
+    if bucket:  # OmegaConf names the dataclass, not how a bucket is written
+        from vitp.config import BucketConfig
+
+        return (f"{bucket.group(1)}: a bucket is a mapping with resolution and batch_size (frames, weight "
+                f"optional), not {bucket.group(2)}; e.g. {BucketConfig.EXAMPLE}")
     return message
 
 
@@ -114,11 +122,9 @@ def check_run_dir(overrides: Sequence[str], resume: bool = False) -> str:
 
     Raises ``ValueError`` in one line naming the folder and the keys that move the run (``resume``:
     ``vitp-train --resume``, whose folder exists: the copy to continue instead)."""
-    import os
     from pathlib import Path
 
     from vitp.config import compose
-    from vitp.utils import on_read_only_fs
 
     try:
         run_dir = Path(compose(list(overrides), with_hydra=True).hydra.run.dir)
@@ -128,8 +134,8 @@ def check_run_dir(overrides: Sequence[str], resume: bool = False) -> str:
     existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise ValueError(f"run directory {run_dir} cannot be made: {existing} is a file, not a folder; {fix}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        why = "on a read-only file system" if on_read_only_fs(existing) else "not writable by this user"
+    why = unwritable(existing)
+    if why:
         if existing == run_dir.absolute():  # it exists (a resumed run): it is there, only not writable
             fix = ("copy the run to a writable place and continue the copy with vitp-train --resume COPY" if resume
                    else fix)
@@ -137,6 +143,18 @@ def check_run_dir(overrides: Sequence[str], resume: bool = False) -> str:
             raise ValueError(f"run directory {run_dir} is not writable ({reason}); {fix}")
         raise ValueError(f"run directory {run_dir} cannot be made: {existing} is {why}; {fix}")
     return str(run_dir)
+
+
+def unwritable(folder: Any) -> Optional[str]:
+    """Why this process may not create files in the existing ``folder`` (``"on a read-only file
+    system"``, ``"not writable by this user"``), or ``None`` when it may."""
+    import os
+
+    from vitp.utils import on_read_only_fs
+
+    if os.access(folder, os.W_OK | os.X_OK):
+        return None
+    return "on a read-only file system" if on_read_only_fs(folder) else "not writable by this user"
 
 
 # ------------------------------------------------------------------------------- a finished run's config

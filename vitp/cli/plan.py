@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import threading
 from dataclasses import replace
@@ -154,7 +155,8 @@ def _progress(what: str, after_s: float = 1.0):
 
 
 def run(argv: Optional[List[str]] = None) -> list:
-    """Plan and print; returns the predictions (JSON-able dicts). Raises ``ValueError`` on bad input."""
+    """Plan and print; returns the predictions (JSON-able dicts). Raises ``ValueError`` on bad input,
+    and after the table when no layout fits (``vitp-plan`` then exits with status 2)."""
     args = parse_args(argv)
     if args.top < 0:
         raise ValueError(f"--top {args.top}: use a number of rows >= 0 (0 = all)")
@@ -204,7 +206,27 @@ def _run(args: argparse.Namespace) -> list:
         if not 1 <= args.show_plan <= len(shown):
             raise ValueError(f"--show-plan {args.show_plan}: the table has rows 1 to {len(shown)}")
         print(plan_text(cfg, shown[args.show_plan - 1].layout))
+    if not any(p.fits for p in preds):  # the table shows why; the exit status says it to scripts
+        raise ValueError(_nothing_fits(args, prof, preds))
     return rows
+
+
+def _nothing_fits(args: argparse.Namespace, prof, preds) -> str:
+    """The one-line refusal after a table where no layout fits: the smallest layout's need and what
+    to change (more memory per device, more devices, smaller micro-batches where not all were tried)."""
+    from vitp.plan import format_bytes
+
+    small = min(preds, key=lambda p: p.peak.total)
+    need = math.ceil(small.peak.total / 2**30 + prof.reserve_gib)  # the profile keeps reserve_gib free
+    fixes = [f"a device with more memory (--mem-gib {need} or more, or another --device)",
+             f"more --gpus than {args.gpus}"]
+    if args.micro and min(args.micro) > 1:
+        fixes.append("a smaller micro-batch (--micro 1, then trainer.micro_batch_size=1)")
+    if 1 not in args.ac:
+        fixes.append("activation checkpointing (--ac 0,1)")
+    return (f"nothing fits: none of the {len(preds)} valid layouts fits {args.gpus} x {prof.name} "
+            f"({format_bytes(prof.memory_gib * 2**30)}, {format_bytes(small.limit_bytes)} usable per rank); the smallest, {' '.join(small.layout.overrides())}, needs "
+            f"{format_bytes(small.peak.total)}. Use {', '.join(fixes[:-1])} or {fixes[-1]}, or a smaller model")
 
 
 def main(argv: Optional[List[str]] = None) -> None:

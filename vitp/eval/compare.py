@@ -183,6 +183,23 @@ def _target_text(rows: Sequence[Dict[str, Any]]) -> str:
     return f"temporal diff / real in [{TARGET_TEMPORAL[0]}, {TARGET_TEMPORAL[1]}]"
 
 
+def target_line(rows: Sequence[Dict[str, Any]]) -> str:
+    """``Target (...): <runs meeting it>.``, judged by the table's one target (the digits one when
+    any row has the digits metrics, :func:`_target_text`); runs lacking that target's metrics are
+    named as having no such numbers, never as meeting it (a Wan run beside digits runs)."""
+    digits = any(_is_digits(r) for r in rows)
+    def has(r: Dict[str, Any]) -> bool:
+        return _is_digits(r) if digits else r.get("temporal_diff_ratio") is not None
+
+    hits = [r["run"] for r in rows if has(r) and in_target(r)]
+    line = f"Target ({_target_text(rows)}): " + (", ".join(hits) if hits else "no row") + "."
+    lacking = [str(r["run"]) for r in rows if not has(r)]
+    if lacking:
+        what = "sample accuracy / FD-digits ratio" if digits else "temporal diff / real"
+        line += f" No {what} numbers, not judged: {', '.join(lacking)}."
+    return line
+
+
 def markdown(rows: Sequence[Dict[str, Any]], keys: Sequence[str], title: str) -> str:
     """The table as Markdown, with a title line and the rows that meet the target."""
     cols = columns(rows, keys)
@@ -190,8 +207,7 @@ def markdown(rows: Sequence[Dict[str, Any]], keys: Sequence[str], title: str) ->
     lines = [f"# {title}", "", "| " + " | ".join(names.get(c, c) for c in cols) + " |",
              "|" + "|".join("---" for _ in cols) + "|"]
     lines += ["| " + " | ".join(_cell(r.get(c), c).replace("|", "\\|") for c in cols) + " |" for r in rows]
-    hits = [r["run"] for r in rows if in_target(r)]
-    lines += ["", f"Target ({_target_text(rows)}): " + (", ".join(hits) if hits else "no row") + "."]
+    lines += ["", target_line(rows)]
     return "\n".join(lines) + "\n"
 
 

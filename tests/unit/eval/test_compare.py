@@ -31,6 +31,9 @@ def test_rows_keep_the_eval_json_values_and_sort_numerically(tmp_path):
     assert "| sampler.steps | sample accuracy (judge) | FD-digits | FD-digits / real |" in md
     assert "| 10 | 0.9950 | 12.5 | 1.5 | 0.61 | 1.25 | run10 |" in md
     assert md.rstrip().endswith("FD-digits ratio <= 2.0): run10.")  # the one row in the target
+    wan = make_row({"sampler.steps": "4"}, {"heldout_loss": 1.9, "temporal_diff_ratio": 1.0}, "../wan_run", None)
+    assert markdown(rows + [wan], ["sampler.steps"], "t").rstrip().endswith(  # no digits numbers: not in the target
+        "FD-digits ratio <= 2.0): run10. No sample accuracy / FD-digits ratio numbers, not judged: ../wan_run.")
     assert paths["png"].read_bytes()[:8] == PNG_MAGIC
     assert [r["run"] for r in sort_rows(rows, ["sampler.steps"], "-sample_accuracy")] == ["run1.5", "run10", "run2"]
     with pytest.raises(ValueError, match="unknown column; use one of sampler.steps, sample_accuracy"):
@@ -46,6 +49,9 @@ def test_video_rows_and_a_plot_without_judge_metrics(tmp_path):
     assert [float(r["temporal_diff_ratio"]) for r in got] == [1.2, 2.0]  # sorted by label: factorized < full
     md = markdown(rows, ["model.attention"], "v")
     assert md.rstrip().endswith("Target (temporal diff / real in [0.8, 1.3]): factorized.")
+    bare = make_row({"model.attention": "none"}, {"heldout_loss": 0.7}, "none", None)
+    assert markdown([bare], ["model.attention"], "v").rstrip().endswith(
+        "[0.8, 1.3]): no row. No temporal diff / real numbers, not judged: none.")
     assert paths["png"].read_bytes()[:8] == PNG_MAGIC
 
 
