@@ -89,7 +89,7 @@ def captions_and_out(a: argparse.Namespace) -> Tuple[List[str], Path, str]:
     """``(captions, store folder, where the captions came from)``: ``--captions`` or the data set
     of the overrides; ``--out`` or its ``data.text_embeddings``; without ``--max-length``, the
     overrides' ``model.text_len`` when set. Raises ``ValueError`` when
-    neither names the output folder."""
+    neither names the output folder, or a ``--captions`` file holds no caption."""
     cfg = None
     if a.captions is None or a.out is None:
         from omegaconf import OmegaConf
@@ -103,7 +103,11 @@ def captions_and_out(a: argparse.Namespace) -> Tuple[List[str], Path, str]:
         if out is None:
             raise ValueError("no output folder: pass --out DIR or set data.text_embeddings=DIR")
     if a.captions is not None:
-        return read_caption_file(a.captions), Path(a.out or out), str(a.captions)
+        captions = read_caption_file(a.captions)
+        if not any(c.strip() for c in captions):  # a store of the null caption alone trains nothing
+            raise ValueError(f"--captions {a.captions} holds no caption (empty, or blank lines only); give a file "
+                             "with one caption per line (.txt) or a \"caption\" field per line (.jsonl)")
+        return captions, Path(a.out or out), str(a.captions)
     from vitp.data.build import dataset_captions
 
     return dataset_captions(cfg.data), Path(out), f"data.name={cfg.data.name}"

@@ -72,9 +72,12 @@ def test_jsonl_bfloat16_and_overwrite(tiny_path, tmp_path, capsys):
     (["--captions", "{tmp}/none.txt", "--out", "{tmp}/o"], "--captions {tmp}/none.txt not found"),
     (["--captions", "{tmp}/bad.jsonl"], "no output folder: pass --out DIR or set data.text_embeddings=DIR"),
     (["--captions", "{tmp}/bad.jsonl", "--out", "{tmp}/o", "--batch-size", "0"], "--batch-size 0: use a positive"),
+    # a store of the null caption alone was written, and named to train with
+    (["--captions", "{tmp}/blank.txt", "--out", "{tmp}/o"], "--captions {tmp}/blank.txt holds no caption (empty"),
 ])
 def test_bad_input_is_one_line(tiny_path, tmp_path, capsys, args, message):
     (tmp_path / "bad.jsonl").write_text('{"caption": "a"}\n{"caption": \n')
+    (tmp_path / "blank.txt").write_text("\n  \n")
     code, _, err = _run(capsys, "--encoder", tiny_path, *[a.format(tmp=tmp_path) for a in args])
     assert code == 2 and err.startswith(f"vitp-encode-captions: error: {message.format(tmp=tmp_path)}")
     assert err.count("\n") == 1 and "Traceback" not in err
