@@ -35,6 +35,9 @@ def test_train_sweep_then_collect(tmp_path, monkeypatch):
     main(["train", "--out", str(out), *COMMON, "objective.P_mean=-0.8,0"])  # finished runs are kept, not retrained
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/*") if p.is_file()} == stamps
     assert list(csv.DictReader((out / "comparison.csv").open())) == rows
+    with pytest.raises(SystemExit) as e:  # another sweep into the same --out replaced the table
+        main(["train", "--out", str(out), *COMMON, "objective.P_mean=0.5"])
+    assert e.value.code == 2 and list(csv.DictReader((out / "comparison.csv").open())) == rows
     paths = main(["collect", str(out / "001_P_mean_0"), str(out / "000_P_mean_-0.8"), "--out", str(tmp_path / "c")])
     assert paths is None  # main returns nothing; the files are the result
     got = list(csv.DictReader((tmp_path / "c" / "comparison.csv").open()))

@@ -108,6 +108,11 @@ def test_eval_sweep_writes_its_own_files_and_keeps_eval_json(run_dir, capsys):
     assert paths["png"].read_bytes()[:8] == PNG_MAGIC
     plan = json.loads((out / "sweep.json").read_text())
     assert plan["fixed"] == ["sampler.cfg_interval=[0,1]"] and len(plan["settings"]) == 4
+    table = paths["csv"].read_bytes()
+    with pytest.raises(ValueError, match=f"{out} holds another sweep .*choose another --out \\(--name for vitp-sweep "
+                                         "eval\\)"):  # its table was replaced, silently
+        eval_sweep(run_dir, ["sampler.steps=3"], name="s1")
+    assert paths["csv"].read_bytes() == table and json.loads((out / "sweep.json").read_text()) == plan
     # collect reads the run's own eval.json and labels nothing (one run)
     assert list(csv.DictReader(collect([run_dir], out=run_dir / "c")["csv"].open()))[0]["sample_accuracy"] == "0.5"
 

@@ -198,13 +198,25 @@ def eval_sweep(run_dir: Path, overrides: List[str], name: Optional[str] = None,
 
 
 def _write_plan(out: Path, mode: str, sw: Sweep, **extra) -> None:
-    """``out/sweep.json``: the mode, fixed overrides, swept keys and each combination's folder."""
+    """``out/sweep.json``: the mode, fixed overrides, swept keys and each combination's folder.
+    Raises ``ValueError`` when ``out`` holds another sweep's (its table would be replaced); the same
+    sweep again (to finish it) is allowed."""
     from vitp.utils import atomic_write_text
 
     plan = {"mode": mode, **extra, "fixed": sw.fixed, "keys": sw.keys,
             "settings": [{"dir": slug(lab, i), "overrides": combo} for i, (lab, combo)
                          in enumerate(zip(sw.labels, sw.combos))]}
-    atomic_write_text(out / "sweep.json", json.dumps(plan, indent=2) + "\n")
+    path = out / "sweep.json"
+    if path.is_file():
+        try:
+            before = json.loads(path.read_text())
+        except ValueError:
+            before = None
+        if before != json.loads(json.dumps(plan)):
+            raise ValueError(f"{out} holds another sweep ({path}: its table and comparison files would be replaced); "
+                             "choose another --out (--name for vitp-sweep eval), or give that sweep's own command "
+                             "to finish it")
+    atomic_write_text(path, json.dumps(plan, indent=2) + "\n")
 
 
 def _check_combinations(sw: Sweep) -> None:
