@@ -176,8 +176,11 @@ def _folder_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubs
     train_idx, held_idx = stratified_split(base.labels, cfg.holdout_fraction, seed)
     if cfg.name == "video_folder":  # no training clip may share frames with a held-out clip
         train_idx = base.disjoint_train(train_idx, held_idx)
-    return (KeyedSubset(base, _captioned(base, cfg, train_idx)),
-            KeyedSubset(base, _captioned(base, cfg, held_idx, read=False), eval_only=True))
+    train_kept, held_kept = _captioned(base, cfg, train_idx), _captioned(base, cfg, held_idx, read=False)
+    if len(held_idx) and not len(held_kept):  # the split came first: said, or eval.json lacks its loss unexplained
+        log.warning("none of the %d held-out item(s) has a caption (data.captions=%s): the run has no held-out loss; "
+                    "caption them, or raise data.holdout_fraction", len(held_idx), cfg.captions)
+    return KeyedSubset(base, train_kept), KeyedSubset(base, held_kept, eval_only=True)
 
 
 def _captioned(base: KeyedDataset, cfg: DataConfig, indices: np.ndarray, read: bool = True) -> np.ndarray:
