@@ -138,6 +138,15 @@ def node_first(fn: Any) -> Any:
     return fn() if not first else out
 
 
+def tokens_text(cfg: DictConfig) -> str:
+    """Tokens per sample of the shapes a run trains, as the start line says it: ``"1024"``, or
+    with ``data.buckets`` the smallest and largest bucket's, ``"15 to 16"`` (not ``data.resolution``'s)."""
+    from vitp.config import run_shapes
+
+    tokens = sorted({math.prod(grid) for _, grid in run_shapes(cfg)})
+    return " to ".join(str(n) for n in tokens[::max(1, len(tokens) - 1)])
+
+
 class Trainer:
     """Build everything a run needs (the constructor), then :meth:`fit`.
 
@@ -400,16 +409,15 @@ class Trainer:
         self.checkpointer.load(self.engine, self.ema, self.state)
 
     def _log_start(self) -> None:
-        from vitp.models import num_tokens
-
         if not self.main:
             return
         lay = self.layout
         base = getattr(self.train_ds, "base", None)
         skipped = base.skip_summary() if hasattr(base, "skip_summary") else ""  # "2 unreadable file(s), 1 too short ..."
         cp = f" cp={lay.cp}" if lay.cp > 1 else ""
-        log.info("run dir %s | layout tp=%d%s pp=%d dp=%d | %s on %s | %d tokens per sample | %d train / %d "
-                 "held-out%s", self.run_dir, lay.tp, cp, lay.pp, lay.dp, lay.precision, self.device, num_tokens(**self.cfg.model),
+        log.info("run dir %s | layout tp=%d%s pp=%d dp=%d | %s on %s | %s tokens per sample | %d train / %d "
+                 "held-out%s", self.run_dir, lay.tp, cp, lay.pp, lay.dp, lay.precision, self.device,
+                 tokens_text(self.cfg),
                  len(self.train_ds), len(self.heldout_ds), f" | skipped {skipped}" if skipped else "")
         if self.checkpointer.resume_tag is not None:
             log.info("resumed from %s (step %d of %d)", self.checkpointer.resume_tag, self.start_step,

@@ -75,3 +75,14 @@ def test_packed_photos_go_to_the_same_buckets_through_arrays(mixed_photos, tmp_p
     assert [len(tr) for tr, _ in pairs] == [2, 1, 2]
     folder_pairs = bucket_datasets(compose_cfg([*folder, THREE]).data, 0, build_datasets)
     assert [tr.indices.tolist() for tr, _ in pairs] == [tr.indices.tolist() for tr, _ in folder_pairs]
+
+
+def test_the_start_line_gives_the_buckets_tokens_per_sample_not_data_resolutions():
+    """A new user's bucketed run logged 16384 tokens per sample: data.resolution=256's at patch 2,
+    a size it never trained."""
+    from vitp.train.trainer import tokens_text
+
+    buckets = "data.buckets=[{resolution:8,batch_size:8},{resolution:6x10,batch_size:4},{resolution:16x16,batch_size:2}]"
+    cfg = compose_cfg(["experiment=smoke", buckets])
+    assert cfg.model.patch_size == 2 and tokens_text(cfg) == "15 to 64"  # 3 x 5 patches to 8 x 8
+    assert tokens_text(compose_cfg(["experiment=smoke"])) == str(cfg.model.image_size // 2 * (cfg.model.image_size // 2))
