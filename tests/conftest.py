@@ -29,6 +29,26 @@ _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT")
 _LAUNCH_ENV = {k: os.environ.get(k) for k in _LAUNCH_VARS}
 
 
+def _drop_handlers_on_closed_streams() -> None:
+    import logging
+
+    for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for h in list(getattr(lg, "handlers", [])):
+            if getattr(getattr(h, "stream", None), "closed", False):
+                lg.removeHandler(h)
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_on_a_closed_stream():
+    """An in-process run (Hydra's job logging, a toolkit's logger) leaves handlers writing to the
+    stderr its test captured; once that is closed, a later test's record on the same worker
+    printed a logging error with its traceback into that test's stderr (which depends on the
+    work units' order). Such handlers are dropped before and after each test."""
+    _drop_handlers_on_closed_streams()
+    yield
+    _drop_handlers_on_closed_streams()
+
+
 @pytest.fixture(autouse=True)
 def _launch_env_restored():
     """After each test, the rendezvous variables are as they were when the session began."""
