@@ -86,6 +86,14 @@ def on_read_only_fs(path: PathLike) -> bool:
         return False
 
 
+def unwritable(folder: PathLike) -> Optional[str]:
+    """Why this process may not create files in the existing ``folder`` (``"on a read-only file
+    system"``, ``"not writable by this user"``), or ``None`` when it may."""
+    if os.access(folder, os.W_OK | os.X_OK):
+        return None
+    return "on a read-only file system" if on_read_only_fs(folder) else "not writable by this user"
+
+
 def check_output_in_run(out: Optional[PathLike], default: PathLike, run: PathLike, prog: str) -> None:
     """Refuse (``PermissionError``, one line) before any work an output that goes into the folder
     ``run`` (``default`` when ``out`` is ``None``, or an ``out`` inside it) where this process may
@@ -97,9 +105,9 @@ def check_output_in_run(out: Optional[PathLike], default: PathLike, run: PathLik
     nearest = next(p for p in (target, *target.parents) if p.exists())
     if nearest.is_file():
         nearest = nearest.parent  # an output file is replaced by a rename in its folder
-    if os.access(nearest, os.W_OK):
+    why = unwritable(nearest)
+    if why is None:
         return
-    why = "on a read-only file system" if on_read_only_fs(nearest) else "not writable by this user"
     where = f"writes into {folder} by default" if out is None else f"would write --out {out} into {folder}"
     raise PermissionError(f"{nearest} is {why}: {prog} {where}; give --out PATH outside it, or {prog} a copy of "
                           f"that folder")

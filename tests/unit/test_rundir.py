@@ -527,25 +527,34 @@ def test_a_run_that_diverged_before_its_first_checkpoint_resumes_with_the_fix(tm
     assert "lower optim.lr" in str(e.value)
 
 
+def _resumes_past_latest(run, named: str, newest: int, caplog) -> None:
+    """``vitp-train --resume`` of ``run`` whose ``latest`` names ``named``: one step from the
+    newest complete checkpoint (``newest``), saying so, and ``latest`` rewritten."""
+    import logging
+
+    from vitp.cli.train import resume_config
+    from vitp.train import train
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        res = train(resume_config(run, [f"trainer.max_steps={newest + 1}"]), run, resumed=True)
+    assert len(res["losses"]) == 1  # the one step after the newest
+    assert (f"{run / 'checkpoints' / 'latest'} names '{named}', which is no complete checkpoint there: resuming "
+            f"from step_{newest:07d}, the newest one") in caplog.text
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{newest + 1:07d}"
+
+
 def test_a_latest_naming_a_missing_tag_resumes_from_the_newest_saying_so(tmp_path, caplog):
     """A new user's trial: ``checkpoints/latest`` edited to name ``step_0000099`` resumed quietly from
     the newest complete checkpoint (docs/checkpoints.md said it stops the run). It still resumes
     from the newest, and a warning names the file."""
-    import logging
-
-    from vitp.cli.train import resume_config
     from vitp.train import train
 
     run = tmp_path / "run"
     over = ["experiment=smoke", "trainer.max_steps=2", "trainer.checkpoint_every=1"]
     train(compose_cfg(over), run, over)
     (run / "checkpoints" / "latest").write_text("step_0000099")
-    with caplog.at_level(logging.WARNING, logger="vitp"):
-        res = train(resume_config(run, ["trainer.max_steps=3"]), run, resumed=True)
-    assert len(res["losses"]) == 1  # step 3, from step 2
-    assert (f"{run / 'checkpoints' / 'latest'} names 'step_0000099', which is no complete checkpoint there: "
-            "resuming from step_0000002, the newest one") in caplog.text
-    assert (run / "checkpoints" / "latest").read_text() == "step_0000003"
+    _resumes_past_latest(run, "step_0000099", 2, caplog)
     # an empty latest (no tag name): the training passes over it the same way; readers of the
     # checkpoints folder (vitp-sample / vitp-export / vitp-eval, trainer.resume=RUN/checkpoints) refuse it
     from vitp.checkpoint import resolve_weights
@@ -554,10 +563,4 @@ def test_a_latest_naming_a_missing_tag_resumes_from_the_newest_saying_so(tmp_pat
     with pytest.raises(ValueError, match=r"latest names '', not a vitp checkpoint tag \(step_NNNNNNN\): write the "
                                          r"newest complete tag \(step_0000003\) into it"):
         resolve_weights(run / "checkpoints")
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="vitp"):
-        res = train(resume_config(run, ["trainer.max_steps=4"]), run, resumed=True)
-    assert len(res["losses"]) == 1  # step 4, from step 3
-    assert (f"{run / 'checkpoints' / 'latest'} names '', which is no complete checkpoint there: resuming from "
-            "step_0000003, the newest one") in caplog.text
-    assert (run / "checkpoints" / "latest").read_text() == "step_0000004"
+    _resumes_past_latest(run, "", 3, caplog)

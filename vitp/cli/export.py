@@ -116,7 +116,7 @@ def check_writable(out: Path) -> None:
     """Refuse (``ValueError``, one line) an output ``out`` whose nearest existing folder (``out``
     itself when it is one) this process may not write: a read-only run folder failed with
     ``OSError: [Errno 30]`` making ``RUN/export`` after the weights were read."""
-    from vitp.cli.overrides import unwritable
+    from vitp.utils import unwritable
 
     out = Path(out).absolute()
     folder = next(p for p in (out, *out.parents) if p.is_dir())

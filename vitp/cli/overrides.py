@@ -134,6 +134,8 @@ def check_run_dir(overrides: Sequence[str], resume: bool = False) -> str:
     existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise ValueError(f"run directory {run_dir} cannot be made: {existing} is a file, not a folder; {fix}")
+    from vitp.utils import unwritable
+
     why = unwritable(existing)
     if why:
         if existing == run_dir.absolute():  # it exists (a resumed run): it is there, only not writable
@@ -143,18 +145,6 @@ def check_run_dir(overrides: Sequence[str], resume: bool = False) -> str:
             raise ValueError(f"run directory {run_dir} is not writable ({reason}); {fix}")
         raise ValueError(f"run directory {run_dir} cannot be made: {existing} is {why}; {fix}")
     return str(run_dir)
-
-
-def unwritable(folder: Any) -> Optional[str]:
-    """Why this process may not create files in the existing ``folder`` (``"on a read-only file
-    system"``, ``"not writable by this user"``), or ``None`` when it may."""
-    import os
-
-    from vitp.utils import on_read_only_fs
-
-    if os.access(folder, os.W_OK | os.X_OK):
-        return None
-    return "on a read-only file system" if on_read_only_fs(folder) else "not writable by this user"
 
 
 # ------------------------------------------------------------------------------- a finished run's config
