@@ -399,7 +399,8 @@ def test_cpu_profile_source_names_processes_only_where_links_were_measured(tmp_p
     ("--micro", "0", "use comma-separated integers >= 1, e.g. 1,2,4"), ("--ac", "-1", "integers >= 0, e.g. 0,1"),
     ("--mem-gib", "-5", "'-5': use a finite number > 0"), ("--mem-gib", "0", "'0': use a finite number > 0"),
     ("--mem-gib", "inf", "'inf': use a finite number > 0"),  # was an OverflowError traceback
-    ("--gpus-per-node", "0", "'0': use a finite number > 0"), ("--gpus", "0", "'0': use a finite number > 0")])
+    ("--gpus-per-node", "0", "'0': use a finite number > 0"), ("--gpus", "0", "'0': use a finite number > 0"),
+    ("--gpus", "-1", "'-1': use a finite number > 0"), ("--gpus-per-node", "-8", "'-8': use a finite number > 0")])
 def test_vitp_plan_refuses_bad_flag_values(flag, value, message, capsys):
     """Each was a traceback (--micro 0: ZeroDivisionError), a message not naming the flag, or accepted."""
     from vitp.cli.plan import main
@@ -408,6 +409,38 @@ def test_vitp_plan_refuses_bad_flag_values(flag, value, message, capsys):
         main(["--gpus", "2", flag, value, "experiment=smoke"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"vitp-plan: error: argument {flag}: " in err and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "8", "--gpus-per-node", "3"],
+     "--gpus 8 is not a multiple of --gpus-per-node 3: a job fills whole nodes, the same number of processes on each "
+     "(torchrun, the deepspeed launcher, SageMaker); use --gpus 6 or 9, or the devices your nodes have as "
+     "--gpus-per-node (a divisor of 8, e.g. 1, 2, 4, 8)"),
+    (["--gpus", "12", "--device", "h100"],
+     "--gpus 12 is not a multiple of the h100 profile's 8 devices per node: a job fills whole nodes, the same number "
+     "of processes on each (torchrun, the deepspeed launcher, SageMaker); use --gpus 8 or 16, or the devices your "
+     "nodes have as --gpus-per-node (a divisor of 12, e.g. 1, 2, 3, 4, 6, 12)")])
+def test_vitp_plan_refuses_devices_that_fill_no_whole_nodes(argv, message, capsys):
+    """``--gpus 8 --gpus-per-node 3`` was planned (a new user's trial): no cluster of equal nodes has
+    8 devices in nodes of 3. Refused in one line naming both numbers and the fix, exit status 2."""
+    from vitp.cli.plan import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "experiment=smoke"])
+    assert e.value.code == 2 and capsys.readouterr().err == f"vitp-plan: error: {message}\n"
+
+
+def test_vitp_plan_plans_whole_nodes_and_one_node_partly_used(capsys):
+    """Devices filling whole nodes (16 in nodes of 4) and fewer than a node has (2 of a 4-device
+    node, as ``torchrun --nproc_per_node 2`` on it) are planned with the nodes given."""
+    import json
+
+    from vitp.cli.plan import main
+
+    for gpus, per in (("16", "4"), ("2", "4")):
+        main(["--gpus", gpus, "--gpus-per-node", per, "--device", "h100", "--top", "1", "--json", "experiment=smoke"])
+        out = json.loads(capsys.readouterr().out)
+        assert (out["world"], out["device"]["devices_per_node"]) == (int(gpus), int(per)) and out["layouts"]
 
 
 def test_mfu_is_never_above_1_the_peak_is_measured_again_and_flagged(monkeypatch, caplog):

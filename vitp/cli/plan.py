@@ -163,8 +163,30 @@ def run(argv: Optional[List[str]] = None) -> list:
     if args.show_plan is not None and (args.show_plan < 1 or (args.top and args.show_plan > args.top)):
         raise ValueError(f"--show-plan {args.show_plan}: give a row of the table, 1 to {args.top or 'its length'}"
                          + (" (or raise --top)" if args.top and args.show_plan > args.top else ""))
+    _check_nodes(args)
     with _progress(f"planning the layouts of {args.gpus} device(s) (config, model shapes, every valid layout)"):
         return _run(args)
+
+
+def _check_nodes(args: argparse.Namespace) -> None:
+    """Refuse ``--gpus`` that no cluster of equal nodes holds: more devices than a node has
+    (``--gpus-per-node``, else the ``--device`` preset's 8) and not a multiple of it. Raises
+    ``ValueError`` naming both numbers and the nearest valid ones. Fewer devices than a node has
+    are one node, partly used (``torchrun --nproc_per_node 4`` on an 8-GPU node): accepted."""
+    from vitp.plan import PRESETS
+    from vitp.utils import divisors
+
+    preset = PRESETS.get(args.device.lower())
+    per = args.gpus_per_node or (preset.devices_per_node if preset else None)  # cpu: one node of any size
+    if per is None or args.gpus <= per or args.gpus % per == 0:
+        return
+    node = (f"--gpus-per-node {per}" if args.gpus_per_node else
+            f"the {preset.name} profile's {per} devices per node")
+    low, high = args.gpus // per * per, (args.gpus // per + 1) * per
+    fits = ", ".join(str(d) for d in divisors(args.gpus) if d <= 16)  # GPU nodes hold up to 16 devices
+    raise ValueError(f"--gpus {args.gpus} is not a multiple of {node}: a job fills whole nodes, the same number of "
+                     f"processes on each (torchrun, the deepspeed launcher, SageMaker); use --gpus {low} or {high}, or "
+                     f"the devices your nodes have as --gpus-per-node (a divisor of {args.gpus}, e.g. {fits})")
 
 
 def _run(args: argparse.Namespace) -> list:
