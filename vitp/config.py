@@ -233,7 +233,7 @@ class TrainerConfig:
     exit_after_minutes: Optional[float] = None  # same, once this much wall time has passed (time-limited jobs)
     init_from: Optional[str] = None  # exported vitp .safetensors to start from at any (tp, pp) (weights only); model.family=wan: the diffusers Wan transformer or pipeline folder (read when the config is checked)
     init_from_timm: Optional[str] = None  # timm ViT state dict (.safetensors/.pth) to initialise the blocks from
-    progress: bool = True  # tqdm progress bar on rank 0
+    progress: bool = True  # progress bars on rank 0 (tqdm on a terminal; in a pipe or log file a line every 30 s)
     tensorboard_dir: Optional[str] = None  # TensorBoard event folder (null = <run dir>/tb)
     export_dir: Optional[str] = None  # also copy final weights and eval.json here (e.g. SM_MODEL_DIR)
     output_data_dir: Optional[str] = None  # also copy final samples, eval.json(l), metrics.jsonl here

@@ -252,7 +252,7 @@ def sagemaker_overrides(env: Mapping[str, str], argv: Sequence[str] = ()) -> Lis
         "trainer.tensorboard_dir": paths.tensorboard,
         "trainer.export_dir": paths.model,
         "trainer.output_data_dir": paths.output_data,
-        "trainer.progress": False,  # a progress bar in a job's log (CloudWatch) is one line per update
+        "trainer.progress": False,  # a job's log (CloudWatch); true gives a progress line every 30 s there
         "data.root": paths.train,
         "data.heldout_root": paths.validation,
     }

@@ -316,7 +316,7 @@ def _encode_devices(device: str) -> List[str]:
 def _run_jobs(out: Path, jobs: list, writer: Any, workers: int, progress: bool, total: int) -> Dict[int, int]:
     """Run ``writer`` on the jobs whose shard is not written yet (in ``workers`` processes), with a
     progress bar of samples; returns ``{shard: bytes}`` of all shards."""
-    from tqdm import tqdm
+    from vitp.progress import progress_bar
 
     sizes: Dict[int, int] = {}
     todo = []
@@ -328,8 +328,7 @@ def _run_jobs(out: Path, jobs: list, writer: Any, workers: int, progress: bool, 
             todo.append(job)
     if sizes:
         log.info(f"resuming: {len(sizes)} of {len(jobs)} shards already written")
-    bar = tqdm(total=total, initial=sum(len(jobs[k][2]) for k in sizes), unit="sample", disable=not progress,
-               desc="vitp-pack")
+    bar = progress_bar(total, "vitp-pack", "sample", initial=sum(len(jobs[k][2]) for k in sizes), disable=not progress)
     if workers == 1:
         results = map(writer, todo)
     else:

@@ -279,7 +279,7 @@ def _kept_shard(path: Path, first: int, count: int, head: Dict[str, Any]) -> Opt
 def _encode_all(out: Path, unique: List[str], encoder: Any, head: Dict[str, Any], batch_size: int,
                 progress: bool) -> List[Dict[str, Any]]:
     """Every shard's index entry: shards already complete in ``out`` are kept, the others encoded."""
-    from tqdm import tqdm
+    from vitp.progress import progress_bar
 
     k = head["shard_size"]
     spans = [(s, first, min(k, len(unique) - first)) for s, first in enumerate(range(0, len(unique), k))]
@@ -288,7 +288,7 @@ def _encode_all(out: Path, unique: List[str], encoder: Any, head: Dict[str, Any]
     if done:
         log.info(f"resuming {out}: {sum(e is not None for e in entries)} of {len(spans)} shards are complete "
                  f"({done} captions); encoding the rest")
-    with tqdm(total=len(unique), initial=done, disable=not progress, unit="caption", desc="encoding captions") as bar:
+    with progress_bar(len(unique), "encoding captions", "caption", initial=done, disable=not progress) as bar:
         for s, first, count in spans:
             if entries[s] is None:
                 entries[s] = _encode_shard(out, s, first, unique[first:first + count], encoder, head, batch_size, bar)
@@ -310,8 +310,9 @@ def write_store(out: Any, captions: Sequence[str], encoder: Any, batch_size: int
     ``out`` (layout: module docstring); return its index (as written to ``index.json``).
 
     The captions are deduplicated and the empty caption is id 0 (:func:`unique_captions`); they are
-    encoded ``batch_size`` at a time (a tqdm bar unless ``progress`` is False) into shards of
-    ``shard_size`` captions, each written to a temporary name and renamed. ``dtype``: the stored
+    encoded ``batch_size`` at a time (a progress bar unless ``progress`` is False:
+    :func:`vitp.progress.progress_bar`) into shards of ``shard_size`` captions, each written to a
+    temporary name and renamed. ``dtype``: the stored
     dtype, ``"bfloat16"`` or ``"float32"`` (default: bfloat16 for a bfloat16 encoder, else float32).
 
     Resumable: ``index.partial.json`` records the settings (:data:`SETTINGS`); a rerun after a kill

@@ -757,11 +757,10 @@ class Trainer:
 
     def _train_loop(self, stopper: StopSignal) -> Optional[int]:
         """The optimizer steps; returns the step of an early stop (every rank the same), else ``None``."""
-        from tqdm import tqdm
+        from vitp.progress import progress_bar
 
         tr = self.cfg.trainer
-        self.bar = tqdm(total=tr.max_steps, initial=self.start_step, disable=not (self.main and tr.progress),
-                        desc="train", dynamic_ncols=True)
+        self.bar = progress_bar(tr.max_steps, "train", initial=self.start_step, disable=not (self.main and tr.progress))
         if tr.eval_every and self.start_step == 0:  # the untrained model's held-out loss, for reference
             if self._stopped_during(stopper, 0, lambda: self.heldout_eval(0, final=False)):
                 return 0

@@ -29,7 +29,8 @@ def test_heldout_loss_is_deterministic_and_uses_the_t_grid(smoke):
 def test_the_final_evaluation_says_what_runs_and_shows_a_bar_per_phase(smoke, tmp_path, caplog, capsys):
     """After the training bar's 100 % the final evaluation ran for minutes in silence: inside
     ``reporting`` each phase (held-out loss, sampling, training the judge) logs what runs now and
-    draws its own tqdm bar (on stderr); outside it (evaluations during training) it stays silent."""
+    draws its own progress bar (on stderr; outside a terminal, as here, lines: vitp.progress); outside
+    it (evaluations during training) it stays silent."""
     import logging
 
     from tests.helpers import compose_cfg
@@ -51,6 +52,5 @@ def test_the_final_evaluation_says_what_runs_and_shows_a_bar_per_phase(smoke, tm
                      "for later evaluations)"], lines
     err = capsys.readouterr().err
     forwards = -(-len(heldout) // cfg.trainer.micro_batch_size) * 10  # batches of a micro-batch, at 10 t each
-    bars = [f"held-out loss:   0%|          | 0/{forwards} ", "sampling:   0%|          | 0/2 ",
-            "judge:   0%|          | 0/1 "]  # tqdm's first draw: the phase's name and its total
-    assert all(b in err for b in bars), err
+    bars = [f"held-out loss: 100% {forwards}/{forwards} [", "sampling: 100% 2/2 [", "judge: 100% 1/1 ["]  # each one's end
+    assert all(err.count(b) == 1 for b in bars) and "\r" not in err, err
