@@ -32,7 +32,7 @@ def test_a_run_bigger_than_the_memory_is_refused_naming_the_keys():
     msg = str(e.value)
     assert msg.startswith("predicted peak memory 71.9 GiB per rank (16384 tokens per sample (model.patch_size=2), "
                           "micro-batch 64 x 1, layout tp=1 pp=1 dp=1) exceeds the 16.0 GiB a rank of 1 x cpu")
-    assert all(k in msg for k in KEYS) and "\n" not in msg
+    assert all(k in msg for k in KEYS) and "\n" not in msg and "data.resolution (smaller)" in msg
     assert "e.g. model.patch_size=8 fits" in msg and "parallel.auto_memory_gib" in msg
     with pytest.raises(ValueError, match=r"exceeds the 8\.00 GiB a rank"):  # a CPU's RAM is shared by the ranks
         pf.check_predictions(compose_cfg([*OWN_256, "parallel.auto_memory_gib=16", "trainer.micro_batch_size=32"]),
@@ -86,6 +86,29 @@ def test_buckets_are_checked_at_their_own_size_and_batch():
                        "parallel.auto_memory_gib=4"])
     with pytest.raises(ValueError, match=r"\(bucket 256x256: 16384 tokens per sample"):
         pf.check_predictions(big, CPU, 1)
+
+
+def test_a_bucket_too_big_is_named_with_the_keys_that_shrink_it():
+    """A new user's trial: a bucket that did not fit was told to lower data.resolution, which a
+    bucketed run does not train at. The refusal names the bucket, its place in data.buckets, its
+    batch and micro-batch keys; each fix it names passes the check. The slow-step warning names the
+    bucket's resolution and batch (more micro-batches per step do not shorten a step)."""
+    over = ["experiment=photo_buckets", "data.buckets.1.resolution=256x256", "model.patch_size=2"]
+    with pytest.raises(ValueError) as e:
+        pf.check_predictions(compose_cfg([*over, "parallel.auto_memory_gib=4"]), CPU, 1)
+    parallel = ("model.patch_size (larger: fewer tokens per sample), or parallel.* (parallel.tp / parallel.cp / "
+                "parallel.pp over more devices, parallel.activation_checkpoint_interval=1)")
+    assert str(e.value).split("; ")[-2] == (  # its own "; " splits the message: the fix is the last but one
+        "shrink the run: bucket 256x256 (data.buckets.1: drop it from data.buckets, or a smaller "
+        "data.buckets.1.resolution), its micro-batch (a smaller data.buckets.1.batch_size=16, or more micro-batches "
+        f"per step: a smaller trainer.micro_batch_size=16 against trainer.global_batch_size=16), {parallel}")
+    assert "data.resolution" not in str(e.value)
+    for fix in ("data.buckets.1.resolution=128x128", "data.buckets.1.batch_size=4", "trainer.micro_batch_size=2",
+                "data.buckets=[{resolution: 16x24, batch_size: 24, weight: 1.0}]"):
+        pf.check_predictions(compose_cfg([*over, "parallel.auto_memory_gib=4", fix]), CPU, 1)  # fits (maybe slow)
+    slow = pf.check_predictions(compose_cfg([*over, "parallel.auto_memory_gib=100"]), CPU, 1)
+    assert slow.split("; ")[-1] == ("to train faster change bucket 256x256 (data.buckets.1: drop it from data.buckets, "
+                                    f"or a smaller data.buckets.1.resolution or data.buckets.1.batch_size=16), {parallel}")
 
 
 def test_the_documented_gpu_command_fits_one_h100():

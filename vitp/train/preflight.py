@@ -6,8 +6,9 @@ trains (with ``data.buckets``: of every bucket, at its size, frames and batch). 
 
 - more memory than a rank has (a GPU's memory; on CPU the machine's RAM, shared by the run's
   processes) is refused: ``ValueError`` (``vitp-train: error: ...``, exit 2) with the predicted
-  and available memory and the keys that shrink the run (:data:`FIX_KEYS`), and where a larger
-  ``model.patch_size`` fits, one that does;
+  and available memory and the keys that shrink the run (:func:`fix_keys`: with ``data.buckets``
+  the bucket that does not fit and its own keys), and where a larger ``model.patch_size`` fits,
+  one that does;
 - a step predicted to take over :data:`STEP_WARN_S` seconds gets one warning line on rank 0, with
   the predicted time and the same keys.
 
@@ -34,9 +35,33 @@ from vitp.parallel import distributed as dist
 log = logging.getLogger("vitp")
 
 STEP_WARN_S = 60.0  # a predicted step longer than this is worth a warning before step 1
+PARALLEL_FIX = ("parallel.* (parallel.tp / parallel.cp / parallel.pp over more devices, "
+                "parallel.activation_checkpoint_interval=1)")
 FIX_KEYS = ("model.patch_size (larger: fewer tokens per sample), data.resolution (smaller), "
-            "trainer.micro_batch_size / trainer.global_batch_size (smaller), or parallel.* (parallel.tp / "
-            "parallel.cp / parallel.pp over more devices, parallel.activation_checkpoint_interval=1)")
+            f"trainer.micro_batch_size / trainer.global_batch_size (smaller), or {PARALLEL_FIX}")
+
+
+def fix_keys(cfg: Any, label: str = "", memory: bool = True) -> str:
+    """What shrinks the run (``memory``) or its step time: :data:`FIX_KEYS`, or for ``label`` a
+    bucket of :func:`shape_predictions` (``"bucket HxW[xT]"``) that bucket's own keys. A bucket
+    trains at its ``resolution`` and micro-batch (its ``batch_size / (micro-batches per step x
+    dp)``), not at ``data.resolution`` and ``trainer.micro_batch_size``: the text names it, its
+    index in ``data.buckets`` and its batch. More micro-batches per step lower its memory, not its
+    step time."""
+    from vitp.data.buckets import buckets_of
+
+    found = [(i, b) for i, b in enumerate(buckets_of(cfg.data)) if f"bucket {b.name}" == label] if label else []
+    if not found:
+        return FIX_KEYS
+    i, b = found[0]
+    rest = f"model.patch_size (larger: fewer tokens per sample), or {PARALLEL_FIX}"
+    if not memory:
+        return (f"bucket {b.name} (data.buckets.{i}: drop it from data.buckets, or a smaller data.buckets.{i}.resolution "
+                f"or data.buckets.{i}.batch_size={b.batch_size}), {rest}")
+    return (f"bucket {b.name} (data.buckets.{i}: drop it from data.buckets, or a smaller data.buckets.{i}.resolution), "
+            f"its micro-batch (a smaller data.buckets.{i}.batch_size={b.batch_size}, or more micro-batches per step: "
+            f"a smaller trainer.micro_batch_size={cfg.trainer.micro_batch_size} against trainer.global_batch_size="
+            f"{cfg.trainer.global_batch_size}), {rest}")
 
 
 def startup_profile(cfg: Any, device: torch.device, world: int):
@@ -128,7 +153,7 @@ def resident_bytes(pred: Any, device_type: str) -> float:
 
 def check_predictions(cfg: Any, device: torch.device, world: int) -> Optional[str]:
     """Rank 0's verdict (module doc): ``None`` when the run fits and is fast enough, else the
-    warning line for a slow step. Raises ``ValueError`` (naming :data:`FIX_KEYS`) when the
+    warning line for a slow step. Raises ``ValueError`` (naming :func:`fix_keys`) when the
     predicted peak memory per rank exceeds what a rank has."""
     from vitp.plan import format_bytes, layout_of
     from vitp.utils import to_dict
@@ -143,14 +168,14 @@ def check_predictions(cfg: Any, device: torch.device, world: int) -> Optional[st
         patch = _larger_patch(cfg, lay, prof, model)
         raise ValueError(f"predicted peak memory {format_bytes(resident_bytes(big, device.type))} per rank "
                          f"({_describe(label, shaped, big)}) exceeds the {format_bytes(big.limit_bytes)} a rank of {on} has (layout planner, as "
-                         f"vitp-plan); shrink the run: {FIX_KEYS}{'; e.g. ' + patch if patch else ''}; "
+                         f"vitp-plan); shrink the run: {fix_keys(cfg, label)}{'; e.g. ' + patch if patch else ''}; "
                          f"parallel.auto_memory_gib=GIB sets the memory per device this check assumes")
     if str(cfg.model.get("family", "vit")) != "wan":  # a Wan run neither samples nor evaluates (vitp.models.wan_run)
         _check_phases(cfg, preds, prof, on)
     label, shaped, slow = max(preds, key=lambda p: p[2].time["step_s"])
     if slow.time["step_s"] > STEP_WARN_S:
         return (f"predicted {slow.time['step_s']:.4g} s per step ({_describe(label, shaped, slow)}) on {on}, over "
-                f"{STEP_WARN_S:g} s (layout planner, as vitp-plan); to train faster change {FIX_KEYS}")
+                f"{STEP_WARN_S:g} s (layout planner, as vitp-plan); to train faster change {fix_keys(cfg, label, memory=False)}")
     return None
 
 
