@@ -247,6 +247,41 @@ class KeyedSubset(KeyedDataset):
         return self.base[(int(self.indices[index]), None if self.eval_only else aug_seed)]
 
 
+def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Split item indices into (train, held-out), per class, fixed by ``seed``.
+
+    Each class with ``n`` items holds out ``round(fraction * n)`` of them, at least 1 when
+    ``fraction > 0`` and at most ``n - 1`` (a class with a single item stays in train, with a warning).
+
+    Returns
+    -------
+    train, heldout : np.ndarray
+        Sorted int64 indices.
+
+    Raises
+    ------
+    ValueError
+        If ``fraction`` is not in ``[0, 1)``.
+    """
+    check_holdout_fraction(fraction)
+    rng = np.random.default_rng(seed)
+    held = []
+    for c in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == c))
+        n_hold = min(max(round(fraction * len(members)), 1), len(members) - 1) if fraction > 0 else 0
+        if fraction > 0 and n_hold == 0:
+            log.warning(f"class {c} has a single item: it has no held-out item")
+        held.append(members[:n_hold])
+    heldout = np.sort(np.concatenate(held)).astype(np.int64)
+    return np.setdiff1d(np.arange(len(labels)), heldout).astype(np.int64), heldout
+
+
+def check_holdout_fraction(fraction: float) -> None:
+    """Raise ``ValueError`` unless ``data.holdout_fraction`` is in ``[0, 1)``."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"data.holdout_fraction must be in [0, 1), got {fraction}")
+
+
 def error_text(error: BaseException) -> str:
     """``"<type>: <message>"``, how skip warnings name an error."""
     return f"{type(error).__name__}: {error}"
