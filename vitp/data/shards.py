@@ -429,6 +429,19 @@ def media_of(sample: Dict[str, bytes]) -> Tuple[str, bytes]:
     raise KeyError(f"the sample holds no media file (only {', '.join(sample)})")
 
 
+class SampleBytes(io.BytesIO):
+    """A packed sample's media bytes as a file object named ``<shard url>#<key>.<ext>`` (its tar
+    member), so that decoders' errors name the sample: Pillow writes a file object's ``repr``,
+    PyAV its ``name`` (else ``<_io.BytesIO object at ...>`` or ``'<none>'`` reached the skip warnings)."""
+
+    def __init__(self, data: bytes, name: str):
+        super().__init__(data)
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
 class _SampleNames(Sequence):
     """``files`` of a sharded data set: the name of sample ``i`` (``<shard url>#<key>``), made on demand."""
 
@@ -456,6 +469,17 @@ class _Shards:
         if self._reader is None:  # opened in the process that reads (DataLoader workers: their own)
             self._reader = ShardReader(self.index, self.cache_dir, self.lru)
         return self._reader[i]
+
+    def _undecodable(self, bad: Sequence[int], why: str = "") -> str:
+        """The :class:`~vitp.data.base.UnreadableData` message of a pack: the shards holding the
+        samples that failed (``bad``: file numbers; ``why``: the first one's error) and the fix."""
+        samples = self.samples_of(np.asarray(bad, dtype=np.int64)) if hasattr(self, "samples_of") else bad
+        shards = sorted({self.index.shards[int(k)]["url"] for k in self.index.shard_of[np.asarray(samples)]})
+        shown = ", ".join(shards[:5]) + (f" and {len(shards) - 5} more" if len(shards) > 5 else "")
+        return (f"none of the {len(self.files)} samples of the pack data.shards={self.index.url} could be decoded "
+                f"({self._example(bad, why)}): the damaged samples are in {shown}; delete "
+                f"{'that shard' if len(shards) == 1 else 'those shards'} and re-run the same vitp-pack command "
+                f"(it writes missing shards again), or pack the source data again")
 
 
 class ShardImages(_Shards, FileDataset):
@@ -497,7 +521,7 @@ class ShardImages(_Shards, FileDataset):
         if ext == "npy":
             return np.load(io.BytesIO(data))
         r = max(self.size)
-        return load_image(io.BytesIO(data), self.channels, draft=(r, r))
+        return load_image(SampleBytes(data, f"{self.files[index]}.{ext}"), self.channels, draft=(r, r))
 
     def _augment(self, data: np.ndarray, aug_seed: Optional[int]) -> np.ndarray:
         return data if self.index.kind == "digits" else super()._augment(data, aug_seed)
@@ -848,7 +872,8 @@ class ShardVideos(_Shards, VideoFolderDataset):
         return total * self.channels
 
     def _source(self, f: int) -> Any:
-        return io.BytesIO(media_of(self._sample(int(self.samples_of(int(f)))))[1])
+        ext, data = media_of(self._sample(int(self.samples_of(int(f)))))
+        return SampleBytes(data, f"{self.files[f]}.{ext}")
 
 
 _INDEXES: Dict[str, ShardIndex] = {}  # the last ShardIndex per URL: the shape buckets of a run share one

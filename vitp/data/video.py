@@ -316,7 +316,7 @@ class VideoFolderDataset(FileDataset):
         Bad ``channels``/``num_frames``/``frame_stride``/``fps``/``clip_step``/``scene_cut_threshold``,
         ``class_per_shot`` without ``scene_cut_threshold``, or no usable clip
         (the message names the root, the extensions searched and the skipped files).
-    RuntimeError
+    vitp.data.base.UnreadableData
         From ``__getitem__``, when no video decodes.
     """
 
