@@ -564,3 +564,52 @@ def test_a_latest_naming_a_missing_tag_resumes_from_the_newest_saying_so(tmp_pat
                                          r"newest complete tag \(step_0000003\) into it"):
         resolve_weights(run / "checkpoints")
     _resumes_past_latest(run, "", 3, caplog)
+
+
+def test_a_launch_refused_for_its_data_leaves_no_run_folder(tmp_path, capsys, monkeypatch):
+    """A new user's vitp-train of an empty data folder (and of a pack whose every sample is damaged)
+    was refused and left the empty ``outputs/<date>/<time>`` Hydra made. Now a refused launch
+    removes the folders it made; a folder that was there before (empty or not) stays as it was."""
+    from tests.unit.data.test_shard_skips import _folder, _garble_all
+    from vitp.cli.train import main
+    from vitp.data.pack import pack
+
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    _folder(tmp_path / "photos", n=2)
+    photos = ["data=image_folder", "data.num_classes=2", "data.resolution=8", "data.channels=3"]
+    pack(compose_cfg([*photos, f"data.root={tmp_path / 'photos'}", "data.holdout_fraction=0"]).data,
+         tmp_path / "pack", samples_per_shard=2, progress=False)
+    for k in range(2):
+        _garble_all(tmp_path / "pack" / f"shard-00000{k}.tar", ".png")
+    empty = ["experiment=smoke", *photos, f"data.root={tmp_path / 'empty'}", "data.num_classes=1"]
+    damaged = ["experiment=smoke", "data=shards", f"data.shards={tmp_path / 'pack'}", *photos[1:]]
+    outputs = tmp_path / "outputs"
+
+    def refused(data, *args):
+        monkeypatch.setattr("sys.argv", ["vitp-train", *data, *args])
+        with pytest.raises(SystemExit) as e:
+            main()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        return err
+
+    err = refused(empty, f"paths.output_root={outputs}")
+    assert err.startswith(f"vitp-train: error: no readable image under '{tmp_path / 'empty'}'")
+    assert not outputs.exists()  # outputs/<date>/<time>, all three made by the launch
+    err = refused(damaged, f"paths.output_root={outputs}")
+    assert err.startswith(f"vitp-train: error: none of the 4 samples of the pack data.shards={tmp_path / 'pack'} "
+                          "could be decoded (e.g. ") and err.endswith(
+        f"the damaged samples are in {tmp_path / 'pack' / 'shard-000000.tar'}, {tmp_path / 'pack' / 'shard-000001.tar'}; "
+        "delete those shards and re-run the same vitp-pack command (it writes missing shards again), or pack the "
+        "source data again\n")
+    assert not outputs.exists()
+    outputs.mkdir()
+    refused(empty, f"paths.output_root={outputs}")
+    assert outputs.is_dir() and not any(outputs.iterdir())  # there before: kept; its new <date>/<time>: removed
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    refused(empty, f"hydra.run.dir={mine}")
+    assert mine.is_dir() and not any(mine.iterdir())  # an empty folder the user made stays
+    (mine / "notes.txt").write_text("mine")
+    refused(damaged, f"hydra.run.dir={mine}")
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]

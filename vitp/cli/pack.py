@@ -85,8 +85,9 @@ def summary(manifest: Dict[str, Any], out: Path, seconds: float, carried: List[s
     lines = [f"packed {m['num_samples']} {m['kind']} samples of {len(m['classes'])} classes into {len(shards)} "
              f"shard{'s' if len(shards) != 1 else ''}, {m['bytes'] / 1e6:.1f} MB, in {seconds:.1f} s",
              f"held out: {m['num_heldout']} samples (per {m['holdout']['unit']})"
-             + (f" and the last {m['holdout']['fraction']:g} of the frames of {m['heldout_tails']} files (classes of "
-                f"one file)" if m.get("heldout_tails") else "") + f"; training: {m['num_train']}"]
+             + (f" and the last {m['holdout']['fraction']:g} of the clip windows (at least one) of "
+                f"{m['heldout_tails']} files (classes of one file)" if m.get("heldout_tails") else "")
+             + f"; training: {m['num_train']}"]
     if m["skipped"]:
         first = m["skipped"][0]
         lines.append(f"skipped {len(m['skipped'])} unreadable / unusable files (listed in index.json), e.g. "

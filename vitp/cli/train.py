@@ -37,7 +37,7 @@ from vitp.config import check_override_keys, register_configs  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.train import check_config, train  # noqa: E402
 from vitp.train.logger import quiet_other_ranks, quiet_third_party  # noqa: E402
-from vitp.train.rundir import hold_log_files, release_log_files  # noqa: E402
+from vitp.train.rundir import hold_log_files, nearest_existing, release_log_files, remove_made_dirs  # noqa: E402
 from vitp.utils import load_run_yaml  # noqa: E402
 
 log = logging.getLogger("vitp")
@@ -88,6 +88,7 @@ def _shared_run_dir(mine: str) -> str:
 _resume_dir: Optional[Path] = None  # the RUN_DIR of vitp-train --resume RUN_DIR (set by prepare_argv)
 _stopped_by: Optional[str] = None  # the signal that stopped the run (set by _train), for main's exit status
 _own_run_dir = False  # a plain hydra.run.dir or --resume: each rank keeps its launcher's path (prepare_argv)
+_existed: Optional[Path] = None  # the run dir's nearest folder before Hydra made it (prepare_argv; None: a sweep)
 
 
 def split_resume(args: List[str]) -> Tuple[Optional[str], List[str]]:
@@ -195,6 +196,10 @@ def _hydra_entry() -> None:
         try:
             run_cli("vitp-train", _train, cfg, hc.runtime.output_dir, list(hc.overrides.task),
                     _own_run_dir, log=log)
+        except BaseException as e:
+            if _existed is not None and not (isinstance(e, SystemExit) and e.code in (0, None)):
+                remove_made_dirs(Path(hc.runtime.output_dir), _existed)  # refused before writing: no empty folder
+            raise
         finally:
             release_log_files(write=False)  # a refused launch: its lines (and error) went to the console only
 
@@ -217,13 +222,15 @@ def prepare_argv(argv: list) -> list:
     keys and takes the ranks of an MPI or srun launch from its variables; keeps non-zero ranks from writing log files and makes rank 0's
     ``train.log`` open on its first line (``delay=true``: a refused launch creates none,
     :func:`vitp.train.rundir.hold_log_files`); without ``hydra.run.dir`` it picks
-    :func:`default_run_dir`. Raises ``ValueError`` on an unknown key, a value the schema refuses,
+    :func:`default_run_dir`; it notes the run dir's nearest existing folder, so that a launch
+    refused before writing removes the empty folders Hydra made for it
+    (:func:`vitp.train.rundir.remove_made_dirs`). Raises ``ValueError`` on an unknown key, a value the schema refuses,
     a layout that does not fit the launch's world size (:func:`vitp.train.check_config`), a run
     directory that cannot be made (:func:`vitp.cli.overrides.check_run_dir`), a bad ``--resume``,
     or an MPI launch across hosts without ``MASTER_ADDR``; ``FileNotFoundError`` for a ``--resume``
     folder without a recorded config, or a dotted key without ``=value``.
     """
-    global _resume_dir, _own_run_dir
+    global _resume_dir, _own_run_dir, _existed
     argv = dist.strip_launcher_args(argv)
     resume, args = split_resume(argv[1:])
     argv, _resume_dir, cfg = argv[:1] + args, None, None
@@ -258,8 +265,10 @@ def prepare_argv(argv: list) -> list:
         ours.append("hydra/job_logging=stdout")
     elif not any(a.startswith(("hydra/job_logging=", "hydra.job_logging")) for a in argv):
         ours.append("++hydra.job_logging.handlers.file.delay=true")  # Hydra's default file handler
+    _existed = None
     if not any(a in ("-m", "--multirun") for a in argv[1:]):
-        check_run_dir([a for a in ours + argv[1:] if is_override(a)], resume=_resume_dir is not None)  # before Hydra
+        planned = check_run_dir([a for a in ours + argv[1:] if is_override(a)], resume=_resume_dir is not None)
+        _existed = nearest_existing(Path(planned))  # before Hydra makes it: a refusal removes what it made
     return argv[:1] + ours + argv[1:]
 
 

@@ -247,6 +247,41 @@ class KeyedSubset(KeyedDataset):
         return self.base[(int(self.indices[index]), None if self.eval_only else aug_seed)]
 
 
+def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Split item indices into (train, held-out), per class, fixed by ``seed``.
+
+    Each class with ``n`` items holds out ``round(fraction * n)`` of them, at least 1 when
+    ``fraction > 0`` and at most ``n - 1`` (a class with a single item stays in train, with a warning).
+
+    Returns
+    -------
+    train, heldout : np.ndarray
+        Sorted int64 indices.
+
+    Raises
+    ------
+    ValueError
+        If ``fraction`` is not in ``[0, 1)``.
+    """
+    check_holdout_fraction(fraction)
+    rng = np.random.default_rng(seed)
+    held = []
+    for c in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == c))
+        n_hold = min(max(round(fraction * len(members)), 1), len(members) - 1) if fraction > 0 else 0
+        if fraction > 0 and n_hold == 0:
+            log.warning(f"class {c} has a single item: it has no held-out item")
+        held.append(members[:n_hold])
+    heldout = np.sort(np.concatenate(held)).astype(np.int64)
+    return np.setdiff1d(np.arange(len(labels)), heldout).astype(np.int64), heldout
+
+
+def check_holdout_fraction(fraction: float) -> None:
+    """Raise ``ValueError`` unless ``data.holdout_fraction`` is in ``[0, 1)``."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"data.holdout_fraction must be in [0, 1), got {fraction}")
+
+
 def error_text(error: BaseException) -> str:
     """``"<type>: <message>"``, how skip warnings name an error."""
     return f"{type(error).__name__}: {error}"
@@ -263,6 +298,20 @@ def albumentations() -> Any:
     import albumentations as A
 
     return A
+
+
+class UnreadableData(ValueError):
+    """No item of a data set decodes: every file, or every sample of a pack, failed when read.
+    Bad input, not a bug: the CLIs report it in one line (:func:`vitp.cli.run_cli`)."""
+
+
+def check_readable(dataset: Any) -> None:
+    """:meth:`FileDataset.check_readable` of the file dataset under ``dataset`` (through
+    ``KeyedSubset.base`` / ``.dataset``); nothing for data without files (digits, synthetic)."""
+    for ds in wrapped(dataset):
+        if isinstance(ds, FileDataset):
+            ds.check_readable()
+            return
 
 
 class FileDataset(KeyedDataset):
@@ -377,12 +426,44 @@ class FileDataset(KeyedDataset):
         """Augmented ``out`` as the ``(C, T, H, W)`` tensor."""
         raise NotImplementedError
 
-    def _undecodable(self) -> str:
-        """Message of the RuntimeError raised when no file decodes."""
-        return f"none of the {len(self.files)} {self.kind}s could be decoded"
+    def _undecodable(self, bad: Sequence[int], why: str = "") -> str:
+        """Message of the :class:`UnreadableData` raised when no file decodes (``bad``: the
+        numbers of the files that failed; ``why``: the first one's error, when not warned about)."""
+        return (f"none of the {len(self.files)} {self.kind}s could be decoded ({self._example(bad, why)}); replace "
+                f"or remove the damaged files and start again (the start-up scan skips files that do not decode)")
+
+    def _example(self, bad: Sequence[int], why: str) -> str:
+        """``"e.g. <first failed file>[: <why>]"`` for the :meth:`_undecodable` messages."""
+        return f"e.g. {self.files[min(bad)]}" + (f": {why}" if why else "")
+
+    def check_readable(self) -> None:
+        """Return at the first item that decodes; raise :class:`UnreadableData` (naming the files
+        or shards and the fix) when none does. A start-up check, before a run writes anything:
+        a pack's start-up reads no shard, so a pack whose every sample is damaged otherwise failed
+        at the first batch, in a DataLoader worker. Warns, lists and counts nothing (training does)
+        and leaves no per-process state (open shards, decoded frames) for the DataLoader workers."""
+        failed: dict = {}
+        try:
+            for j in range(len(self)):
+                f = self._file_of(j)
+                if f in failed or f in self._bad:
+                    continue
+                try:
+                    self._read(j, None)
+                    return
+                except StorageError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - what __getitem__ would skip
+                    failed[f] = e
+            if failed or self._bad:  # else no item at all: nothing to read
+                why = self._decode_failure(failed[min(failed)]) if failed else ""
+                raise UnreadableData(self._undecodable(sorted(set(failed) | self._bad), why))
+        finally:
+            self._init_process_state()
 
     def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int]:
-        """See :meth:`KeyedDataset.__getitem__`; also raises RuntimeError when no file decodes."""
+        """See :meth:`KeyedDataset.__getitem__`; also raises :class:`UnreadableData` when no file
+        decodes."""
         index, aug_seed = parse_key(key, len(self))
         for k in range(len(self)):
             j = (index + k) % len(self)
@@ -398,7 +479,7 @@ class FileDataset(KeyedDataset):
                 self._skip_in_training(f, self._decode_failure(e))
                 continue
             return self._to_tensor(self._augment(data, aug_seed)), int(self.labels[j])
-        raise RuntimeError(self._undecodable())
+        raise UnreadableData(self._undecodable(sorted(self._bad)))
 
     def _skip_in_training(self, f: int, reason: str) -> None:
         """:meth:`_skip` file ``f``; with :func:`attach_skip_counter`, warned and counted once per run

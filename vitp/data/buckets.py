@@ -10,9 +10,12 @@ pipeline stage and micro-batch of a step holds tensors of one shape:
   weight ``w_b`` (:class:`Bucket`, from ``data.buckets``);
 - each item belongs to one bucket: the one nearest its aspect ratio (``|log(h/w) - log(H/W)|``)
   among the buckets of its frame count that it can fill without upscaling (``h >= H``, ``w >= W``;
-  none: the nearest of all, upscaled), ties to the larger bucket (:func:`assign`). Items without
-  a native size (digits, synthetic: rendered at any size) belong to every bucket. A video clip is
-  cut at the bucket's frame count, so every file long enough gives clips to each duration;
+  none: the nearest of all, upscaled), ties to the bucket that resizes it least (of those it
+  fills, the larger; of those it does not, the smaller: :func:`assign`). Items without a native
+  size (digits, synthetic: rendered at any size) belong to every bucket. A video clip is cut at the
+  bucket's frame count, so every file long enough gives clips to each duration. Start-up says how
+  many items each bucket holds, warns about a bucket without training items (never drawn) and
+  counts the items upscaled (:func:`fill_report`);
 - step ``s`` draws its bucket with probability ``w_b / sum(w)`` from a seed of ``(seed, s)``
   (:meth:`BucketSchedule.bucket`), over the buckets that hold items; its ``B_b`` positions
   ``g`` take the next items of that bucket's own epoch-wise permutation, and the noise of
@@ -26,6 +29,7 @@ Tokens per step stay roughly constant when ``B_b`` is chosen inversely to the bu
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Sequence, Tuple
@@ -35,6 +39,8 @@ import numpy as np
 from vitp.config import format_resolution, parse_resolution
 from vitp.data.loader import epoch_order
 from vitp.objectives.flow import sample_seed
+
+log = logging.getLogger(__name__)
 
 # stream tags (those of vitp.data.loader are 1-3)
 _ORDER, _AUG, _NOISE, _BUCKET = 1, 2, 3, 4
@@ -65,18 +71,25 @@ def buckets_of(data_cfg: Any) -> List[Bucket]:
 def assign(native: Optional[Tuple[int, int]], frames: int, buckets: Sequence[Bucket]) -> List[int]:
     """Buckets an item of native size ``native`` ``(h, w)`` (``None``: any size) cut at ``frames``
     frames belongs to: all buckets of that frame count when ``native`` is ``None``, else the one
-    nearest its aspect ratio among those it fills (see the module doc)."""
+    nearest its aspect ratio among those it fills, or when it fills none among all of them; ties
+    to the one that resizes it least (see the module doc). A function of its arguments alone, so
+    every rank assigns alike."""
     same = [i for i, b in enumerate(buckets) if b.frames == frames]
     if native is None:
         return same
     h, w = native
-    fill = [i for i in same if h >= buckets[i].size[0] and w >= buckets[i].size[1]] or same
+    fill = [i for i in same if fills(native, buckets[i])] or same
 
-    def cost(i: int) -> tuple:
+    def cost(i: int) -> tuple:  # rounded: equal aspects tie whatever the float noise
         H, W = buckets[i].size
-        return round(abs(math.log(h / w) - math.log(H / W)), 9), -H * W, i
+        return (round(abs(math.log(h / w) - math.log(H / W)), 9), round(abs(math.log(max(H / h, W / w))), 9), i)
 
     return [min(fill, key=cost)] if fill else []
+
+
+def fills(native: Tuple[int, int], bucket: Bucket) -> bool:
+    """Whether an item of native size ``(h, w)`` covers ``bucket``'s size without upscaling."""
+    return native[0] >= bucket.size[0] and native[1] >= bucket.size[1]
 
 
 def bucket_datasets(cfg: Any, seed: int, build) -> List[Tuple[Any, Any]]:
@@ -92,7 +105,68 @@ def bucket_datasets(cfg: Any, seed: int, build) -> List[Tuple[Any, Any]]:
         cfg_b = OmegaConf.merge(cfg, over) if isinstance(cfg, DictConfig) else replace(cfg, **over)
         out.append(tuple(build(cfg_b, seed, keep=functools.partial(in_bucket, i=i, frames=b.frames,
                                                                      buckets=buckets))))
+    info, warnings = fill_report(buckets, out)
+    log.info(info)
+    for line in warnings:
+        log.warning(line)
     return out
+
+
+def fill_report(buckets: Sequence[Bucket], pairs: Sequence[Tuple[Any, Any]]) -> Tuple[str, List[str]]:
+    """What start-up says about the items of each bucket (``pairs``: :func:`bucket_datasets`'
+    ``[(train, held_out)]``): one info line of training / held-out items per bucket, and warnings
+    for each bucket without a training item (it is never drawn) and for the items that fill no
+    bucket of their frame count (upscaled: how many into each bucket, by how much at most, the
+    most upscaled item's size), each naming the fix. Items without a native size are never
+    counted as upscaled. Returns ``(info line, warning lines)``."""
+    counts = ", ".join(f"{b.name} {len(tr)} / {len(ho)}" for b, (tr, ho) in zip(buckets, pairs))
+    warnings = []
+    for i, (b, (tr, _)) in enumerate(zip(buckets, pairs)):
+        if not len(tr):
+            warnings.append(f"data.buckets[{i}] ({b.name}) holds no training item, so it is never drawn (its weight "
+                            f"goes to the other buckets): each item trains in the bucket nearest its aspect ratio "
+                            f"among those it fills without upscaling; drop that bucket, or change its size")
+    upscaled = [(b, *_upscaled(b, pair)) for b, pair in zip(buckets, pairs)]
+    total = sum(n for _, n, _, _ in upscaled)
+    if total:
+        items = sum(len(tr) + len(ho) for tr, ho in pairs)
+        each = ", ".join(f"{n} into {b.name} (up to {factor:.2f}x, e.g. a {format_resolution(size)} item)"
+                         for b, n, factor, size in upscaled if n)
+        warnings.append(f"data.buckets: {total} of {items} training and held-out items fill no bucket of their "
+                        f"frame count and are upscaled: {each}; add a bucket at or below their size, or leave "
+                        f"such small items out of the data")
+    return f"data.buckets: training / held-out items per bucket: {counts}", warnings
+
+
+def _upscaled(bucket: Bucket, pair: Tuple[Any, Any]) -> Tuple[int, float, Tuple[int, int]]:
+    """``(items upscaled, largest factor, size of the item upscaled most)`` of a bucket's
+    ``(train, held_out)`` subsets: the items whose native size does not cover the bucket's (the
+    cover resize's factor ``max(H / h, W / w)`` exceeds 1)."""
+    (H, W), n, factor, worst = bucket.size, 0, 1.0, (0, 0)
+    for subset in pair:
+        for h, w in _native_hw(subset):
+            f = np.maximum(H / h.astype(np.float64), W / w.astype(np.float64))
+            n += int((f > 1).sum())
+            if len(f) and f.max() > factor:
+                k = int(np.argmax(f))
+                factor, worst = float(f[k]), (int(h[k]), int(w[k]))
+    return n, factor, worst
+
+
+def _native_hw(subset: Any, chunk: int = 1 << 14):
+    """The native ``(h, w)`` int arrays of a subset's items, in chunks: from the base's
+    ``native_sizes`` (packed data) or ``native_size`` per item, as :func:`in_bucket` reads them;
+    nothing for items without a native size (rendered at any size)."""
+    base, idx = subset.base, subset.indices
+    sizes = getattr(base, "native_sizes", None)
+    if sizes is not None and len(idx) and sizes(np.asarray(idx[:1])) is not None:
+        for a in range(0, len(idx), chunk):
+            yield sizes(np.asarray(idx[a:a + chunk]))
+        return
+    native = getattr(base, "native_size", None)
+    got = [] if native is None else [native(int(j)) for j in np.asarray(idx)]
+    if got and got[0] is not None:
+        yield tuple(np.asarray(v) for v in zip(*got))
 
 
 def in_bucket(base: Any, items: np.ndarray, i: int, frames: int, buckets: Sequence[Bucket],

@@ -8,7 +8,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 
 from vitp.config import DataConfig
-from vitp.data.base import KeyedDataset, KeyedSubset
+from vitp.data.base import KeyedDataset, KeyedSubset, stratified_split
 from vitp.data.images import DigitsDataset, ImageFolderDataset, SyntheticDataset
 from vitp.data.photos import resolve_photo_root
 from vitp.data.shards import shard_datasets
@@ -20,36 +20,6 @@ __all__ = ["DATASET_NAMES", "build_datasets", "check_data_paths", "dataset_capti
 log = logging.getLogger(__name__)
 
 DATASET_NAMES = ("digits", "image_folder", "shards", "synthetic", "video_folder")
-
-
-def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Split item indices into (train, held-out), per class, fixed by ``seed``.
-
-    Each class with ``n`` items holds out ``round(fraction * n)`` of them, at least 1 when
-    ``fraction > 0`` and at most ``n - 1`` (a class with a single item stays in train, with a warning).
-
-    Returns
-    -------
-    train, heldout : np.ndarray
-        Sorted int64 indices.
-
-    Raises
-    ------
-    ValueError
-        If ``fraction`` is not in ``[0, 1)``.
-    """
-    if not 0.0 <= fraction < 1.0:
-        raise ValueError(f"data.holdout_fraction must be in [0, 1), got {fraction}")
-    rng = np.random.default_rng(seed)
-    held = []
-    for c in np.unique(labels):
-        members = rng.permutation(np.flatnonzero(labels == c))
-        n_hold = min(max(round(fraction * len(members)), 1), len(members) - 1) if fraction > 0 else 0
-        if fraction > 0 and n_hold == 0:
-            log.warning(f"class {c} has a single item: it has no held-out item")
-        held.append(members[:n_hold])
-    heldout = np.sort(np.concatenate(held)).astype(np.int64)
-    return np.setdiff1d(np.arange(len(labels)), heldout).astype(np.int64), heldout
 
 
 def check_data_paths(cfg: Any) -> None:
@@ -121,8 +91,9 @@ def build_datasets(cfg: DataConfig, seed: int, keep: Optional[Callable[[Any, np.
     ----------
     cfg : DataConfig
         ``cfg.name`` is one of ``"digits"``, ``"image_folder"``, ``"synthetic"``, ``"video_folder"``
-        (clip windows of videos; training windows overlapping held-out windows are dropped, see
-        :meth:`vitp.data.video.VideoFolderDataset.disjoint_train`), ``"shards"`` (a data set
+        (clip windows of videos, held out by file or file tail:
+        :meth:`vitp.data.video.VideoFolderDataset.heldout_items`; training windows overlapping
+        held-out windows are dropped, see :meth:`vitp.data.video.VideoFolderDataset.disjoint_train`), ``"shards"`` (a data set
         packed by ``vitp-pack``, split as its manifest says: :func:`vitp.data.shards.shard_datasets`).
     seed : int
         Fixes the held-out split (and the synthetic data).
@@ -173,9 +144,11 @@ def _folder_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubs
         held = _heldout_folder(cfg, base, seed)
         return (KeyedSubset(base, _captioned(base, cfg, np.arange(len(base)))),
                 KeyedSubset(held, _captioned(held, cfg, np.arange(len(held))), eval_only=True))
-    train_idx, held_idx = stratified_split(base.labels, cfg.holdout_fraction, seed)
-    if cfg.name == "video_folder":  # no training clip may share frames with a held-out clip
-        train_idx = base.disjoint_train(train_idx, held_idx)
+    if cfg.name == "video_folder":  # whole files or a file's last windows; no training clip shares their frames
+        held_idx = base.heldout_items(cfg.holdout_fraction, seed)
+        train_idx = base.disjoint_train(np.setdiff1d(np.arange(len(base)), held_idx), held_idx)
+    else:
+        train_idx, held_idx = stratified_split(base.labels, cfg.holdout_fraction, seed)
     train_kept, held_kept = _captioned(base, cfg, train_idx), _captioned(base, cfg, held_idx, read=False)
     if len(held_idx) and not len(held_kept):  # the split came first: said, or eval.json lacks its loss unexplained
         log.warning("none of the %d held-out item(s) has a caption (data.captions=%s): the run has no held-out loss; "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -179,7 +179,7 @@ class ImageFolderDataset(FileDataset):
         If ``root`` is not an existing directory.
     ValueError
         If ``channels`` is not 1 or 3, or ``root`` holds no readable image.
-    RuntimeError
+    vitp.data.base.UnreadableData
         From ``__getitem__``, when no image decodes.
     """
 
@@ -237,8 +237,9 @@ class ImageFolderDataset(FileDataset):
     def _to_tensor(self, out: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1))).unsqueeze(1)  # (C, 1, H, W)
 
-    def _undecodable(self) -> str:
-        return f"none of the {len(self.files)} images under {self.root} could be decoded"
+    def _undecodable(self, bad: Sequence[int], why: str = "") -> str:
+        return (f"none of the {len(self.files)} images under {self.root} could be decoded ({self._example(bad, why)}): "
+                f"they changed since the start-up scan; replace or remove the damaged files and start again")
 
 
 class SyntheticDataset(KeyedDataset):

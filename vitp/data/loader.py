@@ -272,7 +272,10 @@ class LoaderBatches:
         return self
 
     def __next__(self):
-        return next(self._it)
+        try:
+            return next(self._it)
+        except (ValueError, OSError) as e:  # bad input or storage: the CLIs' one line, as without workers
+            raise worker_error(e) from None
 
     def close(self) -> None:
         """Shut the worker processes down (through torch's own queue protocol); idempotent."""
@@ -280,6 +283,27 @@ class LoaderBatches:
         shutdown = getattr(self._it, "_shutdown_workers", None)  # absent without workers
         if shutdown is not None:
             shutdown()
+
+
+def worker_error(error: BaseException) -> BaseException:
+    """``error`` as the DataLoader worker raised it. torch raises a worker's exception again in
+    the main process with its type but the message ``Caught <type> in DataLoader worker process N.``
+    followed by the worker's traceback (``torch.utils.data._utils.ExceptionWrapper.reraise``);
+    this gives the original message back (the text after the traceback's last ``<type>: ``), so
+    that an error the CLIs report in one line (a damaged pack, :class:`vitp.data.base.UnreadableData`)
+    is one line. Other errors are returned as they are."""
+    import re
+
+    text = str(error)
+    if not (text.startswith("Caught ") and "DataLoader worker" in text and "Original Traceback" in text):
+        return error
+    found = list(re.finditer(rf"^(?:[\w.]+\.)?{re.escape(type(error).__name__)}: ", text, re.M))
+    if not found:
+        return error
+    try:
+        return type(error)(text[found[-1].end():].rstrip("\n"))
+    except Exception:  # noqa: BLE001 - a type whose constructor takes other arguments: keep torch's
+        return error
 
 
 def usable_workers(num_workers: int) -> int:

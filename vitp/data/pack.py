@@ -122,7 +122,7 @@ def _videos(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str
         captions = item_captions(base, c)
         first = {int(f): i for i, f in reversed(list(enumerate(base.item_file)))}  # first window of each file
         labels = np.asarray([int(base.labels[first[f]]) for f in range(len(base.files))], dtype=np.int64)
-        held_from = _video_split(labels, [len(t) for t in base._times], is_held, cfg, seed)
+        held_from = _video_split(base, is_held, cfg, seed)
         for f, path in enumerate(base.files):
             times = base._times[f]
             fps = (len(times) - 1) / times[-1] if times[-1] > 0 else 25.0
@@ -133,26 +133,20 @@ def _videos(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str
     return "video", classes, out, skipped
 
 
-def _video_split(labels: np.ndarray, frames: Sequence[int], all_held: bool, cfg: Any, seed: int) -> np.ndarray:
-    """Per file, the first held-out frame: 0 (the whole file held out), ``frames`` (none), or in
-    between (its tail). Classes of two or more files hold out whole files (stratified,
-    ``data.holdout_fraction``); a class of one file holds out the last ``holdout_fraction`` of its
-    frames, so that one-file-per-class data (``data.class_per_file``) still has a held-out split
-    whose clips share no frame with training."""
-    from vitp.data.build import stratified_split
-
-    n = np.asarray(frames, dtype=np.int64)
+def _video_split(base: Any, all_held: bool, cfg: Any, seed: int) -> np.ndarray:
+    """Per file of the video folder dataset ``base``, the first held-out frame: 0 (the whole file
+    held out), its frame count (none), or in between (its tail): the start of the first window
+    the folder dataset holds out (:meth:`vitp.data.video.VideoFolderDataset.heldout_items`, at the
+    pack's clip settings), so that the pack trained at those settings holds out the folder's clips."""
+    n = np.asarray([len(t) for t in base._times], dtype=np.int64)
     if all_held:
         return np.zeros(len(n), dtype=np.int64)
     out = n.copy()
     if cfg.heldout_root or cfg.holdout_fraction <= 0:
         return out
-    counts = np.bincount(labels)
-    multi = np.flatnonzero(counts[labels] >= 2)
-    if len(multi):
-        out[multi[stratified_split(labels[multi], cfg.holdout_fraction, seed)[1]]] = 0
-    single = np.flatnonzero(counts[labels] == 1)
-    out[single] = n[single] - np.maximum(1, np.round(cfg.holdout_fraction * n[single])).astype(np.int64)
+    for i in base.heldout_items(cfg.holdout_fraction, seed):  # a file's held-out windows are its tail
+        f, (start, _) = base.item_frames(int(i))
+        out[f] = min(out[f], start)
     return out
 
 
@@ -165,8 +159,8 @@ def _heldout_cfg(cfg: Any) -> Any:
 def collect(cfg: Any, seed: int) -> Tuple[str, List[str], List[Sample], Dict[str, str]]:
     """``(kind, classes, samples, skipped files -> reason)`` of the data set ``cfg`` (a ``data``
     section) in item order; the held-out split is the folder version's for images and digits
-    (:func:`vitp.data.build.build_datasets` with ``seed``); for videos see :func:`_video_split`
-    (``data.heldout_root``'s files are held out whole).
+    (:func:`vitp.data.build.build_datasets` with ``seed``), for videos too, recorded per file as
+    its first held-out frame (:func:`_video_split`; ``data.heldout_root``'s files are held out whole).
 
     Raises ``ValueError`` for data without anything to pack (synthetic, already shards) and what
     building the data set raises."""

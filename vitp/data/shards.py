@@ -429,6 +429,19 @@ def media_of(sample: Dict[str, bytes]) -> Tuple[str, bytes]:
     raise KeyError(f"the sample holds no media file (only {', '.join(sample)})")
 
 
+class SampleBytes(io.BytesIO):
+    """A packed sample's media bytes as a file object named ``<shard url>#<key>.<ext>`` (its tar
+    member), so that decoders' errors name the sample: Pillow writes a file object's ``repr``,
+    PyAV its ``name`` (else ``<_io.BytesIO object at ...>`` or ``'<none>'`` reached the skip warnings)."""
+
+    def __init__(self, data: bytes, name: str):
+        super().__init__(data)
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
 class _SampleNames(Sequence):
     """``files`` of a sharded data set: the name of sample ``i`` (``<shard url>#<key>``), made on demand."""
 
@@ -456,6 +469,17 @@ class _Shards:
         if self._reader is None:  # opened in the process that reads (DataLoader workers: their own)
             self._reader = ShardReader(self.index, self.cache_dir, self.lru)
         return self._reader[i]
+
+    def _undecodable(self, bad: Sequence[int], why: str = "") -> str:
+        """The :class:`~vitp.data.base.UnreadableData` message of a pack: the shards holding the
+        samples that failed (``bad``: file numbers; ``why``: the first one's error) and the fix."""
+        samples = self.samples_of(np.asarray(bad, dtype=np.int64)) if hasattr(self, "samples_of") else bad
+        shards = sorted({self.index.shards[int(k)]["url"] for k in self.index.shard_of[np.asarray(samples)]})
+        shown = ", ".join(shards[:5]) + (f" and {len(shards) - 5} more" if len(shards) > 5 else "")
+        return (f"none of the {len(self.files)} samples of the pack data.shards={self.index.url} could be decoded "
+                f"({self._example(bad, why)}): the damaged samples are in {shown}; delete "
+                f"{'that shard' if len(shards) == 1 else 'those shards'} and re-run the same vitp-pack command "
+                f"(it writes missing shards again), or pack the source data again")
 
 
 class ShardImages(_Shards, FileDataset):
@@ -497,7 +521,7 @@ class ShardImages(_Shards, FileDataset):
         if ext == "npy":
             return np.load(io.BytesIO(data))
         r = max(self.size)
-        return load_image(io.BytesIO(data), self.channels, draft=(r, r))
+        return load_image(SampleBytes(data, f"{self.files[index]}.{ext}"), self.channels, draft=(r, r))
 
     def _augment(self, data: np.ndarray, aug_seed: Optional[int]) -> np.ndarray:
         return data if self.index.kind == "digits" else super()._augment(data, aug_seed)
@@ -605,7 +629,7 @@ def _count_le(v: np.ndarray, n: np.ndarray, fps: np.ndarray) -> np.ndarray:
 # ShardVideos layouts by (manifest's frames array, clip settings): the data sets of each shape bucket
 # share one (the arrays are never written after the build); the frames array is held, so its id stays unique
 _LAYOUTS: Dict[tuple, tuple] = {}
-_LAYOUT_STATE = ("_kept", "_first", "_last", "_span", "_step", "_number", "classes", "dropped_classes", "files",
+_LAYOUT_STATE = ("_kept", "_first", "_last", "_train_last", "_span", "_step", "_number", "classes", "dropped_classes", "files",
                  "skipped_files", "skip_reasons", "too_short_files")
 
 
@@ -712,6 +736,7 @@ class ShardVideos(_Shards, VideoFolderDataset):
         self._last, self._span = last, _constant_or(longest)
         self._step = _constant_or(np.full(1, self.clip_step, dtype=last.dtype) if self.clip_step else span0, len(last))
         del span0, longest
+        self._train_last = self._last_before_tails()
         # windows per file, summed in chunks (int32 when the frame count bounds the total)
         self._first = np.zeros(len(last) + 1, dtype=_dtype(int(ix.frames.sum(dtype=np.int64)) + 1))
         for a in range(0, len(last), _CHUNK):
@@ -719,6 +744,23 @@ class ShardVideos(_Shards, VideoFolderDataset):
             self._first[a + 1:a + 1 + len(last[part])] = self._first[a] + np.cumsum(last[part] // self._step[part] + 1)
         self._labels_of()
         self.files = _KeptNames(ix, self._kept) if self._kept is not None else names
+
+    def _last_before_tails(self) -> np.ndarray:
+        """Per usable file, the last start of a training clip: ``_last``, or before a held-out tail
+        (``heldout_from`` inside the file) the last start whose longest clip ends before it, as the
+        folder dataset cuts the jitter of the windows before its held-out clips
+        (:meth:`~vitp.data.video.VideoFolderDataset.disjoint_train`). ``_last`` itself without tails."""
+        out = None
+        for a in range(0, len(self._last), _CHUNK):
+            part = slice(a, a + _CHUNK)
+            s = self.samples_of(np.arange(a, min(a + _CHUNK, len(self._last))))
+            hf, n = self.index.heldout_from[s].astype(np.int64), self.index.frames[s].astype(np.int64)
+            tail = (hf > 0) & (hf < n)
+            if tail.any():
+                out = self._last.copy() if out is None else out
+                cap = hf - np.asarray(self._span[part], dtype=np.int64)
+                out[part] = np.where(tail, np.minimum(self._last[part], cap), self._last[part])
+        return self._last if out is None else out
 
     def samples_of(self, files: np.ndarray) -> np.ndarray:
         """The sample numbers of the usable files ``files`` (an int array or an int)."""
@@ -784,11 +826,11 @@ class ShardVideos(_Shards, VideoFolderDataset):
         f = self.files_of(items)
         step = self._step[f].astype(np.int64)
         start = (items - self._first[f]) * step
-        return start, np.minimum(start + step - 1, self._last[f]) + self._span[f] - 1
+        return start, np.maximum(start, np.minimum(start + step - 1, self._train_last[f])) + self._span[f] - 1
 
     def _window(self, f: int, w: int) -> Tuple[int, int, int, int]:
         step = int(self._step[f])
-        return w * step, step, int(self._last[f]), int(self._span[f])
+        return w * step, step, int(self._train_last[f]), int(self._span[f])
 
     def _file_times(self, f: int) -> np.ndarray:
         s = int(self.samples_of(int(f)))  # constant frame rate: frame k at k / fps
@@ -830,7 +872,8 @@ class ShardVideos(_Shards, VideoFolderDataset):
         return total * self.channels
 
     def _source(self, f: int) -> Any:
-        return io.BytesIO(media_of(self._sample(int(self.samples_of(int(f)))))[1])
+        ext, data = media_of(self._sample(int(self.samples_of(int(f)))))
+        return SampleBytes(data, f"{self.files[f]}.{ext}")
 
 
 _INDEXES: Dict[str, ShardIndex] = {}  # the last ShardIndex per URL: the shape buckets of a run share one

@@ -20,9 +20,11 @@ sampling clips. ``step`` defaults to the span of one clip (``(T - 1) * stride + 
 the clip starting at frame 0), so windows share no frame. Evaluation (``aug_seed=None``) uses the
 clip starting at the window start; training (an int ``aug_seed``) draws the start uniformly from
 ``[window start, window start + step)`` (clipped to the last valid start), then a random crop and
-flip applied identically to every frame of the clip. :meth:`VideoFolderDataset.disjoint_train` drops
-the training windows whose jittered clips could reach a held-out window's frames, so a held-out
-split built with it shares no frame with training (``build_datasets`` does this).
+flip applied identically to every frame of the clip. The held-out split
+(:meth:`VideoFolderDataset.heldout_items`) is whole files, or the last windows of a class found in
+one file; :meth:`VideoFolderDataset.disjoint_train` cuts the jitter of the training windows whose
+clips could reach a held-out clip's frames (and drops those that cannot avoid them), so the split
+shares no frame with training (``build_datasets`` does both; a pack records the same split).
 
 Decoding
 --------
@@ -61,7 +63,7 @@ import av
 import numpy as np
 import torch
 
-from vitp.data.base import FileDataset, error_text, files_by_class
+from vitp.data.base import FileDataset, check_holdout_fraction, error_text, files_by_class, stratified_split
 from vitp.media.video import SWAPS_SIDES, display_orientation, displayed_frame, scene_cuts
 from vitp.utils import atomic_write_text
 
@@ -314,7 +316,7 @@ class VideoFolderDataset(FileDataset):
         Bad ``channels``/``num_frames``/``frame_stride``/``fps``/``clip_step``/``scene_cut_threshold``,
         ``class_per_shot`` without ``scene_cut_threshold``, or no usable clip
         (the message names the root, the extensions searched and the skipped files).
-    RuntimeError
+    vitp.data.base.UnreadableData
         From ``__getitem__``, when no video decodes.
     """
 
@@ -476,7 +478,7 @@ class VideoFolderDataset(FileDataset):
         f, w = self._item_at(index)
         start, step, last_start, _ = self._window(f, w)
         if aug_seed is not None and self.train:
-            hi = min(start + step - 1, last_start)
+            hi = max(start, min(start + step - 1, last_start))  # a window disjoint_train dropped: its start only
             start = int(np.random.default_rng([aug_seed % 2**64, 17]).integers(start, hi + 1))
         return f, self._clip_offsets(self._file_times(f), np.asarray([start]))[0]
 
@@ -484,7 +486,7 @@ class VideoFolderDataset(FileDataset):
         """``(file number, [first, last] source frame)`` any training clip of ``index`` can touch (inclusive)."""
         f, w = self._item_at(index)
         start, step, last_start, span = self._window(f, w)
-        return f, (start, min(start + step - 1, last_start) + span - 1)
+        return f, (start, max(start, min(start + step - 1, last_start)) + span - 1)
 
     def _item_at(self, index: int) -> Tuple[int, int]:
         """``(file number, window number)`` of item ``index``."""
@@ -507,24 +509,80 @@ class VideoFolderDataset(FileDataset):
         """How players turn the frames of file ``f`` (:func:`~vitp.media.video.display_orientation`)."""
         return self._orientation[f]
 
+    def heldout_items(self, fraction: float, seed: int) -> np.ndarray:
+        """The held-out clip windows of ``data.holdout_fraction``: sorted int64 item indices.
+
+        The unit is a class's part of a file (with ``class_per_shot``: a shot). A class found in
+        two or more files holds out whole files: ``round(fraction * files)`` of them, at least 1
+        and at most ``files - 1`` (:func:`vitp.data.build.stratified_split` over those files, fixed
+        by ``seed``), so that no held-out clip has a neighbouring clip of its file in training. A
+        class found in one file holds out its last ``round(fraction * windows)`` windows (at least
+        1, at most ``windows - 1``; a class of one window holds out none, with a warning). Without
+        shot classes each file's held-out windows are then a tail, so the split is one frame per
+        file, what ``vitp-pack`` records (``heldout_from``): a pack and its folder hold out the same
+        clips (the last windows, not the first, because a pack's manifest records tails).
+
+        Raises ``ValueError`` if ``fraction`` is not in ``[0, 1)``."""
+        check_holdout_fraction(fraction)
+        labels, files = np.asarray(self.labels, dtype=np.int64), np.asarray(self.item_file, dtype=np.int64)
+        if fraction == 0 or not len(labels):
+            return np.zeros(0, dtype=np.int64)
+        # unit of each item: its (file, class) pair, numbered in order of first appearance
+        pairs, first, inverse = np.unique(files * (int(labels.max()) + 1) + labels, return_index=True,
+                                          return_inverse=True)
+        rank = np.empty(len(pairs), dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(len(pairs))
+        unit, unit_label = rank[inverse.reshape(-1)], labels[np.sort(first)]
+        per_class = np.bincount(unit_label)
+        held = np.zeros(len(labels), dtype=bool)
+        multi = np.flatnonzero(per_class[unit_label] >= 2)
+        if len(multi):
+            held[np.isin(unit, multi[stratified_split(unit_label[multi], fraction, seed)[1]])] = True
+        # one-file classes: the position of each item among its unit's windows (items are in window order)
+        size = np.bincount(unit, minlength=len(pairs))
+        order = np.argsort(unit, kind="stable")
+        pos = np.empty(len(labels), dtype=np.int64)
+        pos[order] = np.arange(len(labels)) - np.repeat(np.cumsum(size) - size, size)
+        keep = np.minimum(np.maximum(np.round(fraction * size), 1), size - 1).astype(np.int64)
+        single = per_class[unit_label] == 1
+        held |= single[unit] & (pos >= size[unit] - keep[unit])
+        for u in np.flatnonzero(single & (size == 1)):
+            log.warning(f"class {self.classes[int(unit_label[u])]} has a single clip window: it has no held-out clip")
+        return np.flatnonzero(held).astype(np.int64)
+
     def disjoint_train(self, train_idx: np.ndarray, held_idx: np.ndarray) -> np.ndarray:
-        """The items of ``train_idx`` whose training clips (any jitter) share no frame with the eval
-        clip of any item of ``held_idx``; logs the number dropped (info: by design, every run of a
-        clip data set with a held-out tail drops some)."""
+        """The items of ``train_idx`` whose training clips (any jitter) can share no frame with the
+        eval clip of any item of ``held_idx``. A window before a held-out clip of its file keeps
+        the starts whose clips end before that clip (its jitter is cut there: the window's last
+        start is lowered in place); a window that has no such start, or starts inside a held-out
+        clip, is dropped. Logs both counts (info: every clip data set with a held-out split has some)."""
         held: Dict[int, list] = {}
         for i in held_idx:
             f, idx = self.clip_indices(int(i), None)
             held.setdefault(f, []).append((int(idx.min()), int(idx.max())))
-        keep = []
+        keep, cut = [], 0
         for i in train_idx:
-            f, (a, b) = self.item_frames(int(i))
-            keep.append(not any(a <= hb and ha <= b for ha, hb in held.get(f, [])))
+            f, w = self._item_at(int(i))
+            start, step, last, span = self._window(f, w)
+            later = [a - span for a, _ in held.get(f, []) if a > start]  # a clip from s ends before a iff s <= a - span
+            cap = min([last, *later])
+            keep.append(cap >= start and not any(a <= start <= b for a, b in held.get(f, [])))
+            if keep[-1] and cap < last:
+                cut += cap < min(start + step - 1, last)
+                self._cap_last_start(f, w, cap)
         kept = np.asarray(train_idx, dtype=np.int64)[np.asarray(keep, dtype=bool)] if len(train_idx) else \
             np.asarray(train_idx, dtype=np.int64)
-        if len(kept) < len(train_idx):
-            log.info(f"dropped {len(train_idx) - len(kept)} training clip window(s) that overlap held-out "
-                          f"windows (held-out clips share no frame with training)")
+        if cut or len(kept) < len(train_idx):
+            log.info(f"{cut} training clip window(s) next to held-out clips jitter less and {len(train_idx) - len(kept)} "
+                     f"overlapping held-out windows are dropped (held-out clips share no frame with training)")
         return kept
+
+    def _cap_last_start(self, f: int, w: int, cap: int) -> None:
+        """Lower the last clip start of window ``w`` of file ``f`` to ``cap`` (:meth:`disjoint_train`)."""
+        starts, step, last_starts, span = self._windows[f]
+        last_starts = last_starts.copy()
+        last_starts[w] = cap
+        self._windows[f] = (starts, step, last_starts, span)
 
     # --------------------------------------------------------------------------------- decoding
     def _init_process_state(self) -> None:

@@ -311,6 +311,29 @@ def drop_failed_attempt(run_dir: Path, start_step: int) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` (made absolute) or its nearest ancestor that exists: what a launch finds of its run
+    dir before Hydra makes it (:func:`remove_made_dirs`)."""
+    p = Path(os.path.abspath(path))
+    return next(q for q in (p, *p.parents) if q.exists())
+
+
+def remove_made_dirs(run_dir: Path, existed: Path) -> None:
+    """Remove ``run_dir``, then its parents, while each is an empty folder below the deepest folder
+    it shares with ``existed`` (:func:`nearest_existing` of the planned run dir before Hydra made
+    it): the folders a launch refused before writing anything made (``outputs/<date>/<time>`` of a
+    missing data folder). A folder that holds anything stays (a resumed run's), and so does every
+    folder above it, ``existed`` and its ancestors."""
+    p, e = Path(os.path.abspath(run_dir)), Path(os.path.abspath(existed))
+    stop = Path(os.path.commonpath([p, e]))
+    while stop in p.parents:
+        try:
+            p.rmdir()  # fails unless empty
+        except OSError:
+            return
+        p = p.parent
+
+
 def resume_command(run_dir: Path, env: Optional[Mapping[str, str]] = None) -> str:
     """The command that continues the run in ``run_dir`` (absolute, shell-quoted), for the line a
     stopped run ends with: ``vitp-train --resume RUN_DIR`` for one process, ``torchrun

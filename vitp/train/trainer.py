@@ -302,6 +302,10 @@ class Trainer:
                                            [getattr(tr, "groups", None) for tr, _ in self.bucket_data],
                                            cfg.data.shuffle_window)
             self._bucket = None
+        from vitp.data.base import check_readable
+
+        for ds in [self.train_ds] if self.buckets is None else [tr for tr, _ in self.bucket_data]:
+            check_readable(ds)  # a pack of damaged samples only: refused here, before the run writes anything
 
     def _with_text_len(self, cfg: DictConfig) -> DictConfig:
         """``cfg`` with ``model.text_len`` from the caption store when unset (0), so the model FLOPs

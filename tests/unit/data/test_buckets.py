@@ -41,6 +41,8 @@ def test_assign_rules():
     assert assign((100, 150), 1, bks) == [1]  # same aspect: the larger bucket it fills
     assert assign((20, 30), 1, bks) == [0]  # too small for 32x48
     assert assign((8, 8), 1, bks) == [2]  # fills none: nearest aspect, upscaled
+    assert assign((12, 18), 1, bks) == [0]  # fills none: of equal aspects the least upscaling (16x24, not 32x48)
+    assert assign((32, 48), 1, bks) == [1]  # fills 32x48 exactly: no rescaling
     assert assign(None, 1, bks) == [0, 1, 2] and assign(None, 4, bks) == [3]  # sizeless: every bucket of its frames
 
 
@@ -86,3 +88,42 @@ def test_the_start_line_gives_the_buckets_tokens_per_sample_not_data_resolutions
     cfg = compose_cfg(["experiment=smoke", buckets])
     assert cfg.model.patch_size == 2 and tokens_text(cfg) == "15 to 64"  # 3 x 5 patches to 8 x 8
     assert tokens_text(compose_cfg(["experiment=smoke"])) == str(cfg.model.image_size // 2 * (cfg.model.image_size // 2))
+
+
+def test_small_items_go_to_the_least_upscaling_bucket_and_start_up_says_so(tmp_path, caplog):
+    """A new user's photos smaller than every bucket went silently to the largest bucket of their
+    aspect (12x12 upscaled 4x into 48x48, where 16x16 needed 1.33x), and the 16x16 bucket, left
+    empty, was never drawn without a word. Now ties go to the bucket that resizes an item least,
+    and start-up names the empty bucket and counts the upscaled items, for a folder and its pack."""
+    import logging
+
+    from vitp.cli import pack as pack_cli
+
+    root = tmp_path / "small" / "a"
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name, (h, w) in {"s1": (12, 12), "s2": (12, 12), "big": (40, 40), "flat": (12, 18)}.items():
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(root / f"{name}.png")
+    four = "data.buckets=[{resolution:16,batch_size:4},{resolution:32,batch_size:4},{resolution:48,batch_size:4}," \
+           "{resolution:24x36,batch_size:4}]"
+    folder = ["data=image_folder", f"data.root={root.parent}", "data.num_classes=1", "data.holdout_fraction=0"]
+    caplog.set_level(logging.INFO, logger="vitp.data.buckets")
+    pairs = bucket_datasets(compose_cfg([*folder, four]).data, 0, build_datasets)
+    names = [sorted(tr.base.files[i].stem for i in tr.indices) for tr, _ in pairs]
+    assert names == [["s1", "s2"], ["big"], [], ["flat"]]
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "vitp.data.buckets"]
+    assert said == [
+        ("INFO", "data.buckets: training / held-out items per bucket: 16x16 2 / 0, 32x32 1 / 0, 48x48 0 / 0, "
+                 "24x36 1 / 0"),
+        ("WARNING", "data.buckets[2] (48x48) holds no training item, so it is never drawn (its weight goes to the "
+                    "other buckets): each item trains in the bucket nearest its aspect ratio among those it fills "
+                    "without upscaling; drop that bucket, or change its size"),
+        ("WARNING", "data.buckets: 3 of 4 training and held-out items fill no bucket of their frame count and are "
+                    "upscaled: 2 into 16x16 (up to 1.33x, e.g. a 12x12 item), 1 into 24x36 (up to 2.00x, e.g. a "
+                    "12x18 item); add a bucket at or below their size, or leave such small items out of the data")]
+    pack_cli.run([str(tmp_path / "pack"), "--quiet", *folder])
+    caplog.clear()
+    packed = bucket_datasets(compose_cfg(["data=shards", f"data.shards={tmp_path / 'pack'}", "data.num_classes=1",
+                                          four]).data, 0, build_datasets)
+    assert [tr.indices.tolist() for tr, _ in packed] == [tr.indices.tolist() for tr, _ in pairs]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "vitp.data.buckets"] == said

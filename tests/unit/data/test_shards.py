@@ -156,6 +156,37 @@ def test_packed_video_clips_equal_the_folder(tmp_path):
     _same_items(train.base, ftrain.base, [0, 9, 23], seeds=(None, 424242))
 
 
+def test_packed_videos_hold_out_the_clips_their_folder_holds_out(tmp_path):
+    """A new user's pack held out 0 clips where its folder held out 2: the pack held out the last
+    ``holdout_fraction`` of the frames of a one-file class (2 of 24 here, shorter than a clip) and
+    the folder random windows. Both now hold out whole files of a class of several files and the
+    last windows of a one-file class, the same items."""
+    from safetensors.numpy import load_file
+
+    from tests.unit.data.test_video import _frames, _write
+
+    for name, n in (("a/a1.mkv", 24), ("a/a2.mkv", 16), ("b/b.mkv", 24)):
+        _write(tmp_path / "videos" / name, _frames(n, 12, 16))
+    folder = ["data=video_folder", f"data.root={tmp_path / 'videos'}", "data.num_classes=2", "data.resolution=8",
+              "data.num_frames=4", "data.frame_stride=1", "data.holdout_fraction=0.1",
+              f"data.cache_dir={tmp_path / 'cache'}"]
+    ftrain, fheld = _data(*folder)
+    manifest = _pack(tmp_path / "pack", *folder)
+    train, held = _data(*_printed(manifest, tmp_path / "pack"))
+    # windows of 4 frames: a1 items 0-5, a2 items 6-9, b items 10-15; a holds out one whole file (a1 at
+    # this seed), b its last window (frames 20-23)
+    assert held.indices.tolist() == fheld.indices.tolist() == [0, 1, 2, 3, 4, 5, 15]
+    assert train.indices.tolist() == ftrain.indices.tolist() == [6, 7, 8, 9, 10, 11, 12, 13, 14]
+    # b's window 4 (frames 16-19) stays: its clips start at 16 only, not up to 19 (they would reach frame 20)
+    starts = {int(train.base.clip_indices(14, s)[1][0]) for s in range(20)}
+    assert starts == {int(ftrain.base.clip_indices(14, s)[1][0]) for s in range(20)} == {16}
+    assert {int(train.base.clip_indices(13, s)[1][0]) for s in range(20)} == {12, 13, 14, 15}  # not cut
+    _same_items(train, ftrain, [7, 8], seeds=(5, 6))
+    arrays = load_file(str(tmp_path / "pack" / "samples.safetensors"))
+    assert arrays["heldout_from"].tolist() == [0, 16, 20] and arrays["heldout"].tolist() == [1, 0, 0]
+    _same_items(held, fheld, range(7), seeds=(None,))
+
+
 # ------------------------------------------------------------------------------ pack: resume, refusals
 def test_interrupted_pack_resumes_and_equals_an_uninterrupted_pack(tmp_path, monkeypatch):
     real, calls = pack_mod._write_shard, []
@@ -340,6 +371,8 @@ class _Manifest:
         self.frames, self.fps = np.asarray(frames, np.int32), np.asarray(fps, np.float32)
         self.label, self.classes = np.asarray(labels, np.int64), classes
         self.height = self.width = np.full(len(frames), 48, np.int32)
+        self.heldout_from = self.frames.copy()  # no held-out tail
+        self.kind, self.captions = "video", None
         self.shards, self.shard_of, self.url = [{"url": "mem"}], np.zeros(len(frames), np.int64), "mem"
 
     def __len__(self):
@@ -375,8 +408,9 @@ def _folder_of(index, **clip):
 def test_packed_video_layout_equals_the_folder_layout_from_frame_times(clip):
     """Items, windows, labels, clip frames (eval and jittered), reach and skips computed from the
     manifest's arrays equal the folder dataset's from per-frame times, at frame rates whose ratios
-    to the target fps are whole, near-whole and fractional (float32 as packed)."""
-    from vitp.data.shards import ShardVideos
+    to the target fps are whole, near-whole and fractional (float32 as packed); so do the split of
+    files with a held-out tail and the cut jitter of the windows before it."""
+    from vitp.data.shards import ShardVideos, _split
 
     rng = np.random.default_rng(7)
     rates = [30, 29.97, 25, 24, 23.976, 60, 59.94, 15, 12, 8, 7.5, 1, 2.5, 50, 120, 10.000001]
@@ -386,7 +420,19 @@ def test_packed_video_layout_equals_the_folder_layout_from_frame_times(clip):
     labels[labels == 1] = 2 if clip.get("num_frames") == 16 else 1  # a class dropped in one case
     index = _Manifest(frames, fps, labels, ["a", "b", "c"])
     common = dict(resolution=16, channels=3, video_cache_mb=0, **clip)
-    packed, folder = ShardVideos(index, **common), _folder_of(index, **common)
+    folder = _folder_of(index, **common)
+    sample = np.asarray([int(str(name).split("#")[1]) for name in folder.files])
+    for f in range(0, len(folder.files), 3):  # a third of the files hold out their last window
+        windows = np.flatnonzero(folder.item_file == f)
+        if len(windows) > 1:
+            index.heldout_from[sample[f]] = folder.clip_indices(int(windows[-1]), None)[1][0]
+    packed = ShardVideos(index, **common)
+    held = np.asarray([i for i in range(len(folder)) if folder.clip_indices(i, None)[1][0]
+                       >= index.heldout_from[sample[folder.item_file[i]]]])
+    train = folder.disjoint_train(np.setdiff1d(np.arange(len(folder)), held), held)
+    assert [a.tolist() for a in _split(index, packed, len(packed))] == [train.tolist(), held.tolist()]
+    assert len(held) > 10 and len(train) + len(held) > 0.9 * len(folder)
+    assert (packed._train_last < packed._last).sum() > 10  # jitter cut before the tails
     assert len(packed) == len(folder) > 100
     assert np.array_equal(packed.item_file, folder.item_file)
     assert np.array_equal(packed.item_window, folder.item_window)
@@ -395,13 +441,16 @@ def test_packed_video_layout_equals_the_folder_layout_from_frame_times(clip):
     assert packed.skipped_files == folder.skipped_files and list(packed.files) == list(folder.files)
     assert packed.skip_reasons == folder.skip_reasons
     first, last = packed.item_bounds()
+    trained = set(train.tolist())
     for i in range(len(packed)):
-        for seed in (None, 11, 2**40 + 3):
+        jitter = i in trained  # else only the eval clip: the pack cuts the jitter of every window of a file with a tail
+        for seed in (None, 11, 2**40 + 3) if jitter else (None,):
             fp, ip = packed.clip_indices(i, seed)
             ff, i_f = folder.clip_indices(i, seed)
             assert fp == ff and np.array_equal(ip, i_f), (i, seed)
-        assert packed.item_frames(i) == folder.item_frames(i)
-        assert (first[i], last[i]) == (folder.clip_indices(i, None)[1].min(), folder.item_frames(i)[1][1])
+        assert not jitter or packed.item_frames(i) == folder.item_frames(i)
+        assert first[i] == folder.clip_indices(i, None)[1].min()
+        assert not jitter or last[i] == folder.item_frames(i)[1][1]
     assert packed._decoded_bytes() == folder._decoded_bytes()
 
 
