@@ -83,8 +83,8 @@ def _base_dataset(cfg: DataConfig, seed: int) -> KeyedDataset:
     raise ValueError(f"unknown data.name={cfg.name!r}; valid names: {', '.join(DATASET_NAMES)}")
 
 
-def build_datasets(cfg: DataConfig, seed: int, keep: Optional[Callable[[Any, np.ndarray], np.ndarray]] = None
-                   ) -> Tuple[KeyedSubset, KeyedSubset]:
+def build_datasets(cfg: DataConfig, seed: int, keep: Optional[Callable[[Any, np.ndarray], np.ndarray]] = None,
+                   split: Optional[Any] = None) -> Tuple[KeyedSubset, KeyedSubset]:
     """Build the training and held-out datasets of ``cfg``.
 
     Parameters
@@ -101,6 +101,11 @@ def build_datasets(cfg: DataConfig, seed: int, keep: Optional[Callable[[Any, np.
         ``keep(base, items)`` -> bool mask: only these items of the base dataset (a shape bucket's,
         :func:`vitp.data.buckets.in_bucket`); a packed data set applies it while it splits, so no
         item list of the whole data set is made for a bucket.
+    split : path, optional
+        A run's held-out split record (:data:`vitp.data.heldout_record.RECORD_NAME` in its folder):
+        when the file exists, an image or video folder split by ``holdout_fraction`` keeps it
+        (:func:`vitp.data.heldout_record.keep_recorded`: recorded held-out items stay held out, items
+        of recorded files stay in training, new files are split by the rule).
 
     Returns
     -------
@@ -115,20 +120,24 @@ def build_datasets(cfg: DataConfig, seed: int, keep: Optional[Callable[[Any, np.
         Unknown ``cfg.name``; ``data.root`` unset for image_folder (``root`` and ``files`` for
         video_folder); ``num_frames != 1`` for images; no usable video;
         ``cfg.num_classes`` differing from the classes found; a bad ``holdout_fraction``;
-        ``heldout_root`` with other classes than ``root``, or for digits / synthetic data.
+        ``heldout_root`` with other classes than ``root``, or for digits / synthetic data; a
+        damaged ``split`` record; no training item left (every one overlaps a held-out clip).
     FileNotFoundError
         If ``data.root`` (or ``data.heldout_root``) does not exist.
     """
     if cfg.name == "shards":  # the split is the manifest's (vitp-pack)
         return shard_datasets(cfg, keep)
-    train, held = _folder_datasets(cfg, seed)
+    from vitp.data.heldout_record import read_record
+
+    train, held = _folder_datasets(cfg, seed, read_record(split))
     if keep is None:
         return train, held
     return tuple(KeyedSubset(s.base, s.indices[keep(s.base, s.indices)], eval_only=s.eval_only) for s in (train, held))
 
 
-def _folder_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubset]:
-    """:func:`build_datasets` of data that is not packed (folders, digits, synthetic)."""
+def _folder_datasets(cfg: DataConfig, seed: int, record: Optional[dict] = None) -> Tuple[KeyedSubset, KeyedSubset]:
+    """:func:`build_datasets` of data that is not packed (folders, digits, synthetic); ``record``:
+    the run's recorded split (:mod:`vitp.data.heldout_record`)."""
     base = _base_dataset(cfg, seed)
     if cfg.name not in ("synthetic", "video_folder") and cfg.num_frames != 1:
         raise ValueError(f"data.name={cfg.name} holds still images: set data.num_frames=1 (got {cfg.num_frames})")
@@ -146,14 +155,32 @@ def _folder_datasets(cfg: DataConfig, seed: int) -> Tuple[KeyedSubset, KeyedSubs
                 KeyedSubset(held, _captioned(held, cfg, np.arange(len(held))), eval_only=True))
     if cfg.name == "video_folder":  # whole files or a file's last windows; no training clip shares their frames
         held_idx = base.heldout_items(cfg.holdout_fraction, seed)
-        train_idx = base.disjoint_train(np.setdiff1d(np.arange(len(base)), held_idx), held_idx)
     else:
         train_idx, held_idx = stratified_split(base.labels, cfg.holdout_fraction, seed)
+    if record is not None and cfg.name in ("image_folder", "video_folder"):  # the split the run started with
+        from vitp.data.heldout_record import keep_recorded
+
+        held_idx = keep_recorded(base, held_idx, record, f"data folder {cfg.root or 'data.files'}")
+        train_idx = np.setdiff1d(np.arange(len(base)), held_idx)
+    if cfg.name == "video_folder":
+        train_idx = base.disjoint_train(np.setdiff1d(np.arange(len(base)), held_idx), held_idx)
+        if len(held_idx) and not len(train_idx):
+            raise ValueError(_no_training_window(cfg, base, held_idx))
     train_kept, held_kept = _captioned(base, cfg, train_idx), _captioned(base, cfg, held_idx, read=False)
     if len(held_idx) and not len(held_kept):  # the split came first: said, or eval.json lacks its loss unexplained
         log.warning("none of the %d held-out item(s) has a caption (data.captions=%s): the run has no held-out loss; "
                     "caption them, or raise data.holdout_fraction", len(held_idx), cfg.captions)
     return KeyedSubset(base, train_kept), KeyedSubset(base, held_kept, eval_only=True)
+
+
+def _no_training_window(cfg: DataConfig, base: Any, held_idx: np.ndarray) -> str:
+    """Why a video folder's split left no training clip window, and the fixes."""
+    return (f"the training set is empty: the {len(held_idx)} held-out clip(s) overlap every training window "
+            f"({len(base)} window(s) of {len(base.files)} usable file(s) with data.clip_step={cfg.clip_step}, "
+            f"data.num_frames={cfg.num_frames}; training clips may share no frame with held-out ones). Raise "
+            f"data.clip_step (at least one clip's span of frames), lower data.holdout_fraction (now "
+            f"{cfg.holdout_fraction}; 0 holds out nothing), add video files, or hold out a separate folder "
+            f"with data.heldout_root=<folder>")
 
 
 def _captioned(base: KeyedDataset, cfg: DataConfig, indices: np.ndarray, read: bool = True) -> np.ndarray:

@@ -449,6 +449,7 @@ class VideoFolderDataset(FileDataset):
             self._windows.append((starts, step, last_starts, int(spans.max())))
         if not files:
             raise ValueError(self._no_usable_video())
+        self._warn_slow_sources([(p, probes[id(p)]["fps"]) for p in files])
         kept = set(files)
         used = {cls for path, cls in sources if path in kept}
         self.dropped_classes = [c for c in dict.fromkeys(cls for _, cls in sources) if c not in used]
@@ -461,6 +462,18 @@ class VideoFolderDataset(FileDataset):
         infos = [probes[id(p)] for p in files]
         self._sizes = [(info["width"], info["height"]) for info in infos]
         self._orientation = [info["orientation"] for info in infos]
+
+    def _warn_slow_sources(self, rates: List[Tuple[Any, float]]) -> None:
+        """Warn when ``data.fps`` is above the frame rate of some files ``[(file, frames per
+        second)]``: resampling by timestamps repeats their frames, so clips become stills or stutter."""
+        if self.fps is None:
+            return
+        slow = [(p, r) for p, r in rates if r < self.fps * (1 - 1e-3)]  # a rounded rate (29.97 vs 30) is not slow
+        if slow:
+            p, r = min(slow, key=lambda pr: pr[1])
+            log.warning(f"{len(slow)} of {len(rates)} video file(s) have a frame rate below data.fps={self.fps:g} "
+                        f"(e.g. {p}: {r:.3g} fps): their clips repeat frames (stills or stutter); set data.fps at most "
+                        f"the source rate ({r:.3g}), or unset it (data.fps=null steps through the source frames)")
 
     def _no_usable_video(self) -> str:
         where = f"under {str(self.root)!r}" if self.root is not None else "in data.files"

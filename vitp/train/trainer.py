@@ -11,6 +11,7 @@ The loop follows torchtitan's ``Trainer`` (its ``train_step`` / ``train``: here
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -251,12 +252,24 @@ class Trainer:
         if self.storage.is_leader:  # rank 0; with node-local run dirs also each other node's first rank
             self.checkpointer.prepare_run_dir()
             write_run_config(self.run_dir, cfg, overrides)  # vitp-train --resume RUN_DIR works on every node
+            self._record_split()
         self.logger = RunLogger(self.run_dir, self.main, cfg.trainer.tensorboard_dir, self.start_step,
                                 log_every=cfg.trainer.log_every, max_steps=cfg.trainer.max_steps)
         self.data_iter = self.telemetry.timed(self._data_iterator())
         self.losses: list = []
         self.grad_norms: list = []
         self.bar = None
+
+    def _record_split(self) -> None:
+        """Write the held-out split of a folder split by ``data.holdout_fraction`` into the run
+        folder once (the first launch; one that predates the record writes it now), so that a
+        resume keeps it (:mod:`vitp.data.heldout_record`)."""
+        from vitp.data.heldout_record import RECORD_NAME, write_record
+
+        d = self.cfg.data
+        path = self.run_dir / RECORD_NAME
+        if d.name in ("image_folder", "video_folder") and d.heldout_root is None and not path.exists():
+            write_record(path, self._split.base, self._split.indices)
 
     # ------------------------------------------------------------------------------- build
     def _build_data(self) -> None:
@@ -282,7 +295,12 @@ class Trainer:
 
                 check_wan_quality(cfg)
         # node_first: one rank per node probes video folders and writes the per-node caches, the others map them
+        from vitp.data.heldout_record import RECORD_NAME
+
+        # a resumed run keeps the split it started with, whatever changed in its folder (vitp.data.heldout_record)
+        build_datasets = functools.partial(build_datasets, split=self.run_dir / RECORD_NAME)
         self.train_ds, self.heldout_ds = node_first(lambda: build_datasets(cfg.data, cfg.seed))
+        self._split = self.heldout_ds  # before captions wrap it: the items _record_split writes
         self._on_main_first(lambda: ensure_text_embeddings(cfg))  # the demo's one-command caption encoding
         self.conditioning = conditioning(cfg, self.text_store)  # class labels, or caption embeddings (vitp.data.text)
         self.train_ds, self.heldout_ds = node_first(lambda: conditioned(self.conditioning, self.train_ds,

@@ -105,9 +105,11 @@ def test_odd_frame_count_jitter_and_clip_step(classes_root, cache):
     assert len({eval_only[(0, s)][0].numpy().tobytes() for s in range(5)}) == 1
 
 
-def test_fps_mode_resamples_by_timestamp(tmp_path, cache):
+def test_fps_mode_resamples_by_timestamp(tmp_path, cache, caplog):
     _write(tmp_path / "v" / "ten_fps.mkv", _frames(30), rate=10)  # frames at 0.0, 0.1, ... 2.9 s
+    caplog.set_level(logging.WARNING)
     half = _ds(tmp_path / "v", cache, num_frames=4, fps=5)
+    assert "frame rate below" not in caplog.text
     assert [half.clip_indices(i)[1].tolist() for i in range(len(half))] == [
         [0, 2, 4, 6], [7, 9, 11, 13], [14, 16, 18, 20], [21, 23, 25, 27]]
     assert _index(half[(1, None)][0]) == [7, 9, 11, 13]
@@ -115,6 +117,10 @@ def test_fps_mode_resamples_by_timestamp(tmp_path, cache):
     assert odd.clip_indices(0)[1].tolist() == [0, 2, 5, 7] and _index(odd[(0, None)][0]) == [0, 2, 5, 7]
     up = _ds(tmp_path / "v", cache, num_frames=4, fps=20)  # above the source rate: frames repeat
     assert up.clip_indices(0)[1].tolist() == [0, 0, 1, 1]
+    slow = [r.getMessage() for r in caplog.records if "frame rate below" in r.getMessage()]
+    assert slow == [f"1 of 1 video file(s) have a frame rate below data.fps=20 (e.g. {tmp_path / 'v' / 'ten_fps.mkv'}: "
+                    "10 fps): their clips repeat frames (stills or stutter); set data.fps at most the source rate (10), "
+                    "or unset it (data.fps=null steps through the source frames)"], caplog.text
 
 
 def test_same_crop_and_flip_for_every_frame(tmp_path, cache):
@@ -461,3 +467,60 @@ def _shot_colour(x) -> int:
     """Channel 0 of a clip in [0, 255], constant inside a shot of :func:`_shots`."""
     v = (x[0].float().mean().item() + 1) * 127.5
     return int(round(v / 10) * 10)
+
+
+def _held_files(held):
+    from vitp.data.heldout_record import item_keys
+
+    return sorted({k.split("#")[0] for k in item_keys(held.base, held.indices)})
+
+
+def test_a_recorded_split_keeps_trained_clips_in_training_when_the_folder_changes(tmp_path, cache, caplog):
+    """A run resumed after files were added and deleted keeps its held-out split: the rule alone
+    would hold out a clip the run trained on (a/a1) and score training data as held-out."""
+    from vitp.data.heldout_record import RECORD_NAME, read_record, write_record
+
+    root = tmp_path / "v"
+    for c in "ab":
+        for i in range(4):
+            _write(root / c / f"{c}{i}.mkv", _frames(8))
+    cfg = compose(["data=video_folder", f"data.root={root}", "data.num_classes=2", f"data.resolution={R}",
+                   "data.num_frames=4", "data.holdout_fraction=0.25", f"data.cache_dir={cache}"]).data
+    record = tmp_path / "run" / RECORD_NAME
+    train, held = build_datasets(cfg, seed=0, split=record)  # no record yet: the rule's split
+    assert _held_files(held) == ["a/a2.mkv", "b/b3.mkv"]
+    write_record(record, held.base, held.indices)
+    assert read_record(record)["files"] == [f"{c}/{c}{i}.mkv" for c in "ab" for i in range(4)]
+    _write(root / "a" / "a0b.mkv", _frames(8))
+    _write(root / "b" / "b5.mkv", _frames(8))
+    (root / "a" / "a3.mkv").unlink()
+    (root / "b" / "b0.mkv").unlink()
+    assert _held_files(build_datasets(cfg, seed=0)[1]) == ["a/a1.mkv", "b/b5.mkv"]  # what the rule does now
+    caplog.set_level(logging.WARNING)
+    train, held = build_datasets(cfg, seed=0, split=record)
+    assert _held_files(held) == ["a/a2.mkv", "b/b3.mkv", "b/b5.mkv"]  # recorded ones, and a new file the rule picks
+    assert _held_files(train) == ["a/a0.mkv", "a/a0b.mkv", "a/a1.mkv", "b/b1.mkv", "b/b2.mkv"]
+    msg = caplog.text
+    assert "(2 new file(s), 2 gone)" in msg and "1 item(s) the run trained on stay in training" in msg, msg
+    assert "e.g. a/a1.mkv#0" in msg and "gone (e.g." not in msg, msg
+    (root / "a" / "a2.mkv").unlink()  # a recorded held-out file deleted: said, with the counts
+    caplog.clear()
+    train, held = build_datasets(cfg, seed=0, split=record)
+    assert _held_files(held) == ["b/b3.mkv", "b/b5.mkv"]
+    assert "1 recorded held-out item(s) are gone (e.g. a/a2.mkv#0): the held-out loss is over 2 item(s) now, " \
+           "2 at the start" in caplog.text, caplog.text
+    record.write_text("{")
+    with pytest.raises(ValueError, match="is not a held-out split record"):
+        build_datasets(cfg, seed=0, split=record)
+
+
+def test_no_training_window_left_names_the_cause_and_the_fixes(tmp_path, cache):
+    """One short file: its last window is held out and the only other one overlaps it."""
+    _write(tmp_path / "v" / "only.mkv", _frames(10))
+    cfg = compose(["data=video_folder", f"data.root={tmp_path / 'v'}", "data.num_classes=1", f"data.resolution={R}",
+                   "data.num_frames=8", "data.frame_stride=1", "data.clip_step=2", "data.holdout_fraction=0.25",
+                   f"data.cache_dir={cache}"]).data
+    with pytest.raises(ValueError, match=r"the training set is empty: the 1 held-out clip\(s\) overlap every training "
+                                         r"window \(2 window\(s\) of 1 usable file\(s\) with data.clip_step=2.*Raise "
+                                         r"data.clip_step.*lower data.holdout_fraction \(now 0.25.*data.heldout_root"):
+        build_datasets(cfg, seed=0)
