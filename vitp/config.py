@@ -883,9 +883,10 @@ def _check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution")
     H, W = hw
     if H % p == 0 and W % p == 0:
         return
-    if H == W:  # the square message, as before non-square sizes existed
-        raise ValueError(f"resolution {H} ({key}) is not divisible by model.patch_size={p}; valid patch "
-                         f"sizes: {divisors(H)}")
+    if H == W:  # square: sizes as one number, like the setting
+        near = sorted({max(p, H // p * p), -(-H // p) * p})
+        raise ValueError(f"resolution {H} ({key}) is not divisible by model.patch_size={p}; nearest valid sizes: "
+                         f"{', '.join(map(str, near))}; valid patch sizes: {divisors(H)}")
     near = sorted({(h, w) for h in {max(p, H // p * p), -(-H // p) * p} for w in {max(p, W // p * p), -(-W // p) * p}})
     raise ValueError(f"resolution {format_resolution(hw)} ({key}) is not divisible by model.patch_size={p}: "
                      f"height and width must both be multiples of it; nearest valid sizes: "

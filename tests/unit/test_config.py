@@ -43,7 +43,12 @@ def test_wrong_type_fails_at_compose():
 
 def test_resolution_not_divisible_by_patch():
     cfg = compose_cfg(["model.patch_size=3"])
-    with pytest.raises(ValueError, match=r"not divisible by model.patch_size=3.*valid patch sizes: \[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError, match=r"not divisible by model.patch_size=3; nearest valid sizes: 6, 9; "
+                                         r"valid patch sizes: \[1, 2, 4, 8\]"):
+        validate_model(cfg.model)
+    cfg = compose_cfg(["data.resolution=30", "model.patch_size=4"])  # the square form names them like HxW does
+    with pytest.raises(ValueError, match=r"^resolution 30 \(data.resolution\) is not divisible by model.patch_size=4; "
+                                         r"nearest valid sizes: 28, 32; valid patch sizes: \[1, 2, 3, 5, 6, 10, 15, 30\]$"):
         validate_model(cfg.model)
 
 
