@@ -16,7 +16,7 @@ from vitp import checkpoint as ckpt
 from vitp.config import Layout
 
 SINGLE = ["experiment=smoke", "trainer.max_steps=8", "trainer.checkpoint_every=3", "trainer.keep_checkpoints=2",
-          "model.proj_drop=0.1", "model.drop_path=0.1"]
+          "model.proj_drop=0.1", "model.drop_path=0.1", "trainer.log_every=3"]  # the stop at 4 cuts the window 4-6
 
 
 def _metrics(run: Path):
@@ -96,7 +96,8 @@ def test_resume_is_exact_single_process(tmp_path):
     assert first["stopped_at"] == 4 and len(first["losses"]) == 4 and len(second["losses"]) == 4
     assert first["losses"] + second["losses"] == full["losses"]
     assert first["grad_norms"] + second["grad_norms"] == full["grad_norms"]
-    _same_steps(_metrics(tmp_path / "full"), _metrics(tmp_path / "resumed"))
+    _same_steps(_metrics(tmp_path / "full"), _metrics(tmp_path / "resumed"))  # steps 1, 3, 6 (mean of 4-6), 8
+    assert [r["step"] for r in _metrics(tmp_path / "resumed")] == [1, 3, 6, 8]
     a, b = load_file(tmp_path / "full" / "model_ema.safetensors"), load_file(tmp_path / "resumed" / "model_ema.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)  # EMA state resumed too
     # keep_checkpoints=2: only the two newest complete checkpoints remain
@@ -319,4 +320,5 @@ def test_bf16_resume_is_exact(tmp_path):
     and moments of DeepSpeed's bf16 optimizer, saved and loaded as pieces, resume bit-exactly."""
     full, first, second = run_ranks(1, _bf16_runs, str(tmp_path))[0]
     assert first["losses"] + second["losses"] == full["losses"]
-    _same_steps(_metrics(tmp_path / "full"), _metrics(tmp_path / "resumed"))
+    _same_steps(_metrics(tmp_path / "full"), _metrics(tmp_path / "resumed"))  # steps 1, 3, 6 (mean of 4-6), 8
+    assert [r["step"] for r in _metrics(tmp_path / "resumed")] == [1, 3, 6, 8]

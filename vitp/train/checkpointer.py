@@ -247,10 +247,12 @@ class Checkpointer:
         """A periodic checkpoint after ``step`` (``trainer.checkpoint_every``)."""
         return bool(self.every) and step % self.every == 0
 
-    def save(self, step: int, engine: Any, ema: EMA, state: ParallelState, final: bool = False) -> None:
+    def save(self, step: int, engine: Any, ema: EMA, state: ParallelState, final: bool = False,
+             extra: Optional[Dict[str, Any]] = None) -> None:
         """Save ``step_<step>`` (collective): this rank's pieces are copied to host memory, then
         written and published in the background (``trainer.checkpoint_async``) while training
-        goes on; :meth:`wait` blocks until it is published."""
+        goes on; :meth:`wait` blocks until it is published. ``extra``: small JSON entries of the
+        trainer's own state for ``vitp_meta.json`` (e.g. ``log_window``), read back from :attr:`meta`."""
         t0 = time.perf_counter()
         self.saved = True
         tr = self.cfg.trainer
@@ -263,7 +265,7 @@ class Checkpointer:
                   "seed": self.cfg.seed, "global_batch_size": tr.global_batch_size, "max_steps": tr.max_steps,
                   "world_size": dist.world_size(), "rank_coords": self.coords,
                   "engine": reshard.engine_counters(engine), "adam_step": reshard.adam_step(engine),
-                  "config": OmegaConf.to_container(self.cfg, resolve=True), "lora": self.lora}
+                  "config": OmegaConf.to_container(self.cfg, resolve=True), "lora": self.lora, **(extra or {})}
         depth = self.cfg.model.depth
         self.writer.save(step, lambda: train_state.stage(engine, ema, state, depth), rng_state(), record, t0, final)
 
@@ -271,14 +273,15 @@ class Checkpointer:
         """Block until the checkpoint in flight (if any) is published; raises its error."""
         self.writer.wait()
 
-    def save_final(self, step: int, engine: Any, ema: EMA, state: ParallelState) -> None:
+    def save_final(self, step: int, engine: Any, ema: EMA, state: ParallelState,
+                   extra: Optional[Dict[str, Any]] = None) -> None:
         """The last checkpoint of a finished run, published when this returns (none if the run
         resumed from it: a finished run relaunched). A ``step_<step>`` an earlier attempt wrote
         after the checkpoint this run resumed from is replaced, and moved into ``abandoned/``."""
         self.writer.wait()
         have = step == self.start_step and ckpt.tag_name(step) in ckpt.published_tags(self.dir)
         if not all(dist.gather_objects(have)):  # in every folder
-            self.save(step, engine, ema, state, final=True)
+            self.save(step, engine, ema, state, final=True, extra=extra)
 
     def path(self, step: int) -> Path:
         """Folder of the checkpoint after ``step``."""

@@ -258,6 +258,8 @@ class Trainer:
         self.data_iter = self.telemetry.timed(self._data_iterator())
         self.losses: list = []
         self.grad_norms: list = []
+        meta = self.checkpointer.meta or {}  # the unlogged steps before the checkpoint (_log_window)
+        self._carried = {k: list(meta.get("log_window", {}).get(k, [])) for k in ("losses", "grad_norms")}
         self.bar = None
 
     def _record_split(self) -> None:
@@ -609,7 +611,14 @@ class Trainer:
         """Checkpoint after ``step`` (collective): written in the background unless ``final``
         (published when this returns)."""
         save = self.checkpointer.save_final if final else self.checkpointer.save
-        save(step, self.engine, self.ema, self.state)
+        save(step, self.engine, self.ema, self.state, extra={"log_window": self._log_window()})
+
+    def _log_window(self) -> Dict[str, list]:
+        """The losses and grad norms of the steps since the last logged one (checkpoint meta
+        ``log_window``): a resumed run's first logged mean covers the same steps as an
+        uninterrupted run's."""
+        n = self._n_log
+        return {k: self._carried[k] + getattr(self, k)[len(getattr(self, k)) - n:] for k in ("losses", "grad_norms")}
         self.saved_step = step
 
     def export_final(self, step: int) -> None:
@@ -721,7 +730,9 @@ class Trainer:
 
     def _log_metrics(self, step: int, lr: float, profile: Optional[Dict[str, float]] = None) -> None:
         n, elapsed = self._n_log, time.perf_counter() - self._t_log
-        values = {"loss": sum(self.losses[-n:]) / n, "grad_norm": sum(self.grad_norms[-n:]) / n, "lr": lr,
+        window = self._log_window()  # with the steps before a resume, summed in step order as one launch does
+        values = {"loss": sum(window["losses"]) / len(window["losses"]),
+                  "grad_norm": sum(window["grad_norms"]) / len(window["grad_norms"]), "lr": lr,
                   "samples_per_s": self._samples_log / elapsed}
         if self.buckets is not None:  # the shape of the logged step (samples_per_s counts each step's own batch)
             values["bucket"] = self._bucket
@@ -730,6 +741,7 @@ class Trainer:
         values.update(profile or {})  # the step's timeline fractions (trainer.profile_steps)
         self.logger.scalars(step, values)
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0
+        self._carried = {"losses": [], "grad_norms": []}
 
     def _after_step(self, step: int) -> None:
         """The checkpoint, previews and held-out loss that are due after ``step`` (not the last one):
@@ -745,6 +757,35 @@ class Trainer:
         ev = self.cfg.eval
         if (ev.fid.num or (ev.fvd.num and self.cfg.model.num_frames > 1)) and _due(ev.fid.every, step):
             self.quality_eval(step)
+
+    def _missed_at_resume(self) -> None:
+        """The sample grid and held-out loss due after the checkpoint's step that the launch which
+        wrote it did not finish (a signal during them, or ``trainer.exit_at_step``, which stops before
+        them), run before the first resumed step: eval.jsonl, TensorBoard and samples/ then hold every
+        due step, as in an uninterrupted run. Rank 0's files decide (collective)."""
+        step, tr = self.start_step, self.cfg.trainer
+        todo = (False, False)
+        if self.main:
+            grid = self.run_dir / "samples" / f"step_{step:07d}{'.png' if self.buckets is None else ''}"
+            todo = (_due(tr.sample_every, step) and not grid.exists(),
+                    _due(tr.eval_every, step) and len(self.heldout_ds) > 0 and not self._evaluated(step))
+        todo = dist.broadcast_object(todo)
+        if todo[0]:
+            self.sample_grid(step)
+        if todo[1]:
+            self.heldout_eval(step, final=False)
+
+    def _evaluated(self, step: int) -> bool:
+        """Whether eval.jsonl holds the held-out loss of ``step``."""
+        path = self.run_dir / "eval.jsonl"
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            try:
+                row = json.loads(line)
+            except ValueError:  # a line cut short by a kill: not a finished evaluation
+                continue
+            if row.get("step") == step and "heldout_loss" in row:
+                return True
+        return False
 
     def fit(self) -> Dict[str, Any]:
         """Train from the start (or resumed) step to ``trainer.max_steps``; stop early, with a
@@ -786,6 +827,8 @@ class Trainer:
         if tr.eval_every and self.start_step == 0:  # the untrained model's held-out loss, for reference
             if self._stopped_during(stopper, 0, lambda: self.heldout_eval(0, final=False)):
                 return 0
+        if 0 < self.start_step < tr.max_steps and self._stopped_during(stopper, self.start_step, self._missed_at_resume):
+            return self.start_step
         self._t_log, self._n_log, self._samples_log = time.perf_counter(), 0, 0
         t_start = time.perf_counter()
         self.telemetry.start()
