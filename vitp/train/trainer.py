@@ -612,6 +612,7 @@ class Trainer:
         (published when this returns)."""
         save = self.checkpointer.save_final if final else self.checkpointer.save
         save(step, self.engine, self.ema, self.state, extra={"log_window": self._log_window()})
+        self.saved_step = step
 
     def _log_window(self) -> Dict[str, list]:
         """The losses and grad norms of the steps since the last logged one (checkpoint meta
@@ -619,7 +620,6 @@ class Trainer:
         uninterrupted run's."""
         n = self._n_log
         return {k: self._carried[k] + getattr(self, k)[len(getattr(self, k)) - n:] for k in ("losses", "grad_norms")}
-        self.saved_step = step
 
     def export_final(self, step: int) -> None:
         """The run's ``model_ema.safetensors`` / ``model.safetensors`` (Hugging Face-style shards
