@@ -320,5 +320,4 @@ def test_bf16_resume_is_exact(tmp_path):
     and moments of DeepSpeed's bf16 optimizer, saved and loaded as pieces, resume bit-exactly."""
     full, first, second = run_ranks(1, _bf16_runs, str(tmp_path))[0]
     assert first["losses"] + second["losses"] == full["losses"]
-    _same_steps(_metrics(tmp_path / "full"), _metrics(tmp_path / "resumed"))  # steps 1, 3, 6 (mean of 4-6), 8
-    assert [r["step"] for r in _metrics(tmp_path / "resumed")] == [1, 3, 6, 8]
+    _same_steps(_metrics(tmp_path / "full"), _metrics(tmp_path / "resumed"))
