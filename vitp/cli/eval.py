@@ -144,6 +144,40 @@ def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
     return apply_overrides(typed_config(load_run_yaml(path), path), overrides, "vitp-eval")
 
 
+# The keys that choose which items a run held out (vitp.data.build.build_datasets): a split root
+# (no data.heldout_root) is split by the seed and the fraction into items, a video folder's items
+# being clip windows cut by these keys; a packed data set's split is its manifest's.
+SPLIT_KEYS = ("seed", "data.holdout_fraction")
+WINDOW_KEYS = ("data.num_frames", "data.frame_stride", "data.fps", "data.clip_step", "data.files",
+               "data.class_per_file", "data.scene_cut_threshold", "data.class_per_shot")
+
+
+def check_split_overrides(run_dir: Path, overrides: list) -> None:
+    """Refuse overrides under which ``vitp-eval`` would split the run's data otherwise than the run
+    did (e.g. ``data.num_frames=4`` cuts a video folder into other clip windows, a part of them
+    trained on): its held-out loss, and FID / FVD against the held-out items, would then score
+    training items. Overrides that keep the split (sampler and eval keys, ``data.resolution``, a
+    moved ``data.root``, ``data.heldout_root=DIR``: other data) pass. Raises ``ValueError`` (one
+    line) naming the key, the run's value and what to do instead."""
+    if not overrides:
+        return
+    run_cfg, cfg = load_run_config(run_dir, []), load_run_config(run_dir, overrides)
+    was, now = run_cfg.data.heldout_root, cfg.data.heldout_root
+    if was is not None and now is None:
+        raise ValueError(f"data.heldout_root=null: the run held out {was} and trained on all of data.root, so "
+                         f"vitp-eval would score items the run trained on; drop the override, or give "
+                         f"data.heldout_root=DIR to score other data")
+    if now is not None or str(cfg.data.name) == "shards":  # a held-out folder, or the pack's own split
+        return
+    keys = SPLIT_KEYS + (WINDOW_KEYS if str(cfg.data.name) == "video_folder" else ())
+    for key in keys:
+        old, new = OmegaConf.select(run_cfg, key), OmegaConf.select(cfg, key)
+        if old != new:
+            raise ValueError(f"{key}={new}: the run held out its items at {key}={old}, and vitp-eval would split the "
+                             f"data again, scoring items the run trained on as held-out; drop {key}= (score other "
+                             f"data with data.heldout_root=DIR)")
+
+
 def load_generator_for(path: Path, cfg: DictConfig):
     """The generator in ``path``, refused (``ValueError`` naming the keys) when it was written for
     another model than the run's."""
@@ -256,6 +290,7 @@ def run(argv: Optional[list] = None) -> dict:
 
     wan = is_wan_source(a.run_dir)  # its RUN/diffusers folder (vitp.eval.wan_eval)
     check_init_from(a.run_dir, a.overrides, wan, given)
+    check_split_overrides(a.run_dir, a.overrides)  # before anything is loaded
     with quiet_unless_main():  # under a launcher: rank 0 alone logs, writes eval.json and prints
         if is_main():
             logging.basicConfig(level=logging.INFO, format="%(message)s")
