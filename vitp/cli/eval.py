@@ -232,6 +232,11 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
 
     cond = conditioning(cfg)  # class labels, or the run's caption embeddings
     train_ds, heldout_ds = conditioned(cond, *build_datasets(cfg.data, cfg.seed))
+    from vitp.eval.metrics import check_real_split, evaluation_notes
+
+    check_real_split(cfg, len(heldout_ds))  # before the generator samples
+    for note in evaluation_notes(cfg, len(heldout_ds)) if is_main() else []:
+        logging.getLogger("vitp").info(note)
     per_bucket = None
     if cfg.data.buckets:  # held-out loss per shape bucket, items assigned as in training
         from vitp.data.buckets import bucket_datasets, buckets_of

@@ -247,6 +247,10 @@ def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, sh
                                      f"evaluation's; delete it to recompute them, or give "
                                      f"eval.{m.section}.real_stats=ANOTHER_FILE")
             return FeatureSums(float(f.get_tensor("n")[0]), f.get_tensor("s"), f.get_tensor("ss"))
+    if count < 2:  # an empty cache would be kept and read as statistics
+        raise ValueError(f"{m.name} needs at least 2 real items, and eval.{m.section}.real={sect.real} has {count}: "
+                         f"score against eval.{m.section}.real=train, or hold out a split with "
+                         f"data.holdout_fraction > 0 or data.heldout_root=DIR")
     mine, batch, sums = share.indices(count), sect.batch_size, FeatureSums.zeros(m.dim)
     device = next(net.parameters()).device
     with phase(f"{m.name} real statistics of {count} {sect.real} items", len(mine), f"{m.name} real", m.unit,

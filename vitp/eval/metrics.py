@@ -303,6 +303,42 @@ def check_quality_inputs(cfg: Any, fvd: Optional[bool] = None) -> None:
         check_real_cache(cfg, "fvd")
 
 
+def _no_split_fix(cfg: Any) -> str:
+    return "hold out a split with data.holdout_fraction > 0 or data.heldout_root=DIR"
+
+
+def check_real_split(cfg: Any, heldout_items: int) -> None:
+    """Once the split is known, before any step or sample: FID (``eval.fid.num``) or a video run's
+    FVD (``eval.fvd.num``) against ``eval.<metric>.real=heldout`` needs at least 2 held-out items
+    (``heldout_items`` of them). Raises ``ValueError`` (one line) naming the key and both fixes (a
+    held-out split, or ``eval.<metric>.real=train``); a run used to train to its end first."""
+    for section, name, on in (("fid", "FID", bool(cfg.eval.fid.num)),
+                              ("fvd", "FVD", bool(cfg.eval.fvd.num) and int(cfg.model.num_frames) > 1)):
+        if on and cfg.eval[section].real == "heldout" and heldout_items < 2:
+            why = (" (data.holdout_fraction=0)" if not cfg.data.heldout_root and not cfg.data.holdout_fraction
+                   else "")
+            raise ValueError(f"eval.{section}.real=heldout but the run has {heldout_items} held-out item"
+                             f"{'' if heldout_items == 1 else 's'}{why}, and {name} needs at least 2 real items: "
+                             f"{_no_split_fix(cfg)}, or score against the training items with "
+                             f"eval.{section}.real=train")
+
+
+def evaluation_notes(cfg: Any, heldout_items: int) -> List[str]:
+    """What an evaluation of ``cfg`` leaves out, said once at its start (an evaluation used to log only
+    ``{'step': N}``): the held-out loss (and a video run's temporal statistics) without held-out items,
+    and FVD (``eval.fvd.num``) of an image run, which training skips."""
+    notes = []
+    if not heldout_items:
+        video = " and the temporal statistics" if int(cfg.model.num_frames) > 1 else ""
+        why = "data.holdout_fraction=0" if not cfg.data.heldout_root and not cfg.data.holdout_fraction else \
+            "the held-out set is empty"
+        notes.append(f"evaluation: no held-out items ({why}): the held-out loss{video} are off; {_no_split_fix(cfg)}")
+    if cfg.eval.fvd.num and int(cfg.model.num_frames) < 2:
+        notes.append(f"evaluation: eval.fvd.num={cfg.eval.fvd.num} is skipped: FVD scores videos, but this run makes "
+                     f"images (model.num_frames={cfg.model.num_frames}); use eval.fid.num for images")
+    return notes
+
+
 def rank_peaks(every_rank: bool = True) -> list:
     """Every rank's resident-memory peak (``VmHWM`` of ``/proc/self/status``, MiB, 0 where the
     system has none), in rank order: collective over the world when ``every_rank`` (every rank

@@ -287,6 +287,12 @@ class Trainer:
         self.conditioning = conditioning(cfg, self.text_store)  # class labels, or caption embeddings (vitp.data.text)
         self.train_ds, self.heldout_ds = node_first(lambda: conditioned(self.conditioning, self.train_ds,
                                                                         self.heldout_ds))
+        if cfg.eval.enabled or cfg.eval.fid.every:  # FID / FVD against an empty held-out set: now, not at the end
+            from vitp.eval.metrics import check_real_split, evaluation_notes
+
+            check_real_split(cfg, len(self.heldout_ds))
+            for note in evaluation_notes(cfg, len(self.heldout_ds)) if self.main else []:
+                log.info(note)
         self.schedule = BatchSchedule(len(self.train_ds), cfg.trainer.global_batch_size,
                                       cfg.trainer.micro_batch_size, self.layout.dp, cfg.seed,
                                       getattr(self.train_ds, "groups", None), cfg.data.shuffle_window)
