@@ -363,6 +363,13 @@ def test_vitp_eval_result_names_of_long_overrides_never_collide(tmp_path):
     assert c != d and c.name.startswith("eval_eval.fid.weights=inception.pth_")
     assert eval_output(tmp_path, [], "other/model.safetensors").name.startswith("eval_model_")
     assert eval_output(tmp_path, [], "model.safetensors").name == "eval_model.json"
+    from vitp.checkpoint import META
+
+    tag = tmp_path / "checkpoints" / "step_0000010"  # a checkpoint's EMA by its tag, not "model_ema"
+    tag.mkdir(parents=True)
+    (tag / META).write_text("{}")
+    for weights in ("checkpoints/step_0000010/model_ema.safetensors", str(tag / "model_ema.safetensors")):
+        assert eval_output(tmp_path, [], weights).name.startswith("eval_step_0000010_")
 
 
 def test_ctrl_c_stops_eval_and_sample_with_one_line(capsys):

@@ -124,8 +124,12 @@ def eval_output(run_dir: Path, overrides: list, weights: str) -> Path:
         key, eq, value = part.partition("=")
         shown.append(f"{key}={Path(value).name}" if eq and "/" in value else part)
     if weights != "model_ema.safetensors":
+        from vitp.checkpoint import META
+
         parts.append(weights)
-        shown.append(Path(weights).name.removesuffix(".safetensors"))
+        path = Path(weights) if Path(weights).is_absolute() else run_dir / weights
+        # a checkpoint's <tag>/model_ema.safetensors by its tag: "model_ema" read as the final EMA
+        shown.append(path.parent.name if (path.parent / META).is_file() else path.name.removesuffix(".safetensors"))
     slug = re.sub(r"[^A-Za-z0-9._=+,-]", "_", "_".join(shown))
     if len(slug) > 150 or "/" in "".join(parts):  # with a digest of the whole: other settings never share a file
         slug = f"{slug[:140]}_{hashlib.sha256('_'.join(parts).encode()).hexdigest()[:8]}"
@@ -332,7 +336,7 @@ def _evaluate_run(a: Any, weights: str, sharded: bool, out: Path) -> dict:
     with reporting(bars=is_main(), prefix="vitp-eval"), sample_source(source):  # each phase: a line, a bar
         res = evaluate(gen.denoiser if sharded else gen, cfg, train_ds, heldout_ds, a.run_dir, full=True,
                        step=step, buckets=per_bucket, conditioning=cond, share=gen.share if sharded else None,
-                       out=out)
+                       out=out, weights=str(weights_path(a.run_dir, weights)))
     return res
 
 

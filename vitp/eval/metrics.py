@@ -224,7 +224,8 @@ def video_metrics(gen: Any, cfg: DictConfig, heldout_ds: Any, conditioning: Any 
 
 def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, *, full: bool = True,
              step: Optional[int] = None, logger: Any = None, buckets: Optional[Dict[str, Any]] = None,
-             out: Optional[Path] = None, conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
+             out: Optional[Path] = None, conditioning: Any = None, share: Optional[Share] = None,
+             weights: Optional[str] = None) -> Dict[str, Any]:
     """Held-out loss (always; with ``buckets``, ``{name: held-out items}``, per bucket and overall,
     :func:`bucket_heldout_loss`) and, when ``full`` and the data are digits, the judge metrics
     (video: temporal statistics) at ``data.resolution``; with ``full`` and ``eval.fid.num``, FID
@@ -234,7 +235,8 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
     With ``full`` the results are written
     to ``out`` (default ``run_dir/eval.json``; the judge is cached in ``run_dir`` either way);
     with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``. ``conditioning``:
-    how item ids become model inputs (:mod:`vitp.data.text`; default class labels).
+    how item ids become model inputs (:mod:`vitp.data.text`; default class labels). ``weights``: the
+    file scored, recorded as ``weights`` (``vitp-eval``).
 
     ``gen``: a :class:`vitp.models.Generator`, or with ``share`` (:class:`vitp.eval.inference.Share`)
     this rank's :class:`vitp.eval.inference.StageDenoiser`: then every rank calls this, the work
@@ -243,6 +245,8 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
     share = share or Share()
     cfg = as_packed_source(cfg, heldout_ds)  # packed digits are judged as the digits
     res: Dict[str, Any] = {"step": step} if step is not None else {}
+    if weights is not None:
+        res["weights"] = weights
     if buckets:
         res.update(bucket_heldout_loss(gen, cfg, buckets, conditioning, share))
     elif len(heldout_ds):
