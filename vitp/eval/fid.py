@@ -277,8 +277,8 @@ def real_side(cfg: Any, metric: Metric, train_ds: Any, heldout_ds: Any, run_dir:
     real_ds = train_ds if f.real == "train" else heldout_ds
     count = min(len(real_ds), f.real_num or len(real_ds))
     if f.real_num > count and share.main:
-        log.warning("eval.%s.real_num=%d but the %s set has %d items: the %s real side uses %d", metric.section,
-                    f.real_num, f.real, count, metric.name, count)
+        log.warning("eval.%s.real_num=%d but the %s set has %d items: the %s real side uses %d (recorded as "
+                    "%s_real_items)", metric.section, f.real_num, f.real, count, metric.name, count, metric.section)
     name = f"{metric.section}_real_{f.real}{count if f.real_num else 'all'}.safetensors"
     return real_ds, count, Path(str(f.real_stats)) if f.real_stats else Path(run_dir) / name
 
@@ -469,6 +469,25 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
     _barrier(share)
 
 
+PUBLISHED = {"FID": "50,000 samples (FID-50K)", "FVD": "2,048 clips"}  # the counts the field reports at
+
+
+def warn_small_counts(metric: Metric, real: int, generated: int) -> Optional[str]:
+    """The warning (logged, and returned; ``None`` when there is none) for a Frechet distance from
+    fewer items on either side than the ``metric``'s feature dimension: its covariances are then
+    singular and the number, biased upwards at small counts, compares only with numbers of the same
+    counts, not with published ones."""
+    if min(real, generated) >= metric.dim:
+        return None
+    items = {"img": "images", "clip": "clips"}.get(metric.unit, "items")
+    line = (f"{metric.name} from {real} real and {generated} generated {items}, fewer than its {metric.dim} "
+            f"features: this {metric.name} is not comparable with published {metric.name}s (made at "
+            f"{PUBLISHED.get(metric.name, 'thousands of items')}); compare it only with {metric.name}s of the same "
+            f"counts")
+    log.warning(line)
+    return line
+
+
 def fid_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path,
                 conditioning: Any = None, share: Optional[Share] = None,
                 heldout_ids: Optional[torch.Tensor] = None, draw: Optional[Draw] = None,
@@ -496,4 +515,5 @@ def fid_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pat
         fake = image_sums(net, images, mine, f.batch_size, bar).summed(share)
     if not share.main:  # the distance (an eigen-decomposition of 2048 x 2048) on rank 0 alone
         return {}
+    warn_small_counts(FID, count, len(images))
     return {"fid": frechet(real, fake), "fid_num_samples": len(images), "fid_real_items": count, "fid_npz": str(npz)}
