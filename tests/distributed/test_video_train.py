@@ -49,6 +49,7 @@ def test_video_training_writes_previews_and_metrics(video_run):
     fvds = {r["step"]: r["fvd"] for r in rows if "fvd" in r}  # eval.fid.every=2: after step 2, and at the end
     assert sorted(fvds) == [2, 3] and fvds[3] == ev["fvd"] and fvds[2] > 0 and fvds[2] != fvds[3]
     assert ev["fvd_num_samples"] == 3 and not list((run / "fid").glob("*.npz*"))  # step 2's clips removed
+    assert ev["sampler"]["grid_classes"] == 2  # the rows drawn on this 2-class run (it said the default 10)
 
 
 def test_vitp_sample_writes_videos(video_run, tmp_path):

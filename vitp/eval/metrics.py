@@ -222,6 +222,17 @@ def video_metrics(gen: Any, cfg: DictConfig, heldout_ds: Any, conditioning: Any 
     return {**temporal_ratio(sums[:2], sums[2:]), "num_samples": n}
 
 
+def sampler_record(cfg: DictConfig) -> Dict[str, Any]:
+    """``cfg.sampler`` as ``eval.json`` records it, ``grid_classes`` as the rows the grid had
+    (:func:`vitp.eval.sampling.class_grid_labels`: at most ``model.num_classes``, 0 = all of them;
+    a 2-class run showed the default 10)."""
+    rec = OmegaConf.to_container(cfg.sampler, resolve=True)
+    classes = int(cfg.model.num_classes)
+    if not int(getattr(cfg.model, "text_dim", 0) or 0) and classes > 0:
+        rec["grid_classes"] = min(int(rec["grid_classes"]) or classes, classes)
+    return rec
+
+
 def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, *, full: bool = True,
              step: Optional[int] = None, logger: Any = None, buckets: Optional[Dict[str, Any]] = None,
              out: Optional[Path] = None, conditioning: Any = None, share: Optional[Share] = None,
@@ -253,10 +264,10 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
         res.update(heldout_loss(gen, cfg, heldout_ds, conditioning=conditioning, share=share))
     if full and cfg.data.name == "digits" and len(heldout_ds) > 1 and not cfg.data.get("latent_channels"):
         res.update(digits_metrics(gen, cfg, train_ds, heldout_ds, run_dir, conditioning, share))
-        res["sampler"] = OmegaConf.to_container(cfg.sampler, resolve=True)
+        res["sampler"] = sampler_record(cfg)
     if full and cfg.model.num_frames > 1 and len(heldout_ds):
         res.update(video_metrics(gen, cfg, heldout_ds, conditioning, share))
-        res["sampler"] = OmegaConf.to_container(cfg.sampler, resolve=True)
+        res["sampler"] = sampler_record(cfg)
     if full and cfg.eval.fid.num:
         npz = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".npz")
         res.update(quality_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share))
