@@ -409,6 +409,52 @@ def weights_identity(*paths: Any) -> str:
     return hashlib.sha256(json.dumps([str(Path(p).resolve()) for p in paths] + rows).encode()).hexdigest()
 
 
+def samples_meta(cfg: Any, labels: torch.Tensor, metric: Metric = FID) -> str:
+    """What makes the ``metric``'s samples of ``labels`` (its section's count, block and seed, the
+    labels' digest, ``cfg.sampler`` and the :func:`sample_source`), as JSON kept beside the parts
+    and the finished ``.npz``: a finished file is reused only when it says the same."""
+    from omegaconf import OmegaConf
+
+    f = cfg.eval[metric.section]
+    return json.dumps({"num": len(labels), "block": f.block, "seed": f.seed,
+                       "labels": hashlib.sha256(labels.numpy().tobytes()).hexdigest(),
+                       "sampler": OmegaConf.to_container(cfg.sampler, resolve=True), "source": _SOURCE.get()[0]},
+                      sort_keys=True)
+
+
+def first_frames_are_fid_samples(cfg: Any) -> bool:
+    """Whether FID's samples are exactly the first frames of FVD's clips (a video run with both
+    on): the same count and seed give each index the same label and noise, and blocks that cut
+    the samples alike give the same sampling batches (so the same floating-point sums)."""
+    fid, fvd = cfg.eval.fid, cfg.eval.fvd
+    n = int(fid.num)
+    return (int(cfg.model.num_frames) > 1 and n > 0 and n == int(fvd.num) and int(fid.seed) == int(fvd.seed)
+            and min(int(fid.block), n) == min(int(fvd.block), n))
+
+
+def fid_samples_from_clips(cfg: Any, clips: Path, npz: Path, labels: torch.Tensor, share: Share) -> None:
+    """Write FID's samples ``npz`` (and what made them, as :func:`write_fid_samples` would) from the
+    first frames of FVD's finished ``clips`` ``.npz`` (uint8 ``(N, T, H, W, 3)``), ``eval.fid.block``
+    at a time, instead of sampling them again; only when :func:`first_frames_are_fid_samples`.
+    Collective (rank 0 writes, every rank waits)."""
+    from vitp.utils import atomic_write_text
+
+    if share.main:
+        frames, block = npz_images(clips, 5), int(cfg.eval.fid.block)
+        parts = npz.with_name(npz.name + ".first_frames")
+        parts.mkdir(parents=True, exist_ok=True)
+        blocks = []
+        for k in range(0, len(frames), block):
+            blocks.append(parts / f"block_{k // block:06d}.npy")
+            np.save(blocks[-1], np.ascontiguousarray(frames[k:k + block, 0]))
+        write_npz(npz, (len(frames), *frames.shape[2:]), blocks, labels.numpy().astype(np.int64))
+        atomic_write_text(npz.with_name(npz.name + ".json"), samples_meta(cfg, labels, FID))
+        for b in blocks:
+            b.unlink()
+        parts.rmdir()
+    _barrier(share)
+
+
 def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, npz: Path,
                       conditioning: Any = None, metric: Metric = FID, draw: Optional[Draw] = None) -> None:
     """Sample ``labels`` (sample ``i`` from the noise of ``(eval.fid.seed, i)``; another ``metric``:
@@ -428,10 +474,8 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
     from .sampling import generate
 
     f, n, m = cfg.eval[metric.section], len(labels), metric
-    source, replace_stale = _SOURCE.get()
-    meta = json.dumps({"num": n, "block": f.block, "seed": f.seed, "labels": hashlib.sha256(labels.numpy().tobytes())
-                       .hexdigest(), "sampler": OmegaConf.to_container(cfg.sampler, resolve=True),
-                       "source": source}, sort_keys=True)
+    replace_stale = _SOURCE.get()[1]
+    meta = samples_meta(cfg, labels, metric)
     made = npz.with_name(npz.name + ".json")  # what made the finished npz
     if npz.is_file() and made.is_file() and made.read_text() == meta and len(npz_images(npz, m.item_dims)) == n:
         return

@@ -268,16 +268,39 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
     if full and cfg.model.num_frames > 1 and len(heldout_ds):
         res.update(video_metrics(gen, cfg, heldout_ds, conditioning, share))
         res["sampler"] = sampler_record(cfg)
-    if full and cfg.eval.fid.num:
-        npz = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".npz")
-        res.update(quality_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share))
-    if full and cfg.eval.fvd.num and cfg.model.num_frames > 1:  # FVD of a video run's clips
-        from .fvd import fvd_metrics
-
-        clips = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".fvd.npz")
-        ids = item_ids(heldout_ds) if len(heldout_ds) else None
-        res.update(fvd_metrics(gen, cfg, train_ds, heldout_ds, run_dir, clips, conditioning, share, ids))
+    if full:
+        base = Path(out) if out is not None else Path(run_dir) / "eval.json"
+        res.update(fid_and_fvd(gen, cfg, train_ds, heldout_ds, run_dir, base.with_suffix(".npz"),
+                               base.with_suffix(".fvd.npz"), conditioning, share))
     return report(res, share, logger, step, full, run_dir, out)
+
+
+def fid_and_fvd(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path, clips: Path,
+                conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
+    """With ``eval.fid.num``, :func:`quality_metrics` (FID, CLIP score) of samples in ``npz``; with
+    ``eval.fvd.num`` and a video run, FVD (:func:`vitp.eval.fvd.fvd_metrics`) of clips in ``clips``.
+    When FID's samples are the first frames of FVD's clips (same count, seed and blocks,
+    :func:`vitp.eval.fid.first_frames_are_fid_samples`) the clips are drawn once and FID reads their
+    first frames: the same ``npz`` and numbers, without sampling twice. Rank 0's results (``{}``
+    elsewhere). Collective."""
+    from .fid import fid_labels, fid_samples_from_clips, first_frames_are_fid_samples
+    from .fvd import fvd_metrics
+
+    share, res, fvd = share or Share(), {}, {}
+    ids = item_ids(heldout_ds) if len(heldout_ds) else None
+    video = cfg.eval.fvd.num and cfg.model.num_frames > 1
+    if cfg.eval.fid.num and video and first_frames_are_fid_samples(cfg):
+        from .clip_score import check_clip
+
+        check_clip(cfg, conditioning)  # before the clips are drawn, as before FID's samples
+        fvd = fvd_metrics(gen, cfg, train_ds, heldout_ds, run_dir, clips, conditioning, share, ids)
+        labels = fid_labels(cfg, conditioning, ids if ids is not None else torch.zeros(1, dtype=torch.long))
+        fid_samples_from_clips(cfg, clips, npz, labels, share)  # quality_metrics then reuses this npz
+    if cfg.eval.fid.num:
+        res.update(quality_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share))
+    if video and not fvd:
+        fvd = fvd_metrics(gen, cfg, train_ds, heldout_ds, run_dir, clips, conditioning, share, ids)
+    return {**res, **fvd}
 
 
 def quality_metrics(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path,
