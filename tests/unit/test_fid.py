@@ -203,7 +203,7 @@ def test_fid_against_an_empty_held_out_set_is_refused_before_step_one(weights, t
     """``data.holdout_fraction=0`` with ``eval.fid.real=heldout`` (a new user's trial, FVD alike)
     trained to the end, then failed with "raise eval.fvd.num / eval.fvd.real_num" (the wrong fix)
     and left an empty real-statistics cache: now refused when the split is known, before the
-    process group and step 1, naming a held-out split and eval.fid.real=train; no file is written."""
+    engine and step 1, naming a held-out split and eval.fid.real=train; no file is written."""
     from tests.helpers import compose_cfg
     from vitp.eval.fid import real_statistics
     from vitp.eval.inference import Share
