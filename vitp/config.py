@@ -985,6 +985,20 @@ def _layouts(world: int) -> List[tuple]:
     return [(t, p) for t in range(1, world + 1) for p in range(1, world + 1) if world % (t * p) == 0]
 
 
+def _with_cp(cfg: "DictConfig", world_size: int, device_type: str) -> str:
+    """``"; with parallel.cp=C: [(tp, pp), ...]"`` for each context-parallel degree ``C > 1`` at which
+    some ``(tp, pp)`` passes on ``world_size`` processes (:func:`_passing_layouts`), else ``""``: a
+    refusal listing only the cp=1 layouts left out valid ones (cp=2 of 2 processes)."""
+    from omegaconf import OmegaConf
+
+    out = ""
+    for c in divisors(world_size)[1:]:
+        ok = _passing_layouts(OmegaConf.merge(cfg, {"parallel": {"cp": c}}), world_size, c, device_type)
+        if not ok.startswith("none"):
+            out += f"; with parallel.cp={c}: {ok}"
+    return out
+
+
 def _passing_layouts(cfg: "DictConfig", world_size: int, cp: int, device_type: str) -> str:
     """The ``(tp, pp)`` at ``parallel.cp=cp`` that pass :func:`validate_layout` on ``world_size``
     processes with the rest of ``cfg`` (heads, depth, batch split, cp rules), as ``[(tp, pp), ...]``;
@@ -1145,7 +1159,7 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
                              f"parallel.pp=1 (one process trains at tp=1 cp=1 pp=1)")
         if cp == 1:
             raise ValueError(f"parallel.tp={tp} x parallel.pp={pp} does not divide world_size={world_size}; "
-                             f"valid (tp, pp) for {world_size} processes: {ok}")
+                             f"valid (tp, pp) for {world_size} processes: {ok}{_with_cp(cfg, world_size, device_type)}")
         at_cp = f" (at cp={cp} the valid (tp, pp) are {ok})" if ok != "none" else ""
         raise ValueError(f"parallel.tp={tp} x parallel.cp={cp} x parallel.pp={pp} does not divide world_size="
                          f"{world_size}; launch a multiple of {tp * cp * pp} processes, or use parallel.cp in "

@@ -169,7 +169,8 @@ def test_world_size_change_is_explained_or_replanned(runs, tmp_path):
                        capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode == 2, out[-3000:]
-    assert ("does not divide world_size=2; valid (tp, pp) for 2 processes: [(1, 1), (1, 2), (2, 1)]. Resuming: the "
+    assert ("does not divide world_size=2; valid (tp, pp) for 2 processes: [(1, 1), (1, 2), (2, 1)]; with "
+            "parallel.cp=2: [(1, 1)]. Resuming: the "
             "latest checkpoint (step 3) was written at tp=2 pp=2 dp=2 (8 ranks), this job has 2; relaunch with the "
             "checkpoint's number of ranks, or continue on 2 at another layout: add parallel.tp=1 parallel.cp=1 "
             "parallel.pp=1") in out, out[-3000:]

@@ -184,6 +184,10 @@ def test_sample_and_eval_clis(tmp_path, capsys):
     at2, last, final = (vitp_eval([str(run), *w, "sampler.steps=2", "eval.t_grid=1"]) for w in (
         ["--weights", "checkpoints/step_0000002"], ["--weights", "checkpoints"], []))  # checkpoints: the latest
     assert (at2["step"], last["step"], final["step"]) == (2, 4, 4)
+    # named by the checkpoint's tag (it was eval_model_ema_<digest>.json, read as the final EMA), the file recorded
+    assert at2["weights"] == str(run / "checkpoints" / "step_0000002" / "model_ema.safetensors")
+    assert [json.loads(p.read_text())["weights"] for p in run.glob("eval_*_step_0000002_*.json")] == [at2["weights"]]
+    assert final["weights"] == str(run / "model_ema.safetensors") and not list(run.glob("eval_model_ema*"))
     assert last["heldout_loss"] == pytest.approx(final["heldout_loss"], rel=1e-6)
     assert abs(at2["heldout_loss"] / final["heldout_loss"] - 1) > 1e-4  # other weights
 

@@ -20,14 +20,21 @@ def _random_i3d(path):
     return eval_weights_script().random_i3d(path)
 
 
+def _random_inception(path):
+    from tests.helpers import eval_weights_script
+
+    return eval_weights_script().random_inception(path)
+
+
 @pytest.fixture(scope="module")
 def video_run(tmp_path_factory):
-    """The tiny video run, 3 steps, with FVD of 3 clips after step 2 (``eval.fid.every=2``) and in
-    the final evaluation (random-weight I3D)."""
+    """The tiny video run, 3 steps, with FVD and FID of 3 clips after step 2 (``eval.fid.every=2``) and
+    in the final evaluation (random-weight I3D and Inception; FID reads the first frames of FVD's clips)."""
     base = tmp_path_factory.mktemp("video")
     weights = _random_i3d(base / "i3d.pt")
     fvd = ["eval.fvd.num=3", "eval.fvd.real_num=3", "eval.fvd.batch_size=3", f"eval.fvd.weights={weights}",
-           "eval.fid.every=2"]
+           "eval.fid.every=2", "eval.fid.num=3", "eval.fid.real_num=3", "eval.fid.batch_size=3",
+           f"eval.fid.weights={_random_inception(base / 'inception.pth')}"]
     res = run_ranks(1, train_rank, [*TINY_VIDEO, *fvd], str(base / "run"))[0]
     return base / "run", res
 
@@ -52,6 +59,10 @@ def test_video_training_writes_previews_and_metrics(video_run):
     split = json.loads((run / "heldout_split.json").read_text())  # what a resume keeps (vitp.data.heldout_record)
     assert [f.rsplit("/", 1)[1] for f in split["files"]] == ["bikes.mp4", "carphone_pristine.mp4"]
     assert split["held_out"] and all(k.split("#")[0] in split["files"] for k in split["held_out"])
+    # FID's samples are the first frames of FVD's clips, drawn once (step 2 and the end)
+    assert np.array_equal(np.load(run / "eval.npz")["arr_0"], np.load(run / "eval.fvd.npz")["arr_0"][:, 0])
+    assert sorted(r["step"] for r in rows if "fid" in r) == [2, 3] and ev["fid_num_samples"] == 3
+    assert ev["sampler"]["grid_classes"] == 2  # the rows drawn on this 2-class run (it said the default 10)
 
 
 def test_vitp_sample_writes_videos(video_run, tmp_path):
@@ -82,10 +93,14 @@ def test_vitp_sample_writes_videos(video_run, tmp_path):
 FVD = ["eval.fvd.num=3", "eval.fvd.block=2", "eval.fvd.real_num=3", "eval.fvd.batch_size=2"]
 
 
-def test_fvd_under_torchrun_is_one_process(video_run, tmp_path):
+def test_fvd_under_torchrun_is_one_process(video_run, tmp_path, caplog):
     """vitp-eval with FVD by one process, then under torchrun (2 replicas, each sampling and
     extracting its own clips; the real statistics read from the one process's cache, which is
-    left as it was): the same clips byte for byte, the same FVD to 1e-6."""
+    left as it was): the same clips byte for byte, the same FVD to 1e-6. FID of the same 3
+    samples: the one process takes the first frames of its FVD clips (blocks of 2 alike), the
+    torchrun draws them itself (FID blocks of 3): the same .npz byte for byte, the same FID."""
+    import logging
+
     import os
     import subprocess
     import sys
@@ -100,12 +115,18 @@ def test_fvd_under_torchrun_is_one_process(video_run, tmp_path):
         eval_run([str(run), "eval.fvd.num=2", "eval.fvd.weights=null"])
     over = [*FVD, f"eval.fvd.weights={weights}", f"eval.fvd.real_stats={tmp_path / 'real.safetensors'}",
             "eval.num_samples=2", "eval.t_grid=2"]
-    one = eval_run([str(run), "eval.fvd.real=train", *over])  # (another results file than the launch's)
+    fid = ["eval.fid.num=3", "eval.fid.real_num=3", "eval.fid.batch_size=3", "eval.fid.block=2",
+           f"eval.fid.weights={_random_inception(tmp_path / 'inception.pth')}",
+           f"eval.fid.real_stats={tmp_path / 'fid_real.safetensors'}"]
+    with caplog.at_level(logging.INFO, logger="vitp"):
+        one = eval_run([str(run), "eval.fvd.real=train", *over, *fid])  # (another results file than the launch's)
+    drawn = [r.getMessage() for r in caplog.records if "samples for F" in r.getMessage()]
+    assert drawn and all("samples for FVD (block" in m for m in drawn)  # FID's: the clips' first frames
     cached = (tmp_path / "real.safetensors").read_bytes()
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", NO_ALBUMENTATIONS_UPDATE="1")
     p = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
                         str(free_port()), "--no-python", str(Path(sys.executable).parent / "vitp-eval"), str(run),
-                        *over],
+                        *over, *fid, "eval.fid.block=3"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     two = json.loads(p.stdout)  # rank 0 alone prints
@@ -115,3 +136,6 @@ def test_fvd_under_torchrun_is_one_process(video_run, tmp_path):
     assert (tmp_path / "real.safetensors").read_bytes() == cached  # read, not written again
     assert two["fvd"] == pytest.approx(one["fvd"], rel=1e-6) and one["fvd"] > 0
     assert two["heldout_loss"] == pytest.approx(one["heldout_loss"], rel=1e-6)
+    assert "samples for FID (block 1 of 1)" in p.stderr  # the replicas drew FID samples of their own
+    assert Path(one["fid_npz"]).read_bytes() == Path(two["fid_npz"]).read_bytes()
+    assert two["fid"] == pytest.approx(one["fid"], rel=1e-6) and one["fid"] > 0

@@ -539,17 +539,21 @@ def test_an_impossible_layout_lists_only_layouts_that_pass(over, world, before):
         assert str(e.value) == ("parallel.tp=3 x parallel.pp=1 does not divide world_size=8; valid (tp, pp) for 8 "
                                 "processes: [(1, 1), (1, 2), (2, 1), (2, 2)] ((1, 1) with trainer.micro_batch_size=1; "
                                 "(1, 2) with trainer.micro_batch_size=2; (2, 1) with trainer.micro_batch_size=2: the "
-                                "same samples per step in smaller micro-batches)")
+                                "same samples per step in smaller micro-batches); with parallel.cp=2: [(1, 1), (1, 2)] "
+                                "((1, 1) with trainer.micro_batch_size=2: the same samples per step in smaller "
+                                "micro-batches)")
 
 
 def test_the_layouts_listed_for_two_processes_include_tp1_pp1():
     """``torchrun --nproc_per_node 2 -m vitp.train parallel.tp=3`` listed [(1, 2), (2, 1)]: (1, 1)
-    (dp=2) was left out because its micro-batch of 64 had to halve to split 64 samples over 2 ranks."""
+    (dp=2) was left out because its micro-batch of 64 had to halve to split 64 samples over 2 ranks.
+    It then left out cp=2, which is valid too (a new user's trial): the layouts at each cp follow."""
     with pytest.raises(ValueError) as e:
         validate_layout(compose_cfg(["parallel.tp=3"]), world_size=2)
     assert str(e.value) == ("parallel.tp=3 x parallel.pp=1 does not divide world_size=2; valid (tp, pp) for 2 "
                             "processes: [(1, 1), (1, 2), (2, 1)] ((1, 1) with trainer.micro_batch_size=32: the same "
-                            "samples per step in smaller micro-batches)")
+                            "samples per step in smaller micro-batches); with parallel.cp=2: [(1, 1)]")
+    validate_layout(compose_cfg(["parallel.cp=2"]), world_size=2)  # the listed cp layout passes
 
 
 def test_an_impossible_layout_says_when_no_layout_passes():

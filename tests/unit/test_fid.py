@@ -197,3 +197,27 @@ def test_samples_of_other_weights_are_never_reused(tmp_path):
     with sample_source("weights d", replace_stale=True):
         write_fid_samples(replaced, cfg, labels, Share(), npz)
     assert replaced.calls == gens[0].calls and not (tmp_path / "s.npz.parts").exists()
+
+
+def test_fid_against_an_empty_held_out_set_is_refused_before_step_one(weights, tmp_path):
+    """``data.holdout_fraction=0`` with ``eval.fid.real=heldout`` (a new user's trial, FVD alike)
+    trained to the end, then failed with "raise eval.fvd.num / eval.fvd.real_num" (the wrong fix)
+    and left an empty real-statistics cache: now refused when the split is known, before the
+    engine and step 1, naming a held-out split and eval.fid.real=train; no file is written."""
+    from tests.helpers import compose_cfg
+    from vitp.eval.fid import real_statistics
+    from vitp.eval.inference import Share
+    from vitp.train.trainer import Trainer
+
+    over = ["experiment=smoke", "eval.enabled=true", "data.holdout_fraction=0", "eval.fid.num=4",
+            f"eval.fid.weights={weights}", "eval.fid.real=heldout"]
+    with pytest.raises(ValueError) as e:
+        Trainer(compose_cfg(over), tmp_path / "run")
+    assert str(e.value) == ("eval.fid.real=heldout but the run has 0 held-out items (data.holdout_fraction=0), and "
+                            "FID needs at least 2 real items: hold out a split with data.holdout_fraction > 0 or "
+                            "data.heldout_root=DIR, or score against the training items with eval.fid.real=train")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not list(tmp_path.rglob("*.safetensors"))
+    cache = tmp_path / "fid_real_heldoutall.safetensors"  # and never an empty cache, whoever calls it
+    with pytest.raises(ValueError, match="^FID needs at least 2 real items, and eval.fid.real=heldout has 0: score"):
+        real_statistics(None, compose_cfg(over), [], 0, Share(), cache, "0" * 64)
+    assert not cache.exists()

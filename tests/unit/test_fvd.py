@@ -191,3 +191,32 @@ def test_fvd_clips_npz_is_the_same_in_any_blocks(tmp_path):
     assert clips.shape == (5, 4, 8, 8, 3) and clips.dtype == np.uint8 and len({c.tobytes() for c in clips}) == 5
     with pytest.raises(ValueError, match=r"FID reads uint8 \(N, H, W, 3\) images"):
         npz_images(files[0])
+
+
+def test_small_counts_are_said_with_both_numbers(tmp_path, caplog):
+    """A new user's FID of 6 real and 8 generated items (2048-d features) and ``eval.fvd.real_num=50``
+    clamped to the 2 clips there were gave numbers with nothing said: the real side's clamp names
+    both numbers, and a side with fewer items than features says the number is not comparable with
+    published ones."""
+    import logging
+
+    from vitp.config import compose
+    from vitp.eval.fid import FID, real_side, warn_small_counts
+    from vitp.eval.fvd import FVD
+    from vitp.eval.inference import Share
+
+    cfg = compose(["experiment=smoke", "eval.fvd.real_num=50", "eval.fvd.real=heldout"])
+    with caplog.at_level(logging.WARNING, logger="vitp"):
+        ds, count, cache = real_side(cfg, FVD, list(range(9)), [0, 1], tmp_path, Share())
+        fid_line = warn_small_counts(FID, 6, 8)
+        assert warn_small_counts(FVD, 400, 2048) is None and warn_small_counts(FID, 2048, 50000) is None
+        fvd_line = warn_small_counts(FVD, 2, 4)
+    assert (count, cache.name) == (2, "fvd_real_heldout2.safetensors")
+    assert fid_line == ("FID from 6 real and 8 generated images, fewer than its 2048 features: this FID is not comparable "
+                        "with published FIDs (made at 50,000 samples (FID-50K)); compare it only with FIDs of the same "
+                        "counts")
+    assert fvd_line.startswith("FVD from 2 real and 4 generated clips, fewer than its 400 features: this FVD is not "
+                               "comparable with published FVDs (made at 2,048 clips)")
+    assert [r.getMessage() for r in caplog.records] == [
+        "eval.fvd.real_num=50 but the heldout set has 2 items: the FVD real side uses 2 (recorded as fvd_real_items)",
+        fid_line, fvd_line]

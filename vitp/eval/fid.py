@@ -247,6 +247,10 @@ def real_statistics(net: torch.nn.Module, cfg: Any, dataset: Any, count: int, sh
                                      f"evaluation's; delete it to recompute them, or give "
                                      f"eval.{m.section}.real_stats=ANOTHER_FILE")
             return FeatureSums(float(f.get_tensor("n")[0]), f.get_tensor("s"), f.get_tensor("ss"))
+    if count < 2:  # an empty cache would be kept and read as statistics
+        raise ValueError(f"{m.name} needs at least 2 real items, and eval.{m.section}.real={sect.real} has {count}: "
+                         f"score against eval.{m.section}.real=train, or hold out a split with "
+                         f"data.holdout_fraction > 0 or data.heldout_root=DIR")
     mine, batch, sums = share.indices(count), sect.batch_size, FeatureSums.zeros(m.dim)
     device = next(net.parameters()).device
     with phase(f"{m.name} real statistics of {count} {sect.real} items", len(mine), f"{m.name} real", m.unit,
@@ -273,8 +277,8 @@ def real_side(cfg: Any, metric: Metric, train_ds: Any, heldout_ds: Any, run_dir:
     real_ds = train_ds if f.real == "train" else heldout_ds
     count = min(len(real_ds), f.real_num or len(real_ds))
     if f.real_num > count and share.main:
-        log.warning("eval.%s.real_num=%d but the %s set has %d items: the %s real side uses %d", metric.section,
-                    f.real_num, f.real, count, metric.name, count)
+        log.warning("eval.%s.real_num=%d but the %s set has %d items: the %s real side uses %d (recorded as "
+                    "%s_real_items)", metric.section, f.real_num, f.real, count, metric.name, count, metric.section)
     name = f"{metric.section}_real_{f.real}{count if f.real_num else 'all'}.safetensors"
     return real_ds, count, Path(str(f.real_stats)) if f.real_stats else Path(run_dir) / name
 
@@ -405,6 +409,52 @@ def weights_identity(*paths: Any) -> str:
     return hashlib.sha256(json.dumps([str(Path(p).resolve()) for p in paths] + rows).encode()).hexdigest()
 
 
+def samples_meta(cfg: Any, labels: torch.Tensor, metric: Metric = FID) -> str:
+    """What makes the ``metric``'s samples of ``labels`` (its section's count, block and seed, the
+    labels' digest, ``cfg.sampler`` and the :func:`sample_source`), as JSON kept beside the parts
+    and the finished ``.npz``: a finished file is reused only when it says the same."""
+    from omegaconf import OmegaConf
+
+    f = cfg.eval[metric.section]
+    return json.dumps({"num": len(labels), "block": f.block, "seed": f.seed,
+                       "labels": hashlib.sha256(labels.numpy().tobytes()).hexdigest(),
+                       "sampler": OmegaConf.to_container(cfg.sampler, resolve=True), "source": _SOURCE.get()[0]},
+                      sort_keys=True)
+
+
+def first_frames_are_fid_samples(cfg: Any) -> bool:
+    """Whether FID's samples are exactly the first frames of FVD's clips (a video run with both
+    on): the same count and seed give each index the same label and noise, and blocks that cut
+    the samples alike give the same sampling batches (so the same floating-point sums)."""
+    fid, fvd = cfg.eval.fid, cfg.eval.fvd
+    n = int(fid.num)
+    return (int(cfg.model.num_frames) > 1 and n > 0 and n == int(fvd.num) and int(fid.seed) == int(fvd.seed)
+            and min(int(fid.block), n) == min(int(fvd.block), n))
+
+
+def fid_samples_from_clips(cfg: Any, clips: Path, npz: Path, labels: torch.Tensor, share: Share) -> None:
+    """Write FID's samples ``npz`` (and what made them, as :func:`write_fid_samples` would) from the
+    first frames of FVD's finished ``clips`` ``.npz`` (uint8 ``(N, T, H, W, 3)``), ``eval.fid.block``
+    at a time, instead of sampling them again; only when :func:`first_frames_are_fid_samples`.
+    Collective (rank 0 writes, every rank waits)."""
+    from vitp.utils import atomic_write_text
+
+    if share.main:
+        frames, block = npz_images(clips, 5), int(cfg.eval.fid.block)
+        parts = npz.with_name(npz.name + ".first_frames")
+        parts.mkdir(parents=True, exist_ok=True)
+        blocks = []
+        for k in range(0, len(frames), block):
+            blocks.append(parts / f"block_{k // block:06d}.npy")
+            np.save(blocks[-1], np.ascontiguousarray(frames[k:k + block, 0]))
+        write_npz(npz, (len(frames), *frames.shape[2:]), blocks, labels.numpy().astype(np.int64))
+        atomic_write_text(npz.with_name(npz.name + ".json"), samples_meta(cfg, labels, FID))
+        for b in blocks:
+            b.unlink()
+        parts.rmdir()
+    _barrier(share)
+
+
 def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, npz: Path,
                       conditioning: Any = None, metric: Metric = FID, draw: Optional[Draw] = None) -> None:
     """Sample ``labels`` (sample ``i`` from the noise of ``(eval.fid.seed, i)``; another ``metric``:
@@ -424,10 +474,8 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
     from .sampling import generate
 
     f, n, m = cfg.eval[metric.section], len(labels), metric
-    source, replace_stale = _SOURCE.get()
-    meta = json.dumps({"num": n, "block": f.block, "seed": f.seed, "labels": hashlib.sha256(labels.numpy().tobytes())
-                       .hexdigest(), "sampler": OmegaConf.to_container(cfg.sampler, resolve=True),
-                       "source": source}, sort_keys=True)
+    replace_stale = _SOURCE.get()[1]
+    meta = samples_meta(cfg, labels, metric)
     made = npz.with_name(npz.name + ".json")  # what made the finished npz
     if npz.is_file() and made.is_file() and made.read_text() == meta and len(npz_images(npz, m.item_dims)) == n:
         return
@@ -465,6 +513,25 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
     _barrier(share)
 
 
+PUBLISHED = {"FID": "50,000 samples (FID-50K)", "FVD": "2,048 clips"}  # the counts the field reports at
+
+
+def warn_small_counts(metric: Metric, real: int, generated: int) -> Optional[str]:
+    """The warning (logged, and returned; ``None`` when there is none) for a Frechet distance from
+    fewer items on either side than the ``metric``'s feature dimension: its covariances are then
+    singular and the number, biased upwards at small counts, compares only with numbers of the same
+    counts, not with published ones."""
+    if min(real, generated) >= metric.dim:
+        return None
+    items = {"img": "images", "clip": "clips"}.get(metric.unit, "items")
+    line = (f"{metric.name} from {real} real and {generated} generated {items}, fewer than its {metric.dim} "
+            f"features: this {metric.name} is not comparable with published {metric.name}s (made at "
+            f"{PUBLISHED.get(metric.name, 'thousands of items')}); compare it only with {metric.name}s of the same "
+            f"counts")
+    log.warning(line)
+    return line
+
+
 def fid_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path,
                 conditioning: Any = None, share: Optional[Share] = None,
                 heldout_ids: Optional[torch.Tensor] = None, draw: Optional[Draw] = None,
@@ -492,4 +559,5 @@ def fid_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pat
         fake = image_sums(net, images, mine, f.batch_size, bar).summed(share)
     if not share.main:  # the distance (an eigen-decomposition of 2048 x 2048) on rank 0 alone
         return {}
+    warn_small_counts(FID, count, len(images))
     return {"fid": frechet(real, fake), "fid_num_samples": len(images), "fid_real_items": count, "fid_npz": str(npz)}

@@ -35,7 +35,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .fid import (Decode, Draw, FeatureSums, Metric, file_digest, fid_labels, image_sums, npz_images,
-                  read_weights_file, real_side, real_statistics, write_fid_samples)
+                  read_weights_file, real_side, real_statistics, warn_small_counts, write_fid_samples)
 from .inference import Share
 from .progress import phase
 
@@ -172,5 +172,6 @@ def fvd_metrics(gen: Any, cfg: Any, train_ds: Any, heldout_ds: Any, run_dir: Pat
         fake = image_sums(net, clips, mine, f.batch_size, bar, FVD).summed(share)
     if not share.main:
         return {}
+    warn_small_counts(FVD, count, len(clips))
     return {"fvd": frechet_video(real, fake), "fvd_num_samples": len(clips), "fvd_real_items": count,
             "fvd_npz": str(npz)}

@@ -222,9 +222,21 @@ def video_metrics(gen: Any, cfg: DictConfig, heldout_ds: Any, conditioning: Any 
     return {**temporal_ratio(sums[:2], sums[2:]), "num_samples": n}
 
 
+def sampler_record(cfg: DictConfig) -> Dict[str, Any]:
+    """``cfg.sampler`` as ``eval.json`` records it, ``grid_classes`` as the rows the grid had
+    (:func:`vitp.eval.sampling.class_grid_labels`: at most ``model.num_classes``, 0 = all of them;
+    a 2-class run showed the default 10)."""
+    rec = OmegaConf.to_container(cfg.sampler, resolve=True)
+    classes = int(cfg.model.num_classes)
+    if not int(getattr(cfg.model, "text_dim", 0) or 0) and classes > 0:
+        rec["grid_classes"] = min(int(rec["grid_classes"]) or classes, classes)
+    return rec
+
+
 def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, *, full: bool = True,
              step: Optional[int] = None, logger: Any = None, buckets: Optional[Dict[str, Any]] = None,
-             out: Optional[Path] = None, conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
+             out: Optional[Path] = None, conditioning: Any = None, share: Optional[Share] = None,
+             weights: Optional[str] = None) -> Dict[str, Any]:
     """Held-out loss (always; with ``buckets``, ``{name: held-out items}``, per bucket and overall,
     :func:`bucket_heldout_loss`) and, when ``full`` and the data are digits, the judge metrics
     (video: temporal statistics) at ``data.resolution``; with ``full`` and ``eval.fid.num``, FID
@@ -234,7 +246,8 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
     With ``full`` the results are written
     to ``out`` (default ``run_dir/eval.json``; the judge is cached in ``run_dir`` either way);
     with ``logger`` and ``step`` the floats go to TensorBoard as ``eval/<key>``. ``conditioning``:
-    how item ids become model inputs (:mod:`vitp.data.text`; default class labels).
+    how item ids become model inputs (:mod:`vitp.data.text`; default class labels). ``weights``: the
+    file scored, recorded as ``weights`` (``vitp-eval``).
 
     ``gen``: a :class:`vitp.models.Generator`, or with ``share`` (:class:`vitp.eval.inference.Share`)
     this rank's :class:`vitp.eval.inference.StageDenoiser`: then every rank calls this, the work
@@ -243,26 +256,51 @@ def evaluate(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir:
     share = share or Share()
     cfg = as_packed_source(cfg, heldout_ds)  # packed digits are judged as the digits
     res: Dict[str, Any] = {"step": step} if step is not None else {}
+    if weights is not None:
+        res["weights"] = weights
     if buckets:
         res.update(bucket_heldout_loss(gen, cfg, buckets, conditioning, share))
     elif len(heldout_ds):
         res.update(heldout_loss(gen, cfg, heldout_ds, conditioning=conditioning, share=share))
     if full and cfg.data.name == "digits" and len(heldout_ds) > 1 and not cfg.data.get("latent_channels"):
         res.update(digits_metrics(gen, cfg, train_ds, heldout_ds, run_dir, conditioning, share))
-        res["sampler"] = OmegaConf.to_container(cfg.sampler, resolve=True)
+        res["sampler"] = sampler_record(cfg)
     if full and cfg.model.num_frames > 1 and len(heldout_ds):
         res.update(video_metrics(gen, cfg, heldout_ds, conditioning, share))
-        res["sampler"] = OmegaConf.to_container(cfg.sampler, resolve=True)
-    if full and cfg.eval.fid.num:
-        npz = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".npz")
-        res.update(quality_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share))
-    if full and cfg.eval.fvd.num and cfg.model.num_frames > 1:  # FVD of a video run's clips
-        from .fvd import fvd_metrics
-
-        clips = (Path(out) if out is not None else Path(run_dir) / "eval.json").with_suffix(".fvd.npz")
-        ids = item_ids(heldout_ds) if len(heldout_ds) else None
-        res.update(fvd_metrics(gen, cfg, train_ds, heldout_ds, run_dir, clips, conditioning, share, ids))
+        res["sampler"] = sampler_record(cfg)
+    if full:
+        base = Path(out) if out is not None else Path(run_dir) / "eval.json"
+        res.update(fid_and_fvd(gen, cfg, train_ds, heldout_ds, run_dir, base.with_suffix(".npz"),
+                               base.with_suffix(".fvd.npz"), conditioning, share))
     return report(res, share, logger, step, full, run_dir, out)
+
+
+def fid_and_fvd(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path, clips: Path,
+                conditioning: Any = None, share: Optional[Share] = None) -> Dict[str, Any]:
+    """With ``eval.fid.num``, :func:`quality_metrics` (FID, CLIP score) of samples in ``npz``; with
+    ``eval.fvd.num`` and a video run, FVD (:func:`vitp.eval.fvd.fvd_metrics`) of clips in ``clips``.
+    When FID's samples are the first frames of FVD's clips (same count, seed and blocks,
+    :func:`vitp.eval.fid.first_frames_are_fid_samples`) the clips are drawn once and FID reads their
+    first frames: the same ``npz`` and numbers, without sampling twice. Rank 0's results (``{}``
+    elsewhere). Collective."""
+    from .fid import fid_labels, fid_samples_from_clips, first_frames_are_fid_samples
+    from .fvd import fvd_metrics
+
+    share, res, fvd = share or Share(), {}, {}
+    ids = item_ids(heldout_ds) if len(heldout_ds) else None
+    video = cfg.eval.fvd.num and cfg.model.num_frames > 1
+    if cfg.eval.fid.num and video and first_frames_are_fid_samples(cfg):
+        from .clip_score import check_clip
+
+        check_clip(cfg, conditioning)  # before the clips are drawn, as before FID's samples
+        fvd = fvd_metrics(gen, cfg, train_ds, heldout_ds, run_dir, clips, conditioning, share, ids)
+        labels = fid_labels(cfg, conditioning, ids if ids is not None else torch.zeros(1, dtype=torch.long))
+        fid_samples_from_clips(cfg, clips, npz, labels, share)  # quality_metrics then reuses this npz
+    if cfg.eval.fid.num:
+        res.update(quality_metrics(gen, cfg, train_ds, heldout_ds, run_dir, npz, conditioning, share))
+    if video and not fvd:
+        fvd = fvd_metrics(gen, cfg, train_ds, heldout_ds, run_dir, clips, conditioning, share, ids)
+    return {**res, **fvd}
 
 
 def quality_metrics(gen: Any, cfg: DictConfig, train_ds: Any, heldout_ds: Any, run_dir: Path, npz: Path,
@@ -301,6 +339,42 @@ def check_quality_inputs(cfg: Any, fvd: Optional[bool] = None) -> None:
     if cfg.eval.fvd.num if fvd is None else fvd:
         check_fvd(cfg)
         check_real_cache(cfg, "fvd")
+
+
+def _no_split_fix(cfg: Any) -> str:
+    return "hold out a split with data.holdout_fraction > 0 or data.heldout_root=DIR"
+
+
+def check_real_split(cfg: Any, heldout_items: int) -> None:
+    """Once the split is known, before any step or sample: FID (``eval.fid.num``) or a video run's
+    FVD (``eval.fvd.num``) against ``eval.<metric>.real=heldout`` needs at least 2 held-out items
+    (``heldout_items`` of them). Raises ``ValueError`` (one line) naming the key and both fixes (a
+    held-out split, or ``eval.<metric>.real=train``); a run used to train to its end first."""
+    for section, name, on in (("fid", "FID", bool(cfg.eval.fid.num)),
+                              ("fvd", "FVD", bool(cfg.eval.fvd.num) and int(cfg.model.num_frames) > 1)):
+        if on and cfg.eval[section].real == "heldout" and heldout_items < 2:
+            why = (" (data.holdout_fraction=0)" if not cfg.data.heldout_root and not cfg.data.holdout_fraction
+                   else "")
+            raise ValueError(f"eval.{section}.real=heldout but the run has {heldout_items} held-out item"
+                             f"{'' if heldout_items == 1 else 's'}{why}, and {name} needs at least 2 real items: "
+                             f"{_no_split_fix(cfg)}, or score against the training items with "
+                             f"eval.{section}.real=train")
+
+
+def evaluation_notes(cfg: Any, heldout_items: int) -> List[str]:
+    """What an evaluation of ``cfg`` leaves out, said once at its start (an evaluation used to log only
+    ``{'step': N}``): the held-out loss (and a video run's temporal statistics) without held-out items,
+    and FVD (``eval.fvd.num``) of an image run, which training skips."""
+    notes = []
+    if not heldout_items:
+        video = " and the temporal statistics" if int(cfg.model.num_frames) > 1 else ""
+        why = "data.holdout_fraction=0" if not cfg.data.heldout_root and not cfg.data.holdout_fraction else \
+            "the held-out set is empty"
+        notes.append(f"evaluation: no held-out items ({why}): the held-out loss{video} are off; {_no_split_fix(cfg)}")
+    if cfg.eval.fvd.num and int(cfg.model.num_frames) < 2:
+        notes.append(f"evaluation: eval.fvd.num={cfg.eval.fvd.num} is skipped: FVD scores videos, but this run makes "
+                     f"images (model.num_frames={cfg.model.num_frames}); use eval.fid.num for images")
+    return notes
 
 
 def rank_peaks(every_rank: bool = True) -> list:

