@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -613,3 +615,37 @@ def test_a_launch_refused_for_its_data_leaves_no_run_folder(tmp_path, capsys, mo
     (mine / "notes.txt").write_text("mine")
     refused(damaged, f"hydra.run.dir={mine}")
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_vitp_eval_scores_the_held_out_split_the_run_recorded(tmp_path, caplog):
+    """A folder that grew after training: the split rule alone would hold out images the run
+    trained on; vitp-eval (as a resume) keeps the held-out items of the run's heldout_split.json."""
+    import shutil
+
+    from tests.unit.data.test_shard_skips import _folder
+    from vitp.cli.eval import load_for_eval
+    from vitp.train import train
+
+    root, run = tmp_path / "photos", tmp_path / "run"
+    _folder(root, n=4)
+    over = ["experiment=smoke", "trainer.max_steps=1", "data=image_folder", f"data.root={root}", "data.num_classes=2",
+            "data.resolution=8", "data.channels=3", "data.holdout_fraction=0.25", "trainer.eval_every=0",
+            "trainer.sample_every=0", "eval.enabled=false"]
+    train(compose_cfg(over), run, over)
+
+    def held(ds):
+        return sorted(Path(ds.base.files[ds.base._file_of(int(i))]).relative_to(root).as_posix() for i in ds.indices)
+
+    recorded = held(load_for_eval(run, "model_ema.safetensors", [])[3])
+    assert recorded == sorted(json.loads((run / "heldout_split.json").read_text())["held_out"]) and len(recorded) == 2
+    for c in "ab":  # four more images per class: the rule now holds out others
+        for i in range(4):
+            shutil.copy(root / c / f"{i}.png", root / c / f"{i + 4}.png")
+    from vitp.data import build_datasets
+
+    rule = held(build_datasets(compose_cfg(over).data, 0)[1])
+    assert set(rule) - set(recorded) & {f"{c}/{i}.png" for c in "ab" for i in range(4)}  # a trained image
+    caplog.set_level(logging.WARNING)
+    got = held(load_for_eval(run, "model_ema.safetensors", [])[3])
+    assert set(recorded) <= set(got) and not set(got) & {f"{c}/{i}.png" for c in "ab" for i in range(4)} - set(recorded)
+    assert "the held-out split recorded in heldout_split.json is kept" in caplog.text, caplog.text

@@ -15,6 +15,7 @@ written ``cli.weights=FILE`` (:func:`vitp.cli.overrides.flag_overrides`)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -207,7 +208,8 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
     finished run (:func:`vitp.data.text.conditioning`: class labels or the caption embeddings):
     its config with ``overrides`` (validated), the weights file ``run_dir/weights`` (an
     interrupted run without ``model_ema.safetensors``: its latest checkpoint's EMA), and the
-    run's data split. With ``sharded`` (under a launcher; collective) the generator is this
+    run's data split (the one it recorded in ``heldout_split.json``, :mod:`vitp.data.heldout_record`,
+    when its folder changed since). With ``sharded`` (under a launcher; collective) the generator is this
     rank's :class:`vitp.eval.launch.ShardedGenerator` in :func:`vitp.eval.launch.choose_layout`'s layout, else the whole
     :class:`vitp.models.Generator` (a layout key among ``overrides`` must then fit one process).
     Raises ``FileNotFoundError`` / ``ValueError`` on a missing or foreign file or an impossible layout."""
@@ -235,7 +237,10 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
     from vitp.data.text import conditioned, conditioning
 
     cond = conditioning(cfg)  # class labels, or the run's caption embeddings
-    train_ds, heldout_ds = conditioned(cond, *build_datasets(cfg.data, cfg.seed))
+    from vitp.data.heldout_record import RECORD_NAME
+
+    split = functools.partial(build_datasets, split=run_dir / RECORD_NAME)  # the split the run trained with
+    train_ds, heldout_ds = conditioned(cond, *split(cfg.data, cfg.seed))
     from vitp.eval.metrics import check_real_split, evaluation_notes
 
     check_real_split(cfg, len(heldout_ds))  # before the generator samples
@@ -245,7 +250,7 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
     if cfg.data.buckets:  # held-out loss per shape bucket, items assigned as in training
         from vitp.data.buckets import bucket_datasets, buckets_of
 
-        pairs = bucket_datasets(cfg.data, cfg.seed, build_datasets)
+        pairs = bucket_datasets(cfg.data, cfg.seed, split)
         per_bucket = {b.name: conditioned(cond, ho)[0] for b, (_, ho) in zip(buckets_of(cfg.data), pairs)}
     return cfg, gen, train_ds, heldout_ds, per_bucket, cond
 
