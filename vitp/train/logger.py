@@ -22,6 +22,7 @@ from .telemetry import peak_memory_gib
 log = logging.getLogger("vitp")
 
 T_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+STRIP_GAP = 2  # white pixels between the frame strips of a TensorBoard image (RunLogger.images)
 
 
 class RunLogger:
@@ -64,9 +65,14 @@ class RunLogger:
             self.tb.add_image(tag, img, step)
 
     def images(self, tag: str, imgs: torch.Tensor, step: int) -> None:
-        """A batch ``(N, 3, H, W)`` in [0, 1] (video frame strips)."""
+        """A batch ``(N, 3, H, W)`` in [0, 1] (video frame strips, one per class) as one image of
+        ``N`` rows, ``STRIP_GAP`` white pixels around and between them: ``(3, N * (H + 2) + 2,
+        W + 4)``. (``add_images`` tiles a batch side by side with no gap: two classes' strips read
+        as one.)"""
         if self.enabled:
-            self.tb.add_images(tag, imgs, step)
+            from torchvision.utils import make_grid
+
+            self.tb.add_image(tag, make_grid(imgs, nrow=1, padding=STRIP_GAP, pad_value=1.0), step)
 
     def close(self) -> None:
         """Flush and close the event file and ``metrics.jsonl``."""
