@@ -49,6 +49,30 @@ def test_a_slow_step_is_warned_about_once_with_the_time_and_the_keys(caplog):
     assert [r.getMessage() for r in caplog.records] == [warning]
 
 
+def test_the_phase_times_are_logged_for_the_held_out_items_the_run_has(caplog):
+    """The start-up line of sampling and evaluation times counts the run's held-out items (the
+    planner assumed 1000 before the data was read: a user's 12 video clips were "45 s", then 0.7 s),
+    and leaves the held-out loss out when there are none."""
+    def line(items):
+        pf.preflight(compose_cfg([]), CPU)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vitp"):
+            pf.log_phase_times(items)
+        (msg,) = [r.getMessage() for r in caplog.records]
+        pf.log_phase_times(items)  # once per preflight
+        assert len(caplog.records) == 1
+        return msg
+
+    def seconds(msg, phase):
+        return float(msg.split(phase, 1)[1].split()[0])
+
+    few, many = line(12), line(1000)
+    assert few.startswith("sampling and evaluation per rank (planner): sample grid ")
+    assert seconds(few, "held-out loss (12 items) ") * 10 < seconds(many, "held-out loss (1000 items) ")
+    assert seconds(few, "sample grid ") == seconds(many, "sample grid ")
+    assert "held-out loss" not in line(0) and "sample grid " in line(0)
+
+
 @pytest.mark.parametrize("over", [
     [],  # the digits demo
     ["experiment=video_demo"],

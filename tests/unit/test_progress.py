@@ -3,6 +3,7 @@ one line each, no carriage returns; a terminal keeps tqdm's bar (:mod:`vitp.prog
 from __future__ import annotations
 
 import io
+import logging
 
 import pytest
 from tqdm import tqdm
@@ -56,15 +57,21 @@ def test_lines_come_at_the_first_update_every_interval_and_at_close_each_once(mo
     assert quiet.getvalue() == ""
 
 
-def test_a_run_piped_to_a_file_prints_each_progress_line_once(tmp_path, capfd):
+def test_a_run_piped_to_a_file_prints_each_progress_line_once(tmp_path, capfd, caplog):
     """A new user's trial: ``vitp-train ... 2>&1 | cat`` showed every tqdm redraw (carriage returns),
     the final 100 % line twice and log records glued to the bar's line. Outside a terminal (pytest's
     capture) a 4-step run prints its training progress in two lines (the first step, the end) and
     the final sample grid's sampling in two, each once, each a line of its own."""
     from vitp.train import train
 
+    caplog.set_level(logging.INFO, logger="vitp")
     train(compose_cfg([*SMOKE4, "trainer.progress=true"]), tmp_path / "run")
     err = capfd.readouterr().err
     assert "\r" not in err
     bars = [line.split(" [")[0] for line in err.splitlines() if line.startswith(("train:", "sampling:"))]
     assert bars == ["train:  25% 1/4", "train: 100% 4/4", "sampling:  50% 1/2", "sampling: 100% 2/2"], err
+    from vitp.data import build_datasets
+
+    held = len(build_datasets(compose_cfg(SMOKE4).data, 0)[1])  # the planner's line counts the real held-out set
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("(planner): sample grid " in m and f"; held-out loss ({held} items) " in m for m in logged) == 1, logged

@@ -183,14 +183,15 @@ def _fid_phase(fid: Any, lay: LayoutSpec, prof: Any, per_call: int, calls_per: f
     return PhaseCost("FID", mine, forwards, work + max(inception, CLIP_BYTES if clip else 0.0), seconds)
 
 
-def phase_costs_of(cfg: Any, pred: Any, model: Dict[str, Any], prof: Any) -> List[PhaseCost]:
+def phase_costs_of(cfg: Any, pred: Any, model: Dict[str, Any], prof: Any, heldout_items: int = 1000
+                   ) -> List[PhaseCost]:
     """:func:`phase_costs` in the layout of ``pred`` (a :class:`vitp.plan.Prediction`), with its
     fullest stage's training state resident (and, in a latent run, the VAE's decode:
-    :func:`vitp.plan.latents.decode_memory_bytes`)."""
+    :func:`vitp.plan.latents.decode_memory_bytes`); ``heldout_items``: as :func:`phase_costs`."""
     from .latents import decode_memory_bytes
 
     state = max(m.weights + m.grads + m.optimizer + m.ema for m in pred.memory)
-    return phase_costs(cfg, model, pred.layout, prof, state, decode_bytes=decode_memory_bytes(cfg))
+    return phase_costs(cfg, model, pred.layout, prof, state, heldout_items, decode_bytes=decode_memory_bytes(cfg))
 
 
 def replica_bytes(cfg: Any, model: Dict[str, Any], device: str = "cpu") -> float:

@@ -41,7 +41,7 @@ from .autolayout import apply_auto_layout  # noqa: E402
 from .checkpointer import Checkpointer  # noqa: E402
 from .ema import EMA  # noqa: E402
 from .logger import RunLogger, binned_loss, log_stages, quiet_third_party  # noqa: E402
-from .preflight import preflight  # noqa: E402
+from .preflight import log_phase_times, preflight  # noqa: E402
 from .rundir import check_same_config, hold_log_files, lock_run_dir, release_log_files, resume_command  # noqa: E402
 from .stop import StopSignal  # noqa: E402
 from .telemetry import Telemetry  # noqa: E402
@@ -228,6 +228,7 @@ class Trainer:
         preflight(cfg, self.device)  # the planner's memory and step time for this layout (.preflight)
         self.main = dist.is_main()  # rank 0 writes everything
         self._build_data()
+        log_phase_times(len(self.heldout_ds))  # rank 0: the planner's phase times over the real held-out set
         self.lock = lock_run_dir(self.run_dir)  # before reading the folder: one owner at a time
         self.storage = detect_storage_groups(self.run_dir)  # node-local run dirs (leaves nothing behind)
         if self.main and not self.storage.shared:
