@@ -11,11 +11,12 @@ from .devices import DeviceProfile
 from .layout import LayoutSpec, candidate_layouts
 from .memory import MemoryOptions, StageMemory, stage_memory
 from .shapes import ModelShape, ResolvedModel
-from .steptime import predicted_mfu, step_time
+from .steptime import predicted_mfu, saved_per_micro, step_time
 from .units import GIB, format_bytes
 
 D2H_BW = 20e9  # bytes/s a GPU copies to pageable host memory (assumption; pinned PCIe 5 reaches ~50e9)
 STORAGE_BW = 1e9  # bytes/s one rank writes to checkpoint storage (assumption: a node's NVMe over 8 ranks)
+_DEFAULT_OPTS = MemoryOptions()
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,12 @@ def predict(model: Any, lay: LayoutSpec, prof: DeviceProfile, opts: Optional[Mem
     """:class:`Prediction` of ``model`` (a config section) in layout ``lay`` on ``prof`` devices."""
     opts = opts or MemoryOptions()
     model = ResolvedModel.of(model)  # resolve once (plan() resolves once for every layout)
+    memory = stage_memory(model, lay, opts)
+    if not lay.ac and opts == _DEFAULT_OPTS:  # the step time reads these bytes: computed once, not twice
+        saved_per_micro.put([m.activations / m.in_flight for m in memory], model, lay)
     t = step_time(model, lay, prof, opts.adaln_sharded, opts.lora)
     tokens = lay.global_batch * ModelShape.from_config(model).tokens
-    return Prediction(lay, stage_memory(model, lay, opts), step_comm(model, lay, opts.adaln_sharded, opts.lora), t,
+    return Prediction(lay, memory, step_comm(model, lay, opts.adaln_sharded, opts.lora), t,
                       tokens / t["step_s"], predicted_mfu(model, lay, prof, t["step_s"]),
                       rank_limit_bytes(prof, lay.world), prof.mem_bw)
 

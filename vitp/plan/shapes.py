@@ -57,18 +57,23 @@ class ModelShape:
     def is_wan(self) -> bool:
         return self.family == "wan"
 
-    @property
-    def tokens(self) -> int:
+    @functools.cached_property
+    def tokens(self) -> int:  # kept: the planner reads it about 90 times per layout
         return math.prod(self.grid)
 
-    @property
+    @functools.cached_property
     def pixels(self) -> int:
         return self.tokens * self.patch_values
 
     @classmethod
     def from_config(cls, model: Any) -> "ModelShape":
         """Shape of a ``model`` config section (DictConfig, dataclass or mapping); remembered per
-        model (:func:`model_cache`)."""
+        model (:func:`model_cache`; a :class:`ResolvedModel` keeps its own: the planner asks
+        about 20 times per layout)."""
+        if isinstance(model, ResolvedModel):
+            if model.shape is None:
+                model.shape = _shape_of(model)
+            return model.shape
         return _shape_of(model)
 
     @classmethod
@@ -108,6 +113,7 @@ class ResolvedModel(dict):
     layout (issue 54 item 2). Read-only by convention: the key is not recomputed."""
 
     key: Tuple = ()
+    shape: Optional["ModelShape"] = None  # ModelShape.from_config's answer, kept here
 
     @classmethod
     def of(cls, model: Any) -> "ResolvedModel":
@@ -122,7 +128,8 @@ class ResolvedModel(dict):
 def model_cache(maxsize: int = 4096):
     """Decorator: remember ``fn(model, *args, **kwargs)`` by the model's :func:`_frozen` key and the
     other arguments (hashable), as :func:`functools.lru_cache` would (cleared when full). A list
-    result is returned as a new list of the same items (frozen dataclasses: shared, never changed)."""
+    result is returned as a new list of the same items (frozen dataclasses: shared, never changed).
+    ``fn.put(value, model, *args, **kwargs)`` stores a result computed elsewhere."""
     def decorate(fn):
         cache: Dict[Tuple, Any] = {}
 
@@ -136,7 +143,14 @@ def model_cache(maxsize: int = 4096):
                 out = cache[key] = fn(model, *args, **kwargs)
             return list(out) if isinstance(out, list) else out
 
+        def put(value: Any, model: Any, *args: Any, **kwargs: Any) -> None:
+            """Remember ``value`` as ``fn(model, *args, **kwargs)`` (a caller that has computed it)."""
+            if len(cache) >= maxsize:
+                cache.clear()
+            cache[(_frozen(model), args, tuple(sorted(kwargs.items())))] = value
+
         wrapper.cache_clear = cache.clear
+        wrapper.put = put
         return wrapper
     return decorate
 
