@@ -222,6 +222,27 @@ def test_a_missing_data_folder_is_named_before_the_memory_check(root, num_classe
     assert message in err and "predicted peak memory" not in err
 
 
+def test_a_held_out_folder_that_is_the_training_folder_is_refused(tmp_path, capsys):
+    """``data.heldout_root`` naming ``data.root`` again (here through a trailing slash and ``..``)
+    would score the training images as held-out ones: one line naming both fixes, before Hydra."""
+    from vitp.cli import run_cli
+    from vitp.cli.train import prepare_argv
+    from vitp.train import check_config
+
+    (tmp_path / "photos" / "a").mkdir(parents=True)
+    (tmp_path / "other" / "a").mkdir(parents=True)
+    root = str(tmp_path / "photos")
+    same = ["data=image_folder", f"data.root={root}", f"data.heldout_root={tmp_path}/other/../photos/", "data.num_classes=1"]
+    with pytest.raises(ValueError, match="is data.root: the held-out loss and FID would score the items the run trains on"):
+        check_config(compose_cfg(same))
+    with pytest.raises(SystemExit) as e:
+        run_cli("vitp-train", prepare_argv, ["vitp-train", *same, f"hydra.run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "data.heldout_root=null to hold out" in err, err
+    assert not (tmp_path / "run").exists()
+    check_config(compose_cfg([*same[:2], f"data.heldout_root={tmp_path / 'other'}", "data.num_classes=1"]))
+
+
 def test_the_fid_phase_is_planned_per_replica_with_inception_on_top_of_sampling():
     """``eval.fid.num``: a ``FID`` phase after the final samples (none without it). On each replica:
     ``num / dp`` samples at the final samples' forwards per sample, their time plus one Inception-V3

@@ -28,7 +28,8 @@ def check_data_paths(cfg: Any) -> None:
     local ``data.shards``), so that a missing folder is named before the layout planner's memory
     check (which would otherwise refuse the run for a size the data never had).
 
-    Raises ``ValueError`` for an unset ``data.root``; ``FileNotFoundError`` / ``NotADirectoryError``
+    Raises ``ValueError`` for an unset ``data.root`` or a ``data.heldout_root`` that is ``data.root``
+    (the held-out set would be the training set); ``FileNotFoundError`` / ``NotADirectoryError``
     naming the key for a folder that does not exist or is a file."""
     from pathlib import Path
 
@@ -51,6 +52,11 @@ def check_data_paths(cfg: Any) -> None:
             raise NotADirectoryError(f"{key}={folder} is a file, not a folder; set {key}=<folder with {holds}>")
         if not path.is_dir():
             raise FileNotFoundError(f"{key}={folder} does not exist; set {key}=<folder with {holds}>")
+    if len(folders) == 2 and folders[1][0] == "data.heldout_root" and \
+            Path(str(folders[0][1])).expanduser().resolve() == Path(str(folders[1][1])).expanduser().resolve():
+        raise ValueError(f"data.heldout_root={cfg.heldout_root} is data.root: the held-out loss and FID would score "
+                         f"the items the run trains on; set data.heldout_root=<another folder with {what[cfg.name]}>, "
+                         f"or data.heldout_root=null to hold out data.holdout_fraction of data.root")
 
 
 def _base_dataset(cfg: DataConfig, seed: int) -> KeyedDataset:
