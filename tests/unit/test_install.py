@@ -26,7 +26,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Dict, Iterable, List, Set
 
-import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import logging
 
-import pytest
 from tqdm import tqdm
 
 import vitp.progress as progress

@@ -468,8 +468,6 @@ def write_fid_samples(gen: Any, cfg: Any, labels: torch.Tensor, share: Share, np
     :func:`sample_source`) is kept in ``<npz>.json``: an existing ``npz`` is reused only when that
     file says the same. Raises ``ValueError`` when the parts folder was written with other settings
     or weights (unless :func:`sample_source` replaces them). Collective."""
-    from omegaconf import OmegaConf
-
     from vitp.utils import atomic_write, atomic_write_text
     from .sampling import generate
 

@@ -168,7 +168,6 @@ def base_shapes(cfg) -> Dict[str, Tuple[int, ...]]:
         from .wan_run import wan_source
 
         return wan_state_shapes(wan_source(cfg)[1])
-    import torch
 
     from . import Generator
 
