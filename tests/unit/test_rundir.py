@@ -562,9 +562,14 @@ def test_a_latest_naming_a_missing_tag_resumes_from_the_newest_saying_so(tmp_pat
     from vitp.checkpoint import resolve_weights
 
     (run / "checkpoints" / "latest").write_text("")
-    with pytest.raises(ValueError, match=r"latest names '', not a vitp checkpoint tag \(step_NNNNNNN\): write the "
-                                         r"newest complete tag \(step_0000003\) into it"):
+    newest = run / "checkpoints" / "step_0000003"
+    with pytest.raises(ValueError) as e:
         resolve_weights(run / "checkpoints")
+    # the fix a reader can follow (a trial user passed the trainer.resume= it named and got the same error)
+    assert str(e.value).endswith("latest names '', not a vitp checkpoint tag (step_NNNNNNN): write the newest complete "
+                                 f"tag (step_0000003) into it, or read that checkpoint itself: pass {newest} as the "
+                                 f"source (vitp-eval RUN --weights {newest})"), e.value
+    assert resolve_weights(newest)[1] == 3  # following it reads step 3
     _resumes_past_latest(run, "", 3, caplog)
 
 

@@ -350,12 +350,14 @@ def tag_problem(tag_dir: Path, rank: int, layout: Optional[Layout] = None) -> Op
     return None
 
 
-def find_checkpoint(resume: str, ckpt_dir: Path) -> Optional[Path]:
+def find_checkpoint(resume: str, ckpt_dir: Path, reader: bool = False) -> Optional[Path]:
     """The checkpoint tag folder to resume from, or ``None`` to start at step 0.
 
     ``resume``: ``auto`` (the ``latest`` in ``ckpt_dir`` if any), ``never``, or a path to a
     checkpoints folder (its ``latest``) or to one tag folder. Raises ``FileNotFoundError`` /
-    ``ValueError`` naming the path when it does not hold a complete checkpoint.
+    ``ValueError`` naming the path when it does not hold a complete checkpoint, with the fix of a
+    training resume, or with ``reader`` (vitp-sample / vitp-eval / vitp-export, which take no
+    ``trainer.resume``) the fix of a read: the complete checkpoint's folder as the source.
     """
     if resume == "never":
         return None
@@ -382,8 +384,11 @@ def find_checkpoint(resume: str, ckpt_dir: Path) -> Optional[Path]:
     tag = latest.read_text().strip()
     if not TAG_RE.match(tag):
         tags = published_tags(folder)
-        fix = (f"write the newest complete tag ({tags[-1]}) into it, or pass trainer.resume={folder / tags[-1]}"
-               if tags else "no complete checkpoint is in that folder")
+        newest = folder / tags[-1] if tags else None
+        fix = ("no complete checkpoint is in that folder" if newest is None else
+               f"write the newest complete tag ({tags[-1]}) into it, or read that checkpoint itself: pass {newest} "
+               f"as the source (vitp-eval RUN --weights {newest})" if reader else
+               f"write the newest complete tag ({tags[-1]}) into it, or pass trainer.resume={newest}")
         raise ValueError(f"{latest} names {tag!r}, not a vitp checkpoint tag (step_NNNNNNN): {fix}")
     return folder / tag
 
@@ -527,9 +532,9 @@ def resolve_weights(source: Path, weights: str = "ema") -> Tuple[Path, Optional[
     if (source / META).is_file() or source.name.endswith(".partial"):
         tag = source
     elif (source / LATEST).is_file():
-        tag = find_checkpoint(str(source), source)
+        tag = find_checkpoint(str(source), source, reader=True)
     elif (source / "checkpoints" / LATEST).is_file():
-        tag = find_checkpoint("auto", source / "checkpoints")
+        tag = find_checkpoint("auto", source / "checkpoints", reader=True)
     elif (source / ".metadata").is_file() and not (source / name).is_file():  # a DCP checkpoint, no record
         verify_checkpoint(source)  # raises: its META is missing
     elif TAG_RE.match(source.name) or any(source.glob("rng_rank*.pt")):  # a checkpoint, not a weights folder
