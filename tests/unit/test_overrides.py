@@ -463,3 +463,17 @@ def test_a_group_choice_on_resume_names_a_training_key_as_example(tmp_path):
         resume_config(tmp_path, ["experiment=smoke"])
     with pytest.raises(ValueError, match=r"vitp-eval sets keys of the run's config, e.g. sampler.steps=50"):
         apply_overrides(compose_cfg(["experiment=smoke"]), ["experiment=smoke"], "vitp-eval")
+
+
+@pytest.mark.parametrize("bad", ["hydra.run.dir=runs/a=b", "model.depth=[3"])
+def test_vitp_train_names_the_override_it_cannot_parse(bad, tmp_path, capsys):
+    """A trial user's six-argument torchrun command failed with Hydra's "mismatched input '='
+    expecting <EOF>", naming no argument. vitp-train names it and the quoting that fixes it."""
+    from vitp.cli import run_cli
+    from vitp.cli.train import prepare_argv
+
+    with pytest.raises(SystemExit) as e:
+        run_cli("vitp-train", prepare_argv, ["vitp-train", "experiment=smoke", bad, "trainer.max_steps=1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"vitp-train: error: cannot parse {bad!r}: ") and "key='...'" in err, err

@@ -52,7 +52,8 @@ def parse_overrides(args: Sequence[str], config_loader: Any = None) -> List["Ove
         try:
             out += parser.parse_overrides([arg])
         except HydraException as e:
-            raise ValueError(f"cannot parse {arg!r}: {str(e).splitlines()[0]}") from None
+            raise ValueError(f"cannot parse {arg!r}: {str(e).splitlines()[0].split(' See https://')[0]}; quote a value "
+                             f"holding = [ ] {{ }} ( ) , or spaces: key='...' (Hydra's override grammar)") from None
     return out
 
 

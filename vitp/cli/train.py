@@ -32,7 +32,8 @@ from omegaconf import DictConfig  # noqa: E402
 from vitp.checkpoint import latest_meta  # noqa: E402
 from vitp.cli import run_cli  # noqa: E402
 from vitp.cli.overrides import (  # noqa: E402
-    apply_overrides, check_run_dir, compose_checked, hydra_override, is_override, override_key, typed_config)
+    apply_overrides, check_run_dir, compose_checked, hydra_override, is_override, override_key, parse_overrides,
+    typed_config)
 from vitp.config import check_override_keys, register_configs  # noqa: E402
 from vitp.parallel import distributed as dist  # noqa: E402
 from vitp.train import check_config, train  # noqa: E402
@@ -237,6 +238,8 @@ def prepare_argv(argv: list) -> list:
     for prev, word in zip(argv[:-1], args):  # `trainer.max_steps 10`: Hydra's parser says "missing EQUAL"
         if re.fullmatch(r"[A-Za-z_]\w*(\.\w+)+", word) and not prev.startswith("-"):
             raise ValueError(f"{word!r} has no value: write {word}=VALUE (Hydra's key=value)")
+    if not any(a in ("-m", "--multirun") for a in args):  # Hydra's own parse error would not name the argument
+        parse_overrides([a for a in args if is_override(a)])
     if resume is not None:  # the run's recorded config with the overrides: checked here, used by _train
         if any(a in ("-m", "--multirun") for a in args):
             raise ValueError(f"--resume {resume} continues one run; it does not sweep (drop -m)")
