@@ -3,6 +3,7 @@ one line each, no carriage returns; a terminal keeps tqdm's bar (:mod:`vitp.prog
 from __future__ import annotations
 
 import io
+import json
 import logging
 
 from tqdm import tqdm
@@ -64,7 +65,7 @@ def test_a_run_piped_to_a_file_prints_each_progress_line_once(tmp_path, capfd, c
     from vitp.train import train
 
     caplog.set_level(logging.INFO, logger="vitp")
-    train(compose_cfg([*SMOKE4, "trainer.progress=true"]), tmp_path / "run")
+    train(compose_cfg([*SMOKE4, "trainer.progress=true", "trainer.eval_every=2"]), tmp_path / "run")
     err = capfd.readouterr().err
     assert "\r" not in err
     bars = [line.split(" [")[0] for line in err.splitlines() if line.startswith(("train:", "sampling:"))]
@@ -73,4 +74,8 @@ def test_a_run_piped_to_a_file_prints_each_progress_line_once(tmp_path, capfd, c
 
     held = len(build_datasets(compose_cfg(SMOKE4).data, 0)[1])  # the planner's line counts the real held-out set
     logged = [r.getMessage() for r in caplog.records]
+    # the held-out loss lines are log records (a trial user found them on the console, not in train.log)
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert len(evals) == 2 and [f"step {e['step']}: held-out loss {e['heldout_loss']:.4f}" for e in evals] == [
+        m for m in logged if ": held-out loss " in m and m.startswith("step ")], logged
     assert sum("(planner): sample grid " in m and f"; held-out loss ({held} items) " in m for m in logged) == 1, logged

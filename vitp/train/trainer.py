@@ -554,8 +554,8 @@ class Trainer:
                            logger=self.logger, buckets=per_bucket, conditioning=self.conditioning, share=self.share)
         if not self.main:
             return {}
-        if not final and "heldout_loss" in res:
-            self.bar.write(f"step {step}: held-out loss {res['heldout_loss']:.4f}")
+        if not final and "heldout_loss" in res:  # a log record: train.log keeps it too
+            log.info("step %d: held-out loss %.4f", step, res["heldout_loss"])
         with open(self.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float))}) + "\n")
         return res
@@ -823,8 +823,18 @@ class Trainer:
         """The optimizer steps; returns the step of an early stop (every rank the same), else ``None``."""
         from vitp.progress import progress_bar
 
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
         tr = self.cfg.trainer
         self.bar = progress_bar(tr.max_steps, "train", initial=self.start_step, disable=not (self.main and tr.progress))
+        # on a terminal the console's log records are printed above tqdm's bar, not through it
+        with logging_redirect_tqdm() if isinstance(self.bar, tqdm) else contextlib.nullcontext():
+            return self._steps(stopper)
+
+    def _steps(self, stopper: StopSignal) -> Optional[int]:
+        """:meth:`_train_loop`'s body, with its progress bar ``self.bar`` made."""
+        tr = self.cfg.trainer
         if tr.eval_every and self.start_step == 0:  # the untrained model's held-out loss, for reference
             if self._stopped_during(stopper, 0, lambda: self.heldout_eval(0, final=False)):
                 return 0
