@@ -118,39 +118,62 @@ def test_signal_to_the_process_group_saves_and_exits_128_plus_the_signal(tmp_pat
     assert (run / "model_ema.safetensors").is_file()
 
 
-def _signal_during_final_save(rank, over, run_dir):
-    """``(stopped_at, the run's last log line)`` of a run that gets SIGTERM during its final save."""
+def _signal_during_final(rank, over, run_dir):
+    """``(stopped_at, the warning after the last step, the last log line)`` of two runs: one gets
+    SIGTERM during its final save, the other SIGINT during its final evaluation (after its grid)."""
     import logging
 
     from vitp.config import compose
     from vitp.train.trainer import Trainer
 
-    trainer = Trainer(compose(over), run_dir)
-    save = trainer.save_checkpoint
+    out = []
+    for phase in ("save", "eval"):
+        trainer = Trainer(compose(over), Path(run_dir) / phase)
+        save, heldout = trainer.save_checkpoint, trainer.heldout_eval
 
-    def save_after_a_signal(step, final=False):
-        if final:
-            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's stop arriving just after the last step
-        return save(step, final)
+        def save_after_a_signal(step, final=False):
+            if final and phase == "save":
+                os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's stop arriving just after the last step
+            return save(step, final)
 
-    trainer.save_checkpoint = save_after_a_signal
-    lines, handler = [], logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("vitp").addHandler(handler)
-    logging.getLogger("vitp").setLevel(logging.INFO)
-    return trainer.fit()["stopped_at"], lines[-1]
+        def heldout_after_a_signal(step, final=False):
+            if final:
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C once the final grid is written
+            return heldout(step, final)
+
+        trainer.save_checkpoint, trainer.heldout_eval = save_after_a_signal, heldout_after_a_signal
+        lines, handler = [], logging.Handler(logging.INFO)
+        handler.emit = lambda record: lines.append(record.getMessage())
+        logging.getLogger("vitp").addHandler(handler)
+        logging.getLogger("vitp").setLevel(logging.INFO)
+        stopped = trainer.fit()["stopped_at"]
+        logging.getLogger("vitp").removeHandler(handler)
+        out.append((stopped, [m for m in lines if "after the last step" in m or " received: " in m], lines[-1]))
+    return out
 
 
 def test_signal_after_the_last_step_still_saves(tmp_path):
     """SIGTERM during the final save: the save completes (final checkpoint and weights), the
     samples and evaluation are skipped, the run returns normally, and its last line names only
-    what it wrote (no eval.json, no samples/)."""
+    what it wrote (no eval.json, no samples/). SIGINT during the final evaluation: the final grid
+    written before it is named (a trial user's run said "samples ... skipped" and left samples/ out)."""
     from tests.helpers import run_ranks
 
     run = tmp_path / "run"
     over = ["experiment=smoke", "trainer.max_steps=2", "trainer.checkpoint_every=0", "eval.enabled=true"]
-    assert run_ranks(1, _signal_during_final_save, over, str(run), timeout=60) == [
-        (None, f"done: {run} holds model_ema.safetensors, metrics.jsonl, tb/")]
+    (save, ev), = run_ranks(1, _signal_during_final, over, str(run), timeout=90)
+    assert save == (None, ["SIGTERM received: finishing this step, then saving a checkpoint (a second signal, 2 s or "
+                           "more later, aborts without one)",
+                           f"SIGTERM after the last step: final checkpoint and weights saved, samples and evaluation "
+                           f"skipped (run vitp-eval {run / 'save'})"],
+                    f"done: {run / 'save'} holds model_ema.safetensors, metrics.jsonl, tb/")
+    assert ev == (None, ["SIGINT received: stopping the final samples and evaluation after this forward (the final "
+                         "checkpoint and weights are saved) (a second signal, 2 s or more later, stops at once)",
+                         f"SIGINT after the last step: final checkpoint and weights saved, final sample grid saved, "
+                         f"evaluation skipped (run vitp-eval {run / 'eval'})"],
+                  f"done: {run / 'eval'} holds model_ema.safetensors, samples/, metrics.jsonl, tb/")
+    assert (run / "eval" / "samples" / "step_0000002.png").is_file() and not (run / "eval" / "eval.json").exists()
+    run = run / "save"
     assert verify_checkpoint(find_checkpoint("auto", run / "checkpoints"))["step"] == 2
     assert (run / "model_ema.safetensors").is_file() and not (run / "samples" / "step_0000002.png").exists()
     assert not (run / "eval.json").exists() and not (run / "samples").exists()

@@ -48,8 +48,9 @@ class StopSignal:
         name = signal.Signals(signum).name
         if self.flag is None:
             self.flag, self.t_flag = name, time.monotonic()
-            log.warning("%s received: %s (a second signal, %.0f s or more later, aborts without one)", name,
-                        self.doing, self.REPEAT_S)
+            saved = "are saved" in self.doing  # after the final checkpoint: nothing is lost by a second signal
+            log.warning("%s received: %s (a second signal, %.0f s or more later, %s)", name, self.doing, self.REPEAT_S,
+                        "stops at once" if saved else "aborts without one")
         elif time.monotonic() - self.t_flag >= self.REPEAT_S:
             raise KeyboardInterrupt(f"second signal ({name}): stopping without a checkpoint")
 

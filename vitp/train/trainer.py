@@ -978,9 +978,11 @@ class Trainer:
         skipped = stopper is not None and stopper.requested()  # collective: every rank skips alike
         if not skipped:  # minutes, after the training bar's 100 %: each phase says what runs and shows a bar (rank 0)
             skipped = self._final_evaluation(stopper, result)
+        grid = any((self.run_dir / "samples").glob(f"step_{tr.max_steps:07d}*"))  # the final grid, also when stopped after it
         if skipped and self.main:
-            log.warning("%s after the last step: final checkpoint and weights saved, samples and evaluation "
-                        "skipped (run vitp-eval %s)", stopper.flag or "a signal on another rank", self.run_dir)
+            log.warning("%s after the last step: final checkpoint and weights saved, %s skipped (run vitp-eval %s)",
+                        stopper.flag or "a signal on another rank",
+                        "final sample grid saved, evaluation" if grid else "samples and evaluation", self.run_dir)
         self.logger.close()
         if self.main:  # what this launch wrote, not what a full finish would have
             ema = "model_ema.safetensors"
@@ -988,8 +990,7 @@ class Trainer:
                 ema = f"{ema}.index.json"
             if self.wan or tr.lora.enabled:
                 ema = "lora/" if tr.lora.enabled else "diffusers/"  # the EMA weights (adapters)
-            grids = not skipped and (self.run_dir / "samples").is_dir()  # a lone Wan transformer draws none
-            held = [ema, *(["samples/"] if grids else []), "metrics.jsonl",
+            held = [ema, *(["samples/"] if grid else []), "metrics.jsonl",  # a lone Wan transformer draws none
                     *(["eval.json"] if cfg.eval.enabled and not skipped else []),
                     *([] if tr.tensorboard_dir else ["tb/"])]
             log.info("done: %s holds %s", self.run_dir, ", ".join(held))
