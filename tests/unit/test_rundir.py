@@ -186,6 +186,16 @@ def test_resume_config_is_the_recorded_one_with_the_overrides(tmp_path):
         split_resume(["--resume", "trainer.max_steps=3"])
     with pytest.raises(FileNotFoundError, match="not a folder vitp-train wrote"):
         resume_config(tmp_path, [])
+    # a mistyped folder is said not to exist (vitp-sample and vitp-export said so; these named a missing config)
+    from vitp.cli.eval import load_run_config
+    from vitp.eval.compare import run_config
+
+    gone = tmp_path / "2026-11-30" / "12-00-00"
+    with pytest.raises(FileNotFoundError, match=f"^--resume {gone}: no such folder; give the run dir"):
+        resume_config(gone, [])
+    for read in (lambda: load_run_config(gone, []), lambda: run_config(gone)):
+        with pytest.raises(FileNotFoundError, match=f"^{gone} does not exist; give the run directory a training wrote"):
+            read()
     (tmp_path / ".hydra").mkdir()
     recorded = compose_cfg(["experiment=smoke", "model.depth=3", "trainer.resume=never"])
     OmegaConf.save(recorded, tmp_path / ".hydra" / "config.yaml")

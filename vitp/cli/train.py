@@ -128,6 +128,9 @@ def resume_config(run_dir: Path, overrides: List[str]) -> DictConfig:
     line) for a group choice (``experiment=...``: the run's config is already composed), a
     ``hydra.*`` key, ``trainer.resume`` outside the run's checkpoints, an unknown key or a bad value."""
     path = Path(run_dir) / ".hydra" / "config.yaml"
+    if not Path(run_dir).exists():
+        raise FileNotFoundError(f"--resume {run_dir}: no such folder; give the run dir a stopped run printed (its "
+                                f"'run dir' log line)")
     if not path.is_file():
         raise FileNotFoundError(f"--resume {run_dir}: no {path}, so not a folder vitp-train wrote; give the run dir a "
                                 f"stopped run printed (its 'run dir' log line)")
