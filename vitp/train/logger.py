@@ -90,7 +90,9 @@ class OwnRecordsOnly(logging.Filter):
         return record.levelno >= logging.ERROR or bool(getattr(record, "rank_local", False))
 
 
-QUIET_LOGGERS = ("DeepSpeed", "compilers")  # DeepSpeed's INFO lines; its op probe's compiler commands (gcc ... -laio)
+# DeepSpeed's INFO lines; its op probe's compiler commands (gcc ... -laio); matplotlib's first-use
+# "generated new fontManager" (a text run's first grid of captions)
+QUIET_LOGGERS = ("DeepSpeed", "compilers", "matplotlib")
 QUIET_WARNINGS = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated",)  # DeepSpeed's ZeRO calls it
 
 
