@@ -586,8 +586,9 @@ class VideoFolderDataset(FileDataset):
         kept = np.asarray(train_idx, dtype=np.int64)[np.asarray(keep, dtype=bool)] if len(train_idx) else \
             np.asarray(train_idx, dtype=np.int64)
         if cut or len(kept) < len(train_idx):
-            log.info(f"{cut} training clip window(s) next to held-out clips jitter less and {len(train_idx) - len(kept)} "
-                     f"overlapping held-out windows are dropped (held-out clips share no frame with training)")
+            log.info(f"held-out clips share no frame with training: {cut} training window(s) next to a held-out clip "
+                     f"draw their clip starts from a shorter range, {len(train_idx) - len(kept)} overlapping one "
+                     f"are left out")
         return kept
 
     def _cap_last_start(self, f: int, w: int, cap: int) -> None:
