@@ -603,7 +603,7 @@ class Trainer:
             path.unlink(missing_ok=True)
         res.pop("fid_npz", None)
         res.pop("fvd_npz", None)
-        self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in res.items() if isinstance(v, float)))
+        log.info("step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in res.items() if isinstance(v, float)))
         with open(self.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float))}) + "\n")
         return res
