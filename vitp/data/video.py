@@ -587,7 +587,7 @@ class VideoFolderDataset(FileDataset):
             np.asarray(train_idx, dtype=np.int64)
         if cut or len(kept) < len(train_idx):
             log.info(f"held-out clips share no frame with training: {cut} training window(s) next to a held-out clip "
-                     f"draw their clip starts from a shorter range, {len(train_idx) - len(kept)} overlapping one "
+                     f"draw their clip starts from a shorter range, {len(train_idx) - len(kept)} overlapping one(s) "
                      f"are left out")
         return kept
 
