@@ -207,6 +207,19 @@ def lazy_exports(package: str, exports: Dict[str, str]):
     return __getattr__, __dir__
 
 
+def recorded_config(run_dir: PathLike) -> Path:
+    """``run_dir/.hydra/config.yaml``, the config a training recorded (what ``vitp-eval`` and
+    ``vitp-sweep`` read). Raises ``FileNotFoundError`` naming a folder that does not exist, or one
+    without that file (not a vitp run directory)."""
+    path = Path(run_dir) / ".hydra" / "config.yaml"
+    if not Path(run_dir).exists():
+        raise FileNotFoundError(f"{run_dir} does not exist; give the run directory a training wrote (its 'run dir' "
+                                f"log line)")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {run_dir} is not a vitp run directory")
+    return path
+
+
 def load_run_yaml(path: Any) -> Any:
     """``OmegaConf.load`` of a run's recorded YAML (``.hydra/config.yaml``, ``overrides.yaml``).
 

@@ -143,12 +143,9 @@ def load_run_config(run_dir: Path, overrides: list) -> DictConfig:
 
     Raises ``FileNotFoundError`` naming the missing file; ``ValueError`` (one line) for a key the
     schema lacks (in the file or an override), a bad value or a malformed override."""
-    path = run_dir / ".hydra" / "config.yaml"
-    if not Path(run_dir).exists():
-        raise FileNotFoundError(f"{run_dir} does not exist; give the run directory a training wrote (its 'run dir' "
-                                f"log line)")
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {run_dir} is not a vitp run directory")
+    from vitp.utils import recorded_config
+
+    path = recorded_config(run_dir)
     return apply_overrides(typed_config(load_run_yaml(path), path), overrides, "vitp-eval")
 
 

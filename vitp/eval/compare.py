@@ -88,12 +88,9 @@ def run_config(run_dir: Path) -> Dict[str, Any]:
     Raises ``FileNotFoundError`` when the run has no config or no ``eval.json``."""
     from omegaconf import OmegaConf
 
-    path = Path(run_dir) / ".hydra" / "config.yaml"
-    if not Path(run_dir).exists():
-        raise FileNotFoundError(f"{run_dir} does not exist; give the run directory a training wrote (its 'run dir' "
-                                f"log line)")
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {run_dir} is not a vitp run directory")
+    from vitp.utils import recorded_config
+
+    path = recorded_config(run_dir)
     cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     used = read_eval(run_dir).get("sampler")
     if isinstance(used, dict):

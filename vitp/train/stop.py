@@ -38,6 +38,7 @@ class StopSignal:
         self.device, self.flag, self.previous, self.t_flag = device, None, {}, 0.0
         self.agreed: Optional[str] = None  # the signal any rank got, as :meth:`requested` last found it
         self.doing = "finishing this step, then saving a checkpoint"  # what a signal does now (the trainer sets it)
+        self.final_saved = False  # the final checkpoint and weights are written: a second signal loses nothing
         interrupt.raise_if_swallowed()  # a Ctrl-C during start-up that a library's bare except caught
         interrupt.training_started()
         if threading.current_thread() is threading.main_thread():
@@ -48,9 +49,8 @@ class StopSignal:
         name = signal.Signals(signum).name
         if self.flag is None:
             self.flag, self.t_flag = name, time.monotonic()
-            saved = "are saved" in self.doing  # after the final checkpoint: nothing is lost by a second signal
             log.warning("%s received: %s (a second signal, %.0f s or more later, %s)", name, self.doing, self.REPEAT_S,
-                        "stops at once" if saved else "aborts without one")
+                        "stops at once" if self.final_saved else "aborts without one")
         elif time.monotonic() - self.t_flag >= self.REPEAT_S:
             raise KeyboardInterrupt(f"second signal ({name}): stopping without a checkpoint")
 

@@ -974,6 +974,8 @@ class Trainer:
         cfg, tr = self.cfg, self.cfg.trainer
         self.save_checkpoint(tr.max_steps, final=True)
         self.export_final(tr.max_steps)
+        if stopper is not None:
+            stopper.final_saved = True
         result: Dict[str, Any] = {}
         skipped = stopper is not None and stopper.requested()  # collective: every rank skips alike
         if not skipped:  # minutes, after the training bar's 100 %: each phase says what runs and shows a bar (rank 0)
