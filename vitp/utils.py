@@ -236,3 +236,17 @@ def load_run_yaml(path: Any) -> Any:
                          "restore it (from a copy of the run, or with the keys of its launch), or start a new run "
                          "from its checkpoint with trainer.resume=RUN/checkpoints/step_N in a new hydra.run.dir") \
             from None
+
+
+def shard_groups(sizes: Dict[str, int], max_bytes: int) -> List[List[str]]:
+    """The keys of ``sizes`` (key -> bytes) cut, in order, into groups of at most ``max_bytes``
+    (one larger tensor alone): the shards of a Hugging Face-style sharded export."""
+    groups: List[List[str]] = [[]]
+    size = 0
+    for key, nbytes in sizes.items():
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    return groups

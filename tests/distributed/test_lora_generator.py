@@ -3,8 +3,9 @@ groups (``reference_runs``, :func:`tests.helpers.lora_cases`): 4 steps of adapte
 perturbed export (B drawn non-zero) at tp2 + SP equal one process (loss, grad norm, live and EMA
 adapters); the checkpoint holds the adapters alone and records its base file and hash; ``vitp-export
 --format lora`` writes vitp's LoRA file and ``--merge`` vitp's export of the merged weights, whose
-output is the base's with the adapters (1e-5); ``trainer.lora.init_from=RUN/lora`` starts from the
-run's adapters exactly."""
+output is the base's with the adapters (1e-5); ``vitp-sample`` / ``vitp-eval`` of the run merge its
+adapters into its base as ``--merge`` does (the same grid), refusing a base that moved or changed;
+``trainer.lora.init_from=RUN/lora`` starts from the run's adapters exactly."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import PERTURBED
+from tests.helpers import GEN_LORA, PERTURBED
 
 TOL = 1e-5
 
@@ -101,3 +102,58 @@ def test_continued_generator_lora_starts_from_the_runs_adapters(reference_runs):
     record = json.loads((run_dir / "lora" / "lora.json").read_text())
     assert (record["rank"], record["alpha"], record["targets"]) == (4, 6.0, ["q", "v", "attn.proj", "fc2"])
     assert record["init_from"] == str(ref_dir / "lora" / "lora.safetensors")
+
+
+def test_vitp_sample_and_eval_of_a_generator_lora_run_merge_its_adapters_into_its_base(reference_runs, tmp_path,
+                                                                                        monkeypatch):
+    """A new user's report: ``vitp-sample RUN`` / ``vitp-eval RUN`` of a generator LoRA run ended in a
+    ``load_state_dict`` traceback (its checkpoints hold the adapters alone). They now sample the
+    base with the run's adapters merged: the grid of ``vitp-export RUN --merge``'s file, pixel for
+    pixel, not the base's. A base that is gone or whose weights changed is refused in one line, and
+    tp / cp / pp sampling of the adapters names the merged export instead."""
+    import numpy as np
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from vitp.checkpoint import resolve_weights
+    from vitp.checkpoint.export import load_generator, read_export, with_lora_merged
+    from vitp.cli.eval import load_generator_for
+    from vitp.cli.export import run as export
+    from vitp.cli.sample import run as sample
+    from vitp.config import compose
+    from vitp.eval import launch
+
+    run_dir, _ = reference_runs["lora_tp1pp1"]
+    merged = export([str(run_dir), "--merge", "-o", str(tmp_path / "merged.safetensors")])
+    grids = {}
+    for name, src in (("run", run_dir), ("merged", merged)):
+        out = tmp_path / f"{name}.png"
+        sample([str(src), "--classes", "3", "--num", "2", "--out", str(out), "sampler.steps=2"])
+        grids[name] = np.asarray(Image.open(out)).astype(int)
+    assert np.array_equal(grids["run"], grids["merged"]) and grids["run"].std() > 0
+    weights = resolve_weights(run_dir)[0]
+    gen, cfg = load_generator(merged)
+    got = load_generator_for(weights, cfg)  # vitp-eval's reader of the run's weights
+    assert all(torch.equal(a, b) for a, b in zip(gen.state_dict().values(), got.state_dict().values()))
+    base_state, base_meta = read_export(PERTURBED)  # the adapters moved the targeted weights, and only those
+    moved_keys = {k for k, v in got.state_dict().items() if not torch.equal(v, base_state[k])}
+    assert moved_keys == {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc2")}
+    state, meta = read_export(weights)
+    saved = json.loads(meta["vitp_config"])
+    moved = dict(meta, vitp_config=json.dumps({**saved, "trainer": {**saved["trainer"],
+                                                                    "init_from": str(tmp_path / "gone.safetensors")}}))
+    with pytest.raises(FileNotFoundError, match=r"adapters of the base .*gone.safetensors, which no longer exists: put "
+                                                r"that base back there, or export merged weights .*--merge"):
+        with_lora_merged(state, moved, weights)
+    changed_file = tmp_path / "changed.safetensors"
+    save_file({k: v * 1.01 for k, v in base_state.items()}, str(changed_file), metadata=base_meta)
+    changed = dict(meta, vitp_config=json.dumps({**saved, "trainer": {**saved["trainer"],
+                                                                      "init_from": str(changed_file)}}))
+    with pytest.raises(ValueError, match=r"trained on the base .*changed.safetensors, whose weights have changed since"):
+        with_lora_merged(state, changed, weights)
+    monkeypatch.setattr(launch.dist, "world_size", lambda: 2)
+    lora_cfg = compose([*GEN_LORA, "parallel.tp=2"])
+    with pytest.raises(ValueError, match=r"holds a LoRA run's adapters, which vitp-sample runs in data-parallel "
+                                         r"replicas only .*vitp-export RUN --merge -o X.safetensors"):
+        launch.build_sharded(lora_cfg, weights)
+

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vitp.config import parse_resolution
 from vitp.models import Generator, export_key, from_export_state, to_export_state
-from vitp.utils import atomic_write, atomic_write_text, save_safetensors, to_dict
+from vitp.utils import atomic_write, atomic_write_text, save_safetensors, shard_groups, to_dict
 
 FORMAT = "vitp.export/1"
 PARTIAL_SYNC_NOTE = ("trained with parallel.partial_sync < 1: every TP rank carries private channels, so these full "
@@ -208,20 +208,6 @@ def _export_plan(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], width: 
     plan.update({f"blocks.{i}.{n}.{w}": (None, (width,)) for i in range(depth) for n in ("norm1", "norm2")
                  for w in ("weight", "bias")})
     return {k: (*plan[k], 4 * math.prod(plan[k][1])) for k in sorted(plan, key=_export_order)}
-
-
-def shard_groups(sizes: Dict[str, int], max_bytes: int) -> List[List[str]]:
-    """The keys of ``sizes`` (key -> bytes) cut, in order, into groups of at most ``max_bytes``
-    (one larger tensor alone): the shards of a Hugging Face-style sharded export."""
-    groups: List[List[str]] = [[]]
-    size = 0
-    for key, nbytes in sizes.items():
-        if groups[-1] and size + nbytes > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(key)
-        size += nbytes
-    return groups
 
 
 def _write_shard(tag_dir: Path, kind: str, path: Path, keys: List[str],
@@ -460,6 +446,8 @@ def _read_checkpoint(tag_dir: Path, kind: str, keys: Optional[Iterable[str]]
     record = checkpoint_record(tag_dir)
     meta, _ = export_metadata(record["config"], record.get("step"), "ema" if kind == "ema" else "raw",
                               record["model"])
+    if record.get("lora"):  # a LoRA run's checkpoint: the adapters and the base they were trained on
+        meta["vitp_lora"] = json.dumps(record["lora"])
     state = read_full(tag_dir, kind, None if keys is None else list(keys))
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, meta
 
@@ -516,11 +504,48 @@ def check_partial_sync_layout(file_ps: Dict[str, Any], tp: int, p: float, source
                          f"parallel.partial_sync={file_ps['p']}")
 
 
+def with_lora_merged(state: Dict[str, torch.Tensor], meta: Dict[str, str], source: Any = "the weights"
+                     ) -> Dict[str, torch.Tensor]:
+    """The weights a generator LoRA run samples with. Its checkpoints hold the adapters alone
+    (``blocks.<i>.<linear>.lora_A`` ``(n r, in)`` / ``lora_B`` ``(n out_piece, r)``), so they are
+    merged (:func:`vitp.models.lora_files.merge_lora`: ``W + alpha / r * B A`` per targeted piece,
+    peft's merge) into the base the run adapted, its ``trainer.init_from`` export. A state without
+    adapters is returned as it is.
+
+    Raises ``FileNotFoundError`` naming the base when it is no longer there, ``ValueError`` when its
+    weights changed since the adapters were trained (the hash the checkpoint recorded)."""
+    from vitp.models.lora import run_record
+    from vitp.models.lora_files import merge_lora
+    from vitp.parallel.lora import is_lora_key
+
+    adapters = {k: v for k, v in state.items() if is_lora_key(k)}
+    if not adapters:
+        return state
+    saved = OmegaConf.create(json.loads(meta["vitp_config"]))
+    trained = json.loads(meta["vitp_lora"]) if "vitp_lora" in meta else None
+    fix = ("put that base back there, or export merged weights while it is there (vitp-export RUN --merge -o "
+           "X.safetensors)")
+    base = Path(str(saved.trainer.init_from))
+    if not base.exists() and not Path(f"{base}{INDEX_SUFFIX}").is_file():
+        raise FileNotFoundError(f"{source} holds LoRA adapters of the base {base}, which no longer exists: {fix}")
+    record = run_record(saved)
+    if trained and trained["base"]["hash"] != record["base"]["hash"]:
+        raise ValueError(f"{source} holds LoRA adapters trained on the base {base}, whose weights have changed since "
+                         f"(hash {trained['base']['hash'][:16]} then, {record['base']['hash'][:16]} now): {fix}")
+    base_state, _ = read_export(base)
+    return merge_lora(base_state, adapters, trained or record)
+
+
 def generator_from_state(model_cfg: Any, state: Dict[str, torch.Tensor], device: torch.device | str = "cpu",
-                         partial_sync: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
+                         partial_sync: Optional[Dict[str, Any]] = None,
+                         meta: Optional[Dict[str, str]] = None) -> torch.nn.Module:
     """A :class:`~vitp.models.Generator` in eval mode holding ``state`` (strict key match); with
     ``partial_sync`` (:func:`partial_sync_of`) at ``p < 1`` and ``tp > 1`` it runs the ``tp``
-    partially synchronized streams on this device (:class:`vitp.models.PartialSyncGenerator`)."""
+    partially synchronized streams on this device (:class:`vitp.models.PartialSyncGenerator`).
+    With the file's ``meta``, a LoRA run's adapters are merged into its base first
+    (:func:`with_lora_merged`, which raises as documented there)."""
+    if meta is not None:
+        state = with_lora_merged(state, meta)
     gen = Generator.from_config(model_cfg)
     gen.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     if partial_sync and partial_sync["p"] < 1.0 and partial_sync["tp"] > 1:
@@ -539,4 +564,4 @@ def load_generator(path: str | os.PathLike, device: torch.device | str = "cpu") 
     """
     state, meta = read_export(path)
     cfg = OmegaConf.create(json.loads(meta["vitp_config"]))
-    return generator_from_state(cfg.model, state, device, file_partial_sync(meta)), cfg
+    return generator_from_state(cfg.model, state, device, file_partial_sync(meta), meta), cfg

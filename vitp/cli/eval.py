@@ -189,7 +189,8 @@ def load_generator_for(path: Path, cfg: DictConfig):
     state, meta = read_export(path)
     check_model_matches(file_model(meta), cfg.model, ARCH_KEYS, str(path),
                         "pass --weights of this run, or evaluate that file's own run directory")
-    return generator_from_state(file_model(meta), state, resolve_device(cfg.trainer.device), file_partial_sync(meta))
+    return generator_from_state(file_model(meta), state, resolve_device(cfg.trainer.device), file_partial_sync(meta),
+                                meta)
 
 
 def main(argv: Optional[list] = None) -> None:

@@ -141,7 +141,7 @@ def sample_config(path: Path, overrides: List[str], num: Optional[int] = None) -
     check_layout_overrides(cfg, overrides, "vitp-sample")  # one process: the layout keys must fit it
     state, _ = read_export(path)
     saved = OmegaConf.create(json.loads(meta["vitp_config"]))
-    gen = generator_from_state(saved.model, state, resolve_device(cfg.trainer.device), file_partial_sync(meta))
+    gen = generator_from_state(saved.model, state, resolve_device(cfg.trainer.device), file_partial_sync(meta), meta)
     return gen, cfg, meta
 
 

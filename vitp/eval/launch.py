@@ -191,7 +191,7 @@ def build_sharded(cfg: DictConfig, weights: Path, prog: str = "vitp-sample") -> 
     only this rank's slices), in fp32 and eval mode. Collective: every rank calls it.
 
     Raises ``ValueError`` for a layout the world cannot run (before any process group), a weights
-    file of another model or partial-sync layout; ``FileNotFoundError`` for a missing file."""
+    file of another model or partial-sync layout, a LoRA run's adapters at tp, cp or pp > 1; ``FileNotFoundError`` for a missing file."""
     from vitp.checkpoint.initialize import init_from_export
     from vitp.eval.inference import Share, StageDenoiser
     from vitp.objectives import FlowMatchingLoss
@@ -202,6 +202,10 @@ def build_sharded(cfg: DictConfig, weights: Path, prog: str = "vitp-sample") -> 
     lay = inference_layout(cfg, dist.world_size(), device.type, prog)  # refused before any process group
     if lay.tp * lay.cp * lay.pp == 1:
         return build_replica(cfg, weights, lay, device)
+    if cfg.trainer.lora.enabled:  # its checkpoints hold the adapters alone; replicas merge them into the base
+        raise ValueError(f"{weights} holds a LoRA run's adapters, which {prog} runs in data-parallel replicas only "
+                         f"(no parallel.tp/cp/pp overrides); for tp={lay.tp} cp={lay.cp} pp={lay.pp} merge them first: "
+                         f"vitp-export RUN --merge -o X.safetensors, then {prog} X.safetensors with this layout")
     dist.init_distributed(device, dist.timeout_of(cfg))
     m = cfg.model
     # the CLI prints what one process prints: not DeepSpeed's layer table, vitp's plan or load notes
@@ -231,7 +235,7 @@ def build_replica(cfg: DictConfig, weights: Path, lay: Layout, device: Any) -> S
     state, meta = read_export(weights)
     check_model_matches(file_model(meta), cfg.model, ARCH_KEYS, str(weights),
                         "pass the weights of this run, or use that file's own run directory")
-    gen = generator_from_state(file_model(meta), state, device, file_partial_sync(meta))
+    gen = generator_from_state(file_model(meta), state, device, file_partial_sync(meta), meta)
     return ShardedGenerator(gen, Share.replicas(), None, lay)
 
 

@@ -517,7 +517,7 @@ def merge_into_folder(base_folder: PathLike, adapters: Mapping[str, torch.Tensor
     :func:`vitp.models.wan_keys.load_state`."""
     import shutil
 
-    from vitp.checkpoint.export import shard_groups
+    from vitp.utils import shard_groups
     from vitp.utils import save_safetensors
     from .wan_keys import INDEX, key_map, read_config, read_tensors, to_diffusers_state, transformer_folder, \
         weight_locations

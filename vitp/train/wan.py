@@ -169,7 +169,7 @@ def export_checkpoint_diffusers(tag_dir: Path, out: Path, cfg: Any, kind: str = 
     """
     from importlib.metadata import version
 
-    from vitp.checkpoint.export import shard_groups
+    from vitp.utils import shard_groups
     from vitp.checkpoint.sharded import read_full, tensor_shapes
     from vitp.models.wan_keys import CLASS_NAME, INDEX, WEIGHTS, key_map, to_diffusers_state
     from vitp.models.wan_run import wan_source
