@@ -6,6 +6,7 @@ to vitp-sample / vitp-eval are refused, each message naming the key and the fix.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -415,6 +416,21 @@ def test_the_pipeline_around_a_trained_transformer_links_only_its_components(tin
     assert linked == {p.name for p in src.iterdir() if p.is_dir() and p.name in named} - {"transformer"}
     assert "scheduler" in linked and not (out / "samples").exists()
     assert (out / "scheduler").resolve() == (src / "scheduler").resolve()
+
+
+def test_two_models_transformer_folders_sampled_directly_get_their_own_output_folders(tiny, tmp_path):
+    """A user's trial: ``vitp-sample /tmp/a/transformer`` and ``/tmp/b/transformer`` (two models)
+    both wrote to ``./outputs/transformer/samples``, the second refused for the first's sample
+    (``--force`` would have overwritten it). Each folder now has its own: parent name, name, hash."""
+    from vitp.cli.sample import SAMPLE_KEYS
+    from vitp.eval.wan_sample import wan_sample_config
+
+    folders = [shutil.copytree(tiny, tmp_path / name / "pipe") for name in ("a", "b")]
+    bases = [wan_sample_config(f / "transformer", [], 1, SAMPLE_KEYS)[2] for f in folders]
+    assert bases[0] != bases[1] and all(b.parent == Path("outputs") for b in bases), bases
+    assert all(re.fullmatch(r"pipe-transformer-[0-9a-f]{8}", b.name) for b in bases), bases
+    pipes = [wan_sample_config(f, [], 1, SAMPLE_KEYS)[2] for f in folders]  # same name, other places
+    assert pipes[0] != pipes[1] and all(re.fullmatch(r"pipe-[0-9a-f]{8}", b.name) for b in pipes), pipes
 
 
 # ------------------------------------------------------------------------------ Wan 2.2 A14B's experts

@@ -202,17 +202,19 @@ def export_advice(run_dir: Path, saved: Any, then: str, merge: bool = False) -> 
 
 
 def model_name(folder: Path) -> str:
-    """The name of ``./outputs/<name>/samples``, where the samples of the model ``folder`` go: its
-    folder name; for a folder inside a vitp run, whose names repeat in every run (``RUN/diffusers``,
-    ``RUN/export/step_0000004_ema_diffusers``), ``<run name>-<its path in the run, '-' joined>-<8 hex
-    of a hash of its resolved path>`` (``run1-diffusers-1a2b3c4d``), so two runs' folders never
-    share one."""
+    """The name of ``./outputs/<name>/samples``, where the samples of the model ``folder`` go, with
+    ``<hash>`` 8 hex of a hash of its resolved path, so two folders never share one: a pipeline
+    folder's ``<folder name>-<hash>``; a bare weights folder's (``transformer/``, a name every
+    pipeline repeats) ``<parent name>-<folder name>-<hash>``; for a folder inside a vitp run
+    (``RUN/diffusers``, ``RUN/export/step_0000004_ema_diffusers``) ``<run name>-<its path in the
+    run, '-' joined>-<hash>`` (``run1-diffusers-1a2b3c4d``)."""
     real = Path(folder).resolve()
-    run = next((p for p in real.parents if (p / ".hydra" / "config.yaml").is_file()), None)
-    if run is None:
-        return real.name
     digest = hashlib.sha1(str(real).encode()).hexdigest()[:8]
-    return "-".join([run.name, *real.relative_to(run).parts, digest])
+    run = next((p for p in real.parents if (p / ".hydra" / "config.yaml").is_file()), None)
+    if run is not None:
+        return "-".join([run.name, *real.relative_to(run).parts, digest])
+    bare = not (real / "model_index.json").is_file()  # a transformer folder: named with its pipeline's
+    return "-".join([p for p in ([real.parent.name] if bare else []) + [real.name] if p] + [digest])
 
 
 def pipeline_of(cfg: Any) -> Path:
