@@ -179,6 +179,27 @@ def test_a_damaged_vae_is_refused_before_training(tmp_path):
         validate_config(_cfg(folder), 1)
 
 
+def test_a_listed_vae_without_its_folder_is_refused_as_a_missing_transformer_2_is(tmp_path, capsys):
+    """A user's trial: a pipeline whose model_index.json lists vae without its vae/ trained with no
+    word (evaluation in latent space), and its RUN/diffusers listed a VAE WanPipeline could not
+    load. Refused now, from the pipeline or its transformer folder; ``"vae": [null, null]`` trains."""
+    from vitp.cli.sample import main
+
+    folder = make_tiny_wan().write_pipeline(tmp_path / "pipe")
+    shutil.rmtree(folder / "vae")
+    want = (rf"{folder / 'vae' / 'config.json'} does not exist, but {folder / 'model_index.json'} lists vae .*copy "
+            r"the pipeline's vae/ again, or set \"vae\": \[null, null\] in it")
+    for init in (folder, folder / "transformer"):
+        with pytest.raises(FileNotFoundError, match=want):
+            validate_config(_cfg(init), 1)
+    with pytest.raises(SystemExit) as e:
+        main([str(folder), "--prompt", "x", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and "lists vae" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "vae": [None, None]}))
+    validate_config(_cfg(folder), 1)
+
+
 def test_channels_of_other_data_are_refused(tiny):
     with pytest.raises(ValueError, match=r"the data give 16 input channels .* takes in_channels=4"):
         validate_config(_cfg(tiny, "data=shards", "data.shards=/x", "data.latent_channels=16"), 1)
