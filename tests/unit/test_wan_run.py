@@ -356,6 +356,46 @@ def test_vitp_sample_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys
         "--out PATH outside it, or vitp-sample a copy of that folder\n")
 
 
+def test_vitp_sample_of_wan_refuses_an_out_among_model_files_a_file_name_or_a_foreign_folder(tiny, tmp_path, capsys,
+                                                                                               monkeypatch):
+    """A user's trial: ``vitp-sample RUN --out RUN/diffusers`` wrote grid.gif, latents.safetensors and
+    prompts.txt into the run's model folder (``--out W/transformer --force``: into a weights folder),
+    and ``--out x/out.gif`` made a folder named out.gif. Refused before sampling now (the model
+    folders even with --force, naming the default output); a folder holding other files needs --force."""
+    from vitp.cli.sample import main
+
+    run = _unfinished_run(tiny, tmp_path)
+    shutil.copytree(tiny, run / "diffusers")
+    weights = shutil.copytree(tiny, tmp_path / "weights")
+    default = f"e.g. {run / 'samples'}/sample_wan_p1-"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with monkeypatch.context() as mp:
+        mp.setattr("vitp.eval.wan_sample.wan_denoisers", lambda *a: pytest.fail("went on to sample"))
+        for out, force, message in [
+                (run / "diffusers", True, f"--out {run / 'diffusers'} is the run's {run / 'diffusers'}: vitp-sample "
+                                          f"would write among the run's files, --force or not; give --out a new name, "
+                                          + default),
+                (run, True, f"--out {run} is the run folder: vitp-sample would write among the run's files"),
+                (weights / "transformer", True, f"--out {weights / 'transformer'} is the model folder "
+                                                f"{weights / 'transformer'}: vitp-sample would write among its weights"),
+                (weights / "new", True, f"lies inside the model folder {weights}: vitp-sample would write among its "
+                                        "weights"),
+                (tmp_path / "x" / "out.gif", False, f"--out {tmp_path / 'x' / 'out.gif'}: a Wan sample is a folder "
+                                                    "(latents.safetensors, grid.gif, prompts.txt), not a .gif file; "
+                                                    f"give --out a folder name, e.g. {tmp_path / 'x' / 'out'}"),
+                (tmp_path / "other", False, f"{tmp_path / 'other'} exists and holds other files than a vitp-sample "
+                                            "output; choose another --out, or pass --force to write into it")]:
+            with pytest.raises(SystemExit) as e:
+                main([str(run), "--prompt", "x", "--out", str(out), *(["--force"] if force else [])])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists() and sorted(p.name for p in (run / "diffusers").iterdir()) == sorted(
+        p.name for p in tiny.iterdir())
+    main([str(run), "--prompt", "x", "--num", "1", "sampler.steps=1", "--out", str(tmp_path / "other"), "--force"])
+    assert (tmp_path / "other" / "latents.safetensors").is_file() and (tmp_path / "other" / "notes.txt").is_file()
+
+
 def test_a_wan_runs_checkpoint_given_to_vitp_sample_or_eval_names_the_export(tiny, tmp_path, capsys):
     """A user's trial: ``vitp-sample RUN/checkpoints/step_N`` of a Wan run built vitp's own generator
     and failed in ``load_state_dict`` (missing keys, size mismatches); ``vitp-eval`` of it failed
@@ -549,7 +589,7 @@ def test_vitp_sample_of_a_lora_run_on_one_a14b_expert_adapts_that_expert_alone(a
     assert merged.name == "transformer_2" and (tmp_path / "merged" / "transformer").is_symlink()
     latents = {}
     for name, source in (("lora", run), ("merged", tmp_path / "merged"), ("base", a14b)):
-        sample([str(source), "--prompt", "a cat", "--num", "1", "sampler.steps=2", "--out", str(tmp_path / name)])
-        latents[name] = load_file(str(tmp_path / name / "latents.safetensors"))["latents"]
+        sample([str(source), "--prompt", "a cat", "--num", "1", "sampler.steps=2", "--out", str(tmp_path / "s" / name)])
+        latents[name] = load_file(str(tmp_path / "s" / name / "latents.safetensors"))["latents"]
     assert torch.equal(latents["lora"], latents["merged"])
     assert float((latents["lora"] - latents["base"]).abs().max()) > 1e-3 * float(latents["base"].abs().max())
