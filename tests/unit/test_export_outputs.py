@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -164,7 +165,7 @@ def test_every_file_of_a_run_and_of_its_exports_has_the_usual_mode(runs):
 
 def test_two_runs_diffusers_folders_sampled_directly_get_their_own_output_folders(runs, tmp_path):
     """``vitp-sample RUN/diffusers``: the default output is ``./outputs/<run name>-diffusers-<hash>``,
-    one per run (both were ``./outputs/diffusers``); a model folder outside a run keeps its name."""
+    one per run (both were ``./outputs/diffusers``); a pipeline folder outside a run: its name and hash."""
     from vitp.cli.sample import SAMPLE_KEYS
     from vitp.eval.wan_sample import wan_sample_config
 
@@ -172,7 +173,8 @@ def test_two_runs_diffusers_folders_sampled_directly_get_their_own_output_folder
     bases = [wan_sample_config(r / "diffusers", [], 1, SAMPLE_KEYS)[2] for r in (runs.full, other)]
     assert bases[0] != bases[1] and all(b.parent == Path("outputs") for b in bases)
     assert [b.name.rsplit("-", 1)[0] for b in bases] == ["run-diffusers"] * 2
-    assert wan_sample_config(runs.base, [], 1, SAMPLE_KEYS)[2] == Path("outputs") / "base"
+    base = wan_sample_config(runs.base, [], 1, SAMPLE_KEYS)[2]
+    assert base.parent == Path("outputs") and re.fullmatch(r"base-[0-9a-f]{8}", base.name), base
 
 
 def test_a_wan_lora_run_exported_without_a_format_names_the_lora_formats(runs, capsys):

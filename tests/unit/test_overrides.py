@@ -142,6 +142,36 @@ def test_vitp_sample_names_outputs_by_their_settings_and_overwrites_only_with_fo
     assert sorted(p.name for p in (tmp_path / "samples").iterdir() if p.name.startswith(".")) == []  # no temp file
 
 
+def test_vitp_sample_refuses_an_out_among_a_runs_or_a_models_files_even_with_force(tmp_path, capsys, monkeypatch):
+    """A user's trial: ``--out RUN/diffusers`` and ``--out WEIGHTS/transformer --force`` wrote samples
+    among a model's weights (``vitp-export`` refuses such targets). Refused now in one line naming
+    the default output, ``--force`` or not, before sampling; a new name in the run still samples."""
+    from vitp.cli.sample import main
+
+    run, model = tmp_path / "run", tmp_path / "model"
+    (run / ".hydra").mkdir(parents=True)
+    OmegaConf.save(compose_cfg(["experiment=smoke"]), run / ".hydra" / "config.yaml")
+    (run / "checkpoints").mkdir()
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "diffusion_pytorch_model.safetensors").write_bytes(b"x")
+    monkeypatch.setattr("vitp.cli.sample.generate", lambda *a, **k: pytest.fail("sampled before refusing"))
+    head = [str(PERTURBED), "--classes", "3", "--num", "1", "sampler.steps=1", "--force", "--out"]
+    for out, where in ((model / "g.png", f"lies inside the model folder {model}: vitp-sample would write among its "
+                                         "weights"),
+                       (run / "checkpoints" / "g.png", f"lies inside the run's {run / 'checkpoints'}: vitp-sample "
+                                                       "would write among the run's files")):
+        with pytest.raises(SystemExit) as e:
+            main([*head, str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"vitp-sample: error: --out {out} {where}, --force or not; give "
+                                                    "--out a new name, e.g. ") and err.count("\n") == 1, err
+        assert not out.exists()
+    monkeypatch.undo()
+    main([*head, str(run / "samples" / "g.png")])
+    assert (run / "samples" / "g.png").is_file()
+
+
 @pytest.mark.parametrize("args, message", [
     (["model.depth=3"], "model.depth: vitp-sample can change sampler.*, model.image_size, model.num_frames, "
                         "data.resolution, data.num_frames, trainer.device"),

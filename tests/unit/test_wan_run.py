@@ -6,6 +6,7 @@ to vitp-sample / vitp-eval are refused, each message naming the key and the fix.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -178,6 +179,27 @@ def test_a_damaged_vae_is_refused_before_training(tmp_path):
         validate_config(_cfg(folder), 1)
 
 
+def test_a_listed_vae_without_its_folder_is_refused_as_a_missing_transformer_2_is(tmp_path, capsys):
+    """A user's trial: a pipeline whose model_index.json lists vae without its vae/ trained with no
+    word (evaluation in latent space), and its RUN/diffusers listed a VAE WanPipeline could not
+    load. Refused now, from the pipeline or its transformer folder; ``"vae": [null, null]`` trains."""
+    from vitp.cli.sample import main
+
+    folder = make_tiny_wan().write_pipeline(tmp_path / "pipe")
+    shutil.rmtree(folder / "vae")
+    want = (rf"{folder / 'vae' / 'config.json'} does not exist, but {folder / 'model_index.json'} lists vae .*copy "
+            r"the pipeline's vae/ again, or set \"vae\": \[null, null\] in it")
+    for init in (folder, folder / "transformer"):
+        with pytest.raises(FileNotFoundError, match=want):
+            validate_config(_cfg(init), 1)
+    with pytest.raises(SystemExit) as e:
+        main([str(folder), "--prompt", "x", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and "lists vae" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "vae": [None, None]}))
+    validate_config(_cfg(folder), 1)
+
+
 def test_channels_of_other_data_are_refused(tiny):
     with pytest.raises(ValueError, match=r"the data give 16 input channels .* takes in_channels=4"):
         validate_config(_cfg(tiny, "data=shards", "data.shards=/x", "data.latent_channels=16"), 1)
@@ -334,6 +356,46 @@ def test_vitp_sample_refuses_bad_wan_input_naming_the_fix(tiny, tmp_path, capsys
         "--out PATH outside it, or vitp-sample a copy of that folder\n")
 
 
+def test_vitp_sample_of_wan_refuses_an_out_among_model_files_a_file_name_or_a_foreign_folder(tiny, tmp_path, capsys,
+                                                                                               monkeypatch):
+    """A user's trial: ``vitp-sample RUN --out RUN/diffusers`` wrote grid.gif, latents.safetensors and
+    prompts.txt into the run's model folder (``--out W/transformer --force``: into a weights folder),
+    and ``--out x/out.gif`` made a folder named out.gif. Refused before sampling now (the model
+    folders even with --force, naming the default output); a folder holding other files needs --force."""
+    from vitp.cli.sample import main
+
+    run = _unfinished_run(tiny, tmp_path)
+    shutil.copytree(tiny, run / "diffusers")
+    weights = shutil.copytree(tiny, tmp_path / "weights")
+    default = f"e.g. {run / 'samples'}/sample_wan_p1-"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with monkeypatch.context() as mp:
+        mp.setattr("vitp.eval.wan_sample.wan_denoisers", lambda *a: pytest.fail("went on to sample"))
+        for out, force, message in [
+                (run / "diffusers", True, f"--out {run / 'diffusers'} is the run's {run / 'diffusers'}: vitp-sample "
+                                          f"would write among the run's files, --force or not; give --out a new name, "
+                                          + default),
+                (run, True, f"--out {run} is the run folder: vitp-sample would write among the run's files"),
+                (weights / "transformer", True, f"--out {weights / 'transformer'} is the model folder "
+                                                f"{weights / 'transformer'}: vitp-sample would write among its weights"),
+                (weights / "new", True, f"lies inside the model folder {weights}: vitp-sample would write among its "
+                                        "weights"),
+                (tmp_path / "x" / "out.gif", False, f"--out {tmp_path / 'x' / 'out.gif'}: a Wan sample is a folder "
+                                                    "(latents.safetensors, grid.gif, prompts.txt), not a .gif file; "
+                                                    f"give --out a folder name, e.g. {tmp_path / 'x' / 'out'}"),
+                (tmp_path / "other", False, f"{tmp_path / 'other'} exists and holds other files than a vitp-sample "
+                                            "output; choose another --out, or pass --force to write into it")]:
+            with pytest.raises(SystemExit) as e:
+                main([str(run), "--prompt", "x", "--out", str(out), *(["--force"] if force else [])])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists() and sorted(p.name for p in (run / "diffusers").iterdir()) == sorted(
+        p.name for p in tiny.iterdir())
+    main([str(run), "--prompt", "x", "--num", "1", "sampler.steps=1", "--out", str(tmp_path / "other"), "--force"])
+    assert (tmp_path / "other" / "latents.safetensors").is_file() and (tmp_path / "other" / "notes.txt").is_file()
+
+
 def test_a_wan_runs_checkpoint_given_to_vitp_sample_or_eval_names_the_export(tiny, tmp_path, capsys):
     """A user's trial: ``vitp-sample RUN/checkpoints/step_N`` of a Wan run built vitp's own generator
     and failed in ``load_state_dict`` (missing keys, size mismatches); ``vitp-eval`` of it failed
@@ -415,6 +477,21 @@ def test_the_pipeline_around_a_trained_transformer_links_only_its_components(tin
     assert linked == {p.name for p in src.iterdir() if p.is_dir() and p.name in named} - {"transformer"}
     assert "scheduler" in linked and not (out / "samples").exists()
     assert (out / "scheduler").resolve() == (src / "scheduler").resolve()
+
+
+def test_two_models_transformer_folders_sampled_directly_get_their_own_output_folders(tiny, tmp_path):
+    """A user's trial: ``vitp-sample /tmp/a/transformer`` and ``/tmp/b/transformer`` (two models)
+    both wrote to ``./outputs/transformer/samples``, the second refused for the first's sample
+    (``--force`` would have overwritten it). Each folder now has its own: parent name, name, hash."""
+    from vitp.cli.sample import SAMPLE_KEYS
+    from vitp.eval.wan_sample import wan_sample_config
+
+    folders = [shutil.copytree(tiny, tmp_path / name / "pipe") for name in ("a", "b")]
+    bases = [wan_sample_config(f / "transformer", [], 1, SAMPLE_KEYS)[2] for f in folders]
+    assert bases[0] != bases[1] and all(b.parent == Path("outputs") for b in bases), bases
+    assert all(re.fullmatch(r"pipe-transformer-[0-9a-f]{8}", b.name) for b in bases), bases
+    pipes = [wan_sample_config(f, [], 1, SAMPLE_KEYS)[2] for f in folders]  # same name, other places
+    assert pipes[0] != pipes[1] and all(re.fullmatch(r"pipe-[0-9a-f]{8}", b.name) for b in pipes), pipes
 
 
 # ------------------------------------------------------------------------------ Wan 2.2 A14B's experts
@@ -512,7 +589,7 @@ def test_vitp_sample_of_a_lora_run_on_one_a14b_expert_adapts_that_expert_alone(a
     assert merged.name == "transformer_2" and (tmp_path / "merged" / "transformer").is_symlink()
     latents = {}
     for name, source in (("lora", run), ("merged", tmp_path / "merged"), ("base", a14b)):
-        sample([str(source), "--prompt", "a cat", "--num", "1", "sampler.steps=2", "--out", str(tmp_path / name)])
-        latents[name] = load_file(str(tmp_path / name / "latents.safetensors"))["latents"]
+        sample([str(source), "--prompt", "a cat", "--num", "1", "sampler.steps=2", "--out", str(tmp_path / "s" / name)])
+        latents[name] = load_file(str(tmp_path / "s" / name / "latents.safetensors"))["latents"]
     assert torch.equal(latents["lora"], latents["merged"])
     assert float((latents["lora"] - latents["base"]).abs().max()) > 1e-3 * float(latents["base"].abs().max())

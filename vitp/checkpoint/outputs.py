@@ -11,6 +11,8 @@ entries other than ``export/`` (``checkpoints/``, ``diffusers/``, ``lora/``, the
 would overwrite the run's files. Both are refused (``ValueError``, one line naming the fix) before
 anything is written: :func:`check_export_out` for ``vitp-export -o``, :func:`check_final_writes`
 for ``vitp-train``'s ``RUN/diffusers``, ``RUN/lora``, final weights and ``trainer.export_dir``.
+``vitp-sample --out`` may not write into a run's files or a model's folder either
+(:func:`check_sample_out`).
 """
 from __future__ import annotations
 
@@ -82,16 +84,45 @@ def is_run_dir(folder: Path) -> bool:
             or (folder / "metrics.jsonl").is_file())
 
 
-def _run_entry(out: Path, run_dir: Path) -> Optional[Path]:
+def _run_entry(out: Path, run_dir: Path, free: Sequence[str] = (EXPORT_DIR,)) -> Optional[Path]:
     """The run's own file or folder that ``out`` is or lies inside (``run_dir`` itself for the run
-    folder), or ``None``: outside the run, under its ``export/``, or at a new name in it."""
+    folder), or ``None``: outside the run, under one of its ``free`` entries, or at a new name in it."""
     a, run = _real(out), _real(run_dir)
     if a == run:
         return run
     if run not in a.parents:
         return None
     top = run / a.relative_to(run).parts[0]
-    return top if top.name != EXPORT_DIR and (top.exists() or top.is_symlink()) else None
+    return top if top.name not in free and (top.exists() or top.is_symlink()) else None
+
+
+def holds_weights(folder: Path) -> bool:
+    """Whether ``folder`` holds a model: a diffusers pipeline (``model_index.json``) or a model
+    folder (``config.json`` with ``*.safetensors`` weights or their index)."""
+    f = Path(folder)
+    return f.is_dir() and ((f / "model_index.json").is_file()
+                           or (f / "config.json").is_file() and any(f.glob("*.safetensors*")))
+
+
+def check_sample_out(out: Path, default: Path, prog: str = "vitp-sample") -> None:
+    """Refuse (``ValueError``, ``--force`` or not) a sampling ``--out`` that is or lies inside a
+    recorded run's own files other than ``samples/`` and ``export/`` (the run folder itself, its
+    ``diffusers/``, ``lora/``, ``checkpoints/``) or a folder holding a model (:func:`holds_weights`):
+    grids and latents would land among the weights, as ``vitp-export`` refuses there too. The
+    message names ``default``, the output it would write without ``--out``."""
+    real = _real(out)
+    fix = "{what}, --force or not; give --out a new name, e.g. " + f"{default} (the default)"
+    run = next((p for p in (real, *real.parents) if (p / ".hydra" / "config.yaml").is_file()), None)
+    hit = _run_entry(out, run, (EXPORT_DIR, "samples")) if run is not None else None
+    if hit is not None:
+        where = ("is the run folder" if hit == run else f"is the run's {hit}" if hit == real else
+                 f"lies inside the run's {hit}")
+        raise ValueError(f"--out {out} {where}: " + fix.format(what=f"{prog} would write among the run's files"))
+    model = next((p for p in (real, *real.parents) if holds_weights(p)), None)
+    if model is not None:
+        where = "is" if model == real else "lies inside"
+        raise ValueError(f"--out {out} {where} the model folder {model}: "
+                         + fix.format(what=f"{prog} would write among its weights"))
 
 
 def check_export_out(out: Path, targets: Sequence[Path], cfg: Any, run_dir: Optional[Path]) -> None:
@@ -143,5 +174,5 @@ def check_final_writes(cfg: Any, run_dir: Optional[Path]) -> None:
                                      f"it, or choose another {where}")
 
 
-__all__ = ["EXPORT_DIR", "check_export_out", "check_final_writes", "final_targets", "is_run_dir", "relation",
-           "run_inputs", "wan_targets"]
+__all__ = ["EXPORT_DIR", "check_export_out", "check_final_writes", "check_sample_out", "final_targets", "holds_weights",
+           "is_run_dir", "relation", "run_inputs", "wan_targets"]

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 from vitp.checkpoint import generator_from_state, read_export, resolve_weights
 from vitp.checkpoint.export import file_partial_sync
+from vitp.checkpoint.outputs import check_sample_out
 from vitp.cli import run_cli
 from vitp.cli.overrides import apply_overrides, flag_overrides, override_key, typed_config
 from vitp.config import input_frames, input_size, parse_resolution, validate_config
@@ -293,14 +294,18 @@ def output_name(cfg: Any, meta: dict, classes: List[int], per: int, fmt: Optiona
 
 def _check_free(out: Path, folder: bool, force: bool, remove: bool = True) -> None:
     """Refuse (``ValueError``) to overwrite ``out`` (a file, or with ``folder`` the video files an
-    earlier call wrote into that folder) without ``force``; with it (and ``remove``: the rank that
-    writes) remove those earlier video files so the folder holds one call's samples."""
+    earlier call wrote into that folder) or to write into a folder holding other files without
+    ``force``; with it (and ``remove``: the rank that writes) remove those earlier video files so
+    the folder holds one call's samples."""
     old = sorted(p for p in out.iterdir() if _VIDEO_FILE.match(p.name)) if folder and out.is_dir() else []
     if folder and out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; a video model writes a folder there (or give a .gif / .mp4 name)")
     if not force and (old or (not folder and out.exists())):
         what = f"{out} holds {len(old)} sample videos" if folder else f"{out} exists"
         raise ValueError(f"{what}; choose another --out, or pass --force to replace {'them' if folder else 'it'}")
+    if not force and folder and out.is_dir() and any(out.iterdir()):  # as vitp-export refuses a non-empty -o
+        raise ValueError(f"{out} exists and holds other files than sample videos; choose another --out, or pass "
+                         "--force to write into it")
     for p in old if remove else []:
         p.unlink()
 
@@ -344,7 +349,10 @@ def run(argv: Optional[List[str]] = None) -> None:
         video = cfg.model.num_frames > 1
         _check_out(a.out, a.format, video)
         name = output_name(cfg, meta, rows, per, a.format, path, step, prompts)
-        out = a.out or base / "samples" / (name if video else name + ".png")
+        default = base / "samples" / (name if video else name + ".png")
+        if a.out is not None:
+            check_sample_out(a.out, default)  # not among a run's or a model's files, --force or not
+        out = a.out or default
         grid_file = not video or (a.out is not None and bool(a.out.suffix))  # else a folder (names hold dots: cfg1.5)
         _check_free(out, folder=not grid_file, force=a.force, remove=is_main())  # before sampling: refused at once
         labels = torch.tensor(rows)[class_grid_labels(len(rows), per)]

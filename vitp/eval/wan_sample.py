@@ -202,17 +202,19 @@ def export_advice(run_dir: Path, saved: Any, then: str, merge: bool = False) -> 
 
 
 def model_name(folder: Path) -> str:
-    """The name of ``./outputs/<name>/samples``, where the samples of the model ``folder`` go: its
-    folder name; for a folder inside a vitp run, whose names repeat in every run (``RUN/diffusers``,
-    ``RUN/export/step_0000004_ema_diffusers``), ``<run name>-<its path in the run, '-' joined>-<8 hex
-    of a hash of its resolved path>`` (``run1-diffusers-1a2b3c4d``), so two runs' folders never
-    share one."""
+    """The name of ``./outputs/<name>/samples``, where the samples of the model ``folder`` go, with
+    ``<hash>`` 8 hex of a hash of its resolved path, so two folders never share one: a pipeline
+    folder's ``<folder name>-<hash>``; a bare weights folder's (``transformer/``, a name every
+    pipeline repeats) ``<parent name>-<folder name>-<hash>``; for a folder inside a vitp run
+    (``RUN/diffusers``, ``RUN/export/step_0000004_ema_diffusers``) ``<run name>-<its path in the
+    run, '-' joined>-<hash>`` (``run1-diffusers-1a2b3c4d``)."""
     real = Path(folder).resolve()
-    run = next((p for p in real.parents if (p / ".hydra" / "config.yaml").is_file()), None)
-    if run is None:
-        return real.name
     digest = hashlib.sha1(str(real).encode()).hexdigest()[:8]
-    return "-".join([run.name, *real.relative_to(run).parts, digest])
+    run = next((p for p in real.parents if (p / ".hydra" / "config.yaml").is_file()), None)
+    if run is not None:
+        return "-".join([run.name, *real.relative_to(run).parts, digest])
+    bare = not (real / "model_index.json").is_file()  # a transformer folder: named with its pipeline's
+    return "-".join([p for p in ([real.parent.name] if bare else []) + [real.name] if p] + [digest])
 
 
 def pipeline_of(cfg: Any) -> Path:
@@ -443,8 +445,8 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
     model folder ``./outputs/<model_name>/samples/<output_name>``, :func:`model_name`) and
     prints one line. ``conditioning``: ``(a, cfg, meta) -> (PromptConditioning, row ids, prompts)``
     (:func:`vitp.cli.sample._conditioning`), ``allowed``: the override keys. Raises ``ValueError``
-    before sampling for class labels, no prompt, ``--format mp4``, an ``--out`` that is a file or
-    holds an earlier output (without ``--force``); ``PermissionError`` for an output into the run
+    before sampling for class labels, no prompt, ``--format mp4``, an ``--out`` :func:`check_wan_out`
+    refuses; ``PermissionError`` for an output into the run
     folder where this process may not write; as :func:`wan_sample_config` and :func:`pipeline_of`."""
     from vitp.eval.launch import choose_layout, finish, launched
     from vitp.eval.sampling import class_grid_labels
@@ -465,11 +467,7 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
     scheduler = load_scheduler(pipe, a.scheduler, a.flow_shift)
     cond, rows, prompts = conditioning(a, cfg, {})
     embeds = prompt_embeds(cond, int(cfg.model.text_dim))
-    out = a.out or base / "samples" / output_name(cfg, prompts, scheduler, info.two_experts)  # base: wan_sample_config
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; a Wan sample is a folder (latents.safetensors, grid.gif)")
-    if (out / "latents.safetensors").exists() and not a.force:
-        raise ValueError(f"{out} holds an earlier sample; choose another --out, or pass --force to replace it")
+    out = check_wan_out(a.out, base / "samples" / output_name(cfg, prompts, scheduler, info.two_experts), a.force)
     ids = torch.tensor(rows)[class_grid_labels(len(rows), cfg.sampler.samples_per_class)]
     experts = tuple(pipe / name for name in info.experts) if info.two_experts else ()
     if launched():  # replicas of the whole model where one fits a device, unless a layout key is given
@@ -484,6 +482,33 @@ def run_wan(a: Any, overrides: List[str], conditioning: Callable, allowed: Tuple
         return
     adapters = lora_file_of(Path(a.source) / "lora") if lora else None
     _write(out, got, pipe, prompts, cfg, scheduler, info, weights, adapters)
+
+
+MEDIA_SUFFIXES = (".gif", ".mp4", ".png", ".jpg", ".jpeg", ".webp")  # a file name, not a Wan sample folder
+
+
+def check_wan_out(out: Optional[Path], default: Path, force: bool) -> Path:
+    """The output folder of a Wan sample: ``out`` (``--out``), else ``default`` (``base``:
+    :func:`wan_sample_config`). Raises ``ValueError`` (one line, before sampling) for an ``--out``
+    among a run's or a model's files (:func:`vitp.checkpoint.outputs.check_sample_out`, ``force``
+    or not), one named as a media file or that is a file, and without ``force`` a folder holding an
+    earlier sample or other files."""
+    from vitp.checkpoint.outputs import check_sample_out
+
+    if out is not None:
+        check_sample_out(out, default)
+        if out.suffix.lower() in MEDIA_SUFFIXES:  # it made a folder of that name
+            raise ValueError(f"--out {out}: a Wan sample is a folder (latents.safetensors, grid.gif, prompts.txt), "
+                             f"not a {out.suffix} file; give --out a folder name, e.g. {out.with_suffix('')}")
+    out = out or default
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; a Wan sample is a folder (latents.safetensors, grid.gif)")
+    if (out / "latents.safetensors").exists() and not force:
+        raise ValueError(f"{out} holds an earlier sample; choose another --out, or pass --force to replace it")
+    if out.is_dir() and any(out.iterdir()) and not force:  # as vitp-export refuses a non-empty -o
+        raise ValueError(f"{out} exists and holds other files than a vitp-sample output; choose another --out, or "
+                         "pass --force to write into it")
+    return out
 
 
 def _write(out: Path, got: Tuple[torch.Tensor, torch.Tensor], pipe: Path, prompts: List[str], cfg: Any,

@@ -242,7 +242,7 @@ def read_pipeline(folder: PathLike) -> PipelineInfo:
     naming the file and the fix for an image- or video-conditioned pipeline (the TI2V/I2V
     image-conditioned first frame, VACE: vitp samples and trains text-to-video), ``transformer_2``
     without a ``boundary_ratio`` in (0, 1) or the other way round, and a listed ``transformer_2``
-    whose folder is missing; as :func:`read_json_object` for a damaged file."""
+    or ``vae`` (:func:`check_listed_vae`) whose folder is missing; as :func:`read_json_object` for a damaged file."""
     folder = Path(folder)
     index = folder / "model_index.json"
     pipe = read_json_object(index, fix="copy the pipeline folder again")
@@ -264,19 +264,40 @@ def read_pipeline(folder: PathLike) -> PipelineInfo:
     if two and not (folder / "transformer_2" / "config.json").is_file():
         raise FileNotFoundError(f"{folder / 'transformer_2' / 'config.json'} does not exist, but {index} lists "
                                 "transformer_2 (Wan 2.2 A14B's low-noise expert); copy the whole pipeline folder again")
+    check_listed_vae(folder, pipe)
     return PipelineInfo(folder, ("transformer", "transformer_2") if two else ("transformer",),
                         float(ratio) if two else None, bool(pipe.get("expand_timesteps", False)))
 
 
+def check_listed_vae(folder: Path, pipe: Optional[Dict[str, Any]] = None) -> None:
+    """Raises ``FileNotFoundError`` when the pipeline ``folder``'s ``model_index.json`` (``pipe``,
+    else read; unreadable: nothing) lists a ``vae`` whose ``vae/config.json`` is missing: training
+    would score latents instead of pixels and its ``RUN/diffusers`` would list a VAE it lacks.
+    A pipeline without a VAE says ``"vae": [null, null]``."""
+    if pipe is None:
+        try:
+            pipe = json.loads((Path(folder) / "model_index.json").read_text())
+        except (OSError, ValueError):
+            return
+    vae = pipe.get("vae") if isinstance(pipe, dict) else None
+    if isinstance(vae, list) and vae[:1] not in ([None], []) and not (Path(folder) / "vae" / "config.json").is_file():
+        raise FileNotFoundError(f"{Path(folder) / 'vae' / 'config.json'} does not exist, but "
+                                f"{Path(folder) / 'model_index.json'} lists vae (it decodes samples and evaluations); "
+                                "copy the pipeline's vae/ again, or set \"vae\": [null, null] in it to work in "
+                                "latent space")
+
+
 def _check_index(index: Path, strict: bool = True) -> None:
     """:func:`read_pipeline` of the pipeline of ``index``. ``strict=False`` (a transformer folder
-    given, in the pipeline ``index`` belongs to): only an image-conditioned pipeline is refused; an
-    unreadable index is no pipeline, and the other expert's folder is not needed."""
+    given, in the pipeline ``index`` belongs to): only an image-conditioned pipeline and a listed
+    ``vae`` without its folder are refused; an unreadable index is no pipeline, and the other
+    expert's folder is not needed."""
     try:
         read_pipeline(index.parent)
     except (ValueError, FileNotFoundError) as e:
         if strict or any(name in str(e) for name in I2V_PIPELINES):
             raise
+        check_listed_vae(index.parent)  # the transformer's run still decodes through this pipeline's vae/
 
 
 def read_json_object(path: Path, what: str = "keys", fix: str = "copy the folder again") -> Dict[str, Any]:
