@@ -361,6 +361,44 @@ def test_a_wan_runs_checkpoint_given_to_vitp_sample_or_eval_names_the_export(tin
             assert e.value.code == 2 and want in err, err
 
 
+def test_a_wan_runs_checkpoint_as_vitp_eval_weights_names_the_final_folder_and_the_export(tiny, tmp_path, capsys):
+    """A user's trial: ``vitp-eval RUN --weights RUN/checkpoints/step_N`` of a finished Wan run said
+    ``step_N/model_ema.safetensors holds no diffusers Wan weights``: a file that does not exist, a
+    run called unfinished, and for a LoRA run an export vitp-export refuses (it needs ``--merge``)."""
+    from vitp.cli.eval import main
+
+    full = _checkpointed(_unfinished_run(tiny, tmp_path / "full"))
+    (full / "diffusers" / "transformer").mkdir(parents=True)  # finished: its trained transformer folder
+    shutil.copy(tiny / "transformer" / "config.json", full / "diffusers" / "transformer")
+    lora = _checkpointed(_unfinished_run(tiny, tmp_path / "lora", "trainer.lora.enabled=true"))
+    (lora / "lora").mkdir()
+    bare = _checkpointed(_unfinished_run(tiny, tmp_path / "bare"))  # no final weights yet
+    for run, final in ((full, f"vitp-eval {full} --weights {full / 'diffusers' / 'transformer'} (its final EMA "
+                              "weights), or "),
+                       (lora, f"vitp-eval {lora} (no --weights: the base with its final adapters), or "),
+                       (bare, "")):
+        tag = run / "checkpoints" / "step_0000003"
+        tag.mkdir()
+        (tag / "vitp_meta.json").write_text("{}")
+        merge = " --merge" if run == lora else ""
+        for given, path in (("checkpoints/step_0000003", tag), (str(tag), tag)):
+            with pytest.raises(SystemExit) as e:
+                main([str(run), "--weights", given])
+            err = capsys.readouterr().err
+            want = (f"--weights {given} is a checkpoint of the Wan run {run}, and a Wan run's --weights is a "
+                    f"diffusers transformer folder: " + (f"evaluate the finished run with {final}" if final else "")
+                    + f"write this checkpoint as one with vitp-export {path} --format diffusers{merge} -o OUT, "
+                    f"then vitp-eval {run} --weights OUT")
+            assert e.value.code == 2 and want in err and "model_ema" not in err, err
+        (run / "other").mkdir()  # another folder without a config.json: the run is not called unfinished
+        with pytest.raises(SystemExit):
+            main([str(run), "--weights", "other"])
+        err = capsys.readouterr().err
+        assert (f"{run / 'other'} holds no diffusers Wan weights (config.json): a Wan run's --weights is a diffusers "
+                f"transformer folder; write {'the base with its adapters merged' if merge else 'one'} from its "
+                f"latest checkpoint with vitp-export {run} --format diffusers{merge} -o OUT") in err, err
+
+
 def test_wan_collate_gives_wan_pairs_padded_to_512_tokens():
     from vitp.data.loader import WanCollate
     from vitp.objectives.wan_flow import WanFlowLoss

@@ -446,8 +446,10 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
                          "--format diffusers -o OUT")
     has_model = any((folder / p / "config.json").is_file() for p in ("", "transformer", "transformer_2"))
     if adapters is None and not has_model:
-        raise FileNotFoundError(f"{folder} holds no diffusers Wan weights (config.json): a run that has not finished "
-                                "has none; " + export_advice(run_dir, saved, f"vitp-eval {run_dir} --weights OUT"))
+        why = ("a run that has not finished has none" if weights is None else
+               "a Wan run's --weights is a diffusers transformer folder")  # not the run's state: the user's path
+        raise FileNotFoundError(f"{folder} holds no diffusers Wan weights (config.json): {why}; "
+                                + export_advice(run_dir, saved, f"vitp-eval {run_dir} --weights OUT", merge=bool(lora)))
     cfg = apply_overrides(typed_config(saved, Path(run_dir) / ".hydra" / "config.yaml"), overrides, "vitp-eval")
     if adapters is not None:  # the base the run adapted (trainer.init_from: where it is now) + RUN/lora
         cfg.trainer.lora.init_from = str(adapters)
