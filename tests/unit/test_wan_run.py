@@ -399,6 +399,29 @@ def test_a_wan_runs_checkpoint_as_vitp_eval_weights_names_the_final_folder_and_t
                 f"latest checkpoint with vitp-export {run} --format diffusers{merge} -o OUT") in err, err
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_resuming_a_wan_run_with_another_model_names_the_diffusers_export(tiny, tmp_path, lora):
+    """A user's trial: ``vitp-train --resume WANRUN trainer.init_from=OTHER`` was told to export with
+    ``--weights raw`` (refused by vitp-export for a Wan run) and start from ``<export>.safetensors``
+    (a Wan run starts from a diffusers folder); now the export that works (``--merge`` for LoRA)."""
+    from vitp.checkpoint import check_resumable
+    from vitp.config import Layout
+
+    cfg = _cfg(tiny, *(["trainer.lora.enabled=true"] if lora else []))
+    validate_config(cfg, 1)
+    layout = Layout(1, 1, 1, "fp32")
+    meta = {"tp": 1, "pp": 1, "dp": 1, "precision": "fp32", "zero_stage": cfg.parallel.zero_stage,
+            "engine_zero_stage": layout.engine_zero_stage(cfg.parallel.zero_stage), "engine": {},
+            "model": {**dict(cfg.model), "depth": cfg.model.depth + 1}, "lora": {"base": {}} if lora else None}
+    tag = tmp_path / "checkpoints" / "step_0000004"
+    with pytest.raises(ValueError) as e:
+        check_resumable(meta, tag, cfg, layout)
+    merge = " --merge" if lora else ""
+    assert (f"export the weights (vitp-export {tag} --format diffusers{merge} --weights raw -o OUT) and start a new "
+            "run dir with trainer.init_from=OUT (weights only") in str(e.value), str(e.value)
+    assert ".safetensors" not in str(e.value)
+
+
 def test_wan_collate_gives_wan_pairs_padded_to_512_tokens():
     from vitp.data.loader import WanCollate
     from vitp.objectives.wan_flow import WanFlowLoss
