@@ -175,6 +175,22 @@ def test_two_runs_diffusers_folders_sampled_directly_get_their_own_output_folder
     assert wan_sample_config(runs.base, [], 1, SAMPLE_KEYS)[2] == Path("outputs") / "base"
 
 
+@pytest.mark.parametrize("fmt", [["--format", "diffusers"], ["--format", "diffusers", "--merge"], []])
+def test_lora_format_without_format_lora_is_refused(tmp_path, capsys, fmt):
+    """A user's trial: ``vitp-export RUN --format diffusers --lora-format comfyui`` wrote a diffusers
+    folder, ignoring --lora-format; it is refused before the source is read."""
+    from vitp.cli.export import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "run"), *fmt, "--lora-format", "comfyui", "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    what = fmt[1] if fmt else "vitp"
+    assert e.value.code == 2 and (f"vitp-export: error: --lora-format comfyui is the file format of --format lora (a "
+                                  f"LoRA run's adapters), not of --format {what}: pass --format lora, or drop "
+                                  "--lora-format\n") in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_wan_lora_run_exported_without_a_format_names_the_lora_formats(runs, capsys):
     """It advised --format diffusers, which a LoRA run then refused: two tries to the right advice."""
     from vitp.cli.export import main
