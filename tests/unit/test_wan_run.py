@@ -504,6 +504,28 @@ def test_an_expert_trains_on_its_own_noise_range(a14b, init, extra, path, sigma_
     assert s.max() - s.min() > 0.9 * (sigma_range[1] - sigma_range[0])
 
 
+def test_the_expert_trained_by_default_is_said_at_start_up(a14b, tiny, caplog):
+    """A user's trial: an A14B pipeline folder without ``model.expert`` trained the high-noise expert
+    (sigma_range [0.8, 1]) silently; one INFO line now says so and names the key for the other,
+    unless the user chose (``model.expert``, or the expert's own folder)."""
+    import logging
+
+    from vitp.train.trainer import log_defaults
+
+    for init, extra, said in [(str(a14b), [], True), (str(a14b), ["model.expert=high"], False),
+                              (str(a14b), ["model.expert=low"], False), (f"{a14b}/transformer", [], False),
+                              (str(tiny), [], False)]:
+        cfg = _cfg(init, *extra)
+        validate_config(cfg, 1)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vitp"):
+            log_defaults(cfg)
+        want = (f"trainer.init_from={a14b} is Wan 2.2 A14B's two-expert pipeline: training its high-noise expert "
+                "transformer/ (noise levels [0.8, 1.0]), the default; set model.expert=low to train transformer_2/ "
+                "instead")
+        assert [r.getMessage() for r in caplog.records] == ([want] if said else []), (init, extra, caplog.text)
+
+
 def test_expert_mistakes_are_refused_naming_the_fix(a14b, tiny):
     for init, extra, message in [
             (f"{a14b}/transformer", ["model.expert=low"],
