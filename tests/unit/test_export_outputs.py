@@ -177,6 +177,40 @@ def test_two_runs_diffusers_folders_sampled_directly_get_their_own_output_folder
     assert base.parent == Path("outputs") and re.fullmatch(r"base-[0-9a-f]{8}", base.name), base
 
 
+def test_vitp_sample_of_a_lora_run_on_another_base_names_the_key_the_user_set(runs, capsys):
+    """A user's trial: ``vitp-sample LORA_RUN trainer.init_from=OTHER`` was refused (right) as
+    ``error: trainer.lora.init_from: ...``, a key vitp-sample sets itself (the run's adapters)."""
+    from vitp.cli.eval import main as eval_main
+    from vitp.cli.sample import main
+
+    other = make_tiny_wan().write_pipeline(runs.tmp / "other_base", vae=False, seed=3)
+    with pytest.raises(SystemExit) as e:
+        main([str(runs.lora), "--prompt", "x", f"trainer.init_from={other}/transformer"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"vitp-sample: error: trainer.init_from={other}/transformer: "), err
+    assert "trainer.lora.init_from" not in err and str(runs.lora / "lora") in err, err
+    with pytest.raises(SystemExit) as e:  # vitp-eval reads the run's adapters the same way
+        eval_main([str(runs.lora), f"trainer.init_from={other}/transformer", "eval.fid.num=0", "eval.fvd.num=0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"vitp-eval: error: trainer.init_from={other}/transformer: "), err
+
+
+@pytest.mark.parametrize("fmt", [["--format", "diffusers"], ["--format", "diffusers", "--merge"], []])
+def test_lora_format_without_format_lora_is_refused(tmp_path, capsys, fmt):
+    """A user's trial: ``vitp-export RUN --format diffusers --lora-format comfyui`` wrote a diffusers
+    folder, ignoring --lora-format; it is refused before the source is read."""
+    from vitp.cli.export import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "run"), *fmt, "--lora-format", "comfyui", "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    what = fmt[1] if fmt else "vitp"
+    assert e.value.code == 2 and (f"vitp-export: error: --lora-format comfyui is the file format of --format lora (a "
+                                  f"LoRA run's adapters), not of --format {what}: pass --format lora, or drop "
+                                  "--lora-format\n") in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_wan_lora_run_exported_without_a_format_names_the_lora_formats(runs, capsys):
     """It advised --format diffusers, which a LoRA run then refused: two tries to the right advice."""
     from vitp.cli.export import main

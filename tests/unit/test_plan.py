@@ -497,6 +497,12 @@ def test_vitp_plan_keeps_the_layout_keys_the_overrides_fix(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--gpus", "4", "--device", "h100", "experiment=smoke", "parallel.tp=3"])
     assert e.value.code == 2 and "no valid layout of this config on 4 devices with parallel.tp=3" in capsys.readouterr().err
+    # --micro filters as a fixed key does, and is named the same way (a user's --micro 3 was not)
+    with pytest.raises(SystemExit) as e:
+        main(["--gpus", "4", "--device", "h100", "--micro", "3", "experiment=smoke", "parallel.tp=2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and ("no valid layout of this config on 4 devices with parallel.tp=2 --micro 3 (drop "
+                                  "those to list every layout)") in err, err
 
 
 def test_vitp_plan_exits_2_after_the_table_when_nothing_fits(capsys):

@@ -423,6 +423,67 @@ def test_a_wan_runs_checkpoint_given_to_vitp_sample_or_eval_names_the_export(tin
             assert e.value.code == 2 and want in err, err
 
 
+def test_a_wan_runs_checkpoint_as_vitp_eval_weights_names_the_final_folder_and_the_export(tiny, tmp_path, capsys):
+    """A user's trial: ``vitp-eval RUN --weights RUN/checkpoints/step_N`` of a finished Wan run said
+    ``step_N/model_ema.safetensors holds no diffusers Wan weights``: a file that does not exist, a
+    run called unfinished, and for a LoRA run an export vitp-export refuses (it needs ``--merge``)."""
+    from vitp.cli.eval import main
+
+    full = _checkpointed(_unfinished_run(tiny, tmp_path / "full"))
+    (full / "diffusers" / "transformer").mkdir(parents=True)  # finished: its trained transformer folder
+    shutil.copy(tiny / "transformer" / "config.json", full / "diffusers" / "transformer")
+    lora = _checkpointed(_unfinished_run(tiny, tmp_path / "lora", "trainer.lora.enabled=true"))
+    (lora / "lora").mkdir()
+    bare = _checkpointed(_unfinished_run(tiny, tmp_path / "bare"))  # no final weights yet
+    for run, final in ((full, f"vitp-eval {full} --weights {full / 'diffusers' / 'transformer'} (its final EMA "
+                              "weights), or "),
+                       (lora, f"vitp-eval {lora} (no --weights: the base with its final adapters), or "),
+                       (bare, "")):
+        tag = run / "checkpoints" / "step_0000003"
+        tag.mkdir()
+        (tag / "vitp_meta.json").write_text("{}")
+        merge = " --merge" if run == lora else ""
+        for given, path in (("checkpoints/step_0000003", tag), (str(tag), tag)):
+            with pytest.raises(SystemExit) as e:
+                main([str(run), "--weights", given])
+            err = capsys.readouterr().err
+            want = (f"--weights {given} is a checkpoint of the Wan run {run}, and a Wan run's --weights is a "
+                    f"diffusers transformer folder: " + (f"evaluate the finished run with {final}" if final else "")
+                    + f"write this checkpoint as one with vitp-export {path} --format diffusers{merge} -o OUT, "
+                    f"then vitp-eval {run} --weights OUT")
+            assert e.value.code == 2 and want in err and "model_ema" not in err, err
+        (run / "other").mkdir()  # another folder without a config.json: the run is not called unfinished
+        with pytest.raises(SystemExit):
+            main([str(run), "--weights", "other"])
+        err = capsys.readouterr().err
+        assert (f"{run / 'other'} holds no diffusers Wan weights (config.json): a Wan run's --weights is a diffusers "
+                f"transformer folder; write {'the base with its adapters merged' if merge else 'one'} from its "
+                f"latest checkpoint with vitp-export {run} --format diffusers{merge} -o OUT") in err, err
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_resuming_a_wan_run_with_another_model_names_the_diffusers_export(tiny, tmp_path, lora):
+    """A user's trial: ``vitp-train --resume WANRUN trainer.init_from=OTHER`` was told to export with
+    ``--weights raw`` (refused by vitp-export for a Wan run) and start from ``<export>.safetensors``
+    (a Wan run starts from a diffusers folder); now the export that works (``--merge`` for LoRA)."""
+    from vitp.checkpoint import check_resumable
+    from vitp.config import Layout
+
+    cfg = _cfg(tiny, *(["trainer.lora.enabled=true"] if lora else []))
+    validate_config(cfg, 1)
+    layout = Layout(1, 1, 1, "fp32")
+    meta = {"tp": 1, "pp": 1, "dp": 1, "precision": "fp32", "zero_stage": cfg.parallel.zero_stage,
+            "engine_zero_stage": layout.engine_zero_stage(cfg.parallel.zero_stage), "engine": {},
+            "model": {**dict(cfg.model), "depth": cfg.model.depth + 1}, "lora": {"base": {}} if lora else None}
+    tag = tmp_path / "checkpoints" / "step_0000004"
+    with pytest.raises(ValueError) as e:
+        check_resumable(meta, tag, cfg, layout)
+    merge = " --merge" if lora else ""
+    assert (f"export the weights (vitp-export {tag} --format diffusers{merge} --weights raw -o OUT) and start a new "
+            "run dir with trainer.init_from=OUT (weights only") in str(e.value), str(e.value)
+    assert ".safetensors" not in str(e.value)
+
+
 def test_wan_collate_gives_wan_pairs_padded_to_512_tokens():
     from vitp.data.loader import WanCollate
     from vitp.objectives.wan_flow import WanFlowLoss
@@ -518,6 +579,28 @@ def test_an_expert_trains_on_its_own_noise_range(a14b, init, extra, path, sigma_
     s = wan_loss(cfg, source).draw_sigmas(4096, torch.Generator().manual_seed(0))
     assert sigma_range[0] <= s.min() and s.max() <= sigma_range[1]  # t = 1000 s on the expert's side of 800
     assert s.max() - s.min() > 0.9 * (sigma_range[1] - sigma_range[0])
+
+
+def test_the_expert_trained_by_default_is_said_at_start_up(a14b, tiny, caplog):
+    """A user's trial: an A14B pipeline folder without ``model.expert`` trained the high-noise expert
+    (sigma_range [0.8, 1]) silently; one INFO line now says so and names the key for the other,
+    unless the user chose (``model.expert``, or the expert's own folder)."""
+    import logging
+
+    from vitp.train.trainer import log_defaults
+
+    for init, extra, said in [(str(a14b), [], True), (str(a14b), ["model.expert=high"], False),
+                              (str(a14b), ["model.expert=low"], False), (f"{a14b}/transformer", [], False),
+                              (str(tiny), [], False)]:
+        cfg = _cfg(init, *extra)
+        validate_config(cfg, 1)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vitp"):
+            log_defaults(cfg)
+        want = (f"trainer.init_from={a14b} is Wan 2.2 A14B's two-expert pipeline: training its high-noise expert "
+                "transformer/ (noise levels [0.8, 1.0]), the default; set model.expert=low to train transformer_2/ "
+                "instead")
+        assert [r.getMessage() for r in caplog.records] == ([want] if said else []), (init, extra, caplog.text)
 
 
 def test_expert_mistakes_are_refused_naming_the_fix(a14b, tiny):

@@ -28,6 +28,7 @@ from .training import (
     load_rng,
     published_tags,
     resolve_weights,
+    restart_advice,
     run_of_checkpoint,
     write_checkpoint,
     tag_name,
@@ -38,7 +39,7 @@ from .training import (
 
 __all__ = [
     "ABANDONED", "ARCH_KEYS", "FORMAT", "KILL_HOOK", "LATEST", "META", "RESUME_KEYS", "check_model_matches", "check_resumable",
-    "find_checkpoint", "generator_from_state", "resolve_weights", "run_of_checkpoint", "load_generator", "latest_meta",
+    "find_checkpoint", "generator_from_state", "resolve_weights", "restart_advice", "run_of_checkpoint", "load_generator", "latest_meta",
     "layout_text",
     "load_timm_state", "load_rng", "published_tags", "read_export", "save_export",
     "save_weights", "write_checkpoint", "tag_name", "tag_problem",

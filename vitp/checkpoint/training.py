@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from vitp.config import Layout
 from vitp.parallel import distributed as dist
@@ -410,6 +410,18 @@ def layout_text(meta: Dict[str, Any]) -> str:
     return f"tp={meta['tp']}{cp} pp={meta['pp']} dp={meta['dp']} ({world} rank{'' if world == 1 else 's'})"
 
 
+def restart_advice(tag_dir: Path, cfg: DictConfig, lora: bool) -> str:
+    """How to start a new run from the weights of checkpoint ``tag_dir`` (``cfg``: the run's config,
+    ``lora``: it trained adapters): a Wan run starts from a diffusers folder (the base with a LoRA
+    run's adapters merged), the generator from a vitp export file."""
+    if str(OmegaConf.select(cfg, "model.family", default="vit")) == "wan":
+        merge = " --merge" if lora else ""
+        return (f"export the weights (vitp-export {tag_dir} --format diffusers{merge} --weights raw -o OUT) and start "
+                "a new run dir with trainer.init_from=OUT (weights only: optimizer and LR schedule restart)")
+    return (f"export the weights (vitp-export {tag_dir} --weights raw) and start a new run dir with "
+            f"trainer.init_from=<export>.safetensors (weights only: optimizer and LR schedule restart)")
+
+
 def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout: Layout) -> bool:
     """Whether the checkpoint resumes by resharding (:mod:`.reshard`: its ``tp``/``cp``/``pp``/``dp``
     differ from this run's) rather than through DeepSpeed's own files (the same layout).
@@ -417,8 +429,7 @@ def check_resumable(meta: Dict[str, Any], tag_dir: Path, cfg: DictConfig, layout
     Raises ``ValueError`` explaining the fix when precision, model or partial-sync settings differ
     (no layout change carries those), or the layout differs and the checkpoint predates the
     layout-independent optimizer state."""
-    fix = (f"export the weights (vitp-export {tag_dir} --weights raw) and start a new run dir with "
-           f"trainer.init_from=<export>.safetensors (weights only: optimizer and LR schedule restart)")
+    fix = restart_advice(tag_dir, cfg, bool(meta.get("lora")))
     meta = {"cp": 1, **meta}  # written before context parallelism existed
     mine = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp}
     moved = [f"{k}: {meta.get(k)!r} in the checkpoint vs {v!r} now" for k, v in mine.items() if meta.get(k) != v]

@@ -88,6 +88,32 @@ def checkpoint_advice(source: Path, run: Path) -> str:
     return head + f"evaluate this checkpoint with vitp-eval {run} --weights {inside}"
 
 
+def wan_checkpoint_weights(run: Path, given: str) -> Optional[str]:
+    """The refusal of ``vitp-eval RUN --weights CHECKPOINT`` of a Wan run ``run`` (a checkpoints or
+    tag folder holds no diffusers folder; it used to be read as ``<tag>/model_ema.safetensors``,
+    which a Wan checkpoint lacks), naming the run's final transformer folder (a LoRA run's final
+    adapters: no ``--weights``) when the run finished, and the export of that checkpoint; else None."""
+    from vitp.checkpoint import LATEST, META
+    from vitp.train.wan import DIFFUSERS_DIR
+
+    inside = Path(run) / given
+    path = inside if inside.exists() else Path(given)
+    if not (path.is_dir() and ((path / META).is_file() or (path / LATEST).is_file())):
+        return None
+    lora = bool(OmegaConf.select(load_run_yaml(run / ".hydra" / "config.yaml"), "trainer.lora.enabled"))
+    out = run / DIFFUSERS_DIR  # its trained transformer: a lone one, or the pipeline's not linked from the base
+    final = next((f for f in (out / "transformer", out / "transformer_2", out)
+                  if (f / "config.json").is_file() and not f.is_symlink()), None)
+    if lora:
+        final = f"vitp-eval {run} (no --weights: the base with its final adapters)" if (run / "lora").is_dir() else None
+    else:
+        final = f"vitp-eval {run} --weights {final} (its final EMA weights)" if final else None
+    return (f"--weights {given} is a checkpoint of the Wan run {run}, and a Wan run's --weights is a diffusers "
+            "transformer folder: " + (f"evaluate the finished run with {final}, or " if final else "")
+            + f"write this checkpoint as one with vitp-export {path} --format diffusers{' --merge' if lora else ''} "
+            f"-o OUT, then vitp-eval {run} --weights OUT")
+
+
 def weights_step(run_dir: Path, weights: str) -> Optional[int]:
     """The training step of the weights evaluated (recorded in the file), else the run's last
     logged step (files written before the step was recorded)."""
@@ -299,11 +325,14 @@ def run(argv: Optional[list] = None) -> dict:
     if owner is not None and not (a.run_dir / ".hydra").is_dir():
         raise ValueError(checkpoint_advice(a.run_dir, owner))
     given = flags.get("weights", a.weights)
-    weights = given_weights(a.run_dir, given) if given else "model_ema.safetensors"
-    sharded = launched()
     from vitp.eval.wan_sample import is_wan_source
 
     wan = is_wan_source(a.run_dir)  # its RUN/diffusers folder (vitp.eval.wan_eval)
+    why = wan_checkpoint_weights(a.run_dir, given) if wan and given else None
+    if why:
+        raise ValueError(why)
+    weights = given_weights(a.run_dir, given) if given else "model_ema.safetensors"
+    sharded = launched()
     check_init_from(a.run_dir, a.overrides, wan, given)
     check_split_overrides(a.run_dir, a.overrides)  # before anything is loaded
     with quiet_unless_main():  # under a launcher: rank 0 alone logs, writes eval.json and prints

@@ -58,10 +58,10 @@ def _parser() -> argparse.ArgumentParser:
                         "diffusers folder OUT (a transformer folder, or a whole pipeline when the run started from "
                         "one: OUT/transformer and the source's other components linked); lora: a LoRA run's "
                         "adapters as one LoRA file (docs/finetuning.md#lora-files)")
-    p.add_argument("--lora-format", choices=["diffusers", "comfyui"], default="diffusers",
+    p.add_argument("--lora-format", choices=["diffusers", "comfyui"], default=None,
                    help="--format lora of a Wan run: diffusers (OUT/pytorch_lora_weights.safetensors, or OUT "
                         "itself when it ends in .safetensors; WanPipeline.load_lora_weights(OUT) reads either) or "
-                        "comfyui (OUT.safetensors, diffusion_model.* keys)")
+                        "comfyui (OUT.safetensors, diffusion_model.* keys); default diffusers")
     p.add_argument("--merge", action="store_true",
                    help="a LoRA run: the base (trainer.init_from) with the adapters merged; a Wan run's with --format "
                         "diffusers as a diffusers transformer folder OUT, a generator run's as a vitp export OUT "
@@ -249,6 +249,10 @@ def run(argv: Optional[List[str]] = None) -> Path:
     ``--format diffusers`` the transformer folder)."""
     p = _parser()
     a = p.parse_args(argv)
+    if a.lora_format is not None and a.format != "lora":  # it was ignored silently by the other formats
+        raise ValueError(f"--lora-format {a.lora_format} is the file format of --format lora (a LoRA run's adapters), "
+                         f"not of --format {a.format}: pass --format lora, or drop --lora-format")
+    a.lora_format = a.lora_format or "diffusers"
     if a.format == "lora" or a.merge:
         return run_lora(a)
     if a.format == "diffusers":
@@ -282,9 +286,7 @@ def run(argv: Optional[List[str]] = None) -> Path:
         raise ValueError(f"{a.source} is a Wan LoRA run: export its adapters with --format lora -o OUT "
                          "[--lora-format comfyui], or the base with them merged with --format diffusers --merge -o OUT")
     if str(cfg.get("model", {}).get("family", "vit")) == "wan":
-        raise ValueError(f"{a.source} is a Wan run (model.family=wan): export it with --format diffusers -o OUT"
-                         + (" (--lora-format goes with --format lora, a LoRA run's adapters)"
-                            if a.lora_format != "diffusers" else ""))
+        raise ValueError(f"{a.source} is a Wan run (model.family=wan): export it with --format diffusers -o OUT")
     if dcp_tag is not None:
         written = ex.export_checkpoint(dcp_tag, out, cfg, kind=kind, step=step,
                                        max_shard_bytes=a.max_shard_size)

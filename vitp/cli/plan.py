@@ -206,7 +206,10 @@ def _run(args: argparse.Namespace) -> list:
     want = {k: OmegaConf.select(cfg, k) for k in fixed_keys(args.overrides)}  # layout keys the user set
     preds = plan_fixed(cfg, args.gpus, prof, want, opts, args.ac, args.micro)
     if not preds:
-        fixed = f" with {' '.join(f'{k}={v}' for k, v in want.items())} (drop those to list every layout)" if want else ""
+        flags = [f"--micro {','.join(map(str, args.micro))}"] if args.micro else []  # they filter as fixed keys do
+        flags += [f"--ac {','.join(map(str, args.ac))}"] if args.ac != [0, 1] else []
+        named = [f"{k}={v}" for k, v in want.items()] + flags
+        fixed = f" with {' '.join(named)} (drop those to list every layout)" if named else ""
         raise ValueError(f"no valid layout of this config on {args.gpus} devices{fixed} (check heads, MLP hidden units, "
                          "depth and trainer.global_batch_size against the device count)")
     shown = preds[:args.top] if args.top else preds

@@ -424,13 +424,12 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
     ``vitp-export --format diffusers``), ``ValueError`` when ``weights`` is a file, for bad
     overrides, a LoRA of another base and layouts the world cannot run."""
     from vitp.cli.overrides import apply_overrides, typed_config
-    from vitp.config import validate_config
     from vitp.data import build_datasets
     from vitp.data.text import conditioned, conditioning
     from vitp.parallel.distributed import resolve_device
     from vitp.train.wan import DIFFUSERS_DIR
 
-    from .wan_sample import export_advice, lora_file_of, wan_denoisers
+    from .wan_sample import export_advice, lora_file_of, validate_run_lora, wan_denoisers
 
     folder = Path(run_dir) / (weights or DIFFUSERS_DIR)
     saved = load_run_yaml(Path(run_dir) / ".hydra" / "config.yaml")
@@ -446,8 +445,10 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
                          "--format diffusers -o OUT")
     has_model = any((folder / p / "config.json").is_file() for p in ("", "transformer", "transformer_2"))
     if adapters is None and not has_model:
-        raise FileNotFoundError(f"{folder} holds no diffusers Wan weights (config.json): a run that has not finished "
-                                "has none; " + export_advice(run_dir, saved, f"vitp-eval {run_dir} --weights OUT"))
+        why = ("a run that has not finished has none" if weights is None else
+               "a Wan run's --weights is a diffusers transformer folder")  # not the run's state: the user's path
+        raise FileNotFoundError(f"{folder} holds no diffusers Wan weights (config.json): {why}; "
+                                + export_advice(run_dir, saved, f"vitp-eval {run_dir} --weights OUT", merge=bool(lora)))
     cfg = apply_overrides(typed_config(saved, Path(run_dir) / ".hydra" / "config.yaml"), overrides, "vitp-eval")
     if adapters is not None:  # the base the run adapted (trainer.init_from: where it is now) + RUN/lora
         cfg.trainer.lora.init_from = str(adapters)
@@ -459,7 +460,7 @@ def load_wan_for_eval(run_dir: Path, weights: Optional[str], overrides: List[str
         cfg.trainer.init_from = str(folder.resolve())
     if weights is not None:
         _check_same_model(cfg, weights, run_dir)
-    validate_config(cfg)
+    validate_run_lora(cfg, adapters)  # the run's adapters on another base: named as trainer.init_from
     if cfg.eval.fid.num or cfg.eval.fvd.num:  # the VAE, feature networks and CLIP folder before any sample
         from .metrics import check_quality_inputs
 

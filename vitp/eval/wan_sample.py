@@ -99,7 +99,7 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
     a checkpoint of a run (both naming ``vitp-export``), ``ValueError`` for a bad override, a LoRA
     of another base, or a folder whose pipeline has no ``scheduler/``."""
     from vitp.cli.overrides import apply_overrides, typed_config
-    from vitp.config import compose, validate_config
+    from vitp.config import compose
     from vitp.train.wan import DIFFUSERS_DIR
 
     source = Path(source)
@@ -139,8 +139,25 @@ def wan_sample_config(source: Path, overrides: List[str], num: Optional[int],
         weights = Path(str(cfg.trainer.init_from))
         cfg.trainer.lora.init_from = str(lora_dir)
     cfg.trainer.init_from = str(weights)
-    validate_config(cfg)
+    validate_run_lora(cfg, lora_dir)
     return cfg, weights, base
+
+
+def validate_run_lora(cfg: Any, adapters: Optional[Path]) -> None:
+    """:func:`vitp.config.validate_config` of a config whose ``trainer.lora.init_from`` is a LoRA
+    run's ``adapters`` (set here, not by the user; None: no adapters), which are read now, before
+    any model: adapters that do not fit the base ``trainer.init_from`` are refused naming that key,
+    the one the user sets, not ``trainer.lora.init_from``."""
+    from vitp.config import validate_config
+    from vitp.models.lora import OtherBaseError, read_init_lora
+
+    validate_config(cfg)
+    if adapters is None:
+        return
+    try:
+        read_init_lora(cfg)
+    except OtherBaseError as e:
+        raise ValueError(f"{e.base}: the run's adapters {e.reason}") from None
 
 
 def lora_file_of(folder: Path) -> Optional[Path]:

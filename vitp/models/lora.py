@@ -194,6 +194,16 @@ def lora_file(path) -> Path:
                             "ComfyUI's .safetensors) or a LoRA run's RUN/lora folder")
 
 
+class OtherBaseError(ValueError):
+    """:func:`read_init_lora`'s refusal of a LoRA file that does not fit the base: ``reason`` (the
+    file, the mismatch, the fix) and ``base`` (``trainer.init_from=...``), so a command that sets
+    ``trainer.lora.init_from`` itself (a run's adapters) can name the key its user set instead."""
+
+    def __init__(self, reason: str, base: str):
+        super().__init__(f"trainer.lora.init_from: {reason}; the base here: {base}")
+        self.reason, self.base = reason, base
+
+
 def read_init_lora(cfg) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """``(adapters, config)`` of ``trainer.lora.init_from`` in vitp's convention (fp32, full tp = 1
     tensors: :func:`vitp.models.lora_files.read_lora_file`), checked against the base
@@ -211,7 +221,7 @@ def read_init_lora(cfg) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         return read_lora_file(path, base_shapes(cfg), wan, base_hash(base))
     except ValueError as e:
         here = f"trainer.init_from={cfg.trainer.init_from}" + (f" ({base})" if Path(cfg.trainer.init_from) != base else "")
-        raise ValueError(f"trainer.lora.init_from: {e}; the base here: {here}") from None
+        raise OtherBaseError(str(e), here) from None
 
 
 def file_pieces(linears, adapters, config) -> Dict[str, List[int]]:
@@ -474,6 +484,6 @@ def lora_factors(model: nn.Module, key_of: Callable[[str], str] = lambda n: n
 
 
 __all__ = ["adopt_lora_file", "base_hash", "base_path", "base_shapes", "check_same_base", "file_pieces",
-           "initial_factors", "lora_file", "model_linears", "read_init_lora", "run_record", "check_lora_config", "spec_of",
+           "initial_factors", "lora_file", "OtherBaseError", "model_linears", "read_init_lora", "run_record", "check_lora_config", "spec_of",
            "DEFAULT_ALPHA", "DEFAULT_RANK", "DEFAULT_TARGETS", "GENERATOR_LINEARS", "LINEARS", "LoraSpec", "apply_lora", "block_linears",
            "check_targets", "lora_factors", "seed_of", "targeted_pieces"]

@@ -128,6 +128,24 @@ def wan_expert(cfg: Any, transformer: Path) -> Optional[Tuple[str, float]]:
     return own, float(info.boundary_ratio)
 
 
+def expert_note(cfg: Any) -> Optional[str]:
+    """The start-up line of a run on a Wan 2.2 A14B pipeline folder that did not choose its expert
+    (no ``model.expert``; ``trainer.init_from`` the pipeline, not one of its expert folders): which
+    expert trains, on which noise levels, and the key that picks the other; None otherwise."""
+    init = cfg.trainer.get("init_from")
+    if not is_wan(cfg) or cfg.model.get("expert") or not init or not (Path(str(init)) / "model_index.json").is_file():
+        return None
+    path, _ = wan_source(cfg)
+    expert = wan_expert(cfg, path)
+    if expert is None:
+        return None
+    other = "low" if expert[0] == "high" else "high"
+    lo, hi = cfg.objective.sigma_range
+    return (f"trainer.init_from={init} is Wan 2.2 A14B's two-expert pipeline: training its {expert[0]}-noise expert "
+            f"{path.name}/ (noise levels [{lo}, {hi}]), the default; set model.expert={other} to train "
+            f"{EXPERTS[other]}/ instead")
+
+
 def expert_sigma_range(given: Any, expert: str, ratio: float) -> list:
     """The noise levels ``[lo, hi]`` an A14B expert trains on: ``[ratio, 1]`` (high: timesteps ``t >=
     boundary_ratio * 1000``, where ``WanPipeline`` uses ``transformer``) or ``[0, ratio]`` (low),

@@ -186,8 +186,7 @@ class Checkpointer:
         if meta["step"] > tr.max_steps:  # its outputs would be labelled max_steps, with weights of start_step
             raise ValueError(f"checkpoint {self.resume_tag} is at step {meta['step']}, past trainer.max_steps="
                              f"{tr.max_steps}: set trainer.max_steps={meta['step']} or more to continue it, or "
-                             f"start a new run from its weights (vitp-export {self.resume_tag}, then "
-                             f"trainer.init_from=<export>.safetensors)")
+                             + ckpt.restart_advice(self.resume_tag, self.cfg, bool(meta.get("lora"))))
         if tr.exit_at_step is not None and tr.exit_at_step < meta["step"]:  # the loop would never meet it
             raise ValueError(f"trainer.exit_at_step={tr.exit_at_step} is before step {meta['step']}, where this run "
                              f"resumes ({self.resume_tag}), so it would never stop there: drop trainer.exit_at_step "

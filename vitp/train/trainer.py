@@ -113,6 +113,16 @@ def _warn_without_effect(cfg: DictConfig) -> None:
                     "class labels (set model.text_dim to the encoder's channels to train on captions)")
 
 
+def log_defaults(cfg: DictConfig) -> None:
+    """The start-up notes of choices made for the user: the Wan 2.2 A14B expert trained when
+    ``model.expert`` is not set (:func:`vitp.models.wan_run.expert_note`)."""
+    from vitp.models.wan_run import expert_note
+
+    note = expert_note(cfg)
+    if note:
+        log.info(note)
+
+
 def _due(every: int, step: int) -> bool:
     return bool(every) and step % every == 0
 
@@ -453,6 +463,7 @@ class Trainer:
         if self.checkpointer.resume_tag is not None:
             log.info("resumed from %s (step %d of %d)", self.checkpointer.resume_tag, self.start_step,
                      self.cfg.trainer.max_steps)
+        log_defaults(self.cfg)
 
     def _data_iterator(self):
         """Pipeline pairs of the remaining steps for this dp rank; the first batch is checked to be
