@@ -142,7 +142,7 @@ def write_lora_export(out: Path, adapters, config, cfg, lora_format: str = "diff
     ``trainer.init_from`` read it); else a Wan run's diffusers file
     (``out/pytorch_lora_weights.safetensors``, or ``out`` itself when named ``.safetensors``:
     :func:`lora_file`) or ComfyUI file (``out``, ``.safetensors``), or the generator's vitp LoRA
-    file. Returns the path written. Raises ``ValueError`` for
+    file (``out``, or ``out/lora.safetensors`` for a folder). Returns the path written. Raises ``ValueError`` for
     ``lora_format=comfyui`` on a generator run, ``FileNotFoundError`` / ``ValueError`` when the
     base is gone or does not fit the adapters."""
     from vitp.models import lora_files as lf
@@ -151,8 +151,8 @@ def write_lora_export(out: Path, adapters, config, cfg, lora_format: str = "diff
     if not is_wan(cfg):
         if lora_format != "diffusers":
             raise ValueError("a generator run's LoRA exports as vitp's own file (--format lora, no --lora-format)")
-        if not merge:
-            return lf.save_lora_file(out, *lf.to_vitp_lora(adapters, config))
+        if not merge:  # a folder gets lora.safetensors: diffusers' file name would promise diffusers' keys
+            return lf.save_lora_file(out if out.suffix else out / lf.STATE, *lf.to_vitp_lora(adapters, config))
         base, _ = ex.read_export(cfg.trainer.init_from)
         merged_cfg = OmegaConf.merge(cfg, {"trainer": {"lora": {"enabled": False, "init_from": None}}})
         return ckpt.save_export(out, lf.merge_lora(base, adapters, config), merged_cfg, step=step, weights=weights)
