@@ -76,6 +76,14 @@ def test_vitp_sample_writes_videos(video_run, tmp_path):
         sample([str(run), "--classes", "0", "--num", "1", "sampler.steps=2", "--out", str(tmp_path / "vids")])
     sample([str(run), "--classes", "0", "--num", "1", "sampler.steps=2", "--out", str(tmp_path / "vids"), "--force"])
     assert sorted(p.name for p in (tmp_path / "vids").iterdir()) == ["class0_seed0.gif", "grid.gif"]  # one call's
+    other = tmp_path / "notes"  # a folder of the user's own files: written into only with --force, files kept
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"notes exists and holds other files than sample videos; choose another "
+                                         r"--out, or pass --force to write into it"):
+        sample([str(run), "--classes", "0", "--num", "1", "sampler.steps=2", "--out", str(other)])
+    sample([str(run), "--classes", "0", "--num", "1", "sampler.steps=2", "--out", str(other), "--force"])
+    assert sorted(p.name for p in other.iterdir()) == ["class0_seed0.gif", "grid.gif", "notes.txt"]
     for classes in (["1"], ["0"]):  # the default folders are named by what made them: no mixing
         sample([str(run), "--classes", *classes, "--num", "1", "sampler.steps=2"])
     assert sorted(p.name for p in (run / "samples").glob("sample_*")) == [
