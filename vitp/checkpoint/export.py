@@ -526,9 +526,11 @@ def with_lora_merged(state: Dict[str, torch.Tensor], meta: Dict[str, str], sourc
     fix = ("put that base back there, or export merged weights while it is there (vitp-export RUN --merge -o "
            "X.safetensors)")
     base = Path(str(saved.trainer.init_from))
-    if not base.exists() and not Path(f"{base}{INDEX_SUFFIX}").is_file():
-        raise FileNotFoundError(f"{source} holds LoRA adapters of the base {base}, which no longer exists: {fix}")
-    record = run_record(saved)
+    try:
+        record = run_record(saved)  # hashes the base: refused here when it is gone
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{source} holds LoRA adapters of the base {base}, which no longer exists: {fix}"
+                                ) from None
     if trained and trained["base"]["hash"] != record["base"]["hash"]:
         raise ValueError(f"{source} holds LoRA adapters trained on the base {base}, whose weights have changed since "
                          f"(hash {trained['base']['hash'][:16]} then, {record['base']['hash'][:16]} now): {fix}")
