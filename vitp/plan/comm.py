@@ -83,14 +83,19 @@ def _stage_collectives(model: Any, mode: str, first: int, end: int, tp: int, cp:
     return list(out)
 
 
+_SIGNATURES: Dict[tuple, int] = {}  # signature -> its number (a small key, hashed once)
+
+
 @model_cache(16384)
-def _signature(model: Any, mode: str, first: int, end: int, tp: int, cp: int) -> tuple:
-    """Everything :meth:`vitp.parallel.PlanReport.collectives` reads of a stage's report besides
-    the step shape: its equal ``(style, sizes)`` groups with their counts and the partial-gradient
-    elements (styles by value: frozen dataclasses)."""
+def _signature(model: Any, mode: str, first: int, end: int, tp: int, cp: int) -> int:
+    """The number of everything :meth:`vitp.parallel.PlanReport.collectives` reads of a stage's
+    report besides the step shape: its equal ``(style, sizes)`` groups with their counts and the
+    partial-gradient elements (styles by value: frozen dataclasses). Equal signatures get one
+    number, so the caches keyed by it hash an integer per stage, not the styles."""
     report = stage_report(model, mode, first, end, tp, cp)
-    return (report.plan, report.partial_grad_elements,
-            tuple((style, tuple(sizes.items()), n) for style, sizes, n in report._groups()))
+    sig = (report.plan, report.partial_grad_elements,
+           tuple((style, tuple(sizes.items()), n) for style, sizes, n in report._groups()))
+    return _SIGNATURES.setdefault(sig, len(_SIGNATURES))
 
 
 def tp_collectives(model: Any, lay: LayoutSpec, stage: int) -> List[Collective]:
@@ -138,24 +143,32 @@ def _per_step(colls: List[Collective], accum: int, group: int) -> Tuple[float, i
     return sum(k * c.wire_bytes(group) for k, c in zip(per, colls)), sum(k * c.count for k, c in zip(per, colls))
 
 
-_TRAFFIC: Dict[tuple, Tuple[float, int, float, int]] = {}
+_TRAFFIC: Dict[tuple, Dict[int, Tuple[float, int, float, int]]] = {}  # (StepShape, accum, tp, cp) -> by signature
 
 
-def _stage_traffic(model: Any, lay: LayoutSpec, stage: int) -> Tuple[float, int, float, int]:
-    """``(TP wire bytes, TP count, cp wire bytes, cp count)`` per step of a rank of ``stage``
-    (:func:`_per_step` of :func:`plan_collectives`), remembered like :func:`_stage_collectives`."""
+def _layout_traffic(model: Any, lay: LayoutSpec) -> List[Tuple[float, int, float, int]]:
+    """``(TP wire bytes, TP count, cp wire bytes, cp count)`` per step of a rank of each stage
+    (:func:`_per_step` of :func:`plan_collectives`), remembered like :func:`_stage_collectives`:
+    the step shape is hashed once per layout, each stage looks up its signature's number."""
+    ranges = stage_layer_ranges(ModelShape.from_config(model).depth, lay.pp)
     if lay.tp == 1 and lay.cp == 1:
-        return 0, 0, 0, 0
-    first, end = stage_layer_ranges(ModelShape.from_config(model).depth, lay.pp)[stage]
-    mode, tp, cp = plan_mode_of(lay), min(lay.tp, 2), min(lay.cp, 2)
-    key = (_signature(model, mode, first, end, tp, cp), step_shape(model, lay), lay.accum)
-    out = _TRAFFIC.get(key)
-    if out is None:
-        if len(_TRAFFIC) >= 65536:
+        return [(0, 0, 0, 0)] * len(ranges)
+    mode, tp, cp, shape = plan_mode_of(lay), min(lay.tp, 2), min(lay.cp, 2), step_shape(model, lay)
+    outer = (shape, lay.accum, lay.tp, lay.cp)
+    known = _TRAFFIC.get(outer)
+    if known is None:
+        if len(_TRAFFIC) >= 16384:
             _TRAFFIC.clear()
-        colls = _stage_collectives(model, mode, first, end, tp, cp, key[1])
-        out = _TRAFFIC[key] = (*_per_step([c for c in colls if c.tag not in CP_TAGS], lay.accum, lay.tp),
-                               *_per_step([c for c in colls if c.tag in CP_TAGS], lay.accum, lay.cp))
+        known = _TRAFFIC[outer] = {}
+    out = []
+    for first, end in ranges:
+        sig = _signature(model, mode, first, end, tp, cp)
+        t = known.get(sig)
+        if t is None:
+            colls = _stage_collectives(model, mode, first, end, tp, cp, shape)
+            t = known[sig] = (*_per_step([c for c in colls if c.tag not in CP_TAGS], lay.accum, lay.tp),
+                              *_per_step([c for c in colls if c.tag in CP_TAGS], lay.accum, lay.cp))
+        out.append(t)
     return out
 
 
@@ -175,8 +188,9 @@ def _step_comm(model: Any, lay: LayoutSpec, adaln_sharded: bool, lora: Any) -> L
     send = pp_send_bytes(model, lay)
     e = lay.engine_dp  # the gradient reduction spans dp x cp ranks
     out = []
+    traffic = _layout_traffic(model, lay)
     for s, (first, end) in enumerate(stage_layer_ranges(shape.depth, lay.pp)):
-        tp_b, tp_n, cp_b, cp_n = _stage_traffic(model, lay, s)
+        tp_b, tp_n, cp_b, cp_n = traffic[s]
         sends = (s < lay.pp - 1) + (s > 0)  # forward to the next stage, gradients to the previous one
         dp = 2 * (e - 1) / e * sum(per_layer[first:end]) * ACT_BYTES[lay.precision]
         out.append(StageComm(stage=s, tp_bytes=tp_b, tp_count=tp_n, pp_bytes=lay.accum * sends * send,

@@ -349,10 +349,12 @@ def recompute_peak(shape: ModelShape, lay: LayoutSpec, first: int, end: int,
     are still stored (later ones were freed with their chunk's backward, the loss's saved tensors
     before any), and its rebuilt tensors are alive at once (``c`` excluded: counted per stage)."""
     peak, prefix = 0.0, 0.0
+    saved = (None if extra is not None else  # one remembered list: the same sums as per layer, in order
+             _all_layers_saved(shape, lay.tp, lay.sp, lay.cp, lay.cp_mode, lay.precision, lay.device))
     for a, e in chunks(first, end, lay.ac):
         prefix += chunk_input_bytes(shape, a, lay)
-        rebuilt = (sum(layer_saved_bytes(shape, i, lay, extra) for i in range(a, e))
-                   - _resaved_input_bytes(shape, a, lay))
+        rebuilt = (sum(saved[a:e]) if saved is not None else
+                   sum(layer_saved_bytes(shape, i, lay, extra) for i in range(a, e))) - _resaved_input_bytes(shape, a, lay)
         peak = max(peak, lay.micro * (prefix + rebuilt) + _rebuilt_only_bytes(shape, a, e, lay))
     return peak
 

@@ -135,7 +135,7 @@ def model_cache(maxsize: int = 4096):
 
         @functools.wraps(fn)
         def wrapper(model: Any, *args: Any, **kwargs: Any) -> Any:
-            key = (_frozen(model), args, tuple(sorted(kwargs.items())))
+            key = (_frozen(model), args, tuple(sorted(kwargs.items())) if kwargs else ())
             out = cache.get(key)
             if out is None:
                 if len(cache) >= maxsize:
@@ -147,7 +147,7 @@ def model_cache(maxsize: int = 4096):
             """Remember ``value`` as ``fn(model, *args, **kwargs)`` (a caller that has computed it)."""
             if len(cache) >= maxsize:
                 cache.clear()
-            cache[(_frozen(model), args, tuple(sorted(kwargs.items())))] = value
+            cache[(_frozen(model), args, tuple(sorted(kwargs.items())) if kwargs else ())] = value
 
         wrapper.cache_clear = cache.clear
         wrapper.put = put

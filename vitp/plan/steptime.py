@@ -92,7 +92,7 @@ def stage_times(model: Any, lay: LayoutSpec, prof: DeviceProfile, adaln_sharded:
     per_layer = lora_layer_costs(model, lora, lay)[0] if lora else layer_params_per_rank(model, lay.tp, adaln_sharded)
     rate = prof.peak(lay.precision) * prof.efficiency
     passes = 4.0 if lay.ac else 3.0  # forward + backward (2x), plus the recomputed forward
-    saved = saved_per_micro(model, replace(lay, ac=0))
+    saved = saved_per_micro(model, replace(lay, ac=0) if lay.ac else lay)
     b, e, m = ACT_BYTES[lay.precision], lay.engine_dp, lay.accum
     out = []
     comms = step_comm(model, lay, lora=lora)
