@@ -930,9 +930,9 @@ def validate_buckets(cfg: "DictConfig") -> None:
 
     for i, b in enumerate(cfg.data.buckets):
         key = f"data.buckets[{i}]"
-        for field in ("resolution", "batch_size"):  # MISSING in the schema: a traceback when read
-            _fail(not OmegaConf.is_missing(b, field), f"{key} has no {field}; each bucket needs resolution and "
-                                                       f"batch_size, e.g. {BucketConfig.EXAMPLE}")
+        for name in ("resolution", "batch_size"):  # MISSING in the schema: a traceback when read
+            _fail(not OmegaConf.is_missing(b, name), f"{key} has no {name}; each bucket needs resolution and "
+                                                     f"batch_size, e.g. {BucketConfig.EXAMPLE}")
         hw = parse_resolution(b.resolution, f"{key}.resolution")
         _check_patch_grid(hw, m.patch_size, f"{key}.resolution")
         frames = m.num_frames if b.frames is None else b.frames
@@ -1147,7 +1147,7 @@ def validate_layout(cfg: "DictConfig", world_size: int, device_type: str = "cpu"
 
     Raises ``ValueError`` naming the option and listing the valid values.
     """
-    par, m, tr = cfg.parallel, cfg.model, cfg.trainer
+    par, tr = cfg.parallel, cfg.trainer
     tp, pp, cp = par.tp, par.pp, par.cp
     if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
         ok = _passing_layouts(cfg, world_size, cp, device_type) if cp >= 1 and world_size % cp == 0 else "none"

@@ -341,8 +341,8 @@ class Trainer:
             self._bucket = None
         from vitp.data.base import check_readable
 
-        for ds in [self.train_ds] if self.buckets is None else [tr for tr, _ in self.bucket_data]:
-            check_readable(ds)  # a pack of damaged samples only: refused here, before the run writes anything
+        for data in [self.train_ds] if self.buckets is None else [tr for tr, _ in self.bucket_data]:
+            check_readable(data)  # a pack of damaged samples only: refused here, before the run writes anything
 
     def _with_text_len(self, cfg: DictConfig) -> DictConfig:
         """``cfg`` with ``model.text_len`` from the caption store when unset (0), so the model FLOPs
@@ -555,10 +555,10 @@ class Trainer:
     def heldout_eval(self, step: int, final: bool) -> Dict[str, Any]:
         """Held-out loss (per bucket with ``data.buckets``: ``heldout_loss/<HxW[xT]>``, and overall;
         at the end the full evaluation) of the EMA weights; rank 0's results."""
-        from vitp.eval import evaluate
-
         if self.wan:  # Wan's flow-matching loss; video statistics at the end (vitp.eval.wan_eval)
             from vitp.eval.wan_eval import wan_evaluate as evaluate
+        else:
+            from vitp.eval import evaluate
         per_bucket = None if self.buckets is None else {b.name: ho for b, (_, ho) in zip(self.buckets, self.bucket_data)}
         with self.ema_denoiser() as gen, self.sample_source(step):
             res = evaluate(gen, self.cfg, self.train_ds, self.heldout_ds, self.run_dir, full=final, step=step,
