@@ -652,7 +652,7 @@ def test_vitp_eval_scores_the_held_out_split_the_run_recorded(tmp_path, caplog):
         return sorted(Path(ds.base.files[ds.base._file_of(int(i))]).relative_to(root).as_posix() for i in ds.indices)
 
     recorded = held(load_for_eval(run, "model_ema.safetensors", [])[3])
-    assert recorded == sorted(json.loads((run / "heldout_split.json").read_text())["held_out"]) and len(recorded) == 2
+    assert recorded == sorted(json.loads((run / "heldout_split.json").read_text())["held_out"]["1"]) and len(recorded) == 2
     for c in "ab":  # four more images per class: the rule now holds out others
         for i in range(4):
             shutil.copy(root / c / f"{i}.png", root / c / f"{i + 4}.png")
@@ -664,3 +664,84 @@ def test_vitp_eval_scores_the_held_out_split_the_run_recorded(tmp_path, caplog):
     got = held(load_for_eval(run, "model_ema.safetensors", [])[3])
     assert set(recorded) <= set(got) and not set(got) & {f"{c}/{i}.png" for c in "ab" for i in range(4)} - set(recorded)
     assert "the held-out split recorded in heldout_split.json is kept" in caplog.text, caplog.text
+
+
+def test_a_bucketed_video_run_resumes_with_every_frame_counts_held_out_split(tmp_path, caplog):
+    """A user's trial: video buckets at two frame counts; heldout_split.json recorded the windows
+    at data.num_frames only, and a resume applied those keys (file#window) to the other count's
+    windows, which are other clips: the 2-frame bucket's 4 held-out clips went into training and 2 of
+    its trained clips were held out (with a self-contradicting "folder changed (0 new file(s), 0 gone)"
+    warning), and the resumed losses differed. Now every frame
+    count's split is recorded and kept: stop + resume trains the uninterrupted run's losses, and a
+    version-1 record (data.num_frames' keys alone) still gives the first launch's split, the rule's
+    at the counts it lacks, which vitp-train then adds to it."""
+    import functools
+    import shutil
+
+    from tests.unit.data.test_video import _frames, _write
+    from vitp.cli.train import resume_config
+    from vitp.data import build_datasets
+    from vitp.data.buckets import bucket_datasets
+    from vitp.train import train
+
+    root = tmp_path / "v"
+    _write(root / "a" / "a0.mkv", _frames(12))  # one file per class: each holds out its last windows
+    _write(root / "b" / "b0.mkv", _frames(12, 24, 20))
+    over = ["experiment=smoke", "data=video_folder", f"data.root={root}", "data.num_classes=2", "data.resolution=8",
+            "data.num_frames=4", "data.frame_stride=1", "data.holdout_fraction=0.25", f"data.cache_dir={tmp_path}/c",
+            "data.buckets=[{resolution:8,frames:4,batch_size:4},{resolution:8,frames:2,batch_size:4}]",
+            "trainer.max_steps=4", "trainer.global_batch_size=4"]
+    full, run = tmp_path / "full", tmp_path / "run"
+    caplog.set_level(logging.INFO)
+
+    def launch(cfg, where, *args, **kw):
+        caplog.clear()
+        train(cfg, where, *args, **kw)
+        counts = [r.getMessage() for r in caplog.records if "held-out items per bucket" in r.getMessage()]
+        return counts, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    def losses(where):
+        return [(r["step"], r["bucket"], r["loss"]) for r in map(json.loads, (where / "metrics.jsonl").open())]
+
+    want = ["data.buckets: training / held-out items per bucket: 8x8x4 4 / 2, 8x8x2 8 / 4"]  # 3 and 6 windows a file
+    assert launch(compose_cfg(over), full, over)[0] == want
+    said = caplog.text  # the start-up summary and the planner count what trains and what the held-out loss scores
+    assert "| 12 train / 6 held-out in 2 buckets (4 train / 2 held-out at data.resolution x data.num_frames" in said
+    assert "; held-out loss (6 items) " in said, said
+    stop = [*over, "trainer.exit_at_step=2"]
+    assert launch(compose_cfg(stop), run, stop)[0] == want
+    legacy = tmp_path / "legacy"
+    shutil.copytree(run, legacy)
+    counts, warned = launch(resume_config(run, []), run, resumed=True)
+    assert counts == want and not [w for w in warned if "heldout_split.json" in w], warned
+    assert [b for _, b, _ in losses(full)[2:]] == [1, 1] and losses(run) == losses(full)  # 2 frames after the stop
+    recorded = json.loads((run / "heldout_split.json").read_text())
+    assert recorded == {"version": 2, "files": ["a/a0.mkv", "b/b0.mkv"],
+                        "held_out": {"2": ["a/a0.mkv#4", "a/a0.mkv#5", "b/b0.mkv#4", "b/b0.mkv#5"],
+                                     "4": ["a/a0.mkv#2", "b/b0.mkv#2"]}}
+    assert json.loads((full / "heldout_split.json").read_text()) == recorded
+    from vitp.cli.eval import load_for_eval
+    from vitp.data.heldout_record import item_keys, read_record, record_split
+
+    per_bucket = load_for_eval(run, "model_ema.safetensors", [])[4]  # vitp-eval RUN scores the same clips
+    assert {k: sorted(item_keys(ho.base, ho.indices)) for k, ho in per_bucket.items()} == \
+        {"8x8x4": recorded["held_out"]["4"], "8x8x2": recorded["held_out"]["2"]}
+
+    # a version-1 record (vitp before this): data.num_frames' keys; the 2-frame split is the rule's, then recorded
+    (legacy / "heldout_split.json").write_text(json.dumps({"version": 1, "files": recorded["files"],
+                                                           "held_out": recorded["held_out"]["4"]}))
+    rec = read_record(legacy / "heldout_split.json", 4)
+    caplog.clear()
+    pairs = bucket_datasets(compose_cfg(over).data, 0, functools.partial(build_datasets, split=rec))
+    assert caplog.records[-1].getMessage() == want[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    record_split(legacy / "heldout_split.json", {2: (pairs[1][1].base, pairs[1][1].split_items)}, 4)
+    assert json.loads((legacy / "heldout_split.json").read_text()) == recorded
+    # another rule (a holdout_fraction given at a resume) with no file new or gone: the warning claims no change
+    caplog.clear()
+    rec = read_record(legacy / "heldout_split.json", 4)
+    build_datasets(compose_cfg([*over, "data.holdout_fraction=0.5"]).data, 0, split=rec)
+    assert "though no file is new or gone (data.holdout_fraction, data.seed or a clip setting differs from the " \
+           "first launch's): the held-out split recorded in heldout_split.json is kept; 2 item(s) the run trained " \
+           "on stay in training, where a new split would hold them out (e.g. a/a0.mkv#1, b/b0.mkv#1)" in caplog.text
+    assert "changed since" not in caplog.text

@@ -264,9 +264,10 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
     from vitp.data.text import conditioned, conditioning
 
     cond = conditioning(cfg)  # class labels, or the run's caption embeddings
-    from vitp.data.heldout_record import RECORD_NAME
+    from vitp.data.heldout_record import RECORD_NAME, read_record
 
-    split = functools.partial(build_datasets, split=run_dir / RECORD_NAME)  # the split the run trained with
+    # the split the run trained with, every frame count's (read at data.num_frames: a bucket's cfg has its own)
+    split = functools.partial(build_datasets, split=read_record(run_dir / RECORD_NAME, cfg.data.num_frames))
     train_ds, heldout_ds = conditioned(cond, *split(cfg.data, cfg.seed))
     from vitp.eval.metrics import check_real_split, evaluation_notes
 

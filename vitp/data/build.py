@@ -107,9 +107,12 @@ def build_datasets(cfg: DataConfig, seed: int, keep: Optional[Callable[[Any, np.
         ``keep(base, items)`` -> bool mask: only these items of the base dataset (a shape bucket's,
         :func:`vitp.data.buckets.in_bucket`); a packed data set applies it while it splits, so no
         item list of the whole data set is made for a bucket.
-    split : path, optional
-        A run's held-out split record (:data:`vitp.data.heldout_record.RECORD_NAME` in its folder):
-        when the file exists, an image or video folder split by ``holdout_fraction`` keeps it
+    split : dict or path, optional
+        A run's held-out split record (:data:`vitp.data.heldout_record.RECORD_NAME` in its folder),
+        as :func:`vitp.data.heldout_record.read_record` gives it, or its path (read with
+        ``cfg.num_frames``: with ``data.buckets``, whose ``cfg`` has a bucket's frame count, pass
+        the record read with the run's ``data.num_frames``); None, or a path with no file: none.
+        An image or video folder split by ``holdout_fraction`` keeps it at ``cfg.num_frames``
         (:func:`vitp.data.heldout_record.keep_recorded`: recorded held-out items stay held out, items
         of recorded files stay in training, new files are split by the rule).
 
@@ -118,7 +121,10 @@ def build_datasets(cfg: DataConfig, seed: int, keep: Optional[Callable[[Any, np.
     train, heldout : KeyedSubset
         Disjoint subsets of one dataset, or with ``cfg.heldout_root`` all of ``cfg.root`` and all of
         that folder; ``heldout`` always uses the eval transform. Items are
-        ``(x, label)`` with ``x`` float32 ``(C, T, H, W)`` in ``[-1, 1]``.
+        ``(x, label)`` with ``x`` float32 ``(C, T, H, W)`` in ``[-1, 1]``. A folder split by
+        ``holdout_fraction`` gives ``heldout.split_items``: the held-out item indices of
+        ``heldout.base`` before captions and ``keep`` drop any (sorted int64; what the run's
+        record holds, :func:`vitp.data.heldout_record.record_split`).
 
     Raises
     ------
@@ -135,10 +141,14 @@ def build_datasets(cfg: DataConfig, seed: int, keep: Optional[Callable[[Any, np.
         return shard_datasets(cfg, keep)
     from vitp.data.heldout_record import read_record
 
-    train, held = _folder_datasets(cfg, seed, read_record(split))
+    record = split if isinstance(split, dict) else read_record(split, cfg.num_frames)
+    train, held = _folder_datasets(cfg, seed, record)
     if keep is None:
         return train, held
-    return tuple(KeyedSubset(s.base, s.indices[keep(s.base, s.indices)], eval_only=s.eval_only) for s in (train, held))
+    kept = tuple(KeyedSubset(s.base, s.indices[keep(s.base, s.indices)], eval_only=s.eval_only) for s in (train, held))
+    if hasattr(held, "split_items"):  # the whole split, every bucket's share: what the record holds
+        kept[1].split_items = held.split_items
+    return kept
 
 
 def _folder_datasets(cfg: DataConfig, seed: int, record: Optional[dict] = None) -> Tuple[KeyedSubset, KeyedSubset]:
@@ -166,7 +176,7 @@ def _folder_datasets(cfg: DataConfig, seed: int, record: Optional[dict] = None) 
     if record is not None and cfg.name in ("image_folder", "video_folder"):  # the split the run started with
         from vitp.data.heldout_record import keep_recorded
 
-        held_idx = keep_recorded(base, held_idx, record, f"data folder {cfg.root or 'data.files'}")
+        held_idx = keep_recorded(base, held_idx, record, f"data folder {cfg.root or 'data.files'}", cfg.num_frames)
         train_idx = np.setdiff1d(np.arange(len(base)), held_idx)
     if cfg.name == "video_folder":
         train_idx = base.disjoint_train(np.setdiff1d(np.arange(len(base)), held_idx), held_idx)
@@ -176,7 +186,10 @@ def _folder_datasets(cfg: DataConfig, seed: int, record: Optional[dict] = None) 
     if len(held_idx) and not len(held_kept):  # the split came first: said, or eval.json lacks its loss unexplained
         log.warning("none of the %d held-out item(s) has a caption (data.captions=%s): the run has no held-out loss; "
                     "caption them, or raise data.holdout_fraction", len(held_idx), cfg.captions)
-    return KeyedSubset(base, train_kept), KeyedSubset(base, held_kept, eval_only=True)
+    held = KeyedSubset(base, held_kept, eval_only=True)
+    if cfg.name in ("image_folder", "video_folder"):
+        held.split_items = np.asarray(held_idx, dtype=np.int64)
+    return KeyedSubset(base, train_kept), held
 
 
 def _no_training_window(cfg: DataConfig, base: Any, held_idx: np.ndarray) -> str:

@@ -238,7 +238,7 @@ class Trainer:
         preflight(cfg, self.device)  # the planner's memory and step time for this layout (.preflight)
         self.main = dist.is_main()  # rank 0 writes everything
         self._build_data()
-        log_phase_times(len(self.heldout_ds))  # rank 0: the planner's phase times over the real held-out set
+        log_phase_times(self._heldout_items())  # rank 0: the planner's phase times over the real held-out set
         self.lock = lock_run_dir(self.run_dir)  # before reading the folder: one owner at a time
         self.storage = detect_storage_groups(self.run_dir)  # node-local run dirs (leaves nothing behind)
         if self.main and not self.storage.shared:
@@ -275,14 +275,15 @@ class Trainer:
 
     def _record_split(self) -> None:
         """Write the held-out split of a folder split by ``data.holdout_fraction`` into the run
-        folder once (the first launch; one that predates the record writes it now), so that a
-        resume keeps it (:mod:`vitp.data.heldout_record`)."""
-        from vitp.data.heldout_record import RECORD_NAME, write_record
+        folder once, at every frame count its clips are cut at (``data.num_frames``, each bucket's):
+        the first launch; one whose record predates a frame count adds it now. A resume keeps it
+        (:mod:`vitp.data.heldout_record`)."""
+        from vitp.data.heldout_record import RECORD_NAME, record_split
 
         d = self.cfg.data
-        path = self.run_dir / RECORD_NAME
-        if d.name in ("image_folder", "video_folder") and d.heldout_root is None and not path.exists():
-            write_record(path, self._split.base, self._split.indices)
+        if d.name in ("image_folder", "video_folder") and d.heldout_root is None:
+            record_split(self.run_dir / RECORD_NAME, {t: (s.base, s.split_items) for t, s in self._split.items()},
+                         d.num_frames)
 
     # ------------------------------------------------------------------------------- build
     def _build_data(self) -> None:
@@ -308,12 +309,14 @@ class Trainer:
 
                 check_wan_quality(cfg)
         # node_first: one rank per node probes video folders and writes the per-node caches, the others map them
-        from vitp.data.heldout_record import RECORD_NAME
+        from vitp.data.heldout_record import RECORD_NAME, read_record
 
-        # a resumed run keeps the split it started with, whatever changed in its folder (vitp.data.heldout_record)
-        build_datasets = functools.partial(build_datasets, split=self.run_dir / RECORD_NAME)
+        # a resumed run keeps the split it started with, whatever changed in its folder (vitp.data.heldout_record);
+        # read at data.num_frames: a bucket's build has its own frame count in its config
+        build_datasets = functools.partial(build_datasets,
+                                           split=read_record(self.run_dir / RECORD_NAME, cfg.data.num_frames))
         self.train_ds, self.heldout_ds = node_first(lambda: build_datasets(cfg.data, cfg.seed))
-        self._split = self.heldout_ds  # before captions wrap it: the items _record_split writes
+        self._split = {cfg.data.num_frames: self.heldout_ds}  # per frame count, before captions wrap: _record_split
         self._on_main_first(lambda: ensure_text_embeddings(cfg))  # the demo's one-command caption encoding
         self.conditioning = conditioning(cfg, self.text_store)  # class labels, or caption embeddings (vitp.data.text)
         self.train_ds, self.heldout_ds = node_first(lambda: conditioned(self.conditioning, self.train_ds,
@@ -332,8 +335,10 @@ class Trainer:
             from vitp.data.buckets import BucketSchedule, bucket_datasets, buckets_of
 
             self.buckets = buckets_of(cfg.data)
-            self.bucket_data = node_first(lambda: [tuple(conditioned(self.conditioning, tr, ho)) for tr, ho in
-                                                   bucket_datasets(cfg.data, cfg.seed, build_datasets)])
+            raw = node_first(lambda: bucket_datasets(cfg.data, cfg.seed, build_datasets))
+            for b, (_, ho) in zip(self.buckets, raw):  # another frame count cuts other clip windows
+                self._split.setdefault(b.frames, ho)
+            self.bucket_data = node_first(lambda: [tuple(conditioned(self.conditioning, tr, ho)) for tr, ho in raw])
             self.schedule = BucketSchedule([len(tr) for tr, _ in self.bucket_data], self.buckets,
                                            self.schedule.accumulation, self.layout.dp, cfg.seed,
                                            [getattr(tr, "groups", None) for tr, _ in self.bucket_data],
@@ -343,6 +348,14 @@ class Trainer:
 
         for data in [self.train_ds] if self.buckets is None else [tr for tr, _ in self.bucket_data]:
             check_readable(data)  # a pack of damaged samples only: refused here, before the run writes anything
+
+    def _heldout_items(self) -> int:
+        """Items the held-out loss scores: with ``data.buckets`` every bucket's held-out items (each
+        at its bucket's shape and frame count, :func:`vitp.eval.metrics.bucket_heldout_loss`), else
+        the held-out set's."""
+        if self.buckets is None:
+            return len(self.heldout_ds)
+        return sum(len(ho) for _, ho in self.bucket_data)
 
     def _with_text_len(self, cfg: DictConfig) -> DictConfig:
         """``cfg`` with ``model.text_len`` from the caption store when unset (0), so the model FLOPs
@@ -456,10 +469,14 @@ class Trainer:
         base = getattr(self.train_ds, "base", None)
         skipped = base.skip_summary() if hasattr(base, "skip_summary") else ""  # "2 unreadable file(s), 1 too short ..."
         cp = f" cp={lay.cp}" if lay.cp > 1 else ""
-        log.info("run dir %s | layout tp=%d%s pp=%d dp=%d | %s on %s | %s tokens per sample | %d train / %d "
-                 "held-out%s", self.run_dir, lay.tp, cp, lay.pp, lay.dp, lay.precision, self.device,
-                 tokens_text(self.cfg),
-                 len(self.train_ds), len(self.heldout_ds), f" | skipped {skipped}" if skipped else "")
+        split = f"{len(self.train_ds)} train / {len(self.heldout_ds)} held-out"
+        if self.buckets is not None:  # what trains and what the held-out loss scores: every bucket's items
+            at = "data.resolution" + (" x data.num_frames" if self.cfg.data.num_frames > 1 else "")
+            split = (f"{sum(len(tr) for tr, _ in self.bucket_data)} train / {self._heldout_items()} held-out in "
+                     f"{len(self.buckets)} buckets ({split} at {at}: the real items of FID / FVD)")
+        log.info("run dir %s | layout tp=%d%s pp=%d dp=%d | %s on %s | %s tokens per sample | %s%s", self.run_dir,
+                 lay.tp, cp, lay.pp, lay.dp, lay.precision, self.device, tokens_text(self.cfg), split,
+                 f" | skipped {skipped}" if skipped else "")
         if self.checkpointer.resume_tag is not None:
             log.info("resumed from %s (step %d of %d)", self.checkpointer.resume_tag, self.start_step,
                      self.cfg.trainer.max_steps)

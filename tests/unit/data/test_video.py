@@ -489,8 +489,8 @@ def test_a_recorded_split_keeps_trained_clips_in_training_when_the_folder_change
     record = tmp_path / "run" / RECORD_NAME
     train, held = build_datasets(cfg, seed=0, split=record)  # no record yet: the rule's split
     assert _held_files(held) == ["a/a2.mkv", "b/b3.mkv"]
-    write_record(record, held.base, held.indices)
-    assert read_record(record)["files"] == [f"{c}/{c}{i}.mkv" for c in "ab" for i in range(4)]
+    write_record(record, {4: (held.base, held.split_items)})
+    assert read_record(record, 4)["files"] == [f"{c}/{c}{i}.mkv" for c in "ab" for i in range(4)]
     _write(root / "a" / "a0b.mkv", _frames(8))
     _write(root / "b" / "b5.mkv", _frames(8))
     (root / "a" / "a3.mkv").unlink()
