@@ -84,10 +84,7 @@ def summary(manifest: Dict[str, Any], out: Path, seconds: float, carried: List[s
     shards = manifest["shardlist"]
     lines = [f"packed {m['num_samples']} {m['kind']} samples of {len(m['classes'])} classes into {len(shards)} "
              f"shard{'s' if len(shards) != 1 else ''}, {m['bytes'] / 1e6:.1f} MB, in {seconds:.1f} s",
-             f"held out: {m['num_heldout']} samples (per {m['holdout']['unit']})"
-             + (f" and the last {m['holdout']['fraction']:g} of the clip windows (at least one) of "
-                f"{m['heldout_tails']} files (classes of one file)" if m.get("heldout_tails") else "")
-             + f"; training: {m['num_train']}"]
+             _split_line(m)]
     if m["skipped"]:
         first = m["skipped"][0]
         lines.append(f"skipped {len(m['skipped'])} unreadable / unusable files (listed in index.json), e.g. "
@@ -103,6 +100,21 @@ def summary(manifest: Dict[str, Any], out: Path, seconds: float, carried: List[s
         train.append(hydra_override("data.text_embeddings", str((out / m["text_embeddings"]).absolute())))
     lines += [f"manifest: {(out / 'index.json').absolute()}", f"train with: {' '.join(train)}"]
     return lines
+
+
+def _split_line(m: Dict[str, Any]) -> str:
+    """The summary's split line. A video pack's samples are files (whole files held out, and a
+    one-file class's tail): named files, so that a count of files is not read as clips."""
+    def n(k: int, what: str) -> str:
+        return f"{k} {what}{'' if k == 1 else 's'}"
+
+    if m["holdout"].get("unit") != "file":
+        return f"held out: {n(m['num_heldout'], 'sample')}; training: {n(m['num_train'], 'sample')}"
+    tails = m.get("heldout_tails")
+    return (f"held out: {n(m['num_heldout'], 'whole file')}"
+            + (f" and the last {m['holdout']['fraction']:g} of the clip windows (at least one) of "
+               f"{n(tails, 'file')} (classes of one file)" if tails else "")
+            + f"; training: {n(m['num_train'], 'file')}" + (" (with the clips before those tails)" if tails else ""))
 
 
 @contextlib.contextmanager
