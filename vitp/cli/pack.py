@@ -78,7 +78,7 @@ def summary(manifest: Dict[str, Any], out: Path, seconds: float, carried: List[s
     """The lines printed at the end: counts, shards, skips, split, and the overrides to train with
     (``carried``: the pack command's overrides of other groups than ``data``, e.g. an experiment's
     model settings, repeated for the training command)."""
-    from vitp.cli.overrides import hydra_override
+    from vitp.cli.overrides import hydra_override, override_key
 
     m = manifest["vitp"]
     shards = manifest["shardlist"]
@@ -97,7 +97,12 @@ def summary(manifest: Dict[str, Any], out: Path, seconds: float, carried: List[s
                                           if m["text_embeddings"] else ""))
     train = [*carried, "data=shards", hydra_override("data.shards", str(out.absolute())), *train_overrides(m)]
     if m["text_embeddings"]:
-        train.append(hydra_override("data.text_embeddings", str((out / m["text_embeddings"]).absolute())))
+        from vitp.text.store import read_index
+
+        store = out / m["text_embeddings"]
+        train.append(hydra_override("data.text_embeddings", str(store.absolute())))
+        if not any(override_key(o) == "model.text_dim" for o in carried):  # training refuses the run without it
+            train.append(f"model.text_dim={read_index(store)['encoder']['hidden_size']}")
     lines += [f"manifest: {(out / 'index.json').absolute()}", f"train with: {' '.join(train)}"]
     return lines
 

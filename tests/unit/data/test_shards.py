@@ -517,6 +517,23 @@ def test_packed_captions_are_read_per_item_through_offsets(captioned, tmp_path):
         assert [ds.indices.tolist() for ds in got] == [idx for _, idx in want]
 
 
+def test_a_packed_caption_store_names_model_text_dim_to_train_with(captioned, tmp_path):
+    """vitp-pack's 'train with' line of a pack with its caption store left out model.text_dim, which
+    training then asked for: the store's channels are named (unless the pack command set the key)."""
+    from vitp.text.store import FORMAT, VERSION
+
+    _, src = captioned
+    manifest = json.loads((src / "index.json").read_text())
+    manifest["vitp"]["text_embeddings"] = "text-embeddings"
+    (tmp_path / "text-embeddings").mkdir()
+    (tmp_path / "text-embeddings" / "index.json").write_text(json.dumps(
+        {"format": FORMAT, "version": VERSION, "encoder": {"name": "tiny", "hidden_size": 24}}))
+    got = _printed(manifest, tmp_path)
+    assert got[-2:] == [f"data.text_embeddings={tmp_path / 'text-embeddings'}", "model.text_dim=24"]
+    line = pack_cli.summary(manifest, tmp_path, 1.0, ["model.text_dim=24"])[-1]
+    assert line.count("model.text_dim=") == 1  # the pack command's own, carried
+
+
 @pytest.mark.parametrize("name, damage, message", [
     ("samples.safetensors", lambda b: b[:len(b) // 2], "samples.safetensors is damaged .*; " + FIX),
     ("samples.safetensors", lambda b: b"", "samples.safetensors is damaged .*; " + FIX),
