@@ -50,6 +50,16 @@ def _no_log_handler_on_a_closed_stream():
 
 
 @pytest.fixture(autouse=True)
+def _skip_warnings_said_afresh():
+    """A skipped file is warned about once per process (vitp.data.base.SKIPS_SAID); each test starts
+    as a fresh process would, so that one test's skip warning does not silence another's."""
+    base = sys.modules.get("vitp.data.base")  # not imported here: a test may check what an import pulls in
+    if base is not None:
+        base.SKIPS_SAID.clear()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _launch_env_restored():
     """After each test, the rendezvous variables are as they were when the session began."""
     yield

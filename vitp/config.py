@@ -736,6 +736,17 @@ def schema_keys(prefix: str = "") -> List[str]:
     return sorted(f.name for f in fields(node))
 
 
+def nearest_name(name: str, known: List[str]) -> Optional[str]:
+    """The one of ``known`` that ``name`` most likely misspells (difflib, or a name it is the
+    start of), else None: the "did you mean" of unknown keys and unknown group options."""
+    import difflib
+
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if not near and len(name) >= 3:  # a prefix (sampler.cfg -> sampler.cfg_scale) is too short for difflib
+        near = sorted((k for k in known if k.startswith(name)), key=len)[:1]
+    return near[0] if near else None
+
+
 def unknown_key_message(path: str) -> Optional[str]:
     """``None`` when the dotted ``path`` names a schema key (or lies inside a list/dict value), else
     a message naming it with the nearest valid key and the valid keys of its section.
@@ -743,8 +754,6 @@ def unknown_key_message(path: str) -> Optional[str]:
     ``unknown_key_message("trainer.max_step")`` -> ``"unknown config key trainer.max_step (did you
     mean trainer.max_steps?); valid keys of trainer: ..."``
     """
-    import difflib
-
     parts = path.split(".")
     for i, name in enumerate(parts):
         section = ".".join(parts[:i])
@@ -753,9 +762,7 @@ def unknown_key_message(path: str) -> Optional[str]:
         except KeyError:  # inside a non-section value (a list, an Optional[...] field)
             return None
         if name not in known:
-            near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            if not near and len(name) >= 3:  # a prefix (sampler.cfg -> sampler.cfg_scale) is too short for difflib
-                near = sorted((k for k in known if k.startswith(name)), key=len)[:1]
+            near = [n for n in [nearest_name(name, known)] if n]
             hint = f" (did you mean {'.'.join(parts[:i] + near)}?)" if near else ""
             where = f"of {section}" if section else "at the top level"
             return f"unknown config key {path}{hint}; valid keys {where}: {', '.join(known)}"
@@ -908,8 +915,10 @@ def validate_model(m: "DictConfig") -> None:
         raise ValueError(f"model.width={D} is not divisible by model.num_heads={heads}; valid num_heads: {valid}, "
                          f"or a width that is a multiple of {step} (e.g. model.width={max(step, round(D / step) * step)})")
     _check_patch_grid(parse_resolution(m.image_size), m.patch_size)
-    _fail(m.num_frames % m.tubelet_size == 0,
-          f"num_frames {m.num_frames} is not divisible by model.tubelet_size={m.tubelet_size}")
+    T, t = m.num_frames, m.tubelet_size
+    near = ", ".join(map(str, sorted({max(t, T // t * t), -(-T // t) * t})))
+    _fail(T % t == 0, f"num_frames {T} is not divisible by model.tubelet_size={t}; nearest valid frame counts: "
+                      f"{near}; valid tubelet sizes: {divisors(T)}")
     if hasattr(m, "mlp_ratio"):
         _fail(mlp_hidden_units(D, m.mlp_ratio, m.mlp) >= 1,
               f"model.mlp_ratio={m.mlp_ratio} leaves the MLP of width {D} without hidden units; use model.mlp_ratio "
@@ -974,7 +983,8 @@ def check_batch_split(global_batch: int, micro_batch: int, dp: int) -> None:
     if m is not None:
         per_rank = global_batch // dp
         _fail(False, f"{why}; to keep the training as it is ({global_batch} samples per step), set "
-                     f"trainer.micro_batch_size={m} ({per_rank // m} micro-batches per rank and step)")
+                     f"trainer.micro_batch_size={m} ({per_rank // m} micro-batch{'es' if per_rank // m != 1 else ''} "
+                     f"per rank and step)")
     nearest = micro_batch * dp * max(1, round(global_batch / (micro_batch * dp)))
     _fail(False, f"{why}; {global_batch} samples do not split over dp={dp} data-parallel ranks: set "
                  f"trainer.global_batch_size={nearest} (another batch size changes the training), or choose a "

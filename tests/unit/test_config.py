@@ -52,6 +52,14 @@ def test_resolution_not_divisible_by_patch():
         validate_model(cfg.model)
 
 
+def test_frames_not_divisible_by_tubelet_name_the_nearest_valid_values():
+    cfg = compose_cfg(["data=synthetic", "data.num_frames=5", "model.tubelet_size=2"])
+    with pytest.raises(ValueError) as e:
+        validate_model(cfg.model)
+    assert str(e.value) == ("num_frames 5 is not divisible by model.tubelet_size=2; nearest valid frame counts: 4, 6; "
+                            "valid tubelet sizes: [1, 5]")
+
+
 def test_heads_must_divide_width():
     cfg = compose_cfg(["model.num_heads=5"])
     with pytest.raises(ValueError, match="num_heads=5"):
@@ -609,6 +617,8 @@ def test_a_batch_that_does_not_split_names_the_fix_that_keeps_the_training():
                                          r"trainer.micro_batch_size=10 \(2 micro-batches per rank and step\)$"):
         check_batch_split(40, 16, 2)
     check_batch_split(40, 10, 2)  # the suggested value passes
+    with pytest.raises(ValueError, match=r"set trainer.micro_batch_size=10 \(1 micro-batch per rank and step\)$"):
+        check_batch_split(20, 16, 2)
     with pytest.raises(ValueError, match=r"8 samples do not split over dp=3 data-parallel ranks: set "
                                          r"trainer.global_batch_size=12 \(another batch size changes the training\)"):
         check_batch_split(8, 4, 3)

@@ -358,6 +358,16 @@ def test_a_bad_boolean_at_launch_names_the_fix():
                                  "trainer.checkpoint_async=false")
 
 
+def test_a_misspelt_group_option_gets_the_nearest_one():
+    """``experiment=smok`` listed the options without the "did you mean" a misspelt key gets."""
+    for arg, hint in (("experiment=smok", " (did you mean experiment=smoke?)"),
+                      ("data=videofolder", " (did you mean data=video_folder?)"), ("experiment=zzz", "")):
+        with pytest.raises(ValueError) as e:
+            compose_checked([arg])
+        assert str(e.value).startswith(f"In 'config': Could not find '{arg.replace('=', '/')}' Available options in ")
+        assert str(e.value).endswith(("wan_smoke", "video_folder") if not hint else hint), str(e.value)
+
+
 def test_a_bucket_written_as_a_list_names_how_buckets_are_written():
     """``data.buckets=[[8,8]]`` said "list is not a subclass of BucketConfig"; a bucket without its
     batch_size ended in a MissingMandatoryValue traceback. Both now show the form, which composes."""

@@ -271,8 +271,8 @@ def load_for_eval(run_dir: Path, weights: str, overrides: list, sharded: bool = 
     train_ds, heldout_ds = conditioned(cond, *split(cfg.data, cfg.seed))
     from vitp.eval.metrics import check_real_split, evaluation_notes
 
-    check_real_split(cfg, len(heldout_ds))  # before the generator samples
-    for note in evaluation_notes(cfg, len(heldout_ds)) if is_main() else []:
+    check_real_split(cfg, len(heldout_ds), existing=True)  # before the generator samples; the split is the run's
+    for note in evaluation_notes(cfg, len(heldout_ds), existing=True) if is_main() else []:
         logging.getLogger("vitp").info(note)
     per_bucket = None
     if cfg.data.buckets:  # held-out loss per shape bucket, items assigned as in training

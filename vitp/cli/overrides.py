@@ -78,7 +78,15 @@ def error_chain(error: BaseException) -> str:
 def with_fix(message: str) -> str:
     """An override's composition error with its fix where OmegaConf gives none: a boolean key given
     another word (``Value 'maybe' is not a valid bool``) gets ``; use KEY=true or KEY=false``, a
-    ``data.buckets`` entry that is not a mapping (``[[8,8]]``) the form a bucket is written in."""
+    ``data.buckets`` entry that is not a mapping (``[[8,8]]``) the form a bucket is written in, an
+    unknown group option (``experiment=smok``) the nearest one (``did you mean experiment=smoke?``)."""
+    missing = re.search(r"Could not find '([\w/]+)/([^'/]+)' Available options in '[\w/]+': ([^;]*)", message)
+    if missing:  # a misspelt group option gets what a misspelt key gets (vitp.config.unknown_key_message)
+        from vitp.config import nearest_name
+
+        near = nearest_name(missing.group(2), missing.group(3).split())
+        if near:
+            return f"{message} (did you mean {missing.group(1)}={near}?)"
     bad_bool = re.search(r"override ([\w.]+)=.*is not a valid bool", message)
     if bad_bool:
         key = bad_bool.group(1)

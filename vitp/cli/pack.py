@@ -78,16 +78,13 @@ def summary(manifest: Dict[str, Any], out: Path, seconds: float, carried: List[s
     """The lines printed at the end: counts, shards, skips, split, and the overrides to train with
     (``carried``: the pack command's overrides of other groups than ``data``, e.g. an experiment's
     model settings, repeated for the training command)."""
-    from vitp.cli.overrides import hydra_override
+    from vitp.cli.overrides import hydra_override, override_key
 
     m = manifest["vitp"]
     shards = manifest["shardlist"]
     lines = [f"packed {m['num_samples']} {m['kind']} samples of {len(m['classes'])} classes into {len(shards)} "
              f"shard{'s' if len(shards) != 1 else ''}, {m['bytes'] / 1e6:.1f} MB, in {seconds:.1f} s",
-             f"held out: {m['num_heldout']} samples (per {m['holdout']['unit']})"
-             + (f" and the last {m['holdout']['fraction']:g} of the clip windows (at least one) of "
-                f"{m['heldout_tails']} files (classes of one file)" if m.get("heldout_tails") else "")
-             + f"; training: {m['num_train']}"]
+             _split_line(m)]
     if m["skipped"]:
         first = m["skipped"][0]
         lines.append(f"skipped {len(m['skipped'])} unreadable / unusable files (listed in index.json), e.g. "
@@ -100,9 +97,29 @@ def summary(manifest: Dict[str, Any], out: Path, seconds: float, carried: List[s
                                           if m["text_embeddings"] else ""))
     train = [*carried, "data=shards", hydra_override("data.shards", str(out.absolute())), *train_overrides(m)]
     if m["text_embeddings"]:
-        train.append(hydra_override("data.text_embeddings", str((out / m["text_embeddings"]).absolute())))
+        from vitp.text.store import read_index
+
+        store = out / m["text_embeddings"]
+        train.append(hydra_override("data.text_embeddings", str(store.absolute())))
+        if not any(override_key(o) == "model.text_dim" for o in carried):  # training refuses the run without it
+            train.append(f"model.text_dim={read_index(store)['encoder']['hidden_size']}")
     lines += [f"manifest: {(out / 'index.json').absolute()}", f"train with: {' '.join(train)}"]
     return lines
+
+
+def _split_line(m: Dict[str, Any]) -> str:
+    """The summary's split line. A video pack's samples are files (whole files held out, and a
+    one-file class's tail): named files, so that a count of files is not read as clips."""
+    def n(k: int, what: str) -> str:
+        return f"{k} {what}{'' if k == 1 else 's'}"
+
+    if m["holdout"].get("unit") != "file":
+        return f"held out: {n(m['num_heldout'], 'sample')}; training: {n(m['num_train'], 'sample')}"
+    tails = m.get("heldout_tails")
+    return (f"held out: {n(m['num_heldout'], 'whole file')}"
+            + (f" and the last {m['holdout']['fraction']:g} of the clip windows (at least one) of "
+               f"{n(tails, 'file')} (classes of one file)" if tails else "")
+            + f"; training: {n(m['num_train'], 'file')}" + (" (with the clips before those tails)" if tails else ""))
 
 
 @contextlib.contextmanager

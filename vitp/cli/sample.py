@@ -3,7 +3,8 @@
 ``vitp-sample SOURCE [--classes C ...] [--num N] [--out FILE|DIR] [--format gif|mp4] [--force] [key=value ...]``;
 the overrides (Hydra's grammar, checked by the schema: :mod:`vitp.cli.overrides`) change the run's
 sampler, size and device (:data:`SAMPLE_KEYS`). Images: one PNG grid (a row per class). Video: one
-GIF (or MP4) per class and seed plus a grid video. By default the output is named by what made it
+GIF (or MP4) per class and seed (``class<c>_seed<k>``; prompts: ``prompt<i>_seed<k>``, ``i`` the
+line of ``prompts.txt``) plus a grid video. By default the output is named by what made it
 (:func:`output_name`), so two different calls never write the same file; an existing output is
 refused without ``--force`` (as ``vitp-export`` does) and every file is written atomically.
 
@@ -55,7 +56,7 @@ USAGE = ("vitp-sample SOURCE [--classes C ... | --prompt TEXT ... | --prompt-fil
 # the flags that have an override form, cli.<flag>=value (vitp.cli.overrides.flag_overrides)
 FLAGS = {"classes": [int], "prompt": [str], "prompt_file": str, "num": int, "out": str, "format": ("gif", "mp4"),
          "force": bool, "scheduler": ("unipc", "euler"), "flow_shift": float}
-_VIDEO_FILE = re.compile(r"^(class\d+(_[A-Za-z0-9.-]+)?_seed\d+|grid)\.(gif|mp4)$")  # what write_video_samples writes
+_VIDEO_FILE = re.compile(r"^((class|prompt)\d+(_[A-Za-z0-9.-]+)?_seed\d+|grid)\.(gif|mp4)$")  # what write_video_samples writes
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -84,7 +85,7 @@ def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, Li
                                                          "sampler.samples_per_class)")
     p.add_argument("--out", type=Path, default=None,
                    help="images: output PNG (default: SOURCE_DIR/samples/sample_<settings>.png); video: a folder for "
-                        "one file per class and seed + grid (default: SOURCE_DIR/samples/sample_<settings>/), or a "
+                        "one file per class (or prompt) and seed + grid (default: SOURCE_DIR/samples/sample_<settings>/), or a "
                         ".gif/.mp4 file for the grid alone")
     p.add_argument("--format", choices=["gif", "mp4"], default=None, help="video file format (default gif)")
     p.add_argument("--force", action="store_true", help="replace an existing output (a video folder: the files an "
@@ -384,10 +385,11 @@ def _write_samples(x: torch.Tensor, labels: torch.Tensor, cfg: Any, out: Path, g
             (write_gif if out.suffix.lower() == ".gif" else write_mp4)(out, grid, fps=fps)
             print(f"wrote {out} ({_grid_words(rows, per, bool(prompts))}, {x.shape[2]} frames, {how})")
         else:
-            paths = write_video_samples(x, labels, out, fps=fps, fmt=fmt or "gif")
+            paths = write_video_samples(x, labels, out, fps=fps, fmt=fmt or "gif",
+                                        prefix="prompt" if prompts else "class")
             print(f"wrote {len(paths)} videos to {out} ({_grid_words(rows, per, bool(prompts))} + "
                   f"{paths[-1].name}, {x.shape[2]} frames, {how})")
-        if prompts:  # class<i> in the file names is prompt i
+        if prompts:  # prompt<i> in the file names is line i (1-based) of prompts.txt
             side = out / "prompts.txt" if not grid_file else out.with_suffix(".txt")
             atomic_write_text(side, "".join(f"{i} {p}\n" for i, p in enumerate(prompts, 1)))
         return

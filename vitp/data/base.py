@@ -23,6 +23,8 @@ from vitp.remote import StorageError  # noqa: F401 - re-exported: raised by the 
 from vitp.utils import RANK_LOCAL
 
 log = logging.getLogger(__name__)  # data warnings: one line each, in the run's log under vitp-train
+# (skip label, file, reason) already warned in this process (FileDataset._skip)
+SKIPS_SAID: set = set()
 
 Key = Union[int, Tuple[int, Optional[int]]]
 
@@ -373,9 +375,13 @@ class FileDataset(KeyedDataset):
         return ", ".join(parts + ([f"{short} too short for one clip"] if short else []))
 
     def _skip(self, path: Any, reason: str, too_short: bool = False, rank_local: bool = False) -> None:
-        """Warn (one log line) and list ``path`` as skipped; ``too_short``: it reads, but is shorter than one clip;
-        ``rank_local``: met in this rank's batches (the scan skips a file on every rank alike)."""
-        log.warning(f"skipping {self.skip_label} {path}: {reason}", extra=RANK_LOCAL if rank_local else None)
+        """Warn (one log line, once per file and reason in this process) and list ``path`` as skipped;
+        ``too_short``: it reads, but is shorter than one clip; ``rank_local``: met in this rank's
+        batches (the scan skips a file on every rank alike)."""
+        said = (self.skip_label, str(path), reason)
+        if said not in SKIPS_SAID:  # the data set is built again per shape bucket and for captions: said once
+            SKIPS_SAID.add(said)
+            log.warning(f"skipping {self.skip_label} {path}: {reason}", extra=RANK_LOCAL if rank_local else None)
         self.skipped_files.append(str(path))
         self.skip_reasons[str(path)] = reason
         if too_short:

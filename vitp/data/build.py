@@ -143,7 +143,10 @@ def build_datasets(cfg: DataConfig, seed: int, keep: Optional[Callable[[Any, np.
 
     record = split if isinstance(split, dict) else read_record(split, cfg.num_frames)
     train, held = _folder_datasets(cfg, seed, record)
-    if keep is None:
+    if keep is None:  # the whole data set's split (a bucket's part of it would say the same again)
+        note = heldout_share_note(cfg, len(train), len(held))
+        if note:
+            log.warning(note)
         return train, held
     kept = tuple(KeyedSubset(s.base, s.indices[keep(s.base, s.indices)], eval_only=s.eval_only) for s in (train, held))
     if hasattr(held, "split_items"):  # the whole split, every bucket's share: what the record holds
@@ -190,6 +193,25 @@ def _folder_datasets(cfg: DataConfig, seed: int, record: Optional[dict] = None) 
     if cfg.name in ("image_folder", "video_folder"):
         held.split_items = np.asarray(held_idx, dtype=np.int64)
     return KeyedSubset(base, train_kept), held
+
+
+def heldout_share_note(cfg: DataConfig, n_train: int, n_held: int) -> Optional[str]:
+    """A warning when a folder's held-out share is well above ``data.holdout_fraction`` (at least
+    twice it and 5 points more), else None. A small folder gets there: whole video files and at
+    least one item per class are held out, whatever the fraction (a new user's 2 classes x 2 files
+    held out 40 % at 0.02)."""
+    total, fraction = n_train + n_held, cfg.holdout_fraction
+    if cfg.name not in ("image_folder", "video_folder") or cfg.heldout_root or not n_held or not fraction:
+        return None
+    share = n_held / total
+    if share < max(2 * fraction, fraction + 0.05):
+        return None
+    unit = ("whole video files, at least one per class (a class of one file: its last clip windows)"
+            if cfg.name == "video_folder" else "at least one image per class")
+    more = "video files" if cfg.name == "video_folder" else "images"
+    return (f"the held-out split is {n_held} of {total} items ({100 * share:.0f} %), well above "
+            f"data.holdout_fraction={fraction:g}: a folder holds out {unit}. Add {more} to each class, or "
+            f"hold out a separate folder with data.heldout_root=DIR")
 
 
 def _no_training_window(cfg: DataConfig, base: Any, held_idx: np.ndarray) -> str:

@@ -341,36 +341,52 @@ def check_quality_inputs(cfg: Any, fvd: Optional[bool] = None) -> None:
         check_real_cache(cfg, "fvd")
 
 
-def _no_split_fix(cfg: Any) -> str:
+def _no_split_fix(cfg: Any, existing: bool = False) -> str:
+    """How to get held-out items. ``existing``: vitp-eval of a trained run, whose split is fixed
+    (``vitp.cli.eval.check_split_overrides`` refuses another ``data.holdout_fraction``; only a
+    folder run takes ``data.heldout_root=DIR``)."""
+    d = cfg.data
+    if existing:
+        folder = ("hold out another folder with data.heldout_root=DIR, or " if str(d.name) in
+                  ("image_folder", "video_folder") else "")
+        return f"{folder}train a new run with a larger data.holdout_fraction (this run's split is fixed)"
+    if d.heldout_root:
+        return f"add items to data.heldout_root={d.heldout_root}"
+    if d.holdout_fraction:  # too few for the fraction: a class holds out round(fraction * n), at least 1
+        return f"raise data.holdout_fraction (now {d.holdout_fraction:g}) or hold out a folder with data.heldout_root=DIR"
     return "hold out a split with data.holdout_fraction > 0 or data.heldout_root=DIR"
 
 
-def check_real_split(cfg: Any, heldout_items: int) -> None:
+def check_real_split(cfg: Any, heldout_items: int, existing: bool = False) -> None:
     """Once the split is known, before any step or sample: FID (``eval.fid.num``) or a video run's
     FVD (``eval.fvd.num``) against ``eval.<metric>.real=heldout`` needs at least 2 held-out items
-    (``heldout_items`` of them). Raises ``ValueError`` (one line) naming the key and both fixes (a
-    held-out split, or ``eval.<metric>.real=train``); a run used to train to its end first."""
+    (``heldout_items`` of them). Raises ``ValueError`` (one line) naming the key and the fixes
+    (``eval.<metric>.real=train``, or more held-out items: what works for a trained run when
+    ``existing``, vitp-eval's case); a run used to train to its end first."""
     for section, name, on in (("fid", "FID", bool(cfg.eval.fid.num)),
                               ("fvd", "FVD", bool(cfg.eval.fvd.num) and int(cfg.model.num_frames) > 1)):
         if on and cfg.eval[section].real == "heldout" and heldout_items < 2:
-            why = (" (data.holdout_fraction=0)" if not cfg.data.heldout_root and not cfg.data.holdout_fraction
-                   else "")
+            d = cfg.data
+            why = "" if d.heldout_root else f" (data.holdout_fraction={d.holdout_fraction:g})"
+            train = f"score against the training items with eval.{section}.real=train"
+            fixes = f"{train}, or {_no_split_fix(cfg, True)}" if existing else f"{_no_split_fix(cfg)}, or {train}"
             raise ValueError(f"eval.{section}.real=heldout but the run has {heldout_items} held-out item"
                              f"{'' if heldout_items == 1 else 's'}{why}, and {name} needs at least 2 real items: "
-                             f"{_no_split_fix(cfg)}, or score against the training items with "
-                             f"eval.{section}.real=train")
+                             f"{fixes}")
 
 
-def evaluation_notes(cfg: Any, heldout_items: int) -> List[str]:
+def evaluation_notes(cfg: Any, heldout_items: int, existing: bool = False) -> List[str]:
     """What an evaluation of ``cfg`` leaves out, said once at its start (an evaluation used to log only
     ``{'step': N}``): the held-out loss (and a video run's temporal statistics) without held-out items,
-    and FVD (``eval.fvd.num``) of an image run, which training skips."""
+    and FVD (``eval.fvd.num``) of an image run, which training skips. ``existing``: as
+    :func:`check_real_split`."""
     notes = []
     if not heldout_items:
         video = " and the temporal statistics" if int(cfg.model.num_frames) > 1 else ""
         why = "data.holdout_fraction=0" if not cfg.data.heldout_root and not cfg.data.holdout_fraction else \
             "the held-out set is empty"
-        notes.append(f"evaluation: no held-out items ({why}): the held-out loss{video} are off; {_no_split_fix(cfg)}")
+        notes.append(f"evaluation: no held-out items ({why}): the held-out loss{video} are off; "
+                     f"{_no_split_fix(cfg, existing)}")
     if cfg.eval.fvd.num and int(cfg.model.num_frames) < 2:
         notes.append(f"evaluation: eval.fvd.num={cfg.eval.fvd.num} is skipped: FVD scores videos, but this run makes "
                      f"images (model.num_frames={cfg.model.num_frames}); use eval.fid.num for images")

