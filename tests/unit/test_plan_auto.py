@@ -77,6 +77,24 @@ def test_refuses_when_nothing_fits():
     assert choice.best.fits and choice.best.layout.micro in (32, 128)
 
 
+def test_cpu_plans_count_zero_buckets_only_as_far_as_gradients_fill_them():
+    """On CPU ZeRO-1's two 5e8-element buckets (3.73 GiB in fp32, whatever the model) are resident
+    only where gradients are written (first touch), as the start-up check counts them: a
+    71k-parameter model at dp=2 fits 1 GiB per rank (2 GiB for 2 processes), the plan's bucket
+    term is the rank's gradient bytes; on a GPU the whole allocation counts."""
+    from vitp.plan import stage_memory
+
+    cfg = compose_cfg(["experiment=smoke", "model.depth=4", "parallel=auto"])
+    preds = plan(cfg, 2, replace(CPU, memory_gib=2.0))
+    dp2 = [p for p in preds if p.layout.dp * p.layout.cp == 2]
+    assert len(dp2) == 14 and len(preds) == 38 and all(p.fits for p in preds)
+    for p in dp2:  # 71,044 fp32 gradients
+        assert p.peak.zero_buckets == p.peak.grads == 71_044 * 4 and p.peak.total < 3 * 2**20
+    lay = choose_layout(cfg, 2, replace(CPU, memory_gib=2.0)).best.layout
+    assert (lay.tp, lay.cp, lay.pp, lay.dp) == (1, 1, 1, 2) and lay == preds[0].layout  # not pp=2 for lack of memory
+    assert [m.zero_buckets for m in stage_memory(cfg.model, replace(lay, device="cuda"))] == [2 * 500_000_000 * 4]
+
+
 def test_profile_override_and_recorded_layout(tmp_path):
     from vitp.train.autolayout import _decide, detect_profile, recorded_layout
 

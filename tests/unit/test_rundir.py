@@ -221,6 +221,30 @@ def test_resume_config_is_the_recorded_one_with_the_overrides(tmp_path):
     assert resume_config(tmp_path, ["trainer.exit_at_step=3"]).trainer.exit_at_step == 3
 
 
+def test_resume_refuses_parallel_auto_naming_the_key_that_re_plans(tmp_path):
+    """``vitp-train --resume RUN parallel=auto`` said only that a group choice picks a config file;
+    the key that group option sets (``parallel.auto=true``, which re-plans at the new world size)
+    works there, so the refusal names it, and other group choices keep the general message."""
+    from vitp.cli.overrides import GROUP_CHOICE_KEYS
+    from vitp.cli.train import resume_config
+
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(compose_cfg(["experiment=smoke", "parallel.tp=2"]), tmp_path / ".hydra" / "config.yaml")
+    with pytest.raises(ValueError) as e:
+        resume_config(tmp_path, ["parallel=auto"])
+    assert str(e.value) == ("parallel=auto: vitp-train --resume sets keys of the run's config, not config files; "
+                            "write parallel.auto=true instead (what parallel=auto sets when vitp-train composes a run)")
+    cfg = resume_config(tmp_path, ["parallel.auto=true"])  # the fix the message names is accepted
+    assert cfg.parallel.auto is True and cfg.parallel.tp == 2
+    with pytest.raises(ValueError, match=r"^parallel= picks a config file when vitp-train composes a run; vitp-train "
+                                         r"--resume sets keys of the run's config, e.g. trainer.max_steps=2000$"):
+        resume_config(tmp_path, ["parallel=single"])
+    # the option's file sets exactly that key
+    assert GROUP_CHOICE_KEYS == {("parallel", "auto"): "parallel.auto=true"}
+    auto = Path(__file__).resolve().parents[2] / "conf" / "parallel" / "auto.yaml"
+    assert OmegaConf.to_container(OmegaConf.load(auto)) == {"auto": True}
+
+
 def test_other_ranks_print_errors_and_their_own_records_only():
     """The console filter of ranks other than 0: what every rank logs alike is dropped (rank 0 prints
     it); errors and records marked rank-local (a file this rank's batches failed to decode) pass."""

@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 
 from tests.fixtures.record_reference import write_perturbed
 from tests.helpers import compose_cfg
-from vitp.cli.sweep import check_eval_keys, check_train_keys, collect, eval_sweep, main, parse_overrides, slug
+from vitp.cli.sweep import (_check_combinations, check_eval_keys, check_train_keys, collect, eval_sweep, main,
+                            parse_overrides, slug)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -142,3 +143,42 @@ def test_cli_bad_input_is_one_line_and_status_2(run_dir, tmp_path, capsys, argv,
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("vitp-sweep: error: ") and msg in err and err.count("\n") == 1
+
+
+def test_train_refuses_a_layout_its_runs_cannot_start_before_any_run(tmp_path, capsys, monkeypatch):
+    """``vitp-sweep train parallel.tp=2,1`` (one process per run, no launcher) trained tp=1, failed
+    tp=2 at its launch and ended with exit status 1; the layout is now checked against the world
+    each run gets (the sweep's environment: WORLD_SIZE, 1 without a launcher) before any run."""
+    from vitp.cli.sweep import run_world_size
+
+    for var in ("WORLD_SIZE", "RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    assert run_world_size() == 1
+    out = tmp_path / "sweep"
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--out", str(out), "experiment=smoke", "parallel.tp=2,1", "trainer.max_steps=3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and not out.exists()  # nothing written, nothing trained
+    assert err == ("vitp-sweep: error: combination {'parallel.tp': '2'}: parallel.tp=2 x parallel.cp=1 x "
+                   "parallel.pp=1 needs a multiple of 2 processes, and vitp-sweep train starts each run as one "
+                   "process (python -m vitp.cli.train): sweep layouts one process trains (parallel.tp=1 parallel.cp=1 "
+                   "parallel.pp=1), or train this one under a launcher (torchrun --nproc_per_node 2 -m vitp.train ... "
+                   "parallel.tp=2; docs/launching.md) and compare the runs with vitp-sweep collect; nothing was "
+                   "trained\n")
+    # under parallel=auto only the degrees the combination fixes count; in a launch of 4 processes tp=2 fits
+    sw = parse_overrides(["experiment=smoke", "parallel=auto", "model.depth=2,3"])
+    _check_combinations(sw)
+    with pytest.raises(ValueError, match=r"^combination \{'parallel.tp': '2'\}: .* needs a multiple of 2 processes"):
+        _check_combinations(parse_overrides(["experiment=smoke", "parallel=auto", "parallel.tp=1,2"]))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    assert run_world_size() == 4
+    _check_combinations(parse_overrides(["experiment=smoke", "parallel.tp=2,1", "trainer.micro_batch_size=2"]))
+    # vitp-train's other layout rules at that world: 8 samples over dp=4 at micro-batch 4 do not split
+    with pytest.raises(ValueError, match=r"^combination \{'parallel.tp': '1'\}: trainer.global_batch_size=8 must be a "
+                                         r"multiple of trainer.micro_batch_size \(4\) x dp \(4\)"):
+        _check_combinations(parse_overrides(["experiment=smoke", "parallel.tp=2,1"]))
+    with pytest.raises(ValueError, match=r"^combination \{'parallel.pp': '4'\}: parallel.tp=2 x parallel.cp=1 x "
+                                         r"parallel.pp=4 needs a multiple of 8 processes, and vitp-sweep train starts "
+                                         r"each run in this launch's WORLD_SIZE=4 .*whose tp x cp x pp divides 4"):
+        _check_combinations(parse_overrides(["experiment=smoke", "parallel.tp=2", "parallel.pp=1,4"]))

@@ -182,10 +182,16 @@ def typed_config(saved: Any, source: Any = None) -> "DictConfig":
             from None
 
 
+# group choices that set keys a resumed run can set itself: conf/<group>/<option>.yaml holds only these
+GROUP_CHOICE_KEYS = {("parallel", "auto"): "parallel.auto=true"}
+
+
 def refusal(o: "Override", prog: str, allowed: Optional[Tuple[str, ...]] = None, hint: str = "") -> Optional[str]:
     """Why ``prog`` cannot set the parsed override ``o`` on a finished run's config, or ``None``:
-    a sweep, an add or delete, a group choice or ``hydra.*`` key, an unknown key (the schema's
-    message with the nearest key), or a key outside the prefixes ``allowed`` (``hint`` appended)."""
+    a sweep, an add or delete, a group choice or ``hydra.*`` key (for ``vitp-train --resume``, a
+    choice in :data:`GROUP_CHOICE_KEYS` names its key, e.g. ``parallel=auto`` ->
+    ``parallel.auto=true``), an unknown key (the schema's message with the nearest key), or a key
+    outside the prefixes ``allowed`` (``hint`` appended)."""
     from vitp.config import CONFIG_GROUPS, unknown_key_message
 
     key, line = o.key_or_group, o.input_line
@@ -194,6 +200,10 @@ def refusal(o: "Override", prog: str, allowed: Optional[Tuple[str, ...]] = None,
     if o.is_add() or o.is_force_add() or o.is_delete():
         return f"{line}: {prog} sets keys of the run's config; it does not add or delete them (drop the prefix)"
     if key in CONFIG_GROUPS or "@" in key or key.split(".")[0] == "hydra":
+        same = GROUP_CHOICE_KEYS.get((key, str(o.value())))
+        if same and prog.startswith("vitp-train"):
+            return (f"{line}: {prog} sets keys of the run's config, not config files; write {same} instead (what "
+                    f"{line} sets when vitp-train composes a run)")
         example = "trainer.max_steps=2000" if prog.startswith("vitp-train") else "sampler.steps=50"
         return (f"{key}= picks a config file when vitp-train composes a run; {prog} sets keys of the run's "
                 f"config, e.g. {example}")

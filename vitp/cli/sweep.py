@@ -15,7 +15,8 @@ The overrides are Hydra's, expanded by Hydra's own parser and basic sweeper exac
 ``vitp-sweep train [--out DIR] key=a,b ... group=x,y ...``
     Runs ``vitp-train`` once per combination, one after another, each in ``DIR/NNN_<setting>/``
     with the same seeds and ``eval.enabled=true``; every combination is composed and checked
-    before the first one trains. Run it again to finish an interrupted sweep: runs with an
+    before the first one trains, its layout against the processes each run gets (one ``python -m
+    vitp.cli.train``: one process, or the launch's ``WORLD_SIZE``, :func:`run_world_size`). Run it again to finish an interrupted sweep: runs with an
     ``eval.json`` are kept, the others resume from their latest checkpoint.
 ``vitp-sweep collect DIR... [--out DIR]``
     The table of existing runs (a DIR that is not a run directory stands for the run directories
@@ -33,6 +34,7 @@ import contextlib
 import datetime
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -40,7 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from vitp.cli import run_cli
 
@@ -219,17 +221,63 @@ def _write_plan(out: Path, mode: str, sw: Sweep, **extra) -> None:
     atomic_write_text(path, json.dumps(plan, indent=2) + "\n")
 
 
-def _check_combinations(sw: Sweep) -> None:
-    """Compose and validate every combination's config (as ``vitp-train`` will) before any run."""
-    from vitp.cli.overrides import compose_checked
-    from vitp.config import validate_config
+def run_world_size() -> int:
+    """Processes each run of ``vitp-sweep train`` trains with: :func:`_train_one` starts one
+    ``python -m vitp.cli.train`` with this process's environment, so the world that environment
+    names (``WORLD_SIZE``, or an MPI / srun launcher's, as ``vitp-train`` adopts it), 1 without one."""
+    from vitp.parallel.distributed import launcher_env
 
+    return int({**os.environ, **launcher_env(os.environ)}.get("WORLD_SIZE", 1))
+
+
+def _layout_refusal(cfg, args: List[str], label: Any, world: int) -> Optional[str]:
+    """Why a combination (composed ``cfg`` of the overrides ``args``) cannot train its
+    ``tp x cp x pp`` in the ``world`` processes its run gets (:func:`run_world_size`), or ``None``.
+    With ``parallel.auto`` only the degrees ``args`` fix count (the planner chooses the others for
+    that world: :func:`vitp.plan.fixed_keys`)."""
+    from vitp.plan import fixed_keys
+
+    par = cfg.parallel
+    degrees = ("tp", "cp", "pp")
+    if par.auto:
+        degrees = tuple(k for k in degrees if f"parallel.{k}" in fixed_keys(args))
+    need = math.prod(int(par[k]) for k in degrees)
+    if world % need == 0:
+        return None
+    keys = " ".join(f"parallel.{k}={par[k]}" for k in degrees if par[k] > 1)
+    if world == 1:
+        procs, fit = "as one process", "one process trains (parallel.tp=1 parallel.cp=1 parallel.pp=1)"
+    else:
+        procs, fit = f"in this launch's WORLD_SIZE={world}", f"whose tp x cp x pp divides {world}"
+    return (f"combination {label}: parallel.tp={par.tp} x parallel.cp={par.cp} x parallel.pp={par.pp} needs a "
+            f"multiple of {need} processes, and vitp-sweep train starts each run {procs} (python -m "
+            f"vitp.cli.train): sweep layouts {fit}, or train this one under a launcher (torchrun "
+            f"--nproc_per_node {need} -m vitp.train ... {keys}; docs/launching.md) and compare the runs with "
+            f"vitp-sweep collect; nothing was trained")
+
+
+def _check_combinations(sw: Sweep) -> None:
+    """Compose and validate every combination's config as ``vitp-train`` will, before any run:
+    its layout against the processes each run is started with (:func:`run_world_size`) and the
+    device ``trainer.device`` resolves to here. Raises ``ValueError`` naming the combination."""
+    from vitp.cli.overrides import compose_checked
+    from vitp.config import validate_config, validate_layout
+    from vitp.parallel.distributed import resolve_device
+
+    world = run_world_size()
     for combo, label in zip(sw.combos, sw.labels):
         args = sw.fixed + combo + ["eval.enabled=true"]
         try:
-            validate_config(compose_checked(args))
+            cfg = compose_checked(args)
+            validate_config(cfg)
+            msg = _layout_refusal(cfg, args, label or args, world)
+            if msg:
+                raise ValueError(msg)  # the layout check's own fix starts a launcher the sweep does not use
+            if not cfg.parallel.auto:  # the rest of vitp-train's layout rules (heads, batch split, ZeRO)
+                validate_layout(cfg, world, resolve_device(cfg.trainer.device).type)
         except ValueError as e:
-            raise ValueError(f"combination {label or args}: {e}") from None
+            raise ValueError(str(e) if str(e).startswith("combination ") else f"combination {label or args}: {e}") \
+                from None
 
 
 def _train_one(d: Path, args: List[str]) -> int:

@@ -386,7 +386,10 @@ class StageMemory:
     ``in_flight`` micro-batches (with activation
     checkpointing: the checkpoints' inputs); ``recompute``: with checkpointing, the extra bytes at
     the recomputation peak of one micro-batch's backward; ``pipe_buffers``: stage outputs held until their backward;
-    ``zero_buckets``: ZeRO-1's two contiguous gradient buckets; ``workspace``: the fp32 gradient
+    ``zero_buckets``: ZeRO-1's two contiguous gradient buckets (:func:`zero_bucket_bytes`, 3.73 GiB in
+    fp32 whatever the model) on a GPU; on CPU (``lay.device == "cpu"``) only the pages gradients
+    fill, at most ``grads`` (Linux commits memory on first touch; the start-up check,
+    ``vitp/train/preflight.py``, sizes CPU runs by this ``total`` too); ``workspace``: the fp32 gradient
     partition at the step plus one layer's activation gradients (an estimate, not validated).
     ``ckpt_host``: host memory a checkpoint stages on one rank (its share: weights shard, and its
     fragments of EMA, moments and master weights; not in ``total``, which counts device memory);
@@ -424,6 +427,15 @@ def checkpoint_bytes(P: int, lay: LayoutSpec) -> Tuple[float, float]:
     weights = P * (2 if lay.precision == "bf16" else 4)
     frag = P * (4 + 8 + (4 if lay.precision == "bf16" else 0)) / (lay.engine_dp if lay.zero_stage >= 1 else 1)
     return weights + frag, weights / lay.engine_dp + frag
+
+
+def zero_bucket_bytes(lay: LayoutSpec, opts: Optional[MemoryOptions] = None) -> float:
+    """Bytes ZeRO-1 allocates for its gradient buckets on one rank (:data:`ZERO_BUCKET_BUFFERS` of
+    ``opts.zero_bucket_elements`` in the model dtype; 0 without ZeRO-1), whatever the model: what
+    ``tests/distributed/plan_measure.py`` measures. :func:`stage_memory` counts all of it on a GPU,
+    at most the rank's gradient bytes on CPU (``StageMemory.zero_buckets``)."""
+    opts = opts or MemoryOptions()
+    return ZERO_BUCKET_BUFFERS * opts.zero_bucket_elements * ACT_BYTES[lay.precision] if lay.zero_stage == 1 else 0
 
 
 def _state(P: int, lay: LayoutSpec, opts: MemoryOptions) -> Tuple[float, float, float, float]:
@@ -499,7 +511,9 @@ def stage_memory(model: Any, lay: LayoutSpec, opts: Optional[MemoryOptions] = No
                      stage_output_bytes(shape, lay) if shape.is_wan else tokens_bytes)
         held = min(LAST_OUTPUT_BUFFERS, lay.accum) if last else in_flight
         layer_max = max(layers_saved_bytes(shape, first, end, lay, extra))
-        bucket = ZERO_BUCKET_BUFFERS * opts.zero_bucket_elements * act_b if lay.zero_stage == 1 else 0
+        bucket = zero_bucket_bytes(lay, opts)
+        if lay.device == "cpu":  # Linux commits pages on first touch: only what the gradients fill is resident
+            bucket = min(bucket, state["grads"])
         out.append(StageMemory(
             stage=s, params=P, weights=state["weights"], grads=state["grads"], optimizer=state["optimizer"],
             ema=state["ema"], ckpt_host=state["ckpt_host"], ckpt_write=state["ckpt_write"],

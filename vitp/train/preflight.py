@@ -131,24 +131,12 @@ def _larger_patch(cfg: Any, lay: Any, prof: Any, model: dict) -> Optional[str]:
         if h % p or w % p:
             break
         (_, _, pred), = shape_predictions(cfg, lay, prof, {**model, "patch_size": p})
-        if resident_bytes(pred, lay.device) <= pred.limit_bytes:
-            fitting.append(f"model.patch_size={p} fits ({format_bytes(resident_bytes(pred, lay.device))}, "
+        if pred.peak.total <= pred.limit_bytes:
+            fitting.append(f"model.patch_size={p} fits ({format_bytes(pred.peak.total)}, "
                            f"{pred.time['step_s']:.3g} s per step)")
             if pred.time["step_s"] <= STEP_WARN_S:
                 break
     return fitting[-1] if fitting else None
-
-
-def resident_bytes(pred: Any, device_type: str) -> float:
-    """The predicted peak bytes of ``pred``'s fullest rank that the device must hold. On CPU,
-    ZeRO-1's gradient buckets (allocated at DeepSpeed's bucket size, 2 x 500M elements, whatever
-    the model) only take the pages gradients are written to, at most the rank's gradient bytes:
-    Linux commits memory on first touch (8 ranks of a tiny model, 3.7 GiB of buckets each, train
-    in 24 GiB here). A GPU allocation is held whole."""
-    peak = pred.peak
-    if device_type != "cpu":
-        return peak.total
-    return peak.total - peak.zero_buckets + min(peak.zero_buckets, peak.grads)
 
 
 def check_predictions(cfg: Any, device: torch.device, world: int) -> Optional[str]:
@@ -163,10 +151,11 @@ def check_predictions(cfg: Any, device: torch.device, world: int) -> Optional[st
     model = to_dict(cfg.model)
     preds = shape_predictions(cfg, lay, prof, model)
     on = f"{world} x {prof.name} ({prof.source or 'datasheet'})"
-    label, shaped, big = max(preds, key=lambda p: resident_bytes(p[2], device.type))
-    if resident_bytes(big, device.type) > big.limit_bytes:
+    # on CPU the planner counts ZeRO-1's buckets only as far as gradients fill them (vitp/plan/memory.py)
+    label, shaped, big = max(preds, key=lambda p: p[2].peak.total)
+    if big.peak.total > big.limit_bytes:
         patch = _larger_patch(cfg, lay, prof, model)
-        raise ValueError(f"predicted peak memory {format_bytes(resident_bytes(big, device.type))} per rank "
+        raise ValueError(f"predicted peak memory {format_bytes(big.peak.total)} per rank "
                          f"({_describe(label, shaped, big)}) exceeds the {format_bytes(big.limit_bytes)} a rank of {on} has (layout planner, as "
                          f"vitp-plan); shrink the run: {fix_keys(cfg, label)}{'; e.g. ' + patch if patch else ''}; "
                          f"parallel.auto_memory_gib=GIB sets the memory per device this check assumes")

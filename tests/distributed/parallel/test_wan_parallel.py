@@ -744,6 +744,7 @@ def test_wan_plan_matches_the_measured_eight_rank_step(wan8, wan_train):
     from vitp.config import compose, validate_config
     from vitp.models.wan_run import wan_source
     from vitp.plan import layout_of, stage_memory
+    from vitp.plan.memory import zero_bucket_bytes
 
     (name,) = _full(TRAIN_LAYOUTS[8])
     cfg = compose(wan_smoke(wan_train, *TRAIN_LAYOUTS[8][name]))
@@ -758,7 +759,9 @@ def test_wan_plan_matches_the_measured_eight_rank_step(wan8, wan_train):
                 "activations": p.activations + p.recompute + p.pipe_buffers}
         print(f"\nstage {m['stage']} tp {m['tp_rank']}: params {m['params']} / {p.params}, " + ", ".join(
             f"{k} {m[k]} / {want[k]:.0f} ({want[k] / m[k] - 1:+.1%})" for k in keys))
-        assert m["bucket"] == p.zero_buckets and m["tp_comm"] == predicted_tp_comm(cfg.model, lay, m["stage"])
+        # the buckets' allocation; on CPU the plan counts only the pages gradients fill
+        assert m["bucket"] == zero_bucket_bytes(lay) and p.zero_buckets == min(m["bucket"], p.grads)
+        assert m["tp_comm"] == predicted_tp_comm(cfg.model, lay, m["stage"])
         if m["stage"] == 0:
             assert p.params - m["params"] == (256 - folder.freq_dim) * folder.width == 6144, (m, p)
             assert want["activations"] == pytest.approx(m["activations"], rel=0.20)
