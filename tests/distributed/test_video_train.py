@@ -58,7 +58,9 @@ def test_video_training_writes_previews_and_metrics(video_run):
     assert ev["fvd_num_samples"] == 3 and not list((run / "fid").glob("*.npz*"))  # step 2's clips removed
     split = json.loads((run / "heldout_split.json").read_text())  # what a resume keeps (vitp.data.heldout_record)
     assert [f.rsplit("/", 1)[1] for f in split["files"]] == ["bikes.mp4", "carphone_pristine.mp4"]
-    assert split["held_out"] and all(k.split("#")[0] in split["files"] for k in split["held_out"])
+    held = split["held_out"]  # one split per frame count the run cuts clips at: data.num_frames=4 here
+    assert split["version"] == 2 and list(held) == ["4"]
+    assert held["4"] and all(k.split("#")[0] in split["files"] for k in held["4"])
     # FID's samples are the first frames of FVD's clips, drawn once (step 2 and the end)
     assert np.array_equal(np.load(run / "eval.npz")["arr_0"], np.load(run / "eval.fvd.npz")["arr_0"][:, 0])
     assert sorted(r["step"] for r in rows if "fid" in r) == [2, 3] and ev["fid_num_samples"] == 3
