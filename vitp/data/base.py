@@ -221,12 +221,17 @@ class KeyedSubset(KeyedDataset):
     ``groups``: when ``base`` has ``item_group`` (the shard of each item, :mod:`vitp.data.shards`),
     the sizes of the runs of the subset's items in one shard (the epoch order reads them together,
     :func:`vitp.data.loader.epoch_order`), else None.
+    ``split_items``: a folder's held-out set keeps the whole split it was cut from (sorted int64
+    indices of ``base``, before captions or a bucket dropped any: what
+    :func:`vitp.data.heldout_record.record_split` records), else None.
     """
 
-    def __init__(self, base: KeyedDataset, indices: Sequence[int], eval_only: bool = False):
+    def __init__(self, base: KeyedDataset, indices: Sequence[int], eval_only: bool = False,
+                 split_items: Optional[np.ndarray] = None):
         self.base = base
         self.indices = _as_indices(indices)  # int32 where the caller made it so: 4 bytes per item
         self.eval_only = eval_only
+        self.split_items = split_items
         self.classes = base.classes
         captions = getattr(base, "captions", None)
         if captions is None or isinstance(captions, list):

@@ -122,9 +122,9 @@ def build_datasets(cfg: DataConfig, seed: int, keep: Optional[Callable[[Any, np.
         Disjoint subsets of one dataset, or with ``cfg.heldout_root`` all of ``cfg.root`` and all of
         that folder; ``heldout`` always uses the eval transform. Items are
         ``(x, label)`` with ``x`` float32 ``(C, T, H, W)`` in ``[-1, 1]``. A folder split by
-        ``holdout_fraction`` gives ``heldout.split_items``: the held-out item indices of
-        ``heldout.base`` before captions and ``keep`` drop any (sorted int64; what the run's
-        record holds, :func:`vitp.data.heldout_record.record_split`).
+        ``holdout_fraction`` gives ``heldout.split_items`` (:class:`vitp.data.base.KeyedSubset`):
+        the held-out item indices of ``heldout.base`` before captions and ``keep`` drop any
+        (sorted int64; what the run's record holds, :func:`vitp.data.heldout_record.record_split`).
 
     Raises
     ------
@@ -148,10 +148,9 @@ def build_datasets(cfg: DataConfig, seed: int, keep: Optional[Callable[[Any, np.
         if note:
             log.warning(note)
         return train, held
-    kept = tuple(KeyedSubset(s.base, s.indices[keep(s.base, s.indices)], eval_only=s.eval_only) for s in (train, held))
-    if hasattr(held, "split_items"):  # the whole split, every bucket's share: what the record holds
-        kept[1].split_items = held.split_items
-    return kept
+    # a bucket's part keeps the whole split (every bucket's share): what the record holds
+    return tuple(KeyedSubset(s.base, s.indices[keep(s.base, s.indices)], eval_only=s.eval_only,
+                             split_items=s.split_items) for s in (train, held))
 
 
 def _folder_datasets(cfg: DataConfig, seed: int, record: Optional[dict] = None) -> Tuple[KeyedSubset, KeyedSubset]:
@@ -189,10 +188,8 @@ def _folder_datasets(cfg: DataConfig, seed: int, record: Optional[dict] = None) 
     if len(held_idx) and not len(held_kept):  # the split came first: said, or eval.json lacks its loss unexplained
         log.warning("none of the %d held-out item(s) has a caption (data.captions=%s): the run has no held-out loss; "
                     "caption them, or raise data.holdout_fraction", len(held_idx), cfg.captions)
-    held = KeyedSubset(base, held_kept, eval_only=True)
-    if cfg.name in ("image_folder", "video_folder"):
-        held.split_items = np.asarray(held_idx, dtype=np.int64)
-    return KeyedSubset(base, train_kept), held
+    split = np.asarray(held_idx, dtype=np.int64) if cfg.name in ("image_folder", "video_folder") else None
+    return KeyedSubset(base, train_kept), KeyedSubset(base, held_kept, eval_only=True, split_items=split)
 
 
 def heldout_share_note(cfg: DataConfig, n_train: int, n_held: int) -> Optional[str]:
