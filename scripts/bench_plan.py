@@ -12,8 +12,9 @@ after the other; prints per case the median, min and max wall seconds and the me
 before and after (the CPU time says more on a loaded machine), and the rows the command printed.
 The process start (Python, Hydra, and torch, timm, DeepSpeed where imported) is included: it is
 what a user waits for. Each case runs ``cold`` (every run with an empty ``VITP_CACHE_DIR``: the
-model's facts built from its meta layers, as on a machine that never planned it) and ``warm`` (the
-facts kept by one untimed run before: :mod:`vitp.plan.facts`, no torch); ``--cache`` picks one.
+model's facts computed, by arithmetic for vitp's generator, :mod:`vitp.plan.arith`, as on a machine
+that never planned it) and ``warm`` (the facts kept by one untimed run before: :mod:`vitp.plan.facts`);
+``--cache`` picks one.
 ``--json``: one JSON object instead of the table.
 """
 from __future__ import annotations

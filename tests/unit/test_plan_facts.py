@@ -34,12 +34,15 @@ def _plan(argv, cache: Path) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("argv, imports", [(IMG256, []), (WAN, ["torch", "timm"])], ids=["img256", "wan"])
-def test_a_planned_model_is_planned_again_without_deepspeed_and_prints_the_same(tmp_path, argv, imports):
-    """A vitp generator planned again imports no torch; a Wan model imports torch and timm (its
-    styles live beside its torch layers, vitp.models.parallelize_wan) but not DeepSpeed."""
+@pytest.mark.parametrize("argv, first, imports", [(IMG256, [], []), (WAN, ["torch", "timm"], ["torch", "timm"])],
+                         ids=["img256", "wan"])
+def test_a_planned_model_is_planned_again_without_deepspeed_and_prints_the_same(tmp_path, argv, first, imports):
+    """A vitp generator is planned without torch, the first time (its facts by arithmetic,
+    vitp.plan.arith) and again; a Wan model's first plan builds its meta layers (torch, timm),
+    and planned again it imports torch and timm (its styles live beside its torch layers,
+    vitp.models.parallelize_wan) but not DeepSpeed."""
     cold = _plan(argv, tmp_path)
-    assert "torch" in cold["imported"]  # the first plan builds the meta model
+    assert cold["imported"] == first, f"a first plan imported {cold['imported']}"
     assert list((tmp_path / "plan").glob("*/*.json")), "no facts file written"
     warm = _plan(argv, tmp_path)
     assert warm["imported"] == imports, f"a planned model imported {warm['imported']}"

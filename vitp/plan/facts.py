@@ -1,11 +1,12 @@
 """What the planner reads of a model, kept on disk so that planning it again needs no torch.
 
-The planner's numbers come from the model itself (:mod:`vitp.plan.shapes`): each layer built on the
-``meta`` device (parameter names and counts), its parallel plan described on those layers
+The planner's numbers come from the model itself (:mod:`vitp.plan.shapes`): each layer's
+parameter names and counts, its parallel plan described on those layers
 (:func:`vitp.parallel.describe_plan`: which parameters a TP rank holds a slice of, and each stage's
 collective-issuing modules with their sizes) and DeepSpeed's partition of the layers into pipeline
-stages. Building them imports torch, timm and DeepSpeed, which is most of a plan's time (about 3 s
-of the 5 s of ``vitp-plan --gpus 8`` on a 2-core machine). What they yield is plain data, kept here
+stages. For vitp's generator they are computed by arithmetic (:mod:`vitp.plan.arith`); for another
+model (Wan) they are read off its layers built on the ``meta`` device, which imports torch and timm
+(about 4.5 s on a 2-core machine, most of such a plan's time). What they yield is plain data, kept here
 as one JSON file per model config in ``$VITP_CACHE_DIR/plan/<digest>`` (default
 ``~/.cache/vitp/plan/<digest>``); a later plan of the same model reads it and imports no torch (the
 styles whose collectives it evaluates, :mod:`vitp.parallel.styles`, are torch-free to import). The

@@ -13,14 +13,18 @@ layers (``WanEmbed``, ``WanBlock``, ``WanFinal`` on the meta device, :func:`vitp
 and its own plan (:data:`vitp.models.parallelize_wan.WAN_PLAN`), so its counts equal diffusers'
 ``WanTransformer3DModel`` (``tests/unit/test_plan_wan.py``).
 
-What the planner reads of these (parameter counts, each stage's report, the stage partition) is
-kept on disk (:mod:`vitp.plan.facts`): a model planned before is planned again without importing
-torch, timm or DeepSpeed, with the same numbers (``tests/unit/test_plan_facts.py``).
+For vitp's generator, what the planner reads of these (parameter counts, each stage's report, the
+stage partition) is computed by arithmetic instead (:mod:`vitp.plan.arith`, equal to the meta
+layers' facts: ``tests/unit/test_plan_arith.py``), so planning it imports no torch, timm or
+DeepSpeed; ``VITP_PLAN_FACTS=meta`` reads them off the meta layers. What is read is kept on disk
+(:mod:`vitp.plan.facts`): a Wan model planned before is planned again without DeepSpeed, with the
+same numbers (``tests/unit/test_plan_facts.py``).
 """
 from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -230,6 +234,10 @@ def _layer_params(frozen: Tuple) -> Tuple[Tuple[Tuple[str, int], ...], ...]:
     from .facts import facts_of
 
     def count():
+        from . import arith
+
+        if arith.covers(dict(frozen)):  # vitp's generator: by arithmetic, no torch
+            return [[[n, c] for n, c in layer] for layer in arith.layer_params(dict(frozen))]
         return [[[n, p.numel()] for n, p in layer.named_parameters()] for layer in _meta_model(frozen)[0]]
 
     return facts_of(frozen).get("layer_params", count,
@@ -267,11 +275,17 @@ def plan_report(model: Any, mode: str = "tp", first: int = 0, end: Optional[int]
 def _stage_report(frozen: Tuple, first: int, end: Optional[int], mode: str, tp: int, cp: int):
     from .facts import decode_report, encode_report, facts_of
 
+    from . import arith
+
     facts = facts_of(frozen)
     whole = first == 0 and end is None
-    return facts.get(f"report/{mode}/{first}/{end}/{tp}/{cp}",
-                     lambda: encode_report(_plan_report(frozen, first, end, mode, tp, cp), whole),
-                     lambda rec: decode_report(facts, rec))
+
+    def compute():
+        if arith.covers(dict(frozen)):  # vitp's generator: by arithmetic, no torch
+            return arith.report_record(dict(frozen), first, end, mode, tp, cp, whole)
+        return encode_report(_plan_report(frozen, first, end, mode, tp, cp), whole)
+
+    return facts.get(f"report/{mode}/{first}/{end}/{tp}/{cp}", compute, lambda rec: decode_report(facts, rec))
 
 
 def stage_report(model: Any, mode: str = "tp", first: int = 0, end: Optional[int] = None, tp: int = 2, cp: int = 1):
@@ -306,8 +320,12 @@ def stage_layer_ranges(depth: int, pp: int) -> List[Tuple[int, int]]:
     from .facts import stage_ranges
 
     def cut():
-        from vitp.pipeline import stage_blocks
+        from . import arith
 
+        if os.environ.get("VITP_PLAN_FACTS", "") == "meta":
+            from vitp.pipeline import stage_blocks
+        else:  # DeepSpeed's partition, computed as DeepSpeed computes it, without importing it (torch)
+            stage_blocks = arith.stage_blocks
         ranges, start = [], 0
         for s, n in enumerate(stage_blocks(depth, pp)):
             end = start + n + (1 if s == 0 else 0) + (1 if s == pp - 1 else 0)
