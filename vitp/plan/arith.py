@@ -12,8 +12,9 @@ most of a first plan (issue 54 item 2). For the generator the same facts follow 
   with timm's ``Attention``, ``Mlp`` / ``SwiGLU`` and ``LayerScale`` (timm 1.0 parameter names);
 - :func:`report_record`: :data:`ROWS`, the rows of :data:`vitp.models.GENERATOR_PLAN` with the
   same styles (:mod:`vitp.parallel.styles`, torch-free), each with what its style's ``roles`` and
-  ``sizes`` read off a matched module, grouped as :meth:`PlanReport._groups` groups them and
-  encoded as :func:`vitp.plan.facts.encode_report` encodes them;
+  ``sizes`` read off a matched module, grouped as
+  :meth:`vitp.parallel.report.PlanReport._groups` groups them and encoded as
+  :func:`vitp.plan.facts.encode_report` encodes them;
 - :func:`partition_balanced`: DeepSpeed's ``deepspeed.runtime.utils.partition_balanced`` (the
   linear-partition dynamic programme, ties broken as it breaks them).
 
