@@ -395,6 +395,63 @@ def test_cpu_profile_source_names_processes_only_where_links_were_measured(tmp_p
                                                                  "between 4 processes)"
 
 
+def test_gloo_links_of_an_odd_process_count_measure_pairs_and_the_whole_group():
+    """``vitp-plan --gpus 3 --device cpu`` and ``parallel=auto`` on 3 ranks stopped with "no median for
+    empty data": the links were measured only in groups dividing the process count (3: none of 2),
+    but the bandwidth and the pipeline sends' latency are a pair's. Every group size from 2 to the
+    count is measured now, the last ``count % g`` ranks waiting (3 real processes, about 10 s)."""
+    from vitp.plan.devices import _gloo_links
+
+    link = _gloo_links(3)
+    assert sorted(link["latency_by_group"]) == [2, 3]
+    assert link["latency_s"] == link["latency_by_group"][2] and all(v > 0 for v in link["latency_by_group"].values())
+    assert 0 < link["bw"] < float("inf")
+
+
+def test_vitp_plan_cpu_measures_links_among_at_most_4_processes_once_and_says_so(tmp_path, monkeypatch, capsys):
+    """``vitp-plan --gpus N --device cpu`` started N interpreters to measure the links, silently (N =
+    8: 20 s on 2 cores; 1024 would start 1024). It starts at most LINK_PROCS_MAX = 4 (groups of 2, 3
+    and 4), says so once on stderr with the cache file, and keys the cache by what it measured: a
+    plan for 1024 processes, and the start-up check of a run of 8, reuse it. Larger groups' latency
+    is scaled from the 4-group as a ring all-reduce's steps, (g - 1) / 3."""
+    import json
+
+    import vitp.plan.devices as devices
+    from vitp.cli.plan import main
+
+    monkeypatch.setenv("VITP_CACHE_DIR", str(tmp_path))
+    started = []
+
+    def links(procs):  # the gloo measurement, without its processes
+        started.append(procs)
+        lat = {g: [1e-4, 4e-4, 9e-4][g - 2] for g in range(2, procs + 1)}  # an IndexError past 4
+        return {"latency_s": lat[2], "latency_by_group": lat, "bw": 1e9}
+
+    monkeypatch.setattr(devices, "_gloo_links", links)
+    monkeypatch.setattr(devices, "_matmul_flops", lambda dtype: 1e11)
+    monkeypatch.setattr(devices, "_memcpy_bw", lambda: 1e10)
+    monkeypatch.setattr(devices, "_layer_overhead", lambda: 1e-4)
+    main(["--gpus", "8", "--device", "cpu", "--top", "1", "--json", "experiment=smoke"])
+    out = capsys.readouterr()
+    assert started == [4] and devices.LINK_PROCS_MAX == 4
+    notice = [x for x in out.err.splitlines() if "measuring" in x]
+    assert notice == [f"vitp-plan: measuring this machine once (gloo links between 4 processes; groups over 4 ranks "
+                      f"scaled from them, matmul, memory copy and layer dispatch with 1 thread(s) per process; a few "
+                      f"seconds), cached in {tmp_path / 'cpu_profile.json'}"]
+    device = json.loads(out.out)["device"]
+    assert device["latency_by_group"] == {"2": 1e-4, "3": 4e-4, "4": 9e-4}
+    assert device["source"] == "measured here (1 thread(s) per process, links between 4 processes)"
+    assert list(json.loads((tmp_path / "cpu_profile.json").read_text()))[0].endswith("|1|1|4")
+    prof = devices.cached_cpu_profile(threads=1, links=True, procs=8)  # the start-up check of 8 ranks finds it
+    assert prof is not None and prof.latency(4) == 9e-4 and prof.latency(8) == pytest.approx(9e-4 * 7 / 3)
+    assert prof.latency(1) == prof.latency_s == 1e-4
+    assert devices.cached_cpu_profile(threads=1, links=True, procs=1024) is not None
+    main(["--gpus", "16", "--device", "cpu", "--top", "1", "--json", "experiment=smoke",
+          "trainer.global_batch_size=16"])
+    assert started == [4] and "measuring" not in capsys.readouterr().err  # cached: measured once
+    assert devices.link_processes(3) == 3 and devices.link_processes(1) == 2
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--micro", "0", "use comma-separated integers >= 1, e.g. 1,2,4"), ("--ac", "-1", "integers >= 0, e.g. 0,1"),
     ("--mem-gib", "-5", "'-5': use a finite number > 0"), ("--mem-gib", "0", "'0': use a finite number > 0"),

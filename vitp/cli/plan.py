@@ -189,6 +189,11 @@ def _check_nodes(args: argparse.Namespace) -> None:
                      f"the devices your nodes have as --gpus-per-node (a divisor of {args.gpus}, e.g. {fits})")
 
 
+def _say(line: str) -> None:
+    """Print ``vitp-plan: <line>`` on stderr at once (the user waits while it happens)."""
+    print(f"vitp-plan: {line}", file=sys.stderr, flush=True)
+
+
 def _run(args: argparse.Namespace) -> list:
     from omegaconf import OmegaConf
 
@@ -199,7 +204,9 @@ def _run(args: argparse.Namespace) -> list:
     from vitp.plan.shapes import ResolvedModel
 
     cfg = with_vae_geometry(compose_checked(args.overrides))
-    prof = get_profile(args.device, args.mem_gib, procs=args.gpus)  # cpu: gloo measured with as many processes
+    # cpu: measured once (gloo among at most vitp.plan.devices.LINK_PROCS_MAX processes), said on stderr
+    cpu_kw = {"procs": args.gpus, "notify": _say} if args.device.lower() == "cpu" else {}
+    prof = get_profile(args.device, args.mem_gib, **cpu_kw)
     if args.gpus_per_node:
         prof = replace(prof, devices_per_node=args.gpus_per_node)
     opts = MemoryOptions(adaln_sharded=not args.adaln_replicated, lora=lora_plan_of(cfg))

@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 from vitp.utils import atomic_write_text
 
@@ -63,8 +63,16 @@ class DeviceProfile:
     latency_by_group: Dict[int, float] = field(default_factory=dict)
 
     def latency(self, group: int) -> float:
-        """Seconds per collective in a group of ``group`` ranks (measured sizes, else ``latency_s``)."""
-        return self.latency_by_group.get(group, self.latency_s)
+        """Seconds per collective in a group of ``group`` ranks: the measured value of that size;
+        above the largest measured size g (the ``cpu`` profile measures groups of 2 to
+        :func:`link_processes`), g's latency times ``(group - 1) / (g - 1)``, the steps of a ring
+        all-reduce (gloo's); else ``latency_s``."""
+        if group in self.latency_by_group:
+            return self.latency_by_group[group]
+        top = max(self.latency_by_group, default=0)
+        if group > top >= 2:
+            return self.latency_by_group[top] * (group - 1) / (top - 1)
+        return self.latency_s
 
     def peak(self, precision: str) -> float:
         """Peak FLOP/s for ``precision`` (fp32 | bf16)."""
@@ -138,9 +146,10 @@ def _memcpy_bw(nbytes: int = 64 * 2**20) -> float:
 
 def _gloo_worker() -> None:
     """One process of :func:`_gloo_links` (``RANK``, ``WORLD_SIZE``, ``PORT`` in the environment):
-    for each group size g (a divisor of the world), all ranks all-reduce at once in groups of g
-    consecutive ranks; prints the seconds per small all-reduce for each g and per 4 MiB one for
-    g = 2, as JSON."""
+    for each group size g from 2 to the world, the ranks of the ``world // g`` whole groups of g
+    consecutive ranks all-reduce at once (the ``world % g`` last ranks wait at the barrier); prints,
+    as JSON, the seconds per small (16 fp32) all-reduce for each g this rank took part in, and per
+    4 MiB one for g = 2."""
     import torch
     import torch.distributed as dist
 
@@ -148,29 +157,48 @@ def _gloo_worker() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}", rank=rank, world_size=world)
     out: Dict[str, object] = {"small": {}}
-    for g in (d for d in range(2, world + 1) if world % d == 0):
-        groups = [dist.new_group(list(range(r, r + g))) for r in range(0, world, g)]
-        group = groups[rank // g]
+    for g in range(2, world + 1):
+        groups = [dist.new_group(list(range(r, r + g))) for r in range(0, world - g + 1, g)]  # every rank, same order
+        member = rank < len(groups) * g
         for label, numel, reps in (("small", 16, 100), ("large", 2**20, 10 if g == 2 else 0)):
             x = torch.zeros(numel)
             dist.barrier()
+            if not (member and reps):
+                continue
             start = time.perf_counter()
             for _ in range(reps):
-                dist.all_reduce(x, group=group)
+                dist.all_reduce(x, group=groups[rank // g])
             if label == "small":
                 out["small"][str(g)] = (time.perf_counter() - start) / reps
-            elif reps:
+            else:
                 out["large"] = (time.perf_counter() - start) / reps
     dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(out))
 
 
+# Processes the ``cpu`` profile's link measurement starts at most (:func:`link_processes`): groups
+# of 2 (the bandwidth, two pairs at once; pipeline sends), 3 (odd worlds) and 4. More would cost
+# an interpreter each and, past the cores, measure mostly the scheduler. Larger groups' latency is
+# scaled from the largest measured one (:meth:`DeviceProfile.latency`): on the 2-core VM here, 8
+# processes measured 0.8, 9.8 and 25.9 ms per small all-reduce in groups of 2, 4 and 8; the 8-group
+# scaled from the 4-group, 9.8 x 7 / 3 = 22.9 ms (short: the crowding of 8 processes on 2 cores
+# is not in a 4-process measurement; 24 % short under a load average of 9).
+LINK_PROCS_MAX = 4
+
+
+def link_processes(procs: int) -> int:
+    """Processes the link measurement starts for a run of ``procs`` processes: ``procs`` clamped
+    to 2 .. :data:`LINK_PROCS_MAX` (a 1024-process plan does not start 1024 interpreters)."""
+    return min(max(2, int(procs)), LINK_PROCS_MAX)
+
+
 def _gloo_links(procs: int = 2) -> Dict[str, object]:
-    """Latency (s, per group size) and bandwidth (bytes/s one rank sends) of gloo all-reduces
-    among ``procs`` local single-thread processes, all groups at once (so with more processes than
-    cores the latency includes waiting for descheduled peers, as in an oversubscribed run); medians
-    over ranks.
+    """Latency (s, per group size 2 .. ``procs``) and bandwidth (bytes/s one rank sends, from 4 MiB
+    all-reduces in pairs) of gloo all-reduces among ``procs`` (at least 2) local single-thread
+    processes, all groups of a size at once (so with more processes than cores the latency includes
+    waiting for descheduled peers, as in an oversubscribed run); medians over the ranks measured.
+    Starts exactly ``procs`` processes: callers cap them (:func:`link_processes`).
 
     Raises ``RuntimeError`` when a worker fails.
     """
@@ -191,7 +219,8 @@ def _gloo_links(procs: int = 2) -> Dict[str, object]:
     if any(w.returncode for w in workers):
         raise RuntimeError(f"gloo link measurement failed: {results[0][1][-2000:]}")
     outs = [json.loads(r[0].strip().splitlines()[-1]) for r in results]
-    lat = {int(g): statistics.median(o["small"][g] for o in outs) for g in outs[0]["small"]}
+    sizes = sorted({g for o in outs for g in o["small"]}, key=int)  # reported by its members, not the world % g last
+    lat = {int(g): statistics.median(o["small"][g] for o in outs if g in o["small"]) for g in sizes}
     large = statistics.median(o["large"] for o in outs if "large" in o)
     return {"latency_s": lat[2], "latency_by_group": lat, "bw": 4 * 2**20 / max(large - lat[2], 1e-9)}
 
@@ -199,8 +228,10 @@ def _gloo_links(procs: int = 2) -> Dict[str, object]:
 def measure_cpu_profile(threads: int = 1, links: bool = True, procs: int = 2) -> DeviceProfile:
     """Measure this machine as a ``cpu`` profile for processes of ``threads`` threads each (the
     launchers here give every rank one thread): fp32/bf16 matmul FLOP/s, memory copy bandwidth,
-    per-layer dispatch time and, with ``links``, gloo all-reduce latency and bandwidth between
-    pairs of ``procs`` processes (a few seconds: fresh interpreters). Draws no random numbers."""
+    per-layer dispatch time and, with ``links``, gloo all-reduce latency (s, groups of 2 ..
+    :func:`link_processes` ``(procs)``) and bandwidth (bytes/s, pairs) among that many processes
+    for a run of ``procs`` (a few seconds: fresh interpreters). Draws no random numbers.
+    Raises ``RuntimeError`` when a link-measuring process fails."""
     import torch
 
     before = torch.get_num_threads()
@@ -210,7 +241,7 @@ def measure_cpu_profile(threads: int = 1, links: bool = True, procs: int = 2) ->
         mem_bw, overhead = _memcpy_bw(), _layer_overhead()
     finally:
         torch.set_num_threads(before)
-    link = _gloo_links(procs) if links else {"latency_s": 1e-4, "latency_by_group": {}, "bw": 1 * GB}
+    link = _gloo_links(link_processes(procs)) if links else {"latency_s": 1e-4, "latency_by_group": {}, "bw": 1 * GB}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return DeviceProfile("cpu", "cpu", peak, round(memory, 1), mem_bw, link["bw"], link["bw"], devices_per_node=1024,
@@ -220,9 +251,11 @@ def measure_cpu_profile(threads: int = 1, links: bool = True, procs: int = 2) ->
 
 
 def _cpu_source(threads: int, links: bool, procs: int) -> str:
-    """How a ``cpu`` profile was measured: the process count only where links between processes
-    were (a single-process run measures none: "2 thread(s) per process", not "2 processes")."""
-    return f"measured here ({threads} thread(s) per process" + (f", links between {procs} processes)" if links else ")")
+    """How a ``cpu`` profile was measured: the processes the links were measured between
+    (:func:`link_processes` of the run's ``procs``) only where links were (a single-process run
+    measures none: "2 thread(s) per process", not "2 processes")."""
+    return f"measured here ({threads} thread(s) per process" + (
+        f", links between {link_processes(procs)} processes)" if links else ")")
 
 
 def _cache_path() -> Path:
@@ -235,7 +268,8 @@ def _cache_key(threads: int, links: bool, procs: int) -> str:
 
     import torch
 
-    return f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}|{threads}|{int(links)}|{procs if links else 0}"
+    measured = link_processes(procs) if links else 0  # what is measured: runs of 4 and of 1024 processes share it
+    return f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}|{threads}|{int(links)}|{measured}"
 
 
 def _read_cache() -> dict:
@@ -248,7 +282,8 @@ def _read_cache() -> dict:
 
 def cached_cpu_profile(threads: int = 1, links: bool = True, procs: int = 2) -> Optional[DeviceProfile]:
     """The ``cpu`` profile :func:`cpu_profile` measured earlier for this key (host, core count,
-    torch version, threads, processes), or ``None``: reads the cache, never measures."""
+    torch version, threads, processes measured: :func:`link_processes` of ``procs``), or ``None``:
+    reads the cache, never measures."""
     entry = _read_cache().get(_cache_key(threads, links, procs))
     if entry is None:
         return None
@@ -280,13 +315,30 @@ def default_cpu_profile(threads: int = 1) -> DeviceProfile:
                                 f"measures this machine)")
 
 
-def cpu_profile(threads: int = 1, remeasure: bool = False, links: bool = True, procs: int = 2) -> DeviceProfile:
+def _measure_notice(threads: int, links: bool, procs: int) -> str:
+    """The line said while :func:`cpu_profile` measures: what (for a run of ``procs`` processes),
+    that it happens once, and the cache file."""
+    link = ""
+    if links:
+        scaled = f"; groups over {LINK_PROCS_MAX} ranks scaled from them" if procs > LINK_PROCS_MAX else ""
+        link = f"gloo links between {link_processes(procs)} processes{scaled}, "
+    return (f"measuring this machine once ({link}matmul, memory copy and layer dispatch with {threads} thread(s) "
+            f"per process; a few seconds), cached in {_cache_path()}")
+
+
+def cpu_profile(threads: int = 1, remeasure: bool = False, links: bool = True, procs: int = 2,
+                notify: Optional[Callable[[str], None]] = None) -> DeviceProfile:
     """The measured ``cpu`` profile, cached in ``$VITP_CACHE_DIR`` (or ``~/.cache/vitp``)
-    ``/cpu_profile.json`` per host, core count, torch version, thread and process count."""
+    ``/cpu_profile.json`` per host, core count, torch version, thread count and processes measured
+    (:func:`link_processes` of the run's ``procs``). ``notify`` is called with
+    :func:`_measure_notice` before a measurement (not on a cache hit). Raises ``RuntimeError``
+    when a link-measuring process fails."""
     cached = None if remeasure else cached_cpu_profile(threads, links, procs)
     if cached is not None:
         return cached
     key, path, cache = _cache_key(threads, links, procs), _cache_path(), _read_cache()
+    if notify is not None:
+        notify(_measure_notice(threads, links, procs))
     prof = measure_cpu_profile(threads, links, procs)
     cache[key] = prof.as_dict()
     try:

@@ -10,7 +10,8 @@ records as usual; the keys the user set on the command line (:func:`vitp.plan.fi
 Device profile (:func:`detect_profile`): ``parallel.auto_device`` if set, else the GPU's preset by
 name (:func:`vitp.plan.cuda_preset`) with the memory the device reports, or on CPU the profile
 measured here (:func:`vitp.plan.cpu_profile`, cached: matmul rate with the rank's threads, gloo
-latency and bandwidth among ``world`` processes, the machine's RAM shared by the ranks);
+latency and bandwidth among ``world`` processes, at most :data:`vitp.plan.devices.LINK_PROCS_MAX`,
+the machine's RAM shared by the ranks);
 ``parallel.auto_memory_gib`` replaces the memory.
 """
 from __future__ import annotations
@@ -39,7 +40,8 @@ def detect_profile(cfg: DictConfig, device: torch.device, world: int):
 
     par = cfg.parallel
     if par.auto_device:
-        prof = get_profile(str(par.auto_device), threads=torch.get_num_threads(), links=world > 1, procs=world)
+        prof = get_profile(str(par.auto_device), threads=torch.get_num_threads(), links=world > 1, procs=world,
+                           notify=log.info)
     elif device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         prof = cuda_preset(name)
@@ -51,7 +53,7 @@ def detect_profile(cfg: DictConfig, device: torch.device, world: int):
         prof = replace(prof, devices_per_node=local) if local else prof
     else:
         with torch.random.fork_rng(devices=[]):  # the measurement builds a layer: keep the run's RNG
-            prof = cpu_profile(threads=torch.get_num_threads(), links=world > 1, procs=world)
+            prof = cpu_profile(threads=torch.get_num_threads(), links=world > 1, procs=world, notify=log.info)
     return prof if par.auto_memory_gib is None else replace(prof, memory_gib=float(par.auto_memory_gib))
 
 
