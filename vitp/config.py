@@ -175,7 +175,7 @@ class ParallelConfig:
     activation_checkpoint_interval: int = 0  # layers per activation checkpoint (0 = off)
     auto: bool = False  # planner picks tp, cp, pp, SP, AC and micro-batch at launch (command-line ones stay fixed)
     auto_device: Optional[str] = None  # profile h100|h200|a100|cpu for parallel.auto and the start-up check (null = detect from the device)
-    auto_memory_gib: Optional[float] = None  # GiB per device for parallel.auto and the start-up check (null = the GPU's, or RAM on CPU)
+    auto_memory_gib: Optional[float] = None  # GiB per device for parallel.auto and the start-up check (null = the GPU's); on CPU the machine's memory, split among its ranks (null = its RAM)
     partial_sync: float = 1.0  # CAAT-Net: fraction of channels summed over tp after proj/fc2 (1 = exact TP)
     partial_sync_scale: str = "sqrt_tp"  # factor on the private channels: "sqrt_tp" | "none"
 

@@ -454,12 +454,20 @@ def test_vitp_plan_cpu_measures_links_among_at_most_4_processes_once_and_says_so
 
 @pytest.mark.parametrize("flag, value, message", [
     ("--micro", "0", "use comma-separated integers >= 1, e.g. 1,2,4"), ("--ac", "-1", "integers >= 0, e.g. 0,1"),
-    ("--mem-gib", "-5", "'-5': use a finite number > 0"), ("--mem-gib", "0", "'0': use a finite number > 0"),
-    ("--mem-gib", "inf", "'inf': use a finite number > 0"),  # was an OverflowError traceback
-    ("--gpus-per-node", "0", "'0': use a finite number > 0"), ("--gpus", "0", "'0': use a finite number > 0"),
-    ("--gpus", "-1", "'-1': use a finite number > 0"), ("--gpus-per-node", "-8", "'-8': use a finite number > 0")])
+    ("--mem-gib", "-5", "'-5': use a finite number > 0 and at most 1048576 (1 PiB)"),
+    ("--mem-gib", "0", "'0': use a finite number > 0 and at most 1048576 (1 PiB)"),
+    ("--mem-gib", "inf", "'inf': use a finite number > 0 and at most 1048576 (1 PiB)"),  # was an OverflowError
+    ("--mem-gib", "1e300", "'1e300': use a finite number > 0 and at most 1048576 (1 PiB)"),  # OverflowError
+    ("--mem-gib", "1e20", "'1e20': use a finite number > 0 and at most 1048576 (1 PiB)"),  # was "97656250000000000 TiB"
+    ("--mem-gib", "1048576.5", "'1048576.5': use a finite number > 0 and at most 1048576 (1 PiB)"),
+    ("--gpus-per-node", "0", "'0': use a whole number > 0, e.g. 8"), ("--gpus", "0", "'0': use a whole number > 0"),
+    ("--gpus", "-1", "'-1': use a whole number > 0"), ("--gpus-per-node", "-8", "'-8': use a whole number > 0"),
+    ("--gpus", "8.5", "'8.5': use a whole number > 0, e.g. 8"),  # said "a finite number > 0": 8.5 is one
+    ("--gpus", "1e3", "'1e3': use a whole number > 0, e.g. 8"), ("--gpus-per-node", "2.5", "use a whole number > 0")])
 def test_vitp_plan_refuses_bad_flag_values(flag, value, message, capsys):
-    """Each was a traceback (--micro 0: ZeroDivisionError), a message not naming the flag, or accepted."""
+    """Each was a traceback (--micro 0: ZeroDivisionError; --mem-gib 1e300: OverflowError in
+    Prediction.as_dict), a message not naming the flag or the rule (--gpus 8.5: "a finite number"),
+    or accepted (--mem-gib 1e20: a header of 97656250000000000 TiB)."""
     from vitp.cli.plan import main
 
     with pytest.raises(SystemExit) as e:
@@ -579,3 +587,93 @@ def test_vitp_plan_exits_2_after_the_table_when_nothing_fits(capsys):
                         "checkpointing (--ac 0,1), or a smaller model\n"), err
     main([*argv[:5], "80", *argv[6:]])  # the same model with room: exits normally
     assert "0 fit" not in capsys.readouterr().out
+
+
+def test_vitp_plan_accepts_memory_up_to_1_pib(capsys):
+    """The largest --mem-gib, 1 PiB, is planned and printed (1024 TiB)."""
+    from vitp.cli.plan import run
+
+    rows = run(["--gpus", "1", "--device", "h100", "--top", "1", "--mem-gib", "1048576", "experiment=smoke"])
+    assert "1 x h100 (1024 TiB, 8/node)" in capsys.readouterr().out and rows[0]["limit_bytes"] == (2**20 - 3) * 2**30
+
+
+def test_vitp_plan_notes_a_text_model_planned_without_text_len(capsys):
+    """``model.text_dim=4096`` without ``model.text_len`` planned 0 caption tokens in silence (row 1's
+    activations as without text, a user's trial). Training fills text_len from the caption store, so
+    the plan is not refused: a note on stderr names model.text_len; with it, no note and more memory."""
+    from vitp.cli.plan import run
+
+    base = ["--gpus", "1", "--device", "h100", "--top", "1", "--ac", "0", "--micro", "8", "experiment=smoke"]
+    plain = run(base)
+    assert capsys.readouterr().err == ""
+    unset = run([*base, "model.text_dim=64"])
+    err = capsys.readouterr().err
+    assert err.startswith("vitp-plan: note: model.text_dim=64 but model.text_len=0: this plan counts no caption tokens")
+    assert err.count("\n") == 1 and "model.text_len=77 for CLIP, 512 for T5 / umT5" in err, err
+    with_len = run([*base, "model.text_dim=64", "model.text_len=77"])
+    assert capsys.readouterr().err == ""
+    act = [r["memory_bytes"]["activations"] for r in (plain, unset, with_len) for r in r[:1]]
+    assert act[0] <= act[1] < act[2]  # the caption tokens are counted only with text_len
+
+
+def test_vitp_plan_json_with_show_plan_is_one_json_document(capsys):
+    """``--json --show-plan N`` printed the plan text after the JSON (``json.load``: Extra data); the
+    text is now the document's ``show_plan`` field, the same as the table's mode prints."""
+    from vitp.cli.plan import parse_args, run
+
+    argv = ["--gpus", "4", "--device", "h100", "--top", "3", "--ac", "0", "--micro", "2", "--show-plan", "1",
+            "experiment=smoke", "parallel.tp=2"]
+    run(argv)
+    text = "parallel plan at " + capsys.readouterr().out.split("parallel plan at ")[1]
+    run(["--json", *argv])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["show_plan"] == text.rstrip("\n") and doc["show_plan"].startswith("parallel plan at tp=2 ")
+    run(["--json", *argv[:10], *argv[12:]])  # no --show-plan: no field
+    assert "show_plan" not in json.loads(capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert 'with --json, the same text is the JSON\'s "show_plan" field' in " ".join(capsys.readouterr().out.split())
+
+
+def test_vitp_plan_help_and_docs_say_what_show_plan_costs(capsys):
+    """``--show-plan`` at tp or cp > 1 builds the model on torch's meta device (torch and timm
+    imports, about 4-5 s on a plan of about 1 s): the help and the docs' timings say so."""
+    from pathlib import Path
+
+    from vitp.cli.plan import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "At tp or cp > 1 it builds the model on torch's meta device: the torch and timm imports add about 4-5 s" \
+        in help_text
+    docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "planner-and-telemetry.md").read_text().split())
+    assert "`--show-plan ROW` at a row with tp or cp > 1 does import torch and timm" in docs
+    assert "it builds the model on torch's meta device: the torch and timm imports add about 4-5 s" in docs
+
+
+def test_vitp_plan_on_cpu_shows_the_memory_each_rank_gets(monkeypatch, capsys):
+    """On ``--device cpu`` the memory is the machine's, shared by the ranks: the header showed the
+    machine's 23.5 GiB beside rows whose limit was 11.75 GiB per rank. It says both now; the help,
+    the docs and parallel.auto_memory_gib's comment say what the number means on CPU."""
+    from pathlib import Path
+
+    import vitp.plan.devices as devices
+    from vitp.cli.plan import parse_args, run
+
+    monkeypatch.setattr(devices, "cpu_profile", lambda **kw: replace(devices.default_cpu_profile(), memory_gib=23.5))
+    rows = run(["--gpus", "2", "--device", "cpu", "--top", "1", "experiment=smoke"])
+    assert "; 2 x cpu (23.5 GiB shared: 11.8 GiB per rank, 1024/node); " in capsys.readouterr().out
+    assert rows[0]["limit_gib"] == 11.75
+    rows = run(["--gpus", "2", "--device", "cpu", "--top", "1", "--mem-gib", "11.76", "experiment=smoke"])
+    assert "; 2 x cpu (11.8 GiB shared: 5.88 GiB per rank, 1024/node); " in capsys.readouterr().out
+    assert rows[0]["limit_gib"] == 5.88
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "on --device cpu the machine's memory (default: its RAM), split among the --gpus ranks on it" in help_text
+    root = Path(__file__).resolve().parents[2]
+    docs = " ".join((root / "docs" / "planner-and-telemetry.md").read_text().split())
+    assert "on `--device cpu` it is the machine's memory (default: its RAM), split among the `--gpus` ranks" in docs
+    assert "`parallel.auto_memory_gib` on CPU: the machine's memory, split among the ranks on it" in docs
+    assert "on CPU the machine's memory, split among its ranks" in (root / "vitp" / "config.py").read_text()

@@ -11,7 +11,10 @@ attention exchanges and the gathered prediction), PP and DP (sizes with three
 significant digits in B, KiB, MiB, GiB or TiB: :func:`vitp.plan.format_bytes`), the predicted step
 time, tokens/s and MFU, and whether it fits; fitting layouts first, fastest first
 (:mod:`vitp.plan`). Each row's ``vitp-train`` overrides are in the JSON output (``--json``).
-``--show-plan ROW`` prints what the parallel plan does at a row's layout (:func:`plan_text`).
+``--show-plan ROW`` prints what the parallel plan does at a row's layout (:func:`plan_text`; with
+``--json`` it is the document's ``show_plan`` field, so stdout stays one JSON document). A text model
+(``model.text_dim``) without ``model.text_len`` is planned without caption tokens, with a note on stderr.
+On ``--device cpu``, ``--mem-gib`` is the machine's memory, split among the ``--gpus`` ranks on it.
 A latent run (``data.vae`` or ``data.latent_channels``, docs/latents.md) also prints its latent and
 pixel shapes, tokens per sample and the VAE decoder's memory (JSON: ``latents``;
 :func:`vitp.plan.latent_plan`); ``data.latent_channels`` / ``data.vae_compression`` left at 0 / [1, 1]
@@ -44,15 +47,22 @@ def _ints(lowest: int, example: str):
     return parse
 
 
-def _positive(kind):
-    """Parser of a number > 0 of ``kind`` (int or float)."""
+MAX_MEM_GIB = 2.0**20  # --mem-gib's upper bound: 1 PiB, far above any device's or machine's memory
+
+
+def _positive(kind, most: float = float("inf"), unit: str = ""):
+    """Parser of a number > 0 of ``kind``: a whole number (``int``: ``8.5`` and ``1e3`` are refused)
+    or a finite ``float`` at most ``most`` (``unit``: how the refusal names the bound)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             value = 0
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"{text!r}: use a finite number > 0")
+        if kind is int and not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: use a whole number > 0, e.g. 8")
+        if not 0 < value <= most or value == float("inf"):
+            rule = f"> 0 and at most {most:.0f}{unit}" if most < float("inf") else "> 0"
+            raise argparse.ArgumentTypeError(f"{text!r}: use a finite number {rule}")
         return value
     return parse
 
@@ -61,17 +71,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="vitp-plan", description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=_positive(int), default=8, help="devices (processes) in the job (default 8)")
     p.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu (measured here, cached)")
-    p.add_argument("--mem-gib", type=_positive(float), default=None, help="memory per device in GiB (default: the profile's)")
+    p.add_argument("--mem-gib", type=_positive(float, MAX_MEM_GIB, " (1 PiB)"), default=None,
+                   help="memory per device in GiB (default: the profile's), above 0, at most 1048576 (1 PiB); on "
+                        "--device cpu the machine's memory (default: its RAM), split among the --gpus ranks on it")
     p.add_argument("--gpus-per-node", type=_positive(int), default=None, help="devices per node (default: the profile's, 8)")
     p.add_argument("--ac", type=_ints(0, "0,1"), default=[0, 1], help="activation checkpoint intervals to try (default 0,1)")
     p.add_argument("--micro", type=_ints(1, "1,2,4"), default=None, help="micro-batch sizes to try, e.g. 1,2,4 (default: all)")
     p.add_argument("--adaln-replicated", action="store_true",
                    help="model the adaLN modulation replicated on every TP rank (older vitp); default: sharded, as trained")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table (one document on stdout)")
     p.add_argument("--show-plan", type=int, nargs="?", const=1, default=None, metavar="ROW",
                    help="also print the parallel plan of the table's row ROW (default 1): per stage, the rows "
-                        "applied, the parameters sharded / with partial gradients, the TP and CP collectives of a micro-batch")
+                        "applied, the parameters sharded / with partial gradients, the TP and CP collectives of a "
+                        "micro-batch; with --json, the same text is the JSON's \"show_plan\" field. At tp or cp > 1 "
+                        "it builds the model on torch's meta device: the torch and timm imports add about 4-5 s")
     p.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. experiment=img256 model.depth=24")
     return p.parse_intermixed_args(argv)
 
@@ -87,6 +101,7 @@ def _count(n: float) -> str:
 def _header(cfg, args, prof, preds) -> str:
     from vitp.plan import GIB, ModelShape, format_bytes, layer_params
     from vitp.plan.lora import lora_params, lora_plan_of
+    from vitp.plan.planner import rank_limit_bytes
 
     shape = ModelShape.from_config(cfg.model)
     params = sum(sum(layer.values()) for layer in layer_params(cfg.model))
@@ -94,10 +109,12 @@ def _header(cfg, args, prof, preds) -> str:
     lora = lora_plan_of(cfg)
     tuned = (f"; LoRA rank {lora.rank} on {list(lora.targets)}, base frozen ({cfg.trainer.precision}), "
              f"{_count(lora_params(cfg.model, lora.targets, lora.rank))} adapter parameters" if lora else "")
+    mem = format_bytes(prof.memory_gib * GIB)
+    if prof.kind == "cpu":  # one machine's memory, split among the ranks on it (vitp.plan.rank_limit_bytes)
+        mem += f" shared: {format_bytes(rank_limit_bytes(prof, args.gpus))} per rank"
     return (f"model: {_count(params)} parameters, {shape.tokens} tokens/sample, depth {shape.depth}, width "
             f"{shape.width}; global batch {cfg.trainer.global_batch_size}; {args.gpus} x {prof.name} "
-            f"({format_bytes(prof.memory_gib * GIB)}, {prof.devices_per_node}/node){tuned}; {len(preds)} valid "
-            f"layouts{_fixed_text(args)}, {fits} fit")
+            f"({mem}, {prof.devices_per_node}/node){tuned}; {len(preds)} valid layouts{_fixed_text(args)}, {fits} fit")
 
 
 def _fixed_text(args) -> str:
@@ -204,6 +221,7 @@ def _run(args: argparse.Namespace) -> list:
     from vitp.plan.shapes import ResolvedModel
 
     cfg = with_vae_geometry(compose_checked(args.overrides))
+    _note_text_len(cfg)
     # cpu: measured once (gloo among at most vitp.plan.devices.LINK_PROCS_MAX processes), said on stderr
     cpu_kw = {"procs": args.gpus, "notify": _say} if args.device.lower() == "cpu" else {}
     prof = get_profile(args.device, args.mem_gib, **cpu_kw)
@@ -220,13 +238,16 @@ def _run(args: argparse.Namespace) -> list:
         raise ValueError(f"no valid layout of this config on {args.gpus} devices{fixed} (check heads, MLP hidden units, "
                          "depth and trainer.global_batch_size against the device count)")
     shown = preds[:args.top] if args.top else preds
+    if args.show_plan is not None and args.show_plan > len(shown):
+        raise ValueError(f"--show-plan {args.show_plan}: the table has rows 1 to {len(shown)}")
     model = ResolvedModel.of(cfg.model)
     rows = [{**p.as_dict(), "overrides": p.layout.overrides(),
              "phases": [c.as_dict() for c in _phases(cfg, p, prof, model)]} for p in shown]
     lat = latent_plan(cfg)
-    if args.json:
+    shown_plan = None if args.show_plan is None else plan_text(cfg, shown[args.show_plan - 1].layout)
+    if args.json:  # one JSON document on stdout: the shown plan is a field of it, not text after it
         print(json.dumps({"device": prof.as_dict(), "world": args.gpus, "latents": lat and lat.as_dict(),
-                          "layouts": rows}, indent=1))
+                          "layouts": rows, **({"show_plan": shown_plan} if shown_plan else {})}, indent=1))
     else:
         print(_header(cfg, args, prof, preds))
         if lat is not None:
@@ -234,13 +255,25 @@ def _run(args: argparse.Namespace) -> list:
         print(format_table(shown))
         print(f"sampling and evaluation of row 1 (per rank; held-out loss for 1000 held-out items):\n"
               f"{format_phases(_phases(cfg, shown[0], prof, model), shown[0].limit_bytes)}")
-    if args.show_plan is not None:
-        if not 1 <= args.show_plan <= len(shown):
-            raise ValueError(f"--show-plan {args.show_plan}: the table has rows 1 to {len(shown)}")
-        print(plan_text(cfg, shown[args.show_plan - 1].layout))
+        if shown_plan:
+            print(shown_plan)
     if not any(p.fits for p in preds):  # the table shows why; the exit status says it to scripts
         raise ValueError(_nothing_fits(args, prof, preds))
     return rows
+
+
+def _note_text_len(cfg) -> None:
+    """A note on stderr for a text-conditional model (``model.text_dim`` > 0) with ``model.text_len``
+    0: the plan then counts no caption tokens (cross-attention keys / values, the embeddings), though
+    training takes the length from the caption store (``vitp.train.trainer``). Not a refusal: the
+    same overrides train."""
+    m = cfg.model
+    if not m.get("text_dim") or m.get("text_len"):
+        return
+    print(f"vitp-plan: note: model.text_dim={m.text_dim} but model.text_len=0: this plan counts no caption "
+          "tokens (vitp-train takes their number from the caption store); add model.text_len=<the encoder's tokens per "
+          "caption>, e.g. model.text_len=77 for CLIP, 512 for T5 / umT5 at their full length (120: "
+          "vitp-encode-captions' default for T5)", file=sys.stderr, flush=True)
 
 
 def _nothing_fits(args: argparse.Namespace, prof, preds) -> str:
