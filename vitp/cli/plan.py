@@ -110,7 +110,7 @@ def _header(cfg, args, prof, preds) -> str:
     tuned = (f"; LoRA rank {lora.rank} on {list(lora.targets)}, base frozen ({cfg.trainer.precision}), "
              f"{_count(lora_params(cfg.model, lora.targets, lora.rank))} adapter parameters" if lora else "")
     mem = format_bytes(prof.memory_gib * GIB)
-    if prof.kind == "cpu":  # one machine's memory, split among the ranks on it (vitp.plan.rank_limit_bytes)
+    if prof.kind == "cpu":  # one machine's memory, split among the ranks on it (vitp.plan.planner.rank_limit_bytes)
         mem += f" shared: {format_bytes(rank_limit_bytes(prof, args.gpus))} per rank"
     return (f"model: {_count(params)} parameters, {shape.tokens} tokens/sample, depth {shape.depth}, width "
             f"{shape.width}; global batch {cfg.trainer.global_batch_size}; {args.gpus} x {prof.name} "
