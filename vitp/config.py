@@ -342,6 +342,11 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+# the most memory per device a plan accepts (GiB): 1 PiB, far above any device, finite in bytes
+# (parallel.auto_memory_gib here; vitp-plan --mem-gib has the same bound)
+MAX_DEVICE_MEMORY_GIB = 2**20
+
+
 def span(lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: bool = False, hi_open: bool = False,
          real: bool = False, null: str = "", note: str = "") -> Rule:
     """A :class:`Rule` for a finite number (``real``) or an integer in ``[lo, hi]`` (an end is
@@ -479,7 +484,8 @@ FIELD_RULES: Dict[str, Rule] = {
     "parallel.zero_stage": span(0, 1, note="pipelines support ZeRO stage 0 or 1"),
     "parallel.activation_checkpoint_interval": span(0, note="0 = off"),
     "parallel.auto_device": one_of("h100", "h200", "a100", "cpu", null="detect from the device"),
-    "parallel.auto_memory_gib": span(0, lo_open=True, real=True, null="the device's"),
+    "parallel.auto_memory_gib": span(0, MAX_DEVICE_MEMORY_GIB, lo_open=True, real=True, null="the device's",
+                                     note=f"GiB per device; {MAX_DEVICE_MEMORY_GIB} GiB = 1 PiB"),
     "parallel.partial_sync": span(0, 1, real=True, note="1 = exact TP"),
     "parallel.partial_sync_scale": one_of("sqrt_tp", "none"),
     "optim.lr": span(0, real=True, note="0 = the weights stay as loaded: a check of the load and export path"),
@@ -901,6 +907,16 @@ def _check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution")
                      f"{format_resolution(hw)}: {divisors(math.gcd(H, W))}")
 
 
+def _size_key(m: Any) -> str:
+    """The key the model's input size was set by: ``data.resolution`` while ``model.image_size``
+    follows it (the schema's interpolation), else ``model.image_size`` (set itself, e.g. by
+    ``vitp-sample RUN model.image_size=...``, or a model built from keyword arguments)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    follows = isinstance(m, DictConfig) and "image_size" in m and OmegaConf.is_interpolation(m, "image_size")
+    return "data.resolution" if follows else "model.image_size"
+
+
 def validate_model(m: "DictConfig") -> None:
     """Each ``model.*`` field's range (:func:`check_fields`), then the divisibility rules of the
     generator (with the data-derived sizes).
@@ -914,7 +930,7 @@ def validate_model(m: "DictConfig") -> None:
         step = 4 * heads // math.gcd(4, heads)
         raise ValueError(f"model.width={D} is not divisible by model.num_heads={heads}; valid num_heads: {valid}, "
                          f"or a width that is a multiple of {step} (e.g. model.width={max(step, round(D / step) * step)})")
-    _check_patch_grid(parse_resolution(m.image_size), m.patch_size)
+    _check_patch_grid(parse_resolution(m.image_size), m.patch_size, _size_key(m))
     T, t = m.num_frames, m.tubelet_size
     near = ", ".join(map(str, sorted({max(t, T // t * t), -(-T // t) * t})))
     _fail(T % t == 0, f"num_frames {T} is not divisible by model.tubelet_size={t}; nearest valid frame counts: "

@@ -176,7 +176,13 @@ def test_vitp_sample_refuses_an_out_among_a_runs_or_a_models_files_even_with_for
     (["model.depth=3"], "model.depth: vitp-sample can change sampler.*, model.image_size, model.num_frames, "
                         "data.resolution, data.num_frames, trainer.device"),
     (["model.num_frames=4"], "model.num_frames=4: this is an image model (1 frame)"),
-    (["model.image_size=10x7"], "nearest valid sizes: 10x6, 10x8"),
+    (["model.image_size=10x7"], "resolution 10x7 (model.image_size) is not divisible by model.patch_size=2: height "
+                                "and width must both be multiples of it; nearest valid sizes: 10x6, 10x8"),
+    # the key the user gave (it blamed data.resolution for model.image_size=7)
+    (["model.image_size=7"], "resolution 7 (model.image_size) is not divisible by model.patch_size=2; nearest valid "
+                             "sizes: 6, 8"),
+    (["data.resolution=7"], "resolution 7 (data.resolution) is not divisible by model.patch_size=2; nearest valid "
+                            "sizes: 6, 8"),
     (["--classes", "x"], "--classes x: class labels are integers"),
     (["--num", "0"], "--num 0: use a positive number of samples per class"),
 ])

@@ -38,7 +38,12 @@ def test_auto_takes_the_planners_first_row_and_its_overrides_reproduce_it(ranked
     assert layout_of(again, 4) == choice.best.layout
     line = choice.summary()
     assert "tp=1 cp=1 pp=2 dp=2 sp=off ac=0 micro=4 x 1 per step, first of 100 valid layouts (100 fit)" in line
-    assert f"predicted {format_bytes(choice.best.peak.total)} peak per rank" in line
+    # what each prediction counts, so that no one reads the run's process RSS, first steps or
+    # perf/mfu as a mismatch with it
+    assert (f"predicted per rank: {format_bytes(choice.best.peak.total)} peak of parameters, gradients, optimizer "
+            f"state and activations (not the process's RSS), {choice.best.time['step_s']:.4g} s/step of compute and "
+            f"communication (no data loading or warm-up), MFU {choice.best.mfu:.2g} at that step time; ") in line
+    assert "\n" not in line
     assert line.endswith("reproduce with: " + " ".join(choice.best.layout.overrides()))
     assert choose_layout(cfg, 4, CPU).as_dict() == choice.as_dict()  # deterministic
 
@@ -59,6 +64,32 @@ def test_fixed_keys_constrain_the_search(ranked):
         choose_layout(compose_cfg([*S8, "parallel.tp=3"]), 4, CPU, fixed=["parallel.tp"])
     with pytest.raises(ValueError, match="cannot fix"):
         choose_layout(cfg, 4, CPU, fixed=["model.depth"])
+
+
+def test_no_layout_names_the_fixed_value_the_rule_it_fails_and_the_fix():
+    """parallel.pp=4 on one process once said only "check heads, MLP hidden units, depth ...": the
+    refusal names each fixed value, the rule it fails and how to fix it."""
+    def refusal(over, world):
+        with pytest.raises(ValueError) as e:
+            choose_layout(compose_cfg(over), world, CPU, fixed=fixed_keys(over))
+        return str(e.value)
+
+    msg = refusal(["experiment=smoke", "parallel=auto", "parallel.pp=4"], 1)  # model.depth 2
+    assert msg.startswith("parallel.auto: no valid layout of this config on 1 device with parallel.pp=4: ")
+    assert ("parallel.pp=4 needs at least 4 processes and this run has 1: launch 4 processes or a multiple (e.g. "
+            "torchrun --nproc_per_node 4 -m vitp.train ...; docs/launching.md), or drop parallel.pp=4") in msg
+    assert "model.depth=2 < parallel.pp=4" in msg and "use parallel.pp <= 2" in msg and "check heads" not in msg
+    assert "parallel.tp=8 does not divide model.num_heads=4; valid tp degrees" in refusal([*S8, "parallel.tp=8"], 8)
+    msg = refusal([*S8, "parallel.tp=2", "parallel.pp=3"], 8)
+    assert "parallel.tp=2 x parallel.pp=3 = 6 does not divide the 8 processes: launch 6 processes" in msg
+    assert "drop parallel.tp=2 parallel.pp=3" in msg
+    assert ("trainer.micro_batch_size=3 x dp divides trainer.global_batch_size=8 for no data-parallel degree of this "
+            "run (dp in [1, 2, 4]): use trainer.micro_batch_size in [1, 2, 4, 8]") in refusal(
+        [*S8, "trainer.micro_batch_size=3"], 4)
+    msg = refusal([*S8, "parallel.sequence_parallel=true"], 1)
+    assert "with parallel.sequence_parallel=true: parallel.sequence_parallel=true splits tokens over tensor" in msg
+    assert "launch more processes (tp > 1), or drop parallel.sequence_parallel=true" in msg
+    assert "64 tokens (grid 1x8x8) do not split over parallel.cp=3" in refusal([*S8, "parallel.cp=3"], 3)
 
 
 def test_fixed_keys_from_the_command_line():
@@ -122,6 +153,19 @@ def test_profile_override_and_recorded_layout(tmp_path):
     saved.parallel.auto = False  # a folder of a run without parallel=auto records nothing to reuse
     (tmp_path / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(saved))
     assert recorded_layout(tmp_path) is None
+
+
+@pytest.mark.parametrize("value", ["1e300", "inf", "2e6", "0", "-1"])
+def test_auto_memory_gib_outside_0_to_1_pib_is_refused_by_config_validation(value):
+    """An absurd memory per device is refused with the key and the range, before any planning
+    (1e300 GiB once reached format_bytes(inf) and named no key)."""
+    from vitp.config import MAX_DEVICE_MEMORY_GIB, validate_config
+
+    with pytest.raises(ValueError, match=r"^parallel.auto_memory_gib=.*: must be a number in \(0, 1048576\] "
+                                         r"\(GiB per device; 1048576 GiB = 1 PiB\), or null"):
+        validate_config(compose_cfg([*S8, f"parallel.auto_memory_gib={value}"]))
+    assert MAX_DEVICE_MEMORY_GIB * 2**30 == 2**50  # 1 PiB
+    validate_config(compose_cfg([*S8, f"parallel.auto_memory_gib={MAX_DEVICE_MEMORY_GIB}"]))
 
 
 def test_auto_picks_context_parallelism_when_nothing_else_fits():
