@@ -561,7 +561,15 @@ def test_vitp_plan_keeps_the_layout_keys_the_overrides_fix(capsys):
     assert [r for r in every if r["tp"] == 2 and r["micro"] == 2] == fixed
     with pytest.raises(SystemExit) as e:
         main(["--gpus", "4", "--device", "h100", "experiment=smoke", "parallel.tp=3"])
-    assert e.value.code == 2 and "no valid layout of this config on 4 devices with parallel.tp=3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no valid layout of this config on 4 devices with parallel.tp=3" in err
+    # the refusal names each fixed value, the rule it fails and the fix, in vitp-plan's terms
+    assert ("parallel.tp=3 does not divide the 4 devices: plan 3 devices or a multiple (--gpus 3), or drop "
+            "parallel.tp=3") in err and "parallel.tp=3 does not divide model.num_heads=2" in err, err
+    assert "torchrun" not in err
+    with pytest.raises(SystemExit) as e:
+        main(["--gpus", "8", "--device", "h100", "experiment=smoke", "parallel.pp=8"])
+    assert "model.depth=2 < parallel.pp=8" in capsys.readouterr().err
     # --micro filters as a fixed key does, and is named the same way (a user's --micro 3 was not)
     with pytest.raises(SystemExit) as e:
         main(["--gpus", "4", "--device", "h100", "--micro", "3", "experiment=smoke", "parallel.tp=2"])

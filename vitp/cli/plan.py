@@ -32,6 +32,7 @@ from dataclasses import replace
 from typing import List, Optional
 
 from vitp.cli import run_cli
+from vitp.config import MAX_DEVICE_MEMORY_GIB
 
 
 def _ints(lowest: int, example: str):
@@ -47,7 +48,7 @@ def _ints(lowest: int, example: str):
     return parse
 
 
-MAX_MEM_GIB = 2.0**20  # --mem-gib's upper bound: 1 PiB, far above any device's or machine's memory
+MAX_MEM_GIB = float(MAX_DEVICE_MEMORY_GIB)  # --mem-gib's upper bound (1 PiB), as parallel.auto_memory_gib's
 
 
 def _positive(kind, most: float = float("inf"), unit: str = ""):
@@ -216,7 +217,7 @@ def _run(args: argparse.Namespace) -> list:
 
     from vitp.cli.overrides import compose_checked
     from vitp.plan import MemoryOptions, format_phases, format_table, get_profile, latent_plan, with_vae_geometry
-    from vitp.plan.auto import fixed_keys, plan_fixed
+    from vitp.plan.auto import fixed_keys, plan_fixed, why_no_layout
     from vitp.plan.lora import lora_plan_of
     from vitp.plan.shapes import ResolvedModel
 
@@ -235,8 +236,9 @@ def _run(args: argparse.Namespace) -> list:
         flags += [f"--ac {','.join(map(str, args.ac))}"] if args.ac != [0, 1] else []
         named = [f"{k}={v}" for k, v in want.items()] + flags
         fixed = f" with {' '.join(named)} (drop those to list every layout)" if named else ""
-        raise ValueError(f"no valid layout of this config on {args.gpus} devices{fixed} (check heads, MLP hidden units, "
-                         "depth and trainer.global_batch_size against the device count)")
+        why = why_no_layout(cfg, args.gpus, want, prof.kind, planner=True)
+        raise ValueError(f"no valid layout of this config on {args.gpus} devices{fixed}: " + ("; ".join(why) if why else
+                         "check heads, MLP hidden units, depth and trainer.global_batch_size against the device count"))
     shown = preds[:args.top] if args.top else preds
     if args.show_plan is not None and args.show_plan > len(shown):
         raise ValueError(f"--show-plan {args.show_plan}: the table has rows 1 to {len(shown)}")

@@ -119,18 +119,24 @@ def _splits(world_size: int, want: Dict[str, Any]) -> List[Dict[str, int]]:
     return out
 
 
-def _degree_problem(want: Dict[str, Any], world_size: int) -> Optional[str]:
-    """Why the fixed tp, cp and pp (of ``want``) cannot split ``world_size`` processes, or ``None``."""
+def _degree_problem(want: Dict[str, Any], world_size: int, planner: bool = False) -> Optional[str]:
+    """Why the fixed tp, cp and pp (of ``want``) cannot split ``world_size`` processes, or ``None``
+    (``planner``: said of ``vitp-plan --gpus``, not of a launch)."""
     keys = [k for k in _DEGREES if k in want]
     total = math.prod(int(want[k]) for k in keys)
     if world_size % total == 0:
         return None
     named = " x ".join(f"{k}={want[k]}" for k in keys) + (f" = {total}" if len(keys) > 1 else "")
-    fix = (f"launch {total} processes or a multiple (e.g. torchrun --nproc_per_node {total} -m vitp.train ...; "
-           f"docs/launching.md), or {_drop(want, keys)}")
+    if planner:
+        fix = f"plan {total} devices or a multiple (--gpus {total}), or drop {_fixed_text(want, keys)}"
+        has = f"--gpus is {world_size}"
+    else:
+        fix = (f"launch {total} processes or a multiple (e.g. torchrun --nproc_per_node {total} -m vitp.train ...; "
+               f"docs/launching.md), or {_drop(want, keys)}")
+        has = f"this run has {world_size}"
     if total > world_size:
-        return f"{named} needs at least {total} processes and this run has {world_size}: {fix}"
-    return f"{named} does not divide the {world_size} processes: {fix}"
+        return f"{named} needs at least {total} {'devices' if planner else 'processes'} and {has}: {fix}"
+    return f"{named} does not divide the {world_size} {'devices' if planner else 'processes'}: {fix}"
 
 
 def _model_problems(cfg: Any, want: Dict[str, Any]) -> List[str]:
@@ -201,13 +207,15 @@ def _layout_errors(cfg: Any, world_size: int, want: Dict[str, Any], device_type:
     return out
 
 
-def why_no_layout(cfg: Any, world_size: int, want: Dict[str, Any], device_type: str = "cpu") -> List[str]:
+def why_no_layout(cfg: Any, world_size: int, want: Dict[str, Any], device_type: str = "cpu",
+                  planner: bool = False) -> List[str]:
     """Why no layout of ``cfg`` on ``world_size`` devices keeps the fixed values ``want`` (``{key:
     value}`` of :data:`AUTO_KEYS`): each fixed value and the rule it fails, with the fix (the
     degrees against the process count; tp, pp and cp against the model; sequence parallelism
     without tp; the micro-batch size against the global batch), else the refusals of the layouts
-    that keep them (at most 3). Empty when none is found."""
-    degrees = _degree_problem(want, world_size)
+    that keep them (at most 3). Empty when none is found. ``planner``: the fixes name ``vitp-plan
+    --gpus`` instead of a launcher."""
+    degrees = _degree_problem(want, world_size, planner)
     out = ([degrees] if degrees else []) + _model_problems(cfg, want)
     out += [] if degrees else _split_problems(cfg, world_size, want)
     return out or _layout_errors(cfg, world_size, want, device_type)[:3]
