@@ -28,6 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from vitp.parallel import distributed as dist
 from vitp.utils import RankZeroError, load_run_yaml
 
+from .preflight import with_text_len
+
 log = logging.getLogger("vitp")
 
 
@@ -103,11 +105,13 @@ def _decide(cfg: DictConfig, run_dir: Path, device: torch.device, world: int, fi
     return {"source": "planned", "values": choice.values(), "summary": choice.summary(), "choice": choice.as_dict()}
 
 
-def apply_auto_layout(cfg: DictConfig, run_dir: Path, device: torch.device, overrides: Optional[list] = None
-                      ) -> Dict[str, Any]:
+def apply_auto_layout(cfg: DictConfig, run_dir: Path, device: torch.device, overrides: Optional[list] = None,
+                      text_len: int = 0) -> Dict[str, Any]:
     """Choose the layout of a ``parallel.auto`` run and write it into ``cfg`` (collective: starts
     the process group; rank 0 decides, every rank gets its decision). Keys of
     :data:`vitp.plan.AUTO_KEYS` named in ``overrides`` (the Hydra command line) stay fixed.
+    ``text_len``: the caption store's tokens per caption, planned when ``model.text_len`` is unset
+    (:func:`vitp.train.preflight.with_text_len`).
 
     Returns ``{"source": "planned" | "recorded" | "replanned" (the world size changed since the
     latest checkpoint), "values": {key: value}, "summary": the log line,
@@ -121,7 +125,8 @@ def apply_auto_layout(cfg: DictConfig, run_dir: Path, device: torch.device, over
     decision: Dict[str, Any] = {}
     if dist.is_main():
         try:
-            decision = _decide(cfg, Path(run_dir), device, dist.world_size(), fixed_keys(overrides or []))
+            decision = _decide(with_text_len(cfg, text_len), Path(run_dir), device, dist.world_size(),
+                               fixed_keys(overrides or []))
         except Exception as e:  # every rank must hear of it, or the others wait in the broadcast
             dist.broadcast_object({"error": str(e), "bad_input": isinstance(e, ValueError)})
             raise

@@ -209,6 +209,17 @@ def log_phase_times(heldout_items: int) -> None:
     _PHASES.clear()
 
 
+def with_text_len(cfg: Any, text_len: int) -> Any:
+    """``cfg`` with ``model.text_len=text_len`` (the caption store's tokens per caption) when the
+    model is text-conditional and its ``model.text_len`` is unset (0), so the planner counts the
+    caption tokens (a copy; the run config stays as given); else ``cfg`` itself."""
+    if not text_len or not cfg.model.text_dim or cfg.model.text_len:
+        return cfg
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(cfg, {"model": {"text_len": int(text_len)}})
+
+
 def preflight(cfg: Any, device: torch.device) -> Optional[str]:
     """The start-up check of the module doc, on every rank (collective once the process group
     exists: rank 0 decides, every rank gets its verdict). Logs the slow-step warning on rank 0 and

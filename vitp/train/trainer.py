@@ -41,7 +41,7 @@ from .autolayout import apply_auto_layout  # noqa: E402
 from .checkpointer import Checkpointer  # noqa: E402
 from .ema import EMA  # noqa: E402
 from .logger import RunLogger, binned_loss, log_stages, quiet_third_party  # noqa: E402
-from .preflight import log_phase_times, preflight  # noqa: E402
+from .preflight import log_phase_times, preflight, with_text_len  # noqa: E402
 from .rundir import check_same_config, hold_log_files, lock_run_dir, release_log_files, resume_command  # noqa: E402
 from .stop import StopSignal  # noqa: E402
 from .telemetry import Telemetry  # noqa: E402
@@ -231,11 +231,12 @@ class Trainer:
         check_same_config(cfg)  # every node's launcher was given the same overrides
         absolute_paths(cfg)  # as recorded: the run resumes, evaluates and samples from any folder
         self.auto = None  # parallel=auto: the planner's choice, written into cfg (.autolayout)
+        text_len = self.text_store.max_length if self.text_store is not None else 0  # the planner counts captions
         if cfg.parallel.auto:
-            self.auto = apply_auto_layout(cfg, self.run_dir, self.device, overrides)
+            self.auto = apply_auto_layout(cfg, self.run_dir, self.device, overrides, text_len=text_len)
             _warn_without_effect(cfg)
             self.layout = validate_config(cfg, dist.world_size(), self.device.type)
-        preflight(cfg, self.device)  # the planner's memory and step time for this layout (.preflight)
+        preflight(with_text_len(cfg, text_len), self.device)  # the planner's memory and step time (.preflight)
         self.main = dist.is_main()  # rank 0 writes everything
         self._build_data()
         log_phase_times(self._heldout_items())  # rank 0: the planner's phase times over the real held-out set
@@ -361,11 +362,7 @@ class Trainer:
         """``cfg`` with ``model.text_len`` from the caption store when unset (0), so the model FLOPs
         of the telemetry count the cross-attention over the caption tokens (a copy; the run config
         stays as given)."""
-        if not self.conditioning.text or cfg.model.text_len:
-            return cfg
-        from omegaconf import OmegaConf
-
-        return OmegaConf.merge(cfg, {"model": {"text_len": self.conditioning.store.max_length}})
+        return with_text_len(cfg, self.conditioning.store.max_length if self.conditioning.text else 0)
 
     def _on_main_first(self, fn) -> None:
         """Run ``fn`` on rank 0 while the others wait; a failure there is raised on every rank."""
