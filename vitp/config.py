@@ -890,7 +890,7 @@ def validate_text_run(cfg: "DictConfig") -> None:
                                                  if d.name == "shards" else ""))
 
 
-def _check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution") -> None:
+def check_patch_grid(hw: Tuple[int, int], p: int, key: str = "data.resolution") -> None:
     """Raise ``ValueError`` unless both sides of ``hw`` divide by the patch size ``p``, naming the
     nearest valid sizes and the patch sizes this size allows."""
     H, W = hw
@@ -930,7 +930,7 @@ def validate_model(m: "DictConfig") -> None:
         step = 4 * heads // math.gcd(4, heads)
         raise ValueError(f"model.width={D} is not divisible by model.num_heads={heads}; valid num_heads: {valid}, "
                          f"or a width that is a multiple of {step} (e.g. model.width={max(step, round(D / step) * step)})")
-    _check_patch_grid(parse_resolution(m.image_size), m.patch_size, _size_key(m))
+    check_patch_grid(parse_resolution(m.image_size), m.patch_size, _size_key(m))
     T, t = m.num_frames, m.tubelet_size
     near = ", ".join(map(str, sorted({max(t, T // t * t), -(-T // t) * t})))
     _fail(T % t == 0, f"num_frames {T} is not divisible by model.tubelet_size={t}; nearest valid frame counts: "
@@ -959,7 +959,7 @@ def validate_buckets(cfg: "DictConfig") -> None:
             _fail(not OmegaConf.is_missing(b, name), f"{key} has no {name}; each bucket needs resolution and "
                                                      f"batch_size, e.g. {BucketConfig.EXAMPLE}")
         hw = parse_resolution(b.resolution, f"{key}.resolution")
-        _check_patch_grid(hw, m.patch_size, f"{key}.resolution")
+        check_patch_grid(hw, m.patch_size, f"{key}.resolution")
         frames = m.num_frames if b.frames is None else b.frames
         _fail(b.frames is None or m.num_frames > 1 or b.frames == 1,
               f"{key}.frames={b.frames}: this is an image run (data.num_frames=1); leave frames out")

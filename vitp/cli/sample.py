@@ -34,7 +34,7 @@ from vitp.checkpoint.export import file_partial_sync
 from vitp.checkpoint.outputs import check_sample_out
 from vitp.cli import run_cli
 from vitp.cli.overrides import apply_overrides, flag_overrides, override_key, typed_config
-from vitp.config import parse_resolution, schema_default, validate_config
+from vitp.config import check_patch_grid, input_frames, input_size, parse_resolution, validate_config
 from vitp.eval import class_grid_labels, generate
 from vitp.latents.config import check_decoder
 from vitp.eval.launch import (LAYOUT_KEYS, build_sharded, check_layout_overrides, choose_layout, finish, launched,
@@ -158,10 +158,14 @@ def sample_settings(path: Path, overrides: List[str], num: Optional[int] = None)
         cfg.sampler.samples_per_class = num
     cfg = apply_overrides(cfg, overrides, "vitp-sample", allowed=SAMPLE_KEYS)
     given = {override_key(o) for o in overrides}
-    for data_key, model_key in (("data.resolution", "model.image_size"), ("data.num_frames", "model.num_frames")):
-        if data_key in given and model_key not in given:  # the model follows the data, as in training (a latent
-            # run samples latents of the pixel size), and a refusal names the key given: data.resolution
-            OmegaConf.update(cfg, model_key, schema_default(model_key), merge=False)
+    comp = list(cfg.data.get("vae_compression") or [1, 1])  # a latent run samples latents of the pixel size
+    for data_key, model_key, to_model in (("data.resolution", "model.image_size", lambda v: input_size(v, comp)),
+                                          ("data.num_frames", "model.num_frames", lambda v: input_frames(v, comp))):
+        if data_key in given and model_key not in given:  # the model follows the data, as in training
+            value = to_model(OmegaConf.select(cfg, data_key))
+            if model_key == "model.image_size":  # a refusal names the key given (data.resolution), not the model's
+                check_patch_grid(parse_resolution(value), cfg.model.patch_size, data_key)
+            OmegaConf.update(cfg, model_key, value)
     frames = cfg.model.num_frames
     if frames != saved.model.num_frames and saved.model.num_frames == 1:
         raise ValueError(f"model.num_frames={frames}: this is an image model (1 frame); leave the frames out")
