@@ -28,7 +28,7 @@ family) is built on the meta device as before. ``VITP_PLAN_FACTS=meta`` builds e
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from vitp.config import mlp_hidden_units
 from vitp.parallel.styles import (
@@ -55,10 +55,15 @@ BLOCK_REST = ("attn", "cross_attn", "mlp", "adaLN_modulation")
 EXACT, ALL = ("tp", "sp"), ("tp", "sp", "partial")
 
 
+def meta_only() -> bool:
+    """Whether ``VITP_PLAN_FACTS=meta`` asks for every fact off the meta-device model (and DeepSpeed)."""
+    return os.environ.get("VITP_PLAN_FACTS", "") == "meta"
+
+
 def covers(model: Dict[str, Any]) -> bool:
     """Whether the facts of ``model`` (a plain config dict) come from here: vitp's generator,
-    unless ``VITP_PLAN_FACTS=meta``."""
-    return str(model.get("family", "vit")) == "vit" and os.environ.get("VITP_PLAN_FACTS", "") != "meta"
+    unless :func:`meta_only`."""
+    return str(model.get("family", "vit")) == "vit" and not meta_only()
 
 
 # --- parameters -------------------------------------------------------------------------------------
@@ -94,7 +99,8 @@ def _block(m: Dict[str, Any]) -> Params:
         out += [("ls1.gamma", D), ("ls2.gamma", D)]
     if int(m.get("text_dim") or 0):
         out += _linear("cross_attn.q", D, D, bias) + _linear("cross_attn.kv", D, 2 * D, bias)
-        out += _norm("cross_attn.q_norm", hd, qk) + _norm("cross_attn.k_norm", hd, qk) + _linear("cross_attn.proj", D, D)
+        out += _norm("cross_attn.q_norm", hd, qk) + _norm("cross_attn.k_norm", hd, qk)
+        out += _linear("cross_attn.proj", D, D)
     return out + _linear("adaLN_modulation.1", D, 6 * D)
 
 
@@ -155,48 +161,51 @@ def _none(params, mode):
     return {}
 
 
-# (layer kind, submodule path, style, modes, axis, roles(params under the path, mode), sizes(m, kind) or None)
+def _out(n: Callable[[Dict[str, Any]], int]):
+    return lambda m, kind: [("out", n(m))]
+
+
+_WIDTH = _out(lambda m: int(m["width"]))
+
+
+def _kind(m, kind):  # ContextParallelAttention: the block's token groups
+    return [("kind", kind)]
+
+
+# (layer kind, submodule path, style, modes, axis, roles(params under the path, mode),
+# sizes(model, attention kind) or None)
 ROWS: Tuple[tuple, ...] = (
     ("embed", "", ContextEnter(output=0), ALL, "cp", _none, None),
     ("embed", "", SequenceEnter(output=0), ("sp",), "tp", _none, None),
     ("embed", "", TPRegionEnter(output=1, tag="cond"), ALL, "tp", _none, None),
     ("embed", "", TPRegionEnter(output=2, tag="text", caption=True), ALL, "tp", _none, None),
-    ("embed", "x_embedder", PartialGradient("tp_partial_grad"), ("partial",), "tp", _partial_of("tp_partial_grad"), None),
-    ("block", "attn", HeadParallelAttention(), EXACT, "tp", _attn, "width"),
-    ("block", "attn", HeadParallelAttention(partial=True), ("partial",), "tp", _attn, "width"),
-    ("block", "cross_attn", HeadParallelCrossAttention(), EXACT, "tp", _cross, "width"),
-    ("block", "cross_attn", HeadParallelCrossAttention(partial=True), ("partial",), "tp", _cross, "width"),
-    ("block", "mlp", HiddenParallelMlp(), EXACT, "tp", _mlp, "width"),
-    ("block", "mlp", HiddenParallelMlp(partial=True), ("partial",), "tp", _mlp, "width"),
+    ("embed", "x_embedder", PartialGradient("tp_partial_grad"), ("partial",), "tp", _partial_of("tp_partial_grad"),
+     None),
+    ("block", "attn", HeadParallelAttention(), EXACT, "tp", _attn, _WIDTH),
+    ("block", "attn", HeadParallelAttention(partial=True), ("partial",), "tp", _attn, _WIDTH),
+    ("block", "cross_attn", HeadParallelCrossAttention(), EXACT, "tp", _cross, _WIDTH),
+    ("block", "cross_attn", HeadParallelCrossAttention(partial=True), ("partial",), "tp", _cross, _WIDTH),
+    ("block", "mlp", HiddenParallelMlp(), EXACT, "tp", _mlp, _WIDTH),
+    ("block", "mlp", HiddenParallelMlp(partial=True), ("partial",), "tp", _mlp, _WIDTH),
     ("block", "adaLN_modulation.1", GatheredColumnParallel(partial_output_grad=False), ("tp",), "tp", _all_sharded,
-     "6width"),
+     _out(lambda m: 6 * int(m["width"]))),
     ("block", "adaLN_modulation.1", GatheredColumnParallel(partial_output_grad=True), ("sp", "partial"), "tp",
-     _all_sharded, "6width"),
+     _all_sharded, _out(lambda m: 6 * int(m["width"]))),
     ("block", "", PartialGradient("sequence_parallel", skip=BLOCK_REST), ("sp",), "tp",
      _partial_of("sequence_parallel", BLOCK_REST), None),
     ("block", "", PartialGradient("tp_partial_grad", skip=BLOCK_REST), ("partial",), "tp",
      _partial_of("tp_partial_grad", BLOCK_REST), None),
     ("final", "", SequenceExit(input=0), ("sp",), "tp", _none, None),
     ("final", "adaLN_modulation.1", GatheredColumnParallel(partial_output_grad=False), EXACT, "tp", _all_sharded,
-     "2width"),
+     _out(lambda m: 2 * int(m["width"]))),
     ("final", "adaLN_modulation.1", GatheredColumnParallel(partial_output_grad=True), ("partial",), "tp",
-     _all_sharded, "2width"),
+     _all_sharded, _out(lambda m: 2 * int(m["width"]))),
     ("final", "linear", PartialGradient("tp_partial_grad"), ("partial",), "tp", _partial_of("tp_partial_grad"), None),
     ("final", "", MeanOverTP(tag="head"), ("partial",), "tp", _none, None),
-    ("block", "", ContextParallelAttention(), ALL, "cp", _none, "kind"),
-    ("final", "linear", ContextExit(), ALL, "cp", _none, "patch"),
+    ("block", "", ContextParallelAttention(), ALL, "cp", _none, _kind),
+    ("final", "linear", ContextExit(), ALL, "cp", _none,
+     _out(lambda m: int(m["tubelet_size"]) * int(m["patch_size"]) ** 2 * int(m["in_channels"]))),
 )
-
-
-def _sizes(what: Optional[str], m: Dict[str, Any], kind: str) -> List[Tuple[str, Any]]:
-    if what is None:
-        return []
-    if what == "kind":  # ContextParallelAttention: the block's token groups
-        return [("kind", kind)]
-    D = int(m["width"])
-    out = {"width": D, "6width": 6 * D, "2width": 2 * D,
-           "patch": int(m["tubelet_size"]) * int(m["patch_size"]) ** 2 * int(m["in_channels"])}[what]
-    return [("out", out)]
 
 
 def _layers(m: Dict[str, Any], first: int, end: Optional[int]) -> List[Tuple[str, str, str, Params]]:
@@ -230,14 +239,14 @@ def report_record(m: Dict[str, Any], first: int, end: Optional[int], mode: str, 
         if mode not in modes or axis not in axes:
             continue
         for lkind, lname, attn_kind, lparams in layers:
-            if lkind != kind or (path and not _sub(lparams, path)):  # a module without parameters is matched
-                continue  # only where the model has it: cross-attention exists in text models only
             sub = _sub(lparams, path) if path else lparams
+            if lkind != kind or (path and not sub):  # a submodule matches only where the model has it
+                continue  # (cross-attention: text models); the plan's submodules all hold parameters
             for n, role in roles(sub, mode).items():
                 params[f"{lname}.{path + '.' if path else ''}{n}"] = role
                 if role.startswith("partial_grad"):
                     elements += dict(sub)[n]
-            sizes = _sizes(what, m, attn_kind)
+            sizes = what(m, attn_kind) if what else []
             key = (row, tuple(sizes))
             groups.setdefault(key, [style_record(style), sizes, 0])[2] += 1
     out = {"plan": "generator", "mode": mode, "axes": list(axes), "partial_grad_elements": elements,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -322,7 +321,7 @@ def stage_layer_ranges(depth: int, pp: int) -> List[Tuple[int, int]]:
     def cut():
         from . import arith
 
-        if os.environ.get("VITP_PLAN_FACTS", "") == "meta":
+        if arith.meta_only():
             from vitp.pipeline import stage_blocks
         else:  # DeepSpeed's partition, computed as DeepSpeed computes it, without importing it (torch)
             stage_blocks = arith.stage_blocks
